@@ -1,0 +1,20 @@
+//! Domain types shared by every berth crate, with no I/O: who a caller is and
+//! how that is spelled in a certificate.
+//!
+//! # The SAN scheme
+//! A berth certificate names exactly one identity in a DNS subject alternative
+//! name under [`TRUST_DOMAIN`]:
+//!
+//! | kind    | SAN                               |
+//! |---------|-----------------------------------|
+//! | node    | `<node-id>.node.berth.internal`   |
+//! | service | `<service>.svc.berth.internal`    |
+//! | admin   | `<name>.admin.berth.internal`     |
+//!
+//! Other SANs (`localhost`, an IP, a public host name) may stand beside it so
+//! that clients can verify the server by the address they dialled; they carry
+//! no identity.
+
+mod identity;
+
+pub use identity::{CallerKind, Identity, IdentityError, TRUST_DOMAIN, is_dns_label};

@@ -1,0 +1,37 @@
+//! PEM decoding shared by the authority and the credential holders.
+
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use sha2::{Digest, Sha256};
+
+use crate::MtlsError;
+
+/// Every certificate in a PEM bundle, in order; an empty bundle is an error.
+pub fn certs_from_pem(what: &'static str, pem: &str) -> Result<Vec<CertificateDer<'static>>, MtlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| MtlsError::Pem { what, detail: e.to_string() })?;
+    if certs.is_empty() {
+        return Err(MtlsError::Pem { what, detail: "no CERTIFICATE block found".into() });
+    }
+    Ok(certs)
+}
+
+/// The first private key in a PEM document (PKCS#8, SEC1 or PKCS#1).
+pub(crate) fn key_from_pem(pem: &str) -> Result<PrivateKeyDer<'static>, MtlsError> {
+    PrivateKeyDer::from_pem_slice(pem.as_bytes())
+        .map_err(|e| MtlsError::Pem { what: "private key", detail: e.to_string() })
+}
+
+/// SHA-256 of a certificate's DER, lowercase hex: how berth names a CA in a
+/// bundle and how an agent pins one.
+pub fn fingerprint(cert: &CertificateDer<'_>) -> String {
+    hex::encode(Sha256::digest(cert.as_ref()))
+}
+
+/// The expiry of a certificate, as seconds since the Unix epoch.
+pub fn cert_not_after(cert: &CertificateDer<'_>) -> Result<i64, MtlsError> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| MtlsError::Pem { what: "certificate", detail: e.to_string() })?;
+    Ok(parsed.validity().not_after.timestamp())
+}

@@ -1,0 +1,198 @@
+//! The access layer: every RPC is admitted only to the caller kinds its
+//! proto declares (`option (berth.auth.v1.access)`), before the handler runs.
+//!
+//! # Rules
+//! - `grpc.health.v1.Health` admits anyone, certificate or not, so probes
+//!   and load balancers can ask.
+//! - A berth RPC admits the kinds in its declaration. A caller with no
+//!   certificate gets `UNAUTHENTICATED`; a caller of another kind gets
+//!   `PERMISSION_DENIED` naming who it is and who may call.
+//! - Anything else (reflection, an unknown path) admits any caller with a
+//!   verified certificate; tonic answers `UNIMPLEMENTED` for unknown paths.
+//! - Node RPCs additionally act only on the caller's own node id; the
+//!   handler checks that with [`require_own_node`], since the id lives in
+//!   the request body.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use berth_core::{CallerKind, Identity};
+use tonic::Status;
+
+use crate::listener::PeerInfo;
+
+const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
+
+/// Which caller kinds each RPC path admits.
+#[derive(Clone, Copy)]
+pub struct AccessPolicy {
+    lookup: fn(&str) -> Option<&'static [CallerKind]>,
+}
+
+impl std::fmt::Debug for AccessPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AccessPolicy").finish_non_exhaustive()
+    }
+}
+
+impl Default for AccessPolicy {
+    fn default() -> Self {
+        Self::berth()
+    }
+}
+
+impl AccessPolicy {
+    /// The declarations of the berth API.
+    pub fn berth() -> Self {
+        Self { lookup: berth_proto::access::allowed }
+    }
+
+    /// A policy from a lookup function, for services outside the berth API
+    /// (tests, mostly).
+    pub fn from_fn(lookup: fn(&str) -> Option<&'static [CallerKind]>) -> Self {
+        Self { lookup }
+    }
+
+    /// Decides whether `identity` may call `path`.
+    pub fn check(&self, path: &str, identity: Option<&Identity>) -> Result<(), Status> {
+        if path.starts_with(HEALTH_PREFIX) {
+            return Ok(());
+        }
+        let kind = identity.map_or(CallerKind::Anonymous, Identity::kind);
+        match (self.lookup)(path) {
+            Some(allowed) if allowed.contains(&kind) => Ok(()),
+            Some(allowed) => match identity {
+                None => Err(Status::unauthenticated(format!(
+                    "{path} needs a client certificate signed by the berth CA (allowed: {})",
+                    list(allowed)
+                ))),
+                Some(id) => {
+                    Err(Status::permission_denied(format!("{id} may not call {path} (allowed: {})", list(allowed))))
+                }
+            },
+            None if identity.is_some() => Ok(()),
+            None => Err(Status::unauthenticated(format!("{path} needs a client certificate signed by the berth CA"))),
+        }
+    }
+}
+
+fn list(kinds: &[CallerKind]) -> String {
+    kinds.iter().map(|k| k.as_str()).collect::<Vec<_>>().join(", ")
+}
+
+/// Tower layer applying an [`AccessPolicy`] to every request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AccessLayer {
+    policy: AccessPolicy,
+}
+
+impl AccessLayer {
+    /// A layer enforcing `policy`.
+    pub fn new(policy: AccessPolicy) -> Self {
+        Self { policy }
+    }
+}
+
+impl<S> tower_layer::Layer<S> for AccessLayer {
+    type Service = Access<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Access { inner, policy: self.policy }
+    }
+}
+
+/// The service [`AccessLayer`] produces.
+#[derive(Debug, Clone)]
+pub struct Access<S> {
+    inner: S,
+    policy: AccessPolicy,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, B, ResBody> tower_service::Service<http::Request<B>> for Access<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<ResBody>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let identity = req.extensions().get::<PeerInfo>().and_then(|p| p.identity.as_ref());
+        match self.policy.check(req.uri().path(), identity) {
+            Ok(()) => Box::pin(self.inner.call(req)),
+            Err(status) => {
+                tracing::info!(path = req.uri().path(), code = ?status.code(), message = status.message(), "call refused");
+                Box::pin(std::future::ready(Ok(status.into_http())))
+            }
+        }
+    }
+}
+
+/// The verified identity of the caller of `req`; `UNAUTHENTICATED` when it
+/// presented no certificate.
+pub fn caller<T>(req: &tonic::Request<T>) -> Result<&Identity, Status> {
+    req.extensions()
+        .get::<PeerInfo>()
+        .and_then(|p| p.identity.as_ref())
+        .ok_or_else(|| Status::unauthenticated("this call needs a client certificate signed by the berth CA"))
+}
+
+/// Checks that the caller is the node `node_id` names, and returns it.
+pub fn require_own_node<'a, T>(req: &'a tonic::Request<T>, node_id: &str) -> Result<&'a str, Status> {
+    let id = caller(req)?;
+    match id.node_id() {
+        Some(own) if own == node_id => Ok(own),
+        Some(own) => {
+            Err(Status::permission_denied(format!("node '{own}' may act only on its own node id, not '{node_id}'")))
+        }
+        None => Err(Status::permission_denied(format!("{id} is not a node"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(path: &str) -> Option<&'static [CallerKind]> {
+        match path {
+            "/t.A/AdminOnly" => Some(&[CallerKind::Admin]),
+            "/t.A/Open" => Some(&[CallerKind::Anonymous, CallerKind::Node]),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn decisions_follow_the_declared_kinds() {
+        let p = AccessPolicy::from_fn(table);
+        let admin = Identity::admin("ops").unwrap();
+        let node = Identity::node("n1").unwrap();
+        assert!(p.check("/t.A/AdminOnly", Some(&admin)).is_ok());
+        assert_eq!(p.check("/t.A/AdminOnly", Some(&node)).unwrap_err().code(), tonic::Code::PermissionDenied);
+        assert_eq!(p.check("/t.A/AdminOnly", None).unwrap_err().code(), tonic::Code::Unauthenticated);
+        assert!(p.check("/t.A/Open", None).is_ok());
+        assert!(p.check("/grpc.health.v1.Health/Check", None).is_ok());
+        assert!(p.check("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", Some(&node)).is_ok());
+        assert_eq!(
+            p.check("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", None).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+    }
+
+    #[test]
+    fn denial_names_the_caller_and_the_allowed_kinds() {
+        let p = AccessPolicy::from_fn(table);
+        let node = Identity::node("n1").unwrap();
+        let msg = p.check("/t.A/AdminOnly", Some(&node)).unwrap_err().message().to_string();
+        assert!(msg.contains("node 'n1'") && msg.contains("allowed: admin"), "{msg}");
+    }
+}

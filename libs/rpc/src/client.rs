@@ -1,0 +1,110 @@
+//! The mTLS client side: a tonic channel whose connections are made by a
+//! connector that reads the client configuration from [`TlsCredentials`] on
+//! every new connection, so a renewed certificate is presented from the
+//! next reconnect on.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use berth_mtls::TlsCredentials;
+use hyper_util::rt::TokioIo;
+use rustls::ClientConfig;
+use rustls_pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use tonic::transport::{Endpoint, Uri};
+
+/// How long dialling a peer may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often an idle connection is pinged.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+
+/// A channel to a berth server, traced on every call.
+pub type Channel = berth_telemetry::ClientTraceService<tonic::transport::Channel>;
+
+/// Why a channel could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The address is not `host:port` or `https://host:port`.
+    #[error("invalid server address '{addr}': {reason}")]
+    Address {
+        /// What was given.
+        addr: String,
+        /// Why it is not usable.
+        reason: String,
+    },
+    /// The CA bundle could not be loaded.
+    #[error(transparent)]
+    Tls(#[from] berth_mtls::MtlsError),
+}
+
+/// A channel to `addr` presenting `credentials`; it connects on first use and
+/// reconnects by itself.
+pub fn connect(addr: &str, credentials: TlsCredentials) -> Result<Channel, ClientError> {
+    channel(addr, TlsConnector { config: ConfigSource::Credentials(credentials) })
+}
+
+/// A channel to `addr` that presents no certificate and verifies the server
+/// against `ca_bundle_pem`: what a host uses to join.
+pub fn connect_anonymous(addr: &str, ca_bundle_pem: &str) -> Result<Channel, ClientError> {
+    let config = berth_mtls::anonymous_client_config(ca_bundle_pem)?;
+    channel(addr, TlsConnector { config: ConfigSource::Fixed(config) })
+}
+
+fn channel(addr: &str, connector: TlsConnector) -> Result<Channel, ClientError> {
+    let uri = if addr.contains("://") { addr.to_string() } else { format!("https://{addr}") };
+    let bad = |reason: String| ClientError::Address { addr: addr.to_string(), reason };
+    let endpoint = Endpoint::from_shared(uri)
+        .map_err(|e| bad(e.to_string()))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_while_idle(true);
+    let host = endpoint.uri().host().unwrap_or_default();
+    if host.is_empty() || endpoint.uri().port_u16().is_none() {
+        return Err(bad("expected host:port".into()));
+    }
+    Ok(tower_layer::Layer::layer(&berth_telemetry::ClientTraceLayer, endpoint.connect_with_connector_lazy(connector)))
+}
+
+#[derive(Clone)]
+enum ConfigSource {
+    Credentials(TlsCredentials),
+    Fixed(Arc<ClientConfig>),
+}
+
+#[derive(Clone)]
+struct TlsConnector {
+    config: ConfigSource,
+}
+
+impl tower_service::Service<Uri> for TlsConnector {
+    type Response = TokioIo<TlsStream<TcpStream>>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let config = match &self.config {
+            ConfigSource::Credentials(c) => c.client_config(),
+            ConfigSource::Fixed(c) => c.clone(),
+        };
+        Box::pin(async move {
+            let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_string());
+            let host = uri.host().ok_or_else(|| invalid("server address has no host"))?;
+            let port = uri.port_u16().ok_or_else(|| invalid("server address has no port"))?;
+            let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+            let name = ServerName::try_from(host.clone()).map_err(|_| invalid("server host is not a valid name"))?;
+            let tcp = TcpStream::connect((host.as_str(), port)).await?;
+            let _ = tcp.set_nodelay(true);
+            let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
+            Ok(TokioIo::new(tls))
+        })
+    }
+}

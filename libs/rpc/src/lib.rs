@@ -1,0 +1,21 @@
+//! The gRPC plumbing every berth process shares: an mTLS listener whose
+//! credentials can be swapped live, the access layer that admits each RPC
+//! only to the caller kinds its proto declares, health and reflection, the
+//! server bootstrap with graceful shutdown, and the mTLS client connector.
+//!
+//! # Expected flow
+//! A service binds a [`Listener`], adds its tonic services to a
+//! [`ServerBuilder`], and awaits [`ServerBuilder::serve`] with a
+//! `CancellationToken` that [`shutdown_signal`] cancels on SIGTERM or Ctrl-C.
+//! Handlers read the caller with [`caller`] and, for node RPCs,
+//! [`require_own_node`].
+
+mod access;
+mod client;
+mod listener;
+mod server;
+
+pub use access::{AccessLayer, AccessPolicy, caller, require_own_node};
+pub use client::{Channel, ClientError, connect, connect_anonymous};
+pub use listener::{Listener, PeerInfo};
+pub use server::{MAX_REQUEST_BYTES, RpcError, ServerBuilder, ServingHealth, shutdown_signal};

@@ -1,0 +1,152 @@
+//! The mTLS listener: accepts TCP, runs each TLS handshake in its own task
+//! with a deadline, and hands tonic only connections that finished it, each
+//! tagged with the identity its certificate names.
+//!
+//! # Invariants
+//! - The server configuration is read from the [`TlsCredentials`] on every
+//!   handshake, so a reloaded certificate or trust bundle is in force for the
+//!   next connection without restarting the listener.
+//! - A slow or silent client costs one task until [`HANDSHAKE_TIMEOUT`], and
+//!   never delays other clients' handshakes.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use berth_core::Identity;
+use berth_mtls::{TlsCredentials, identity_from_cert};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::server::Connected;
+
+/// How long a client has to finish the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Finished handshakes waiting for tonic to pick them up.
+const ACCEPT_BACKLOG: usize = 256;
+
+/// Who is on the other end of a connection; tonic puts it in every
+/// request's extensions.
+#[derive(Debug, Clone)]
+pub struct PeerInfo {
+    /// The peer's address.
+    pub remote_addr: SocketAddr,
+    /// The berth identity its verified certificate names; `None` when it
+    /// presented no certificate.
+    pub identity: Option<Identity>,
+}
+
+/// A bound TCP socket and the credentials its handshakes use.
+#[derive(Debug)]
+pub struct Listener {
+    tcp: TcpListener,
+    credentials: TlsCredentials,
+}
+
+impl Listener {
+    /// Binds `addr` (port 0 picks a free port).
+    pub async fn bind(addr: SocketAddr, credentials: TlsCredentials) -> io::Result<Self> {
+        let tcp = TcpListener::bind(addr).await?;
+        Ok(Self { tcp, credentials })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.tcp.local_addr()
+    }
+
+    /// Starts accepting; the stream ends when `stop` is cancelled.
+    pub(crate) fn incoming(self, stop: CancellationToken) -> ReceiverStream<io::Result<MtlsStream>> {
+        let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = stop.cancelled() => break,
+                    accepted = self.tcp.accept() => accepted,
+                };
+                let (tcp, remote_addr) = match accepted {
+                    Ok(conn) => conn,
+                    Err(error) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(%error, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = tcp.set_nodelay(true);
+                let acceptor = tokio_rustls::TlsAcceptor::from(self.credentials.server_config());
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => {
+                            let identity = tls
+                                .get_ref()
+                                .1
+                                .peer_certificates()
+                                .and_then(|certs| certs.first())
+                                .and_then(identity_from_cert);
+                            let info = PeerInfo { remote_addr, identity };
+                            let _ = tx.send(Ok(MtlsStream { tls, info })).await;
+                        }
+                        Ok(Err(error)) => tracing::debug!(%remote_addr, %error, "tls handshake refused"),
+                        Err(_) => tracing::debug!(%remote_addr, "tls handshake timed out"),
+                    }
+                });
+            }
+        });
+        ReceiverStream::new(rx)
+    }
+}
+
+/// A connection that finished its handshake.
+#[derive(Debug)]
+pub(crate) struct MtlsStream {
+    tls: TlsStream<TcpStream>,
+    info: PeerInfo,
+}
+
+impl Connected for MtlsStream {
+    type ConnectInfo = PeerInfo;
+
+    fn connect_info(&self) -> PeerInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for MtlsStream {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tls).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for MtlsStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.tls).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tls).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.tls).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.tls).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tls.is_write_vectored()
+    }
+}

@@ -1,0 +1,216 @@
+//! The server bootstrap every berth service uses: its tonic services behind
+//! the access layer, plus `grpc.health.v1` and reflection (v1 and v1alpha),
+//! on an mTLS [`Listener`], until shutdown.
+//!
+//! # Shutdown
+//! When the token is cancelled the health service turns `NOT_SERVING`, the
+//! listener stops accepting, and in-flight calls get [`DRAIN_TIMEOUT`] to
+//! finish; long-lived streams should watch the same token and end.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tonic::server::NamedService;
+use tonic::service::RoutesBuilder;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::access::{AccessLayer, AccessPolicy};
+use crate::listener::Listener;
+
+/// The largest request message a berth server decodes; services pass it to
+/// each generated server's `max_decoding_message_size`.
+pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
+
+/// How long in-flight calls may run on after shutdown begins.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often an idle HTTP/2 connection is pinged, so dead peers are noticed.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+
+/// Why a server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RpcError {
+    /// The reflection service could not read the descriptor sets.
+    #[error("reflection setup failed: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    /// The transport failed.
+    #[error("grpc server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// The health of every service one server serves, flipped together.
+#[derive(Clone)]
+pub struct ServingHealth {
+    reporter: HealthReporter,
+    services: Vec<&'static str>,
+}
+
+impl std::fmt::Debug for ServingHealth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServingHealth").field("services", &self.services).finish()
+    }
+}
+
+impl ServingHealth {
+    /// Reports every service, and the server as a whole (`""`), as serving or not.
+    pub async fn set(&self, serving: bool) {
+        let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+        self.reporter.set_service_status("", status).await;
+        for name in &self.services {
+            self.reporter.set_service_status(*name, status).await;
+        }
+    }
+}
+
+/// Collects a process's gRPC services, then serves them.
+pub struct ServerBuilder {
+    routes: RoutesBuilder,
+    services: Vec<&'static str>,
+    policy: AccessPolicy,
+    reporter: HealthReporter,
+    health_service: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
+}
+
+impl std::fmt::Debug for ServerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerBuilder").field("services", &self.services).finish()
+    }
+}
+
+impl Default for ServerBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ServerBuilder {
+    /// An empty server enforcing the berth access policy.
+    pub fn new() -> Self {
+        let reporter = HealthReporter::new();
+        let health_service = tonic_health::pb::health_server::HealthServer::new(
+            tonic_health::server::HealthService::from_health_reporter(reporter.clone()),
+        );
+        Self {
+            routes: RoutesBuilder::default(),
+            services: Vec::new(),
+            policy: AccessPolicy::berth(),
+            reporter,
+            health_service,
+        }
+    }
+
+    /// Replaces the access policy (for servers outside the berth API).
+    pub fn with_policy(mut self, policy: AccessPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Adds a tonic service; it is listed by reflection and reported by health.
+    pub fn add_service<S>(mut self, svc: S) -> Self
+    where
+        S: tower_service::Service<
+                http::Request<tonic::body::Body>,
+                Response = http::Response<tonic::body::Body>,
+                Error = Infallible,
+            > + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        self.services.push(S::NAME);
+        self.routes.add_service(svc);
+        self
+    }
+
+    /// The health handle, to report `NOT_SERVING` while a dependency is down.
+    pub fn health(&self) -> ServingHealth {
+        ServingHealth { reporter: self.reporter.clone(), services: self.services.clone() }
+    }
+
+    /// Reflection listing exactly the services this server serves.
+    fn reflection(&self) -> tonic_reflection::server::Builder<'static> {
+        let mut reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(berth_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name("grpc.health.v1.Health")
+            .with_service_name("grpc.reflection.v1.ServerReflection")
+            .with_service_name("grpc.reflection.v1alpha.ServerReflection");
+        for name in &self.services {
+            reflection = reflection.with_service_name(*name);
+        }
+        reflection
+    }
+
+    /// Serves on `listener` until `shutdown` is cancelled, then drains.
+    pub async fn serve(self, listener: Listener, shutdown: CancellationToken) -> Result<(), RpcError> {
+        let health = self.health();
+        health.set(true).await;
+
+        // grpcurl 1.8 speaks only v1alpha; newer clients prefer v1.
+        let v1 = self.reflection().build_v1()?;
+        let v1alpha = self.reflection().build_v1alpha()?;
+
+        let mut routes = self.routes;
+        routes.add_service(self.health_service).add_service(v1).add_service(v1alpha);
+
+        let stop_accepting = shutdown.child_token();
+        let incoming = listener.incoming(stop_accepting);
+        let router = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .layer(berth_telemetry::ServerTraceLayer)
+            .layer(AccessLayer::new(self.policy))
+            .add_routes(routes.routes());
+
+        let drained = shutdown.clone();
+        let serve = router.serve_with_incoming_shutdown(incoming, async move {
+            drained.cancelled().await;
+            health.set(false).await;
+        });
+        tokio::pin!(serve);
+        tokio::select! {
+            result = &mut serve => Ok(result?),
+            _ = async {
+                shutdown.cancelled().await;
+                tokio::time::sleep(DRAIN_TIMEOUT).await;
+            } => {
+                tracing::warn!(timeout = ?DRAIN_TIMEOUT, "calls still in flight after the drain timeout; closing");
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A token cancelled on SIGTERM or Ctrl-C.
+pub fn shutdown_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let fire = token.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot listen for SIGTERM; only Ctrl-C stops this process");
+                    let _ = ctrl_c.await;
+                    fire.cancel();
+                    return;
+                }
+            };
+            tokio::select! {
+                _ = ctrl_c => tracing::info!("interrupted; shutting down"),
+                _ = term.recv() => tracing::info!("terminated; shutting down"),
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = ctrl_c.await;
+        }
+        fire.cancel();
+    });
+    token
+}

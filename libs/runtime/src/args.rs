@@ -1,0 +1,55 @@
+//! Flags shared by the service binaries, each with a `BERTH_*` environment
+//! fallback.
+
+use std::path::PathBuf;
+
+use berth_mtls::{TlsCredentials, TlsMaterial};
+
+use crate::StartError;
+
+/// The certificate a process serves and dials with, and the CA bundle it trusts.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TlsArgs {
+    /// PEM certificate chain of this process (leaf first).
+    #[arg(long, env = "BERTH_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: PathBuf,
+    /// PEM private key of this process.
+    #[arg(long, env = "BERTH_TLS_KEY", value_name = "FILE")]
+    pub tls_key: PathBuf,
+    /// PEM bundle of the CAs whose certificates this process accepts.
+    #[arg(long, env = "BERTH_CA_FILE", value_name = "FILE")]
+    pub ca_file: PathBuf,
+}
+
+impl TlsArgs {
+    /// Loads the three files into live credentials.
+    pub fn load(&self) -> Result<TlsCredentials, StartError> {
+        let material =
+            TlsMaterial::from_files(&self.tls_cert, &self.tls_key, &self.ca_file).map_err(StartError::Tls)?;
+        TlsCredentials::new(material).map_err(StartError::Tls)
+    }
+}
+
+/// Where a control-plane service keeps its state.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StateArgs {
+    /// `postgres://user@host:5432/db` (production; the service uses its own
+    /// schema) or `sqlite://PATH` (a single replica).
+    #[arg(long, env = "BERTH_DATABASE_URL", value_name = "URL")]
+    pub database_url: String,
+    /// `redis://host:6379` for the shared bus, or `memory://` for an
+    /// in-process one (a single replica only).
+    #[arg(long, env = "BERTH_REDIS_URL", value_name = "URL", default_value = "memory://")]
+    pub redis_url: String,
+}
+
+/// Logging and tracing.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TelemetryArgs {
+    /// Log format on stderr: `text` or `json`.
+    #[arg(long, env = "BERTH_LOG_FORMAT", value_name = "FORMAT", default_value = "text")]
+    pub log_format: String,
+    /// OTLP/gRPC collector to export traces to; unset, traces are not exported.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+}

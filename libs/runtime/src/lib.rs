@@ -1,0 +1,15 @@
+//! What every berth binary does before and around serving: the shared flags
+//! (listen address, certificates, database, bus, telemetry), the crypto
+//! provider, the tokio runtime, telemetry, opening the store and the bus,
+//! watching certificate files for renewal, and turning a startup failure into
+//! one clear line and a non-zero exit.
+
+mod args;
+mod reload;
+mod service;
+mod startup;
+
+pub use args::{StateArgs, TelemetryArgs, TlsArgs};
+pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};
+pub use service::{ServiceContext, ServiceSpec, bind, run_service};
+pub use startup::{StartError, open_bus, open_store, run_main};

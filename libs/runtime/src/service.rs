@@ -1,0 +1,87 @@
+//! Running one control-plane service: everything between parsed flags and
+//! a serving mTLS listener. `berth dev` uses the same steps with its own
+//! credentials and embedded state.
+
+use std::net::SocketAddr;
+
+use berth_bus::Bus;
+use berth_mtls::TlsCredentials;
+use berth_rpc::{Listener, ServerBuilder};
+use berth_store::{Migration, Store};
+use tokio_util::sync::CancellationToken;
+
+use crate::reload::{CERT_POLL_INTERVAL, watch_cert_files};
+use crate::{StartError, StateArgs, TlsArgs, open_bus, open_store};
+
+/// What a control-plane service declares about itself.
+#[derive(Debug, Clone, Copy)]
+pub struct ServiceSpec {
+    /// Its name: the Postgres schema, the bus key prefix and the `svc` SAN.
+    pub name: &'static str,
+    /// Its schema migrations, oldest first.
+    pub migrations: &'static [Migration],
+    /// Builds its gRPC services over its state.
+    pub build: fn(&ServiceContext) -> ServerBuilder,
+}
+
+/// The state a service's handlers share.
+#[derive(Debug, Clone)]
+pub struct ServiceContext {
+    /// Its own schema.
+    pub store: Store,
+    /// Its own key prefix on the bus.
+    pub bus: Bus,
+    /// The credentials it serves and dials with.
+    pub credentials: TlsCredentials,
+}
+
+impl ServiceSpec {
+    /// Opens the service's store (migrated) and bus.
+    pub async fn open(&self, state: &StateArgs, credentials: TlsCredentials) -> Result<ServiceContext, StartError> {
+        let store = open_store(&state.database_url, self.name, self.migrations).await?;
+        let bus = open_bus(&state.redis_url, self.name).await?;
+        Ok(ServiceContext { store, bus, credentials })
+    }
+
+    /// Serves the service on `listener` until `shutdown`.
+    pub async fn serve(
+        &self,
+        ctx: &ServiceContext,
+        listener: Listener,
+        shutdown: CancellationToken,
+    ) -> Result<(), StartError> {
+        let addr = listener.local_addr().ok();
+        let server = (self.build)(ctx);
+        tracing::info!(service = self.name, addr = ?addr, "serving");
+        server.serve(listener, shutdown).await?;
+        tracing::info!(service = self.name, "stopped");
+        Ok(())
+    }
+}
+
+/// Binds `addr` with `credentials`, naming the address on failure.
+pub async fn bind(addr: SocketAddr, credentials: TlsCredentials) -> Result<Listener, StartError> {
+    Listener::bind(addr, credentials).await.map_err(|source| StartError::Bind { addr, source })
+}
+
+/// Runs a service binary: loads the certificate files (and watches them for
+/// renewal), opens the state, binds `listen` and serves until `shutdown`.
+pub async fn run_service(
+    spec: ServiceSpec,
+    listen: SocketAddr,
+    tls: &TlsArgs,
+    state: &StateArgs,
+    shutdown: CancellationToken,
+) -> Result<(), StartError> {
+    let credentials = tls.load()?;
+    let ctx = spec.open(state, credentials.clone()).await?;
+    let listener = bind(listen, credentials.clone()).await?;
+    watch_cert_files(tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
+    spec.serve(&ctx, listener, shutdown).await
+}
+
+impl std::fmt::Display for ServiceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name)
+    }
+}

@@ -1,0 +1,119 @@
+//! The common `main` of every berth binary.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use berth_bus::Bus;
+use berth_store::{Migration, Store};
+
+use crate::TelemetryArgs;
+
+/// Why a process could not start, or stopped with an error. Printed as one
+/// line naming the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Certificates or keys could not be loaded.
+    #[error("tls: {0}")]
+    Tls(#[source] berth_mtls::MtlsError),
+    /// The database could not be opened or migrated.
+    #[error("database: {0}")]
+    Store(#[source] berth_store::StoreError),
+    /// The bus could not be reached.
+    #[error("bus: {0}")]
+    Bus(#[source] berth_bus::BusError),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The gRPC server failed.
+    #[error("{0}")]
+    Serve(#[from] berth_rpc::RpcError),
+    /// Telemetry could not be set up.
+    #[error("telemetry: {0}")]
+    Telemetry(#[source] berth_telemetry::TelemetryError),
+    /// A file or directory of the process's own could not be used.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What the path is for.
+        what: &'static str,
+        /// The path.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Something else the process needs is wrong; the message says what.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Opens the service's store (its own schema) and applies its migrations.
+pub async fn open_store(url: &str, schema: &str, migrations: &[Migration]) -> Result<Store, StartError> {
+    let store = Store::connect(url, schema).await.map_err(StartError::Store)?;
+    store.migrate(migrations).await.map_err(StartError::Store)?;
+    Ok(store)
+}
+
+/// Connects the service's bus under its own key prefix.
+pub async fn open_bus(url: &str, prefix: &str) -> Result<Bus, StartError> {
+    Bus::connect(url, prefix).await.map_err(StartError::Bus)
+}
+
+/// Runs a binary: installs the ring crypto provider, starts the runtime and
+/// telemetry, runs `body`, and turns an error into `<binary>: error: ...`
+/// on stderr and exit code 1.
+pub fn run_main<F, Fut>(binary: &'static str, telemetry: &TelemetryArgs, body: F) -> ExitCode
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Result<(), StartError>>,
+{
+    // A second install only fails when one is already there, which is fine.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(error) => {
+            eprintln!("{binary}: error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let mut config = berth_telemetry::TelemetryConfig::from_env(binary).map_err(StartError::Telemetry)?;
+        config.log_format = telemetry.log_format.parse().map_err(StartError::Telemetry)?;
+        config.otlp_endpoint = telemetry.otlp_endpoint.clone().filter(|e| !e.is_empty());
+        let guard = berth_telemetry::init(&config).map_err(StartError::Telemetry)?;
+        let result = body().await;
+        if let Err(error) = guard.shutdown_async().await {
+            tracing::warn!(%error, "flushing traces at exit failed");
+        }
+        result
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("{binary}: error: {}", chain(&error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its sources on one line, skipping sources whose text the
+/// outer message already includes.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        source = s.source();
+    }
+    line
+}

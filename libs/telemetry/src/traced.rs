@@ -1,0 +1,210 @@
+//! The span of one gRPC call, on either side: how it is named, and the response future and body
+//! that record the call's gRPC status on it and end it.
+//!
+//! # Where the status comes from
+//! A gRPC status travels either in the response head (a trailers-only response, which is how
+//! most errors are sent) or in the trailers after the last message. Both are read, so the span
+//! carries the status the caller saw, for unary and streaming calls alike.
+//!
+//! # When the span ends
+//! The span lives as long as the response body, so a streaming call's span covers the whole
+//! stream rather than only the time to the response head.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll, ready},
+};
+
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+use tracing::Span;
+
+/// The response header or trailer that carries the gRPC status code.
+const GRPC_STATUS: &str = "grpc-status";
+
+/// `UNKNOWN`: what a caller sees when the status is missing its number.
+const GRPC_UNKNOWN: i64 = 2;
+
+/// Which end of the call a span describes; the two ends disagree on which codes are errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RpcSide {
+    /// The span of the handler that answered.
+    Server,
+    /// The span of the caller.
+    Client,
+}
+
+impl RpcSide {
+    /// Whether a finished call with this status marks the span as failed.
+    ///
+    /// Following the OpenTelemetry gRPC conventions: every non-OK code is a client error, but a
+    /// server only failed on codes that say the server itself went wrong (`UNKNOWN`,
+    /// `DEADLINE_EXCEEDED`, `UNIMPLEMENTED`, `INTERNAL`, `UNAVAILABLE`, `DATA_LOSS`); a
+    /// `NOT_FOUND` answered correctly is not a server fault.
+    fn is_error(self, code: i64) -> bool {
+        match self {
+            RpcSide::Client => code != 0,
+            RpcSide::Server => matches!(code, 2 | 4 | 12 | 13 | 14 | 15),
+        }
+    }
+}
+
+/// The parts of a gRPC request path, `/package.Service/Method`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RpcName<'a> {
+    /// `package.Service/Method`, the span name the OpenTelemetry conventions ask for.
+    pub(crate) full: &'a str,
+    /// `package.Service`.
+    pub(crate) service: &'a str,
+    /// `Method`.
+    pub(crate) method: &'a str,
+}
+
+impl<'a> RpcName<'a> {
+    /// Splits a request path; a path that is not `/service/method` keeps all of it as the service
+    /// so the span still says what was asked for.
+    pub(crate) fn from_path(path: &'a str) -> Self {
+        let full = path.strip_prefix('/').unwrap_or(path);
+        let (service, method) = full.split_once('/').unwrap_or((full, ""));
+        Self { full, service, method }
+    }
+}
+
+/// Records a gRPC status found in `headers` on `span`; returns whether one was there.
+fn record_status(span: &Span, side: RpcSide, headers: &HeaderMap) -> bool {
+    let Some(value) = headers.get(GRPC_STATUS) else {
+        return false;
+    };
+    let code = value.to_str().ok().and_then(|text| text.trim().parse::<i64>().ok()).unwrap_or(GRPC_UNKNOWN);
+    span.record("rpc.grpc.status_code", code);
+    if side.is_error(code) {
+        span.record("otel.status_code", "error");
+    }
+    true
+}
+
+/// Marks the span failed when the call broke below gRPC (connection lost, body error).
+fn record_transport_error(span: &Span) {
+    span.record("otel.status_code", "error");
+}
+
+pin_project! {
+    /// The response future of a traced call: runs the inner future inside the call's span and
+    /// hands the span on to the response body.
+    #[derive(Debug)]
+    pub struct TracedResponseFuture<F> {
+        #[pin]
+        inner: F,
+        span: Span,
+        side: RpcSide,
+    }
+}
+
+impl<F> TracedResponseFuture<F> {
+    pub(crate) fn new(inner: F, span: Span, side: RpcSide) -> Self {
+        Self { inner, span, side }
+    }
+}
+
+impl<F, ResBody, E> Future for TracedResponseFuture<F>
+where
+    F: Future<Output = Result<http::Response<ResBody>, E>>,
+{
+    type Output = Result<http::Response<TracedBody<ResBody>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let _entered = this.span.enter();
+        let outcome = ready!(this.inner.poll(cx));
+        Poll::Ready(match outcome {
+            Ok(response) => {
+                let status_seen = record_status(this.span, *this.side, response.headers());
+                Ok(response.map(|inner| TracedBody { inner, span: this.span.clone(), side: *this.side, status_seen }))
+            }
+            Err(error) => {
+                record_transport_error(this.span);
+                Err(error)
+            }
+        })
+    }
+}
+
+pin_project! {
+    /// A response body that keeps its call's span open until the body is done, and records the
+    /// gRPC status from the trailers.
+    #[derive(Debug)]
+    pub struct TracedBody<B> {
+        #[pin]
+        inner: B,
+        span: Span,
+        side: RpcSide,
+        status_seen: bool,
+    }
+}
+
+impl<B: Body> Body for TracedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.project();
+        let _entered = this.span.enter();
+        let frame = ready!(this.inner.poll_frame(cx));
+        if !*this.status_seen {
+            match &frame {
+                Some(Ok(frame)) => {
+                    if let Some(trailers) = frame.trailers_ref() {
+                        *this.status_seen = record_status(this.span, *this.side, trailers);
+                    }
+                }
+                Some(Err(_)) => {
+                    record_transport_error(this.span);
+                    *this.status_seen = true;
+                }
+                None => {}
+            }
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rpc_path_splits_into_service_and_method() {
+        let name = RpcName::from_path("/grpc.health.v1.Health/Check");
+        assert_eq!(name.full, "grpc.health.v1.Health/Check");
+        assert_eq!(name.service, "grpc.health.v1.Health");
+        assert_eq!(name.method, "Check");
+    }
+
+    #[test]
+    fn path_that_is_not_grpc_keeps_what_was_asked_for() {
+        assert_eq!(RpcName::from_path("/"), RpcName { full: "", service: "", method: "" });
+        assert_eq!(
+            RpcName::from_path("/favicon.ico"),
+            RpcName { full: "favicon.ico", service: "favicon.ico", method: "" }
+        );
+    }
+
+    #[test]
+    fn not_found_fails_the_caller_but_not_the_server() {
+        assert!(RpcSide::Client.is_error(5));
+        assert!(!RpcSide::Server.is_error(5));
+        assert!(RpcSide::Server.is_error(13));
+        assert!(!RpcSide::Client.is_error(0));
+        assert!(!RpcSide::Server.is_error(0));
+    }
+}

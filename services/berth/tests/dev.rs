@@ -1,0 +1,230 @@
+//! `berth dev` end to end, driven the way a user drives it: the real binary
+//! on a temp data dir and free ports, and the real grpcurl over mTLS with the
+//! admin certificate it wrote.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const SERVICES: [(u16, &[&str]); 5] = [
+    (
+        0,
+        &[
+            "berth.identity.v1.JoinTokens",
+            "berth.identity.v1.Join",
+            "berth.identity.v1.NodeSession",
+            "berth.identity.v1.Nodes",
+            "berth.identity.v1.Authority",
+        ],
+    ),
+    (1, &["berth.revisions.v1.Services", "berth.revisions.v1.Revisions"]),
+    (2, &["berth.leases.v1.Leases", "berth.leases.v1.Capacity", "berth.leases.v1.NodeLeases"]),
+    (3, &["berth.egress.v1.Egress", "berth.egress.v1.NodeEgress"]),
+    (4, &["berth.agent.v1.Agent"]),
+];
+
+fn grpcurl() -> PathBuf {
+    std::env::var_os("BERTH_GRPCURL").map_or_else(|| PathBuf::from("grpcurl"), PathBuf::from)
+}
+
+/// A port base whose five ports are free right now.
+fn free_port_base() -> u16 {
+    for _ in 0..50 {
+        let probe = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = probe.local_addr().unwrap().port();
+        drop(probe);
+        if base > 65000 {
+            continue;
+        }
+        let all_free = (0..5).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok());
+        if all_free {
+            return base;
+        }
+    }
+    panic!("no five consecutive free ports");
+}
+
+struct Dev {
+    child: Child,
+}
+
+impl Dev {
+    /// Starts `berth dev` and waits for its banner.
+    fn start(dir: &Path, base: u16) -> Dev {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args(["dev", "--data-dir"])
+            .arg(dir)
+            .args(["--port-base", &base.to_string()])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("berth binary runs");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with("berth dev is running") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(60)).expect("berth dev printed its banner");
+        Dev { child }
+    }
+
+    /// SIGTERM, then the exit status.
+    fn stop(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        for _ in 0..300 {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("berth dev did not exit within 15 s of SIGTERM");
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn grpcurl_admin(dir: &Path, addr: &str, args: &[&str]) -> String {
+    let out = Command::new(grpcurl())
+        .arg("-cacert")
+        .arg(dir.join("ca.pem"))
+        .arg("-cert")
+        .arg(dir.join("admin.pem"))
+        .arg("-key")
+        .arg(dir.join("admin-key.pem"))
+        .arg(addr)
+        .args(args)
+        .output()
+        .expect("grpcurl runs (make test installs it; or set BERTH_GRPCURL)");
+    assert!(
+        out.status.success(),
+        "grpcurl {addr} {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn grpcurl_lists_every_service_and_health_serves_and_restart_keeps_the_ca() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let base = free_port_base();
+    let dev = Dev::start(&dir, base);
+
+    for (offset, expected) in SERVICES {
+        let addr = format!("127.0.0.1:{}", base + offset);
+        let listed = grpcurl_admin(&dir, &addr, &["list"]);
+        let names: Vec<&str> = listed.lines().collect();
+        for service in expected.iter().chain(&["grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"]) {
+            assert!(names.contains(service), "{addr} lists {names:?}, missing {service}");
+        }
+        let health = grpcurl_admin(&dir, &addr, &["grpc.health.v1.Health/Check"]);
+        assert!(health.contains("\"SERVING\""), "{addr}: {health}");
+        // A service can be described with no .proto at hand.
+        let described = grpcurl_admin(&dir, &addr, &["describe", expected[0]]);
+        assert!(described.contains("rpc "), "{described}");
+    }
+
+    let ca_before = std::fs::read(dir.join("ca.pem")).unwrap();
+    let admin_before = std::fs::read(dir.join("admin.pem")).unwrap();
+    assert!(dev.stop().success(), "berth dev exits cleanly on SIGTERM");
+
+    let dev = Dev::start(&dir, base);
+    assert_eq!(std::fs::read(dir.join("ca.pem")).unwrap(), ca_before, "restart keeps ca.pem byte for byte");
+    assert_eq!(std::fs::read(dir.join("admin.pem")).unwrap(), admin_before, "a current admin cert is kept");
+    let health = grpcurl_admin(&dir, &format!("127.0.0.1:{base}"), &["grpc.health.v1.Health/Check"]);
+    assert!(health.contains("\"SERVING\""), "{health}");
+    assert!(dev.stop().success());
+}
+
+#[test]
+fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let base = free_port_base();
+    let dev = Dev::start(&dir, base);
+    let run = |method: &str| {
+        Command::new(grpcurl())
+            .arg("-cacert")
+            .arg(dir.join("ca.pem"))
+            .arg("-cert")
+            .arg(dir.join("admin.pem"))
+            .arg("-key")
+            .arg(dir.join("admin-key.pem"))
+            .args(["-d", "{}"])
+            .arg(format!("127.0.0.1:{base}"))
+            .arg(method)
+            .output()
+            .unwrap()
+    };
+    let out = run("berth.identity.v1.NodeSession/Heartbeat");
+    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success());
+    assert!(text.contains("PermissionDenied"), "{text}");
+    assert!(text.contains("admin 'dev'"), "{text}");
+
+    let out = run("berth.identity.v1.JoinTokens/ListJoinTokens");
+    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success());
+    assert!(text.contains("Unimplemented"), "{text}");
+    drop(dev);
+}
+
+fn berth(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_berth")).args(args).output().unwrap()
+}
+
+#[test]
+fn malformed_flag_is_one_clear_error_not_a_panic() {
+    let out = berth(&["dev", "--port-base", "seventy"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--port-base"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    let out = berth(&["dev", "--port-base", "65535"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn unusable_data_dir_is_one_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let dir = file.join("data");
+    let out = berth(&["dev", "--data-dir", dir.to_str().unwrap(), "--port-base", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("berth: error:")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(
+        errors[0].contains("cannot create data directory") && errors[0].contains(dir.to_str().unwrap()),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn port_in_use_is_one_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = free_port_base();
+    let _taken = TcpListener::bind(("127.0.0.1", base + 2)).unwrap();
+    let out = berth(&["dev", "--data-dir", tmp.path().to_str().unwrap(), "--port-base", &base.to_string()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&format!("cannot listen on 127.0.0.1:{}", base + 2)), "{stderr}");
+}
