@@ -41,9 +41,12 @@ pub enum Continuity {
     /// nothing this service needs is there either, so rebuild it.
     Fresh,
     /// The bus still holds what it held at the previous look (or what another
-    /// replica put there, on this handle's first look).
+    /// replica put there, on this handle's first look). A first look cannot tell
+    /// whether that replica's marker followed a loss, so a newly elected owner of
+    /// an index rebuilds it regardless.
     Continuous,
-    /// The bus lost its state since the previous look (restart, FLUSHALL):
+    /// The bus lost its state since the previous look (restart, FLUSHALL, or
+    /// the marker evicted under memory pressure, which errs on the safe side):
     /// rebuild from PostgreSQL and grant a grace period before acting on deadlines.
     Reset,
 }
@@ -310,6 +313,15 @@ mod tests {
     fn sub_millisecond_windows_are_refused() {
         assert!(check_duration("ttl", Duration::from_micros(999)).is_err());
         assert!(check_duration("ttl", Duration::from_millis(1)).is_ok());
+    }
+
+    #[test]
+    fn handles_and_subscriptions_can_move_between_tasks() {
+        fn shareable<T: Clone + Send + Sync + std::fmt::Debug + 'static>() {}
+        fn movable<T: Send + 'static>() {}
+        shareable::<Bus>();
+        movable::<Subscription>();
+        movable::<BusError>();
     }
 
     #[test]

@@ -61,8 +61,8 @@ impl MemoryBus {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn run<'a, T: Send + 'a>(&'a self, op: impl FnOnce(&mut State) -> T + Send + 'a) -> BusFuture<'a, T> {
-        Box::pin(async move { Ok(op(&mut self.state())) })
+    fn run<'a, T: Send + 'a>(&'a self, apply: impl FnOnce(&mut State) -> T + Send + 'a) -> BusFuture<'a, T> {
+        Box::pin(async move { Ok(apply(&mut self.state())) })
     }
 }
 

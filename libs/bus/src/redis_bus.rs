@@ -33,6 +33,10 @@ use crate::redis_pubsub::PubSubHandle;
 /// enough that Redis never blocks other clients on it for long.
 const DEADLINE_BATCH: usize = 1000;
 
+/// How many times the command connection retries a lost connection before
+/// failing the waiting command; the next command starts over.
+const RECONNECT_ATTEMPTS: usize = 2;
+
 /// How many keys one `SCAN` step of [`BusBackend::clear`] asks for.
 const SCAN_COUNT: usize = 500;
 
@@ -119,7 +123,7 @@ impl RedisBus {
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timings.connect_timeout))
             .set_response_timeout(Some(timings.command_timeout))
-            .set_number_of_retries(2)
+            .set_number_of_retries(RECONNECT_ATTEMPTS)
             .set_min_delay(timings.reconnect_backoff_min)
             .set_max_delay(timings.reconnect_backoff_max);
         let commands =

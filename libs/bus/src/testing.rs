@@ -11,6 +11,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -134,6 +135,8 @@ async fn relay(listener: TcpListener, target: String, control: Arc<RelayControl>
     let mut connections = JoinSet::new();
     loop {
         let Ok((mut client, _)) = listener.accept().await else {
+            // Out of descriptors or similar: pause rather than spin.
+            tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
         // Reap finished connections so the set does not grow without bound.

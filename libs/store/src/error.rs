@@ -103,26 +103,17 @@ impl StoreError {
 
     /// A [`StoreError::AlreadyExists`] for `what`, raised by the caller rather than the database.
     pub fn already_exists(what: impl Into<String>) -> Self {
-        Self::AlreadyExists {
-            what: what.into(),
-            source: None,
-        }
+        Self::AlreadyExists { what: what.into(), source: None }
     }
 
     /// A [`StoreError::Config`] with no underlying error.
     pub fn config(reason: impl Into<String>) -> Self {
-        Self::Config {
-            reason: reason.into(),
-            source: None,
-        }
+        Self::Config { reason: reason.into(), source: None }
     }
 
     /// A [`StoreError::Internal`] with no underlying error.
     pub fn internal(context: impl Into<String>) -> Self {
-        Self::Internal {
-            context: context.into(),
-            source: None,
-        }
+        Self::Internal { context: context.into(), source: None }
     }
 
     /// Whether running the whole transaction again may succeed.
@@ -149,12 +140,8 @@ impl StoreError {
 pub fn expect_one(rows_affected: u64, what: &str) -> Result<(), StoreError> {
     match rows_affected {
         1 => Ok(()),
-        0 => Err(StoreError::Conflict {
-            what: what.to_owned(),
-        }),
-        n => Err(StoreError::internal(format!(
-            "fenced write to {what} changed {n} rows"
-        ))),
+        0 => Err(StoreError::Conflict { what: what.to_owned() }),
+        n => Err(StoreError::internal(format!("fenced write to {what} changed {n} rows"))),
     }
 }
 
@@ -171,16 +158,10 @@ impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {
         match error {
             sqlx::Error::Database(db) => classify_database_error(db),
-            sqlx::Error::Io(ref io) => Self::Unavailable {
-                target: None,
-                reason: io_reason(io),
-                source: Some(error),
-            },
-            sqlx::Error::Tls(_) => Self::Unavailable {
-                target: None,
-                reason: "tls handshake failed".to_owned(),
-                source: Some(error),
-            },
+            sqlx::Error::Io(ref io) => Self::Unavailable { target: None, reason: io_reason(io), source: Some(error) },
+            sqlx::Error::Tls(_) => {
+                Self::Unavailable { target: None, reason: "tls handshake failed".to_owned(), source: Some(error) }
+            }
             sqlx::Error::PoolTimedOut => Self::Unavailable {
                 target: None,
                 reason: "timed out waiting for a connection".to_owned(),
@@ -201,10 +182,9 @@ impl From<sqlx::Error> for StoreError {
                 reason: "the database driver rejected its configuration".to_owned(),
                 source: Some(error),
             },
-            other => Self::Internal {
-                context: "unexpected database response".to_owned(),
-                source: Some(Box::new(other)),
-            },
+            other => {
+                Self::Internal { context: "unexpected database response".to_owned(), source: Some(Box::new(other)) }
+            }
         }
     }
 }
@@ -217,24 +197,16 @@ fn classify_database_error(db: Box<dyn sqlx::error::DatabaseError>) -> StoreErro
     } else {
         false
     };
-    let pg_unavailable = db
-        .try_downcast_ref::<PgDatabaseError>()
-        .is_some_and(|pg| pg_means_unavailable(pg.code()));
-    let cantopen = db.try_downcast_ref::<SqliteError>().is_some()
-        && sqlite_primary_code(db.as_ref()) == Some(SQLITE_CANTOPEN);
+    let pg_unavailable = db.try_downcast_ref::<PgDatabaseError>().is_some_and(|pg| pg_means_unavailable(pg.code()));
+    let cantopen =
+        db.try_downcast_ref::<SqliteError>().is_some() && sqlite_primary_code(db.as_ref()) == Some(SQLITE_CANTOPEN);
     let kind = db.kind();
     let error = sqlx::Error::Database(db);
 
     if retryable {
-        StoreError::Contended {
-            attempts: 1,
-            source: Some(error),
-        }
+        StoreError::Contended { attempts: 1, source: Some(error) }
     } else if matches!(kind, ErrorKind::UniqueViolation) {
-        StoreError::AlreadyExists {
-            what: "record".to_owned(),
-            source: Some(error),
-        }
+        StoreError::AlreadyExists { what: "record".to_owned(), source: Some(error) }
     } else if pg_unavailable {
         StoreError::Unavailable {
             target: None,
@@ -248,10 +220,7 @@ fn classify_database_error(db: Box<dyn sqlx::error::DatabaseError>) -> StoreErro
             source: Some(error),
         }
     } else {
-        StoreError::Internal {
-            context: "database error".to_owned(),
-            source: Some(Box::new(error)),
-        }
+        StoreError::Internal { context: "database error".to_owned(), source: Some(Box::new(error)) }
     }
 }
 
@@ -314,9 +283,7 @@ impl From<StoreError> for tonic::Status {
                 tracing::warn!(error = %Chain(&error), "storage unavailable");
                 tonic::Status::unavailable("storage is temporarily unavailable; retry shortly")
             }
-            StoreError::AlreadyExists { what, .. } => {
-                tonic::Status::already_exists(format!("{what} already exists"))
-            }
+            StoreError::AlreadyExists { what, .. } => tonic::Status::already_exists(format!("{what} already exists")),
             StoreError::Conflict { what } => tonic::Status::failed_precondition(format!(
                 "{what} is stale: a newer writer has changed it; read it again and retry"
             )),
@@ -325,9 +292,7 @@ impl From<StoreError> for tonic::Status {
                 tracing::warn!(error = %Chain(&error), "transaction retries exhausted");
                 tonic::Status::aborted("the request collided with concurrent changes; retry it")
             }
-            StoreError::Migration { .. }
-            | StoreError::Config { .. }
-            | StoreError::Internal { .. } => {
+            StoreError::Migration { .. } | StoreError::Config { .. } | StoreError::Internal { .. } => {
                 tracing::error!(error = %Chain(&error), "storage failure");
                 tonic::Status::internal("internal storage error")
             }
@@ -372,10 +337,7 @@ mod tests {
     fn refused_connection_names_the_database_once_known() {
         let io = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
         let error = StoreError::from(sqlx::Error::Io(io)).at("postgres 127.0.0.1:1/test");
-        assert_eq!(
-            error.to_string(),
-            "database postgres 127.0.0.1:1/test is unavailable: connection refused"
-        );
+        assert_eq!(error.to_string(), "database postgres 127.0.0.1:1/test is unavailable: connection refused");
     }
 
     #[test]

@@ -148,12 +148,7 @@ impl Store {
 
     /// Gives up the lead so another holder can take it at once. A no-op if
     /// `holder` no longer holds `term`.
-    pub async fn resign_leadership(
-        &self,
-        loop_name: &str,
-        holder: &str,
-        term: Term,
-    ) -> Result<(), StoreError> {
+    pub async fn resign_leadership(&self, loop_name: &str, holder: &str, term: Term) -> Result<(), StoreError> {
         check_names(loop_name, holder)?;
         sqlx::query(RESIGN_SQL)
             .bind(loop_name)
@@ -171,11 +166,8 @@ impl Store {
             Backend::Postgres => leader_sql!(pg_now_ms!()),
             Backend::Sqlite => leader_sql!(sqlite_now_ms!()),
         };
-        let row: Option<(String, i64)> = sqlx::query_as(sql)
-            .bind(loop_name)
-            .fetch_optional(self.pool())
-            .await
-            .map_err(|e| self.classify(e))?;
+        let row: Option<(String, i64)> =
+            sqlx::query_as(sql).bind(loop_name).fetch_optional(self.pool()).await.map_err(|e| self.classify(e))?;
         Ok(row.map(|(holder, term)| (holder, Term(term))))
     }
 }
@@ -183,9 +175,7 @@ impl Store {
 /// An empty holder marks a resigned row, so it cannot name a real one.
 fn check_names(loop_name: &str, holder: &str) -> Result<(), StoreError> {
     if loop_name.is_empty() || holder.is_empty() {
-        return Err(StoreError::config(
-            "leader election needs a non-empty loop name and holder",
-        ));
+        return Err(StoreError::config("leader election needs a non-empty loop name and holder"));
     }
     Ok(())
 }
@@ -193,9 +183,7 @@ fn check_names(loop_name: &str, holder: &str) -> Result<(), StoreError> {
 fn ttl_ms(ttl: Duration) -> Result<i64, StoreError> {
     match i64::try_from(ttl.as_millis()) {
         Ok(ms) if ms > 0 => Ok(ms),
-        _ => Err(StoreError::config(format!(
-            "leader ttl {ttl:?} must be at least a millisecond"
-        ))),
+        _ => Err(StoreError::config(format!("leader ttl {ttl:?} must be at least a millisecond"))),
     }
 }
 
@@ -214,11 +202,7 @@ pub struct ElectionTiming {
 impl ElectionTiming {
     /// Timing for a lead of `ttl`, renewed and retried every third of it.
     pub fn from_ttl(ttl: Duration) -> Self {
-        Self {
-            ttl,
-            renew_every: ttl / 3,
-            retry_every: ttl / 3,
-        }
+        Self { ttl, renew_every: ttl / 3, retry_every: ttl / 3 }
     }
 }
 
@@ -242,12 +226,7 @@ impl LeaderElector {
     /// An elector for `loop_name` on behalf of `holder`, which must be unique
     /// per process (e.g. pod name plus a random suffix).
     pub fn new(store: Store, loop_name: impl Into<String>, holder: impl Into<String>) -> Self {
-        Self {
-            store,
-            loop_name: loop_name.into(),
-            holder: holder.into(),
-            timing: ElectionTiming::default(),
-        }
+        Self { store, loop_name: loop_name.into(), holder: holder.into(), timing: ElectionTiming::default() }
     }
 
     /// Replaces the default timing.
@@ -263,29 +242,22 @@ impl LeaderElector {
         let (publish, leadership) = watch::channel(None);
         let span = tracing::info_span!("leader_elector", loop_name = %self.loop_name, holder = %self.holder);
         let task = tokio::spawn(self.run(cancel.clone(), publish).instrument(span));
-        LeaderHandle {
-            leadership,
-            cancel,
-            task: Some(task),
-        }
+        LeaderHandle { leadership, cancel, task: Some(task) }
     }
 
     async fn run(self, cancel: CancellationToken, publish: watch::Sender<Option<Term>>) {
         let mut held: Option<Held> = None;
         loop {
             let started = Instant::now();
-            held = tokio::select! {
-                () = cancel.cancelled() => break,
-                next = self.step(held, started) => next,
-            };
+            // Not abandoned on cancellation: an acquisition that landed must be
+            // known, so it can be resigned rather than left to lapse.
+            held = self.step(held, started).await;
+            if cancel.is_cancelled() {
+                break;
+            }
             set(&publish, held.map(|h| h.term));
 
-            let next_step = started
-                + if held.is_some() {
-                    self.timing.renew_every
-                } else {
-                    self.timing.retry_every
-                };
+            let next_step = started + if held.is_some() { self.timing.renew_every } else { self.timing.retry_every };
             let wake = held.map_or(next_step, |h| next_step.min(h.valid_until));
             tokio::select! {
                 () = cancel.cancelled() => break,
@@ -301,11 +273,7 @@ impl LeaderElector {
         // Stop the loop before letting anyone else start theirs.
         set(&publish, None);
         if let Some(held) = held {
-            match self
-                .store
-                .resign_leadership(&self.loop_name, &self.holder, held.term)
-                .await
-            {
+            match self.store.resign_leadership(&self.loop_name, &self.holder, held.term).await {
                 Ok(()) => {
                     tracing::info!(loop_name = %self.loop_name, term = %held.term, "resigned leadership");
                 }
@@ -330,10 +298,7 @@ impl LeaderElector {
                     }
                 };
                 match renewal {
-                    Ok(true) => Some(Held {
-                        term: current.term,
-                        valid_until: started + ttl,
-                    }),
+                    Ok(true) => Some(Held { term: current.term, valid_until: started + ttl }),
                     Ok(false) => {
                         tracing::warn!(%loop_name, term = %current.term, "lost leadership");
                         None
@@ -344,17 +309,10 @@ impl LeaderElector {
                     }
                 }
             }
-            None => match self
-                .store
-                .try_acquire_leadership(loop_name, holder, ttl)
-                .await
-            {
+            None => match self.store.try_acquire_leadership(loop_name, holder, ttl).await {
                 Ok(Some(term)) => {
                     tracing::info!(%loop_name, %term, "acquired leadership");
-                    Some(Held {
-                        term,
-                        valid_until: started + ttl,
-                    })
+                    Some(Held { term, valid_until: started + ttl })
                 }
                 Ok(None) => None,
                 Err(error) => {

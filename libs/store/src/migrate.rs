@@ -154,17 +154,10 @@ impl Store {
 
     /// Creates the ledgers and the store's own tables.
     pub(crate) async fn bootstrap(&self) -> Result<(), StoreError> {
-        let mut tx = self
-            .pool()
-            .begin_with(self.migration_begin())
-            .await
-            .map_err(|e| self.classify(e))?;
+        let mut tx = self.pool().begin_with(self.migration_begin()).await.map_err(|e| self.classify(e))?;
         self.lock_schema(&mut tx).await?;
         for ledger in [Ledger::Service, Ledger::Store] {
-            sqlx::query(ledger.sql().create)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| self.classify(e))?;
+            sqlx::query(ledger.sql().create).execute(&mut *tx).await.map_err(|e| self.classify(e))?;
         }
         tx.commit().await.map_err(|e| self.classify(e))?;
         self.apply(Ledger::Store, STORE_MIGRATIONS).await
@@ -188,11 +181,7 @@ impl Store {
             source,
         };
 
-        let mut tx = self
-            .pool()
-            .begin_with(self.migration_begin())
-            .await
-            .map_err(|e| self.classify(e))?;
+        let mut tx = self.pool().begin_with(self.migration_begin()).await.map_err(|e| self.classify(e))?;
         self.lock_schema(&mut tx).await?;
         let applied: Option<(String, String)> = sqlx::query_as(ledger.sql().select)
             .bind(migration.version)
@@ -215,10 +204,7 @@ impl Store {
             return Ok(());
         }
 
-        if let Err(error) = sqlx::raw_sql(migration.sql(backend))
-            .execute(&mut *tx)
-            .await
-        {
+        if let Err(error) = sqlx::raw_sql(migration.sql(backend)).execute(&mut *tx).await {
             return Err(match error {
                 sqlx::Error::Database(_) => failed("failed to apply", Some(error)),
                 other => self.classify(other),
@@ -232,12 +218,7 @@ impl Store {
             .await
             .map_err(|e| self.classify(e))?;
         tx.commit().await.map_err(|e| self.classify(e))?;
-        tracing::info!(
-            schema = self.schema(),
-            version = migration.version,
-            name = migration.name,
-            "applied migration"
-        );
+        tracing::info!(schema = self.schema(), version = migration.version, name = migration.name, "applied migration");
         Ok(())
     }
 
@@ -269,9 +250,7 @@ fn check_sequence(migrations: &[Migration]) -> Result<(), StoreError> {
             return Err(StoreError::Migration {
                 version: migration.version,
                 name: migration.name.to_owned(),
-                reason: format!(
-                    "versions must start above 0 and strictly increase (follows {previous})"
-                ),
+                reason: format!("versions must start above 0 and strictly increase (follows {previous})"),
                 source: None,
             });
         }
@@ -285,12 +264,7 @@ mod tests {
     use super::*;
 
     const fn migration(version: i64) -> Migration {
-        Migration {
-            version,
-            name: "m",
-            postgres: "SELECT 1",
-            sqlite: "SELECT 1",
-        }
+        Migration { version, name: "m", postgres: "SELECT 1", sqlite: "SELECT 1" }
     }
 
     #[test]

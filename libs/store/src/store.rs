@@ -136,9 +136,7 @@ impl TxRetry {
     /// A random wait in `[0, min(max, base * 2^(attempt-1))]` ("full jitter"),
     /// so colliding transactions spread out instead of colliding again.
     fn backoff(&self, attempt: u32) -> Duration {
-        let exp = self
-            .base_backoff
-            .saturating_mul(1u32 << attempt.saturating_sub(1).min(16));
+        let exp = self.base_backoff.saturating_mul(1u32 << attempt.saturating_sub(1).min(16));
         let cap = exp.min(self.max_backoff);
         let cap_ms = u64::try_from(cap.as_millis()).unwrap_or(u64::MAX);
         Duration::from_millis(rand::rng().random_range(0..=cap_ms))
@@ -184,10 +182,7 @@ pub type TxFuture<'env, 'c, T> = std::pin::Pin<Box<dyn TxScope<'env, 'c, Output 
 
 /// A future scoped to one transaction; see [`TxFuture`]. Implemented for every
 /// future, so a body returns `Box::pin(async move { ... })`.
-pub trait TxScope<'env, 'c, Bound = std::marker::PhantomData<&'c &'env ()>>:
-    std::future::Future
-{
-}
+pub trait TxScope<'env, 'c, Bound = std::marker::PhantomData<&'c &'env ()>>: std::future::Future {}
 
 impl<'env: 'c, 'c, F: std::future::Future + 'c> TxScope<'env, 'c> for F {}
 
@@ -217,11 +212,7 @@ impl Store {
     /// Connects to `url` (`postgres://...` or `sqlite://PATH`) as the owner of
     /// `schema` (`[a-z_][a-z0-9_]{0,62}`, not `pg_*`), creating the schema or
     /// file if missing and the store's own tables.
-    pub async fn connect_with(
-        url: &str,
-        schema: &str,
-        options: StoreOptions,
-    ) -> Result<Store, StoreError> {
+    pub async fn connect_with(url: &str, schema: &str, options: StoreOptions) -> Result<Store, StoreError> {
         sqlx::any::install_default_drivers();
         validate_schema(schema)?;
         let store = if strip_scheme(url, &["postgres://", "postgresql://"]).is_some() {
@@ -229,9 +220,7 @@ impl Store {
         } else if let Some(path) = strip_scheme(url, &["sqlite://", "sqlite:"]) {
             connect_sqlite(path, schema, &options).await?
         } else {
-            return Err(StoreError::config(
-                "database url must start with postgres:// or sqlite://",
-            ));
+            return Err(StoreError::config("database url must start with postgres:// or sqlite://"));
         };
         store.bootstrap().await?;
         Ok(store)
@@ -259,11 +248,7 @@ impl Store {
 
     /// Readiness: a round trip to the database.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.pool
-            .execute("SELECT 1")
-            .await
-            .map(drop)
-            .map_err(|e| self.classify(e))
+        self.pool.execute("SELECT 1").await.map(drop).map_err(|e| self.classify(e))
     }
 
     /// The database clock in epoch milliseconds, so replicas on skewed hosts agree.
@@ -272,10 +257,7 @@ impl Store {
             Backend::Postgres => concat!("SELECT ", pg_now_ms!()),
             Backend::Sqlite => concat!("SELECT ", sqlite_now_ms!()),
         };
-        sqlx::query_scalar::<_, i64>(sql)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| self.classify(e))
+        sqlx::query_scalar::<_, i64>(sql).fetch_one(&self.pool).await.map_err(|e| self.classify(e))
     }
 
     /// The SQL expression for the database clock in epoch milliseconds
@@ -342,15 +324,9 @@ impl Store {
                 tracing::Span::current().record("attempts", attempt);
                 return match result {
                     Err(error) if contended => {
-                        let store_error = error
-                            .store_error()
-                            .map(|e| e.to_string())
-                            .unwrap_or_default();
+                        let store_error = error.store_error().map(|e| e.to_string()).unwrap_or_default();
                         tracing::warn!(attempt, error = %store_error, "transaction retries exhausted");
-                        Err(E::from(StoreError::Contended {
-                            attempts: attempt,
-                            source: None,
-                        }))
+                        Err(E::from(StoreError::Contended { attempts: attempt, source: None }))
                     }
                     other => other,
                 };
@@ -369,11 +345,7 @@ impl Store {
             Backend::Postgres => "BEGIN ISOLATION LEVEL SERIALIZABLE",
             Backend::Sqlite => "BEGIN IMMEDIATE",
         };
-        let mut tx = self
-            .pool
-            .begin_with(begin)
-            .await
-            .map_err(|e| E::from(self.classify(e)))?;
+        let mut tx = self.pool.begin_with(begin).await.map_err(|e| E::from(self.classify(e)))?;
         match body(&mut tx).await {
             Ok(value) => {
                 tx.commit().await.map_err(|e| E::from(self.classify(e)))?;
@@ -402,14 +374,10 @@ fn strip_scheme<'u>(url: &'u str, schemes: &[&str]) -> Option<&'u str> {
 /// conservative identifier is accepted; `pg_` is reserved by PostgreSQL.
 pub(crate) fn validate_schema(schema: &str) -> Result<(), StoreError> {
     let mut chars = schema.chars();
-    let first_ok = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let first_ok = chars.next().is_some_and(|c| c.is_ascii_lowercase() || c == '_');
     let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
     if !first_ok || !rest_ok || schema.len() > MAX_SCHEMA_LEN {
-        return Err(StoreError::config(format!(
-            "schema name {schema:?} must match [a-z_][a-z0-9_]{{0,62}}"
-        )));
+        return Err(StoreError::config(format!("schema name {schema:?} must match [a-z_][a-z0-9_]{{0,62}}")));
     }
     if schema.starts_with("pg_") {
         return Err(StoreError::config(format!(
@@ -419,34 +387,32 @@ pub(crate) fn validate_schema(schema: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-async fn connect_postgres(
-    url: &str,
-    schema: &str,
-    options: &StoreOptions,
-) -> Result<Store, StoreError> {
-    let connect_options: AnyConnectOptions = url
-        .parse()
-        .map_err(|_| StoreError::config("database url is not a valid postgres:// url"))?;
+async fn connect_postgres(url: &str, schema: &str, options: &StoreOptions) -> Result<Store, StoreError> {
+    let connect_options: AnyConnectOptions =
+        url.parse().map_err(|_| StoreError::config("database url is not a valid postgres:// url"))?;
     let target = postgres_target(&connect_options);
 
     // One connection first, outside the pool, so an unreachable server fails
     // fast with its real cause instead of a pool timeout.
     let mut conn = open(&connect_options, options.connect_timeout, &target).await?;
-    create_schema(&mut conn, schema)
-        .await
-        .map_err(|e| connect_error(e, &target))?;
+    create_schema(&mut conn, schema).await.map_err(|e| connect_error(e, &target))?;
     if let Err(error) = conn.close().await {
         tracing::debug!(%error, "closing the bootstrap connection failed");
     }
 
-    let search_path = format!("SET search_path TO \"{schema}\"");
+    // The application name lets an operator (and the test fixtures) find a
+    // schema's connections in pg_stat_activity.
+    let session =
+        [format!("SET search_path TO \"{schema}\""), format!("SET application_name TO '{}'", application_name(schema))];
     let pool = AnyPoolOptions::new()
         .max_connections(options.max_connections.max(1))
         .acquire_timeout(options.acquire_timeout)
         .after_connect(move |conn: &mut AnyConnection, _: PoolConnectionMetadata| {
-            let search_path = search_path.clone();
+            let session = session.clone();
             Box::pin(async move {
-                conn.execute(sqlx::AssertSqlSafe(search_path)).await?;
+                for statement in session {
+                    conn.execute(sqlx::AssertSqlSafe(statement)).await?;
+                }
                 Ok(())
             })
         })
@@ -460,6 +426,11 @@ async fn connect_postgres(
             tx_retry: options.tx_retry,
         }),
     })
+}
+
+/// The `application_name` of a schema's pooled PostgreSQL connections.
+pub(crate) fn application_name(schema: &str) -> String {
+    format!("berth/{schema}")
 }
 
 /// `postgres host:port/database`, never the credentials.
@@ -479,25 +450,15 @@ async fn create_schema(conn: &mut AnyConnection, schema: &str) -> Result<(), sql
         .bind(crate::migrate::schema_lock_key(schema))
         .execute(&mut *tx)
         .await?;
-    tx.execute(sqlx::AssertSqlSafe(format!(
-        "CREATE SCHEMA IF NOT EXISTS \"{schema}\""
-    )))
-    .await?;
+    tx.execute(sqlx::AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))).await?;
     tx.commit().await
 }
 
-async fn connect_sqlite(
-    path: &str,
-    schema: &str,
-    options: &StoreOptions,
-) -> Result<Store, StoreError> {
+async fn connect_sqlite(path: &str, schema: &str, options: &StoreOptions) -> Result<Store, StoreError> {
     let path = sqlite_path(path)?;
     let target = format!("sqlite {}", path.display());
     let connect_options = AnyConnectOptions::from_url(
-        &SqliteConnectOptions::new()
-            .filename(&path)
-            .create_if_missing(true)
-            .to_url_lossy(),
+        &SqliteConnectOptions::new().filename(&path).create_if_missing(true).to_url_lossy(),
     )
     .map_err(|e| StoreError::Config {
         reason: format!("sqlite path {} is not usable", path.display()),
@@ -507,17 +468,12 @@ async fn connect_sqlite(
     // WAL is a property of the file: set once, here, where no one else holds
     // the connection (changing it needs a lock busy_timeout cannot wait for).
     let mut conn = open(&connect_options, options.connect_timeout, &target).await?;
-    conn.execute("PRAGMA journal_mode = WAL")
-        .await
-        .map_err(|e| connect_error(e, &target))?;
+    conn.execute("PRAGMA journal_mode = WAL").await.map_err(|e| connect_error(e, &target))?;
     if let Err(error) = conn.close().await {
         tracing::debug!(%error, "closing the bootstrap connection failed");
     }
 
-    let busy_timeout = format!(
-        "PRAGMA busy_timeout = {}",
-        options.sqlite_busy_timeout.as_millis()
-    );
+    let busy_timeout = format!("PRAGMA busy_timeout = {}", options.sqlite_busy_timeout.as_millis());
     let pool = AnyPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(options.acquire_timeout)
@@ -546,33 +502,21 @@ async fn connect_sqlite(
 /// loudly rather than scatter databases.
 fn sqlite_path(path: &str) -> Result<PathBuf, StoreError> {
     if path.is_empty() || path.contains('?') || path == ":memory:" {
-        return Err(StoreError::config(
-            "sqlite url must be sqlite://PATH naming a database file",
-        ));
+        return Err(StoreError::config("sqlite url must be sqlite://PATH naming a database file"));
     }
     let path = PathBuf::from(path);
     if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty())
         && !dir.is_dir()
     {
-        return Err(StoreError::config(format!(
-            "sqlite directory {} does not exist",
-            dir.display()
-        )));
+        return Err(StoreError::config(format!("sqlite directory {} does not exist", dir.display())));
     }
     if path.is_dir() {
-        return Err(StoreError::config(format!(
-            "sqlite path {} is a directory, not a database file",
-            path.display()
-        )));
+        return Err(StoreError::config(format!("sqlite path {} is a directory, not a database file", path.display())));
     }
     Ok(path)
 }
 
-async fn open(
-    options: &AnyConnectOptions,
-    timeout: Duration,
-    target: &str,
-) -> Result<AnyConnection, StoreError> {
+async fn open(options: &AnyConnectOptions, timeout: Duration, target: &str) -> Result<AnyConnection, StoreError> {
     match tokio::time::timeout(timeout, AnyConnection::connect_with(options)).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(error)) => Err(connect_error(error, target)),
@@ -589,9 +533,7 @@ async fn open(
 fn connect_error(error: sqlx::Error, target: &str) -> StoreError {
     let reason = match &error {
         sqlx::Error::Database(db) => match db.code().as_deref() {
-            Some(code) if code.starts_with("28") => {
-                Some("the server rejected the credentials".to_owned())
-            }
+            Some(code) if code.starts_with("28") => Some("the server rejected the credentials".to_owned()),
             Some("3D000") => Some("the database does not exist".to_owned()),
             Some("42501") => Some("permission denied to create the schema".to_owned()),
             _ if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() => {
@@ -602,10 +544,7 @@ fn connect_error(error: sqlx::Error, target: &str) -> StoreError {
         _ => None,
     };
     match reason {
-        Some(reason) => StoreError::Config {
-            reason: format!("{target}: {reason}"),
-            source: Some(error),
-        },
+        Some(reason) => StoreError::Config { reason: format!("{target}: {reason}"), source: Some(error) },
         None => StoreError::from(error).at(target),
     }
 }
@@ -647,9 +586,7 @@ mod tests {
 
     #[test]
     fn postgres_target_hides_credentials() {
-        let options: AnyConnectOptions = "postgres://berth:hunter2@db.internal:6432/berth"
-            .parse()
-            .unwrap();
+        let options: AnyConnectOptions = "postgres://berth:hunter2@db.internal:6432/berth".parse().unwrap();
         assert_eq!(postgres_target(&options), "postgres db.internal:6432/berth");
     }
 

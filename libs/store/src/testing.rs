@@ -38,11 +38,7 @@ pub fn unique_name(prefix: &str) -> String {
 /// Options with short timeouts, so a test against a missing database fails in
 /// seconds.
 pub fn test_options() -> StoreOptions {
-    StoreOptions {
-        max_connections: 4,
-        connect_timeout: std::time::Duration::from_secs(3),
-        ..StoreOptions::default()
-    }
+    StoreOptions { max_connections: 4, connect_timeout: std::time::Duration::from_secs(3), ..StoreOptions::default() }
 }
 
 /// A uniquely named schema in the test PostgreSQL, dropped with `CASCADE` on
@@ -61,12 +57,7 @@ impl TestPg {
         let url = pg_url();
         let schema = unique_name("berth_test");
         let store = Store::connect_with(&url, &schema, test_options()).await?;
-        Ok(Self {
-            url,
-            schema,
-            store,
-            cleaned: false,
-        })
+        Ok(Self { url, schema, store, cleaned: false })
     }
 
     /// The store connected to this schema.
@@ -107,13 +98,9 @@ impl Drop for TestPg {
         // Drop cannot await, and the test's runtime may be shutting down:
         // a runtime of its own on a thread of its own does the work.
         let dropped = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            runtime
-                .block_on(drop_schema(&url, &schema))
-                .map_err(|e| e.to_string())
+            let runtime =
+                tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+            runtime.block_on(drop_schema(&url, &schema)).map_err(|e| e.to_string())
         })
         .join();
         if !matches!(dropped, Ok(Ok(()))) {
@@ -122,14 +109,22 @@ impl Drop for TestPg {
     }
 }
 
+/// Ends the schema's other sessions first: a test that failed mid-transaction
+/// may have left a connection holding locks that `DROP SCHEMA` would wait on
+/// forever.
 async fn drop_schema(url: &str, schema: &str) -> Result<(), StoreError> {
     crate::store::validate_schema(schema)?;
     sqlx::any::install_default_drivers();
     let mut conn = AnyConnection::connect(url).await?;
-    conn.execute(sqlx::AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
-    )))
+    conn.execute("SET lock_timeout = '10s'").await?;
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE application_name = $1 AND pid <> pg_backend_pid()",
+    )
+    .bind(crate::store::application_name(schema))
+    .execute(&mut conn)
     .await?;
+    conn.execute(sqlx::AssertSqlSafe(format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))).await?;
     conn.close().await?;
     Ok(())
 }
@@ -145,13 +140,10 @@ pub struct TestSqlite {
 impl TestSqlite {
     /// Creates a temporary directory and connects a store to a new file in it.
     pub async fn new() -> Result<Self, StoreError> {
-        let dir = tempfile::Builder::new()
-            .prefix("berth-store-test-")
-            .tempdir()
-            .map_err(|e| StoreError::Internal {
-                context: "creating a temporary directory".to_owned(),
-                source: Some(Box::new(e)),
-            })?;
+        let dir = tempfile::Builder::new().prefix("berth-store-test-").tempdir().map_err(|e| StoreError::Internal {
+            context: "creating a temporary directory".to_owned(),
+            source: Some(Box::new(e)),
+        })?;
         let url = format!("sqlite://{}", dir.path().join("store.db").display());
         let store = Store::connect_with(&url, "berth_test", test_options()).await?;
         Ok(Self { dir, url, store })

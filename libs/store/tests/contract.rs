@@ -6,8 +6,7 @@ use std::time::{Duration, Instant};
 
 use berth_store::testing::{TestDb, TestPg, pg_url, test_options};
 use berth_store::{
-    Backend, ElectionTiming, LeaderElector, Migration, Store, StoreError, StoreOptions, Term,
-    expect_one,
+    Backend, ElectionTiming, LeaderElector, Migration, Store, StoreError, StoreOptions, Term, expect_one,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -148,21 +147,12 @@ mod cases {
             ..ITEMS_BY_EPOCH
         };
         let error = store.migrate(&[ITEMS, edited]).await.unwrap_err();
-        assert!(
-            matches!(error, StoreError::Migration { version: 2, .. }),
-            "{error}"
-        );
+        assert!(matches!(error, StoreError::Migration { version: 2, .. }), "{error}");
         assert!(error.to_string().starts_with("migration 2 (items_by_epoch)"), "{error}");
 
-        let renamed = Migration {
-            name: "renamed",
-            ..ITEMS
-        };
+        let renamed = Migration { name: "renamed", ..ITEMS };
         let error = store.migrate(&[renamed]).await.unwrap_err();
-        assert!(
-            matches!(error, StoreError::Migration { version: 1, .. }),
-            "{error}"
-        );
+        assert!(matches!(error, StoreError::Migration { version: 1, .. }), "{error}");
     }
 
     pub(super) async fn concurrent_migrations_apply_each_once(db: &TestDb) {
@@ -188,14 +178,9 @@ mod cases {
             sqlite: "CREATE TABLE half_done (id BIGINT); INSERT INTO no_such_table VALUES (1);",
         };
         let error = store.migrate(&[broken]).await.unwrap_err();
-        assert!(
-            matches!(error, StoreError::Migration { version: 1, .. }),
-            "{error}"
-        );
+        assert!(matches!(error, StoreError::Migration { version: 1, .. }), "{error}");
         assert!(applied_versions(store).await.is_empty());
-        let half_done = sqlx::query("SELECT id FROM half_done")
-            .fetch_all(store.pool())
-            .await;
+        let half_done = sqlx::query("SELECT id FROM half_done").fetch_all(store.pool()).await;
         assert!(half_done.is_err(), "the failed migration's table survived");
 
         // The fixed migration applies cleanly afterwards.
@@ -242,14 +227,8 @@ mod cases {
         };
         bump(1).await.unwrap();
         let error = bump(1).await.unwrap_err();
-        assert!(
-            matches!(&error, StoreError::Conflict { what } if what == "item 7 at epoch 1"),
-            "{error}"
-        );
-        assert_eq!(
-            tonic::Status::from(error).code(),
-            tonic::Code::FailedPrecondition
-        );
+        assert!(matches!(&error, StoreError::Conflict { what } if what == "item 7 at epoch 1"), "{error}");
+        assert_eq!(tonic::Status::from(error).code(), tonic::Code::FailedPrecondition);
         bump(2).await.unwrap();
     }
 
@@ -271,10 +250,7 @@ mod cases {
             })
             .await;
         let error = result.unwrap_err();
-        assert!(
-            matches!(&error, StoreError::NotFound { what } if what == "item 10"),
-            "{error}"
-        );
+        assert!(matches!(&error, StoreError::NotFound { what } if what == "item 10"), "{error}");
         assert_eq!(count(store, "doomed").await, 0);
     }
 
@@ -293,10 +269,7 @@ mod cases {
                             .execute(&mut *conn)
                             .await?;
                         if run == 1 {
-                            return Err(StoreError::Contended {
-                                attempts: 1,
-                                source: None,
-                            });
+                            return Err(StoreError::Contended { attempts: 1, source: None });
                         }
                         Ok(run)
                     })
@@ -324,10 +297,9 @@ mod cases {
                 store
                     .tx("items.increment", |conn| {
                         Box::pin(async move {
-                            let epoch: i64 =
-                                sqlx::query_scalar("SELECT epoch FROM items WHERE id = 0")
-                                    .fetch_one(&mut *conn)
-                                    .await?;
+                            let epoch: i64 = sqlx::query_scalar("SELECT epoch FROM items WHERE id = 0")
+                                .fetch_one(&mut *conn)
+                                .await?;
                             // Let the other writer read the same value.
                             tokio::time::sleep(Duration::from_millis(2)).await;
                             sqlx::query("UPDATE items SET epoch = $1 WHERE id = 0")
@@ -342,22 +314,19 @@ mod cases {
             }
         };
         tokio::join!(increment(store.clone()), increment(other.clone()));
-        let epoch: i64 = sqlx::query_scalar("SELECT epoch FROM items WHERE id = 0")
-            .fetch_one(store.pool())
-            .await
-            .unwrap();
+        let epoch: i64 =
+            sqlx::query_scalar("SELECT epoch FROM items WHERE id = 0").fetch_one(store.pool()).await.unwrap();
         assert_eq!(epoch, 1 + 2 * INCREMENTS);
         other.close().await;
     }
 
     pub(super) async fn placeholders_bind_by_number(db: &TestDb) {
-        let joined: String =
-            sqlx::query_scalar("SELECT CAST($2 AS TEXT) || CAST($1 AS TEXT) || CAST($2 AS TEXT)")
-                .bind("a")
-                .bind("b")
-                .fetch_one(db.store().pool())
-                .await
-                .unwrap();
+        let joined: String = sqlx::query_scalar("SELECT CAST($2 AS TEXT) || CAST($1 AS TEXT) || CAST($2 AS TEXT)")
+            .bind("a")
+            .bind("b")
+            .fetch_one(db.store().pool())
+            .await
+            .unwrap();
         assert_eq!(joined, "bab");
     }
 
@@ -379,27 +348,16 @@ mod cases {
                 .fetch_one(store.pool())
                 .await
                 .unwrap();
-        assert_eq!(
-            row,
-            (i64::MAX, "ünïcode ✓".to_owned(), i64::MIN, Some(payload))
-        );
+        assert_eq!(row, (i64::MAX, "ünïcode ✓".to_owned(), i64::MIN, Some(payload)));
         let seed_payload: Option<Vec<u8>> =
-            sqlx::query_scalar("SELECT payload FROM items WHERE id = 0")
-                .fetch_one(store.pool())
-                .await
-                .unwrap();
+            sqlx::query_scalar("SELECT payload FROM items WHERE id = 0").fetch_one(store.pool()).await.unwrap();
         assert_eq!(seed_payload, None);
     }
 
     pub(super) async fn now_ms_reads_a_clock_close_to_the_system_clock(db: &TestDb) {
         let system_ms = || {
-            i64::try_from(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_millis(),
-            )
-            .unwrap()
+            i64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis())
+                .unwrap()
         };
         let before = system_ms();
         let db_ms = db.store().now_ms().await.unwrap();
@@ -414,10 +372,7 @@ mod cases {
 
         // The expression is usable inside queries too.
         let sql = format!("SELECT {}", db.store().now_ms_sql());
-        let in_sql: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-            .fetch_one(db.store().pool())
-            .await
-            .unwrap();
+        let in_sql: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(db.store().pool()).await.unwrap();
         assert!(in_sql >= db_ms);
     }
 
@@ -451,41 +406,22 @@ mod cases {
 
     pub(super) async fn one_leader_at_a_time(db: &TestDb) {
         let store = db.store();
-        let term = store
-            .try_acquire_leadership("reaper", "replica-a", TTL)
-            .await
-            .unwrap()
-            .expect("a free lead is acquired");
+        let term =
+            store.try_acquire_leadership("reaper", "replica-a", TTL).await.unwrap().expect("a free lead is acquired");
         assert_eq!(term, Term(1));
-        assert_eq!(
-            store.try_acquire_leadership("reaper", "replica-b", TTL).await.unwrap(),
-            None
-        );
+        assert_eq!(store.try_acquire_leadership("reaper", "replica-b", TTL).await.unwrap(), None);
         // The holder asking again renews at the same term.
-        assert_eq!(
-            store.try_acquire_leadership("reaper", "replica-a", TTL).await.unwrap(),
-            Some(term)
-        );
+        assert_eq!(store.try_acquire_leadership("reaper", "replica-a", TTL).await.unwrap(), Some(term));
         assert!(store.renew_leadership("reaper", "replica-a", term, TTL).await.unwrap());
-        assert_eq!(
-            store.leader("reaper").await.unwrap(),
-            Some(("replica-a".to_owned(), term))
-        );
+        assert_eq!(store.leader("reaper").await.unwrap(), Some(("replica-a".to_owned(), term)));
         // Loops are independent.
-        assert_eq!(
-            store.try_acquire_leadership("revision-gc", "replica-b", TTL).await.unwrap(),
-            Some(Term(1))
-        );
+        assert_eq!(store.try_acquire_leadership("revision-gc", "replica-b", TTL).await.unwrap(), Some(Term(1)));
         assert_eq!(store.leader("node-monitor").await.unwrap(), None);
     }
 
     pub(super) async fn expired_lead_passes_on_with_the_next_term(db: &TestDb) {
         let store = db.store();
-        let first = store
-            .try_acquire_leadership("reaper", "replica-a", TTL)
-            .await
-            .unwrap()
-            .unwrap();
+        let first = store.try_acquire_leadership("reaper", "replica-a", TTL).await.unwrap().unwrap();
         tokio::time::sleep(TTL + Duration::from_millis(100)).await;
         assert_eq!(store.leader("reaper").await.unwrap(), None);
 
@@ -497,15 +433,9 @@ mod cases {
         assert_eq!(second, Term(first.0 + 1));
         // The deposed holder is fenced by its stale term.
         assert!(!store.renew_leadership("reaper", "replica-a", first, TTL).await.unwrap());
-        assert_eq!(
-            store.try_acquire_leadership("reaper", "replica-a", TTL).await.unwrap(),
-            None
-        );
+        assert_eq!(store.try_acquire_leadership("reaper", "replica-a", TTL).await.unwrap(), None);
         store.resign_leadership("reaper", "replica-a", first).await.unwrap();
-        assert_eq!(
-            store.leader("reaper").await.unwrap(),
-            Some(("replica-b".to_owned(), second))
-        );
+        assert_eq!(store.leader("reaper").await.unwrap(), Some(("replica-b".to_owned(), second)));
     }
 
     pub(super) async fn resigning_frees_the_lead_at_once(db: &TestDb) {
@@ -515,21 +445,10 @@ mod cases {
             .await
             .unwrap()
             .unwrap();
-        store
-            .resign_leadership("egress-full-pass", "replica-a", first)
-            .await
-            .unwrap();
+        store.resign_leadership("egress-full-pass", "replica-a", first).await.unwrap();
         assert_eq!(store.leader("egress-full-pass").await.unwrap(), None);
-        assert!(
-            !store
-                .renew_leadership("egress-full-pass", "replica-a", first, TTL)
-                .await
-                .unwrap()
-        );
-        let second = store
-            .try_acquire_leadership("egress-full-pass", "replica-b", TTL)
-            .await
-            .unwrap();
+        assert!(!store.renew_leadership("egress-full-pass", "replica-a", first, TTL).await.unwrap());
+        let second = store.try_acquire_leadership("egress-full-pass", "replica-b", TTL).await.unwrap();
         assert_eq!(second, Some(Term(first.0 + 1)));
     }
 
@@ -537,9 +456,7 @@ mod cases {
         let shutdown = CancellationToken::new();
         let timing = ElectionTiming::from_ttl(TTL);
         let elect = |store: Store, holder: &str| {
-            LeaderElector::new(store, "node-monitor", holder)
-                .with_timing(timing)
-                .spawn(&shutdown)
+            LeaderElector::new(store, "node-monitor", holder).with_timing(timing).spawn(&shutdown)
         };
         let a = elect(db.store().clone(), "replica-a");
         let mut a_leads = a.subscribe();
@@ -565,10 +482,7 @@ mod cases {
             .expect("leading");
         assert!(handed_over.elapsed() < TTL);
         assert_eq!(term_b, Term(term_a.0 + 1));
-        assert_eq!(
-            db.store().leader("node-monitor").await.unwrap(),
-            Some(("replica-b".to_owned(), term_b))
-        );
+        assert_eq!(db.store().leader("node-monitor").await.unwrap(), Some(("replica-b".to_owned(), term_b)));
 
         // Cancelling the parent token stops every elector and frees the lead.
         shutdown.cancel();
@@ -593,10 +507,7 @@ mod cases {
             "UPDATE _berth_leaders SET holder = 'replica-b', term = term + 1, expires_at_ms = {} + 60000 WHERE loop_name = 'revision-gc'",
             store.now_ms_sql()
         );
-        sqlx::query(sqlx::AssertSqlSafe(takeover))
-            .execute(store.pool())
-            .await
-            .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(takeover)).execute(store.pool()).await.unwrap();
 
         tokio::time::timeout(TTL, leads.wait_for(Option::is_none))
             .await
@@ -606,10 +517,7 @@ mod cases {
         assert_eq!(a.current(), None, "replica-a took the lead back");
         a.shutdown().await;
         // Its resignation was fenced off: replica-b still leads.
-        assert_eq!(
-            store.leader("revision-gc").await.unwrap(),
-            Some(("replica-b".to_owned(), Term(term.0 + 1)))
-        );
+        assert_eq!(store.leader("revision-gc").await.unwrap(), Some(("replica-b".to_owned(), Term(term.0 + 1))));
     }
 }
 
@@ -625,11 +533,12 @@ async fn postgres_schemas_are_isolated() {
     // The same unique name is free in the other schema.
     insert(b.store(), 1, "only-in-a").await.unwrap();
 
-    let schema: String = sqlx::query_scalar("SELECT CAST(current_schema() AS TEXT)")
-        .fetch_one(b.store().pool())
-        .await
-        .unwrap();
+    let schema: String =
+        sqlx::query_scalar("SELECT CAST(current_schema() AS TEXT)").fetch_one(b.store().pool()).await.unwrap();
     assert_eq!(schema, b.schema());
+    let application: String =
+        sqlx::query_scalar("SELECT current_setting('application_name')").fetch_one(b.store().pool()).await.unwrap();
+    assert_eq!(application, format!("berth/{}", b.schema()));
     a.cleanup().await.unwrap();
     b.cleanup().await.unwrap();
 }
@@ -640,12 +549,11 @@ async fn postgres_cleanup_drops_the_schema() {
     let schema = db.schema().to_owned();
     db.cleanup().await.unwrap();
     let observer = TestPg::new().await.unwrap();
-    let left: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.schemata WHERE schema_name = $1")
-            .bind(schema)
-            .fetch_one(observer.store().pool())
-            .await
-            .unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.schemata WHERE schema_name = $1")
+        .bind(schema)
+        .fetch_one(observer.store().pool())
+        .await
+        .unwrap();
     assert_eq!(left, 0);
     observer.cleanup().await.unwrap();
 }
@@ -656,12 +564,11 @@ async fn postgres_fixture_dropped_without_cleanup_still_drops_its_schema() {
     let schema = db.schema().to_owned();
     drop(db);
     let observer = TestPg::new().await.unwrap();
-    let left: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.schemata WHERE schema_name = $1")
-            .bind(schema)
-            .fetch_one(observer.store().pool())
-            .await
-            .unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.schemata WHERE schema_name = $1")
+        .bind(schema)
+        .fetch_one(observer.store().pool())
+        .await
+        .unwrap();
     assert_eq!(left, 0);
     observer.cleanup().await.unwrap();
 }
@@ -669,16 +576,11 @@ async fn postgres_fixture_dropped_without_cleanup_still_drops_its_schema() {
 #[tokio::test]
 async fn unreachable_postgres_fails_fast_naming_the_host() {
     let started = Instant::now();
-    let error = Store::connect("postgres://postgres:secret@127.0.0.1:1/test", "identity")
-        .await
-        .unwrap_err();
+    let error = Store::connect("postgres://postgres:secret@127.0.0.1:1/test", "identity").await.unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
     assert!(matches!(error, StoreError::Unavailable { .. }), "{error}");
     let message = error.to_string();
-    assert_eq!(
-        message,
-        "database postgres 127.0.0.1:1/test is unavailable: connection refused"
-    );
+    assert_eq!(message, "database postgres 127.0.0.1:1/test is unavailable: connection refused");
     assert!(!message.contains("secret"));
 }
 
@@ -687,18 +589,11 @@ async fn silent_postgres_fails_after_the_connect_timeout() {
     // Accepted by the kernel's backlog, never answered.
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = silent.local_addr().unwrap().port();
-    let options = StoreOptions {
-        connect_timeout: Duration::from_millis(500),
-        ..test_options()
-    };
+    let options = StoreOptions { connect_timeout: Duration::from_millis(500), ..test_options() };
     let started = Instant::now();
-    let error = Store::connect_with(
-        &format!("postgres://postgres@127.0.0.1:{port}/test"),
-        "identity",
-        options,
-    )
-    .await
-    .unwrap_err();
+    let error = Store::connect_with(&format!("postgres://postgres@127.0.0.1:{port}/test"), "identity", options)
+        .await
+        .unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
     assert!(matches!(error, StoreError::Unavailable { .. }), "{error}");
     assert!(error.to_string().contains(&format!("127.0.0.1:{port}")), "{error}");
@@ -716,9 +611,7 @@ async fn postgres_url_without_the_database_is_a_config_error() {
 
 #[tokio::test]
 async fn unknown_url_scheme_is_a_config_error() {
-    let error = Store::connect("mysql://root@127.0.0.1/berth", "identity")
-        .await
-        .unwrap_err();
+    let error = Store::connect("mysql://root@127.0.0.1/berth", "identity").await.unwrap_err();
     assert!(matches!(error, StoreError::Config { .. }), "{error}");
 }
 
@@ -731,10 +624,7 @@ async fn sqlite_in_a_missing_directory_is_refused_without_creating_it() {
     assert!(matches!(error, StoreError::Config { .. }), "{error}");
     assert_eq!(
         error.to_string(),
-        format!(
-            "invalid store configuration: sqlite directory {} does not exist",
-            missing.display()
-        )
+        format!("invalid store configuration: sqlite directory {} does not exist", missing.display())
     );
     assert!(!missing.exists());
 }
@@ -743,25 +633,14 @@ async fn sqlite_in_a_missing_directory_is_refused_without_creating_it() {
 async fn sqlite_creates_the_file_in_wal_mode_with_foreign_keys() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("leases.db");
-    let store = Store::connect(&format!("sqlite://{}", path.display()), "leases")
-        .await
-        .unwrap();
+    let store = Store::connect(&format!("sqlite://{}", path.display()), "leases").await.unwrap();
     assert!(path.exists());
     assert_eq!(store.backend(), Backend::Sqlite);
-    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode").fetch_one(store.pool()).await.unwrap();
     assert_eq!(journal, "wal");
-    let foreign_keys: i64 = sqlx::query_scalar("PRAGMA foreign_keys")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
+    let foreign_keys: i64 = sqlx::query_scalar("PRAGMA foreign_keys").fetch_one(store.pool()).await.unwrap();
     assert_eq!(foreign_keys, 1);
-    let busy_timeout: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
+    let busy_timeout: i64 = sqlx::query_scalar("PRAGMA busy_timeout").fetch_one(store.pool()).await.unwrap();
     assert_eq!(busy_timeout, 5000);
     store.close().await;
 }

@@ -2,31 +2,30 @@
 //!
 //! Every service still serves mTLS gRPC on its own port (identity on the
 //! port base, then revisions, leases, egress, and the dev node's agent), on
-//! SQLite files and an in-process bus in the data directory: nothing else to
-//! install.
+//! SQLite files and one in-process bus in the data directory: nothing else
+//! to install.
 //!
 //! # What is stored in the data directory
-//! - `ca.pem`, `ca-key.pem` (0600): the dev CA, created on first start and
-//!   reused after, so clients configured once keep working.
+//! - `identity.db` and the other `<service>.db`: each service's SQLite store.
+//!   The CA lives in identity's, its key sealed under `auth-secret`.
+//! - `auth-secret` (0600): the dev CA's sealing secret, made on first start.
+//! - `ca.pem`: the CA bundle, mirrored by identity whenever it changes.
 //! - `admin.pem`, `admin-key.pem` (0600): an admin client identity for
-//!   grpcurl and the CLI, re-issued when it nears expiry.
-//! - `<service>.db`: each service's SQLite store.
+//!   grpcurl and the CLI, signed through the same path as `IssueCertificate`
+//!   and re-issued when it nears expiry or no longer chains to the bundle.
 //!
-//! Service and node certificates live only in memory and are re-issued by a
-//! renewal task at half their lifetime.
+//! Service and node certificates live only in memory, issued by identity's
+//! authority and renewed by its keeper.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use berth_core::Identity;
-use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial, cert_not_after, certs_from_pem};
-use berth_runtime::{ServiceSpec, StartError, StateArgs, bind};
+use berth_identity::{Authority, IdentityConfig, IdentityService, KeptIdentity, spawn_keeper, write_bundle};
+use berth_mtls::{TlsMaterial, cert_not_after, certs_from_pem, generate_csr, verify_chain};
+use berth_runtime::{ServiceContext, ServiceSpec, StartError, bind, open_bus, open_store};
 use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
-
-/// How long the dev CA is valid.
-const CA_VALIDITY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 /// How long the admin certificate written to the data directory is valid.
 const ADMIN_VALIDITY: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -34,16 +33,18 @@ const ADMIN_VALIDITY: Duration = Duration::from_secs(30 * 24 * 3600);
 /// An admin certificate closer than this to expiry is re-issued at start.
 const ADMIN_RENEW_BEFORE: Duration = Duration::from_secs(7 * 24 * 3600);
 
-/// How long in-memory service and node certificates are valid; they are
-/// renewed at half of it.
+/// How long in-memory service and node certificates are valid; the keeper
+/// renews them at half of it.
 const LEAF_VALIDITY: Duration = Duration::from_secs(24 * 3600);
 
-/// The control-plane services, in port order from the port base.
-const SERVICES: [ServiceSpec; 4] =
-    [berth_identity::SPEC, berth_revisions::SPEC, berth_leases::SPEC, berth_egress::SPEC];
+/// The control-plane services after identity, in port order.
+const SERVICES: [ServiceSpec; 3] = [berth_revisions::SPEC, berth_leases::SPEC, berth_egress::SPEC];
 
 /// The dev node's id.
 const DEV_NODE: &str = "dev";
+
+/// Length of the generated sealing secret, in random bytes (hex encoded).
+const SECRET_BYTES: usize = 32;
 
 /// Flags of `berth dev`.
 #[derive(Debug, Clone, clap::Args)]
@@ -61,56 +62,68 @@ pub(crate) struct DevArgs {
     host: IpAddr,
 }
 
-/// The dev CA and what it issues.
-struct DevAuthority {
-    ca: CertificateAuthority,
-    host: IpAddr,
-}
-
-impl DevAuthority {
-    /// In-memory material for `identity`, valid for the names clients dial.
-    fn material(&self, identity: &Identity) -> Result<TlsMaterial, StartError> {
-        let sans = vec!["localhost".to_string(), self.host.to_string(), "127.0.0.1".to_string(), "::1".to_string()];
-        let (cert, key) = self.ca.issue(identity, &sans, LEAF_VALIDITY).map_err(StartError::Tls)?;
-        Ok(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem: key, ca_bundle_pem: self.ca.cert_pem().to_string() })
-    }
-}
-
 pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     let dir = &args.data_dir;
     std::fs::create_dir_all(dir).map_err(|source| io("cannot create data directory", dir, source))?;
     probe_writable(dir)?;
-    let authority = DevAuthority { ca: load_or_create_ca(dir)?, host: args.host };
-    ensure_admin_cert(dir, &authority.ca)?;
+    let secret = load_or_create_secret(dir)?;
 
+    // One in-process bus shared the way services share one Redis: each
+    // service under its own prefix.
+    let bus = open_bus("memory://", "berth").await?;
     let shutdown = berth_rpc::shutdown_signal();
-    let mut servers = JoinSet::new();
-    let mut renewals: Vec<(TlsCredentials, Identity)> = Vec::new();
+    let sans = vec!["localhost".to_string(), args.host.to_string(), "127.0.0.1".to_string(), "::1".to_string()];
 
-    for (offset, spec) in (0u16..).zip(SERVICES) {
-        let identity = Identity::service(spec.name).map_err(|e| StartError::Invalid(e.to_string()))?;
-        let credentials = TlsCredentials::new(authority.material(&identity)?).map_err(StartError::Tls)?;
-        let state = StateArgs {
-            database_url: format!("sqlite://{}", dir.join(format!("{}.db", spec.name)).display()),
-            redis_url: "memory://".into(),
-        };
-        let ctx = spec.open(&state, credentials.clone()).await?;
-        let listener = bind(SocketAddr::new(args.host, args.port_base + offset), credentials.clone()).await?;
+    let identity_store =
+        open_store(&sqlite_url(dir, berth_identity::NAME), berth_identity::NAME, berth_identity::MIGRATIONS).await?;
+    let identity_bus = bus.with_prefix(berth_identity::NAME).map_err(StartError::Bus)?;
+    let config = IdentityConfig {
+        auth_secret: secret,
+        authority: berth_identity::AuthorityTiming::default(),
+        node_cert_ttl: Duration::from_secs(3600),
+    };
+    let identity = IdentityService::open(identity_store, identity_bus, config).await.map_err(authority_error)?;
+    let authority = identity.authority().clone();
+    let bundle = authority.bundle_pem().await.map_err(authority_error)?;
+    let ca_path = dir.join("ca.pem");
+    write_bundle(&ca_path, &bundle).map_err(|source| io("cannot write", &ca_path, source))?;
+    ensure_admin_cert(dir, &authority, &bundle).await?;
+
+    let mut servers = JoinSet::new();
+    let mut kept = Vec::new();
+
+    let me = KeptIdentity::issue(&authority, service_identity(berth_identity::NAME)?, sans.clone(), LEAF_VALIDITY)
+        .await
+        .map_err(authority_error)?;
+    let listener = bind(SocketAddr::new(args.host, args.port_base), me.credentials.clone()).await?;
+    identity.spawn_loops(&shutdown);
+    let stop = shutdown.clone();
+    let server = identity.server();
+    servers.spawn(async move { Ok(server.serve(listener, stop).await?) });
+    kept.push(me);
+
+    for (offset, spec) in (1u16..).zip(SERVICES) {
+        let me = KeptIdentity::issue(&authority, service_identity(spec.name)?, sans.clone(), LEAF_VALIDITY)
+            .await
+            .map_err(authority_error)?;
+        let store = open_store(&sqlite_url(dir, spec.name), spec.name, spec.migrations).await?;
+        let bus = bus.with_prefix(spec.name).map_err(StartError::Bus)?;
+        let ctx = ServiceContext { store, bus, credentials: me.credentials.clone() };
+        let listener = bind(SocketAddr::new(args.host, args.port_base + offset), me.credentials.clone()).await?;
         let stop = shutdown.clone();
         servers.spawn(async move { spec.serve(&ctx, listener, stop).await });
-        renewals.push((credentials, identity));
+        kept.push(me);
     }
 
     let node = Identity::node(DEV_NODE).map_err(|e| StartError::Invalid(e.to_string()))?;
-    let node_credentials = TlsCredentials::new(authority.material(&node)?).map_err(StartError::Tls)?;
-    let agent_addr = SocketAddr::new(args.host, args.port_base + 4);
-    let agent_listener = bind(agent_addr, node_credentials.clone()).await?;
+    let node = KeptIdentity::issue(&authority, node, sans.clone(), LEAF_VALIDITY).await.map_err(authority_error)?;
+    let agent_listener = bind(SocketAddr::new(args.host, args.port_base + 4), node.credentials.clone()).await?;
     let stop = shutdown.clone();
-    let agent_credentials = node_credentials.clone();
+    let agent_credentials = node.credentials.clone();
     servers.spawn(async move { berth_agent::serve(agent_listener, agent_credentials, stop).await });
-    renewals.push((node_credentials, node));
+    kept.push(node);
 
-    spawn_renewal(authority, renewals, shutdown.clone());
+    spawn_keeper(authority, kept, LEAF_VALIDITY, Some(ca_path), shutdown.clone());
     print_banner(&args);
 
     // The first server to stop (an error, or all of them after shutdown)
@@ -126,6 +139,18 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         }
     }
     outcome
+}
+
+fn sqlite_url(dir: &Path, name: &str) -> String {
+    format!("sqlite://{}", dir.join(format!("{name}.db")).display())
+}
+
+fn service_identity(name: &str) -> Result<Identity, StartError> {
+    Identity::service(name).map_err(|e| StartError::Invalid(e.to_string()))
+}
+
+fn authority_error(error: berth_identity::AuthorityError) -> StartError {
+    StartError::Invalid(format!("identity: {error}"))
 }
 
 fn io(what: &'static str, path: &Path, source: std::io::Error) -> StartError {
@@ -155,75 +180,48 @@ fn read(path: &Path) -> Result<String, StartError> {
     std::fs::read_to_string(path).map_err(|source| io("cannot read", path, source))
 }
 
-fn load_or_create_ca(dir: &Path) -> Result<CertificateAuthority, StartError> {
-    let cert_path = dir.join("ca.pem");
-    let key_path = dir.join("ca-key.pem");
-    if cert_path.exists() && key_path.exists() {
-        return CertificateAuthority::from_pem(&read(&cert_path)?, &read(&key_path)?).map_err(StartError::Tls);
+/// The dev CA's sealing secret: made once, kept beside the state it opens.
+fn load_or_create_secret(dir: &Path) -> Result<String, StartError> {
+    let path = dir.join("auth-secret");
+    if path.exists() {
+        return Ok(read(&path)?.trim().to_string());
     }
-    if cert_path.exists() != key_path.exists() {
-        return Err(StartError::Invalid(format!(
-            "{} holds only half of the dev CA (ca.pem and ca-key.pem go together); restore the other file or remove both",
-            dir.display()
-        )));
-    }
-    let ca = CertificateAuthority::generate("berth dev CA", CA_VALIDITY).map_err(StartError::Tls)?;
-    // The key first: a crash between the two writes leaves no certificate
-    // without its key.
-    write_private(&key_path, &ca.key_pem())?;
-    std::fs::write(&cert_path, ca.cert_pem()).map_err(|source| io("cannot write", &cert_path, source))?;
-    tracing::info!(fingerprint = %ca.fingerprint(), "created the dev CA");
-    Ok(ca)
+    let bytes: [u8; SECRET_BYTES] = rand::random();
+    let secret: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    write_private(&path, &secret)?;
+    Ok(secret)
 }
 
-/// Issues `admin.pem`/`admin-key.pem` unless a current one signed by this CA
-/// is already there.
-fn ensure_admin_cert(dir: &Path, ca: &CertificateAuthority) -> Result<(), StartError> {
+/// Issues `admin.pem`/`admin-key.pem` unless a current one that chains to
+/// the bundle is already there.
+async fn ensure_admin_cert(dir: &Path, authority: &Authority, bundle: &str) -> Result<(), StartError> {
     let cert_path = dir.join("admin.pem");
     let key_path = dir.join("admin-key.pem");
-    if key_path.exists()
-        && let Ok(pem) = std::fs::read_to_string(&cert_path)
-        && let Ok(material) = TlsMaterial::from_files(&cert_path, &key_path, dir.join("ca.pem"))
-        && TlsCredentials::new(material).is_ok()
+    if let Ok(pem) = std::fs::read_to_string(&cert_path)
+        && let Ok(key) = std::fs::read_to_string(&key_path)
+        && berth_mtls::TlsCredentials::new(TlsMaterial {
+            cert_chain_pem: pem.clone(),
+            key_pem: key,
+            ca_bundle_pem: bundle.to_string(),
+        })
+        .is_ok()
+        && verify_chain(&pem, bundle).is_ok()
         && let Ok(certs) = certs_from_pem("certificate", &pem)
         && let Ok(not_after) = cert_not_after(&certs[0])
-        && issued_by(&pem, ca)
         && not_after - now_secs() > ADMIN_RENEW_BEFORE.as_secs() as i64
     {
         return Ok(());
     }
     let admin = Identity::admin("dev").map_err(|e| StartError::Invalid(e.to_string()))?;
-    let (cert, key) = ca.issue(&admin, &[], ADMIN_VALIDITY).map_err(StartError::Tls)?;
+    let (csr, key) = generate_csr("dev").map_err(StartError::Tls)?;
+    let cert = authority.sign(&csr, &admin, &[], ADMIN_VALIDITY).await.map_err(authority_error)?;
     write_private(&key_path, &key)?;
     std::fs::write(&cert_path, cert.cert_pem).map_err(|source| io("cannot write", &cert_path, source))?;
     Ok(())
 }
 
-/// Whether `cert_pem` verifies as signed by `ca`: the trust bundle of the
-/// CA alone must accept it as a client.
-fn issued_by(cert_pem: &str, ca: &CertificateAuthority) -> bool {
-    berth_mtls::verify_chain(cert_pem, ca.cert_pem()).is_ok()
-}
-
 fn now_secs() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
-}
-
-fn spawn_renewal(authority: DevAuthority, holders: Vec<(TlsCredentials, Identity)>, stop: CancellationToken) {
-    tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(LEAF_VALIDITY / 2) => {}
-            }
-            for (credentials, identity) in &holders {
-                match authority.material(identity).and_then(|m| credentials.reload(m).map_err(StartError::Tls)) {
-                    Ok(()) => tracing::info!(%identity, "renewed certificate"),
-                    Err(error) => tracing::warn!(%identity, %error, "certificate renewal failed; will retry"),
-                }
-            }
-        }
-    });
 }
 
 fn print_banner(args: &DevArgs) {

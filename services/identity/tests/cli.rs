@@ -1,33 +1,18 @@
 //! The service binary's bad-input paths, as an operator meets them: one line
 //! naming the problem and a non-zero exit, never a panic.
 
-use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use berth_core::Identity;
-use berth_mtls::CertificateAuthority;
+const SECRET: &str = "a-test-secret-that-is-long-enough-0123";
 
-fn write_certs(dir: &Path) {
-    let ca = CertificateAuthority::generate("test CA", Duration::from_secs(3600)).unwrap();
-    let (cert, key) =
-        ca.issue(&Identity::service("identity").unwrap(), &["localhost".into()], Duration::from_secs(600)).unwrap();
-    std::fs::write(dir.join("ca.pem"), ca.cert_pem()).unwrap();
-    std::fs::write(dir.join("cert.pem"), cert.cert_pem).unwrap();
-    std::fs::write(dir.join("key.pem"), key).unwrap();
-}
-
-fn identity(dir: &Path, extra: &[&str]) -> std::process::Output {
+fn identity(extra: &[&str]) -> std::process::Output {
+    let listen: &[&str] = if extra.contains(&"--listen") { &[] } else { &["--listen", "127.0.0.1:0"] };
     Command::new(env!("CARGO_BIN_EXE_berth-identity"))
-        .arg("--tls-cert")
-        .arg(dir.join("cert.pem"))
-        .arg("--tls-key")
-        .arg(dir.join("key.pem"))
-        .arg("--ca-file")
-        .arg(dir.join("ca.pem"))
-        .args(["--listen", "127.0.0.1:0"])
+        .args(listen)
         .args(extra)
         .env_remove("BERTH_DATABASE_URL")
+        .env_remove("BERTH_AUTH_SECRET")
         .output()
         .unwrap()
 }
@@ -38,10 +23,8 @@ fn error_lines(stderr: &str) -> Vec<&str> {
 
 #[test]
 fn unreachable_database_fails_fast_with_one_line() {
-    let tmp = tempfile::tempdir().unwrap();
-    write_certs(tmp.path());
     let started = Instant::now();
-    let out = identity(tmp.path(), &["--database-url", "postgres://postgres@127.0.0.1:1/berth"]);
+    let out = identity(&["--auth-secret", SECRET, "--database-url", "postgres://postgres@127.0.0.1:1/berth"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     let errors = error_lines(&stderr);
@@ -53,21 +36,38 @@ fn unreachable_database_fails_fast_with_one_line() {
 }
 
 #[test]
-fn missing_certificate_file_names_the_file() {
+fn short_auth_secret_is_refused_before_anything_starts() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = identity(tmp.path(), &["--database-url", "sqlite://x.db"]);
+    let db = format!("sqlite://{}", tmp.path().join("identity.db").display());
+    let out = identity(&["--auth-secret", "short", "--database-url", &db]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     let errors = error_lines(&stderr);
     assert_eq!(errors.len(), 1, "{stderr}");
-    assert!(errors[0].contains("cert.pem"), "{stderr}");
+    assert!(errors[0].contains("--auth-secret must be at least 32 characters"), "{stderr}");
+    assert!(!tmp.path().join("identity.db").exists(), "nothing was created");
+}
+
+#[test]
+fn wrong_auth_secret_cannot_unseal_the_ca() {
+    let tmp = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", tmp.path().join("identity.db").display());
+    // The first start creates the CA, then fails to bind a taken port and exits.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().to_string();
+    let first = identity(&["--auth-secret", SECRET, "--database-url", &db, "--listen", &port]);
+    assert!(String::from_utf8_lossy(&first.stderr).contains("cannot listen on"), "{first:?}");
+    let out = identity(&["--auth-secret", &format!("{SECRET}-other"), "--database-url", &db]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let errors = error_lines(&stderr);
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].contains("cannot unseal the CA key"), "{stderr}");
 }
 
 #[test]
 fn missing_database_flag_is_a_usage_error() {
-    let tmp = tempfile::tempdir().unwrap();
-    write_certs(tmp.path());
-    let out = identity(tmp.path(), &[]);
+    let out = identity(&["--auth-secret", SECRET]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--database-url"), "{stderr}");
@@ -75,9 +75,7 @@ fn missing_database_flag_is_a_usage_error() {
 
 #[test]
 fn bad_database_url_scheme_is_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    write_certs(tmp.path());
-    let out = identity(tmp.path(), &["--database-url", "mysql://localhost/x"]);
+    let out = identity(&["--auth-secret", SECRET, "--database-url", "mysql://localhost/x"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert_eq!(error_lines(&stderr).len(), 1, "{stderr}");

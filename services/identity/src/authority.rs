@@ -1,0 +1,669 @@
+//! The CA custodian: the mesh's certificate authorities, kept in the identity
+//! schema with their private keys sealed, and every signature identity makes.
+//!
+//! # What is stored
+//! One row per authority in `authorities`: its certificate, its key sealed
+//! with ChaCha20-Poly1305 under a key derived by HKDF-SHA256 from
+//! `--auth-secret` (with a domain-separation label, and the certificate's
+//! fingerprint as associated data so a sealed key cannot be swapped onto
+//! another certificate), its state, and the latest expiry of anything it
+//! signed.
+//!
+//! # Invariants
+//! - Exactly one authority is active (a unique `active_slot`); two replicas
+//!   creating the first CA at once both insert-if-absent and both end up
+//!   using the one that won.
+//! - Rotation is SPIRE-style: `prepared` (in the bundle, signs nothing) →
+//!   `active` → `retired` (in the bundle until the last certificate it signed
+//!   has expired, then dropped). Activation is refused until the prepared CA
+//!   has been in the bundle for [`AuthorityTiming::min_prepared`], so every
+//!   heartbeating agent has it before it signs.
+//! - The plain CA key never leaves this module except as the in-memory
+//!   signer; it is never logged or returned.
+
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use berth_core::Identity;
+use berth_mtls::{CertificateAuthority, IssuedCertificate, MtlsError, TlsMaterial, cert_not_after, certs_from_pem};
+use berth_proto::identity::v1;
+use berth_store::{Store, StoreError, TxError};
+use ring::aead::{self, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
+use ring::hkdf;
+use ring::rand::{SecureRandom, SystemRandom};
+use sqlx::Row;
+use tonic::{Request, Response, Status};
+
+/// The shortest `--auth-secret` accepted.
+pub const AUTH_SECRET_MIN_LEN: usize = 32;
+
+/// HKDF salt and info: the derived key seals CA keys of berth identity v1 and
+/// nothing else.
+const SEAL_SALT: &[u8] = b"berth.identity.v1";
+const SEAL_INFO: &[u8] = b"berth/identity/ca-key-seal/v1";
+
+/// How long a replica trusts its cached view of the authorities; another
+/// replica's rotation reaches it within this.
+const CACHE_TTL: Duration = Duration::from_secs(2);
+
+/// Issuance marks are written rounded up by this much, so a steady stream of
+/// same-lifetime certificates writes the row once per step, not per signature.
+const MARK_STEP_MS: i64 = 10 * 60 * 1000;
+
+/// CA lifetimes and rotation timing.
+#[derive(Debug, Clone)]
+pub struct AuthorityTiming {
+    /// How long a new CA is valid.
+    pub ca_validity: Duration,
+    /// How long a prepared CA must have been in the bundle before it may be
+    /// activated (a few heartbeat intervals).
+    pub min_prepared: Duration,
+    /// Default lifetime of admin certificates from `IssueCertificate`.
+    pub admin_cert_ttl: Duration,
+    /// Default lifetime of service certificates from `IssueCertificate`.
+    pub service_cert_ttl: Duration,
+    /// The longest lifetime `IssueCertificate` grants.
+    pub max_cert_ttl: Duration,
+}
+
+impl Default for AuthorityTiming {
+    fn default() -> Self {
+        Self {
+            ca_validity: Duration::from_secs(10 * 365 * 24 * 3600),
+            min_prepared: Duration::from_secs(30),
+            admin_cert_ttl: Duration::from_secs(24 * 3600),
+            service_cert_ttl: Duration::from_secs(7 * 24 * 3600),
+            max_cert_ttl: Duration::from_secs(90 * 24 * 3600),
+        }
+    }
+}
+
+/// Why an authority operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthorityError {
+    /// The CSR could not be parsed or its signature does not verify.
+    #[error("invalid csr_pem: {0}")]
+    Csr(String),
+    /// The CSR's key is weak or of an unsupported kind.
+    #[error("{0}")]
+    WeakKey(String),
+    /// A request field is wrong; the message names it.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The secret is too short to seal a CA key with.
+    #[error("--auth-secret must be at least {AUTH_SECRET_MIN_LEN} characters")]
+    SecretTooShort,
+    /// A sealed key did not open: the secret differs from the one it was sealed with.
+    #[error("cannot unseal the CA key: --auth-secret differs from the one the CA was created with")]
+    Unseal,
+    /// A rotation step is not possible now; the message says why.
+    #[error("{0}")]
+    Rotation(String),
+    /// Certificate generation failed.
+    #[error("certificate operation failed: {0}")]
+    Mtls(#[source] MtlsError),
+    /// The stored authorities are inconsistent (no active CA after creation).
+    #[error("no active CA in the identity schema")]
+    NoActive,
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl TxError for AuthorityError {
+    fn store_error(&self) -> Option<&StoreError> {
+        match self {
+            AuthorityError::Store(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<sqlx::Error> for AuthorityError {
+    fn from(error: sqlx::Error) -> Self {
+        AuthorityError::Store(error.into())
+    }
+}
+
+impl From<MtlsError> for AuthorityError {
+    fn from(error: MtlsError) -> Self {
+        match error {
+            MtlsError::Csr(detail) | MtlsError::Pem { detail, .. } => AuthorityError::Csr(detail),
+            e @ MtlsError::WeakKey(_) => AuthorityError::WeakKey(format!("csr_pem: {e}")),
+            other => AuthorityError::Mtls(other),
+        }
+    }
+}
+
+impl From<AuthorityError> for Status {
+    fn from(error: AuthorityError) -> Self {
+        match error {
+            AuthorityError::Csr(_) | AuthorityError::WeakKey(_) | AuthorityError::InvalidArgument(_) => {
+                Status::invalid_argument(error.to_string())
+            }
+            AuthorityError::Rotation(_) => Status::failed_precondition(error.to_string()),
+            AuthorityError::Store(e) => e.into(),
+            other => {
+                tracing::error!(error = %other, "authority failure");
+                Status::internal("the certificate authority failed; see the identity service's log")
+            }
+        }
+    }
+}
+
+/// Where an authority is in its rotation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Prepared,
+    Active,
+    Retired,
+}
+
+impl State {
+    fn as_str(self) -> &'static str {
+        match self {
+            State::Prepared => "prepared",
+            State::Active => "active",
+            State::Retired => "retired",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self, AuthorityError> {
+        match s {
+            "prepared" => Ok(State::Prepared),
+            "active" => Ok(State::Active),
+            "retired" => Ok(State::Retired),
+            other => Err(AuthorityError::Store(StoreError::internal(format!("unknown authority state '{other}'")))),
+        }
+    }
+
+    fn to_proto(self) -> v1::AuthorityState {
+        match self {
+            State::Prepared => v1::AuthorityState::Prepared,
+            State::Active => v1::AuthorityState::Active,
+            State::Retired => v1::AuthorityState::Retired,
+        }
+    }
+}
+
+/// One stored authority.
+#[derive(Debug, Clone)]
+struct Row0 {
+    fingerprint: String,
+    cert_pem: String,
+    sealed_key: Vec<u8>,
+    state: State,
+    created_at_ms: i64,
+    not_after_ms: i64,
+    last_signed_not_after_ms: i64,
+}
+
+/// What a replica knows of the authorities, refreshed every [`CACHE_TTL`].
+struct View {
+    loaded: Instant,
+    rows: Vec<Row0>,
+    active: Arc<CertificateAuthority>,
+    /// The issuance mark already written for the active authority.
+    active_mark_ms: i64,
+    bundle_pem: String,
+}
+
+struct Inner {
+    store: Store,
+    seal: LessSafeKey,
+    timing: AuthorityTiming,
+    view: RwLock<Option<Arc<View>>>,
+    /// One refresh at a time; others wait for it rather than stampede.
+    refresh: tokio::sync::Mutex<()>,
+}
+
+/// Holds the CA in the identity schema and signs with it; cheap to clone.
+#[derive(Clone)]
+pub struct Authority {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Authority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Authority").field("timing", &self.inner.timing).finish_non_exhaustive()
+    }
+}
+
+fn sealing_key(secret: &str) -> Result<LessSafeKey, AuthorityError> {
+    if secret.len() < AUTH_SECRET_MIN_LEN {
+        return Err(AuthorityError::SecretTooShort);
+    }
+    let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, SEAL_SALT).extract(secret.as_bytes());
+    let okm = prk.expand(&[SEAL_INFO], &aead::CHACHA20_POLY1305).map_err(|_| AuthorityError::Unseal)?;
+    Ok(LessSafeKey::new(UnboundKey::from(okm)))
+}
+
+fn seal(key: &LessSafeKey, fingerprint: &str, plain: &[u8]) -> Result<Vec<u8>, AuthorityError> {
+    let mut nonce = [0u8; NONCE_LEN];
+    SystemRandom::new()
+        .fill(&mut nonce)
+        .map_err(|_| AuthorityError::Mtls(MtlsError::Verifier("no system randomness".into())))?;
+    let mut sealed = plain.to_vec();
+    key.seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::from(fingerprint.as_bytes()), &mut sealed)
+        .map_err(|_| AuthorityError::Unseal)?;
+    let mut out = nonce.to_vec();
+    out.extend_from_slice(&sealed);
+    Ok(out)
+}
+
+fn unseal(key: &LessSafeKey, fingerprint: &str, sealed: &[u8]) -> Result<String, AuthorityError> {
+    if sealed.len() < NONCE_LEN {
+        return Err(AuthorityError::Unseal);
+    }
+    let (nonce, body) = sealed.split_at(NONCE_LEN);
+    let nonce = Nonce::try_assume_unique_for_key(nonce).map_err(|_| AuthorityError::Unseal)?;
+    let mut body = body.to_vec();
+    let plain =
+        key.open_in_place(nonce, Aad::from(fingerprint.as_bytes()), &mut body).map_err(|_| AuthorityError::Unseal)?;
+    String::from_utf8(plain.to_vec()).map_err(|_| AuthorityError::Unseal)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+fn timestamp(ms: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp { seconds: ms.div_euclid(1000), nanos: (ms.rem_euclid(1000) * 1_000_000) as i32 }
+}
+
+impl Authority {
+    /// Loads the authorities, creating the first CA if there is none, and
+    /// checks that `auth_secret` opens the active one.
+    pub async fn open(store: Store, auth_secret: &str, timing: AuthorityTiming) -> Result<Self, AuthorityError> {
+        let seal = sealing_key(auth_secret)?;
+        let authority = Authority {
+            inner: Arc::new(Inner {
+                store,
+                seal,
+                timing,
+                view: RwLock::new(None),
+                refresh: tokio::sync::Mutex::new(()),
+            }),
+        };
+        if !authority.load_rows().await?.iter().any(|r| r.state == State::Active) {
+            authority.create_first().await?;
+        }
+        authority.refresh().await?;
+        Ok(authority)
+    }
+
+    async fn create_first(&self) -> Result<(), AuthorityError> {
+        let (fingerprint, cert_pem, sealed, not_after_ms) = self.generate("berth CA")?;
+        let now = now_ms();
+        // Insert-if-absent on the active slot: of two replicas racing here,
+        // one row wins and the other insert does nothing.
+        sqlx::query(
+            "INSERT INTO authorities (fingerprint, cert_pem, sealed_key, state, active_slot, created_at_ms, \
+             activated_at_ms, not_after_ms) VALUES ($1, $2, $3, 'active', 1, $4, $4, $5) ON CONFLICT DO NOTHING",
+        )
+        .bind(&fingerprint)
+        .bind(&cert_pem)
+        .bind(sealed)
+        .bind(now)
+        .bind(not_after_ms)
+        .execute(self.inner.store.pool())
+        .await?;
+        tracing::info!(%fingerprint, "certificate authority ready");
+        Ok(())
+    }
+
+    /// A new CA, its fingerprint, PEM, sealed key and expiry.
+    fn generate(&self, name: &str) -> Result<(String, String, Vec<u8>, i64), AuthorityError> {
+        let ca = CertificateAuthority::generate(name, self.inner.timing.ca_validity).map_err(AuthorityError::Mtls)?;
+        let fingerprint = ca.fingerprint();
+        let sealed = seal(&self.inner.seal, &fingerprint, ca.key_pem().as_bytes())?;
+        let der = certs_from_pem("CA certificate", ca.cert_pem()).map_err(AuthorityError::Mtls)?;
+        let not_after_ms = cert_not_after(&der[0]).map_err(AuthorityError::Mtls)? * 1000;
+        Ok((fingerprint, ca.cert_pem().to_string(), sealed, not_after_ms))
+    }
+
+    async fn load_rows(&self) -> Result<Vec<Row0>, AuthorityError> {
+        let rows = sqlx::query(
+            "SELECT fingerprint, cert_pem, sealed_key, state, created_at_ms, not_after_ms, last_signed_not_after_ms \
+             FROM authorities ORDER BY created_at_ms",
+        )
+        .fetch_all(self.inner.store.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(Row0 {
+                    fingerprint: r.try_get("fingerprint")?,
+                    cert_pem: r.try_get("cert_pem")?,
+                    sealed_key: r.try_get("sealed_key")?,
+                    state: State::parse(&r.try_get::<String, _>("state")?)?,
+                    created_at_ms: r.try_get("created_at_ms")?,
+                    not_after_ms: r.try_get("not_after_ms")?,
+                    last_signed_not_after_ms: r.try_get("last_signed_not_after_ms")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Re-reads the authorities and rebuilds the view.
+    async fn refresh(&self) -> Result<Arc<View>, AuthorityError> {
+        let requested = Instant::now();
+        let _one = self.inner.refresh.lock().await;
+        // Another caller's refresh that started after this request began
+        // already saw everything this one would.
+        if let Some(view) = self.cached()
+            && view.loaded > requested
+        {
+            return Ok(view);
+        }
+        let now = now_ms();
+        let rows: Vec<Row0> = self
+            .load_rows()
+            .await?
+            .into_iter()
+            .filter(|r| r.not_after_ms > now && (r.state != State::Retired || r.last_signed_not_after_ms > now))
+            .collect();
+        let active_row = rows.iter().find(|r| r.state == State::Active).ok_or(AuthorityError::NoActive)?;
+        let previous = self.cached();
+        let active = match previous.as_ref().filter(|v| v.active.fingerprint() == active_row.fingerprint) {
+            Some(v) => v.active.clone(),
+            None => {
+                let key_pem = unseal(&self.inner.seal, &active_row.fingerprint, &active_row.sealed_key)?;
+                Arc::new(CertificateAuthority::from_pem(&active_row.cert_pem, &key_pem).map_err(AuthorityError::Mtls)?)
+            }
+        };
+        let mut ordered: Vec<&Row0> = rows.iter().collect();
+        ordered.sort_by_key(|r| match r.state {
+            State::Active => 0,
+            State::Prepared => 1,
+            State::Retired => 2,
+        });
+        let bundle_pem = ordered.iter().map(|r| r.cert_pem.trim_end().to_string() + "\n").collect::<String>();
+        let view = Arc::new(View {
+            loaded: Instant::now(),
+            active_mark_ms: active_row.last_signed_not_after_ms,
+            active,
+            bundle_pem,
+            rows,
+        });
+        *self.inner.view.write().unwrap_or_else(|e| e.into_inner()) = Some(view.clone());
+        Ok(view)
+    }
+
+    fn cached(&self) -> Option<Arc<View>> {
+        self.inner.view.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    async fn view(&self) -> Result<Arc<View>, AuthorityError> {
+        match self.cached() {
+            Some(view) if view.loaded.elapsed() < CACHE_TTL => Ok(view),
+            _ => self.refresh().await,
+        }
+    }
+
+    /// Every CA certificate to trust now (active, prepared, and retired ones
+    /// whose signatures are still live), PEM, active first. Cached; cheap.
+    pub async fn bundle_pem(&self) -> Result<String, AuthorityError> {
+        Ok(self.view().await?.bundle_pem.clone())
+    }
+
+    /// Signs a node certificate for `node_id` from the node's CSR. The CSR's
+    /// signature and key strength are checked; its requested names are not
+    /// used.
+    pub async fn sign_node(
+        &self,
+        csr_pem: &str,
+        node_id: &str,
+        extra_sans: &[String],
+        ttl: Duration,
+    ) -> Result<IssuedCertificate, AuthorityError> {
+        let identity = Identity::node(node_id).map_err(|e| AuthorityError::InvalidArgument(e.to_string()))?;
+        self.sign(csr_pem, &identity, extra_sans, ttl).await
+    }
+
+    /// Signs `csr_pem` for any identity.
+    pub async fn sign(
+        &self,
+        csr_pem: &str,
+        identity: &Identity,
+        extra_sans: &[String],
+        ttl: Duration,
+    ) -> Result<IssuedCertificate, AuthorityError> {
+        let view = self.view().await?;
+        let cert = view.active.sign_csr(csr_pem, identity, extra_sans, ttl)?;
+        self.mark(&view, cert.not_after * 1000).await?;
+        Ok(cert)
+    }
+
+    /// Issues a key and certificate for `identity` in-process (for the
+    /// processes that share identity's address space: `berth dev`, and
+    /// identity's own serving certificate).
+    pub async fn issue_material(
+        &self,
+        identity: &Identity,
+        extra_sans: &[String],
+        ttl: Duration,
+    ) -> Result<TlsMaterial, AuthorityError> {
+        let view = self.view().await?;
+        let (cert, key_pem) = view.active.issue(identity, extra_sans, ttl).map_err(AuthorityError::Mtls)?;
+        self.mark(&view, cert.not_after * 1000).await?;
+        Ok(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: view.bundle_pem.clone() })
+    }
+
+    /// Records that the active authority signed something valid until
+    /// `not_after_ms`, so it is kept in the bundle at least that long after
+    /// it retires.
+    async fn mark(&self, view: &View, not_after_ms: i64) -> Result<(), AuthorityError> {
+        if not_after_ms <= view.active_mark_ms {
+            return Ok(());
+        }
+        let mark = (not_after_ms / MARK_STEP_MS + 1) * MARK_STEP_MS;
+        sqlx::query(
+            "UPDATE authorities SET last_signed_not_after_ms = $2 WHERE fingerprint = $1 AND last_signed_not_after_ms < $2",
+        )
+        .bind(view.active.fingerprint())
+        .bind(mark)
+        .execute(self.inner.store.pool())
+        .await?;
+        self.refresh().await?;
+        Ok(())
+    }
+
+    /// Prepares a new CA, replacing any prepared one: it joins the bundle but
+    /// signs nothing until activated.
+    pub async fn prepare(&self) -> Result<(), AuthorityError> {
+        let (fingerprint, cert_pem, sealed, not_after_ms) = self.generate("berth CA")?;
+        let now = now_ms();
+        self.inner
+            .store
+            .tx("authority.prepare", |conn| {
+                let (fingerprint, cert_pem, sealed) = (fingerprint.clone(), cert_pem.clone(), sealed.clone());
+                Box::pin(async move {
+                    sqlx::query("DELETE FROM authorities WHERE state = 'prepared'").execute(&mut *conn).await?;
+                    sqlx::query(
+                        "INSERT INTO authorities (fingerprint, cert_pem, sealed_key, state, created_at_ms, not_after_ms) \
+                         VALUES ($1, $2, $3, 'prepared', $4, $5)",
+                    )
+                    .bind(fingerprint)
+                    .bind(cert_pem)
+                    .bind(sealed)
+                    .bind(now)
+                    .bind(not_after_ms)
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok::<_, AuthorityError>(())
+                })
+            })
+            .await?;
+        tracing::info!(%fingerprint, "prepared a new certificate authority");
+        self.refresh().await?;
+        Ok(())
+    }
+
+    /// Activates the prepared CA; the active one retires.
+    pub async fn activate(&self) -> Result<(), AuthorityError> {
+        let now = now_ms();
+        let min_prepared_ms = self.inner.timing.min_prepared.as_millis() as i64;
+        let fingerprint = self
+            .inner
+            .store
+            .tx("authority.activate", |conn| {
+                Box::pin(async move {
+                    let prepared =
+                        sqlx::query("SELECT fingerprint, created_at_ms FROM authorities WHERE state = 'prepared'")
+                            .fetch_optional(&mut *conn)
+                            .await?;
+                    let Some(prepared) = prepared else {
+                        return Err(AuthorityError::Rotation(
+                            "no prepared CA to activate; call RotateCA with activate=false first".into(),
+                        ));
+                    };
+                    let fingerprint: String = prepared.try_get("fingerprint")?;
+                    let created: i64 = prepared.try_get("created_at_ms")?;
+                    let ready_at = created + min_prepared_ms;
+                    if now < ready_at {
+                        return Err(AuthorityError::Rotation(format!(
+                            "the prepared CA has been in the bundle for {}s; wait {}s more so every node has it",
+                            (now - created) / 1000,
+                            (ready_at - now + 999) / 1000
+                        )));
+                    }
+                    sqlx::query("UPDATE authorities SET state = 'retired', active_slot = NULL WHERE state = 'active'")
+                        .execute(&mut *conn)
+                        .await?;
+                    let done = sqlx::query(
+                        "UPDATE authorities SET state = 'active', active_slot = 1, activated_at_ms = $2 \
+                         WHERE fingerprint = $1 AND state = 'prepared'",
+                    )
+                    .bind(&fingerprint)
+                    .bind(now)
+                    .execute(&mut *conn)
+                    .await?;
+                    berth_store::expect_one(done.rows_affected(), "prepared authority")?;
+                    Ok(fingerprint)
+                })
+            })
+            .await?;
+        tracing::info!(%fingerprint, "activated the prepared certificate authority");
+        self.refresh().await?;
+        Ok(())
+    }
+
+    async fn describe(&self) -> Result<(String, Vec<v1::CertificateAuthority>), AuthorityError> {
+        let view = self.refresh().await?;
+        let mut authorities: Vec<v1::CertificateAuthority> = view
+            .rows
+            .iter()
+            .map(|r| v1::CertificateAuthority {
+                fingerprint: r.fingerprint.clone(),
+                state: r.state.to_proto() as i32,
+                not_before: Some(timestamp(r.created_at_ms)),
+                not_after: Some(timestamp(r.not_after_ms)),
+                certificate_pem: r.cert_pem.clone(),
+            })
+            .collect();
+        authorities.sort_by_key(|a| match v1::AuthorityState::try_from(a.state) {
+            Ok(v1::AuthorityState::Active) => 0,
+            Ok(v1::AuthorityState::Prepared) => 1,
+            _ => 2,
+        });
+        Ok((view.bundle_pem.clone(), authorities))
+    }
+
+    /// The state name of the authority with `fingerprint`, if it is in the bundle.
+    pub async fn state_of(&self, fingerprint: &str) -> Result<Option<&'static str>, AuthorityError> {
+        Ok(self.view().await?.rows.iter().find(|r| r.fingerprint == fingerprint).map(|r| r.state.as_str()))
+    }
+
+    /// The fingerprint of the active authority.
+    pub async fn active_fingerprint(&self) -> Result<String, AuthorityError> {
+        Ok(self.view().await?.active.fingerprint())
+    }
+}
+
+#[tonic::async_trait]
+impl v1::authority_server::Authority for Authority {
+    async fn get_ca_bundle(
+        &self,
+        _request: Request<v1::GetCaBundleRequest>,
+    ) -> Result<Response<v1::GetCaBundleResponse>, Status> {
+        let (ca_bundle_pem, authorities) = self.describe().await?;
+        Ok(Response::new(v1::GetCaBundleResponse { ca_bundle_pem, authorities }))
+    }
+
+    async fn rotate_ca(&self, request: Request<v1::RotateCaRequest>) -> Result<Response<v1::RotateCaResponse>, Status> {
+        if request.get_ref().activate {
+            self.activate().await?;
+        } else {
+            self.prepare().await?;
+        }
+        let (ca_bundle_pem, authorities) = self.describe().await?;
+        Ok(Response::new(v1::RotateCaResponse { ca_bundle_pem, authorities }))
+    }
+
+    async fn issue_certificate(
+        &self,
+        request: Request<v1::IssueCertificateRequest>,
+    ) -> Result<Response<v1::IssueCertificateResponse>, Status> {
+        let caller = berth_rpc::caller(&request)?.clone();
+        let req = request.into_inner();
+        let timing = &self.inner.timing;
+        let (identity, default_ttl) = match v1::CertificateKind::try_from(req.kind) {
+            Ok(v1::CertificateKind::Admin) => (Identity::admin(&req.name), timing.admin_cert_ttl),
+            Ok(v1::CertificateKind::Service) => (Identity::service(&req.name), timing.service_cert_ttl),
+            _ => {
+                return Err(Status::invalid_argument(
+                    "kind must be CERTIFICATE_KIND_ADMIN or CERTIFICATE_KIND_SERVICE (node certificates come from Join)",
+                ));
+            }
+        };
+        let identity = identity.map_err(|e| Status::invalid_argument(format!("name: {e}")))?;
+        let ttl = match req.ttl_seconds {
+            0 => default_ttl,
+            s => Duration::from_secs(u64::from(s)),
+        };
+        if ttl > timing.max_cert_ttl {
+            return Err(Status::invalid_argument(format!(
+                "ttl_seconds: at most {} seconds",
+                timing.max_cert_ttl.as_secs()
+            )));
+        }
+        if identity.kind() == berth_core::CallerKind::Admin && !req.dns_names.is_empty() {
+            return Err(Status::invalid_argument("dns_names: only service certificates carry host names"));
+        }
+        if let Some(bad) =
+            req.dns_names.iter().find(|n| n.is_empty() || n.len() > 253 || n.ends_with(".berth.internal"))
+        {
+            return Err(Status::invalid_argument(format!(
+                "dns_names: '{bad}' is not a host name a service can be dialled by"
+            )));
+        }
+        let cert = self.sign(&req.csr_pem, &identity, &req.dns_names, ttl).await?;
+        tracing::info!(issued_to = %identity, by = %caller, not_after = cert.not_after, "issued certificate");
+        Ok(Response::new(v1::IssueCertificateResponse {
+            certificate_pem: cert.cert_pem,
+            ca_bundle_pem: self.bundle_pem().await?,
+            expires_at: Some(timestamp(cert.not_after * 1000)),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sealed_key_opens_only_with_its_secret_and_fingerprint() {
+        let key = sealing_key(&"s".repeat(32)).unwrap();
+        let sealed = seal(&key, "fp-a", b"private").unwrap();
+        assert_eq!(unseal(&key, "fp-a", &sealed).unwrap(), "private");
+        assert!(matches!(unseal(&key, "fp-b", &sealed), Err(AuthorityError::Unseal)));
+        let other = sealing_key(&"t".repeat(32)).unwrap();
+        assert!(matches!(unseal(&other, "fp-a", &sealed), Err(AuthorityError::Unseal)));
+        assert!(matches!(unseal(&key, "fp-a", &sealed[..5]), Err(AuthorityError::Unseal)));
+    }
+
+    #[test]
+    fn short_secret_is_refused() {
+        assert!(matches!(sealing_key("short"), Err(AuthorityError::SecretTooShort)));
+    }
+}

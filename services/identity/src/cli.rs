@@ -1,0 +1,84 @@
+//! The identity binary's flags and startup.
+//!
+//! Identity holds the CA, so it needs no certificate files: it issues its
+//! own serving certificate (`identity.svc.berth.internal` plus
+//! `--advertise-names`) and renews it, and can mirror the CA bundle to a
+//! file for agents and operators to pin.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use berth_core::Identity;
+use berth_runtime::{StartError, StateArgs, TelemetryArgs, bind, open_bus, open_store, run_main};
+use clap::Parser;
+
+use crate::authority::{AUTH_SECRET_MIN_LEN, AuthorityTiming};
+use crate::keeper::{KeptIdentity, spawn_keeper};
+use crate::{IdentityConfig, IdentityService, MIGRATIONS, NAME};
+
+/// How long identity's own serving certificate lives; renewed at half.
+const SERVING_CERT_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// The berth identity service: the CA, join tokens, node join and
+/// heartbeats, the node registry and revocation.
+#[derive(Debug, Parser)]
+#[command(name = "berth-identity", version)]
+struct Args {
+    /// Address to serve mTLS gRPC on.
+    #[arg(long, env = "BERTH_LISTEN", default_value = "0.0.0.0:7443")]
+    listen: SocketAddr,
+    /// Secret the CA private key is sealed under (at least 32 characters).
+    /// Every replica needs the same one; losing it loses the CA.
+    #[arg(long, env = "BERTH_AUTH_SECRET", hide_env_values = true)]
+    auth_secret: String,
+    /// Host names and IPs clients dial identity by, written into the
+    /// certificate identity issues itself (comma separated).
+    #[arg(long, env = "BERTH_ADVERTISE_NAMES", value_delimiter = ',', default_value = "localhost,127.0.0.1")]
+    advertise_names: Vec<String>,
+    /// Write the CA bundle here on start and whenever it changes (for agents
+    /// and clients to pin).
+    #[arg(long, env = "BERTH_CA_BUNDLE_OUT", value_name = "FILE")]
+    ca_bundle_out: Option<PathBuf>,
+    /// Lifetime of node certificates, in seconds; agents renew past half.
+    #[arg(long, env = "BERTH_NODE_CERT_TTL", default_value_t = 3600, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(10..=30 * 24 * 3600))]
+    node_cert_ttl: u64,
+    #[command(flatten)]
+    state: StateArgs,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+/// Parses the flags and runs identity until SIGTERM or Ctrl-C.
+pub fn main() -> ExitCode {
+    let args = Args::parse();
+    let telemetry = args.telemetry.clone();
+    run_main("berth-identity", &telemetry, || run(args))
+}
+
+async fn run(args: Args) -> Result<(), StartError> {
+    if args.auth_secret.len() < AUTH_SECRET_MIN_LEN {
+        return Err(StartError::Invalid(format!("--auth-secret must be at least {AUTH_SECRET_MIN_LEN} characters")));
+    }
+    let shutdown = berth_rpc::shutdown_signal();
+    let store = open_store(&args.state.database_url, NAME, MIGRATIONS).await?;
+    let bus = open_bus(&args.state.redis_url, NAME).await?;
+    let config = IdentityConfig {
+        auth_secret: args.auth_secret,
+        authority: AuthorityTiming::default(),
+        node_cert_ttl: Duration::from_secs(args.node_cert_ttl),
+    };
+    let service = IdentityService::open(store, bus, config).await.map_err(|e| StartError::Invalid(e.to_string()))?;
+    let me = Identity::service(NAME).map_err(|e| StartError::Invalid(e.to_string()))?;
+    let kept = KeptIdentity::issue(service.authority(), me, args.advertise_names, SERVING_CERT_TTL)
+        .await
+        .map_err(|e| StartError::Invalid(e.to_string()))?;
+    let listener = bind(args.listen, kept.credentials.clone()).await?;
+    spawn_keeper(service.authority().clone(), vec![kept], SERVING_CERT_TTL, args.ca_bundle_out, shutdown.clone());
+    service.spawn_loops(&shutdown);
+    tracing::info!(addr = %args.listen, "identity serving");
+    service.server().serve(listener, shutdown).await?;
+    Ok(())
+}
