@@ -194,6 +194,20 @@ pub fn anonymous_client_config(ca_bundle_pem: &str) -> Result<Arc<ClientConfig>,
     Ok(Arc::new(client))
 }
 
+/// Checks that the first certificate in `cert_pem` chains to a CA in
+/// `ca_bundle_pem` and is valid now, exactly as a berth server would check
+/// it as a client certificate.
+pub fn verify_chain(cert_pem: &str, ca_bundle_pem: &str) -> Result<(), MtlsError> {
+    let chain = certs_from_pem("certificate", cert_pem)?;
+    let verifier = WebPkiClientVerifier::builder_with_provider(roots(ca_bundle_pem)?, provider())
+        .build()
+        .map_err(|e| MtlsError::Verifier(e.to_string()))?;
+    verifier
+        .verify_client_cert(&chain[0], &chain[1..], rustls_pki_types::UnixTime::now())
+        .map(|_| ())
+        .map_err(MtlsError::Tls)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -228,18 +242,4 @@ mod tests {
         let err = TlsCredentials::new(m).unwrap_err().to_string();
         assert!(err.contains("CA bundle"), "{err}");
     }
-}
-
-/// Checks that the first certificate in `cert_pem` chains to a CA in
-/// `ca_bundle_pem` and is valid now, exactly as a berth server would check
-/// it as a client certificate.
-pub fn verify_chain(cert_pem: &str, ca_bundle_pem: &str) -> Result<(), MtlsError> {
-    let chain = certs_from_pem("certificate", cert_pem)?;
-    let verifier = WebPkiClientVerifier::builder_with_provider(roots(ca_bundle_pem)?, provider())
-        .build()
-        .map_err(|e| MtlsError::Verifier(e.to_string()))?;
-    verifier
-        .verify_client_cert(&chain[0], &chain[1..], rustls_pki_types::UnixTime::now())
-        .map(|_| ())
-        .map_err(MtlsError::Tls)
 }

@@ -9,6 +9,8 @@
 //!   `PERMISSION_DENIED` naming who it is and who may call.
 //! - Anything else (reflection, an unknown path) admits any caller with a
 //!   verified certificate; tonic answers `UNIMPLEMENTED` for unknown paths.
+//! - A node in the [`Revocations`] set gets `PERMISSION_DENIED` on every
+//!   RPC, health included, whatever its certificate says.
 //! - Node RPCs additionally act only on the caller's own node id; the
 //!   handler checks that with [`require_own_node`], since the id lives in
 //!   the request body.
@@ -21,6 +23,7 @@ use berth_core::{CallerKind, Identity};
 use tonic::Status;
 
 use crate::listener::PeerInfo;
+use crate::revocations::Revocations;
 
 const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
 
@@ -81,16 +84,18 @@ fn list(kinds: &[CallerKind]) -> String {
     kinds.iter().map(|k| k.as_str()).collect::<Vec<_>>().join(", ")
 }
 
-/// Tower layer applying an [`AccessPolicy`] to every request.
-#[derive(Debug, Clone, Copy, Default)]
+/// Tower layer applying an [`AccessPolicy`] and the revocation set to every
+/// request.
+#[derive(Debug, Clone, Default)]
 pub struct AccessLayer {
     policy: AccessPolicy,
+    revocations: Revocations,
 }
 
 impl AccessLayer {
-    /// A layer enforcing `policy`.
-    pub fn new(policy: AccessPolicy) -> Self {
-        Self { policy }
+    /// A layer enforcing `policy` and refusing the nodes in `revocations`.
+    pub fn new(policy: AccessPolicy, revocations: Revocations) -> Self {
+        Self { policy, revocations }
     }
 }
 
@@ -98,7 +103,7 @@ impl<S> tower_layer::Layer<S> for AccessLayer {
     type Service = Access<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Access { inner, policy: self.policy }
+        Access { inner, policy: self.policy, revocations: self.revocations.clone() }
     }
 }
 
@@ -107,6 +112,18 @@ impl<S> tower_layer::Layer<S> for AccessLayer {
 pub struct Access<S> {
     inner: S,
     policy: AccessPolicy,
+    revocations: Revocations,
+}
+
+impl<S> Access<S> {
+    fn decide(&self, path: &str, identity: Option<&Identity>) -> Result<(), Status> {
+        if let Some(node) = identity.and_then(Identity::node_id)
+            && self.revocations.is_revoked(node)
+        {
+            return Err(Status::permission_denied(format!("node '{node}' is revoked")));
+        }
+        self.policy.check(path, identity)
+    }
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -128,7 +145,7 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let identity = req.extensions().get::<PeerInfo>().and_then(|p| p.identity.as_ref());
-        match self.policy.check(req.uri().path(), identity) {
+        match self.decide(req.uri().path(), identity) {
             Ok(()) => Box::pin(self.inner.call(req)),
             Err(status) => {
                 tracing::info!(path = req.uri().path(), code = ?status.code(), message = status.message(), "call refused");

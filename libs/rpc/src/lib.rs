@@ -13,9 +13,11 @@
 mod access;
 mod client;
 mod listener;
+mod revocations;
 mod server;
 
 pub use access::{AccessLayer, AccessPolicy, caller, require_own_node};
 pub use client::{Channel, ClientError, connect, connect_anonymous};
 pub use listener::{Listener, PeerInfo};
+pub use revocations::Revocations;
 pub use server::{MAX_REQUEST_BYTES, RpcError, ServerBuilder, ServingHealth, shutdown_signal};

@@ -18,6 +18,7 @@ use tonic_health::server::HealthReporter;
 
 use crate::access::{AccessLayer, AccessPolicy};
 use crate::listener::Listener;
+use crate::revocations::Revocations;
 
 /// The largest request message a berth server decodes; services pass it to
 /// each generated server's `max_decoding_message_size`.
@@ -69,6 +70,7 @@ pub struct ServerBuilder {
     routes: RoutesBuilder,
     services: Vec<&'static str>,
     policy: AccessPolicy,
+    revocations: Revocations,
     reporter: HealthReporter,
     health_service: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
 }
@@ -96,6 +98,7 @@ impl ServerBuilder {
             routes: RoutesBuilder::default(),
             services: Vec::new(),
             policy: AccessPolicy::berth(),
+            revocations: Revocations::new(),
             reporter,
             health_service,
         }
@@ -104,6 +107,12 @@ impl ServerBuilder {
     /// Replaces the access policy (for servers outside the berth API).
     pub fn with_policy(mut self, policy: AccessPolicy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// Refuses the nodes in `revocations` on every RPC.
+    pub fn with_revocations(mut self, revocations: Revocations) -> Self {
+        self.revocations = revocations;
         self
     }
 
@@ -162,7 +171,7 @@ impl ServerBuilder {
         let router = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
             .layer(berth_telemetry::ServerTraceLayer)
-            .layer(AccessLayer::new(self.policy))
+            .layer(AccessLayer::new(self.policy, self.revocations.clone()))
             .add_routes(routes.routes());
 
         let drained = shutdown.clone();

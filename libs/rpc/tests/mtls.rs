@@ -2,6 +2,8 @@
 //! with which status, and whether a rotated server certificate is served
 //! without a restart.
 
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +11,7 @@ use std::time::Duration;
 use berth_core::{CallerKind, Identity};
 use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial, certs_from_pem, fingerprint};
 use berth_proto::identity::v1::{CreateJoinTokenRequest, join_tokens_client::JoinTokensClient, join_tokens_server};
-use berth_rpc::{AccessPolicy, Listener, ServerBuilder};
+use berth_rpc::{AccessPolicy, Listener, Revocations, ServerBuilder};
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tonic_health::pb::health_client::HealthClient;
@@ -37,6 +39,7 @@ impl join_tokens_server::JoinTokens for Stub {}
 struct Running {
     addr: SocketAddr,
     server_creds: TlsCredentials,
+    revocations: Revocations,
     stop: CancellationToken,
 }
 
@@ -58,11 +61,13 @@ async fn serve(ca: &CertificateAuthority) -> Running {
     let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), server_creds.clone()).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
+    let revocations = Revocations::new();
     let server = ServerBuilder::new()
         .with_policy(AccessPolicy::from_fn(reflection_admin_only))
+        .with_revocations(revocations.clone())
         .add_service(join_tokens_server::JoinTokensServer::new(Stub));
     tokio::spawn(server.serve(listener, stop.clone()));
-    Running { addr, server_creds, stop }
+    Running { addr, server_creds, revocations, stop }
 }
 
 fn ca() -> CertificateAuthority {
@@ -187,4 +192,18 @@ async fn rotated_server_cert_is_served_on_the_next_handshake() {
     // The server still serves mTLS clients after the swap.
     let admin = berth_rpc::connect(&server.addr.to_string(), creds(&ca, &Identity::admin("ops").unwrap())).unwrap();
     assert_eq!(health(admin).await.unwrap(), ServingStatus::Serving as i32);
+}
+
+#[tokio::test]
+async fn revoked_node_is_refused_on_its_open_connection() {
+    let ca = ca();
+    let server = serve(&ca).await;
+    let node = berth_rpc::connect(&server.addr.to_string(), creds(&ca, &Identity::node("n7").unwrap())).unwrap();
+    let other = berth_rpc::connect(&server.addr.to_string(), creds(&ca, &Identity::node("n8").unwrap())).unwrap();
+    assert_eq!(health(node.clone()).await.unwrap(), ServingStatus::Serving as i32);
+    server.revocations.revoke("n7");
+    let status = health(node).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(status.message().contains("node 'n7' is revoked"), "{}", status.message());
+    assert_eq!(health(other).await.unwrap(), ServingStatus::Serving as i32, "other nodes are unaffected");
 }

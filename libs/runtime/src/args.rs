@@ -53,3 +53,13 @@ pub struct TelemetryArgs {
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
     pub otlp_endpoint: Option<String>,
 }
+
+/// Where the rest of the mesh is.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MeshArgs {
+    /// The identity service (`host:port`), followed for node revocations.
+    /// Unset, this service refuses revoked nodes only when their
+    /// certificates expire.
+    #[arg(long, env = "BERTH_IDENTITY_ADDR", value_name = "HOST:PORT")]
+    pub identity_addr: Option<String>,
+}

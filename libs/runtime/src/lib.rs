@@ -5,11 +5,13 @@
 //! one clear line and a non-zero exit.
 
 mod args;
+mod follow;
 mod reload;
 mod service;
 mod startup;
 
-pub use args::{StateArgs, TelemetryArgs, TlsArgs};
+pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
+pub use follow::follow_revocations;
 pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};
 pub use service::{ServiceContext, ServiceSpec, bind, run_service};
 pub use startup::{StartError, open_bus, open_store, run_main};

@@ -6,12 +6,12 @@ use std::net::SocketAddr;
 
 use berth_bus::Bus;
 use berth_mtls::TlsCredentials;
-use berth_rpc::{Listener, ServerBuilder};
+use berth_rpc::{Listener, Revocations, ServerBuilder};
 use berth_store::{Migration, Store};
 use tokio_util::sync::CancellationToken;
 
 use crate::reload::{CERT_POLL_INTERVAL, watch_cert_files};
-use crate::{StartError, StateArgs, TlsArgs, open_bus, open_store};
+use crate::{MeshArgs, StartError, StateArgs, TlsArgs, follow_revocations, open_bus, open_store};
 
 /// What a control-plane service declares about itself.
 #[derive(Debug, Clone, Copy)]
@@ -33,6 +33,8 @@ pub struct ServiceContext {
     pub bus: Bus,
     /// The credentials it serves and dials with.
     pub credentials: TlsCredentials,
+    /// The nodes it refuses.
+    pub revocations: Revocations,
 }
 
 impl ServiceSpec {
@@ -40,7 +42,7 @@ impl ServiceSpec {
     pub async fn open(&self, state: &StateArgs, credentials: TlsCredentials) -> Result<ServiceContext, StartError> {
         let store = open_store(&state.database_url, self.name, self.migrations).await?;
         let bus = open_bus(&state.redis_url, self.name).await?;
-        Ok(ServiceContext { store, bus, credentials })
+        Ok(ServiceContext { store, bus, credentials, revocations: Revocations::new() })
     }
 
     /// Serves the service on `listener` until `shutdown`.
@@ -51,7 +53,7 @@ impl ServiceSpec {
         shutdown: CancellationToken,
     ) -> Result<(), StartError> {
         let addr = listener.local_addr().ok();
-        let server = (self.build)(ctx);
+        let server = (self.build)(ctx).with_revocations(ctx.revocations.clone());
         tracing::info!(service = self.name, addr = ?addr, "serving");
         server.serve(listener, shutdown).await?;
         tracing::info!(service = self.name, "stopped");
@@ -71,10 +73,14 @@ pub async fn run_service(
     listen: SocketAddr,
     tls: &TlsArgs,
     state: &StateArgs,
+    mesh: &MeshArgs,
     shutdown: CancellationToken,
 ) -> Result<(), StartError> {
     let credentials = tls.load()?;
     let ctx = spec.open(state, credentials.clone()).await?;
+    if let Some(identity) = &mesh.identity_addr {
+        follow_revocations(identity.clone(), credentials.clone(), ctx.revocations.clone(), shutdown.clone());
+    }
     let listener = bind(listen, credentials.clone()).await?;
     watch_cert_files(tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
     spec.serve(&ctx, listener, shutdown).await

@@ -24,7 +24,8 @@ use std::time::Duration;
 use berth_core::Identity;
 use berth_identity::{Authority, IdentityConfig, IdentityService, KeptIdentity, spawn_keeper, write_bundle};
 use berth_mtls::{TlsMaterial, cert_not_after, certs_from_pem, generate_csr, verify_chain};
-use berth_runtime::{ServiceContext, ServiceSpec, StartError, bind, open_bus, open_store};
+use berth_rpc::Revocations;
+use berth_runtime::{ServiceContext, ServiceSpec, StartError, bind, follow_revocations, open_bus, open_store};
 use tokio::task::JoinSet;
 
 /// How long the admin certificate written to the data directory is valid.
@@ -102,13 +103,17 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     servers.spawn(async move { Ok(server.serve(listener, stop).await?) });
     kept.push(me);
 
+    let dial_host = if args.host.is_unspecified() { IpAddr::from([127, 0, 0, 1]) } else { args.host };
+    let identity_addr = SocketAddr::new(dial_host, args.port_base).to_string();
     for (offset, spec) in (1u16..).zip(SERVICES) {
         let me = KeptIdentity::issue(&authority, service_identity(spec.name)?, sans.clone(), LEAF_VALIDITY)
             .await
             .map_err(authority_error)?;
         let store = open_store(&sqlite_url(dir, spec.name), spec.name, spec.migrations).await?;
         let bus = bus.with_prefix(spec.name).map_err(StartError::Bus)?;
-        let ctx = ServiceContext { store, bus, credentials: me.credentials.clone() };
+        let revocations = Revocations::new();
+        follow_revocations(identity_addr.clone(), me.credentials.clone(), revocations.clone(), shutdown.clone());
+        let ctx = ServiceContext { store, bus, credentials: me.credentials.clone(), revocations };
         let listener = bind(SocketAddr::new(args.host, args.port_base + offset), me.credentials.clone()).await?;
         let stop = shutdown.clone();
         servers.spawn(async move { spec.serve(&ctx, listener, stop).await });

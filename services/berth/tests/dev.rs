@@ -2,6 +2,8 @@
 //! on a temp data dir and free ports, and the real grpcurl over mTLS with the
 //! admin certificate it wrote.
 
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

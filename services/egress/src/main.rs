@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use berth_runtime::{StateArgs, TelemetryArgs, TlsArgs, run_main, run_service};
+use berth_runtime::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs, run_main, run_service};
 use clap::Parser;
 
 /// The berth egress service: each tenant's egress policy: gateways and routes, the compiled plan, status, and per-node pushes.
@@ -18,6 +18,8 @@ struct Args {
     #[command(flatten)]
     state: StateArgs,
     #[command(flatten)]
+    mesh: MeshArgs,
+    #[command(flatten)]
     telemetry: TelemetryArgs,
 }
 
@@ -25,6 +27,6 @@ fn main() -> ExitCode {
     let args = Args::parse();
     run_main("berth-egress", &args.telemetry, || async {
         let shutdown = berth_rpc::shutdown_signal();
-        run_service(berth_egress::SPEC, args.listen, &args.tls, &args.state, shutdown).await
+        run_service(berth_egress::SPEC, args.listen, &args.tls, &args.state, &args.mesh, shutdown).await
     })
 }

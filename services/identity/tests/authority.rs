@@ -2,6 +2,8 @@
 //! one CA from racing replicas, SPIRE-style rotation, and issuance over the
 //! real mTLS API.
 
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
 use std::time::Duration;
 
 use berth_core::Identity;

@@ -1,6 +1,8 @@
 //! The service binary's bad-input paths, as an operator meets them: one line
 //! naming the problem and a non-zero exit, never a panic.
 
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
 use std::process::Command;
 use std::time::{Duration, Instant};
 

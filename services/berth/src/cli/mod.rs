@@ -1,0 +1,344 @@
+//! The admin CLI for identity: join tokens, nodes and certificates, spoken
+//! to identity over mTLS with an admin certificate.
+//!
+//! # Where the connection comes from
+//! `--server`, `--ca`, `--cert` and `--key` (or `BERTH_SERVER`, `BERTH_CA`,
+//! `BERTH_CERT`, `BERTH_KEY`); the three files default to the ones
+//! `berth dev` writes in `--data-dir`, so a dev mesh needs no flags at all.
+//!
+//! # What a failure looks like
+//! One line, `berth: error: ...`, and exit code 1. gRPC statuses are turned
+//! into plain words here, once, for every command; bad flag values never get
+//! this far: clap refuses them as usage errors (exit code 2).
+
+mod cert;
+mod node;
+mod output;
+mod token;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use berth_mtls::{TlsCredentials, TlsMaterial};
+use berth_rpc::Channel;
+use berth_runtime::StartError;
+use tonic::Code;
+
+pub(crate) use cert::CertArgs;
+pub(crate) use node::NodeArgs;
+pub(crate) use token::TokenArgs;
+
+/// How long one admin call may take, connecting included, before it is
+/// given up.
+const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How a command prints its result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum OutputFormat {
+    /// Aligned columns for people.
+    Table,
+    /// The response message as JSON, with the proto field names, for scripts.
+    Json,
+}
+
+/// Where identity is and who we are to it; shared by every admin command.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct ClientArgs {
+    /// The identity service to talk to.
+    #[arg(long, env = "BERTH_SERVER", default_value = "127.0.0.1:7443", value_name = "HOST:PORT",
+          value_parser = parse_server, global = true)]
+    server: String,
+    /// PEM bundle of the CAs to verify identity with [default: <DATA_DIR>/ca.pem].
+    #[arg(long, env = "BERTH_CA", value_name = "FILE", global = true)]
+    ca: Option<PathBuf>,
+    /// PEM admin certificate to present [default: <DATA_DIR>/admin.pem].
+    #[arg(long, env = "BERTH_CERT", value_name = "FILE", global = true)]
+    cert: Option<PathBuf>,
+    /// PEM private key of that certificate [default: <DATA_DIR>/admin-key.pem].
+    #[arg(long, env = "BERTH_KEY", value_name = "FILE", global = true)]
+    key: Option<PathBuf>,
+    /// Where `berth dev` keeps its files; only used for the defaults of
+    /// --ca, --cert and --key.
+    #[arg(long, env = "BERTH_DATA_DIR", default_value = ".berth/dev", value_name = "DIR", global = true)]
+    data_dir: PathBuf,
+    /// Output format.
+    #[arg(short = 'o', long, env = "BERTH_OUTPUT", value_enum, default_value_t = OutputFormat::Table,
+          value_name = "FORMAT", global = true)]
+    output: OutputFormat,
+}
+
+/// Why an admin command failed. Each message is the whole line the user sees.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CliError {
+    /// A certificate, key or CA file could not be read.
+    #[error("cannot read {role} {path}: {source}; start `berth dev` to create it, or pass {flag} FILE")]
+    MissingFile {
+        /// What the file is for, e.g. "client certificate".
+        role: &'static str,
+        /// The file.
+        path: String,
+        /// The flag that names it.
+        flag: &'static str,
+        /// Why it could not be read.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The certificate, key and CA files were read but do not make usable credentials.
+    #[error("cannot use --cert {cert} with --key {key} and --ca {ca}: {source}")]
+    Credentials {
+        /// The certificate file.
+        cert: String,
+        /// The key file.
+        key: String,
+        /// The CA bundle file.
+        ca: String,
+        /// What rustls or the PEM parser refused.
+        #[source]
+        source: berth_mtls::MtlsError,
+    },
+    /// The server address could not make a channel.
+    #[error("{0}")]
+    Address(#[source] berth_rpc::ClientError),
+    /// No connection to identity could be made (refused, timed out, TLS handshake failed).
+    #[error("cannot reach identity at {server}: {detail}")]
+    Unreachable {
+        /// The address dialled.
+        server: String,
+        /// Why, from the transport.
+        detail: String,
+    },
+    /// Identity answered with an error status.
+    #[error("{what}: {message}")]
+    Refused {
+        /// The status in plain words, e.g. "permission denied".
+        what: &'static str,
+        /// The server's message.
+        message: String,
+    },
+    /// Identity does not serve the call (an older server, or one not built yet).
+    #[error("identity at {server} does not serve this call yet: {message}")]
+    Unsupported {
+        /// The address dialled.
+        server: String,
+        /// The server's message.
+        message: String,
+    },
+    /// Identity answered, but without a field the call promises.
+    #[error("identity answered without {0}")]
+    IncompleteResponse(&'static str),
+    /// A key or CSR could not be generated locally.
+    #[error("cannot generate a key: {0}")]
+    KeyGeneration(#[source] berth_mtls::MtlsError),
+    /// A file the command writes could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Standard output could not be written.
+    #[error("cannot write output: {0}")]
+    Output(#[source] std::io::Error),
+}
+
+impl From<CliError> for StartError {
+    fn from(error: CliError) -> Self {
+        // The message already carries its sources: one line, said once.
+        StartError::Invalid(error.to_string().replace('\n', " "))
+    }
+}
+
+/// A lazily connected mTLS channel to identity, and the address it dials.
+#[derive(Debug, Clone)]
+pub(crate) struct IdentityConnection {
+    channel: Channel,
+    server: String,
+}
+
+impl ClientArgs {
+    /// Reads the credential files and makes the channel; nothing is dialled
+    /// until the first call.
+    fn connect(&self) -> Result<IdentityConnection, CliError> {
+        let cert = self.cert.clone().unwrap_or_else(|| self.data_dir.join("admin.pem"));
+        let key = self.key.clone().unwrap_or_else(|| self.data_dir.join("admin-key.pem"));
+        let ca = self.ca.clone().unwrap_or_else(|| self.data_dir.join("ca.pem"));
+        // The certificate first: when nothing is there, it is the file the
+        // user most needs to hear about.
+        let material = TlsMaterial {
+            cert_chain_pem: read_credential("client certificate", "--cert", &cert)?,
+            key_pem: read_credential("client key", "--key", &key)?,
+            ca_bundle_pem: read_credential("CA bundle", "--ca", &ca)?,
+        };
+        let credentials = TlsCredentials::new(material).map_err(|source| CliError::Credentials {
+            cert: cert.display().to_string(),
+            key: key.display().to_string(),
+            ca: ca.display().to_string(),
+            source,
+        })?;
+        let channel = berth_rpc::connect(&self.server, credentials).map_err(CliError::Address)?;
+        Ok(IdentityConnection { channel, server: self.server.clone() })
+    }
+}
+
+fn read_credential(role: &'static str, flag: &'static str, path: &Path) -> Result<String, CliError> {
+    std::fs::read_to_string(path).map_err(|source| CliError::MissingFile {
+        role,
+        path: path.display().to_string(),
+        flag,
+        source,
+    })
+}
+
+impl IdentityConnection {
+    /// `message` as a request bounded by [`RPC_TIMEOUT`].
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(RPC_TIMEOUT);
+        request
+    }
+
+    /// The status in words a user can act on.
+    fn status_error(&self, status: tonic::Status) -> CliError {
+        let message = one_line(status.message());
+        let refused = |what| CliError::Refused { what, message: message.clone() };
+        match status.code() {
+            // A status with a transport error behind it never reached a
+            // handler: the connection itself failed.
+            Code::Unavailable | Code::Unknown if std::error::Error::source(&status).is_some() => {
+                CliError::Unreachable { server: self.server.clone(), detail: transport_detail(&status) }
+            }
+            Code::Unavailable => refused("identity is unavailable"),
+            Code::DeadlineExceeded => CliError::Unreachable {
+                server: self.server.clone(),
+                detail: format!("no answer within {}s", RPC_TIMEOUT.as_secs()),
+            },
+            Code::PermissionDenied => refused("permission denied"),
+            Code::Unauthenticated => refused("not authenticated"),
+            Code::NotFound => refused("not found"),
+            Code::InvalidArgument | Code::OutOfRange => refused("invalid argument"),
+            Code::AlreadyExists => refused("already exists"),
+            Code::FailedPrecondition => refused("refused"),
+            Code::ResourceExhausted => refused("limit reached"),
+            Code::Aborted | Code::Cancelled => refused("interrupted, try again"),
+            Code::Unimplemented => CliError::Unsupported { server: self.server.clone(), message },
+            Code::Ok | Code::Unknown | Code::Internal | Code::DataLoss => refused("identity failed"),
+        }
+    }
+}
+
+/// The transport error behind a status, its sources on one line without
+/// repeats.
+fn transport_detail(status: &tonic::Status) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut source = std::error::Error::source(status);
+    while let Some(error) = source {
+        let text = one_line(&error.to_string());
+        if !text.is_empty() && !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        source = error.source();
+    }
+    if parts.is_empty() { one_line(status.message()) } else { parts.join(": ") }
+}
+
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// `host:port`, `[v6]:port` or `https://host:port`.
+fn parse_server(value: &str) -> Result<String, String> {
+    let rest = value.strip_prefix("https://").unwrap_or(value);
+    let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("'{value}' is not HOST:PORT"))?;
+    if host.is_empty() || host.contains('/') {
+        return Err(format!("'{value}' is not HOST:PORT"));
+    }
+    port.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| format!("'{port}' is not a port (1-65535)"))?;
+    Ok(value.to_string())
+}
+
+/// A lifetime such as `90s`, `30m`, `1h`, `7d` or `1h30m`; a bare number is
+/// seconds. Returned in whole seconds, at least one.
+fn parse_ttl(value: &str) -> Result<u32, String> {
+    let bad = || format!("'{value}' is not a duration (e.g. 3600s, 30m, 1h, 7d)");
+    let mut total: u64 = 0;
+    let mut digits = String::new();
+    for c in value.trim().chars() {
+        if c.is_ascii_digit() {
+            digits.push(c);
+            continue;
+        }
+        let unit: u64 = match c {
+            's' => 1,
+            'm' => 60,
+            'h' => 3600,
+            'd' => 86_400,
+            _ => return Err(bad()),
+        };
+        let n: u64 = digits.parse().map_err(|_| bad())?;
+        total = n.checked_mul(unit).and_then(|s| total.checked_add(s)).ok_or_else(bad)?;
+        digits.clear();
+    }
+    if !digits.is_empty() {
+        let n: u64 = digits.parse().map_err(|_| bad())?;
+        total = total.checked_add(n).ok_or_else(bad)?;
+    }
+    if value.trim().is_empty() {
+        return Err(bad());
+    }
+    match u32::try_from(total) {
+        Ok(0) => Err(format!("'{value}' is zero; a lifetime must be at least 1s")),
+        Ok(seconds) => Ok(seconds),
+        Err(_) => Err(format!("'{value}' is too long")),
+    }
+}
+
+/// A label `key=value`; the key may not be empty.
+fn parse_label(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((key, val)) if !key.trim().is_empty() => Ok((key.trim().to_string(), val.to_string())),
+        _ => Err(format!("'{value}' is not KEY=VALUE")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_takes_units_compounds_and_bare_seconds() {
+        assert_eq!(parse_ttl("3600s"), Ok(3600));
+        assert_eq!(parse_ttl("30m"), Ok(1800));
+        assert_eq!(parse_ttl("1h"), Ok(3600));
+        assert_eq!(parse_ttl("1h30m"), Ok(5400));
+        assert_eq!(parse_ttl("2d"), Ok(172_800));
+        assert_eq!(parse_ttl("45"), Ok(45));
+    }
+
+    #[test]
+    fn ttl_refuses_zero_garbage_and_overflow() {
+        for bad in ["", "0s", "h", "1x", "1.5h", "-5m", "99999999999999999999s", "50000d"] {
+            assert!(parse_ttl(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn server_must_be_host_and_port() {
+        assert!(parse_server("127.0.0.1:7443").is_ok());
+        assert!(parse_server("identity.berth:7443").is_ok());
+        assert!(parse_server("https://identity:7443").is_ok());
+        assert!(parse_server("[::1]:7443").is_ok());
+        for bad in ["identity", ":7443", "identity:", "identity:http", "identity:0", "identity:70000"] {
+            assert!(parse_server(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn label_needs_a_key() {
+        assert_eq!(parse_label("rack=r4"), Ok(("rack".into(), "r4".into())));
+        assert_eq!(parse_label("empty="), Ok(("empty".into(), String::new())));
+        assert!(parse_label("rack").is_err());
+        assert!(parse_label("=r4").is_err());
+    }
+}

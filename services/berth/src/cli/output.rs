@@ -1,0 +1,327 @@
+//! How the admin commands print: aligned tables with relative ages for
+//! people, and JSON for scripts.
+//!
+//! # The JSON shape
+//! The response message, field for field, under the proto field names; enums
+//! as their proto value names (`NODE_STATE_UP`), timestamps as RFC 3339
+//! strings and `null` when unset, maps as objects. prost types carry no serde,
+//! so each message has its conversion written out here.
+
+use std::io::Write;
+use std::time::SystemTime;
+
+use berth_proto::identity::v1;
+use berth_proto::types::v1::Capacity;
+use prost_types::Timestamp;
+use serde_json::{Map, Value, json};
+
+use super::CliError;
+
+/// What a table cell shows for a value that is not set.
+pub(super) const NONE: &str = "<none>";
+
+/// Columns under upper-case headers, each as wide as its widest cell,
+/// three spaces apart.
+#[derive(Debug)]
+pub(super) struct Table {
+    headers: Vec<&'static str>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub(super) fn new(headers: Vec<&'static str>) -> Self {
+        Self { headers, rows: Vec::new() }
+    }
+
+    pub(super) fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    pub(super) fn render(&self) -> String {
+        let header: Vec<String> = self.headers.iter().map(|h| h.to_string()).collect();
+        let lines: Vec<&Vec<String>> = std::iter::once(&header).chain(&self.rows).collect();
+        let mut widths = vec![0; self.headers.len()];
+        for line in &lines {
+            for (width, cell) in widths.iter_mut().zip(line.iter()) {
+                *width = (*width).max(cell.chars().count());
+            }
+        }
+        let mut out = String::new();
+        for line in lines {
+            let mut text = String::new();
+            for (i, cell) in line.iter().enumerate() {
+                if i + 1 < line.len() {
+                    let pad = widths[i] - cell.chars().count();
+                    text.push_str(cell);
+                    text.push_str(&" ".repeat(pad + 3));
+                } else {
+                    text.push_str(cell);
+                }
+            }
+            out.push_str(text.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// Writes `text` to stdout. A reader that went away (`| head`) is not an
+/// error.
+pub(super) fn print(text: &str) -> Result<(), CliError> {
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.map_err(CliError::Output),
+    }
+}
+
+/// Writes `value` to stdout as indented JSON.
+pub(super) fn print_json(value: &Value) -> Result<(), CliError> {
+    let mut text = serde_json::to_string_pretty(value).map_err(|e| CliError::Output(e.into()))?;
+    text.push('\n');
+    print(&text)
+}
+
+/// A note for the person at the terminal, kept off stdout so output can be
+/// piped.
+pub(super) fn note(text: &str) {
+    eprintln!("{text}");
+}
+
+/// How long ago `at` was, like `kubectl get`: `45s`, `5m30s`, `3h`, `4d`.
+pub(super) fn age(at: Option<&Timestamp>) -> String {
+    match at {
+        Some(at) => human_duration(now_secs().saturating_sub(at.seconds).max(0).unsigned_abs()),
+        None => NONE.to_string(),
+    }
+}
+
+/// How long until `at`: `in 59m`, or `expired 2m ago` once it has passed.
+pub(super) fn until(at: Option<&Timestamp>) -> String {
+    let Some(at) = at else { return NONE.to_string() };
+    let delta = at.seconds.saturating_sub(now_secs());
+    if delta > 0 {
+        format!("in {}", human_duration(delta.unsigned_abs()))
+    } else {
+        format!("expired {} ago", human_duration(delta.unsigned_abs()))
+    }
+}
+
+/// Whether `at` has passed.
+pub(super) fn is_past(at: &Timestamp) -> bool {
+    at.seconds <= now_secs()
+}
+
+/// `at` in RFC 3339 followed by how far away it is, for detail views.
+pub(super) fn when(at: Option<&Timestamp>, relative: &str) -> String {
+    match at {
+        Some(at) => format!("{at} ({relative})"),
+        None => NONE.to_string(),
+    }
+}
+
+/// A duration in the units a person reads at a glance, in the shape
+/// `kubectl` uses.
+pub(super) fn human_duration(seconds: u64) -> String {
+    let minutes = seconds / 60;
+    let hours = minutes / 60;
+    let days = hours / 24;
+    let years = days / 365;
+    let pair = |major: u64, major_unit: &str, minor: u64, minor_unit: &str| {
+        if minor == 0 { format!("{major}{major_unit}") } else { format!("{major}{major_unit}{minor}{minor_unit}") }
+    };
+    if seconds < 120 {
+        format!("{seconds}s")
+    } else if minutes < 10 {
+        pair(minutes, "m", seconds % 60, "s")
+    } else if minutes < 180 {
+        format!("{minutes}m")
+    } else if hours < 8 {
+        pair(hours, "h", minutes % 60, "m")
+    } else if hours < 48 {
+        format!("{hours}h")
+    } else if days < 8 {
+        pair(days, "d", hours % 24, "h")
+    } else if days < 2 * 365 {
+        format!("{days}d")
+    } else if years < 8 {
+        pair(years, "y", days % 365, "d")
+    } else {
+        format!("{years}y")
+    }
+}
+
+fn now_secs() -> i64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(0))
+}
+
+/// CPU the way Kubernetes writes it: whole cores as `4`, the rest as `250m`.
+pub(super) fn cpu(millis: u64) -> String {
+    if millis % 1000 == 0 { (millis / 1000).to_string() } else { format!("{millis}m") }
+}
+
+/// Bytes in the largest binary unit that keeps them readable: `512Mi`, `1.5Gi`.
+pub(super) fn memory(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 5] = [("Pi", 1 << 50), ("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)];
+    for (unit, size) in UNITS {
+        if bytes >= size {
+            let tenths = (u128::from(bytes) * 10 + u128::from(size) / 2) / u128::from(size);
+            return if tenths % 10 == 0 {
+                format!("{}{unit}", tenths / 10)
+            } else {
+                format!("{}.{}{unit}", tenths / 10, tenths % 10)
+            };
+        }
+    }
+    bytes.to_string()
+}
+
+/// `cpu 4, memory 8Gi`, or `<none>` when nothing was reported.
+pub(super) fn capacity(capacity: Option<&Capacity>) -> String {
+    match capacity {
+        Some(c) => format!("cpu {}, memory {}", cpu(c.cpu_millis), memory(c.memory_bytes)),
+        None => NONE.to_string(),
+    }
+}
+
+/// `k=v,k2=v2` sorted by key, or `<none>`.
+pub(super) fn labels(labels: &std::collections::HashMap<String, String>) -> String {
+    if labels.is_empty() {
+        return NONE.to_string();
+    }
+    let mut pairs: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    pairs.sort();
+    pairs.join(",")
+}
+
+/// A cell for a string that may be empty.
+pub(super) fn or_none(value: &str) -> String {
+    if value.is_empty() { NONE.to_string() } else { value.to_string() }
+}
+
+/// A node state as people read it: `UP`, `DRAINING`.
+pub(super) fn node_state(state: i32) -> String {
+    match v1::NodeState::try_from(state) {
+        Ok(v1::NodeState::Unspecified) => "UNKNOWN".to_string(),
+        Ok(state) => state.as_str_name().trim_start_matches("NODE_STATE_").to_string(),
+        Err(_) => format!("UNKNOWN({state})"),
+    }
+}
+
+/// A proto enum value by name, or its number when this CLI does not know it.
+fn enum_name(name: Option<&'static str>, value: i32) -> Value {
+    name.map_or_else(|| json!(value), |n| json!(n))
+}
+
+pub(super) fn timestamp_json(at: Option<&Timestamp>) -> Value {
+    at.map_or(Value::Null, |t| json!(t.to_string()))
+}
+
+fn capacity_json(capacity: Option<&Capacity>) -> Value {
+    capacity.map_or(Value::Null, |c| json!({ "cpu_millis": c.cpu_millis, "memory_bytes": c.memory_bytes }))
+}
+
+fn labels_json(labels: &std::collections::HashMap<String, String>) -> Value {
+    Value::Object(labels.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<Map<_, _>>())
+}
+
+pub(super) fn join_token_json(token: &v1::JoinToken) -> Value {
+    json!({
+        "token_id": token.token_id,
+        "tier": token.tier,
+        "labels": labels_json(&token.labels),
+        "created_at": timestamp_json(token.created_at.as_ref()),
+        "expires_at": timestamp_json(token.expires_at.as_ref()),
+        "max_uses": token.max_uses,
+        "uses": token.uses,
+        "revoked": token.revoked,
+        "description": token.description,
+        "created_by": token.created_by,
+    })
+}
+
+pub(super) fn node_json(node: &v1::Node) -> Value {
+    let state = v1::NodeState::try_from(node.state).ok().map(|s| s.as_str_name());
+    json!({
+        "node_id": node.node_id,
+        "name": node.name,
+        "tier": node.tier,
+        "advertise_addr": node.advertise_addr,
+        "state": enum_name(state, node.state),
+        "incarnation": node.incarnation,
+        "last_heartbeat_at": timestamp_json(node.last_heartbeat_at.as_ref()),
+        "capacity": capacity_json(node.capacity.as_ref()),
+        "version": node.version,
+        "labels": labels_json(&node.labels),
+        "joined_at": timestamp_json(node.joined_at.as_ref()),
+        "usage": capacity_json(node.usage.as_ref()),
+        "state_changed_at": timestamp_json(node.state_changed_at.as_ref()),
+        "certificate_expires_at": timestamp_json(node.certificate_expires_at.as_ref()),
+        "join_token_id": node.join_token_id,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_aligns_columns_under_their_headers() {
+        let mut table = Table::new(vec!["ID", "STATE", "AGE"]);
+        table.row(vec!["node-long-id".into(), "UP".into(), "5s".into()]);
+        table.row(vec!["n2".into(), "DRAINING".into(), "3m".into()]);
+        assert_eq!(
+            table.render(),
+            "ID             STATE      AGE\nnode-long-id   UP         5s\nn2             DRAINING   3m\n"
+        );
+    }
+
+    #[test]
+    fn durations_read_like_kubectl() {
+        assert_eq!(human_duration(5), "5s");
+        assert_eq!(human_duration(119), "119s");
+        assert_eq!(human_duration(330), "5m30s");
+        assert_eq!(human_duration(600), "10m");
+        assert_eq!(human_duration(3 * 3600 + 20 * 60), "3h20m");
+        assert_eq!(human_duration(2 * 3600 * 12), "24h");
+        assert_eq!(human_duration(3 * 86_400 + 4 * 3600), "3d4h");
+        assert_eq!(human_duration(30 * 86_400), "30d");
+        assert_eq!(human_duration(3 * 365 * 86_400), "3y");
+    }
+
+    #[test]
+    fn compute_reads_like_kubernetes_quantities() {
+        assert_eq!(cpu(4000), "4");
+        assert_eq!(cpu(250), "250m");
+        assert_eq!(memory(512 << 20), "512Mi");
+        assert_eq!(memory(3 << 29), "1.5Gi");
+        assert_eq!(memory(100), "100");
+    }
+
+    #[test]
+    fn node_json_uses_proto_names_enum_names_and_rfc3339() {
+        let node = v1::Node {
+            node_id: "n1".into(),
+            state: v1::NodeState::Draining as i32,
+            joined_at: Some(Timestamp { seconds: 1_700_000_000, nanos: 0 }),
+            capacity: Some(Capacity { cpu_millis: 2000, memory_bytes: 1024 }),
+            labels: [("rack".to_string(), "r4".to_string())].into(),
+            ..Default::default()
+        };
+        let value = node_json(&node);
+        assert_eq!(value["node_id"], "n1");
+        assert_eq!(value["state"], "NODE_STATE_DRAINING");
+        assert_eq!(value["joined_at"], "2023-11-14T22:13:20Z");
+        assert_eq!(value["last_heartbeat_at"], Value::Null);
+        assert_eq!(value["capacity"]["cpu_millis"], 2000);
+        assert_eq!(value["labels"]["rack"], "r4");
+        assert_eq!(node_state(node.state), "DRAINING");
+    }
+
+    #[test]
+    fn token_json_never_has_a_secret_field() {
+        let value = join_token_json(&v1::JoinToken { token_id: "t1".into(), max_uses: 1, ..Default::default() });
+        assert_eq!(value["token_id"], "t1");
+        assert!(value.get("token").is_none());
+    }
+}
