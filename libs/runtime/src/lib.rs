@@ -13,5 +13,5 @@ mod startup;
 pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
 pub use follow::follow_revocations;
 pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};
-pub use service::{ServiceContext, ServiceSpec, bind, run_service};
+pub use service::{ServiceContext, ServiceSpec, bind, run_service, service_main};
 pub use startup::{StartError, open_bus, open_store, run_main};

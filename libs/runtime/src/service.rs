@@ -91,3 +91,45 @@ impl std::fmt::Display for ServiceSpec {
         f.write_str(self.name)
     }
 }
+
+/// The flags of a control-plane service binary.
+#[derive(Debug, clap::Parser)]
+struct ServiceArgs {
+    /// Address to serve mTLS gRPC on.
+    #[arg(long, env = "BERTH_LISTEN", value_name = "ADDR")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    tls: TlsArgs,
+    #[command(flatten)]
+    state: StateArgs,
+    #[command(flatten)]
+    mesh: MeshArgs,
+    #[command(flatten)]
+    telemetry: crate::TelemetryArgs,
+}
+
+/// The whole `main` of a control-plane service binary: its flags (with
+/// `default_listen` as `--listen`'s default), then [`run_service`] until
+/// SIGTERM or Ctrl-C.
+pub fn service_main(
+    binary: &'static str,
+    about: &'static str,
+    default_listen: &'static str,
+    spec: ServiceSpec,
+) -> std::process::ExitCode {
+    use clap::{CommandFactory, FromArgMatches};
+    let command = ServiceArgs::command()
+        .name(binary)
+        .bin_name(binary)
+        .about(about)
+        .version(env!("CARGO_PKG_VERSION"))
+        .mut_arg("listen", |arg| arg.default_value(default_listen).required(false));
+    let args = match ServiceArgs::from_arg_matches(&command.get_matches()) {
+        Ok(args) => args,
+        Err(error) => error.exit(),
+    };
+    crate::run_main(binary, &args.telemetry, || async {
+        let shutdown = berth_rpc::shutdown_signal();
+        run_service(spec, args.listen, &args.tls, &args.state, &args.mesh, shutdown).await
+    })
+}

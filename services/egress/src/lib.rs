@@ -1,4 +1,4 @@
-//! The egress service: each tenant's egress policy: gateways and routes, the compiled plan, status, and per-node pushes.
+//! The egress service: each tenant's egress policy: gateways and routes, the compiled plan, its status, and per-node pushes.
 //!
 //! Its RPCs answer `UNIMPLEMENTED` until they are built; the access layer
 //! already admits each only to the caller kinds its proto declares.

@@ -1,32 +1,12 @@
 //! `berth-egress`: the egress service binary.
 
-use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use berth_runtime::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs, run_main, run_service};
-use clap::Parser;
-
-/// The berth egress service: each tenant's egress policy: gateways and routes, the compiled plan, status, and per-node pushes.
-#[derive(Debug, Parser)]
-#[command(name = "berth-egress", version)]
-struct Args {
-    /// Address to serve mTLS gRPC on.
-    #[arg(long, env = "BERTH_LISTEN", default_value = "0.0.0.0:7446")]
-    listen: SocketAddr,
-    #[command(flatten)]
-    tls: TlsArgs,
-    #[command(flatten)]
-    state: StateArgs,
-    #[command(flatten)]
-    mesh: MeshArgs,
-    #[command(flatten)]
-    telemetry: TelemetryArgs,
-}
-
 fn main() -> ExitCode {
-    let args = Args::parse();
-    run_main("berth-egress", &args.telemetry, || async {
-        let shutdown = berth_rpc::shutdown_signal();
-        run_service(berth_egress::SPEC, args.listen, &args.tls, &args.state, &args.mesh, shutdown).await
-    })
+    berth_runtime::service_main(
+        "berth-egress",
+        "The berth egress service: each tenant's egress policy, compiled and pushed to nodes.",
+        "0.0.0.0:7446",
+        berth_egress::SPEC,
+    )
 }

@@ -1,4 +1,4 @@
-//! The leases service: the capacity ledger: placement, lease lifecycle with epochs, the reaper, per-node assignment streams.
+//! The leases service: the capacity ledger: placement, the lease lifecycle with epochs, the reaper, and per-node assignment streams.
 //!
 //! Its RPCs answer `UNIMPLEMENTED` until they are built; the access layer
 //! already admits each only to the caller kinds its proto declares.

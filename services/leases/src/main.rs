@@ -1,32 +1,12 @@
 //! `berth-leases`: the leases service binary.
 
-use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use berth_runtime::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs, run_main, run_service};
-use clap::Parser;
-
-/// The berth leases service: the capacity ledger: placement, lease lifecycle with epochs, the reaper, per-node assignment streams.
-#[derive(Debug, Parser)]
-#[command(name = "berth-leases", version)]
-struct Args {
-    /// Address to serve mTLS gRPC on.
-    #[arg(long, env = "BERTH_LISTEN", default_value = "0.0.0.0:7445")]
-    listen: SocketAddr,
-    #[command(flatten)]
-    tls: TlsArgs,
-    #[command(flatten)]
-    state: StateArgs,
-    #[command(flatten)]
-    mesh: MeshArgs,
-    #[command(flatten)]
-    telemetry: TelemetryArgs,
-}
-
 fn main() -> ExitCode {
-    let args = Args::parse();
-    run_main("berth-leases", &args.telemetry, || async {
-        let shutdown = berth_rpc::shutdown_signal();
-        run_service(berth_leases::SPEC, args.listen, &args.tls, &args.state, &args.mesh, shutdown).await
-    })
+    berth_runtime::service_main(
+        "berth-leases",
+        "The berth leases service: the capacity ledger, placement and the lease lifecycle.",
+        "0.0.0.0:7445",
+        berth_leases::SPEC,
+    )
 }

@@ -1,4 +1,4 @@
-//! The revisions service: services and their immutable revisions: tag to digest resolution, rollout and rollback, revision GC.
+//! The revisions service: services and their immutable revisions: tag-to-digest resolution, rollout and rollback, revision GC.
 //!
 //! Its RPCs answer `UNIMPLEMENTED` until they are built; the access layer
 //! already admits each only to the caller kinds its proto declares.
