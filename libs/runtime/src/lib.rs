@@ -11,7 +11,7 @@ mod service;
 mod startup;
 
 pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
-pub use follow::follow_revocations;
+pub use follow::{NodeDirectory, NodeSnapshot, follow_nodes};
 pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};
 pub use service::{ServiceContext, ServiceSpec, bind, run_service, service_main};
 pub use startup::{StartError, open_bus, open_store, run_main};

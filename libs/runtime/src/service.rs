@@ -11,7 +11,7 @@ use berth_store::{Migration, Store};
 use tokio_util::sync::CancellationToken;
 
 use crate::reload::{CERT_POLL_INTERVAL, watch_cert_files};
-use crate::{MeshArgs, StartError, StateArgs, TlsArgs, follow_revocations, open_bus, open_store};
+use crate::{MeshArgs, NodeDirectory, StartError, StateArgs, TlsArgs, follow_nodes, open_bus, open_store};
 
 /// What a control-plane service declares about itself.
 #[derive(Debug, Clone, Copy)]
@@ -35,6 +35,8 @@ pub struct ServiceContext {
     pub credentials: TlsCredentials,
     /// The nodes it refuses.
     pub revocations: Revocations,
+    /// Identity's node registry, as followed (empty when no identity is configured).
+    pub nodes: NodeDirectory,
 }
 
 impl ServiceSpec {
@@ -42,7 +44,7 @@ impl ServiceSpec {
     pub async fn open(&self, state: &StateArgs, credentials: TlsCredentials) -> Result<ServiceContext, StartError> {
         let store = open_store(&state.database_url, self.name, self.migrations).await?;
         let bus = open_bus(&state.redis_url, self.name).await?;
-        Ok(ServiceContext { store, bus, credentials, revocations: Revocations::new() })
+        Ok(ServiceContext { store, bus, credentials, revocations: Revocations::new(), nodes: NodeDirectory::new() })
     }
 
     /// Serves the service on `listener` until `shutdown`.
@@ -79,7 +81,13 @@ pub async fn run_service(
     let credentials = tls.load()?;
     let ctx = spec.open(state, credentials.clone()).await?;
     if let Some(identity) = &mesh.identity_addr {
-        follow_revocations(identity.clone(), credentials.clone(), ctx.revocations.clone(), shutdown.clone());
+        follow_nodes(
+            identity.clone(),
+            credentials.clone(),
+            ctx.nodes.clone(),
+            ctx.revocations.clone(),
+            shutdown.clone(),
+        );
     }
     let listener = bind(listen, credentials.clone()).await?;
     watch_cert_files(tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());

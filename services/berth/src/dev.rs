@@ -25,7 +25,7 @@ use berth_core::Identity;
 use berth_identity::{Authority, IdentityConfig, IdentityService, KeptIdentity, spawn_keeper, write_bundle};
 use berth_mtls::{TlsMaterial, cert_not_after, certs_from_pem, generate_csr, verify_chain};
 use berth_rpc::Revocations;
-use berth_runtime::{ServiceContext, ServiceSpec, StartError, bind, follow_revocations, open_bus, open_store};
+use berth_runtime::{NodeDirectory, ServiceContext, ServiceSpec, StartError, bind, follow_nodes, open_bus, open_store};
 use tokio::task::JoinSet;
 
 /// How long the admin certificate written to the data directory is valid.
@@ -111,9 +111,15 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
             .map_err(authority_error)?;
         let store = open_store(&sqlite_url(dir, spec.name), spec.name, spec.migrations).await?;
         let bus = bus.with_prefix(spec.name).map_err(StartError::Bus)?;
-        let revocations = Revocations::new();
-        follow_revocations(identity_addr.clone(), me.credentials.clone(), revocations.clone(), shutdown.clone());
-        let ctx = ServiceContext { store, bus, credentials: me.credentials.clone(), revocations };
+        let (revocations, nodes) = (Revocations::new(), NodeDirectory::new());
+        follow_nodes(
+            identity_addr.clone(),
+            me.credentials.clone(),
+            nodes.clone(),
+            revocations.clone(),
+            shutdown.clone(),
+        );
+        let ctx = ServiceContext { store, bus, credentials: me.credentials.clone(), revocations, nodes };
         let listener = bind(SocketAddr::new(args.host, args.port_base + offset), me.credentials.clone()).await?;
         let stop = shutdown.clone();
         servers.spawn(async move { spec.serve(&ctx, listener, stop).await });
