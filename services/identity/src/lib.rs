@@ -10,7 +10,14 @@
 
 mod authority;
 pub mod cli;
+mod config;
+mod join;
 mod keeper;
+mod monitor;
+mod nodes_api;
+mod registry;
+mod session;
+mod tokens;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +29,10 @@ use berth_store::{Migration, Store};
 use tokio_util::sync::CancellationToken;
 
 pub use authority::{AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTiming};
+pub use config::{DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL, MAX_TOKEN_USES, NodeTiming};
+pub use join::RETRY_AFTER_MS_HEADER;
 pub use keeper::{KEEPER_POLL, KeptIdentity, spawn_keeper, write_bundle};
+pub use monitor::MONITOR_LOOP;
 
 /// The service's name: its Postgres schema, bus prefix and `svc` SAN.
 pub const NAME: &str = "identity";
@@ -31,12 +41,20 @@ pub const NAME: &str = "identity";
 pub const DEFAULT_PORT: u16 = 7443;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "authority",
-    postgres: include_str!("../migrations/postgres/0001_authority.sql"),
-    sqlite: include_str!("../migrations/sqlite/0001_authority.sql"),
-}];
+pub static MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "authority",
+        postgres: include_str!("../migrations/postgres/0001_authority.sql"),
+        sqlite: include_str!("../migrations/sqlite/0001_authority.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "nodes",
+        postgres: include_str!("../migrations/postgres/0002_nodes.sql"),
+        sqlite: include_str!("../migrations/sqlite/0002_nodes.sql"),
+    },
+];
 
 /// How identity is configured beyond its state.
 #[derive(Clone)]
@@ -61,13 +79,12 @@ impl std::fmt::Debug for IdentityConfig {
 /// The handlers' shared state.
 #[derive(Debug, Clone)]
 pub struct IdentityService {
-    #[allow(dead_code, reason = "read by the node handlers")]
     store: Store,
-    #[allow(dead_code, reason = "read by the node handlers")]
     bus: Bus,
     authority: Authority,
-    #[allow(dead_code, reason = "read by the node handlers")]
     config: Arc<IdentityConfig>,
+    /// The node registry with its index, timing and replica id.
+    nodes: registry::NodeRegistry,
 }
 
 impl IdentityService {
@@ -75,7 +92,21 @@ impl IdentityService {
     /// creates it on first start.
     pub async fn open(store: Store, bus: Bus, config: IdentityConfig) -> Result<Self, AuthorityError> {
         let authority = Authority::open(store.clone(), &config.auth_secret, config.authority.clone()).await?;
-        Ok(Self { store, bus, authority, config: Arc::new(config) })
+        let nodes = registry::NodeRegistry::new(store.clone(), bus.clone(), NodeTiming::default());
+        Ok(Self { store, bus, authority, config: Arc::new(config), nodes })
+    }
+
+    /// Replaces the node timings (heartbeat, grace, reap, election, join
+    /// rate limit); call before serving or spawning the loops.
+    pub fn with_node_timing(mut self, timing: NodeTiming) -> Self {
+        self.nodes = registry::NodeRegistry::new(self.store.clone(), self.bus.clone(), timing);
+        self
+    }
+
+    /// This replica's name among identity's replicas, as it campaigns for
+    /// the node monitor ([`MONITOR_LOOP`]).
+    pub fn replica_id(&self) -> &str {
+        self.nodes.replica_id()
     }
 
     /// The CA custodian.
@@ -86,6 +117,7 @@ impl IdentityService {
     /// Every gRPC service of identity, ready to serve.
     pub fn server(&self) -> ServerBuilder {
         ServerBuilder::new()
+            .with_revocations(self.nodes.revocations().clone())
             .add_service(
                 v1::join_tokens_server::JoinTokensServer::new(self.clone())
                     .max_decoding_message_size(MAX_REQUEST_BYTES),
@@ -104,18 +136,7 @@ impl IdentityService {
 
     /// Starts the background loops (the elected monitor) until `shutdown`.
     pub fn spawn_loops(&self, shutdown: &CancellationToken) {
-        let _ = shutdown;
+        self.nodes.spawn_follower(shutdown);
+        monitor::NodeMonitor::new(self.nodes.clone()).spawn(shutdown);
     }
 }
-
-#[tonic::async_trait]
-impl v1::join_tokens_server::JoinTokens for IdentityService {}
-
-#[tonic::async_trait]
-impl v1::join_server::Join for IdentityService {}
-
-#[tonic::async_trait]
-impl v1::node_session_server::NodeSession for IdentityService {}
-
-#[tonic::async_trait]
-impl v1::nodes_server::Nodes for IdentityService {}

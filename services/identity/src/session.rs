@@ -1,0 +1,351 @@
+//! `Heartbeat`: a node's liveness, its reported compute, certificate renewal
+//! and the fencing of an agent that outlived its incarnation.
+//!
+//! # Expected flow
+//! 1. The caller must be the node it names ([`berth_rpc::require_own_node`]).
+//! 2. From the index (the database for a node not indexed yet): an unknown
+//!    node is told to join again (`NOT_FOUND`), a revoked one is refused
+//!    (`PERMISSION_DENIED`), and one whose incarnation is not the stored one
+//!    is answered `fenced = true` with an OK status, and nothing is written.
+//! 3. A node already `UP`/`DRAINING` that reports the same capacity and
+//!    version, asks no renewal, and whose bookkeeping was written within
+//!    `persist_every`: only its bus deadline moves. Anything else is one
+//!    transaction that re-reads the row, fences on its incarnation and state,
+//!    and writes: `JOINING`/`DOWN` become `UP` (`DRAINING` when drained)
+//!    unless another live node holds the same (tier, advertise address).
+//! 4. A renewal CSR gets a new certificate; the CA bundle rides every answer.
+//!
+//! # Invariants
+//! - Incarnation 0 is never fenced: agents that predate incarnations.
+//! - Any other incarnation that differs from the stored one is fenced: older
+//!   means the node was reaped or rejoined from elsewhere; newer means the
+//!   registry went back in time (a restore). Either way the agent must stop
+//!   what it runs and rejoin.
+//! - Liveness is the bus deadline, not the row: the row's last heartbeat and
+//!   usage are as of the last write, at most `persist_every` old, which is
+//!   why the monitor never judges liveness from them.
+
+use berth_mtls::IssuedCertificate;
+use berth_proto::identity::v1;
+use berth_store::{StoreError, TxError, expect_one};
+
+use crate::config::millis;
+use crate::registry::{self, NodeRecord, NodeState, timestamp, to_column};
+use crate::{AuthorityError, IdentityService};
+
+/// The longest agent version string kept.
+const MAX_VERSION_LEN: usize = 64;
+
+/// Why a heartbeat was refused.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum HeartbeatError {
+    /// A request field is malformed.
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument {
+        /// The request field.
+        field: &'static str,
+        /// What it must be instead.
+        reason: String,
+    },
+    /// The node is not registered (never joined, or forgotten after a long absence).
+    #[error("node {0} is not registered; join again with a join token")]
+    NotFound(String),
+    /// An operator revoked the node.
+    #[error("node revoked")]
+    Revoked,
+    /// Another live node already holds the node's (tier, advertise address).
+    #[error(
+        "advertise address {addr} in tier '{tier}' is held by live node {other}; stop that node's agent or revoke it"
+    )]
+    AddressTaken {
+        /// The contested address.
+        addr: String,
+        /// The tier both nodes are in.
+        tier: String,
+        /// The node that holds it.
+        other: String,
+    },
+    /// The renewal CSR was refused, or signing failed.
+    #[error(transparent)]
+    Authority(#[from] AuthorityError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl TxError for HeartbeatError {
+    fn store_error(&self) -> Option<&StoreError> {
+        match self {
+            Self::Store(error) => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl From<sqlx::Error> for HeartbeatError {
+    fn from(error: sqlx::Error) -> Self {
+        Self::Store(error.into())
+    }
+}
+
+impl From<HeartbeatError> for tonic::Status {
+    fn from(error: HeartbeatError) -> Self {
+        match error {
+            HeartbeatError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
+            HeartbeatError::NotFound(_) => tonic::Status::not_found(error.to_string()),
+            HeartbeatError::Revoked => tonic::Status::permission_denied(error.to_string()),
+            HeartbeatError::AddressTaken { .. } => tonic::Status::failed_precondition(error.to_string()),
+            HeartbeatError::Authority(error) => error.into(),
+            HeartbeatError::Store(error) => error.into(),
+        }
+    }
+}
+
+/// Whether a heartbeat carrying `reported` comes from an agent the registry
+/// no longer recognises at `stored`.
+fn is_fenced(reported: u64, stored: i64) -> bool {
+    reported != 0 && i64::try_from(reported) != Ok(stored)
+}
+
+/// What the transaction of a heartbeat found and did.
+#[derive(Debug)]
+enum Outcome {
+    /// The row was written; it is the committed row.
+    Written(NodeRecord),
+    /// The incarnation is stale; the row as it stands.
+    Fenced(NodeRecord),
+}
+
+impl IdentityService {
+    async fn heartbeat_node(
+        &self,
+        node_id: &str,
+        beat: v1::HeartbeatRequest,
+    ) -> Result<v1::HeartbeatResponse, HeartbeatError> {
+        if beat.version.len() > MAX_VERSION_LEN || beat.version.chars().any(char::is_control) {
+            return Err(HeartbeatError::InvalidArgument {
+                field: "version",
+                reason: format!("at most {MAX_VERSION_LEN} printable characters"),
+            });
+        }
+        let indexed = self.nodes.lookup(node_id).await?.ok_or_else(|| HeartbeatError::NotFound(node_id.to_owned()))?;
+        if indexed.state == NodeState::Revoked {
+            return Err(HeartbeatError::Revoked);
+        }
+        if is_fenced(beat.incarnation, indexed.incarnation) {
+            return self.fenced(&indexed, beat.incarnation).await;
+        }
+        let unchanged = beat.capacity.is_none_or(|c| c == indexed.capacity)
+            && (beat.version.is_empty() || beat.version == indexed.version);
+        let wants_renewal = !beat.renewal_csr_pem.trim().is_empty();
+        let timing = self.nodes.timing();
+        if indexed.state.is_live() && unchanged && !wants_renewal && !self.nodes.persist_due(node_id) {
+            self.nodes.set_deadline(node_id, self.nodes.now_ms() + millis(timing.down_after)).await;
+            return self.answer(indexed.state, None).await;
+        }
+
+        let certificate = if wants_renewal {
+            let sans = [indexed.advertise_host()];
+            Some(self.authority.sign_node(&beat.renewal_csr_pem, node_id, &sans, self.config.node_cert_ttl).await?)
+        } else {
+            None
+        };
+        let outcome = self.record_heartbeat(node_id, &beat, certificate.as_ref()).await?;
+        let record = match outcome {
+            Outcome::Fenced(record) => {
+                let record = self.nodes.remember(record);
+                return self.fenced(&record, beat.incarnation).await;
+            }
+            Outcome::Written(record) => record,
+        };
+        self.nodes.mark_persisted(node_id);
+        self.nodes.set_deadline(node_id, self.nodes.now_ms() + millis(timing.down_after)).await;
+        let noteworthy = record.state != indexed.state
+            || record.capacity != indexed.capacity
+            || record.version != indexed.version
+            || record.certificate_expires_at_ms != indexed.certificate_expires_at_ms;
+        if record.state != indexed.state {
+            tracing::info!(%node_id, from = indexed.state.as_str(), to = record.state.as_str(), "node heard from");
+        }
+        let state = record.state;
+        if noteworthy {
+            self.nodes.committed(record).await;
+        } else {
+            // Bookkeeping alone: the other replicas pick it up at their next resync.
+            self.nodes.remember(record);
+        }
+        self.answer(state, certificate).await
+    }
+
+    /// Writes a heartbeat in one transaction fenced on the row it read.
+    async fn record_heartbeat(
+        &self,
+        node_id: &str,
+        beat: &v1::HeartbeatRequest,
+        certificate: Option<&IssuedCertificate>,
+    ) -> Result<Outcome, HeartbeatError> {
+        let update = format!(
+            "UPDATE nodes SET state = $3, \
+             state_changed_at_ms = CASE WHEN state = $3 THEN state_changed_at_ms ELSE {now} END, \
+             last_heartbeat_at_ms = {now}, reaped_at_ms = NULL, revision = revision + 1, \
+             capacity_cpu_millis = $4, capacity_memory_bytes = $5, usage_cpu_millis = $6, usage_memory_bytes = $7, \
+             version = $8, certificate_expires_at_ms = $9 \
+             WHERE node_id = $1 AND incarnation = $2 AND state = $10",
+            now = self.store.now_ms_sql()
+        );
+        let node_id = node_id.to_owned();
+        let reported_incarnation = beat.incarnation;
+        let (capacity, usage, version) = (beat.capacity, beat.usage, beat.version.clone());
+        let renewed_until_ms = certificate.map(|c| c.not_after.saturating_mul(1000));
+        self.store
+            .tx("nodes.heartbeat", move |conn| {
+                let (update, node_id, version) = (update.clone(), node_id.clone(), version.clone());
+                Box::pin(async move {
+                    let current = registry::fetch(conn, &node_id)
+                        .await?
+                        .ok_or_else(|| HeartbeatError::NotFound(node_id.clone()))?;
+                    if current.state == NodeState::Revoked {
+                        return Err(HeartbeatError::Revoked);
+                    }
+                    if is_fenced(reported_incarnation, current.incarnation) {
+                        return Ok(Outcome::Fenced(current));
+                    }
+                    let next = if current.drained { NodeState::Draining } else { NodeState::Up };
+                    if !current.state.is_live() {
+                        let holder: Option<String> = sqlx::query_scalar(
+                            "SELECT node_id FROM nodes WHERE tier = $1 AND advertise_addr = $2 AND node_id <> $3 \
+                             AND state IN ('up', 'draining') ORDER BY node_id LIMIT 1",
+                        )
+                        .bind(&current.tier)
+                        .bind(&current.advertise_addr)
+                        .bind(&node_id)
+                        .fetch_optional(&mut *conn)
+                        .await?;
+                        if let Some(other) = holder {
+                            return Err(HeartbeatError::AddressTaken {
+                                addr: current.advertise_addr,
+                                tier: current.tier,
+                                other,
+                            });
+                        }
+                    }
+                    let capacity = capacity.unwrap_or(current.capacity);
+                    let usage = usage.unwrap_or(current.usage);
+                    let version = if version.is_empty() { current.version.clone() } else { version };
+                    let done = sqlx::query(sqlx::AssertSqlSafe(update))
+                        .bind(&node_id)
+                        .bind(current.incarnation)
+                        .bind(next.as_str())
+                        .bind(to_column(capacity.cpu_millis))
+                        .bind(to_column(capacity.memory_bytes))
+                        .bind(to_column(usage.cpu_millis))
+                        .bind(to_column(usage.memory_bytes))
+                        .bind(&version)
+                        .bind(renewed_until_ms.unwrap_or(current.certificate_expires_at_ms))
+                        .bind(current.state.as_str())
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(|e| taken_on_unique_violation(e.into(), &current))?;
+                    let what = format!(
+                        "node {node_id} at incarnation {} in state {}",
+                        current.incarnation,
+                        current.state.as_str()
+                    );
+                    expect_one(done.rows_affected(), &what)?;
+                    let written = registry::fetch(conn, &node_id)
+                        .await?
+                        .ok_or_else(|| StoreError::internal("a heartbeating node vanished in its own transaction"))?;
+                    Ok(Outcome::Written(written))
+                })
+            })
+            .await
+    }
+
+    async fn fenced(&self, record: &NodeRecord, reported: u64) -> Result<v1::HeartbeatResponse, HeartbeatError> {
+        tracing::warn!(
+            node_id = %record.node_id,
+            reported_incarnation = reported,
+            incarnation = record.incarnation,
+            "fenced a heartbeat from a stale incarnation; the agent must rejoin"
+        );
+        let mut response = self.answer(record.state, None).await?;
+        response.fenced = true;
+        Ok(response)
+    }
+
+    async fn answer(
+        &self,
+        state: NodeState,
+        certificate: Option<IssuedCertificate>,
+    ) -> Result<v1::HeartbeatResponse, HeartbeatError> {
+        let interval = self.nodes.timing().heartbeat_interval;
+        Ok(v1::HeartbeatResponse {
+            certificate_expires_at: certificate.as_ref().map(|c| timestamp(c.not_after.saturating_mul(1000))),
+            certificate_pem: certificate.map(|c| c.cert_pem).unwrap_or_default(),
+            ca_bundle_pem: self.authority.bundle_pem().await?,
+            heartbeat_interval_ms: u32::try_from(interval.as_millis()).unwrap_or(u32::MAX),
+            fenced: false,
+            state: state.to_proto() as i32,
+        })
+    }
+}
+
+/// The live-address index refused the write: another node won a race to the
+/// same (tier, advertise address).
+fn taken_on_unique_violation(error: StoreError, node: &NodeRecord) -> HeartbeatError {
+    match error {
+        StoreError::AlreadyExists { .. } => HeartbeatError::AddressTaken {
+            addr: node.advertise_addr.clone(),
+            tier: node.tier.clone(),
+            other: "another node".to_owned(),
+        },
+        other => HeartbeatError::Store(other),
+    }
+}
+
+#[tonic::async_trait]
+impl v1::node_session_server::NodeSession for IdentityService {
+    async fn heartbeat(
+        &self,
+        request: tonic::Request<v1::HeartbeatRequest>,
+    ) -> Result<tonic::Response<v1::HeartbeatResponse>, tonic::Status> {
+        let node_id = berth_rpc::require_own_node(&request, &request.get_ref().node_id)?.to_owned();
+        match self.heartbeat_node(&node_id, request.into_inner()).await {
+            Ok(response) => Ok(tonic::Response::new(response)),
+            Err(error) => {
+                tracing::info!(%node_id, %error, "heartbeat refused");
+                Err(error.into())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn incarnation_zero_is_never_fenced() {
+        assert!(!is_fenced(0, 1));
+        assert!(!is_fenced(0, 7));
+    }
+
+    #[test]
+    fn any_other_incarnation_than_the_stored_one_is_fenced() {
+        assert!(!is_fenced(3, 3));
+        assert!(is_fenced(2, 3), "older: reaped or rejoined elsewhere");
+        assert!(is_fenced(4, 3), "newer: the registry went back in time");
+        assert!(is_fenced(u64::MAX, 3));
+    }
+
+    #[test]
+    fn a_lost_race_for_an_address_is_reported_as_taken() {
+        let status = tonic::Status::from(HeartbeatError::AddressTaken {
+            addr: "10.0.0.7:7450".into(),
+            tier: "gpu".into(),
+            other: "n-000000000001".into(),
+        });
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+        assert!(status.message().contains("n-000000000001"), "{}", status.message());
+    }
+}
