@@ -5,12 +5,14 @@
 //! one clear line and a non-zero exit.
 
 mod args;
+mod duration;
 mod follow;
 mod reload;
 mod service;
 mod startup;
 
 pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
+pub use duration::parse_duration;
 pub use follow::{NodeDirectory, NodeSnapshot, follow_nodes};
 pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};
 pub use service::{ServiceContext, ServiceSpec, bind, run_service, service_main};

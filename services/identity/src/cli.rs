@@ -11,12 +11,12 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use berth_core::Identity;
-use berth_runtime::{StartError, StateArgs, TelemetryArgs, bind, open_bus, open_store, run_main};
+use berth_runtime::{StartError, StateArgs, TelemetryArgs, bind, open_bus, open_store, parse_duration, run_main};
 use clap::Parser;
 
 use crate::authority::{AUTH_SECRET_MIN_LEN, AuthorityTiming};
 use crate::keeper::{KeptIdentity, spawn_keeper};
-use crate::{IdentityConfig, IdentityService, MIGRATIONS, NAME};
+use crate::{IdentityConfig, IdentityService, MIGRATIONS, NAME, NodeTiming};
 
 /// How long identity's own serving certificate lives; renewed at half.
 const SERVING_CERT_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -45,6 +45,18 @@ struct Args {
     #[arg(long, env = "BERTH_NODE_CERT_TTL", default_value_t = 3600, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(10..=30 * 24 * 3600))]
     node_cert_ttl: u64,
+    /// How often nodes heartbeat (handed to them at join and on every beat).
+    #[arg(long, env = "BERTH_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    heartbeat_interval: Duration,
+    /// A node silent this long is marked DOWN.
+    #[arg(long, env = "BERTH_DOWN_AFTER", default_value = "15s", value_parser = parse_duration)]
+    down_after: Duration,
+    /// A node DOWN this long is reaped: its incarnation moves on and it must rejoin.
+    #[arg(long, env = "BERTH_REAP_AFTER", default_value = "5m", value_parser = parse_duration)]
+    reap_after: Duration,
+    /// A reaped node's row is forgotten after this long (revoked rows are kept for audit).
+    #[arg(long, env = "BERTH_FORGET_AFTER", default_value = "7d", value_parser = parse_duration)]
+    forget_after: Duration,
     #[command(flatten)]
     state: StateArgs,
     #[command(flatten)]
@@ -62,6 +74,18 @@ async fn run(args: Args) -> Result<(), StartError> {
     if args.auth_secret.len() < AUTH_SECRET_MIN_LEN {
         return Err(StartError::Invalid(format!("--auth-secret must be at least {AUTH_SECRET_MIN_LEN} characters")));
     }
+    if args.down_after <= args.heartbeat_interval || args.reap_after <= args.down_after {
+        return Err(StartError::Invalid(
+            "timings must grow: --heartbeat-interval < --down-after < --reap-after".into(),
+        ));
+    }
+    let timing = NodeTiming {
+        heartbeat_interval: args.heartbeat_interval,
+        down_after: args.down_after,
+        reap_after: args.reap_after,
+        forget_after: args.forget_after,
+        ..NodeTiming::default()
+    };
     let shutdown = berth_rpc::shutdown_signal();
     let store = open_store(&args.state.database_url, NAME, MIGRATIONS).await?;
     let bus = open_bus(&args.state.redis_url, NAME).await?;
@@ -70,7 +94,10 @@ async fn run(args: Args) -> Result<(), StartError> {
         authority: AuthorityTiming::default(),
         node_cert_ttl: Duration::from_secs(args.node_cert_ttl),
     };
-    let service = IdentityService::open(store, bus, config).await.map_err(|e| StartError::Invalid(e.to_string()))?;
+    let service = IdentityService::open(store, bus, config)
+        .await
+        .map_err(|e| StartError::Invalid(e.to_string()))?
+        .with_node_timing(timing);
     let me = Identity::service(NAME).map_err(|e| StartError::Invalid(e.to_string()))?;
     let kept = KeptIdentity::issue(service.authority(), me, args.advertise_names, SERVING_CERT_TTL)
         .await
