@@ -1,32 +1,150 @@
 //! `berth-agent`: the node agent binary.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-use berth_runtime::{CERT_POLL_INTERVAL, TelemetryArgs, TlsArgs, bind, run_main, watch_cert_files};
+use berth_agent::{AgentConfig, AgentError, Capacity};
+use berth_runtime::{StartError, TelemetryArgs, run_main};
 use clap::Parser;
 
-/// The berth node agent: runs a host's share of the work and serves the
-/// agent API to the control plane.
+/// Where Linux keeps the host name.
+const HOSTNAME_FILE: &str = "/proc/sys/kernel/hostname";
+
+/// The berth node agent: joins this host to the control plane, heartbeats,
+/// keeps its certificate renewed, and serves the agent API.
+///
+/// The first start joins with --join-token and keeps the node identity in
+/// --data-dir; later starts resume it without a token. The agent exits
+/// non-zero when an operator revokes the node.
 #[derive(Debug, Parser)]
 #[command(name = "berth-agent", version)]
 struct Args {
+    /// The identity service to join and heartbeat to.
+    #[arg(long, env = "BERTH_SERVER", value_name = "HOST:PORT")]
+    server: String,
+    /// PEM bundle of the CA that identity's certificate must chain to. Needed
+    /// to join; a joined node keeps the bundle current by itself.
+    #[arg(long, env = "BERTH_CA_FILE", value_name = "FILE")]
+    ca_file: Option<PathBuf>,
+    /// The join token an operator created (`berth token create`). Needed to
+    /// join the first time, and to rejoin when the node certificate cannot
+    /// (expired, or the node was forgotten).
+    #[arg(long, env = "BERTH_JOIN_TOKEN", value_name = "TOKEN", hide_env_values = true)]
+    join_token: Option<String>,
+    /// Where the node identity (key, certificate, CA bundle, node id) is kept
+    /// across restarts. One agent per directory.
+    #[arg(long, env = "BERTH_DATA_DIR", value_name = "DIR", default_value = "/var/lib/berth/agent")]
+    data_dir: PathBuf,
+    /// Where the control plane reaches this agent's API; its host is written
+    /// into the node certificate.
+    #[arg(long, env = "BERTH_ADVERTISE_ADDR", value_name = "HOST:PORT")]
+    advertise_addr: String,
     /// Address to serve the agent API (mTLS gRPC) on.
-    #[arg(long, env = "BERTH_LISTEN", default_value = "0.0.0.0:7447")]
+    #[arg(long, env = "BERTH_LISTEN", value_name = "ADDR", default_value = "0.0.0.0:7447")]
     listen: SocketAddr,
-    #[command(flatten)]
-    tls: TlsArgs,
+    /// The tier to join, e.g. "gpu"; empty takes the join token's tier.
+    #[arg(long, env = "BERTH_TIER", value_name = "TIER", default_value = "")]
+    tier: String,
+    /// The host's name for operators [default: the host name].
+    #[arg(long, env = "BERTH_NODE_NAME", value_name = "NAME")]
+    name: Option<String>,
+    /// Extra node labels, KEY=VALUE (repeat, or comma separated); the join
+    /// token's labels win on conflict.
+    #[arg(long = "label", env = "BERTH_LABELS", value_name = "KEY=VALUE", value_delimiter = ',', value_parser = parse_label)]
+    labels: Vec<(String, String)>,
+    /// CPU offered to leases, in thousandths of a core [default: every CPU
+    /// this process may use, times 1000].
+    #[arg(long, env = "BERTH_CPU_MILLIS", value_name = "MILLIS")]
+    cpu_millis: Option<u64>,
+    /// Memory offered to leases, in bytes [default: MemTotal].
+    #[arg(long, env = "BERTH_MEMORY_BYTES", value_name = "BYTES")]
+    memory_bytes: Option<u64>,
     #[command(flatten)]
     telemetry: TelemetryArgs,
 }
 
+fn parse_label(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((key, value)) if !key.trim().is_empty() => Ok((key.trim().to_string(), value.trim().to_string())),
+        _ => Err(format!("expected KEY=VALUE, got '{text}'")),
+    }
+}
+
+impl Args {
+    fn config(self) -> Result<AgentConfig, StartError> {
+        let host = |e: berth_agent::HostError| StartError::Invalid(e.to_string());
+        let capacity = Capacity {
+            cpu_millis: match self.cpu_millis {
+                Some(millis) => millis,
+                None => berth_agent::detect_cpu_millis().map_err(host)?,
+            },
+            memory_bytes: match self.memory_bytes {
+                Some(bytes) => bytes,
+                None => berth_agent::detect_memory_bytes().map_err(host)?,
+            },
+        };
+        let ca_bundle_pem = match &self.ca_file {
+            Some(path) => {
+                let pem = std::fs::read_to_string(path).map_err(|source| StartError::Io {
+                    what: "cannot read the CA file",
+                    path: path.display().to_string(),
+                    source,
+                })?;
+                berth_mtls::certs_from_pem("CA bundle", &pem)
+                    .map_err(|e| StartError::Invalid(format!("--ca-file {}: {e}", path.display())))?;
+                pem
+            }
+            None => String::new(),
+        };
+        let name = self.name.filter(|n| !n.trim().is_empty()).unwrap_or_else(host_name);
+        let mut config = AgentConfig::new(self.server, self.data_dir, self.advertise_addr, self.listen, capacity);
+        config.ca_bundle_pem = ca_bundle_pem;
+        config.join_token = self.join_token;
+        config.tier = self.tier;
+        config.name = name;
+        config.labels = self.labels.into_iter().collect::<BTreeMap<_, _>>();
+        Ok(config)
+    }
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string(HOSTNAME_FILE)
+        .ok()
+        .map(|name| name.trim().to_string())
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "node".to_string())
+}
+
+/// The error and its causes on one line, each cause once.
+fn agent_error(error: AgentError) -> StartError {
+    let mut line = error.to_string();
+    let mut source = std::error::Error::source(&error);
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        source = cause.source();
+    }
+    StartError::Invalid(line)
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
-    run_main("berth-agent", &args.telemetry, || async {
+    let telemetry = args.telemetry.clone();
+    run_main("berth-agent", &telemetry, || async move {
         let shutdown = berth_rpc::shutdown_signal();
-        let credentials = args.tls.load()?;
-        let listener = bind(args.listen, credentials.clone()).await?;
-        watch_cert_files(args.tls.clone(), credentials.clone(), CERT_POLL_INTERVAL, shutdown.clone());
-        berth_agent::serve(listener, credentials, shutdown).await
+        let config = args.config()?;
+        let agent = match berth_agent::start(config, shutdown).await {
+            Ok(agent) => agent,
+            // Interrupted while joining: the operator asked for it.
+            Err(AgentError::Cancelled) => return Ok(()),
+            Err(error) => return Err(agent_error(error)),
+        };
+        tracing::info!(node_id = %agent.node_id(), addr = %agent.local_addr(), "agent running");
+        agent.wait().await.map_err(agent_error)
     })
 }

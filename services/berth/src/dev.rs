@@ -41,7 +41,7 @@ const LEAF_VALIDITY: Duration = Duration::from_secs(24 * 3600);
 /// The control-plane services after identity, in port order.
 const SERVICES: [ServiceSpec; 3] = [berth_revisions::SPEC, berth_leases::SPEC, berth_egress::SPEC];
 
-/// The dev node's id.
+/// The dev node's name (identity picks its id).
 const DEV_NODE: &str = "dev";
 
 /// Length of the generated sealing secret, in random bytes (hex encoded).
@@ -126,13 +126,30 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         kept.push(me);
     }
 
-    let node = Identity::node(DEV_NODE).map_err(|e| StartError::Invalid(e.to_string()))?;
-    let node = KeptIdentity::issue(&authority, node, sans.clone(), LEAF_VALIDITY).await.map_err(authority_error)?;
-    let agent_listener = bind(SocketAddr::new(args.host, args.port_base + 4), node.credentials.clone()).await?;
-    let stop = shutdown.clone();
-    let agent_credentials = node.credentials.clone();
-    servers.spawn(async move { berth_agent::serve(agent_listener, agent_credentials, stop).await });
-    kept.push(node);
+    // The dev node joins like any host: with a join token on first start,
+    // resuming its kept identity after that.
+    let agent_dir = dir.join("agent");
+    let join_token = if agent_dir.join("identity").exists() {
+        None
+    } else {
+        Some(create_dev_token(dir, &identity_addr).await?)
+    };
+    let agent_addr = SocketAddr::new(args.host, args.port_base + 4);
+    let capacity = berth_agent::Capacity::detect().map_err(|e| StartError::Invalid(format!("agent: {e}")))?;
+    let mut agent = berth_agent::AgentConfig::new(
+        identity_addr.clone(),
+        agent_dir,
+        SocketAddr::new(dial_host, agent_addr.port()).to_string(),
+        agent_addr,
+        capacity,
+    );
+    agent.ca_bundle_pem = bundle.clone();
+    agent.join_token = join_token;
+    agent.name = DEV_NODE.to_string();
+    let agent = berth_agent::start(agent, shutdown.clone())
+        .await
+        .map_err(|e| StartError::Invalid(format!("dev agent: {e}")))?;
+    servers.spawn(async move { agent.wait().await.map_err(|e| StartError::Invalid(format!("dev agent: {e}"))) });
 
     spawn_keeper(authority, kept, LEAF_VALIDITY, Some(ca_path), shutdown.clone());
     print_banner(&args);
@@ -150,6 +167,22 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         }
     }
     outcome
+}
+
+/// A single-use join token for the dev node, created through the admin API
+/// with the admin identity `berth dev` just wrote.
+async fn create_dev_token(dir: &Path, identity_addr: &str) -> Result<String, StartError> {
+    use berth_proto::identity::v1::{CreateJoinTokenRequest, join_tokens_client::JoinTokensClient};
+    let material = TlsMaterial::from_files(dir.join("admin.pem"), dir.join("admin-key.pem"), dir.join("ca.pem"))
+        .map_err(StartError::Tls)?;
+    let credentials = berth_mtls::TlsCredentials::new(material).map_err(StartError::Tls)?;
+    let channel = berth_rpc::connect(identity_addr, credentials).map_err(|e| StartError::Invalid(e.to_string()))?;
+    let request = CreateJoinTokenRequest { max_uses: 1, ttl_seconds: 600, ..Default::default() };
+    let response = JoinTokensClient::new(channel)
+        .create_join_token(request)
+        .await
+        .map_err(|status| StartError::Invalid(format!("creating the dev node's join token: {}", status.message())))?;
+    Ok(response.into_inner().token)
 }
 
 fn sqlite_url(dir: &Path, name: &str) -> String {

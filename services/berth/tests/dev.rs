@@ -154,12 +154,47 @@ fn grpcurl_lists_every_service_and_health_serves_and_restart_keeps_the_ca() {
 }
 
 #[test]
+fn the_dev_node_joins_and_comes_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let base = free_port_base();
+    let dev = Dev::start(&dir, base);
+    let addr = format!("127.0.0.1:{base}");
+    let mut last = String::new();
+    for _ in 0..100 {
+        last = grpcurl_admin(&dir, &addr, &["berth.identity.v1.Nodes/ListNodes"]);
+        if last.contains("\"name\": \"dev\"") && last.contains("NODE_STATE_UP") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(last.contains("\"name\": \"dev\"") && last.contains("NODE_STATE_UP"), "{last}");
+    let first: serde_json::Value = serde_json::from_str(&last).unwrap();
+    let node_id = first["nodes"][0]["nodeId"].as_str().unwrap().to_string();
+    assert!(dev.stop().success());
+
+    // A restart resumes the same node rather than joining a second one.
+    let dev = Dev::start(&dir, base);
+    for _ in 0..100 {
+        last = grpcurl_admin(&dir, &addr, &["berth.identity.v1.Nodes/ListNodes"]);
+        if last.contains("NODE_STATE_UP") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let again: serde_json::Value = serde_json::from_str(&last).unwrap();
+    assert_eq!(again["nodes"].as_array().unwrap().len(), 1, "{last}");
+    assert_eq!(again["nodes"][0]["nodeId"].as_str().unwrap(), node_id);
+    assert!(dev.stop().success());
+}
+
+#[test]
 fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
     let base = free_port_base();
     let dev = Dev::start(&dir, base);
-    let run = |method: &str| {
+    let run = |addr: String, method: &str| {
         Command::new(grpcurl())
             .arg("-cacert")
             .arg(dir.join("ca.pem"))
@@ -168,18 +203,18 @@ fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
             .arg("-key")
             .arg(dir.join("admin-key.pem"))
             .args(["-d", "{}"])
-            .arg(format!("127.0.0.1:{base}"))
+            .arg(addr)
             .arg(method)
             .output()
             .unwrap()
     };
-    let out = run("berth.identity.v1.NodeSession/Heartbeat");
+    let out = run(format!("127.0.0.1:{base}"), "berth.identity.v1.NodeSession/Heartbeat");
     let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success());
     assert!(text.contains("PermissionDenied"), "{text}");
     assert!(text.contains("admin 'dev'"), "{text}");
 
-    let out = run("berth.identity.v1.JoinTokens/ListJoinTokens");
+    let out = run(format!("127.0.0.1:{}", base + 3), "berth.egress.v1.Egress/ListGateways");
     let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success());
     assert!(text.contains("Unimplemented"), "{text}");

@@ -1,0 +1,278 @@
+//! Starting an agent and holding on to it: join or resume, bind the agent
+//! API, spawn the heartbeater, and hand back an [`AgentHandle`].
+//!
+//! # Expected flow
+//! 1. The data directory is locked for this agent.
+//! 2. An identity kept there whose certificate is still valid is resumed: no
+//!    token needed, same node id, same incarnation. With none (or an expired
+//!    one) the host joins with the join token; unreachable identity is
+//!    retried with backoff until shutdown.
+//! 3. The agent API is bound on the node certificate, and the heartbeater
+//!    takes over the session.
+//!
+//! # Revocation
+//! A revoked node stops heartbeating and [`AgentHandle::wait`] returns
+//! [`AgentError::Revoked`], so `berth-agent` exits non-zero: the host's
+//! supervisor shows the node as failed, which is what an operator who revoked
+//! it expects to see. The revocation is recorded in the data directory, so a
+//! restart fails at once with the same message instead of heartbeating with a
+//! refused identity, and no join token brings the node back on its own: the
+//! operator clears the data directory to join the host anew.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use berth_mtls::TlsCredentials;
+use berth_rpc::Listener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::config::AgentConfig;
+use crate::heartbeat::{Heartbeater, Watches, trust_union};
+use crate::identity_dir::{IdentityDir, IdentityDirError, NodeIdentity};
+use crate::join::{self, JoinError};
+use crate::status::{AgentStatus, Fence, FenceReason, NodeSession};
+
+/// Why the agent could not start, or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The configuration is unusable; the message names the field.
+    #[error("invalid agent configuration: {0}")]
+    Config(String),
+    /// The data directory or the identity in it could not be used.
+    #[error(transparent)]
+    IdentityDir(#[from] IdentityDirError),
+    /// The host never joined and no join token was given.
+    #[error("no node identity in {data_dir} and no join token to join with; pass --join-token")]
+    NoIdentity {
+        /// The data directory.
+        data_dir: String,
+    },
+    /// The kept certificate expired and no join token was given to rejoin.
+    #[error(
+        "the certificate of node {node_id} in {data_dir} expired while the agent was away; pass --join-token to join again"
+    )]
+    CertificateExpired {
+        /// The node whose certificate expired.
+        node_id: String,
+        /// The data directory.
+        data_dir: String,
+    },
+    /// An operator revoked the node.
+    #[error(
+        "node {node_id} was revoked by an operator; to join this host again, remove {data_dir} and start with a new join token"
+    )]
+    Revoked {
+        /// The revoked node.
+        node_id: String,
+        /// The data directory that records the revocation.
+        data_dir: String,
+    },
+    /// The first join failed for good.
+    #[error("cannot join: {0}")]
+    Join(#[source] JoinError),
+    /// The session ended and identity refused every way back in.
+    #[error("node {node_id} was {reason} and cannot rejoin: {source}")]
+    Rejoin {
+        /// The node whose session ended.
+        node_id: String,
+        /// Why the session ended.
+        reason: FenceReason,
+        /// The last refusal.
+        #[source]
+        source: JoinError,
+    },
+    /// The session ended, the certificate cannot rejoin, and there is no
+    /// token to rejoin with.
+    #[error("node {node_id} was {reason} and needs a join token to rejoin; restart with --join-token")]
+    RejoinNeedsToken {
+        /// The node whose session ended.
+        node_id: String,
+        /// Why the session ended.
+        reason: FenceReason,
+    },
+    /// The node credentials could not be loaded.
+    #[error("node credentials: {0}")]
+    Tls(#[source] berth_mtls::MtlsError),
+    /// The channel to identity could not be built.
+    #[error(transparent)]
+    Client(berth_rpc::ClientError),
+    /// The agent API address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The agent API server failed.
+    #[error("agent api: {0}")]
+    Serve(#[source] berth_rpc::RpcError),
+    /// The agent was shut down before it had an identity.
+    #[error("stopped before the node joined")]
+    Cancelled,
+    /// One of the agent's tasks panicked or was aborted.
+    #[error("agent task failed: {0}")]
+    Task(String),
+}
+
+/// A running agent.
+///
+/// Dropping the handle leaves the agent running until the shutdown token
+/// given to [`start`] is cancelled; [`wait`](Self::wait) waits for that.
+#[derive(Debug)]
+pub struct AgentHandle {
+    credentials: TlsCredentials,
+    local_addr: SocketAddr,
+    status: watch::Receiver<AgentStatus>,
+    session: watch::Receiver<NodeSession>,
+    fences: watch::Receiver<Option<Fence>>,
+    stop: CancellationToken,
+    server: JoinHandle<Result<(), berth_rpc::RpcError>>,
+    heartbeater: JoinHandle<Result<(), AgentError>>,
+}
+
+impl AgentHandle {
+    /// The node id the agent runs as now; it changes only when a rejoin
+    /// hands out a new one.
+    pub fn node_id(&self) -> String {
+        self.session.borrow().node_id.clone()
+    }
+
+    /// The session the agent holds now, and every change to it.
+    pub fn session(&self) -> watch::Receiver<NodeSession> {
+        self.session.clone()
+    }
+
+    /// The node credentials: the agent reloads them on renewal, rejoin and
+    /// CA rotation; clients built on them follow.
+    pub fn credentials(&self) -> TlsCredentials {
+        self.credentials.clone()
+    }
+
+    /// Where the agent API listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Where the agent stands with the control plane.
+    pub fn status(&self) -> watch::Receiver<AgentStatus> {
+        self.status.clone()
+    }
+
+    /// The last session that ended, `None` until one does. Whatever runs on
+    /// the node stops on every change: a watcher that awaits `changed()`
+    /// never misses that a fence happened, though two quick fences may reach
+    /// it as one.
+    pub fn fences(&self) -> watch::Receiver<Option<Fence>> {
+        self.fences.clone()
+    }
+
+    /// Waits until the agent stops: `Ok` after shutdown, or the error that
+    /// stopped it (a revocation, a refused rejoin, a failed listener). When
+    /// one part fails the other is stopped too.
+    pub async fn wait(self) -> Result<(), AgentError> {
+        let AgentHandle { stop, mut server, mut heartbeater, .. } = self;
+        let server_result = |joined: Result<Result<(), berth_rpc::RpcError>, tokio::task::JoinError>| {
+            joined.map_err(|e| AgentError::Task(e.to_string())).and_then(|r| r.map_err(AgentError::Serve))
+        };
+        let heartbeat_result = |joined: Result<Result<(), AgentError>, tokio::task::JoinError>| {
+            joined.map_err(|e| AgentError::Task(e.to_string())).and_then(|r| r)
+        };
+        let (first, second) = tokio::select! {
+            joined = &mut heartbeater => {
+                let first = heartbeat_result(joined);
+                stop.cancel();
+                (first, server_result(server.await))
+            }
+            joined = &mut server => {
+                let first = server_result(joined);
+                stop.cancel();
+                (first, heartbeat_result(heartbeater.await))
+            }
+        };
+        first.and(second)
+    }
+}
+
+/// Joins (or resumes), binds the agent API on `config.listen`, and spawns
+/// the heartbeater; everything stops when `shutdown` is cancelled.
+pub async fn start(config: AgentConfig, shutdown: CancellationToken) -> Result<AgentHandle, AgentError> {
+    config.validate().map_err(AgentError::Config)?;
+    let config = Arc::new(config);
+    let dir = IdentityDir::open(&config.data_dir)?;
+    let data_dir = || dir.root().display().to_string();
+    if let Some(revocation) = dir.revocation()? {
+        return Err(AgentError::Revoked { node_id: revocation.node_id, data_dir: data_dir() });
+    }
+
+    let identity = match dir.load()? {
+        Some(identity) if !identity.expired_at(SystemTime::now()) => {
+            tracing::info!(node_id = %identity.node_id, incarnation = identity.incarnation,
+                "resuming the node identity kept in the data directory");
+            identity
+        }
+        kept => {
+            let Some(token) = config.token() else {
+                return Err(match kept {
+                    Some(expired) => AgentError::CertificateExpired { node_id: expired.node_id, data_dir: data_dir() },
+                    None => AgentError::NoIdentity { data_dir: data_dir() },
+                });
+            };
+            let bundle = match &kept {
+                Some(expired) => {
+                    tracing::warn!(node_id = %expired.node_id, "the kept node certificate expired; joining again with the join token");
+                    trust_union(&expired.ca_bundle_pem, &config.ca_bundle_pem)
+                }
+                None => config.ca_bundle_pem.clone(),
+            };
+            if bundle.trim().is_empty() {
+                return Err(AgentError::Config(
+                    "ca_bundle_pem: the CA bundle to verify identity with is needed to join (--ca-file)".into(),
+                ));
+            }
+            let identity = join_first(&config, token, &bundle, &shutdown).await?;
+            dir.save(&identity)?;
+            identity
+        }
+    };
+
+    let credentials = TlsCredentials::new(identity.material()).map_err(AgentError::Tls)?;
+    let listener = Listener::bind(config.listen, credentials.clone())
+        .await
+        .map_err(|source| AgentError::Bind { addr: config.listen, source })?;
+    let local_addr = listener.local_addr().map_err(|source| AgentError::Bind { addr: config.listen, source })?;
+
+    let session = NodeSession { node_id: identity.node_id.clone(), incarnation: identity.incarnation };
+    let (status_tx, status) = watch::channel(AgentStatus::Joined { session: session.clone() });
+    let (session_tx, session_rx) = watch::channel(session);
+    let (fences_tx, fences) = watch::channel(None);
+    let watches = Watches { status: status_tx, session: session_tx, fences: fences_tx };
+
+    let stop = shutdown.child_token();
+    let heartbeater = Heartbeater::new(config, dir, identity, credentials.clone(), watches, stop.clone())?;
+    let server = tokio::spawn(crate::api::serve(listener, credentials.clone(), stop.clone()));
+    let heartbeater = tokio::spawn(heartbeater.run());
+    Ok(AgentHandle { credentials, local_addr, status, session: session_rx, fences, stop, server, heartbeater })
+}
+
+async fn join_first(
+    config: &AgentConfig,
+    token: &str,
+    ca_bundle_pem: &str,
+    shutdown: &CancellationToken,
+) -> Result<NodeIdentity, AgentError> {
+    let mut backoff = Backoff::new(config.timing.retry_initial, config.timing.retry_max);
+    let joined = join::retrying("join", &mut backoff, shutdown, || join::join_with_token(config, token, ca_bundle_pem))
+        .await
+        .map_err(|error| match error {
+            JoinError::Cancelled => AgentError::Cancelled,
+            error => AgentError::Join(error),
+        })?;
+    tracing::info!(node_id = %joined.node_id, incarnation = joined.incarnation, "joined");
+    Ok(joined)
+}

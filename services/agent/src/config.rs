@@ -1,0 +1,204 @@
+//! How an agent is configured: where the control plane is, how the host joins
+//! it, what the host offers, and the timings of its control loops.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::host::Capacity;
+
+/// The first wait after a failed call to the control plane.
+pub const DEFAULT_RETRY_INITIAL: Duration = Duration::from_millis(500);
+
+/// The longest wait between retries: an agent that lost the control plane
+/// notices it is back within this long.
+pub const DEFAULT_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// How long one Join or Heartbeat call may take before it counts as failed.
+pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The shortest heartbeat interval the agent accepts from the server, so a
+/// zero or tiny interval can never make it spin.
+pub const DEFAULT_MIN_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The longest heartbeat interval the agent accepts from the server.
+pub const DEFAULT_MAX_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5 * 60);
+
+/// The timings of the agent's calls to the control plane. Production uses
+/// [`Default`]; tests shrink them to milliseconds.
+#[derive(Debug, Clone)]
+pub struct AgentTiming {
+    /// The first wait after a failed call; it doubles up to `retry_max`.
+    pub retry_initial: Duration,
+    /// The longest wait between retries.
+    pub retry_max: Duration,
+    /// How long one call may take.
+    pub rpc_timeout: Duration,
+    /// The heartbeat interval the server gives is raised to at least this.
+    pub min_heartbeat_interval: Duration,
+    /// The heartbeat interval the server gives is lowered to at most this.
+    pub max_heartbeat_interval: Duration,
+}
+
+impl Default for AgentTiming {
+    fn default() -> Self {
+        Self {
+            retry_initial: DEFAULT_RETRY_INITIAL,
+            retry_max: DEFAULT_RETRY_MAX,
+            rpc_timeout: DEFAULT_RPC_TIMEOUT,
+            min_heartbeat_interval: DEFAULT_MIN_HEARTBEAT_INTERVAL,
+            max_heartbeat_interval: DEFAULT_MAX_HEARTBEAT_INTERVAL,
+        }
+    }
+}
+
+impl AgentTiming {
+    /// The server's heartbeat interval, held within the accepted bounds.
+    pub(crate) fn heartbeat_interval(&self, server_ms: u32) -> Duration {
+        let max = self.max_heartbeat_interval.max(self.min_heartbeat_interval);
+        Duration::from_millis(u64::from(server_ms)).clamp(self.min_heartbeat_interval, max)
+    }
+}
+
+/// Everything an agent needs to join (or resume) and run.
+#[derive(Clone)]
+pub struct AgentConfig {
+    /// The identity service, `host:port`.
+    pub server: String,
+    /// The CA bundle (PEM) that the identity service's certificate must chain
+    /// to when joining. Only needed to join: a resumed agent trusts the bundle
+    /// it keeps in its data directory, which heartbeats keep current. May be
+    /// empty when the data directory already holds an identity.
+    pub ca_bundle_pem: String,
+    /// The join token; needed to join the first time, and to rejoin when the
+    /// node's own certificate can no longer do it (expired, or the node was
+    /// forgotten).
+    pub join_token: Option<String>,
+    /// Where the node's identity is kept across restarts.
+    pub data_dir: PathBuf,
+    /// `host:port` where the control plane reaches this agent's API; its host
+    /// is written into the node certificate.
+    pub advertise_addr: String,
+    /// Where the agent API listens (port 0 picks a free one).
+    pub listen: SocketAddr,
+    /// The tier the host asks for; empty takes the token's.
+    pub tier: String,
+    /// The host's name for operators.
+    pub name: String,
+    /// Extra labels for the node; the token's labels win on conflict.
+    pub labels: BTreeMap<String, String>,
+    /// The compute the node offers to leases.
+    pub capacity: Capacity,
+    /// The agent's version, reported at join and on every heartbeat.
+    pub version: String,
+    /// Retry and heartbeat timings.
+    pub timing: AgentTiming,
+}
+
+impl std::fmt::Debug for AgentConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentConfig")
+            .field("server", &self.server)
+            .field("join_token", &self.join_token.as_ref().map(|_| "<redacted>"))
+            .field("data_dir", &self.data_dir)
+            .field("advertise_addr", &self.advertise_addr)
+            .field("listen", &self.listen)
+            .field("tier", &self.tier)
+            .field("name", &self.name)
+            .field("labels", &self.labels)
+            .field("capacity", &self.capacity)
+            .field("version", &self.version)
+            .field("timing", &self.timing)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentConfig {
+    /// A configuration with the defaults for everything but what has none:
+    /// the server, the data directory, the advertised address, where to
+    /// listen, and the capacity.
+    pub fn new(
+        server: impl Into<String>,
+        data_dir: impl Into<PathBuf>,
+        advertise_addr: impl Into<String>,
+        listen: SocketAddr,
+        capacity: Capacity,
+    ) -> Self {
+        Self {
+            server: server.into(),
+            ca_bundle_pem: String::new(),
+            join_token: None,
+            data_dir: data_dir.into(),
+            advertise_addr: advertise_addr.into(),
+            listen,
+            tier: String::new(),
+            name: String::new(),
+            labels: BTreeMap::new(),
+            capacity,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            timing: AgentTiming::default(),
+        }
+    }
+
+    /// The join token, when one was given and is not blank.
+    pub(crate) fn token(&self) -> Option<&str> {
+        self.join_token.as_deref().map(str::trim).filter(|t| !t.is_empty())
+    }
+
+    /// Checks what can be checked before any I/O; the message names the field.
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.server.trim().is_empty() {
+            return Err("server: the identity service address (host:port) is required".into());
+        }
+        if self.advertise_addr.trim().is_empty() {
+            return Err("advertise_addr: the host:port the control plane reaches this agent at is required".into());
+        }
+        if self.data_dir.as_os_str().is_empty() {
+            return Err("data_dir: a directory to keep the node identity in is required".into());
+        }
+        if self.capacity.cpu_millis == 0 || self.capacity.memory_bytes == 0 {
+            return Err(format!("capacity: cpu and memory must both be positive, got {:?}", self.capacity));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_intervals_are_held_within_bounds() {
+        let timing = AgentTiming::default();
+        assert_eq!(timing.heartbeat_interval(0), DEFAULT_MIN_HEARTBEAT_INTERVAL, "zero would spin");
+        assert_eq!(timing.heartbeat_interval(5_000), Duration::from_secs(5));
+        assert_eq!(timing.heartbeat_interval(u32::MAX), DEFAULT_MAX_HEARTBEAT_INTERVAL);
+    }
+
+    #[test]
+    fn the_join_token_never_appears_in_debug_output() {
+        let mut config = AgentConfig::new(
+            "identity:7443",
+            "/tmp/x",
+            "10.0.0.1:7447",
+            "0.0.0.0:7447".parse().unwrap(),
+            Capacity { cpu_millis: 1000, memory_bytes: 1 << 30 },
+        );
+        config.join_token = Some("berth-join.abc.s3cret".into());
+        let debug = format!("{config:?}");
+        assert!(!debug.contains("s3cret"), "{debug}");
+    }
+
+    #[test]
+    fn missing_fields_are_named() {
+        let mut config = AgentConfig::new("", "/tmp/x", "a:1", "0.0.0.0:0".parse().unwrap(), Capacity::default());
+        assert!(config.validate().unwrap_err().starts_with("server"));
+        config.server = "identity:7443".into();
+        assert!(config.validate().unwrap_err().starts_with("capacity"));
+        config.capacity = Capacity { cpu_millis: 1, memory_bytes: 1 };
+        config.join_token = Some("  ".into());
+        assert_eq!(config.token(), None, "a blank token is no token");
+        config.validate().unwrap();
+    }
+}

@@ -1,0 +1,122 @@
+//! What the agent tells the rest of the host about its standing with the
+//! control plane: its current session, its health, and every session that
+//! ended under it.
+//!
+//! # Expected flow
+//! `Joined` (an identity, no answered heartbeat yet) → `Up` ⇄ `Retrying`;
+//! a fence, a forgotten node or an expired certificate goes `Fenced` →
+//! `Joining` → `Joined` → `Up` under the new session; a revocation ends in
+//! `Revoked`; shutdown ends in `Stopped`.
+
+use std::time::SystemTime;
+
+/// The session the node holds with the control plane: who it is and the
+/// incarnation its heartbeats carry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeSession {
+    /// The node id identity chose.
+    pub node_id: String,
+    /// The incarnation; a rejoin increases it.
+    pub incarnation: u64,
+}
+
+/// Where the agent stands with the control plane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentStatus {
+    /// Joining or rejoining: no usable session yet.
+    Joining,
+    /// Holds a session; no heartbeat has been answered under it yet.
+    Joined {
+        /// The session.
+        session: NodeSession,
+    },
+    /// Heartbeats are answered.
+    Up {
+        /// The session.
+        session: NodeSession,
+        /// When the last heartbeat was answered.
+        last_heartbeat: SystemTime,
+    },
+    /// Heartbeats are failing and being retried with backoff.
+    Retrying {
+        /// The session.
+        session: NodeSession,
+        /// When the first of the failures in a row happened.
+        since: SystemTime,
+        /// How many heartbeats in a row have failed.
+        failures: u32,
+        /// What the last failure was.
+        last_error: String,
+    },
+    /// The session ended (see [`Fence`]); the agent is about to rejoin.
+    Fenced {
+        /// The session that ended.
+        session: NodeSession,
+        /// Why.
+        reason: FenceReason,
+    },
+    /// An operator revoked the node: heartbeats have stopped for good.
+    Revoked {
+        /// The revoked session.
+        session: NodeSession,
+    },
+    /// The agent stopped: shut down, or failed (`AgentHandle::wait` says why).
+    Stopped,
+}
+
+impl AgentStatus {
+    /// The session, in the states that hold one.
+    pub fn session(&self) -> Option<&NodeSession> {
+        match self {
+            AgentStatus::Joined { session }
+            | AgentStatus::Up { session, .. }
+            | AgentStatus::Retrying { session, .. }
+            | AgentStatus::Fenced { session, .. }
+            | AgentStatus::Revoked { session } => Some(session),
+            AgentStatus::Joining | AgentStatus::Stopped => None,
+        }
+    }
+
+    /// Whether heartbeats are being answered.
+    pub fn is_up(&self) -> bool {
+        matches!(self, AgentStatus::Up { .. })
+    }
+}
+
+/// Why a session ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceReason {
+    /// Identity reaped the node while it was out of reach and fenced its
+    /// stale incarnation.
+    Fenced,
+    /// Identity no longer knows the node.
+    Forgotten,
+    /// The node certificate expired before it could be renewed.
+    CertificateExpired,
+    /// An operator revoked the node.
+    Revoked,
+}
+
+impl std::fmt::Display for FenceReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FenceReason::Fenced => "fenced",
+            FenceReason::Forgotten => "forgotten by identity",
+            FenceReason::CertificateExpired => "certificate expired",
+            FenceReason::Revoked => "revoked",
+        })
+    }
+}
+
+/// A session that ended: whatever the node ran under it must stop, because
+/// the control plane has already given its leases up. The lease runner
+/// watches these (`AgentHandle::fences`) and stops its work on each one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    /// The session that ended.
+    pub session: NodeSession,
+    /// Why.
+    pub reason: FenceReason,
+    /// When the agent learned of it.
+    pub at: SystemTime,
+}

@@ -1,0 +1,681 @@
+//! The agent against the real identity service, in process: join, resume,
+//! renewal, fencing, outages and revocation, as an operator would see them
+//! through the Nodes API and the agent's own status.
+//!
+//! Identity runs on a SQLite file and an in-process bus, and the agent
+//! reaches it through a TCP relay that a test can take down, the way a
+//! network partition or an identity restart would.
+
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use berth_agent::{AgentConfig, AgentError, AgentHandle, AgentStatus, AgentTiming, Capacity, FenceReason};
+use berth_core::Identity;
+use berth_identity::{AuthorityTiming, IdentityConfig, IdentityService, KeptIdentity, NodeTiming};
+use berth_mtls::TlsCredentials;
+use berth_proto::identity::v1;
+use berth_proto::identity::v1::authority_client::AuthorityClient;
+use berth_proto::identity::v1::join_tokens_client::JoinTokensClient;
+use berth_proto::identity::v1::nodes_client::NodesClient;
+use berth_store::ElectionTiming;
+use berth_store::testing::TestDb;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const SECRET: &str = "0123456789abcdef0123456789abcdef-agent-test";
+
+/// What the agent advertises; its host is written into the node certificate,
+/// which is how a client dialling 127.0.0.1 verifies the agent API.
+const ADVERTISE: &str = "127.0.0.1:7447";
+
+/// Long enough for anything on a loaded two-core machine; tests that pass
+/// finish far sooner.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------
+// A relay in front of identity that can go down
+// ---------------------------------------------------------------------------
+
+/// Relays TCP to identity. While down it closes every live connection and
+/// every new one at once, like a partition, and counts the connections it
+/// turned away: each is one attempt by the agent.
+struct Relay {
+    addr: SocketAddr,
+    down: Arc<AtomicBool>,
+    turned_away: Arc<AtomicU64>,
+    cuts: watch::Sender<u64>,
+    accepting: JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(target: SocketAddr) -> Relay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let down = Arc::new(AtomicBool::new(false));
+        let turned_away = Arc::new(AtomicU64::new(0));
+        let cuts = watch::channel(0u64).0;
+        let (d, t, c) = (down.clone(), turned_away.clone(), cuts.clone());
+        let accepting = tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else { continue };
+                if d.load(Ordering::SeqCst) {
+                    t.fetch_add(1, Ordering::SeqCst);
+                    drop(client);
+                    continue;
+                }
+                let mut cut = c.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut server) = TcpStream::connect(target).await else { return };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        Relay { addr, down, turned_away, cuts, accepting }
+    }
+
+    fn go_down(&self) {
+        self.down.store(true, Ordering::SeqCst);
+        self.cuts.send_modify(|n| *n += 1);
+    }
+
+    fn come_back(&self) {
+        self.down.store(false, Ordering::SeqCst);
+    }
+
+    fn turned_away(&self) -> u64 {
+        self.turned_away.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.accepting.abort();
+        self.cuts.send_modify(|n| *n += 1);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Identity, in process
+// ---------------------------------------------------------------------------
+
+struct IdentityUnderTest {
+    db: Option<TestDb>,
+    relay: Relay,
+    bundle: String,
+    admin: TlsCredentials,
+    admin_channel: berth_rpc::Channel,
+    stop: CancellationToken,
+}
+
+/// Node timings in milliseconds: beats every 100 ms, down after 600 ms of
+/// silence, and nobody reaped or forgotten unless a test says so.
+fn node_timing() -> NodeTiming {
+    NodeTiming {
+        heartbeat_interval: Duration::from_millis(100),
+        down_after: Duration::from_millis(600),
+        reap_after: Duration::from_secs(3600),
+        forget_after: Duration::from_secs(7200),
+        reset_grace: Duration::from_millis(600),
+        persist_every: Duration::from_millis(200),
+        monitor_every: Duration::from_millis(50),
+        resync_every: Duration::from_secs(1),
+        election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+        ..NodeTiming::default()
+    }
+}
+
+impl IdentityUnderTest {
+    async fn start(node_cert_ttl: Duration, nodes: NodeTiming) -> IdentityUnderTest {
+        Self::start_with(node_cert_ttl, nodes, AuthorityTiming::default()).await
+    }
+
+    async fn start_with(node_cert_ttl: Duration, nodes: NodeTiming, authority: AuthorityTiming) -> IdentityUnderTest {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let db = TestDb::sqlite().await.unwrap();
+        let store = db.store().clone();
+        store.migrate(berth_identity::MIGRATIONS).await.unwrap();
+        let config = IdentityConfig { auth_secret: SECRET.into(), authority, node_cert_ttl };
+        let service = IdentityService::open(store, berth_bus::testing::memory_bus().unwrap(), config)
+            .await
+            .unwrap()
+            .with_node_timing(nodes);
+        let authority = service.authority().clone();
+        let me = KeptIdentity::issue(
+            &authority,
+            Identity::service("identity").unwrap(),
+            vec!["127.0.0.1".into()],
+            Duration::from_secs(3600),
+        )
+        .await
+        .unwrap();
+        let listener = berth_rpc::Listener::bind("127.0.0.1:0".parse().unwrap(), me.credentials.clone()).await.unwrap();
+        let direct = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        service.spawn_loops(&stop);
+        tokio::spawn(service.server().serve(listener, stop.clone()));
+        let admin = TlsCredentials::new(
+            authority.issue_material(&Identity::admin("ops").unwrap(), &[], Duration::from_secs(3600)).await.unwrap(),
+        )
+        .unwrap();
+        let admin_channel = berth_rpc::connect(&direct.to_string(), admin.clone()).unwrap();
+        IdentityUnderTest {
+            db: Some(db),
+            relay: Relay::start(direct).await,
+            bundle: authority.bundle_pem().await.unwrap(),
+            admin,
+            admin_channel,
+            stop,
+        }
+    }
+
+    /// A join token created the way an operator does, through JoinTokens.
+    async fn token(&self, max_uses: u32) -> String {
+        let request = v1::CreateJoinTokenRequest { max_uses, ttl_seconds: 600, ..Default::default() };
+        JoinTokensClient::new(self.admin_channel.clone()).create_join_token(request).await.unwrap().into_inner().token
+    }
+
+    async fn token_uses(&self) -> Vec<u32> {
+        let listed = JoinTokensClient::new(self.admin_channel.clone())
+            .list_join_tokens(v1::ListJoinTokensRequest { usable_only: false })
+            .await
+            .unwrap()
+            .into_inner();
+        listed.join_tokens.iter().map(|t| t.uses).collect()
+    }
+
+    async fn node(&self, node_id: &str) -> v1::Node {
+        let request = v1::GetNodeRequest { node_id: node_id.into() };
+        NodesClient::new(self.admin_channel.clone()).get_node(request).await.unwrap().into_inner().node.unwrap()
+    }
+
+    async fn nodes(&self) -> Vec<v1::Node> {
+        let request = v1::ListNodesRequest::default();
+        NodesClient::new(self.admin_channel.clone()).list_nodes(request).await.unwrap().into_inner().nodes
+    }
+
+    async fn revoke(&self, node_id: &str) {
+        let request = v1::RevokeNodeRequest { node_id: node_id.into(), reason: "decommissioned".into() };
+        NodesClient::new(self.admin_channel.clone()).revoke_node(request).await.unwrap();
+    }
+
+    /// One step of a CA rotation, as an operator takes it; returns the bundle.
+    async fn rotate_ca(&self, activate: bool) -> String {
+        let request = v1::RotateCaRequest { activate };
+        AuthorityClient::new(self.admin_channel.clone()).rotate_ca(request).await.unwrap().into_inner().ca_bundle_pem
+    }
+
+    /// Polls GetNode until identity no longer knows the node.
+    async fn node_forgotten(&self, node_id: &str) {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let request = v1::GetNodeRequest { node_id: node_id.into() };
+            match NodesClient::new(self.admin_channel.clone()).get_node(request).await {
+                Err(status) if status.code() == tonic::Code::NotFound => return,
+                other => assert!(tokio::time::Instant::now() < deadline, "node {node_id} never forgotten: {other:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Polls GetNode until `pred` holds.
+    async fn node_until(&self, node_id: &str, what: &str, pred: impl Fn(&v1::Node) -> bool) -> v1::Node {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let node = self.node(node_id).await;
+            if pred(&node) {
+                return node;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "node {node_id} never {what}: {node:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn cleanup(mut self) {
+        self.stop.cancel();
+        if let Some(db) = self.db.take() {
+            db.cleanup().await.unwrap();
+        }
+    }
+}
+
+fn up() -> i32 {
+    v1::NodeState::Up as i32
+}
+
+// ---------------------------------------------------------------------------
+// The agent
+// ---------------------------------------------------------------------------
+
+fn agent_timing() -> AgentTiming {
+    AgentTiming {
+        retry_initial: Duration::from_millis(50),
+        retry_max: Duration::from_millis(400),
+        rpc_timeout: Duration::from_secs(3),
+        min_heartbeat_interval: Duration::from_millis(10),
+        max_heartbeat_interval: Duration::from_secs(5),
+    }
+}
+
+fn agent_config(identity: &IdentityUnderTest, dir: &Path, token: Option<String>) -> AgentConfig {
+    let capacity = Capacity { cpu_millis: 2000, memory_bytes: 4 << 30 };
+    let mut config =
+        AgentConfig::new(identity.relay.addr.to_string(), dir, ADVERTISE, "127.0.0.1:0".parse().unwrap(), capacity);
+    config.ca_bundle_pem = identity.bundle.clone();
+    config.join_token = token;
+    config.name = "test-host".into();
+    config.timing = agent_timing();
+    config
+}
+
+struct RunningAgent {
+    handle: AgentHandle,
+    stop: CancellationToken,
+}
+
+impl RunningAgent {
+    async fn start(config: AgentConfig) -> RunningAgent {
+        let stop = CancellationToken::new();
+        let handle = berth_agent::start(config, stop.clone()).await.unwrap();
+        RunningAgent { handle, stop }
+    }
+
+    /// Waits for the status to satisfy `pred`, and returns it.
+    async fn status_until(&self, what: &str, pred: impl Fn(&AgentStatus) -> bool) -> AgentStatus {
+        let mut status = self.handle.status();
+        let found = tokio::time::timeout(PATIENCE, status.wait_for(|s| pred(s))).await.map(|r| r.map(|s| s.clone()));
+        match found {
+            Ok(Ok(found)) => found,
+            Ok(Err(_)) => panic!("the agent stopped before it was {what}"),
+            Err(_) => panic!("the agent was never {what}; last status {:?}", *status.borrow()),
+        }
+    }
+
+    async fn up(&self) -> (String, u64) {
+        let status = self.status_until("up", AgentStatus::is_up).await;
+        let session = status.session().unwrap();
+        (session.node_id.clone(), session.incarnation)
+    }
+
+    async fn stop(self) -> Result<(), AgentError> {
+        self.stop.cancel();
+        self.handle.wait().await
+    }
+}
+
+/// The SHA-256 of the certificate the agent API serves right now.
+async fn served_fingerprint(addr: SocketAddr, client: &TlsCredentials) -> String {
+    use rustls_pki_types::ServerName;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let name = ServerName::try_from("127.0.0.1").unwrap().to_owned();
+    let tls = tokio_rustls::TlsConnector::from(client.client_config()).connect(name, tcp).await.unwrap();
+    berth_mtls::fingerprint(&tls.get_ref().1.peer_certificates().unwrap()[0])
+}
+
+fn pem_fingerprint(pem: &str) -> String {
+    berth_mtls::fingerprint(&berth_mtls::certs_from_pem("certificate", pem).unwrap()[0])
+}
+
+// ---------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_host_joins_heartbeats_and_is_up_with_its_key_kept_private() {
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), node_timing()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let (node_id, incarnation) = agent.up().await;
+    assert_eq!(agent.handle.node_id(), node_id);
+    assert_eq!(incarnation, 1);
+
+    let node = identity.node_until(&node_id, "UP", |n| n.state == up()).await;
+    assert_eq!(node.name, "test-host");
+    assert_eq!(node.advertise_addr, ADVERTISE);
+    assert_eq!(node.incarnation, 1);
+    assert_eq!(node.capacity.unwrap().cpu_millis, 2000);
+    assert_eq!(node.version, env!("CARGO_PKG_VERSION"));
+
+    let kept = dir.path().join("identity");
+    let key_mode = std::fs::metadata(kept.join("node.key")).unwrap().permissions().mode() & 0o777;
+    assert_eq!(key_mode, 0o600, "the node key is readable by its owner only");
+    let kept_cert = std::fs::read_to_string(kept.join("node.pem")).unwrap();
+    assert_eq!(
+        served_fingerprint(agent.handle.local_addr(), &identity.admin).await,
+        pem_fingerprint(&kept_cert),
+        "the agent API serves the node certificate it keeps"
+    );
+    assert_eq!(agent.handle.credentials().identity(), Some(Identity::node(node_id).unwrap()));
+
+    agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_restarted_agent_resumes_the_same_node_without_a_token() {
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), node_timing()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let first = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let (node_id, _) = first.up().await;
+    first.stop().await.unwrap();
+    let stopped_at = SystemTime::now();
+
+    // No token and no CA file: everything needed is in the data directory.
+    let mut config = agent_config(&identity, dir.path(), None);
+    config.ca_bundle_pem = String::new();
+    let second = RunningAgent::start(config).await;
+    assert_eq!(second.handle.node_id(), node_id);
+    let (again, incarnation) = second.up().await;
+    assert_eq!((again.as_str(), incarnation), (node_id.as_str(), 1), "same node, same incarnation");
+
+    let node = identity
+        .node_until(&node_id, "heard from after the restart", |n| {
+            n.state == up() && n.last_heartbeat_at.as_ref().is_some_and(|t| t.seconds as u64 >= secs(stopped_at))
+        })
+        .await;
+    assert_eq!(node.incarnation, 1);
+    assert_eq!(identity.nodes().await.len(), 1, "no second node");
+    assert_eq!(identity.token_uses().await, vec![1], "no second join");
+    second.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+fn secs(at: SystemTime) -> u64 {
+    at.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs()
+}
+
+#[tokio::test]
+async fn the_certificate_renews_again_and_again_and_the_api_serves_each_renewal() {
+    let ttl = Duration::from_secs(3);
+    let identity = IdentityUnderTest::start(ttl, node_timing()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let (node_id, _) = agent.up().await;
+    let first_expiry = agent.handle.credentials().not_after();
+
+    // Record every status change: a renewal must never cost a failed beat.
+    let mut status = agent.handle.status();
+    let watcher = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        while status.changed().await.is_ok() {
+            seen.push(status.borrow_and_update().clone());
+        }
+        seen
+    });
+
+    let mut served = vec![served_fingerprint(agent.handle.local_addr(), &identity.admin).await];
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while served.len() < 4 {
+        assert!(tokio::time::Instant::now() < deadline, "only {} certificates served: {served:?}", served.len());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = served_fingerprint(agent.handle.local_addr(), &identity.admin).await;
+        if served.last() != Some(&now) {
+            served.push(now);
+        }
+    }
+    // Three renewals of a 3 s certificate: the agent outlived its first one.
+    assert!(agent.handle.credentials().not_after() > first_expiry);
+    // What is served is what is kept, so a restart resumes the renewed
+    // certificate (a renewal may land between the two reads: look again).
+    let mut matched = false;
+    for _ in 0..5 {
+        let kept = std::fs::read_to_string(dir.path().join("identity/node.pem")).unwrap();
+        if served_fingerprint(agent.handle.local_addr(), &identity.admin).await == pem_fingerprint(&kept) {
+            matched = true;
+            break;
+        }
+    }
+    assert!(matched, "the served certificate is the one kept in the data directory");
+
+    let node = identity.node(&node_id).await;
+    assert_eq!(node.state, up());
+    assert_eq!(node.incarnation, 1, "renewal is not a rejoin");
+    agent.stop().await.unwrap();
+    let seen = watcher.await.unwrap();
+    let trouble: Vec<_> =
+        seen.iter().filter(|s| matches!(s, AgentStatus::Retrying { .. } | AgentStatus::Fenced { .. })).collect();
+    assert!(trouble.is_empty(), "renewals disturbed the session: {trouble:?}");
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_node_reaped_while_partitioned_is_fenced_and_rejoins_under_a_new_incarnation() {
+    let timing = NodeTiming { reap_after: Duration::from_millis(500), ..node_timing() };
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), timing).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let (node_id, incarnation) = agent.up().await;
+    let mut fences = agent.handle.fences();
+    assert!(fences.borrow_and_update().is_none());
+
+    identity.relay.go_down();
+    let reaped = identity.node_until(&node_id, "reaped", |n| n.incarnation > incarnation).await;
+    assert_ne!(reaped.state, up());
+    identity.relay.come_back();
+
+    tokio::time::timeout(PATIENCE, fences.changed()).await.expect("the agent never saw the fence").unwrap();
+    let fence = fences.borrow().clone().unwrap();
+    assert_eq!(fence.reason, FenceReason::Fenced);
+    assert_eq!((fence.session.node_id.as_str(), fence.session.incarnation), (node_id.as_str(), incarnation));
+
+    let status = agent
+        .status_until("up under a new incarnation", |s| s.is_up() && s.session().unwrap().incarnation > incarnation)
+        .await;
+    let session = status.session().unwrap().clone();
+    assert_eq!(session.node_id, node_id, "a rejoin with a still-valid certificate keeps the node id");
+    let node = identity.node_until(&node_id, "UP again", |n| n.state == up()).await;
+    assert_eq!(node.incarnation, session.incarnation);
+    let kept = std::fs::read_to_string(dir.path().join("identity/node.json")).unwrap();
+    assert!(kept.contains(&format!("\"incarnation\": {}", session.incarnation)), "{kept}");
+    assert_eq!(identity.token_uses().await, vec![1], "the rejoin spent no token use");
+    agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_identity_outage_is_retried_with_backoff_and_the_node_recovers() {
+    let timing =
+        NodeTiming { down_after: Duration::from_secs(30), reset_grace: Duration::from_secs(30), ..node_timing() };
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), timing).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let (node_id, incarnation) = agent.up().await;
+
+    let outage = Duration::from_millis(2500);
+    identity.relay.go_down();
+    let retrying = agent.status_until("retrying", |s| matches!(s, AgentStatus::Retrying { .. })).await;
+    tokio::time::sleep(outage).await;
+    let attempts = identity.relay.turned_away();
+    identity.relay.come_back();
+
+    // Beats every 100 ms would be 25 attempts; backoff (50 ms doubling to
+    // 400 ms) makes it about ten, and never a tight loop.
+    assert!(attempts >= 3, "the agent kept trying: {attempts} attempts");
+    assert!(attempts <= 16, "the agent backed off: {attempts} attempts in {outage:?}");
+    let AgentStatus::Retrying { last_error, .. } = retrying else { unreachable!() };
+    assert!(!last_error.is_empty());
+
+    let (again, same_incarnation) = agent.up().await;
+    assert_eq!((again.as_str(), same_incarnation), (node_id.as_str(), incarnation), "an outage is not a fence");
+    assert!(agent.handle.fences().borrow().is_none());
+    identity.node_until(&node_id, "UP", |n| n.state == up()).await;
+    agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_revoked_node_stops_and_a_restart_refuses_to_run_it() {
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), node_timing()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let token = identity.token(5).await;
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(token.clone()))).await;
+    let (node_id, _) = agent.up().await;
+    let fences = agent.handle.fences();
+
+    identity.revoke(&node_id).await;
+    agent.status_until("revoked", |s| matches!(s, AgentStatus::Revoked { .. })).await;
+    assert_eq!(fences.borrow().as_ref().unwrap().reason, FenceReason::Revoked);
+    let stopped = tokio::time::timeout(PATIENCE, agent.handle.wait()).await.expect("the agent stops");
+    let err = stopped.unwrap_err();
+    assert!(matches!(&err, AgentError::Revoked { node_id: n, .. } if *n == node_id), "{err}");
+
+    // Even with a token that still has uses, the host does not come back on
+    // its own: the operator decided.
+    let err = berth_agent::start(agent_config(&identity, dir.path(), Some(token)), CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("revoked") && err.to_string().contains("remove"), "{err}");
+    assert_eq!(identity.nodes().await.len(), 1);
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_bad_token_fails_the_join_at_once_instead_of_retrying() {
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), node_timing()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let real = identity.token(1).await;
+    let (token_id, _secret) = real.rsplit_once('.').unwrap();
+    let forged = format!("{token_id}.{}", "A".repeat(43));
+    let started = tokio::time::Instant::now();
+    let err = berth_agent::start(agent_config(&identity, dir.path(), Some(forged)), CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(5), "refused, not retried: {:?}", started.elapsed());
+    match &err {
+        AgentError::Join(berth_agent::JoinError::Refused { code, message }) => {
+            assert_eq!(*code, tonic::Code::Unauthenticated, "{message}");
+            assert!(message.contains("join token"), "{message}");
+        }
+        other => panic!("expected a refused join, got {other}"),
+    }
+    assert!(identity.nodes().await.is_empty());
+
+    let err =
+        berth_agent::start(agent_config(&identity, dir.path(), None), CancellationToken::new()).await.unwrap_err();
+    assert!(matches!(err, AgentError::NoIdentity { .. }), "{err}");
+    assert!(err.to_string().contains("--join-token"), "{err}");
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_identity_that_expired_while_stopped_needs_a_token_and_rejoins_with_it() {
+    let ttl = Duration::from_secs(2);
+    let identity = IdentityUnderTest::start(ttl, node_timing()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let token = identity.token(2).await;
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(token.clone()))).await;
+    let (first_node, _) = agent.up().await;
+    let expires = agent.handle.credentials().not_after();
+    agent.stop().await.unwrap();
+    let wait = u64::try_from(expires).unwrap().saturating_sub(secs(SystemTime::now())) + 1;
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+
+    let err =
+        berth_agent::start(agent_config(&identity, dir.path(), None), CancellationToken::new()).await.unwrap_err();
+    assert!(matches!(&err, AgentError::CertificateExpired { node_id, .. } if *node_id == first_node), "{err}");
+    assert!(err.to_string().contains("--join-token"), "{err}");
+
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(token))).await;
+    let (node_id, _) = agent.up().await;
+    assert_ne!(node_id, first_node, "a token join is a new node");
+    identity.node_until(&node_id, "UP", |n| n.state == up()).await;
+    agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_forgotten_node_discards_its_identity_and_rejoins_with_its_token() {
+    let timing = NodeTiming {
+        reap_after: Duration::from_millis(300),
+        forget_after: Duration::from_millis(300),
+        ..node_timing()
+    };
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), timing).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(2).await))).await;
+    let (old_node, _) = agent.up().await;
+    let fences = agent.handle.fences();
+
+    identity.relay.go_down();
+    identity.node_forgotten(&old_node).await;
+    identity.relay.come_back();
+
+    let status =
+        agent.status_until("up as a new node", |s| s.is_up() && s.session().unwrap().node_id != old_node).await;
+    let new_node = status.session().unwrap().node_id.clone();
+    let fence = fences.borrow().clone().unwrap();
+    assert_eq!((fence.session.node_id.as_str(), fence.reason), (old_node.as_str(), FenceReason::Forgotten));
+    assert_eq!(agent.handle.node_id(), new_node);
+    identity.node_until(&new_node, "UP", |n| n.state == up()).await;
+    let kept = std::fs::read_to_string(dir.path().join("identity/node.json")).unwrap();
+    assert!(kept.contains(&new_node) && !kept.contains(&old_node), "the old identity is gone: {kept}");
+    assert_eq!(identity.token_uses().await, vec![2], "the token brought the host back");
+    agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_rotated_ca_reaches_the_agent_before_it_signs_and_renewals_follow_it() {
+    use berth_mtls::{certs_from_pem, verify_chain};
+    let authority = AuthorityTiming { min_prepared: Duration::ZERO, ..AuthorityTiming::default() };
+    let identity = IdentityUnderTest::start_with(Duration::from_secs(3), node_timing(), authority).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    agent.up().await;
+    let mut status = agent.handle.status();
+    let watcher = tokio::spawn(async move {
+        let mut trouble = Vec::new();
+        while status.changed().await.is_ok() {
+            let now = status.borrow_and_update().clone();
+            if matches!(now, AgentStatus::Retrying { .. } | AgentStatus::Fenced { .. }) {
+                trouble.push(now);
+            }
+        }
+        trouble
+    });
+
+    let prepared = identity.rotate_ca(false).await;
+    assert_eq!(certs_from_pem("bundle", &prepared).unwrap().len(), 2);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while agent.handle.credentials().material().ca_bundle_pem != prepared {
+        assert!(tokio::time::Instant::now() < deadline, "the prepared CA never reached the agent");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let kept = std::fs::read_to_string(dir.path().join("identity/ca.pem")).unwrap();
+    assert_eq!(kept, prepared, "the new bundle is kept for the next start");
+    // The operator's client learns the new bundle too.
+    let mut admin = identity.admin.material();
+    admin.ca_bundle_pem = prepared.clone();
+    identity.admin.reload(admin).unwrap();
+
+    identity.rotate_ca(true).await;
+    // The prepared CA is the second in the bundle; once active, renewals are
+    // signed by it alone.
+    let new_ca = prepared.split_inclusive("-----END CERTIFICATE-----").nth(1).unwrap().trim().to_string() + "\n";
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let cert = agent.handle.credentials().material().cert_chain_pem;
+        if verify_chain(&cert, &new_ca).is_ok() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no renewal under the new CA");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let served = served_fingerprint(agent.handle.local_addr(), &identity.admin).await;
+    assert_eq!(served, pem_fingerprint(&agent.handle.credentials().material().cert_chain_pem));
+    agent.up().await;
+    agent.stop().await.unwrap();
+    let trouble = watcher.await.unwrap();
+    assert!(trouble.is_empty(), "the rotation disturbed the session: {trouble:?}");
+    identity.cleanup().await;
+}
