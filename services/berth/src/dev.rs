@@ -129,11 +129,8 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     // The dev node joins like any host: with a join token on first start,
     // resuming its kept identity after that.
     let agent_dir = dir.join("agent");
-    let join_token = if agent_dir.join("identity").exists() {
-        None
-    } else {
-        Some(create_dev_token(dir, &identity_addr).await?)
-    };
+    let join_token =
+        if agent_dir.join("identity").exists() { None } else { Some(create_dev_token(dir, &identity_addr).await?) };
     let agent_addr = SocketAddr::new(args.host, args.port_base + 4);
     let capacity = berth_agent::Capacity::detect().map_err(|e| StartError::Invalid(format!("agent: {e}")))?;
     let mut agent = berth_agent::AgentConfig::new(
@@ -149,7 +146,14 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     let agent = berth_agent::start(agent, shutdown.clone())
         .await
         .map_err(|e| StartError::Invalid(format!("dev agent: {e}")))?;
-    servers.spawn(async move { agent.wait().await.map_err(|e| StartError::Invalid(format!("dev agent: {e}"))) });
+    // The dev node stopping (revoked by an operator, say) leaves the control
+    // plane serving.
+    servers.spawn(async move {
+        if let Err(error) = agent.wait().await {
+            tracing::warn!(%error, "the dev node's agent stopped; the control plane keeps serving");
+        }
+        Ok(())
+    });
 
     spawn_keeper(authority, kept, LEAF_VALIDITY, Some(ca_path), shutdown.clone());
     print_banner(&args);

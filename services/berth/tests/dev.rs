@@ -188,6 +188,76 @@ fn the_dev_node_joins_and_comes_up() {
     assert!(dev.stop().success());
 }
 
+/// grpcurl with the dev node's own certificate, as the agent keeps it.
+fn grpcurl_node(dir: &Path, addr: &str, method: &str) -> std::process::Output {
+    let node = dir.join("agent").join("identity");
+    Command::new(grpcurl())
+        .arg("-cacert")
+        .arg(dir.join("ca.pem"))
+        .arg("-cert")
+        .arg(node.join("node.pem"))
+        .arg("-key")
+        .arg(node.join("node.key"))
+        .arg(addr)
+        .arg(method)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_revoked_node_is_refused_by_every_service_within_seconds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let base = free_port_base();
+    let _dev = Dev::start(&dir, base);
+    let identity = format!("127.0.0.1:{base}");
+    let mut listed = String::new();
+    for _ in 0..100 {
+        listed = grpcurl_admin(&dir, &identity, &["berth.identity.v1.Nodes/ListNodes"]);
+        if listed.contains("NODE_STATE_UP") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let nodes: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let node_id = nodes["nodes"][0]["nodeId"].as_str().expect("the dev node joined").to_string();
+    for offset in 0..4 {
+        let out = grpcurl_node(&dir, &format!("127.0.0.1:{}", base + offset), "grpc.health.v1.Health/Check");
+        assert!(out.status.success(), "before revocation: {out:?}");
+    }
+
+    let revoke = Command::new(grpcurl())
+        .arg("-cacert")
+        .arg(dir.join("ca.pem"))
+        .arg("-cert")
+        .arg(dir.join("admin.pem"))
+        .arg("-key")
+        .arg(dir.join("admin-key.pem"))
+        .args(["-d", &format!("{{\"node_id\": \"{node_id}\"}}")])
+        .arg(&identity)
+        .arg("berth.identity.v1.Nodes/RevokeNode")
+        .output()
+        .unwrap();
+    assert!(revoke.status.success(), "{revoke:?}");
+    for offset in 0..4 {
+        let addr = format!("127.0.0.1:{}", base + offset);
+        let mut refused = false;
+        for _ in 0..50 {
+            let out = grpcurl_node(&dir, &addr, "grpc.health.v1.Health/Check");
+            let text = String::from_utf8_lossy(&out.stderr).to_string();
+            if !out.status.success() && text.contains("PermissionDenied") && text.contains("revoked") {
+                refused = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(refused, "{addr} still serves the revoked node after 5 s");
+    }
+    // The control plane itself keeps serving.
+    let health = grpcurl_admin(&dir, &identity, &["grpc.health.v1.Health/Check"]);
+    assert!(health.contains("SERVING"), "{health}");
+}
+
 #[test]
 fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
     let tmp = tempfile::tempdir().unwrap();
