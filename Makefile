@@ -34,6 +34,21 @@ build:
 test-deps:
 	@scripts/test-deps.sh >/dev/null
 
+## Release binaries, then `berth bench heartbeats` against PostgreSQL and
+## Redis (each run in a scratch database and Redis logical database 15, both
+## removed afterwards): a quick 1,000-node run, then the issue's scenario of
+## 10,000 nodes heartbeating every second. BENCHMARKS.md records the figures.
+bench:
+	$(CARGO) build --release --bins
+	@scripts/test-deps.sh >/dev/null
+	berth="$${CARGO_TARGET_DIR:-target}/release/berth"; \
+	database="$${BERTH_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"; \
+	redis="$${BERTH_BENCH_REDIS_URL:-redis://127.0.0.1:6379/15}"; \
+	"$$berth" bench heartbeats --nodes 1000 --interval 1s --duration 10s --warmup 3s \
+	  --database-url "$$database" --redis-url "$$redis"; \
+	"$$berth" bench heartbeats --nodes 10000 --interval 1s --duration 30s --warmup 5s \
+	  --database-url "$$database" --redis-url "$$redis"
+
 ## Container images, where a Docker engine runs.
 images:
 	docker build -f docker/Dockerfile -t berth:dev .

@@ -52,6 +52,10 @@ pub struct TelemetryArgs {
     /// OTLP/gRPC collector to export traces to; unset, traces are not exported.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+    /// The log filter when `RUST_LOG` is unset (`info` when this is unset):
+    /// a command-line tool keeps its output clean with `warn`.
+    #[arg(skip)]
+    pub default_log_filter: Option<&'static str>,
 }
 
 /// Where the rest of the mesh is.

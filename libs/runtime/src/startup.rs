@@ -86,6 +86,11 @@ where
         let mut config = berth_telemetry::TelemetryConfig::from_env(binary).map_err(StartError::Telemetry)?;
         config.log_format = telemetry.log_format.parse().map_err(StartError::Telemetry)?;
         config.otlp_endpoint = telemetry.otlp_endpoint.clone().filter(|e| !e.is_empty());
+        if let Some(filter) = telemetry.default_log_filter
+            && std::env::var_os("RUST_LOG").is_none_or(|v| v.is_empty())
+        {
+            config.log_filter = filter.to_string();
+        }
         let guard = berth_telemetry::init(&config).map_err(StartError::Telemetry)?;
         let result = body().await;
         if let Err(error) = guard.shutdown_async().await {

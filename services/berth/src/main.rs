@@ -1,6 +1,8 @@
 //! `berth`: the operator's binary. `berth dev` runs the whole mesh in one
 //! process; the other subcommands are the admin CLI.
 
+mod bench;
+mod cli;
 mod dev;
 
 use std::process::ExitCode;
@@ -24,13 +26,30 @@ enum Command {
     /// Run the whole mesh (identity, revisions, leases, egress and one node
     /// agent) in this process, on embedded state in a data directory.
     Dev(dev::DevArgs),
+    /// Create, list and revoke join tokens.
+    Token(cli::TokenArgs),
+    /// List, inspect, drain and revoke nodes.
+    Node(cli::NodeArgs),
+    /// Issue admin and service certificates.
+    Cert(cli::CertArgs),
+    /// Measure a service under load against a real process of it, e.g.
+    /// `berth bench heartbeats --nodes 10000`.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if !matches!(cli.command, Command::Dev(_)) {
+        // Tables and JSON on stdout; only problems on stderr.
+        cli.telemetry.default_log_filter = Some("warn");
+    }
     run_main("berth", &cli.telemetry, || async {
         match cli.command {
             Command::Dev(args) => dev::run(args).await,
+            Command::Token(args) => args.run().await,
+            Command::Node(args) => args.run().await,
+            Command::Cert(args) => args.run().await,
+            Command::Bench(args) => args.run().await,
         }
     })
 }

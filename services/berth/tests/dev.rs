@@ -3,6 +3,7 @@
 //! admin certificate it wrote.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+#![allow(clippy::disallowed_methods, reason = "these tests drive processes from plain threads, not a runtime")]
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;

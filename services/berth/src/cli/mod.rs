@@ -43,6 +43,7 @@ pub(crate) enum OutputFormat {
 
 /// Where identity is and who we are to it; shared by every admin command.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Global options")]
 pub(crate) struct ClientArgs {
     /// The identity service to talk to.
     #[arg(long, env = "BERTH_SERVER", default_value = "127.0.0.1:7443", value_name = "HOST:PORT",
@@ -84,21 +85,17 @@ pub(crate) enum CliError {
         source: std::io::Error,
     },
     /// The certificate, key and CA files were read but do not make usable credentials.
-    #[error("cannot use --cert {cert} with --key {key} and --ca {ca}: {source}")]
+    #[error("cannot use {files}: {source}")]
     Credentials {
-        /// The certificate file.
-        cert: String,
-        /// The key file.
-        key: String,
-        /// The CA bundle file.
-        ca: String,
+        /// The three files, flag by flag.
+        files: String,
         /// What rustls or the PEM parser refused.
         #[source]
-        source: berth_mtls::MtlsError,
+        source: Box<berth_mtls::MtlsError>,
     },
     /// The server address could not make a channel.
     #[error("{0}")]
-    Address(#[source] berth_rpc::ClientError),
+    Address(#[source] Box<berth_rpc::ClientError>),
     /// No connection to identity could be made (refused, timed out, TLS handshake failed).
     #[error("cannot reach identity at {server}: {detail}")]
     Unreachable {
@@ -108,13 +105,10 @@ pub(crate) enum CliError {
         detail: String,
     },
     /// Identity answered with an error status.
-    #[error("{what}: {message}")]
-    Refused {
-        /// The status in plain words, e.g. "permission denied".
-        what: &'static str,
-        /// The server's message.
-        message: String,
-    },
+    /// The server's message, led by the status in plain words (e.g.
+    /// "permission denied") unless it already says so.
+    #[error("{0}")]
+    Refused(String),
     /// Identity does not serve the call (an older server, or one not built yet).
     #[error("identity at {server} does not serve this call yet: {message}")]
     Unsupported {
@@ -128,7 +122,7 @@ pub(crate) enum CliError {
     IncompleteResponse(&'static str),
     /// A key or CSR could not be generated locally.
     #[error("cannot generate a key: {0}")]
-    KeyGeneration(#[source] berth_mtls::MtlsError),
+    KeyGeneration(#[source] Box<berth_mtls::MtlsError>),
     /// A file the command writes could not be written.
     #[error("cannot write {path}: {source}")]
     Write {
@@ -172,12 +166,10 @@ impl ClientArgs {
             ca_bundle_pem: read_credential("CA bundle", "--ca", &ca)?,
         };
         let credentials = TlsCredentials::new(material).map_err(|source| CliError::Credentials {
-            cert: cert.display().to_string(),
-            key: key.display().to_string(),
-            ca: ca.display().to_string(),
-            source,
+            files: format!("--cert {} with --key {} and --ca {}", cert.display(), key.display(), ca.display()),
+            source: Box::new(source),
         })?;
-        let channel = berth_rpc::connect(&self.server, credentials).map_err(CliError::Address)?;
+        let channel = berth_rpc::connect(&self.server, credentials).map_err(|e| CliError::Address(Box::new(e)))?;
         Ok(IdentityConnection { channel, server: self.server.clone() })
     }
 }
@@ -202,7 +194,11 @@ impl IdentityConnection {
     /// The status in words a user can act on.
     fn status_error(&self, status: tonic::Status) -> CliError {
         let message = one_line(status.message());
-        let refused = |what| CliError::Refused { what, message: message.clone() };
+        let refused = |what: &'static str| {
+            let line =
+                if message.to_lowercase().contains(what) { message.clone() } else { format!("{what}: {message}") };
+            CliError::Refused(line)
+        };
         match status.code() {
             // A status with a transport error behind it never reached a
             // handler: the connection itself failed.
@@ -221,26 +217,46 @@ impl IdentityConnection {
             Code::AlreadyExists => refused("already exists"),
             Code::FailedPrecondition => refused("refused"),
             Code::ResourceExhausted => refused("limit reached"),
-            Code::Aborted | Code::Cancelled => refused("interrupted, try again"),
+            // The client's own stack cancels a call whose connection died
+            // under it, e.g. when the server's TLS refused our certificate.
+            Code::Cancelled => CliError::Unreachable {
+                server: self.server.clone(),
+                detail: format!("the connection closed before identity answered ({message})"),
+            },
+            Code::Aborted => refused("interrupted, try again"),
             Code::Unimplemented => CliError::Unsupported { server: self.server.clone(), message },
             Code::Ok | Code::Unknown | Code::Internal | Code::DataLoss => refused("identity failed"),
         }
     }
 }
 
+/// Wrappers the transport puts around the error that says what happened.
+const TRANSPORT_WRAPPERS: [&str; 2] = ["transport error", "connection error"];
+
 /// The transport error behind a status, its sources on one line without
-/// repeats.
+/// repeats or wrappers, with a hint when the TLS handshake failed.
 fn transport_detail(status: &tonic::Status) -> String {
     let mut parts: Vec<String> = Vec::new();
     let mut source = std::error::Error::source(status);
     while let Some(error) = source {
-        let text = one_line(&error.to_string());
+        let mut text = one_line(&error.to_string());
+        for wrapper in TRANSPORT_WRAPPERS {
+            text =
+                text.strip_prefix(wrapper).map_or(text.clone(), |rest| rest.trim_start_matches(':').trim().to_string());
+        }
         if !text.is_empty() && !parts.iter().any(|p| p.contains(&text)) {
             parts.push(text);
         }
         source = error.source();
     }
-    if parts.is_empty() { one_line(status.message()) } else { parts.join(": ") }
+    let detail = if parts.is_empty() { one_line(status.message()) } else { parts.join(": ") };
+    if detail.contains("invalid peer certificate") {
+        format!("{detail} (identity's certificate does not verify against --ca; is it this cluster's CA bundle?)")
+    } else if detail.contains("received fatal alert") {
+        format!("{detail} (identity refused the handshake; is --cert signed by this cluster's CA?)")
+    } else {
+        detail
+    }
 }
 
 fn one_line(text: &str) -> String {
@@ -258,36 +274,14 @@ fn parse_server(value: &str) -> Result<String, String> {
     Ok(value.to_string())
 }
 
-/// A lifetime such as `90s`, `30m`, `1h`, `7d` or `1h30m`; a bare number is
-/// seconds. Returned in whole seconds, at least one.
+/// A lifetime such as `3600s`, `30m`, `1h` or `7d` (a bare number is
+/// seconds), in whole seconds and at least one.
 fn parse_ttl(value: &str) -> Result<u32, String> {
-    let bad = || format!("'{value}' is not a duration (e.g. 3600s, 30m, 1h, 7d)");
-    let mut total: u64 = 0;
-    let mut digits = String::new();
-    for c in value.trim().chars() {
-        if c.is_ascii_digit() {
-            digits.push(c);
-            continue;
-        }
-        let unit: u64 = match c {
-            's' => 1,
-            'm' => 60,
-            'h' => 3600,
-            'd' => 86_400,
-            _ => return Err(bad()),
-        };
-        let n: u64 = digits.parse().map_err(|_| bad())?;
-        total = n.checked_mul(unit).and_then(|s| total.checked_add(s)).ok_or_else(bad)?;
-        digits.clear();
+    let ttl = berth_runtime::parse_duration(value)?;
+    if ttl.subsec_nanos() != 0 {
+        return Err(format!("'{value}' is not a whole number of seconds"));
     }
-    if !digits.is_empty() {
-        let n: u64 = digits.parse().map_err(|_| bad())?;
-        total = total.checked_add(n).ok_or_else(bad)?;
-    }
-    if value.trim().is_empty() {
-        return Err(bad());
-    }
-    match u32::try_from(total) {
+    match u32::try_from(ttl.as_secs()) {
         Ok(0) => Err(format!("'{value}' is zero; a lifetime must be at least 1s")),
         Ok(seconds) => Ok(seconds),
         Err(_) => Err(format!("'{value}' is too long")),
@@ -307,18 +301,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ttl_takes_units_compounds_and_bare_seconds() {
+    fn ttl_takes_units_and_bare_seconds() {
         assert_eq!(parse_ttl("3600s"), Ok(3600));
         assert_eq!(parse_ttl("30m"), Ok(1800));
         assert_eq!(parse_ttl("1h"), Ok(3600));
-        assert_eq!(parse_ttl("1h30m"), Ok(5400));
         assert_eq!(parse_ttl("2d"), Ok(172_800));
         assert_eq!(parse_ttl("45"), Ok(45));
     }
 
     #[test]
-    fn ttl_refuses_zero_garbage_and_overflow() {
-        for bad in ["", "0s", "h", "1x", "1.5h", "-5m", "99999999999999999999s", "50000d"] {
+    fn ttl_refuses_zero_fractions_garbage_and_overflow() {
+        for bad in ["", "0s", "500ms", "h", "1x", "1.5h", "-5m", "99999999999999999999s", "50000d"] {
             assert!(parse_ttl(bad).is_err(), "{bad} should be refused");
         }
     }

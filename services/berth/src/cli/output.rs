@@ -157,12 +157,13 @@ fn now_secs() -> i64 {
 
 /// CPU the way Kubernetes writes it: whole cores as `4`, the rest as `250m`.
 pub(super) fn cpu(millis: u64) -> String {
-    if millis % 1000 == 0 { (millis / 1000).to_string() } else { format!("{millis}m") }
+    if millis.is_multiple_of(1000) { (millis / 1000).to_string() } else { format!("{millis}m") }
 }
 
 /// Bytes in the largest binary unit that keeps them readable: `512Mi`, `1.5Gi`.
 pub(super) fn memory(bytes: u64) -> String {
-    const UNITS: [(&str, u64); 5] = [("Pi", 1 << 50), ("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)];
+    const UNITS: [(&str, u64); 5] =
+        [("Pi", 1 << 50), ("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)];
     for (unit, size) in UNITS {
         if bytes >= size {
             let tenths = (u128::from(bytes) * 10 + u128::from(size) / 2) / u128::from(size);

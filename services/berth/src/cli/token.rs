@@ -13,7 +13,7 @@ use berth_runtime::StartError;
 use serde_json::json;
 
 use super::output::{self, Table};
-use super::{ClientArgs, CliError, OutputFormat, parse_label, parse_ttl};
+use super::{CliError, ClientArgs, OutputFormat, parse_label, parse_ttl};
 
 /// Flags of `berth token`.
 #[derive(Debug, clap::Args)]
@@ -130,7 +130,9 @@ fn print_created(created: &v1::CreateJoinTokenResponse, format: OutputFormat) ->
                 created.token_id,
                 output::when(expires, &output::until(expires)),
             ))?;
-            output::note("\nThe token is shown only this once. Give it to the new host's agent: berth-agent --join-token TOKEN");
+            output::note(
+                "\nThe token is shown only this once. Give it to the new host's agent: berth-agent --join-token TOKEN",
+            );
             Ok(())
         }
     }
@@ -145,7 +147,8 @@ fn print_list(listed: &v1::ListJoinTokensResponse, format: OutputFormat) -> Resu
         output::note("No join tokens found.");
         return Ok(());
     }
-    let mut table = Table::new(vec!["ID", "STATUS", "USES", "TIER", "LABELS", "EXPIRES", "AGE", "CREATED-BY", "DESCRIPTION"]);
+    let mut table =
+        Table::new(vec!["ID", "STATUS", "USES", "TIER", "LABELS", "EXPIRES", "AGE", "CREATED-BY", "DESCRIPTION"]);
     for token in &listed.join_tokens {
         table.row(vec![
             token.token_id.clone(),

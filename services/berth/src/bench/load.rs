@@ -1,0 +1,247 @@
+//! What the clients saw: call latencies and failures, kept per measured
+//! window and summed up as a rate and percentiles.
+//!
+//! # What counts
+//! A call counts in a window when its answer arrived inside it, whenever it
+//! was sent; its latency runs from send to answer on the client, so it holds
+//! the client's own share of the machine too. Percentiles are exact
+//! (nearest rank over every sample), not bucketed.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// The longest an error message is kept in the tally, in characters.
+const MAX_ERROR_LEN: usize = 200;
+
+/// A stretch of time calls are counted in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Window {
+    /// When counting starts.
+    pub(super) start: Instant,
+    /// When counting stops (exclusive).
+    pub(super) end: Instant,
+}
+
+impl Window {
+    /// The window of `length` that opens `warmup` after `from`.
+    pub(super) fn after(from: Instant, warmup: Duration, length: Duration) -> Self {
+        let start = from + warmup;
+        Window { start, end: start + length }
+    }
+
+    /// Whether an answer at `at` counts.
+    pub(super) fn contains(&self, at: Instant) -> bool {
+        self.start <= at && at < self.end
+    }
+
+    /// How long the window is.
+    pub(super) fn length(&self) -> Duration {
+        self.end - self.start
+    }
+}
+
+/// The calls one or more clients completed inside one window.
+#[derive(Debug, Default, Clone)]
+pub(super) struct Samples {
+    latencies_us: Vec<u32>,
+    errors: u64,
+}
+
+impl Samples {
+    /// One call that succeeded after `latency`.
+    pub(super) fn ok(&mut self, latency: Duration) {
+        self.latencies_us.push(u32::try_from(latency.as_micros()).unwrap_or(u32::MAX));
+    }
+
+    /// One call that failed.
+    pub(super) fn error(&mut self) {
+        self.errors += 1;
+    }
+
+    /// Adds another client's calls to these.
+    pub(super) fn merge(&mut self, other: Samples) {
+        self.latencies_us.extend(other.latencies_us);
+        self.errors += other.errors;
+    }
+
+    /// The rate and latencies of the window these samples were taken in,
+    /// over `connections` client connections.
+    pub(super) fn figures(mut self, window: Duration, connections: u32) -> Figures {
+        self.latencies_us.sort_unstable();
+        let seconds = window.as_secs_f64();
+        let calls = self.latencies_us.len() as u64;
+        Figures {
+            calls,
+            errors: self.errors,
+            rate_per_s: if seconds > 0.0 { calls as f64 / seconds } else { 0.0 },
+            p50_ms: percentile(&self.latencies_us, 0.50),
+            p99_ms: percentile(&self.latencies_us, 0.99),
+            max_ms: self.latencies_us.last().map(|&us| f64::from(us) / 1000.0),
+            connections,
+        }
+    }
+}
+
+/// Nearest-rank percentile of sorted microseconds, in milliseconds.
+fn percentile(sorted_us: &[u32], q: f64) -> Option<f64> {
+    if sorted_us.is_empty() {
+        return None;
+    }
+    let rank = (q * sorted_us.len() as f64).ceil() as usize;
+    let index = rank.clamp(1, sorted_us.len()) - 1;
+    Some(f64::from(sorted_us[index]) / 1000.0)
+}
+
+/// One measured window, summed up.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(super) struct Figures {
+    /// Calls answered successfully inside the window.
+    pub(super) calls: u64,
+    /// Calls that failed inside the window.
+    pub(super) errors: u64,
+    /// Successful calls per second.
+    pub(super) rate_per_s: f64,
+    /// Median latency; `None` without a successful call.
+    pub(super) p50_ms: Option<f64>,
+    /// 99th percentile latency.
+    pub(super) p99_ms: Option<f64>,
+    /// The slowest call.
+    pub(super) max_ms: Option<f64>,
+    /// Client connections the calls were spread over, one call in flight on each at most.
+    pub(super) connections: u32,
+}
+
+/// Every distinct failure any client met, with how often, across all phases
+/// (warm-ups included), so a run with errors says what they were.
+#[derive(Debug, Clone, Default)]
+pub(super) struct ErrorTally {
+    counts: Arc<Mutex<BTreeMap<String, u64>>>,
+}
+
+impl ErrorTally {
+    /// Counts one failure described by `message`.
+    pub(super) fn add(&self, message: &str) {
+        let mut message: String = message.split_whitespace().collect::<Vec<_>>().join(" ");
+        if message.chars().count() > MAX_ERROR_LEN {
+            message = message.chars().take(MAX_ERROR_LEN).collect::<String>() + "...";
+        }
+        *self.counts.lock().unwrap_or_else(PoisonError::into_inner).entry(message).or_default() += 1;
+    }
+
+    /// The failures, most frequent first.
+    pub(super) fn summary(&self) -> Vec<ErrorCount> {
+        let counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut all: Vec<ErrorCount> =
+            counts.iter().map(|(message, &count)| ErrorCount { message: message.clone(), count }).collect();
+        all.sort_by(|a, b| b.count.cmp(&a.count).then_with(|| a.message.cmp(&b.message)));
+        all
+    }
+}
+
+/// One distinct failure.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(super) struct ErrorCount {
+    /// What the client saw, on one line.
+    pub(super) message: String,
+    /// How many calls failed so.
+    pub(super) count: u64,
+}
+
+/// A failed call in the tally's words: the status code and its message.
+pub(super) fn status_message(status: &tonic::Status) -> String {
+    let mut message = format!("{:?}: {}", status.code(), status.message());
+    // The transport's cause says what a bare `Unavailable` does not.
+    if let Some(source) = std::error::Error::source(status) {
+        let cause = source.to_string();
+        if !message.contains(&cause) {
+            message = format!("{message} ({cause})");
+        }
+    }
+    message
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples(latencies_ms: &[u64], errors: u64) -> Samples {
+        let mut s = Samples::default();
+        for &ms in latencies_ms {
+            s.ok(Duration::from_millis(ms));
+        }
+        for _ in 0..errors {
+            s.error();
+        }
+        s
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank_over_every_sample() {
+        let latencies: Vec<u64> = (1..=100).collect();
+        let f = samples(&latencies, 0).figures(Duration::from_secs(10), 4);
+        assert_eq!(f.calls, 100);
+        assert_eq!(f.rate_per_s, 10.0);
+        assert_eq!(f.p50_ms, Some(50.0));
+        assert_eq!(f.p99_ms, Some(99.0));
+        assert_eq!(f.max_ms, Some(100.0));
+    }
+
+    #[test]
+    fn one_slow_call_in_a_hundred_is_the_p99_only_past_the_rank() {
+        let mut latencies = vec![1; 99];
+        latencies.push(500);
+        let f = samples(&latencies, 0).figures(Duration::from_secs(1), 1);
+        assert_eq!(f.p99_ms, Some(1.0));
+        assert_eq!(f.max_ms, Some(500.0));
+        let mut latencies = vec![1; 98];
+        latencies.extend([500, 500]);
+        let f = samples(&latencies, 0).figures(Duration::from_secs(1), 1);
+        assert_eq!(f.p99_ms, Some(500.0));
+    }
+
+    #[test]
+    fn errors_are_counted_but_not_in_the_rate() {
+        let mut all = samples(&[2, 4], 3);
+        all.merge(samples(&[6], 1));
+        let f = all.figures(Duration::from_secs(2), 2);
+        assert_eq!((f.calls, f.errors), (3, 4));
+        assert_eq!(f.rate_per_s, 1.5);
+        assert_eq!(f.p50_ms, Some(4.0));
+    }
+
+    #[test]
+    fn a_window_without_answers_has_no_latency() {
+        let f = samples(&[], 5).figures(Duration::from_secs(1), 1);
+        assert_eq!(f.rate_per_s, 0.0);
+        assert_eq!((f.p50_ms, f.p99_ms, f.max_ms), (None, None, None));
+    }
+
+    #[test]
+    fn a_window_counts_its_start_but_not_its_end() {
+        let now = Instant::now();
+        let w = Window::after(now, Duration::from_secs(1), Duration::from_secs(2));
+        assert!(!w.contains(now));
+        assert!(w.contains(now + Duration::from_secs(1)));
+        assert!(w.contains(now + Duration::from_millis(2999)));
+        assert!(!w.contains(now + Duration::from_secs(3)));
+        assert_eq!(w.length(), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn the_tally_folds_whitespace_and_lists_the_commonest_first() {
+        let tally = ErrorTally::default();
+        tally.add("Unavailable: connection\n reset");
+        tally.add("Unavailable: connection reset");
+        tally.add("Internal: boom");
+        assert_eq!(
+            tally.summary(),
+            vec![
+                ErrorCount { message: "Unavailable: connection reset".into(), count: 2 },
+                ErrorCount { message: "Internal: boom".into(), count: 1 },
+            ]
+        );
+    }
+}

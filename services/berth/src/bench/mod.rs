@@ -1,0 +1,56 @@
+//! `berth bench`: load scenarios against real service processes over real
+//! mTLS, whose figures BENCHMARKS.md records.
+//!
+//! # What a scenario measures
+//! The service under test runs as a process of its own, started from the
+//! binary beside `berth` on state made for the run, so its memory is its
+//! own; the clients run here. Each load is compared with a baseline taken in
+//! the same run, against the same process, over as many connections, and
+//! every figure is reported whether or not it meets its target.
+
+mod heartbeats;
+mod identity_process;
+mod load;
+mod nodes;
+mod report;
+
+use berth_runtime::StartError;
+
+/// Flags of `berth bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct BenchArgs {
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Debug, Clone, clap::Subcommand)]
+enum Scenario {
+    /// Simulated nodes joining and heartbeating one identity replica over
+    /// mTLS, beside an empty mTLS RPC on the same stack; reports rates,
+    /// latencies and identity's memory.
+    Heartbeats(heartbeats::HeartbeatArgs),
+}
+
+impl BenchArgs {
+    /// Runs the chosen scenario and prints its report.
+    pub(crate) async fn run(self) -> Result<(), StartError> {
+        let outcome = match self.scenario {
+            Scenario::Heartbeats(args) => heartbeats::run(args).await,
+        };
+        outcome.map_err(|error| StartError::Invalid(one_line(&error)))
+    }
+}
+
+/// The error and its sources, each said once.
+fn one_line(error: &dyn std::error::Error) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line = format!("{line}: {text}");
+        }
+        source = cause.source();
+    }
+    line
+}

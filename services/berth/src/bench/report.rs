@@ -1,0 +1,365 @@
+//! The heartbeat benchmark's result: every figure, the targets it is held
+//! to, and its two renderings (a table for people, JSON for scripts).
+//!
+//! # Invariants
+//! - A target is judged on the figure named beside it, never adjusted: a
+//!   missing figure (no successful call) misses the target.
+//! - The heartbeat-to-empty-RPC ratio compares like with like: both rows
+//!   driven as hard as they go over the same number of connections. The paced
+//!   heartbeat rate is the offered load, so dividing it by a capacity would
+//!   say more about `--nodes` than about identity.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::load::{ErrorCount, Figures};
+
+/// p99 of paced heartbeats must stay under this.
+const TARGET_P99_MS: f64 = 50.0;
+
+/// Heartbeats driven flat out must reach this share of the empty RPC's rate.
+const TARGET_CAPACITY_RATIO: f64 = 0.5;
+
+/// Paced heartbeats must reach this share of the offered rate, with no errors.
+const TARGET_SUSTAINED_SHARE: f64 = 0.99;
+
+/// Identity's peak resident memory over the run must stay under this.
+const TARGET_RSS_AT_LOAD_MIB: f64 = 200.0;
+
+/// Identity's resident memory before any load must stay under this.
+const TARGET_RSS_IDLE_MIB: f64 = 40.0;
+
+/// Distinct errors listed in the table.
+const ERRORS_SHOWN: usize = 5;
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Report {
+    /// Always "heartbeats".
+    pub(super) scenario: &'static str,
+    /// Simulated nodes.
+    pub(super) nodes: u32,
+    /// Each node's heartbeat interval.
+    pub(super) interval_ms: u64,
+    /// Warm-up before each measured window.
+    pub(super) warmup_ms: u64,
+    /// Length of each measured window.
+    pub(super) duration_ms: u64,
+    /// Identity's store: "sqlite" or "postgres".
+    pub(super) store: &'static str,
+    /// Identity's bus: "memory" or "redis".
+    pub(super) bus: &'static str,
+    /// Identity's process id.
+    pub(super) identity_pid: u32,
+    /// Heartbeats paced at the interval, one node per connection.
+    pub(super) heartbeat: Figures,
+    /// What the nodes offered while paced: nodes per interval.
+    pub(super) heartbeat_offered_per_s: f64,
+    /// Heartbeats sent back to back on the same connections.
+    pub(super) heartbeat_saturated: Figures,
+    /// `grpc.health.v1.Health/Check` back to back on as many connections.
+    pub(super) empty_rpc: Figures,
+    /// How the fleet joined.
+    pub(super) join: JoinFigures,
+    /// Identity's resident memory.
+    pub(super) identity_memory: MemoryFigures,
+    /// Every distinct failure, warm-ups included, commonest first.
+    pub(super) errors: Vec<ErrorCount>,
+    /// The targets, judged.
+    pub(super) targets: Vec<Target>,
+}
+
+/// The join phase: every node's Join and first heartbeat.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct JoinFigures {
+    /// Nodes joined.
+    pub(super) nodes: u32,
+    /// Joins in flight at once.
+    pub(super) concurrency: u32,
+    /// Wall time for all of them.
+    pub(super) seconds: f64,
+    /// Nodes joined per second.
+    pub(super) rate_per_s: f64,
+}
+
+/// Identity's resident memory, MiB.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct MemoryFigures {
+    /// Resident after start, before any load.
+    pub(super) idle_mib: f64,
+    /// The most it was ever resident during the run (`VmHWM`).
+    pub(super) at_load_mib: f64,
+    /// The most seen (sampled `VmRSS`) during each phase.
+    pub(super) phase_peaks_mib: PhasePeaks,
+}
+
+/// Sampled resident-memory peaks per phase, MiB.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct PhasePeaks {
+    /// Under the empty-RPC baseline.
+    pub(super) empty_rpc: f64,
+    /// While the nodes joined.
+    pub(super) join: f64,
+    /// Under paced heartbeats.
+    pub(super) heartbeat: f64,
+    /// Under back-to-back heartbeats.
+    pub(super) heartbeat_saturated: f64,
+}
+
+/// One target and whether the run met it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(super) struct Target {
+    /// What is held to what, in words.
+    pub(super) name: String,
+    /// The measured figure it was judged on, in the target's unit.
+    pub(super) value: Option<f64>,
+    /// Whether it was met.
+    pub(super) met: bool,
+}
+
+impl Report {
+    /// Judges the figures against the targets and stores the verdicts.
+    pub(super) fn judge(&mut self) {
+        let paced = &self.heartbeat;
+        let sustained_share =
+            if self.heartbeat_offered_per_s > 0.0 { paced.rate_per_s / self.heartbeat_offered_per_s } else { 0.0 };
+        let ratio =
+            (self.empty_rpc.rate_per_s > 0.0).then(|| self.heartbeat_saturated.rate_per_s / self.empty_rpc.rate_per_s);
+        let memory = &self.identity_memory;
+        self.targets = vec![
+            Target {
+                name: format!(
+                    "heartbeats sustained >= {:.0}% of {:.0}/s offered, no errors",
+                    TARGET_SUSTAINED_SHARE * 100.0,
+                    self.heartbeat_offered_per_s
+                ),
+                value: Some(sustained_share),
+                met: sustained_share >= TARGET_SUSTAINED_SHARE && paced.errors == 0,
+            },
+            Target {
+                name: format!("p99 < {TARGET_P99_MS:.0}ms"),
+                value: paced.p99_ms,
+                met: paced.p99_ms.is_some_and(|p99| p99 < TARGET_P99_MS),
+            },
+            Target {
+                name: format!("heartbeat >= {TARGET_CAPACITY_RATIO} x empty RPC (both saturated)"),
+                value: ratio,
+                met: ratio.is_some_and(|r| r >= TARGET_CAPACITY_RATIO),
+            },
+            Target {
+                name: format!("RSS at load < {TARGET_RSS_AT_LOAD_MIB:.0} MiB"),
+                value: Some(memory.at_load_mib),
+                met: memory.at_load_mib < TARGET_RSS_AT_LOAD_MIB,
+            },
+            Target {
+                name: format!("idle < {TARGET_RSS_IDLE_MIB:.0} MiB"),
+                value: Some(memory.idle_mib),
+                met: memory.idle_mib < TARGET_RSS_IDLE_MIB,
+            },
+        ];
+    }
+
+    /// The report as aligned text.
+    pub(super) fn table(&self) -> String {
+        let mut out = String::new();
+        let backend =
+            if self.bus == "memory" { self.store.to_string() } else { format!("{} + {}", self.store, self.bus) };
+        let _ = writeln!(
+            out,
+            "berth bench heartbeats: {} nodes, interval {}, {} measured, identity on {backend} (pid {})",
+            self.nodes,
+            human(Duration::from_millis(self.interval_ms)),
+            human(Duration::from_millis(self.duration_ms)),
+            self.identity_pid,
+        );
+        let _ = writeln!(out, "{:<24}{:>10}{:>10}{:>10}{:>10}", "", "rate/s", "p50", "p99", "errors");
+        for (name, figures) in [
+            ("heartbeat", &self.heartbeat),
+            ("heartbeat, saturated", &self.heartbeat_saturated),
+            ("empty mTLS RPC", &self.empty_rpc),
+        ] {
+            let _ = writeln!(
+                out,
+                "{name:<24}{:>10.1}{:>10}{:>10}{:>10}",
+                figures.rate_per_s,
+                latency(figures.p50_ms),
+                latency(figures.p99_ms),
+                figures.errors
+            );
+        }
+        let _ = writeln!(
+            out,
+            "(heartbeat: each node every {} on its own connection, {:.0}/s offered; saturated rows: one call \
+             in flight per connection, back to back, {} connections)",
+            human(Duration::from_millis(self.interval_ms)),
+            self.heartbeat_offered_per_s,
+            self.empty_rpc.connections,
+        );
+        let _ = writeln!(
+            out,
+            "joined {} nodes in {:.1}s ({:.0}/s, {} at once)",
+            self.join.nodes, self.join.seconds, self.join.rate_per_s, self.join.concurrency
+        );
+        let memory = &self.identity_memory;
+        let peaks = &memory.phase_peaks_mib;
+        let _ = writeln!(
+            out,
+            "identity RSS: idle {:.1} MiB, at load {:.1} MiB (peak of the run; sampled peaks: empty RPC {:.1}, \
+             join {:.1}, heartbeat {:.1}, saturated {:.1})",
+            memory.idle_mib,
+            memory.at_load_mib,
+            peaks.empty_rpc,
+            peaks.join,
+            peaks.heartbeat,
+            peaks.heartbeat_saturated
+        );
+        let verdicts: Vec<String> = self
+            .targets
+            .iter()
+            .map(|t| {
+                let value = t.value.map_or_else(|| "no figure".to_string(), |v| format!("{v:.2}"));
+                format!("{} {} ({value})", t.name, if t.met { "OK" } else { "MISSED" })
+            })
+            .collect();
+        let _ = writeln!(out, "targets: {}", verdicts.join("; "));
+        if !self.errors.is_empty() {
+            let _ = writeln!(out, "errors (warm-ups included):");
+            for error in self.errors.iter().take(ERRORS_SHOWN) {
+                let _ = writeln!(out, "  {:>8} x {}", error.count, error.message);
+            }
+            if self.errors.len() > ERRORS_SHOWN {
+                let _ = writeln!(out, "  ... and {} more kinds", self.errors.len() - ERRORS_SHOWN);
+            }
+        }
+        out
+    }
+}
+
+/// A latency for the table: two decimals under a millisecond, one above.
+fn latency(ms: Option<f64>) -> String {
+    match ms {
+        None => "-".to_string(),
+        Some(ms) if ms < 1.0 => format!("{ms:.2}ms"),
+        Some(ms) => format!("{ms:.1}ms"),
+    }
+}
+
+/// A duration as the flags take it: `1s`, `250ms`.
+pub(super) fn human(duration: Duration) -> String {
+    if duration.subsec_millis() == 0 && duration.as_secs() > 0 {
+        format!("{}s", duration.as_secs())
+    } else {
+        format!("{}ms", duration.as_millis())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figures(rate: f64, p99: Option<f64>, errors: u64) -> Figures {
+        Figures {
+            calls: rate as u64,
+            errors,
+            rate_per_s: rate,
+            p50_ms: p99.map(|p| p / 2.0),
+            p99_ms: p99,
+            max_ms: p99,
+            connections: 100,
+        }
+    }
+
+    fn report() -> Report {
+        let mut report = Report {
+            scenario: "heartbeats",
+            nodes: 100,
+            interval_ms: 1000,
+            warmup_ms: 5000,
+            duration_ms: 30_000,
+            store: "postgres",
+            bus: "redis",
+            identity_pid: 42,
+            heartbeat: figures(99.5, Some(9.0), 0),
+            heartbeat_offered_per_s: 100.0,
+            heartbeat_saturated: figures(12_000.0, Some(20.0), 0),
+            empty_rpc: figures(20_000.0, Some(10.0), 0),
+            join: JoinFigures { nodes: 100, concurrency: 32, seconds: 2.0, rate_per_s: 50.0 },
+            identity_memory: MemoryFigures {
+                idle_mib: 21.4,
+                at_load_mib: 96.8,
+                phase_peaks_mib: PhasePeaks { empty_rpc: 60.0, join: 70.0, heartbeat: 90.0, heartbeat_saturated: 96.0 },
+            },
+            errors: Vec::new(),
+            targets: Vec::new(),
+        };
+        report.judge();
+        report
+    }
+
+    fn met(report: &Report) -> Vec<bool> {
+        report.targets.iter().map(|t| t.met).collect()
+    }
+
+    #[test]
+    fn a_run_inside_every_target_meets_them_all() {
+        let report = report();
+        assert_eq!(met(&report), vec![true; 5]);
+        let table = report.table();
+        assert!(
+            table.starts_with(
+                "berth bench heartbeats: 100 nodes, interval 1s, 30s measured, identity on postgres + redis (pid 42)"
+            ),
+            "{table}"
+        );
+        assert!(table.contains("\nheartbeat                     99.5     4.5ms     9.0ms         0\n"), "{table}");
+        assert!(table.contains("\nempty mTLS RPC             20000.0     5.0ms    10.0ms         0\n"), "{table}");
+        assert!(table.contains("identity RSS: idle 21.4 MiB, at load 96.8 MiB"), "{table}");
+        assert!(!table.contains("MISSED"), "{table}");
+    }
+
+    #[test]
+    fn the_capacity_ratio_is_judged_on_the_saturated_rows() {
+        let mut report = report();
+        report.heartbeat_saturated = figures(9_999.0, Some(20.0), 0);
+        report.judge();
+        assert_eq!(report.targets[2].value, Some(9_999.0 / 20_000.0));
+        assert!(!report.targets[2].met);
+        assert!(report.table().contains("heartbeat >= 0.5 x empty RPC (both saturated) MISSED (0.50)"));
+    }
+
+    #[test]
+    fn a_single_paced_error_misses_the_sustained_target() {
+        let mut report = report();
+        report.heartbeat = figures(100.0, Some(9.0), 1);
+        report.judge();
+        assert!(!report.targets[0].met);
+    }
+
+    #[test]
+    fn a_run_without_answers_misses_the_latency_target() {
+        let mut report = report();
+        report.heartbeat = figures(0.0, None, 0);
+        report.empty_rpc = figures(0.0, None, 0);
+        report.judge();
+        assert_eq!(met(&report), vec![false, false, false, true, true]);
+        assert!(report.table().contains("p99 < 50ms MISSED (no figure)"));
+    }
+
+    #[test]
+    fn memory_over_the_limits_misses() {
+        let mut report = report();
+        report.identity_memory.idle_mib = 40.0;
+        report.identity_memory.at_load_mib = 200.0;
+        report.judge();
+        assert_eq!(met(&report), vec![true, true, true, false, false]);
+    }
+
+    #[test]
+    fn durations_read_as_the_flags_take_them() {
+        assert_eq!(human(Duration::from_secs(30)), "30s");
+        assert_eq!(human(Duration::from_millis(250)), "250ms");
+        assert_eq!(human(Duration::from_millis(1500)), "1500ms");
+    }
+}

@@ -1,0 +1,229 @@
+//! `berth node list|get|drain|revoke`: the node registry as an operator
+//! sees and steers it.
+
+use berth_proto::identity::v1;
+use berth_proto::identity::v1::nodes_client::NodesClient;
+use berth_rpc::Channel;
+use berth_runtime::StartError;
+use serde_json::json;
+use tonic::{Code, Status};
+
+use super::output::{self, Table};
+use super::{CliError, ClientArgs, IdentityConnection, OutputFormat};
+
+/// Flags of `berth node`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct NodeArgs {
+    #[command(flatten)]
+    client: ClientArgs,
+    #[command(subcommand)]
+    command: NodeCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum NodeCommand {
+    /// List nodes, ordered by id.
+    List {
+        /// Only nodes in this tier.
+        #[arg(long, value_name = "TIER")]
+        tier: Option<String>,
+        /// Only nodes in this state.
+        #[arg(long, value_enum, value_name = "STATE")]
+        state: Option<StateFilter>,
+    },
+    /// Show one node in full.
+    Get {
+        /// The node's id.
+        #[arg(value_name = "NODE_ID")]
+        node_id: String,
+    },
+    /// Drain a node: no new leases are placed on it; what runs there keeps
+    /// running until released.
+    Drain {
+        /// The node's id.
+        #[arg(value_name = "NODE_ID")]
+        node_id: String,
+        /// Lift the drain instead, so leases may be placed on the node again.
+        #[arg(long)]
+        undo: bool,
+    },
+    /// Revoke a node for good: its certificate is refused everywhere within
+    /// seconds and it cannot rejoin without a new token.
+    Revoke {
+        /// The node's id.
+        #[arg(value_name = "NODE_ID")]
+        node_id: String,
+        /// Why, for the audit log.
+        #[arg(long, value_name = "TEXT")]
+        reason: Option<String>,
+    },
+}
+
+/// The states `node list --state` filters on.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum StateFilter {
+    /// Joined, no heartbeat yet.
+    Joining,
+    /// Heartbeating; leases may be placed on it.
+    Up,
+    /// Missed its heartbeats.
+    Down,
+    /// Heartbeating, but no new leases are placed on it.
+    Draining,
+    /// Revoked by an operator.
+    Revoked,
+}
+
+impl From<StateFilter> for v1::NodeState {
+    fn from(filter: StateFilter) -> Self {
+        match filter {
+            StateFilter::Joining => v1::NodeState::Joining,
+            StateFilter::Up => v1::NodeState::Up,
+            StateFilter::Down => v1::NodeState::Down,
+            StateFilter::Draining => v1::NodeState::Draining,
+            StateFilter::Revoked => v1::NodeState::Revoked,
+        }
+    }
+}
+
+impl NodeArgs {
+    pub(crate) async fn run(self) -> Result<(), StartError> {
+        Ok(self.execute().await?)
+    }
+
+    async fn execute(self) -> Result<(), CliError> {
+        let connection = self.client.connect()?;
+        let mut client = NodesClient::new(connection.channel.clone());
+        let format = self.client.output;
+        match self.command {
+            NodeCommand::List { tier, state } => {
+                let request = v1::ListNodesRequest {
+                    tier: tier.unwrap_or_default(),
+                    state: state.map_or(v1::NodeState::Unspecified, v1::NodeState::from) as i32,
+                };
+                let listed = client
+                    .list_nodes(connection.request(request))
+                    .await
+                    .map_err(|s| connection.status_error(s))?
+                    .into_inner();
+                print_list(&listed, format)
+            }
+            NodeCommand::Get { node_id } => {
+                let got =
+                    match client.get_node(connection.request(v1::GetNodeRequest { node_id: node_id.clone() })).await {
+                        Ok(got) => got.into_inner(),
+                        Err(status) => return Err(node_error(&mut client, &connection, status, &node_id).await),
+                    };
+                let node = got.node.as_ref().ok_or(CliError::IncompleteResponse("the node"))?;
+                match format {
+                    OutputFormat::Json => output::print_json(&json!({ "node": output::node_json(node) })),
+                    OutputFormat::Table => output::print(&details(node)),
+                }
+            }
+            NodeCommand::Drain { node_id, undo } => {
+                let request = v1::DrainNodeRequest { node_id: node_id.clone(), undrain: undo };
+                let drained = match client.drain_node(connection.request(request)).await {
+                    Ok(drained) => drained.into_inner(),
+                    Err(status) => return Err(node_error(&mut client, &connection, status, &node_id).await),
+                };
+                let node = drained.node.as_ref().ok_or(CliError::IncompleteResponse("the node"))?;
+                let what = if undo { "leases may be placed on it again" } else { "no new leases are placed on it" };
+                print_changed(node, what, format)
+            }
+            NodeCommand::Revoke { node_id, reason } => {
+                let request = v1::RevokeNodeRequest { node_id: node_id.clone(), reason: reason.unwrap_or_default() };
+                let revoked = match client.revoke_node(connection.request(request)).await {
+                    Ok(revoked) => revoked.into_inner(),
+                    Err(status) => return Err(node_error(&mut client, &connection, status, &node_id).await),
+                };
+                let node = revoked.node.as_ref().ok_or(CliError::IncompleteResponse("the node"))?;
+                print_changed(node, "its certificate is refused everywhere", format)
+            }
+        }
+    }
+}
+
+/// The status as an error. Operators know hosts by name, so an id that is
+/// no node's but is some node's name gets the id it stands for.
+async fn node_error(
+    client: &mut NodesClient<Channel>,
+    connection: &IdentityConnection,
+    status: Status,
+    node_id: &str,
+) -> CliError {
+    let not_found = status.code() == Code::NotFound;
+    let error = connection.status_error(status);
+    if !not_found {
+        return error;
+    }
+    let Ok(listed) = client.list_nodes(connection.request(v1::ListNodesRequest::default())).await else {
+        return error;
+    };
+    let ids: Vec<String> =
+        listed.into_inner().nodes.into_iter().filter(|n| n.name == node_id).map(|n| n.node_id).collect();
+    match ids.as_slice() {
+        [] => error,
+        [id] => CliError::Refused(format!("{error}; '{node_id}' is the name of node {id}: pass its id")),
+        _ => CliError::Refused(format!("{error}; '{node_id}' names nodes {}: pass one id", ids.join(", "))),
+    }
+}
+
+fn print_list(listed: &v1::ListNodesResponse, format: OutputFormat) -> Result<(), CliError> {
+    if format == OutputFormat::Json {
+        let nodes: Vec<_> = listed.nodes.iter().map(output::node_json).collect();
+        return output::print_json(&json!({ "nodes": nodes }));
+    }
+    if listed.nodes.is_empty() {
+        output::note("No nodes found.");
+        return Ok(());
+    }
+    let mut table = Table::new(vec!["ID", "NAME", "STATE", "TIER", "ADDRESS", "HEARTBEAT", "AGE", "VERSION"]);
+    for node in &listed.nodes {
+        table.row(vec![
+            node.node_id.clone(),
+            output::or_none(&node.name),
+            output::node_state(node.state),
+            output::or_none(&node.tier),
+            output::or_none(&node.advertise_addr),
+            output::age(node.last_heartbeat_at.as_ref()),
+            output::age(node.joined_at.as_ref()),
+            output::or_none(&node.version),
+        ]);
+    }
+    output::print(&table.render())
+}
+
+/// A drain or revoke as one line: the node, its state now, and what that means.
+fn print_changed(node: &v1::Node, what: &str, format: OutputFormat) -> Result<(), CliError> {
+    match format {
+        OutputFormat::Json => output::print_json(&json!({ "node": output::node_json(node) })),
+        OutputFormat::Table => {
+            output::print(&format!("node {} is {}: {what}\n", node.node_id, output::node_state(node.state)))
+        }
+    }
+}
+
+/// Every field of a node, one per line, like `kubectl describe`.
+fn details(node: &v1::Node) -> String {
+    let ago = |at: Option<&prost_types::Timestamp>| output::when(at, &format!("{} ago", output::age(at)));
+    let expires = node.certificate_expires_at.as_ref();
+    let rows: Vec<(&str, String)> = vec![
+        ("ID", node.node_id.clone()),
+        ("Name", output::or_none(&node.name)),
+        ("State", output::node_state(node.state)),
+        ("State changed", ago(node.state_changed_at.as_ref())),
+        ("Tier", output::or_none(&node.tier)),
+        ("Labels", output::labels(&node.labels)),
+        ("Address", output::or_none(&node.advertise_addr)),
+        ("Incarnation", node.incarnation.to_string()),
+        ("Version", output::or_none(&node.version)),
+        ("Last heartbeat", ago(node.last_heartbeat_at.as_ref())),
+        ("Joined", ago(node.joined_at.as_ref())),
+        ("Join token", output::or_none(&node.join_token_id)),
+        ("Capacity", output::capacity(node.capacity.as_ref())),
+        ("Usage", output::capacity(node.usage.as_ref())),
+        ("Certificate expires", output::when(expires, &output::until(expires))),
+    ];
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
+    rows.iter().map(|(key, value)| format!("{:<width$}  {value}\n", format!("{key}:"))).collect()
+}

@@ -1,0 +1,119 @@
+//! `berth bench heartbeats` run as a user runs it: the real binary starting
+//! the real `berth-identity` beside it, small enough for a debug build.
+
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// `berth-identity` beside the `berth` under test. A workspace build (what
+/// `make test` runs) makes it; a build of this package alone does not, so it
+/// is built here when missing, once per test run.
+fn identity_binary() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let berth = Path::new(env!("CARGO_BIN_EXE_berth"));
+            let identity = berth.with_file_name(format!("berth-identity{}", std::env::consts::EXE_SUFFIX));
+            if identity.is_file() {
+                return identity;
+            }
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut build = Command::new(cargo);
+            build.args(["build", "--quiet", "-p", "berth-identity", "--bin", "berth-identity"]);
+            if berth.parent().and_then(Path::file_name).is_some_and(|profile| profile == "release") {
+                build.arg("--release");
+            }
+            let status = build.current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
+            assert!(status.success(), "building berth-identity failed");
+            assert!(identity.is_file(), "{} was not built", identity.display());
+            identity
+        })
+        .clone()
+}
+
+fn berth(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_berth")).args(args).env("RUST_LOG", "warn").output().unwrap()
+}
+
+fn figure<'a>(report: &'a serde_json::Value, row: &str, field: &str) -> &'a serde_json::Value {
+    &report[row][field]
+}
+
+#[test]
+fn a_small_run_reports_every_figure_as_json() {
+    identity_binary();
+    let out = berth(&[
+        "bench",
+        "heartbeats",
+        "--nodes",
+        "20",
+        "--interval",
+        "200ms",
+        "--duration",
+        "2s",
+        "--warmup",
+        "1s",
+        "--output",
+        "json",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+
+    assert_eq!(report["nodes"], 20);
+    assert_eq!((report["store"].as_str(), report["bus"].as_str()), (Some("sqlite"), Some("memory")));
+    for row in ["heartbeat", "heartbeat_saturated", "empty_rpc"] {
+        let rate = figure(&report, row, "rate_per_s").as_f64().unwrap();
+        assert!(rate > 0.0, "{row}: {stdout}");
+        assert_eq!(figure(&report, row, "errors"), 0, "{row}: {stdout}");
+        assert_eq!(figure(&report, row, "connections"), 20, "{row}: {stdout}");
+        let p50 = figure(&report, row, "p50_ms").as_f64().unwrap();
+        let p99 = figure(&report, row, "p99_ms").as_f64().unwrap();
+        assert!(0.0 < p50 && p50 <= p99, "{row}: {stdout}");
+    }
+    // 20 nodes every 200ms offer 100 heartbeats a second; 2s measured.
+    assert_eq!(report["heartbeat_offered_per_s"], 100.0);
+    let paced = figure(&report, "heartbeat", "calls").as_u64().unwrap();
+    assert!((150..=250).contains(&paced), "{paced} paced heartbeats in 2s: {stdout}");
+    assert_eq!(report["errors"], serde_json::json!([]), "{stdout}");
+    assert_eq!(report["join"]["nodes"], 20);
+
+    let memory = &report["identity_memory"];
+    let idle = memory["idle_mib"].as_f64().unwrap();
+    let at_load = memory["at_load_mib"].as_f64().unwrap();
+    assert!(0.0 < idle && idle <= at_load, "{stdout}");
+    assert_eq!(report["targets"].as_array().unwrap().len(), 5, "{stdout}");
+    assert!(stderr.contains("bench: stopping berth-identity"), "{stderr}");
+}
+
+#[test]
+fn a_missing_identity_binary_says_how_to_build_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let lonely = dir.path().join("berth");
+    std::fs::copy(env!("CARGO_BIN_EXE_berth"), &lonely).unwrap();
+    let out = Command::new(&lonely).args(["bench", "heartbeats", "--nodes", "1"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&format!("berth: error: {}", dir.path().join("berth-identity").display())), "{stderr}");
+    assert!(stderr.contains("not found: build it with cargo build --release --bins"), "{stderr}");
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn a_sqlite_database_url_is_refused_before_anything_starts() {
+    let out = berth(&["bench", "heartbeats", "--nodes", "1", "--database-url", "sqlite:///tmp/identity.db"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--database-url must be a postgres:// URL"), "{stderr}");
+}
+
+#[test]
+fn durations_without_a_unit_are_usage_errors() {
+    let out = berth(&["bench", "heartbeats", "--nodes", "10", "--interval", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("needs a unit: ms, s or m"), "{stderr}");
+}
