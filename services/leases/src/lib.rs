@@ -1,10 +1,49 @@
-//! The leases service: the capacity ledger: placement, the lease lifecycle with epochs, the reaper, and per-node assignment streams.
+//! The leases service: the capacity ledger. It places leases on the nodes
+//! identity knows, fences every write about a lease with its epoch, expires
+//! leases their nodes stop renewing, and streams each node its assignments.
 //!
-//! Its RPCs answer `UNIMPLEMENTED` until they are built; the access layer
-//! already admits each only to the caller kinds its proto declares.
+//! # Who writes what
+//! - `leases` and `node_ledger`: only this crate, through its ledger module;
+//!   node capacity is never stored here, it is identity's and is followed
+//!   through `Nodes/WatchNodes` into the runtime's node directory.
+//! - The reaper alone expires and forgets leases, one replica at a time.
+//!
+//! # No pending queue
+//! A request no node has room for is refused (`RESOURCE_EXHAUSTED`, naming
+//! the shortage) rather than kept `PENDING`: requesters are reconcilers that
+//! ask again, so the ledger keeps no queue that could outlive the intent
+//! behind it, and every lease it holds has a node.
+//!
+//! # Expected flow
+//! A process serving the ledger builds a [`LeasesService`] over its
+//! [`ServiceContext`](berth_runtime::ServiceContext) (store migrated with
+//! [`MIGRATIONS`], node directory followed from identity), starts its loops
+//! with [`LeasesService::spawn_loops`] and serves [`LeasesService::server`].
+//! [`SPEC`] does all of that with the default timings for callers that only
+//! take a server, the loops then living as long as the server's handlers.
 
-use berth_proto::leases::v1;
-use berth_rpc::{MAX_REQUEST_BYTES, ServerBuilder};
+pub use cli::binary_main;
+pub use config::{DEFAULT_LEASE_TTL, LeasesConfig};
+pub use ledger::REAPER_LOOP;
+pub use model::{Memory, Resources};
+pub use placement::{Placement, PlacementNode, PlacementPlan, PlacementRequest, Shortage, place};
+pub use service::LeasesService;
+
+mod api;
+mod assignments;
+mod cli;
+mod config;
+mod ledger;
+mod model;
+mod placement;
+mod placer;
+mod reaper;
+mod records;
+mod service;
+mod signals;
+mod validate;
+
+use berth_rpc::ServerBuilder;
 use berth_runtime::{ServiceContext, ServiceSpec};
 use berth_store::Migration;
 
@@ -15,34 +54,18 @@ pub const NAME: &str = "leases";
 pub const DEFAULT_PORT: u16 = 7445;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[];
+pub static MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "ledger",
+    postgres: include_str!("../migrations/postgres/0001_ledger.sql"),
+    sqlite: include_str!("../migrations/sqlite/0001_ledger.sql"),
+}];
 
-/// How the runtime starts it.
+/// How the runtime starts it: [`server`] with the default timings.
 pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, build: server };
 
-/// The handlers' shared state.
-#[derive(Debug, Clone)]
-pub struct LeasesService {
-    #[allow(dead_code, reason = "read by the handlers as they are built")]
-    ctx: ServiceContext,
-}
-
-/// Every gRPC service of leases, ready to serve.
+/// Every gRPC service of leases over `ctx`, with its loops running (default
+/// timings) until the server built from it is dropped.
 pub fn server(ctx: &ServiceContext) -> ServerBuilder {
-    let svc = LeasesService { ctx: ctx.clone() };
-    ServerBuilder::new()
-        .add_service(v1::leases_server::LeasesServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .add_service(v1::capacity_server::CapacityServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .add_service(
-            v1::node_leases_server::NodeLeasesServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-        )
+    LeasesService::new(ctx, LeasesConfig::default()).with_loops_for_its_lifetime().server()
 }
-
-#[tonic::async_trait]
-impl v1::leases_server::Leases for LeasesService {}
-
-#[tonic::async_trait]
-impl v1::capacity_server::Capacity for LeasesService {}
-
-#[tonic::async_trait]
-impl v1::node_leases_server::NodeLeases for LeasesService {}

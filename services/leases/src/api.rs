@@ -1,0 +1,249 @@
+//! The gRPC face of the ledger: `Leases` and `Capacity` for requesters,
+//! `NodeLeases` for node agents, each call checked and handed to the ledger,
+//! each error mapped once through [`LeaseError`].
+//!
+//! # Who may call what
+//! The access layer admits each RPC only to the caller kinds its proto
+//! declares. Node RPCs additionally act only on the caller's own node id
+//! ([`berth_rpc::require_own_node`]), and only on leases placed on it.
+//!
+//! # After a write
+//! A change a node must act on wakes that node's assignment streams on every
+//! replica; a lease that left the open phases leaves the reaper's index; a
+//! renewed or re-held lease moves its deadline there. These bus writes are
+//! best effort: the streams and the reaper re-read the database on their own.
+
+use std::collections::HashMap;
+
+use berth_proto::identity::v1::NodeState;
+use berth_proto::leases::v1;
+use tonic::{Request, Response, Status};
+
+use crate::ledger::{LeaseError, LeaseFilter, PhaseReport};
+use crate::model::Resources;
+use crate::reaper::EXPIRY_INDEX;
+use crate::records::LeaseRecord;
+use crate::service::LeasesService;
+use crate::validate;
+
+impl LeasesService {
+    /// Tells streams and the reaper about `lease` after it changed.
+    async fn changed(&self, lease: &LeaseRecord) {
+        let core = &self.core;
+        core.signals.announce(&core.bus, std::slice::from_ref(&lease.node_id)).await;
+        let indexed = match (lease.phase.is_open(), lease.expires_at_ms) {
+            (true, Some(at)) => core.bus.deadline_set(EXPIRY_INDEX, &lease.lease_id, at).await,
+            _ => core.bus.deadline_remove(EXPIRY_INDEX, &lease.lease_id).await.map(drop),
+        };
+        if let Err(error) = indexed {
+            tracing::debug!(%error, lease_id = %lease.lease_id, "could not update the lease's deadline on the bus");
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl v1::leases_server::Leases for LeasesService {
+    async fn request_lease(
+        &self,
+        request: Request<v1::RequestLeaseRequest>,
+    ) -> Result<Response<v1::RequestLeaseResponse>, Status> {
+        let ask = validate::lease_ask(request.into_inner())?;
+        let placed = self.core.placer.request(ask).await?;
+        if placed.created {
+            tracing::info!(lease_id = %placed.lease.lease_id, node_id = %placed.lease.node_id,
+                project = %placed.lease.project, owner = %placed.lease.owner, "lease placed");
+        }
+        Ok(Response::new(v1::RequestLeaseResponse { lease: Some(placed.lease.to_proto()), created: placed.created }))
+    }
+
+    async fn get_lease(&self, request: Request<v1::GetLeaseRequest>) -> Result<Response<v1::GetLeaseResponse>, Status> {
+        let lease_id = request.into_inner().lease_id;
+        validate::lease_id(&lease_id)?;
+        let lease = self.core.ledger.get(&lease_id).await?;
+        Ok(Response::new(v1::GetLeaseResponse { lease: Some(lease.to_proto()) }))
+    }
+
+    async fn list_leases(
+        &self,
+        request: Request<v1::ListLeasesRequest>,
+    ) -> Result<Response<v1::ListLeasesResponse>, Status> {
+        let request = request.into_inner();
+        let filter = LeaseFilter {
+            project: if request.all_projects { None } else { Some(validate::project(&request.project)?) },
+            node_id: Some(request.node_id).filter(|n| !n.is_empty()),
+            phase: validate::phase_filter(request.phase)?,
+            owner: Some(request.owner).filter(|o| !o.is_empty()),
+        };
+        let leases = self.core.ledger.list(&filter).await?;
+        Ok(Response::new(v1::ListLeasesResponse { leases: leases.iter().map(LeaseRecord::to_proto).collect() }))
+    }
+
+    async fn release_lease(
+        &self,
+        request: Request<v1::ReleaseLeaseRequest>,
+    ) -> Result<Response<v1::ReleaseLeaseResponse>, Status> {
+        let by = berth_rpc::caller(&request)?.to_string();
+        let v1::ReleaseLeaseRequest { lease_id, reason } = request.into_inner();
+        validate::lease_id(&lease_id)?;
+        validate::reason(&reason)?;
+        let reason = if reason.is_empty() { "Released" } else { reason.as_str() };
+        let (lease, changed) = self.core.ledger.release(&lease_id, reason, &by).await?;
+        if changed {
+            tracing::info!(%lease_id, node_id = %lease.node_id, %reason, %by, "lease released");
+            self.changed(&lease).await;
+        }
+        Ok(Response::new(v1::ReleaseLeaseResponse { lease: Some(lease.to_proto()) }))
+    }
+}
+
+#[tonic::async_trait]
+impl v1::capacity_server::Capacity for LeasesService {
+    async fn list_node_capacity(
+        &self,
+        request: Request<v1::ListNodeCapacityRequest>,
+    ) -> Result<Response<v1::ListNodeCapacityResponse>, Status> {
+        let tier = request.into_inner().tier;
+        validate::tier(&tier)?;
+        let snapshot = self.core.nodes.snapshot();
+        let rows = self.core.ledger.node_rows().await?;
+        let mut rows: HashMap<String, _> = rows.into_iter().map(|row| (row.node_id.clone(), row)).collect();
+        let mut nodes = Vec::new();
+        for node in snapshot.nodes.values().filter(|n| tier.is_empty() || n.tier == tier) {
+            let row = rows.remove(&node.node_id).unwrap_or_default();
+            let total = node.capacity.map(Resources::from).unwrap_or_default();
+            nodes.push(v1::NodeCapacity {
+                node_id: node.node_id.clone(),
+                tier: node.tier.clone(),
+                state: node.state,
+                total: Some(total.into()),
+                allocated: Some(row.allocated.into()),
+                free: Some(total.minus(row.allocated).into()),
+                leases: row.open_leases,
+            });
+        }
+        // A node identity no longer lists may still hold leases until they expire.
+        if tier.is_empty() {
+            for row in rows.into_values().filter(|row| row.open_leases > 0) {
+                nodes.push(v1::NodeCapacity {
+                    node_id: row.node_id.clone(),
+                    tier: String::new(),
+                    state: NodeState::Unspecified as i32,
+                    total: Some(Resources::default().into()),
+                    allocated: Some(row.allocated.into()),
+                    free: Some(Resources::default().into()),
+                    leases: row.open_leases,
+                });
+            }
+        }
+        nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        Ok(Response::new(v1::ListNodeCapacityResponse { nodes }))
+    }
+}
+
+#[tonic::async_trait]
+impl v1::node_leases_server::NodeLeases for LeasesService {
+    async fn watch_assignments(
+        &self,
+        request: Request<v1::WatchAssignmentsRequest>,
+    ) -> Result<Response<tonic::codegen::BoxStream<v1::AssignmentEvent>>, Status> {
+        let v1::WatchAssignmentsRequest { node_id, resume_cursor } = request.get_ref().clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        // Zero asks for a fresh start; a cursor no database could hold is one the ledger cannot resume from.
+        let resume = Some(resume_cursor).filter(|&c| c > 0).and_then(|c| i64::try_from(c).ok());
+        Ok(Response::new(crate::assignments::open(self.core.clone(), node_id, resume)))
+    }
+
+    async fn report_phase(
+        &self,
+        request: Request<v1::ReportPhaseRequest>,
+    ) -> Result<Response<v1::ReportPhaseResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let request = request.into_inner();
+        validate::lease_id(&request.lease_id)?;
+        let report = PhaseReport {
+            phase: validate::reported_phase(request.phase)?,
+            lease_id: request.lease_id,
+            epoch: request.epoch,
+            reason: request.reason,
+            message: request.message,
+            exit_code: request.exit_code,
+        };
+        validate::reason(&report.reason)?;
+        validate::message(&report.message)?;
+        let (lease, changed) = self.core.ledger.report(&node_id, &report).await.inspect_err(|error| {
+            if matches!(error, LeaseError::StaleEpoch { .. } | LeaseError::IllegalTransition { .. }) {
+                tracing::info!(%node_id, lease_id = %report.lease_id, %error, "phase report refused");
+            }
+        })?;
+        if changed && !lease.phase.is_open() {
+            tracing::info!(lease_id = %lease.lease_id, %node_id, phase = %lease.phase, reason = %lease.reason, "lease ended");
+            self.changed(&lease).await;
+        }
+        Ok(Response::new(v1::ReportPhaseResponse { lease: Some(lease.to_proto()) }))
+    }
+
+    async fn renew_leases(
+        &self,
+        request: Request<v1::RenewLeasesRequest>,
+    ) -> Result<Response<v1::RenewLeasesResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let held = validate::lease_refs("leases", &request.get_ref().leases)?;
+        let (renewed, expires_at) = self.core.ledger.renew(&node_id, &held).await?;
+        let (mut kept, mut lost) = (Vec::new(), Vec::new());
+        let mut deadlines = Vec::new();
+        for (lease_id, epoch) in held {
+            let lease = v1::LeaseRef { lease_id, epoch: u64::try_from(epoch).unwrap_or_default() };
+            if renewed.contains(&(lease.lease_id.clone(), epoch)) {
+                deadlines.push((lease.lease_id.clone(), expires_at));
+                kept.push(lease);
+            } else {
+                lost.push(lease);
+            }
+        }
+        if !lost.is_empty() {
+            tracing::info!(%node_id, lost = lost.len(), "renewal found leases the node no longer holds");
+        }
+        if let Err(error) = self.core.bus.deadline_set_many(EXPIRY_INDEX, &deadlines).await {
+            tracing::debug!(%error, "could not move renewed deadlines on the bus; the reaper checks the database");
+        }
+        Ok(Response::new(v1::RenewLeasesResponse { renewed: kept, lost, ttl_ms: self.core.config.ttl_ms() }))
+    }
+
+    async fn reconcile_node(
+        &self,
+        request: Request<v1::ReconcileNodeRequest>,
+    ) -> Result<Response<v1::ReconcileNodeResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let running = validate::lease_refs("running", &request.get_ref().running)?;
+        let reconciled = self.core.ledger.reconcile(&node_id, &running).await?;
+        for lease in &reconciled.failed {
+            tracing::warn!(lease_id = %lease.lease_id, %node_id, "lease failed: its node does not run it");
+            self.changed(lease).await;
+        }
+        if !reconciled.destroy.is_empty() {
+            tracing::info!(%node_id, destroy = reconciled.destroy.len(), "node runs workloads no open lease covers");
+        }
+        Ok(Response::new(v1::ReconcileNodeResponse {
+            destroy: reconciled.destroy,
+            failed: reconciled.failed.iter().map(LeaseRecord::lease_ref).collect(),
+        }))
+    }
+
+    async fn assume_custody(
+        &self,
+        request: Request<v1::AssumeCustodyRequest>,
+    ) -> Result<Response<v1::AssumeCustodyResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let v1::AssumeCustodyRequest { lease_id, epoch, .. } = request.into_inner();
+        validate::lease_id(&lease_id)?;
+        let room = self.core.nodes.snapshot().nodes.get(&node_id).and_then(|node| node.capacity).map(Resources::from);
+        let lease = self.core.ledger.assume_custody(&node_id, &lease_id, epoch, room).await?;
+        tracing::info!(%lease_id, %node_id, epoch = lease.epoch, "lease taken back into its node's custody");
+        self.changed(&lease).await;
+        Ok(Response::new(v1::AssumeCustodyResponse { lease: Some(lease.to_proto()) }))
+    }
+}

@@ -1,0 +1,90 @@
+//! The `berth-leases` binary's flags and startup: the flags every
+//! control-plane service takes (listen address, certificates, state, mesh,
+//! telemetry) plus the lease TTL.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use berth_runtime::{
+    CERT_POLL_INTERVAL, MeshArgs, StartError, StateArgs, TelemetryArgs, TlsArgs, bind, follow_nodes, run_main,
+    watch_cert_files,
+};
+use clap::Parser;
+
+use crate::{DEFAULT_PORT, LeasesConfig, LeasesService, SPEC};
+
+/// The berth leases service: the capacity ledger, placement and the lease
+/// lifecycle.
+#[derive(Debug, Parser)]
+#[command(name = "berth-leases", version)]
+struct Args {
+    /// Address to serve mTLS gRPC on.
+    #[arg(long, env = "BERTH_LISTEN", default_value_t = SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT)))]
+    listen: SocketAddr,
+    /// How long a lease lives past its placement or last renewal, in
+    /// seconds; nodes renew every third of it. Every replica needs the same.
+    #[arg(long, env = "BERTH_LEASE_TTL", default_value_t = 30, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(3..=3600))]
+    lease_ttl: u64,
+    #[command(flatten)]
+    tls: TlsArgs,
+    #[command(flatten)]
+    state: StateArgs,
+    #[command(flatten)]
+    mesh: MeshArgs,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+/// Parses the flags and runs the ledger until SIGTERM or Ctrl-C.
+pub fn binary_main() -> ExitCode {
+    let args = Args::parse();
+    let telemetry = args.telemetry.clone();
+    run_main("berth-leases", &telemetry, || run(args))
+}
+
+async fn run(args: Args) -> Result<(), StartError> {
+    let shutdown = berth_rpc::shutdown_signal();
+    let credentials = args.tls.load()?;
+    let ctx = SPEC.open(&args.state, credentials.clone()).await?;
+    match &args.mesh.identity_addr {
+        Some(identity) => follow_nodes(
+            identity.clone(),
+            credentials.clone(),
+            ctx.nodes.clone(),
+            ctx.revocations.clone(),
+            shutdown.clone(),
+        ),
+        None => tracing::warn!("no --identity-addr: the ledger learns of no node, so it places no lease"),
+    }
+    let listener = bind(args.listen, credentials.clone()).await?;
+    watch_cert_files(args.tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
+    let service = LeasesService::new(&ctx, LeasesConfig::with_lease_ttl(Duration::from_secs(args.lease_ttl)));
+    service.spawn_loops(&shutdown);
+    tracing::info!(addr = %args.listen, replica = service.replica_id(), "leases serving");
+    service.server().serve(listener, shutdown).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::*;
+
+    #[test]
+    fn flags_are_consistent() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn a_lease_ttl_too_short_to_renew_in_is_refused() {
+        let base =
+            ["berth-leases", "--tls-cert", "c", "--tls-key", "k", "--ca-file", "a", "--database-url", "sqlite://x"];
+        assert!(Args::try_parse_from(base.iter().chain(&["--lease-ttl", "1"])).is_err());
+        let args = Args::try_parse_from(base.iter().chain(&["--lease-ttl", "60"])).unwrap();
+        assert_eq!(args.lease_ttl, 60);
+        assert_eq!(args.listen.port(), DEFAULT_PORT);
+    }
+}

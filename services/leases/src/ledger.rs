@@ -1,0 +1,1240 @@
+//! The ledger in the database: every read and write of leases and node rows,
+//! each one transaction through [`Store::tx`], and the one error every lease
+//! operation returns.
+//!
+//! # Who writes this
+//! - The placer: inserts leases and adds them to their node rows, a batch per
+//!   transaction.
+//! - Nodes (`ReportPhase`, `RenewLeases`, `ReconcileNode`, `AssumeCustody`),
+//!   on their own leases only.
+//! - Requesters (`ReleaseLease`).
+//! - The elected reaper: expiry, fenced on its term, and forgetting final
+//!   leases past their retention.
+//!
+//! # Invariants
+//! - A node row's allocation is the sum of the resources of the open leases
+//!   placed on the node: every move between open and final goes through
+//!   [`apply`], which adjusts the row in the same transaction.
+//! - Placement adds to a node row only `WHERE cpu_allocated + $cpu <= $total
+//!   AND memory_allocated + $memory <= $total`, so two replicas placing at once
+//!   never over-commit a node: on PostgreSQL the `SERIALIZABLE` transaction that
+//!   read a row another one changed is rolled back and placed again.
+//! - Every write about a lease is fenced `WHERE lease_id = $1 AND epoch = $2
+//!   AND phase = $3` on what the same transaction read; a node's write also
+//!   checks the lease is its own.
+//! - A change a node must act on (placement, a new epoch, leaving the open
+//!   phases) moves the node's `assignment_cursor` in the same transaction and
+//!   stamps the lease's `seq` with it, so streams read a node's changes in
+//!   commit order.
+//!
+//! # Reconcile and custody
+//! `ReconcileNode(running)`: a listed `(lease, epoch)` is to be destroyed
+//! unless an open lease placed on the node has that id at that epoch; a
+//! `RUNNING` lease on the node not listed at its current epoch becomes
+//! `FAILED`, reason `NodeLost`. `BOUND` and `LAUNCHING` leases are never
+//! failed here: the node may not have started them yet.
+//!
+//! `AssumeCustody(lease, epoch)`: the lease must be the caller's and at
+//! `epoch`. An open lease becomes `RUNNING` at `epoch + 1`; an `EXPIRED` one
+//! does too if it expired at most `custody_window` ago and its node still has
+//! room (its capacity is reserved again, checked in SQL as at placement).
+//! Either way the reason is `CustodyAssumed` and the lease lives a full TTL
+//! from now. Anything else is refused and the workload is the node's to
+//! destroy. Custody beats expiry because a launch whose report was lost is
+//! still running work; the new epoch fences whatever the node's previous
+//! incarnation still had in flight.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use berth_proto::leases::v1;
+use berth_store::{Store, StoreError, Term, TxError, expect_one};
+use prost::Message as _;
+use sqlx::AnyConnection;
+
+use crate::config::{LeasesConfig, millis};
+use crate::model::{OPEN_PHASES_SQL, Phase, Resources};
+use crate::placement::{Placement, PlacementNode, PlacementRequest, Shortage, place};
+use crate::records::{LeaseRecord, NodeLedgerRow, lease_columns, to_column};
+
+/// The name the reaper's leadership is held under.
+pub const REAPER_LOOP: &str = "leases.reaper";
+
+/// The final phases as an SQL list.
+const FINAL_PHASES_SQL: &str = "('done', 'failed', 'released', 'expired')";
+
+/// Rows one multi-row statement carries, well under both backends' parameter limits.
+const ROWS_PER_STATEMENT: usize = 200;
+
+/// Why a lease operation failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LeaseError {
+    /// A request field is missing or malformed.
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument {
+        /// The request field.
+        field: &'static str,
+        /// What it must be instead.
+        reason: String,
+    },
+    /// No lease has this id (never created, or forgotten after its retention).
+    #[error("lease {0} not found")]
+    NotFound(String),
+    /// A node acted on a lease placed on another node.
+    #[error("lease {lease_id} is not placed on node {caller}")]
+    NotOnNode {
+        /// The lease.
+        lease_id: String,
+        /// The calling node.
+        caller: String,
+    },
+    /// The caller holds the lease at an epoch it is no longer at.
+    #[error("lease {lease_id} is at epoch {current}; epoch {held} is stale, so nothing was changed")]
+    StaleEpoch {
+        /// The lease.
+        lease_id: String,
+        /// The epoch the caller named.
+        held: u64,
+        /// The lease's epoch.
+        current: u64,
+    },
+    /// The phase change is not one a node may report from where the lease is.
+    #[error("lease {lease_id} cannot move from {from} to {to}")]
+    IllegalTransition {
+        /// The lease.
+        lease_id: String,
+        /// The phase it is in.
+        from: Phase,
+        /// The phase reported.
+        to: Phase,
+    },
+    /// The lease cannot be taken back into its node's custody.
+    #[error("lease {lease_id} cannot be taken into custody: {reason}; destroy its workload")]
+    CustodyRefused {
+        /// The lease.
+        lease_id: String,
+        /// Why, in a few words.
+        reason: String,
+    },
+    /// No node has room for the request.
+    #[error("{0}")]
+    NoRoom(Shortage),
+    /// The ledger cannot serve the call now (it has not learned the nodes yet,
+    /// it is shutting down, or its queue is full); retry shortly.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl TxError for LeaseError {
+    fn store_error(&self) -> Option<&StoreError> {
+        match self {
+            Self::Store(error) => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl From<sqlx::Error> for LeaseError {
+    fn from(error: sqlx::Error) -> Self {
+        Self::Store(error.into())
+    }
+}
+
+impl From<LeaseError> for tonic::Status {
+    fn from(error: LeaseError) -> Self {
+        match error {
+            LeaseError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
+            LeaseError::NotFound(_) => tonic::Status::not_found(error.to_string()),
+            LeaseError::NotOnNode { .. } => tonic::Status::permission_denied(error.to_string()),
+            LeaseError::StaleEpoch { .. }
+            | LeaseError::IllegalTransition { .. }
+            | LeaseError::CustodyRefused { .. } => tonic::Status::failed_precondition(error.to_string()),
+            LeaseError::NoRoom(_) => tonic::Status::resource_exhausted(error.to_string()),
+            LeaseError::Unavailable(_) => tonic::Status::unavailable(error.to_string()),
+            LeaseError::Store(error) => error.into(),
+        }
+    }
+}
+
+impl LeaseError {
+    /// Whether placing the whole batch again may succeed: a collision with a
+    /// concurrent placement the retries inside the transaction did not outlast.
+    pub(crate) fn is_collision(&self) -> bool {
+        matches!(
+            self,
+            Self::Store(StoreError::Contended { .. } | StoreError::Conflict { .. } | StoreError::AlreadyExists { .. })
+        )
+    }
+
+    /// The error again, for each caller of a failed batch (or each ask that
+    /// shared a key): the same status code, without the driver's detail,
+    /// which is logged once.
+    pub(crate) fn for_each_caller(&self) -> LeaseError {
+        match self {
+            Self::NoRoom(shortage) => Self::NoRoom(shortage.clone()),
+            Self::Store(StoreError::Unavailable { target, reason, .. }) => {
+                Self::Store(StoreError::Unavailable { target: target.clone(), reason: reason.clone(), source: None })
+            }
+            Self::Store(StoreError::Contended { attempts, .. }) => {
+                Self::Store(StoreError::Contended { attempts: *attempts, source: None })
+            }
+            Self::Store(StoreError::Conflict { .. } | StoreError::AlreadyExists { .. }) => {
+                Self::Store(StoreError::Contended { attempts: 1, source: None })
+            }
+            Self::Store(_) => Self::Store(StoreError::internal("placing the batch failed")),
+            other => Self::Unavailable(other.to_string()),
+        }
+    }
+}
+
+/// A validated request for a lease.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LeaseAsk {
+    pub(crate) project: String,
+    pub(crate) owner: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) resources: Resources,
+    pub(crate) tier: String,
+    pub(crate) spread_group: String,
+    pub(crate) workload: v1::Workload,
+}
+
+/// A lease as a request for it found it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Placed {
+    pub(crate) lease: LeaseRecord,
+    /// False when the idempotency key matched an existing lease.
+    pub(crate) created: bool,
+}
+
+/// A phase change a node reports.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PhaseReport {
+    pub(crate) lease_id: String,
+    pub(crate) epoch: u64,
+    pub(crate) phase: Phase,
+    pub(crate) reason: String,
+    pub(crate) message: String,
+    pub(crate) exit_code: Option<i32>,
+}
+
+/// Which leases `ListLeases` wants; every set field must match.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct LeaseFilter {
+    pub(crate) project: Option<String>,
+    pub(crate) node_id: Option<String>,
+    pub(crate) phase: Option<Phase>,
+    pub(crate) owner: Option<String>,
+}
+
+/// What a node's assignment stream sends next.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Assignments {
+    /// Open leases (afresh), or every lease changed after the cursor asked for (resumed), by `seq`.
+    pub(crate) leases: Vec<LeaseRecord>,
+    /// The node's assignment cursor as of this read.
+    pub(crate) cursor: i64,
+    /// Whether `leases` are the changes after the cursor asked for rather than the whole open set.
+    pub(crate) resumed: bool,
+}
+
+/// What the reaper found for one due lease.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Expiry {
+    /// It was open and past its deadline: now `EXPIRED`.
+    Expired(Box<LeaseRecord>),
+    /// It was renewed since its deadline was indexed: look again then.
+    NotYet(i64),
+    /// It is final or forgotten: nothing to watch.
+    Gone,
+}
+
+/// What `ReconcileNode` found.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct Reconciled {
+    /// Workloads no open lease on the node covers at their epoch.
+    pub(crate) destroy: Vec<v1::LeaseRef>,
+    /// `RUNNING` leases the node does not run, now `FAILED`.
+    pub(crate) failed: Vec<LeaseRecord>,
+}
+
+/// The ledger over its store.
+#[derive(Debug, Clone)]
+pub(crate) struct Ledger {
+    store: Store,
+    ttl_ms: i64,
+    custody_window_ms: i64,
+}
+
+impl Ledger {
+    pub(crate) fn new(store: Store, config: &LeasesConfig) -> Self {
+        Self { store, ttl_ms: millis(config.lease_ttl), custody_window_ms: millis(config.custody_window) }
+    }
+
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Places a batch in one transaction: existing leases for known keys,
+    /// new leases where there is room, a shortage where there is none; one
+    /// outcome per ask, in order. Asks sharing a key share one lease.
+    pub(crate) async fn place_batch(
+        &self,
+        asks: &[LeaseAsk],
+        nodes: &[PlacementNode],
+    ) -> Result<Vec<Result<Placed, LeaseError>>, LeaseError> {
+        let (now_sql, ttl_ms) = (self.store.now_ms_sql(), self.ttl_ms);
+        self.store.tx("leases.place", |conn| Box::pin(place_in_tx(conn, now_sql, ttl_ms, asks, nodes))).await
+    }
+
+    /// One lease.
+    pub(crate) async fn get(&self, lease_id: &str) -> Result<LeaseRecord, LeaseError> {
+        self.store
+            .tx("leases.get", |conn| {
+                Box::pin(async move {
+                    fetch(conn, lease_id).await?.ok_or_else(|| LeaseError::NotFound(lease_id.to_owned()))
+                })
+            })
+            .await
+    }
+
+    /// Leases matching `filter`, oldest first.
+    pub(crate) async fn list(&self, filter: &LeaseFilter) -> Result<Vec<LeaseRecord>, LeaseError> {
+        let mut sql = concat!("SELECT ", lease_columns!(), " FROM leases WHERE 1 = 1").to_owned();
+        let mut values: Vec<String> = Vec::new();
+        let conditions = [
+            ("project", filter.project.clone()),
+            ("node_id", filter.node_id.clone()),
+            ("phase", filter.phase.map(|phase| phase.as_str().to_owned())),
+            ("owner", filter.owner.clone()),
+        ];
+        for (column, value) in conditions {
+            if let Some(value) = value {
+                values.push(value);
+                sql.push_str(&format!(" AND {column} = ${}", values.len()));
+            }
+        }
+        sql.push_str(" ORDER BY created_at_ms, lease_id");
+        let (sql, values) = (&sql, &values);
+        self.store
+            .tx("leases.list", |conn| {
+                Box::pin(async move {
+                    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.as_str()));
+                    for value in values {
+                        query = query.bind(value.as_str());
+                    }
+                    let rows = query.fetch_all(&mut *conn).await?;
+                    Ok(rows.iter().map(LeaseRecord::from_row).collect::<Result<Vec<_>, _>>()?)
+                })
+            })
+            .await
+    }
+
+    /// Releases an open lease; a final one is returned as it is. The flag
+    /// says whether anything changed.
+    pub(crate) async fn release(
+        &self,
+        lease_id: &str,
+        reason: &str,
+        by: &str,
+    ) -> Result<(LeaseRecord, bool), LeaseError> {
+        let now_sql = self.store.now_ms_sql();
+        let message = format!("released by {by}");
+        let message = message.as_str();
+        self.store
+            .tx("leases.release", |conn| {
+                Box::pin(async move {
+                    let now = now_ms(conn, now_sql).await?;
+                    let lease =
+                        fetch(conn, lease_id).await?.ok_or_else(|| LeaseError::NotFound(lease_id.to_owned()))?;
+                    if !lease.phase.is_open() {
+                        return Ok((lease, false));
+                    }
+                    let change = Change::to(Phase::Released, &lease).reason(reason).message(message);
+                    Ok((apply(conn, &lease, change, now, None).await?, true))
+                })
+            })
+            .await
+    }
+
+    /// Applies a node's phase report, fenced on its epoch; a report of the
+    /// phase the lease is already in changes nothing. The flag says whether
+    /// anything changed.
+    pub(crate) async fn report(&self, node_id: &str, report: &PhaseReport) -> Result<(LeaseRecord, bool), LeaseError> {
+        let now_sql = self.store.now_ms_sql();
+        self.store
+            .tx("leases.report_phase", |conn| {
+                Box::pin(async move {
+                    let now = now_ms(conn, now_sql).await?;
+                    let lease = held_by(conn, node_id, &report.lease_id, report.epoch).await?;
+                    if lease.phase == report.phase {
+                        return Ok((lease, false));
+                    }
+                    if !lease.phase.node_may_move(report.phase) {
+                        return Err(LeaseError::IllegalTransition {
+                            lease_id: lease.lease_id.clone(),
+                            from: lease.phase,
+                            to: report.phase,
+                        });
+                    }
+                    let change = Change::to(report.phase, &lease)
+                        .reason(&report.reason)
+                        .message(&report.message)
+                        .exit_code(report.exit_code);
+                    Ok((apply(conn, &lease, change, now, None).await?, true))
+                })
+            })
+            .await
+    }
+
+    /// Renews the leases `node_id` holds at the epochs given, in one
+    /// transaction; returns those renewed and when they now expire.
+    pub(crate) async fn renew(
+        &self,
+        node_id: &str,
+        held: &[(String, i64)],
+    ) -> Result<(HashSet<(String, i64)>, i64), LeaseError> {
+        let (now_sql, ttl_ms) = (self.store.now_ms_sql(), self.ttl_ms);
+        self.store
+            .tx("leases.renew", |conn| {
+                Box::pin(async move {
+                    let expires_at = now_ms(conn, now_sql).await?.saturating_add(ttl_ms);
+                    let mut renewed = HashSet::new();
+                    for chunk in held.chunks(ROWS_PER_STATEMENT) {
+                        let sql = format!(
+                            "UPDATE leases SET expires_at_ms = $2 WHERE node_id = $1 AND phase IN {OPEN_PHASES_SQL} \
+                             AND (lease_id, epoch) IN (VALUES {}) RETURNING lease_id, epoch",
+                            placeholders(chunk.len(), 2, 2)
+                        );
+                        let mut query =
+                            sqlx::query_as::<_, (String, i64)>(sqlx::AssertSqlSafe(sql)).bind(node_id).bind(expires_at);
+                        for (lease_id, epoch) in chunk {
+                            query = query.bind(lease_id.as_str()).bind(*epoch);
+                        }
+                        renewed.extend(query.fetch_all(&mut *conn).await?);
+                    }
+                    Ok((renewed, expires_at))
+                })
+            })
+            .await
+    }
+
+    /// Compares what `node_id` runs with its open leases; see `ReconcileNode`
+    /// in the proto for the rule. Leases found lost are failed here.
+    pub(crate) async fn reconcile(&self, node_id: &str, running: &[(String, i64)]) -> Result<Reconciled, LeaseError> {
+        let now_sql = self.store.now_ms_sql();
+        let message = format!("node {node_id} reported that it does not run the workload");
+        let message = message.as_str();
+        self.store
+            .tx("leases.reconcile_node", |conn| {
+                Box::pin(async move {
+                    let now = now_ms(conn, now_sql).await?;
+                    let sql = concat!(
+                        "SELECT ",
+                        lease_columns!(),
+                        " FROM leases WHERE node_id = $1 AND phase IN ('pending', 'bound', 'launching', 'running') ORDER BY seq"
+                    );
+                    let rows = sqlx::query(sql).bind(node_id).fetch_all(&mut *conn).await?;
+                    let open = rows.iter().map(LeaseRecord::from_row).collect::<Result<Vec<_>, _>>()?;
+                    let covered: HashSet<(&str, i64)> = open.iter().map(|l| (l.lease_id.as_str(), l.epoch)).collect();
+                    let run: HashSet<(&str, i64)> = running.iter().map(|(id, epoch)| (id.as_str(), *epoch)).collect();
+                    let mut reconciled = Reconciled::default();
+                    for (lease_id, epoch) in running {
+                        if !covered.contains(&(lease_id.as_str(), *epoch)) {
+                            let epoch = u64::try_from(*epoch).unwrap_or_default();
+                            reconciled.destroy.push(v1::LeaseRef { lease_id: lease_id.clone(), epoch });
+                        }
+                    }
+                    for lease in open.iter().filter(|l| l.phase == Phase::Running) {
+                        if !run.contains(&(lease.lease_id.as_str(), lease.epoch)) {
+                            let change = Change::to(Phase::Failed, lease).reason("NodeLost").message(message);
+                            reconciled.failed.push(apply(conn, lease, change, now, None).await?);
+                        }
+                    }
+                    Ok(reconciled)
+                })
+            })
+            .await
+    }
+
+    /// Takes a lease back into `node_id`'s custody at the next epoch; see
+    /// `AssumeCustody` in the proto for the rule. `room` is what the node
+    /// offers, as identity last described it, needed to reserve an expired
+    /// lease's capacity again.
+    pub(crate) async fn assume_custody(
+        &self,
+        node_id: &str,
+        lease_id: &str,
+        epoch: u64,
+        room: Option<Resources>,
+    ) -> Result<LeaseRecord, LeaseError> {
+        let (now_sql, ttl_ms, window_ms) = (self.store.now_ms_sql(), self.ttl_ms, self.custody_window_ms);
+        let message = format!("taken back into node {node_id}'s custody");
+        let message = message.as_str();
+        self.store
+            .tx("leases.assume_custody", |conn| {
+                Box::pin(async move {
+                    let now = now_ms(conn, now_sql).await?;
+                    let lease = held_by(conn, node_id, lease_id, epoch).await?;
+                    let refuse = |reason: String| LeaseError::CustodyRefused { lease_id: lease_id.to_owned(), reason };
+                    let room = match lease.phase {
+                        phase if phase.is_open() => None,
+                        Phase::Expired => {
+                            let ago = now.saturating_sub(lease.phase_changed_at_ms);
+                            if ago > window_ms {
+                                return Err(refuse(format!(
+                                    "it expired {ago}ms ago, longer than the {window_ms}ms custody window"
+                                )));
+                            }
+                            Some(room.ok_or_else(|| refuse(format!("node {node_id} is not known to the ledger")))?)
+                        }
+                        phase => return Err(refuse(format!("it is {phase}"))),
+                    };
+                    let change = Change::to(Phase::Running, &lease)
+                        .epoch(lease.epoch + 1)
+                        .reason("CustodyAssumed")
+                        .message(message)
+                        .expires_at(now.saturating_add(ttl_ms));
+                    apply(conn, &lease, change, now, room).await
+                })
+            })
+            .await
+    }
+
+    /// Every node row, by node id.
+    pub(crate) async fn node_rows(&self) -> Result<Vec<NodeLedgerRow>, LeaseError> {
+        self.store
+            .tx("leases.node_rows", |conn| {
+                Box::pin(async move {
+                    let rows = node_rows(conn).await?;
+                    let mut rows: Vec<NodeLedgerRow> = rows.into_values().collect();
+                    rows.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+                    Ok(rows)
+                })
+            })
+            .await
+    }
+
+    /// What a node's stream sends: the changes after `resume` when the
+    /// ledger still holds them all, otherwise (or for `None`) the whole open set.
+    pub(crate) async fn assignments(&self, node_id: &str, resume: Option<i64>) -> Result<Assignments, LeaseError> {
+        self.store
+            .tx("leases.assignments", |conn| {
+                Box::pin(async move {
+                    let position: Option<(i64, i64)> =
+                        sqlx::query_as("SELECT assignment_cursor, resume_floor FROM node_ledger WHERE node_id = $1")
+                            .bind(node_id)
+                            .fetch_optional(&mut *conn)
+                            .await?;
+                    let (cursor, floor) = position.unwrap_or((0, 0));
+                    let resumable = resume.filter(|&after| after >= floor && after <= cursor);
+                    let rows = match resumable {
+                        Some(after) => {
+                            let sql = concat!(
+                                "SELECT ",
+                                lease_columns!(),
+                                " FROM leases WHERE node_id = $1 AND seq > $2 ORDER BY seq"
+                            );
+                            sqlx::query(sql).bind(node_id).bind(after).fetch_all(&mut *conn).await?
+                        }
+                        None => {
+                            let sql = concat!(
+                                "SELECT ",
+                                lease_columns!(),
+                                " FROM leases WHERE node_id = $1 AND phase IN ('pending', 'bound', 'launching', 'running') ORDER BY seq"
+                            );
+                            sqlx::query(sql).bind(node_id).fetch_all(&mut *conn).await?
+                        }
+                    };
+                    let leases = rows.iter().map(LeaseRecord::from_row).collect::<Result<Vec<_>, _>>()?;
+                    let cursor = leases.iter().map(|l| l.seq).fold(cursor, i64::max);
+                    Ok(Assignments { leases, cursor, resumed: resumable.is_some() })
+                })
+            })
+            .await
+    }
+
+    /// Expires those of `lease_ids` still open and past their deadline, if
+    /// `holder` still leads the reaper at `term`.
+    pub(crate) async fn expire(
+        &self,
+        lease_ids: &[String],
+        holder: &str,
+        term: Term,
+    ) -> Result<Vec<(String, Expiry)>, LeaseError> {
+        let now_sql = self.store.now_ms_sql();
+        let fence = format!(
+            "SELECT COUNT(*) FROM _berth_leaders WHERE loop_name = $1 AND holder = $2 AND term = $3 \
+             AND expires_at_ms > {now_sql}"
+        );
+        let fence = fence.as_str();
+        let ttl_ms = self.ttl_ms;
+        self.store
+            .tx("leases.expire", |conn| {
+                Box::pin(async move {
+                    let leading: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(fence))
+                        .bind(REAPER_LOOP)
+                        .bind(holder)
+                        .bind(term.0)
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    if leading != 1 {
+                        return Err(StoreError::Conflict { what: format!("reaper leadership at term {term}") }.into());
+                    }
+                    let now = now_ms(conn, now_sql).await?;
+                    let found = fetch_many(conn, lease_ids).await?;
+                    let mut outcomes = Vec::with_capacity(lease_ids.len());
+                    for lease_id in lease_ids {
+                        let outcome = match found.get(lease_id) {
+                            Some(lease) if lease.phase.is_open() => match lease.expires_at_ms {
+                                Some(at) if at > now => Expiry::NotYet(at),
+                                _ => {
+                                    let message =
+                                        format!("node {} did not renew it within the {ttl_ms}ms ttl", lease.node_id);
+                                    let change =
+                                        Change::to(Phase::Expired, lease).reason("NotRenewed").message(&message);
+                                    Expiry::Expired(Box::new(apply(conn, lease, change, now, None).await?))
+                                }
+                            },
+                            _ => Expiry::Gone,
+                        };
+                        outcomes.push((lease_id.clone(), outcome));
+                    }
+                    Ok(outcomes)
+                })
+            })
+            .await
+    }
+
+    /// Every open lease's deadline, for rebuilding the index.
+    pub(crate) async fn open_deadlines(&self) -> Result<Vec<(String, i64)>, LeaseError> {
+        self.store
+            .tx("leases.open_deadlines", |conn| {
+                Box::pin(async move {
+                    let sql = "SELECT lease_id, expires_at_ms FROM leases \
+                               WHERE phase IN ('pending', 'bound', 'launching', 'running') AND expires_at_ms IS NOT NULL";
+                    Ok(sqlx::query_as::<_, (String, i64)>(sql).fetch_all(&mut *conn).await?)
+                })
+            })
+            .await
+    }
+
+    /// Forgets up to `limit` final leases that reached their phase more than
+    /// `retention_ms` ago, raising their nodes' resume floors; how many.
+    pub(crate) async fn forget_final(&self, retention_ms: i64, limit: usize) -> Result<usize, LeaseError> {
+        let now_sql = self.store.now_ms_sql();
+        let select = format!(
+            "SELECT lease_id, node_id, seq FROM leases WHERE phase IN {FINAL_PHASES_SQL} \
+             AND phase_changed_at_ms < {now_sql} - $1 ORDER BY phase_changed_at_ms LIMIT {limit}"
+        );
+        let select = select.as_str();
+        self.store
+            .tx("leases.forget_final", |conn| {
+                Box::pin(async move {
+                    let old: Vec<(String, String, i64)> =
+                        sqlx::query_as(sqlx::AssertSqlSafe(select)).bind(retention_ms).fetch_all(&mut *conn).await?;
+                    let mut floors: BTreeMap<&str, i64> = BTreeMap::new();
+                    for (_, node_id, seq) in &old {
+                        let floor = floors.entry(node_id.as_str()).or_default();
+                        *floor = (*floor).max(*seq);
+                    }
+                    for (node_id, floor) in floors {
+                        sqlx::query(
+                            "UPDATE node_ledger SET resume_floor = $2 WHERE node_id = $1 AND resume_floor < $2",
+                        )
+                        .bind(node_id)
+                        .bind(floor)
+                        .execute(&mut *conn)
+                        .await?;
+                    }
+                    for chunk in old.chunks(ROWS_PER_STATEMENT) {
+                        let sql = format!("DELETE FROM leases WHERE lease_id IN ({})", placeholders(chunk.len(), 0, 1));
+                        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+                        for (lease_id, _, _) in chunk {
+                            query = query.bind(lease_id.as_str());
+                        }
+                        query.execute(&mut *conn).await?;
+                    }
+                    Ok(old.len())
+                })
+            })
+            .await
+    }
+}
+
+/// `n` groups of `width` numbered placeholders after the first `shared`:
+/// `($3, $4), ($5, $6)` for `n = 2, shared = 2, width = 2`; with `width = 1`,
+/// `$2, $3` without parentheses.
+fn placeholders(n: usize, shared: usize, width: usize) -> String {
+    let mut out = String::new();
+    for row in 0..n {
+        if row > 0 {
+            out.push_str(", ");
+        }
+        let first = shared + row * width + 1;
+        let numbers: Vec<String> = (first..first + width).map(|i| format!("${i}")).collect();
+        if width == 1 {
+            out.push_str(&numbers.join(", "));
+        } else {
+            out.push_str(&format!("({})", numbers.join(", ")));
+        }
+    }
+    out
+}
+
+async fn now_ms(conn: &mut AnyConnection, now_sql: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT {now_sql}"))).fetch_one(&mut *conn).await
+}
+
+async fn fetch(conn: &mut AnyConnection, lease_id: &str) -> Result<Option<LeaseRecord>, LeaseError> {
+    let sql = concat!("SELECT ", lease_columns!(), " FROM leases WHERE lease_id = $1");
+    let row = sqlx::query(sql).bind(lease_id).fetch_optional(&mut *conn).await?;
+    Ok(row.as_ref().map(LeaseRecord::from_row).transpose()?)
+}
+
+async fn fetch_many(
+    conn: &mut AnyConnection,
+    lease_ids: &[String],
+) -> Result<HashMap<String, LeaseRecord>, LeaseError> {
+    let mut found = HashMap::new();
+    for chunk in lease_ids.chunks(ROWS_PER_STATEMENT) {
+        let sql = format!(
+            concat!("SELECT ", lease_columns!(), " FROM leases WHERE lease_id IN ({})"),
+            placeholders(chunk.len(), 0, 1)
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for lease_id in chunk {
+            query = query.bind(lease_id.as_str());
+        }
+        for row in query.fetch_all(&mut *conn).await? {
+            let lease = LeaseRecord::from_row(&row)?;
+            found.insert(lease.lease_id.clone(), lease);
+        }
+    }
+    Ok(found)
+}
+
+/// The lease a node names, checked to be that node's and at the epoch it holds.
+async fn held_by(
+    conn: &mut AnyConnection,
+    node_id: &str,
+    lease_id: &str,
+    epoch: u64,
+) -> Result<LeaseRecord, LeaseError> {
+    let lease = fetch(conn, lease_id).await?.ok_or_else(|| LeaseError::NotFound(lease_id.to_owned()))?;
+    if lease.node_id != node_id {
+        return Err(LeaseError::NotOnNode { lease_id: lease_id.to_owned(), caller: node_id.to_owned() });
+    }
+    if lease.epoch() != epoch {
+        return Err(LeaseError::StaleEpoch { lease_id: lease_id.to_owned(), held: epoch, current: lease.epoch() });
+    }
+    Ok(lease)
+}
+
+async fn node_rows(conn: &mut AnyConnection) -> Result<HashMap<String, NodeLedgerRow>, LeaseError> {
+    let rows = sqlx::query("SELECT node_id, cpu_allocated, memory_allocated, open_leases FROM node_ledger")
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut by_node = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let row = NodeLedgerRow::from_row(row)?;
+        by_node.insert(row.node_id.clone(), row);
+    }
+    Ok(by_node)
+}
+
+/// The spread key of a group within a project: groups of different projects never meet.
+fn spread_key(project: &str, group: &str) -> String {
+    if group.is_empty() { String::new() } else { format!("{project}/{group}") }
+}
+
+/// What one lease write changes; built from the lease as read.
+#[derive(Debug, Clone)]
+struct Change<'a> {
+    to: Phase,
+    epoch: i64,
+    reason: &'a str,
+    message: &'a str,
+    exit_code: Option<i32>,
+    expires_at_ms: Option<i64>,
+}
+
+impl<'a> Change<'a> {
+    /// A move to `to` keeping the epoch and deadline; a final phase clears the deadline.
+    fn to(to: Phase, lease: &LeaseRecord) -> Self {
+        Self {
+            to,
+            epoch: lease.epoch,
+            reason: "",
+            message: "",
+            exit_code: lease.exit_code,
+            expires_at_ms: if to.is_open() { lease.expires_at_ms } else { None },
+        }
+    }
+
+    fn epoch(self, epoch: i64) -> Self {
+        Self { epoch, ..self }
+    }
+
+    fn reason(self, reason: &'a str) -> Self {
+        Self { reason, ..self }
+    }
+
+    fn message(self, message: &'a str) -> Self {
+        Self { message, ..self }
+    }
+
+    fn exit_code(self, exit_code: Option<i32>) -> Self {
+        Self { exit_code: exit_code.or(self.exit_code), ..self }
+    }
+
+    fn expires_at(self, at_ms: i64) -> Self {
+        Self { expires_at_ms: Some(at_ms), ..self }
+    }
+}
+
+/// Writes `change` to `lease` as read in this transaction, fenced on its
+/// epoch and phase, moving its node row's allocation and cursor as the
+/// change requires. `room` is the node's total, needed when a final lease
+/// becomes open again.
+async fn apply(
+    conn: &mut AnyConnection,
+    lease: &LeaseRecord,
+    change: Change<'_>,
+    now: i64,
+    room: Option<Resources>,
+) -> Result<LeaseRecord, LeaseError> {
+    let leaving = lease.phase.is_open() && !change.to.is_open();
+    let entering = !lease.phase.is_open() && change.to.is_open();
+    let (cpu, memory) = (to_column(lease.resources.cpu_millis), to_column(lease.resources.memory_bytes));
+    let moved: Option<i64> = if leaving {
+        sqlx::query_scalar(
+            "UPDATE node_ledger SET \
+             cpu_allocated = CASE WHEN cpu_allocated > $2 THEN cpu_allocated - $2 ELSE 0 END, \
+             memory_allocated = CASE WHEN memory_allocated > $3 THEN memory_allocated - $3 ELSE 0 END, \
+             open_leases = CASE WHEN open_leases > 0 THEN open_leases - 1 ELSE 0 END, \
+             assignment_cursor = assignment_cursor + 1 \
+             WHERE node_id = $1 RETURNING assignment_cursor",
+        )
+        .bind(&lease.node_id)
+        .bind(cpu)
+        .bind(memory)
+        .fetch_optional(&mut *conn)
+        .await?
+    } else if entering {
+        let room = room.ok_or_else(|| StoreError::internal("reopening a lease without its node's capacity"))?;
+        let cursor = sqlx::query_scalar(
+            "UPDATE node_ledger SET cpu_allocated = cpu_allocated + $2, memory_allocated = memory_allocated + $3, \
+             open_leases = open_leases + 1, assignment_cursor = assignment_cursor + 1 \
+             WHERE node_id = $1 AND cpu_allocated + $2 <= $4 AND memory_allocated + $3 <= $5 \
+             RETURNING assignment_cursor",
+        )
+        .bind(&lease.node_id)
+        .bind(cpu)
+        .bind(memory)
+        .bind(to_column(room.cpu_millis))
+        .bind(to_column(room.memory_bytes))
+        .fetch_optional(&mut *conn)
+        .await?;
+        if cursor.is_none() {
+            return Err(LeaseError::CustodyRefused {
+                lease_id: lease.lease_id.clone(),
+                reason: format!("node {} no longer has room for it", lease.node_id),
+            });
+        }
+        cursor
+    } else if change.epoch != lease.epoch {
+        sqlx::query_scalar(
+            "UPDATE node_ledger SET assignment_cursor = assignment_cursor + 1 WHERE node_id = $1 RETURNING assignment_cursor",
+        )
+        .bind(&lease.node_id)
+        .fetch_optional(&mut *conn)
+        .await?
+    } else {
+        Some(lease.seq)
+    };
+    let seq =
+        moved.ok_or_else(|| StoreError::internal(format!("node {} has leases but no ledger row", lease.node_id)))?;
+    let phase_changed_at_ms = if change.to == lease.phase { lease.phase_changed_at_ms } else { now };
+    let done = sqlx::query(
+        "UPDATE leases SET phase = $4, epoch = $5, reason = $6, message = $7, exit_code = $8, \
+         phase_changed_at_ms = $9, expires_at_ms = $10, seq = $11 \
+         WHERE lease_id = $1 AND epoch = $2 AND phase = $3",
+    )
+    .bind(&lease.lease_id)
+    .bind(lease.epoch)
+    .bind(lease.phase.as_str())
+    .bind(change.to.as_str())
+    .bind(change.epoch)
+    .bind(change.reason)
+    .bind(change.message)
+    .bind(change.exit_code.map(i64::from))
+    .bind(phase_changed_at_ms)
+    .bind(change.expires_at_ms)
+    .bind(seq)
+    .execute(&mut *conn)
+    .await?;
+    expect_one(done.rows_affected(), &format!("lease {} at epoch {}", lease.lease_id, lease.epoch))?;
+    Ok(LeaseRecord {
+        phase: change.to,
+        epoch: change.epoch,
+        reason: change.reason.to_owned(),
+        message: change.message.to_owned(),
+        exit_code: change.exit_code,
+        phase_changed_at_ms,
+        expires_at_ms: change.expires_at_ms,
+        seq,
+        ..lease.clone()
+    })
+}
+
+/// How one ask of a batch is answered.
+enum Slot {
+    /// Its key names a lease that already exists.
+    Existing(Box<LeaseRecord>),
+    /// It is placed; the index is its position among the requests placed.
+    Placed(usize),
+    /// An earlier ask of the batch has its key; the index is that ask's position among the requests placed.
+    SameAs(usize),
+}
+
+async fn place_in_tx(
+    conn: &mut AnyConnection,
+    now_sql: &str,
+    ttl_ms: i64,
+    asks: &[LeaseAsk],
+    nodes: &[PlacementNode],
+) -> Result<Vec<Result<Placed, LeaseError>>, LeaseError> {
+    let now = now_ms(conn, now_sql).await?;
+    let existing = leases_by_key(conn, asks).await?;
+
+    let mut slots = Vec::with_capacity(asks.len());
+    let mut first_of_key: HashMap<(String, String), usize> = HashMap::new();
+    let mut to_place: Vec<&LeaseAsk> = Vec::new();
+    for ask in asks {
+        let key = (ask.project.clone(), ask.idempotency_key.clone());
+        if let Some(lease) = existing.get(&key) {
+            slots.push(Slot::Existing(Box::new(lease.clone())));
+        } else if let Some(&position) = first_of_key.get(&key) {
+            slots.push(Slot::SameAs(position));
+        } else {
+            first_of_key.insert(key, to_place.len());
+            slots.push(Slot::Placed(to_place.len()));
+            to_place.push(ask);
+        }
+    }
+
+    let rows = node_rows(conn).await?;
+    let mut candidates: Vec<PlacementNode> = nodes.to_vec();
+    for node in &mut candidates {
+        node.allocated = rows.get(&node.node_id).map(|row| row.allocated).unwrap_or_default();
+        node.spread.clear();
+    }
+    let groups: BTreeSet<(&str, &str)> = to_place
+        .iter()
+        .filter(|ask| !ask.spread_group.is_empty())
+        .map(|ask| (ask.project.as_str(), ask.spread_group.as_str()))
+        .collect();
+    if !groups.is_empty() {
+        let index: HashMap<String, usize> =
+            candidates.iter().enumerate().map(|(i, node)| (node.node_id.clone(), i)).collect();
+        for (project, group, node_id, count) in spread_counts(conn, &groups).await? {
+            if let Some(&i) = index.get(&node_id) {
+                candidates[i].spread.insert(spread_key(&project, &group), u32::try_from(count).unwrap_or(u32::MAX));
+            }
+        }
+    }
+    let requests: Vec<PlacementRequest> = to_place
+        .iter()
+        .map(|ask| PlacementRequest {
+            resources: ask.resources,
+            tier: ask.tier.clone(),
+            spread_group: spread_key(&ask.project, &ask.spread_group),
+        })
+        .collect();
+    let plan = place(&candidates, &requests);
+
+    // Node rows are taken in id order so that concurrent batches never deadlock.
+    let mut per_node: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (position, placement) in plan.placements.iter().enumerate() {
+        if let Some(node_id) = placement.node_id() {
+            per_node.entry(node_id).or_default().push(position);
+        }
+    }
+    let missing: Vec<&str> = per_node.keys().copied().filter(|node_id| !rows.contains_key(*node_id)).collect();
+    if !missing.is_empty() {
+        let rows: Vec<String> = (1..=missing.len()).map(|i| format!("(${i})")).collect();
+        let sql =
+            format!("INSERT INTO node_ledger (node_id) VALUES {} ON CONFLICT (node_id) DO NOTHING", rows.join(", "));
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for node_id in &missing {
+            query = query.bind(*node_id);
+        }
+        query.execute(&mut *conn).await?;
+    }
+    let totals: HashMap<&str, Resources> = candidates.iter().map(|n| (n.node_id.as_str(), n.total)).collect();
+    let cursors = allocate(conn, &per_node, &to_place, &totals).await?;
+    let mut seqs = vec![0i64; to_place.len()];
+    for (node_id, positions) in &per_node {
+        let cursor = cursors.get(*node_id).copied().unwrap_or_default();
+        let count = i64::try_from(positions.len()).unwrap_or(i64::MAX);
+        for (k, &position) in positions.iter().enumerate() {
+            seqs[position] = cursor - count + 1 + i64::try_from(k).unwrap_or_default();
+        }
+    }
+
+    let mut placed: Vec<Option<LeaseRecord>> = vec![None; to_place.len()];
+    for (position, placement) in plan.placements.iter().enumerate() {
+        if let Placement::Node(node_id) = placement {
+            let ask = to_place[position];
+            placed[position] = Some(LeaseRecord {
+                lease_id: new_lease_id(),
+                project: ask.project.clone(),
+                idempotency_key: ask.idempotency_key.clone(),
+                owner: ask.owner.clone(),
+                node_id: node_id.clone(),
+                phase: Phase::Bound,
+                epoch: 1,
+                resources: ask.resources,
+                tier: ask.tier.clone(),
+                spread_group: ask.spread_group.clone(),
+                workload: ask.workload.clone(),
+                reason: String::new(),
+                message: String::new(),
+                exit_code: None,
+                created_at_ms: now,
+                phase_changed_at_ms: now,
+                expires_at_ms: Some(now.saturating_add(ttl_ms)),
+                seq: seqs[position],
+            });
+        }
+    }
+    insert_leases(conn, now, now.saturating_add(ttl_ms), placed.iter().flatten()).await?;
+
+    let outcome = |position: usize, created: bool| match (&placed[position], &plan.placements[position]) {
+        (Some(lease), _) => Ok(Placed { lease: lease.clone(), created }),
+        (None, Placement::NoRoom(shortage)) => Err(LeaseError::NoRoom(shortage.clone())),
+        (None, Placement::Node(_)) => Err(StoreError::internal("a placed lease was not recorded").into()),
+    };
+    Ok(slots
+        .into_iter()
+        .map(|slot| match slot {
+            Slot::Existing(lease) => Ok(Placed { lease: *lease, created: false }),
+            Slot::Placed(position) => outcome(position, true),
+            Slot::SameAs(position) => outcome(position, false).map_err(|error| error.for_each_caller()),
+        })
+        .collect())
+}
+
+/// Adds each node's new leases to its row, in one statement, only where they
+/// fit the node's total; the node's assignment cursor after the addition.
+async fn allocate(
+    conn: &mut AnyConnection,
+    per_node: &BTreeMap<&str, Vec<usize>>,
+    to_place: &[&LeaseAsk],
+    totals: &HashMap<&str, Resources>,
+) -> Result<HashMap<String, i64>, LeaseError> {
+    let mut cursors = HashMap::with_capacity(per_node.len());
+    let nodes: Vec<(&&str, &Vec<usize>)> = per_node.iter().collect();
+    for chunk in nodes.chunks(ROWS_PER_STATEMENT) {
+        let rows: Vec<String> = (0..chunk.len())
+            .map(|row| {
+                let p = |k: usize| format!("${}", row * 6 + k);
+                format!(
+                    "SELECT {} AS node_id, {} AS cpu, {} AS memory, {} AS leases, {} AS cpu_total, {} AS memory_total",
+                    p(1),
+                    p(2),
+                    p(3),
+                    p(4),
+                    p(5),
+                    p(6)
+                )
+            })
+            .collect();
+        let sql = format!(
+            "UPDATE node_ledger SET cpu_allocated = node_ledger.cpu_allocated + v.cpu, \
+             memory_allocated = node_ledger.memory_allocated + v.memory, \
+             open_leases = node_ledger.open_leases + v.leases, \
+             assignment_cursor = node_ledger.assignment_cursor + v.leases \
+             FROM ({}) AS v \
+             WHERE node_ledger.node_id = v.node_id AND node_ledger.cpu_allocated + v.cpu <= v.cpu_total \
+             AND node_ledger.memory_allocated + v.memory <= v.memory_total \
+             RETURNING node_ledger.node_id, node_ledger.assignment_cursor",
+            rows.join(" UNION ALL ")
+        );
+        let mut query = sqlx::query_as::<_, (String, i64)>(sqlx::AssertSqlSafe(sql));
+        for (node_id, positions) in chunk {
+            let wanted = positions.iter().fold(Resources::default(), |sum, &p| sum.plus(to_place[p].resources));
+            let total = totals.get(**node_id).copied().unwrap_or_default();
+            query = query
+                .bind(**node_id)
+                .bind(to_column(wanted.cpu_millis))
+                .bind(to_column(wanted.memory_bytes))
+                .bind(i64::try_from(positions.len()).unwrap_or(i64::MAX))
+                .bind(to_column(total.cpu_millis))
+                .bind(to_column(total.memory_bytes));
+        }
+        cursors.extend(query.fetch_all(&mut *conn).await?);
+    }
+    if let Some(node_id) = per_node.keys().find(|node_id| !cursors.contains_key(**node_id)) {
+        // Only a concurrent placement can move a row between the read and
+        // this write; placing the batch again sees it.
+        return Err(StoreError::Conflict { what: format!("node {node_id}'s allocation") }.into());
+    }
+    Ok(cursors)
+}
+
+fn new_lease_id() -> String {
+    format!("l-{}", hex::encode(rand::random::<[u8; 10]>()))
+}
+
+async fn leases_by_key(
+    conn: &mut AnyConnection,
+    asks: &[LeaseAsk],
+) -> Result<HashMap<(String, String), LeaseRecord>, LeaseError> {
+    let keys: BTreeSet<(&str, &str)> = asks.iter().map(|a| (a.project.as_str(), a.idempotency_key.as_str())).collect();
+    let keys: Vec<(&str, &str)> = keys.into_iter().collect();
+    let mut found = HashMap::new();
+    for chunk in keys.chunks(ROWS_PER_STATEMENT) {
+        let sql = format!(
+            concat!("SELECT ", lease_columns!(), " FROM leases WHERE (project, idempotency_key) IN (VALUES {})"),
+            placeholders(chunk.len(), 0, 2)
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for (project, key) in chunk {
+            query = query.bind(*project).bind(*key);
+        }
+        for row in query.fetch_all(&mut *conn).await? {
+            let lease = LeaseRecord::from_row(&row)?;
+            found.insert((lease.project.clone(), lease.idempotency_key.clone()), lease);
+        }
+    }
+    Ok(found)
+}
+
+async fn spread_counts(
+    conn: &mut AnyConnection,
+    groups: &BTreeSet<(&str, &str)>,
+) -> Result<Vec<(String, String, String, i64)>, LeaseError> {
+    let groups: Vec<&(&str, &str)> = groups.iter().collect();
+    let mut counts = Vec::new();
+    for chunk in groups.chunks(ROWS_PER_STATEMENT) {
+        let sql = format!(
+            "SELECT project, spread_group, node_id, COUNT(*) FROM leases \
+             WHERE spread_group <> '' AND phase IN {OPEN_PHASES_SQL} AND (project, spread_group) IN (VALUES {}) \
+             GROUP BY project, spread_group, node_id",
+            placeholders(chunk.len(), 0, 2)
+        );
+        let mut query = sqlx::query_as::<_, (String, String, String, i64)>(sqlx::AssertSqlSafe(sql));
+        for (project, group) in chunk {
+            query = query.bind(*project).bind(*group);
+        }
+        counts.extend(query.fetch_all(&mut *conn).await?);
+    }
+    Ok(counts)
+}
+
+async fn insert_leases<'a>(
+    conn: &mut AnyConnection,
+    now: i64,
+    expires_at: i64,
+    leases: impl Iterator<Item = &'a LeaseRecord>,
+) -> Result<(), LeaseError> {
+    let leases: Vec<&LeaseRecord> = leases.collect();
+    for chunk in leases.chunks(ROWS_PER_STATEMENT) {
+        let values: Vec<String> = (0..chunk.len())
+            .map(|row| {
+                let p = |k: usize| format!("${}", 2 + row * 11 + k);
+                format!(
+                    "({}, {}, {}, {}, {}, 'bound', 1, {}, {}, {}, {}, {}, $1, $1, $2, {})",
+                    p(1),
+                    p(2),
+                    p(3),
+                    p(4),
+                    p(5),
+                    p(6),
+                    p(7),
+                    p(8),
+                    p(9),
+                    p(10),
+                    p(11)
+                )
+            })
+            .collect();
+        let sql = format!(
+            "INSERT INTO leases (lease_id, project, idempotency_key, owner, node_id, phase, epoch, cpu_millis, \
+             memory_bytes, tier, spread_group, workload, created_at_ms, phase_changed_at_ms, expires_at_ms, seq) \
+             VALUES {}",
+            values.join(", ")
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now).bind(expires_at);
+        for lease in chunk {
+            query = query
+                .bind(lease.lease_id.as_str())
+                .bind(lease.project.as_str())
+                .bind(lease.idempotency_key.as_str())
+                .bind(lease.owner.as_str())
+                .bind(lease.node_id.as_str())
+                .bind(to_column(lease.resources.cpu_millis))
+                .bind(to_column(lease.resources.memory_bytes))
+                .bind(lease.tier.as_str())
+                .bind(lease.spread_group.as_str())
+                .bind(lease.workload.encode_to_vec())
+                .bind(lease.seq);
+        }
+        query.execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_number_rows_after_the_shared_ones() {
+        assert_eq!(placeholders(2, 2, 2), "($3, $4), ($5, $6)");
+        assert_eq!(placeholders(3, 1, 1), "$2, $3, $4");
+        assert_eq!(placeholders(1, 0, 2), "($1, $2)");
+    }
+
+    #[test]
+    fn spread_keys_keep_projects_apart() {
+        assert_ne!(spread_key("a", "web"), spread_key("b", "web"));
+        assert_eq!(spread_key("a", ""), "");
+    }
+
+    #[test]
+    fn each_error_maps_to_the_code_a_client_can_act_on() {
+        use tonic::Code;
+        let cases: Vec<(LeaseError, Code)> = vec![
+            (LeaseError::InvalidArgument { field: "owner", reason: "must not be empty".into() }, Code::InvalidArgument),
+            (LeaseError::NotFound("l-1".into()), Code::NotFound),
+            (LeaseError::NotOnNode { lease_id: "l-1".into(), caller: "n-2".into() }, Code::PermissionDenied),
+            (LeaseError::StaleEpoch { lease_id: "l-1".into(), held: 1, current: 2 }, Code::FailedPrecondition),
+            (
+                LeaseError::IllegalTransition { lease_id: "l-1".into(), from: Phase::Done, to: Phase::Running },
+                Code::FailedPrecondition,
+            ),
+            (
+                LeaseError::CustodyRefused { lease_id: "l-1".into(), reason: "it is DONE".into() },
+                Code::FailedPrecondition,
+            ),
+            (LeaseError::Unavailable("starting".into()), Code::Unavailable),
+            (LeaseError::Store(StoreError::Contended { attempts: 5, source: None }), Code::Aborted),
+        ];
+        for (error, code) in cases {
+            let message = error.to_string();
+            let status = tonic::Status::from(error);
+            assert_eq!(status.code(), code, "{message}");
+        }
+    }
+
+    #[test]
+    fn an_illegal_move_names_both_phases() {
+        let error = LeaseError::IllegalTransition { lease_id: "l-1".into(), from: Phase::Done, to: Phase::Running };
+        assert_eq!(error.to_string(), "lease l-1 cannot move from DONE to RUNNING");
+    }
+}

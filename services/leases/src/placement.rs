@@ -1,0 +1,418 @@
+//! Placement: which node each of a batch of lease requests goes to, as a pure
+//! function of the nodes and the requests, so a plan is deterministic and can
+//! be tested as a table.
+//!
+//! # The rule
+//! A request may go to a node that is `UP`, in the request's tier (an empty
+//! tier means any), and has room for it in both dimensions. Among those it
+//! goes to the first by:
+//! 1. fewest open leases of the request's spread group (so a group's leases
+//!    land on different nodes while any node without one fits);
+//! 2. most free, where a node's freeness is the free fraction of its scarcer
+//!    dimension, `min(free cpu / total cpu, free memory / total memory)`,
+//!    compared exactly (no floating point);
+//! 3. lowest node id.
+//!
+//! # Invariants
+//! - Requests are placed in order and each placement is tallied on its node
+//!   before the next request is considered, so a batch spreads instead of
+//!   stacking on the node that was emptiest when the batch began.
+//! - A request that fits nowhere gets a [`Shortage`] and changes no tally.
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::BTreeMap;
+use std::fmt;
+
+use berth_proto::identity::v1::NodeState;
+
+use crate::model::Resources;
+
+/// A node as placement sees it: where it is, whether it takes leases, what it
+/// offers and what its open leases already hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlacementNode {
+    /// The node's id.
+    pub node_id: String,
+    /// The node's tier; empty means none.
+    pub tier: String,
+    /// The node's state as identity describes it; only `UP` takes new leases.
+    pub state: NodeState,
+    /// What the node offers to leases.
+    pub total: Resources,
+    /// What open leases on the node reserve.
+    pub allocated: Resources,
+    /// Open leases on the node per spread group key.
+    pub spread: BTreeMap<String, u32>,
+}
+
+impl PlacementNode {
+    /// An empty node in `state`, offering `total`.
+    pub fn new(node_id: impl Into<String>, tier: impl Into<String>, state: NodeState, total: Resources) -> Self {
+        Self {
+            node_id: node_id.into(),
+            tier: tier.into(),
+            state,
+            total,
+            allocated: Resources::default(),
+            spread: BTreeMap::new(),
+        }
+    }
+
+    /// What one more lease may take.
+    pub fn free(&self) -> Resources {
+        self.total.minus(self.allocated)
+    }
+
+    fn freeness(&self) -> Fraction {
+        let free = self.free();
+        Fraction::new(free.cpu_millis, self.total.cpu_millis)
+            .min(Fraction::new(free.memory_bytes, self.total.memory_bytes))
+    }
+
+    fn in_tier(&self, tier: &str) -> bool {
+        tier.is_empty() || self.tier == tier
+    }
+
+    fn spread_count(&self, group: &str) -> u32 {
+        if group.is_empty() { 0 } else { self.spread.get(group).copied().unwrap_or(0) }
+    }
+}
+
+/// One request to place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlacementRequest {
+    /// What the lease reserves.
+    pub resources: Resources,
+    /// The tier it must go to; empty means any.
+    pub tier: String,
+    /// Its spread group key (scoped by the caller, e.g. by project); empty means none.
+    pub spread_group: String,
+}
+
+/// Where one request went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    /// Placed on the node with this id.
+    Node(String),
+    /// No node had room.
+    NoRoom(Shortage),
+}
+
+impl Placement {
+    /// The node it was placed on, if any.
+    pub fn node_id(&self) -> Option<&str> {
+        match self {
+            Placement::Node(node_id) => Some(node_id),
+            Placement::NoRoom(_) => None,
+        }
+    }
+}
+
+/// The outcome of [`place`]: one [`Placement`] per request, in request order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PlacementPlan {
+    /// Where each request went.
+    pub placements: Vec<Placement>,
+}
+
+impl PlacementPlan {
+    /// The node each request went to, `None` where it fit nowhere.
+    pub fn node_ids(&self) -> Vec<Option<&str>> {
+        self.placements.iter().map(Placement::node_id).collect()
+    }
+}
+
+/// Why a request fit nowhere: what it asked for and what the tier offered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shortage {
+    /// The tier asked for; empty means any.
+    pub tier: String,
+    /// What the request asked for.
+    pub wanted: Resources,
+    /// How many `UP` nodes the tier has.
+    pub up_nodes: usize,
+    /// No `UP` node in the tier has this much CPU free.
+    pub cpu_short: bool,
+    /// No `UP` node in the tier has this much memory free.
+    pub memory_short: bool,
+    /// The most free `UP` node in the tier and what it has free.
+    pub most_free: Option<(String, Resources)>,
+}
+
+impl fmt::Display for Shortage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let tier = if self.tier.is_empty() { "any tier".to_owned() } else { format!("tier '{}'", self.tier) };
+        write!(f, "no UP node in {tier}")?;
+        let Some((node_id, free)) = &self.most_free else {
+            return Ok(());
+        };
+        let memory = crate::model::Memory(self.wanted.memory_bytes);
+        match (self.cpu_short, self.memory_short) {
+            (true, false) => write!(f, " has {}m cpu free", self.wanted.cpu_millis)?,
+            (false, true) => write!(f, " has {memory} memory free")?,
+            // Short in both, or each fits somewhere but never both on one node.
+            _ => write!(f, " has {}m cpu and {memory} memory free", self.wanted.cpu_millis)?,
+        }
+        write!(f, "; most free: {node_id} with {free} free")
+    }
+}
+
+/// A non-negative fraction, ordered exactly; `x / 0` counts as nothing free.
+#[derive(Debug, Clone, Copy)]
+struct Fraction {
+    numerator: u64,
+    denominator: u64,
+}
+
+impl Fraction {
+    fn new(numerator: u64, denominator: u64) -> Self {
+        if denominator == 0 { Self { numerator: 0, denominator: 1 } } else { Self { numerator, denominator } }
+    }
+}
+
+impl PartialEq for Fraction {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Fraction {}
+
+impl PartialOrd for Fraction {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Fraction {
+    fn cmp(&self, other: &Self) -> Ordering {
+        let left = u128::from(self.numerator) * u128::from(other.denominator);
+        let right = u128::from(other.numerator) * u128::from(self.denominator);
+        left.cmp(&right)
+    }
+}
+
+/// Places `requests` in order on `nodes`; see the module docs for the rule.
+pub fn place(nodes: &[PlacementNode], requests: &[PlacementRequest]) -> PlacementPlan {
+    let mut nodes: Vec<PlacementNode> = nodes.to_vec();
+    let mut placements = Vec::with_capacity(requests.len());
+    for request in requests {
+        let chosen = nodes
+            .iter_mut()
+            .filter(|n| n.state == NodeState::Up && n.in_tier(&request.tier) && n.free().holds(request.resources))
+            .min_by(|a, b| {
+                let key = |n: &PlacementNode| (n.spread_count(&request.spread_group), Reverse(n.freeness()));
+                key(a).cmp(&key(b)).then_with(|| a.node_id.cmp(&b.node_id))
+            });
+        match chosen {
+            Some(node) => {
+                node.allocated = node.allocated.plus(request.resources);
+                if !request.spread_group.is_empty() {
+                    *node.spread.entry(request.spread_group.clone()).or_default() += 1;
+                }
+                placements.push(Placement::Node(node.node_id.clone()));
+            }
+            None => placements.push(Placement::NoRoom(shortage(&nodes, request))),
+        }
+    }
+    PlacementPlan { placements }
+}
+
+fn shortage(nodes: &[PlacementNode], request: &PlacementRequest) -> Shortage {
+    let up: Vec<&PlacementNode> =
+        nodes.iter().filter(|n| n.state == NodeState::Up && n.in_tier(&request.tier)).collect();
+    let wanted = request.resources;
+    let most_free = up
+        .iter()
+        .min_by(|a, b| Reverse(a.freeness()).cmp(&Reverse(b.freeness())).then_with(|| a.node_id.cmp(&b.node_id)))
+        .map(|n| (n.node_id.clone(), n.free()));
+    Shortage {
+        tier: request.tier.clone(),
+        wanted,
+        up_nodes: up.len(),
+        cpu_short: up.iter().all(|n| n.free().cpu_millis < wanted.cpu_millis),
+        memory_short: up.iter().all(|n| n.free().memory_bytes < wanted.memory_bytes),
+        most_free,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn node(id: &str, cpu: u64, memory_gib: u64) -> PlacementNode {
+        PlacementNode::new(id, "", NodeState::Up, Resources::new(cpu, memory_gib * GIB))
+    }
+
+    fn holding(mut node: PlacementNode, cpu: u64, memory_gib: u64) -> PlacementNode {
+        node.allocated = Resources::new(cpu, memory_gib * GIB);
+        node
+    }
+
+    fn ask(cpu: u64, memory_gib: u64) -> PlacementRequest {
+        PlacementRequest {
+            resources: Resources::new(cpu, memory_gib * GIB),
+            tier: String::new(),
+            spread_group: String::new(),
+        }
+    }
+
+    fn grouped(cpu: u64, memory_gib: u64, group: &str) -> PlacementRequest {
+        PlacementRequest { spread_group: group.to_owned(), ..ask(cpu, memory_gib) }
+    }
+
+    fn in_tier(request: PlacementRequest, tier: &str) -> PlacementRequest {
+        PlacementRequest { tier: tier.to_owned(), ..request }
+    }
+
+    fn placed(plan: &PlacementPlan) -> Vec<&str> {
+        plan.node_ids().into_iter().map(|n| n.unwrap_or("-")).collect()
+    }
+
+    #[test]
+    fn placement_table() {
+        struct Case {
+            name: &'static str,
+            nodes: Vec<PlacementNode>,
+            requests: Vec<PlacementRequest>,
+            expected: Vec<&'static str>,
+        }
+        let cases = vec![
+            Case {
+                name: "one spread group goes to three different nodes, even where one is emptier",
+                nodes: vec![node("n-1", 4000, 8), holding(node("n-2", 4000, 8), 2000, 4), node("n-3", 4000, 8)],
+                requests: vec![grouped(500, 1, "web"), grouped(500, 1, "web"), grouped(500, 1, "web")],
+                expected: vec!["n-1", "n-3", "n-2"],
+            },
+            Case {
+                name: "a group already on a node avoids it while another fits",
+                nodes: vec![
+                    PlacementNode { spread: BTreeMap::from([("web".to_owned(), 1)]), ..node("n-1", 8000, 16) },
+                    holding(node("n-2", 4000, 8), 3000, 6),
+                ],
+                requests: vec![grouped(500, 1, "web")],
+                expected: vec!["n-2"],
+            },
+            Case {
+                name: "a group doubles up only when every node that fits has one",
+                nodes: vec![node("n-1", 4000, 8), node("n-2", 1000, 2)],
+                requests: vec![grouped(800, 1, "web"), grouped(800, 1, "web"), grouped(800, 1, "web")],
+                expected: vec!["n-1", "n-2", "n-1"],
+            },
+            Case {
+                name: "least loaded across groups: the scarcer dimension's free fraction decides",
+                nodes: vec![
+                    // 75% cpu free but 25% memory free: 25%.
+                    holding(node("n-1", 4000, 8), 1000, 6),
+                    // 50% of both free: 50%.
+                    holding(node("n-2", 4000, 8), 2000, 4),
+                    // 40% cpu free, 90% memory free: 40%.
+                    holding(node("n-3", 10000, 10), 6000, 1),
+                ],
+                requests: vec![grouped(100, 1, "a"), grouped(100, 1, "b")],
+                expected: vec!["n-2", "n-3"],
+            },
+            Case {
+                name: "ties go to the lowest node id",
+                nodes: vec![node("n-3", 4000, 8), node("n-1", 4000, 8), node("n-2", 4000, 8)],
+                requests: vec![ask(1000, 2)],
+                expected: vec!["n-1"],
+            },
+            Case {
+                name: "equal fractions of different sizes tie too",
+                nodes: vec![node("n-b", 8000, 16), node("n-a", 4000, 8)],
+                requests: vec![ask(1000, 1)],
+                expected: vec!["n-a"],
+            },
+            Case {
+                name: "a batch tallies as it goes, spreading instead of stacking",
+                nodes: vec![node("n-1", 4000, 8), node("n-2", 4000, 8), node("n-3", 4000, 8)],
+                requests: vec![ask(1000, 2), ask(1000, 2), ask(1000, 2), ask(1000, 2)],
+                expected: vec!["n-1", "n-2", "n-3", "n-1"],
+            },
+            Case {
+                name: "a batch stops at capacity: the fifth 1-core lease finds no room on 4 cores",
+                nodes: vec![node("n-1", 4000, 8)],
+                requests: vec![ask(1000, 1), ask(1000, 1), ask(1000, 1), ask(1000, 1), ask(1000, 1)],
+                expected: vec!["n-1", "n-1", "n-1", "n-1", "-"],
+            },
+            Case {
+                name: "draining, down, joining and revoked nodes get nothing new",
+                nodes: vec![
+                    PlacementNode { state: NodeState::Draining, ..node("n-1", 8000, 16) },
+                    PlacementNode { state: NodeState::Down, ..node("n-2", 8000, 16) },
+                    PlacementNode { state: NodeState::Joining, ..node("n-3", 8000, 16) },
+                    PlacementNode { state: NodeState::Revoked, ..node("n-4", 8000, 16) },
+                    holding(node("n-5", 2000, 4), 1000, 2),
+                ],
+                requests: vec![ask(1000, 2), ask(1000, 2)],
+                expected: vec!["n-5", "-"],
+            },
+            Case {
+                name: "a tier is honoured; no tier means any",
+                nodes: vec![
+                    PlacementNode { tier: "gpu".to_owned(), ..node("n-1", 4000, 8) },
+                    PlacementNode { tier: "batch".to_owned(), ..node("n-2", 8000, 16) },
+                ],
+                requests: vec![in_tier(ask(1000, 1), "gpu"), in_tier(ask(1000, 1), "edge"), ask(1000, 1)],
+                expected: vec!["n-1", "-", "n-2"],
+            },
+            Case {
+                name: "a request bigger than any node fits nowhere but the rest still place",
+                nodes: vec![node("n-1", 4000, 8)],
+                requests: vec![ask(8000, 1), ask(1000, 1)],
+                expected: vec!["-", "n-1"],
+            },
+        ];
+        for case in cases {
+            let plan = place(&case.nodes, &case.requests);
+            assert_eq!(placed(&plan), case.expected, "{}", case.name);
+        }
+    }
+
+    #[test]
+    fn no_room_names_the_short_dimension_and_the_most_free_node() {
+        let nodes = vec![
+            PlacementNode { tier: "x".to_owned(), ..holding(node("n-1", 4000, 8), 3500, 1) },
+            PlacementNode { tier: "x".to_owned(), ..holding(node("n-2", 4000, 8), 3800, 1) },
+            PlacementNode { tier: "y".to_owned(), ..node("n-3", 64000, 64) },
+        ];
+        let plan = place(&nodes, &[in_tier(ask(2000, 1), "x")]);
+        let Placement::NoRoom(shortage) = &plan.placements[0] else { panic!("placed: {plan:?}") };
+        assert_eq!(shortage.up_nodes, 2);
+        assert!(shortage.cpu_short && !shortage.memory_short);
+        assert_eq!(
+            shortage.to_string(),
+            "no UP node in tier 'x' has 2000m cpu free; most free: n-1 with 500m cpu and 7GiB memory free"
+        );
+    }
+
+    #[test]
+    fn no_room_in_memory_or_in_both_at_once_says_so() {
+        let nodes = vec![holding(node("n-1", 4000, 8), 0, 7), holding(node("n-2", 4000, 8), 3900, 5)];
+        let Placement::NoRoom(memory) = &place(&nodes, &[ask(1000, 4)]).placements[0] else { panic!() };
+        assert_eq!(
+            memory.to_string(),
+            "no UP node in any tier has 4GiB memory free; most free: n-1 with 4000m cpu and 1GiB memory free"
+        );
+        let Placement::NoRoom(both) = &place(&nodes, &[ask(1000, 2)]).placements[0] else { panic!() };
+        assert!(!both.cpu_short && !both.memory_short);
+        assert!(both.to_string().starts_with("no UP node in any tier has 1000m cpu and 2GiB memory free"), "{both}");
+    }
+
+    #[test]
+    fn no_up_node_at_all_says_only_that() {
+        let nodes = vec![PlacementNode { state: NodeState::Down, tier: "x".to_owned(), ..node("n-1", 4000, 8) }];
+        let Placement::NoRoom(shortage) = &place(&nodes, &[in_tier(ask(1000, 1), "x")]).placements[0] else { panic!() };
+        assert_eq!(shortage.to_string(), "no UP node in tier 'x'");
+        assert_eq!(shortage.up_nodes, 0);
+    }
+
+    #[test]
+    fn a_dimension_with_no_total_counts_as_nothing_free() {
+        let nodes = vec![node("n-1", 4000, 0), node("n-2", 1000, 1)];
+        assert_eq!(placed(&place(&nodes, &[ask(100, 0)])), vec!["n-2"]);
+    }
+}

@@ -1,0 +1,215 @@
+//! The placer: one task per replica that takes queued lease requests in
+//! batches and places each batch in one transaction, answering every caller
+//! through its own oneshot.
+//!
+//! # Expected flow
+//! `RequestLease` validates, queues a [`LeaseAsk`] and awaits the reply. The
+//! task takes whatever is queued (up to `max_batch`) as soon as the previous
+//! batch committed, so an idle replica places a lone request at once and a
+//! busy one places many per commit. After the commit it wakes the nodes'
+//! streams, announces the change to the other replicas and indexes the new
+//! leases' deadlines for the reaper.
+//!
+//! # Invariants
+//! - The node list a batch is placed against is identity's registry as this
+//!   replica last saw it; the allocation check inside the transaction keeps
+//!   two replicas with slightly different views from over-committing a node.
+//! - A batch that collides with another replica's is placed again whole, with
+//!   jittered backoff; its callers see an error only once the attempts run out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_proto::identity::v1::{Node, NodeState};
+use rand::Rng as _;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::ledger::{LeaseAsk, LeaseError, Placed};
+use crate::model::Resources;
+use crate::placement::PlacementNode;
+use crate::reaper::EXPIRY_INDEX;
+use crate::service::Core;
+
+/// How many times a batch is placed before its callers are told it collided.
+const PLACE_ATTEMPTS: u32 = 8;
+
+/// The first retry of a collided batch waits up to this long; each later one up to twice as long.
+const RETRY_BACKOFF: Duration = Duration::from_millis(5);
+
+/// No retry waits longer than this.
+const MAX_RETRY_BACKOFF: Duration = Duration::from_millis(200);
+
+/// One queued request and where its answer goes.
+#[derive(Debug)]
+pub(crate) struct Queued {
+    ask: LeaseAsk,
+    reply: oneshot::Sender<Result<Placed, LeaseError>>,
+}
+
+/// The way into the placer's queue; cheap to clone.
+#[derive(Debug, Clone)]
+pub(crate) struct PlacerHandle {
+    queue: mpsc::Sender<Queued>,
+}
+
+impl PlacerHandle {
+    /// A handle and the queue the placer task will drain.
+    pub(crate) fn new(capacity: usize) -> (Self, mpsc::Receiver<Queued>) {
+        let (queue, receiver) = mpsc::channel(capacity.max(1));
+        (Self { queue }, receiver)
+    }
+
+    /// Places `ask`, or finds the lease its key already names.
+    pub(crate) async fn request(&self, ask: LeaseAsk) -> Result<Placed, LeaseError> {
+        let (reply, answer) = oneshot::channel();
+        self.queue.try_send(Queued { ask, reply }).map_err(|error| match error {
+            mpsc::error::TrySendError::Full(_) => {
+                LeaseError::Unavailable("the ledger has too many requests queued; retry shortly".to_owned())
+            }
+            mpsc::error::TrySendError::Closed(_) => {
+                LeaseError::Unavailable("the ledger is shutting down; retry on another replica".to_owned())
+            }
+        })?;
+        answer.await.map_err(|_| LeaseError::Unavailable("the ledger stopped before placing the lease".to_owned()))?
+    }
+}
+
+/// Drains `queue` until the service closes.
+pub(crate) fn spawn(core: Arc<Core>, mut queue: mpsc::Receiver<Queued>) {
+    tokio::spawn(async move {
+        loop {
+            let first = tokio::select! {
+                () = core.closing.cancelled() => break,
+                next = queue.recv() => match next {
+                    Some(queued) => queued,
+                    None => break,
+                },
+            };
+            let mut batch = vec![first];
+            while batch.len() < core.config.max_batch {
+                match queue.try_recv() {
+                    Ok(queued) => batch.push(queued),
+                    Err(_) => break,
+                }
+            }
+            place(&core, batch).await;
+        }
+        queue.close();
+        while let Ok(queued) = queue.try_recv() {
+            let _ = queued.reply.send(Err(LeaseError::Unavailable("the ledger is shutting down".to_owned())));
+        }
+    });
+}
+
+/// A node of identity's registry as placement sees it, before the ledger's allocations are added.
+pub(crate) fn placement_node(node: &Node) -> PlacementNode {
+    PlacementNode::new(
+        node.node_id.clone(),
+        node.tier.clone(),
+        NodeState::try_from(node.state).unwrap_or(NodeState::Unspecified),
+        node.capacity.map(Resources::from).unwrap_or_default(),
+    )
+}
+
+async fn place(core: &Arc<Core>, batch: Vec<Queued>) {
+    // A caller that gave up is not placed for: retrying with its key finds nothing half-done.
+    let batch: Vec<Queued> = batch.into_iter().filter(|queued| !queued.reply.is_closed()).collect();
+    if batch.is_empty() {
+        return;
+    }
+    let snapshot = core.nodes.snapshot();
+    if !snapshot.synced {
+        for queued in batch {
+            let _ = queued.reply.send(Err(LeaseError::Unavailable(
+                "the ledger has not learned the nodes from identity yet; retry shortly".to_owned(),
+            )));
+        }
+        return;
+    }
+    let nodes: Vec<PlacementNode> = snapshot.nodes.values().map(placement_node).collect();
+    let (asks, replies): (Vec<LeaseAsk>, Vec<_>) = batch.into_iter().map(|queued| (queued.ask, queued.reply)).unzip();
+
+    let mut attempt = 1;
+    let outcome = loop {
+        match core.ledger.place_batch(&asks, &nodes).await {
+            Err(error) if error.is_collision() && attempt < PLACE_ATTEMPTS => {
+                tracing::debug!(attempt, %error, "placement batch collided; placing it again");
+                tokio::time::sleep(backoff(attempt)).await;
+                attempt += 1;
+            }
+            other => break other,
+        }
+    };
+    let outcomes = match outcome {
+        Ok(outcomes) => outcomes,
+        Err(error) => {
+            tracing::warn!(%error, requests = asks.len(), attempts = attempt, "placing a batch failed");
+            for reply in replies {
+                let _ = reply.send(Err(error.for_each_caller()));
+            }
+            return;
+        }
+    };
+
+    let mut touched: Vec<String> = Vec::new();
+    let mut deadlines: Vec<(String, i64)> = Vec::new();
+    for placed in outcomes.iter().flatten().filter(|placed| placed.created) {
+        touched.push(placed.lease.node_id.clone());
+        if let Some(at) = placed.lease.expires_at_ms {
+            deadlines.push((placed.lease.lease_id.clone(), at));
+        }
+    }
+    touched.sort();
+    touched.dedup();
+    core.signals.wake(touched.iter().map(String::as_str));
+    tracing::debug!(requests = asks.len(), placed = deadlines.len(), attempts = attempt, "placed a batch");
+    for (reply, outcome) in replies.into_iter().zip(outcomes) {
+        let _ = reply.send(outcome);
+    }
+    if touched.is_empty() {
+        return;
+    }
+    // The bus is an accelerator: its round trips must not hold up the next batch.
+    let core = Arc::clone(core);
+    tokio::spawn(async move {
+        core.signals.announce(&core.bus, &touched).await;
+        if let Err(error) = core.bus.deadline_set_many(EXPIRY_INDEX, &deadlines).await {
+            tracing::warn!(%error, leases = deadlines.len(), "could not index new lease deadlines; the reaper restores them");
+        }
+    });
+}
+
+/// A random wait in `[0, min(MAX_RETRY_BACKOFF, RETRY_BACKOFF * 2^(attempt-1))]`.
+fn backoff(attempt: u32) -> Duration {
+    let cap = RETRY_BACKOFF.saturating_mul(1u32 << attempt.saturating_sub(1).min(16)).min(MAX_RETRY_BACKOFF);
+    let cap_ms = u64::try_from(cap.as_millis()).unwrap_or(u64::MAX);
+    Duration::from_millis(rand::rng().random_range(0..=cap_ms))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use berth_proto::types::v1::Capacity;
+
+    #[test]
+    fn retries_back_off_within_their_cap() {
+        for attempt in 1..40 {
+            assert!(backoff(attempt) <= MAX_RETRY_BACKOFF);
+        }
+    }
+
+    #[test]
+    fn an_unknown_state_or_missing_capacity_takes_nothing() {
+        let node = Node { node_id: "n-1".into(), state: 99, capacity: None, ..Default::default() };
+        let seen = placement_node(&node);
+        assert_eq!(seen.state, NodeState::Unspecified);
+        assert_eq!(seen.total, Resources::default());
+        let up = Node {
+            node_id: "n-2".into(),
+            state: NodeState::Up as i32,
+            capacity: Some(Capacity { cpu_millis: 4000, memory_bytes: 1 << 33 }),
+            ..Default::default()
+        };
+        assert_eq!(placement_node(&up).total, Resources::new(4000, 1 << 33));
+    }
+}

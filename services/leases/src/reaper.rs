@@ -1,0 +1,218 @@
+//! The reaper: the one loop, elected among the ledger's replicas, that
+//! expires leases their nodes stopped renewing (returning their capacity),
+//! keeps the bus's deadline index in step with the database, and forgets
+//! final leases past their retention.
+//!
+//! # Expected flow
+//! Every replica campaigns for [`REAPER_LOOP`](crate::REAPER_LOOP). A replica
+//! that wins a term rebuilds the deadline index from the database (the
+//! database is the truth: every renewal writes `expires_at_ms` there first);
+//! if the bus says it lost its state (or looks fresh), every open lease gets
+//! `reset_grace` from now. Then, every `reap_every`, it lists due leases from
+//! the index and expires those the database agrees are due, rescheduling the
+//! ones renewed since. Every `index_resync` it rebuilds the index again
+//! (restoring deadlines a failed bus write missed) and forgets old leases.
+//!
+//! # Invariants
+//! - Expiry is fenced twice in SQL: on the lease's epoch, phase and deadline
+//!   as read, and on this replica still holding its term in
+//!   `_berth_leaders`, so a deposed reaper's late write changes nothing.
+//! - After a bus loss no lease expires before the grace has passed: its node
+//!   may not have received it while the bus could not fan changes out.
+
+use std::sync::Arc;
+
+use berth_bus::{BusError, Continuity};
+use berth_store::{LeaderElector, StoreError, Term};
+
+use crate::config::millis;
+use crate::ledger::{Expiry, LeaseError, REAPER_LOOP};
+use crate::service::Core;
+
+/// The bus deadline index of open leases: member lease id, score `expires_at_ms`.
+pub(crate) const EXPIRY_INDEX: &str = "lease-expiry";
+
+/// Due leases taken from the index at a time.
+const DUE_BATCH: usize = 500;
+
+/// Deadlines written to the bus per round trip when rebuilding.
+const REBUILD_BATCH: usize = 1000;
+
+/// Final leases forgotten per transaction.
+const FORGET_BATCH: usize = 1000;
+
+/// Why one step of the reaper failed; logged, and the step is tried again on
+/// the next tick.
+#[derive(Debug, thiserror::Error)]
+enum ReaperError {
+    /// The ledger failed, or found this replica no longer leads.
+    #[error(transparent)]
+    Ledger(#[from] LeaseError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The bus failed.
+    #[error(transparent)]
+    Bus(#[from] BusError),
+}
+
+/// Campaigns until the service closes, and reaps while it leads.
+pub(crate) fn spawn(core: Arc<Core>) {
+    tokio::spawn(async move {
+        let elector = LeaderElector::new(core.ledger.store().clone(), REAPER_LOOP, core.replica_id.clone())
+            .with_timing(core.config.election)
+            .spawn(&core.closing);
+        let mut leadership = elector.subscribe();
+        let mut reaper = Reaper { core: Arc::clone(&core), grace_until: 0 };
+        loop {
+            let term = *leadership.borrow_and_update();
+            tokio::select! {
+                () = core.closing.cancelled() => break,
+                changed = leadership.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                }
+                () = reaper.lead(term), if term.is_some() => {}
+            }
+        }
+        elector.shutdown().await;
+    });
+}
+
+/// The reaper's state while it leads.
+struct Reaper {
+    core: Arc<Core>,
+    /// No lease's deadline is indexed before this, database clock milliseconds.
+    grace_until: i64,
+}
+
+impl Reaper {
+    /// Acts while `term` is held; returns only if it is `None`.
+    async fn lead(&mut self, term: Option<Term>) {
+        let Some(term) = term else { return };
+        tracing::info!(%term, holder = %self.core.replica_id, "lease reaper leading");
+        let config = self.core.config.clone();
+        let reset = match self.core.bus.continuity().await {
+            Ok(continuity) => continuity.needs_rebuild(),
+            Err(error) => {
+                tracing::warn!(%error, "bus continuity unknown; treating it as lost");
+                true
+            }
+        };
+        self.rebuild_logged(reset).await;
+        let mut next_resync = tokio::time::Instant::now() + config.index_resync;
+        loop {
+            tokio::time::sleep(config.reap_every).await;
+            match self.core.bus.continuity().await {
+                Ok(Continuity::Continuous) => {}
+                Ok(lost) => {
+                    tracing::warn!(continuity = ?lost, "the bus lost its state; rebuilding lease deadlines with a grace");
+                    self.rebuild_logged(true).await;
+                }
+                Err(error) => {
+                    // Nothing is due while the bus is away; the rebuild follows its return.
+                    tracing::debug!(%error, "bus unavailable; the reaper waits");
+                    continue;
+                }
+            }
+            if let Err(error) = self.reap_due(term).await {
+                tracing::warn!(%error, "reaping due leases failed; retrying next tick");
+            }
+            if tokio::time::Instant::now() >= next_resync {
+                next_resync = tokio::time::Instant::now() + config.index_resync;
+                self.rebuild_logged(false).await;
+                self.forget_logged().await;
+            }
+        }
+    }
+
+    async fn rebuild_logged(&mut self, reset: bool) {
+        if let Err(error) = self.rebuild(reset).await {
+            tracing::warn!(%error, reset, "rebuilding lease deadlines failed; retrying at the next resync");
+        }
+    }
+
+    /// Indexes every open lease's deadline from the database; after a reset,
+    /// none earlier than a grace from now.
+    async fn rebuild(&mut self, reset: bool) -> Result<(), ReaperError> {
+        let open = self.core.ledger.open_deadlines().await?;
+        if reset {
+            let now = self.core.ledger.store().now_ms().await?;
+            self.grace_until = now.saturating_add(millis(self.core.config.effective_reset_grace()));
+        }
+        let deadlines: Vec<(String, i64)> =
+            open.into_iter().map(|(lease_id, at)| (lease_id, at.max(self.grace_until))).collect();
+        for chunk in deadlines.chunks(REBUILD_BATCH) {
+            self.core.bus.deadline_set_many(EXPIRY_INDEX, chunk).await?;
+        }
+        if reset {
+            tracing::info!(leases = deadlines.len(), "lease deadlines rebuilt from the database with a grace");
+        }
+        Ok(())
+    }
+
+    async fn reap_due(&self, term: Term) -> Result<(), ReaperError> {
+        let bus = &self.core.bus;
+        loop {
+            let now = self.core.ledger.store().now_ms().await?;
+            if now < self.grace_until {
+                // A deadline written by a placement or renewal racing the
+                // rebuild may be due already; the grace holds for it too.
+                return Ok(());
+            }
+            let due = bus.deadline_due(EXPIRY_INDEX, now, DUE_BATCH).await?;
+            if due.is_empty() {
+                return Ok(());
+            }
+            let lease_ids: Vec<String> = due.iter().map(|(lease_id, _)| lease_id.clone()).collect();
+            let outcomes = match self.core.ledger.expire(&lease_ids, &self.core.replica_id, term).await {
+                Err(LeaseError::Store(StoreError::Conflict { what })) => {
+                    tracing::info!(%what, "reaper write fenced off; no longer leading");
+                    return Ok(());
+                }
+                other => other?,
+            };
+            let mut touched = Vec::new();
+            for (lease_id, outcome) in outcomes {
+                match outcome {
+                    Expiry::Expired(lease) => {
+                        tracing::info!(lease_id = %lease.lease_id, node_id = %lease.node_id, epoch = lease.epoch,
+                            "lease expired: not renewed in time");
+                        touched.push(lease.node_id.clone());
+                        bus.deadline_remove(EXPIRY_INDEX, &lease_id).await?;
+                    }
+                    Expiry::NotYet(at) => bus.deadline_set(EXPIRY_INDEX, &lease_id, at.max(self.grace_until)).await?,
+                    Expiry::Gone => {
+                        bus.deadline_remove(EXPIRY_INDEX, &lease_id).await?;
+                    }
+                }
+            }
+            touched.sort();
+            touched.dedup();
+            self.core.signals.announce(bus, &touched).await;
+            if due.len() < DUE_BATCH {
+                return Ok(());
+            }
+        }
+    }
+
+    async fn forget_logged(&self) {
+        let retention = millis(self.core.config.retention);
+        loop {
+            match self.core.ledger.forget_final(retention, FORGET_BATCH).await {
+                Ok(0) => return,
+                Ok(forgotten) => {
+                    tracing::info!(forgotten, "forgot final leases past their retention");
+                    if forgotten < FORGET_BATCH {
+                        return;
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "forgetting old leases failed; retrying at the next resync");
+                    return;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! Leases and node ledger rows as the database holds them, and as the API
+//! shows them.
+//!
+//! # What is stored
+//! `leases`: one row per lease, its workload kept as the protobuf encoding of
+//! `berth.leases.v1.Workload`, so a field added to the message needs no
+//! migration. `node_ledger`: per node, the sum of what its open leases
+//! reserve and its assignment cursor (see the migration for the columns).
+
+use berth_proto::leases::v1;
+use berth_store::StoreError;
+use prost::Message as _;
+use sqlx::Row as _;
+use sqlx::any::AnyRow;
+
+use crate::model::{Phase, Resources};
+
+/// The columns [`LeaseRecord::from_row`] reads, for `concat!` into a `SELECT`.
+macro_rules! lease_columns {
+    () => {
+        "lease_id, project, idempotency_key, owner, node_id, phase, epoch, cpu_millis, memory_bytes, tier, \
+         spread_group, workload, reason, message, exit_code, created_at_ms, phase_changed_at_ms, expires_at_ms, seq"
+    };
+}
+
+pub(crate) use lease_columns;
+
+/// One lease, as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LeaseRecord {
+    pub(crate) lease_id: String,
+    pub(crate) project: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) owner: String,
+    pub(crate) node_id: String,
+    pub(crate) phase: Phase,
+    pub(crate) epoch: i64,
+    pub(crate) resources: Resources,
+    pub(crate) tier: String,
+    pub(crate) spread_group: String,
+    pub(crate) workload: v1::Workload,
+    pub(crate) reason: String,
+    pub(crate) message: String,
+    pub(crate) exit_code: Option<i32>,
+    pub(crate) created_at_ms: i64,
+    pub(crate) phase_changed_at_ms: i64,
+    pub(crate) expires_at_ms: Option<i64>,
+    /// The node's assignment cursor at the lease's last change.
+    pub(crate) seq: i64,
+}
+
+impl LeaseRecord {
+    /// Decodes a row selected with [`lease_columns!`].
+    pub(crate) fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
+        let phase: String = row.try_get("phase")?;
+        let phase = Phase::parse(&phase)
+            .ok_or_else(|| StoreError::internal(format!("lease row holds unknown phase '{phase}'")))?;
+        let workload: Vec<u8> = row.try_get("workload")?;
+        let workload = v1::Workload::decode(workload.as_slice()).map_err(|e| StoreError::Internal {
+            context: "decoding a lease's workload".into(),
+            source: Some(Box::new(e)),
+        })?;
+        let exit_code: Option<i64> = row.try_get("exit_code")?;
+        Ok(Self {
+            lease_id: row.try_get("lease_id")?,
+            project: row.try_get("project")?,
+            idempotency_key: row.try_get("idempotency_key")?,
+            owner: row.try_get("owner")?,
+            node_id: row.try_get("node_id")?,
+            phase,
+            epoch: row.try_get("epoch")?,
+            resources: Resources::new(
+                from_column(row.try_get("cpu_millis")?),
+                from_column(row.try_get("memory_bytes")?),
+            ),
+            tier: row.try_get("tier")?,
+            spread_group: row.try_get("spread_group")?,
+            workload,
+            reason: row.try_get("reason")?,
+            message: row.try_get("message")?,
+            exit_code: exit_code.and_then(|code| i32::try_from(code).ok()),
+            created_at_ms: row.try_get("created_at_ms")?,
+            phase_changed_at_ms: row.try_get("phase_changed_at_ms")?,
+            expires_at_ms: row.try_get("expires_at_ms")?,
+            seq: row.try_get("seq")?,
+        })
+    }
+
+    /// The epoch as the API counts it.
+    pub(crate) fn epoch(&self) -> u64 {
+        u64::try_from(self.epoch).unwrap_or_default()
+    }
+
+    /// The lease as the API shows it.
+    pub(crate) fn to_proto(&self) -> v1::Lease {
+        v1::Lease {
+            lease_id: self.lease_id.clone(),
+            epoch: self.epoch(),
+            project: self.project.clone(),
+            owner: self.owner.clone(),
+            node_id: self.node_id.clone(),
+            phase: self.phase.to_proto() as i32,
+            resources: Some(self.resources.into()),
+            tier: self.tier.clone(),
+            spread_group: self.spread_group.clone(),
+            workload: Some(self.workload.clone()),
+            reason: self.reason.clone(),
+            exit_code: self.exit_code,
+            created_at: Some(timestamp(self.created_at_ms)),
+            expires_at: self.expires_at_ms.map(timestamp),
+            idempotency_key: self.idempotency_key.clone(),
+            phase_changed_at: Some(timestamp(self.phase_changed_at_ms)),
+            message: self.message.clone(),
+        }
+    }
+
+    /// The lease at the epoch it is held at.
+    pub(crate) fn lease_ref(&self) -> v1::LeaseRef {
+        v1::LeaseRef { lease_id: self.lease_id.clone(), epoch: self.epoch() }
+    }
+}
+
+/// One node's row of the ledger: what its open leases reserve.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct NodeLedgerRow {
+    pub(crate) node_id: String,
+    pub(crate) allocated: Resources,
+    pub(crate) open_leases: u32,
+}
+
+impl NodeLedgerRow {
+    /// Decodes `node_id, cpu_allocated, memory_allocated, open_leases`.
+    pub(crate) fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            node_id: row.try_get("node_id")?,
+            allocated: Resources::new(
+                from_column(row.try_get("cpu_allocated")?),
+                from_column(row.try_get("memory_allocated")?),
+            ),
+            open_leases: u32::try_from(row.try_get::<i64, _>("open_leases")?).unwrap_or(u32::MAX),
+        })
+    }
+}
+
+/// A stored amount: amounts are `u64` on the wire and `BIGINT` in the database.
+pub(crate) fn to_column(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// An amount read back; a negative one (never written) reads as zero.
+pub(crate) fn from_column(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or_default()
+}
+
+/// Epoch milliseconds as a protobuf timestamp.
+pub(crate) fn timestamp(ms: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: ms.div_euclid(1000),
+        nanos: i32::try_from(ms.rem_euclid(1000) * 1_000_000).unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_split_milliseconds_exactly() {
+        let ts = timestamp(1_700_000_000_123);
+        assert_eq!((ts.seconds, ts.nanos), (1_700_000_000, 123_000_000));
+        let before_epoch = timestamp(-1);
+        assert_eq!((before_epoch.seconds, before_epoch.nanos), (-1, 999_000_000));
+    }
+
+    #[test]
+    fn amounts_beyond_a_bigint_are_stored_saturated() {
+        assert_eq!(to_column(u64::MAX), i64::MAX);
+        assert_eq!(from_column(-5), 0);
+    }
+}

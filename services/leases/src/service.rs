@@ -1,0 +1,133 @@
+//! The service's shared state and its life: what every handler and loop of
+//! one replica holds, how the loops start, and how they stop.
+//!
+//! # Expected flow
+//! [`LeasesService::new`] builds a replica over a [`ServiceContext`] (no I/O:
+//! the store is already migrated). [`LeasesService::spawn_loops`] starts the
+//! placer, the bus follower that wakes assignment streams, and the reaper's
+//! campaign; they stop when the token passed is cancelled. Without the loops
+//! nothing places requests, so every process that serves the ledger runs them.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use berth_bus::Bus;
+use berth_proto::leases::v1;
+use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
+use berth_runtime::{NodeDirectory, ServiceContext};
+use tokio::sync::mpsc;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use crate::config::LeasesConfig;
+use crate::ledger::Ledger;
+use crate::placer::{PlacerHandle, Queued};
+use crate::signals::NodeSignals;
+
+/// What every handler and loop of one replica shares.
+#[derive(Debug)]
+pub(crate) struct Core {
+    pub(crate) ledger: Ledger,
+    pub(crate) bus: Bus,
+    /// Identity's node registry, as this replica follows it.
+    pub(crate) nodes: NodeDirectory,
+    pub(crate) signals: NodeSignals,
+    pub(crate) config: LeasesConfig,
+    /// This replica's name as it campaigns for the reaper.
+    pub(crate) replica_id: String,
+    /// Cancelled when the replica stops: loops and streams end.
+    pub(crate) closing: CancellationToken,
+    pub(crate) placer: PlacerHandle,
+    /// The placer's queue until its task takes it.
+    queue: Mutex<Option<mpsc::Receiver<Queued>>>,
+}
+
+/// One replica of the ledger: its gRPC handlers and its loops.
+#[derive(Debug, Clone)]
+pub struct LeasesService {
+    pub(crate) core: Arc<Core>,
+    revocations: Revocations,
+    /// Set when the loops live exactly as long as the handlers (see [`crate::server`]).
+    lifetime: Option<Arc<DropGuard>>,
+}
+
+impl LeasesService {
+    /// A replica over `ctx`'s store (already migrated), bus and view of
+    /// identity's node registry.
+    pub fn new(ctx: &ServiceContext, config: LeasesConfig) -> Self {
+        let (placer, queue) = PlacerHandle::new(config.placer_queue);
+        let core = Core {
+            ledger: Ledger::new(ctx.store.clone(), &config),
+            bus: ctx.bus.clone(),
+            nodes: ctx.nodes.clone(),
+            signals: NodeSignals::default(),
+            config,
+            replica_id: new_replica_id(),
+            closing: CancellationToken::new(),
+            placer,
+            queue: Mutex::new(Some(queue)),
+        };
+        Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: None }
+    }
+
+    /// This replica's name among the ledger's replicas, as it campaigns for
+    /// the reaper ([`REAPER_LOOP`](crate::REAPER_LOOP)).
+    pub fn replica_id(&self) -> &str {
+        &self.core.replica_id
+    }
+
+    /// The timings it runs with.
+    pub fn config(&self) -> &LeasesConfig {
+        &self.core.config
+    }
+
+    /// Every gRPC service of leases, ready to serve, refusing revoked nodes.
+    pub fn server(&self) -> ServerBuilder {
+        ServerBuilder::new()
+            .with_revocations(self.revocations.clone())
+            .add_service(
+                v1::leases_server::LeasesServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+            .add_service(
+                v1::capacity_server::CapacityServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+            .add_service(
+                v1::node_leases_server::NodeLeasesServer::new(self.clone())
+                    .max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+    }
+
+    /// Starts the placer, the change follower and the reaper's campaign,
+    /// until `shutdown` (which also ends open assignment streams). Only the
+    /// first call starts anything.
+    pub fn spawn_loops(&self, shutdown: &CancellationToken) {
+        let queue = self.core.queue.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let Some(queue) = queue else {
+            tracing::warn!("the ledger's loops are already running");
+            return;
+        };
+        let (shutdown, closing) = (shutdown.clone(), self.core.closing.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                () = shutdown.cancelled() => closing.cancel(),
+                () = closing.cancelled() => {}
+            }
+        });
+        crate::placer::spawn(Arc::clone(&self.core), queue);
+        self.core.signals.spawn_follower(self.core.bus.clone(), self.core.closing.clone());
+        crate::reaper::spawn(Arc::clone(&self.core));
+    }
+
+    /// This replica with its loops running until every handle on it (the
+    /// server's included) is dropped: for callers that only hand out a
+    /// [`ServerBuilder`].
+    pub(crate) fn with_loops_for_its_lifetime(mut self) -> Self {
+        let token = CancellationToken::new();
+        self.spawn_loops(&token);
+        self.lifetime = Some(Arc::new(token.drop_guard()));
+        self
+    }
+}
+
+fn new_replica_id() -> String {
+    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty() && h.len() <= 64);
+    format!("{}-{}", host.as_deref().unwrap_or("leases"), hex::encode(rand::random::<[u8; 4]>()))
+}

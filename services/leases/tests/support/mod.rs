@@ -1,0 +1,435 @@
+//! A running ledger for tests: one or more leases replicas on one store and
+//! one bus, each serving real mTLS gRPC on a loopback port, following a node
+//! registry the test scripts, with admin and node clients.
+//!
+//! # The node registry
+//! Leases learns node capacity and state only from identity's
+//! `Nodes/WatchNodes` stream, followed by the runtime's `follow_nodes` into
+//! the replica's `NodeDirectory`. The tests serve that one RPC themselves,
+//! over mTLS like identity, from a list they edit (a node `UP`, then
+//! `DRAINING`, then gone), so the ledger runs exactly its production path
+//! while each test says what identity knows.
+//!
+//! `RUST_LOG=berth_leases=debug` shows the replicas' logs.
+
+#![allow(dead_code, reason = "each test binary uses a different part of the harness")]
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_bus::{Bus, MemoryBus};
+use berth_core::Identity;
+use berth_leases::{LeasesConfig, LeasesService, MIGRATIONS};
+use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
+use berth_proto::identity::v1 as identity;
+use berth_proto::identity::v1::NodeState;
+use berth_proto::leases::v1;
+use berth_proto::types::v1::{Capacity, EventKind};
+use berth_rpc::{Channel, Listener, Revocations, ServerBuilder};
+use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_store::testing::TestDb;
+use berth_store::{ElectionTiming, Store};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+/// A gibibyte.
+pub(crate) const GIB: u64 = 1 << 30;
+
+/// A mebibyte.
+pub(crate) const MIB: u64 = 1 << 20;
+
+/// How long test certificates live.
+const CERT_TTL: Duration = Duration::from_secs(3600);
+
+/// How long a test waits for something that should happen within milliseconds.
+pub(crate) const PATIENCE: Duration = Duration::from_secs(10);
+
+/// Which store (and bus) a deployment runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// PostgreSQL and Redis: production.
+    Postgres,
+    /// SQLite and the in-process bus: `berth dev`.
+    Sqlite,
+}
+
+/// Loops in milliseconds; leases live 30 s, so only a test about expiry sees one expire.
+pub(crate) fn fast_config() -> LeasesConfig {
+    LeasesConfig {
+        reap_every: Duration::from_millis(50),
+        assignment_resync: Duration::from_millis(500),
+        index_resync: Duration::from_millis(500),
+        election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+        ..LeasesConfig::default()
+    }
+}
+
+/// Like [`fast_config`] with leases that live `ttl`.
+pub(crate) fn expiring_config(ttl: Duration) -> LeasesConfig {
+    LeasesConfig { lease_ttl: ttl, reset_grace: ttl, custody_window: Duration::from_secs(30), ..fast_config() }
+}
+
+/// The registry's side of `Nodes/WatchNodes`: the whole list, `SYNCED`, then each change.
+#[derive(Clone)]
+struct ScriptedRegistry {
+    nodes: watch::Sender<BTreeMap<String, identity::Node>>,
+}
+
+#[tonic::async_trait]
+impl identity::nodes_server::Nodes for ScriptedRegistry {
+    async fn watch_nodes(
+        &self,
+        _request: tonic::Request<identity::WatchNodesRequest>,
+    ) -> Result<tonic::Response<tonic::codegen::BoxStream<identity::NodeEvent>>, tonic::Status> {
+        let mut nodes = self.nodes.subscribe();
+        let (events, stream) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let event =
+                |kind: EventKind, node: Option<identity::Node>| Ok(identity::NodeEvent { kind: kind as i32, node });
+            let mut sent = nodes.borrow_and_update().clone();
+            for node in sent.values() {
+                if events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err() {
+                    return;
+                }
+            }
+            if events.send(event(EventKind::Synced, None)).await.is_err() {
+                return;
+            }
+            while nodes.changed().await.is_ok() {
+                let now = nodes.borrow_and_update().clone();
+                for (node_id, node) in &now {
+                    if sent.get(node_id) != Some(node)
+                        && events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                for (node_id, node) in &sent {
+                    if !now.contains_key(node_id)
+                        && events.send(event(EventKind::Removed, Some(node.clone()))).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                sent = now;
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+}
+
+/// A node as the scripted registry describes it.
+pub(crate) fn node(node_id: &str, tier: &str, state: NodeState, cpu_millis: u64, memory_bytes: u64) -> identity::Node {
+    identity::Node {
+        node_id: node_id.to_owned(),
+        tier: tier.to_owned(),
+        state: state as i32,
+        capacity: Some(Capacity { cpu_millis, memory_bytes }),
+        ..Default::default()
+    }
+}
+
+/// One leases replica serving on a loopback port.
+pub(crate) struct Replica {
+    pub(crate) service: LeasesService,
+    pub(crate) addr: SocketAddr,
+    shutdown: CancellationToken,
+    server: JoinHandle<()>,
+}
+
+impl Replica {
+    async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(15), self.server).await;
+    }
+}
+
+/// A deployment: a store, a bus, a scripted registry, replicas, and clients.
+pub(crate) struct Ledger {
+    pub(crate) backend: Backend,
+    db: Option<TestDb>,
+    bus: Bus,
+    ca: CertificateAuthority,
+    registry: ScriptedRegistry,
+    registry_addr: SocketAddr,
+    registry_stop: CancellationToken,
+    pub(crate) replicas: Vec<Replica>,
+    admin: TlsCredentials,
+    node_credentials: Mutex<HashMap<String, TlsCredentials>>,
+    config: LeasesConfig,
+}
+
+fn credentials(ca: &CertificateAuthority, identity: &Identity) -> TlsCredentials {
+    let (cert, key_pem) = ca.issue(identity, &["localhost".to_owned(), "127.0.0.1".to_owned()], CERT_TTL).unwrap();
+    TlsCredentials::new(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: ca.cert_pem().to_owned() })
+        .unwrap()
+}
+
+impl Ledger {
+    /// One replica with `config`, knowing the nodes in `nodes`.
+    pub(crate) async fn start(backend: Backend, config: LeasesConfig, nodes: Vec<identity::Node>) -> Self {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let db = match backend {
+            Backend::Postgres => TestDb::postgres().await.unwrap(),
+            Backend::Sqlite => TestDb::sqlite().await.unwrap(),
+        };
+        db.store().migrate(MIGRATIONS).await.unwrap();
+        let bus = match backend {
+            Backend::Postgres => berth_bus::testing::redis_bus().await.unwrap(),
+            Backend::Sqlite => Bus::new(MemoryBus::new(), &berth_bus::testing::unique_prefix()).unwrap(),
+        };
+        let ca = CertificateAuthority::generate("leases test CA", CERT_TTL).unwrap();
+        let nodes = nodes.into_iter().map(|n| (n.node_id.clone(), n)).collect();
+        let registry = ScriptedRegistry { nodes: watch::channel(nodes).0 };
+        let identity_credentials = credentials(&ca, &Identity::service("identity").unwrap());
+        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), identity_credentials).await.unwrap();
+        let registry_addr = listener.local_addr().unwrap();
+        let registry_stop = CancellationToken::new();
+        let server = ServerBuilder::new().add_service(identity::nodes_server::NodesServer::new(registry.clone()));
+        tokio::spawn(server.serve(listener, registry_stop.clone()));
+        let admin = credentials(&ca, &Identity::admin("alice").unwrap());
+        let mut ledger = Self {
+            backend,
+            db: Some(db),
+            bus,
+            ca,
+            registry,
+            registry_addr,
+            registry_stop,
+            replicas: Vec::new(),
+            admin,
+            node_credentials: Mutex::new(HashMap::new()),
+            config,
+        };
+        ledger.add_replica().await;
+        ledger
+    }
+
+    /// Starts another replica on the same store and bus prefix, as another
+    /// process would: its own pool and, on Redis, its own connection. Waits
+    /// until it has learned the registry.
+    pub(crate) async fn add_replica(&mut self) -> usize {
+        let db = self.db.as_ref().unwrap();
+        let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
+        let bus = match self.backend {
+            Backend::Postgres => Bus::connect(&berth_bus::testing::redis_url(), self.bus.prefix()).await.unwrap(),
+            Backend::Sqlite => self.bus.with_prefix(self.bus.prefix()).unwrap(),
+        };
+        let credentials = credentials(&self.ca, &Identity::service("leases").unwrap());
+        let ctx = ServiceContext {
+            store,
+            bus,
+            credentials: credentials.clone(),
+            revocations: Revocations::new(),
+            nodes: NodeDirectory::new(),
+        };
+        let shutdown = CancellationToken::new();
+        follow_nodes(
+            self.registry_addr.to_string(),
+            credentials.clone(),
+            ctx.nodes.clone(),
+            ctx.revocations.clone(),
+            shutdown.clone(),
+        );
+        let service = LeasesService::new(&ctx, self.config.clone());
+        service.spawn_loops(&shutdown);
+        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), credentials).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = service.server();
+        let stop = shutdown.clone();
+        let server = tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
+        self.replicas.push(Replica { service, addr, shutdown, server });
+        let replica = self.replicas.len() - 1;
+        self.settle_replica(replica).await;
+        replica
+    }
+
+    /// Tells the registry about `node` (new or changed) and waits until every replica knows.
+    pub(crate) async fn put_node(&self, node: identity::Node) {
+        self.registry.nodes.send_modify(|nodes| {
+            nodes.insert(node.node_id.clone(), node);
+        });
+        self.settle().await;
+    }
+
+    /// Moves `node_id` to `state` in the registry and waits until every replica knows.
+    pub(crate) async fn set_state(&self, node_id: &str, state: NodeState) {
+        self.registry.nodes.send_modify(|nodes| {
+            nodes.get_mut(node_id).unwrap().state = state as i32;
+        });
+        self.settle().await;
+    }
+
+    /// Waits until every replica's view of the nodes is the registry's.
+    pub(crate) async fn settle(&self) {
+        for replica in 0..self.replicas.len() {
+            self.settle_replica(replica).await;
+        }
+    }
+
+    async fn settle_replica(&self, replica: usize) {
+        let expected: Vec<(String, i32, Option<Capacity>)> =
+            self.registry.nodes.borrow().values().map(|n| (n.node_id.clone(), n.state, n.capacity)).collect();
+        let started = Instant::now();
+        loop {
+            let seen: Vec<(String, i32, Option<Capacity>)> = self
+                .capacity(replica)
+                .list_node_capacity(v1::ListNodeCapacityRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .nodes
+                .into_iter()
+                .filter(|n| n.total.is_some_and(|t| t.cpu_millis > 0) || n.state != NodeState::Unspecified as i32)
+                .map(|n| (n.node_id, n.state, n.total))
+                .collect();
+            if seen == expected {
+                return;
+            }
+            assert!(started.elapsed() < PATIENCE, "replica {replica} sees {seen:?}, registry says {expected:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The store, for tests that look behind the API.
+    pub(crate) fn store(&self) -> &Store {
+        self.db.as_ref().unwrap().store()
+    }
+
+    /// A bus handle on the deployment's prefix, for tests that fault it.
+    pub(crate) fn bus(&self) -> &Bus {
+        &self.bus
+    }
+
+    fn admin_channel(&self, replica: usize) -> Channel {
+        berth_rpc::connect(&self.replicas[replica].addr.to_string(), self.admin.clone()).unwrap()
+    }
+
+    /// `Leases` as an admin.
+    pub(crate) fn leases(&self, replica: usize) -> v1::leases_client::LeasesClient<Channel> {
+        v1::leases_client::LeasesClient::new(self.admin_channel(replica))
+    }
+
+    /// `Capacity` as an admin.
+    pub(crate) fn capacity(&self, replica: usize) -> v1::capacity_client::CapacityClient<Channel> {
+        v1::capacity_client::CapacityClient::new(self.admin_channel(replica))
+    }
+
+    /// The credentials of node `node_id`, as identity would have issued them.
+    pub(crate) fn node_credentials(&self, node_id: &str) -> TlsCredentials {
+        let mut issued = self.node_credentials.lock().unwrap();
+        issued
+            .entry(node_id.to_owned())
+            .or_insert_with(|| credentials(&self.ca, &Identity::node(node_id).unwrap()))
+            .clone()
+    }
+
+    /// `NodeLeases` as node `node_id`.
+    pub(crate) fn node(&self, node_id: &str) -> v1::node_leases_client::NodeLeasesClient<Channel> {
+        let channel = berth_rpc::connect(&self.replicas[0].addr.to_string(), self.node_credentials(node_id)).unwrap();
+        v1::node_leases_client::NodeLeasesClient::new(channel)
+    }
+
+    /// `Leases` as node `node_id`, which the access layer should refuse.
+    pub(crate) fn leases_as_node(&self, node_id: &str) -> v1::leases_client::LeasesClient<Channel> {
+        let channel = berth_rpc::connect(&self.replicas[0].addr.to_string(), self.node_credentials(node_id)).unwrap();
+        v1::leases_client::LeasesClient::new(channel)
+    }
+
+    /// Places a lease asking `cpu_millis` and `memory_bytes`, keyed `key`, through replica 0.
+    pub(crate) async fn place(&self, key: &str, cpu_millis: u64, memory_bytes: u64) -> v1::Lease {
+        let response = self.leases(0).request_lease(ask(key, cpu_millis, memory_bytes)).await.unwrap().into_inner();
+        assert!(response.created, "{key} already existed");
+        response.lease.unwrap()
+    }
+
+    /// The lease as it is now.
+    pub(crate) async fn get(&self, lease_id: &str) -> v1::Lease {
+        let request = v1::GetLeaseRequest { lease_id: lease_id.to_owned() };
+        self.leases(0).get_lease(request).await.unwrap().into_inner().lease.unwrap()
+    }
+
+    /// One node's capacity entry as replica 0 reports it.
+    pub(crate) async fn node_capacity(&self, node_id: &str) -> v1::NodeCapacity {
+        let nodes = self.capacity(0).list_node_capacity(v1::ListNodeCapacityRequest::default()).await.unwrap();
+        nodes.into_inner().nodes.into_iter().find(|n| n.node_id == node_id).unwrap()
+    }
+
+    /// Reports `phase` for `lease` as its node, at `epoch`.
+    pub(crate) async fn report(
+        &self,
+        lease: &v1::Lease,
+        epoch: u64,
+        phase: v1::LeasePhase,
+    ) -> Result<v1::Lease, tonic::Status> {
+        let request = v1::ReportPhaseRequest {
+            node_id: lease.node_id.clone(),
+            lease_id: lease.lease_id.clone(),
+            epoch,
+            phase: phase as i32,
+            ..Default::default()
+        };
+        self.node(&lease.node_id).report_phase(request).await.map(|r| r.into_inner().lease.unwrap())
+    }
+
+    /// Stops every replica and drops the schema or file and the bus keys.
+    pub(crate) async fn cleanup(mut self) {
+        for replica in self.replicas.drain(..) {
+            replica.stop().await;
+        }
+        self.registry_stop.cancel();
+        if self.backend == Backend::Postgres {
+            berth_bus::testing::cleanup(&self.bus).await.unwrap();
+        }
+        if let Some(db) = self.db.take() {
+            db.cleanup().await.unwrap();
+        }
+    }
+}
+
+/// A request for a bare-command lease in the default project.
+pub(crate) fn ask(key: &str, cpu_millis: u64, memory_bytes: u64) -> v1::RequestLeaseRequest {
+    v1::RequestLeaseRequest {
+        project: String::new(),
+        owner: "tests/ledger".to_owned(),
+        idempotency_key: key.to_owned(),
+        resources: Some(Capacity { cpu_millis, memory_bytes }),
+        tier: String::new(),
+        spread_group: String::new(),
+        workload: Some(v1::Workload { command: "/bin/true".to_owned(), ..Default::default() }),
+    }
+}
+
+/// Shared across tasks that issue requests concurrently.
+pub(crate) type SharedLedger = Arc<Ledger>;
+
+/// Runs a test body on both backends, each in its own test.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Postgres).await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Sqlite).await;
+                }
+            )*
+        }
+    };
+}
