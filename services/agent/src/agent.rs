@@ -9,6 +9,17 @@
 //!    retried with backoff until shutdown.
 //! 3. The agent API is bound on the node certificate, and the heartbeater
 //!    takes over the session.
+//! 4. With a leases service configured, the lease runner starts: it recovers
+//!    what the node ran before, then runs what is assigned to it (see
+//!    [`crate::runner`]).
+//!
+//! # Compute outlives the agent
+//! Stopping the agent (SIGTERM, or a crash) leaves every workload running; a
+//! restarted agent adopts what its leases still cover. When the session ends
+//! for good (the heartbeater fails), [`AgentHandle::wait`] does not return
+//! while the runner still holds compute in custody: it waits until that
+//! compute is gone (the max-custody bound, or a revocation, destroys it) or
+//! the agent is shut down.
 //!
 //! # Revocation
 //! A revoked node stops heartbeating and [`AgentHandle::wait`] returns
@@ -29,11 +40,17 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::AgentApi;
 use crate::backoff::Backoff;
+use crate::board::InstanceBoard;
 use crate::config::AgentConfig;
 use crate::heartbeat::{Heartbeater, Watches, trust_union};
 use crate::identity_dir::{IdentityDir, IdentityDirError, NodeIdentity};
 use crate::join::{self, JoinError};
+use crate::leases_client::GrpcNodeLeases;
+use crate::process::{ProcessProvider, ProcessTiming};
+use crate::provider::Provider;
+use crate::runner::{RunnerHandle, RunnerParts, RunnerSettings};
 use crate::status::{AgentStatus, Fence, FenceReason, NodeSession};
 
 /// Why the agent could not start, or stopped.
@@ -134,6 +151,7 @@ pub struct AgentHandle {
     stop: CancellationToken,
     server: JoinHandle<Result<(), berth_rpc::RpcError>>,
     heartbeater: JoinHandle<Result<(), AgentError>>,
+    runner: Option<RunnerHandle>,
 }
 
 impl AgentHandle {
@@ -172,11 +190,22 @@ impl AgentHandle {
         self.fences.clone()
     }
 
+    /// How many leases' compute the node holds now (running, starting, or
+    /// being destroyed), and every change; always 0 without a leases service.
+    pub fn holding(&self) -> watch::Receiver<usize> {
+        match &self.runner {
+            Some(runner) => runner.holding.clone(),
+            None => watch::channel(0).1,
+        }
+    }
+
     /// Waits until the agent stops: `Ok` after shutdown, or the error that
     /// stopped it (a revocation, a refused rejoin, a failed listener). When
-    /// one part fails the other is stopped too.
+    /// one part fails the other is stopped too; when the session fails for
+    /// good while the node holds compute, this waits for that compute to be
+    /// gone (or for shutdown) first.
     pub async fn wait(self) -> Result<(), AgentError> {
-        let AgentHandle { stop, mut server, mut heartbeater, .. } = self;
+        let AgentHandle { stop, mut server, mut heartbeater, runner, .. } = self;
         let server_result = |joined: Result<Result<(), berth_rpc::RpcError>, tokio::task::JoinError>| {
             joined.map_err(|e| AgentError::Task(e.to_string())).and_then(|r| r.map_err(AgentError::Serve))
         };
@@ -186,6 +215,9 @@ impl AgentHandle {
         let (first, second) = tokio::select! {
             joined = &mut heartbeater => {
                 let first = heartbeat_result(joined);
+                if let (Err(error), Some(runner)) = (&first, &runner) {
+                    hold_compute(error, runner.holding.clone(), &stop).await;
+                }
                 stop.cancel();
                 (first, server_result(server.await))
             }
@@ -195,7 +227,28 @@ impl AgentHandle {
                 (first, heartbeat_result(heartbeater.await))
             }
         };
+        if let Some(runner) = runner
+            && let Err(error) = runner.task.await
+        {
+            tracing::error!(%error, "the lease runner failed");
+        }
         first.and(second)
+    }
+}
+
+/// Waits, after the session failed for good, until the node holds no
+/// compute or the agent is shut down.
+async fn hold_compute(error: &AgentError, mut holding: watch::Receiver<usize>, stop: &CancellationToken) {
+    let held = *holding.borrow();
+    if held == 0 {
+        return;
+    }
+    tracing::error!(%error, held,
+        "the node's session is over, and the agent keeps running while it holds compute; \
+         it exits once that compute is gone or on shutdown");
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = holding.wait_for(|held| *held == 0) => {}
     }
 }
 
@@ -254,10 +307,48 @@ pub async fn start(config: AgentConfig, shutdown: CancellationToken) -> Result<A
     let watches = Watches { status: status_tx, session: session_tx, fences: fences_tx };
 
     let stop = shutdown.child_token();
+    let board = InstanceBoard::default();
+    let runner = match &config.leases {
+        Some(addr) => {
+            let timing = &config.lease_timing;
+            let provider: Arc<dyn Provider> = Arc::new(ProcessProvider::new(
+                dir.root(),
+                ProcessTiming { stop_grace: timing.stop_grace, exit_poll: timing.exit_poll },
+                stop.clone(),
+            ));
+            let leases = GrpcNodeLeases::new(addr, credentials.clone(), config.timing.rpc_timeout)
+                .map_err(AgentError::Client)?;
+            let settings = RunnerSettings {
+                timing: *timing,
+                retry_initial: config.timing.retry_initial,
+                retry_max: config.timing.retry_max,
+                max_custody: config.max_custody,
+            };
+            Some((provider, Arc::new(leases), settings))
+        }
+        None => None,
+    };
+    let api = AgentApi {
+        board: board.clone(),
+        provider: runner.as_ref().map(|(provider, _, _)| provider.clone()),
+        log_poll: config.lease_timing.log_poll,
+        shutdown: stop.clone(),
+    };
+    let runner = runner.map(|(provider, leases, settings)| {
+        crate::runner::spawn(RunnerParts {
+            leases,
+            provider,
+            board,
+            session: session_rx.clone(),
+            fences: fences.clone(),
+            settings,
+            shutdown: stop.clone(),
+        })
+    });
     let heartbeater = Heartbeater::new(config, dir, identity, credentials.clone(), watches, stop.clone())?;
-    let server = tokio::spawn(crate::api::serve(listener, credentials.clone(), stop.clone()));
+    let server = tokio::spawn(crate::api::serve(listener, credentials.clone(), api, stop.clone()));
     let heartbeater = tokio::spawn(heartbeater.run());
-    Ok(AgentHandle { credentials, local_addr, status, session: session_rx, fences, stop, server, heartbeater })
+    Ok(AgentHandle { credentials, local_addr, status, session: session_rx, fences, stop, server, heartbeater, runner })
 }
 
 async fn join_first(

@@ -25,6 +25,50 @@ pub const DEFAULT_MIN_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
 /// The longest heartbeat interval the agent accepts from the server.
 pub const DEFAULT_MAX_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5 * 60);
 
+/// How often leases are renewed until the leases service has said what its
+/// TTL is (after that, a third of it).
+pub const DEFAULT_RENEW_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How often the node compares what it runs with its open leases.
+pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
+
+/// How long a finished instance's logs and working directory are kept.
+pub const DEFAULT_RETAIN_FINISHED: Duration = Duration::from_secs(60 * 60);
+
+/// How often a followed log is read for new output.
+pub const DEFAULT_LOG_POLL: Duration = Duration::from_millis(250);
+
+/// The timings of the lease runner. Production uses [`Default`]; tests
+/// shrink them to milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseTiming {
+    /// How often leases are renewed until the leases service's TTL is known.
+    pub renew_interval: Duration,
+    /// How often the node reconciles what it runs with its open leases.
+    pub sweep_interval: Duration,
+    /// Between SIGTERM and SIGKILL when a workload is destroyed.
+    pub stop_grace: Duration,
+    /// How often a workload adopted after a restart is looked for in `/proc`.
+    pub exit_poll: Duration,
+    /// How often a followed log is read for new output.
+    pub log_poll: Duration,
+    /// How long a finished instance's logs and directory are kept.
+    pub retain_finished: Duration,
+}
+
+impl Default for LeaseTiming {
+    fn default() -> Self {
+        Self {
+            renew_interval: DEFAULT_RENEW_INTERVAL,
+            sweep_interval: DEFAULT_SWEEP_INTERVAL,
+            stop_grace: crate::process::DEFAULT_STOP_GRACE,
+            exit_poll: crate::process::DEFAULT_EXIT_POLL,
+            log_poll: DEFAULT_LOG_POLL,
+            retain_finished: DEFAULT_RETAIN_FINISHED,
+        }
+    }
+}
+
 /// The timings of the agent's calls to the control plane. Production uses
 /// [`Default`]; tests shrink them to milliseconds.
 #[derive(Debug, Clone)]
@@ -94,6 +138,14 @@ pub struct AgentConfig {
     pub version: String,
     /// Retry and heartbeat timings.
     pub timing: AgentTiming,
+    /// The leases service, `host:port`; with none, the node runs no leases.
+    pub leases: Option<String>,
+    /// The lease runner's timings.
+    pub lease_timing: LeaseTiming,
+    /// How long compute may be held in custody (after the node's session
+    /// ended, or at start, until the leases service confirms it) before it
+    /// is destroyed; `None` holds it until the leases service decides.
+    pub max_custody: Option<Duration>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -110,6 +162,9 @@ impl std::fmt::Debug for AgentConfig {
             .field("capacity", &self.capacity)
             .field("version", &self.version)
             .field("timing", &self.timing)
+            .field("leases", &self.leases)
+            .field("lease_timing", &self.lease_timing)
+            .field("max_custody", &self.max_custody)
             .finish_non_exhaustive()
     }
 }
@@ -138,6 +193,9 @@ impl AgentConfig {
             capacity,
             version: env!("CARGO_PKG_VERSION").to_string(),
             timing: AgentTiming::default(),
+            leases: None,
+            lease_timing: LeaseTiming::default(),
+            max_custody: None,
         }
     }
 
@@ -156,6 +214,12 @@ impl AgentConfig {
         }
         if self.data_dir.as_os_str().is_empty() {
             return Err("data_dir: a directory to keep the node identity in is required".into());
+        }
+        if self.leases.as_deref().is_some_and(|addr| addr.trim().is_empty()) {
+            return Err("leases: the leases service address must be host:port, or not given at all".into());
+        }
+        if self.lease_timing.sweep_interval.is_zero() || self.lease_timing.renew_interval.is_zero() {
+            return Err("lease_timing: the sweep and renew intervals must be positive".into());
         }
         if self.capacity.cpu_millis == 0 || self.capacity.memory_bytes == 0 {
             return Err(format!("capacity: cpu and memory must both be positive, got {:?}", self.capacity));

@@ -15,9 +15,10 @@
 //! - Unreachable identity, timeouts and any other error that a later try may
 //!   not meet: retried with jittered exponential backoff, never faster.
 //! - `fenced`, `NOT_FOUND` (forgotten) or an expired certificate: the session
-//!   is over. A [`Fence`] is published first so the work under it stops, then
-//!   the agent rejoins: with its still-valid certificate (same node, next
-//!   incarnation, no token spent), else with the join token.
+//!   is over. A [`Fence`] is published first, so the work under it is held
+//!   in custody before anything else happens, then the agent rejoins: with
+//!   its still-valid certificate (same node, next incarnation, no token
+//!   spent), else with the join token.
 //! - `PERMISSION_DENIED` saying revoked: the heartbeater records it in the
 //!   data directory and ends with [`AgentError::Revoked`]; it never rejoins on
 //!   its own, since that would undo the operator's decision.
@@ -363,7 +364,7 @@ impl Heartbeater {
     }
 
     /// Announces that the current session is over, before anything else
-    /// happens, so the work under it can stop.
+    /// happens, so the work under it is held in custody first.
     fn end_session(&mut self, reason: FenceReason) {
         let session = self.session();
         self.renewal = None;

@@ -1,15 +1,16 @@
 //! The node agent: one per host. It joins the host to the control plane,
 //! keeps the node's identity in its data directory, heartbeats to identity
 //! (renewing its certificate and taking in CA rotations as it goes), rejoins
-//! when its session is fenced, and serves `berth.agent.v1.Agent` on the node
-//! certificate.
+//! when its session is fenced, runs the leases assigned to the node through
+//! a [`Provider`], and serves `berth.agent.v1.Agent` on the node certificate.
 //!
 //! # Expected flow
 //! [`start`] joins with a token, or resumes the identity kept in the data
-//! directory, binds the agent API and spawns the heartbeater; the returned
-//! [`AgentHandle`] reports [`AgentStatus`] and every [`Fence`] (a session that
-//! ended, whose work must stop). `berth-agent` is a thin binary over this, and
-//! `berth dev` runs the same thing in process.
+//! directory, binds the agent API, spawns the heartbeater and, with a leases
+//! service configured, the lease runner; the returned [`AgentHandle`] reports
+//! [`AgentStatus`] and every [`Fence`] (a session that ended, whose work is
+//! held in custody until the node rejoins). `berth-agent` is a thin binary
+//! over this, and `berth dev` runs the same thing in process.
 //!
 //! # Invariants
 //! - The node's key never leaves the host; only CSRs are sent.
@@ -17,25 +18,42 @@
 //!   swapped in memory only after the new ones are checked and written.
 //! - A failing control plane is retried with jittered exponential backoff,
 //!   never in a tight loop.
+//! - A workload outlives the agent: stopping or killing the agent never
+//!   stops one, and a restarted agent adopts what its leases still cover.
 
 mod agent;
 mod api;
 mod backoff;
+mod board;
 mod config;
 mod heartbeat;
 mod host;
 mod identity_dir;
 mod join;
+mod keepalive;
+mod leases_client;
+mod logs;
+mod process;
+mod procfs;
+mod provider;
+mod recovery;
+mod runner;
 mod status;
 
 pub use agent::{AgentError, AgentHandle, start};
 pub use config::{
-    AgentConfig, AgentTiming, DEFAULT_MAX_HEARTBEAT_INTERVAL, DEFAULT_MIN_HEARTBEAT_INTERVAL, DEFAULT_RETRY_INITIAL,
-    DEFAULT_RETRY_MAX, DEFAULT_RPC_TIMEOUT,
+    AgentConfig, AgentTiming, DEFAULT_LOG_POLL, DEFAULT_MAX_HEARTBEAT_INTERVAL, DEFAULT_MIN_HEARTBEAT_INTERVAL,
+    DEFAULT_RENEW_INTERVAL, DEFAULT_RETAIN_FINISHED, DEFAULT_RETRY_INITIAL, DEFAULT_RETRY_MAX, DEFAULT_RPC_TIMEOUT,
+    DEFAULT_SWEEP_INTERVAL, LeaseTiming,
 };
 pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;
 pub use join::JoinError;
+pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
+pub use provider::{
+    Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched, LogFiles, Provider,
+    ProviderError, WorkloadSignal,
+};
 pub use status::{AgentStatus, Fence, FenceReason, NodeSession};
 
 /// The port the agent API listens on by default.

@@ -4,16 +4,18 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use berth_agent::{AgentConfig, AgentError, Capacity};
-use berth_runtime::{StartError, TelemetryArgs, run_main};
+use berth_runtime::{StartError, TelemetryArgs, parse_duration, run_main};
 use clap::Parser;
 
 /// Where Linux keeps the host name.
 const HOSTNAME_FILE: &str = "/proc/sys/kernel/hostname";
 
 /// The berth node agent: joins this host to the control plane, heartbeats,
-/// keeps its certificate renewed, and serves the agent API.
+/// keeps its certificate renewed, runs the leases assigned to the host, and
+/// serves the agent API.
 ///
 /// The first start joins with --join-token and keeps the node identity in
 /// --data-dir; later starts resume it without a token. The agent exits
@@ -61,6 +63,22 @@ struct Args {
     /// Memory offered to leases, in bytes [default: MemTotal].
     #[arg(long, env = "BERTH_MEMORY_BYTES", value_name = "BYTES")]
     memory_bytes: Option<u64>,
+    /// The leases service to take assignments from. Without it the node
+    /// runs no leases.
+    #[arg(long, env = "BERTH_LEASES_ADDR", value_name = "HOST:PORT")]
+    leases_addr: Option<String>,
+    /// How long a workload may run in custody (after the node's session
+    /// ended, or after a restart, until the leases service confirms it)
+    /// before it is destroyed, e.g. 10m. Unset holds it until the leases
+    /// service decides.
+    #[arg(long, env = "BERTH_MAX_CUSTODY", value_name = "DURATION", value_parser = parse_duration)]
+    max_custody: Option<Duration>,
+    /// How long a workload has to exit after SIGTERM before SIGKILL.
+    #[arg(long, env = "BERTH_STOP_GRACE", value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
+    stop_grace: Duration,
+    /// How often what the node runs is reconciled with its open leases.
+    #[arg(long, env = "BERTH_SWEEP_INTERVAL", value_name = "DURATION", value_parser = parse_duration, default_value = "30s")]
+    sweep_interval: Duration,
     #[command(flatten)]
     telemetry: TelemetryArgs,
 }
@@ -105,6 +123,10 @@ impl Args {
         config.tier = self.tier;
         config.name = name;
         config.labels = self.labels.into_iter().collect::<BTreeMap<_, _>>();
+        config.leases = self.leases_addr.filter(|addr| !addr.trim().is_empty());
+        config.max_custody = self.max_custody;
+        config.lease_timing.stop_grace = self.stop_grace;
+        config.lease_timing.sweep_interval = self.sweep_interval;
         Ok(config)
     }
 }

@@ -108,9 +108,11 @@ impl std::fmt::Display for FenceReason {
     }
 }
 
-/// A session that ended: whatever the node ran under it must stop, because
-/// the control plane has already given its leases up. The lease runner
-/// watches these (`AgentHandle::fences`) and stops its work on each one.
+/// A session that ended. The lease runner watches these
+/// (`AgentHandle::fences`): on each one it stops reporting and renewing and
+/// holds what the node runs in custody until the agent has rejoined and the
+/// leases service has said which of it is still the node's; on a revocation
+/// it destroys everything.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fence {
     /// The session that ended.

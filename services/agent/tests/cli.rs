@@ -10,7 +10,14 @@ use std::time::{Duration, Instant};
 
 fn agent(args: &[&str], data_dir: &Path) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_berth-agent"));
-    for var in ["BERTH_SERVER", "BERTH_CA_FILE", "BERTH_JOIN_TOKEN", "BERTH_DATA_DIR", "BERTH_ADVERTISE_ADDR"] {
+    for var in [
+        "BERTH_SERVER",
+        "BERTH_CA_FILE",
+        "BERTH_JOIN_TOKEN",
+        "BERTH_DATA_DIR",
+        "BERTH_ADVERTISE_ADDR",
+        "BERTH_LEASES_ADDR",
+    ] {
         command.env_remove(var);
     }
     command.arg("--data-dir").arg(data_dir).args(args).output().unwrap()
@@ -38,6 +45,10 @@ fn help_documents_every_flag_with_its_environment_variable() {
         ("--label", "BERTH_LABELS"),
         ("--cpu-millis", "BERTH_CPU_MILLIS"),
         ("--memory-bytes", "BERTH_MEMORY_BYTES"),
+        ("--leases-addr", "BERTH_LEASES_ADDR"),
+        ("--max-custody", "BERTH_MAX_CUSTODY"),
+        ("--stop-grace", "BERTH_STOP_GRACE"),
+        ("--sweep-interval", "BERTH_SWEEP_INTERVAL"),
     ] {
         assert!(help.contains(flag) && help.contains(env), "{flag} / {env} missing from --help:\n{help}");
     }

@@ -1,0 +1,970 @@
+//! The process provider: each lease's command runs as a plain process in its
+//! own process group and working directory, recorded on disk so that a
+//! restarted agent finds it again.
+//!
+//! # What is stored
+//! ```text
+//! DATA_DIR/leases/<lease_id>/            the workload's working directory (and HOME)
+//! DATA_DIR/instances/<lease_id>.json     the record: pid, process start time, epoch,
+//!                                        lease id, started_at, exit, settled
+//! DATA_DIR/logs/<lease_id>/stdout.log    what it writes to standard output
+//! DATA_DIR/logs/<lease_id>/stderr.log    ... and to standard error
+//! ```
+//! The workload owns its working directory; the agent's own files live
+//! beside it, where the workload cannot overwrite them by accident. A record
+//! is replaced atomically (written whole to a temporary file, flushed, renamed
+//! over the old one), so a crash leaves the old record or the new one.
+//!
+//! # Processes
+//! - The workload gets its own process group (`process_group(0)`), so a
+//!   signal to the group reaches everything it started. Destroying it sends
+//!   SIGTERM to the group, waits for the grace, then SIGKILL.
+//! - Its environment is not the agent's: `PATH` (a default the workload may
+//!   override), `HOME` (its working directory), `BERTH_LEASE_ID`,
+//!   `BERTH_NODE_ID`, then the lease's own variables. Nothing of the agent's
+//!   (a join token, for one) leaks into it.
+//! - A process is named by its pid and its start time from
+//!   `/proc/<pid>/stat`, so a recycled pid is never adopted or signalled.
+//! - When the leader of a workload exits, whatever it left running in its
+//!   group is killed: a finished lease leaves nothing behind.
+//!
+//! # Exit status after a restart
+//! A process this agent spawned is waited for, and its exit code or signal
+//! recorded. A process adopted after an agent restart is not this agent's
+//! child, so `wait` cannot see its status: its end is detected by polling
+//! `/proc` (the pid is gone, is a zombie, or started at another time), and
+//! recorded as [`ExitStatus::Unknown`].
+//!
+//! # Window
+//! The record is written before the process is spawned and again with its
+//! pid right after; an agent killed between the spawn and the second write
+//! leaves a record with no pid, which a restart reports as never started,
+//! and a process it cannot find.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write as _;
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+use std::os::unix::process::ExitStatusExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rustix::process::{Pid, Signal, kill_process_group};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::procfs::{self, PROC_ROOT};
+use crate::provider::{
+    Exit, ExitStatus, InstanceRecord, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError,
+    WorkloadSignal,
+};
+
+/// How long a workload has to stop after SIGTERM before it gets SIGKILL.
+pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// How often an adopted process is looked for in `/proc`.
+pub const DEFAULT_EXIT_POLL: Duration = Duration::from_secs(1);
+
+/// How long a group may outlive SIGKILL before destroy gives up on it
+/// (a process in uninterruptible sleep, say).
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// How often a stopping group is looked at.
+const STOP_POLL: Duration = Duration::from_millis(25);
+
+/// The `PATH` a workload gets unless its lease sets one.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+const WORK_DIR: &str = "leases";
+const RECORD_DIR: &str = "instances";
+const LOG_DIR: &str = "logs";
+const RECORD_SUFFIX: &str = ".json";
+const TMP_SUFFIX: &str = ".tmp";
+const STDOUT_FILE: &str = "stdout.log";
+const STDERR_FILE: &str = "stderr.log";
+
+/// Numbers the record writes of this process.
+static NEXT_WRITE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The timings of the process provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessTiming {
+    /// Between SIGTERM and SIGKILL when destroying.
+    pub stop_grace: Duration,
+    /// How often an adopted process is looked for.
+    pub exit_poll: Duration,
+}
+
+impl Default for ProcessTiming {
+    fn default() -> Self {
+        Self { stop_grace: DEFAULT_STOP_GRACE, exit_poll: DEFAULT_EXIT_POLL }
+    }
+}
+
+/// A record as kept on disk.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct StoredRecord {
+    lease_id: String,
+    epoch: u64,
+    node_id: String,
+    pid: Option<u32>,
+    /// The process's start time in clock ticks after boot, from `/proc`.
+    start_ticks: Option<u64>,
+    started_at_ms: Option<u64>,
+    exit: Option<StoredExit>,
+    settled: bool,
+    meta: crate::provider::InstanceMeta,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct StoredExit {
+    status: ExitStatus,
+    at_ms: u64,
+}
+
+impl StoredRecord {
+    fn to_record(&self) -> InstanceRecord {
+        InstanceRecord {
+            lease_id: self.lease_id.clone(),
+            epoch: self.epoch,
+            pid: self.pid,
+            started_at: self.started_at_ms.map(from_unix_ms),
+            exit: self.exit.map(|e| Exit { status: e.status, at: from_unix_ms(e.at_ms) }),
+            settled: self.settled,
+            meta: self.meta.clone(),
+        }
+    }
+
+    fn exit(&self) -> Option<Exit> {
+        self.exit.map(|e| Exit { status: e.status, at: from_unix_ms(e.at_ms) })
+    }
+
+    /// The process group and the leader's start time, when it started.
+    fn group(&self) -> Option<(i32, u64)> {
+        Some((i32::try_from(self.pid?).ok()?, self.start_ticks?))
+    }
+}
+
+#[derive(Debug)]
+struct Tracked {
+    stored: StoredRecord,
+    exit: watch::Sender<Option<Exit>>,
+}
+
+/// Where everything lives under the data directory.
+#[derive(Debug, Clone)]
+struct Layout {
+    root: PathBuf,
+}
+
+impl Layout {
+    fn work_dir(&self, lease_id: &str) -> PathBuf {
+        self.root.join(WORK_DIR).join(lease_id)
+    }
+
+    fn record_dir(&self) -> PathBuf {
+        self.root.join(RECORD_DIR)
+    }
+
+    fn record(&self, lease_id: &str) -> PathBuf {
+        self.record_dir().join(format!("{lease_id}{RECORD_SUFFIX}"))
+    }
+
+    fn log_dir(&self, lease_id: &str) -> PathBuf {
+        self.root.join(LOG_DIR).join(lease_id)
+    }
+
+    fn logs(&self, lease_id: &str) -> LogFiles {
+        let dir = self.log_dir(lease_id);
+        LogFiles { stdout: dir.join(STDOUT_FILE), stderr: dir.join(STDERR_FILE) }
+    }
+}
+
+/// Runs each lease's command as a process group; see the module docs.
+#[derive(Debug, Clone)]
+pub struct ProcessProvider {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    layout: Layout,
+    proc_root: PathBuf,
+    timing: ProcessTiming,
+    instances: Mutex<BTreeMap<String, Tracked>>,
+    /// Stops the tasks that wait for processes; never the processes.
+    shutdown: CancellationToken,
+}
+
+impl ProcessProvider {
+    /// A provider keeping its state under `data_dir`; its waiting tasks stop
+    /// on `shutdown` (the processes keep running).
+    pub fn new(data_dir: &Path, timing: ProcessTiming, shutdown: CancellationToken) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                layout: Layout { root: data_dir.to_path_buf() },
+                proc_root: PathBuf::from(PROC_ROOT),
+                timing,
+                instances: Mutex::new(BTreeMap::new()),
+                shutdown,
+            }),
+        }
+    }
+
+    /// Runs `f` over the tracked instance of `lease_id` on the blocking pool,
+    /// writing its record back when `f` changed it.
+    async fn update<T: Send + 'static>(
+        &self,
+        lease_id: &str,
+        f: impl FnOnce(&mut StoredRecord) -> T + Send + 'static,
+    ) -> Result<T, ProviderError> {
+        let inner = self.inner.clone();
+        let lease_id = lease_id.to_string();
+        blocking(move || {
+            let mut instances = inner.lock();
+            let tracked = instances.get_mut(&lease_id).ok_or_else(|| ProviderError::NotFound(lease_id.clone()))?;
+            let before = tracked.stored.clone();
+            let out = f(&mut tracked.stored);
+            if tracked.stored != before {
+                write_record(&inner.layout, &tracked.stored)?;
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    fn stored(&self, lease_id: &str) -> Result<StoredRecord, ProviderError> {
+        self.inner
+            .lock()
+            .get(lease_id)
+            .map(|t| t.stored.clone())
+            .ok_or_else(|| ProviderError::NotFound(lease_id.to_string()))
+    }
+
+    /// Waits for a child this provider spawned, records how it ended, and
+    /// kills what it left in its group.
+    fn wait_for_child(&self, lease_id: String, mut child: tokio::process::Child, group: Option<(i32, u64)>) {
+        let provider = self.clone();
+        tokio::spawn(async move {
+            let status = tokio::select! {
+                // The agent stops; the process runs on and the next agent adopts it.
+                _ = provider.inner.shutdown.cancelled() => return,
+                status = child.wait() => status,
+            };
+            let status = match status {
+                Ok(status) => match (status.code(), status.signal()) {
+                    (Some(code), _) => ExitStatus::Code(code),
+                    (None, Some(signal)) => ExitStatus::Signal(signal),
+                    (None, None) => ExitStatus::Unknown,
+                },
+                Err(error) => {
+                    tracing::warn!(%lease_id, %error, "cannot wait for the workload; its exit status is unknown");
+                    ExitStatus::Unknown
+                }
+            };
+            provider.ended(&lease_id, status, group).await;
+        });
+    }
+
+    /// Polls `/proc` for a process adopted after a restart until it is gone.
+    fn watch_adopted(&self, lease_id: String, pid: u32, start_ticks: u64) {
+        let provider = self.clone();
+        tokio::spawn(async move {
+            let every = provider.inner.timing.exit_poll.max(Duration::from_millis(1));
+            loop {
+                tokio::select! {
+                    _ = provider.inner.shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                if !procfs::is_running(&provider.inner.proc_root, pid, start_ticks) {
+                    break;
+                }
+            }
+            let group = i32::try_from(pid).ok().map(|pgid| (pgid, start_ticks));
+            provider.ended(&lease_id, ExitStatus::Unknown, group).await;
+        });
+    }
+
+    /// Records the end of the leader of `lease_id`'s group and tells
+    /// whoever watches.
+    async fn ended(&self, lease_id: &str, status: ExitStatus, group: Option<(i32, u64)>) {
+        if let Some((pgid, _)) = group {
+            let proc_root = self.inner.proc_root.clone();
+            let leftovers = blocking(move || Ok(procfs::group_members(&proc_root, pgid))).await.unwrap_or_default();
+            if !leftovers.is_empty() {
+                tracing::info!(%lease_id, leftovers = leftovers.len(), "the workload exited; killing what it left running");
+                let _ = signal_group(pgid, Signal::KILL);
+            }
+        }
+        let exit = Exit { status, at: SystemTime::now() };
+        let stored = StoredExit { status, at_ms: unix_ms(exit.at) };
+        let recorded = self
+            .update(lease_id, move |record| {
+                if record.exit.is_none() {
+                    record.exit = Some(stored);
+                }
+            })
+            .await;
+        if let Err(error) = recorded {
+            tracing::warn!(%lease_id, %error, "cannot record how the workload ended");
+        }
+        tracing::info!(%lease_id, %status, "workload ended");
+        if let Some(tracked) = self.inner.lock().get(lease_id) {
+            tracked.exit.send_replace(Some(exit));
+        }
+    }
+
+    /// Loads every record from disk into memory; records already tracked
+    /// are kept as they are.
+    fn load_records(&self) -> Result<Vec<StoredRecord>, ProviderError> {
+        let dir = self.inner.layout.record_dir();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => return Err(io("read", &dir, source)),
+        };
+        let mut records = Vec::new();
+        for entry in entries {
+            let path = entry.map_err(|source| io("read", &dir, source))?.path();
+            let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+            if name.ends_with(TMP_SUFFIX) {
+                // A write the agent did not finish; the record it replaced is in force.
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            if !name.ends_with(RECORD_SUFFIX) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).map_err(|source| io("read", &path, source))?;
+            match serde_json::from_str::<StoredRecord>(&text) {
+                Ok(record) if validate_lease_id(&record.lease_id).is_ok() => records.push(record),
+                Ok(record) => {
+                    tracing::warn!(path = %path.display(), lease_id = %record.lease_id, "ignoring a record with an unusable lease id")
+                }
+                Err(e) => {
+                    let error = ProviderError::Corrupt { path: path.display().to_string(), detail: e.to_string() };
+                    tracing::warn!(%error, "ignoring an unreadable instance record");
+                }
+            }
+        }
+        Ok(records)
+    }
+
+    fn group_of(&self, lease_id: &str) -> Result<(StoredRecord, Option<(i32, u64)>), ProviderError> {
+        let stored = self.stored(lease_id)?;
+        let group = stored.group().filter(|(pgid, ticks)| procfs::owns_group(&self.inner.proc_root, *pgid, *ticks));
+        Ok((stored, group))
+    }
+
+    /// Waits until the group has no live member, up to `within`.
+    async fn group_gone(&self, pgid: i32, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let proc_root = self.inner.proc_root.clone();
+            let members = blocking(move || Ok(procfs::group_members(&proc_root, pgid))).await.unwrap_or_default();
+            if members.is_empty() {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(STOP_POLL).await;
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Tracked>> {
+        // A panic while holding the lock left a map that is still whole.
+        self.instances.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl Provider for ProcessProvider {
+    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
+        validate_lease_id(&spec.lease_id)?;
+        if spec.command.trim().is_empty() {
+            return Err(ProviderError::Unsupported(format!(
+                "lease {} runs a bundle, and this node runs bare commands only",
+                spec.lease_id
+            )));
+        }
+        if let Ok(stored) = self.stored(&spec.lease_id)
+            && stored.exit.is_none()
+            && stored.pid.is_some()
+        {
+            return Err(ProviderError::AlreadyRunning(spec.lease_id));
+        }
+
+        let layout = self.inner.layout.clone();
+        let first = StoredRecord {
+            lease_id: spec.lease_id.clone(),
+            epoch: spec.epoch,
+            node_id: spec.node_id.clone(),
+            pid: None,
+            start_ticks: None,
+            started_at_ms: None,
+            exit: None,
+            settled: false,
+            meta: spec.meta.clone(),
+        };
+        let (work_dir, stdout, stderr) = {
+            let first = first.clone();
+            blocking(move || prepare(&layout, &first)).await?
+        };
+
+        let mut command = tokio::process::Command::new(&spec.command);
+        command
+            .args(&spec.args)
+            .env_clear()
+            .env("PATH", DEFAULT_PATH)
+            .env("HOME", &work_dir)
+            .envs(&spec.env)
+            // Set last: a workload cannot pass for another lease or node.
+            .env("BERTH_LEASE_ID", &spec.lease_id)
+            .env("BERTH_NODE_ID", &spec.node_id)
+            .current_dir(&work_dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .process_group(0)
+            .kill_on_drop(false);
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let child = match command.spawn() {
+            Ok(child) => child,
+            Err(source) => {
+                let failed = StoredRecord {
+                    exit: Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) }),
+                    ..first
+                };
+                let layout = self.inner.layout.clone();
+                let _ = blocking(move || write_record(&layout, &failed)).await;
+                return Err(ProviderError::Spawn { command: spec.command, source });
+            }
+        };
+        let pid = child.id();
+        let start_ticks = pid.and_then(|pid| procfs::read_stat(&self.inner.proc_root, pid)).map(|s| s.start_ticks);
+        let started = StoredRecord { pid, start_ticks, started_at_ms: Some(unix_ms(SystemTime::now())), ..first };
+        let group = started.group();
+        {
+            let inner = self.inner.clone();
+            let started = started.clone();
+            blocking(move || {
+                let mut instances = inner.lock();
+                instances.insert(started.lease_id.clone(), Tracked { stored: started.clone(), exit: exit_tx });
+                write_record(&inner.layout, &started)
+            })
+            .await?;
+        }
+        tracing::info!(lease_id = %spec.lease_id, epoch = spec.epoch, ?pid, command = %spec.command, "workload started");
+        self.wait_for_child(spec.lease_id, child, group);
+        Ok(Launched { record: started.to_record(), exit: exit_rx })
+    }
+
+    async fn recover(&self) -> Result<Vec<Launched>, ProviderError> {
+        let provider = self.clone();
+        let loaded = blocking(move || provider.load_records()).await?;
+        let mut recovered = Vec::new();
+        for stored in loaded {
+            let lease_id = stored.lease_id.clone();
+            if let Some(tracked) = self.inner.lock().get(&lease_id) {
+                recovered.push(Launched { record: tracked.stored.to_record(), exit: tracked.exit.subscribe() });
+                continue;
+            }
+            let running = stored.pid.zip(stored.start_ticks).filter(|(pid, ticks)| {
+                stored.exit.is_none() && procfs::is_running(&self.inner.proc_root, *pid, *ticks)
+            });
+            let mut stored = stored;
+            if running.is_none() && stored.exit.is_none() {
+                // Ended (or never started) while no agent watched it.
+                stored.exit = Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) });
+                let layout = self.inner.layout.clone();
+                let ended = stored.clone();
+                blocking(move || write_record(&layout, &ended)).await?;
+            }
+            if running.is_none()
+                && let Some((pgid, ticks)) = stored.group()
+                && procfs::owns_group(&self.inner.proc_root, pgid, ticks)
+            {
+                // Its leader ended unwatched and left processes behind.
+                tracing::info!(%lease_id, pgid, "killing what an ended workload left running");
+                let _ = signal_group(pgid, Signal::KILL);
+            }
+            let (exit_tx, exit_rx) = watch::channel(stored.exit());
+            let record = stored.to_record();
+            self.inner.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
+            if let Some((pid, ticks)) = running {
+                tracing::info!(%lease_id, pid, "found a workload still running from before the restart");
+                self.watch_adopted(lease_id, pid, ticks);
+            }
+            recovered.push(Launched { record, exit: exit_rx });
+        }
+        Ok(recovered)
+    }
+
+    async fn set_epoch(&self, lease_id: &str, epoch: u64) -> Result<(), ProviderError> {
+        self.update(lease_id, move |record| record.epoch = epoch).await
+    }
+
+    async fn settle(&self, lease_id: &str) -> Result<(), ProviderError> {
+        self.update(lease_id, |record| record.settled = true).await
+    }
+
+    async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {
+        let (_, group) = self.group_of(lease_id)?;
+        let Some((pgid, _)) = group else { return Ok(()) };
+        tracing::info!(%lease_id, pgid, grace = ?self.inner.timing.stop_grace, "stopping the workload");
+        stop_group(lease_id, pgid, Signal::TERM)?;
+        if self.group_gone(pgid, self.inner.timing.stop_grace).await {
+            return Ok(());
+        }
+        tracing::warn!(%lease_id, pgid, "the workload outlived its grace; killing it");
+        stop_group(lease_id, pgid, Signal::KILL)?;
+        if self.group_gone(pgid, KILL_WAIT).await {
+            return Ok(());
+        }
+        let proc_root = self.inner.proc_root.clone();
+        let left = blocking(move || Ok(procfs::group_members(&proc_root, pgid))).await.unwrap_or_default();
+        let pids: Vec<u32> = left.iter().map(|s| s.pid).collect();
+        Err(ProviderError::Stuck { lease_id: lease_id.into(), detail: format!("pids {pids:?} survived SIGKILL") })
+    }
+
+    async fn remove(&self, lease_id: &str) -> Result<(), ProviderError> {
+        validate_lease_id(lease_id)?;
+        if let Ok((_, Some(_))) = self.group_of(lease_id) {
+            return Err(ProviderError::AlreadyRunning(lease_id.to_string()));
+        }
+        let inner = self.inner.clone();
+        let lease_id = lease_id.to_string();
+        blocking(move || {
+            inner.lock().remove(&lease_id);
+            let layout = &inner.layout;
+            remove_path(&layout.record(&lease_id))?;
+            remove_path(&layout.log_dir(&lease_id))?;
+            remove_path(&layout.work_dir(&lease_id))
+        })
+        .await
+    }
+
+    async fn signal(&self, lease_id: &str, signal: WorkloadSignal) -> Result<(), ProviderError> {
+        let (stored, group) = self.group_of(lease_id)?;
+        let Some((pgid, _)) = group.filter(|_| stored.exit.is_none()) else {
+            return Err(ProviderError::NotRunning(lease_id.to_string()));
+        };
+        match signal_group(pgid, rustix_signal(signal)) {
+            Ok(()) => Ok(()),
+            Err(rustix::io::Errno::SRCH) => Err(ProviderError::NotRunning(lease_id.to_string())),
+            Err(errno) => Err(ProviderError::Signal { lease_id: lease_id.to_string(), source: errno.into() }),
+        }
+    }
+
+    async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError> {
+        let (stored, group) = self.group_of(lease_id)?;
+        let Some((pgid, _)) = group.filter(|_| stored.exit.is_none()) else {
+            return Err(ProviderError::NotRunning(lease_id.to_string()));
+        };
+        let proc_root = self.inner.proc_root.clone();
+        let members = blocking(move || Ok(procfs::group_members(&proc_root, pgid))).await?;
+        if members.is_empty() {
+            return Err(ProviderError::NotRunning(lease_id.to_string()));
+        }
+        let ticks: u64 = members.iter().map(|m| m.cpu_ticks()).sum();
+        let pages: u64 = members.iter().map(|m| m.rss_pages).sum();
+        let per_second = rustix::param::clock_ticks_per_second().max(1);
+        let started = stored.started_at_ms.map(from_unix_ms).unwrap_or_else(SystemTime::now);
+        Ok(InstanceStats {
+            cpu_time: Duration::from_millis(ticks.saturating_mul(1000) / per_second),
+            memory_bytes: pages.saturating_mul(rustix::param::page_size() as u64),
+            uptime: SystemTime::now().duration_since(started).unwrap_or_default(),
+        })
+    }
+
+    fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
+        self.stored(lease_id)?;
+        Ok(self.inner.layout.logs(lease_id))
+    }
+}
+
+/// Runs `f` on the blocking pool: file writes are flushed to disk, and
+/// `/proc` scans read many files.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ProviderError> + Send + 'static,
+) -> Result<T, ProviderError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ProviderError::Io { action: "finish", path: String::new(), source: std::io::Error::other(e.to_string()) })
+    })
+}
+
+/// Creates the working and log directories, writes the record that says a
+/// start is under way, and opens fresh log files.
+fn prepare(layout: &Layout, record: &StoredRecord) -> Result<(PathBuf, File, File), ProviderError> {
+    let work_dir = layout.work_dir(&record.lease_id);
+    let log_dir = layout.log_dir(&record.lease_id);
+    for dir in [&work_dir, &log_dir, &layout.record_dir()] {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|source| io("create", dir, source))?;
+    }
+    write_record(layout, record)?;
+    let logs = layout.logs(&record.lease_id);
+    let open = |path: &Path| {
+        OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|source| io("create", path, source))
+    };
+    Ok((work_dir, open(&logs.stdout)?, open(&logs.stderr)?))
+}
+
+/// Replaces the record atomically: whole temporary file, flush, rename,
+/// flush the directory.
+fn write_record(layout: &Layout, record: &StoredRecord) -> Result<(), ProviderError> {
+    let path = layout.record(&record.lease_id);
+    // A name of its own per write, so two writes of one record never share
+    // (and rename away) each other's staging file.
+    let write = NEXT_WRITE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let staging = path.with_extension(format!("json.{}.{write}{TMP_SUFFIX}", std::process::id()));
+    let text = serde_json::to_vec_pretty(record)
+        .map_err(|e| ProviderError::Corrupt { path: path.display().to_string(), detail: e.to_string() })?;
+    let mut file = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&staging)
+        .map_err(|source| io("write", &staging, source))?;
+    file.write_all(&text).map_err(|source| io("write", &staging, source))?;
+    file.sync_all().map_err(|source| io("flush", &staging, source))?;
+    std::fs::rename(&staging, &path).map_err(|source| io("rename", &staging, source))?;
+    let dir = layout.record_dir();
+    File::open(&dir).and_then(|d| d.sync_all()).map_err(|source| io("flush", &dir, source))
+}
+
+fn remove_path(path: &Path) -> Result<(), ProviderError> {
+    let removed = match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => Err(e),
+    };
+    removed.map_err(|source| io("remove", path, source))
+}
+
+/// A lease id names directories: letters, digits, `-`, `_` and `.`, not
+/// starting with a dot, at most 128 characters.
+fn validate_lease_id(lease_id: &str) -> Result<(), ProviderError> {
+    let usable = !lease_id.is_empty()
+        && lease_id.len() <= 128
+        && !lease_id.starts_with('.')
+        && lease_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if usable { Ok(()) } else { Err(ProviderError::InvalidLeaseId(lease_id.to_string())) }
+}
+
+/// Signals every process in group `pgid`.
+fn signal_group(pgid: i32, signal: Signal) -> Result<(), rustix::io::Errno> {
+    let pid = Pid::from_raw(pgid).ok_or(rustix::io::Errno::INVAL)?;
+    kill_process_group(pid, signal)
+}
+
+/// Signals group `pgid` to stop it; a group already gone is what stopping
+/// it was for.
+fn stop_group(lease_id: &str, pgid: i32, signal: Signal) -> Result<(), ProviderError> {
+    match signal_group(pgid, signal) {
+        Ok(()) | Err(rustix::io::Errno::SRCH) => Ok(()),
+        Err(errno) => Err(ProviderError::Signal { lease_id: lease_id.to_string(), source: errno.into() }),
+    }
+}
+
+fn rustix_signal(signal: WorkloadSignal) -> Signal {
+    match signal {
+        WorkloadSignal::Term => Signal::TERM,
+        WorkloadSignal::Kill => Signal::KILL,
+        WorkloadSignal::Int => Signal::INT,
+        WorkloadSignal::Hup => Signal::HUP,
+        WorkloadSignal::Usr1 => Signal::USR1,
+        WorkloadSignal::Usr2 => Signal::USR2,
+        WorkloadSignal::Quit => Signal::QUIT,
+    }
+}
+
+fn io(action: &'static str, path: &Path, source: std::io::Error) -> ProviderError {
+    ProviderError::Io { action, path: path.display().to_string(), source }
+}
+
+fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis().min(u128::from(u64::MAX)) as u64)
+}
+
+fn from_unix_ms(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::CommandExt as _;
+
+    use super::*;
+    use crate::procfs::TestDir;
+    use crate::provider::ExitWatch;
+
+    const PATIENCE: Duration = Duration::from_secs(20);
+
+    fn timing() -> ProcessTiming {
+        ProcessTiming { stop_grace: Duration::from_secs(5), exit_poll: Duration::from_millis(20) }
+    }
+
+    fn spec(lease_id: &str, script: &str) -> LaunchSpec {
+        LaunchSpec {
+            lease_id: lease_id.into(),
+            epoch: 1,
+            node_id: "n-1".into(),
+            command: "sh".into(),
+            args: vec!["-c".into(), script.into()],
+            env: BTreeMap::from([("GREETING".to_string(), "hello".to_string())]),
+            meta: Default::default(),
+        }
+    }
+
+    async fn ended(watch: &mut ExitWatch) -> Exit {
+        let exit =
+            tokio::time::timeout(PATIENCE, watch.wait_for(Option::is_some)).await.expect("the workload never ended");
+        exit.unwrap().unwrap()
+    }
+
+    fn record_on_disk(root: &Path, lease_id: &str) -> StoredRecord {
+        let text = std::fs::read_to_string(root.join(RECORD_DIR).join(format!("{lease_id}.json"))).unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+
+    async fn until(what: &str, mut check: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while !check() {
+            assert!(tokio::time::Instant::now() < deadline, "never {what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn proc_root() -> &'static Path {
+        Path::new(PROC_ROOT)
+    }
+
+    #[tokio::test]
+    async fn a_command_runs_in_its_own_directory_with_its_own_environment_and_its_exit_code_is_kept() {
+        let tmp = TestDir::new();
+        let provider = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        let script = "pwd; env | sort; echo oops >&2; exit 3";
+        let mut launched = provider.launch(spec("lease-a", script)).await.unwrap();
+        assert!(launched.record.pid.is_some());
+        let exit = ended(&mut launched.exit).await;
+        assert_eq!(exit.status, ExitStatus::Code(3));
+
+        let logs = provider.log_files("lease-a").unwrap();
+        let stdout = std::fs::read_to_string(&logs.stdout).unwrap();
+        let work_dir = tmp.path().join("leases/lease-a");
+        assert!(stdout.starts_with(&format!("{}\n", work_dir.display())), "{stdout}");
+        for expected in ["BERTH_LEASE_ID=lease-a", "BERTH_NODE_ID=n-1", "GREETING=hello", "PATH=/usr/local/sbin"] {
+            assert!(stdout.contains(expected), "{expected} missing from:\n{stdout}");
+        }
+        // Cargo runs tests with CARGO_* set: none of the agent's own
+        // environment reaches the workload.
+        assert!(!stdout.contains("CARGO"), "{stdout}");
+        assert_eq!(std::fs::read_to_string(&logs.stderr).unwrap(), "oops\n");
+
+        let kept = record_on_disk(tmp.path(), "lease-a");
+        assert_eq!(kept.exit.unwrap().status, ExitStatus::Code(3));
+        assert_eq!(kept.pid, launched.record.pid);
+        assert!(kept.start_ticks.is_some());
+    }
+
+    #[tokio::test]
+    async fn destroy_reaches_the_grandchildren_of_the_workload() {
+        let tmp = TestDir::new();
+        let provider = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        let mut launched = provider.launch(spec("lease-b", "sleep 1000 & sleep 1000")).await.unwrap();
+        let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
+        until("three processes in the group", || procfs::group_members(proc_root(), pgid).len() == 3).await;
+
+        provider.destroy("lease-b").await.unwrap();
+        assert!(procfs::group_members(proc_root(), pgid).is_empty(), "the backgrounded sleep survived");
+        assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Signal(15));
+        // Destroying again finds nothing to stop.
+        provider.destroy("lease-b").await.unwrap();
+        let err = provider.signal("lease-b", WorkloadSignal::Term).await.unwrap_err();
+        assert!(matches!(err, ProviderError::NotRunning(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_workload_that_ignores_sigterm_is_killed_after_the_grace() {
+        let tmp = TestDir::new();
+        let timing = ProcessTiming { stop_grace: Duration::from_millis(300), ..timing() };
+        let provider = ProcessProvider::new(tmp.path(), timing, CancellationToken::new());
+        // An ignored signal stays ignored across exec: the sleep ignores it too.
+        let mut launched = provider.launch(spec("lease-c", "trap '' TERM; sleep 1000")).await.unwrap();
+        let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
+        until("the sleep started", || procfs::group_members(proc_root(), pgid).len() == 2).await;
+        let started = tokio::time::Instant::now();
+        provider.destroy("lease-c").await.unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(300), "SIGKILL came before the grace ran out");
+        assert!(procfs::group_members(proc_root(), pgid).is_empty());
+        assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Signal(9));
+    }
+
+    #[tokio::test]
+    async fn a_new_provider_on_the_same_directory_adopts_the_running_process() {
+        let tmp = TestDir::new();
+        let first_stop = CancellationToken::new();
+        let first = ProcessProvider::new(tmp.path(), timing(), first_stop.clone());
+        let mut spec = spec("lease-d", "echo started; exec sleep 1000");
+        spec.epoch = 7;
+        spec.meta.project = "tenant".into();
+        let launched = first.launch(spec).await.unwrap();
+        let pid = launched.record.pid.unwrap();
+        // The agent goes away without cleaning anything up.
+        first_stop.cancel();
+        drop(first);
+
+        let second = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        let mut recovered = second.recover().await.unwrap();
+        assert_eq!(recovered.len(), 1);
+        let mut adopted = recovered.remove(0);
+        assert_eq!(adopted.record.pid, Some(pid), "the same process, not a new one");
+        assert_eq!(adopted.record.epoch, 7);
+        assert_eq!(adopted.record.meta.project, "tenant");
+        assert_eq!(adopted.record.started_at, launched.record.started_at);
+        assert!(adopted.exit.borrow().is_none(), "it still runs");
+        second.set_epoch("lease-d", 8).await.unwrap();
+        assert_eq!(record_on_disk(tmp.path(), "lease-d").epoch, 8);
+        let stats = second.stats("lease-d").await.unwrap();
+        assert!(stats.memory_bytes > 0, "{stats:?}");
+
+        second.destroy("lease-d").await.unwrap();
+        let exit = ended(&mut adopted.exit).await;
+        assert_eq!(exit.status, ExitStatus::Unknown, "an adopted process cannot be waited for");
+        assert_eq!(record_on_disk(tmp.path(), "lease-d").exit.unwrap().status, ExitStatus::Unknown);
+        let logs = second.log_files("lease-d").unwrap();
+        assert_eq!(std::fs::read_to_string(logs.stdout).unwrap(), "started\n", "the logs survive the restart");
+
+        second.settle("lease-d").await.unwrap();
+        second.remove("lease-d").await.unwrap();
+        assert!(!tmp.path().join("leases/lease-d").exists());
+        assert!(!tmp.path().join("logs/lease-d").exists());
+        assert!(second.recover().await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_recycled_pid_is_neither_adopted_nor_signalled() {
+        let tmp = TestDir::new();
+        // A process that is not the workload, holding the pid the record names.
+        let mut stranger =
+            std::process::Command::new("sleep").arg("1000").current_dir(tmp.path()).process_group(0).spawn().unwrap();
+        let pid = stranger.id();
+        let real_start = procfs::read_stat(proc_root(), pid).unwrap().start_ticks;
+        let layout = Layout { root: tmp.path().to_path_buf() };
+        std::fs::create_dir_all(layout.record_dir()).unwrap();
+        let record = StoredRecord {
+            lease_id: "lease-e".into(),
+            epoch: 1,
+            node_id: "n-1".into(),
+            pid: Some(pid),
+            start_ticks: Some(real_start.saturating_sub(1)),
+            started_at_ms: Some(1),
+            exit: None,
+            settled: false,
+            meta: Default::default(),
+        };
+        write_record(&layout, &record).unwrap();
+
+        let provider = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        let recovered = provider.recover().await.unwrap();
+        assert_eq!(recovered.len(), 1);
+        assert_eq!(
+            recovered[0].exit.borrow().map(|e| e.status),
+            Some(ExitStatus::Unknown),
+            "the recorded process is gone, whatever holds its pid now"
+        );
+        provider.destroy("lease-e").await.unwrap();
+        let err = provider.signal("lease-e", WorkloadSignal::Kill).await.unwrap_err();
+        assert!(matches!(err, ProviderError::NotRunning(_)), "{err}");
+        assert!(procfs::is_running(proc_root(), pid, real_start), "the stranger was signalled");
+        stranger.kill().unwrap();
+        stranger.wait().unwrap();
+    }
+
+    #[tokio::test]
+    async fn what_a_workload_left_behind_while_no_agent_watched_is_killed_at_recovery() {
+        let tmp = TestDir::new();
+        let first_stop = CancellationToken::new();
+        let first = ProcessProvider::new(tmp.path(), timing(), first_stop.clone());
+        let launched = first.launch(spec("lease-j", "sleep 1000 & sleep 0.3")).await.unwrap();
+        let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
+        until("the background sleep started", || procfs::group_members(proc_root(), pgid).len() >= 2).await;
+        first_stop.cancel();
+        drop(first);
+        // The leader exits with no agent watching; its background sleep stays.
+        let pid = launched.record.pid.unwrap();
+        let ticks = record_on_disk(tmp.path(), "lease-j").start_ticks.unwrap();
+        until("the leader exited", || !procfs::is_running(proc_root(), pid, ticks)).await;
+        assert!(!procfs::group_members(proc_root(), pgid).is_empty(), "nothing was left behind to test with");
+
+        let second = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        let recovered = second.recover().await.unwrap();
+        assert_eq!(recovered[0].exit.borrow().map(|e| e.status), Some(ExitStatus::Unknown));
+        until("the leftover was killed", || procfs::group_members(proc_root(), pgid).is_empty()).await;
+    }
+
+    #[tokio::test]
+    async fn signals_reach_the_workload() {
+        let tmp = TestDir::new();
+        let provider = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        let script = "trap 'echo reloaded' HUP; trap 'exit 0' TERM; while true; do sleep 0.05; done";
+        let mut launched = provider.launch(spec("lease-f", script)).await.unwrap();
+        let logs = provider.log_files("lease-f").unwrap();
+        until("the traps set", || {
+            procfs::group_members(proc_root(), i32::try_from(launched.record.pid.unwrap()).unwrap()).len() >= 2
+        })
+        .await;
+        provider.signal("lease-f", WorkloadSignal::Hup).await.unwrap();
+        until("reloaded", || std::fs::read_to_string(&logs.stdout).unwrap_or_default().contains("reloaded")).await;
+        provider.signal("lease-f", WorkloadSignal::Term).await.unwrap();
+        assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(0));
+    }
+
+    #[tokio::test]
+    async fn unusable_leases_are_refused_before_anything_starts() {
+        let tmp = TestDir::new();
+        let provider = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        for bad in ["", "../escape", ".hidden", "a/b", &"x".repeat(129)] {
+            let err = provider.launch(spec(bad, "exit 0")).await.unwrap_err();
+            assert!(matches!(err, ProviderError::InvalidLeaseId(_)), "{bad}: {err}");
+        }
+        let mut bundle = spec("lease-g", "");
+        bundle.command = String::new();
+        let err = provider.launch(bundle).await.unwrap_err();
+        assert_eq!(err.start_reason(), "Unsupported", "{err}");
+        let mut missing = spec("lease-h", "");
+        missing.command = "/nonexistent/program".into();
+        let err = provider.launch(missing).await.unwrap_err();
+        assert_eq!(err.start_reason(), "StartFailed", "{err}");
+        assert!(err.to_string().contains("/nonexistent/program"), "{err}");
+        assert!(!tmp.path().join("escape").exists());
+    }
+
+    #[tokio::test]
+    async fn a_second_launch_of_a_running_lease_is_refused() {
+        let tmp = TestDir::new();
+        let provider = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        provider.launch(spec("lease-i", "exec sleep 1000")).await.unwrap();
+        let err = provider.launch(spec("lease-i", "exit 0")).await.unwrap_err();
+        assert!(matches!(err, ProviderError::AlreadyRunning(_)), "{err}");
+        let err = provider.remove("lease-i").await.unwrap_err();
+        assert!(matches!(err, ProviderError::AlreadyRunning(_)), "{err}");
+        provider.destroy("lease-i").await.unwrap();
+    }
+}

@@ -1,0 +1,324 @@
+//! What runs a lease's workload on the host. [`Provider`] is the seam: the
+//! process provider runs bare commands today; containers and microVMs fit
+//! behind the same trait.
+//!
+//! # Invariants
+//! - A provider records what it starts durably before it reports it
+//!   started, so an agent restarted on the same data directory lists it
+//!   again through [`Provider::recover`] and can adopt it.
+//! - Stopping the agent never stops a workload: only
+//!   [`destroy`](Provider::destroy) does.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+
+/// What to start for a lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchSpec {
+    /// The lease the workload runs for; names its working directory.
+    pub lease_id: String,
+    /// The epoch the node holds the lease at.
+    pub epoch: u64,
+    /// The node the workload runs on.
+    pub node_id: String,
+    /// The program; a bare name is looked up in the workload's `PATH`.
+    pub command: String,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Its environment, on top of what the provider always sets.
+    pub env: BTreeMap<String, String>,
+    /// What the agent API shows about it.
+    pub meta: InstanceMeta,
+}
+
+/// What the agent API shows about an instance besides its process: kept
+/// with the instance so a restarted agent can show it before the leases
+/// service has said anything.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InstanceMeta {
+    /// The tenant; empty means "default".
+    pub project: String,
+    /// The service it belongs to; empty for a bare lease.
+    pub service: String,
+    /// The revision it runs; empty for a bare lease.
+    pub revision: String,
+    /// The bundle digest; empty for a bare command.
+    pub digest: String,
+    /// The workload's first port on the host; 0 when it has none.
+    pub port: u32,
+}
+
+/// How a workload ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ExitStatus {
+    /// It exited with this code.
+    Code(i32),
+    /// A signal killed it.
+    Signal(i32),
+    /// It ended while no one could wait for it (it was adopted after an
+    /// agent restart, so its parent is not this agent): it is known to be
+    /// gone, not how it went.
+    Unknown,
+}
+
+impl ExitStatus {
+    /// Whether the workload ended well: exit code 0 and nothing else.
+    pub fn success(self) -> bool {
+        self == ExitStatus::Code(0)
+    }
+
+    /// The exit code, when there is one.
+    pub fn code(self) -> Option<i32> {
+        match self {
+            ExitStatus::Code(code) => Some(code),
+            ExitStatus::Signal(_) | ExitStatus::Unknown => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExitStatus::Code(code) => write!(f, "exited with code {code}"),
+            ExitStatus::Signal(signal) => match signal_name(*signal) {
+                Some(name) => write!(f, "killed by signal {signal} ({name})"),
+                None => write!(f, "killed by signal {signal}"),
+            },
+            ExitStatus::Unknown => {
+                f.write_str("ended while the agent could not wait for it; its exit status is unknown")
+            }
+        }
+    }
+}
+
+fn signal_name(signal: i32) -> Option<&'static str> {
+    Some(match signal {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        6 => "SIGABRT",
+        9 => "SIGKILL",
+        10 => "SIGUSR1",
+        11 => "SIGSEGV",
+        12 => "SIGUSR2",
+        13 => "SIGPIPE",
+        15 => "SIGTERM",
+        _ => return None,
+    })
+}
+
+/// A workload's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Exit {
+    /// How it ended.
+    pub status: ExitStatus,
+    /// When the provider saw it end.
+    pub at: SystemTime,
+}
+
+/// Resolves to `Some` once the workload has ended.
+pub type ExitWatch = watch::Receiver<Option<Exit>>;
+
+/// A workload as the provider records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceRecord {
+    /// The lease it runs for.
+    pub lease_id: String,
+    /// The epoch the node holds the lease at.
+    pub epoch: u64,
+    /// The process id (for the process provider, also its process group);
+    /// `None` when it never started.
+    pub pid: Option<u32>,
+    /// When it started.
+    pub started_at: Option<SystemTime>,
+    /// How it ended, once it did.
+    pub exit: Option<Exit>,
+    /// Whether the agent has told the leases service how it ended (or the
+    /// lease was taken away); such an instance is kept only for its logs.
+    pub settled: bool,
+    /// What the agent API shows about it.
+    pub meta: InstanceMeta,
+}
+
+/// A started or adopted workload: its record, and a watch on its end.
+#[derive(Debug)]
+pub struct Launched {
+    /// The record as written.
+    pub record: InstanceRecord,
+    /// Fires when it ends.
+    pub exit: ExitWatch,
+}
+
+/// An instance's resource use, sampled now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstanceStats {
+    /// CPU time used, user and system, of every process of the workload.
+    pub cpu_time: Duration,
+    /// Resident memory of every process of the workload, in bytes.
+    pub memory_bytes: u64,
+    /// How long since it started.
+    pub uptime: Duration,
+}
+
+/// Where an instance's output is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogFiles {
+    /// Standard output.
+    pub stdout: std::path::PathBuf,
+    /// Standard error.
+    pub stderr: std::path::PathBuf,
+}
+
+/// The signals the agent API may send to a workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkloadSignal {
+    /// SIGTERM.
+    Term,
+    /// SIGKILL.
+    Kill,
+    /// SIGINT.
+    Int,
+    /// SIGHUP.
+    Hup,
+    /// SIGUSR1.
+    Usr1,
+    /// SIGUSR2.
+    Usr2,
+    /// SIGQUIT.
+    Quit,
+}
+
+/// Why a provider could not do what it was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// The lease id cannot name a directory.
+    #[error("lease id '{0}' is not usable as a directory name")]
+    InvalidLeaseId(String),
+    /// The workload asks for something this provider cannot run.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The program could not be started.
+    #[error("cannot start '{command}': {source}")]
+    Spawn {
+        /// The program.
+        command: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The provider has no instance for the lease.
+    #[error("no instance for lease {0} on this node")]
+    NotFound(String),
+    /// The instance exists but does not run.
+    #[error("the instance of lease {0} is not running")]
+    NotRunning(String),
+    /// A workload already runs for the lease.
+    #[error("an instance of lease {0} is already running")]
+    AlreadyRunning(String),
+    /// The workload survived SIGKILL for longer than the provider waits.
+    #[error("the instance of lease {lease_id} did not stop: {detail}")]
+    Stuck {
+        /// The lease.
+        lease_id: String,
+        /// What still runs.
+        detail: String,
+    },
+    /// A signal could not be sent.
+    #[error("cannot signal the instance of lease {lease_id}: {source}")]
+    Signal {
+        /// The lease.
+        lease_id: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file of the provider's state could not be read or written.
+    #[error("cannot {action} {path}: {source}")]
+    Io {
+        /// What was being done.
+        action: &'static str,
+        /// The path.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A record on disk does not parse.
+    #[error("instance record {path} is unreadable: {detail}")]
+    Corrupt {
+        /// The record.
+        path: String,
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+impl ProviderError {
+    /// The lease phase reason (one CamelCase word) for a workload that could
+    /// not be started because of this error.
+    pub fn start_reason(&self) -> &'static str {
+        match self {
+            ProviderError::Unsupported(_) => "Unsupported",
+            ProviderError::InvalidLeaseId(_) => "InvalidLease",
+            ProviderError::Spawn { .. } => "StartFailed",
+            _ => "NodeError",
+        }
+    }
+}
+
+/// Runs workloads for leases.
+///
+/// Every method returns promptly except [`destroy`](Self::destroy), which
+/// waits for the workload to end (up to the provider's grace, then harder).
+#[async_trait::async_trait]
+pub trait Provider: Send + Sync + std::fmt::Debug {
+    /// Starts the workload for `spec.lease_id`.
+    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError>;
+
+    /// Every instance recorded on this host, after a restart: running ones
+    /// with a watch that fires when they end, ended ones with their exit
+    /// already in the watch.
+    async fn recover(&self) -> Result<Vec<Launched>, ProviderError>;
+
+    /// Records that the lease is now held at `epoch` (after custody moved it).
+    async fn set_epoch(&self, lease_id: &str, epoch: u64) -> Result<(), ProviderError>;
+
+    /// Records that the instance needs nothing more from the agent but
+    /// keeping its logs a while.
+    async fn settle(&self, lease_id: &str) -> Result<(), ProviderError>;
+
+    /// Stops the workload and everything it started. Stopping one that
+    /// already ended is not an error.
+    async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError>;
+
+    /// Forgets the instance: its record, its logs and its working directory.
+    async fn remove(&self, lease_id: &str) -> Result<(), ProviderError>;
+
+    /// Sends `signal` to the workload and everything it started.
+    async fn signal(&self, lease_id: &str, signal: WorkloadSignal) -> Result<(), ProviderError>;
+
+    /// Samples the workload's resource use.
+    async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError>;
+
+    /// Where the workload's output goes.
+    fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exits_read_the_way_a_person_says_them() {
+        assert_eq!(ExitStatus::Code(3).to_string(), "exited with code 3");
+        assert_eq!(ExitStatus::Signal(15).to_string(), "killed by signal 15 (SIGTERM)");
+        assert_eq!(ExitStatus::Signal(64).to_string(), "killed by signal 64");
+        assert!(ExitStatus::Unknown.to_string().contains("unknown"));
+        assert!(ExitStatus::Code(0).success());
+        assert!(!ExitStatus::Unknown.success() && !ExitStatus::Signal(9).success());
+        assert_eq!(ExitStatus::Code(3).code(), Some(3));
+        assert_eq!(ExitStatus::Signal(9).code(), None);
+    }
+}

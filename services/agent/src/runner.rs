@@ -1,0 +1,1089 @@
+//! The lease runner: runs the leases the control plane assigns to this node
+//! through a [`Provider`], reports their phases, and keeps what the node runs
+//! in line with the open leases placed on it.
+//!
+//! # Expected flow
+//! - **Recover**: at start the provider lists what it recorded. Workloads
+//!   still running are held *in custody* until the leases service confirms
+//!   them: each is taken into custody (`AssumeCustody`), then everything is
+//!   compared with the node's open leases (`ReconcileNode`, see
+//!   [`crate::recovery`]). What no open lease covers is destroyed.
+//! - **Serve**: the assignment stream delivers leases. A BOUND lease gets a
+//!   worker that reports LAUNCHING *before* starting the workload, starts it,
+//!   reports RUNNING, waits for it to end and reports DONE or FAILED with its
+//!   exit status. A lease that leaves the node (released, expired, moved) is
+//!   destroyed. [`KeepAlive`] renews every held lease, on its own task.
+//! - **Sweep**: every sweep interval the same comparison runs again, and
+//!   finished instances past their retention are cleaned up.
+//! - **Custody**: when the node's session ends (a fence), everything it runs
+//!   is kept running but held in custody: no reports, no renewals, no
+//!   assignments. Once the agent has rejoined, the runner recovers under the
+//!   new session as at start. A revoked node destroys everything instead,
+//!   since no session will come back for it. With a max-custody bound,
+//!   compute held in custody longer than that is destroyed.
+//!
+//! # Invariants
+//! - One worker per lease, so a lease's reports go out in order, and never
+//!   two reconcile passes at once. Assignments that arrive during a pass
+//!   start only after it, so a pass never misses a workload being started.
+//! - Stopping the agent stops the runner, its workers and its tasks, and
+//!   never a workload: a restarted agent adopts what still runs.
+//! - Every report and renewal carries the epoch the node holds the lease at
+//!   now; custody moves it, and the worker picks the new one up.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime};
+
+use berth_proto::leases::v1::{AssignmentEvent, Lease, LeasePhase, LeaseRef, ReportPhaseRequest};
+use berth_proto::types::v1::EventKind;
+use tokio::sync::{mpsc, watch};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+use tokio_stream::StreamExt as _;
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::board::{InstanceBoard, InstanceView};
+use crate::config::LeaseTiming;
+use crate::keepalive::{KeepAlive, RenewSet};
+use crate::leases_client::{NodeLeasesApi, is_transient};
+use crate::provider::{Exit, ExitStatus, ExitWatch, InstanceMeta, LaunchSpec, Launched, Provider};
+use crate::recovery::{PassPlan, PassReport, run_pass};
+use crate::status::{Fence, FenceReason, NodeSession};
+
+/// The runner's settings: its timings, the agent's retry bounds, and the
+/// max-custody bound.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunnerSettings {
+    pub(crate) timing: LeaseTiming,
+    pub(crate) retry_initial: Duration,
+    pub(crate) retry_max: Duration,
+    pub(crate) max_custody: Option<Duration>,
+}
+
+impl RunnerSettings {
+    fn backoff(&self) -> Backoff {
+        Backoff::new(self.retry_initial, self.retry_max)
+    }
+}
+
+/// Where the runner stands with the leases service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Standing {
+    /// Reconciling under the current session: nothing is reported, renewed
+    /// or started until it is done.
+    Recovering,
+    /// Reconciled: serving assignments, reporting and renewing.
+    Serving,
+    /// The session ended: compute is held, untouched, until a new session
+    /// reconciles it (or the max-custody bound ends it).
+    Custody,
+}
+
+/// Why a held lease's workload is being destroyed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Removal {
+    /// The lease's phase, when the leases service said it.
+    pub(crate) phase: Option<LeasePhase>,
+    /// One CamelCase word.
+    pub(crate) reason: String,
+}
+
+impl Removal {
+    fn new(phase: Option<LeasePhase>, reason: &str) -> Self {
+        Self { phase, reason: reason.to_string() }
+    }
+}
+
+/// What the runner's helpers tell it.
+#[derive(Debug)]
+enum Inbox {
+    /// The assignment stream (of the given generation) was (re)opened.
+    StreamOpened { stream: u64 },
+    /// An assignment event, from the stream of the given generation.
+    Assignment { stream: u64, event: Box<AssignmentEvent> },
+    /// A reconcile pass ended.
+    PassDone(PassReport),
+}
+
+/// How a worker ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WorkerEnd {
+    /// The agent has nothing more to do for the lease: its end was reported
+    /// (or could not be), or its workload was destroyed.
+    Settled,
+    /// The agent is stopping; the workload was left as it was.
+    Stopped,
+}
+
+/// What the runner and its workers share.
+#[derive(Debug)]
+struct Shared {
+    leases: Arc<dyn NodeLeasesApi>,
+    provider: Arc<dyn Provider>,
+    board: InstanceBoard,
+    settings: RunnerSettings,
+    shutdown: CancellationToken,
+}
+
+/// A lease the node holds, and the worker that runs it.
+#[derive(Debug)]
+struct Held {
+    /// The epoch the node holds it at; the worker reads it for every report.
+    epoch: watch::Sender<u64>,
+    /// Set to have the worker destroy the workload.
+    removal: watch::Sender<Option<Removal>>,
+    /// Whether the workload has been started (the worker sets it).
+    started: Arc<AtomicBool>,
+    /// Whether it must be taken into custody before it is served again.
+    needs_custody: bool,
+    /// Which worker runs it, so a late end of an earlier one is told apart.
+    generation: u64,
+}
+
+impl Held {
+    fn epoch(&self) -> u64 {
+        *self.epoch.borrow()
+    }
+
+    fn destroying(&self) -> bool {
+        self.removal.borrow().is_some()
+    }
+
+    fn lease_ref(&self, lease_id: &str) -> LeaseRef {
+        LeaseRef { lease_id: lease_id.to_string(), epoch: self.epoch() }
+    }
+}
+
+/// What the rest of the agent sees of a running runner.
+#[derive(Debug)]
+pub(crate) struct RunnerHandle {
+    /// How many leases' compute the node holds (running, or being started
+    /// or destroyed).
+    pub(crate) holding: watch::Receiver<usize>,
+    /// Where the runner stands.
+    #[cfg_attr(not(test), allow(dead_code, reason = "watched by the runner's tests"))]
+    pub(crate) standing: watch::Receiver<Standing>,
+    /// The runner task.
+    pub(crate) task: JoinHandle<()>,
+}
+
+/// Everything a runner is built from.
+#[derive(Debug)]
+pub(crate) struct RunnerParts {
+    pub(crate) leases: Arc<dyn NodeLeasesApi>,
+    pub(crate) provider: Arc<dyn Provider>,
+    pub(crate) board: InstanceBoard,
+    pub(crate) session: watch::Receiver<NodeSession>,
+    pub(crate) fences: watch::Receiver<Option<Fence>>,
+    pub(crate) settings: RunnerSettings,
+    pub(crate) shutdown: CancellationToken,
+}
+
+/// Spawns the runner and its keep-alive task.
+pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
+    let RunnerParts { leases, provider, board, mut session, mut fences, settings, shutdown } = parts;
+    let current = session.borrow_and_update().clone();
+    fences.borrow_and_update();
+    let (inbox_tx, inbox) = mpsc::unbounded_channel();
+    let (lost_tx, lost) = mpsc::unbounded_channel();
+    let (renewals, renewals_rx) = watch::channel(None);
+    let (ttl, ttl_rx) = watch::channel(None);
+    let (holding, holding_rx) = watch::channel(0);
+    let (standing, standing_rx) = watch::channel(Standing::Recovering);
+    let keepalive = KeepAlive {
+        leases: leases.clone(),
+        renewals: renewals_rx,
+        ttl: ttl_rx,
+        lost: lost_tx,
+        default_interval: settings.timing.renew_interval,
+        backoff: settings.backoff(),
+        shutdown: shutdown.clone(),
+    };
+    let shared = Arc::new(Shared { leases, provider, board, settings, shutdown });
+    let runner = Runner {
+        shared,
+        session_rx: session,
+        fences,
+        session: current,
+        standing: Standing::Recovering,
+        custody_since: None,
+        held: BTreeMap::new(),
+        workers: JoinSet::new(),
+        worker_leases: HashMap::new(),
+        next_generation: 0,
+        inbox,
+        inbox_tx,
+        lost,
+        reporting: watch::channel(None).0,
+        renewals,
+        ttl,
+        holding,
+        standing_tx: standing,
+        watcher: None,
+        stream_generation: 0,
+        stream_seen: BTreeSet::new(),
+        pass_running: false,
+        custody_generation: 0,
+        pass_generation: 0,
+        pass_due: Some(Instant::now()),
+        pass_backoff: settings.backoff(),
+        deferred: Vec::new(),
+    };
+    let task = tokio::spawn(async move {
+        let keepalive = tokio::spawn(keepalive.run());
+        runner.run().await;
+        keepalive.abort();
+    });
+    RunnerHandle { holding: holding_rx, standing: standing_rx, task }
+}
+
+/// The runner task's state; [`Runner::run`] owns it until shutdown.
+struct Runner {
+    shared: Arc<Shared>,
+    session_rx: watch::Receiver<NodeSession>,
+    fences: watch::Receiver<Option<Fence>>,
+    /// The session the runner works under.
+    session: NodeSession,
+    standing: Standing,
+    /// Since when compute has been held without the leases service's word.
+    custody_since: Option<Instant>,
+    held: BTreeMap<String, Held>,
+    workers: JoinSet<(String, u64, WorkerEnd)>,
+    worker_leases: HashMap<tokio::task::Id, (String, u64)>,
+    next_generation: u64,
+    inbox: mpsc::UnboundedReceiver<Inbox>,
+    inbox_tx: mpsc::UnboundedSender<Inbox>,
+    lost: mpsc::UnboundedReceiver<Vec<LeaseRef>>,
+    /// The node id workers report as; `None` while they must not report.
+    reporting: watch::Sender<Option<String>>,
+    renewals: watch::Sender<Option<RenewSet>>,
+    ttl: watch::Sender<Option<Duration>>,
+    holding: watch::Sender<usize>,
+    standing_tx: watch::Sender<Standing>,
+    watcher: Option<JoinHandle<()>>,
+    /// Tells events of the current assignment stream from a stopped one's.
+    stream_generation: u64,
+    /// Leases the current stream has upserted since it (re)opened.
+    stream_seen: BTreeSet<String>,
+    pass_running: bool,
+    /// Counts the sessions that ended or changed; a pass that started under
+    /// an earlier count cannot confirm what the node holds now.
+    custody_generation: u64,
+    /// The count the running (or last) pass started under.
+    pass_generation: u64,
+    pass_due: Option<Instant>,
+    pass_backoff: Backoff,
+    /// BOUND leases that arrived during a pass, to start after it.
+    deferred: Vec<Lease>,
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("session", &self.session)
+            .field("standing", &self.standing)
+            .field("held", &self.held.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runner {
+    async fn run(mut self) {
+        match self.shared.provider.recover().await {
+            Ok(recovered) => {
+                for launched in recovered {
+                    self.adopt(launched);
+                }
+            }
+            Err(error) => tracing::error!(%error, "cannot list the workloads recorded on this node"),
+        }
+        if !self.held.is_empty() {
+            self.custody_since = Some(Instant::now());
+            tracing::info!(held = self.held.len(), "recovering the workloads found on this node");
+        }
+        let (mut fences_open, mut session_open) = (true, true);
+        loop {
+            self.publish();
+            let pass_at = self.pass_due.filter(|_| !self.pass_running);
+            let custody_deadline = self.custody_deadline();
+            tokio::select! {
+                biased;
+                _ = self.shared.shutdown.cancelled() => break,
+                changed = self.fences.changed(), if fences_open => match changed {
+                    Ok(()) => self.on_fence(),
+                    Err(_) => fences_open = false,
+                },
+                changed = self.session_rx.changed(), if session_open => match changed {
+                    Ok(()) => self.on_session(),
+                    Err(_) => session_open = false,
+                },
+                Some(message) = self.inbox.recv() => self.on_inbox(message),
+                Some(lost) = self.lost.recv() => self.on_lost(lost),
+                Some(joined) = self.workers.join_next_with_id(), if !self.workers.is_empty() => {
+                    self.on_worker_end(joined);
+                }
+                _ = sleep_until(pass_at), if pass_at.is_some() => self.start_pass(),
+                _ = sleep_until(custody_deadline), if custody_deadline.is_some() => self.custody_expired(),
+            }
+        }
+        self.stop_watching();
+        self.workers.abort_all();
+    }
+
+    /// Publishes what the keep-alive task, the workers and the agent read.
+    fn publish(&mut self) {
+        let serving = self.standing == Standing::Serving;
+        let node = serving.then(|| self.session.node_id.clone());
+        self.reporting.send_if_modified(|current| {
+            let changed = *current != node;
+            *current = node;
+            changed
+        });
+        let set = serving.then(|| RenewSet {
+            node_id: self.session.node_id.clone(),
+            leases: self.held.iter().filter(|(_, h)| !h.destroying()).map(|(id, h)| h.lease_ref(id)).collect(),
+        });
+        self.renewals.send_if_modified(|current| {
+            let changed = *current != set;
+            *current = set;
+            changed
+        });
+        let holding = self.held.len();
+        self.holding.send_if_modified(|current| std::mem::replace(current, holding) != holding);
+        let standing = self.standing;
+        self.standing_tx.send_if_modified(|current| std::mem::replace(current, standing) != standing);
+    }
+
+    fn custody_deadline(&self) -> Option<Instant> {
+        let bound = self.shared.settings.max_custody?;
+        if self.standing == Standing::Serving || self.held.values().all(Held::destroying) {
+            return None;
+        }
+        Some(self.custody_since? + bound)
+    }
+
+    // -- taking leases on ---------------------------------------------------
+
+    /// Takes on a workload the provider recorded before a restart.
+    fn adopt(&mut self, launched: Launched) {
+        let Launched { record, exit } = launched;
+        let ended = *exit.borrow();
+        let mut view = InstanceView::new(&record.lease_id, record.epoch, record.meta.clone(), LeasePhase::Running);
+        view.pid = record.pid;
+        view.started_at = record.started_at;
+        view.exit = ended.map(|e| e.status);
+        if record.settled {
+            view.ended_at = Some(ended.map_or_else(SystemTime::now, |e| e.at));
+            self.shared.board.put(view);
+            return;
+        }
+        self.shared.board.put(view);
+        let running = ended.is_none();
+        let held = self.hold(&record.lease_id, record.epoch, running, running);
+        tracing::info!(lease_id = %record.lease_id, epoch = record.epoch, pid = ?record.pid, running,
+            "holding a workload recorded before the restart");
+        self.spawn_worker(&record.lease_id, held, Start::Adopt(exit));
+    }
+
+    /// Starts a worker for a BOUND lease.
+    fn launch(&mut self, lease: Lease) {
+        let workload = lease.workload.clone().unwrap_or_default();
+        let meta = meta_of(&lease);
+        let spec = LaunchSpec {
+            lease_id: lease.lease_id.clone(),
+            epoch: lease.epoch,
+            node_id: self.session.node_id.clone(),
+            command: workload.command,
+            args: workload.args,
+            env: workload.env.into_iter().collect(),
+            meta: meta.clone(),
+        };
+        self.shared.board.put(InstanceView::new(&lease.lease_id, lease.epoch, meta, LeasePhase::Bound));
+        let held = self.hold(&lease.lease_id, lease.epoch, false, false);
+        tracing::info!(lease_id = %lease.lease_id, epoch = lease.epoch, "taking on a lease");
+        self.spawn_worker(&lease.lease_id, held, Start::Launch(Box::new(spec)));
+    }
+
+    fn hold(&mut self, lease_id: &str, epoch: u64, started: bool, needs_custody: bool) -> WorkerWiring {
+        self.next_generation += 1;
+        let (epoch_tx, epoch_rx) = watch::channel(epoch);
+        let (removal_tx, removal_rx) = watch::channel(None);
+        let started = Arc::new(AtomicBool::new(started));
+        let generation = self.next_generation;
+        self.held.insert(
+            lease_id.to_string(),
+            Held { epoch: epoch_tx, removal: removal_tx, started: started.clone(), needs_custody, generation },
+        );
+        WorkerWiring { epoch: epoch_rx, removal: removal_rx, started, generation }
+    }
+
+    fn spawn_worker(&mut self, lease_id: &str, wiring: WorkerWiring, start: Start) {
+        let worker = Worker {
+            lease_id: lease_id.to_string(),
+            shared: self.shared.clone(),
+            epoch: wiring.epoch,
+            removal: wiring.removal,
+            reporting: self.reporting.subscribe(),
+            started: wiring.started,
+        };
+        let generation = wiring.generation;
+        let id = lease_id.to_string();
+        let handle = self.workers.spawn(async move { (id, generation, worker.run(start).await) });
+        self.worker_leases.insert(handle.id(), (lease_id.to_string(), generation));
+    }
+
+    fn on_worker_end(&mut self, joined: Result<(tokio::task::Id, (String, u64, WorkerEnd)), tokio::task::JoinError>) {
+        let (id, lease_id, generation) = match joined {
+            Ok((id, (lease_id, generation, _end))) => (id, lease_id, generation),
+            Err(error) => {
+                let Some((lease_id, generation)) = self.worker_leases.get(&error.id()).cloned() else { return };
+                tracing::error!(%lease_id, %error, "a lease worker failed");
+                (error.id(), lease_id, generation)
+            }
+        };
+        self.worker_leases.remove(&id);
+        if self.held.get(&lease_id).is_some_and(|h| h.generation == generation) {
+            self.held.remove(&lease_id);
+        }
+    }
+
+    /// Has the worker of `lease_id` destroy its workload.
+    fn destroy(&mut self, lease_id: &str, removal: Removal) {
+        if let Some(held) = self.held.get_mut(lease_id)
+            && !held.destroying()
+        {
+            tracing::info!(%lease_id, reason = %removal.reason, "destroying the workload");
+            held.removal.send_replace(Some(removal));
+        }
+    }
+
+    /// Destroys the workload of `lease` if the node still holds it at that epoch.
+    fn destroy_at(&mut self, lease: &LeaseRef, removal: Removal) {
+        if self.held.get(&lease.lease_id).is_some_and(|h| h.epoch() == lease.epoch) {
+            self.destroy(&lease.lease_id, removal);
+        }
+    }
+
+    fn destroy_all(&mut self, removal: &Removal) {
+        let ids: Vec<String> = self.held.keys().cloned().collect();
+        for lease_id in ids {
+            self.destroy(&lease_id, removal.clone());
+        }
+    }
+
+    // -- the session --------------------------------------------------------
+
+    fn on_fence(&mut self) {
+        let Some(fence) = self.fences.borrow_and_update().clone() else { return };
+        if fence.session.node_id == self.session.node_id && fence.session.incarnation < self.session.incarnation {
+            // A fence of a session the runner has already moved past.
+            return;
+        }
+        if fence.reason == FenceReason::Revoked {
+            tracing::warn!(node_id = %fence.session.node_id, held = self.held.len(),
+                "the node was revoked: destroying everything it runs");
+            self.destroy_all(&Removal::new(None, "NodeRevoked"));
+        } else {
+            tracing::warn!(node_id = %fence.session.node_id, reason = %fence.reason, held = self.held.len(),
+                "the node's session ended; holding its workloads in custody until it rejoins");
+        }
+        self.enter_custody();
+        self.standing = Standing::Custody;
+        self.pass_due = None;
+    }
+
+    fn on_session(&mut self) {
+        let session = self.session_rx.borrow_and_update().clone();
+        if session == self.session {
+            return;
+        }
+        tracing::info!(node_id = %session.node_id, incarnation = session.incarnation,
+            "new session; reconciling what the node runs under it");
+        self.session = session;
+        self.shared.leases.reconnect();
+        self.enter_custody();
+        self.standing = Standing::Recovering;
+        self.pass_backoff.reset();
+        self.pass_due = Some(Instant::now());
+    }
+
+    /// Stops serving; whatever runs is held until a pass confirms it.
+    fn enter_custody(&mut self) {
+        self.custody_generation += 1;
+        if self.standing == Standing::Serving || self.custody_since.is_none() {
+            self.custody_since = Some(Instant::now());
+        }
+        self.stop_watching();
+        self.deferred.clear();
+        for held in self.held.values_mut() {
+            held.needs_custody = held.started.load(Ordering::SeqCst) && !held.destroying();
+        }
+    }
+
+    fn custody_expired(&mut self) {
+        tracing::warn!(held = self.held.len(), bound = ?self.shared.settings.max_custody,
+            "compute was held in custody longer than the max-custody bound; destroying it");
+        self.destroy_all(&Removal::new(None, "CustodyExpired"));
+    }
+
+    // -- reconcile passes ---------------------------------------------------
+
+    fn start_pass(&mut self) {
+        self.pass_due = None;
+        if self.standing == Standing::Custody {
+            return;
+        }
+        if self.standing == Standing::Serving {
+            self.clean_up_finished();
+        }
+        let live = self.held.iter().filter(|(_, h)| !h.destroying());
+        let plan = PassPlan {
+            node_id: self.session.node_id.clone(),
+            custody: live
+                .clone()
+                .filter(|(_, h)| h.needs_custody && h.started.load(Ordering::SeqCst))
+                .map(|(id, h)| h.lease_ref(id))
+                .collect(),
+            listed: live.map(|(id, h)| h.lease_ref(id)).collect(),
+        };
+        self.pass_running = true;
+        self.pass_generation = self.custody_generation;
+        let (leases, provider, inbox) =
+            (self.shared.leases.clone(), self.shared.provider.clone(), self.inbox_tx.clone());
+        let shutdown = self.shared.shutdown.clone();
+        tokio::spawn(async move {
+            let report = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                report = run_pass(leases.as_ref(), &provider, plan) => report,
+            };
+            let _ = inbox.send(Inbox::PassDone(report));
+        });
+    }
+
+    fn on_pass_done(&mut self, report: PassReport) {
+        self.pass_running = false;
+        // What the leases service did and said holds whatever happened
+        // since: custody moved those epochs, and a workload it does not
+        // cover at the epoch held is no one's.
+        for lease in &report.assumed {
+            if let Some(held) = self.held.get_mut(&lease.lease_id)
+                && lease.epoch > held.epoch()
+            {
+                held.epoch.send_replace(lease.epoch);
+                held.needs_custody = false;
+                self.shared.board.update(&lease.lease_id, |view| {
+                    view.epoch = lease.epoch;
+                    view.phase = lease.phase();
+                    view.reason = lease.reason.clone();
+                });
+            }
+        }
+        for (lease, _) in &report.refused {
+            self.destroy_at(lease, Removal::new(None, "CustodyRefused"));
+        }
+        for lease in &report.destroy {
+            self.destroy_at(lease, Removal::new(None, "NotCovered"));
+        }
+        if !report.failed.is_empty() {
+            let failed: Vec<&str> = report.failed.iter().map(|l| l.lease_id.as_str()).collect();
+            tracing::warn!(?failed, "the leases service failed leases this node does not run");
+        }
+        if self.pass_generation != self.custody_generation {
+            // The session ended or changed under the pass: it cannot confirm
+            // what the node holds now. A recovering runner asks again.
+            if self.standing == Standing::Recovering {
+                self.pass_due = Some(Instant::now());
+            }
+            return;
+        }
+        if let Some(error) = report.error {
+            let retry = if self.standing == Standing::Serving {
+                self.shared.settings.timing.sweep_interval
+            } else {
+                self.pass_backoff.next_delay()
+            };
+            tracing::warn!(error = %crate::join::status_text(&error), retry_in = ?retry, "reconcile with leases failed");
+            self.pass_due = Some(Instant::now() + retry);
+            self.launch_deferred();
+            return;
+        }
+        self.pass_backoff.reset();
+        if self.standing == Standing::Recovering {
+            tracing::info!(held = self.held.len(), "reconciled with leases; serving assignments");
+            self.standing = Standing::Serving;
+            self.custody_since = None;
+            self.start_watching();
+        }
+        self.pass_due = Some(Instant::now() + self.shared.settings.timing.sweep_interval);
+        self.launch_deferred();
+    }
+
+    fn launch_deferred(&mut self) {
+        for lease in std::mem::take(&mut self.deferred) {
+            if !self.held.contains_key(&lease.lease_id) {
+                self.launch(lease);
+            }
+        }
+    }
+
+    /// Forgets finished instances kept past their retention.
+    fn clean_up_finished(&mut self) {
+        let retain = self.shared.settings.timing.retain_finished;
+        let now = SystemTime::now();
+        for view in self.shared.board.list() {
+            let expired = view.ended_at.is_some_and(|at| now.duration_since(at).unwrap_or_default() >= retain);
+            if !expired || self.held.contains_key(&view.lease_id) {
+                continue;
+            }
+            self.shared.board.remove(&view.lease_id);
+            let provider = self.shared.provider.clone();
+            tokio::spawn(async move {
+                if let Err(error) = provider.remove(&view.lease_id).await {
+                    tracing::warn!(lease_id = %view.lease_id, %error, "cannot clean up a finished instance");
+                }
+            });
+        }
+    }
+
+    // -- assignments --------------------------------------------------------
+
+    fn start_watching(&mut self) {
+        self.stop_watching();
+        self.stream_generation += 1;
+        let watcher = AssignmentWatcher {
+            leases: self.shared.leases.clone(),
+            node_id: self.session.node_id.clone(),
+            stream: self.stream_generation,
+            inbox: self.inbox_tx.clone(),
+            backoff: self.shared.settings.backoff(),
+            shutdown: self.shared.shutdown.clone(),
+        };
+        self.watcher = Some(tokio::spawn(watcher.run()));
+    }
+
+    fn stop_watching(&mut self) {
+        if let Some(watcher) = self.watcher.take() {
+            watcher.abort();
+        }
+        self.stream_seen.clear();
+    }
+
+    fn on_inbox(&mut self, message: Inbox) {
+        match message {
+            Inbox::PassDone(report) => self.on_pass_done(report),
+            Inbox::StreamOpened { stream } if stream == self.stream_generation => self.stream_seen.clear(),
+            Inbox::Assignment { stream, event } if stream == self.stream_generation => self.on_assignment(*event),
+            // From a stream stopped since.
+            Inbox::StreamOpened { .. } | Inbox::Assignment { .. } => {}
+        }
+    }
+
+    fn on_assignment(&mut self, event: AssignmentEvent) {
+        if self.standing != Standing::Serving {
+            return;
+        }
+        if event.ttl_ms > 0 {
+            let ttl = Some(Duration::from_millis(u64::from(event.ttl_ms)));
+            self.ttl.send_if_modified(|current| std::mem::replace(current, ttl) != ttl);
+        }
+        match (event.kind(), event.lease) {
+            (EventKind::Upsert, Some(lease)) => self.on_upsert(lease),
+            (EventKind::Removed, Some(lease)) => {
+                self.stream_seen.remove(&lease.lease_id);
+                let removal = Removal::new(Some(lease.phase()), &removed_reason(&lease));
+                self.destroy(&lease.lease_id, removal);
+            }
+            (EventKind::Synced, _) if !event.resumed => {
+                // The events before it were the whole open set.
+                let gone: Vec<String> =
+                    self.held.keys().filter(|id| !self.stream_seen.contains(*id)).cloned().collect();
+                for lease_id in gone {
+                    self.destroy(&lease_id, Removal::new(None, "NotAssigned"));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_upsert(&mut self, lease: Lease) {
+        self.stream_seen.insert(lease.lease_id.clone());
+        if let Some(held) = self.held.get(&lease.lease_id) {
+            if lease.epoch > held.epoch() && is_open(lease.phase()) {
+                tracing::info!(lease_id = %lease.lease_id, from = held.epoch(), to = lease.epoch, "the lease moved to a new epoch");
+                held.epoch.send_replace(lease.epoch);
+                self.shared.board.update(&lease.lease_id, |view| view.epoch = lease.epoch);
+            }
+            return;
+        }
+        match lease.phase() {
+            LeasePhase::Bound if self.pass_running => self.deferred.push(lease),
+            LeasePhase::Bound => self.launch(lease),
+            phase if is_open(phase) => {
+                tracing::warn!(lease_id = %lease.lease_id, ?phase,
+                    "the leases service has this node running a lease it does not run; the next sweep settles it");
+            }
+            _ => {}
+        }
+    }
+
+    fn on_lost(&mut self, lost: Vec<LeaseRef>) {
+        if self.standing != Standing::Serving {
+            // A renewal sent before the session ended; the recovery pass
+            // (custody may take an expired lease back) decides instead.
+            return;
+        }
+        for lease in &lost {
+            self.destroy_at(lease, Removal::new(None, "LeaseLost"));
+        }
+    }
+}
+
+/// The receiving ends a worker needs.
+struct WorkerWiring {
+    epoch: watch::Receiver<u64>,
+    removal: watch::Receiver<Option<Removal>>,
+    started: Arc<AtomicBool>,
+    generation: u64,
+}
+
+fn meta_of(lease: &Lease) -> InstanceMeta {
+    let workload = lease.workload.clone().unwrap_or_default();
+    InstanceMeta {
+        project: lease.project.clone(),
+        service: workload.service,
+        revision: workload.revision,
+        digest: workload.digest,
+        port: workload.ports.first().map_or(0, |p| p.port),
+    }
+}
+
+fn is_open(phase: LeasePhase) -> bool {
+    matches!(phase, LeasePhase::Pending | LeasePhase::Bound | LeasePhase::Launching | LeasePhase::Running)
+}
+
+fn removed_reason(lease: &Lease) -> String {
+    if !lease.reason.is_empty() {
+        return lease.reason.clone();
+    }
+    match lease.phase() {
+        LeasePhase::Released => "Released",
+        LeasePhase::Expired => "Expired",
+        _ => "Removed",
+    }
+    .to_string()
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The assignment stream
+// ---------------------------------------------------------------------------
+
+/// Follows the node's assignment stream into the runner's inbox, resuming
+/// from the last cursor after a break.
+struct AssignmentWatcher {
+    leases: Arc<dyn NodeLeasesApi>,
+    node_id: String,
+    stream: u64,
+    inbox: mpsc::UnboundedSender<Inbox>,
+    backoff: Backoff,
+    shutdown: CancellationToken,
+}
+
+impl AssignmentWatcher {
+    async fn run(mut self) {
+        let mut cursor = 0;
+        loop {
+            let opened = tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                opened = self.leases.watch_assignments(&self.node_id, cursor) => opened,
+            };
+            match opened {
+                Err(status) => {
+                    tracing::warn!(error = %crate::join::status_text(&status), "cannot open the assignment stream")
+                }
+                Ok(mut events) => {
+                    if self.inbox.send(Inbox::StreamOpened { stream: self.stream }).is_err() {
+                        return;
+                    }
+                    loop {
+                        let next = tokio::select! {
+                            _ = self.shutdown.cancelled() => return,
+                            next = events.next() => next,
+                        };
+                        match next {
+                            Some(Ok(event)) => {
+                                self.backoff.reset();
+                                cursor = cursor.max(event.cursor);
+                                let event = Box::new(event);
+                                if self.inbox.send(Inbox::Assignment { stream: self.stream, event }).is_err() {
+                                    return;
+                                }
+                            }
+                            Some(Err(status)) => {
+                                tracing::warn!(error = %crate::join::status_text(&status), "the assignment stream broke");
+                                break;
+                            }
+                            None => {
+                                tracing::info!("the leases service ended the assignment stream");
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            let delay = self.backoff.next_delay();
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                _ = tokio::time::sleep(delay) => {}
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Workers
+// ---------------------------------------------------------------------------
+
+/// How a worker begins.
+enum Start {
+    /// Report LAUNCHING, start the workload, report RUNNING.
+    Launch(Box<LaunchSpec>),
+    /// The workload was started before a restart; only its end is awaited.
+    Adopt(ExitWatch),
+}
+
+/// Why a report did not go through.
+enum Interrupt {
+    /// The workload is to be destroyed.
+    Removed(Removal),
+    /// The leases service refused it: the lease is not the node's at this
+    /// epoch any more.
+    Refused(tonic::Status),
+    /// The agent is stopping.
+    Stopped,
+}
+
+/// The detail a phase report carries.
+#[derive(Debug, Default, Clone)]
+struct Detail {
+    reason: String,
+    message: String,
+    exit_code: Option<i32>,
+}
+
+/// Runs one lease: start (or adopt), report, wait for the end or a removal.
+struct Worker {
+    lease_id: String,
+    shared: Arc<Shared>,
+    epoch: watch::Receiver<u64>,
+    removal: watch::Receiver<Option<Removal>>,
+    reporting: watch::Receiver<Option<String>>,
+    started: Arc<AtomicBool>,
+}
+
+impl Worker {
+    async fn run(mut self, start: Start) -> WorkerEnd {
+        let exit = match start {
+            Start::Adopt(exit) => exit,
+            Start::Launch(spec) => match self.launch(*spec).await {
+                Ok(exit) => exit,
+                Err(end) => return end,
+            },
+        };
+        self.supervise(exit).await
+    }
+
+    async fn launch(&mut self, mut spec: LaunchSpec) -> Result<ExitWatch, WorkerEnd> {
+        match self.report(LeasePhase::Launching, Detail::default()).await {
+            Ok(()) => {}
+            Err(Interrupt::Stopped) => return Err(WorkerEnd::Stopped),
+            Err(Interrupt::Removed(removal)) => return Err(self.destroyed(removal).await),
+            Err(Interrupt::Refused(status)) => {
+                tracing::warn!(lease_id = %self.lease_id, error = %status.message(), "LAUNCHING refused; not starting the workload");
+                return Err(self.destroyed(Removal::new(None, "LaunchRefused")).await);
+            }
+        }
+        spec.epoch = *self.epoch.borrow();
+        if let Some(node_id) = self.reporting.borrow().clone() {
+            spec.node_id = node_id;
+        }
+        let launched = tokio::select! {
+            _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
+            launched = self.shared.provider.launch(spec) => launched,
+        };
+        let exit = match launched {
+            Ok(launched) => {
+                self.started.store(true, Ordering::SeqCst);
+                self.shared.board.update(&self.lease_id, |view| {
+                    view.pid = launched.record.pid;
+                    view.started_at = launched.record.started_at;
+                });
+                launched.exit
+            }
+            Err(error) => {
+                tracing::warn!(lease_id = %self.lease_id, %error, "cannot start the workload");
+                let detail =
+                    Detail { reason: error.start_reason().to_string(), message: error.to_string(), exit_code: None };
+                return Err(self.report_end(LeasePhase::Failed, detail).await);
+            }
+        };
+        match self.report(LeasePhase::Running, Detail::default()).await {
+            Ok(()) => Ok(exit),
+            Err(Interrupt::Stopped) => Err(WorkerEnd::Stopped),
+            Err(Interrupt::Removed(removal)) => Err(self.destroyed(removal).await),
+            Err(Interrupt::Refused(status)) => {
+                tracing::warn!(lease_id = %self.lease_id, error = %status.message(), "RUNNING refused; destroying the workload");
+                Err(self.destroyed(Removal::new(None, "RunningRefused")).await)
+            }
+        }
+    }
+
+    /// Waits for the workload to end (and reports how) or to be removed.
+    async fn supervise(&mut self, mut exit: ExitWatch) -> WorkerEnd {
+        let ended: Exit = tokio::select! {
+            _ = self.shared.shutdown.cancelled() => return WorkerEnd::Stopped,
+            removal = removed(&mut self.removal) => return self.destroyed(removal).await,
+            ended = async { exit.wait_for(Option::is_some).await.ok().and_then(|e| *e) } => match ended {
+                Some(ended) => ended,
+                // The provider stopped watching: the agent is stopping.
+                None => return WorkerEnd::Stopped,
+            },
+        };
+        self.shared.board.update(&self.lease_id, |view| view.exit = Some(ended.status));
+        let (phase, reason) = match ended.status {
+            ExitStatus::Code(0) => (LeasePhase::Done, "Exited"),
+            ExitStatus::Code(_) => (LeasePhase::Failed, "Exited"),
+            ExitStatus::Signal(_) => (LeasePhase::Failed, "Killed"),
+            ExitStatus::Unknown => (LeasePhase::Failed, "ExitUnknown"),
+        };
+        let detail =
+            Detail { reason: reason.to_string(), message: ended.status.to_string(), exit_code: ended.status.code() };
+        self.report_end(phase, detail).await
+    }
+
+    /// Reports the lease's final phase, then settles it.
+    async fn report_end(&mut self, phase: LeasePhase, detail: Detail) -> WorkerEnd {
+        self.shared.board.update(&self.lease_id, |view| {
+            view.phase = phase;
+            view.reason = detail.reason.clone();
+        });
+        match self.report(phase, detail).await {
+            Ok(()) => {}
+            Err(Interrupt::Stopped) => return WorkerEnd::Stopped,
+            Err(Interrupt::Removed(removal)) => {
+                tracing::info!(lease_id = %self.lease_id, reason = %removal.reason, "the lease ended before its end was reported");
+            }
+            Err(Interrupt::Refused(status)) => {
+                tracing::warn!(lease_id = %self.lease_id, ?phase, error = %status.message(), "the end of the workload was not taken");
+            }
+        }
+        self.settle().await
+    }
+
+    /// Destroys the workload for `removal` and settles the lease.
+    async fn destroyed(&mut self, removal: Removal) -> WorkerEnd {
+        self.shared.board.update(&self.lease_id, |view| {
+            if let Some(phase) = removal.phase {
+                view.phase = phase;
+            }
+            view.reason = removal.reason.clone();
+        });
+        if self.started.load(Ordering::SeqCst) {
+            let destroyed = tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return WorkerEnd::Stopped,
+                destroyed = self.shared.provider.destroy(&self.lease_id) => destroyed,
+            };
+            if let Err(error) = destroyed {
+                tracing::error!(lease_id = %self.lease_id, %error, "cannot destroy the workload");
+            }
+        }
+        self.settle().await
+    }
+
+    async fn settle(&mut self) -> WorkerEnd {
+        if let Err(error) = self.shared.provider.settle(&self.lease_id).await
+            && self.started.load(Ordering::SeqCst)
+        {
+            tracing::warn!(lease_id = %self.lease_id, %error, "cannot record that the instance is settled");
+        }
+        self.shared.board.update(&self.lease_id, |view| view.ended_at = Some(SystemTime::now()));
+        WorkerEnd::Settled
+    }
+
+    /// Reports `phase` at the epoch held now, waiting while reports are held
+    /// back and retrying what may go through later.
+    async fn report(&mut self, phase: LeasePhase, detail: Detail) -> Result<(), Interrupt> {
+        let mut backoff = self.shared.settings.backoff();
+        loop {
+            let node_id = tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return Err(Interrupt::Stopped),
+                removal = removed(&mut self.removal) => return Err(Interrupt::Removed(removal)),
+                node = self.reporting.wait_for(Option::is_some) => match node {
+                    Ok(node) => node.clone().unwrap_or_default(),
+                    Err(_) => return Err(Interrupt::Stopped),
+                },
+            };
+            let epoch = *self.epoch.borrow();
+            let request = ReportPhaseRequest {
+                node_id,
+                lease_id: self.lease_id.clone(),
+                epoch,
+                phase: phase as i32,
+                reason: detail.reason.clone(),
+                exit_code: detail.exit_code,
+                message: detail.message.clone(),
+            };
+            let outcome = tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return Err(Interrupt::Stopped),
+                removal = removed(&mut self.removal) => return Err(Interrupt::Removed(removal)),
+                outcome = self.shared.leases.report_phase(request) => outcome,
+            };
+            match outcome {
+                Ok(_) => {
+                    tracing::info!(lease_id = %self.lease_id, epoch, ?phase, reason = %detail.reason, "reported");
+                    self.shared.board.update(&self.lease_id, |view| {
+                        view.phase = phase;
+                        view.epoch = epoch;
+                        view.reason = detail.reason.clone();
+                    });
+                    return Ok(());
+                }
+                // Custody moved the lease while the report was on its way.
+                Err(_) if *self.epoch.borrow() != epoch => continue,
+                Err(status) if is_transient(&status) => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(lease_id = %self.lease_id, ?phase, error = %crate::join::status_text(&status),
+                        retry_in = ?delay, "cannot report; retrying");
+                    tokio::select! {
+                        _ = self.shared.shutdown.cancelled() => return Err(Interrupt::Stopped),
+                        removal = removed(&mut self.removal) => return Err(Interrupt::Removed(removal)),
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                }
+                Err(status) => return Err(Interrupt::Refused(status)),
+            }
+        }
+    }
+}
+
+/// Resolves once the runner asks for the workload to be destroyed.
+async fn removed(removal: &mut watch::Receiver<Option<Removal>>) -> Removal {
+    let found = removal.wait_for(Option::is_some).await.ok().map(|removal| removal.clone());
+    match found {
+        Some(removal) => removal.unwrap_or_else(|| Removal::new(None, "Removed")),
+        // The runner is gone: the agent is stopping, and that is not a removal.
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests;

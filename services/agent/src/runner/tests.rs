@@ -1,0 +1,722 @@
+//! The runner's state machine against a fake leases service (the seam the
+//! runner talks through) and the real process provider: what it reports,
+//! when it starts, renews, adopts, holds in custody and destroys.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+use berth_proto::leases::v1::{
+    AssumeCustodyRequest, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest, RenewLeasesResponse,
+    Workload,
+};
+use tokio::sync::Semaphore;
+
+use super::*;
+use crate::leases_client::AssignmentStream;
+use crate::process::{ProcessProvider, ProcessTiming};
+use crate::procfs::{self, TestDir};
+
+const NODE: &str = "n-1";
+const PATIENCE: Duration = Duration::from_secs(20);
+/// The TTL the fake ledger gives; the keep-alive renews every third of it.
+const TTL: Duration = Duration::from_millis(600);
+
+// ---------------------------------------------------------------------------
+// A fake leases service: a small ledger that keeps the rules the proto states
+// ---------------------------------------------------------------------------
+
+type EventSender = mpsc::UnboundedSender<Result<AssignmentEvent, tonic::Status>>;
+
+#[derive(Debug, Default)]
+struct Ledger {
+    leases: BTreeMap<String, Lease>,
+    reports: Vec<ReportPhaseRequest>,
+    renewals: Vec<RenewLeasesRequest>,
+    reconciles: Vec<ReconcileNodeRequest>,
+    custody: Vec<AssumeCustodyRequest>,
+    streams_opened: usize,
+    stream: Option<EventSender>,
+    cursor: u64,
+    /// Every call fails UNAVAILABLE.
+    down: bool,
+    /// AssumeCustody takes EXPIRED leases back (the custody window).
+    custody_of_expired: bool,
+    /// RenewLeases renews whatever it is given, as a ledger that has not
+    /// caught up would.
+    renew_blindly: bool,
+}
+
+#[derive(Debug, Default)]
+struct FakeLeases {
+    ledger: Mutex<Ledger>,
+    /// When set, a LAUNCHING report waits for a permit before it is taken.
+    launch_gate: Mutex<Option<Arc<Semaphore>>>,
+    /// When set, ReconcileNode waits for a permit before it answers.
+    reconcile_gate: Mutex<Option<Arc<Semaphore>>>,
+    /// How many ReconcileNode calls have arrived, answered or not.
+    reconciles_arrived: std::sync::atomic::AtomicUsize,
+}
+
+fn open(phase: LeasePhase) -> bool {
+    is_open(phase)
+}
+
+impl Ledger {
+    fn push(&mut self, kind: EventKind, lease: Option<Lease>) {
+        self.cursor += 1;
+        let event = AssignmentEvent {
+            kind: kind as i32,
+            lease,
+            cursor: self.cursor,
+            resumed: false,
+            ttl_ms: TTL.as_millis() as u32,
+        };
+        if let Some(stream) = &self.stream {
+            let _ = stream.send(Ok(event));
+        }
+    }
+
+    fn check(&self) -> Result<(), tonic::Status> {
+        if self.down { Err(tonic::Status::unavailable("leases is down")) } else { Ok(()) }
+    }
+}
+
+impl FakeLeases {
+    fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap()
+    }
+
+    /// Places a lease running `script` on the node, BOUND at epoch 1.
+    fn place(&self, lease_id: &str, script: &str) -> Lease {
+        let lease = Lease {
+            lease_id: lease_id.into(),
+            epoch: 1,
+            project: "tenant".into(),
+            node_id: NODE.into(),
+            phase: LeasePhase::Bound as i32,
+            workload: Some(Workload {
+                command: "sh".into(),
+                args: vec!["-c".into(), script.into()],
+                service: "web".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut ledger = self.ledger();
+        ledger.leases.insert(lease_id.into(), lease.clone());
+        ledger.push(EventKind::Upsert, Some(lease.clone()));
+        lease
+    }
+
+    /// Changes a lease behind the node's back; `event` says whether the
+    /// assignment stream hears of it.
+    fn change(&self, lease_id: &str, event: Option<EventKind>, f: impl FnOnce(&mut Lease)) {
+        let mut ledger = self.ledger();
+        let lease = ledger.leases.get_mut(lease_id).unwrap();
+        f(lease);
+        let lease = lease.clone();
+        if let Some(kind) = event {
+            ledger.push(kind, Some(lease));
+        }
+    }
+
+    fn lease(&self, lease_id: &str) -> Lease {
+        self.ledger().leases[lease_id].clone()
+    }
+
+    fn set_down(&self, down: bool) {
+        self.ledger().down = down;
+    }
+
+    async fn phase_until(&self, lease_id: &str, phase: LeasePhase) -> Lease {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let lease = self.lease(lease_id);
+            if lease.phase() == phase {
+                return lease;
+            }
+            assert!(Instant::now() < deadline, "lease {lease_id} never {phase:?}: {lease:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn reported(&self, lease_id: &str) -> Vec<LeasePhase> {
+        self.ledger().reports.iter().filter(|r| r.lease_id == lease_id).map(|r| r.phase()).collect()
+    }
+
+    fn renewals(&self) -> usize {
+        self.ledger().renewals.len()
+    }
+}
+
+#[async_trait::async_trait]
+impl NodeLeasesApi for FakeLeases {
+    async fn watch_assignments(&self, node_id: &str, _resume_cursor: u64) -> Result<AssignmentStream, tonic::Status> {
+        let mut ledger = self.ledger();
+        ledger.check()?;
+        assert_eq!(node_id, NODE);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let open_set: Vec<Lease> = ledger.leases.values().filter(|l| open(l.phase())).cloned().collect();
+        ledger.stream = Some(tx);
+        ledger.streams_opened += 1;
+        for lease in open_set {
+            ledger.push(EventKind::Upsert, Some(lease));
+        }
+        ledger.push(EventKind::Synced, None);
+        Ok(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)))
+    }
+
+    async fn report_phase(&self, request: ReportPhaseRequest) -> Result<Lease, tonic::Status> {
+        let gate = self.launch_gate.lock().unwrap().clone();
+        if let Some(gate) = gate
+            && request.phase() == LeasePhase::Launching
+        {
+            gate.acquire().await.unwrap().forget();
+        }
+        let mut ledger = self.ledger();
+        ledger.check()?;
+        ledger.reports.push(request.clone());
+        let lease = ledger.leases.get_mut(&request.lease_id).ok_or_else(|| tonic::Status::not_found("no lease"))?;
+        if lease.epoch != request.epoch {
+            return Err(tonic::Status::failed_precondition("stale epoch"));
+        }
+        if !open(lease.phase()) {
+            return Err(tonic::Status::failed_precondition("lease is final"));
+        }
+        lease.phase = request.phase;
+        lease.reason = request.reason.clone();
+        lease.message = request.message.clone();
+        lease.exit_code = request.exit_code;
+        let lease = lease.clone();
+        if !open(lease.phase()) {
+            ledger.push(EventKind::Removed, Some(lease.clone()));
+        }
+        Ok(lease)
+    }
+
+    async fn renew_leases(&self, request: RenewLeasesRequest) -> Result<RenewLeasesResponse, tonic::Status> {
+        let mut ledger = self.ledger();
+        ledger.check()?;
+        ledger.renewals.push(request.clone());
+        let (mut renewed, mut lost) = (Vec::new(), Vec::new());
+        for held in request.leases {
+            let ok = ledger.renew_blindly
+                || ledger.leases.get(&held.lease_id).is_some_and(|l| open(l.phase()) && l.epoch == held.epoch);
+            if ok { renewed.push(held) } else { lost.push(held) }
+        }
+        Ok(RenewLeasesResponse { renewed, lost, ttl_ms: TTL.as_millis() as u32 })
+    }
+
+    async fn reconcile_node(&self, request: ReconcileNodeRequest) -> Result<ReconcileNodeResponse, tonic::Status> {
+        self.reconciles_arrived.fetch_add(1, Ordering::SeqCst);
+        let gate = self.reconcile_gate.lock().unwrap().clone();
+        if let Some(gate) = gate {
+            gate.acquire().await.unwrap().forget();
+        }
+        let mut ledger = self.ledger();
+        ledger.check()?;
+        ledger.reconciles.push(request.clone());
+        let destroy = request
+            .running
+            .iter()
+            .filter(|r| !ledger.leases.get(&r.lease_id).is_some_and(|l| open(l.phase()) && l.epoch == r.epoch))
+            .cloned()
+            .collect();
+        let mut failed = Vec::new();
+        for lease in ledger.leases.values_mut() {
+            let listed = request.running.iter().any(|r| r.lease_id == lease.lease_id && r.epoch == lease.epoch);
+            if lease.phase() == LeasePhase::Running && !listed {
+                lease.phase = LeasePhase::Failed as i32;
+                lease.reason = "NodeLost".into();
+                failed.push(LeaseRef { lease_id: lease.lease_id.clone(), epoch: lease.epoch });
+            }
+        }
+        Ok(ReconcileNodeResponse { destroy, failed })
+    }
+
+    async fn assume_custody(&self, request: AssumeCustodyRequest) -> Result<Lease, tonic::Status> {
+        let mut ledger = self.ledger();
+        ledger.check()?;
+        ledger.custody.push(request.clone());
+        let custody_of_expired = ledger.custody_of_expired;
+        let lease = ledger.leases.get_mut(&request.lease_id).ok_or_else(|| tonic::Status::not_found("no lease"))?;
+        if lease.epoch != request.epoch {
+            return Err(tonic::Status::failed_precondition("stale epoch"));
+        }
+        let takeable = open(lease.phase()) || (lease.phase() == LeasePhase::Expired && custody_of_expired);
+        if !takeable {
+            return Err(tonic::Status::failed_precondition(format!("it is {:?}; destroy its workload", lease.phase())));
+        }
+        lease.epoch += 1;
+        lease.phase = LeasePhase::Running as i32;
+        lease.reason = "CustodyAssumed".into();
+        let lease = lease.clone();
+        ledger.push(EventKind::Upsert, Some(lease.clone()));
+        Ok(lease)
+    }
+
+    fn reconnect(&self) {}
+}
+
+// ---------------------------------------------------------------------------
+// A runner under test
+// ---------------------------------------------------------------------------
+
+fn settings() -> RunnerSettings {
+    RunnerSettings {
+        timing: LeaseTiming {
+            renew_interval: Duration::from_millis(50),
+            sweep_interval: Duration::from_secs(3600),
+            stop_grace: Duration::from_secs(2),
+            exit_poll: Duration::from_millis(20),
+            log_poll: Duration::from_millis(20),
+            retain_finished: Duration::from_secs(3600),
+        },
+        retry_initial: Duration::from_millis(10),
+        retry_max: Duration::from_millis(100),
+        max_custody: None,
+    }
+}
+
+fn session(incarnation: u64) -> NodeSession {
+    NodeSession { node_id: NODE.into(), incarnation }
+}
+
+struct Harness {
+    board: InstanceBoard,
+    session: watch::Sender<NodeSession>,
+    fences: watch::Sender<Option<Fence>>,
+    handle: RunnerHandle,
+    stop: CancellationToken,
+}
+
+impl Harness {
+    fn start(fake: &Arc<FakeLeases>, dir: &Path, settings: RunnerSettings) -> Harness {
+        let stop = CancellationToken::new();
+        let timing = ProcessTiming { stop_grace: settings.timing.stop_grace, exit_poll: settings.timing.exit_poll };
+        let provider: Arc<dyn Provider> = Arc::new(ProcessProvider::new(dir, timing, stop.clone()));
+        let (session, session_rx) = watch::channel(session(1));
+        let (fences, fences_rx) = watch::channel(None);
+        let board = InstanceBoard::default();
+        let handle = spawn(RunnerParts {
+            leases: fake.clone(),
+            provider,
+            board: board.clone(),
+            session: session_rx,
+            fences: fences_rx,
+            settings,
+            shutdown: stop.clone(),
+        });
+        Harness { board, session, fences, handle, stop }
+    }
+
+    async fn standing_until(&self, standing: Standing) {
+        let mut rx = self.handle.standing.clone();
+        let reached = tokio::time::timeout(PATIENCE, rx.wait_for(|s| *s == standing)).await.map(|r| r.is_ok());
+        assert_eq!(reached, Ok(true), "never {standing:?}, still {:?}", *rx.borrow());
+    }
+
+    async fn holding_until(&self, count: usize) {
+        let mut rx = self.handle.holding.clone();
+        let reached = tokio::time::timeout(PATIENCE, rx.wait_for(|n| *n == count)).await.map(|r| r.is_ok());
+        assert_eq!(reached, Ok(true), "never holding {count}, holding {}", *rx.borrow());
+    }
+
+    async fn view_until(&self, lease_id: &str, what: &str, pred: impl Fn(&InstanceView) -> bool) -> InstanceView {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(view) = self.board.get(lease_id).filter(|v| pred(v)) {
+                return view;
+            }
+            assert!(Instant::now() < deadline, "instance {lease_id} never {what}: {:?}", self.board.get(lease_id));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn pid_of(&self, lease_id: &str) -> u32 {
+        self.view_until(lease_id, "started", |v| v.pid.is_some()).await.pid.unwrap()
+    }
+
+    /// Stops the runner the way a killed agent stops: nothing is cleaned up.
+    async fn kill(self) {
+        self.stop.cancel();
+        let _ = self.handle.task.await;
+    }
+
+    fn fence(&self, reason: FenceReason) {
+        let fence = Fence { session: self.session.borrow().clone(), reason, at: SystemTime::now() };
+        self.fences.send_replace(Some(fence));
+    }
+}
+
+fn group_gone(pid: u32) -> bool {
+    procfs::group_members(Path::new(procfs::PROC_ROOT), i32::try_from(pid).unwrap()).is_empty()
+}
+
+async fn gone_until(pid: u32) {
+    let deadline = Instant::now() + PATIENCE;
+    while !group_gone(pid) {
+        assert!(Instant::now() < deadline, "process group {pid} still runs");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    !group_gone(pid)
+}
+
+// ---------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn launching_is_reported_before_the_workload_starts_then_running_then_done() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let gate = Arc::new(Semaphore::new(0));
+    *fake.launch_gate.lock().unwrap() = Some(gate.clone());
+    let runner = Harness::start(&fake, dir.path(), settings());
+    runner.standing_until(Standing::Serving).await;
+    fake.place("l-1", "echo ran > ran; exit 0");
+
+    // The LAUNCHING report is held at the service: nothing may start yet.
+    runner.view_until("l-1", "taken on", |_| true).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!dir.path().join("leases/l-1/ran").exists(), "the workload started before LAUNCHING was taken");
+    assert_eq!(runner.board.get("l-1").unwrap().pid, None);
+    gate.add_permits(1);
+
+    let done = fake.phase_until("l-1", LeasePhase::Done).await;
+    assert_eq!(done.exit_code, Some(0));
+    assert_eq!(done.reason, "Exited");
+    assert_eq!(fake.reported("l-1"), vec![LeasePhase::Launching, LeasePhase::Running, LeasePhase::Done]);
+    assert!(dir.path().join("leases/l-1/ran").exists());
+    let view = runner.view_until("l-1", "settled", |v| v.ended_at.is_some()).await;
+    assert_eq!((view.phase, view.exit), (LeasePhase::Done, Some(ExitStatus::Code(0))));
+    assert_eq!(view.meta.project, "tenant");
+    runner.holding_until(0).await;
+    runner.kill().await;
+}
+
+#[tokio::test]
+async fn a_failing_workload_is_failed_with_its_exit_code() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let runner = Harness::start(&fake, dir.path(), settings());
+    runner.standing_until(Standing::Serving).await;
+    fake.place("l-1", "exit 3");
+    let failed = fake.phase_until("l-1", LeasePhase::Failed).await;
+    assert_eq!(failed.exit_code, Some(3));
+    assert_eq!(failed.reason, "Exited");
+    assert_eq!(failed.message, "exited with code 3");
+
+    // A command that cannot start fails its lease without RUNNING.
+    let lease = Lease {
+        lease_id: "l-2".into(),
+        epoch: 1,
+        node_id: NODE.into(),
+        phase: LeasePhase::Bound as i32,
+        workload: Some(Workload { command: "/nonexistent/program".into(), ..Default::default() }),
+        ..Default::default()
+    };
+    {
+        let mut ledger = fake.ledger();
+        ledger.leases.insert("l-2".into(), lease.clone());
+        ledger.push(EventKind::Upsert, Some(lease));
+    }
+    let failed = fake.phase_until("l-2", LeasePhase::Failed).await;
+    assert_eq!(failed.reason, "StartFailed");
+    assert!(failed.message.contains("/nonexistent/program"), "{}", failed.message);
+    assert_eq!(fake.reported("l-2"), vec![LeasePhase::Launching, LeasePhase::Failed]);
+    runner.kill().await;
+}
+
+#[tokio::test]
+async fn a_released_lease_is_destroyed_and_held_leases_are_renewed_in_one_batch() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let runner = Harness::start(&fake, dir.path(), settings());
+    runner.standing_until(Standing::Serving).await;
+    fake.place("l-1", "sleep 1000 & sleep 1000");
+    fake.place("l-2", "exec sleep 1000");
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    fake.phase_until("l-2", LeasePhase::Running).await;
+    let pid = runner.pid_of("l-1").await;
+
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let batch = fake.ledger().renewals.last().cloned();
+        if let Some(batch) = batch.filter(|b| b.leases.len() == 2) {
+            assert_eq!(batch.node_id, NODE);
+            let epochs: Vec<(String, u64)> = batch.leases.iter().map(|l| (l.lease_id.clone(), l.epoch)).collect();
+            assert_eq!(epochs, vec![("l-1".to_string(), 1), ("l-2".to_string(), 1)]);
+            break;
+        }
+        assert!(Instant::now() < deadline, "both leases never renewed in one batch");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    fake.change("l-1", Some(EventKind::Removed), |l| l.phase = LeasePhase::Released as i32);
+    gone_until(pid).await;
+    let view = runner.view_until("l-1", "settled", |v| v.ended_at.is_some()).await;
+    assert_eq!((view.phase, view.reason.as_str()), (LeasePhase::Released, "Released"));
+    assert_eq!(
+        fake.reported("l-1"),
+        vec![LeasePhase::Launching, LeasePhase::Running],
+        "a removed lease is not reported"
+    );
+    assert!(alive(runner.pid_of("l-2").await), "the other lease runs on");
+    runner.holding_until(1).await;
+    let pid2 = runner.pid_of("l-2").await;
+    runner.kill().await;
+    assert!(alive(pid2), "stopping the runner leaves the workload running");
+    let provider = ProcessProvider::new(dir.path(), ProcessTiming::default(), CancellationToken::new());
+    provider.recover().await.unwrap();
+    provider.destroy("l-2").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lease_reported_lost_is_destroyed_and_renewals_go_on_while_a_destroy_waits() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let mut settings = settings();
+    settings.timing.stop_grace = Duration::from_millis(1500);
+    let runner = Harness::start(&fake, dir.path(), settings);
+    runner.standing_until(Standing::Serving).await;
+    // Ignores SIGTERM: destroying it takes the whole grace.
+    fake.place("l-stubborn", "trap '' TERM; sleep 1000");
+    fake.place("l-other", "exec sleep 1000");
+    fake.phase_until("l-stubborn", LeasePhase::Running).await;
+    fake.phase_until("l-other", LeasePhase::Running).await;
+    let stubborn = runner.pid_of("l-stubborn").await;
+
+    // The ledger moves on without telling the stream: only the renewal
+    // can find out.
+    fake.change("l-stubborn", None, |l| l.phase = LeasePhase::Expired as i32);
+    runner.view_until("l-stubborn", "being destroyed", |v| v.reason == "LeaseLost").await;
+    let before = fake.renewals();
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert!(alive(stubborn), "still within its grace");
+    let during = fake.renewals() - before;
+    assert!(during >= 3, "renewals stalled while a destroy waited: {during} in 900ms at a 200ms interval");
+    gone_until(stubborn).await;
+    assert_eq!(fake.lease("l-other").phase(), LeasePhase::Running);
+    runner.kill().await;
+    let provider = ProcessProvider::new(dir.path(), ProcessTiming::default(), CancellationToken::new());
+    provider.recover().await.unwrap();
+    provider.destroy("l-other").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_rest() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let first = Harness::start(&fake, dir.path(), settings());
+    first.standing_until(Standing::Serving).await;
+    fake.place("l-kept", "exec sleep 1000");
+    fake.place("l-gone", "exec sleep 1000");
+    fake.phase_until("l-kept", LeasePhase::Running).await;
+    fake.phase_until("l-gone", LeasePhase::Running).await;
+    let kept = first.pid_of("l-kept").await;
+    let gone = first.pid_of("l-gone").await;
+    first.kill().await;
+
+    // While no agent watched, one lease was released.
+    fake.change("l-gone", None, |l| l.phase = LeasePhase::Released as i32);
+    let earlier = fake.ledger().reconciles.len();
+    let second = Harness::start(&fake, dir.path(), settings());
+    second.standing_until(Standing::Serving).await;
+    gone_until(gone).await;
+    assert!(alive(kept));
+    let view = second.view_until("l-kept", "taken into custody", |v| v.epoch == 2).await;
+    assert_eq!(view.pid, Some(kept), "adopted, not restarted");
+    let lease = fake.lease("l-kept");
+    assert_eq!((lease.phase(), lease.epoch), (LeasePhase::Running, 2));
+    let ledger_custody: Vec<(String, u64)> =
+        fake.ledger().custody.iter().map(|c| (c.lease_id.clone(), c.epoch)).collect();
+    assert!(ledger_custody.contains(&("l-kept".to_string(), 1)), "{ledger_custody:?}");
+    let reconciled = fake.ledger().reconciles[earlier].clone();
+    assert!(
+        reconciled.running.contains(&LeaseRef { lease_id: "l-kept".into(), epoch: 2 }),
+        "reconciled at the epoch custody gave: {reconciled:?}"
+    );
+    let kept_record = std::fs::read_to_string(dir.path().join("instances/l-kept.json")).unwrap();
+    assert!(kept_record.contains("\"epoch\": 2"), "{kept_record}");
+
+    // Renewals carry the new epoch, and the lease's end is reported at it.
+    let deadline = Instant::now() + PATIENCE;
+    while !fake.ledger().renewals.iter().any(|r| r.leases.contains(&LeaseRef { lease_id: "l-kept".into(), epoch: 2 })) {
+        assert!(Instant::now() < deadline, "never renewed at epoch 2");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    rustix::process::kill_process_group(
+        rustix::process::Pid::from_raw(i32::try_from(kept).unwrap()).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let failed = fake.phase_until("l-kept", LeasePhase::Failed).await;
+    assert_eq!(failed.reason, "ExitUnknown", "an adopted process's exit status cannot be known");
+    assert_eq!(fake.ledger().reports.last().unwrap().epoch, 2);
+    second.kill().await;
+}
+
+#[tokio::test]
+async fn a_fenced_node_holds_its_compute_in_custody_and_reconciles_after_it_rejoins() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let runner = Harness::start(&fake, dir.path(), settings());
+    runner.standing_until(Standing::Serving).await;
+    fake.place("l-1", "exec sleep 1000");
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    let pid = runner.pid_of("l-1").await;
+
+    runner.fence(FenceReason::Fenced);
+    runner.standing_until(Standing::Custody).await;
+    let (renewals, reports) = (fake.renewals(), fake.ledger().reports.len());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(alive(pid), "custody keeps the workload running");
+    assert_eq!(fake.renewals(), renewals, "no renewals without a session");
+    assert_eq!(fake.ledger().reports.len(), reports);
+    // Meanwhile the leases service let the lease expire.
+    fake.change("l-1", None, |l| l.phase = LeasePhase::Expired as i32);
+    fake.ledger().custody_of_expired = true;
+
+    runner.session.send_replace(session(2));
+    runner.standing_until(Standing::Serving).await;
+    assert!(alive(pid));
+    let lease = fake.lease("l-1");
+    assert_eq!((lease.phase(), lease.epoch, lease.reason.as_str()), (LeasePhase::Running, 2, "CustodyAssumed"));
+    assert_eq!(runner.board.get("l-1").unwrap().pid, Some(pid));
+    runner.kill().await;
+    let provider = ProcessProvider::new(dir.path(), ProcessTiming::default(), CancellationToken::new());
+    provider.recover().await.unwrap();
+    provider.destroy("l-1").await.unwrap();
+}
+
+#[tokio::test]
+async fn compute_held_in_custody_past_the_bound_is_destroyed() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let settings = RunnerSettings { max_custody: Some(Duration::from_millis(300)), ..settings() };
+    let runner = Harness::start(&fake, dir.path(), settings);
+    runner.standing_until(Standing::Serving).await;
+    fake.place("l-1", "exec sleep 1000");
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    let pid = runner.pid_of("l-1").await;
+
+    let fenced_at = Instant::now();
+    runner.fence(FenceReason::Fenced);
+    gone_until(pid).await;
+    assert!(fenced_at.elapsed() >= Duration::from_millis(300), "destroyed before the bound");
+    let view = runner.view_until("l-1", "settled", |v| v.ended_at.is_some()).await;
+    assert_eq!(view.reason, "CustodyExpired");
+    runner.holding_until(0).await;
+    runner.kill().await;
+}
+
+#[tokio::test]
+async fn a_revoked_node_destroys_what_it_runs() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let runner = Harness::start(&fake, dir.path(), settings());
+    runner.standing_until(Standing::Serving).await;
+    fake.place("l-1", "exec sleep 1000");
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    let pid = runner.pid_of("l-1").await;
+    runner.fence(FenceReason::Revoked);
+    gone_until(pid).await;
+    runner.holding_until(0).await;
+    assert_eq!(runner.board.get("l-1").unwrap().reason, "NodeRevoked");
+    runner.kill().await;
+}
+
+#[tokio::test]
+async fn the_sweep_destroys_what_no_open_lease_covers() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let mut settings = settings();
+    settings.timing.sweep_interval = Duration::from_millis(200);
+    let runner = Harness::start(&fake, dir.path(), settings);
+    runner.standing_until(Standing::Serving).await;
+    fake.place("l-1", "exec sleep 1000");
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    let pid = runner.pid_of("l-1").await;
+    // Neither the stream nor the renewals say: only the sweep can find out.
+    fake.ledger().renew_blindly = true;
+    fake.change("l-1", None, |l| l.epoch = 5);
+    gone_until(pid).await;
+    assert_eq!(runner.board.get("l-1").unwrap().reason, "NotCovered");
+    runner.kill().await;
+}
+
+#[tokio::test]
+async fn reports_wait_out_a_leases_outage() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let runner = Harness::start(&fake, dir.path(), settings());
+    runner.standing_until(Standing::Serving).await;
+    fake.place("l-1", "exec sleep 0.3");
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    fake.set_down(true);
+    runner.view_until("l-1", "exited", |v| v.exit.is_some()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(fake.lease("l-1").phase(), LeasePhase::Running);
+    fake.set_down(false);
+    let done = fake.phase_until("l-1", LeasePhase::Done).await;
+    assert_eq!(done.exit_code, Some(0));
+    runner.kill().await;
+}
+
+#[tokio::test]
+async fn a_start_during_an_outage_recovers_once_leases_answers() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    fake.set_down(true);
+    let runner = Harness::start(&fake, dir.path(), settings());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(*runner.handle.standing.borrow(), Standing::Recovering);
+    fake.set_down(false);
+    runner.standing_until(Standing::Serving).await;
+    assert_eq!(fake.ledger().streams_opened, 1);
+    runner.kill().await;
+}
+
+#[tokio::test]
+async fn a_sweep_that_was_under_way_when_the_session_ended_does_not_end_custody() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let mut settings = settings();
+    settings.timing.sweep_interval = Duration::from_millis(100);
+    let runner = Harness::start(&fake, dir.path(), settings);
+    runner.standing_until(Standing::Serving).await;
+    fake.place("l-1", "exec sleep 1000");
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    let pid = runner.pid_of("l-1").await;
+
+    // A sweep is held at the service while the session ends and a new one begins.
+    let gate = Arc::new(Semaphore::new(0));
+    *fake.reconcile_gate.lock().unwrap() = Some(gate.clone());
+    let arrived = fake.reconciles_arrived.load(Ordering::SeqCst);
+    let deadline = Instant::now() + PATIENCE;
+    while fake.reconciles_arrived.load(Ordering::SeqCst) == arrived {
+        assert!(Instant::now() < deadline, "no sweep came");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    runner.fence(FenceReason::Fenced);
+    runner.standing_until(Standing::Custody).await;
+    runner.session.send_replace(session(2));
+    runner.standing_until(Standing::Recovering).await;
+    *fake.reconcile_gate.lock().unwrap() = None;
+    gate.add_permits(100);
+
+    runner.standing_until(Standing::Serving).await;
+    let custody: Vec<String> = fake.ledger().custody.iter().map(|c| c.lease_id.clone()).collect();
+    assert_eq!(custody, vec!["l-1".to_string()], "serving again before the workload was taken into custody");
+    assert_eq!(runner.board.get("l-1").unwrap().epoch, 2);
+    assert!(alive(pid));
+    runner.kill().await;
+    let provider = ProcessProvider::new(dir.path(), ProcessTiming::default(), CancellationToken::new());
+    provider.recover().await.unwrap();
+    provider.destroy("l-1").await.unwrap();
+}
