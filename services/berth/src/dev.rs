@@ -143,6 +143,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     agent.ca_bundle_pem = bundle.clone();
     agent.join_token = join_token;
     agent.name = DEV_NODE.to_string();
+    agent.leases = Some(SocketAddr::new(dial_host, args.port_base + 2).to_string());
     let agent = berth_agent::start(agent, shutdown.clone())
         .await
         .map_err(|e| StartError::Invalid(format!("dev agent: {e}")))?;

@@ -259,6 +259,93 @@ fn a_revoked_node_is_refused_by_every_service_within_seconds() {
     assert!(health.contains("SERVING"), "{health}");
 }
 
+/// grpcurl as the admin with a JSON body.
+fn grpcurl_admin_call(dir: &Path, addr: &str, method: &str, body: &str) -> serde_json::Value {
+    let out = Command::new(grpcurl())
+        .arg("-cacert")
+        .arg(dir.join("ca.pem"))
+        .arg("-cert")
+        .arg(dir.join("admin.pem"))
+        .arg("-key")
+        .arg(dir.join("admin-key.pem"))
+        .args(["-d", body])
+        .arg(addr)
+        .arg(method)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{method} {body}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Polls GetLease until the lease reaches a final phase.
+fn wait_final(dir: &Path, leases: &str, lease_id: &str) -> serde_json::Value {
+    let mut lease = serde_json::Value::Null;
+    for _ in 0..200 {
+        lease = grpcurl_admin_call(
+            dir,
+            leases,
+            "berth.leases.v1.Leases/GetLease",
+            &format!("{{\"lease_id\": \"{lease_id}\"}}"),
+        )["lease"]
+            .clone();
+        if matches!(lease["phase"].as_str(), Some("LEASE_PHASE_DONE" | "LEASE_PHASE_FAILED")) {
+            return lease;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("lease {lease_id} never finished: {lease}");
+}
+
+#[test]
+fn a_requested_lease_runs_on_the_dev_node_and_reports_its_exit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let base = free_port_base();
+    let _dev = Dev::start(&dir, base);
+    let leases = format!("127.0.0.1:{}", base + 2);
+    let request = |key: &str, script: &str| {
+        let body = format!(
+            r#"{{"owner": "test", "idempotency_key": "{key}", "resources": {{"cpu_millis": 100, "memory_bytes": 1048576}},
+                "workload": {{"command": "sh", "args": ["-c", "{script}"]}}}}"#
+        );
+        // The dev node may still be joining; placement needs it UP.
+        for _ in 0..100 {
+            let out = Command::new(grpcurl())
+                .arg("-cacert")
+                .arg(dir.join("ca.pem"))
+                .arg("-cert")
+                .arg(dir.join("admin.pem"))
+                .arg("-key")
+                .arg(dir.join("admin-key.pem"))
+                .args(["-d", &body])
+                .arg(&leases)
+                .arg("berth.leases.v1.Leases/RequestLease")
+                .output()
+                .unwrap();
+            if out.status.success() {
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                return v["lease"]["leaseId"].as_str().unwrap().to_string();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("no lease could be placed on the dev node");
+    };
+
+    let ok = request("ok", "exit 0");
+    let done = wait_final(&dir, &leases, &ok);
+    assert_eq!(done["phase"], "LEASE_PHASE_DONE", "{done}");
+
+    let bad = request("bad", "exit 3");
+    let failed = wait_final(&dir, &leases, &bad);
+    assert_eq!(failed["phase"], "LEASE_PHASE_FAILED", "{failed}");
+    assert_eq!(failed["exitCode"], 3, "{failed}");
+
+    // Both finished, so the node's capacity is whole again.
+    let capacity = grpcurl_admin_call(&dir, &leases, "berth.leases.v1.Capacity/ListNodeCapacity", "{}");
+    let node = &capacity["nodes"][0];
+    assert_eq!(node["allocated"].get("cpuMillis").and_then(|v| v.as_u64()).unwrap_or(0), 0, "{capacity}");
+}
+
 #[test]
 fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
     let tmp = tempfile::tempdir().unwrap();
