@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Brings up what the test suite talks to, on a fresh machine with Rust:
-# the real grpcurl, cargo-nextest, PostgreSQL on 127.0.0.1:5432 and Redis on
-# 127.0.0.1:6379. Installs only what is missing (as root), starts only what is
-# not running, and prints the grpcurl path for the Makefile.
+# the real grpcurl, cargo-nextest, PostgreSQL on 127.0.0.1:5432, Redis on
+# 127.0.0.1:6379, and the docker-registry binary the bundle tests start on
+# loopback ports of their own. Installs only what is missing (as root), starts
+# only what is not running, and prints the grpcurl path for the Makefile.
 set -euo pipefail
 
 log() { echo "test-deps: $*" >&2; }
@@ -44,6 +45,12 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
     --dir /var/lib/redis --logfile /var/log/redis/ci.log >&2
   for _ in $(seq 1 40); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.25; done
   redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null || { log "redis did not come up on 127.0.0.1:6379"; exit 1; }
+fi
+
+# An OCI registry (Distribution): only installed; each test runs its own.
+if ! command -v docker-registry >/dev/null && [ ! -x /usr/bin/docker-registry ]; then
+  log "installing docker-registry"
+  apt_install docker-registry
 fi
 
 echo "$g"

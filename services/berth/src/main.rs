@@ -2,6 +2,7 @@
 //! process; the other subcommands are the admin CLI.
 
 mod bench;
+mod bundle_cmd;
 mod cli;
 mod dev;
 
@@ -35,6 +36,9 @@ enum Command {
     /// Measure a service under load against a real process of it, e.g.
     /// `berth bench heartbeats --nodes 10000`.
     Bench(bench::BenchArgs),
+    /// Build and push bundles (`push DIR REF`) and show what a reference holds
+    /// (`inspect REF`), in a registry or an `oci:DIR:TAG` layout directory.
+    Bundle(bundle_cmd::BundleArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +54,7 @@ fn main() -> ExitCode {
             Command::Node(args) => args.run().await,
             Command::Cert(args) => args.run().await,
             Command::Bench(args) => args.run().await,
+            Command::Bundle(args) => args.run().await,
         }
     })
 }

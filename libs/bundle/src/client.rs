@@ -1,0 +1,765 @@
+//! Talks to where bundles live, a registry or an OCI layout directory: resolves tags to
+//! digests, pushes bundles, and fetches manifests and blobs, verifying every byte against
+//! its digest as it streams.
+//!
+//! # Transport
+//! Registries are spoken to with oci-client over HTTPS, verified against the system roots
+//! plus an optional private CA. Plain HTTP is used for loopback registries (`localhost`,
+//! `127.0.0.0/8`, `[::1]`; unless [`RegistryConfig::plain_http_loopback`] is off) and for
+//! hosts named in [`RegistryConfig::insecure_registries`].
+//! A fresh oci-client is built per operation, because it keeps the first credentials it
+//! sees for a registry and callers pass different credentials per bundle.
+//!
+//! # Errors
+//! Every failure is one [`RegistryError`] whose variant is what a caller decides on:
+//! [`RegistryError::TagNotFound`], [`RegistryError::Unauthorized`],
+//! [`RegistryError::RegistryUnavailable`] (refused connection, timeout, 5xx, 429) and
+//! [`RegistryError::InvalidReference`] are the kinds a tag resolver maps; an OCI layout
+//! directory answers with the same kinds.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use futures::StreamExt;
+use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
+use oci_client::errors::{OciDistributionError, OciErrorCode};
+use oci_client::secrets::RegistryAuth;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::digest::{Digest, Hasher};
+use crate::format::{BundleConfig, BundleManifest, Descriptor, FormatError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
+use crate::layout;
+use crate::pack::PackedBundle;
+use crate::reference::{BundleReference, RegistryReference};
+
+/// How long connecting to a registry may take by default.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a registry may go silent mid-response by default.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The buffer one blob read from a layout goes through.
+const COPY_BUFFER_BYTES: usize = 64 << 10;
+
+/// What went wrong talking to a registry or layout directory.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// The reference cannot be used for this operation.
+    #[error("invalid reference `{reference}`: {reason}")]
+    InvalidReference {
+        /// The reference.
+        reference: String,
+        /// Why.
+        reason: String,
+    },
+    /// The tag names no manifest in the repository.
+    #[error("tag not found: {reference}")]
+    TagNotFound {
+        /// The reference with the tag.
+        reference: String,
+    },
+    /// No manifest has this digest in the repository.
+    #[error("manifest {digest} not found in {reference}")]
+    ManifestNotFound {
+        /// The repository or layout.
+        reference: String,
+        /// The digest asked for.
+        digest: Digest,
+    },
+    /// A blob the manifest names is missing.
+    #[error("blob {digest} not found in {reference}")]
+    BlobNotFound {
+        /// The repository or layout.
+        reference: String,
+        /// The blob's digest.
+        digest: Digest,
+    },
+    /// The registry wants credentials, or refused the ones given.
+    #[error("unauthorized at {registry}: {detail}")]
+    Unauthorized {
+        /// The registry.
+        registry: String,
+        /// What the registry said.
+        detail: String,
+    },
+    /// The registry could not be reached, timed out or failed (5xx, 429), or the layout
+    /// directory could not be read; retrying later may work.
+    #[error("registry {registry} is unavailable: {detail}")]
+    RegistryUnavailable {
+        /// The registry or layout directory.
+        registry: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// Content did not hash to the digest that names it.
+    #[error("{what} does not match its digest: expected {expected}, got {actual}")]
+    DigestMismatch {
+        /// What was fetched, e.g. `layer sha256:…`.
+        what: String,
+        /// The digest that names it.
+        expected: String,
+        /// What the content hashed to, or how its size differed.
+        actual: String,
+    },
+    /// Content is larger than berth reads.
+    #[error("{what} is {size} bytes, more than the {limit} allowed")]
+    TooLarge {
+        /// What was fetched.
+        what: String,
+        /// Its size.
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// The manifest or config is not a berth bundle.
+    #[error("{reference} is not a usable bundle: {source}")]
+    NotABundle {
+        /// The reference.
+        reference: String,
+        /// What is wrong with it.
+        #[source]
+        source: FormatError,
+    },
+    /// The registry refused the request for another reason.
+    #[error("registry {registry} refused the request: {detail}")]
+    Refused {
+        /// The registry.
+        registry: String,
+        /// What the registry said.
+        detail: String,
+    },
+    /// A layout directory or a download could not be written.
+    #[error("cannot write {path}: {source}")]
+    Layout {
+        /// The path.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The client configuration cannot be used (e.g. the CA is not PEM).
+    #[error("registry client configuration: {0}")]
+    Config(String),
+}
+
+impl RegistryError {
+    /// Whether retrying later may succeed.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Self::RegistryUnavailable { .. })
+    }
+}
+
+/// Credentials for a registry, filled by the caller (the control plane from a bundle's
+/// secret, the CLI from flags).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub enum RegistryCredentials {
+    /// No credentials.
+    #[default]
+    Anonymous,
+    /// HTTP basic authentication, or the username and password a token service takes.
+    Basic {
+        /// The user.
+        username: String,
+        /// The password.
+        password: String,
+    },
+    /// A bearer token sent as is.
+    Bearer {
+        /// The token.
+        token: String,
+    },
+}
+
+impl std::fmt::Debug for RegistryCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Anonymous => f.write_str("Anonymous"),
+            Self::Basic { username, .. } => write!(f, "Basic({username}, <redacted>)"),
+            Self::Bearer { .. } => f.write_str("Bearer(<redacted>)"),
+        }
+    }
+}
+
+impl RegistryCredentials {
+    fn auth(&self) -> RegistryAuth {
+        match self {
+            Self::Anonymous => RegistryAuth::Anonymous,
+            Self::Basic { username, password } => RegistryAuth::Basic(username.clone(), password.clone()),
+            Self::Bearer { token } => RegistryAuth::Bearer(token.clone()),
+        }
+    }
+}
+
+/// How to reach registries.
+#[derive(Debug, Clone)]
+pub struct RegistryConfig {
+    /// Registries spoken to over plain HTTP, as `host` (any port) or `host:port`.
+    pub insecure_registries: Vec<String>,
+    /// PEM certificates of a private registry's CA, trusted beside the system roots.
+    pub ca_pem: Option<String>,
+    /// Whether loopback registries are spoken to over plain HTTP (the default); false
+    /// speaks HTTPS to them like to any other.
+    pub plain_http_loopback: bool,
+    /// How long connecting may take.
+    pub connect_timeout: Duration,
+    /// How long a registry may go silent mid-response.
+    pub read_timeout: Duration,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            insecure_registries: Vec::new(),
+            ca_pem: None,
+            plain_http_loopback: true,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            read_timeout: DEFAULT_READ_TIMEOUT,
+        }
+    }
+}
+
+/// What `inspect` found.
+#[derive(Debug, Clone)]
+pub struct BundleInfo {
+    /// The reference as asked.
+    pub reference: BundleReference,
+    /// The manifest digest.
+    pub digest: Digest,
+    /// The manifest's size in bytes.
+    pub manifest_size: u64,
+    /// The manifest.
+    pub manifest: BundleManifest,
+    /// The config.
+    pub config: BundleConfig,
+}
+
+/// Resolves, pushes and fetches bundles in registries and layout directories.
+#[derive(Debug, Clone)]
+pub struct BundleClient {
+    config: RegistryConfig,
+    certificates: Vec<Certificate>,
+}
+
+impl BundleClient {
+    /// A client with `config`; fails when the CA is not usable.
+    pub fn new(config: RegistryConfig) -> Result<Self, RegistryError> {
+        let certificates = match &config.ca_pem {
+            Some(pem) => split_pem(pem)?,
+            None => Vec::new(),
+        };
+        let client = Self { config, certificates };
+        // Building one now surfaces a bad CA here, not on the first pull.
+        client.oci_client("registry.invalid")?;
+        Ok(client)
+    }
+
+    /// The same client, also speaking plain HTTP to `registry` (as a bundle reference's
+    /// `insecure` flag asks).
+    pub fn with_insecure_registry(mut self, registry: impl Into<String>) -> Self {
+        self.config.insecure_registries.push(registry.into());
+        self
+    }
+
+    /// The manifest digest `reference` names now: its own digest when it pins one,
+    /// otherwise what its tag points to.
+    pub async fn resolve(
+        &self,
+        reference: &BundleReference,
+        credentials: &RegistryCredentials,
+    ) -> Result<Digest, RegistryError> {
+        if let Some(digest) = reference.digest() {
+            return Ok(digest.clone());
+        }
+        match reference {
+            BundleReference::Registry(r) => {
+                let client = self.oci_client(r.registry())?;
+                let text = client
+                    .fetch_manifest_digest(r.oci(), &credentials.auth())
+                    .await
+                    .map_err(|e| from_oci(e, Target::Tag(r)))?;
+                text.parse().map_err(|e| RegistryError::Refused {
+                    registry: r.registry().to_owned(),
+                    detail: format!("it answered with an unusable digest: {e}"),
+                })
+            }
+            BundleReference::Layout(l) => {
+                let dir = l.dir().to_path_buf();
+                let tag = l.tag().unwrap_or(crate::reference::DEFAULT_TAG).to_owned();
+                let shown = reference.to_string();
+                blocking(move || layout::resolve(&dir, &tag, &shown)).await
+            }
+        }
+    }
+
+    /// [`Self::resolve`] for a reference as a user wrote it (a template's bundle
+    /// reference); one that does not parse is [`RegistryError::InvalidReference`].
+    pub async fn resolve_str(
+        &self,
+        reference: &str,
+        credentials: &RegistryCredentials,
+    ) -> Result<Digest, RegistryError> {
+        let parsed = BundleReference::parse(reference)
+            .map_err(|e| RegistryError::InvalidReference { reference: reference.to_owned(), reason: e.to_string() })?;
+        self.resolve(&parsed, credentials).await
+    }
+
+    /// Pushes `bundle` to `reference` (blobs the registry already has are skipped) and
+    /// returns its manifest digest.
+    pub async fn push(
+        &self,
+        bundle: &PackedBundle,
+        reference: &BundleReference,
+        credentials: &RegistryCredentials,
+    ) -> Result<Digest, RegistryError> {
+        if let Some(digest) = reference.digest()
+            && digest != bundle.digest()
+        {
+            return Err(RegistryError::InvalidReference {
+                reference: reference.to_string(),
+                reason: format!("the bundle's digest is {}, not {digest}", bundle.digest()),
+            });
+        }
+        match reference {
+            BundleReference::Registry(r) => {
+                let client = self.oci_client(r.registry())?;
+                let auth = credentials.auth();
+                client.store_auth_if_needed(r.registry(), &auth).await;
+                for (descriptor, bytes) in bundle.blobs() {
+                    let digest = descriptor.digest.to_string();
+                    let present =
+                        client.blob_exists(r.oci(), &digest).await.map_err(|e| from_oci(e, Target::Push(r)))?;
+                    if !present {
+                        client
+                            .push_blob(r.oci(), bytes.to_vec(), &digest)
+                            .await
+                            .map_err(|e| from_oci(e, Target::Push(r)))?;
+                    }
+                }
+                let content_type = http::HeaderValue::from_static(crate::format::OCI_MANIFEST_MEDIA_TYPE);
+                client
+                    .push_manifest_raw(r.oci(), bundle.manifest_bytes().to_vec(), content_type)
+                    .await
+                    .map_err(|e| from_oci(e, Target::Push(r)))?;
+            }
+            BundleReference::Layout(l) => {
+                let dir = l.dir().to_path_buf();
+                let tag = l.tag().map(str::to_owned);
+                let bundle = bundle.clone();
+                blocking(move || layout::write(&dir, &bundle, tag.as_deref())).await?;
+            }
+        }
+        Ok(bundle.digest().clone())
+    }
+
+    /// Resolves `reference` and reads its manifest and config, verified.
+    pub async fn inspect(
+        &self,
+        reference: &BundleReference,
+        credentials: &RegistryCredentials,
+    ) -> Result<BundleInfo, RegistryError> {
+        let digest = self.resolve(reference, credentials).await?;
+        let fetcher = self.fetcher(reference, credentials)?;
+        let manifest_bytes = fetcher.manifest(&digest).await?;
+        let manifest = BundleManifest::parse(&manifest_bytes)
+            .map_err(|source| RegistryError::NotABundle { reference: reference.to_string(), source })?;
+        let config_bytes = fetcher.small_blob(&manifest.config, MAX_CONFIG_BYTES).await?;
+        let config = BundleConfig::parse(&config_bytes)
+            .map_err(|source| RegistryError::NotABundle { reference: reference.to_string(), source })?;
+        Ok(BundleInfo {
+            reference: reference.clone(),
+            digest,
+            manifest_size: manifest_bytes.len() as u64,
+            manifest,
+            config,
+        })
+    }
+
+    /// A fetcher for the blobs of the repository or layout `reference` names.
+    pub(crate) fn fetcher(
+        &self,
+        reference: &BundleReference,
+        credentials: &RegistryCredentials,
+    ) -> Result<Fetcher, RegistryError> {
+        let source = match reference {
+            BundleReference::Registry(r) => Source::Registry {
+                client: Box::new(self.oci_client(r.registry())?),
+                reference: r.clone(),
+                auth: credentials.auth(),
+            },
+            BundleReference::Layout(l) => Source::Layout { dir: l.dir().to_path_buf() },
+        };
+        Ok(Fetcher { source, shown: reference.to_string() })
+    }
+
+    fn oci_client(&self, registry: &str) -> Result<oci_client::Client, RegistryError> {
+        // reqwest takes the process's rustls provider and panics without one; ring is the
+        // only one in this tree, and installing fails harmlessly when one is there.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let protocol = if self.plain_http(registry) { ClientProtocol::Http } else { ClientProtocol::Https };
+        let config = ClientConfig {
+            protocol,
+            extra_root_certificates: self.certificates.clone(),
+            connect_timeout: Some(self.config.connect_timeout),
+            read_timeout: Some(self.config.read_timeout),
+            // One PUT per blob: every registry takes it, and bundles are pushed whole.
+            use_monolithic_push: true,
+            platform_resolver: None,
+            ..ClientConfig::default()
+        };
+        oci_client::Client::try_from(config).map_err(|e| RegistryError::Config(error_chain(&e)))
+    }
+
+    fn plain_http(&self, registry: &str) -> bool {
+        let host = host_of(registry);
+        (self.config.plain_http_loopback && is_loopback(host))
+            || self.config.insecure_registries.iter().any(|r| r == registry || r == host)
+    }
+}
+
+/// The host part of `host[:port]` or `[v6][:port]`.
+fn host_of(registry: &str) -> &str {
+    if let Some(rest) = registry.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match registry.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => registry,
+    }
+}
+
+fn is_loopback(host: &str) -> bool {
+    host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// One certificate per PEM block, since the HTTP client reads one per entry.
+fn split_pem(pem: &str) -> Result<Vec<Certificate>, RegistryError> {
+    const END: &str = "-----END CERTIFICATE-----";
+    let certificates: Vec<Certificate> = pem
+        .split_inclusive(END)
+        .filter(|block| block.contains("-----BEGIN CERTIFICATE-----") && block.contains(END))
+        .map(|block| Certificate { encoding: CertificateEncoding::Pem, data: block.trim().as_bytes().to_vec() })
+        .collect();
+    if certificates.is_empty() {
+        return Err(RegistryError::Config("the CA file holds no PEM certificate".to_owned()));
+    }
+    Ok(certificates)
+}
+
+/// Runs blocking file work off the async workers.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, RegistryError> + Send + 'static,
+) -> Result<T, RegistryError> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| RegistryError::Layout {
+        path: "<blocking task>".to_owned(),
+        source: std::io::Error::other(e.to_string()),
+    })?
+}
+
+/// Reads the blobs of one repository or layout, verifying each.
+#[derive(Debug)]
+pub(crate) struct Fetcher {
+    source: Source,
+    shown: String,
+}
+
+enum Source {
+    Registry { client: Box<oci_client::Client>, reference: RegistryReference, auth: RegistryAuth },
+    Layout { dir: PathBuf },
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Registry { reference, .. } => write!(f, "Registry({reference})"),
+            Self::Layout { dir } => write!(f, "Layout({})", dir.display()),
+        }
+    }
+}
+
+impl Fetcher {
+    /// The manifest with `digest`, checked against it.
+    pub(crate) async fn manifest(&self, digest: &Digest) -> Result<Vec<u8>, RegistryError> {
+        let bytes = match &self.source {
+            Source::Registry { client, reference, auth } => {
+                let pinned = reference_pinned(reference, digest);
+                let (bytes, _) = client
+                    .pull_manifest_raw(pinned.oci(), auth, &[crate::format::OCI_MANIFEST_MEDIA_TYPE])
+                    .await
+                    .map_err(|e| from_oci(e, Target::Manifest(reference, digest)))?;
+                bytes.to_vec()
+            }
+            Source::Layout { dir } => {
+                let path = layout::blob_path(dir, digest);
+                let (shown, digest_owned) = (self.shown.clone(), digest.clone());
+                blocking(move || {
+                    layout::read_bounded(&path, MAX_MANIFEST_BYTES).map_err(|e| match e.kind() {
+                        std::io::ErrorKind::NotFound => {
+                            RegistryError::ManifestNotFound { reference: shown.clone(), digest: digest_owned.clone() }
+                        }
+                        std::io::ErrorKind::InvalidData => RegistryError::TooLarge {
+                            what: format!("manifest {digest_owned}"),
+                            size: MAX_MANIFEST_BYTES + 1,
+                            limit: MAX_MANIFEST_BYTES,
+                        },
+                        _ => RegistryError::RegistryUnavailable { registry: shown.clone(), detail: e.to_string() },
+                    })
+                })
+                .await?
+            }
+        };
+        let size = bytes.len() as u64;
+        if size > MAX_MANIFEST_BYTES {
+            return Err(RegistryError::TooLarge {
+                what: format!("manifest {digest}"),
+                size,
+                limit: MAX_MANIFEST_BYTES,
+            });
+        }
+        let actual = Digest::of(&bytes);
+        if actual != *digest {
+            return Err(RegistryError::DigestMismatch {
+                what: "manifest".to_owned(),
+                expected: digest.to_string(),
+                actual: actual.to_string(),
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// A blob of at most `limit` bytes, in memory, checked against its descriptor.
+    pub(crate) async fn small_blob(&self, descriptor: &Descriptor, limit: u64) -> Result<Vec<u8>, RegistryError> {
+        let mut bytes = Vec::new();
+        self.blob(descriptor, limit, &mut bytes).await?;
+        Ok(bytes)
+    }
+
+    /// Streams a blob of at most `limit` bytes into `out`, hashing as it goes; fails,
+    /// having written part of it, when the content does not match the descriptor.
+    pub(crate) async fn blob(
+        &self,
+        descriptor: &Descriptor,
+        limit: u64,
+        out: &mut (impl tokio::io::AsyncWrite + Unpin),
+    ) -> Result<(), RegistryError> {
+        let what = format!("blob {}", descriptor.digest);
+        if descriptor.size > limit {
+            return Err(RegistryError::TooLarge { what, size: descriptor.size, limit });
+        }
+        let write_error = |source: std::io::Error| RegistryError::Layout { path: "the download".to_owned(), source };
+        let mut hasher = Hasher::default();
+        let overflow = |hasher: &Hasher| RegistryError::DigestMismatch {
+            what: what.clone(),
+            expected: format!("{} ({} bytes)", descriptor.digest, descriptor.size),
+            actual: format!("more than {} bytes", hasher.len()),
+        };
+        match &self.source {
+            Source::Registry { client, reference, .. } => {
+                let digest = descriptor.digest.to_string();
+                let mut stream = client
+                    .pull_blob_stream(reference.oci(), digest.as_str())
+                    .await
+                    .map_err(|e| from_oci(e, Target::Blob(reference, &descriptor.digest)))?;
+                while let Some(chunk) = stream.stream.next().await {
+                    let chunk = chunk.map_err(|e| from_stream_error(e, reference, &what, &descriptor.digest))?;
+                    hasher.update(&chunk);
+                    if hasher.len() > descriptor.size {
+                        return Err(overflow(&hasher));
+                    }
+                    out.write_all(&chunk).await.map_err(write_error)?;
+                }
+            }
+            Source::Layout { dir } => {
+                let path = layout::blob_path(dir, &descriptor.digest);
+                let mut file = tokio::fs::File::open(&path).await.map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => {
+                        RegistryError::BlobNotFound { reference: self.shown.clone(), digest: descriptor.digest.clone() }
+                    }
+                    _ => RegistryError::RegistryUnavailable { registry: self.shown.clone(), detail: e.to_string() },
+                })?;
+                let mut buffer = vec![0; COPY_BUFFER_BYTES];
+                loop {
+                    let n = file.read(&mut buffer).await.map_err(|e| RegistryError::RegistryUnavailable {
+                        registry: self.shown.clone(),
+                        detail: format!("{}: {e}", path.display()),
+                    })?;
+                    if n == 0 {
+                        break;
+                    }
+                    hasher.update(&buffer[..n]);
+                    if hasher.len() > descriptor.size {
+                        return Err(overflow(&hasher));
+                    }
+                    out.write_all(&buffer[..n]).await.map_err(write_error)?;
+                }
+            }
+        }
+        out.flush().await.map_err(write_error)?;
+        let size = hasher.len();
+        let actual = hasher.finish();
+        if size != descriptor.size || actual != descriptor.digest {
+            return Err(RegistryError::DigestMismatch {
+                what,
+                expected: format!("{} ({} bytes)", descriptor.digest, descriptor.size),
+                actual: format!("{actual} ({size} bytes)"),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn reference_pinned(reference: &RegistryReference, digest: &Digest) -> RegistryReference {
+    match BundleReference::Registry(reference.clone()).pinned(digest) {
+        BundleReference::Registry(pinned) => pinned,
+        BundleReference::Layout(_) => reference.clone(),
+    }
+}
+
+/// What a failed registry call was about, to say which thing was not found.
+#[derive(Clone, Copy)]
+enum Target<'a> {
+    Tag(&'a RegistryReference),
+    Manifest(&'a RegistryReference, &'a Digest),
+    Blob(&'a RegistryReference, &'a Digest),
+    Push(&'a RegistryReference),
+}
+
+impl Target<'_> {
+    fn reference(&self) -> &RegistryReference {
+        match self {
+            Self::Tag(r) | Self::Manifest(r, _) | Self::Blob(r, _) | Self::Push(r) => r,
+        }
+    }
+
+    fn not_found(&self, detail: String) -> RegistryError {
+        match *self {
+            Self::Tag(r) => RegistryError::TagNotFound { reference: r.to_string() },
+            Self::Manifest(r, digest) => {
+                RegistryError::ManifestNotFound { reference: r.to_string(), digest: digest.clone() }
+            }
+            Self::Blob(r, digest) => RegistryError::BlobNotFound { reference: r.to_string(), digest: digest.clone() },
+            Self::Push(r) => RegistryError::Refused { registry: r.registry().to_owned(), detail },
+        }
+    }
+}
+
+/// The error a caller acts on, for what oci-client reported.
+fn from_oci(error: OciDistributionError, target: Target<'_>) -> RegistryError {
+    let registry = target.reference().registry().to_owned();
+    let detail = error_chain(&error);
+    let by_status = |status: u16, detail: String| match status {
+        401 | 403 => RegistryError::Unauthorized { registry: registry.clone(), detail },
+        404 => target.not_found(detail),
+        429 | 500..=599 => RegistryError::RegistryUnavailable { registry: registry.clone(), detail },
+        _ => RegistryError::Refused { registry: registry.clone(), detail },
+    };
+    match error {
+        OciDistributionError::UnauthorizedError { .. } | OciDistributionError::AuthenticationFailure(_) => {
+            RegistryError::Unauthorized { registry, detail }
+        }
+        OciDistributionError::RegistryError { ref envelope, .. } => {
+            let code = envelope.errors.first().map(|e| &e.code);
+            match code {
+                Some(OciErrorCode::Unauthorized | OciErrorCode::Denied) => {
+                    RegistryError::Unauthorized { registry, detail }
+                }
+                Some(
+                    OciErrorCode::ManifestUnknown
+                    | OciErrorCode::NameUnknown
+                    | OciErrorCode::NotFound
+                    | OciErrorCode::BlobUnknown,
+                ) => target.not_found(detail),
+                Some(OciErrorCode::NameInvalid | OciErrorCode::TagInvalid) => {
+                    RegistryError::InvalidReference { reference: target.reference().to_string(), reason: detail }
+                }
+                Some(OciErrorCode::Toomanyrequests) => RegistryError::RegistryUnavailable { registry, detail },
+                _ => RegistryError::Refused { registry, detail },
+            }
+        }
+        OciDistributionError::ServerError { code, .. } => by_status(code, detail),
+        OciDistributionError::RequestError(ref e) => match e.status() {
+            Some(status) => by_status(status.as_u16(), detail),
+            None => RegistryError::RegistryUnavailable { registry, detail },
+        },
+        OciDistributionError::IoError(_) => RegistryError::RegistryUnavailable { registry, detail },
+        OciDistributionError::DigestError(oci_client::errors::DigestError::VerificationError {
+            ref expected,
+            ref actual,
+        }) => RegistryError::DigestMismatch {
+            what: match target {
+                Target::Manifest(..) => "manifest".to_owned(),
+                _ => "blob".to_owned(),
+            },
+            expected: expected.clone(),
+            actual: actual.clone(),
+        },
+        _ => RegistryError::Refused { registry, detail },
+    }
+}
+
+/// The error for a failure in the middle of a blob stream.
+fn from_stream_error(
+    error: std::io::Error,
+    reference: &RegistryReference,
+    what: &str,
+    digest: &Digest,
+) -> RegistryError {
+    if let Some(oci_client::errors::DigestError::VerificationError { actual, .. }) =
+        error.get_ref().and_then(|inner| inner.downcast_ref::<oci_client::errors::DigestError>())
+    {
+        return RegistryError::DigestMismatch {
+            what: what.to_owned(),
+            expected: digest.to_string(),
+            actual: actual.clone(),
+        };
+    }
+    RegistryError::RegistryUnavailable { registry: reference.registry().to_owned(), detail: error_chain(&error) }
+}
+
+/// An error and its sources on one line, repeats dropped.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let text = e.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
+        if !text.is_empty() && !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    parts.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_and_named_hosts_speak_plain_http() {
+        let client = BundleClient::new(RegistryConfig {
+            insecure_registries: vec!["registry.lan".into(), "10.0.0.5:5000".into()],
+            ..RegistryConfig::default()
+        })
+        .unwrap();
+        for plain in
+            ["127.0.0.1:5000", "localhost:5000", "localhost", "[::1]:5000", "registry.lan:443", "10.0.0.5:5000"]
+        {
+            assert!(client.plain_http(plain), "{plain} should be plain HTTP");
+        }
+        for tls in ["registry.example.com", "10.0.0.5:5001", "registry.lan.example.com"] {
+            assert!(!client.plain_http(tls), "{tls} should be HTTPS");
+        }
+    }
+
+    #[test]
+    fn a_ca_without_certificates_is_refused() {
+        let config = RegistryConfig { ca_pem: Some("not a certificate".into()), ..RegistryConfig::default() };
+        assert!(matches!(BundleClient::new(config), Err(RegistryError::Config(_))));
+    }
+
+    #[test]
+    fn credentials_never_print_their_secret() {
+        let basic = RegistryCredentials::Basic { username: "ci".into(), password: "hunter2".into() };
+        let bearer = RegistryCredentials::Bearer { token: "tok".into() };
+        assert!(!format!("{basic:?}").contains("hunter2"));
+        assert!(!format!("{bearer:?}").contains("tok"));
+    }
+}

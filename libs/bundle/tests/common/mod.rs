@@ -1,0 +1,74 @@
+//! Bundle directories and snapshots shared by the integration tests.
+
+#![allow(dead_code, unreachable_pub, reason = "each test binary uses a different part")]
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+/// A bundle directory with a `berth.toml`, an executable entrypoint, a nested data file
+/// and an internal symlink; `marker` goes into the data file so bundles differ.
+pub fn bundle_dir(marker: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_bundle(dir.path(), marker);
+    dir
+}
+
+pub fn write_bundle(dir: &Path, marker: &str) {
+    std::fs::write(
+        dir.join("berth.toml"),
+        r#"
+entrypoint = "bin/app"
+args = ["--serve", "--port=8080"]
+
+[env]
+GREETING = "hello"
+
+[[ports]]
+name = "http"
+port = 8080
+"#,
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir.join("bin")).unwrap();
+    std::fs::write(dir.join("bin/app"), "#!/bin/sh\necho hello\n").unwrap();
+    std::fs::set_permissions(dir.join("bin/app"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir_all(dir.join("share/data")).unwrap();
+    std::fs::write(dir.join("share/data/marker.txt"), marker).unwrap();
+    std::os::unix::fs::symlink("share/data/marker.txt", dir.join("current")).unwrap();
+}
+
+/// Every path under `dir` with what it is: file contents and executable bit, link
+/// targets, directories.
+pub fn snapshot(dir: &Path) -> BTreeMap<PathBuf, String> {
+    let mut out = BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, String>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    for path in entries {
+        let rel = path.strip_prefix(root).unwrap().to_path_buf();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        if meta.is_symlink() {
+            out.insert(rel, format!("link -> {}", std::fs::read_link(&path).unwrap().display()));
+        } else if meta.is_dir() {
+            out.insert(rel, "dir".to_owned());
+            walk(root, &path, out);
+        } else {
+            let exec = meta.permissions().mode() & 0o111 != 0;
+            let content = String::from_utf8_lossy(&std::fs::read(&path).unwrap()).into_owned();
+            out.insert(rel, format!("file exec={exec} {content}"));
+        }
+    }
+}
+
+/// Names directly in `dir`, sorted; empty when it does not exist.
+pub fn names(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut names: Vec<String> = entries.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
