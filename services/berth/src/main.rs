@@ -33,6 +33,12 @@ enum Command {
     Node(cli::NodeArgs),
     /// Issue admin and service certificates.
     Cert(cli::CertArgs),
+    /// Ask for compute to run a command, and list, inspect and release leases.
+    Lease(cli::LeaseArgs),
+    /// Show what each node offers to leases and how much of it is reserved.
+    Capacity(cli::CapacityArgs),
+    /// Print a lease's output, fetched from its node; `-f` follows it.
+    Logs(cli::LogsArgs),
     /// Measure a service under load against a real process of it, e.g.
     /// `berth bench heartbeats --nodes 10000`.
     Bench(bench::BenchArgs),
@@ -53,6 +59,9 @@ fn main() -> ExitCode {
             Command::Token(args) => args.run().await,
             Command::Node(args) => args.run().await,
             Command::Cert(args) => args.run().await,
+            Command::Lease(args) => args.run().await,
+            Command::Capacity(args) => args.run().await,
+            Command::Logs(args) => args.run().await,
             Command::Bench(args) => args.run().await,
             Command::Bundle(args) => args.run().await,
         }

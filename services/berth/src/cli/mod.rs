@@ -1,10 +1,13 @@
-//! The admin CLI for identity: join tokens, nodes and certificates, spoken
-//! to identity over mTLS with an admin certificate.
+//! The admin CLI: join tokens, nodes and certificates spoken to identity,
+//! leases and capacity to leases, and logs to a node's agent, each over mTLS
+//! with an admin certificate.
 //!
 //! # Where the connection comes from
 //! `--server`, `--ca`, `--cert` and `--key` (or `BERTH_SERVER`, `BERTH_CA`,
 //! `BERTH_CERT`, `BERTH_KEY`); the three files default to the ones
 //! `berth dev` writes in `--data-dir`, so a dev mesh needs no flags at all.
+//! `--server` is identity; the lease commands find leases with
+//! `--leases-server`, and `logs` finds a node's agent through identity.
 //!
 //! # What a failure looks like
 //! One line, `berth: error: ...`, and exit code 1. gRPC statuses are turned
@@ -12,6 +15,8 @@
 //! this far: clap refuses them as usage errors (exit code 2).
 
 mod cert;
+mod lease;
+mod logs;
 mod node;
 mod output;
 mod token;
@@ -25,6 +30,8 @@ use berth_runtime::StartError;
 use tonic::Code;
 
 pub(crate) use cert::CertArgs;
+pub(crate) use lease::{CapacityArgs, LeaseArgs};
+pub(crate) use logs::LogsArgs;
 pub(crate) use node::NodeArgs;
 pub(crate) use token::TokenArgs;
 
@@ -49,7 +56,7 @@ pub(crate) struct ClientArgs {
     #[arg(long, env = "BERTH_SERVER", default_value = "127.0.0.1:7443", value_name = "HOST:PORT",
           value_parser = parse_server, global = true)]
     server: String,
-    /// PEM bundle of the CAs to verify identity with [default: <DATA_DIR>/ca.pem].
+    /// PEM bundle of the CAs to verify the servers with [default: <DATA_DIR>/ca.pem].
     #[arg(long, env = "BERTH_CA", value_name = "FILE", global = true)]
     ca: Option<PathBuf>,
     /// PEM admin certificate to present [default: <DATA_DIR>/admin.pem].
@@ -96,30 +103,54 @@ pub(crate) enum CliError {
     /// The server address could not make a channel.
     #[error("{0}")]
     Address(#[source] Box<berth_rpc::ClientError>),
-    /// No connection to identity could be made (refused, timed out, TLS handshake failed).
-    #[error("cannot reach identity at {server}: {detail}")]
+    /// No connection to the service could be made (refused, timed out, TLS handshake failed).
+    #[error("cannot reach {service} at {server}: {detail}")]
     Unreachable {
+        /// The service dialled, e.g. "identity".
+        service: String,
         /// The address dialled.
         server: String,
         /// Why, from the transport.
         detail: String,
     },
-    /// Identity answered with an error status.
+    /// The service answered with an error status.
     /// The server's message, led by the status in plain words (e.g.
     /// "permission denied") unless it already says so.
     #[error("{0}")]
     Refused(String),
-    /// Identity does not serve the call (an older server, or one not built yet).
-    #[error("identity at {server} does not serve this call yet: {message}")]
+    /// The service does not serve the call (an older server, or one not built yet).
+    #[error("{service} at {server} does not serve this call yet: {message}")]
     Unsupported {
+        /// The service dialled, e.g. "identity".
+        service: String,
         /// The address dialled.
         server: String,
         /// The server's message.
         message: String,
     },
-    /// Identity answered, but without a field the call promises.
-    #[error("identity answered without {0}")]
+    /// The service answered, but without a field the call promises.
+    #[error("the server answered without {0}")]
     IncompleteResponse(&'static str),
+    /// No leases address was given and none follows from identity's.
+    #[error("--server {server} leaves no port two above it for leases; pass --leases-server HOST:PORT")]
+    NoLeasesServer {
+        /// Identity's address.
+        server: String,
+    },
+    /// The lease was never placed on a node, so no node holds its output.
+    #[error("lease {lease_id} is {phase} and on no node, so it has no output")]
+    Unplaced {
+        /// The lease.
+        lease_id: String,
+        /// Its phase, as people read it.
+        phase: String,
+    },
+    /// The lease's node does not say where its agent listens.
+    #[error("node {node_id} has no advertise address, so its agent cannot be asked for lease output")]
+    NoAgentAddress {
+        /// The node.
+        node_id: String,
+    },
     /// A key or CSR could not be generated locally.
     #[error("cannot generate a key: {0}")]
     KeyGeneration(#[source] Box<berth_mtls::MtlsError>),
@@ -144,17 +175,28 @@ impl From<CliError> for StartError {
     }
 }
 
-/// A lazily connected mTLS channel to identity, and the address it dials.
+/// A lazily connected mTLS channel to one berth service, the address it
+/// dials, and what to call that service in messages.
 #[derive(Debug, Clone)]
-pub(crate) struct IdentityConnection {
+pub(crate) struct Connection {
     channel: Channel,
     server: String,
+    service: String,
 }
 
+/// The connection to identity, which most commands talk to.
+pub(crate) type IdentityConnection = Connection;
+
 impl ClientArgs {
-    /// Reads the credential files and makes the channel; nothing is dialled
-    /// until the first call.
+    /// Reads the credential files and makes the channel to identity; nothing
+    /// is dialled until the first call.
     fn connect(&self) -> Result<IdentityConnection, CliError> {
+        Connection::open("identity", &self.server, self.credentials()?)
+    }
+
+    /// The admin credentials from --cert, --key and --ca, read once so one
+    /// command can dial several services with them.
+    fn credentials(&self) -> Result<TlsCredentials, CliError> {
         let cert = self.cert.clone().unwrap_or_else(|| self.data_dir.join("admin.pem"));
         let key = self.key.clone().unwrap_or_else(|| self.data_dir.join("admin-key.pem"));
         let ca = self.ca.clone().unwrap_or_else(|| self.data_dir.join("ca.pem"));
@@ -165,12 +207,10 @@ impl ClientArgs {
             key_pem: read_credential("client key", "--key", &key)?,
             ca_bundle_pem: read_credential("CA bundle", "--ca", &ca)?,
         };
-        let credentials = TlsCredentials::new(material).map_err(|source| CliError::Credentials {
+        TlsCredentials::new(material).map_err(|source| CliError::Credentials {
             files: format!("--cert {} with --key {} and --ca {}", cert.display(), key.display(), ca.display()),
             source: Box::new(source),
-        })?;
-        let channel = berth_rpc::connect(&self.server, credentials).map_err(|e| CliError::Address(Box::new(e)))?;
-        Ok(IdentityConnection { channel, server: self.server.clone() })
+        })
     }
 }
 
@@ -183,7 +223,14 @@ fn read_credential(role: &'static str, flag: &'static str, path: &Path) -> Resul
     })
 }
 
-impl IdentityConnection {
+impl Connection {
+    /// A channel to `service` at `server`; nothing is dialled until the
+    /// first call.
+    fn open(service: impl Into<String>, server: &str, credentials: TlsCredentials) -> Result<Self, CliError> {
+        let channel = berth_rpc::connect(server, credentials).map_err(|e| CliError::Address(Box::new(e)))?;
+        Ok(Connection { channel, server: server.to_string(), service: service.into() })
+    }
+
     /// `message` as a request bounded by [`RPC_TIMEOUT`].
     fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
@@ -194,22 +241,24 @@ impl IdentityConnection {
     /// The status in words a user can act on.
     fn status_error(&self, status: tonic::Status) -> CliError {
         let message = one_line(status.message());
-        let refused = |what: &'static str| {
+        let refused = |what: &str| {
             let line =
                 if message.to_lowercase().contains(what) { message.clone() } else { format!("{what}: {message}") };
             CliError::Refused(line)
+        };
+        let unreachable = |detail: String| CliError::Unreachable {
+            service: self.service.clone(),
+            server: self.server.clone(),
+            detail,
         };
         match status.code() {
             // A status with a transport error behind it never reached a
             // handler: the connection itself failed.
             Code::Unavailable | Code::Unknown if std::error::Error::source(&status).is_some() => {
-                CliError::Unreachable { server: self.server.clone(), detail: transport_detail(&status) }
+                unreachable(transport_detail(&status, &self.service))
             }
-            Code::Unavailable => refused("identity is unavailable"),
-            Code::DeadlineExceeded => CliError::Unreachable {
-                server: self.server.clone(),
-                detail: format!("no answer within {}s", RPC_TIMEOUT.as_secs()),
-            },
+            Code::Unavailable => refused(&format!("{} is unavailable", self.service)),
+            Code::DeadlineExceeded => unreachable(format!("no answer within {}s", RPC_TIMEOUT.as_secs())),
             Code::PermissionDenied => refused("permission denied"),
             Code::Unauthenticated => refused("not authenticated"),
             Code::NotFound => refused("not found"),
@@ -219,13 +268,14 @@ impl IdentityConnection {
             Code::ResourceExhausted => refused("limit reached"),
             // The client's own stack cancels a call whose connection died
             // under it, e.g. when the server's TLS refused our certificate.
-            Code::Cancelled => CliError::Unreachable {
-                server: self.server.clone(),
-                detail: format!("the connection closed before identity answered ({message})"),
-            },
+            Code::Cancelled => {
+                unreachable(format!("the connection closed before {} answered ({message})", self.service))
+            }
             Code::Aborted => refused("interrupted, try again"),
-            Code::Unimplemented => CliError::Unsupported { server: self.server.clone(), message },
-            Code::Ok | Code::Unknown | Code::Internal | Code::DataLoss => refused("identity failed"),
+            Code::Unimplemented => {
+                CliError::Unsupported { service: self.service.clone(), server: self.server.clone(), message }
+            }
+            Code::Ok | Code::Unknown | Code::Internal | Code::DataLoss => refused(&format!("{} failed", self.service)),
         }
     }
 }
@@ -235,7 +285,7 @@ const TRANSPORT_WRAPPERS: [&str; 2] = ["transport error", "connection error"];
 
 /// The transport error behind a status, its sources on one line without
 /// repeats or wrappers, with a hint when the TLS handshake failed.
-fn transport_detail(status: &tonic::Status) -> String {
+fn transport_detail(status: &tonic::Status, service: &str) -> String {
     let mut parts: Vec<String> = Vec::new();
     let mut source = std::error::Error::source(status);
     while let Some(error) = source {
@@ -251,9 +301,9 @@ fn transport_detail(status: &tonic::Status) -> String {
     }
     let detail = if parts.is_empty() { one_line(status.message()) } else { parts.join(": ") };
     if detail.contains("invalid peer certificate") {
-        format!("{detail} (identity's certificate does not verify against --ca; is it this cluster's CA bundle?)")
+        format!("{detail} ({service}'s certificate does not verify against --ca; is it this cluster's CA bundle?)")
     } else if detail.contains("received fatal alert") {
-        format!("{detail} (identity refused the handshake; is --cert signed by this cluster's CA?)")
+        format!("{detail} ({service} refused the handshake; is --cert signed by this cluster's CA?)")
     } else {
         detail
     }

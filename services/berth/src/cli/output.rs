@@ -11,6 +11,7 @@ use std::io::Write;
 use std::time::SystemTime;
 
 use berth_proto::identity::v1;
+use berth_proto::leases::v1 as leases;
 use berth_proto::types::v1::Capacity;
 use prost_types::Timestamp;
 use serde_json::{Map, Value, json};
@@ -63,6 +64,13 @@ impl Table {
         }
         out
     }
+}
+
+/// `key: value` lines with the values in one column, like `kubectl
+/// describe`.
+pub(super) fn fields(rows: &[(&str, String)]) -> String {
+    let width = rows.iter().map(|(key, _)| key.chars().count()).max().unwrap_or(0) + 1;
+    rows.iter().map(|(key, value)| format!("{:<width$}  {value}\n", format!("{key}:"))).collect()
 }
 
 /// Writes `text` to stdout. A reader that went away (`| head`) is not an
@@ -209,6 +217,26 @@ pub(super) fn node_state(state: i32) -> String {
     }
 }
 
+/// A lease phase as people read it: `RUNNING`, `DONE`.
+pub(super) fn lease_phase(phase: i32) -> String {
+    match leases::LeasePhase::try_from(phase) {
+        Ok(leases::LeasePhase::Unspecified) => "UNKNOWN".to_string(),
+        Ok(phase) => phase.as_str_name().trim_start_matches("LEASE_PHASE_").to_string(),
+        Err(_) => format!("UNKNOWN({phase})"),
+    }
+}
+
+/// Why a lease is where it is, with its exit status once it exited:
+/// `Exited (exit code 3)`, or `<none>`.
+pub(super) fn lease_reason(lease: &leases::Lease) -> String {
+    match (lease.reason.as_str(), lease.exit_code) {
+        ("", None) => NONE.to_string(),
+        ("", Some(code)) => format!("exit code {code}"),
+        (reason, None) => reason.to_string(),
+        (reason, Some(code)) => format!("{reason} (exit code {code})"),
+    }
+}
+
 /// A proto enum value by name, or its number when this CLI does not know it.
 fn enum_name(name: Option<&'static str>, value: i32) -> Value {
     name.map_or_else(|| json!(value), |n| json!(n))
@@ -259,6 +287,60 @@ pub(super) fn node_json(node: &v1::Node) -> Value {
         "state_changed_at": timestamp_json(node.state_changed_at.as_ref()),
         "certificate_expires_at": timestamp_json(node.certificate_expires_at.as_ref()),
         "join_token_id": node.join_token_id,
+    })
+}
+
+pub(super) fn lease_json(lease: &leases::Lease) -> Value {
+    let phase = leases::LeasePhase::try_from(lease.phase).ok().map(|p| p.as_str_name());
+    json!({
+        "lease_id": lease.lease_id,
+        "epoch": lease.epoch,
+        "project": lease.project,
+        "owner": lease.owner,
+        "node_id": lease.node_id,
+        "phase": enum_name(phase, lease.phase),
+        "resources": capacity_json(lease.resources.as_ref()),
+        "tier": lease.tier,
+        "spread_group": lease.spread_group,
+        "workload": lease.workload.as_ref().map_or(Value::Null, workload_json),
+        "reason": lease.reason,
+        "exit_code": lease.exit_code,
+        "created_at": timestamp_json(lease.created_at.as_ref()),
+        "expires_at": timestamp_json(lease.expires_at.as_ref()),
+        "idempotency_key": lease.idempotency_key,
+        "phase_changed_at": timestamp_json(lease.phase_changed_at.as_ref()),
+        "message": lease.message,
+    })
+}
+
+fn workload_json(workload: &leases::Workload) -> Value {
+    let bundle = workload
+        .bundle
+        .as_ref()
+        .map_or(Value::Null, |b| json!({ "reference": b.reference, "secret": b.secret, "insecure": b.insecure }));
+    let ports: Vec<Value> = workload.ports.iter().map(|p| json!({ "name": p.name, "port": p.port })).collect();
+    json!({
+        "bundle": bundle,
+        "digest": workload.digest,
+        "command": workload.command,
+        "args": workload.args,
+        "env": labels_json(&workload.env),
+        "ports": ports,
+        "service": workload.service,
+        "revision": workload.revision,
+    })
+}
+
+pub(super) fn node_capacity_json(node: &leases::NodeCapacity) -> Value {
+    let state = v1::NodeState::try_from(node.state).ok().map(|s| s.as_str_name());
+    json!({
+        "node_id": node.node_id,
+        "tier": node.tier,
+        "state": enum_name(state, node.state),
+        "total": capacity_json(node.total.as_ref()),
+        "allocated": capacity_json(node.allocated.as_ref()),
+        "free": capacity_json(node.free.as_ref()),
+        "leases": node.leases,
     })
 }
 
@@ -317,6 +399,31 @@ mod tests {
         assert_eq!(value["capacity"]["cpu_millis"], 2000);
         assert_eq!(value["labels"]["rack"], "r4");
         assert_eq!(node_state(node.state), "DRAINING");
+    }
+
+    #[test]
+    fn lease_json_keeps_an_unset_exit_code_apart_from_zero() {
+        let mut lease = leases::Lease {
+            lease_id: "l1".into(),
+            epoch: 2,
+            phase: leases::LeasePhase::Failed as i32,
+            reason: "Exited".into(),
+            exit_code: Some(3),
+            workload: Some(leases::Workload { command: "sh".into(), args: vec!["-c".into()], ..Default::default() }),
+            ..Default::default()
+        };
+        let value = lease_json(&lease);
+        assert_eq!(value["phase"], "LEASE_PHASE_FAILED");
+        assert_eq!(value["exit_code"], 3);
+        assert_eq!(value["workload"]["args"][0], "-c");
+        assert_eq!(value["workload"]["bundle"], Value::Null);
+        assert_eq!(lease_phase(lease.phase), "FAILED");
+        assert_eq!(lease_reason(&lease), "Exited (exit code 3)");
+        lease.exit_code = None;
+        assert_eq!(lease_json(&lease)["exit_code"], Value::Null);
+        assert_eq!(lease_reason(&lease), "Exited");
+        lease.reason.clear();
+        assert_eq!(lease_reason(&lease), NONE);
     }
 
     #[test]

@@ -1,0 +1,666 @@
+//! `berth lease request|list|get|release` and `berth capacity`: the
+//! capacity ledger as an operator reads it and asks it for compute.
+//!
+//! # Where leases is
+//! `--leases-server` (or `BERTH_LEASES_SERVER`); without it, identity's host
+//! with the port two above identity's, which is where `berth dev` serves
+//! leases. Credentials are the same admin files every command uses.
+//!
+//! # Invariants
+//! - A request always carries an idempotency key (random unless
+//!   `--idempotency-key` is given), so asking again with the same key never
+//!   makes a second lease.
+//! - Quantities are checked here, before anything is dialled: a bad `--cpu`
+//!   or `--memory` is a usage error naming the flag.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use berth_mtls::TlsCredentials;
+use berth_proto::leases::v1;
+use berth_proto::leases::v1::capacity_client::CapacityClient;
+use berth_proto::leases::v1::leases_client::LeasesClient;
+use berth_proto::types::v1::Capacity;
+use berth_rpc::Channel;
+use berth_runtime::StartError;
+use serde_json::json;
+
+use super::output::{self, Table};
+use super::{CliError, ClientArgs, Connection, OutputFormat, parse_label, parse_server};
+
+/// How often `request --wait` asks how the lease is doing.
+const WAIT_POLL: Duration = Duration::from_millis(250);
+
+/// Where the leases service is, for every command that talks to it.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Global options")]
+pub(super) struct LeasesServerArgs {
+    /// The leases service to talk to [default: --server's host, port + 2,
+    /// where `berth dev` serves it].
+    #[arg(long = "leases-server", env = "BERTH_LEASES_SERVER", value_name = "HOST:PORT",
+          value_parser = parse_server, global = true)]
+    address: Option<String>,
+}
+
+impl LeasesServerArgs {
+    /// A channel to leases with `credentials`; nothing is dialled until the
+    /// first call.
+    pub(super) fn connect(&self, client: &ClientArgs, credentials: TlsCredentials) -> Result<Connection, CliError> {
+        let address = match &self.address {
+            Some(address) => address.clone(),
+            None => beside_identity(&client.server)
+                .ok_or_else(|| CliError::NoLeasesServer { server: client.server.clone() })?,
+        };
+        Connection::open("leases", &address, credentials)
+    }
+}
+
+/// Identity's address with its port raised by two: `berth dev`'s layout.
+fn beside_identity(server: &str) -> Option<String> {
+    let (host, port) = server.rsplit_once(':')?;
+    let port = port.parse::<u16>().ok()?.checked_add(2)?;
+    Some(format!("{host}:{port}"))
+}
+
+/// Flags of `berth lease`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct LeaseArgs {
+    #[command(flatten)]
+    client: ClientArgs,
+    #[command(flatten)]
+    leases: LeasesServerArgs,
+    #[command(subcommand)]
+    command: LeaseCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum LeaseCommand {
+    /// Ask for compute on some node to run a command, e.g.
+    /// `berth lease request --owner alice -- sleep 60`.
+    Request(RequestArgs),
+    /// List leases, oldest first.
+    List(ListArgs),
+    /// Show one lease in full.
+    Get {
+        /// The lease's id.
+        #[arg(value_name = "LEASE_ID")]
+        lease_id: String,
+    },
+    /// Give a lease back: its node stops the workload and the compute is
+    /// freed. A lease that already ended is left as it is.
+    Release {
+        /// The lease's id.
+        #[arg(value_name = "LEASE_ID")]
+        lease_id: String,
+        /// Why, one CamelCase word recorded as the lease's reason
+        /// [default: Released].
+        #[arg(long, value_name = "WORD")]
+        reason: Option<String>,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct RequestArgs {
+    /// Who asks, recorded on the lease, e.g. `alice` or `batch/nightly`.
+    #[arg(long, value_name = "OWNER")]
+    owner: String,
+    /// The tenant [default: default].
+    #[arg(long, value_name = "PROJECT")]
+    project: Option<String>,
+    /// Asking again with the same key in the same project returns the lease
+    /// already made instead of a new one [default: a random key].
+    #[arg(long, value_name = "KEY")]
+    idempotency_key: Option<String>,
+    /// CPU to reserve: `500m`, `0.5` or `2` cores.
+    #[arg(long, value_name = "QUANTITY", default_value = "100m", value_parser = parse_cpu)]
+    cpu: u64,
+    /// Memory to reserve: `64Mi`, `1Gi`, `512M` or bytes.
+    #[arg(long, value_name = "QUANTITY", default_value = "64Mi", value_parser = parse_memory)]
+    memory: u64,
+    /// Only nodes of this tier [default: any tier].
+    #[arg(long, value_name = "TIER")]
+    tier: Option<String>,
+    /// Leases sharing a spread group are placed on different nodes when
+    /// possible.
+    #[arg(long, value_name = "GROUP")]
+    spread_group: Option<String>,
+    /// An environment variable for the command; repeatable.
+    #[arg(long = "env", value_name = "KEY=VALUE", value_parser = parse_label)]
+    env: Vec<(String, String)>,
+    /// Wait until the lease runs or ends, and print it then.
+    #[arg(long)]
+    wait: bool,
+    /// The program to run and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    command: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+struct ListArgs {
+    /// Only leases of this tenant [default: default].
+    #[arg(long, value_name = "PROJECT", conflicts_with = "all_projects")]
+    project: Option<String>,
+    /// Leases of every tenant.
+    #[arg(long)]
+    all_projects: bool,
+    /// Only leases placed on this node.
+    #[arg(long, value_name = "NODE_ID")]
+    node: Option<String>,
+    /// Only leases in this phase.
+    #[arg(long, value_enum, value_name = "PHASE")]
+    phase: Option<PhaseFilter>,
+    /// Only leases with this owner.
+    #[arg(long, value_name = "OWNER")]
+    owner: Option<String>,
+}
+
+/// The phases `lease list --phase` filters on.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum PhaseFilter {
+    /// Asked for, on no node yet.
+    Pending,
+    /// Placed on a node that has not started it yet.
+    Bound,
+    /// Its node is fetching and starting the workload.
+    Launching,
+    /// The workload runs.
+    Running,
+    /// The workload exited with status 0.
+    Done,
+    /// The workload could not start, exited non-zero, or its node lost it.
+    Failed,
+    /// Given back by its requester.
+    Released,
+    /// Not renewed in time by its node.
+    Expired,
+}
+
+impl From<PhaseFilter> for v1::LeasePhase {
+    fn from(filter: PhaseFilter) -> Self {
+        match filter {
+            PhaseFilter::Pending => v1::LeasePhase::Pending,
+            PhaseFilter::Bound => v1::LeasePhase::Bound,
+            PhaseFilter::Launching => v1::LeasePhase::Launching,
+            PhaseFilter::Running => v1::LeasePhase::Running,
+            PhaseFilter::Done => v1::LeasePhase::Done,
+            PhaseFilter::Failed => v1::LeasePhase::Failed,
+            PhaseFilter::Released => v1::LeasePhase::Released,
+            PhaseFilter::Expired => v1::LeasePhase::Expired,
+        }
+    }
+}
+
+/// Flags of `berth capacity`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct CapacityArgs {
+    // Before the flattened connection flags, whose help heading would
+    // otherwise carry over to it.
+    /// Only nodes of this tier.
+    #[arg(long, value_name = "TIER")]
+    tier: Option<String>,
+    #[command(flatten)]
+    client: ClientArgs,
+    #[command(flatten)]
+    leases: LeasesServerArgs,
+}
+
+impl LeaseArgs {
+    pub(crate) async fn run(self) -> Result<(), StartError> {
+        Ok(self.execute().await?)
+    }
+
+    async fn execute(self) -> Result<(), CliError> {
+        let connection = self.leases.connect(&self.client, self.client.credentials()?)?;
+        let mut client = LeasesClient::new(connection.channel.clone());
+        let format = self.client.output;
+        match self.command {
+            LeaseCommand::Request(args) => request(&mut client, &connection, args, format).await,
+            LeaseCommand::List(args) => {
+                let request = v1::ListLeasesRequest {
+                    project: args.project.unwrap_or_default(),
+                    node_id: args.node.unwrap_or_default(),
+                    phase: args.phase.map_or(v1::LeasePhase::Unspecified, v1::LeasePhase::from) as i32,
+                    owner: args.owner.unwrap_or_default(),
+                    all_projects: args.all_projects,
+                };
+                let listed = client
+                    .list_leases(connection.request(request))
+                    .await
+                    .map_err(|s| connection.status_error(s))?
+                    .into_inner();
+                print_list(&listed, format)
+            }
+            LeaseCommand::Get { lease_id } => {
+                let lease = get_lease(&mut client, &connection, &lease_id).await?;
+                match format {
+                    OutputFormat::Json => output::print_json(&json!({ "lease": output::lease_json(&lease) })),
+                    OutputFormat::Table => output::print(&details(&lease)),
+                }
+            }
+            LeaseCommand::Release { lease_id, reason } => {
+                let request = v1::ReleaseLeaseRequest { lease_id, reason: reason.unwrap_or_default() };
+                let released = client
+                    .release_lease(connection.request(request))
+                    .await
+                    .map_err(|s| connection.status_error(s))?
+                    .into_inner();
+                let lease = released.lease.ok_or(CliError::IncompleteResponse("the lease"))?;
+                match format {
+                    OutputFormat::Json => output::print_json(&json!({ "lease": output::lease_json(&lease) })),
+                    OutputFormat::Table => output::print(&released_line(&lease)),
+                }
+            }
+        }
+    }
+}
+
+impl CapacityArgs {
+    pub(crate) async fn run(self) -> Result<(), StartError> {
+        Ok(self.execute().await?)
+    }
+
+    async fn execute(self) -> Result<(), CliError> {
+        let connection = self.leases.connect(&self.client, self.client.credentials()?)?;
+        let request = v1::ListNodeCapacityRequest { tier: self.tier.unwrap_or_default() };
+        let listed = CapacityClient::new(connection.channel.clone())
+            .list_node_capacity(connection.request(request))
+            .await
+            .map_err(|s| connection.status_error(s))?
+            .into_inner();
+        if self.client.output == OutputFormat::Json {
+            let nodes: Vec<_> = listed.nodes.iter().map(output::node_capacity_json).collect();
+            return output::print_json(&json!({ "nodes": nodes }));
+        }
+        if listed.nodes.is_empty() {
+            output::note("No nodes found.");
+            return Ok(());
+        }
+        let mut table = Table::new(vec![
+            "NODE",
+            "TIER",
+            "STATE",
+            "CPU-TOTAL",
+            "CPU-ALLOCATED",
+            "CPU-FREE",
+            "MEMORY-TOTAL",
+            "MEMORY-ALLOCATED",
+            "MEMORY-FREE",
+            "LEASES",
+        ]);
+        let cpu = |c: Option<&Capacity>| output::cpu(c.map_or(0, |c| c.cpu_millis));
+        let memory = |c: Option<&Capacity>| output::memory(c.map_or(0, |c| c.memory_bytes));
+        for node in &listed.nodes {
+            let (total, allocated, free) = (node.total.as_ref(), node.allocated.as_ref(), node.free.as_ref());
+            table.row(vec![
+                node.node_id.clone(),
+                output::or_none(&node.tier),
+                output::node_state(node.state),
+                cpu(total),
+                cpu(allocated),
+                cpu(free),
+                memory(total),
+                memory(allocated),
+                memory(free),
+                node.leases.to_string(),
+            ]);
+        }
+        output::print(&table.render())
+    }
+}
+
+/// Asks for the lease, waits for it when told to, and prints it.
+async fn request(
+    client: &mut LeasesClient<Channel>,
+    connection: &Connection,
+    args: RequestArgs,
+    format: OutputFormat,
+) -> Result<(), CliError> {
+    let mut words = args.command.into_iter();
+    let command = words.next().unwrap_or_default();
+    let key = args.idempotency_key.unwrap_or_else(random_key);
+    let request = v1::RequestLeaseRequest {
+        project: args.project.unwrap_or_default(),
+        owner: args.owner,
+        idempotency_key: key.clone(),
+        resources: Some(Capacity { cpu_millis: args.cpu, memory_bytes: args.memory }),
+        tier: args.tier.unwrap_or_default(),
+        spread_group: args.spread_group.unwrap_or_default(),
+        workload: Some(v1::Workload {
+            command,
+            args: words.collect(),
+            env: args.env.into_iter().collect::<HashMap<_, _>>(),
+            ..Default::default()
+        }),
+    };
+    let response =
+        client.request_lease(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner();
+    let mut lease = response.lease.ok_or(CliError::IncompleteResponse("the lease"))?;
+    if !response.created {
+        output::note(&format!("key {key} already made lease {}; this is that lease, not a new one", lease.lease_id));
+    }
+    if args.wait {
+        while is_starting(lease.phase) {
+            tokio::time::sleep(WAIT_POLL).await;
+            lease = get_lease(client, connection, &lease.lease_id).await?;
+        }
+    }
+    match format {
+        OutputFormat::Json => {
+            output::print_json(&json!({ "lease": output::lease_json(&lease), "created": response.created }))
+        }
+        OutputFormat::Table => {
+            let mut table = Table::new(vec!["LEASE", "NODE", "PHASE", "EPOCH", "REASON"]);
+            table.row(vec![
+                lease.lease_id.clone(),
+                output::or_none(&lease.node_id),
+                output::lease_phase(lease.phase),
+                lease.epoch.to_string(),
+                output::lease_reason(&lease),
+            ]);
+            output::print(&table.render())
+        }
+    }
+}
+
+/// Whether the lease is open but its workload has not started running yet.
+pub(super) fn is_starting(phase: i32) -> bool {
+    matches!(
+        v1::LeasePhase::try_from(phase),
+        Ok(v1::LeasePhase::Pending | v1::LeasePhase::Bound | v1::LeasePhase::Launching)
+    )
+}
+
+/// One lease, by id.
+pub(super) async fn get_lease(
+    client: &mut LeasesClient<Channel>,
+    connection: &Connection,
+    lease_id: &str,
+) -> Result<v1::Lease, CliError> {
+    client
+        .get_lease(connection.request(v1::GetLeaseRequest { lease_id: lease_id.to_string() }))
+        .await
+        .map_err(|s| connection.status_error(s))?
+        .into_inner()
+        .lease
+        .ok_or(CliError::IncompleteResponse("the lease"))
+}
+
+/// A key no earlier request has used.
+fn random_key() -> String {
+    let bytes: [u8; 12] = rand::random();
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("cli-{hex}")
+}
+
+fn print_list(listed: &v1::ListLeasesResponse, format: OutputFormat) -> Result<(), CliError> {
+    if format == OutputFormat::Json {
+        let leases: Vec<_> = listed.leases.iter().map(output::lease_json).collect();
+        return output::print_json(&json!({ "leases": leases }));
+    }
+    if listed.leases.is_empty() {
+        output::note("No leases found.");
+        return Ok(());
+    }
+    let mut table =
+        Table::new(vec!["LEASE", "PROJECT", "OWNER", "NODE", "PHASE", "EPOCH", "CPU", "MEMORY", "AGE", "REASON"]);
+    for lease in &listed.leases {
+        let resources = lease.resources.as_ref();
+        table.row(vec![
+            lease.lease_id.clone(),
+            output::or_none(&lease.project),
+            output::or_none(&lease.owner),
+            output::or_none(&lease.node_id),
+            output::lease_phase(lease.phase),
+            lease.epoch.to_string(),
+            resources.map_or_else(|| output::NONE.to_string(), |r| output::cpu(r.cpu_millis)),
+            resources.map_or_else(|| output::NONE.to_string(), |r| output::memory(r.memory_bytes)),
+            output::age(lease.created_at.as_ref()),
+            output::lease_reason(lease),
+        ]);
+    }
+    output::print(&table.render())
+}
+
+/// What `release` did, in one line.
+fn released_line(lease: &v1::Lease) -> String {
+    let phase = output::lease_phase(lease.phase);
+    if lease.phase == v1::LeasePhase::Released as i32 {
+        format!("lease {} is {phase}: its node stops the workload and its compute is free\n", lease.lease_id)
+    } else {
+        format!(
+            "lease {} had already ended {phase}: {}; nothing changed\n",
+            lease.lease_id,
+            output::lease_reason(lease)
+        )
+    }
+}
+
+/// Every field of a lease, one per line, like `kubectl describe`.
+fn details(lease: &v1::Lease) -> String {
+    let ago = |at: Option<&prost_types::Timestamp>| output::when(at, &format!("{} ago", output::age(at)));
+    let expires = lease.expires_at.as_ref();
+    let workload = lease.workload.clone().unwrap_or_default();
+    let program = if workload.command.is_empty() {
+        "<the bundle's entrypoint>".to_string()
+    } else {
+        std::iter::once(&workload.command).chain(&workload.args).map(|w| shell_word(w)).collect::<Vec<_>>().join(" ")
+    };
+    let rows: Vec<(&str, String)> = vec![
+        ("ID", lease.lease_id.clone()),
+        ("Project", output::or_none(&lease.project)),
+        ("Owner", output::or_none(&lease.owner)),
+        ("Phase", output::lease_phase(lease.phase)),
+        ("Phase changed", ago(lease.phase_changed_at.as_ref())),
+        ("Reason", output::or_none(&lease.reason)),
+        ("Message", output::or_none(&lease.message)),
+        ("Exit code", lease.exit_code.map_or_else(|| output::NONE.to_string(), |code| code.to_string())),
+        ("Node", output::or_none(&lease.node_id)),
+        ("Epoch", lease.epoch.to_string()),
+        ("Resources", output::capacity(lease.resources.as_ref())),
+        ("Tier", output::or_none(&lease.tier)),
+        ("Spread group", output::or_none(&lease.spread_group)),
+        ("Command", program),
+        ("Environment", output::labels(&workload.env)),
+        ("Bundle", workload.bundle.as_ref().map_or_else(|| output::NONE.to_string(), |b| b.reference.clone())),
+        ("Service", output::or_none(&workload.service)),
+        ("Revision", output::or_none(&workload.revision)),
+        ("Created", ago(lease.created_at.as_ref())),
+        ("Expires", output::when(expires, &output::until(expires))),
+        ("Idempotency key", output::or_none(&lease.idempotency_key)),
+    ];
+    output::fields(&rows)
+}
+
+/// `word` as a POSIX shell would need it written to mean itself.
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// A CPU quantity as Kubernetes writes it (`500m`, `0.5`, `2`), in
+/// thousandths of a core, above zero.
+fn parse_cpu(value: &str) -> Result<u64, String> {
+    let (number, unit) = match value.strip_suffix('m') {
+        Some(number) => (number, 1),
+        None => (value, 1000),
+    };
+    let (millis, exact) =
+        scale(number, unit).ok_or_else(|| format!("'{value}' is not a cpu quantity (use 500m, 0.5 or 2)"))?;
+    if !exact {
+        return Err(format!("'{value}' is finer than 1m, a thousandth of a core"));
+    }
+    whole_amount(value, millis, "cpu")
+}
+
+/// The binary and decimal suffixes a memory quantity may carry, longest
+/// first so `Mi` is not read as `M`.
+const MEMORY_UNITS: [(&str, u64); 12] = [
+    ("Ki", 1 << 10),
+    ("Mi", 1 << 20),
+    ("Gi", 1 << 30),
+    ("Ti", 1 << 40),
+    ("Pi", 1 << 50),
+    ("Ei", 1 << 60),
+    ("k", 1_000),
+    ("M", 1_000_000),
+    ("G", 1_000_000_000),
+    ("T", 1_000_000_000_000),
+    ("P", 1_000_000_000_000_000),
+    ("E", 1_000_000_000_000_000_000),
+];
+
+/// A memory quantity as Kubernetes writes it (`64Mi`, `1.5Gi`, `512M`, or
+/// bytes), in bytes rounded up, above zero.
+fn parse_memory(value: &str) -> Result<u64, String> {
+    let (number, unit) = MEMORY_UNITS
+        .iter()
+        .find_map(|(suffix, unit)| value.strip_suffix(suffix).map(|n| (n, *unit)))
+        .unwrap_or((value, 1));
+    let (bytes, _) =
+        scale(number, unit).ok_or_else(|| format!("'{value}' is not a memory quantity (use 64Mi, 1Gi or 512M)"))?;
+    whole_amount(value, bytes, "memory")
+}
+
+/// `amount` if it is above zero and fits the API.
+fn whole_amount(value: &str, amount: u128, what: &str) -> Result<u64, String> {
+    match u64::try_from(amount) {
+        Ok(0) => Err(format!("'{value}' is zero; a lease needs some {what}")),
+        Ok(amount) => Ok(amount),
+        Err(_) => Err(format!("'{value}' is more {what} than any node has")),
+    }
+}
+
+/// A decimal `number` (`2`, `0.5`, `.25`) times `unit`, rounded up, and
+/// whether it came out whole; `None` when it is not a plain decimal.
+fn scale(number: &str, unit: u64) -> Option<(u128, bool)> {
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    let digits = format!("{whole}{fraction}");
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) || number.ends_with('.') {
+        return None;
+    }
+    let denominator = 10u128.checked_pow(u32::try_from(fraction.len()).ok()?)?;
+    let numerator = digits.parse::<u128>().ok()?.checked_mul(u128::from(unit))?;
+    Some((numerator.div_ceil(denominator), numerator % denominator == 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Berth {
+        #[command(subcommand)]
+        command: Top,
+    }
+
+    #[derive(Debug, clap::Subcommand)]
+    enum Top {
+        Lease(LeaseArgs),
+        Capacity(CapacityArgs),
+    }
+
+    // Regression: a request flag named like a global one (`--key`) made clap
+    // panic at parse time instead of reading either.
+    #[test]
+    fn request_flags_stand_apart_from_the_global_ones() {
+        Berth::command().debug_assert();
+        let parsed = Berth::try_parse_from([
+            "berth",
+            "lease",
+            "request",
+            "--owner",
+            "o",
+            "--idempotency-key",
+            "k1",
+            "--key",
+            "admin-key.pem",
+            "--leases-server",
+            "leases:7445",
+            "--cpu",
+            "0.5",
+            "--memory",
+            "1Gi",
+            "--env",
+            "A=1",
+            "--",
+            "sh",
+            "-c",
+            "exit 3",
+        ])
+        .unwrap();
+        let Top::Lease(LeaseArgs { client, leases, command: LeaseCommand::Request(request) }) = parsed.command else {
+            panic!("parsed as another command");
+        };
+        assert_eq!(client.key.as_deref(), Some(std::path::Path::new("admin-key.pem")));
+        assert_eq!(leases.address.as_deref(), Some("leases:7445"));
+        assert_eq!(request.idempotency_key.as_deref(), Some("k1"));
+        assert_eq!((request.cpu, request.memory), (500, 1 << 30));
+        assert_eq!(request.command, ["sh", "-c", "exit 3"]);
+    }
+
+    #[test]
+    fn cpu_reads_like_kubernetes() {
+        assert_eq!(parse_cpu("100m"), Ok(100));
+        assert_eq!(parse_cpu("0.5"), Ok(500));
+        assert_eq!(parse_cpu(".25"), Ok(250));
+        assert_eq!(parse_cpu("2"), Ok(2000));
+        assert_eq!(parse_cpu("1.5"), Ok(1500));
+    }
+
+    #[test]
+    fn cpu_refusals_say_what_is_wrong() {
+        assert_eq!(parse_cpu("2x"), Err("'2x' is not a cpu quantity (use 500m, 0.5 or 2)".to_string()));
+        for bad in ["", "m", "1.", "-1", "1e3", " 1", "1 ", "1..2"] {
+            assert!(parse_cpu(bad).unwrap_err().contains("not a cpu quantity"), "{bad}");
+        }
+        assert!(parse_cpu("0.0005").unwrap_err().contains("finer than 1m"));
+        assert!(parse_cpu("0.5m").unwrap_err().contains("finer than 1m"));
+        assert!(parse_cpu("0").unwrap_err().contains("is zero"));
+        assert!(parse_cpu("0m").unwrap_err().contains("is zero"));
+        assert!(parse_cpu("99999999999999999999").unwrap_err().contains("more cpu"));
+    }
+
+    #[test]
+    fn memory_reads_binary_and_decimal_units() {
+        assert_eq!(parse_memory("64Mi"), Ok(64 << 20));
+        assert_eq!(parse_memory("1Gi"), Ok(1 << 30));
+        assert_eq!(parse_memory("1.5Gi"), Ok(3 << 29));
+        assert_eq!(parse_memory("512M"), Ok(512_000_000));
+        assert_eq!(parse_memory("2k"), Ok(2000));
+        assert_eq!(parse_memory("4096"), Ok(4096));
+        // A fraction of a byte is one more byte, as Kubernetes rounds.
+        assert_eq!(parse_memory("0.1Ki"), Ok(103));
+    }
+
+    #[test]
+    fn memory_refusals_say_what_is_wrong() {
+        assert_eq!(parse_memory("64Mb"), Err("'64Mb' is not a memory quantity (use 64Mi, 1Gi or 512M)".to_string()));
+        for bad in ["", "Mi", "1m", "1.Gi", "-1Gi", "1 Gi"] {
+            assert!(parse_memory(bad).unwrap_err().contains("not a memory quantity"), "{bad}");
+        }
+        assert!(parse_memory("0Mi").unwrap_err().contains("is zero"));
+        assert!(parse_memory("100Ei").unwrap_err().contains("more memory"));
+    }
+
+    #[test]
+    fn leases_sits_two_ports_above_identity_unless_named() {
+        assert_eq!(beside_identity("127.0.0.1:7443").as_deref(), Some("127.0.0.1:7445"));
+        assert_eq!(beside_identity("https://id.example:9000").as_deref(), Some("https://id.example:9002"));
+        assert_eq!(beside_identity("[::1]:7443").as_deref(), Some("[::1]:7445"));
+        assert_eq!(beside_identity("127.0.0.1:65535"), None);
+    }
+
+    #[test]
+    fn commands_are_shown_as_a_shell_would_take_them() {
+        assert_eq!(shell_word("sleep"), "sleep");
+        assert_eq!(shell_word("echo hi; exit 3"), "'echo hi; exit 3'");
+        assert_eq!(shell_word("it's"), r"'it'\''s'");
+        assert_eq!(shell_word(""), "''");
+    }
+}

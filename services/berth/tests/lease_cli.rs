@@ -1,0 +1,484 @@
+//! The lease CLI end to end: the real `berth` binary asks a real `berth dev`
+//! for leases that its dev node runs as processes on this machine, and the
+//! tests read only what the commands print and what runs in `/proc`.
+
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+#![allow(clippy::disallowed_methods, reason = "these tests drive processes from plain threads, not a runtime")]
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// How long the dev node may take to join and be offered to leases.
+const READY_DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long one CLI command may take before the test calls it hung.
+const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long a lease may take to reach the phase a test waits for.
+const PHASE_DEADLINE: Duration = Duration::from_secs(30);
+
+/// A port base whose five ports are free right now.
+fn free_port_base() -> u16 {
+    for _ in 0..50 {
+        let probe = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = probe.local_addr().unwrap().port();
+        drop(probe);
+        if base > 65000 {
+            continue;
+        }
+        if (0..5).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+            return base;
+        }
+    }
+    panic!("no five consecutive free ports");
+}
+
+/// A running `berth dev`, killed on drop.
+struct Dev {
+    child: Child,
+    dir: PathBuf,
+    /// Identity's address; leases is two ports above it.
+    server: String,
+    /// The dev node's id, once it is offered to leases.
+    node_id: String,
+}
+
+impl Dev {
+    /// Starts `berth dev` and waits until its node is UP in the ledger, so
+    /// leases can be placed on it.
+    fn start(dir: &Path) -> Dev {
+        let base = free_port_base();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args(["dev", "--data-dir"])
+            .arg(dir)
+            .args(["--port-base", &base.to_string()])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("berth binary runs");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with("berth dev is running") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(60)).expect("berth dev printed its banner");
+        let mut dev =
+            Dev { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}"), node_id: String::new() };
+        dev.node_id = poll(READY_DEADLINE, "the dev node is UP in the ledger", || {
+            let listed = dev.berth(&["capacity", "-o", "json"]);
+            let parsed: Value = serde_json::from_str(&listed.stdout).map_err(|_| format!("{listed:?}"))?;
+            parsed["nodes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|n| n["state"] == "NODE_STATE_UP" && n["total"]["cpu_millis"].as_u64().unwrap_or(0) > 0)
+                .map(|n| n["node_id"].as_str().unwrap().to_string())
+                .ok_or_else(|| parsed.to_string())
+        });
+        dev
+    }
+
+    /// Runs `berth ARGS` as the dev admin against this mesh, finding it
+    /// through the environment so ARGS may end in `-- COMMAND`.
+    fn berth(&self, args: &[&str]) -> Outcome {
+        let mut command = berth_command(args);
+        command.env("BERTH_SERVER", &self.server).env("BERTH_DATA_DIR", &self.dir);
+        run(command, COMMAND_DEADLINE)
+    }
+
+    /// Like [`Dev::berth`], and the command must succeed.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.berth(args);
+        assert_eq!(out.code, Some(0), "berth {args:?} failed: {}{}", out.stdout, out.stderr);
+        out.stdout
+    }
+
+    /// Like [`Dev::ok`] with `-o json` in front, parsed.
+    fn json(&self, args: &[&str]) -> Value {
+        let mut all = vec!["-o", "json"];
+        // Global flags go after the subcommand words, before any `--`.
+        let split = args.iter().position(|a| a.starts_with('-')).unwrap_or(args.len());
+        let (words, rest) = args.split_at(split);
+        let mut full = words.to_vec();
+        full.append(&mut all);
+        full.extend_from_slice(rest);
+        let stdout = self.ok(&full);
+        serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("berth {args:?} -o json printed no JSON ({e}): {stdout}"))
+    }
+
+    /// Requests a lease for `command` with `flags`, as JSON; returns its id.
+    fn request(&self, flags: &[&str], command: &[&str]) -> (String, Value) {
+        let args = [&["lease", "request"][..], flags, &["--"], command].concat();
+        let requested = self.json(&args);
+        let id = requested["lease"]["lease_id"].as_str().unwrap().to_string();
+        assert!(!id.is_empty(), "{requested}");
+        (id, requested)
+    }
+
+    /// The lease as `lease get -o json` shows it.
+    fn lease(&self, id: &str) -> Value {
+        self.json(&["lease", "get", id])["lease"].clone()
+    }
+
+    /// Waits until the lease is in `phase` (a proto name) and returns it.
+    fn await_phase(&self, id: &str, phase: &str) -> Value {
+        poll(PHASE_DEADLINE, &format!("lease {id} reaches {phase}"), || {
+            let lease = self.lease(id);
+            if lease["phase"] == phase { Ok(lease) } else { Err(lease.to_string()) }
+        })
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug)]
+struct Outcome {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    took: Duration,
+}
+
+impl Outcome {
+    /// The one `berth: error:` line; fails unless there is exactly one and
+    /// the exit code is 1.
+    fn error_line(&self) -> String {
+        assert_eq!(self.code, Some(1), "{self:?}");
+        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
+        let errors: Vec<&str> = self.stderr.lines().filter(|l| l.starts_with("berth: error:")).collect();
+        assert_eq!(errors.len(), 1, "exactly one error line: {}", self.stderr);
+        errors[0].to_string()
+    }
+}
+
+/// The real binary with `args` and no `BERTH_*` settings from the environment.
+fn berth_command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_berth"));
+    command.args(args);
+    for name in
+        ["BERTH_SERVER", "BERTH_LEASES_SERVER", "BERTH_CA", "BERTH_CERT", "BERTH_KEY", "BERTH_DATA_DIR", "BERTH_OUTPUT"]
+    {
+        command.env_remove(name);
+    }
+    command
+}
+
+/// Runs `command` to its end, killing it and failing the test if it takes
+/// longer than `deadline`.
+fn run(mut command: Command, deadline: Duration) -> Outcome {
+    let start = Instant::now();
+    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            pipe.read_to_end(&mut bytes).unwrap();
+            String::from_utf8(bytes).unwrap()
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{command:?} still ran after {deadline:?}; stderr: {}", stderr.join().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Outcome {
+        code: status.code(),
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+        took: start.elapsed(),
+    }
+}
+
+/// Retries `probe` every 200 ms until it yields, or fails after `deadline`
+/// with what it last saw.
+fn poll<T>(deadline: Duration, what: &str, mut probe: impl FnMut() -> Result<T, String>) -> T {
+    let start = Instant::now();
+    loop {
+        match probe() {
+            Ok(value) => return value,
+            Err(last) if start.elapsed() > deadline => panic!("{what} within {deadline:?}; last saw: {last}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
+/// The table row whose first column is `id`, split on whitespace.
+fn row<'a>(table: &'a str, id: &str) -> Vec<&'a str> {
+    table
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|cells| cells.first() == Some(&id))
+        .unwrap_or_else(|| panic!("no row for {id} in:\n{table}"))
+}
+
+/// The value of the `Key:` line of a details view.
+fn field(details: &str, key: &str) -> String {
+    details
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}:")))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_else(|| panic!("no {key} line in:\n{details}"))
+}
+
+/// Something no other test, or earlier run, puts on a command line.
+fn unique() -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    format!("{}{nanos:09}", std::process::id())
+}
+
+/// Pids of the processes on this machine whose command line holds `marker`.
+fn processes_with(marker: &str) -> Vec<String> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().map_while(Result::ok) {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if !name.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        // A process may end between the listing and the read.
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        if String::from_utf8_lossy(&cmdline).contains(marker) {
+            pids.push(name);
+        }
+    }
+    pids
+}
+
+#[test]
+fn command_runs_to_done_and_its_output_listing_and_freed_capacity_show() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start(&tmp.path().join("data"));
+
+    // Table output: one row with the lease, where it went, and how it is.
+    let args =
+        ["lease", "request", "--owner", "t-done", "--wait", "--", "sh", "-c", "echo hello; echo oops >&2; exit 0"];
+    let printed = dev.ok(&args);
+    assert!(printed.starts_with("LEASE "), "a table with upper-case headers:\n{printed}");
+    let id = printed.lines().nth(1).and_then(|l| l.split_whitespace().next()).unwrap().to_string();
+    let cells = row(&printed, &id);
+    assert_eq!(cells[1], dev.node_id, "{printed}");
+    assert!(["RUNNING", "DONE"].contains(&cells[2]), "--wait returns once the lease runs or ends:\n{printed}");
+    assert_eq!(cells[3], "1", "a fresh lease is at epoch 1:\n{printed}");
+
+    let lease = dev.await_phase(&id, "LEASE_PHASE_DONE");
+    assert_eq!(lease["exit_code"], 0, "{lease}");
+    assert_eq!(lease["owner"], "t-done", "{lease}");
+    assert_eq!(lease["workload"]["command"], "sh", "{lease}");
+    assert_eq!(lease["resources"]["cpu_millis"], 100, "--cpu defaults to 100m: {lease}");
+    assert_eq!(lease["resources"]["memory_bytes"], 64 << 20, "--memory defaults to 64Mi: {lease}");
+    let details = dev.ok(&["lease", "get", &id]);
+    assert_eq!(field(&details, "Phase"), "DONE", "{details}");
+    assert_eq!(field(&details, "Exit code"), "0", "{details}");
+    assert_eq!(field(&details, "Node"), dev.node_id, "{details}");
+    assert_eq!(field(&details, "Command"), "sh -c 'echo hello; echo oops >&2; exit 0'", "{details}");
+
+    // Each output to its own stream, byte for byte.
+    let logs = dev.berth(&["logs", &id]);
+    assert_eq!(logs.code, Some(0), "{logs:?}");
+    assert_eq!(logs.stdout, "hello\n", "{logs:?}");
+    assert_eq!(logs.stderr, "oops\n", "{logs:?}");
+    let only_err = dev.berth(&["logs", &id, "--stderr-only"]);
+    assert_eq!((only_err.stdout.as_str(), only_err.stderr.as_str()), ("", "oops\n"), "{only_err:?}");
+    let only_out = dev.berth(&["logs", &id, "--stdout-only"]);
+    assert_eq!((only_out.stdout.as_str(), only_out.stderr.as_str()), ("hello\n", ""), "{only_out:?}");
+
+    let table = dev.ok(&["lease", "list"]);
+    assert!(table.starts_with("LEASE "), "{table}");
+    let listed = row(&table, &id);
+    assert_eq!(
+        &listed[..8],
+        &[id.as_str(), "default", "t-done", dev.node_id.as_str(), "DONE", "1", "100m", "64Mi"],
+        "{table}"
+    );
+    let done = dev.json(&["lease", "list", "--phase", "done", "--owner", "t-done"]);
+    assert_eq!(done["leases"].as_array().unwrap().len(), 1, "{done}");
+    let running = dev.json(&["lease", "list", "--phase", "running"]);
+    assert!(running["leases"].as_array().unwrap().is_empty(), "{running}");
+
+    // The ended lease gave its compute back.
+    let capacity = dev.ok(&["capacity"]);
+    assert!(capacity.starts_with("NODE "), "{capacity}");
+    let node = row(&capacity, &dev.node_id);
+    assert_eq!(node[2], "UP", "{capacity}");
+    assert_eq!((node[4], node[7], node[9]), ("0", "0", "0"), "nothing allocated, no open leases:\n{capacity}");
+    assert_eq!(node[3], node[5], "all cpu is free:\n{capacity}");
+    assert_eq!(node[6], node[8], "all memory is free:\n{capacity}");
+}
+
+#[test]
+fn released_lease_stops_its_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start(&tmp.path().join("data"));
+    // A duration no other process has on its command line.
+    let marker = format!("300.{}", unique());
+
+    let (id, requested) =
+        dev.request(&["--owner", "t-release", "--cpu", "0.25", "--memory", "32Mi", "--wait"], &["sleep", &marker]);
+    assert_eq!(requested["lease"]["phase"], "LEASE_PHASE_RUNNING", "{requested}");
+    assert_eq!(requested["created"], true, "{requested}");
+    poll(PHASE_DEADLINE, "the workload's process runs", || {
+        let pids = processes_with(&marker);
+        if pids.is_empty() { Err("no process".into()) } else { Ok(pids) }
+    });
+    let capacity = dev.json(&["capacity"]);
+    let node = &capacity["nodes"].as_array().unwrap().iter().find(|n| n["node_id"] == dev.node_id.as_str()).unwrap();
+    assert_eq!(node["allocated"]["cpu_millis"], 250, "{capacity}");
+    assert_eq!(node["allocated"]["memory_bytes"], 32 << 20, "{capacity}");
+    assert_eq!(node["leases"], 1, "{capacity}");
+
+    let released = dev.ok(&["lease", "release", &id]);
+    assert!(released.contains(&id) && released.contains("RELEASED"), "{released}");
+    assert_eq!(dev.lease(&id)["phase"], "LEASE_PHASE_RELEASED");
+    assert_eq!(row(&dev.ok(&["lease", "list"]), &id)[4], "RELEASED");
+    poll(PHASE_DEADLINE, "the released workload's process is gone", || {
+        let pids = processes_with(&marker);
+        if pids.is_empty() { Ok(()) } else { Err(format!("still running: {pids:?}")) }
+    });
+
+    // Releasing again changes nothing and says so.
+    let again = dev.json(&["lease", "release", &id]);
+    assert_eq!(again["lease"]["phase"], "LEASE_PHASE_RELEASED", "{again}");
+    assert_eq!(again["lease"]["reason"], "Released", "{again}");
+}
+
+#[test]
+fn followed_logs_carry_every_line_and_end_with_the_lease() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start(&tmp.path().join("data"));
+
+    let script = "i=1; while [ $i -le 10 ]; do echo line-$i; i=$((i+1)); sleep 0.1; done";
+    let (id, requested) = dev.request(&["--owner", "t-follow"], &["sh", "-c", script]);
+    let phase = requested["lease"]["phase"].as_str().unwrap().to_string();
+    assert!(["LEASE_PHASE_BOUND", "LEASE_PHASE_LAUNCHING", "LEASE_PHASE_RUNNING"].contains(&phase.as_str()), "{phase}");
+
+    let followed = dev.berth(&["logs", &id, "-f"]);
+    assert_eq!(followed.code, Some(0), "{followed:?}");
+    let expected: String = (1..=10).map(|i| format!("line-{i}\n")).collect();
+    assert_eq!(followed.stdout, expected, "{followed:?}");
+    assert!(followed.stderr.is_empty(), "{followed:?}");
+    // It followed the workload rather than printing what was there once.
+    assert!(followed.took >= Duration::from_millis(500), "logs -f returned after {:?}", followed.took);
+    dev.await_phase(&id, "LEASE_PHASE_DONE");
+
+    // The tail of what is kept, once the lease is over.
+    let tail = dev.berth(&["logs", &id, "--tail", "2"]);
+    assert_eq!(tail.stdout, "line-9\nline-10\n", "{tail:?}");
+}
+
+#[test]
+fn nonzero_exit_is_failed_with_its_code_in_table_and_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start(&tmp.path().join("data"));
+    let key = format!("k-{}", unique());
+
+    // The code comes through --env, so the variable reached the command.
+    let flags = ["--owner", "t-fail", "--project", "team-a", "--idempotency-key", &key, "--env", "CODE=3", "--wait"];
+    let (id, requested) = dev.request(&flags, &["sh", "-c", "exit $CODE"]);
+    assert_eq!(requested["lease"]["project"], "team-a", "{requested}");
+    assert_eq!(requested["lease"]["idempotency_key"], key.as_str(), "{requested}");
+
+    let lease = dev.await_phase(&id, "LEASE_PHASE_FAILED");
+    assert_eq!(lease["exit_code"], 3, "{lease}");
+    assert_eq!(lease["workload"]["env"]["CODE"], "3", "{lease}");
+    let details = dev.ok(&["lease", "get", &id]);
+    assert_eq!(field(&details, "Phase"), "FAILED", "{details}");
+    assert_eq!(field(&details, "Exit code"), "3", "{details}");
+    assert_eq!(field(&details, "Project"), "team-a", "{details}");
+    assert_eq!(field(&details, "Environment"), "CODE=3", "{details}");
+
+    // The same key again is the same lease, not a second one.
+    let again = dev.berth(&[
+        "lease",
+        "request",
+        "--owner",
+        "t-fail",
+        "--project",
+        "team-a",
+        "--idempotency-key",
+        &key,
+        "--",
+        "true",
+    ]);
+    assert_eq!(again.code, Some(0), "{again:?}");
+    assert_eq!(row(&again.stdout, &id)[2], "FAILED", "{again:?}");
+    assert!(again.stderr.contains("already made") && again.stderr.contains(&id), "{again:?}");
+
+    // Listed under its project only, with its exit status.
+    let team = dev.ok(&["lease", "list", "--project", "team-a"]);
+    let listed = row(&team, &id);
+    assert_eq!(listed[4], "FAILED", "{team}");
+    assert!(team.lines().any(|l| l.starts_with(&id) && l.ends_with("(exit code 3)")), "{team}");
+    let default = dev.json(&["lease", "list"]);
+    assert!(default["leases"].as_array().unwrap().is_empty(), "not in the default project: {default}");
+    let all = dev.json(&["lease", "list", "--all-projects"]);
+    assert_eq!(all["leases"].as_array().unwrap().len(), 1, "{all}");
+}
+
+#[test]
+fn unknown_lease_is_not_found_and_an_unreachable_leases_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start(&tmp.path().join("data"));
+
+    for args in [&["lease", "get", "lse-no-such"][..], &["lease", "release", "lse-no-such"], &["logs", "lse-no-such"]] {
+        let out = dev.berth(args);
+        let line = out.error_line();
+        assert!(line.contains("not found") && line.contains("lse-no-such"), "berth {args:?}: {line}");
+        assert!(out.stdout.is_empty(), "{out:?}");
+    }
+
+    let closed = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let line = dev.berth(&["lease", "list", "--leases-server", &closed]).error_line();
+    assert!(line.starts_with(&format!("berth: error: cannot reach leases at {closed}: ")), "{line}");
+}
+
+#[test]
+fn bad_quantities_and_flags_are_usage_errors() {
+    for (args, says) in [
+        (
+            &["lease", "request", "--owner", "o", "--cpu", "2x", "--", "true"][..],
+            "'2x' is not a cpu quantity (use 500m",
+        ),
+        (&["lease", "request", "--owner", "o", "--cpu", "0", "--", "true"], "--cpu"),
+        (&["lease", "request", "--owner", "o", "--memory", "64Mb", "--", "true"], "'64Mb' is not a memory quantity"),
+        (&["lease", "request", "--owner", "o", "--memory", "0Gi", "--", "true"], "--memory"),
+        (&["lease", "request", "--owner", "o", "--env", "NOVALUE", "--", "true"], "--env"),
+        (&["lease", "request", "--owner", "o"], "COMMAND"),
+        (&["lease", "request", "--", "true"], "--owner"),
+        (&["lease", "list", "--project", "a", "--all-projects"], "--all-projects"),
+        (&["lease", "list", "--phase", "sideways"], "--phase"),
+        (&["lease", "list", "--leases-server", "leases-without-port"], "--leases-server"),
+        (&["logs", "l1", "--stdout-only", "--stderr-only"], "--stderr-only"),
+        (&["logs", "l1", "--tail", "0"], "--tail"),
+        (&["logs"], "LEASE_ID"),
+    ] {
+        let out = run(berth_command(args), COMMAND_DEADLINE);
+        assert_eq!(out.code, Some(2), "berth {args:?}: {out:?}");
+        assert!(out.stderr.contains("error:") && !out.stderr.contains("panicked"), "{}", out.stderr);
+        assert!(out.stderr.contains(says), "berth {args:?} should say {says}: {}", out.stderr);
+    }
+    let cpu = run(berth_command(&["lease", "request", "--owner", "o", "--cpu", "2x", "--", "true"]), COMMAND_DEADLINE);
+    assert!(cpu.stderr.contains("--cpu"), "the flag is named: {}", cpu.stderr);
+}
