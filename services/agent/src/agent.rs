@@ -9,9 +9,10 @@
 //!    retried with backoff until shutdown.
 //! 3. The agent API is bound on the node certificate, and the heartbeater
 //!    takes over the session.
-//! 4. With a leases service configured, the lease runner starts: it recovers
-//!    what the node ran before, then runs what is assigned to it (see
-//!    [`crate::runner`]).
+//! 4. With a leases service configured, the bundle cache opens in
+//!    `DATA_DIR/bundles` (clearing what a crash left half-done) and the lease
+//!    runner starts: it recovers what the node ran before, then runs what is
+//!    assigned to it (see [`crate::runner`] and [`crate::bundles`]).
 //!
 //! # Compute outlives the agent
 //! Stopping the agent (SIGTERM, or a crash) leaves every workload running; a
@@ -34,6 +35,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use berth_bundle::{BundleCache, BundleClient, CacheOptions, RegistryConfig};
 use berth_mtls::TlsCredentials;
 use berth_rpc::Listener;
 use tokio::sync::watch;
@@ -43,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::AgentApi;
 use crate::backoff::Backoff;
 use crate::board::InstanceBoard;
+use crate::bundles::BundleStore;
 use crate::config::AgentConfig;
 use crate::heartbeat::{Heartbeater, Watches, trust_union};
 use crate::identity_dir::{IdentityDir, IdentityDirError, NodeIdentity};
@@ -52,6 +55,9 @@ use crate::process::{ProcessProvider, ProcessTiming};
 use crate::provider::Provider;
 use crate::runner::{RunnerHandle, RunnerParts, RunnerSettings};
 use crate::status::{AgentStatus, Fence, FenceReason, NodeSession};
+
+/// Where the bundle cache lives in the data directory.
+const BUNDLE_CACHE_DIR: &str = "bundles";
 
 /// Why the agent could not start, or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -117,6 +123,9 @@ pub enum AgentError {
     /// The channel to identity could not be built.
     #[error(transparent)]
     Client(berth_rpc::ClientError),
+    /// The bundle cache could not be opened.
+    #[error("cannot open the bundle cache: {0}")]
+    BundleCache(#[source] berth_bundle::CacheError),
     /// The agent API address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -324,20 +333,22 @@ pub async fn start(config: AgentConfig, shutdown: CancellationToken) -> Result<A
                 retry_max: config.timing.retry_max,
                 max_custody: config.max_custody,
             };
-            Some((provider, Arc::new(leases), settings))
+            let bundles = open_bundles(&config, dir.root()).await?;
+            Some((provider, Arc::new(leases), bundles, settings))
         }
         None => None,
     };
     let api = AgentApi {
         board: board.clone(),
-        provider: runner.as_ref().map(|(provider, _, _)| provider.clone()),
+        provider: runner.as_ref().map(|(provider, ..)| provider.clone()),
         log_poll: config.lease_timing.log_poll,
         shutdown: stop.clone(),
     };
-    let runner = runner.map(|(provider, leases, settings)| {
+    let runner = runner.map(|(provider, leases, bundles, settings)| {
         crate::runner::spawn(RunnerParts {
             leases,
             provider,
+            bundles,
             board,
             session: session_rx.clone(),
             fences: fences.clone(),
@@ -349,6 +360,20 @@ pub async fn start(config: AgentConfig, shutdown: CancellationToken) -> Result<A
     let server = tokio::spawn(crate::api::serve(listener, credentials.clone(), api, stop.clone()));
     let heartbeater = tokio::spawn(heartbeater.run());
     Ok(AgentHandle { credentials, local_addr, status, session: session_rx, fences, stop, server, heartbeater, runner })
+}
+
+/// The node's bundles: the cache in `DATA_DIR/bundles`, pulling through the
+/// configured registries.
+async fn open_bundles(config: &AgentConfig, data_dir: &std::path::Path) -> Result<BundleStore, AgentError> {
+    let registries = RegistryConfig {
+        insecure_registries: config.insecure_registries.clone(),
+        ca_pem: config.registry_ca_pem.clone(),
+        ..RegistryConfig::default()
+    };
+    let client = BundleClient::new(registries).map_err(|e| AgentError::Config(format!("registry_ca_pem: {e}")))?;
+    let options = CacheOptions { budget_bytes: config.bundle_cache_budget, ..CacheOptions::default() };
+    let cache = BundleCache::open(data_dir.join(BUNDLE_CACHE_DIR), options).await.map_err(AgentError::BundleCache)?;
+    Ok(BundleStore::new(cache, client))
 }
 
 async fn join_first(

@@ -38,6 +38,10 @@ pub const DEFAULT_RETAIN_FINISHED: Duration = Duration::from_secs(60 * 60);
 /// How often a followed log is read for new output.
 pub const DEFAULT_LOG_POLL: Duration = Duration::from_millis(250);
 
+/// How much disk the bundle cache may use before it evicts bundles no lease
+/// holds: the bundle cache's own default.
+pub const DEFAULT_BUNDLE_CACHE_BUDGET: u64 = berth_bundle::DEFAULT_CACHE_BUDGET_BYTES;
+
 /// The timings of the lease runner. Production uses [`Default`]; tests
 /// shrink them to milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,6 +150,15 @@ pub struct AgentConfig {
     /// ended, or at start, until the leases service confirms it) before it
     /// is destroyed; `None` holds it until the leases service decides.
     pub max_custody: Option<Duration>,
+    /// Disk the bundle cache (`DATA_DIR/bundles`) may use before it evicts
+    /// bundles no lease holds.
+    pub bundle_cache_budget: u64,
+    /// Registries bundles are pulled from over plain HTTP, `host` or
+    /// `host:port`; loopback registries always are.
+    pub insecure_registries: Vec<String>,
+    /// PEM certificates of a private registry's CA, trusted beside the
+    /// system roots.
+    pub registry_ca_pem: Option<String>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -165,6 +178,8 @@ impl std::fmt::Debug for AgentConfig {
             .field("leases", &self.leases)
             .field("lease_timing", &self.lease_timing)
             .field("max_custody", &self.max_custody)
+            .field("bundle_cache_budget", &self.bundle_cache_budget)
+            .field("insecure_registries", &self.insecure_registries)
             .finish_non_exhaustive()
     }
 }
@@ -196,6 +211,9 @@ impl AgentConfig {
             leases: None,
             lease_timing: LeaseTiming::default(),
             max_custody: None,
+            bundle_cache_budget: DEFAULT_BUNDLE_CACHE_BUDGET,
+            insecure_registries: Vec::new(),
+            registry_ca_pem: None,
         }
     }
 

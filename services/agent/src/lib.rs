@@ -2,7 +2,9 @@
 //! keeps the node's identity in its data directory, heartbeats to identity
 //! (renewing its certificate and taking in CA rotations as it goes), rejoins
 //! when its session is fenced, runs the leases assigned to the node through
-//! a [`Provider`], and serves `berth.agent.v1.Agent` on the node certificate.
+//! a [`Provider`] (pulling their bundles by digest into a verified cache, and
+//! giving each workload a port of its own), and serves `berth.agent.v1.Agent`
+//! on the node certificate.
 //!
 //! # Expected flow
 //! [`start`] joins with a token, or resumes the identity kept in the data
@@ -25,6 +27,7 @@ mod agent;
 mod api;
 mod backoff;
 mod board;
+mod bundles;
 mod config;
 mod heartbeat;
 mod host;
@@ -42,9 +45,9 @@ mod status;
 
 pub use agent::{AgentError, AgentHandle, start};
 pub use config::{
-    AgentConfig, AgentTiming, DEFAULT_LOG_POLL, DEFAULT_MAX_HEARTBEAT_INTERVAL, DEFAULT_MIN_HEARTBEAT_INTERVAL,
-    DEFAULT_RENEW_INTERVAL, DEFAULT_RETAIN_FINISHED, DEFAULT_RETRY_INITIAL, DEFAULT_RETRY_MAX, DEFAULT_RPC_TIMEOUT,
-    DEFAULT_SWEEP_INTERVAL, LeaseTiming,
+    AgentConfig, AgentTiming, DEFAULT_BUNDLE_CACHE_BUDGET, DEFAULT_LOG_POLL, DEFAULT_MAX_HEARTBEAT_INTERVAL,
+    DEFAULT_MIN_HEARTBEAT_INTERVAL, DEFAULT_RENEW_INTERVAL, DEFAULT_RETAIN_FINISHED, DEFAULT_RETRY_INITIAL,
+    DEFAULT_RETRY_MAX, DEFAULT_RPC_TIMEOUT, DEFAULT_SWEEP_INTERVAL, LeaseTiming,
 };
 pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;

@@ -79,8 +79,45 @@ struct Args {
     /// How often what the node runs is reconciled with its open leases.
     #[arg(long, env = "BERTH_SWEEP_INTERVAL", value_name = "DURATION", value_parser = parse_duration, default_value = "30s")]
     sweep_interval: Duration,
+    /// Disk the bundle cache (under --data-dir) may use before it evicts
+    /// bundles no lease runs: bytes, or a number with KiB, MiB, GiB, TiB
+    /// (or KB, MB, GB, TB in powers of 1000), e.g. 10GiB.
+    #[arg(long, env = "BERTH_BUNDLE_CACHE_BUDGET", value_name = "SIZE", value_parser = parse_size, default_value = "20GiB")]
+    bundle_cache_budget: u64,
+    /// A registry to pull bundles from over plain HTTP, `host` or
+    /// `host:port` (repeat, or comma separated). Loopback registries always are.
+    #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
+    insecure_registries: Vec<String>,
+    /// PEM file of the CA that signed a private registry's certificate,
+    /// trusted beside the system roots.
+    #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
+    registry_ca: Option<PathBuf>,
     #[command(flatten)]
     telemetry: TelemetryArgs,
+}
+
+/// Bytes, or a whole number with a binary (KiB, MiB, GiB, TiB) or decimal
+/// (KB, MB, GB, TB) unit; case does not matter.
+fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().map_err(|_| format!("expected a size like 10GiB or 500MB, got '{text}'"))?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kib" | "k" => 1 << 10,
+        "mib" | "m" => 1 << 20,
+        "gib" | "g" => 1 << 30,
+        "tib" | "t" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        other => {
+            return Err(format!("unknown size unit '{other}' in '{text}'; use KiB, MiB, GiB, TiB, KB, MB, GB or TB"));
+        }
+    };
+    number.checked_mul(scale).ok_or_else(|| format!("'{text}' is more bytes than fit in 64 bits"))
 }
 
 fn parse_label(text: &str) -> Result<(String, String), String> {
@@ -127,6 +164,17 @@ impl Args {
         config.max_custody = self.max_custody;
         config.lease_timing.stop_grace = self.stop_grace;
         config.lease_timing.sweep_interval = self.sweep_interval;
+        config.bundle_cache_budget = self.bundle_cache_budget;
+        config.insecure_registries =
+            self.insecure_registries.into_iter().map(|r| r.trim().to_string()).filter(|r| !r.is_empty()).collect();
+        config.registry_ca_pem = match &self.registry_ca {
+            Some(path) => Some(std::fs::read_to_string(path).map_err(|source| StartError::Io {
+                what: "cannot read the registry CA file",
+                path: path.display().to_string(),
+                source,
+            })?),
+            None => None,
+        };
         Ok(config)
     }
 }
@@ -169,4 +217,21 @@ fn main() -> ExitCode {
         tracing::info!(node_id = %agent.node_id(), addr = %agent.local_addr(), "agent running");
         agent.wait().await.map_err(agent_error)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_with_binary_and_decimal_units() {
+        assert_eq!(parse_size("1234"), Ok(1234));
+        assert_eq!(parse_size("10GiB"), Ok(10 << 30));
+        assert_eq!(parse_size("20GiB"), Ok(berth_agent::DEFAULT_BUNDLE_CACHE_BUDGET), "the --help default");
+        assert_eq!(parse_size("500 mib"), Ok(500 << 20));
+        assert_eq!(parse_size("2GB"), Ok(2_000_000_000));
+        assert!(parse_size("10 parsecs").unwrap_err().contains("unknown size unit"));
+        assert!(parse_size("GiB").is_err());
+        assert!(parse_size("99999999999TiB").unwrap_err().contains("64 bits"));
+    }
 }

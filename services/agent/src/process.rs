@@ -6,7 +6,8 @@
 //! ```text
 //! DATA_DIR/leases/<lease_id>/            the workload's working directory (and HOME)
 //! DATA_DIR/instances/<lease_id>.json     the record: pid, process start time, epoch,
-//!                                        lease id, started_at, exit, settled
+//!                                        lease id, started_at, exit, settled, and
+//!                                        what the agent API shows (ports included)
 //! DATA_DIR/logs/<lease_id>/stdout.log    what it writes to standard output
 //! DATA_DIR/logs/<lease_id>/stderr.log    ... and to standard error
 //! ```
@@ -20,13 +21,27 @@
 //!   signal to the group reaches everything it started. Destroying it sends
 //!   SIGTERM to the group, waits for the grace, then SIGKILL.
 //! - Its environment is not the agent's: `PATH` (a default the workload may
-//!   override), `HOME` (its working directory), `BERTH_LEASE_ID`,
-//!   `BERTH_NODE_ID`, then the lease's own variables. Nothing of the agent's
-//!   (a join token, for one) leaks into it.
+//!   override), `HOME` (its working directory), the lease's own variables,
+//!   then what names it and which the lease cannot override: `BERTH_LEASE_ID`,
+//!   `BERTH_NODE_ID`, `BERTH_SERVICE` and `BERTH_REVISION` (when it has
+//!   them), `PORT` and `BERTH_PORT_<NAME>`. Nothing of the agent's (a join
+//!   token, for one) leaks into it.
 //! - A process is named by its pid and its start time from
 //!   `/proc/<pid>/stat`, so a recycled pid is never adopted or signalled.
 //! - When the leader of a workload exits, whatever it left running in its
 //!   group is killed: a finished lease leaves nothing behind.
+//!
+//! # Ports
+//! A process shares the host's network, so a port it declares cannot be
+//! mapped: instead each of its named ports gets a free port on the host,
+//! passed as `BERTH_PORT_<NAME>` (the name upper-cased, `-` as `_`), and the
+//! first one (or one of its own, with none named) as `PORT`, which the
+//! workload listens on. A free port is one the kernel hands out for
+//! `0.0.0.0:0` and that no other instance of this provider holds, so two
+//! replicas on one host never get the same one. They are kept in the record,
+//! so an adopted instance keeps its port. Between the probe and the
+//! workload's own bind another process may take the port; the workload then
+//! fails to listen and its lease fails with its exit.
 //!
 //! # Exit status after a restart
 //! A process this agent spawned is waited for, and its exit code or signal
@@ -41,9 +56,10 @@
 //! leaves a record with no pid, which a restart reports as never started,
 //! and a process it cannot find.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions};
 use std::io::Write as _;
+use std::net::{Ipv4Addr, TcpListener};
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Path, PathBuf};
@@ -56,8 +72,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    Exit, ExitStatus, InstanceRecord, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError,
-    WorkloadSignal,
+    Exit, ExitStatus, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched, LogFiles, Provider,
+    ProviderError, WorkloadSignal,
 };
 
 /// How long a workload has to stop after SIGTERM before it gets SIGKILL.
@@ -72,6 +88,10 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 
 /// How often a stopping group is looked at.
 const STOP_POLL: Duration = Duration::from_millis(25);
+
+/// How many ports the kernel is asked for before a launch gives up on
+/// finding ones no other instance holds.
+const PORT_ATTEMPTS: usize = 64;
 
 /// The `PATH` a workload gets unless its lease sets one.
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -193,6 +213,8 @@ struct Inner {
     proc_root: PathBuf,
     timing: ProcessTiming,
     instances: Mutex<BTreeMap<String, Tracked>>,
+    /// Ports handed to launches whose instance is not tracked yet.
+    claimed_ports: Mutex<BTreeSet<u16>>,
     /// Stops the tasks that wait for processes; never the processes.
     shutdown: CancellationToken,
 }
@@ -207,6 +229,7 @@ impl ProcessProvider {
                 proc_root: PathBuf::from(PROC_ROOT),
                 timing,
                 instances: Mutex::new(BTreeMap::new()),
+                claimed_ports: Mutex::new(BTreeSet::new()),
                 shutdown,
             }),
         }
@@ -379,6 +402,78 @@ impl Inner {
         // A panic while holding the lock left a map that is still whole.
         self.instances.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+
+    fn claimed_ports(&self) -> MutexGuard<'_, BTreeSet<u16>> {
+        self.claimed_ports.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Ports a launch was given, kept from other launches until its instance is
+/// tracked (which then keeps them) or the launch failed.
+#[derive(Debug)]
+struct PortClaim {
+    inner: Arc<Inner>,
+    ports: Vec<u16>,
+}
+
+impl Drop for PortClaim {
+    fn drop(&mut self) {
+        let mut claimed = self.inner.claimed_ports();
+        for port in &self.ports {
+            claimed.remove(port);
+        }
+    }
+}
+
+impl ProcessProvider {
+    /// Finds a free host port for each of `names` (one, with none) that no
+    /// other instance holds: the first is `PORT`.
+    fn allocate_ports(&self, lease_id: &str, names: &[String]) -> Result<(Vec<u16>, PortClaim), ProviderError> {
+        let wanted = names.len().max(1);
+        let mut taken: BTreeSet<u16> = self
+            .inner
+            .lock()
+            .values()
+            .filter(|tracked| tracked.stored.exit.is_none())
+            .flat_map(|tracked| host_ports(&tracked.stored.meta))
+            .collect();
+        let mut claimed = self.inner.claimed_ports();
+        taken.extend(claimed.iter().copied());
+        let no_port = |detail: String| ProviderError::NoFreePort { lease_id: lease_id.to_string(), detail };
+        // Every probe stays bound until the end, so the kernel never hands
+        // one port to this launch twice.
+        let mut probes = Vec::new();
+        let mut ports = Vec::new();
+        while ports.len() < wanted && probes.len() < PORT_ATTEMPTS {
+            let probe = TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| no_port(e.to_string()))?;
+            let port = probe.local_addr().map_err(|e| no_port(e.to_string()))?.port();
+            if taken.insert(port) {
+                ports.push(port);
+            }
+            probes.push(probe);
+        }
+        if ports.len() < wanted {
+            return Err(no_port(format!(
+                "the kernel offered only ports other instances hold after {PORT_ATTEMPTS} tries"
+            )));
+        }
+        claimed.extend(ports.iter().copied());
+        drop(claimed);
+        Ok((ports.clone(), PortClaim { inner: self.inner.clone(), ports }))
+    }
+}
+
+/// The host ports an instance holds.
+fn host_ports(meta: &InstanceMeta) -> impl Iterator<Item = u16> + '_ {
+    std::iter::once(meta.port).chain(meta.ports.values().copied()).filter_map(|port| u16::try_from(port).ok())
+}
+
+/// `BERTH_PORT_<NAME>` for a port's name: upper case, anything but a letter
+/// or digit as `_`.
+fn port_variable(name: &str) -> String {
+    let name: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect();
+    format!("BERTH_PORT_{name}")
 }
 
 #[async_trait::async_trait]
@@ -397,6 +492,10 @@ impl Provider for ProcessProvider {
         {
             return Err(ProviderError::AlreadyRunning(spec.lease_id));
         }
+        let mut spec = spec;
+        let (ports, _claim) = self.allocate_ports(&spec.lease_id, &spec.ports)?;
+        spec.meta.port = u32::from(ports[0]);
+        spec.meta.ports = spec.ports.iter().cloned().zip(ports.iter().map(|port| u32::from(*port))).collect();
 
         let layout = self.inner.layout.clone();
         let first = StoredRecord {
@@ -422,15 +521,23 @@ impl Provider for ProcessProvider {
             .env("PATH", DEFAULT_PATH)
             .env("HOME", &work_dir)
             .envs(&spec.env)
-            // Set last: a workload cannot pass for another lease or node.
+            // Set last: a workload cannot pass for another lease or node, nor
+            // listen anywhere but where the agent says it does.
             .env("BERTH_LEASE_ID", &spec.lease_id)
             .env("BERTH_NODE_ID", &spec.node_id)
+            .env("PORT", spec.meta.port.to_string())
+            .envs(spec.meta.ports.iter().map(|(name, port)| (port_variable(name), port.to_string())))
             .current_dir(&work_dir)
             .stdin(std::process::Stdio::null())
             .stdout(stdout)
             .stderr(stderr)
             .process_group(0)
             .kill_on_drop(false);
+        for (variable, value) in [("BERTH_SERVICE", &spec.meta.service), ("BERTH_REVISION", &spec.meta.revision)] {
+            if !value.is_empty() {
+                command.env(variable, value);
+            }
+        }
         let (exit_tx, exit_rx) = watch::channel(None);
         let child = match command.spawn() {
             Ok(child) => child,
@@ -728,6 +835,7 @@ mod tests {
             command: "sh".into(),
             args: vec!["-c".into(), script.into()],
             env: BTreeMap::from([("GREETING".to_string(), "hello".to_string())]),
+            ports: Vec::new(),
             meta: Default::default(),
         }
     }
@@ -856,6 +964,48 @@ mod tests {
         assert!(!tmp.path().join("leases/lease-d").exists());
         assert!(!tmp.path().join("logs/lease-d").exists());
         assert!(second.recover().await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn each_workload_is_given_free_ports_of_its_own_and_an_adopted_one_keeps_them() {
+        let tmp = TestDir::new();
+        let first_stop = CancellationToken::new();
+        let first = ProcessProvider::new(tmp.path(), timing(), first_stop.clone());
+        let script = "echo $PORT $BERTH_PORT_HTTP $BERTH_PORT_ADMIN_API; exec sleep 1000";
+        let mut web = spec("lease-p", script);
+        web.ports = vec!["http".into(), "admin-api".into()];
+        // The lease cannot choose its own port.
+        web.env.insert("PORT".into(), "1".into());
+        let web = first.launch(web).await.unwrap();
+        let meta = web.record.meta.clone();
+        assert_ne!(meta.port, 0);
+        assert_eq!(meta.ports["http"], meta.port, "the first named port is PORT");
+        assert_ne!(meta.ports["admin-api"], meta.port);
+        let expected = format!("{} {} {}\n", meta.port, meta.port, meta.ports["admin-api"]);
+        let logs = first.log_files("lease-p").unwrap();
+        until("the ports were echoed", || std::fs::read_to_string(&logs.stdout).unwrap_or_default() == expected).await;
+        let unnamed = first.launch(spec("lease-q", "exec sleep 1000")).await.unwrap();
+        assert_ne!(unnamed.record.meta.port, 0, "a workload with no named port still gets PORT");
+        assert!(!meta.ports.values().any(|port| *port == unnamed.record.meta.port), "two replicas share a port");
+        assert_eq!(record_on_disk(tmp.path(), "lease-p").meta, meta, "the ports are recorded");
+        first_stop.cancel();
+        drop(first);
+
+        let second = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        let recovered = second.recover().await.unwrap();
+        let adopted = recovered.iter().find(|l| l.record.lease_id == "lease-p").unwrap();
+        assert!(adopted.exit.borrow().is_none(), "it still runs");
+        assert_eq!(adopted.record.meta, meta, "an adopted workload keeps its ports");
+        for lease_id in ["lease-p", "lease-q"] {
+            second.destroy(lease_id).await.unwrap();
+        }
+    }
+
+    #[test]
+    fn port_names_become_variable_names() {
+        assert_eq!(port_variable("http"), "BERTH_PORT_HTTP");
+        assert_eq!(port_variable("admin-api"), "BERTH_PORT_ADMIN_API");
+        assert_eq!(port_variable("a=b\0"), "BERTH_PORT_A_B_");
     }
 
     #[tokio::test]

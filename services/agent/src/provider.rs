@@ -29,6 +29,10 @@ pub struct LaunchSpec {
     pub args: Vec<String>,
     /// Its environment, on top of what the provider always sets.
     pub env: BTreeMap<String, String>,
+    /// The names of the ports it listens on. The provider gives each a free
+    /// port on the host (`BERTH_PORT_<NAME>`), the first one also as
+    /// `PORT`; with none named it still gets a `PORT`.
+    pub ports: Vec<String>,
     /// What the agent API shows about it.
     pub meta: InstanceMeta,
 }
@@ -46,8 +50,11 @@ pub struct InstanceMeta {
     pub revision: String,
     /// The bundle digest; empty for a bare command.
     pub digest: String,
-    /// The workload's first port on the host; 0 when it has none.
+    /// The port on the host it was given as `PORT`; 0 before it started.
     pub port: u32,
+    /// The port on the host of each of its named ports.
+    #[serde(default)]
+    pub ports: BTreeMap<String, u32>,
 }
 
 /// How a workload ended.
@@ -199,6 +206,14 @@ pub enum ProviderError {
     /// The workload asks for something this provider cannot run.
     #[error("{0}")]
     Unsupported(String),
+    /// No free port could be found on the host for the workload.
+    #[error("cannot find a free port for lease {lease_id}: {detail}")]
+    NoFreePort {
+        /// The lease.
+        lease_id: String,
+        /// Why.
+        detail: String,
+    },
     /// The program could not be started.
     #[error("cannot start '{command}': {source}")]
     Spawn {

@@ -9,12 +9,15 @@
 //!   compared with the node's open leases (`ReconcileNode`, see
 //!   [`crate::recovery`]). What no open lease covers is destroyed.
 //! - **Serve**: the assignment stream delivers leases. A BOUND lease gets a
-//!   worker that reports LAUNCHING *before* starting the workload, starts it,
-//!   reports RUNNING, waits for it to end and reports DONE or FAILED with its
-//!   exit status. A lease that leaves the node (released, expired, moved) is
+//!   worker that starts pulling its bundle (see [`crate::bundles`]), reports
+//!   LAUNCHING *before* starting the workload, waits for the bundle (a pull
+//!   that fails fails the lease, with the reason), starts it, reports
+//!   RUNNING, waits for it to end and reports DONE or FAILED with its exit
+//!   status. A lease that leaves the node (released, expired, moved) is
 //!   destroyed. [`KeepAlive`] renews every held lease, on its own task.
 //! - **Sweep**: every sweep interval the same comparison runs again, and
-//!   finished instances past their retention are cleaned up.
+//!   finished instances past their retention are cleaned up, and bundles no
+//!   lease holds evicted past the cache's budget.
 //! - **Custody**: when the node's session ends (a fence), everything it runs
 //!   is kept running but held in custody: no reports, no renewals, no
 //!   assignments. Once the agent has rejoined, the runner recovers under the
@@ -30,12 +33,16 @@
 //!   never a workload: a restarted agent adopts what still runs.
 //! - Every report and renewal carries the epoch the node holds the lease at
 //!   now; custody moves it, and the worker picks the new one up.
+//! - A worker holds its lease's bundle (pinned in the cache) until it is done
+//!   with the lease; a workload adopted after a restart is pinned again
+//!   before anything can be pulled.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
+use berth_bundle::ReadyBundle;
 use berth_proto::leases::v1::{AssignmentEvent, Lease, LeasePhase, LeaseRef, ReportPhaseRequest};
 use berth_proto::types::v1::EventKind;
 use tokio::sync::{mpsc, watch};
@@ -43,9 +50,11 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_stream::StreamExt as _;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::backoff::Backoff;
 use crate::board::{InstanceBoard, InstanceView};
+use crate::bundles::{BundleAsk, BundleError, BundleStore, bundle_spec};
 use crate::config::LeaseTiming;
 use crate::keepalive::{KeepAlive, RenewSet};
 use crate::leases_client::{NodeLeasesApi, is_transient};
@@ -123,6 +132,7 @@ enum WorkerEnd {
 struct Shared {
     leases: Arc<dyn NodeLeasesApi>,
     provider: Arc<dyn Provider>,
+    bundles: BundleStore,
     board: InstanceBoard,
     settings: RunnerSettings,
     shutdown: CancellationToken,
@@ -175,6 +185,7 @@ pub(crate) struct RunnerHandle {
 pub(crate) struct RunnerParts {
     pub(crate) leases: Arc<dyn NodeLeasesApi>,
     pub(crate) provider: Arc<dyn Provider>,
+    pub(crate) bundles: BundleStore,
     pub(crate) board: InstanceBoard,
     pub(crate) session: watch::Receiver<NodeSession>,
     pub(crate) fences: watch::Receiver<Option<Fence>>,
@@ -184,7 +195,7 @@ pub(crate) struct RunnerParts {
 
 /// Spawns the runner and its keep-alive task.
 pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
-    let RunnerParts { leases, provider, board, mut session, mut fences, settings, shutdown } = parts;
+    let RunnerParts { leases, provider, bundles, board, mut session, mut fences, settings, shutdown } = parts;
     let current = session.borrow_and_update().clone();
     fences.borrow_and_update();
     let (inbox_tx, inbox) = mpsc::unbounded_channel();
@@ -202,7 +213,7 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         backoff: settings.backoff(),
         shutdown: shutdown.clone(),
     };
-    let shared = Arc::new(Shared { leases, provider, board, settings, shutdown });
+    let shared = Arc::new(Shared { leases, provider, bundles, board, settings, shutdown });
     let runner = Runner {
         shared,
         session_rx: session,
@@ -295,7 +306,8 @@ impl Runner {
         match self.shared.provider.recover().await {
             Ok(recovered) => {
                 for launched in recovered {
-                    self.adopt(launched);
+                    let bundle = self.adopted_bundle(&launched).await;
+                    self.adopt(launched, bundle);
                 }
             }
             Err(error) => tracing::error!(%error, "cannot list the workloads recorded on this node"),
@@ -367,8 +379,25 @@ impl Runner {
 
     // -- taking leases on ---------------------------------------------------
 
+    /// Pins the bundle a workload found running after a restart runs, so
+    /// nothing evicts it from under the workload.
+    async fn adopted_bundle(&self, launched: &Launched) -> Option<ReadyBundle> {
+        let record = &launched.record;
+        let running = !record.settled && launched.exit.borrow().is_none();
+        if !running || record.meta.digest.is_empty() {
+            return None;
+        }
+        let meta = &record.meta;
+        let pinned = self.shared.bundles.adopt(&meta.project, &meta.service, &meta.revision, &meta.digest).await;
+        if pinned.is_none() {
+            tracing::warn!(lease_id = %record.lease_id, digest = %meta.digest,
+                "the bundle of a workload found running is no longer in the cache");
+        }
+        pinned
+    }
+
     /// Takes on a workload the provider recorded before a restart.
-    fn adopt(&mut self, launched: Launched) {
+    fn adopt(&mut self, launched: Launched, bundle: Option<ReadyBundle>) {
         let Launched { record, exit } = launched;
         let ended = *exit.borrow();
         let mut view = InstanceView::new(&record.lease_id, record.epoch, record.meta.clone(), LeasePhase::Running);
@@ -385,7 +414,7 @@ impl Runner {
         let held = self.hold(&record.lease_id, record.epoch, running, running);
         tracing::info!(lease_id = %record.lease_id, epoch = record.epoch, pid = ?record.pid, running,
             "holding a workload recorded before the restart");
-        self.spawn_worker(&record.lease_id, held, Start::Adopt(exit));
+        self.spawn_worker(&record.lease_id, held, Start::Adopt { exit, bundle });
     }
 
     /// Starts a worker for a BOUND lease.
@@ -399,12 +428,14 @@ impl Runner {
             command: workload.command,
             args: workload.args,
             env: workload.env.into_iter().collect(),
+            ports: workload.ports.iter().map(|port| port.name.clone()).collect(),
             meta: meta.clone(),
         };
         self.shared.board.put(InstanceView::new(&lease.lease_id, lease.epoch, meta, LeasePhase::Bound));
         let held = self.hold(&lease.lease_id, lease.epoch, false, false);
         tracing::info!(lease_id = %lease.lease_id, epoch = lease.epoch, "taking on a lease");
-        self.spawn_worker(&lease.lease_id, held, Start::Launch(Box::new(spec)));
+        let bundle = BundleAsk::of(&lease);
+        self.spawn_worker(&lease.lease_id, held, Start::Launch(Box::new(Launch { spec, bundle })));
     }
 
     fn hold(&mut self, lease_id: &str, epoch: u64, started: bool, needs_custody: bool) -> WorkerWiring {
@@ -646,6 +677,8 @@ impl Runner {
                 }
             });
         }
+        let bundles = self.shared.bundles.clone();
+        tokio::spawn(async move { bundles.evict().await });
     }
 
     // -- assignments --------------------------------------------------------
@@ -756,7 +789,9 @@ fn meta_of(lease: &Lease) -> InstanceMeta {
         service: workload.service,
         revision: workload.revision,
         digest: workload.digest,
-        port: workload.ports.first().map_or(0, |p| p.port),
+        // The host ports are the provider's to give, at launch.
+        port: 0,
+        ports: BTreeMap::new(),
     }
 }
 
@@ -855,10 +890,23 @@ impl AssignmentWatcher {
 
 /// How a worker begins.
 enum Start {
-    /// Report LAUNCHING, start the workload, report RUNNING.
-    Launch(Box<LaunchSpec>),
+    /// Pull the bundle, report LAUNCHING, start the workload, report RUNNING.
+    Launch(Box<Launch>),
     /// The workload was started before a restart; only its end is awaited.
-    Adopt(ExitWatch),
+    Adopt {
+        /// Fires when it ends.
+        exit: ExitWatch,
+        /// Its bundle, pinned, when it runs one the cache still has.
+        bundle: Option<ReadyBundle>,
+    },
+}
+
+/// What a BOUND lease asks the node to start.
+struct Launch {
+    /// What the lease says to run; for a bundle, its overrides.
+    spec: LaunchSpec,
+    /// Its bundle, when it runs one.
+    bundle: Option<BundleAsk>,
 }
 
 /// Why a report did not go through.
@@ -880,6 +928,18 @@ struct Detail {
     exit_code: Option<i32>,
 }
 
+impl Detail {
+    /// A workload that could not be started, and why.
+    fn failed(reason: &str, message: String) -> Self {
+        Self { reason: reason.to_string(), message, exit_code: None }
+    }
+
+    /// A bundle that could not be made ready to run.
+    fn bundle(error: BundleError) -> Self {
+        Self::failed(error.reason(), error.to_string())
+    }
+}
+
 /// Runs one lease: start (or adopt), report, wait for the end or a removal.
 struct Worker {
     lease_id: String,
@@ -892,17 +952,25 @@ struct Worker {
 
 impl Worker {
     async fn run(mut self, start: Start) -> WorkerEnd {
-        let exit = match start {
-            Start::Adopt(exit) => exit,
-            Start::Launch(spec) => match self.launch(*spec).await {
-                Ok(exit) => exit,
+        // The bundle stays pinned until the worker is done with the lease.
+        let (exit, _bundle) = match start {
+            Start::Adopt { exit, bundle } => (exit, bundle),
+            Start::Launch(launch) => match self.launch(*launch).await {
+                Ok(started) => started,
                 Err(end) => return end,
             },
         };
         self.supervise(exit).await
     }
 
-    async fn launch(&mut self, mut spec: LaunchSpec) -> Result<ExitWatch, WorkerEnd> {
+    async fn launch(&mut self, launch: Launch) -> Result<(ExitWatch, Option<ReadyBundle>), WorkerEnd> {
+        let Launch { mut spec, bundle } = launch;
+        // The pull starts while the lease is still BOUND and goes on while
+        // LAUNCHING is reported; dropping the handle abandons it.
+        let warming = bundle.map(|ask| {
+            let bundles = self.shared.bundles.clone();
+            AbortOnDropHandle::new(tokio::spawn(async move { bundles.warm(&ask).await }))
+        });
         match self.report(LeasePhase::Launching, Detail::default()).await {
             Ok(()) => {}
             Err(Interrupt::Stopped) => return Err(WorkerEnd::Stopped),
@@ -912,6 +980,14 @@ impl Worker {
                 return Err(self.destroyed(Removal::new(None, "LaunchRefused")).await);
             }
         }
+        let bundle = match warming {
+            Some(warming) => {
+                let (bundled, ready) = self.bundled(warming, spec).await?;
+                spec = bundled;
+                Some(ready)
+            }
+            None => None,
+        };
         spec.epoch = *self.epoch.borrow();
         if let Some(node_id) = self.reporting.borrow().clone() {
             spec.node_id = node_id;
@@ -926,23 +1002,52 @@ impl Worker {
                 self.shared.board.update(&self.lease_id, |view| {
                     view.pid = launched.record.pid;
                     view.started_at = launched.record.started_at;
+                    view.meta = launched.record.meta.clone();
                 });
                 launched.exit
             }
             Err(error) => {
                 tracing::warn!(lease_id = %self.lease_id, %error, "cannot start the workload");
-                let detail =
-                    Detail { reason: error.start_reason().to_string(), message: error.to_string(), exit_code: None };
+                let detail = Detail::failed(error.start_reason(), error.to_string());
                 return Err(self.report_end(LeasePhase::Failed, detail).await);
             }
         };
         match self.report(LeasePhase::Running, Detail::default()).await {
-            Ok(()) => Ok(exit),
+            Ok(()) => Ok((exit, bundle)),
             Err(Interrupt::Stopped) => Err(WorkerEnd::Stopped),
             Err(Interrupt::Removed(removal)) => Err(self.destroyed(removal).await),
             Err(Interrupt::Refused(status)) => {
                 tracing::warn!(lease_id = %self.lease_id, error = %status.message(), "RUNNING refused; destroying the workload");
                 Err(self.destroyed(Removal::new(None, "RunningRefused")).await)
+            }
+        }
+    }
+
+    /// Waits for the lease's bundle and makes `spec` run it; a bundle that
+    /// cannot be run fails the lease, with the reason.
+    async fn bundled(
+        &mut self,
+        warming: AbortOnDropHandle<Result<ReadyBundle, BundleError>>,
+        spec: LaunchSpec,
+    ) -> Result<(LaunchSpec, ReadyBundle), WorkerEnd> {
+        let warmed = tokio::select! {
+            _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
+            removal = removed(&mut self.removal) => return Err(self.destroyed(removal).await),
+            warmed = warming => warmed,
+        };
+        let prepared = match warmed {
+            Ok(Ok(ready)) => {
+                bundle_spec(ready.definition(), spec).map(|bundled| (bundled, ready)).map_err(Detail::bundle)
+            }
+            Ok(Err(error)) => Err(Detail::bundle(error)),
+            Err(error) => Err(Detail::failed("NodeError", format!("the bundle pull failed: {error}"))),
+        };
+        match prepared {
+            Ok(prepared) => Ok(prepared),
+            Err(detail) => {
+                tracing::warn!(lease_id = %self.lease_id, reason = %detail.reason, error = %detail.message,
+                    "cannot run the bundle");
+                Err(self.report_end(LeasePhase::Failed, detail).await)
             }
         }
     }

@@ -49,6 +49,9 @@ fn help_documents_every_flag_with_its_environment_variable() {
         ("--max-custody", "BERTH_MAX_CUSTODY"),
         ("--stop-grace", "BERTH_STOP_GRACE"),
         ("--sweep-interval", "BERTH_SWEEP_INTERVAL"),
+        ("--bundle-cache-budget", "BERTH_BUNDLE_CACHE_BUDGET"),
+        ("--insecure-registry", "BERTH_INSECURE_REGISTRIES"),
+        ("--registry-ca", "BERTH_REGISTRY_CA"),
     ] {
         assert!(help.contains(flag) && help.contains(env), "{flag} / {env} missing from --help:\n{help}");
     }

@@ -89,18 +89,24 @@ impl FakeLeases {
 
     /// Places a lease running `script` on the node, BOUND at epoch 1.
     fn place(&self, lease_id: &str, script: &str) -> Lease {
+        let workload = Workload {
+            command: "sh".into(),
+            args: vec!["-c".into(), script.into()],
+            service: "web".into(),
+            ..Default::default()
+        };
+        self.place_workload(lease_id, workload)
+    }
+
+    /// Places a lease running `workload` on the node, BOUND at epoch 1.
+    fn place_workload(&self, lease_id: &str, workload: Workload) -> Lease {
         let lease = Lease {
             lease_id: lease_id.into(),
             epoch: 1,
             project: "tenant".into(),
             node_id: NODE.into(),
             phase: LeasePhase::Bound as i32,
-            workload: Some(Workload {
-                command: "sh".into(),
-                args: vec!["-c".into(), script.into()],
-                service: "web".into(),
-                ..Default::default()
-            }),
+            workload: Some(workload),
             ..Default::default()
         };
         let mut ledger = self.ledger();
@@ -292,16 +298,20 @@ struct Harness {
 }
 
 impl Harness {
-    fn start(fake: &Arc<FakeLeases>, dir: &Path, settings: RunnerSettings) -> Harness {
+    async fn start(fake: &Arc<FakeLeases>, dir: &Path, settings: RunnerSettings) -> Harness {
         let stop = CancellationToken::new();
         let timing = ProcessTiming { stop_grace: settings.timing.stop_grace, exit_poll: settings.timing.exit_poll };
         let provider: Arc<dyn Provider> = Arc::new(ProcessProvider::new(dir, timing, stop.clone()));
+        let cache = berth_bundle::BundleCache::open(dir.join("bundles"), Default::default()).await.unwrap();
+        let client = berth_bundle::BundleClient::new(Default::default()).unwrap();
+        let bundles = BundleStore::new(cache, client);
         let (session, session_rx) = watch::channel(session(1));
         let (fences, fences_rx) = watch::channel(None);
         let board = InstanceBoard::default();
         let handle = spawn(RunnerParts {
             leases: fake.clone(),
             provider,
+            bundles,
             board: board.clone(),
             session: session_rx,
             fences: fences_rx,
@@ -376,7 +386,7 @@ async fn launching_is_reported_before_the_workload_starts_then_running_then_done
     let fake = Arc::new(FakeLeases::default());
     let gate = Arc::new(Semaphore::new(0));
     *fake.launch_gate.lock().unwrap() = Some(gate.clone());
-    let runner = Harness::start(&fake, dir.path(), settings());
+    let runner = Harness::start(&fake, dir.path(), settings()).await;
     runner.standing_until(Standing::Serving).await;
     fake.place("l-1", "echo ran > ran; exit 0");
 
@@ -399,11 +409,71 @@ async fn launching_is_reported_before_the_workload_starts_then_running_then_done
     runner.kill().await;
 }
 
+/// `examples/hello`-like bundle whose program writes `ran` and sleeps,
+/// pushed into a layout directory; the workload that runs it.
+async fn sleeping_bundle(source: &Path, layout: &Path) -> Workload {
+    std::fs::write(source.join("berth.toml"), "entrypoint = \"run.sh\"\nargs = [\"1000\"]\n").unwrap();
+    std::fs::write(source.join("run.sh"), "#!/bin/sh\necho ran > ran\nexec sleep \"$1\"\n").unwrap();
+    std::fs::set_permissions(source.join("run.sh"), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let packed = berth_bundle::PackedBundle::from_dir(source).unwrap();
+    let reference = berth_bundle::BundleReference::parse(&format!("oci:{}:v1", layout.display())).unwrap();
+    let client = berth_bundle::BundleClient::new(Default::default()).unwrap();
+    let digest = client.push(&packed, &reference, &Default::default()).await.unwrap();
+    Workload {
+        bundle: Some(berth_proto::types::v1::BundleRef {
+            reference: format!("oci:{}@{digest}", layout.display()),
+            ..Default::default()
+        }),
+        digest: digest.to_string(),
+        service: "web".into(),
+        revision: "web-00001".into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_bundle_is_pulled_while_the_lease_is_bound_and_runs_once_launching_is_taken() {
+    let (dir, source, layout) = (TestDir::new(), TestDir::new(), TestDir::new());
+    let workload = sleeping_bundle(source.path(), layout.path()).await;
+    let hex = workload.digest.trim_start_matches("sha256:").to_string();
+    let fake = Arc::new(FakeLeases::default());
+    let gate = Arc::new(Semaphore::new(0));
+    *fake.launch_gate.lock().unwrap() = Some(gate.clone());
+    let runner = Harness::start(&fake, dir.path(), settings()).await;
+    runner.standing_until(Standing::Serving).await;
+    fake.place_workload("l-1", workload);
+
+    // LAUNCHING is held at the service, and the bundle arrives all the same.
+    let extracted = dir.path().join("bundles/bundles/sha256").join(&hex);
+    let deadline = Instant::now() + PATIENCE;
+    while !extracted.is_dir() {
+        assert!(Instant::now() < deadline, "the bundle was not pulled while the lease was BOUND");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(fake.lease("l-1").phase(), LeasePhase::Bound);
+    assert!(!dir.path().join("leases/l-1/ran").exists(), "the workload started before LAUNCHING was taken");
+    gate.add_permits(1);
+
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    let view = runner.view_until("l-1", "started", |v| v.pid.is_some()).await;
+    assert_eq!(view.meta.digest, format!("sha256:{hex}"));
+    assert_ne!(view.meta.port, 0);
+    let ran = dir.path().join("leases/l-1/ran");
+    let deadline = Instant::now() + PATIENCE;
+    while !ran.exists() {
+        assert!(Instant::now() < deadline, "the bundle's program never ran in the lease's directory");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    fake.change("l-1", Some(EventKind::Removed), |lease| lease.phase = LeasePhase::Released as i32);
+    runner.holding_until(0).await;
+    runner.kill().await;
+}
+
 #[tokio::test]
 async fn a_failing_workload_is_failed_with_its_exit_code() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings());
+    let runner = Harness::start(&fake, dir.path(), settings()).await;
     runner.standing_until(Standing::Serving).await;
     fake.place("l-1", "exit 3");
     let failed = fake.phase_until("l-1", LeasePhase::Failed).await;
@@ -436,7 +506,7 @@ async fn a_failing_workload_is_failed_with_its_exit_code() {
 async fn a_released_lease_is_destroyed_and_held_leases_are_renewed_in_one_batch() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings());
+    let runner = Harness::start(&fake, dir.path(), settings()).await;
     runner.standing_until(Standing::Serving).await;
     fake.place("l-1", "sleep 1000 & sleep 1000");
     fake.place("l-2", "exec sleep 1000");
@@ -482,7 +552,7 @@ async fn a_lease_reported_lost_is_destroyed_and_renewals_go_on_while_a_destroy_w
     let fake = Arc::new(FakeLeases::default());
     let mut settings = settings();
     settings.timing.stop_grace = Duration::from_millis(1500);
-    let runner = Harness::start(&fake, dir.path(), settings);
+    let runner = Harness::start(&fake, dir.path(), settings).await;
     runner.standing_until(Standing::Serving).await;
     // Ignores SIGTERM: destroying it takes the whole grace.
     fake.place("l-stubborn", "trap '' TERM; sleep 1000");
@@ -512,7 +582,7 @@ async fn a_lease_reported_lost_is_destroyed_and_renewals_go_on_while_a_destroy_w
 async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_rest() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let first = Harness::start(&fake, dir.path(), settings());
+    let first = Harness::start(&fake, dir.path(), settings()).await;
     first.standing_until(Standing::Serving).await;
     fake.place("l-kept", "exec sleep 1000");
     fake.place("l-gone", "exec sleep 1000");
@@ -525,7 +595,7 @@ async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_
     // While no agent watched, one lease was released.
     fake.change("l-gone", None, |l| l.phase = LeasePhase::Released as i32);
     let earlier = fake.ledger().reconciles.len();
-    let second = Harness::start(&fake, dir.path(), settings());
+    let second = Harness::start(&fake, dir.path(), settings()).await;
     second.standing_until(Standing::Serving).await;
     gone_until(gone).await;
     assert!(alive(kept));
@@ -565,7 +635,7 @@ async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_
 async fn a_fenced_node_holds_its_compute_in_custody_and_reconciles_after_it_rejoins() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings());
+    let runner = Harness::start(&fake, dir.path(), settings()).await;
     runner.standing_until(Standing::Serving).await;
     fake.place("l-1", "exec sleep 1000");
     fake.phase_until("l-1", LeasePhase::Running).await;
@@ -599,7 +669,7 @@ async fn compute_held_in_custody_past_the_bound_is_destroyed() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
     let settings = RunnerSettings { max_custody: Some(Duration::from_millis(300)), ..settings() };
-    let runner = Harness::start(&fake, dir.path(), settings);
+    let runner = Harness::start(&fake, dir.path(), settings).await;
     runner.standing_until(Standing::Serving).await;
     fake.place("l-1", "exec sleep 1000");
     fake.phase_until("l-1", LeasePhase::Running).await;
@@ -619,7 +689,7 @@ async fn compute_held_in_custody_past_the_bound_is_destroyed() {
 async fn a_revoked_node_destroys_what_it_runs() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings());
+    let runner = Harness::start(&fake, dir.path(), settings()).await;
     runner.standing_until(Standing::Serving).await;
     fake.place("l-1", "exec sleep 1000");
     fake.phase_until("l-1", LeasePhase::Running).await;
@@ -637,7 +707,7 @@ async fn the_sweep_destroys_what_no_open_lease_covers() {
     let fake = Arc::new(FakeLeases::default());
     let mut settings = settings();
     settings.timing.sweep_interval = Duration::from_millis(200);
-    let runner = Harness::start(&fake, dir.path(), settings);
+    let runner = Harness::start(&fake, dir.path(), settings).await;
     runner.standing_until(Standing::Serving).await;
     fake.place("l-1", "exec sleep 1000");
     fake.phase_until("l-1", LeasePhase::Running).await;
@@ -654,7 +724,7 @@ async fn the_sweep_destroys_what_no_open_lease_covers() {
 async fn reports_wait_out_a_leases_outage() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings());
+    let runner = Harness::start(&fake, dir.path(), settings()).await;
     runner.standing_until(Standing::Serving).await;
     fake.place("l-1", "exec sleep 0.3");
     fake.phase_until("l-1", LeasePhase::Running).await;
@@ -673,7 +743,7 @@ async fn a_start_during_an_outage_recovers_once_leases_answers() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
     fake.set_down(true);
-    let runner = Harness::start(&fake, dir.path(), settings());
+    let runner = Harness::start(&fake, dir.path(), settings()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(*runner.handle.standing.borrow(), Standing::Recovering);
     fake.set_down(false);
@@ -688,7 +758,7 @@ async fn a_sweep_that_was_under_way_when_the_session_ended_does_not_end_custody(
     let fake = Arc::new(FakeLeases::default());
     let mut settings = settings();
     settings.timing.sweep_interval = Duration::from_millis(100);
-    let runner = Harness::start(&fake, dir.path(), settings);
+    let runner = Harness::start(&fake, dir.path(), settings).await;
     runner.standing_until(Standing::Serving).await;
     fake.place("l-1", "exec sleep 1000");
     fake.phase_until("l-1", LeasePhase::Running).await;

@@ -1,0 +1,225 @@
+//! The bundle store against OCI layout directories (the same code paths as a
+//! registry, without one) and the rules that turn a bundle and a lease into
+//! what runs.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::PathBuf;
+
+use berth_bundle::{BundlePort, CacheOptions, PackedBundle, RegistryConfig};
+
+use super::*;
+use crate::procfs::TestDir;
+
+/// A bundle directory whose program prints `word`.
+fn bundle_dir(word: &str) -> TestDir {
+    let dir = TestDir::new();
+    let root = dir.path();
+    std::fs::write(
+        root.join("berth.toml"),
+        "entrypoint = \"bin/app\"\nargs = [\"--serve\"]\n\n[env]\nGREETING = \"hello\"\n\n\
+         [[ports]]\nname = \"http\"\nport = 8080\n",
+    )
+    .unwrap();
+    std::fs::create_dir(root.join("bin")).unwrap();
+    std::fs::write(root.join("bin/app"), format!("#!/bin/sh\necho {word}\n")).unwrap();
+    std::fs::set_permissions(root.join("bin/app"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+fn client() -> BundleClient {
+    BundleClient::new(RegistryConfig::default()).unwrap()
+}
+
+/// Packs `dir` into the layout at `layout` under `tag`; its digest.
+async fn push(dir: &Path, layout: &Path, tag: &str) -> Digest {
+    let packed = PackedBundle::from_dir(dir).unwrap();
+    let reference = BundleReference::parse(&format!("oci:{}:{tag}", layout.display())).unwrap();
+    client().push(&packed, &reference, &RegistryCredentials::Anonymous).await.unwrap()
+}
+
+async fn store(cache_dir: &Path, budget_bytes: u64) -> BundleStore {
+    let options = CacheOptions { budget_bytes, ..CacheOptions::default() };
+    BundleStore::new(BundleCache::open(cache_dir, options).await.unwrap(), client())
+}
+
+fn ask(project: &str, revision: &str, layout: &Path, digest: &Digest) -> BundleAsk {
+    BundleAsk {
+        project: project.into(),
+        service: "web".into(),
+        revision: revision.into(),
+        reference: format!("oci:{}@{digest}", layout.display()),
+        digest: digest.to_string(),
+        insecure: false,
+        secret: String::new(),
+    }
+}
+
+#[tokio::test]
+async fn a_tenant_runs_a_bundle_it_fetched_without_the_source_and_another_tenant_must_reach_the_source() {
+    let source = bundle_dir("one");
+    let layout = TestDir::new();
+    let layout_dir = layout.path().join("layout");
+    let digest = push(source.path(), &layout_dir, "v1").await;
+    let cache = TestDir::new();
+    let store = store(cache.path(), u64::MAX).await;
+
+    let first = ask("team-a", "web-00001", &layout_dir, &digest);
+    let ready = store.warm(&first).await.unwrap();
+    let definition = ready.definition();
+    assert_eq!(definition.digest, digest);
+    assert_eq!(definition.entrypoint, definition.root.join("bin/app"));
+    assert_eq!(std::fs::read_to_string(&definition.entrypoint).unwrap(), "#!/bin/sh\necho one\n");
+    let resolved = store.resolve("team-a", "web", "web-00001").await.unwrap().unwrap();
+    assert_eq!(resolved.definition(), definition, "the revision resolves to what was pulled");
+    assert!(store.resolve("team-b", "web", "web-00001").await.unwrap().is_none(), "tenants do not share names");
+
+    // The source is gone: the tenant that fetched the bundle still runs it,
+    // under this revision name or another.
+    std::fs::remove_dir_all(&layout_dir).unwrap();
+    store.warm(&first).await.unwrap();
+    store.warm(&ask("team-a", "web-00002", &layout_dir, &digest)).await.unwrap();
+    // Another tenant naming the same digest has to show it can read it.
+    let error = store.warm(&ask("team-b", "web-00001", &layout_dir, &digest)).await.unwrap_err();
+    assert_eq!(error.reason(), "BundleNotFound", "{error}");
+    assert!(error.to_string().contains(&digest.to_string()), "{error}");
+    assert!(store.resolve("team-b", "web", "web-00001").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_digest_the_source_does_not_have_fails_naming_the_digest() {
+    let source = bundle_dir("one");
+    let layout = TestDir::new();
+    push(source.path(), layout.path(), "v1").await;
+    let cache = TestDir::new();
+    let store = store(cache.path(), u64::MAX).await;
+    let missing = Digest::of(b"no such manifest");
+    let error = store.warm(&ask("", "", layout.path(), &missing)).await.unwrap_err();
+    assert_eq!(error.reason(), "BundleNotFound", "{error}");
+    assert!(error.to_string().contains(&missing.to_string()), "{error}");
+
+    // A reference pinned to another digest than the lease's is refused
+    // before anything is fetched.
+    let mut crossed = ask("", "", layout.path(), &missing);
+    crossed.digest = Digest::of(b"another").to_string();
+    let error = store.warm(&crossed).await.unwrap_err();
+    assert_eq!(error.reason(), "BundleInvalid", "{error}");
+    assert!(error.to_string().contains("pinned to"), "{error}");
+    let mut garbled = crossed;
+    garbled.digest = "sha256:nope".into();
+    assert_eq!(store.warm(&garbled).await.unwrap_err().reason(), "BundleInvalid");
+}
+
+#[tokio::test]
+async fn a_bundle_a_lease_holds_is_never_evicted_and_one_no_lease_holds_is() {
+    let (one, two) = (bundle_dir("one"), bundle_dir("two"));
+    let layout = TestDir::new();
+    let first = push(one.path(), layout.path(), "one").await;
+    let second = push(two.path(), layout.path(), "two").await;
+    let cache = TestDir::new();
+    // Room for nothing: every bundle no lease holds goes.
+    let store = store(cache.path(), 1).await;
+
+    let held = store.warm(&ask("", "", layout.path(), &first)).await.unwrap();
+    let other = store.warm(&ask("", "", layout.path(), &second)).await.unwrap();
+    assert!(held.definition().root.is_dir(), "a held bundle was evicted by the next pull");
+    assert_eq!(store.inner.cache.usage().bundles, 2);
+
+    drop(other);
+    store.evict().await;
+    assert!(held.definition().root.is_dir(), "a held bundle was evicted");
+    assert_eq!(store.inner.cache.usage().bundles, 1, "the bundle nothing holds stays past the budget");
+    assert!(!store.inner.cache.bundle_dir(&second).exists());
+}
+
+fn definition(root: &Path) -> BundleDefinition {
+    BundleDefinition {
+        digest: Digest::of(b"bundle"),
+        root: root.to_path_buf(),
+        entrypoint: root.join("bin/app"),
+        args: vec!["--serve".into()],
+        env: BTreeMap::from([("GREETING".into(), "hello".into()), ("LEVEL".into(), "info".into())]),
+        ports: vec![BundlePort { name: "http".into(), port: 8080 }],
+    }
+}
+
+fn lease_spec() -> LaunchSpec {
+    LaunchSpec {
+        lease_id: "lease-1".into(),
+        epoch: 1,
+        node_id: "n-1".into(),
+        command: String::new(),
+        args: Vec::new(),
+        env: BTreeMap::new(),
+        ports: Vec::new(),
+        meta: Default::default(),
+    }
+}
+
+#[test]
+fn a_bundle_runs_its_entrypoint_with_its_own_settings_under_the_lease_overrides() {
+    let dir = bundle_dir("one");
+    let root = dir.path();
+    std::fs::write(root.join("bin/other"), "#!/bin/sh\n").unwrap();
+    let definition = definition(root);
+
+    let plain = bundle_spec(&definition, lease_spec()).unwrap();
+    assert_eq!(PathBuf::from(&plain.command), root.join("bin/app"));
+    assert_eq!(plain.args, ["--serve"]);
+    assert_eq!(plain.env["GREETING"], "hello");
+    assert_eq!(PathBuf::from(&plain.env[BUNDLE_DIR_VAR]), root);
+    assert_eq!(plain.env[BUNDLE_DIGEST_VAR], definition.digest.to_string());
+    assert_eq!(plain.ports, ["http"], "the bundle's ports when the lease names none");
+
+    let mut overridden = lease_spec();
+    overridden.args = vec!["--once".into()];
+    overridden.env.insert("LEVEL".into(), "debug".into());
+    overridden.ports = vec!["web".into()];
+    let overridden = bundle_spec(&definition, overridden).unwrap();
+    assert_eq!(PathBuf::from(&overridden.command), root.join("bin/app"));
+    assert_eq!(overridden.args, ["--once"], "the lease's arguments replace the bundle's");
+    assert_eq!((overridden.env["LEVEL"].as_str(), overridden.env["GREETING"].as_str()), ("debug", "hello"));
+    assert_eq!(overridden.ports, ["web"]);
+
+    let mut own = lease_spec();
+    own.command = "bin/other".into();
+    let own = bundle_spec(&definition, own).unwrap();
+    assert_eq!(PathBuf::from(&own.command), root.join("bin/other"));
+    assert!(own.args.is_empty(), "a command of the lease's own does not take the bundle's arguments");
+
+    for (command, expected) in [("python3", "python3"), ("/bin/true", "/bin/true")] {
+        let mut spec = lease_spec();
+        spec.command = command.into();
+        assert_eq!(bundle_spec(&definition, spec).unwrap().command, expected);
+    }
+}
+
+#[test]
+fn a_program_that_is_not_in_the_bundle_or_leads_out_of_it_is_refused() {
+    let dir = bundle_dir("one");
+    let root = dir.path();
+    std::os::unix::fs::symlink("/bin/sh", root.join("bin/escape")).unwrap();
+    std::os::unix::fs::symlink("../../outside", root.join("bin/up")).unwrap();
+    let definition = definition(root);
+
+    for (command, says) in [
+        ("../bin/app", "without `.` or `..`"),
+        ("bin/../../x", "without `.` or `..`"),
+        ("bin/escape", "leads outside the bundle"),
+        ("bin/up", "is not a file in the bundle"),
+        ("bin/missing", "is not a file in the bundle"),
+        ("bin", "is not a file in the bundle"),
+    ] {
+        let mut spec = lease_spec();
+        spec.command = command.into();
+        let error = bundle_spec(&definition, spec).unwrap_err();
+        assert_eq!(error.reason(), "InvalidCommand", "{command}: {error}");
+        let message = error.to_string();
+        assert!(message.contains(command) && message.contains(says), "{command}: {message}");
+    }
+
+    let escaping = BundleDefinition { entrypoint: root.join("bin/escape"), ..definition.clone() };
+    let error = bundle_spec(&escaping, lease_spec()).unwrap_err();
+    assert_eq!(error.reason(), "BundleInvalid", "{error}");
+    assert!(error.to_string().contains("entrypoint `bin/escape` leads outside the bundle"), "{error}");
+}

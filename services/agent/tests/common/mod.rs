@@ -1,0 +1,374 @@
+//! The harness the agent's lease tests share: identity and leases in
+//! process, each on its own SQLite file and in-process bus, on loopback
+//! mTLS ports the way `berth dev` runs them, and an agent joined to them.
+
+#![allow(dead_code, reason = "each test binary uses a part of the harness")]
+
+use std::path::Path;
+use std::time::Duration;
+
+use berth_agent::{AgentConfig, AgentHandle, AgentStatus, AgentTiming, Capacity, LeaseTiming};
+use berth_core::Identity;
+use berth_identity::{IdentityConfig, IdentityService, KeptIdentity, NodeTiming};
+use berth_leases::{LeasesConfig, LeasesService};
+use berth_mtls::TlsCredentials;
+use berth_proto::agent::v1 as agent;
+use berth_proto::agent::v1::agent_client::AgentClient;
+use berth_proto::identity::v1 as identity;
+use berth_proto::leases::v1 as leases;
+use berth_proto::leases::v1::LeasePhase;
+use berth_proto::leases::v1::capacity_client::CapacityClient;
+use berth_proto::leases::v1::leases_client::LeasesClient;
+use berth_proto::types::v1 as types;
+use berth_rpc::{Channel, Revocations};
+use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_store::ElectionTiming;
+use berth_store::testing::TestDb;
+use tokio_util::sync::CancellationToken;
+
+pub(crate) const SECRET: &str = "0123456789abcdef0123456789abcdef-lease-test";
+
+/// What the agent advertises; its host is in the node certificate, so the
+/// agent API verifies when dialled at 127.0.0.1.
+pub(crate) const ADVERTISE: &str = "127.0.0.1:7447";
+
+/// Long enough for anything on a loaded two-core machine; tests that pass
+/// finish far sooner.
+pub(crate) const PATIENCE: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------
+// Identity and leases, in process
+// ---------------------------------------------------------------------------
+
+/// Node timings in milliseconds: beats every 100 ms, and nobody down,
+/// reaped or forgotten unless a test says so.
+pub(crate) fn node_timing() -> NodeTiming {
+    NodeTiming {
+        heartbeat_interval: Duration::from_millis(100),
+        down_after: Duration::from_secs(5),
+        reap_after: Duration::from_secs(3600),
+        forget_after: Duration::from_secs(7200),
+        reset_grace: Duration::from_secs(5),
+        persist_every: Duration::from_millis(200),
+        monitor_every: Duration::from_millis(50),
+        resync_every: Duration::from_secs(1),
+        election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+        ..NodeTiming::default()
+    }
+}
+
+pub(crate) struct ControlPlane {
+    pub(crate) dbs: Vec<TestDb>,
+    pub(crate) identity_addr: String,
+    pub(crate) leases_addr: String,
+    pub(crate) bundle: String,
+    pub(crate) admin: TlsCredentials,
+    pub(crate) token: String,
+    pub(crate) stop: CancellationToken,
+}
+
+impl ControlPlane {
+    /// Identity with fast node timings and leases whose leases live `ttl`
+    /// (and may be taken back into custody for as long after expiring).
+    pub(crate) async fn start(ttl: Duration) -> ControlPlane {
+        Self::start_with(ttl, node_timing()).await
+    }
+
+    pub(crate) async fn start_with(ttl: Duration, nodes: NodeTiming) -> ControlPlane {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let stop = CancellationToken::new();
+
+        let identity_db = TestDb::sqlite().await.unwrap();
+        identity_db.store().migrate(berth_identity::MIGRATIONS).await.unwrap();
+        let config = IdentityConfig {
+            auth_secret: SECRET.into(),
+            authority: Default::default(),
+            node_cert_ttl: Duration::from_secs(600),
+        };
+        let service =
+            IdentityService::open(identity_db.store().clone(), berth_bus::testing::memory_bus().unwrap(), config)
+                .await
+                .unwrap()
+                .with_node_timing(nodes);
+        let authority = service.authority().clone();
+        let issue = |identity: Identity| {
+            let authority = authority.clone();
+            async move {
+                KeptIdentity::issue(&authority, identity, vec!["127.0.0.1".into()], Duration::from_secs(3600))
+                    .await
+                    .unwrap()
+                    .credentials
+            }
+        };
+        let identity_creds = issue(Identity::service("identity").unwrap()).await;
+        let listener = berth_rpc::Listener::bind("127.0.0.1:0".parse().unwrap(), identity_creds).await.unwrap();
+        let identity_addr = listener.local_addr().unwrap().to_string();
+        service.spawn_loops(&stop);
+        tokio::spawn(service.server().serve(listener, stop.clone()));
+        let admin = issue(Identity::admin("ops").unwrap()).await;
+
+        let leases_db = TestDb::sqlite().await.unwrap();
+        leases_db.store().migrate(berth_leases::MIGRATIONS).await.unwrap();
+        let leases_creds = issue(Identity::service("leases").unwrap()).await;
+        let ctx = ServiceContext {
+            store: leases_db.store().clone(),
+            bus: berth_bus::testing::memory_bus().unwrap(),
+            credentials: leases_creds.clone(),
+            revocations: Revocations::new(),
+            nodes: NodeDirectory::new(),
+        };
+        follow_nodes(
+            identity_addr.clone(),
+            leases_creds.clone(),
+            ctx.nodes.clone(),
+            ctx.revocations.clone(),
+            stop.clone(),
+        );
+        let config = LeasesConfig {
+            reap_every: Duration::from_millis(50),
+            assignment_resync: Duration::from_millis(500),
+            index_resync: Duration::from_millis(500),
+            election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+            ..LeasesConfig::with_lease_ttl(ttl)
+        };
+        let leases = LeasesService::new(&ctx, config);
+        leases.spawn_loops(&stop);
+        let listener = berth_rpc::Listener::bind("127.0.0.1:0".parse().unwrap(), leases_creds).await.unwrap();
+        let leases_addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(leases.server().serve(listener, stop.clone()));
+
+        let bundle = authority.bundle_pem().await.unwrap();
+        let mut plane = ControlPlane {
+            dbs: vec![identity_db, leases_db],
+            identity_addr,
+            leases_addr,
+            bundle,
+            admin,
+            token: String::new(),
+            stop,
+        };
+        let request = identity::CreateJoinTokenRequest { max_uses: 1, ttl_seconds: 600, ..Default::default() };
+        plane.token = identity::join_tokens_client::JoinTokensClient::new(plane.channel(&plane.identity_addr))
+            .create_join_token(request)
+            .await
+            .unwrap()
+            .into_inner()
+            .token;
+        plane
+    }
+
+    pub(crate) fn channel(&self, addr: &str) -> Channel {
+        berth_rpc::connect(addr, self.admin.clone()).unwrap()
+    }
+
+    pub(crate) fn leases(&self) -> LeasesClient<Channel> {
+        LeasesClient::new(self.channel(&self.leases_addr))
+    }
+
+    /// Asks for a lease running `sh -c script`, retrying while leases has not
+    /// yet learned of the node.
+    pub(crate) async fn request(&self, key: &str, script: &str) -> leases::Lease {
+        let workload = leases::Workload {
+            command: "sh".into(),
+            args: vec!["-c".into(), script.into()],
+            env: [("GREETING".to_string(), "hello".to_string())].into(),
+            service: "web".into(),
+            ports: vec![types::Port { name: "http".into(), port: 8080 }],
+            ..Default::default()
+        };
+        self.request_workload(key, workload).await
+    }
+
+    /// Asks for a lease running `workload`, retrying while leases has not
+    /// yet learned of the node.
+    pub(crate) async fn request_workload(&self, key: &str, workload: leases::Workload) -> leases::Lease {
+        let request = leases::RequestLeaseRequest {
+            owner: "tests/running-leases".into(),
+            idempotency_key: key.into(),
+            resources: Some(types::Capacity { cpu_millis: 250, memory_bytes: 64 << 20 }),
+            workload: Some(workload),
+            ..Default::default()
+        };
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            match self.leases().request_lease(request.clone()).await {
+                Ok(response) => return response.into_inner().lease.unwrap(),
+                Err(status) => {
+                    assert!(tokio::time::Instant::now() < deadline, "the lease was never placed: {status:?}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    pub(crate) async fn lease(&self, lease_id: &str) -> leases::Lease {
+        let request = leases::GetLeaseRequest { lease_id: lease_id.into() };
+        self.leases().get_lease(request).await.unwrap().into_inner().lease.unwrap()
+    }
+
+    pub(crate) async fn phase_until(&self, lease_id: &str, phase: LeasePhase) -> leases::Lease {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let lease = self.lease(lease_id).await;
+            if lease.phase() == phase {
+                return lease;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "lease {lease_id} never {phase:?}: {lease:?}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    pub(crate) async fn release(&self, lease_id: &str) {
+        let request = leases::ReleaseLeaseRequest { lease_id: lease_id.into(), reason: String::new() };
+        self.leases().release_lease(request).await.unwrap();
+    }
+
+    pub(crate) async fn node(&self, node_id: &str) -> identity::Node {
+        let request = identity::GetNodeRequest { node_id: node_id.into() };
+        identity::nodes_client::NodesClient::new(self.channel(&self.identity_addr))
+            .get_node(request)
+            .await
+            .unwrap()
+            .into_inner()
+            .node
+            .unwrap()
+    }
+
+    pub(crate) async fn node_capacity(&self, node_id: &str) -> leases::NodeCapacity {
+        let listed = CapacityClient::new(self.channel(&self.leases_addr))
+            .list_node_capacity(leases::ListNodeCapacityRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        listed.nodes.into_iter().find(|n| n.node_id == node_id).unwrap()
+    }
+
+    pub(crate) async fn cleanup(self) {
+        self.stop.cancel();
+        for db in self.dbs {
+            db.cleanup().await.unwrap();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The agent
+// ---------------------------------------------------------------------------
+
+pub(crate) fn agent_config(plane: &ControlPlane, dir: &Path) -> AgentConfig {
+    let capacity = Capacity { cpu_millis: 2000, memory_bytes: 4 << 30 };
+    let mut config =
+        AgentConfig::new(plane.identity_addr.clone(), dir, ADVERTISE, "127.0.0.1:0".parse().unwrap(), capacity);
+    config.ca_bundle_pem = plane.bundle.clone();
+    config.join_token = Some(plane.token.clone());
+    config.name = "lease-host".into();
+    config.timing = AgentTiming {
+        retry_initial: Duration::from_millis(50),
+        retry_max: Duration::from_millis(400),
+        rpc_timeout: Duration::from_secs(5),
+        min_heartbeat_interval: Duration::from_millis(10),
+        max_heartbeat_interval: Duration::from_secs(5),
+    };
+    config.leases = Some(plane.leases_addr.clone());
+    config.lease_timing = LeaseTiming {
+        renew_interval: Duration::from_millis(200),
+        sweep_interval: Duration::from_secs(1),
+        stop_grace: Duration::from_secs(3),
+        exit_poll: Duration::from_millis(50),
+        log_poll: Duration::from_millis(50),
+        retain_finished: Duration::from_secs(3600),
+    };
+    config
+}
+
+pub(crate) struct RunningAgent {
+    pub(crate) handle: AgentHandle,
+    pub(crate) stop: CancellationToken,
+}
+
+impl RunningAgent {
+    pub(crate) async fn start(config: AgentConfig) -> RunningAgent {
+        let stop = CancellationToken::new();
+        let handle = berth_agent::start(config, stop.clone()).await.unwrap();
+        let mut status = handle.status();
+        tokio::time::timeout(PATIENCE, status.wait_for(AgentStatus::is_up)).await.unwrap().unwrap();
+        RunningAgent { handle, stop }
+    }
+
+    /// Stops the agent the way `kill -9` would as far as its workloads go:
+    /// its tasks end and nothing of theirs is stopped.
+    pub(crate) async fn kill(self) {
+        self.stop.cancel();
+        self.handle.wait().await.unwrap();
+    }
+
+    pub(crate) fn api(&self, plane: &ControlPlane) -> AgentClient<Channel> {
+        AgentClient::new(plane.channel(&self.handle.local_addr().to_string()))
+    }
+
+    pub(crate) async fn instance_until(
+        &self,
+        plane: &ControlPlane,
+        lease_id: &str,
+        what: &str,
+        pred: impl Fn(&agent::Instance) -> bool,
+    ) -> agent::Instance {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let listed = self.api(plane).list_instances(agent::ListInstancesRequest::default()).await.unwrap();
+            let found = listed.into_inner().instances.into_iter().find(|i| i.lease_id == lease_id);
+            if let Some(instance) = found.as_ref().filter(|i| pred(i)) {
+                return instance.clone();
+            }
+            assert!(tokio::time::Instant::now() < deadline, "instance of {lease_id} never {what}: {found:?}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+/// The agent's data directory: dropping it kills every process still
+/// working in it first, so a failed test leaves no workload running behind.
+pub(crate) struct TestDir(tempfile::TempDir);
+
+impl TestDir {
+    pub(crate) fn new() -> Self {
+        Self(tempfile::tempdir().unwrap())
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        for entry in std::fs::read_dir("/proc").unwrap().filter_map(Result::ok) {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+            let cwd = std::fs::read_link(entry.path().join("cwd"));
+            if cwd.is_ok_and(|cwd| cwd.starts_with(self.0.path()))
+                && let Some(pid) = rustix::process::Pid::from_raw(pid)
+            {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
+        }
+    }
+}
+
+/// The start time of process `pid` (field 22 of `/proc/<pid>/stat`), or
+/// `None` when it no longer runs.
+pub(crate) fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    if matches!(fields.first(), Some(&"Z") | Some(&"X")) {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+pub(crate) async fn gone_until(pid: u32) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while start_ticks(pid).is_some() {
+        assert!(tokio::time::Instant::now() < deadline, "process {pid} still runs");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
