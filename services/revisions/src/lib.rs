@@ -1,11 +1,53 @@
-//! The revisions service: services and their immutable revisions: tag-to-digest resolution, rollout and rollback, revision GC.
+//! The revisions service: Services as users declare them, the immutable
+//! revisions minted from them with their bundle tag resolved to a digest
+//! once, and the deploy reconciler that rolls revisions out through leases,
+//! rolls back on failure, follows traffic pins and collects old revisions.
 //!
-//! Its RPCs answer `UNIMPLEMENTED` until they are built; the access layer
-//! already admits each only to the caller kinds its proto declares.
+//! # Who writes what
+//! - `services`, `revisions`, `deleted_services`: only this crate, through
+//!   its catalog module. API handlers write declarations and pins; the
+//!   elected reconciler writes observations, fenced on its term.
+//! - Leases are the leases service's: the reconciler asks for them, lists
+//!   them and releases them over gRPC, never reads their tables.
+//!
+//! # Expected flow
+//! A process builds a [`RevisionsService`] over its
+//! [`ServiceContext`](berth_runtime::ServiceContext) (store migrated with
+//! [`MIGRATIONS`]) and its [`Dependencies`] (a [`GrpcLeases`] client dialled
+//! with the service's own certificate, the registry resolver), starts the
+//! controller with [`RevisionsService::spawn_loops`] and serves
+//! [`RevisionsService::server`]. [`SPEC`] serves without a leases client:
+//! it accepts services and mints revisions, and their status says that no
+//! leases address is configured.
 
-use berth_proto::revisions::v1;
-use berth_rpc::{MAX_REQUEST_BYTES, ServerBuilder};
-use berth_runtime::{ServiceContext, ServiceSpec};
+pub use cli::binary_main;
+pub use config::{
+    DEFAULT_CPU_MILLIS, DEFAULT_GC_KEEP, DEFAULT_GC_MIN_AGE, DEFAULT_MEMORY_BYTES, DEFAULT_PROGRESS_DEADLINE,
+    RevisionsConfig,
+};
+pub use controller::DEPLOY_LOOP;
+pub use leases::{GrpcLeases, LeaseCallError, LeaseClient, NoLeases};
+pub use model::{BUNDLE_RESOLVED, READY, ROLLOUT_COMPLETE};
+pub use resolver::{RegistryPolicy, RegistryResolver, ResolveError, TagResolver};
+pub use service::{Dependencies, RevisionsService};
+
+mod api;
+mod catalog;
+mod cli;
+mod config;
+mod controller;
+mod leases;
+mod model;
+mod reconciler;
+mod records;
+mod resolver;
+mod service;
+mod signals;
+mod validate;
+mod watch;
+
+use berth_rpc::ServerBuilder;
+use berth_runtime::{ServiceContext, ServiceSpec, StartError};
 use berth_store::Migration;
 
 /// The service's name: its Postgres schema, bus prefix and `svc` SAN.
@@ -15,30 +57,38 @@ pub const NAME: &str = "revisions";
 pub const DEFAULT_PORT: u16 = 7444;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[];
+pub static MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "catalog",
+    postgres: include_str!("../migrations/postgres/0001_catalog.sql"),
+    sqlite: include_str!("../migrations/sqlite/0001_catalog.sql"),
+}];
 
-/// How the runtime starts it.
+/// How the runtime starts it: [`server`] with the default timings and no leases client.
 pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, build: server };
 
-/// The handlers' shared state.
-#[derive(Debug, Clone)]
-pub struct RevisionsService {
-    #[allow(dead_code, reason = "read by the handlers as they are built")]
-    ctx: ServiceContext,
+/// Every gRPC service of revisions over `ctx`, asking the leases service at
+/// `leases_addr` (dialled with `ctx.credentials`) for replicas, with the
+/// default timings, loopback registries alone spoken to over plain HTTP, and
+/// the controller running until the server is dropped: what `berth dev` serves.
+pub fn server_with_leases(ctx: &ServiceContext, leases_addr: &str) -> Result<ServerBuilder, StartError> {
+    let config = RevisionsConfig::default();
+    let leases = GrpcLeases::connect(leases_addr, ctx.credentials.clone())
+        .map_err(|e| StartError::Invalid(format!("revisions: leases address: {e}")))?;
+    let dependencies = Dependencies::with_registry(std::sync::Arc::new(leases), RegistryPolicy::default(), &config)
+        .map_err(|e| StartError::Invalid(format!("revisions: registry client: {e}")))?;
+    Ok(RevisionsService::new(ctx, config, dependencies).with_loops_for_its_lifetime().server())
 }
 
-/// Every gRPC service of revisions, ready to serve.
+/// Every gRPC service of revisions over `ctx`, with no leases client (see
+/// the crate docs), the controller running until the server is dropped.
 pub fn server(ctx: &ServiceContext) -> ServerBuilder {
-    let svc = RevisionsService { ctx: ctx.clone() };
-    ServerBuilder::new()
-        .add_service(v1::services_server::ServicesServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .add_service(
-            v1::revisions_server::RevisionsServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-        )
+    let config = RevisionsConfig::default();
+    match Dependencies::without_leases(&config) {
+        Ok(dependencies) => RevisionsService::new(ctx, config, dependencies).with_loops_for_its_lifetime().server(),
+        Err(error) => {
+            tracing::error!(%error, "cannot build the registry client; revisions serves nothing");
+            ServerBuilder::new()
+        }
+    }
 }
-
-#[tonic::async_trait]
-impl v1::services_server::Services for RevisionsService {}
-
-#[tonic::async_trait]
-impl v1::revisions_server::Revisions for RevisionsService {}

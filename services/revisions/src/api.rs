@@ -1,0 +1,154 @@
+//! The gRPC face of the catalog: `Services` and `Revisions`, each call
+//! checked, handed to the catalog, announced, and each error mapped once.
+//!
+//! # Who may call what
+//! The access layer admits each RPC only to the caller kinds its proto
+//! declares: admins change services; admins and services read them.
+//!
+//! # Minting
+//! `ApplyService` resolves the bundle reference before its transaction, and
+//! only when the declaration's fingerprint differs from the newest
+//! revision's, so an unchanged apply costs no registry round trip. A
+//! resolution that fails does not fail the apply: the revision is minted
+//! unresolved, `BundleResolved=False` says why, and the reconciler retries
+//! with backoff until it resolves.
+
+use berth_proto::revisions::v1;
+use tokio::time::timeout;
+use tonic::{Request, Response, Status};
+
+use crate::catalog::{Resolution, Scope};
+use crate::config::millis;
+use crate::resolver::ResolveError;
+use crate::service::RevisionsService;
+use crate::validate;
+
+impl RevisionsService {
+    async fn resolve_for_apply(&self, valid: &validate::ValidApply) -> Resolution {
+        let Some(bundle) = &valid.template.bundle else { return Resolution::NotTried };
+        let config = &self.core.config;
+        match timeout(config.resolve_timeout, self.core.resolver.resolve(bundle)).await {
+            Ok(Ok(digest)) => Resolution::Resolved(digest.to_string()),
+            Ok(Err(error)) => Resolution::Failed(error),
+            Err(_) => Resolution::Failed(ResolveError::RegistryUnavailable(format!(
+                "the registry did not answer within {:?}",
+                config.resolve_timeout
+            ))),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl v1::services_server::Services for RevisionsService {
+    async fn apply_service(
+        &self,
+        request: Request<v1::ApplyServiceRequest>,
+    ) -> Result<Response<v1::ApplyServiceResponse>, Status> {
+        let by = berth_rpc::caller(&request)?.to_string();
+        let valid = validate::apply(request.into_inner(), &self.core.policy)?;
+        let catalog = &self.core.catalog;
+        let changed = catalog.latest_fingerprint(&valid.key).await?.as_deref() != Some(valid.fingerprint.as_str());
+        let resolution = if changed { self.resolve_for_apply(&valid).await } else { Resolution::NotTried };
+        let retry_after = millis(self.core.config.resolve_backoff(1));
+        let applied = catalog.apply(&valid, &resolution, retry_after).await?;
+        if applied.revision_created {
+            match &resolution {
+                Resolution::Failed(error) => tracing::info!(service = %valid.key, revision = %applied.revision,
+                    %by, reason = error.reason(), %error, "revision minted; its bundle did not resolve yet"),
+                _ => tracing::info!(service = %valid.key, revision = %applied.revision, %by, "revision minted"),
+            }
+            self.core.signals.wake(&valid.key).await;
+        }
+        Ok(Response::new(v1::ApplyServiceResponse {
+            service: Some(applied.service.to_proto()),
+            revision_created: applied.revision_created,
+            revision: applied.revision,
+        }))
+    }
+
+    async fn get_service(
+        &self,
+        request: Request<v1::GetServiceRequest>,
+    ) -> Result<Response<v1::GetServiceResponse>, Status> {
+        let request = request.into_inner();
+        let key = validate::service_key(&request.project, &request.name, "name")?;
+        let service = self.core.catalog.service(&key).await?;
+        let service = service.ok_or_else(|| Status::not_found(format!("service {key} not found")))?;
+        Ok(Response::new(v1::GetServiceResponse { service: Some(service.to_proto()) }))
+    }
+
+    async fn list_services(
+        &self,
+        request: Request<v1::ListServicesRequest>,
+    ) -> Result<Response<v1::ListServicesResponse>, Status> {
+        let request = request.into_inner();
+        let scope =
+            if request.all_projects { Scope::All } else { Scope::Project(validate::project(&request.project)?) };
+        let services = self.core.catalog.services(&scope).await?;
+        Ok(Response::new(v1::ListServicesResponse { services: services.iter().map(|s| s.to_proto()).collect() }))
+    }
+
+    async fn delete_service(
+        &self,
+        request: Request<v1::DeleteServiceRequest>,
+    ) -> Result<Response<v1::DeleteServiceResponse>, Status> {
+        let by = berth_rpc::caller(&request)?.to_string();
+        let request = request.into_inner();
+        let key = validate::service_key(&request.project, &request.name, "name")?;
+        let deleted = self.core.catalog.delete(&key).await?;
+        tracing::info!(service = %key, uid = %deleted.uid, %by, "service deleted; its leases are being released");
+        self.core.signals.wake(&key).await;
+        Ok(Response::new(v1::DeleteServiceResponse {}))
+    }
+
+    async fn set_traffic(
+        &self,
+        request: Request<v1::SetTrafficRequest>,
+    ) -> Result<Response<v1::SetTrafficResponse>, Status> {
+        let by = berth_rpc::caller(&request)?.to_string();
+        let request = request.into_inner();
+        let key = validate::service_key(&request.project, &request.name, "name")?;
+        validate::revision_name("pinned_revision", &request.pinned_revision, true)?;
+        let service = self.core.catalog.set_traffic(&key, &request.pinned_revision).await?;
+        tracing::info!(service = %key, pinned = %request.pinned_revision, %by, "traffic set");
+        self.core.signals.wake(&key).await;
+        Ok(Response::new(v1::SetTrafficResponse { service: Some(service.to_proto()) }))
+    }
+
+    async fn watch_services(
+        &self,
+        request: Request<v1::WatchServicesRequest>,
+    ) -> Result<Response<tonic::codegen::BoxStream<v1::ServiceEvent>>, Status> {
+        let request = request.into_inner();
+        let scope =
+            if request.all_projects { Scope::All } else { Scope::Project(validate::project(&request.project)?) };
+        Ok(Response::new(crate::watch::open(self.core.clone(), scope)))
+    }
+}
+
+#[tonic::async_trait]
+impl v1::revisions_server::Revisions for RevisionsService {
+    async fn list_revisions(
+        &self,
+        request: Request<v1::ListRevisionsRequest>,
+    ) -> Result<Response<v1::ListRevisionsResponse>, Status> {
+        let request = request.into_inner();
+        let key = validate::service_key(&request.project, &request.service, "service")?;
+        if self.core.catalog.service(&key).await?.is_none() {
+            return Err(Status::not_found(format!("service {key} not found")));
+        }
+        let revisions = self.core.catalog.revisions(&key).await?;
+        Ok(Response::new(v1::ListRevisionsResponse { revisions: revisions.iter().map(|r| r.to_proto()).collect() }))
+    }
+
+    async fn get_revision(
+        &self,
+        request: Request<v1::GetRevisionRequest>,
+    ) -> Result<Response<v1::GetRevisionResponse>, Status> {
+        let request = request.into_inner();
+        let project = validate::project(&request.project)?;
+        validate::revision_name("name", &request.name, false)?;
+        let revision = self.core.catalog.revision(&project, &request.name).await?;
+        Ok(Response::new(v1::GetRevisionResponse { revision: Some(revision.to_proto()) }))
+    }
+}

@@ -1,0 +1,153 @@
+//! The `berth-revisions` binary's flags and startup: the flags every
+//! control-plane service takes (listen address, certificates, state, mesh,
+//! telemetry) plus where leases is, which registries may be spoken to over
+//! plain HTTP, the rollout deadline and the revision GC policy.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_runtime::{
+    CERT_POLL_INTERVAL, MeshArgs, StartError, StateArgs, TelemetryArgs, TlsArgs, bind, follow_nodes, parse_duration,
+    run_main, watch_cert_files,
+};
+use clap::Parser;
+
+use crate::{
+    DEFAULT_PORT, Dependencies, GrpcLeases, LeaseClient, NoLeases, RegistryPolicy, RevisionsConfig, RevisionsService,
+    SPEC,
+};
+
+/// The berth revisions service: services, their immutable revisions, rollout
+/// and rollback.
+#[derive(Debug, Parser)]
+#[command(name = "berth-revisions", version)]
+struct Args {
+    /// Address to serve mTLS gRPC on.
+    #[arg(long, env = "BERTH_LISTEN", default_value_t = SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT)))]
+    listen: SocketAddr,
+    /// The leases service (`host:port`), asked for every replica. Unset,
+    /// services are accepted and revisions minted but nothing runs.
+    #[arg(long, env = "BERTH_LEASES_ADDR", value_name = "HOST:PORT")]
+    leases_addr: Option<String>,
+    /// A registry spoken to over plain HTTP (`host` or `host:port`); may be
+    /// repeated. Loopback registries always are.
+    #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
+    insecure_registries: Vec<String>,
+    /// How long a new revision's replicas have to all run before it is failed
+    /// and the live revision keeps serving (e.g. 90s, 5m).
+    #[arg(long, env = "BERTH_PROGRESS_DEADLINE", default_value = "5m", value_name = "DURATION",
+          value_parser = parse_duration)]
+    progress_deadline: Duration,
+    /// How many non-live revisions of each service are kept.
+    #[arg(long, env = "BERTH_REVISIONS_KEEP", default_value_t = crate::DEFAULT_GC_KEEP, value_name = "N")]
+    revisions_keep: usize,
+    /// How old a revision must be before it may be collected (e.g. 1h).
+    #[arg(long, env = "BERTH_REVISIONS_MIN_AGE", default_value = "1h", value_name = "DURATION",
+          value_parser = parse_duration)]
+    revisions_min_age: Duration,
+    #[command(flatten)]
+    tls: TlsArgs,
+    #[command(flatten)]
+    state: StateArgs,
+    #[command(flatten)]
+    mesh: MeshArgs,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+impl Args {
+    fn config(&self) -> RevisionsConfig {
+        RevisionsConfig {
+            progress_deadline: self.progress_deadline,
+            gc_keep: self.revisions_keep,
+            gc_min_age: self.revisions_min_age,
+            ..RevisionsConfig::default()
+        }
+    }
+}
+
+/// Parses the flags and serves until SIGTERM or Ctrl-C.
+pub fn binary_main() -> ExitCode {
+    let args = Args::parse();
+    let telemetry = args.telemetry.clone();
+    run_main("berth-revisions", &telemetry, || run(args))
+}
+
+async fn run(args: Args) -> Result<(), StartError> {
+    let shutdown = berth_rpc::shutdown_signal();
+    let credentials = args.tls.load()?;
+    let ctx = SPEC.open(&args.state, credentials.clone()).await?;
+    if let Some(identity) = &args.mesh.identity_addr {
+        follow_nodes(
+            identity.clone(),
+            credentials.clone(),
+            ctx.nodes.clone(),
+            ctx.revocations.clone(),
+            shutdown.clone(),
+        );
+    }
+    let leases: Arc<dyn LeaseClient> = match &args.leases_addr {
+        Some(addr) => Arc::new(
+            GrpcLeases::connect(addr, credentials.clone())
+                .map_err(|e| StartError::Invalid(format!("--leases-addr: {e}")))?,
+        ),
+        None => {
+            tracing::warn!("no --leases-addr: services are accepted but none of their replicas runs");
+            Arc::new(NoLeases)
+        }
+    };
+    let config = args.config();
+    let policy = RegistryPolicy { insecure_registries: args.insecure_registries.clone() };
+    let dependencies = Dependencies::with_registry(leases, policy, &config)
+        .map_err(|e| StartError::Invalid(format!("registry client: {e}")))?;
+    let listener = bind(args.listen, credentials.clone()).await?;
+    watch_cert_files(args.tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
+    let service = RevisionsService::new(&ctx, config, dependencies);
+    service.spawn_loops(&shutdown);
+    tracing::info!(addr = %args.listen, replica = service.replica_id(), leases = ?args.leases_addr, "revisions serving");
+    service.server().serve(listener, shutdown).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::*;
+
+    #[test]
+    fn flags_are_consistent() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn insecure_registries_repeat_and_durations_parse() {
+        let args = Args::try_parse_from([
+            "berth-revisions",
+            "--tls-cert",
+            "c",
+            "--tls-key",
+            "k",
+            "--ca-file",
+            "a",
+            "--database-url",
+            "sqlite://x",
+            "--leases-addr",
+            "127.0.0.1:7445",
+            "--insecure-registry",
+            "registry.lan",
+            "--insecure-registry",
+            "cache.lan:5000",
+            "--progress-deadline",
+            "90s",
+        ])
+        .unwrap();
+        assert_eq!(args.insecure_registries, ["registry.lan", "cache.lan:5000"]);
+        assert_eq!(args.config().progress_deadline, Duration::from_secs(90));
+        assert_eq!(args.config().gc_keep, crate::DEFAULT_GC_KEEP);
+        assert_eq!(args.leases_addr.as_deref(), Some("127.0.0.1:7445"));
+        assert_eq!(args.listen.port(), DEFAULT_PORT);
+    }
+}

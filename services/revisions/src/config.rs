@@ -1,0 +1,115 @@
+//! How fast the deploy reconciler, tag resolution and revision GC run, and
+//! what they keep, named once so production runs in seconds and tests in
+//! milliseconds.
+//!
+//! # Invariants
+//! - `rollout_poll` is well under `progress_deadline`: a rollout is looked at
+//!   many times before it can be declared failed.
+//! - `resolve_backoff_min <= resolve_backoff_max`: a failing tag is retried
+//!   ever more slowly, never more slowly than the maximum.
+
+use std::time::Duration;
+
+use berth_store::ElectionTiming;
+
+/// How long a new revision's replicas have to all run before it is failed.
+pub const DEFAULT_PROGRESS_DEADLINE: Duration = Duration::from_secs(300);
+
+/// How many non-live revisions of a service GC keeps.
+pub const DEFAULT_GC_KEEP: usize = 5;
+
+/// How old a revision must be before GC may delete it.
+pub const DEFAULT_GC_MIN_AGE: Duration = Duration::from_secs(3600);
+
+/// CPU a replica reserves when its template names none, in thousandths of a core.
+pub const DEFAULT_CPU_MILLIS: u64 = 100;
+
+/// Memory a replica reserves when its template names none.
+pub const DEFAULT_MEMORY_BYTES: u64 = 128 << 20;
+
+/// The timings and limits of the revisions service. [`RevisionsConfig::default`]
+/// suits production; tests shorten every duration.
+#[derive(Debug, Clone)]
+pub struct RevisionsConfig {
+    /// How long a new revision's replicas have to all run before it is
+    /// marked failed and the previous live revision keeps serving.
+    pub progress_deadline: Duration,
+    /// How soon a service with a rollout, a resolution or a lease request in
+    /// flight is looked at again; lease phases are observed by this polling.
+    pub rollout_poll: Duration,
+    /// How soon a settled service is looked at again, to replace replicas
+    /// that ended.
+    pub steady_resync: Duration,
+    /// How often every service is queued, healing a missed wake-up.
+    pub full_resync: Duration,
+    /// The first retry delay of a tag that failed to resolve; doubles per failure.
+    pub resolve_backoff_min: Duration,
+    /// The longest delay between resolution attempts.
+    pub resolve_backoff_max: Duration,
+    /// How long one resolution may take, inside `ApplyService` or the reconciler.
+    pub resolve_timeout: Duration,
+    /// How many non-live revisions of a service GC keeps (newest first).
+    pub gc_keep: usize,
+    /// How old a revision must be before GC may delete it.
+    pub gc_min_age: Duration,
+    /// How many services are reconciled at once (never one service twice).
+    pub workers: usize,
+    /// How often a `WatchServices` stream re-reads everything, healing a
+    /// change notification the bus lost.
+    pub watch_resync: Duration,
+    /// Lease of the reconciler's leadership.
+    pub election: ElectionTiming,
+}
+
+impl Default for RevisionsConfig {
+    fn default() -> Self {
+        Self {
+            progress_deadline: DEFAULT_PROGRESS_DEADLINE,
+            rollout_poll: Duration::from_secs(1),
+            steady_resync: Duration::from_secs(10),
+            full_resync: Duration::from_secs(60),
+            resolve_backoff_min: Duration::from_secs(1),
+            resolve_backoff_max: Duration::from_secs(60),
+            resolve_timeout: Duration::from_secs(10),
+            gc_keep: DEFAULT_GC_KEEP,
+            gc_min_age: DEFAULT_GC_MIN_AGE,
+            workers: 4,
+            watch_resync: Duration::from_secs(30),
+            election: ElectionTiming::default(),
+        }
+    }
+}
+
+impl RevisionsConfig {
+    /// The wait before resolution attempt `attempts + 1`, after `attempts` failures.
+    pub(crate) fn resolve_backoff(&self, attempts: u32) -> Duration {
+        let factor = 1u32 << attempts.saturating_sub(1).min(16);
+        self.resolve_backoff_min.saturating_mul(factor).min(self.resolve_backoff_max)
+    }
+}
+
+/// Whole milliseconds of `duration`, saturating, as the database counts time.
+pub(crate) fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_keep_the_documented_order() {
+        let config = RevisionsConfig::default();
+        assert!(config.rollout_poll * 10 < config.progress_deadline);
+        assert!(config.resolve_backoff_min <= config.resolve_backoff_max);
+    }
+
+    #[test]
+    fn resolution_backs_off_to_the_maximum() {
+        let config = RevisionsConfig::default();
+        assert_eq!(config.resolve_backoff(1), Duration::from_secs(1));
+        assert_eq!(config.resolve_backoff(2), Duration::from_secs(2));
+        assert_eq!(config.resolve_backoff(4), Duration::from_secs(8));
+        assert_eq!(config.resolve_backoff(40), Duration::from_secs(60));
+    }
+}

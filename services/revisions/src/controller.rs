@@ -1,0 +1,217 @@
+//! Runs the deploy reconciler on the one replica that leads
+//! [`DEPLOY_LOOP`]: a queue of service keys, woken by applies (locally and
+//! through the bus), by each reconcile's own requeue, and by a periodic full
+//! pass; up to `workers` services at once, never one service twice.
+//!
+//! # Expected flow
+//! Every replica campaigns. While one leads at term `t`, its controller runs
+//! with a [`Fence`] at `t`, so each catalog write it makes is refused once a
+//! newer term exists; on losing the lead it stops every reconcile in flight
+//! and waits to lead again. The first pass of a term queues every service,
+//! so whatever happened while no one led is acted on.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_bus::BusMessage;
+use berth_store::{LeaderElector, Term};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::catalog::Fence;
+use crate::model::ServiceKey;
+use crate::reconciler::{Action, Context, ReconcileError, reconcile};
+use crate::service::Core;
+use crate::signals::WAKE_TOPIC;
+
+/// The name the deploy reconciler's (and revision GC's) leadership is held under.
+pub const DEPLOY_LOOP: &str = "revisions.deployer";
+
+/// The longest a service that keeps failing to reconcile waits between tries.
+const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Campaigns for [`DEPLOY_LOOP`] and runs the controller while leading, until `core.closing`.
+pub(crate) fn spawn(core: Arc<Core>, mut wakes: mpsc::Receiver<ServiceKey>) {
+    tokio::spawn(async move {
+        let elector = LeaderElector::new(core.catalog.store().clone(), DEPLOY_LOOP, core.replica_id.clone())
+            .with_timing(core.config.election)
+            .spawn(&core.closing);
+        let mut leadership = elector.subscribe();
+        loop {
+            let term = *leadership.borrow_and_update();
+            match term {
+                Some(term) => {
+                    tracing::info!(term = %term, "leading the deploy reconciler");
+                    run_term(&core, term, &mut leadership, &mut wakes).await;
+                    tracing::info!(term = %term, "no longer leading the deploy reconciler");
+                }
+                None => {
+                    tokio::select! {
+                        () = core.closing.cancelled() => break,
+                        changed = leadership.changed() => if changed.is_err() { break },
+                        // Wake-ups are for the leader: while following, drop them.
+                        _ = wakes.recv() => {}
+                    }
+                }
+            }
+            if core.closing.is_cancelled() {
+                break;
+            }
+        }
+        elector.shutdown().await;
+    });
+}
+
+/// The queue of one term: when each key is due, which are running, and how
+/// many times in a row each failed.
+#[derive(Debug, Default)]
+struct Queue {
+    due: HashMap<ServiceKey, Instant>,
+    running: HashSet<ServiceKey>,
+    failures: HashMap<ServiceKey, u32>,
+}
+
+impl Queue {
+    /// Makes `key` due at `at`, or sooner if it already was.
+    fn schedule(&mut self, key: ServiceKey, at: Instant) {
+        let due = self.due.entry(key).or_insert(at);
+        if at < *due {
+            *due = at;
+        }
+    }
+
+    fn next_due(&self) -> Option<Instant> {
+        self.due.iter().filter(|(key, _)| !self.running.contains(*key)).map(|(_, at)| *at).min()
+    }
+
+    /// Keys due now and not running, soonest first, at most `room`.
+    fn take_ready(&mut self, room: usize) -> Vec<ServiceKey> {
+        let now = Instant::now();
+        let mut ready: Vec<(Instant, ServiceKey)> = self
+            .due
+            .iter()
+            .filter(|(key, at)| **at <= now && !self.running.contains(*key))
+            .map(|(key, at)| (*at, key.clone()))
+            .collect();
+        ready.sort();
+        ready.truncate(room);
+        for (_, key) in &ready {
+            self.due.remove(key);
+            self.running.insert(key.clone());
+        }
+        ready.into_iter().map(|(_, key)| key).collect()
+    }
+}
+
+async fn run_term(
+    core: &Arc<Core>,
+    term: Term,
+    leadership: &mut watch::Receiver<Option<Term>>,
+    wakes: &mut mpsc::Receiver<ServiceKey>,
+) {
+    let fence = Fence { loop_name: DEPLOY_LOOP, holder: core.replica_id.clone(), term };
+    let ctx = Arc::new(Context {
+        catalog: core.catalog.clone(),
+        leases: core.leases.clone(),
+        resolver: core.resolver.clone(),
+        policy: core.policy.clone(),
+        config: core.config.clone(),
+        fence,
+        signals: core.signals.clone(),
+    });
+    let mut subscription = match core.signals.bus().subscribe(WAKE_TOPIC).await {
+        Ok(subscription) => Some(subscription),
+        Err(error) => {
+            tracing::warn!(%error, "cannot follow wake-ups on the bus; acting on local applies and full passes");
+            None
+        }
+    };
+    let mut queue = Queue::default();
+    let mut reconciles: JoinSet<(ServiceKey, Result<Action, ReconcileError>)> = JoinSet::new();
+    let mut full_pass = tokio::time::interval(core.config.full_resync);
+    let workers = core.config.workers.max(1);
+    loop {
+        for key in queue.take_ready(workers.saturating_sub(queue.running.len())) {
+            let ctx = Arc::clone(&ctx);
+            reconciles.spawn(async move {
+                let span = tracing::info_span!("reconcile", service = %key);
+                let result = tracing::Instrument::instrument(reconcile(&key, &ctx), span).await;
+                (key, result)
+            });
+        }
+        let next_due = queue.next_due();
+        tokio::select! {
+            () = core.closing.cancelled() => break,
+            changed = leadership.changed() => {
+                if changed.is_err() || *leadership.borrow() != Some(term) {
+                    break;
+                }
+            }
+            _ = full_pass.tick() => match core.catalog.keys().await {
+                Ok(keys) => {
+                    let now = Instant::now();
+                    for key in keys {
+                        queue.schedule(key, now);
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "listing services for a full pass failed"),
+            },
+            Some(key) = wakes.recv() => queue.schedule(key, Instant::now()),
+            message = next_message(&mut subscription) => match message {
+                Some(BusMessage::Payload(payload)) => {
+                    if let Some(key) = std::str::from_utf8(&payload).ok().and_then(ServiceKey::decode) {
+                        queue.schedule(key, Instant::now());
+                    }
+                }
+                Some(BusMessage::Gap) => full_pass.reset_immediately(),
+                None => subscription = None,
+            },
+            () = sleep_until(next_due) => {}
+            Some(joined) = reconciles.join_next() => {
+                let Ok((key, result)) = joined else { continue };
+                queue.running.remove(&key);
+                match result {
+                    Ok(action) => {
+                        queue.failures.remove(&key);
+                        if let Action::Requeue(after) = action {
+                            queue.schedule(key, Instant::now() + after);
+                        }
+                    }
+                    Err(error) if error.is_deposed() => {
+                        tracing::info!(service = %key, "deposed while reconciling");
+                        break;
+                    }
+                    Err(error) => {
+                        let failures = queue.failures.entry(key.clone()).or_default();
+                        *failures = failures.saturating_add(1);
+                        let backoff = core
+                            .config
+                            .rollout_poll
+                            .saturating_mul(1 << (*failures).min(8))
+                            .min(MAX_ERROR_BACKOFF);
+                        tracing::warn!(service = %key, %error, retry_in = ?backoff, "reconcile failed");
+                        queue.schedule(key, Instant::now() + backoff);
+                    }
+                }
+            }
+        }
+    }
+    reconciles.abort_all();
+    while reconciles.join_next().await.is_some() {}
+}
+
+async fn next_message(subscription: &mut Option<berth_bus::Subscription>) -> Option<BusMessage> {
+    match subscription {
+        Some(subscription) => subscription.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

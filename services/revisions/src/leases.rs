@@ -1,0 +1,122 @@
+//! The deploy reconciler's view of the leases service: ask for a lease,
+//! list a service's leases, give one back. [`LeaseClient`] is the seam;
+//! [`GrpcLeases`] speaks `berth.leases.v1.Leases` over mTLS with this
+//! service's certificate.
+//!
+//! # Observing phases
+//! Leases offers requesters no watch, so lease phases are observed by
+//! listing a service's leases (one `ListLeases` by owner) on every reconcile,
+//! which the reconciler schedules often while a rollout is under way.
+
+use std::fmt;
+
+use berth_mtls::TlsCredentials;
+use berth_proto::leases::v1;
+use berth_rpc::Channel;
+use tonic::Code;
+
+/// Why a call to leases failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseCallError {
+    /// No node has room for the lease; leases keeps no queue, so ask again later.
+    #[error("no room: {0}")]
+    NoRoom(String),
+    /// Leases could not be reached or could not serve the call now.
+    #[error("leases is unavailable: {0}")]
+    Unavailable(String),
+    /// Leases refused the call (a bug on one side, or a lease that is gone).
+    #[error("leases refused the call ({code:?}): {message}")]
+    Refused {
+        /// The status code.
+        code: Code,
+        /// What leases said.
+        message: String,
+    },
+}
+
+impl From<tonic::Status> for LeaseCallError {
+    fn from(status: tonic::Status) -> Self {
+        let message = status.message().to_owned();
+        match status.code() {
+            Code::ResourceExhausted => Self::NoRoom(message),
+            Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Unknown | Code::Cancelled => {
+                Self::Unavailable(message)
+            }
+            code => Self::Refused { code, message },
+        }
+    }
+}
+
+/// What the deploy reconciler asks of the leases service.
+#[tonic::async_trait]
+pub trait LeaseClient: fmt::Debug + Send + Sync + 'static {
+    /// Asks for a lease; idempotent on the request's key.
+    async fn request(&self, request: v1::RequestLeaseRequest) -> Result<v1::Lease, LeaseCallError>;
+    /// Every lease of `owner` in `project`, open or recently final.
+    async fn list(&self, project: &str, owner: &str) -> Result<Vec<v1::Lease>, LeaseCallError>;
+    /// Gives a lease back with `reason`; a lease already final stays as it is.
+    async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError>;
+}
+
+/// The leases service over gRPC.
+#[derive(Debug, Clone)]
+pub struct GrpcLeases {
+    client: v1::leases_client::LeasesClient<Channel>,
+}
+
+impl GrpcLeases {
+    /// A client of the leases service at `addr` (`host:port`), dialling with
+    /// `credentials` (this service's certificate).
+    pub fn connect(addr: &str, credentials: TlsCredentials) -> Result<Self, berth_rpc::ClientError> {
+        Ok(Self { client: v1::leases_client::LeasesClient::new(berth_rpc::connect(addr, credentials)?) })
+    }
+}
+
+#[tonic::async_trait]
+impl LeaseClient for GrpcLeases {
+    async fn request(&self, request: v1::RequestLeaseRequest) -> Result<v1::Lease, LeaseCallError> {
+        let response = self.client.clone().request_lease(request).await?.into_inner();
+        response.lease.ok_or_else(|| LeaseCallError::Refused {
+            code: Code::Internal,
+            message: "leases answered without the lease".to_owned(),
+        })
+    }
+
+    async fn list(&self, project: &str, owner: &str) -> Result<Vec<v1::Lease>, LeaseCallError> {
+        let request =
+            v1::ListLeasesRequest { project: project.to_owned(), owner: owner.to_owned(), ..Default::default() };
+        Ok(self.client.clone().list_leases(request).await?.into_inner().leases)
+    }
+
+    async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError> {
+        let request = v1::ReleaseLeaseRequest { lease_id: lease_id.to_owned(), reason: reason.to_owned() };
+        match self.client.clone().release_lease(request).await {
+            Ok(_) => Ok(()),
+            // Forgotten after its retention: nothing left to release.
+            Err(status) if status.code() == Code::NotFound => Ok(()),
+            Err(status) => Err(status.into()),
+        }
+    }
+}
+
+/// Stands in where no leases address was configured: every call fails,
+/// naming the missing flag, so the service's status says why nothing runs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoLeases;
+
+const NOT_CONFIGURED: &str = "no leases address is configured (--leases-addr, BERTH_LEASES_ADDR)";
+
+#[tonic::async_trait]
+impl LeaseClient for NoLeases {
+    async fn request(&self, _request: v1::RequestLeaseRequest) -> Result<v1::Lease, LeaseCallError> {
+        Err(LeaseCallError::Unavailable(NOT_CONFIGURED.to_owned()))
+    }
+
+    async fn list(&self, _project: &str, _owner: &str) -> Result<Vec<v1::Lease>, LeaseCallError> {
+        Err(LeaseCallError::Unavailable(NOT_CONFIGURED.to_owned()))
+    }
+
+    async fn release(&self, _lease_id: &str, _reason: &str) -> Result<(), LeaseCallError> {
+        Err(LeaseCallError::Unavailable(NOT_CONFIGURED.to_owned()))
+    }
+}

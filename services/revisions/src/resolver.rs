@@ -1,0 +1,174 @@
+//! Tag-to-digest resolution, done once per revision in the control plane so
+//! every node pulls the identical digest. [`TagResolver`] is the seam; the
+//! default, [`RegistryResolver`], asks the registry directly through
+//! `berth_bundle::BundleClient`.
+//!
+//! # Plain HTTP
+//! Registries are spoken to over HTTPS, except loopback ones and the hosts an
+//! operator names with `--insecure-registry`; [`RegistryPolicy`] says which,
+//! so a template asking for plain HTTP elsewhere is refused at apply.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::Duration;
+
+use berth_bundle::{BundleClient, BundleReference, Digest, RegistryConfig, RegistryCredentials, RegistryError};
+use berth_proto::types::v1::BundleRef;
+
+/// Why a bundle reference did not resolve; each kind is the reason of the
+/// `BundleResolved=False` condition it causes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    /// The tag names nothing in the repository.
+    #[error("{0}")]
+    TagNotFound(String),
+    /// The registry wants credentials, or refused the ones given.
+    #[error("{0}")]
+    Unauthorized(String),
+    /// The registry could not be reached, failed or timed out; it is retried.
+    #[error("{0}")]
+    RegistryUnavailable(String),
+    /// The reference cannot be resolved at all as written.
+    #[error("{0}")]
+    InvalidReference(String),
+    /// The registry refused for another reason.
+    #[error("{0}")]
+    Refused(String),
+}
+
+impl ResolveError {
+    /// The condition reason, one CamelCase word.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::TagNotFound(_) => "TagNotFound",
+            Self::Unauthorized(_) => "Unauthorized",
+            Self::RegistryUnavailable(_) => "RegistryUnavailable",
+            Self::InvalidReference(_) => "InvalidReference",
+            Self::Refused(_) => "RegistryRefused",
+        }
+    }
+}
+
+impl From<RegistryError> for ResolveError {
+    fn from(error: RegistryError) -> Self {
+        let message = error.to_string();
+        match error {
+            RegistryError::TagNotFound { .. } | RegistryError::ManifestNotFound { .. } => Self::TagNotFound(message),
+            RegistryError::Unauthorized { .. } => Self::Unauthorized(message),
+            RegistryError::RegistryUnavailable { .. } => Self::RegistryUnavailable(message),
+            RegistryError::InvalidReference { .. } => Self::InvalidReference(message),
+            _ => Self::Refused(message),
+        }
+    }
+}
+
+/// Turns a template's bundle reference into the digest it names now.
+#[tonic::async_trait]
+pub trait TagResolver: fmt::Debug + Send + Sync + 'static {
+    /// The manifest digest `bundle` names now: its own when pinned, else what its tag points to.
+    async fn resolve(&self, bundle: &BundleRef) -> Result<Digest, ResolveError>;
+}
+
+/// Which registries the control plane speaks plain HTTP to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RegistryPolicy {
+    /// `host` (any port) or `host:port` entries; loopback is always allowed.
+    pub insecure_registries: Vec<String>,
+}
+
+impl RegistryPolicy {
+    /// Whether `registry` (`host[:port]`) is spoken to over plain HTTP.
+    pub fn plain_http(&self, registry: &str) -> bool {
+        let host = host_of(registry);
+        is_loopback(host) || self.insecure_registries.iter().any(|r| r == registry || r == host)
+    }
+}
+
+/// The host part of `host[:port]` or `[v6][:port]`.
+fn host_of(registry: &str) -> &str {
+    if let Some(rest) = registry.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match registry.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => registry,
+    }
+}
+
+fn is_loopback(host: &str) -> bool {
+    host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Resolves against the registry itself.
+#[derive(Debug, Clone)]
+pub struct RegistryResolver {
+    client: BundleClient,
+    /// Registry credentials by the secret name a bundle reference gives.
+    credentials: HashMap<String, RegistryCredentials>,
+}
+
+impl RegistryResolver {
+    /// A resolver speaking plain HTTP where `policy` says, HTTPS elsewhere,
+    /// giving up on a registry that does not answer within `timeout`.
+    pub fn new(policy: &RegistryPolicy, timeout: Duration) -> Result<Self, RegistryError> {
+        let config = RegistryConfig {
+            insecure_registries: policy.insecure_registries.clone(),
+            connect_timeout: timeout,
+            read_timeout: timeout,
+            ..RegistryConfig::default()
+        };
+        Ok(Self { client: BundleClient::new(config)?, credentials: HashMap::new() })
+    }
+
+    /// The same resolver, using `credentials` for bundles whose secret is `name`.
+    pub fn with_credentials(mut self, name: impl Into<String>, credentials: RegistryCredentials) -> Self {
+        self.credentials.insert(name.into(), credentials);
+        self
+    }
+}
+
+#[tonic::async_trait]
+impl TagResolver for RegistryResolver {
+    async fn resolve(&self, bundle: &BundleRef) -> Result<Digest, ResolveError> {
+        let credentials = if bundle.secret.is_empty() {
+            RegistryCredentials::Anonymous
+        } else {
+            self.credentials.get(&bundle.secret).cloned().ok_or_else(|| {
+                ResolveError::Unauthorized(format!(
+                    "no registry credentials named '{}' are known to the control plane",
+                    bundle.secret
+                ))
+            })?
+        };
+        let reference =
+            BundleReference::parse(&bundle.reference).map_err(|e| ResolveError::InvalidReference(e.to_string()))?;
+        Ok(self.client.resolve(&reference, &credentials).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_and_listed_registries_are_plain_http() {
+        let policy = RegistryPolicy { insecure_registries: vec!["registry.lan".into(), "cache.lan:5000".into()] };
+        assert!(policy.plain_http("127.0.0.1:5000"));
+        assert!(policy.plain_http("localhost"));
+        assert!(policy.plain_http("[::1]:80"));
+        assert!(policy.plain_http("registry.lan:443"));
+        assert!(policy.plain_http("cache.lan:5000"));
+        assert!(!policy.plain_http("cache.lan:5001"));
+        assert!(!policy.plain_http("registry.example.com"));
+    }
+
+    #[test]
+    fn registry_failures_keep_their_kind_as_the_reason() {
+        let not_found = ResolveError::from(RegistryError::TagNotFound { reference: "r/a:v1".into() });
+        assert_eq!(not_found.reason(), "TagNotFound");
+        let down = RegistryError::RegistryUnavailable { registry: "r".into(), detail: "refused".into() };
+        assert_eq!(ResolveError::from(down).reason(), "RegistryUnavailable");
+        let denied = RegistryError::Unauthorized { registry: "r".into(), detail: "401".into() };
+        assert_eq!(ResolveError::from(denied).reason(), "Unauthorized");
+    }
+}

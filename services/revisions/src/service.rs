@@ -1,0 +1,155 @@
+//! The service's shared state and its life: what every handler and the
+//! controller of one replica hold, how the controller starts, and how it
+//! stops.
+//!
+//! # Expected flow
+//! [`RevisionsService::new`] builds a replica over a
+//! [`ServiceContext`](berth_runtime::ServiceContext) (store already migrated)
+//! and its [`Dependencies`]: the leases client, the tag resolver and the
+//! registry policy. [`RevisionsService::spawn_loops`] starts the campaign
+//! for the deploy reconciler, which runs on whichever replica leads; it
+//! stops when the token passed is cancelled. Every replica serves RPCs.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use berth_proto::revisions::v1;
+use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
+use berth_runtime::ServiceContext;
+use tokio::sync::mpsc;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use crate::catalog::Catalog;
+use crate::config::RevisionsConfig;
+use crate::leases::{LeaseClient, NoLeases};
+use crate::model::ServiceKey;
+use crate::resolver::{RegistryPolicy, RegistryResolver, TagResolver};
+use crate::signals::Signals;
+
+/// What the revisions service talks to beyond its own state.
+#[derive(Debug, Clone)]
+pub struct Dependencies {
+    /// The leases service, which the reconciler asks for replicas.
+    pub leases: Arc<dyn LeaseClient>,
+    /// Turns bundle tags into digests when revisions are minted.
+    pub resolver: Arc<dyn TagResolver>,
+    /// Which registries may be spoken to over plain HTTP.
+    pub policy: RegistryPolicy,
+}
+
+impl Dependencies {
+    /// `leases` with the default resolver (straight to the registry) under `policy`.
+    pub fn with_registry(
+        leases: Arc<dyn LeaseClient>,
+        policy: RegistryPolicy,
+        config: &RevisionsConfig,
+    ) -> Result<Self, berth_bundle::RegistryError> {
+        let resolver = RegistryResolver::new(&policy, config.resolve_timeout)?;
+        Ok(Self { leases, resolver: Arc::new(resolver), policy })
+    }
+
+    /// No leases service and the default resolver: services are accepted
+    /// and revisions minted, and every status says no leases address is set.
+    pub fn without_leases(config: &RevisionsConfig) -> Result<Self, berth_bundle::RegistryError> {
+        Self::with_registry(Arc::new(NoLeases), RegistryPolicy::default(), config)
+    }
+}
+
+/// What every handler and the controller of one replica share.
+#[derive(Debug)]
+pub(crate) struct Core {
+    pub(crate) catalog: Catalog,
+    pub(crate) signals: Signals,
+    pub(crate) leases: Arc<dyn LeaseClient>,
+    pub(crate) resolver: Arc<dyn TagResolver>,
+    pub(crate) policy: RegistryPolicy,
+    pub(crate) config: RevisionsConfig,
+    /// This replica's name as it campaigns for the reconciler.
+    pub(crate) replica_id: String,
+    /// Cancelled when the replica stops: the controller and watch streams end.
+    pub(crate) closing: CancellationToken,
+    /// Wake-ups for this replica's controller until its task takes them.
+    wakes: Mutex<Option<mpsc::Receiver<ServiceKey>>>,
+}
+
+/// One replica of the revisions service: its gRPC handlers and its controller.
+#[derive(Debug, Clone)]
+pub struct RevisionsService {
+    pub(crate) core: Arc<Core>,
+    revocations: Revocations,
+    /// Set when the controller lives exactly as long as the handlers (see [`crate::server`]).
+    lifetime: Option<Arc<DropGuard>>,
+}
+
+impl RevisionsService {
+    /// A replica over `ctx`'s store (already migrated) and bus.
+    pub fn new(ctx: &ServiceContext, config: RevisionsConfig, dependencies: Dependencies) -> Self {
+        let (signals, wakes) = Signals::new(ctx.bus.clone());
+        let core = Core {
+            catalog: Catalog::new(ctx.store.clone()),
+            signals,
+            leases: dependencies.leases,
+            resolver: dependencies.resolver,
+            policy: dependencies.policy,
+            config,
+            replica_id: new_replica_id(),
+            closing: CancellationToken::new(),
+            wakes: Mutex::new(Some(wakes)),
+        };
+        Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: None }
+    }
+
+    /// This replica's name among the service's replicas, as it campaigns for
+    /// the deploy reconciler ([`DEPLOY_LOOP`](crate::DEPLOY_LOOP)).
+    pub fn replica_id(&self) -> &str {
+        &self.core.replica_id
+    }
+
+    /// The timings it runs with.
+    pub fn config(&self) -> &RevisionsConfig {
+        &self.core.config
+    }
+
+    /// Every gRPC service of revisions, ready to serve, refusing revoked nodes.
+    pub fn server(&self) -> ServerBuilder {
+        ServerBuilder::new()
+            .with_revocations(self.revocations.clone())
+            .add_service(
+                v1::services_server::ServicesServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+            .add_service(
+                v1::revisions_server::RevisionsServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+    }
+
+    /// Starts the campaign for the deploy reconciler until `shutdown` (which
+    /// also ends open watch streams). Only the first call starts anything.
+    pub fn spawn_loops(&self, shutdown: &CancellationToken) {
+        let wakes = self.core.wakes.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let Some(wakes) = wakes else {
+            tracing::warn!("the revisions controller is already running");
+            return;
+        };
+        let (shutdown, closing) = (shutdown.clone(), self.core.closing.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                () = shutdown.cancelled() => closing.cancel(),
+                () = closing.cancelled() => {}
+            }
+        });
+        crate::controller::spawn(Arc::clone(&self.core), wakes);
+    }
+
+    /// This replica with its controller running until every handle on it
+    /// (the server's included) is dropped.
+    pub(crate) fn with_loops_for_its_lifetime(mut self) -> Self {
+        let token = CancellationToken::new();
+        self.spawn_loops(&token);
+        self.lifetime = Some(Arc::new(token.drop_guard()));
+        self
+    }
+}
+
+fn new_replica_id() -> String {
+    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty() && h.len() <= 64);
+    format!("{}-{}", host.as_deref().unwrap_or("revisions"), hex::encode(rand::random::<[u8; 4]>()))
+}

@@ -1,0 +1,415 @@
+//! Checks on what callers send, before anything is read or written. An
+//! apply is checked whole: every bad field is named in one
+//! `INVALID_ARGUMENT`, with what it must be instead.
+
+use std::collections::HashSet;
+
+use berth_bundle::BundleReference;
+use berth_proto::revisions::v1::{ApplyServiceRequest, ServiceTemplate, Source};
+
+use crate::model::{DEFAULT_PROJECT, ServiceKey, fingerprint};
+use crate::resolver::RegistryPolicy;
+
+/// The longest service name: a revision name (`<service>-NNNNN`) is then
+/// still a DNS label.
+pub(crate) const MAX_SERVICE_NAME: usize = 57;
+/// Most replicas one service may ask for.
+pub(crate) const MAX_REPLICAS: u32 = 1000;
+/// The longest command or argument.
+const MAX_ARG_BYTES: usize = 4096;
+/// Most arguments.
+const MAX_ARGS: usize = 256;
+/// Most environment variables.
+const MAX_ENV: usize = 256;
+/// The longest environment variable name.
+const MAX_ENV_NAME: usize = 256;
+/// The longest environment variable value.
+const MAX_ENV_VALUE: usize = 32 << 10;
+/// Most ports.
+const MAX_PORTS: usize = 32;
+/// The longest bundle reference.
+const MAX_REFERENCE: usize = 1024;
+/// The longest secret name.
+const MAX_SECRET: usize = 253;
+/// The longest source repository, ref or label value.
+const MAX_SOURCE_TEXT: usize = 2048;
+/// Most source labels.
+const MAX_LABELS: usize = 64;
+/// The longest source label name.
+const MAX_LABEL_NAME: usize = 253;
+/// The longest revision name a caller may name.
+const MAX_REVISION_NAME: usize = 128;
+
+/// What is wrong with one field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Violation {
+    pub(crate) field: String,
+    pub(crate) reason: String,
+}
+
+/// Why a request was refused before anything was read or written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Invalid {
+    /// One or more fields are missing or malformed.
+    #[error("{}", describe(.0))]
+    Fields(Vec<Violation>),
+}
+
+impl Invalid {
+    /// The fields named, for tests.
+    #[cfg(test)]
+    pub(crate) fn fields(&self) -> Vec<&str> {
+        let Self::Fields(violations) = self;
+        violations.iter().map(|v| v.field.as_str()).collect()
+    }
+}
+
+fn describe(violations: &[Violation]) -> String {
+    let parts: Vec<String> = violations.iter().map(|v| format!("{}: {}", v.field, v.reason)).collect();
+    format!("invalid request: {}", parts.join("; "))
+}
+
+impl From<Invalid> for tonic::Status {
+    fn from(error: Invalid) -> Self {
+        tonic::Status::invalid_argument(error.to_string())
+    }
+}
+
+/// Collects violations as a request is walked.
+#[derive(Debug, Default)]
+struct Checker {
+    violations: Vec<Violation>,
+}
+
+impl Checker {
+    fn bad(&mut self, field: impl Into<String>, reason: impl Into<String>) {
+        self.violations.push(Violation { field: field.into(), reason: reason.into() });
+    }
+
+    fn text(&mut self, field: &str, value: &str, max: usize) {
+        if value.len() > max {
+            self.bad(field, format!("must be at most {max} bytes"));
+        } else if value.chars().any(char::is_control) {
+            self.bad(field, "must not contain control characters");
+        }
+    }
+
+    fn dns_label(&mut self, field: &str, value: &str, what: &str) {
+        if !berth_core::is_dns_label(value) {
+            self.bad(field, format!("'{}' is not {what}: use 1-63 lowercase letters, digits or '-'", shown(value)));
+        }
+    }
+
+    fn finish(self) -> Result<(), Invalid> {
+        if self.violations.is_empty() { Ok(()) } else { Err(Invalid::Fields(self.violations)) }
+    }
+}
+
+/// At most 64 characters of `value`, for messages.
+fn shown(value: &str) -> String {
+    value.chars().take(64).flat_map(char::escape_default).collect()
+}
+
+/// A checked `ApplyService`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ValidApply {
+    pub(crate) key: ServiceKey,
+    pub(crate) template: ServiceTemplate,
+    pub(crate) source: Source,
+    pub(crate) fingerprint: String,
+}
+
+/// `project`, or the default project when empty.
+pub(crate) fn project(project: &str) -> Result<String, Invalid> {
+    if project.is_empty() {
+        return Ok(DEFAULT_PROJECT.to_owned());
+    }
+    let mut check = Checker::default();
+    check.dns_label("project", project, "a project name");
+    check.finish().map(|()| project.to_owned())
+}
+
+/// A service key from a request's project and name fields.
+pub(crate) fn service_key(project_field: &str, name: &str, name_field: &str) -> Result<ServiceKey, Invalid> {
+    let mut check = Checker::default();
+    let project = if project_field.is_empty() { DEFAULT_PROJECT } else { project_field };
+    if !project_field.is_empty() {
+        check.dns_label("project", project_field, "a project name");
+    }
+    service_name(&mut check, name_field, name);
+    check.finish().map(|()| ServiceKey::new(project, name))
+}
+
+fn service_name(check: &mut Checker, field: &str, name: &str) {
+    if name.is_empty() {
+        check.bad(field, "must not be empty");
+    } else if name.len() > MAX_SERVICE_NAME {
+        check.bad(field, format!("must be at most {MAX_SERVICE_NAME} characters"));
+    } else {
+        check.dns_label(field, name, "a service name");
+    }
+}
+
+/// A revision name a caller gives: empty allowed when `optional`.
+pub(crate) fn revision_name(field: &str, name: &str, optional: bool) -> Result<(), Invalid> {
+    let mut check = Checker::default();
+    if name.is_empty() {
+        if !optional {
+            check.bad(field, "must not be empty");
+        }
+    } else if name.len() > MAX_REVISION_NAME || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+        check.bad(field, format!("'{}' is not a revision name (<service>-<generation>)", shown(name)));
+    }
+    check.finish()
+}
+
+/// Checks a whole `ApplyService` against `policy`.
+pub(crate) fn apply(request: ApplyServiceRequest, policy: &RegistryPolicy) -> Result<ValidApply, Invalid> {
+    let mut check = Checker::default();
+    let project = if request.project.is_empty() { DEFAULT_PROJECT.to_owned() } else { request.project.clone() };
+    if !request.project.is_empty() {
+        check.dns_label("project", &request.project, "a project name");
+    }
+    service_name(&mut check, "name", &request.name);
+    match &request.template {
+        Some(template) => self::template(&mut check, template, policy),
+        None => check.bad("template", "must be set"),
+    }
+    let source = request.source.unwrap_or_default();
+    self::source(&mut check, &source);
+    check.finish()?;
+    let template = request.template.unwrap_or_default();
+    let fingerprint = fingerprint(&template, &source);
+    Ok(ValidApply { key: ServiceKey::new(project, request.name), template, source, fingerprint })
+}
+
+fn template(check: &mut Checker, template: &ServiceTemplate, policy: &RegistryPolicy) {
+    match &template.bundle {
+        None => check.bad("template.bundle", "must be set"),
+        Some(bundle) if bundle.reference.is_empty() => check.bad("template.bundle.reference", "must not be empty"),
+        Some(bundle) if bundle.reference.len() > MAX_REFERENCE => {
+            check.bad("template.bundle.reference", format!("must be at most {MAX_REFERENCE} bytes"));
+        }
+        Some(bundle) => match BundleReference::parse(&bundle.reference) {
+            Err(error) => check.bad("template.bundle.reference", error.to_string()),
+            Ok(BundleReference::Layout(_)) => check.bad(
+                "template.bundle.reference",
+                "must name a registry (host/repo:tag): an oci: layout directory exists on one machine only",
+            ),
+            Ok(BundleReference::Registry(registry)) => {
+                if bundle.insecure && !policy.plain_http(registry.registry()) {
+                    check.bad(
+                        "template.bundle.insecure",
+                        format!(
+                            "registry {} is not loopback nor among the operator's insecure registries",
+                            registry.registry()
+                        ),
+                    );
+                }
+                check.text("template.bundle.secret", &bundle.secret, MAX_SECRET);
+            }
+        },
+    }
+    if template.command.contains('\0') || template.command.len() > MAX_ARG_BYTES {
+        check.bad("template.command", format!("must be at most {MAX_ARG_BYTES} bytes without NUL"));
+    }
+    if template.args.len() > MAX_ARGS {
+        check.bad("template.args", format!("at most {MAX_ARGS} arguments"));
+    }
+    if let Some(n) = template.args.iter().position(|a| a.contains('\0') || a.len() > MAX_ARG_BYTES) {
+        check.bad(format!("template.args[{n}]"), format!("must be at most {MAX_ARG_BYTES} bytes without NUL"));
+    }
+    if template.env.len() > MAX_ENV {
+        check.bad("template.env", format!("at most {MAX_ENV} variables"));
+    }
+    let mut names: Vec<&String> = template.env.keys().collect();
+    names.sort();
+    for name in names {
+        let valid_name = !name.is_empty()
+            && name.len() <= MAX_ENV_NAME
+            && !name.contains('=')
+            && !name.chars().any(char::is_control);
+        if !valid_name {
+            check.bad(
+                "template.env",
+                format!(
+                    "'{}' is not a variable name: 1-{MAX_ENV_NAME} bytes, no '=' or control characters",
+                    shown(name)
+                ),
+            );
+        } else if template.env[name].contains('\0') || template.env[name].len() > MAX_ENV_VALUE {
+            check.bad(format!("template.env.{name}"), format!("must be at most {MAX_ENV_VALUE} bytes without NUL"));
+        }
+    }
+    if let Some(resources) = template.resources {
+        if resources.cpu_millis == 0 || i64::try_from(resources.cpu_millis).is_err() {
+            check.bad("template.resources.cpu_millis", "must be above zero (leave resources unset for the default)");
+        }
+        if resources.memory_bytes == 0 || i64::try_from(resources.memory_bytes).is_err() {
+            check.bad("template.resources.memory_bytes", "must be above zero (leave resources unset for the default)");
+        }
+    }
+    if template.replicas.is_some_and(|r| r > MAX_REPLICAS) {
+        check.bad("template.replicas", format!("must be at most {MAX_REPLICAS}"));
+    }
+    if template.ports.len() > MAX_PORTS {
+        check.bad("template.ports", format!("at most {MAX_PORTS} ports"));
+    }
+    let (mut port_names, mut numbers) = (HashSet::new(), HashSet::new());
+    for (n, port) in template.ports.iter().enumerate() {
+        if !berth_core::is_dns_label(&port.name) {
+            check.bad(format!("template.ports[{n}].name"), "must be a DNS label (lowercase letters, digits, '-')");
+        } else if !port_names.insert(port.name.as_str()) {
+            check.bad(format!("template.ports[{n}].name"), format!("'{}' is named twice", port.name));
+        }
+        if port.port == 0 || port.port > 65535 {
+            check.bad(format!("template.ports[{n}].port"), "must be between 1 and 65535");
+        } else if !numbers.insert(port.port) {
+            check.bad(format!("template.ports[{n}].port"), format!("{} is listed twice", port.port));
+        }
+    }
+    if let Some(egress) = &template.egress
+        && !egress.gateway.is_empty()
+    {
+        check.dns_label("template.egress.gateway", &egress.gateway, "a gateway name");
+    }
+    if !template.tier.is_empty() {
+        check.dns_label("template.tier", &template.tier, "a tier name");
+    }
+}
+
+fn source(check: &mut Checker, source: &Source) {
+    check.text("source.repo", &source.repo, MAX_SOURCE_TEXT);
+    check.text("source.commit", &source.commit, 256);
+    check.text("source.ref", &source.r#ref, MAX_SOURCE_TEXT);
+    if source.labels.len() > MAX_LABELS {
+        check.bad("source.labels", format!("at most {MAX_LABELS} labels"));
+    }
+    let mut names: Vec<&String> = source.labels.keys().collect();
+    names.sort();
+    for name in names {
+        if name.is_empty() || name.len() > MAX_LABEL_NAME || name.chars().any(char::is_control) {
+            check.bad(
+                "source.labels",
+                format!("'{}' is not a label name: 1-{MAX_LABEL_NAME} printable bytes", shown(name)),
+            );
+        } else {
+            check.text(&format!("source.labels.{name}"), &source.labels[name], MAX_SOURCE_TEXT);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use berth_proto::revisions::v1::EgressSelection;
+    use berth_proto::types::v1::{BundleRef, Capacity, Port};
+
+    use super::*;
+
+    fn request() -> ApplyServiceRequest {
+        ApplyServiceRequest {
+            project: String::new(),
+            name: "web".into(),
+            template: Some(ServiceTemplate {
+                bundle: Some(BundleRef { reference: "registry.example.com/team/web:v1".into(), ..Default::default() }),
+                ports: vec![Port { name: "http".into(), port: 8080 }],
+                ..Default::default()
+            }),
+            source: None,
+        }
+    }
+
+    fn fields(request: ApplyServiceRequest) -> Vec<String> {
+        apply(request, &RegistryPolicy::default()).unwrap_err().fields().into_iter().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn a_good_apply_lands_in_the_default_project() {
+        let valid = apply(request(), &RegistryPolicy::default()).unwrap();
+        assert_eq!(valid.key, ServiceKey::new("default", "web"));
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        type Spoil = Box<dyn Fn(&mut ApplyServiceRequest)>;
+        fn template(r: &mut ApplyServiceRequest) -> &mut ServiceTemplate {
+            r.template.as_mut().unwrap()
+        }
+        let cases: Vec<(&str, Spoil)> = vec![
+            ("project", Box::new(|r| r.project = "Team_A".into())),
+            ("name", Box::new(|r| r.name.clear())),
+            ("name", Box::new(|r| r.name = "Web".into())),
+            ("name", Box::new(|r| r.name = "w".repeat(58))),
+            ("template", Box::new(|r| r.template = None)),
+            ("template.bundle", Box::new(|r| template(r).bundle = None)),
+            ("template.bundle.reference", Box::new(|r| template(r).bundle.as_mut().unwrap().reference.clear())),
+            (
+                "template.bundle.reference",
+                Box::new(|r| template(r).bundle.as_mut().unwrap().reference = "oci:/tmp/layout:v1".into()),
+            ),
+            (
+                "template.bundle.reference",
+                Box::new(|r| template(r).bundle.as_mut().unwrap().reference = "registry.example.com/Web:v1".into()),
+            ),
+            ("template.bundle.insecure", Box::new(|r| template(r).bundle.as_mut().unwrap().insecure = true)),
+            ("template.command", Box::new(|r| template(r).command = "a\0b".into())),
+            ("template.args[1]", Box::new(|r| template(r).args = vec!["ok".into(), "x".repeat(5000)])),
+            ("template.env", Box::new(|r| _ = template(r).env.insert("A=B".into(), "1".into()))),
+            (
+                "template.resources.cpu_millis",
+                Box::new(|r| template(r).resources = Some(Capacity { cpu_millis: 0, memory_bytes: 1 })),
+            ),
+            ("template.replicas", Box::new(|r| template(r).replicas = Some(MAX_REPLICAS + 1))),
+            ("template.ports[0].name", Box::new(|r| template(r).ports[0].name = "HTTP".into())),
+            ("template.ports[0].port", Box::new(|r| template(r).ports[0].port = 70000)),
+            ("template.ports[1].port", Box::new(|r| template(r).ports.push(Port { name: "alt".into(), port: 8080 }))),
+            (
+                "template.egress.gateway",
+                Box::new(|r| {
+                    template(r).egress = Some(EgressSelection { gateway: "Main".into(), disabled: false });
+                }),
+            ),
+            ("template.tier", Box::new(|r| template(r).tier = "GPU".into())),
+            ("source.repo", Box::new(|r| r.source = Some(Source { repo: "a\nb".into(), ..Default::default() }))),
+        ];
+        for (field, spoil) in cases {
+            let mut bad = request();
+            spoil(&mut bad);
+            assert_eq!(fields(bad), [field], "{field}");
+        }
+    }
+
+    #[test]
+    fn every_bad_field_is_named_at_once() {
+        let mut bad = request();
+        bad.name = "Web".into();
+        bad.template.as_mut().unwrap().replicas = Some(MAX_REPLICAS + 1);
+        bad.template.as_mut().unwrap().tier = "GPU".into();
+        let error = apply(bad, &RegistryPolicy::default()).unwrap_err();
+        assert_eq!(error.fields(), ["name", "template.replicas", "template.tier"]);
+        let status = tonic::Status::from(error);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().contains("name: 'Web' is not a service name"), "{}", status.message());
+    }
+
+    #[test]
+    fn plain_http_is_allowed_to_loopback_and_listed_registries() {
+        let mut loopback = request();
+        let bundle = loopback.template.as_mut().unwrap().bundle.as_mut().unwrap();
+        bundle.reference = "127.0.0.1:5000/team/web:v1".into();
+        bundle.insecure = true;
+        assert!(apply(loopback, &RegistryPolicy::default()).is_ok());
+        let mut listed = request();
+        listed.template.as_mut().unwrap().bundle.as_mut().unwrap().insecure = true;
+        let policy = RegistryPolicy { insecure_registries: vec!["registry.example.com".into()] };
+        assert!(apply(listed, &policy).is_ok());
+    }
+
+    #[test]
+    fn revision_names_are_checked() {
+        assert!(revision_name("pinned_revision", "", true).is_ok());
+        assert!(revision_name("name", "", false).is_err());
+        assert!(revision_name("name", "web-00001", false).is_ok());
+        assert!(revision_name("name", "web/00001", false).is_err());
+    }
+}

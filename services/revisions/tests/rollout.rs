@@ -1,0 +1,258 @@
+//! Rollout, rollback and pinning as a user sees them, with a real leases
+//! service whose lease phases are driven by node agents through
+//! `NodeLeases/ReportPhase` with their own certificates.
+
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
+mod support;
+
+use std::time::Duration;
+
+use berth_proto::leases::v1::{Lease, LeasePhase};
+use berth_proto::revisions::v1;
+use berth_proto::types::v1::{ConditionStatus, EventKind};
+use berth_revisions::{READY, ROLLOUT_COMPLETE};
+use support::{Backend, PATIENCE, Plane, apply_request, condition, fast_config, pinned_reference};
+use tonic::Code;
+
+fn ms(ts: Option<prost_types::Timestamp>) -> i64 {
+    let ts = ts.unwrap();
+    ts.seconds * 1000 + i64::from(ts.nanos) / 1_000_000
+}
+
+fn web(env: &str) -> v1::ApplyServiceRequest {
+    apply_request("web", &pinned_reference(), 2, &[("VERSION", env)])
+}
+
+/// Every lease revisions asked for `revision`, final ones included.
+async fn all_leases(plane: &Plane, revision: &str) -> Vec<Lease> {
+    plane.leases().await.into_iter().filter(|l| l.workload.as_ref().is_some_and(|w| w.revision == revision)).collect()
+}
+
+async fn set_traffic(plane: &Plane, pinned: &str) -> v1::Service {
+    let request = v1::SetTrafficRequest { project: String::new(), name: "web".into(), pinned_revision: pinned.into() };
+    plane.services().set_traffic(request).await.unwrap().into_inner().service.unwrap()
+}
+
+async fn a_new_revision_takes_over_only_once_all_its_replicas_run(backend: Backend) {
+    let plane = Plane::start(backend, fast_config(), &["n-1", "n-2", "n-3"]).await;
+    plane.apply(web("1")).await;
+    let first = plane.run("web-00001", 2).await;
+    assert_ne!(first[0].node_id, first[1].node_id, "replicas of one service spread apart");
+    plane.await_live("web", "web-00001").await;
+
+    assert!(plane.apply(web("2")).await.revision_created);
+    plane.await_open_leases("web-00002", 2).await;
+    let service = plane
+        .await_service("web", "rolling out", |s| {
+            condition(s, ROLLOUT_COMPLETE).is_some_and(|c| c.reason == "RollingOut")
+        })
+        .await;
+    assert_eq!(service.status.unwrap().live_revision, "web-00001");
+
+    // One new replica runs: the old ones all stay.
+    let pending = plane.open_leases("web-00002").await;
+    let one = &pending[0];
+    let request = berth_proto::leases::v1::ReportPhaseRequest {
+        node_id: one.node_id.clone(),
+        lease_id: one.lease_id.clone(),
+        epoch: one.epoch,
+        phase: LeasePhase::Running as i32,
+        ..Default::default()
+    };
+    plane.node(&one.node_id).report_phase(request).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let old = plane.open_leases("web-00001").await;
+    assert_eq!(old.iter().filter(|l| l.phase() == LeasePhase::Running).count(), 2, "{old:#?}");
+    assert_eq!(plane.get("web").await.status.unwrap().live_revision, "web-00001");
+
+    // Both run: the new revision is live, then the old leases are released.
+    plane.report_all("web-00002", LeasePhase::Running).await;
+    let service = plane.await_live("web", "web-00002").await;
+    let status = service.status.clone().unwrap();
+    assert_eq!((status.replicas_running, status.replicas_desired), (2, 2));
+    assert_eq!(status.latest_ready_revision, "web-00002");
+    assert_eq!(condition(&service, ROLLOUT_COMPLETE).unwrap().status(), ConditionStatus::True);
+    plane.await_open_leases("web-00001", 0).await;
+
+    // No moment with fewer than two replicas running: every old lease was
+    // released after the last new one reported RUNNING.
+    let new_running_at = all_leases(&plane, "web-00002").await.iter().map(|l| ms(l.phase_changed_at)).max().unwrap();
+    for old in all_leases(&plane, "web-00001").await {
+        assert_eq!(old.phase(), LeasePhase::Released);
+        assert_eq!(old.reason, "Superseded");
+        assert!(ms(old.phase_changed_at) >= new_running_at, "{old:#?} released before the new replicas ran");
+    }
+
+    // Pin the old revision: it is rolled out again and becomes live.
+    let pinned = set_traffic(&plane, "web-00001").await;
+    assert_eq!(pinned.pinned_revision, "web-00001");
+    plane.run("web-00001", 2).await;
+    let service = plane.await_live("web", "web-00001").await;
+    assert_eq!(service.pinned_revision, "web-00001");
+    assert_eq!(service.status.unwrap().latest_created_revision, "web-00002");
+    plane.await_open_leases("web-00002", 0).await;
+
+    // Unpinned, traffic follows the newest revision again.
+    set_traffic(&plane, "").await;
+    plane.run("web-00002", 2).await;
+    plane.await_live("web", "web-00002").await;
+    plane.await_open_leases("web-00001", 0).await;
+    plane.cleanup().await;
+}
+
+async fn a_revision_whose_replicas_fail_is_rolled_back(backend: Backend) {
+    let config = berth_revisions::RevisionsConfig { progress_deadline: Duration::from_secs(2), ..fast_config() };
+    let plane = Plane::start(backend, config, &["n-1", "n-2"]).await;
+    plane.apply(web("1")).await;
+    plane.run("web-00001", 2).await;
+    plane.await_live("web", "web-00001").await;
+
+    // The new revision's replicas fail to start.
+    plane.apply(web("2")).await;
+    plane.await_open_leases("web-00002", 2).await;
+    plane.report_all("web-00002", LeasePhase::Failed).await;
+    let service = plane
+        .await_service("web", "rolled back", |s| {
+            condition(s, ROLLOUT_COMPLETE).is_some_and(|c| c.reason == "RevisionFailed")
+        })
+        .await;
+    let status = service.status.clone().unwrap();
+    assert_eq!(status.live_revision, "web-00001");
+    assert_eq!(status.latest_created_revision, "web-00002");
+    assert_eq!(status.latest_ready_revision, "web-00001");
+    assert_eq!(condition(&service, READY).unwrap().status(), ConditionStatus::True);
+    let failed = plane.revision("web-00002").await;
+    let ready = failed.conditions.iter().find(|c| c.r#type == READY).unwrap();
+    assert_eq!((ready.status(), ready.reason.as_str()), (ConditionStatus::False, "ReplicaFailed"));
+    assert!(ready.message.contains("exited with status 3"), "{}", ready.message);
+    plane.await_open_leases("web-00002", 0).await;
+    for lease in all_leases(&plane, "web-00002").await {
+        assert_eq!(lease.phase(), LeasePhase::Failed, "{lease:#?}");
+    }
+    // Later passes keep saying so while the newest revision is the failed one.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let service = plane.get("web").await;
+    assert_eq!(condition(&service, ROLLOUT_COMPLETE).unwrap().reason, "RevisionFailed");
+    assert_eq!(condition(&service, READY).unwrap().status(), ConditionStatus::True);
+    let old = plane.open_leases("web-00001").await;
+    assert_eq!(old.iter().filter(|l| l.phase() == LeasePhase::Running).count(), 2);
+
+    // A revision whose replicas never run is failed at the progress deadline.
+    plane.apply(web("3")).await;
+    plane.await_open_leases("web-00003", 2).await;
+    let started = std::time::Instant::now();
+    loop {
+        let late = plane.revision("web-00003").await;
+        let ready = late.conditions.iter().find(|c| c.r#type == READY).unwrap();
+        if ready.reason == "ProgressDeadlineExceeded" {
+            assert_eq!(ready.status(), ConditionStatus::False);
+            break;
+        }
+        assert!(started.elapsed() < PATIENCE, "web-00003 is still {ready:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let service = plane
+        .await_service("web", "rolled back again", |s| {
+            condition(s, ROLLOUT_COMPLETE)
+                .is_some_and(|c| c.reason == "RevisionFailed" && c.message.contains("revision web-00003 failed"))
+        })
+        .await;
+    assert_eq!(service.status.unwrap().live_revision, "web-00001");
+    plane.await_open_leases("web-00003", 0).await;
+    assert_eq!(plane.open_leases("web-00001").await.len(), 2);
+
+    // Pinning the failed revision tries it again.
+    set_traffic(&plane, "web-00003").await;
+    plane.run("web-00003", 2).await;
+    plane.await_live("web", "web-00003").await;
+    plane.cleanup().await;
+}
+
+async fn a_replica_whose_lease_ends_is_replaced(backend: Backend) {
+    let plane = Plane::start(backend, fast_config(), &["n-1", "n-2"]).await;
+    plane.apply(web("1")).await;
+    let leases = plane.run("web-00001", 2).await;
+    plane.await_live("web", "web-00001").await;
+
+    // A running replica crashes: its slot gets a new lease, on a new key.
+    let crashed = &leases[0];
+    let request = berth_proto::leases::v1::ReportPhaseRequest {
+        node_id: crashed.node_id.clone(),
+        lease_id: crashed.lease_id.clone(),
+        epoch: crashed.epoch,
+        phase: LeasePhase::Failed as i32,
+        reason: "Exited".into(),
+        ..Default::default()
+    };
+    plane.node(&crashed.node_id).report_phase(request).await.unwrap();
+    plane
+        .await_service("web", "short a replica", |s| {
+            condition(s, READY).is_some_and(|c| c.status() == ConditionStatus::False)
+        })
+        .await;
+    let open = plane.await_open_leases("web-00001", 2).await;
+    let replacement = open.iter().find(|l| l.lease_id != leases[1].lease_id).unwrap();
+    assert_ne!(replacement.lease_id, crashed.lease_id);
+    assert_ne!(replacement.idempotency_key, crashed.idempotency_key);
+    plane.report_all("web-00001", LeasePhase::Running).await;
+    plane.await_live("web", "web-00001").await;
+    assert_eq!(plane.revision_names("web").await, ["web-00001"], "a replacement mints nothing");
+    plane.cleanup().await;
+}
+
+async fn deleting_a_service_releases_its_leases_and_watchers_see_it(backend: Backend) {
+    let plane = Plane::start(backend, fast_config(), &["n-1", "n-2"]).await;
+    let mut watch = plane
+        .services()
+        .watch_services(v1::WatchServicesRequest { project: String::new(), all_projects: false })
+        .await
+        .unwrap()
+        .into_inner();
+    let synced = tokio::time::timeout(PATIENCE, watch.message()).await.unwrap().unwrap().unwrap();
+    assert_eq!(synced.kind(), EventKind::Synced);
+
+    plane.apply(web("1")).await;
+    plane.run("web-00001", 2).await;
+    plane.await_live("web", "web-00001").await;
+    // The watcher saw the service appear and go live.
+    loop {
+        let event = tokio::time::timeout(PATIENCE, watch.message()).await.unwrap().unwrap().unwrap();
+        assert_eq!(event.kind(), EventKind::Upsert);
+        if event.service.unwrap().status.unwrap().live_revision == "web-00001" {
+            break;
+        }
+    }
+
+    let delete = v1::DeleteServiceRequest { project: String::new(), name: "web".into() };
+    plane.services().delete_service(delete.clone()).await.unwrap();
+    plane.await_open_leases("web-00001", 0).await;
+    for lease in all_leases(&plane, "web-00001").await {
+        assert_eq!((lease.phase(), lease.reason.as_str()), (LeasePhase::Released, "ServiceDeleted"));
+    }
+    let gone = plane.services().get_service(v1::GetServiceRequest { name: "web".into(), ..Default::default() }).await;
+    assert_eq!(gone.unwrap_err().code(), Code::NotFound);
+    assert_eq!(plane.services().delete_service(delete).await.unwrap_err().code(), Code::NotFound);
+    loop {
+        let event = tokio::time::timeout(PATIENCE, watch.message()).await.unwrap().unwrap().unwrap();
+        if event.kind() == EventKind::Removed {
+            assert_eq!(event.service.unwrap().name, "web");
+            break;
+        }
+    }
+
+    // The name is free again; the new incarnation's leases are its own.
+    let again = plane.apply(web("1")).await;
+    assert_eq!(again.revision, "web-00001");
+    plane.run("web-00001", 2).await;
+    plane.await_live("web", "web-00001").await;
+    assert_eq!(plane.open_leases("web-00001").await.len(), 2);
+    plane.cleanup().await;
+}
+
+on_both_backends!(
+    a_new_revision_takes_over_only_once_all_its_replicas_run,
+    a_revision_whose_replicas_fail_is_rolled_back,
+    a_replica_whose_lease_ends_is_replaced,
+    deleting_a_service_releases_its_leases_and_watchers_see_it,
+);

@@ -1,0 +1,575 @@
+//! A running control plane for tests: a revisions replica and a real leases
+//! replica, each on its own store and bus prefix, serving mTLS gRPC on
+//! loopback ports, a scripted node registry, and clients: an admin, a
+//! service, and node agents that report lease phases through the real
+//! `NodeLeases` API with node certificates.
+//!
+//! # The node registry
+//! Leases learns nodes only from identity's `Nodes/WatchNodes`; the tests
+//! serve that one RPC themselves from a list they set, over mTLS like
+//! identity, so the ledger runs its production path.
+//!
+//! `RUST_LOG=berth_revisions=debug` shows the replicas' logs.
+
+#![allow(dead_code, reason = "each test binary uses a different part of the harness")]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use berth_bundle::testing::TestRegistry;
+use berth_bundle::{BundleClient, BundleReference, Digest, PackedBundle, RegistryConfig, RegistryCredentials};
+use berth_bus::{Bus, MemoryBus};
+use berth_core::Identity;
+use berth_leases::{LeasesConfig, LeasesService};
+use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
+use berth_proto::identity::v1 as identity;
+use berth_proto::identity::v1::NodeState;
+use berth_proto::leases::v1 as leases;
+use berth_proto::leases::v1::LeasePhase;
+use berth_proto::revisions::v1;
+use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus, EventKind};
+use berth_revisions::{Dependencies, GrpcLeases, RegistryPolicy, RevisionsConfig, RevisionsService, TagResolver};
+use berth_rpc::{Channel, Listener, Revocations, ServerBuilder};
+use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_store::ElectionTiming;
+use berth_store::testing::TestDb;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+/// A gibibyte.
+pub(crate) const GIB: u64 = 1 << 30;
+
+/// How long test certificates live.
+const CERT_TTL: Duration = Duration::from_secs(3600);
+
+/// How long a test waits for something that should happen within a second or two.
+pub(crate) const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A digest no registry holds, for references pinned without a registry.
+pub(crate) const PINNED: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/// Which stores and bus a deployment runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// PostgreSQL and Redis: production.
+    Postgres,
+    /// SQLite and the in-process bus: `berth dev`.
+    Sqlite,
+}
+
+/// Loops in milliseconds.
+pub(crate) fn fast_config() -> RevisionsConfig {
+    RevisionsConfig {
+        progress_deadline: Duration::from_secs(10),
+        rollout_poll: Duration::from_millis(50),
+        steady_resync: Duration::from_millis(300),
+        full_resync: Duration::from_secs(1),
+        resolve_backoff_min: Duration::from_millis(100),
+        resolve_backoff_max: Duration::from_millis(400),
+        resolve_timeout: Duration::from_secs(3),
+        gc_keep: 5,
+        gc_min_age: Duration::ZERO,
+        workers: 4,
+        watch_resync: Duration::from_secs(1),
+        election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+    }
+}
+
+/// The registry's side of `Nodes/WatchNodes`: the whole list, `SYNCED`, then each change.
+#[derive(Clone)]
+struct ScriptedRegistry {
+    nodes: watch::Sender<BTreeMap<String, identity::Node>>,
+}
+
+#[tonic::async_trait]
+impl identity::nodes_server::Nodes for ScriptedRegistry {
+    async fn watch_nodes(
+        &self,
+        _request: tonic::Request<identity::WatchNodesRequest>,
+    ) -> Result<tonic::Response<tonic::codegen::BoxStream<identity::NodeEvent>>, tonic::Status> {
+        let mut nodes = self.nodes.subscribe();
+        let (events, stream) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let event =
+                |kind: EventKind, node: Option<identity::Node>| Ok(identity::NodeEvent { kind: kind as i32, node });
+            let mut sent = nodes.borrow_and_update().clone();
+            for node in sent.values() {
+                if events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err() {
+                    return;
+                }
+            }
+            if events.send(event(EventKind::Synced, None)).await.is_err() {
+                return;
+            }
+            while nodes.changed().await.is_ok() {
+                let now = nodes.borrow_and_update().clone();
+                for (node_id, node) in &now {
+                    if sent.get(node_id) != Some(node)
+                        && events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                sent = now;
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+}
+
+/// An UP node with room for many small replicas.
+pub(crate) fn node(node_id: &str) -> identity::Node {
+    identity::Node {
+        node_id: node_id.to_owned(),
+        state: NodeState::Up as i32,
+        capacity: Some(Capacity { cpu_millis: 16_000, memory_bytes: 32 * GIB }),
+        ..Default::default()
+    }
+}
+
+fn credentials(ca: &CertificateAuthority, identity: &Identity) -> TlsCredentials {
+    let (cert, key_pem) = ca.issue(identity, &["localhost".to_owned(), "127.0.0.1".to_owned()], CERT_TTL).unwrap();
+    TlsCredentials::new(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: ca.cert_pem().to_owned() })
+        .unwrap()
+}
+
+fn install_crypto_and_logs() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+async fn test_db(backend: Backend) -> TestDb {
+    match backend {
+        Backend::Postgres => TestDb::postgres().await.unwrap(),
+        Backend::Sqlite => TestDb::sqlite().await.unwrap(),
+    }
+}
+
+async fn test_bus(backend: Backend) -> Bus {
+    match backend {
+        Backend::Postgres => berth_bus::testing::redis_bus().await.unwrap(),
+        Backend::Sqlite => Bus::new(MemoryBus::new(), &berth_bus::testing::unique_prefix()).unwrap(),
+    }
+}
+
+/// One revisions replica serving on a loopback port.
+pub(crate) struct Replica {
+    pub(crate) service: RevisionsService,
+    pub(crate) addr: SocketAddr,
+    shutdown: CancellationToken,
+}
+
+/// A control plane: revisions, leases, a scripted node registry, and clients.
+pub(crate) struct Plane {
+    pub(crate) backend: Backend,
+    revisions_db: Option<TestDb>,
+    leases_db: Option<TestDb>,
+    revisions_bus: Bus,
+    leases_bus: Bus,
+    ca: CertificateAuthority,
+    registry: ScriptedRegistry,
+    stop: CancellationToken,
+    pub(crate) leases_addr: SocketAddr,
+    pub(crate) replicas: Vec<Replica>,
+    admin: TlsCredentials,
+    config: RevisionsConfig,
+    resolver: Option<Arc<dyn TagResolver>>,
+}
+
+impl Plane {
+    /// Leases knowing `nodes`, and one revisions replica with `config`.
+    pub(crate) async fn start(backend: Backend, config: RevisionsConfig, nodes: &[&str]) -> Self {
+        Self::start_with(backend, config, nodes, None).await
+    }
+
+    /// Like [`Plane::start`], resolving tags with `resolver` instead of the registry client.
+    pub(crate) async fn start_with(
+        backend: Backend,
+        config: RevisionsConfig,
+        nodes: &[&str],
+        resolver: Option<Arc<dyn TagResolver>>,
+    ) -> Self {
+        install_crypto_and_logs();
+        let ca = CertificateAuthority::generate("revisions test CA", CERT_TTL).unwrap();
+        let stop = CancellationToken::new();
+
+        let nodes = nodes.iter().map(|n| (n.to_string(), node(n))).collect();
+        let registry = ScriptedRegistry { nodes: watch::channel(nodes).0 };
+        let identity_credentials = credentials(&ca, &Identity::service("identity").unwrap());
+        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), identity_credentials).await.unwrap();
+        let registry_addr = listener.local_addr().unwrap();
+        let server = ServerBuilder::new().add_service(identity::nodes_server::NodesServer::new(registry.clone()));
+        tokio::spawn(server.serve(listener, stop.clone()));
+
+        let leases_db = test_db(backend).await;
+        leases_db.store().migrate(berth_leases::MIGRATIONS).await.unwrap();
+        let leases_bus = test_bus(backend).await;
+        let leases_credentials = credentials(&ca, &Identity::service("leases").unwrap());
+        let ctx = ServiceContext {
+            store: leases_db.store().clone(),
+            bus: leases_bus.clone(),
+            credentials: leases_credentials.clone(),
+            revocations: Revocations::new(),
+            nodes: NodeDirectory::new(),
+        };
+        follow_nodes(
+            registry_addr.to_string(),
+            leases_credentials.clone(),
+            ctx.nodes.clone(),
+            ctx.revocations.clone(),
+            stop.clone(),
+        );
+        let ledger_config = LeasesConfig {
+            reap_every: Duration::from_millis(50),
+            assignment_resync: Duration::from_millis(500),
+            index_resync: Duration::from_millis(500),
+            election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+            ..LeasesConfig::default()
+        };
+        let ledger = LeasesService::new(&ctx, ledger_config);
+        ledger.spawn_loops(&stop);
+        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), leases_credentials).await.unwrap();
+        let leases_addr = listener.local_addr().unwrap();
+        let server = ledger.server();
+        tokio::spawn(server.serve(listener, stop.clone()));
+
+        let revisions_db = test_db(backend).await;
+        revisions_db.store().migrate(berth_revisions::MIGRATIONS).await.unwrap();
+        let revisions_bus = test_bus(backend).await;
+        let admin = credentials(&ca, &Identity::admin("alice").unwrap());
+        let mut plane = Self {
+            backend,
+            revisions_db: Some(revisions_db),
+            leases_db: Some(leases_db),
+            revisions_bus,
+            leases_bus,
+            ca,
+            registry,
+            stop,
+            leases_addr,
+            replicas: Vec::new(),
+            admin,
+            config,
+            resolver,
+        };
+        plane.wait_for_nodes().await;
+        plane.add_replica().await;
+        plane
+    }
+
+    /// Starts another revisions replica on the same store and bus prefix.
+    pub(crate) async fn add_replica(&mut self) -> usize {
+        let db = self.revisions_db.as_ref().unwrap();
+        let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
+        let bus = match self.backend {
+            Backend::Postgres => {
+                Bus::connect(&berth_bus::testing::redis_url(), self.revisions_bus.prefix()).await.unwrap()
+            }
+            Backend::Sqlite => self.revisions_bus.with_prefix(self.revisions_bus.prefix()).unwrap(),
+        };
+        let me = credentials(&self.ca, &Identity::service("revisions").unwrap());
+        let ctx = ServiceContext {
+            store,
+            bus,
+            credentials: me.clone(),
+            revocations: Revocations::new(),
+            nodes: NodeDirectory::new(),
+        };
+        let leases = Arc::new(GrpcLeases::connect(&self.leases_addr.to_string(), me.clone()).unwrap());
+        let mut dependencies = Dependencies::with_registry(leases, RegistryPolicy::default(), &self.config).unwrap();
+        if let Some(resolver) = &self.resolver {
+            dependencies.resolver = resolver.clone();
+        }
+        let service = RevisionsService::new(&ctx, self.config.clone(), dependencies);
+        let shutdown = self.stop.child_token();
+        service.spawn_loops(&shutdown);
+        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), me).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = service.server();
+        let stop = shutdown.clone();
+        tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
+        self.replicas.push(Replica { service, addr, shutdown });
+        self.replicas.len() - 1
+    }
+
+    /// The revisions store, for tests that look behind the API.
+    pub(crate) fn store(&self) -> &berth_store::Store {
+        self.revisions_db.as_ref().unwrap().store()
+    }
+
+    /// Stops replica `n`'s server and controller, as a crashed process would.
+    pub(crate) fn stop_replica(&self, n: usize) {
+        self.replicas[n].shutdown.cancel();
+    }
+
+    /// Waits until leases has learned every node of the registry.
+    async fn wait_for_nodes(&self) {
+        let expected = self.registry.nodes.borrow().len();
+        let mut capacity = leases::capacity_client::CapacityClient::new(self.leases_channel(self.admin.clone()));
+        let started = Instant::now();
+        loop {
+            let known = capacity
+                .list_node_capacity(leases::ListNodeCapacityRequest::default())
+                .await
+                .map(|r| r.into_inner().nodes.iter().filter(|n| n.state == NodeState::Up as i32).count())
+                .unwrap_or_default();
+            if known == expected {
+                return;
+            }
+            assert!(started.elapsed() < PATIENCE, "leases learned {known} of {expected} nodes");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn leases_channel(&self, credentials: TlsCredentials) -> Channel {
+        berth_rpc::connect(&self.leases_addr.to_string(), credentials).unwrap()
+    }
+
+    fn channel(&self, replica: usize, credentials: TlsCredentials) -> Channel {
+        berth_rpc::connect(&self.replicas[replica].addr.to_string(), credentials).unwrap()
+    }
+
+    /// `Services` as an admin, through replica 0.
+    pub(crate) fn services(&self) -> v1::services_client::ServicesClient<Channel> {
+        self.services_on(0)
+    }
+
+    /// `Services` as an admin, through `replica`.
+    pub(crate) fn services_on(&self, replica: usize) -> v1::services_client::ServicesClient<Channel> {
+        v1::services_client::ServicesClient::new(self.channel(replica, self.admin.clone()))
+    }
+
+    /// `Revisions` as an admin.
+    pub(crate) fn revisions(&self) -> v1::revisions_client::RevisionsClient<Channel> {
+        v1::revisions_client::RevisionsClient::new(self.channel(0, self.admin.clone()))
+    }
+
+    /// `Services` as node `node_id`, which the access layer should refuse for writes.
+    pub(crate) fn services_as_node(&self, node_id: &str) -> v1::services_client::ServicesClient<Channel> {
+        let node = credentials(&self.ca, &Identity::node(node_id).unwrap());
+        v1::services_client::ServicesClient::new(self.channel(0, node))
+    }
+
+    /// `Leases` as an admin, to look at what revisions asked for.
+    pub(crate) fn ledger(&self) -> leases::leases_client::LeasesClient<Channel> {
+        leases::leases_client::LeasesClient::new(self.leases_channel(self.admin.clone()))
+    }
+
+    /// `NodeLeases` as node `node_id`, with its own certificate.
+    pub(crate) fn node(&self, node_id: &str) -> leases::node_leases_client::NodeLeasesClient<Channel> {
+        let node = credentials(&self.ca, &Identity::node(node_id).unwrap());
+        leases::node_leases_client::NodeLeasesClient::new(self.leases_channel(node))
+    }
+
+    /// Every lease of the default project, oldest first.
+    pub(crate) async fn leases(&self) -> Vec<leases::Lease> {
+        let request = leases::ListLeasesRequest::default();
+        self.ledger().list_leases(request).await.unwrap().into_inner().leases
+    }
+
+    /// Open leases of `revision`.
+    pub(crate) async fn open_leases(&self, revision: &str) -> Vec<leases::Lease> {
+        self.leases()
+            .await
+            .into_iter()
+            .filter(|l| l.workload.as_ref().is_some_and(|w| w.revision == revision))
+            .filter(|l| {
+                matches!(
+                    l.phase(),
+                    LeasePhase::Bound | LeasePhase::Launching | LeasePhase::Running | LeasePhase::Pending
+                )
+            })
+            .collect()
+    }
+
+    /// Waits until `revision` has `count` open leases.
+    pub(crate) async fn await_open_leases(&self, revision: &str, count: usize) -> Vec<leases::Lease> {
+        let started = Instant::now();
+        loop {
+            let open = self.open_leases(revision).await;
+            if open.len() == count {
+                return open;
+            }
+            assert!(started.elapsed() < PATIENCE, "{revision} has {} open leases, not {count}", open.len());
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Reports `phase` for every open lease of `revision` not already in it,
+    /// each as its own node; how many were moved.
+    pub(crate) async fn report_all(&self, revision: &str, phase: LeasePhase) -> usize {
+        let mut moved = 0;
+        for lease in self.open_leases(revision).await {
+            if lease.phase() == phase {
+                continue;
+            }
+            let request = leases::ReportPhaseRequest {
+                node_id: lease.node_id.clone(),
+                lease_id: lease.lease_id.clone(),
+                epoch: lease.epoch,
+                phase: phase as i32,
+                reason: if phase == LeasePhase::Failed { "Exited".into() } else { String::new() },
+                exit_code: (phase == LeasePhase::Failed).then_some(3),
+                message: if phase == LeasePhase::Failed { "exited with status 3".into() } else { String::new() },
+            };
+            self.node(&lease.node_id).report_phase(request).await.unwrap();
+            moved += 1;
+        }
+        moved
+    }
+
+    /// Waits for `revision`'s `count` leases and reports them all RUNNING.
+    pub(crate) async fn run(&self, revision: &str, count: usize) -> Vec<leases::Lease> {
+        let leases = self.await_open_leases(revision, count).await;
+        self.report_all(revision, LeasePhase::Running).await;
+        leases
+    }
+
+    /// Applies `request` as an admin.
+    pub(crate) async fn apply(&self, request: v1::ApplyServiceRequest) -> v1::ApplyServiceResponse {
+        self.services().apply_service(request).await.unwrap().into_inner()
+    }
+
+    /// The service as it is now.
+    pub(crate) async fn get(&self, name: &str) -> v1::Service {
+        let request = v1::GetServiceRequest { project: String::new(), name: name.to_owned() };
+        self.services().get_service(request).await.unwrap().into_inner().service.unwrap()
+    }
+
+    /// Waits until `check` holds for the service, returning it.
+    pub(crate) async fn await_service(
+        &self,
+        name: &str,
+        what: &str,
+        check: impl Fn(&v1::Service) -> bool,
+    ) -> v1::Service {
+        let started = Instant::now();
+        loop {
+            let service = self.get(name).await;
+            if check(&service) {
+                return service;
+            }
+            assert!(started.elapsed() < PATIENCE, "{name} never became {what}: {service:#?}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Waits until `name`'s live revision is `revision` and all its replicas run.
+    pub(crate) async fn await_live(&self, name: &str, revision: &str) -> v1::Service {
+        self.await_service(name, &format!("live at {revision}"), |s| {
+            let status = s.status.clone().unwrap_or_default();
+            status.live_revision == revision
+                && status.replicas_running == status.replicas_desired
+                && condition(s, berth_revisions::READY).is_some_and(|c| c.status() == ConditionStatus::True)
+        })
+        .await
+    }
+
+    /// The service's revisions, newest first.
+    pub(crate) async fn revision_names(&self, name: &str) -> Vec<String> {
+        let request = v1::ListRevisionsRequest { project: String::new(), service: name.to_owned() };
+        let revisions = self.revisions().list_revisions(request).await.unwrap().into_inner().revisions;
+        revisions.into_iter().map(|r| r.name).collect()
+    }
+
+    /// One revision.
+    pub(crate) async fn revision(&self, name: &str) -> v1::Revision {
+        let request = v1::GetRevisionRequest { project: String::new(), name: name.to_owned() };
+        self.revisions().get_revision(request).await.unwrap().into_inner().revision.unwrap()
+    }
+
+    /// Stops everything and drops the schemas or files and the bus keys.
+    pub(crate) async fn cleanup(mut self) {
+        self.stop.cancel();
+        // Let the controllers resign and the servers drain.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if self.backend == Backend::Postgres {
+            berth_bus::testing::cleanup(&self.revisions_bus).await.unwrap();
+            berth_bus::testing::cleanup(&self.leases_bus).await.unwrap();
+        }
+        if let Some(db) = self.revisions_db.take() {
+            db.cleanup().await.unwrap();
+        }
+        if let Some(db) = self.leases_db.take() {
+            db.cleanup().await.unwrap();
+        }
+    }
+}
+
+/// The condition `kind` of a service, if it has one.
+pub(crate) fn condition(service: &v1::Service, kind: &str) -> Option<berth_proto::types::v1::Condition> {
+    service.status.as_ref()?.conditions.iter().find(|c| c.r#type == kind).cloned()
+}
+
+/// An apply of `name` running `reference` with `replicas` replicas and `env`.
+pub(crate) fn apply_request(
+    name: &str,
+    reference: &str,
+    replicas: u32,
+    env: &[(&str, &str)],
+) -> v1::ApplyServiceRequest {
+    v1::ApplyServiceRequest {
+        project: String::new(),
+        name: name.to_owned(),
+        template: Some(v1::ServiceTemplate {
+            bundle: Some(BundleRef { reference: reference.to_owned(), ..Default::default() }),
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            replicas: Some(replicas),
+            resources: Some(Capacity { cpu_millis: 100, memory_bytes: 64 << 20 }),
+            ports: vec![berth_proto::types::v1::Port { name: "http".into(), port: 8080 }],
+            ..Default::default()
+        }),
+        source: Some(v1::Source { repo: "https://git.example.com/team/app".into(), ..Default::default() }),
+    }
+}
+
+/// A reference pinned to [`PINNED`], which resolves without a registry.
+pub(crate) fn pinned_reference() -> String {
+    format!("127.0.0.1:1/team/app@{PINNED}")
+}
+
+/// Packs a small bundle whose data file says `marker` and pushes it to
+/// `reference` in `registry`; its digest.
+pub(crate) async fn push_bundle(registry: &TestRegistry, repository_and_tag: &str, marker: &str) -> Digest {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("berth.toml"),
+        "entrypoint = \"bin/app\"\n\n[[ports]]\nname = \"http\"\nport = 8080\n",
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir.path().join("bin")).unwrap();
+    std::fs::write(dir.path().join("bin/app"), format!("#!/bin/sh\necho {marker}\n")).unwrap();
+    let bundle = PackedBundle::from_dir(dir.path()).unwrap();
+    let client = BundleClient::new(RegistryConfig::default()).unwrap();
+    let reference = BundleReference::parse(&registry.reference(repository_and_tag)).unwrap();
+    client.push(&bundle, &reference, &RegistryCredentials::Anonymous).await.unwrap()
+}
+
+/// Runs a test body on both backends, each in its own test.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Postgres).await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Sqlite).await;
+                }
+            )*
+        }
+    };
+}
