@@ -122,7 +122,18 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         let ctx = ServiceContext { store, bus, credentials: me.credentials.clone(), revocations, nodes };
         let listener = bind(SocketAddr::new(args.host, args.port_base + offset), me.credentials.clone()).await?;
         let stop = shutdown.clone();
-        servers.spawn(async move { spec.serve(&ctx, listener, stop).await });
+        if spec.name == berth_revisions::NAME {
+            // Revisions drives leases, the next port up.
+            let leases = SocketAddr::new(dial_host, args.port_base + 2).to_string();
+            // Control plane and node share this machine, so oci: layout
+            // directories work as bundle sources here.
+            let policy = berth_revisions::RegistryPolicy { insecure_registries: Vec::new(), allow_layouts: true };
+            let server =
+                berth_revisions::server_with_leases(&ctx, &leases, policy)?.with_revocations(ctx.revocations.clone());
+            servers.spawn(async move { Ok(server.serve(listener, stop).await?) });
+        } else {
+            servers.spawn(async move { spec.serve(&ctx, listener, stop).await });
+        }
         kept.push(me);
     }
 

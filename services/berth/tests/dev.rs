@@ -346,6 +346,76 @@ fn a_requested_lease_runs_on_the_dev_node_and_reports_its_exit() {
     assert_eq!(node["allocated"].get("cpuMillis").and_then(|v| v.as_u64()).unwrap_or(0), 0, "{capacity}");
 }
 
+/// A plain HTTP GET on loopback; the body, or None while nothing answers.
+fn http_get(port: u64, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port as u16)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    response.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
+}
+
+#[test]
+fn the_example_deploys_from_an_oci_layout_with_no_registry() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let layout = tmp.path().join("oci");
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/hello");
+    let reference = format!("oci:{}:hello", layout.display());
+    let push = berth(&["bundle", "push", example.to_str().unwrap(), &reference]);
+    assert!(push.status.success(), "{}", String::from_utf8_lossy(&push.stderr));
+
+    let base = free_port_base();
+    let _dev = Dev::start(&dir, base);
+    let template: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(example.join("service.json")).unwrap()).unwrap();
+    let mut template = template;
+    template["bundle"]["reference"] = serde_json::Value::String(reference);
+    let body = serde_json::json!({"name": "hello", "template": template}).to_string();
+    let revisions = format!("127.0.0.1:{}", base + 1);
+    let applied = grpcurl_admin_call(&dir, &revisions, "berth.revisions.v1.Services/ApplyService", &body);
+    assert!(applied.to_string().contains("hello-"), "{applied}");
+
+    let mut service = serde_json::Value::Null;
+    for _ in 0..300 {
+        service =
+            grpcurl_admin_call(&dir, &revisions, "berth.revisions.v1.Services/GetService", r#"{"name": "hello"}"#);
+        if service["service"]["status"]["replicasRunning"] == 2
+            && service["service"]["status"]["liveRevision"].is_string()
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = &service["service"]["status"];
+    assert_eq!(status["replicasRunning"], 2, "{service}");
+    let live = status["liveRevision"].as_str().unwrap().to_string();
+
+    let agent = format!("127.0.0.1:{}", base + 4);
+    let instances = grpcurl_admin_call(&dir, &agent, "berth.agent.v1.Agent/ListInstances", "{}");
+    let ports: Vec<u64> = instances["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["revision"] == live.as_str())
+        .map(|i| i["port"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ports.len(), 2, "{instances}");
+    for port in ports {
+        let mut answer = None;
+        for _ in 0..50 {
+            answer = http_get(port, "/");
+            if answer.is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(answer.as_deref(), Some(format!("hello from {live}\n").as_str()), "replica on port {port}");
+    }
+}
+
 #[test]
 fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
     let tmp = tempfile::tempdir().unwrap();

@@ -35,6 +35,10 @@ struct Args {
     /// repeated. Loopback registries always are.
     #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
     insecure_registries: Vec<String>,
+    /// Let templates name `oci:DIR:TAG` layout directories; only for meshes
+    /// whose control plane and every node share that directory.
+    #[arg(long, env = "BERTH_ALLOW_OCI_LAYOUTS")]
+    allow_oci_layouts: bool,
     /// How long a new revision's replicas have to all run before it is failed
     /// and the live revision keeps serving (e.g. 90s, 5m).
     #[arg(long, env = "BERTH_PROGRESS_DEADLINE", default_value = "5m", value_name = "DURATION",
@@ -99,7 +103,8 @@ async fn run(args: Args) -> Result<(), StartError> {
         }
     };
     let config = args.config();
-    let policy = RegistryPolicy { insecure_registries: args.insecure_registries.clone() };
+    let policy =
+        RegistryPolicy { insecure_registries: args.insecure_registries.clone(), allow_layouts: args.allow_oci_layouts };
     let dependencies = Dependencies::with_registry(leases, policy, &config)
         .map_err(|e| StartError::Invalid(format!("registry client: {e}")))?;
     let listener = bind(args.listen, credentials.clone()).await?;

@@ -71,11 +71,15 @@ pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, 
 /// `leases_addr` (dialled with `ctx.credentials`) for replicas, with the
 /// default timings, loopback registries alone spoken to over plain HTTP, and
 /// the controller running until the server is dropped: what `berth dev` serves.
-pub fn server_with_leases(ctx: &ServiceContext, leases_addr: &str) -> Result<ServerBuilder, StartError> {
+pub fn server_with_leases(
+    ctx: &ServiceContext,
+    leases_addr: &str,
+    policy: RegistryPolicy,
+) -> Result<ServerBuilder, StartError> {
     let config = RevisionsConfig::default();
     let leases = GrpcLeases::connect(leases_addr, ctx.credentials.clone())
         .map_err(|e| StartError::Invalid(format!("revisions: leases address: {e}")))?;
-    let dependencies = Dependencies::with_registry(std::sync::Arc::new(leases), RegistryPolicy::default(), &config)
+    let dependencies = Dependencies::with_registry(std::sync::Arc::new(leases), policy, &config)
         .map_err(|e| StartError::Invalid(format!("revisions: registry client: {e}")))?;
     Ok(RevisionsService::new(ctx, config, dependencies).with_loops_for_its_lifetime().server())
 }

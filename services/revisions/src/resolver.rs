@@ -74,6 +74,10 @@ pub trait TagResolver: fmt::Debug + Send + Sync + 'static {
 pub struct RegistryPolicy {
     /// `host` (any port) or `host:port` entries; loopback is always allowed.
     pub insecure_registries: Vec<String>,
+    /// Whether templates may name `oci:DIR:TAG` layout directories. A layout
+    /// exists on one machine only, so this is for meshes whose control plane
+    /// and nodes share that machine (`berth dev`).
+    pub allow_layouts: bool,
 }
 
 impl RegistryPolicy {
@@ -152,7 +156,10 @@ mod tests {
 
     #[test]
     fn loopback_and_listed_registries_are_plain_http() {
-        let policy = RegistryPolicy { insecure_registries: vec!["registry.lan".into(), "cache.lan:5000".into()] };
+        let policy = RegistryPolicy {
+            insecure_registries: vec!["registry.lan".into(), "cache.lan:5000".into()],
+            allow_layouts: false,
+        };
         assert!(policy.plain_http("127.0.0.1:5000"));
         assert!(policy.plain_http("localhost"));
         assert!(policy.plain_http("[::1]:80"));

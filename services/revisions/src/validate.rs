@@ -192,9 +192,11 @@ fn template(check: &mut Checker, template: &ServiceTemplate, policy: &RegistryPo
         }
         Some(bundle) => match BundleReference::parse(&bundle.reference) {
             Err(error) => check.bad("template.bundle.reference", error.to_string()),
+            Ok(BundleReference::Layout(_)) if policy.allow_layouts => {}
             Ok(BundleReference::Layout(_)) => check.bad(
                 "template.bundle.reference",
-                "must name a registry (host/repo:tag): an oci: layout directory exists on one machine only",
+                "must name a registry (host/repo:tag): an oci: layout directory exists on one machine only \
+                 (allowed with --allow-oci-layouts when every node shares it)",
             ),
             Ok(BundleReference::Registry(registry)) => {
                 if bundle.insecure && !policy.plain_http(registry.registry()) {
@@ -401,7 +403,7 @@ mod tests {
         assert!(apply(loopback, &RegistryPolicy::default()).is_ok());
         let mut listed = request();
         listed.template.as_mut().unwrap().bundle.as_mut().unwrap().insecure = true;
-        let policy = RegistryPolicy { insecure_registries: vec!["registry.example.com".into()] };
+        let policy = RegistryPolicy { insecure_registries: vec!["registry.example.com".into()], allow_layouts: false };
         assert!(apply(listed, &policy).is_ok());
     }
 
