@@ -197,7 +197,9 @@ impl IdentityService {
         let reported_incarnation = beat.incarnation;
         let (capacity, usage, version) = (beat.capacity, beat.usage, beat.version.clone());
         let renewed_until_ms = certificate.map(|c| c.not_after.saturating_mul(1000));
-        self.store
+        let owned_node_id = node_id.clone();
+        let result = self
+            .store
             .tx("nodes.heartbeat", move |conn| {
                 let (update, node_id, version) = (update.clone(), node_id.clone(), version.clone());
                 Box::pin(async move {
@@ -211,24 +213,10 @@ impl IdentityService {
                         return Ok(Outcome::Fenced(current));
                     }
                     let next = if current.drained { NodeState::Draining } else { NodeState::Up };
-                    if !current.state.is_live() {
-                        let holder: Option<String> = sqlx::query_scalar(
-                            "SELECT node_id FROM nodes WHERE tier = $1 AND advertise_addr = $2 AND node_id <> $3 \
-                             AND state IN ('up', 'draining') ORDER BY node_id LIMIT 1",
-                        )
-                        .bind(&current.tier)
-                        .bind(&current.advertise_addr)
-                        .bind(&node_id)
-                        .fetch_optional(&mut *conn)
-                        .await?;
-                        if let Some(other) = holder {
-                            return Err(HeartbeatError::AddressTaken {
-                                addr: current.advertise_addr,
-                                tier: current.tier,
-                                other,
-                            });
-                        }
-                    }
+                    // No read of other nodes' rows here: under SERIALIZABLE such a
+                    // predicate read makes concurrent first heartbeats abort each
+                    // other. The partial unique index on live (tier, address)
+                    // refuses a duplicate, and the holder is named afterwards.
                     let capacity = capacity.unwrap_or(current.capacity);
                     let usage = usage.unwrap_or(current.usage);
                     let version = if version.is_empty() { current.version.clone() } else { version };
@@ -258,7 +246,27 @@ impl IdentityService {
                     Ok(Outcome::Written(written))
                 })
             })
-            .await
+            .await;
+        match result {
+            Err(HeartbeatError::AddressTaken { addr, tier, .. }) => {
+                let other: Option<String> = sqlx::query_scalar(
+                    "SELECT node_id FROM nodes WHERE tier = $1 AND advertise_addr = $2 AND node_id <> $3 \
+                     AND state IN ('up', 'draining') ORDER BY node_id LIMIT 1",
+                )
+                .bind(&tier)
+                .bind(&addr)
+                .bind(&owned_node_id)
+                .fetch_optional(self.store.pool())
+                .await
+                .map_err(StoreError::from)?;
+                Err(HeartbeatError::AddressTaken {
+                    addr,
+                    tier,
+                    other: other.unwrap_or_else(|| "another node".to_owned()),
+                })
+            }
+            other => other,
+        }
     }
 
     async fn fenced(&self, record: &NodeRecord, reported: u64) -> Result<v1::HeartbeatResponse, HeartbeatError> {

@@ -64,10 +64,12 @@ async fn join_heartbeat_up_then_down_after_the_grace_then_up_again(backend: Back
     assert!(seen.last_heartbeat_at.is_some());
     assert_eq!(seen.capacity.unwrap().cpu_millis, 4000);
 
-    // Silence: down after the 500 ms grace, not before it.
+    // Silence: down after the 500 ms grace, not before it. The last beat was
+    // about 100 ms before this point; the bound leaves room for the estimate
+    // of the database clock, which a loaded machine skews by some tens of ms.
     let silent_since = std::time::Instant::now();
     let down = cluster.wait_for_state(&node.node_id, NodeState::Down, Duration::from_secs(5)).await;
-    assert!(silent_since.elapsed() >= Duration::from_millis(400), "down after {:?}", silent_since.elapsed());
+    assert!(silent_since.elapsed() >= Duration::from_millis(300), "down after {:?}", silent_since.elapsed());
     assert_eq!(down.incarnation, 1, "down is not reaped");
 
     let back = node.heartbeat(&cluster.addr(0)).await.unwrap();
