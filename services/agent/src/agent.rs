@@ -263,8 +263,16 @@ async fn hold_compute(error: &AgentError, mut holding: watch::Receiver<usize>, s
 
 /// Joins (or resumes), binds the agent API on `config.listen`, and spawns
 /// the heartbeater; everything stops when `shutdown` is cancelled.
-pub async fn start(config: AgentConfig, shutdown: CancellationToken) -> Result<AgentHandle, AgentError> {
+pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Result<AgentHandle, AgentError> {
     config.validate().map_err(AgentError::Config)?;
+    // Workloads run in directories of their own, so every path the agent
+    // hands them (a bundle's entrypoint, its root) must not depend on the
+    // agent's working directory.
+    if config.data_dir.is_relative()
+        && let Ok(cwd) = std::env::current_dir()
+    {
+        config.data_dir = cwd.join(&config.data_dir);
+    }
     let config = Arc::new(config);
     let dir = IdentityDir::open(&config.data_dir)?;
     let data_dir = || dir.root().display().to_string();

@@ -37,6 +37,11 @@ enum Command {
     Lease(cli::LeaseArgs),
     /// Show what each node offers to leases and how much of it is reserved.
     Capacity(cli::CapacityArgs),
+    /// Declare services and show them, pin their traffic, redeploy them:
+    /// `berth service apply -f service.json --name hello --wait`.
+    Service(cli::ServiceArgs),
+    /// List and show the revisions minted from a service.
+    Revision(cli::RevisionArgs),
     /// Print a lease's output, fetched from its node; `-f` follows it.
     Logs(cli::LogsArgs),
     /// Measure a service under load against a real process of it, e.g.
@@ -61,6 +66,8 @@ fn main() -> ExitCode {
             Command::Cert(args) => args.run().await,
             Command::Lease(args) => args.run().await,
             Command::Capacity(args) => args.run().await,
+            Command::Service(args) => args.run().await,
+            Command::Revision(args) => args.run().await,
             Command::Logs(args) => args.run().await,
             Command::Bench(args) => args.run().await,
             Command::Bundle(args) => args.run().await,

@@ -1,13 +1,14 @@
 //! The admin CLI: join tokens, nodes and certificates spoken to identity,
-//! leases and capacity to leases, and logs to a node's agent, each over mTLS
-//! with an admin certificate.
+//! leases and capacity to leases, services and revisions to revisions, and
+//! logs to a node's agent, each over mTLS with an admin certificate.
 //!
 //! # Where the connection comes from
 //! `--server`, `--ca`, `--cert` and `--key` (or `BERTH_SERVER`, `BERTH_CA`,
 //! `BERTH_CERT`, `BERTH_KEY`); the three files default to the ones
 //! `berth dev` writes in `--data-dir`, so a dev mesh needs no flags at all.
 //! `--server` is identity; the lease commands find leases with
-//! `--leases-server`, and `logs` finds a node's agent through identity.
+//! `--leases-server`, the service commands find revisions with
+//! `--revisions-server`, and `logs` finds a node's agent through identity.
 //!
 //! # What a failure looks like
 //! One line, `berth: error: ...`, and exit code 1. gRPC statuses are turned
@@ -19,6 +20,7 @@ mod lease;
 mod logs;
 mod node;
 mod output;
+mod service;
 mod token;
 
 use std::path::{Path, PathBuf};
@@ -33,6 +35,7 @@ pub(crate) use cert::CertArgs;
 pub(crate) use lease::{CapacityArgs, LeaseArgs};
 pub(crate) use logs::LogsArgs;
 pub(crate) use node::NodeArgs;
+pub(crate) use service::{RevisionArgs, ServiceArgs};
 pub(crate) use token::TokenArgs;
 
 /// How long one admin call may take, connecting included, before it is
@@ -136,6 +139,37 @@ pub(crate) enum CliError {
     NoLeasesServer {
         /// Identity's address.
         server: String,
+    },
+    /// No revisions address was given and none follows from identity's.
+    #[error("--server {server} leaves no port one above it for revisions; pass --revisions-server HOST:PORT")]
+    NoRevisionsServer {
+        /// Identity's address.
+        server: String,
+    },
+    /// A service spec file was refused before anything was sent.
+    #[error(transparent)]
+    Spec(#[from] service::SpecError),
+    /// The revision `--wait` waited for failed; the one before it keeps serving.
+    #[error("revision {revision} failed: {condition} {reason}: {message}")]
+    RolloutFailed {
+        /// The revision.
+        revision: String,
+        /// The condition that says so, e.g. "Ready".
+        condition: String,
+        /// Why, one CamelCase word.
+        reason: String,
+        /// Why, in a sentence.
+        message: String,
+    },
+    /// `--wait` gave up before the revision took the traffic.
+    #[error("revision {revision} is not live after {waited}: {progress}")]
+    WaitTimedOut {
+        /// The revision waited for.
+        revision: String,
+        /// How long, as the user wrote it.
+        waited: String,
+        /// Where it stood when given up.
+        progress: String,
     },
     /// The lease was never placed on a node, so no node holds its output.
     #[error("lease {lease_id} is {phase} and on no node, so it has no output")]
@@ -311,6 +345,14 @@ fn transport_detail(status: &tonic::Status, service: &str) -> String {
 
 fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// `server` with its port raised by `offset`: where `berth dev` serves the
+/// service that many ports above identity.
+fn port_above(server: &str, offset: u16) -> Option<String> {
+    let (host, port) = server.rsplit_once(':')?;
+    let port = port.parse::<u16>().ok()?.checked_add(offset)?;
+    Some(format!("{host}:{port}"))
 }
 
 /// `host:port`, `[v6]:port` or `https://host:port`.

@@ -10,9 +10,11 @@
 use std::io::Write;
 use std::time::SystemTime;
 
+use berth_proto::agent::v1 as agent;
 use berth_proto::identity::v1;
 use berth_proto::leases::v1 as leases;
-use berth_proto::types::v1::Capacity;
+use berth_proto::revisions::v1 as revisions;
+use berth_proto::types::v1::{BundleRef, Capacity, Condition, ConditionStatus, Port};
 use prost_types::Timestamp;
 use serde_json::{Map, Value, json};
 
@@ -237,6 +239,37 @@ pub(super) fn lease_reason(lease: &leases::Lease) -> String {
     }
 }
 
+/// A condition status as `kubectl` shows it: `True`, `False`, `Unknown`.
+pub(super) fn condition_status(status: i32) -> String {
+    match ConditionStatus::try_from(status) {
+        Ok(ConditionStatus::True) => "True".to_string(),
+        Ok(ConditionStatus::False) => "False".to_string(),
+        Ok(ConditionStatus::Unknown | ConditionStatus::Unspecified) => "Unknown".to_string(),
+        Err(_) => format!("Unknown({status})"),
+    }
+}
+
+/// The status of the condition of type `kind`, or `Unknown` when there is
+/// none.
+pub(super) fn condition_of(conditions: &[Condition], kind: &str) -> String {
+    conditions.iter().find(|c| c.r#type == kind).map_or_else(|| "Unknown".to_string(), |c| condition_status(c.status))
+}
+
+/// Conditions as a table: TYPE STATUS REASON MESSAGE AGE.
+pub(super) fn conditions_table(conditions: &[Condition]) -> String {
+    let mut table = Table::new(vec!["TYPE", "STATUS", "REASON", "MESSAGE", "AGE"]);
+    for condition in conditions {
+        table.row(vec![
+            condition.r#type.clone(),
+            condition_status(condition.status),
+            or_none(&condition.reason),
+            or_none(&condition.message),
+            age(condition.last_transition_time.as_ref()),
+        ]);
+    }
+    table.render()
+}
+
 /// A proto enum value by name, or its number when this CLI does not know it.
 fn enum_name(name: Option<&'static str>, value: i32) -> Value {
     name.map_or_else(|| json!(value), |n| json!(n))
@@ -314,20 +347,118 @@ pub(super) fn lease_json(lease: &leases::Lease) -> Value {
 }
 
 fn workload_json(workload: &leases::Workload) -> Value {
-    let bundle = workload
-        .bundle
-        .as_ref()
-        .map_or(Value::Null, |b| json!({ "reference": b.reference, "secret": b.secret, "insecure": b.insecure }));
-    let ports: Vec<Value> = workload.ports.iter().map(|p| json!({ "name": p.name, "port": p.port })).collect();
     json!({
-        "bundle": bundle,
+        "bundle": bundle_json(workload.bundle.as_ref()),
         "digest": workload.digest,
         "command": workload.command,
         "args": workload.args,
         "env": labels_json(&workload.env),
-        "ports": ports,
+        "ports": ports_json(&workload.ports),
         "service": workload.service,
         "revision": workload.revision,
+    })
+}
+
+fn bundle_json(bundle: Option<&BundleRef>) -> Value {
+    bundle.map_or(Value::Null, |b| json!({ "reference": b.reference, "secret": b.secret, "insecure": b.insecure }))
+}
+
+fn ports_json(ports: &[Port]) -> Value {
+    Value::Array(ports.iter().map(|p| json!({ "name": p.name, "port": p.port })).collect())
+}
+
+fn conditions_json(conditions: &[Condition]) -> Value {
+    let conditions = conditions.iter().map(|c| {
+        let status = ConditionStatus::try_from(c.status).ok().map(|s| s.as_str_name());
+        json!({
+            "type": c.r#type,
+            "status": enum_name(status, c.status),
+            "reason": c.reason,
+            "message": c.message,
+            "last_transition_time": timestamp_json(c.last_transition_time.as_ref()),
+            "observed_generation": c.observed_generation,
+        })
+    });
+    Value::Array(conditions.collect())
+}
+
+fn template_json(template: Option<&revisions::ServiceTemplate>) -> Value {
+    let Some(t) = template else { return Value::Null };
+    let egress = t.egress.as_ref().map_or(Value::Null, |e| json!({ "gateway": e.gateway, "disabled": e.disabled }));
+    json!({
+        "bundle": bundle_json(t.bundle.as_ref()),
+        "command": t.command,
+        "args": t.args,
+        "env": labels_json(&t.env),
+        "resources": capacity_json(t.resources.as_ref()),
+        "replicas": t.replicas,
+        "ports": ports_json(&t.ports),
+        "egress": egress,
+        "tier": t.tier,
+    })
+}
+
+fn source_json(source: Option<&revisions::Source>) -> Value {
+    source.map_or(
+        Value::Null,
+        |s| json!({ "repo": s.repo, "commit": s.commit, "ref": s.r#ref, "labels": labels_json(&s.labels) }),
+    )
+}
+
+pub(super) fn service_json(service: &revisions::Service) -> Value {
+    let status = service.status.as_ref().map_or(Value::Null, |s| {
+        json!({
+            "latest_created_revision": s.latest_created_revision,
+            "latest_ready_revision": s.latest_ready_revision,
+            "live_revision": s.live_revision,
+            "replicas_running": s.replicas_running,
+            "replicas_desired": s.replicas_desired,
+            "conditions": conditions_json(&s.conditions),
+            "observed_generation": s.observed_generation,
+        })
+    });
+    json!({
+        "project": service.project,
+        "name": service.name,
+        "template": template_json(service.template.as_ref()),
+        "source": source_json(service.source.as_ref()),
+        "status": status,
+        "generation": service.generation,
+        "pinned_revision": service.pinned_revision,
+        "created_at": timestamp_json(service.created_at.as_ref()),
+        "updated_at": timestamp_json(service.updated_at.as_ref()),
+    })
+}
+
+pub(super) fn revision_json(revision: &revisions::Revision) -> Value {
+    json!({
+        "project": revision.project,
+        "service": revision.service,
+        "name": revision.name,
+        "generation": revision.generation,
+        "digest": revision.digest,
+        "template": template_json(revision.template.as_ref()),
+        "source": source_json(revision.source.as_ref()),
+        "created_at": timestamp_json(revision.created_at.as_ref()),
+        "conditions": conditions_json(&revision.conditions),
+        "replicas_running": revision.replicas_running,
+    })
+}
+
+/// One replica as its node's agent reports it, with the node it is on.
+pub(super) fn instance_json(node: &str, instance: &agent::Instance) -> Value {
+    let phase = leases::LeasePhase::try_from(instance.phase).ok().map(|p| p.as_str_name());
+    json!({
+        "node": node,
+        "lease_id": instance.lease_id,
+        "revision": instance.revision,
+        "phase": enum_name(phase, instance.phase),
+        "pid": instance.pid,
+        "port": instance.port,
+        "digest": instance.digest,
+        "started_at": timestamp_json(instance.started_at.as_ref()),
+        "exit_code": instance.exit_code,
+        "reason": instance.reason,
     })
 }
 

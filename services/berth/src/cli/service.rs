@@ -1,0 +1,1125 @@
+//! `berth service apply|get|list|delete|pin|unpin|redeploy` and `berth
+//! revision list|get`: services as the user declares them and the revisions
+//! minted from them, spoken to revisions.
+//!
+//! # Where revisions is
+//! `--revisions-server` (or `BERTH_REVISIONS_SERVER`); without it, identity's
+//! host with the port one above identity's, which is where `berth dev` serves
+//! revisions. `service get` also asks every node's agent, found through
+//! identity, which replicas it runs and on which port.
+//!
+//! # What a spec file holds
+//! JSON only: no YAML parser is in the dependency tree, so a YAML file is
+//! refused with a line saying so. Either a whole declaration, `{project?,
+//! name, template, source?}`, or just the template (the fields of
+//! `ServiceTemplate`) with `--name` on the command line. Field names are the
+//! proto's, in snake_case or lowerCamel. The file is converted field by field,
+//! before anything is dialled: an unknown field or a value of the wrong type
+//! is refused with its path, e.g. `template.replicas`.
+//!
+//! # How redeploy mints a revision
+//! Applying an unchanged declaration mints nothing. `redeploy` applies the
+//! current template again with `source.labels["berth.redeploy"]` set to the
+//! time now; a source change mints a revision, so the replicas are replaced
+//! while what runs stays the same.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::time::{Duration, Instant, SystemTime};
+
+use berth_mtls::TlsCredentials;
+use berth_proto::agent::v1::agent_client::AgentClient;
+use berth_proto::agent::v1::{Instance, ListInstancesRequest};
+use berth_proto::identity::v1::ListNodesRequest;
+use berth_proto::identity::v1::nodes_client::NodesClient;
+use berth_proto::revisions::v1;
+use berth_proto::revisions::v1::revisions_client::RevisionsClient;
+use berth_proto::revisions::v1::services_client::ServicesClient;
+use berth_proto::types::v1::{BundleRef, Capacity, Condition, ConditionStatus, Port};
+use berth_rpc::Channel;
+use berth_runtime::StartError;
+use serde_json::{Value, json};
+
+use super::output::{self, Table};
+use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server, port_above};
+
+/// How often `--wait` asks how the rollout is doing.
+const WAIT_POLL: Duration = Duration::from_millis(500);
+
+/// The source label `redeploy` sets to mint a revision of an unchanged
+/// template.
+const REDEPLOY_LABEL: &str = "berth.redeploy";
+
+/// The project an empty project field means.
+const DEFAULT_PROJECT: &str = "default";
+
+/// A bundle resolution that failed for this reason is tried again by
+/// revisions, so `--wait` keeps waiting through it.
+const TRANSIENT_RESOLVE_REASON: &str = "RegistryUnavailable";
+
+/// Why a service spec file was refused. Each message names the file and,
+/// when one field is at fault, that field's path.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SpecError {
+    /// The file (or stdin) could not be read.
+    #[error("cannot read {file}: {source}")]
+    Read {
+        /// The file, or "stdin".
+        file: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not JSON.
+    #[error("{file} is not JSON: {source}{hint}")]
+    Syntax {
+        /// The file, or "stdin".
+        file: String,
+        /// Where the parser stopped.
+        #[source]
+        source: serde_json::Error,
+        /// A hint when the file looks like YAML.
+        hint: &'static str,
+    },
+    /// A field is unknown, missing or holds a value of the wrong type.
+    #[error("{file}: {path}: {problem}")]
+    Field {
+        /// The file, or "stdin".
+        file: String,
+        /// The field's path, e.g. `template.replicas`.
+        path: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+}
+
+/// Where the revisions service is, for every command that talks to it.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Global options")]
+struct RevisionsServerArgs {
+    /// The revisions service to talk to [default: --server's host, port + 1,
+    /// where `berth dev` serves it].
+    #[arg(long = "revisions-server", env = "BERTH_REVISIONS_SERVER", value_name = "HOST:PORT",
+          value_parser = parse_server, global = true)]
+    address: Option<String>,
+}
+
+impl RevisionsServerArgs {
+    /// A channel to revisions with `credentials`; nothing is dialled until
+    /// the first call.
+    fn connect(&self, client: &ClientArgs, credentials: TlsCredentials) -> Result<Revisions, CliError> {
+        let address = match &self.address {
+            Some(address) => address.clone(),
+            None => port_above(&client.server, 1)
+                .ok_or_else(|| CliError::NoRevisionsServer { server: client.server.clone() })?,
+        };
+        let connection = Connection::open("revisions", &address, credentials)?;
+        Ok(Revisions {
+            services: ServicesClient::new(connection.channel.clone()),
+            revisions: RevisionsClient::new(connection.channel.clone()),
+            connection,
+        })
+    }
+}
+
+/// Flags of `berth service`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ServiceArgs {
+    #[command(flatten)]
+    client: ClientArgs,
+    #[command(flatten)]
+    revisions: RevisionsServerArgs,
+    #[command(subcommand)]
+    command: ServiceCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum ServiceCommand {
+    /// Create or update a service from a JSON spec, e.g. `berth service
+    /// apply -f examples/hello/service.json --name hello --wait`. A new
+    /// revision is minted only when the template or source changed.
+    Apply(ApplyArgs),
+    /// Show one service: its revisions, conditions and replicas.
+    Get(ServiceName),
+    /// List services, by name.
+    List(ListArgs),
+    /// Delete a service and its revisions; its replicas are stopped.
+    Delete(ServiceName),
+    /// Send the service's traffic to one of its revisions, whatever is
+    /// applied later, until `unpin`.
+    Pin {
+        #[command(flatten)]
+        service: ServiceName,
+        /// The revision, e.g. `hello-00001`.
+        #[arg(value_name = "REVISION")]
+        revision: String,
+    },
+    /// Return the service's traffic to its latest ready revision.
+    Unpin(ServiceName),
+    /// Mint a new revision of the current template, replacing every replica,
+    /// by setting the source label `berth.redeploy` to the time now.
+    Redeploy {
+        #[command(flatten)]
+        service: ServiceName,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+}
+
+/// One service, by name.
+#[derive(Debug, clap::Args)]
+struct ServiceName {
+    /// The service's name.
+    #[arg(value_name = "NAME")]
+    name: String,
+    /// The service's project [default: default].
+    #[arg(long, value_name = "PROJECT")]
+    project: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+struct ApplyArgs {
+    /// The spec: a JSON file, or `-` for stdin.
+    #[arg(short = 'f', long = "filename", value_name = "FILE")]
+    file: String,
+    /// The service's name, when the file holds only a template (or to check
+    /// the file's name).
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
+    /// The service's project, when the file does not name one [default:
+    /// default].
+    #[arg(long, value_name = "PROJECT")]
+    project: Option<String>,
+    #[command(flatten)]
+    wait: WaitArgs,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+struct WaitArgs {
+    /// Wait until the revision takes the traffic with all its replicas
+    /// running, or fails.
+    #[arg(long)]
+    wait: bool,
+    /// How long `--wait` waits before giving up.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = berth_runtime::parse_duration,
+          requires = "wait")]
+    timeout: Duration,
+}
+
+#[derive(Debug, clap::Args)]
+struct ListArgs {
+    /// Only services of this project [default: default].
+    #[arg(long, value_name = "PROJECT", conflicts_with = "all_projects")]
+    project: Option<String>,
+    /// Services of every project.
+    #[arg(long)]
+    all_projects: bool,
+}
+
+/// Flags of `berth revision`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct RevisionArgs {
+    #[command(flatten)]
+    client: ClientArgs,
+    #[command(flatten)]
+    revisions: RevisionsServerArgs,
+    #[command(subcommand)]
+    command: RevisionCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum RevisionCommand {
+    /// List a service's revisions, newest first.
+    List {
+        /// The service's name.
+        #[arg(value_name = "SERVICE")]
+        service: String,
+        /// The service's project [default: default].
+        #[arg(long, value_name = "PROJECT")]
+        project: Option<String>,
+    },
+    /// Show one revision in full.
+    Get {
+        /// The revision's name, e.g. `hello-00002`.
+        #[arg(value_name = "NAME")]
+        name: String,
+        /// The revision's project [default: default].
+        #[arg(long, value_name = "PROJECT")]
+        project: Option<String>,
+    },
+}
+
+/// The two clients of the revisions service and the connection under them.
+#[derive(Debug)]
+struct Revisions {
+    services: ServicesClient<Channel>,
+    revisions: RevisionsClient<Channel>,
+    connection: Connection,
+}
+
+impl Revisions {
+    async fn get_service(&mut self, project: &str, name: &str) -> Result<v1::Service, CliError> {
+        let request = v1::GetServiceRequest { project: project.to_string(), name: name.to_string() };
+        self.services
+            .get_service(self.connection.request(request))
+            .await
+            .map_err(|s| self.connection.status_error(s))?
+            .into_inner()
+            .service
+            .ok_or(CliError::IncompleteResponse("the service"))
+    }
+
+    async fn get_revision(&mut self, project: &str, name: &str) -> Result<v1::Revision, CliError> {
+        let request = v1::GetRevisionRequest { project: project.to_string(), name: name.to_string() };
+        self.revisions
+            .get_revision(self.connection.request(request))
+            .await
+            .map_err(|s| self.connection.status_error(s))?
+            .into_inner()
+            .revision
+            .ok_or(CliError::IncompleteResponse("the revision"))
+    }
+
+    async fn apply(&mut self, request: v1::ApplyServiceRequest) -> Result<v1::ApplyServiceResponse, CliError> {
+        Ok(self
+            .services
+            .apply_service(self.connection.request(request))
+            .await
+            .map_err(|s| self.connection.status_error(s))?
+            .into_inner())
+    }
+
+    async fn set_traffic(&mut self, target: &ServiceName, pinned: &str) -> Result<v1::Service, CliError> {
+        let request = v1::SetTrafficRequest {
+            project: target.project.clone().unwrap_or_default(),
+            name: target.name.clone(),
+            pinned_revision: pinned.to_string(),
+        };
+        self.services
+            .set_traffic(self.connection.request(request))
+            .await
+            .map_err(|s| self.connection.status_error(s))?
+            .into_inner()
+            .service
+            .ok_or(CliError::IncompleteResponse("the service"))
+    }
+
+    /// Polls the service until `revision` (or the pinned revision, when
+    /// traffic is pinned) is live with every replica running, or fails.
+    async fn wait_live(
+        &mut self,
+        project: &str,
+        name: &str,
+        revision: &str,
+        wait: &WaitArgs,
+    ) -> Result<v1::Service, CliError> {
+        let started = Instant::now();
+        loop {
+            let service = self.get_service(project, name).await?;
+            let status = service.status.clone().unwrap_or_default();
+            let target = if service.pinned_revision.is_empty() { revision } else { service.pinned_revision.as_str() };
+            if status.live_revision == target && status.replicas_running == status.replicas_desired {
+                return Ok(service);
+            }
+            let candidate = self.get_revision(project, target).await?;
+            if let Some(failed) = failure(&candidate.conditions) {
+                return Err(CliError::RolloutFailed {
+                    revision: candidate.name,
+                    condition: failed.r#type.clone(),
+                    reason: failed.reason.clone(),
+                    message: failed.message.clone(),
+                });
+            }
+            if started.elapsed() >= wait.timeout {
+                return Err(CliError::WaitTimedOut {
+                    revision: target.to_string(),
+                    waited: output::human_duration(wait.timeout.as_secs()),
+                    progress: progress(&status),
+                });
+            }
+            tokio::time::sleep(WAIT_POLL).await;
+        }
+    }
+}
+
+/// The condition of a revision that says it will not become live: `Ready`
+/// false (its replicas failed), or its bundle failed to resolve for a reason
+/// that trying again does not fix.
+fn failure(conditions: &[Condition]) -> Option<&Condition> {
+    conditions.iter().find(|c| {
+        c.status == ConditionStatus::False as i32
+            && (c.r#type == "Ready" || (c.r#type == "BundleResolved" && c.reason != TRANSIENT_RESOLVE_REASON))
+    })
+}
+
+/// Where a rollout stands, in one phrase.
+fn progress(status: &v1::ServiceStatus) -> String {
+    let not_ready = status
+        .conditions
+        .iter()
+        .filter(|c| c.status != ConditionStatus::True as i32)
+        .map(|c| format!("{} {}", c.r#type, c.reason))
+        .collect::<Vec<_>>();
+    let mut line = format!(
+        "live revision {}, {} of {} replicas running",
+        output::or_none(&status.live_revision),
+        status.replicas_running,
+        status.replicas_desired
+    );
+    if !not_ready.is_empty() {
+        line.push_str(&format!(" ({})", not_ready.join(", ")));
+    }
+    line
+}
+
+impl ServiceArgs {
+    pub(crate) async fn run(self) -> Result<(), StartError> {
+        Ok(self.execute().await?)
+    }
+
+    async fn execute(self) -> Result<(), CliError> {
+        let format = self.client.output;
+        // A bad spec is refused before any credential is read or server dialled.
+        let spec = match &self.command {
+            ServiceCommand::Apply(args) => Some(read_spec(args)?),
+            _ => None,
+        };
+        let credentials = self.client.credentials()?;
+        let mut revisions = self.revisions.connect(&self.client, credentials.clone())?;
+        match self.command {
+            ServiceCommand::Apply(args) => {
+                let request = match spec {
+                    Some(request) => request,
+                    None => read_spec(&args)?,
+                };
+                apply(&mut revisions, request, &args.wait, format).await
+            }
+            ServiceCommand::Get(target) => {
+                let project = target.project.unwrap_or_default();
+                let service = revisions.get_service(&project, &target.name).await?;
+                let replicas = replicas(&self.client, credentials, &service).await?;
+                match format {
+                    OutputFormat::Json => {
+                        let replicas: Vec<_> = replicas.iter().map(|(n, i)| output::instance_json(n, i)).collect();
+                        output::print_json(&json!({ "service": output::service_json(&service), "replicas": replicas }))
+                    }
+                    OutputFormat::Table => output::print(&service_details(&service, &replicas)),
+                }
+            }
+            ServiceCommand::List(args) => {
+                let request = v1::ListServicesRequest {
+                    project: args.project.unwrap_or_default(),
+                    all_projects: args.all_projects,
+                };
+                let listed = revisions
+                    .services
+                    .list_services(revisions.connection.request(request))
+                    .await
+                    .map_err(|s| revisions.connection.status_error(s))?
+                    .into_inner();
+                print_services(&listed.services, args.all_projects, format)
+            }
+            ServiceCommand::Delete(target) => {
+                let request =
+                    v1::DeleteServiceRequest { project: target.project.unwrap_or_default(), name: target.name.clone() };
+                revisions
+                    .services
+                    .delete_service(revisions.connection.request(request))
+                    .await
+                    .map_err(|s| revisions.connection.status_error(s))?;
+                match format {
+                    OutputFormat::Json => output::print_json(&json!({})),
+                    OutputFormat::Table => output::print(&format!(
+                        "service {} deleted: its revisions are gone and its replicas are stopped\n",
+                        target.name
+                    )),
+                }
+            }
+            ServiceCommand::Pin { service: target, revision } => {
+                let service = revisions.set_traffic(&target, &revision).await?;
+                print_traffic(&service, format)
+            }
+            ServiceCommand::Unpin(target) => {
+                let service = revisions.set_traffic(&target, "").await?;
+                print_traffic(&service, format)
+            }
+            ServiceCommand::Redeploy { service: target, wait } => {
+                let project = target.project.unwrap_or_default();
+                let current = revisions.get_service(&project, &target.name).await?;
+                let mut source = current.source.unwrap_or_default();
+                let now = prost_types::Timestamp::from(SystemTime::now());
+                source.labels.insert(REDEPLOY_LABEL.to_string(), now.to_string());
+                let request = v1::ApplyServiceRequest {
+                    project,
+                    name: target.name,
+                    template: current.template,
+                    source: Some(source),
+                };
+                apply(&mut revisions, request, &wait, format).await
+            }
+        }
+    }
+}
+
+impl RevisionArgs {
+    pub(crate) async fn run(self) -> Result<(), StartError> {
+        Ok(self.execute().await?)
+    }
+
+    async fn execute(self) -> Result<(), CliError> {
+        let format = self.client.output;
+        let mut revisions = self.revisions.connect(&self.client, self.client.credentials()?)?;
+        match self.command {
+            RevisionCommand::List { service, project } => {
+                let request = v1::ListRevisionsRequest { project: project.unwrap_or_default(), service };
+                let listed = revisions
+                    .revisions
+                    .list_revisions(revisions.connection.request(request))
+                    .await
+                    .map_err(|s| revisions.connection.status_error(s))?
+                    .into_inner();
+                print_revisions(&listed.revisions, format)
+            }
+            RevisionCommand::Get { name, project } => {
+                let revision = revisions.get_revision(&project.unwrap_or_default(), &name).await?;
+                match format {
+                    OutputFormat::Json => output::print_json(&json!({ "revision": output::revision_json(&revision) })),
+                    OutputFormat::Table => output::print(&revision_details(&revision)),
+                }
+            }
+        }
+    }
+}
+
+/// Applies `request`, says whether it minted a revision, and waits for that
+/// revision when told to.
+async fn apply(
+    revisions: &mut Revisions,
+    request: v1::ApplyServiceRequest,
+    wait: &WaitArgs,
+    format: OutputFormat,
+) -> Result<(), CliError> {
+    let (project, name) = (request.project.clone(), request.name.clone());
+    let applied = revisions.apply(request).await?;
+    let mut service = applied.service.ok_or(CliError::IncompleteResponse("the service"))?;
+    let outcome = if applied.revision_created {
+        format!("revision {} minted", applied.revision)
+    } else {
+        format!("unchanged (no new revision; latest is {})", output::or_none(&applied.revision))
+    };
+    if format == OutputFormat::Table {
+        output::print(&format!("service {}: {outcome}\n", service.name))?;
+    }
+    if wait.wait {
+        service = revisions.wait_live(&project, &name, &applied.revision, wait).await?;
+        if format == OutputFormat::Table {
+            let status = service.status.clone().unwrap_or_default();
+            output::print(&format!(
+                "service {}: {} is live, {} of {} replicas running\n",
+                service.name, status.live_revision, status.replicas_running, status.replicas_desired
+            ))?;
+        }
+    }
+    match format {
+        OutputFormat::Json => output::print_json(&json!({
+            "service": output::service_json(&service),
+            "revision_created": applied.revision_created,
+            "revision": applied.revision,
+        })),
+        OutputFormat::Table => Ok(()),
+    }
+}
+
+/// The replicas of `service`, each with the name of the node whose agent
+/// runs it. A node whose agent does not answer is noted and skipped.
+async fn replicas(
+    client: &ClientArgs,
+    credentials: TlsCredentials,
+    service: &v1::Service,
+) -> Result<Vec<(String, Instance)>, CliError> {
+    let identity = Connection::open("identity", &client.server, credentials.clone())?;
+    let nodes = NodesClient::new(identity.channel.clone())
+        .list_nodes(identity.request(ListNodesRequest::default()))
+        .await
+        .map_err(|s| identity.status_error(s))?
+        .into_inner()
+        .nodes;
+    let project = project_name(&service.project);
+    let mut found = Vec::new();
+    for node in nodes.into_iter().filter(|n| !n.advertise_addr.is_empty()) {
+        let label = if node.name.is_empty() { node.node_id.clone() } else { node.name.clone() };
+        let agent = Connection::open(format!("the agent of node {label}"), &node.advertise_addr, credentials.clone())?;
+        let listed = AgentClient::new(agent.channel.clone())
+            .list_instances(agent.request(ListInstancesRequest { project: String::new() }))
+            .await;
+        match listed {
+            Ok(listed) => found.extend(
+                listed
+                    .into_inner()
+                    .instances
+                    .into_iter()
+                    .filter(|i| i.service == service.name && project_name(&i.project) == project)
+                    .map(|i| (label.clone(), i)),
+            ),
+            Err(status) => output::note(&format!("berth: note: {}", agent.status_error(status))),
+        }
+    }
+    Ok(found)
+}
+
+fn project_name(project: &str) -> &str {
+    if project.is_empty() { DEFAULT_PROJECT } else { project }
+}
+
+/// Every field of a service, its conditions and its replicas, like
+/// `kubectl describe`.
+fn service_details(service: &v1::Service, replicas: &[(String, Instance)]) -> String {
+    let ago = |at: Option<&prost_types::Timestamp>| output::when(at, &format!("{} ago", output::age(at)));
+    let status = service.status.clone().unwrap_or_default();
+    let template = service.template.clone().unwrap_or_default();
+    let rows: Vec<(&str, String)> = vec![
+        ("Name", service.name.clone()),
+        ("Project", project_name(&service.project).to_string()),
+        ("Generation", service.generation.to_string()),
+        ("Bundle", template.bundle.as_ref().map_or_else(|| output::NONE.to_string(), |b| b.reference.clone())),
+        ("Live revision", output::or_none(&status.live_revision)),
+        ("Latest created", output::or_none(&status.latest_created_revision)),
+        ("Latest ready", output::or_none(&status.latest_ready_revision)),
+        ("Pinned", output::or_none(&service.pinned_revision)),
+        ("Replicas", format!("{} running, {} desired", status.replicas_running, status.replicas_desired)),
+        ("Created", ago(service.created_at.as_ref())),
+        ("Updated", ago(service.updated_at.as_ref())),
+    ];
+    let mut text = output::fields(&rows);
+    text.push_str("\nConditions:\n");
+    text.push_str(&indent(&output::conditions_table(&status.conditions)));
+    text.push_str("\nReplicas:\n");
+    if replicas.is_empty() {
+        text.push_str("  <none>\n");
+    } else {
+        let mut table = Table::new(vec!["NODE", "LEASE", "REVISION", "PHASE", "PORT", "AGE"]);
+        for (node, instance) in replicas {
+            table.row(vec![
+                node.clone(),
+                instance.lease_id.clone(),
+                output::or_none(&instance.revision),
+                output::lease_phase(instance.phase),
+                if instance.port == 0 { output::NONE.to_string() } else { instance.port.to_string() },
+                output::age(instance.started_at.as_ref()),
+            ]);
+        }
+        text.push_str(&indent(&table.render()));
+    }
+    text
+}
+
+/// Every field of a revision and its conditions.
+fn revision_details(revision: &v1::Revision) -> String {
+    let created = revision.created_at.as_ref();
+    let template = revision.template.clone().unwrap_or_default();
+    let source = revision.source.clone().unwrap_or_default();
+    let program = if template.command.is_empty() && template.args.is_empty() {
+        "<the bundle's entrypoint>".to_string()
+    } else {
+        let command = if template.command.is_empty() { "<entrypoint>" } else { template.command.as_str() };
+        std::iter::once(command).chain(template.args.iter().map(String::as_str)).collect::<Vec<_>>().join(" ")
+    };
+    let origin = [&source.repo, &source.r#ref, &source.commit]
+        .into_iter()
+        .filter(|part| !part.is_empty())
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(" ");
+    let ports = template.ports.iter().map(|p| format!("{}={}", p.name, p.port)).collect::<Vec<_>>().join(",");
+    let rows: Vec<(&str, String)> = vec![
+        ("Name", revision.name.clone()),
+        ("Service", revision.service.clone()),
+        ("Project", project_name(&revision.project).to_string()),
+        ("Generation", revision.generation.to_string()),
+        ("Digest", output::or_none(&revision.digest)),
+        ("Bundle", template.bundle.as_ref().map_or_else(|| output::NONE.to_string(), |b| b.reference.clone())),
+        ("Command", program),
+        ("Environment", output::labels(&template.env)),
+        ("Replicas", format!("{} running, {} desired", revision.replicas_running, template.replicas.unwrap_or(1))),
+        ("Resources", output::capacity(template.resources.as_ref())),
+        ("Ports", output::or_none(&ports)),
+        ("Tier", output::or_none(&template.tier)),
+        ("Source", output::or_none(&origin)),
+        ("Source labels", output::labels(&source.labels)),
+        ("Created", output::when(created, &format!("{} ago", output::age(created)))),
+    ];
+    let mut text = output::fields(&rows);
+    text.push_str("\nConditions:\n");
+    text.push_str(&indent(&output::conditions_table(&revision.conditions)));
+    text
+}
+
+fn indent(text: &str) -> String {
+    text.lines().map(|line| format!("  {line}\n")).collect()
+}
+
+fn print_services(services: &[v1::Service], all_projects: bool, format: OutputFormat) -> Result<(), CliError> {
+    if format == OutputFormat::Json {
+        let services: Vec<_> = services.iter().map(output::service_json).collect();
+        return output::print_json(&json!({ "services": services }));
+    }
+    if services.is_empty() {
+        output::note("No services found.");
+        return Ok(());
+    }
+    let mut headers = vec!["NAME", "LIVE", "LATEST", "READY", "REPLICAS", "AGE"];
+    if all_projects {
+        headers.insert(0, "PROJECT");
+    }
+    let mut table = Table::new(headers);
+    for service in services {
+        let status = service.status.clone().unwrap_or_default();
+        let mut row = vec![
+            service.name.clone(),
+            output::or_none(&status.live_revision),
+            output::or_none(&status.latest_created_revision),
+            output::condition_of(&status.conditions, "Ready"),
+            format!("{}/{}", status.replicas_running, status.replicas_desired),
+            output::age(service.created_at.as_ref()),
+        ];
+        if all_projects {
+            row.insert(0, project_name(&service.project).to_string());
+        }
+        table.row(row);
+    }
+    output::print(&table.render())
+}
+
+fn print_revisions(revisions: &[v1::Revision], format: OutputFormat) -> Result<(), CliError> {
+    if format == OutputFormat::Json {
+        let revisions: Vec<_> = revisions.iter().map(output::revision_json).collect();
+        return output::print_json(&json!({ "revisions": revisions }));
+    }
+    if revisions.is_empty() {
+        output::note("No revisions found.");
+        return Ok(());
+    }
+    let mut table = Table::new(vec!["NAME", "GENERATION", "DIGEST", "READY", "RUNNING", "AGE"]);
+    for revision in revisions {
+        table.row(vec![
+            revision.name.clone(),
+            revision.generation.to_string(),
+            short_digest(&revision.digest),
+            output::condition_of(&revision.conditions, "Ready"),
+            revision.replicas_running.to_string(),
+            output::age(revision.created_at.as_ref()),
+        ]);
+    }
+    output::print(&table.render())
+}
+
+/// `sha256:` and the first 12 hex digits, enough to tell digests apart.
+fn short_digest(digest: &str) -> String {
+    match digest.split_once(':') {
+        Some((algorithm, hex)) => format!("{algorithm}:{}", hex.get(..12).unwrap_or(hex)),
+        None => output::or_none(digest),
+    }
+}
+
+fn print_traffic(service: &v1::Service, format: OutputFormat) -> Result<(), CliError> {
+    if format == OutputFormat::Json {
+        return output::print_json(&json!({ "service": output::service_json(service) }));
+    }
+    let live = service.status.as_ref().map_or("", |s| s.live_revision.as_str());
+    let line = if service.pinned_revision.is_empty() {
+        format!(
+            "service {}: traffic follows the latest ready revision (live now: {})\n",
+            service.name,
+            output::or_none(live)
+        )
+    } else {
+        format!(
+            "service {}: traffic pinned to {} (live now: {}); it moves once the pinned revision's replicas run\n",
+            service.name,
+            service.pinned_revision,
+            output::or_none(live)
+        )
+    };
+    output::print(&line)
+}
+
+/// The apply request the spec file and flags make.
+fn read_spec(args: &ApplyArgs) -> Result<v1::ApplyServiceRequest, SpecError> {
+    let (file, text) = if args.file == "-" {
+        let mut text = String::new();
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .map_err(|source| SpecError::Read { file: "stdin".to_string(), source })?;
+        ("stdin".to_string(), text)
+    } else {
+        let text = std::fs::read_to_string(&args.file)
+            .map_err(|source| SpecError::Read { file: args.file.clone(), source })?;
+        (args.file.clone(), text)
+    };
+    let value: Value = serde_json::from_str(&text).map_err(|source| {
+        let yaml = args.file.ends_with(".yaml") || args.file.ends_with(".yml") || !text.trim_start().starts_with('{');
+        let hint = if yaml { " (only JSON specs are read, not YAML)" } else { "" };
+        SpecError::Syntax { file: file.clone(), source, hint }
+    })?;
+    spec_request(&value, args.name.as_deref(), args.project.as_deref()).map_err(|(path, problem)| SpecError::Field {
+        file,
+        path,
+        problem,
+    })
+}
+
+/// A field that was refused: its path and what is wrong with it.
+type Refusal = (String, String);
+
+/// The fields of a declaration, in the proto's snake_case.
+const SPEC_FIELDS: [&str; 4] = ["project", "name", "template", "source"];
+const TEMPLATE_FIELDS: [&str; 9] =
+    ["bundle", "command", "args", "env", "resources", "replicas", "ports", "egress", "tier"];
+const BUNDLE_FIELDS: [&str; 3] = ["reference", "secret", "insecure"];
+const CAPACITY_FIELDS: [&str; 2] = ["cpu_millis", "memory_bytes"];
+const PORT_FIELDS: [&str; 2] = ["name", "port"];
+const EGRESS_FIELDS: [&str; 2] = ["gateway", "disabled"];
+const SOURCE_FIELDS: [&str; 4] = ["repo", "commit", "ref", "labels"];
+
+/// Converts a parsed spec into the apply request: a whole declaration when it
+/// has a `template`, else a template with `name` from the flag.
+fn spec_request(
+    value: &Value,
+    name_flag: Option<&str>,
+    project_flag: Option<&str>,
+) -> Result<v1::ApplyServiceRequest, Refusal> {
+    let whole = matches!(value, Value::Object(map) if map.contains_key("template"));
+    let (name, project, template, source) = if whole {
+        let spec = Fields::of(value, "", &SPEC_FIELDS)?;
+        let template = spec.object("template", &TEMPLATE_FIELDS)?.map(|t| template(&t)).transpose()?;
+        let source = spec.object("source", &SOURCE_FIELDS)?.map(|s| source(&s)).transpose()?;
+        (spec.string("name")?, spec.string("project")?, template, source)
+    } else {
+        let fields = Fields::of(value, "", &TEMPLATE_FIELDS).map_err(|(path, problem)| {
+            (path, format!("{problem} (a file with no `template` field is read as the template alone)"))
+        })?;
+        (String::new(), String::new(), Some(template(&fields)?), None)
+    };
+    let name = match (name.as_str(), name_flag) {
+        ("", None) => return Err(("name".to_string(), "missing; give `name` in the file or pass --name NAME".into())),
+        ("", Some(flag)) => flag.to_string(),
+        (file, Some(flag)) if file != flag => {
+            return Err(("name".to_string(), format!("is {file:?} but --name says {flag:?}")));
+        }
+        (file, _) => file.to_string(),
+    };
+    let project = match (project.as_str(), project_flag) {
+        ("", flag) => flag.unwrap_or_default().to_string(),
+        (file, Some(flag)) if file != flag => {
+            return Err(("project".to_string(), format!("is {file:?} but --project says {flag:?}")));
+        }
+        (file, _) => file.to_string(),
+    };
+    Ok(v1::ApplyServiceRequest { project, name, template, source })
+}
+
+fn template(fields: &Fields<'_>) -> Result<v1::ServiceTemplate, Refusal> {
+    let bundle = fields
+        .object("bundle", &BUNDLE_FIELDS)?
+        .map(|b| -> Result<BundleRef, Refusal> {
+            Ok(BundleRef {
+                reference: b.string("reference")?,
+                secret: b.string("secret")?,
+                insecure: b.flag("insecure")?,
+            })
+        })
+        .transpose()?;
+    let resources = fields
+        .object("resources", &CAPACITY_FIELDS)?
+        .map(|c| -> Result<Capacity, Refusal> {
+            Ok(Capacity {
+                cpu_millis: c.number("cpu_millis")?.unwrap_or_default(),
+                memory_bytes: c.number("memory_bytes")?.unwrap_or_default(),
+            })
+        })
+        .transpose()?;
+    let ports = fields
+        .objects("ports", &PORT_FIELDS)?
+        .iter()
+        .map(|p| -> Result<Port, Refusal> {
+            Ok(Port { name: p.string("name")?, port: p.number("port")?.unwrap_or_default() })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let egress = fields
+        .object("egress", &EGRESS_FIELDS)?
+        .map(|e| -> Result<v1::EgressSelection, Refusal> {
+            Ok(v1::EgressSelection { gateway: e.string("gateway")?, disabled: e.flag("disabled")? })
+        })
+        .transpose()?;
+    Ok(v1::ServiceTemplate {
+        bundle,
+        command: fields.string("command")?,
+        args: fields.strings("args")?,
+        env: fields.string_map("env")?,
+        resources,
+        replicas: fields.number("replicas")?,
+        ports,
+        egress,
+        tier: fields.string("tier")?,
+    })
+}
+
+fn source(fields: &Fields<'_>) -> Result<v1::Source, Refusal> {
+    Ok(v1::Source {
+        repo: fields.string("repo")?,
+        commit: fields.string("commit")?,
+        r#ref: fields.string("ref")?,
+        labels: fields.string_map("labels")?,
+    })
+}
+
+/// The fields of one JSON object of a spec, by snake_case name, with the
+/// path that leads to the object. A `null` field counts as absent.
+#[derive(Debug)]
+struct Fields<'v> {
+    path: String,
+    values: BTreeMap<String, &'v Value>,
+}
+
+impl<'v> Fields<'v> {
+    /// `value` as an object whose fields are all among `known`.
+    fn of(value: &'v Value, path: &str, known: &[&str]) -> Result<Self, Refusal> {
+        let Value::Object(map) = value else {
+            return Err((shown_path(path), format!("must be an object, not {}", kind(value))));
+        };
+        let mut values = BTreeMap::new();
+        for (key, field) in map {
+            let name = snake_case(key);
+            let at = join(path, key);
+            if !known.contains(&name.as_str()) {
+                return Err((at, format!("unknown field; the fields here are {}", known.join(", "))));
+            }
+            if field.is_null() {
+                continue;
+            }
+            if values.insert(name, field).is_some() {
+                return Err((at, "given twice, in snake_case and in lowerCamel".to_string()));
+            }
+        }
+        Ok(Self { path: path.to_string(), values })
+    }
+
+    fn at(&self, name: &str) -> String {
+        join(&self.path, name)
+    }
+
+    fn string(&self, name: &str) -> Result<String, Refusal> {
+        match self.values.get(name) {
+            None => Ok(String::new()),
+            Some(Value::String(text)) => Ok(text.clone()),
+            Some(other) => Err((self.at(name), format!("must be a string, not {}", kind(other)))),
+        }
+    }
+
+    fn flag(&self, name: &str) -> Result<bool, Refusal> {
+        match self.values.get(name) {
+            None => Ok(false),
+            Some(Value::Bool(flag)) => Ok(*flag),
+            Some(other) => Err((self.at(name), format!("must be true or false, not {}", kind(other)))),
+        }
+    }
+
+    /// A whole number that fits `T`; absent is `None`.
+    fn number<T: TryFrom<u64>>(&self, name: &str) -> Result<Option<T>, Refusal> {
+        let Some(value) = self.values.get(name) else { return Ok(None) };
+        let number =
+            value.as_u64().ok_or_else(|| (self.at(name), format!("must be a whole number, not {}", kind(value))))?;
+        T::try_from(number).map(Some).map_err(|_| (self.at(name), format!("{number} is too large")))
+    }
+
+    fn strings(&self, name: &str) -> Result<Vec<String>, Refusal> {
+        let Some(value) = self.values.get(name) else { return Ok(Vec::new()) };
+        let Value::Array(items) = value else {
+            return Err((self.at(name), format!("must be a list of strings, not {}", kind(value))));
+        };
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(text) => Ok(text.clone()),
+                other => Err((format!("{}[{i}]", self.at(name)), format!("must be a string, not {}", kind(other)))),
+            })
+            .collect()
+    }
+
+    fn string_map(&self, name: &str) -> Result<HashMap<String, String>, Refusal> {
+        let Some(value) = self.values.get(name) else { return Ok(HashMap::new()) };
+        let Value::Object(map) = value else {
+            return Err((self.at(name), format!("must be an object of strings, not {}", kind(value))));
+        };
+        map.iter()
+            .map(|(key, item)| match item {
+                Value::String(text) => Ok((key.clone(), text.clone())),
+                other => Err((join(&self.at(name), key), format!("must be a string, not {}", kind(other)))),
+            })
+            .collect()
+    }
+
+    fn object(&self, name: &str, known: &[&str]) -> Result<Option<Fields<'v>>, Refusal> {
+        self.values.get(name).map(|value| Fields::of(value, &self.at(name), known)).transpose()
+    }
+
+    fn objects(&self, name: &str, known: &[&str]) -> Result<Vec<Fields<'v>>, Refusal> {
+        let Some(value) = self.values.get(name) else { return Ok(Vec::new()) };
+        let Value::Array(items) = value else {
+            return Err((self.at(name), format!("must be a list, not {}", kind(value))));
+        };
+        items.iter().enumerate().map(|(i, item)| Fields::of(item, &format!("{}[{i}]", self.at(name)), known)).collect()
+    }
+}
+
+/// `cpuMillis` as `cpu_millis`; snake_case names are left as they are.
+fn snake_case(key: &str) -> String {
+    let mut name = String::with_capacity(key.len() + 4);
+    for c in key.chars() {
+        if c.is_ascii_uppercase() {
+            name.push('_');
+            name.push(c.to_ascii_lowercase());
+        } else {
+            name.push(c);
+        }
+    }
+    name
+}
+
+fn join(path: &str, field: &str) -> String {
+    if path.is_empty() { field.to_string() } else { format!("{path}.{field}") }
+}
+
+fn shown_path(path: &str) -> String {
+    if path.is_empty() { "the file".to_string() } else { path.to_string() }
+}
+
+/// What a JSON value is, with the value when short, for a refusal.
+fn kind(value: &Value) -> String {
+    match value {
+        Value::Null => "null".to_string(),
+        Value::Bool(flag) => format!("{flag}"),
+        Value::Number(number) => format!("the number {number}"),
+        Value::String(text) if text.chars().count() <= 40 => format!("the string {text:?}"),
+        Value::String(_) => "a string".to_string(),
+        Value::Array(_) => "a list".to_string(),
+        Value::Object(_) => "an object".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(spec: Value, name: Option<&str>) -> Refusal {
+        spec_request(&spec, name, None).unwrap_err()
+    }
+
+    #[test]
+    fn the_example_template_reads_with_a_name_from_the_flag() {
+        let text = include_str!("../../../../examples/hello/service.json");
+        let value: Value = serde_json::from_str(text).unwrap();
+        let request = spec_request(&value, Some("hello"), None).unwrap();
+        assert_eq!(request.name, "hello");
+        assert_eq!(request.project, "");
+        let template = request.template.unwrap();
+        assert_eq!(template.bundle.unwrap().reference, "oci:.berth/oci:hello");
+        assert_eq!(template.replicas, Some(2));
+        assert_eq!(template.ports, vec![Port { name: "http".into(), port: 8080 }]);
+        assert_eq!(template.resources, Some(Capacity { cpu_millis: 100, memory_bytes: 64 << 20 }));
+        assert!(request.source.is_none());
+    }
+
+    #[test]
+    fn a_whole_declaration_reads_in_lower_camel_too() {
+        let spec = json!({
+            "project": "team",
+            "name": "web",
+            "template": {"bundle": {"reference": "r:v1"}, "resources": {"cpuMillis": 250}, "env": {"A": "1"}},
+            "source": {"repo": "https://git.example.com/web", "ref": "refs/heads/main", "labels": {"ci": "7"}},
+        });
+        let request = spec_request(&spec, None, None).unwrap();
+        assert_eq!((request.project.as_str(), request.name.as_str()), ("team", "web"));
+        let template = request.template.unwrap();
+        assert_eq!(template.resources.unwrap().cpu_millis, 250);
+        assert_eq!(template.env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(template.replicas, None);
+        let source = request.source.unwrap();
+        assert_eq!(source.r#ref, "refs/heads/main");
+        assert_eq!(source.labels.get("ci").map(String::as_str), Some("7"));
+    }
+
+    #[test]
+    fn each_refusal_names_the_field() {
+        let (path, problem) = refusal(json!({"replicas": "two"}), Some("x"));
+        assert_eq!(path, "replicas");
+        assert!(problem.contains("whole number") && problem.contains("\"two\""), "{problem}");
+
+        let (path, problem) = refusal(json!({"name": "x", "template": {"replicaz": 2}}), None);
+        assert_eq!(path, "template.replicaz");
+        assert!(problem.contains("unknown field"), "{problem}");
+
+        let (path, _) = refusal(json!({"name": "x", "template": {"ports": [{"name": "http", "port": -1}]}}), None);
+        assert_eq!(path, "template.ports[0].port");
+
+        let (path, _) = refusal(json!({"name": "x", "template": {"env": {"A": 1}}}), None);
+        assert_eq!(path, "template.env.A");
+
+        let (path, _) = refusal(json!({"name": "x", "template": {"args": ["a", 2]}}), None);
+        assert_eq!(path, "template.args[1]");
+
+        let (path, problem) = refusal(json!({"replicas": 1}), None);
+        assert_eq!(path, "name");
+        assert!(problem.contains("--name"), "{problem}");
+
+        let (path, _) = refusal(json!({"name": "x", "template": {}}), Some("y"));
+        assert_eq!(path, "name");
+
+        let (path, _) = refusal(json!({"name": "x", "template": {"replicas": 5_000_000_000u64}}), None);
+        assert_eq!(path, "template.replicas");
+
+        let (path, _) = refusal(json!(["not", "an", "object"]), Some("x"));
+        assert_eq!(path, "the file");
+    }
+
+    #[test]
+    fn a_field_given_in_both_spellings_is_refused() {
+        let (path, problem) = refusal(json!({"resources": {"cpu_millis": 1, "cpuMillis": 2}}), Some("x"));
+        assert!(path.starts_with("resources."), "{path}");
+        assert!(problem.contains("twice"), "{problem}");
+    }
+
+    #[test]
+    fn a_failed_revision_stops_the_wait_and_a_flaky_registry_does_not() {
+        let condition = |kind: &str, status: ConditionStatus, reason: &str| Condition {
+            r#type: kind.into(),
+            status: status as i32,
+            reason: reason.into(),
+            ..Default::default()
+        };
+        let deploying = [
+            condition("BundleResolved", ConditionStatus::True, ""),
+            condition("Ready", ConditionStatus::Unknown, "Deploying"),
+        ];
+        assert!(failure(&deploying).is_none());
+        let flaky = [condition("BundleResolved", ConditionStatus::False, TRANSIENT_RESOLVE_REASON)];
+        assert!(failure(&flaky).is_none());
+        let missing = [condition("BundleResolved", ConditionStatus::False, "TagNotFound")];
+        assert_eq!(failure(&missing).map(|c| c.reason.as_str()), Some("TagNotFound"));
+        let failed = [condition("Ready", ConditionStatus::False, "ReplicaFailed")];
+        assert_eq!(failure(&failed).map(|c| c.reason.as_str()), Some("ReplicaFailed"));
+    }
+
+    #[test]
+    fn digests_are_shortened_to_twelve_hex_digits() {
+        assert_eq!(short_digest("sha256:0123456789abcdef0123"), "sha256:0123456789ab");
+        assert_eq!(short_digest(""), output::NONE);
+    }
+
+    #[test]
+    fn revisions_sit_one_port_above_identity() {
+        assert_eq!(port_above("127.0.0.1:7443", 1).as_deref(), Some("127.0.0.1:7444"));
+        assert_eq!(port_above("127.0.0.1:65535", 1), None);
+    }
+}

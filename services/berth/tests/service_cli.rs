@@ -1,0 +1,343 @@
+//! The service CLI end to end: the real `berth` binary deploys the hello
+//! example from an OCI layout onto a real `berth dev`, and the tests read
+//! what the commands print and what the replicas answer over HTTP.
+
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+#![allow(clippy::disallowed_methods, reason = "these tests drive processes from plain threads, not a runtime")]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// How long the dev node may take to join and be offered to leases.
+const READY_DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long one CLI command may take before the test calls it hung; an
+/// apply with `--wait` starts two replicas within it.
+const COMMAND_DEADLINE: Duration = Duration::from_secs(120);
+
+/// How long traffic may take to move after a pin or unpin.
+const TRAFFIC_DEADLINE: Duration = Duration::from_secs(60);
+
+/// A port base whose five ports are free right now.
+fn free_port_base() -> u16 {
+    for _ in 0..50 {
+        let probe = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = probe.local_addr().unwrap().port();
+        drop(probe);
+        if base > 65000 {
+            continue;
+        }
+        if (0..5).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+            return base;
+        }
+    }
+    panic!("no five consecutive free ports");
+}
+
+/// A running `berth dev`, killed on drop.
+struct Dev {
+    child: Child,
+    dir: PathBuf,
+    /// Identity's address; revisions is one port above it.
+    server: String,
+}
+
+impl Dev {
+    /// Starts `berth dev` and waits until its node is UP in the ledger, so
+    /// replicas can be placed on it.
+    fn start(dir: &Path) -> Dev {
+        let base = free_port_base();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args(["dev", "--data-dir"])
+            .arg(dir)
+            .args(["--port-base", &base.to_string()])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("berth binary runs");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with("berth dev is running") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(60)).expect("berth dev printed its banner");
+        let dev = Dev { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}") };
+        poll(READY_DEADLINE, "the dev node is UP in the ledger", || {
+            let listed = dev.berth(&["capacity", "-o", "json"]);
+            let parsed: Value = serde_json::from_str(&listed.stdout).map_err(|_| format!("{listed:?}"))?;
+            let up = parsed["nodes"].as_array().into_iter().flatten().any(|n| n["state"] == "NODE_STATE_UP");
+            if up { Ok(()) } else { Err(parsed.to_string()) }
+        });
+        dev
+    }
+
+    /// Runs `berth ARGS` as the dev admin against this mesh.
+    fn berth(&self, args: &[&str]) -> Outcome {
+        let mut command = berth_command(args);
+        command.env("BERTH_SERVER", &self.server).env("BERTH_DATA_DIR", &self.dir);
+        run(command, COMMAND_DEADLINE)
+    }
+
+    /// Like [`Dev::berth`], and the command must succeed.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.berth(args);
+        assert_eq!(out.code, Some(0), "berth {args:?} failed: {}{}", out.stdout, out.stderr);
+        out.stdout
+    }
+
+    /// Like [`Dev::ok`] with `-o json`, parsed.
+    fn json(&self, args: &[&str]) -> Value {
+        let stdout = self.ok(&[args, &["-o", "json"]].concat());
+        serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("berth {args:?} -o json printed no JSON ({e}): {stdout}"))
+    }
+
+    /// The service's live revision, as `service get -o json` shows it.
+    fn live(&self, name: &str) -> String {
+        self.json(&["service", "get", name])["service"]["status"]["live_revision"].as_str().unwrap().to_string()
+    }
+
+    /// Waits until the service's live revision is `revision`.
+    fn await_live(&self, name: &str, revision: &str) {
+        poll(TRAFFIC_DEADLINE, &format!("{name} serves {revision}"), || {
+            let live = self.live(name);
+            if live == revision { Ok(()) } else { Err(live) }
+        });
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug)]
+struct Outcome {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Outcome {
+    /// The one `berth: error:` line; fails unless there is exactly one and
+    /// the exit code is 1.
+    fn error_line(&self) -> String {
+        assert_eq!(self.code, Some(1), "{self:?}");
+        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
+        let errors: Vec<&str> = self.stderr.lines().filter(|l| l.starts_with("berth: error:")).collect();
+        assert_eq!(errors.len(), 1, "exactly one error line: {}", self.stderr);
+        errors[0].to_string()
+    }
+}
+
+/// The real binary with `args` and no `BERTH_*` settings from the environment.
+fn berth_command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_berth"));
+    command.args(args);
+    for name in [
+        "BERTH_SERVER",
+        "BERTH_REVISIONS_SERVER",
+        "BERTH_LEASES_SERVER",
+        "BERTH_CA",
+        "BERTH_CERT",
+        "BERTH_KEY",
+        "BERTH_DATA_DIR",
+        "BERTH_OUTPUT",
+    ] {
+        command.env_remove(name);
+    }
+    command
+}
+
+/// Runs `command` to its end, killing it and failing the test if it takes
+/// longer than `deadline`.
+fn run(mut command: Command, deadline: Duration) -> Outcome {
+    let start = Instant::now();
+    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            pipe.read_to_end(&mut bytes).unwrap();
+            String::from_utf8(bytes).unwrap()
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{command:?} still ran after {deadline:?}; stderr: {}", stderr.join().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Outcome { code: status.code(), stdout: stdout.join().unwrap(), stderr: stderr.join().unwrap() }
+}
+
+/// Retries `probe` every 200 ms until it yields, or fails after `deadline`
+/// with what it last saw.
+fn poll<T>(deadline: Duration, what: &str, mut probe: impl FnMut() -> Result<T, String>) -> T {
+    let start = Instant::now();
+    loop {
+        match probe() {
+            Ok(value) => return value,
+            Err(last) if start.elapsed() > deadline => panic!("{what} within {deadline:?}; last saw: {last}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
+/// A plain HTTP GET on loopback; the body, or None while nothing answers.
+fn http_get(port: u64, path: &str) -> Option<String> {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", u16::try_from(port).ok()?)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    response.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
+}
+
+fn example() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/hello")
+}
+
+/// The example's service.json with its bundle reference pointed at
+/// `reference` and `env` set, written to `path`.
+fn write_template(path: &Path, reference: &str, env: &[(&str, &str)]) {
+    let mut template: Value =
+        serde_json::from_str(&std::fs::read_to_string(example().join("service.json")).unwrap()).unwrap();
+    template["bundle"]["reference"] = Value::String(reference.to_string());
+    template["env"] = env.iter().map(|(k, v)| (k.to_string(), Value::String(v.to_string()))).collect();
+    std::fs::write(path, serde_json::to_string_pretty(&template).unwrap()).unwrap();
+}
+
+/// The names in `revision list -o json`, newest first.
+fn revision_names(dev: &Dev, service: &str) -> Vec<String> {
+    dev.json(&["revision", "list", service])["revisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn the_example_deploys_in_one_apply_and_rolls_forward_and_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("oci");
+    let reference = format!("oci:{}:hello", layout.display());
+    let push = run(berth_command(&["bundle", "push", example().to_str().unwrap(), &reference]), COMMAND_DEADLINE);
+    assert_eq!(push.code, Some(0), "{push:?}");
+    let dev = Dev::start(&tmp.path().join("data"));
+    let spec = tmp.path().join("service.json");
+    let spec_arg = spec.to_str().unwrap();
+    write_template(&spec, &reference, &[("GREETING_STYLE", "plain")]);
+
+    let applied = dev.ok(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
+    assert!(applied.contains("service hello: revision hello-00001 minted"), "{applied}");
+    assert!(applied.contains("hello-00001 is live, 2 of 2 replicas running"), "{applied}");
+
+    // Both replicas answer as the live revision, on the ports `get` lists.
+    let shown = dev.json(&["service", "get", "hello"]);
+    assert_eq!(shown["service"]["status"]["live_revision"], "hello-00001", "{shown}");
+    assert_eq!(shown["service"]["status"]["replicas_running"], 2, "{shown}");
+    let ports: Vec<u64> = shown["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["revision"] == "hello-00001" && r["phase"] == "LEASE_PHASE_RUNNING")
+        .map(|r| r["port"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ports.len(), 2, "{shown}");
+    for port in ports {
+        let answer = poll(Duration::from_secs(10), &format!("the replica on port {port} answers"), || {
+            http_get(port, "/").ok_or_else(|| "no answer".to_string())
+        });
+        assert_eq!(answer, "hello from hello-00001\n", "replica on port {port}");
+    }
+    let table = dev.ok(&["service", "get", "hello"]);
+    for line in ["Live revision:", "Latest created:", "Latest ready:", "TYPE", "Ready", "NODE"] {
+        assert!(table.contains(line), "no {line} in:\n{table}");
+    }
+
+    // The same declaration again changes nothing.
+    let again = dev.ok(&["service", "apply", "-f", spec_arg, "--name", "hello"]);
+    assert!(again.contains("unchanged (no new revision"), "{again}");
+    assert_eq!(revision_names(&dev, "hello"), ["hello-00001"]);
+
+    // A new environment mints a revision that takes the traffic.
+    write_template(&spec, &reference, &[("GREETING_STYLE", "loud")]);
+    let changed = dev.ok(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
+    assert!(changed.contains("revision hello-00002 minted"), "{changed}");
+    assert!(changed.contains("hello-00002 is live, 2 of 2 replicas running"), "{changed}");
+    assert_eq!(revision_names(&dev, "hello"), ["hello-00002", "hello-00001"]);
+    let revisions = dev.ok(&["revision", "list", "hello"]);
+    assert_eq!(revisions.lines().count(), 3, "a header and two revisions:\n{revisions}");
+    assert!(revisions.lines().next().unwrap().starts_with("NAME"), "{revisions}");
+    let listed = dev.ok(&["service", "list"]);
+    let row: Vec<&str> = listed.lines().find(|l| l.starts_with("hello ")).unwrap().split_whitespace().collect();
+    assert_eq!(row[..5], ["hello", "hello-00002", "hello-00002", "True", "2/2"], "{listed}");
+
+    // Pinned, traffic goes back to the first revision; unpinned, it follows
+    // the latest again.
+    let pinned = dev.ok(&["service", "pin", "hello", "hello-00001"]);
+    assert!(pinned.contains("pinned to hello-00001"), "{pinned}");
+    dev.await_live("hello", "hello-00001");
+    let unpinned = dev.ok(&["service", "unpin", "hello"]);
+    assert!(unpinned.contains("follows the latest ready revision"), "{unpinned}");
+    dev.await_live("hello", "hello-00002");
+
+    // Redeploy mints a revision of the same template.
+    let redeployed = dev.ok(&["service", "redeploy", "hello", "--wait"]);
+    assert!(redeployed.contains("revision hello-00003 minted"), "{redeployed}");
+    let third = dev.json(&["revision", "get", "hello-00003"]);
+    assert!(third["revision"]["source"]["labels"]["berth.redeploy"].is_string(), "{third}");
+    assert_eq!(third["revision"]["template"]["env"]["GREETING_STYLE"], "loud", "{third}");
+
+    let missing = dev.berth(&["service", "get", "nope"]).error_line();
+    assert!(missing.contains("not found"), "{missing}");
+    let missing = dev.berth(&["revision", "get", "nope-00001"]).error_line();
+    assert!(missing.contains("not found"), "{missing}");
+
+    let deleted = dev.ok(&["service", "delete", "hello"]);
+    assert!(deleted.contains("service hello deleted"), "{deleted}");
+    let gone = dev.berth(&["service", "get", "hello"]).error_line();
+    assert!(gone.contains("not found"), "{gone}");
+}
+
+#[test]
+fn a_bad_spec_is_one_error_naming_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = tmp.path().join("bad.json");
+    let cases: [(&str, &[&str], &str); 4] = [
+        (r#"{"name": "x", "template": {"replicaz": 2}}"#, &[], "template.replicaz: unknown field"),
+        (r#"{"replicas": 2}"#, &[], "name: missing"),
+        (r#"{"replicas": "two"}"#, &["--name", "x"], "replicas: must be a whole number, not the string \"two\""),
+        ("replicas: 2\n", &["--name", "x"], "only JSON specs are read"),
+    ];
+    for (text, flags, expected) in cases {
+        std::fs::write(&spec, text).unwrap();
+        let args = [&["service", "apply", "-f", spec.to_str().unwrap()][..], flags].concat();
+        let line = run(berth_command(&args), COMMAND_DEADLINE).error_line();
+        assert!(line.contains(expected), "{text}: {line}");
+        assert!(line.contains(spec.to_str().unwrap()), "the file is named: {line}");
+    }
+    let usage = run(berth_command(&["service", "apply", "--name", "x"]), COMMAND_DEADLINE);
+    assert_eq!(usage.code, Some(2), "no -f is a usage error: {usage:?}");
+}
