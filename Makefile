@@ -48,6 +48,12 @@ bench:
 	  --database-url "$$database" --redis-url "$$redis"; \
 	"$$berth" bench heartbeats --nodes 10000 --interval 1s --duration 30s --warmup 5s \
 	  --database-url "$$database" --redis-url "$$redis"
+	berth="$${CARGO_TARGET_DIR:-target}/release/berth"; \
+	database="$${BERTH_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"; \
+	redis="$${BERTH_BENCH_REDIS_URL:-redis://127.0.0.1:6379/15}"; \
+	"$$berth" bench leases --nodes 100 --leases 10000 --concurrency 32 --duration 5s \
+	  --database-url "$$database" --redis-url "$$redis"; \
+	"$$berth" bench launch --leases 100 --records 10000
 
 ## Container images, where a Docker engine runs.
 images:

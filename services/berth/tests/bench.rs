@@ -80,6 +80,7 @@ fn a_small_run_reports_every_figure_as_json() {
     assert!((150..=250).contains(&paced), "{paced} paced heartbeats in 2s: {stdout}");
     assert_eq!(report["errors"], serde_json::json!([]), "{stdout}");
     assert_eq!(report["join"]["nodes"], 20);
+    assert_eq!(report["join"]["first_heartbeat_failed"], 0, "{stdout}");
 
     let memory = &report["identity_memory"];
     let idle = memory["idle_mib"].as_f64().unwrap();

@@ -34,8 +34,9 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 use super::identity_process::{IdentityProcess, ProcessError, StateOptions};
-use super::load::{ErrorTally, Samples, Window, status_message};
+use super::load::{CpuFigures, CpuUse, ErrorTally, Figures, Samples, Window, is_transient, status_message};
 use super::nodes::{self, JoinedNode, MAX_NODES, NODE_CAPACITY};
+use super::procfs::{MachineCpu, Memory, load_average, read_cpu_time, read_machine_cpu, read_memory};
 use super::report::{JoinFigures, MemoryFigures, PhasePeaks, Report, human};
 
 /// How long one call may take before it counts as failed.
@@ -53,6 +54,12 @@ const MEMORY_SAMPLE_EVERY: Duration = Duration::from_millis(100);
 /// Joins allowed per token; nodes take tokens in turn, so concurrent joins
 /// rarely update one token's row at once.
 const NODES_PER_TOKEN: u32 = 100;
+
+/// How many times a node tries its join, and then its first heartbeat.
+const SETUP_ATTEMPTS: u32 = 6;
+
+/// The longest first wait before a node tries its join or first heartbeat again.
+const SETUP_BACKOFF: Duration = Duration::from_millis(200);
 
 /// Open files the bench needs beyond one per connection.
 const SPARE_FILES: u64 = 256;
@@ -141,8 +148,8 @@ pub(crate) enum BenchError {
         #[source]
         source: nodes::JoinError,
     },
-    /// A node's first heartbeat failed, so it never came up.
-    #[error("node {index} ({node_id}) joined but its first heartbeat failed: {message}")]
+    /// Identity refused a node's first heartbeat for good.
+    #[error("node {index} ({node_id}) joined but its first heartbeat was refused: {message}")]
     FirstHeartbeat {
         /// Which node.
         index: u32,
@@ -154,6 +161,12 @@ pub(crate) enum BenchError {
     /// A client task panicked or was cancelled.
     #[error("a client task failed: {0}")]
     Task(#[source] tokio::task::JoinError),
+    /// Identity's memory could not be read from `/proc`.
+    #[error("cannot read the memory of berth-identity (pid {pid}) from /proc/{pid}/status")]
+    Memory {
+        /// Identity's process id.
+        pid: u32,
+    },
     /// Ctrl-C or SIGTERM arrived.
     #[error("interrupted")]
     Interrupted,
@@ -165,6 +178,7 @@ pub(crate) enum BenchError {
 /// Runs the scenario and prints its report.
 pub(super) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
     raise_open_files_limit(args.nodes, args.join_concurrency)?;
+    let load_average_before = load_average();
     let state = StateOptions { database_url: args.database_url.clone(), redis_url: args.redis_url.clone() };
     let shutdown = berth_rpc::shutdown_signal();
     let (store, bus) = state.describe();
@@ -181,6 +195,7 @@ pub(super) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
     progress("stopping berth-identity and removing its state");
     let stopped = identity.stop().await;
     let mut report = outcome?;
+    report.load_average_before = load_average_before;
     report.judge();
     let text = match args.output {
         OutputFormat::Table => report.table(),
@@ -205,7 +220,7 @@ async fn scenario(
 ) -> Result<Report, BenchError> {
     let memory = MemorySampler::spawn(identity);
     tokio::time::sleep(IDLE_SETTLE).await;
-    let idle_kib = identity.memory().map_or(0, |m| m.rss_kib);
+    let idle_kib = identity_memory(identity)?.rss_kib;
     memory.take_peak();
     let errors = ErrorTally::default();
 
@@ -219,10 +234,14 @@ async fn scenario(
     let empty_peak = memory.take_peak();
 
     progress(&format!("joining {} nodes, {} at a time", args.nodes, args.join_concurrency));
+    let join_started = CpuMark::now(identity.pid());
     let fleet = Fleet::join(identity, args, &errors).await?;
+    let join_cpu = join_started.zip(CpuMark::now(identity.pid())).map(|(before, after)| before.until(after));
     let join_peak = memory.take_peak();
     let join = JoinFigures {
         nodes: args.nodes,
+        first_heartbeat_failed: fleet.not_up,
+        cpu: join_cpu.and_then(|used| CpuFigures::over(used, fleet.joined_in, u64::from(args.nodes))),
         concurrency: args.join_concurrency,
         seconds: fleet.joined_in.as_secs_f64(),
         rate_per_s: f64::from(args.nodes) / fleet.joined_in.as_secs_f64().max(f64::EPSILON),
@@ -237,11 +256,13 @@ async fn scenario(
         human(args.duration)
     ));
     let plan = fleet.start_plan(args.warmup, args.duration);
+    let paced_cpu = measure_cpu(identity.pid(), plan.paced);
+    let saturated_cpu = measure_cpu(identity.pid(), plan.saturated);
     tokio::time::sleep_until(plan.saturate_at.into()).await;
     let paced_peak = memory.take_peak();
     let (paced, saturated) = fleet.finish().await?;
     let saturated_peak = memory.take_peak();
-    let at_load_kib = identity.memory().map_or(0, |m| m.peak_kib);
+    let at_load_kib = identity_memory(identity)?.peak_kib;
 
     Ok(Report {
         scenario: "heartbeats",
@@ -252,9 +273,13 @@ async fn scenario(
         store,
         bus,
         identity_pid: identity.pid(),
-        heartbeat: paced.figures(plan.paced.length(), args.nodes),
+        heartbeat: paced
+            .figures(plan.paced.length(), args.nodes)
+            .with_cpu(cpu_of(paced_cpu).await, plan.paced.length()),
         heartbeat_offered_per_s: f64::from(args.nodes) / args.interval.as_secs_f64(),
-        heartbeat_saturated: saturated.figures(plan.saturated.length(), args.nodes),
+        heartbeat_saturated: saturated
+            .figures(plan.saturated.length(), args.nodes)
+            .with_cpu(cpu_of(saturated_cpu).await, plan.saturated.length()),
         empty_rpc: empty,
         join,
         identity_memory: MemoryFigures {
@@ -266,10 +291,17 @@ async fn scenario(
                 heartbeat: mib(paced_peak),
                 heartbeat_saturated: mib(saturated_peak),
             },
+            per_connection_kib: empty_peak.saturating_sub(idle_kib) as f64 / f64::from(args.nodes),
         },
         errors: errors.summary(),
         targets: Vec::new(),
+        cpus: std::thread::available_parallelism().map_or(0, usize::from),
+        load_average_before: None,
     })
+}
+
+fn identity_memory(identity: &IdentityProcess) -> Result<Memory, BenchError> {
+    identity.memory().ok_or(BenchError::Memory { pid: identity.pid() })
 }
 
 /// The empty-RPC baseline: every connection dialled first, then health
@@ -278,7 +310,7 @@ async fn baseline(
     identity: &IdentityProcess,
     args: &HeartbeatArgs,
     errors: &ErrorTally,
-) -> Result<super::load::Figures, BenchError> {
+) -> Result<Figures, BenchError> {
     let addr = identity.addr().to_string();
     let mut clients = Vec::with_capacity(args.nodes as usize);
     for index in 0..args.nodes {
@@ -305,6 +337,7 @@ async fn baseline(
     }
 
     let window = Window::after(Instant::now(), args.warmup, args.duration);
+    let cpu = measure_cpu(identity.pid(), window);
     let mut running = JoinSet::new();
     for mut client in ready {
         let errors = errors.clone();
@@ -333,7 +366,7 @@ async fn baseline(
     while let Some(joined) = running.join_next().await {
         all.merge(joined.map_err(BenchError::Task)?);
     }
-    Ok(all.figures(window.length(), args.nodes))
+    Ok(all.figures(window.length(), args.nodes).with_cpu(cpu_of(cpu).await, window.length()))
 }
 
 async fn health_check(client: &mut HealthClient<Channel>) -> Result<(), String> {
@@ -371,6 +404,8 @@ struct Fleet {
     loops: JoinSet<NodeSamples>,
     plan: watch::Sender<Option<Plan>>,
     joined_in: Duration,
+    /// Nodes whose first heartbeat failed every attempt; their loops go on trying.
+    not_up: u32,
 }
 
 impl Fleet {
@@ -387,8 +422,10 @@ impl Fleet {
         let mut joins = JoinSet::new();
         let slots = Arc::new(Semaphore::new(args.join_concurrency as usize));
         let addr = identity.addr();
-        let mut launch = |joined: Result<(u32, JoinedNode, NodeSessionClient<Channel>), BenchError>| {
-            let (index, node, client) = joined?;
+        let mut not_up = 0;
+        let mut launch = |joined: Result<JoinedClient, BenchError>| {
+            let JoinedClient { index, node, client, up } = joined?;
+            not_up += u32::from(!up);
             let phase = args.interval.mul_f64(f64::from(index) / f64::from(args.nodes));
             let beat = Beat { node_id: node.node_id, incarnation: node.incarnation };
             loops.spawn(heartbeat_loop(client, beat, epoch + phase, args.interval, plan_rx.clone(), errors.clone()));
@@ -396,11 +433,11 @@ impl Fleet {
         };
         for index in 0..args.nodes {
             let slot = slots.clone().acquire_owned().await.map_err(|_| BenchError::Interrupted)?;
-            let (tokens, ca_bundle_pem) = (tokens.clone(), ca_bundle_pem.clone());
+            let (tokens, ca_bundle_pem, errors) = (tokens.clone(), ca_bundle_pem.clone(), errors.clone());
             joins.spawn(async move {
                 let _slot = slot;
                 let token = &tokens[index as usize % tokens.len()];
-                join_and_beat(index, addr, token, &ca_bundle_pem).await
+                join_and_beat(index, addr, token, &ca_bundle_pem, &errors).await
             });
             while let Some(joined) = joins.try_join_next() {
                 launch(joined.map_err(BenchError::Task)?)?;
@@ -409,7 +446,7 @@ impl Fleet {
         while let Some(joined) = joins.join_next().await {
             launch(joined.map_err(BenchError::Task)?)?;
         }
-        Ok(Fleet { loops, plan, joined_in: started.elapsed() })
+        Ok(Fleet { loops, plan, joined_in: started.elapsed(), not_up })
     }
 
     /// Sets the windows from now and tells every node.
@@ -479,37 +516,95 @@ impl Beat {
         request
     }
 
-    async fn send(&self, client: &mut NodeSessionClient<Channel>) -> Result<(), String> {
+    async fn send(&self, client: &mut NodeSessionClient<Channel>) -> Result<(), CallFailure> {
         match tokio::time::timeout(CALL_TIMEOUT, client.heartbeat(self.request())).await {
-            Ok(Ok(answer)) if answer.get_ref().fenced => Err("fenced: identity says the incarnation is stale".into()),
+            Ok(Ok(answer)) if answer.get_ref().fenced => {
+                Err(CallFailure { message: "fenced: identity says the incarnation is stale".into(), transient: false })
+            }
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(status)) => Err(status_message(&status)),
-            Err(_) => Err(format!("no answer within {}s", CALL_TIMEOUT.as_secs())),
+            Ok(Err(status)) => {
+                Err(CallFailure { message: status_message(&status), transient: is_transient(status.code()) })
+            }
+            Err(_) => {
+                Err(CallFailure { message: format!("no answer within {}s", CALL_TIMEOUT.as_secs()), transient: true })
+            }
         }
     }
 }
 
+/// A failed call as the client saw it.
+#[derive(Debug)]
+struct CallFailure {
+    /// In the tally's words.
+    message: String,
+    /// Whether an agent would simply try again.
+    transient: bool,
+}
+
+/// A joined node with the client its heartbeats go through.
+#[derive(Debug)]
+struct JoinedClient {
+    index: u32,
+    node: JoinedNode,
+    client: NodeSessionClient<Channel>,
+    /// Whether its first heartbeat succeeded.
+    up: bool,
+}
+
 /// Joins node `index` and sends its first heartbeat over its own mTLS
-/// connection, which that heartbeat dials.
+/// connection, which that heartbeat dials. Like an agent, it tries a
+/// transient failure again after a jittered backoff, and when its first
+/// heartbeat keeps failing so it goes on heartbeating in its loop; every
+/// failure is counted in `errors`. A refusal no retry can cure ends the run.
 async fn join_and_beat(
     index: u32,
     identity: std::net::SocketAddr,
     token: &str,
     ca_bundle_pem: &str,
-) -> Result<(u32, JoinedNode, NodeSessionClient<Channel>), BenchError> {
-    let node = nodes::join(index, identity, token, ca_bundle_pem)
-        .await
-        .map_err(|source| BenchError::Join { index, source })?;
+    errors: &ErrorTally,
+) -> Result<JoinedClient, BenchError> {
+    let mut attempt = 1;
+    let node = loop {
+        match nodes::join(index, identity, token, ca_bundle_pem).await {
+            Ok(node) => break node,
+            Err(source) => {
+                errors.add(&format!("join: {source}"));
+                if !source.is_transient() || attempt == SETUP_ATTEMPTS {
+                    return Err(BenchError::Join { index, source });
+                }
+            }
+        }
+        tokio::time::sleep(setup_backoff(attempt)).await;
+        attempt += 1;
+    };
     let channel = berth_rpc::connect(&identity.to_string(), node.credentials.clone())
         .map_err(|e| BenchError::Connect { index, message: e.to_string() })?;
     let mut client = NodeSessionClient::new(channel);
     let beat = Beat { node_id: node.node_id.clone(), incarnation: node.incarnation };
-    beat.send(&mut client).await.map_err(|message| BenchError::FirstHeartbeat {
-        index,
-        node_id: node.node_id.clone(),
-        message,
-    })?;
-    Ok((index, node, client))
+    let mut attempt = 1;
+    loop {
+        match beat.send(&mut client).await {
+            Ok(()) => return Ok(JoinedClient { index, node, client, up: true }),
+            Err(failure) => {
+                errors.add(&format!("first heartbeat: {}", failure.message));
+                if !failure.transient {
+                    return Err(BenchError::FirstHeartbeat { index, node_id: node.node_id, message: failure.message });
+                }
+                if attempt == SETUP_ATTEMPTS {
+                    return Ok(JoinedClient { index, node, client, up: false });
+                }
+            }
+        }
+        tokio::time::sleep(setup_backoff(attempt)).await;
+        attempt += 1;
+    }
+}
+
+/// A random wait up to [`SETUP_BACKOFF`] doubled per attempt, so retries
+/// spread out instead of colliding again.
+fn setup_backoff(attempt: u32) -> Duration {
+    let cap = SETUP_BACKOFF.saturating_mul(1 << attempt.saturating_sub(1).min(8));
+    cap.mul_f64(rand::random::<f64>())
 }
 
 /// One node's heartbeats: at its phase every interval until the plan says
@@ -552,8 +647,8 @@ async fn heartbeat_loop(
         let outcome = beat.send(&mut client).await;
         let done = Instant::now();
         next = (next + interval).max(done);
-        if let Err(message) = &outcome {
-            errors.add(message);
+        if let Err(failure) = &outcome {
+            errors.add(&failure.message);
         }
         let Some(p) = current else { continue };
         let window = if p.paced.contains(done) {
@@ -597,7 +692,7 @@ impl MemorySampler {
             let mut every = tokio::time::interval(MEMORY_SAMPLE_EVERY);
             loop {
                 every.tick().await;
-                if let Some(memory) = super::identity_process::read_memory(pid) {
+                if let Some(memory) = read_memory(pid) {
                     peak.fetch_max(memory.rss_kib, Ordering::Relaxed);
                 }
             }
@@ -615,6 +710,47 @@ impl Drop for MemorySampler {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Identity's, this process's and the machine's CPU time at one instant.
+#[derive(Debug, Clone, Copy)]
+struct CpuMark {
+    identity: Duration,
+    bench: Duration,
+    machine: MachineCpu,
+}
+
+impl CpuMark {
+    fn now(identity_pid: u32) -> Option<Self> {
+        Some(CpuMark {
+            identity: read_cpu_time(identity_pid)?,
+            bench: read_cpu_time(std::process::id())?,
+            machine: read_machine_cpu()?,
+        })
+    }
+
+    /// What was used from `self` until `later`.
+    fn until(self, later: CpuMark) -> CpuUse {
+        CpuUse {
+            identity: later.identity.saturating_sub(self.identity),
+            bench: later.bench.saturating_sub(self.bench),
+            machine_busy: later.machine.busy.saturating_sub(self.machine.busy),
+        }
+    }
+}
+
+/// Reads the CPU marks at the edges of `window`.
+fn measure_cpu(identity_pid: u32, window: Window) -> tokio::task::JoinHandle<Option<CpuUse>> {
+    tokio::spawn(async move {
+        tokio::time::sleep_until(window.start.into()).await;
+        let before = CpuMark::now(identity_pid)?;
+        tokio::time::sleep_until(window.end.into()).await;
+        Some(before.until(CpuMark::now(identity_pid)?))
+    })
+}
+
+async fn cpu_of(measuring: tokio::task::JoinHandle<Option<CpuUse>>) -> Option<CpuUse> {
+    measuring.await.ok().flatten()
 }
 
 /// Raises the soft open-files limit to the hard one when the connections

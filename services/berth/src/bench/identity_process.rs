@@ -30,6 +30,8 @@ use berth_identity::{Authority, AuthorityTiming};
 use berth_mtls::{TlsCredentials, TlsMaterial};
 use sqlx::{AnyConnection, Connection as _, Executor as _};
 use tokio::sync::{oneshot, watch};
+
+use super::procfs::{self, Memory};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -246,9 +248,9 @@ impl IdentityProcess {
         self.admin.material().ca_bundle_pem
     }
 
-    /// Identity's resident memory now and its peak so far, in KiB.
+    /// Identity's resident memory now and its peak so far.
     pub(super) fn memory(&self) -> Option<Memory> {
-        read_memory(self.pid)
+        procfs::read_memory(self.pid)
     }
 
     /// Resolves once identity has exited, with the reason as an error.
@@ -348,7 +350,9 @@ async fn launch(binary: &Path, options: &StateOptions, scratch: &mut Scratch) ->
     tokio::spawn(async move {
         let status = tokio::select! {
             status = child.wait() => status,
-            Ok(()) = killed => {
+            // Sent, or its sender dropped with a start that failed: either
+            // way nobody will stop identity gracefully any more.
+            _ = killed => {
                 let _ = child.start_kill();
                 child.wait().await
             }
@@ -435,30 +439,6 @@ fn log_tail(path: &Path) -> String {
     }
 }
 
-/// A process's resident memory, from `/proc/<pid>/status`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Memory {
-    /// Resident now (`VmRSS`), KiB.
-    pub(super) rss_kib: u64,
-    /// The most it was ever resident (`VmHWM`), KiB.
-    pub(super) peak_kib: u64,
-}
-
-pub(super) fn read_memory(pid: u32) -> Option<Memory> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    parse_memory(&status)
-}
-
-fn parse_memory(status: &str) -> Option<Memory> {
-    let field = |name: &str| {
-        status.lines().find_map(|line| {
-            let rest = line.strip_prefix(name)?.strip_prefix(':')?;
-            rest.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
-        })
-    };
-    Some(Memory { rss_kib: field("VmRSS")?, peak_kib: field("VmHWM")? })
-}
-
 /// A database of the run's own on the PostgreSQL server it was given.
 #[derive(Debug)]
 struct ScratchDatabase {
@@ -529,20 +509,6 @@ mod tests {
             with_database("postgresql://u@db/test?sslmode=disable&application_name=x", "b1"),
             "postgresql://u@db/b1?sslmode=disable&application_name=x"
         );
-    }
-
-    #[test]
-    fn memory_is_read_from_the_status_file() {
-        let status =
-            "Name:\tberth-identity\nVmPeak:\t  900000 kB\nVmHWM:\t   40960 kB\nVmRSS:\t   20480 kB\nThreads:\t3\n";
-        assert_eq!(parse_memory(status), Some(Memory { rss_kib: 20480, peak_kib: 40960 }));
-        assert_eq!(parse_memory("Name:\tx\n"), None);
-    }
-
-    #[test]
-    fn our_own_memory_is_readable() {
-        let me = read_memory(std::process::id()).expect("/proc/self/status");
-        assert!(me.rss_kib > 0 && me.peak_kib >= me.rss_kib);
     }
 
     #[test]

@@ -81,8 +81,21 @@ impl Samples {
             p99_ms: percentile(&self.latencies_us, 0.99),
             max_ms: self.latencies_us.last().map(|&us| f64::from(us) / 1000.0),
             connections,
+            cpu: None,
         }
     }
+}
+
+/// CPU time identity, the bench and the machine used over one window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct CpuUse {
+    /// The server under test.
+    pub(super) identity: Duration,
+    /// This process: every client.
+    pub(super) bench: Duration,
+    /// Busy time of the whole machine, every CPU added up: identity, the
+    /// clients, the database, Redis, the kernel and anything else.
+    pub(super) machine_busy: Duration,
 }
 
 /// Nearest-rank percentile of sorted microseconds, in milliseconds.
@@ -112,10 +125,53 @@ pub(super) struct Figures {
     pub(super) max_ms: Option<f64>,
     /// Client connections the calls were spread over, one call in flight on each at most.
     pub(super) connections: u32,
+    /// CPU used over the window; `None` where `/proc` could not be read.
+    pub(super) cpu: Option<CpuFigures>,
+}
+
+impl Figures {
+    /// These figures with the CPU `used` over their `window`.
+    pub(super) fn with_cpu(mut self, used: Option<CpuUse>, window: Duration) -> Self {
+        self.cpu = used.and_then(|used| CpuFigures::over(used, window, self.calls + self.errors));
+        self
+    }
+}
+
+/// Where the CPU went during a window: what it costs identity to answer,
+/// which stays comparable when the clients or other work share the cores.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(super) struct CpuFigures {
+    /// Cores identity kept busy, on average.
+    pub(super) identity_cores: f64,
+    /// Identity's CPU time per call answered in the window, microseconds.
+    pub(super) identity_us_per_call: Option<f64>,
+    /// Cores the bench's own clients kept busy.
+    pub(super) bench_cores: f64,
+    /// Cores the whole machine kept busy.
+    pub(super) machine_cores: f64,
+    /// Cores busy with anything but identity and the bench: the database,
+    /// Redis, the kernel's own work, and whatever else runs here.
+    pub(super) other_cores: f64,
+}
+
+impl CpuFigures {
+    /// The CPU `used` over `window`, in which identity answered `answered` calls.
+    pub(super) fn over(used: CpuUse, window: Duration, answered: u64) -> Option<Self> {
+        let seconds = window.as_secs_f64();
+        (seconds > 0.0).then(|| CpuFigures {
+            identity_cores: used.identity.as_secs_f64() / seconds,
+            identity_us_per_call: (answered > 0).then(|| used.identity.as_secs_f64() * 1e6 / answered as f64),
+            bench_cores: used.bench.as_secs_f64() / seconds,
+            machine_cores: used.machine_busy.as_secs_f64() / seconds,
+            other_cores: (used.machine_busy.as_secs_f64() - used.identity.as_secs_f64() - used.bench.as_secs_f64())
+                .max(0.0)
+                / seconds,
+        })
+    }
 }
 
 /// Every distinct failure any client met, with how often, across all phases
-/// (warm-ups included), so a run with errors says what they were.
+/// (joins and warm-ups included), so a run with errors says what they were.
 #[derive(Debug, Clone, Default)]
 pub(super) struct ErrorTally {
     counts: Arc<Mutex<BTreeMap<String, u64>>>,
@@ -161,6 +217,19 @@ pub(super) fn status_message(status: &tonic::Status) -> String {
         }
     }
     message
+}
+
+/// Whether a call failing with `code` is worth repeating as it was: the
+/// server asked for a retry (contention, overload, a rate limit), or the
+/// answer did not come.
+pub(super) fn is_transient(code: tonic::Code) -> bool {
+    matches!(
+        code,
+        tonic::Code::Aborted
+            | tonic::Code::Unavailable
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::DeadlineExceeded
+    )
 }
 
 #[cfg(test)]
@@ -210,6 +279,23 @@ mod tests {
         assert_eq!((f.calls, f.errors), (3, 4));
         assert_eq!(f.rate_per_s, 1.5);
         assert_eq!(f.p50_ms, Some(4.0));
+    }
+
+    #[test]
+    fn cpu_is_shared_out_over_the_window_and_the_calls() {
+        let used = CpuUse {
+            identity: Duration::from_millis(1500),
+            bench: Duration::from_secs(1),
+            machine_busy: Duration::from_secs(3),
+        };
+        let f = samples(&[1; 999], 1).figures(Duration::from_secs(2), 1).with_cpu(Some(used), Duration::from_secs(2));
+        let cpu = f.cpu.unwrap();
+        assert_eq!(cpu.identity_cores, 0.75);
+        assert_eq!(cpu.bench_cores, 0.5);
+        assert_eq!(cpu.identity_us_per_call, Some(1500.0));
+        assert_eq!((cpu.machine_cores, cpu.other_cores), (1.5, 0.25));
+        let unread = samples(&[1], 0).figures(Duration::from_secs(1), 1).with_cpu(None, Duration::from_secs(1));
+        assert_eq!(unread.cpu, None);
     }
 
     #[test]

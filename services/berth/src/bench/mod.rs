@@ -10,8 +10,12 @@
 
 mod heartbeats;
 mod identity_process;
+mod launch;
+mod leases;
+mod leases_process;
 mod load;
 mod nodes;
+mod procfs;
 mod report;
 
 use berth_runtime::StartError;
@@ -29,15 +33,25 @@ enum Scenario {
     /// mTLS, beside an empty mTLS RPC on the same stack; reports rates,
     /// latencies and identity's memory.
     Heartbeats(heartbeats::HeartbeatArgs),
+    /// Leases placed on simulated nodes by one leases replica on PostgreSQL
+    /// and Redis, beside pgbench's `FOR UPDATE SKIP LOCKED` claim rate in the
+    /// same database; reports placements/s and latencies.
+    Leases(leases::LeasesArgs),
+    /// Leases launched as processes by a real agent, one at a time: request
+    /// to RUNNING latency, the agent's memory idle and loaded, and the
+    /// ledger's memory with many leases on record.
+    Launch(launch::LaunchArgs),
 }
 
 impl BenchArgs {
     /// Runs the chosen scenario and prints its report.
     pub(crate) async fn run(self) -> Result<(), StartError> {
         let outcome = match self.scenario {
-            Scenario::Heartbeats(args) => heartbeats::run(args).await,
+            Scenario::Heartbeats(args) => heartbeats::run(args).await.map_err(|error| one_line(&error)),
+            Scenario::Leases(args) => leases::run(args).await.map_err(|error| one_line(&error)),
+            Scenario::Launch(args) => launch::run(args).await.map_err(|error| one_line(&error)),
         };
-        outcome.map_err(|error| StartError::Invalid(one_line(&error)))
+        outcome.map_err(StartError::Invalid)
     }
 }
 

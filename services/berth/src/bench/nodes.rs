@@ -56,11 +56,28 @@ pub(crate) enum JoinError {
         detail: String,
     },
     /// Identity refused the join.
-    #[error("join refused: {0}")]
-    Refused(String),
+    #[error("join refused: {message}")]
+    Refused {
+        /// The status code.
+        code: tonic::Code,
+        /// The status in the tally's words.
+        message: String,
+    },
     /// Identity answered without a node id or certificate.
     #[error("identity answered the join without {0}")]
     Incomplete(&'static str),
+}
+
+impl JoinError {
+    /// Whether an agent would try again: the connection failed, or identity
+    /// asked for a retry (contention, overload, its rate limit).
+    pub(super) fn is_transient(&self) -> bool {
+        match self {
+            JoinError::Unreachable { .. } => true,
+            JoinError::Refused { code, .. } => super::load::is_transient(*code),
+            JoinError::Tls(_) | JoinError::Incomplete(_) => false,
+        }
+    }
 }
 
 /// A node that joined: who identity says it is, and its credentials.
@@ -112,7 +129,7 @@ pub(super) async fn join(
     let answer = v1::join_client::JoinClient::new(channel)
         .join(request)
         .await
-        .map_err(|status| JoinError::Refused(super::load::status_message(&status)))?
+        .map_err(|status| JoinError::Refused { code: status.code(), message: super::load::status_message(&status) })?
         .into_inner();
     if answer.node_id.is_empty() {
         return Err(JoinError::Incomplete("a node id"));

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::load::{ErrorCount, Figures};
+use super::load::{CpuFigures, ErrorCount, Figures};
 
 /// p99 of paced heartbeats must stay under this.
 const TARGET_P99_MS: f64 = 50.0;
@@ -65,10 +65,14 @@ pub(super) struct Report {
     pub(super) join: JoinFigures,
     /// Identity's resident memory.
     pub(super) identity_memory: MemoryFigures,
-    /// Every distinct failure, warm-ups included, commonest first.
+    /// Every distinct failure, joins and warm-ups included, commonest first.
     pub(super) errors: Vec<ErrorCount>,
     /// The targets, judged.
     pub(super) targets: Vec<Target>,
+    /// CPUs this machine offers the clients and identity together.
+    pub(super) cpus: usize,
+    /// The one-minute load average before the run: other work sharing the machine.
+    pub(super) load_average_before: Option<f64>,
 }
 
 /// The join phase: every node's Join and first heartbeat.
@@ -76,12 +80,17 @@ pub(super) struct Report {
 pub(super) struct JoinFigures {
     /// Nodes joined.
     pub(super) nodes: u32,
+    /// Nodes whose first heartbeat failed every attempt (they kept heartbeating).
+    pub(super) first_heartbeat_failed: u32,
     /// Joins in flight at once.
     pub(super) concurrency: u32,
     /// Wall time for all of them.
     pub(super) seconds: f64,
     /// Nodes joined per second.
     pub(super) rate_per_s: f64,
+    /// CPU over the whole phase (joined nodes heartbeat meanwhile); per call
+    /// is per node joined.
+    pub(super) cpu: Option<CpuFigures>,
 }
 
 /// Identity's resident memory, MiB.
@@ -93,6 +102,9 @@ pub(super) struct MemoryFigures {
     pub(super) at_load_mib: f64,
     /// The most seen (sampled `VmRSS`) during each phase.
     pub(super) phase_peaks_mib: PhasePeaks,
+    /// What one client connection costs identity: the empty-RPC peak over
+    /// idle, per connection, KiB.
+    pub(super) per_connection_kib: f64,
 }
 
 /// Sampled resident-memory peaks per phase, MiB.
@@ -174,19 +186,28 @@ impl Report {
             human(Duration::from_millis(self.duration_ms)),
             self.identity_pid,
         );
-        let _ = writeln!(out, "{:<24}{:>10}{:>10}{:>10}{:>10}", "", "rate/s", "p50", "p99", "errors");
+        let _ = writeln!(
+            out,
+            "{:<24}{:>10}{:>10}{:>10}{:>8}{:>14}{:>10}{:>12}{:>12}",
+            "", "rate/s", "p50", "p99", "errors", "identity CPU", "CPU/call", "bench CPU", "other CPU"
+        );
         for (name, figures) in [
             ("heartbeat", &self.heartbeat),
             ("heartbeat, saturated", &self.heartbeat_saturated),
             ("empty mTLS RPC", &self.empty_rpc),
         ] {
+            let cpu = figures.cpu.as_ref();
             let _ = writeln!(
                 out,
-                "{name:<24}{:>10.1}{:>10}{:>10}{:>10}",
+                "{name:<24}{:>10.1}{:>10}{:>10}{:>8}{:>14}{:>10}{:>12}{:>12}",
                 figures.rate_per_s,
                 latency(figures.p50_ms),
                 latency(figures.p99_ms),
-                figures.errors
+                figures.errors,
+                cpu.map_or_else(|| "-".to_string(), |c| format!("{:.2} cores", c.identity_cores)),
+                cpu.and_then(|c| c.identity_us_per_call).map_or_else(|| "-".to_string(), |us| format!("{us:.0}us")),
+                cpu.map_or_else(|| "-".to_string(), |c| format!("{:.2} cores", c.bench_cores)),
+                cpu.map_or_else(|| "-".to_string(), |c| format!("{:.2} cores", c.other_cores)),
             );
         }
         let _ = writeln!(
@@ -197,23 +218,46 @@ impl Report {
             self.heartbeat_offered_per_s,
             self.empty_rpc.connections,
         );
-        let _ = writeln!(
+        let _ = write!(
             out,
             "joined {} nodes in {:.1}s ({:.0}/s, {} at once)",
             self.join.nodes, self.join.seconds, self.join.rate_per_s, self.join.concurrency
+        );
+        if let Some(cpu) = &self.join.cpu {
+            let _ = write!(
+                out,
+                "; identity {:.2} cores, bench {:.2} cores, other {:.2} cores",
+                cpu.identity_cores, cpu.bench_cores, cpu.other_cores
+            );
+        }
+        if self.join.first_heartbeat_failed > 0 {
+            let _ = write!(
+                out,
+                "; {} nodes were not up after their first heartbeat's retries and went on heartbeating",
+                self.join.first_heartbeat_failed
+            );
+        }
+        out.push('\n');
+        let _ = writeln!(
+            out,
+            "machine: {} CPUs shared by identity, the bench and all else (other CPU: PostgreSQL, Redis, the kernel, \
+             other work); load average {} over the minute before the run",
+            self.cpus,
+            self.load_average_before.map_or_else(|| "unknown".to_string(), |l| format!("{l:.2}")),
         );
         let memory = &self.identity_memory;
         let peaks = &memory.phase_peaks_mib;
         let _ = writeln!(
             out,
             "identity RSS: idle {:.1} MiB, at load {:.1} MiB (peak of the run; sampled peaks: empty RPC {:.1}, \
-             join {:.1}, heartbeat {:.1}, saturated {:.1})",
+             join {:.1}, heartbeat {:.1}, saturated {:.1}; about {:.0} KiB per connection)",
             memory.idle_mib,
             memory.at_load_mib,
             peaks.empty_rpc,
             peaks.join,
             peaks.heartbeat,
-            peaks.heartbeat_saturated
+            peaks.heartbeat_saturated,
+            memory.per_connection_kib,
         );
         let verdicts: Vec<String> = self
             .targets
@@ -225,7 +269,7 @@ impl Report {
             .collect();
         let _ = writeln!(out, "targets: {}", verdicts.join("; "));
         if !self.errors.is_empty() {
-            let _ = writeln!(out, "errors (warm-ups included):");
+            let _ = writeln!(out, "errors (joins and warm-ups included):");
             for error in self.errors.iter().take(ERRORS_SHOWN) {
                 let _ = writeln!(out, "  {:>8} x {}", error.count, error.message);
             }
@@ -268,6 +312,7 @@ mod tests {
             p99_ms: p99,
             max_ms: p99,
             connections: 100,
+            cpu: None,
         }
     }
 
@@ -285,14 +330,24 @@ mod tests {
             heartbeat_offered_per_s: 100.0,
             heartbeat_saturated: figures(12_000.0, Some(20.0), 0),
             empty_rpc: figures(20_000.0, Some(10.0), 0),
-            join: JoinFigures { nodes: 100, concurrency: 32, seconds: 2.0, rate_per_s: 50.0 },
+            join: JoinFigures {
+                nodes: 100,
+                first_heartbeat_failed: 0,
+                concurrency: 32,
+                seconds: 2.0,
+                rate_per_s: 50.0,
+                cpu: None,
+            },
             identity_memory: MemoryFigures {
                 idle_mib: 21.4,
                 at_load_mib: 96.8,
                 phase_peaks_mib: PhasePeaks { empty_rpc: 60.0, join: 70.0, heartbeat: 90.0, heartbeat_saturated: 96.0 },
+                per_connection_kib: 395.3,
             },
             errors: Vec::new(),
             targets: Vec::new(),
+            cpus: 2,
+            load_average_before: Some(0.25),
         };
         report.judge();
         report
@@ -313,9 +368,11 @@ mod tests {
             ),
             "{table}"
         );
-        assert!(table.contains("\nheartbeat                     99.5     4.5ms     9.0ms         0\n"), "{table}");
-        assert!(table.contains("\nempty mTLS RPC             20000.0     5.0ms    10.0ms         0\n"), "{table}");
+        assert!(table.contains("\nheartbeat                     99.5     4.5ms     9.0ms       0             -         -           -           -\n"), "{table}");
+        assert!(table.contains("\nempty mTLS RPC             20000.0     5.0ms    10.0ms       0             -         -           -           -\n"), "{table}");
+        assert!(table.contains("; load average 0.25 over the minute before the run"), "{table}");
         assert!(table.contains("identity RSS: idle 21.4 MiB, at load 96.8 MiB"), "{table}");
+        assert!(table.contains("about 395 KiB per connection)"), "{table}");
         assert!(!table.contains("MISSED"), "{table}");
     }
 
@@ -354,6 +411,20 @@ mod tests {
         report.identity_memory.at_load_mib = 200.0;
         report.judge();
         assert_eq!(met(&report), vec![true, true, true, false, false]);
+    }
+
+    #[test]
+    fn cpu_columns_show_cores_and_the_cost_of_a_call() {
+        let mut report = report();
+        report.heartbeat.cpu = Some(CpuFigures {
+            identity_cores: 0.4,
+            identity_us_per_call: Some(41.7),
+            bench_cores: 0.6,
+            machine_cores: 1.97,
+            other_cores: 0.97,
+        });
+        let table = report.table();
+        assert!(table.contains("\nheartbeat                     99.5     4.5ms     9.0ms       0    0.40 cores      42us  0.60 cores  0.97 cores\n"), "{table}");
     }
 
     #[test]

@@ -1,0 +1,681 @@
+//! `berth bench launch`: from `RequestLease` to the workload's process
+//! RUNNING on a real agent, with the agent's and the ledger's memory.
+//!
+//! # Expected flow
+//! 1. `berth-identity`, `berth-leases` and `berth-agent` start as processes
+//!    of their own on state made for the run; leases follows identity, the
+//!    agent joins with a one-use token and takes its assignments from leases.
+//!    The agent's idle memory is read once leases lists its node UP.
+//! 2. `--leases` leases of `/bin/sleep`, one at a time: each counts from the
+//!    request to the first answer of `GetLease` saying RUNNING (polled every
+//!    [`POLL_EVERY`]); they are left running, and the agent's memory is read
+//!    with all of them up.
+//! 3. A simulated node joins in a tier of its own and `--records` leases are
+//!    placed on it (never launched): leases' memory with that many on record.
+//! 4. The running leases are released, so the agent stops its processes
+//!    before every service is stopped and the state removed.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use berth_mtls::{TlsMaterial, generate_csr};
+use berth_proto::identity::v1 as identity;
+use berth_proto::leases::v1;
+use berth_proto::types::v1::Capacity;
+use berth_rpc::Channel;
+use serde::Serialize;
+use tokio::task::JoinSet;
+
+use super::heartbeats::OutputFormat;
+use super::identity_process::{IdentityProcess, ProcessError, StateOptions};
+use super::leases::{LeasesBenchError, latency, wait_for_nodes};
+use super::leases_process::{
+    ChildProcess, LeasesLaunch, LeasesProcess, ServiceProcessError, free_loopback_port, sibling_binary,
+};
+use super::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
+use super::nodes::{self, NODE_CAPACITY};
+use super::procfs::{load_average, read_memory};
+use super::report::Target;
+
+/// Request → RUNNING p99 must stay under this.
+const TARGET_P99_MS: f64 = 100.0;
+
+/// The agent's resident memory before any lease must stay under this.
+const TARGET_AGENT_IDLE_MIB: f64 = 20.0;
+
+/// The agent's resident memory with every launched lease running must stay under this.
+const TARGET_AGENT_LOADED_MIB: f64 = 50.0;
+
+/// How often a launched lease's phase is read.
+const POLL_EVERY: Duration = Duration::from_millis(2);
+
+/// How long one lease may take to run before it counts as failed.
+const LAUNCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long one call may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the agent may take to join and be seen UP by leases.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long the agent may take to stop released workloads.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a process settles before its memory is read.
+const SETTLE: Duration = Duration::from_secs(1);
+
+/// How long each workload sleeps: longer than any run, short enough that
+/// nothing outlives a run that was killed by much.
+const SLEEP_SECONDS: &str = "600";
+
+/// The tier the node holding the records joins, so no launched lease lands there.
+const RECORDS_TIER: &str = "bench-records";
+
+/// What each launched lease asks for.
+const LAUNCH_ASK: Capacity = Capacity { cpu_millis: 10, memory_bytes: 16 << 20 };
+
+/// What each lease on record asks for: the simulated node holds them all.
+const RECORD_ASK: Capacity = Capacity { cpu_millis: 1, memory_bytes: 1 << 20 };
+
+/// How often the records node heartbeats while its records are placed.
+const RECORDS_HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+
+/// Placements in flight while the records are made.
+const RECORD_CONCURRENCY: u32 = 32;
+
+/// Flags of `berth bench launch`.
+#[derive(Debug, Clone, clap::Args)]
+pub(super) struct LaunchArgs {
+    /// How many leases are launched, one after another, and left running.
+    #[arg(long, default_value_t = 100, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    leases: u32,
+    /// How many leases are then put on record (on a simulated node) before
+    /// leases' memory is read.
+    #[arg(long, default_value_t = 10_000, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    records: u32,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table, value_name = "FORMAT")]
+    output: OutputFormat,
+}
+
+/// Why the launch benchmark could not run to the end.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LaunchBenchError {
+    /// Identity could not be started, died, or its state not removed.
+    #[error(transparent)]
+    Identity(#[from] ProcessError),
+    /// Leases or the agent could not be started or died.
+    #[error(transparent)]
+    Process(#[from] ServiceProcessError),
+    /// Waiting for leases' view of the nodes failed.
+    #[error(transparent)]
+    Leases(#[from] LeasesBenchError),
+    /// Identity refused the bench something it asked as an admin.
+    #[error("identity refused {what}: {message}")]
+    Refused {
+        /// What was asked.
+        what: &'static str,
+        /// What the client saw.
+        message: String,
+    },
+    /// A key, CSR or certificate could not be made.
+    #[error("{0}")]
+    Tls(#[source] berth_mtls::MtlsError),
+    /// The simulated records node could not join.
+    #[error("the records node could not join: {0}")]
+    Join(#[source] nodes::JoinError),
+    /// A file or directory could not be made.
+    #[error("{what}: {source}")]
+    Io {
+        /// What failed.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The agent's node was not UP in leases in time.
+    #[error("the agent's node was not UP in berth-leases within {}s; the agent's log:\n{log_tail}", JOIN_TIMEOUT.as_secs())]
+    AgentNotUp {
+        /// The end of the agent's log.
+        log_tail: String,
+    },
+    /// A client task panicked or was cancelled.
+    #[error("a client task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// Ctrl-C or SIGTERM arrived.
+    #[error("interrupted")]
+    Interrupted,
+    /// The report could not be written.
+    #[error("cannot write the report: {0}")]
+    Output(String),
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Serialize)]
+struct LaunchReport {
+    /// Always "launch".
+    scenario: &'static str,
+    /// Leases launched.
+    leases: u32,
+    /// Leases put on record for the ledger's memory.
+    records: u32,
+    /// The agent's provider: always "process".
+    provider: &'static str,
+    /// RequestLease → RUNNING, one lease at a time.
+    launch: Figures,
+    /// The agent's resident memory, MiB.
+    agent_memory: AgentMemory,
+    /// The ledger's resident memory, MiB.
+    leases_memory: RecordsMemory,
+    /// Every distinct failure, commonest first.
+    errors: Vec<ErrorCount>,
+    /// The targets, judged.
+    targets: Vec<Target>,
+    /// CPUs on this machine.
+    cpus: usize,
+    /// One-minute load average before the run.
+    load_average_before: Option<f64>,
+}
+
+/// The agent's resident memory, MiB.
+#[derive(Debug, Clone, Serialize)]
+struct AgentMemory {
+    /// Joined and idle, before any lease.
+    idle_mib: f64,
+    /// With every launched lease running.
+    with_leases_mib: f64,
+}
+
+/// The ledger's resident memory, MiB.
+#[derive(Debug, Clone, Serialize)]
+struct RecordsMemory {
+    /// Once it saw the agent's node, before any lease.
+    idle_mib: f64,
+    /// With the launched leases and the records on record.
+    with_records_mib: f64,
+    /// Records that were placed.
+    records_placed: u64,
+}
+
+/// Runs the scenario and prints its report.
+pub(super) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
+    let load_average_before = load_average();
+    let shutdown = berth_rpc::shutdown_signal();
+    progress("starting berth-identity on sqlite with a memory bus");
+    let state = StateOptions::default();
+    let identity = tokio::select! {
+        started = IdentityProcess::start(&state) => started?,
+        () = shutdown.cancelled() => return Err(LaunchBenchError::Interrupted),
+    };
+    let outcome = tokio::select! {
+        outcome = with_identity(&args, &identity) => outcome,
+        died = identity.exited() => Err(LaunchBenchError::Identity(died)),
+        () = shutdown.cancelled() => Err(LaunchBenchError::Interrupted),
+    };
+    progress("stopping berth-identity and removing its state");
+    let stopped = identity.stop().await;
+    let mut report = outcome?;
+    stopped?;
+    report.load_average_before = load_average_before;
+    report.judge();
+    let text = match args.output {
+        OutputFormat::Table => report.table(),
+        OutputFormat::Json => {
+            serde_json::to_string_pretty(&report).map_err(|e| LaunchBenchError::Output(e.to_string()))? + "\n"
+        }
+    };
+    print!("{text}");
+    Ok(())
+}
+
+fn progress(message: &str) {
+    eprintln!("bench: {message}");
+}
+
+async fn with_identity(args: &LaunchArgs, identity: &IdentityProcess) -> Result<LaunchReport, LaunchBenchError> {
+    let dir = tempfile::Builder::new()
+        .prefix("berth-bench-launch-")
+        .tempdir()
+        .map_err(|source| LaunchBenchError::Io { what: "cannot create a temporary directory", source })?;
+    let admin_channel = berth_rpc::connect(&identity.addr().to_string(), identity.admin().clone())
+        .map_err(|e| LaunchBenchError::Refused { what: "a connection", message: e.to_string() })?;
+    let material = leases_material(&admin_channel).await?;
+    progress("starting berth-leases on sqlite with a memory bus");
+    let leases = LeasesProcess::start(LeasesLaunch {
+        material,
+        probe: identity.admin(),
+        database_url: format!("sqlite://{}", dir.path().join("leases.db").display()),
+        redis_url: "memory://".to_string(),
+        identity_addr: identity.addr(),
+        lease_ttl_seconds: 3600,
+    })
+    .await?;
+    let outcome = tokio::select! {
+        outcome = with_leases(args, identity, &admin_channel, &leases, dir.path()) => outcome,
+        died = leases.exited() => Err(LaunchBenchError::Process(died)),
+    };
+    progress("stopping berth-leases");
+    leases.stop().await;
+    outcome
+}
+
+/// A `leases` service certificate from identity's CA, for the leases replica.
+async fn leases_material(admin: &Channel) -> Result<TlsMaterial, LaunchBenchError> {
+    let (csr_pem, key_pem) = generate_csr("leases").map_err(LaunchBenchError::Tls)?;
+    let mut authority = identity::authority_client::AuthorityClient::new(admin.clone());
+    let issued = authority
+        .issue_certificate(identity::IssueCertificateRequest {
+            kind: identity::CertificateKind::Service as i32,
+            name: berth_leases::NAME.to_string(),
+            csr_pem,
+            ttl_seconds: 0,
+            dns_names: vec!["127.0.0.1".to_string(), "localhost".to_string()],
+        })
+        .await
+        .map_err(|s| LaunchBenchError::Refused { what: "a leases certificate", message: status_message(&s) })?
+        .into_inner();
+    Ok(TlsMaterial { cert_chain_pem: issued.certificate_pem, key_pem, ca_bundle_pem: issued.ca_bundle_pem })
+}
+
+async fn join_token(admin: &Channel, tier: &str, uses: u32) -> Result<String, LaunchBenchError> {
+    let mut tokens = identity::join_tokens_client::JoinTokensClient::new(admin.clone());
+    let created = tokens
+        .create_join_token(identity::CreateJoinTokenRequest {
+            tier: tier.to_string(),
+            labels: Default::default(),
+            ttl_seconds: 0,
+            max_uses: uses,
+            description: "berth bench launch".to_string(),
+        })
+        .await
+        .map_err(|s| LaunchBenchError::Refused { what: "a join token", message: status_message(&s) })?;
+    Ok(created.into_inner().token)
+}
+
+async fn with_leases(
+    args: &LaunchArgs,
+    identity: &IdentityProcess,
+    admin_channel: &Channel,
+    leases: &LeasesProcess,
+    dir: &std::path::Path,
+) -> Result<LaunchReport, LaunchBenchError> {
+    let leases_channel = berth_rpc::connect(&leases.addr().to_string(), identity.admin().clone())
+        .map_err(|e| LaunchBenchError::Refused { what: "a connection", message: e.to_string() })?;
+    tokio::time::sleep(SETTLE).await;
+    let leases_idle_kib = leases.memory().map_or(0, |m| m.rss_kib);
+
+    progress("starting berth-agent with the process provider");
+    let token = join_token(admin_channel, "", 1).await?;
+    let agent = start_agent(identity, leases.addr(), &token, dir)?;
+    let outcome = tokio::select! {
+        outcome = with_agent(args, identity, admin_channel, leases, &leases_channel, &agent, dir, leases_idle_kib) => outcome,
+        died = agent.exited() => Err(LaunchBenchError::Process(died)),
+    };
+    progress("stopping berth-agent");
+    agent.stop().await;
+    outcome
+}
+
+fn start_agent(
+    identity: &IdentityProcess,
+    leases_addr: SocketAddr,
+    token: &str,
+    dir: &std::path::Path,
+) -> Result<ChildProcess, LaunchBenchError> {
+    let binary = sibling_binary("berth-agent")?;
+    let ca_file = dir.join("ca.pem");
+    std::fs::write(&ca_file, identity.ca_bundle_pem())
+        .map_err(|source| LaunchBenchError::Io { what: "cannot write the CA file", source })?;
+    let listen = free_loopback_port()?;
+    let mut command = tokio::process::Command::new(&binary);
+    command
+        .arg("--server")
+        .arg(identity.addr().to_string())
+        .arg("--ca-file")
+        .arg(&ca_file)
+        .arg("--data-dir")
+        .arg(dir.join("agent"))
+        .arg("--advertise-addr")
+        .arg(listen.to_string())
+        .arg("--listen")
+        .arg(listen.to_string())
+        .arg("--leases-addr")
+        .arg(leases_addr.to_string())
+        .args(["--cpu-millis", "64000", "--memory-bytes", &(64u64 << 30).to_string(), "--name", "bench-agent"])
+        .args(["--stop-grace", "2s"])
+        // Through the environment, so the token never shows in `ps`.
+        .env("BERTH_JOIN_TOKEN", token)
+        .env("RUST_LOG", "warn");
+    Ok(ChildProcess::spawn("berth-agent", &binary, command, dir.join("agent.log"))?)
+}
+
+#[allow(clippy::too_many_arguments, reason = "every process of the run, passed down once")]
+async fn with_agent(
+    args: &LaunchArgs,
+    identity: &IdentityProcess,
+    admin_channel: &Channel,
+    leases: &LeasesProcess,
+    leases_channel: &Channel,
+    agent: &ChildProcess,
+    dir: &std::path::Path,
+    leases_idle_kib: u64,
+) -> Result<LaunchReport, LaunchBenchError> {
+    match tokio::time::timeout(JOIN_TIMEOUT, wait_for_nodes(leases_channel, 1)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) | Err(_) => {
+            let log_tail = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+            let tail: Vec<&str> = log_tail.lines().rev().take(15).collect();
+            return Err(LaunchBenchError::AgentNotUp {
+                log_tail: tail.into_iter().rev().map(|l| format!("  {l}")).collect::<Vec<_>>().join("\n"),
+            });
+        }
+    }
+    tokio::time::sleep(SETTLE).await;
+    let agent_idle_kib = read_memory(agent.pid()).map_or(0, |m| m.rss_kib);
+
+    progress(&format!("launching {} leases one at a time", args.leases));
+    let errors = ErrorTally::default();
+    let mut client = v1::leases_client::LeasesClient::new(leases_channel.clone());
+    let mut samples = Samples::default();
+    let mut launched = Vec::with_capacity(args.leases as usize);
+    let started = Instant::now();
+    for index in 0..args.leases {
+        let sent = Instant::now();
+        match launch_one(&mut client, index).await {
+            Ok(lease_id) => {
+                samples.ok(sent.elapsed());
+                launched.push(lease_id);
+            }
+            Err((message, lease_id)) => {
+                samples.error();
+                errors.add(&message);
+                launched.extend(lease_id);
+            }
+        }
+    }
+    let launch = samples.figures(started.elapsed(), 1);
+    tokio::time::sleep(SETTLE).await;
+    let agent_loaded_kib = read_memory(agent.pid()).map_or(0, |m| m.rss_kib);
+
+    let mut records_placed = 0;
+    if args.records > 0 {
+        progress(&format!("putting {} leases on record on a simulated node", args.records));
+        records_placed = put_records(identity, admin_channel, leases_channel, args.records, &errors).await?;
+        tokio::time::sleep(SETTLE).await;
+    }
+    let leases_records_kib = leases.memory().map_or(0, |m| m.rss_kib);
+
+    progress(&format!("releasing the {} launched leases", launched.len()));
+    let workloads = child_pids(agent.pid());
+    for lease_id in launched {
+        let request = v1::ReleaseLeaseRequest { lease_id, reason: String::new() };
+        if let Err(status) = client.release_lease(request).await {
+            errors.add(&format!("release: {}", status_message(&status)));
+        }
+    }
+    stop_workloads(&workloads, &errors).await;
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    Ok(LaunchReport {
+        scenario: "launch",
+        leases: args.leases,
+        records: args.records,
+        provider: "process",
+        launch,
+        agent_memory: AgentMemory { idle_mib: mib(agent_idle_kib), with_leases_mib: mib(agent_loaded_kib) },
+        leases_memory: RecordsMemory {
+            idle_mib: mib(leases_idle_kib),
+            with_records_mib: mib(leases_records_kib),
+            records_placed,
+        },
+        errors: errors.summary(),
+        targets: Vec::new(),
+        cpus: std::thread::available_parallelism().map_or(0, usize::from),
+        load_average_before: None,
+    })
+}
+
+/// The processes `pid` started that still run: the agent's workloads.
+fn child_pids(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|children| children.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<u32>>())
+        .collect()
+}
+
+/// Waits for the agent to stop the released workloads; any still running
+/// after [`RELEASE_TIMEOUT`] is killed, so no run leaves a process behind
+/// (an agent stopped with workloads running keeps them for its next start).
+async fn stop_workloads(pids: &[u32], errors: &ErrorTally) {
+    let alive = |pid: &&u32| std::path::Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(**pid);
+    let deadline = Instant::now() + RELEASE_TIMEOUT;
+    while pids.iter().any(|pid| alive(&pid)) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for pid in pids.iter().filter(alive) {
+        errors.add(&format!("a released workload still ran after {}s; killed", RELEASE_TIMEOUT.as_secs()));
+        if let Some(pid) = i32::try_from(*pid).ok().and_then(rustix::process::Pid::from_raw) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| stat.rfind(')').map(|end| stat[end + 1..].trim_start().starts_with('Z')))
+        .unwrap_or(true)
+}
+
+/// Asks for lease `index` and polls it until RUNNING; its id either way
+/// when it was created, so it can be released.
+async fn launch_one(
+    client: &mut v1::leases_client::LeasesClient<Channel>,
+    index: u32,
+) -> Result<String, (String, Option<String>)> {
+    let mut request = tonic::Request::new(v1::RequestLeaseRequest {
+        project: String::new(),
+        owner: "bench/launch".to_string(),
+        idempotency_key: format!("launch-{index}"),
+        resources: Some(LAUNCH_ASK),
+        tier: String::new(),
+        spread_group: String::new(),
+        workload: Some(v1::Workload {
+            command: "/bin/sleep".to_string(),
+            args: vec![SLEEP_SECONDS.to_string()],
+            ..Default::default()
+        }),
+    });
+    request.set_timeout(CALL_TIMEOUT);
+    let lease = client
+        .request_lease(request)
+        .await
+        .map_err(|s| (format!("request: {}", status_message(&s)), None))?
+        .into_inner()
+        .lease
+        .ok_or_else(|| ("request: answered without a lease".to_string(), None))?;
+    let deadline = Instant::now() + LAUNCH_TIMEOUT;
+    loop {
+        let answer = client.get_lease(v1::GetLeaseRequest { lease_id: lease.lease_id.clone() }).await;
+        let phase = match answer {
+            Ok(answer) => answer.into_inner().lease.map_or(0, |l| l.phase),
+            Err(status) => return Err((format!("get: {}", status_message(&status)), Some(lease.lease_id))),
+        };
+        if phase == v1::LeasePhase::Running as i32 {
+            return Ok(lease.lease_id);
+        }
+        let open = [v1::LeasePhase::Bound, v1::LeasePhase::Launching, v1::LeasePhase::Pending];
+        if !open.iter().any(|p| *p as i32 == phase) {
+            let name =
+                v1::LeasePhase::try_from(phase).map_or_else(|_| phase.to_string(), |p| p.as_str_name().to_string());
+            return Err((format!("lease reached {name} instead of RUNNING"), Some(lease.lease_id)));
+        }
+        if Instant::now() >= deadline {
+            return Err((format!("not RUNNING within {}s", LAUNCH_TIMEOUT.as_secs()), Some(lease.lease_id)));
+        }
+        tokio::time::sleep(POLL_EVERY).await;
+    }
+}
+
+/// Joins a simulated node in [`RECORDS_TIER`], brings it UP with one
+/// heartbeat offering room for every record, and places `records` leases
+/// on it; how many were placed.
+async fn put_records(
+    identity: &IdentityProcess,
+    admin_channel: &Channel,
+    leases_channel: &Channel,
+    records: u32,
+    errors: &ErrorTally,
+) -> Result<u64, LaunchBenchError> {
+    let token = join_token(admin_channel, RECORDS_TIER, 1).await?;
+    let node =
+        nodes::join(0, identity.addr(), &token, &identity.ca_bundle_pem()).await.map_err(LaunchBenchError::Join)?;
+    let session = berth_rpc::connect(&identity.addr().to_string(), node.credentials.clone())
+        .map_err(|e| LaunchBenchError::Refused { what: "a node connection", message: e.to_string() })?;
+    let mut session = identity::node_session_client::NodeSessionClient::new(session);
+    let beat = identity::HeartbeatRequest {
+        node_id: node.node_id.clone(),
+        incarnation: node.incarnation,
+        usage: Some(Capacity { cpu_millis: 0, memory_bytes: 0 }),
+        capacity: Some(Capacity {
+            cpu_millis: NODE_CAPACITY.cpu_millis + RECORD_ASK.cpu_millis * u64::from(records),
+            memory_bytes: NODE_CAPACITY.memory_bytes + RECORD_ASK.memory_bytes * u64::from(records),
+        }),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        renewal_csr_pem: String::new(),
+    };
+    session
+        .heartbeat(beat.clone())
+        .await
+        .map_err(|s| LaunchBenchError::Refused { what: "the records node's heartbeat", message: status_message(&s) })?;
+    // The node stays UP while its records are placed, as a live agent's would.
+    let heartbeats = tokio::spawn({
+        let errors = errors.clone();
+        async move {
+            loop {
+                tokio::time::sleep(RECORDS_HEARTBEAT_EVERY).await;
+                if let Err(status) = session.heartbeat(beat.clone()).await {
+                    errors.add(&format!("records node heartbeat: {}", status_message(&status)));
+                }
+            }
+        }
+    });
+    let placed = place_records(leases_channel, records, errors).await;
+    heartbeats.abort();
+    placed
+}
+
+/// Places `records` leases in [`RECORDS_TIER`]; how many were placed.
+async fn place_records(leases_channel: &Channel, records: u32, errors: &ErrorTally) -> Result<u64, LaunchBenchError> {
+    wait_for_nodes(leases_channel, 2).await?;
+
+    let next = Arc::new(AtomicU32::new(0));
+    let mut running = JoinSet::new();
+    for _ in 0..RECORD_CONCURRENCY {
+        let mut client = v1::leases_client::LeasesClient::new(leases_channel.clone());
+        let (next, errors) = (next.clone(), errors.clone());
+        running.spawn(async move {
+            let mut placed = 0u64;
+            loop {
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                if index >= records {
+                    return placed;
+                }
+                let request = v1::RequestLeaseRequest {
+                    project: String::new(),
+                    owner: "bench/records".to_string(),
+                    idempotency_key: format!("record-{index}"),
+                    resources: Some(RECORD_ASK),
+                    tier: RECORDS_TIER.to_string(),
+                    spread_group: String::new(),
+                    workload: Some(v1::Workload { command: "/bin/true".to_string(), ..Default::default() }),
+                };
+                match client.request_lease(request).await {
+                    Ok(_) => placed += 1,
+                    Err(status) => errors.add(&format!("record: {}", status_message(&status))),
+                }
+            }
+        });
+    }
+    let mut placed = 0;
+    while let Some(joined) = running.join_next().await {
+        placed += joined.map_err(LaunchBenchError::Task)?;
+    }
+    Ok(placed)
+}
+
+impl LaunchReport {
+    fn judge(&mut self) {
+        let (agent, launch) = (&self.agent_memory, &self.launch);
+        self.targets = vec![
+            Target {
+                name: format!("p99 < {TARGET_P99_MS:.0}ms, every lease RUNNING"),
+                value: launch.p99_ms,
+                met: launch.p99_ms.is_some_and(|p| p < TARGET_P99_MS)
+                    && launch.errors == 0
+                    && launch.calls == u64::from(self.leases),
+            },
+            Target {
+                name: format!("agent idle < {TARGET_AGENT_IDLE_MIB:.0} MiB"),
+                value: Some(agent.idle_mib),
+                met: agent.idle_mib > 0.0 && agent.idle_mib < TARGET_AGENT_IDLE_MIB,
+            },
+            Target {
+                name: format!("agent with {} leases < {TARGET_AGENT_LOADED_MIB:.0} MiB", self.leases),
+                value: Some(agent.with_leases_mib),
+                met: agent.with_leases_mib > 0.0 && agent.with_leases_mib < TARGET_AGENT_LOADED_MIB,
+            },
+        ];
+    }
+
+    fn table(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let l = &self.launch;
+        let _ = writeln!(out, "berth bench launch: {} leases one at a time, {} provider", self.leases, self.provider);
+        let _ = writeln!(out, "{:<30}{:>10}{:>10}{:>10}{:>8}", "", "p50", "p99", "max", "errors");
+        let _ = writeln!(
+            out,
+            "{:<30}{:>10}{:>10}{:>10}{:>8}",
+            "RequestLease -> RUNNING",
+            latency(l.p50_ms),
+            latency(l.p99_ms),
+            latency(l.max_ms),
+            l.errors
+        );
+        let _ = writeln!(
+            out,
+            "agent RSS: idle {:.1} MiB, with {} leases running {:.1} MiB",
+            self.agent_memory.idle_mib, self.leases, self.agent_memory.with_leases_mib
+        );
+        let _ = writeln!(
+            out,
+            "leases RSS: idle {:.1} MiB, with {} leases on record {:.1} MiB",
+            self.leases_memory.idle_mib,
+            self.leases_memory.records_placed + l.calls,
+            self.leases_memory.with_records_mib
+        );
+        let _ = writeln!(
+            out,
+            "machine: {} CPUs; load average {} before the run",
+            self.cpus,
+            self.load_average_before.map_or_else(|| "unknown".to_string(), |v| format!("{v:.2}"))
+        );
+        let verdicts: Vec<String> = self
+            .targets
+            .iter()
+            .map(|t| {
+                let value = t.value.map_or_else(|| "no figure".to_string(), |v| format!("{v:.1}"));
+                format!("{} {} ({value})", t.name, if t.met { "OK" } else { "MISSED" })
+            })
+            .collect();
+        let _ = writeln!(out, "targets: {}", verdicts.join("; "));
+        for error in self.errors.iter().take(5) {
+            let _ = writeln!(out, "  {:>8} x {}", error.count, error.message);
+        }
+        out
+    }
+}

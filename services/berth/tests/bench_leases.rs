@@ -1,0 +1,114 @@
+//! `berth bench leases` (and `berth bench launch`) run as a user runs them:
+//! the real binary starting the real services beside it, tiny enough for a
+//! debug build.
+
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Mutex;
+
+/// `name` beside the `berth` under test, built here when a build of this
+/// package alone did not make it. One build at a time: cargo's lock would
+/// serialise them anyway.
+fn sibling(name: &str, package: &str) -> PathBuf {
+    static BUILDING: Mutex<()> = Mutex::new(());
+    let _one = BUILDING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let berth = Path::new(env!("CARGO_BIN_EXE_berth"));
+    let binary = berth.with_file_name(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    if binary.is_file() {
+        return binary;
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut build = Command::new(cargo);
+    build.args(["build", "--quiet", "-p", package, "--bin", name]);
+    if berth.parent().and_then(Path::file_name).is_some_and(|profile| profile == "release") {
+        build.arg("--release");
+    }
+    let status = build.current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
+    assert!(status.success(), "building {name} failed");
+    assert!(binary.is_file(), "{} was not built", binary.display());
+    binary
+}
+
+fn berth(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_berth")).args(args).env("RUST_LOG", "warn").output().unwrap()
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\nstderr:\n{stderr}"))
+}
+
+#[test]
+fn a_tiny_leases_run_places_every_lease_and_reports_the_baseline() {
+    sibling("berth-leases", "berth-leases");
+    let out = berth(&[
+        "bench",
+        "leases",
+        "--nodes",
+        "3",
+        "--leases",
+        "50",
+        "--concurrency",
+        "4",
+        "--duration",
+        "2s",
+        "--redis-url",
+        "memory://",
+        "--output",
+        "json",
+    ]);
+    let report = json(&out);
+    let text = report.to_string();
+    assert_eq!((report["nodes"].as_u64(), report["leases"].as_u64()), (Some(3), Some(50)), "{text}");
+    let placement = &report["placement"];
+    assert_eq!(placement["calls"], 50, "{text}");
+    assert_eq!(placement["errors"], 0, "{text}");
+    assert!(placement["rate_per_s"].as_f64().unwrap() > 0.0, "{text}");
+    let (p50, p99) = (placement["p50_ms"].as_f64().unwrap(), placement["p99_ms"].as_f64().unwrap());
+    assert!(0.0 < p50 && p50 <= p99, "{text}");
+    assert_eq!(report["errors"], serde_json::json!([]), "{text}");
+    assert!(report["leases_memory"]["with_leases_mib"].as_f64().unwrap() > 0.0, "{text}");
+    let pgbench = &report["pgbench"];
+    if pgbench["available"] == true {
+        assert!(pgbench["tps"].as_f64().unwrap() > 0.0, "{text}");
+        assert!(pgbench["rows_claimed"].as_u64().unwrap() > 0, "{text}");
+    } else {
+        assert!(pgbench["unavailable_reason"].as_str().unwrap().contains("pgbench"), "{text}");
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("bench: dropping the scratch database"), "{stderr}");
+}
+
+#[test]
+fn a_sqlite_database_url_is_refused() {
+    let out = berth(&["bench", "leases", "--nodes", "1", "--leases", "1", "--database-url", "sqlite:///tmp/x.db"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--database-url must be a postgres:// URL"), "{stderr}");
+}
+
+#[test]
+fn a_tiny_launch_run_reports_latency_and_memory() {
+    sibling("berth-identity", "berth-identity");
+    sibling("berth-leases", "berth-leases");
+    sibling("berth-agent", "berth-agent");
+    let out = berth(&["bench", "launch", "--leases", "3", "--records", "100", "--output", "json"]);
+    let report = json(&out);
+    let text = report.to_string();
+    let launch = &report["launch"];
+    assert_eq!(launch["calls"], 3, "{text}");
+    assert_eq!(launch["errors"], 0, "{text}");
+    assert!(launch["rate_per_s"].as_f64().unwrap() > 0.0, "{text}");
+    let (p50, p99) = (launch["p50_ms"].as_f64().unwrap(), launch["p99_ms"].as_f64().unwrap());
+    assert!(0.0 < p50 && p50 <= p99, "{text}");
+    assert_eq!(report["errors"], serde_json::json!([]), "{text}");
+    let agent = &report["agent_memory"];
+    assert!(agent["idle_mib"].as_f64().unwrap() > 0.0, "{text}");
+    assert!(agent["with_leases_mib"].as_f64().unwrap() > 0.0, "{text}");
+    assert_eq!(report["leases_memory"]["records_placed"], 100, "{text}");
+    assert_eq!(report["targets"].as_array().unwrap().len(), 3, "{text}");
+}
