@@ -416,6 +416,109 @@ fn the_example_deploys_from_an_oci_layout_with_no_registry() {
     }
 }
 
+/// The pid of the process whose command line holds `marker`, if one runs.
+fn pid_with(marker: &str) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+        String::from_utf8_lossy(&cmdline).contains(marker).then_some(pid)
+    })
+}
+
+#[test]
+fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let base = free_port_base();
+    let mut dev = Dev::start(&dir, base);
+    let leases = format!("127.0.0.1:{}", base + 2);
+    let marker = format!("berth-kill9-{base}-{}", std::process::id());
+    let body = format!(
+        r#"{{"owner": "test", "idempotency_key": "k9", "resources": {{"cpu_millis": 100, "memory_bytes": 1048576}},
+            "workload": {{"command": "sh", "args": ["-c", "sleep 600; echo {marker}", "{marker}"]}}}}"#
+    );
+    let mut lease_id = String::new();
+    for _ in 0..100 {
+        let out = Command::new(grpcurl())
+            .arg("-cacert")
+            .arg(dir.join("ca.pem"))
+            .arg("-cert")
+            .arg(dir.join("admin.pem"))
+            .arg("-key")
+            .arg(dir.join("admin-key.pem"))
+            .args(["-d", &body])
+            .arg(&leases)
+            .arg("berth.leases.v1.Leases/RequestLease")
+            .output()
+            .unwrap();
+        if out.status.success() {
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            lease_id = v["lease"]["leaseId"].as_str().unwrap().to_string();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!lease_id.is_empty(), "no lease could be placed");
+    let get = |lease_id: &str| {
+        grpcurl_admin_call(
+            &dir,
+            &leases,
+            "berth.leases.v1.Leases/GetLease",
+            &format!("{{\"lease_id\": \"{lease_id}\"}}"),
+        )["lease"]
+            .clone()
+    };
+    let mut pid = None;
+    for _ in 0..100 {
+        pid = pid_with(&marker);
+        if pid.is_some() && get(&lease_id)["phase"] == "LEASE_PHASE_RUNNING" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let pid = pid.expect("the workload started");
+    let before = get(&lease_id);
+    assert_eq!(before["phase"], "LEASE_PHASE_RUNNING", "{before}");
+
+    // kill -9: no cleanup at all, in any of the five services or the agent.
+    Command::new("kill").args(["-KILL", &dev.child.id().to_string()]).status().unwrap();
+    let _ = dev.child.wait();
+    drop(dev);
+    assert_eq!(pid_with(&marker), Some(pid), "the workload outlives the agent");
+
+    let _dev = Dev::start(&dir, base);
+    let mut after = serde_json::Value::Null;
+    for _ in 0..100 {
+        after = get(&lease_id);
+        if after["phase"] == "LEASE_PHASE_RUNNING" && after["epoch"] != before["epoch"] {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(after["phase"], "LEASE_PHASE_RUNNING", "{after}");
+    assert_eq!(pid_with(&marker), Some(pid), "adopted, not restarted");
+    let instances =
+        grpcurl_admin_call(&dir, &format!("127.0.0.1:{}", base + 4), "berth.agent.v1.Agent/ListInstances", "{}");
+    let adopted =
+        instances["instances"].as_array().unwrap().iter().find(|i| i["leaseId"] == lease_id.as_str()).cloned();
+    assert_eq!(adopted.as_ref().and_then(|i| i["pid"].as_u64()), Some(u64::from(pid)), "{instances}");
+
+    // Clean up the workload through the API, as a user would.
+    grpcurl_admin_call(
+        &dir,
+        &leases,
+        "berth.leases.v1.Leases/ReleaseLease",
+        &format!("{{\"lease_id\": \"{lease_id}\"}}"),
+    );
+    for _ in 0..100 {
+        if pid_with(&marker).is_none() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("the released workload is still running");
+}
+
 #[test]
 fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
     let tmp = tempfile::tempdir().unwrap();
