@@ -5,12 +5,12 @@
 #![allow(clippy::disallowed_methods, reason = "these tests are synchronous and poll with std::thread::sleep")]
 #![allow(clippy::unwrap_used, reason = "a failed unwrap in a test helper is a failed test with a line number")]
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::str::FromStr;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use berth_core::Identity;
@@ -19,22 +19,6 @@ use serde_json::Value;
 
 /// How long a node may take to join and heartbeat after `berth dev` starts.
 const JOIN_DEADLINE: Duration = Duration::from_secs(60);
-
-/// A port base whose five ports are free right now.
-fn free_port_base() -> u16 {
-    for _ in 0..50 {
-        let probe = TcpListener::bind("127.0.0.1:0").unwrap();
-        let base = probe.local_addr().unwrap().port();
-        drop(probe);
-        if base > 65000 {
-            continue;
-        }
-        if (0..5).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
-            return base;
-        }
-    }
-    panic!("no five consecutive free ports");
-}
 
 /// A running `berth dev`, killed on drop.
 struct Dev {
@@ -45,26 +29,8 @@ struct Dev {
 
 impl Dev {
     fn start(dir: &Path) -> Dev {
-        let base = free_port_base();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
-            .args(["dev", "--data-dir"])
-            .arg(dir)
-            .args(["--port-base", &base.to_string()])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("berth binary runs");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line.starts_with("berth dev is running") {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(60)).expect("berth dev printed its banner");
+        let base = common::free_port_base();
+        let child = common::spawn_dev(dir, base);
         Dev { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}") }
     }
 

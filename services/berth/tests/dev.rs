@@ -5,11 +5,11 @@
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 #![allow(clippy::disallowed_methods, reason = "these tests drive processes from plain threads, not a runtime")]
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Child, Command};
 use std::time::Duration;
 
 const SERVICES: [(u16, &[&str]); 5] = [
@@ -33,23 +33,6 @@ fn grpcurl() -> PathBuf {
     std::env::var_os("BERTH_GRPCURL").map_or_else(|| PathBuf::from("grpcurl"), PathBuf::from)
 }
 
-/// A port base whose five ports are free right now.
-fn free_port_base() -> u16 {
-    for _ in 0..50 {
-        let probe = TcpListener::bind("127.0.0.1:0").unwrap();
-        let base = probe.local_addr().unwrap().port();
-        drop(probe);
-        if base > 65000 {
-            continue;
-        }
-        let all_free = (0..5).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok());
-        if all_free {
-            return base;
-        }
-    }
-    panic!("no five consecutive free ports");
-}
-
 struct Dev {
     child: Child,
 }
@@ -57,25 +40,7 @@ struct Dev {
 impl Dev {
     /// Starts `berth dev` and waits for its banner.
     fn start(dir: &Path, base: u16) -> Dev {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
-            .args(["dev", "--data-dir"])
-            .arg(dir)
-            .args(["--port-base", &base.to_string()])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("berth binary runs");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line.starts_with("berth dev is running") {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(60)).expect("berth dev printed its banner");
+        let child = common::spawn_dev(dir, base);
         Dev { child }
     }
 
@@ -125,7 +90,7 @@ fn grpcurl_admin(dir: &Path, addr: &str, args: &[&str]) -> String {
 fn grpcurl_lists_every_service_and_health_serves_and_restart_keeps_the_ca() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    let base = free_port_base();
+    let base = common::free_port_base();
     let dev = Dev::start(&dir, base);
 
     for (offset, expected) in SERVICES {
@@ -158,7 +123,7 @@ fn grpcurl_lists_every_service_and_health_serves_and_restart_keeps_the_ca() {
 fn the_dev_node_joins_and_comes_up() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    let base = free_port_base();
+    let base = common::free_port_base();
     let dev = Dev::start(&dir, base);
     let addr = format!("127.0.0.1:{base}");
     let mut last = String::new();
@@ -209,7 +174,7 @@ fn grpcurl_node(dir: &Path, addr: &str, method: &str) -> std::process::Output {
 fn a_revoked_node_is_refused_by_every_service_within_seconds() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    let base = free_port_base();
+    let base = common::free_port_base();
     let _dev = Dev::start(&dir, base);
     let identity = format!("127.0.0.1:{base}");
     let mut listed = String::new();
@@ -300,7 +265,7 @@ fn wait_final(dir: &Path, leases: &str, lease_id: &str) -> serde_json::Value {
 fn a_requested_lease_runs_on_the_dev_node_and_reports_its_exit() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    let base = free_port_base();
+    let base = common::free_port_base();
     let _dev = Dev::start(&dir, base);
     let leases = format!("127.0.0.1:{}", base + 2);
     let request = |key: &str, script: &str| {
@@ -367,7 +332,7 @@ fn the_example_deploys_from_an_oci_layout_with_no_registry() {
     let push = berth(&["bundle", "push", example.to_str().unwrap(), &reference]);
     assert!(push.status.success(), "{}", String::from_utf8_lossy(&push.stderr));
 
-    let base = free_port_base();
+    let base = common::free_port_base();
     let _dev = Dev::start(&dir, base);
     let template: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(example.join("service.json")).unwrap()).unwrap();
@@ -429,7 +394,7 @@ fn pid_with(marker: &str) -> Option<u32> {
 fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts_it() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    let base = free_port_base();
+    let base = common::free_port_base();
     let mut dev = Dev::start(&dir, base);
     let leases = format!("127.0.0.1:{}", base + 2);
     let marker = format!("berth-kill9-{base}-{}", std::process::id());
@@ -523,7 +488,7 @@ fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts
 fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    let base = free_port_base();
+    let base = common::free_port_base();
     let dev = Dev::start(&dir, base);
     let run = |addr: String, method: &str| {
         Command::new(grpcurl())
@@ -589,7 +554,7 @@ fn unusable_data_dir_is_one_clear_error() {
 #[test]
 fn port_in_use_is_one_clear_error() {
     let tmp = tempfile::tempdir().unwrap();
-    let base = free_port_base();
+    let base = common::free_port_base();
     let _taken = TcpListener::bind(("127.0.0.1", base + 2)).unwrap();
     let out = berth(&["dev", "--data-dir", tmp.path().to_str().unwrap(), "--port-base", &base.to_string()]);
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -5,11 +5,12 @@
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 #![allow(clippy::disallowed_methods, reason = "these tests drive processes from plain threads, not a runtime")]
 
-use std::io::{BufRead, BufReader, Read};
+mod common;
+
+use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -22,22 +23,6 @@ const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
 
 /// How long a lease may take to reach the phase a test waits for.
 const PHASE_DEADLINE: Duration = Duration::from_secs(30);
-
-/// A port base whose five ports are free right now.
-fn free_port_base() -> u16 {
-    for _ in 0..50 {
-        let probe = TcpListener::bind("127.0.0.1:0").unwrap();
-        let base = probe.local_addr().unwrap().port();
-        drop(probe);
-        if base > 65000 {
-            continue;
-        }
-        if (0..5).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
-            return base;
-        }
-    }
-    panic!("no five consecutive free ports");
-}
 
 /// A running `berth dev`, killed on drop.
 struct Dev {
@@ -53,26 +38,8 @@ impl Dev {
     /// Starts `berth dev` and waits until its node is UP in the ledger, so
     /// leases can be placed on it.
     fn start(dir: &Path) -> Dev {
-        let base = free_port_base();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
-            .args(["dev", "--data-dir"])
-            .arg(dir)
-            .args(["--port-base", &base.to_string()])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("berth binary runs");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line.starts_with("berth dev is running") {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(60)).expect("berth dev printed its banner");
+        let base = common::free_port_base();
+        let child = common::spawn_dev(dir, base);
         let mut dev =
             Dev { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}"), node_id: String::new() };
         dev.node_id = poll(READY_DEADLINE, "the dev node is UP in the ledger", || {

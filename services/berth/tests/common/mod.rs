@@ -1,0 +1,53 @@
+//! What every end-to-end test of the `berth` binary needs: free ports and a
+//! real `berth dev` started on them.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// How long `berth dev` may take to print its banner.
+const BANNER_DEADLINE: Duration = Duration::from_secs(60);
+
+/// A port base whose five ports are free right now.
+pub(crate) fn free_port_base() -> u16 {
+    for _ in 0..50 {
+        let probe = TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let base = probe.local_addr().expect("a bound port").port();
+        drop(probe);
+        if base > 65000 {
+            continue;
+        }
+        if (0..5).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+            return base;
+        }
+    }
+    panic!("no five consecutive free ports");
+}
+
+/// Starts `berth dev` on `dir` and `base` and waits for its banner; the
+/// caller owns (and kills) the process.
+pub(crate) fn spawn_dev(dir: &Path, base: u16) -> Child {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["dev", "--data-dir"])
+        .arg(dir)
+        .args(["--port-base", &base.to_string()])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("berth binary runs");
+    let stdout = child.stdout.take().expect("a piped stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with("berth dev is running") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(BANNER_DEADLINE).expect("berth dev printed its banner");
+    child
+}
