@@ -1,5 +1,6 @@
 //! `berth`: the operator's binary. `berth dev` runs the whole mesh in one
-//! process; the other subcommands are the admin CLI.
+//! process; the other subcommands are the admin CLI (tokens, nodes,
+//! certificates, leases, services, revisions, bundles) and the benchmarks.
 
 mod bench;
 mod bundle_cmd;
