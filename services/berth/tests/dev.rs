@@ -379,6 +379,17 @@ fn the_example_deploys_from_an_oci_layout_with_no_registry() {
         }
         assert_eq!(answer.as_deref(), Some(format!("hello from {live}\n").as_str()), "replica on port {port}");
     }
+
+    // Deleting the service releases its replicas, and the node stops them.
+    grpcurl_admin_call(&dir, &revisions, "berth.revisions.v1.Services/DeleteService", r#"{"name": "hello"}"#);
+    let replicas = dir.join("agent").display().to_string();
+    for _ in 0..200 {
+        if pid_with(&replicas).is_none() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("the deleted service's replicas are still running");
 }
 
 /// The pid of the process whose command line holds `marker`, if one runs.
