@@ -380,6 +380,59 @@ fn the_example_deploys_from_an_oci_layout_with_no_registry() {
         assert_eq!(answer.as_deref(), Some(format!("hello from {live}\n").as_str()), "replica on port {port}");
     }
 
+    // A changed template mints the next revision and rolls it out with never
+    // fewer than two replicas running on the node, watched as it happens.
+    template["env"] = serde_json::json!({"ROLLOUT": "2"});
+    let body = serde_json::json!({"name": "hello", "template": template}).to_string();
+    grpcurl_admin_call(&dir, &revisions, "berth.revisions.v1.Services/ApplyService", &body);
+    let running = |instances: &serde_json::Value, revision: Option<&str>| {
+        instances["instances"]
+            .as_array()
+            .map(|all| {
+                all.iter()
+                    .filter(|i| i["phase"] == "LEASE_PHASE_RUNNING")
+                    .filter(|i| revision.is_none_or(|r| i["revision"] == r))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    let mut fewest = usize::MAX;
+    let mut next = String::new();
+    for _ in 0..600 {
+        let instances = grpcurl_admin_call(&dir, &agent, "berth.agent.v1.Agent/ListInstances", "{}");
+        fewest = fewest.min(running(&instances, None));
+        let status = grpcurl_admin_call(
+            &dir,
+            &revisions,
+            "berth.revisions.v1.Services/GetService",
+            r#"{"name": "hello"}"#,
+        )["service"]["status"]
+            .clone();
+        let now_live = status["liveRevision"].as_str().unwrap_or_default().to_string();
+        if now_live != live && status["replicasRunning"] == 2 && running(&instances, Some(&now_live)) == 2 {
+            next = now_live;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!next.is_empty(), "the new revision never went live");
+    assert!(fewest >= 2, "at some moment only {fewest} replicas ran during the rollout");
+    let mut old_gone = false;
+    for _ in 0..200 {
+        let instances = grpcurl_admin_call(&dir, &agent, "berth.agent.v1.Agent/ListInstances", "{}");
+        if running(&instances, Some(&live)) == 0 {
+            old_gone = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(old_gone, "the old revision's replicas kept running after the new one went live");
+    let instances = grpcurl_admin_call(&dir, &agent, "berth.agent.v1.Agent/ListInstances", "{}");
+    for instance in instances["instances"].as_array().unwrap().iter().filter(|i| i["revision"] == next.as_str()) {
+        let port = instance["port"].as_u64().unwrap();
+        assert_eq!(http_get(port, "/").as_deref(), Some(format!("hello from {next}\n").as_str()), "port {port}");
+    }
+
     // Deleting the service releases its replicas, and the node stops them.
     grpcurl_admin_call(&dir, &revisions, "berth.revisions.v1.Services/DeleteService", r#"{"name": "hello"}"#);
     let replicas = dir.join("agent").display().to_string();
