@@ -65,18 +65,25 @@ impl Drop for Dev {
     }
 }
 
+/// Runs grpcurl with the certificate and key in `cert` (relative to `dir`),
+/// an optional JSON body, then `addr` and `rest` (a method, or `list` ...).
+fn grpcurl_with(dir: &Path, cert: (&str, &str), body: Option<&str>, addr: &str, rest: &[&str]) -> std::process::Output {
+    let mut command = Command::new(grpcurl());
+    command.arg("-cacert").arg(dir.join("ca.pem")).arg("-cert").arg(dir.join(cert.0)).arg("-key").arg(dir.join(cert.1));
+    if let Some(body) = body {
+        command.args(["-d", body]);
+    }
+    command.arg(addr).args(rest).output().expect("grpcurl runs (make test installs it; or set BERTH_GRPCURL)")
+}
+
+/// The admin identity `berth dev` writes.
+const ADMIN: (&str, &str) = ("admin.pem", "admin-key.pem");
+
+/// The dev node's own identity, as its agent keeps it.
+const NODE: (&str, &str) = ("agent/identity/node.pem", "agent/identity/node.key");
+
 fn grpcurl_admin(dir: &Path, addr: &str, args: &[&str]) -> String {
-    let out = Command::new(grpcurl())
-        .arg("-cacert")
-        .arg(dir.join("ca.pem"))
-        .arg("-cert")
-        .arg(dir.join("admin.pem"))
-        .arg("-key")
-        .arg(dir.join("admin-key.pem"))
-        .arg(addr)
-        .args(args)
-        .output()
-        .expect("grpcurl runs (make test installs it; or set BERTH_GRPCURL)");
+    let out = grpcurl_with(dir, ADMIN, None, addr, args);
     assert!(
         out.status.success(),
         "grpcurl {addr} {args:?} failed: {}{}",
@@ -156,18 +163,7 @@ fn the_dev_node_joins_and_comes_up() {
 
 /// grpcurl with the dev node's own certificate, as the agent keeps it.
 fn grpcurl_node(dir: &Path, addr: &str, method: &str) -> std::process::Output {
-    let node = dir.join("agent").join("identity");
-    Command::new(grpcurl())
-        .arg("-cacert")
-        .arg(dir.join("ca.pem"))
-        .arg("-cert")
-        .arg(node.join("node.pem"))
-        .arg("-key")
-        .arg(node.join("node.key"))
-        .arg(addr)
-        .arg(method)
-        .output()
-        .unwrap()
+    grpcurl_with(dir, NODE, None, addr, &[method])
 }
 
 #[test]
@@ -192,18 +188,8 @@ fn a_revoked_node_is_refused_by_every_service_within_seconds() {
         assert!(out.status.success(), "before revocation: {out:?}");
     }
 
-    let revoke = Command::new(grpcurl())
-        .arg("-cacert")
-        .arg(dir.join("ca.pem"))
-        .arg("-cert")
-        .arg(dir.join("admin.pem"))
-        .arg("-key")
-        .arg(dir.join("admin-key.pem"))
-        .args(["-d", &format!("{{\"node_id\": \"{node_id}\"}}")])
-        .arg(&identity)
-        .arg("berth.identity.v1.Nodes/RevokeNode")
-        .output()
-        .unwrap();
+    let body = format!("{{\"node_id\": \"{node_id}\"}}");
+    let revoke = grpcurl_with(&dir, ADMIN, Some(&body), &identity, &["berth.identity.v1.Nodes/RevokeNode"]);
     assert!(revoke.status.success(), "{revoke:?}");
     for offset in 0..4 {
         let addr = format!("127.0.0.1:{}", base + offset);
@@ -226,20 +212,30 @@ fn a_revoked_node_is_refused_by_every_service_within_seconds() {
 
 /// grpcurl as the admin with a JSON body.
 fn grpcurl_admin_call(dir: &Path, addr: &str, method: &str, body: &str) -> serde_json::Value {
-    let out = Command::new(grpcurl())
-        .arg("-cacert")
-        .arg(dir.join("ca.pem"))
-        .arg("-cert")
-        .arg(dir.join("admin.pem"))
-        .arg("-key")
-        .arg(dir.join("admin-key.pem"))
-        .args(["-d", body])
-        .arg(addr)
-        .arg(method)
-        .output()
-        .unwrap();
+    let out = grpcurl_with(dir, ADMIN, Some(body), addr, &[method]);
     assert!(out.status.success(), "{method} {body}: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Requests a lease running `sh -c SCRIPT ARGS…`, retrying while the dev
+/// node is still joining (placement needs it UP); returns its id.
+fn request_lease(dir: &Path, leases: &str, key: &str, sh_args: &[&str]) -> String {
+    let body = serde_json::json!({
+        "owner": "test",
+        "idempotency_key": key,
+        "resources": {"cpu_millis": 100, "memory_bytes": 1_048_576},
+        "workload": {"command": "sh", "args": std::iter::once("-c").chain(sh_args.iter().copied()).collect::<Vec<_>>()},
+    })
+    .to_string();
+    for _ in 0..100 {
+        let out = grpcurl_with(dir, ADMIN, Some(&body), leases, &["berth.leases.v1.Leases/RequestLease"]);
+        if out.status.success() {
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            return v["lease"]["leaseId"].as_str().unwrap().to_string();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("no lease could be placed on the dev node");
 }
 
 /// Polls GetLease until the lease reaches a final phase.
@@ -268,33 +264,7 @@ fn a_requested_lease_runs_on_the_dev_node_and_reports_its_exit() {
     let base = common::free_port_base();
     let _dev = Dev::start(&dir, base);
     let leases = format!("127.0.0.1:{}", base + 2);
-    let request = |key: &str, script: &str| {
-        let body = format!(
-            r#"{{"owner": "test", "idempotency_key": "{key}", "resources": {{"cpu_millis": 100, "memory_bytes": 1048576}},
-                "workload": {{"command": "sh", "args": ["-c", "{script}"]}}}}"#
-        );
-        // The dev node may still be joining; placement needs it UP.
-        for _ in 0..100 {
-            let out = Command::new(grpcurl())
-                .arg("-cacert")
-                .arg(dir.join("ca.pem"))
-                .arg("-cert")
-                .arg(dir.join("admin.pem"))
-                .arg("-key")
-                .arg(dir.join("admin-key.pem"))
-                .args(["-d", &body])
-                .arg(&leases)
-                .arg("berth.leases.v1.Leases/RequestLease")
-                .output()
-                .unwrap();
-            if out.status.success() {
-                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-                return v["lease"]["leaseId"].as_str().unwrap().to_string();
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("no lease could be placed on the dev node");
-    };
+    let request = |key: &str, script: &str| request_lease(&dir, &leases, key, &[script]);
 
     let ok = request("ok", "exit 0");
     let done = wait_final(&dir, &leases, &ok);
@@ -462,32 +432,8 @@ fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts
     let mut dev = Dev::start(&dir, base);
     let leases = format!("127.0.0.1:{}", base + 2);
     let marker = format!("berth-kill9-{base}-{}", std::process::id());
-    let body = format!(
-        r#"{{"owner": "test", "idempotency_key": "k9", "resources": {{"cpu_millis": 100, "memory_bytes": 1048576}},
-            "workload": {{"command": "sh", "args": ["-c", "sleep 600; echo {marker}", "{marker}"]}}}}"#
-    );
-    let mut lease_id = String::new();
-    for _ in 0..100 {
-        let out = Command::new(grpcurl())
-            .arg("-cacert")
-            .arg(dir.join("ca.pem"))
-            .arg("-cert")
-            .arg(dir.join("admin.pem"))
-            .arg("-key")
-            .arg(dir.join("admin-key.pem"))
-            .args(["-d", &body])
-            .arg(&leases)
-            .arg("berth.leases.v1.Leases/RequestLease")
-            .output()
-            .unwrap();
-        if out.status.success() {
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            lease_id = v["lease"]["leaseId"].as_str().unwrap().to_string();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(!lease_id.is_empty(), "no lease could be placed");
+    let script = format!("sleep 600; echo {marker}");
+    let lease_id = request_lease(&dir, &leases, "k9", &[&script, &marker]);
     let get = |lease_id: &str| {
         grpcurl_admin_call(
             &dir,
@@ -554,20 +500,7 @@ fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
     let dir = tmp.path().join("data");
     let base = common::free_port_base();
     let dev = Dev::start(&dir, base);
-    let run = |addr: String, method: &str| {
-        Command::new(grpcurl())
-            .arg("-cacert")
-            .arg(dir.join("ca.pem"))
-            .arg("-cert")
-            .arg(dir.join("admin.pem"))
-            .arg("-key")
-            .arg(dir.join("admin-key.pem"))
-            .args(["-d", "{}"])
-            .arg(addr)
-            .arg(method)
-            .output()
-            .unwrap()
-    };
+    let run = |addr: String, method: &str| grpcurl_with(&dir, ADMIN, Some("{}"), &addr, &[method]);
     let out = run(format!("127.0.0.1:{base}"), "berth.identity.v1.NodeSession/Heartbeat");
     let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success());
