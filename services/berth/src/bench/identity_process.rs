@@ -481,7 +481,7 @@ fn is_postgres(url: &str) -> bool {
 }
 
 /// `url` naming database `name` instead of its own, query kept.
-fn with_database(url: &str, name: &str) -> String {
+pub(super) fn with_database(url: &str, name: &str) -> String {
     let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
     let authority_start = base.find("://").map_or(0, |i| i + 3);
     let server = match base[authority_start..].find('/') {
@@ -505,6 +505,10 @@ mod tests {
             "postgres://postgres@127.0.0.1:5432/b1"
         );
         assert_eq!(with_database("postgres://u:p@db:5432", "b1"), "postgres://u:p@db:5432/b1");
+        assert_eq!(
+            with_database("postgresql://u@db/test?sslmode=disable", "b1"),
+            "postgresql://u@db/b1?sslmode=disable"
+        );
         assert_eq!(
             with_database("postgresql://u@db/test?sslmode=disable&application_name=x", "b1"),
             "postgresql://u@db/b1?sslmode=disable&application_name=x"

@@ -24,6 +24,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
+use super::identity_process::with_database;
 use super::procfs::{self, Memory};
 
 /// How long the replica may take from spawn to answering its health check.
@@ -425,36 +426,5 @@ impl ScratchDatabase {
             .map_err(failed)?;
         let _ = conn.close().await;
         Ok(())
-    }
-}
-
-/// `url` naming database `name` instead of its own, query kept.
-fn with_database(url: &str, name: &str) -> String {
-    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
-    let authority_start = base.find("://").map_or(0, |i| i + 3);
-    let server = match base[authority_start..].find('/') {
-        Some(slash) => &base[..authority_start + slash],
-        None => base,
-    };
-    match query {
-        Some(query) => format!("{server}/{name}?{query}"),
-        None => format!("{server}/{name}"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_scratch_database_replaces_only_the_database_name() {
-        assert_eq!(
-            with_database("postgres://postgres@127.0.0.1:5432/postgres", "b1"),
-            "postgres://postgres@127.0.0.1:5432/b1"
-        );
-        assert_eq!(
-            with_database("postgresql://u@db/test?sslmode=disable", "b1"),
-            "postgresql://u@db/b1?sslmode=disable"
-        );
     }
 }
