@@ -4,20 +4,29 @@ SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
 CARGO ?= cargo
 
-.PHONY: dev test lint fmt build bench images test-deps
+.PHONY: dev test test-faults lint fmt build bench images check-manifests test-deps
 
 ## Run the whole mesh in one process on .berth/dev (Ctrl-C stops it).
 dev:
 	$(CARGO) run --bin berth -- dev
 
 ## Lint, then every test against real PostgreSQL, Redis and grpcurl.
-test: lint
+test: lint check-manifests
 	grpcurl="$$(scripts/test-deps.sh)"; \
 	if $(CARGO) nextest --version >/dev/null 2>&1; then \
 	  BERTH_GRPCURL="$$grpcurl" $(CARGO) nextest run --workspace --no-fail-fast; \
 	else \
 	  BERTH_GRPCURL="$$grpcurl" $(CARGO) test --workspace --no-fail-fast; \
 	fi
+	$(MAKE) --no-print-directory test-faults
+
+## The fault suite alone: the mesh as processes (two replicas of each
+## service, a private PostgreSQL and Redis, agents) under load, through one
+## fault at a time; prints a table and fails on any broken promise.
+test-faults:
+	@scripts/test-deps.sh >/dev/null
+	$(CARGO) build --bins -p berth-identity -p berth-revisions -p berth-leases -p berth-egress -p berth-agent
+	$(CARGO) test -p berth-e2e --test faults -- --ignored --nocapture
 
 ## Formatting and clippy, as CI runs them.
 lint:
@@ -37,7 +46,9 @@ test-deps:
 ## Release binaries, then `berth bench heartbeats` against PostgreSQL and
 ## Redis (each run in a scratch database and Redis logical database 15, both
 ## removed afterwards): a quick 1,000-node run, then the issue's scenario of
-## 10,000 nodes heartbeating every second. BENCHMARKS.md records the figures.
+## 10,000 nodes heartbeating every second; lease placement and launch; and
+## deploys (apply to RUNNING, warm and cold from a loopback registry, and the
+## mint rate). BENCHMARKS.md records the figures.
 bench:
 	$(CARGO) build --release --bins
 	@scripts/test-deps.sh >/dev/null
@@ -53,8 +64,18 @@ bench:
 	redis="$${BERTH_BENCH_REDIS_URL:-redis://127.0.0.1:6379/15}"; \
 	"$$berth" bench leases --nodes 100 --leases 10000 --concurrency 32 --duration 5s \
 	  --database-url "$$database" --redis-url "$$redis"; \
-	"$$berth" bench launch --leases 100 --records 10000
+	"$$berth" bench launch --leases 100 --records 10000; \
+	"$$berth" bench deploy --warm 30 --cold 10 --bundle-mib 10 --mints 200 \
+	  --database-url "$$database" --redis-url "$$redis"
 
-## Container images, where a Docker engine runs.
+## Container images, where a Docker engine runs: one per binary, tagged
+## <binary>:dev, from one build of the workspace (docker/Dockerfile).
 images:
-	docker build -f docker/Dockerfile -t berth:dev .
+	for target in berth berth-identity berth-revisions berth-leases berth-egress berth-agent; do \
+	  docker build -f docker/Dockerfile --target "$$target" -t "$$target:dev" .; \
+	done
+
+## The Dockerfile, compose.yaml and the k8s/ kustomizations, checked with
+## the real tools (installed from PyPI when missing); no engine or cluster.
+check-manifests:
+	scripts/check-manifests.sh

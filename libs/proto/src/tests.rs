@@ -124,6 +124,7 @@ fn admission_table_matches_the_contract() {
         ("berth.revisions.v1.Services", &["ApplyService", "DeleteService", "SetTraffic"], ADMIN),
         ("berth.revisions.v1.Services", &["GetService", "ListServices", "WatchServices"], READERS),
         ("berth.revisions.v1.Revisions", &["ListRevisions", "GetRevision"], READERS),
+        ("berth.revisions.v1.Revisions", &["GetPullCredentials"], NODE),
         ("berth.leases.v1.Leases", &["RequestLease", "GetLease", "ListLeases", "ReleaseLease"], READERS),
         ("berth.leases.v1.Capacity", &["ListNodeCapacity"], READERS),
         (
@@ -345,7 +346,8 @@ fn fields_scripts_rely_on_exist() {
         ("berth.egress.v1.ServiceEgress", &["service", "gateway", "allowed", "condition"]),
         ("berth.egress.v1.WatchEgressRequest", &["node_id"]),
         ("berth.egress.v1.NodeEgressState", &["generation", "plans"]),
-        ("berth.egress.v1.AckEgressRequest", &["node_id", "generation"]),
+        ("berth.egress.v1.AckEgressRequest", &["node_id", "generation", "error", "enforcement"]),
+        ("berth.egress.v1.NodeAck", &["node_id", "generation", "acked_at", "error", "enforcement"]),
         ("berth.agent.v1.Instance", &["lease_id", "epoch", "project", "service", "phase", "pid", "started_at", "port"]),
         ("berth.agent.v1.ListInstancesResponse", &["instances"]),
         ("berth.agent.v1.GetLogsRequest", &["lease_id", "follow", "tail_lines"]),

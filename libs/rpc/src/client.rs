@@ -2,6 +2,14 @@
 //! connector that reads the client configuration from [`TlsCredentials`] on
 //! every new connection, so a renewed certificate is presented from the
 //! next reconnect on.
+//!
+//! # Header compression
+//! Request headers whose value is new on every call ([`PER_CALL_HEADERS`]:
+//! the trace context and the deadline) are sent as never-indexed literals.
+//! Indexed, each call would add an entry to the connection's HPACK tables on
+//! both ends, only to evict an older one: churn that no later call reuses,
+//! and that a server holding thousands of agent connections pays in memory
+//! on every one of them (up to its 4 KiB table of entries per connection).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -23,8 +31,48 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often an idle connection is pinged.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 
+/// Request headers never entered into HPACK's dynamic tables: their value
+/// changes on every call (W3C trace context, the gRPC deadline).
+pub const PER_CALL_HEADERS: [&str; 3] = ["traceparent", "tracestate", "grpc-timeout"];
+
 /// A channel to a berth server, traced on every call.
-pub type Channel = berth_telemetry::ClientTraceService<tonic::transport::Channel>;
+pub type Channel = berth_telemetry::ClientTraceService<UnindexedPerCallHeaders<tonic::transport::Channel>>;
+
+/// A channel that sends [`PER_CALL_HEADERS`] as never-indexed literals.
+#[derive(Debug, Clone)]
+pub struct UnindexedPerCallHeaders<S> {
+    inner: S,
+}
+
+impl<S, B> tower_service::Service<http::Request<B>> for UnindexedPerCallHeaders<S>
+where
+    S: tower_service::Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        mark_per_call_headers(request.headers_mut());
+        self.inner.call(request)
+    }
+}
+
+/// Marks the per-call headers in `headers` sensitive, which HPACK encodes
+/// as never-indexed literals.
+fn mark_per_call_headers(headers: &mut http::HeaderMap) {
+    for name in PER_CALL_HEADERS {
+        if let http::header::Entry::Occupied(mut entry) = headers.entry(name) {
+            for value in entry.iter_mut() {
+                value.set_sensitive(true);
+            }
+        }
+    }
+}
 
 /// Why a channel could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -67,7 +115,8 @@ fn channel(addr: &str, connector: TlsConnector) -> Result<Channel, ClientError> 
     if host.is_empty() || endpoint.uri().port_u16().is_none() {
         return Err(bad("expected host:port".into()));
     }
-    Ok(tower_layer::Layer::layer(&berth_telemetry::ClientTraceLayer, endpoint.connect_with_connector_lazy(connector)))
+    let channel = UnindexedPerCallHeaders { inner: endpoint.connect_with_connector_lazy(connector) };
+    Ok(tower_layer::Layer::layer(&berth_telemetry::ClientTraceLayer, channel))
 }
 
 #[derive(Clone)]
@@ -106,5 +155,25 @@ impl tower_service::Service<Uri> for TlsConnector {
             let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
             Ok(TokioIo::new(tls))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_call_headers_are_never_indexed_and_the_rest_are_left_alone() {
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            "traceparent",
+            http::HeaderValue::from_static("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        );
+        headers.insert("grpc-timeout", http::HeaderValue::from_static("9999870u"));
+        headers.insert("content-type", http::HeaderValue::from_static("application/grpc"));
+        mark_per_call_headers(&mut headers);
+        assert!(headers["traceparent"].is_sensitive());
+        assert!(headers["grpc-timeout"].is_sensitive());
+        assert!(!headers["content-type"].is_sensitive(), "stable headers stay indexable");
     }
 }

@@ -6,8 +6,19 @@
 //! When the token is cancelled the health service turns `NOT_SERVING`, the
 //! listener stops accepting, and in-flight calls get [`DRAIN_TIMEOUT`] to
 //! finish; long-lived streams should watch the same token and end.
+//!
+//! # Readiness
+//! A server may carry a readiness probe (a service's round trip to its
+//! database): it runs every [`READINESS_INTERVAL`] with a
+//! [`READINESS_TIMEOUT`], and health follows it, `NOT_SERVING` while it
+//! fails and `SERVING` again once it passes, without a restart, so a load
+//! balancer or kubelet steers calls away from a replica whose truth is out
+//! of reach. A server without a probe is serving for its whole life.
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -29,6 +40,16 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often an idle HTTP/2 connection is pinged, so dead peers are noticed.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+
+/// How often a server's readiness probe runs.
+pub const READINESS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How long one readiness probe may take before it counts as failed.
+pub const READINESS_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A readiness check: `Err` names what is unreachable.
+pub type ReadinessProbe =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync + 'static>;
 
 /// Why a server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +94,7 @@ pub struct ServerBuilder {
     revocations: Revocations,
     reporter: HealthReporter,
     health_service: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
+    readiness: Option<ReadinessProbe>,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -101,6 +123,7 @@ impl ServerBuilder {
             revocations: Revocations::new(),
             reporter,
             health_service,
+            readiness: None,
         }
     }
 
@@ -113,6 +136,12 @@ impl ServerBuilder {
     /// Refuses the nodes in `revocations` on every RPC.
     pub fn with_revocations(mut self, revocations: Revocations) -> Self {
         self.revocations = revocations;
+        self
+    }
+
+    /// Reports `NOT_SERVING` while `probe` fails (see the module docs).
+    pub fn with_readiness(mut self, probe: ReadinessProbe) -> Self {
+        self.readiness = Some(probe);
         self
     }
 
@@ -155,9 +184,12 @@ impl ServerBuilder {
     }
 
     /// Serves on `listener` until `shutdown` is cancelled, then drains.
-    pub async fn serve(self, listener: Listener, shutdown: CancellationToken) -> Result<(), RpcError> {
+    pub async fn serve(mut self, listener: Listener, shutdown: CancellationToken) -> Result<(), RpcError> {
         let health = self.health();
         health.set(true).await;
+        if let Some(probe) = self.readiness.take() {
+            tokio::spawn(follow_readiness(probe, health.clone(), shutdown.clone()));
+        }
 
         // grpcurl 1.8 speaks only v1alpha; newer clients prefer v1.
         let v1 = self.reflection().build_v1()?;
@@ -189,6 +221,40 @@ impl ServerBuilder {
                 tracing::warn!(timeout = ?DRAIN_TIMEOUT, "calls still in flight after the drain timeout; closing");
                 Ok(())
             }
+        }
+    }
+}
+
+/// Runs `probe` until `shutdown`, flipping `health` on each change and
+/// logging it once per change rather than once per probe.
+async fn follow_readiness(probe: ReadinessProbe, health: ServingHealth, shutdown: CancellationToken) {
+    let mut serving = true;
+    let mut ticks = tokio::time::interval(READINESS_INTERVAL);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        let outcome = match tokio::time::timeout(READINESS_TIMEOUT, probe()).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(format!("no answer within {READINESS_TIMEOUT:?}")),
+        };
+        if shutdown.is_cancelled() {
+            return;
+        }
+        match outcome {
+            Ok(()) if !serving => {
+                tracing::info!("readiness restored; serving");
+                serving = true;
+                health.set(true).await;
+            }
+            Err(error) if serving => {
+                tracing::warn!(%error, "not ready; health reports NOT_SERVING until it recovers");
+                serving = false;
+                health.set(false).await;
+            }
+            _ => {}
         }
     }
 }

@@ -3,10 +3,11 @@
 //! credentials and embedded state.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use berth_bus::Bus;
 use berth_mtls::TlsCredentials;
-use berth_rpc::{Listener, Revocations, ServerBuilder};
+use berth_rpc::{Listener, ReadinessProbe, Revocations, ServerBuilder};
 use berth_store::{Migration, Store};
 use tokio_util::sync::CancellationToken;
 
@@ -39,6 +40,24 @@ pub struct ServiceContext {
     pub nodes: NodeDirectory,
 }
 
+impl ServiceContext {
+    /// Readiness for the service's server (see [`store_readiness`]).
+    pub fn readiness(&self) -> ReadinessProbe {
+        store_readiness(&self.store)
+    }
+}
+
+/// Readiness for a service's server: a round trip to its store, the truth
+/// it cannot answer without. The bus is left out on purpose: losing Redis
+/// slows a service down but loses nothing, so it stays serving.
+pub fn store_readiness(store: &Store) -> ReadinessProbe {
+    let store = store.clone();
+    Arc::new(move || {
+        let store = store.clone();
+        Box::pin(async move { store.ping().await.map_err(|e| format!("database {}: {e}", store.target())) })
+    })
+}
+
 impl ServiceSpec {
     /// Opens the service's store (migrated) and bus.
     pub async fn open(&self, state: &StateArgs, credentials: TlsCredentials) -> Result<ServiceContext, StartError> {
@@ -55,7 +74,7 @@ impl ServiceSpec {
         shutdown: CancellationToken,
     ) -> Result<(), StartError> {
         let addr = listener.local_addr().ok();
-        let server = (self.build)(ctx).with_revocations(ctx.revocations.clone());
+        let server = (self.build)(ctx).with_revocations(ctx.revocations.clone()).with_readiness(ctx.readiness());
         tracing::info!(service = self.name, addr = ?addr, "serving");
         server.serve(listener, shutdown).await?;
         tracing::info!(service = self.name, "stopped");

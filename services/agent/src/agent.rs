@@ -13,6 +13,10 @@
 //!    `DATA_DIR/bundles` (clearing what a crash left half-done) and the lease
 //!    runner starts: it recovers what the node ran before, then runs what is
 //!    assigned to it (see [`crate::runner`] and [`crate::bundles`]).
+//! 5. With an egress service configured, the egress proxies start, every
+//!    replica is launched behind its tenant's proxy (and in its namespace,
+//!    where the host allows it), and the node follows its egress state (see
+//!    [`crate::egress`]).
 //!
 //! # Compute outlives the agent
 //! Stopping the agent (SIGTERM, or a crash) leaves every workload running; a
@@ -45,8 +49,11 @@ use tokio_util::sync::CancellationToken;
 use crate::api::AgentApi;
 use crate::backoff::Backoff;
 use crate::board::InstanceBoard;
-use crate::bundles::BundleStore;
+use crate::bundles::{BundleStore, GrpcPullCredentials, PullCredentials};
 use crate::config::AgentConfig;
+use crate::egress::{
+    EgressError, EgressFollower, EgressProvider, EgressProxies, EgressSettings, EgressStatus, GrpcNodeEgress,
+};
 use crate::heartbeat::{Heartbeater, Watches, trust_union};
 use crate::identity_dir::{IdentityDir, IdentityDirError, NodeIdentity};
 use crate::join::{self, JoinError};
@@ -123,6 +130,9 @@ pub enum AgentError {
     /// The channel to identity could not be built.
     #[error(transparent)]
     Client(berth_rpc::ClientError),
+    /// Egress enforcement could not be set up.
+    #[error("cannot start egress enforcement: {0}")]
+    Egress(#[source] EgressError),
     /// The bundle cache could not be opened.
     #[error("cannot open the bundle cache: {0}")]
     BundleCache(#[source] berth_bundle::CacheError),
@@ -161,6 +171,8 @@ pub struct AgentHandle {
     server: JoinHandle<Result<(), berth_rpc::RpcError>>,
     heartbeater: JoinHandle<Result<(), AgentError>>,
     runner: Option<RunnerHandle>,
+    egress: Option<EgressProxies>,
+    follower: Option<JoinHandle<()>>,
 }
 
 impl AgentHandle {
@@ -208,13 +220,19 @@ impl AgentHandle {
         }
     }
 
+    /// Where the node stands with egress (how it enforces it, the last state
+    /// applied); `None` without an egress service.
+    pub fn egress(&self) -> Option<watch::Receiver<EgressStatus>> {
+        self.egress.as_ref().map(EgressProxies::status)
+    }
+
     /// Waits until the agent stops: `Ok` after shutdown, or the error that
     /// stopped it (a revocation, a refused rejoin, a failed listener). When
     /// one part fails the other is stopped too; when the session fails for
     /// good while the node holds compute, this waits for that compute to be
     /// gone (or for shutdown) first.
     pub async fn wait(self) -> Result<(), AgentError> {
-        let AgentHandle { stop, mut server, mut heartbeater, runner, .. } = self;
+        let AgentHandle { stop, mut server, mut heartbeater, runner, egress, follower, .. } = self;
         let server_result = |joined: Result<Result<(), berth_rpc::RpcError>, tokio::task::JoinError>| {
             joined.map_err(|e| AgentError::Task(e.to_string())).and_then(|r| r.map_err(AgentError::Serve))
         };
@@ -240,6 +258,14 @@ impl AgentHandle {
             && let Err(error) = runner.task.await
         {
             tracing::error!(%error, "the lease runner failed");
+        }
+        if let Some(follower) = follower
+            && let Err(error) = follower.await
+        {
+            tracing::error!(%error, "the egress follower failed");
+        }
+        if let Some(egress) = egress {
+            egress.close().await;
         }
         first.and(second)
     }
@@ -324,15 +350,32 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     let watches = Watches { status: status_tx, session: session_tx, fences: fences_tx };
 
     let stop = shutdown.child_token();
+    let egress = match &config.egress {
+        Some(addr) => {
+            let settings = EgressSettings {
+                data_dir: dir.root().to_path_buf(),
+                isolation: config.egress_isolation,
+                timing: config.proxy_timing,
+            };
+            let proxies = EgressProxies::start(settings, stop.clone()).await.map_err(AgentError::Egress)?;
+            let api = GrpcNodeEgress::new(addr, credentials.clone(), config.timing.rpc_timeout)
+                .map_err(AgentError::Client)?;
+            Some((proxies, Arc::new(api)))
+        }
+        None => None,
+    };
     let board = InstanceBoard::default();
     let runner = match &config.leases {
         Some(addr) => {
             let timing = &config.lease_timing;
-            let provider: Arc<dyn Provider> = Arc::new(ProcessProvider::new(
+            let mut provider: Arc<dyn Provider> = Arc::new(ProcessProvider::new(
                 dir.root(),
                 ProcessTiming { stop_grace: timing.stop_grace, exit_poll: timing.exit_poll },
                 stop.clone(),
             ));
+            if let Some((proxies, _)) = &egress {
+                provider = Arc::new(EgressProvider::new(provider, proxies.clone()));
+            }
             let leases = GrpcNodeLeases::new(addr, credentials.clone(), config.timing.rpc_timeout)
                 .map_err(AgentError::Client)?;
             let settings = RunnerSettings {
@@ -341,10 +384,16 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
                 retry_max: config.timing.retry_max,
                 max_custody: config.max_custody,
             };
-            let bundles = open_bundles(&config, dir.root()).await?;
+            let bundles = open_bundles(&config, dir.root(), &credentials).await?;
             Some((provider, Arc::new(leases), bundles, settings))
         }
-        None => None,
+        None => {
+            if let Some((proxies, _)) = &egress {
+                // No runner, so no replicas to find again.
+                proxies.recovered().await;
+            }
+            None
+        }
     };
     let api = AgentApi {
         board: board.clone(),
@@ -364,15 +413,43 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
             shutdown: stop.clone(),
         })
     });
+    let follower = egress.as_ref().map(|(proxies, api)| {
+        let follower = EgressFollower {
+            api: api.clone(),
+            proxies: proxies.clone(),
+            session: session_rx.clone(),
+            backoff: Backoff::new(config.timing.retry_initial, config.timing.retry_max),
+            shutdown: stop.clone(),
+        };
+        tokio::spawn(follower.run())
+    });
+    let egress = egress.map(|(proxies, _)| proxies);
     let heartbeater = Heartbeater::new(config, dir, identity, credentials.clone(), watches, stop.clone())?;
     let server = tokio::spawn(crate::api::serve(listener, credentials.clone(), api, stop.clone()));
     let heartbeater = tokio::spawn(heartbeater.run());
-    Ok(AgentHandle { credentials, local_addr, status, session: session_rx, fences, stop, server, heartbeater, runner })
+    Ok(AgentHandle {
+        credentials,
+        local_addr,
+        status,
+        session: session_rx,
+        fences,
+        stop,
+        server,
+        heartbeater,
+        runner,
+        egress,
+        follower,
+    })
 }
 
 /// The node's bundles: the cache in `DATA_DIR/bundles`, pulling through the
-/// configured registries.
-async fn open_bundles(config: &AgentConfig, data_dir: &std::path::Path) -> Result<BundleStore, AgentError> {
+/// configured registries, with registry credentials from revisions when its
+/// address is configured.
+async fn open_bundles(
+    config: &AgentConfig,
+    data_dir: &std::path::Path,
+    credentials: &TlsCredentials,
+) -> Result<BundleStore, AgentError> {
     let registries = RegistryConfig {
         insecure_registries: config.insecure_registries.clone(),
         ca_pem: config.registry_ca_pem.clone(),
@@ -381,7 +458,14 @@ async fn open_bundles(config: &AgentConfig, data_dir: &std::path::Path) -> Resul
     let client = BundleClient::new(registries).map_err(|e| AgentError::Config(format!("registry_ca_pem: {e}")))?;
     let options = CacheOptions { budget_bytes: config.bundle_cache_budget, ..CacheOptions::default() };
     let cache = BundleCache::open(data_dir.join(BUNDLE_CACHE_DIR), options).await.map_err(AgentError::BundleCache)?;
-    Ok(BundleStore::new(cache, client))
+    let pull_credentials = match &config.revisions {
+        Some(addr) => Some(Arc::new(
+            GrpcPullCredentials::new(addr, credentials.clone(), config.timing.rpc_timeout)
+                .map_err(AgentError::Client)?,
+        ) as Arc<dyn PullCredentials>),
+        None => None,
+    };
+    Ok(BundleStore::with_credentials(cache, client, pull_credentials))
 }
 
 async fn join_first(

@@ -30,9 +30,16 @@
 //! else is checked against the registry again.
 //!
 //! # Credentials
-//! A lease names registry credentials by `secret`, and nodes hold none yet:
-//! every pull is anonymous, and a registry that wants credentials fails the
-//! lease as `BundleUnauthorized`, naming the secret.
+//! A lease names registry credentials by `secret`; nodes hold none. When a
+//! pull of such a lease needs the registry, the node asks revisions for
+//! them for that lease ([`PullCredentials`], see `credentials`), uses them
+//! for that pull alone, only with the registry revisions names (which must
+//! be the lease's), and only before they expire. A lease without a secret
+//! pulls anonymously, and so does one on a node with no revisions address
+//! configured. Every way this fails fails the launch with a reason a user
+//! can match on: `BundleUnauthorized` when revisions refuses, when the
+//! registry refuses what was sent (or, with no revisions address, wants
+//! credentials); `BundleUnavailable` when revisions cannot be reached.
 //!
 //! # Running a bundle
 //! - The program is the bundle's entrypoint, or the lease's `command` when it
@@ -54,6 +61,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Component, Path};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::SystemTime;
 
 use berth_bundle::{
     BundleCache, BundleClient, BundleDefinition, BundleReference, CacheError, Digest, ReadyBundle, RegistryCredentials,
@@ -61,7 +69,11 @@ use berth_bundle::{
 };
 use berth_proto::leases::v1::Lease;
 
+use self::credentials::CredentialsError;
+pub(crate) use self::credentials::{GrpcPullCredentials, PullCredentials};
 use crate::provider::LaunchSpec;
+
+mod credentials;
 
 /// The variable naming the extracted bundle's directory.
 pub(crate) const BUNDLE_DIR_VAR: &str = "BERTH_BUNDLE_DIR";
@@ -108,11 +120,8 @@ pub(crate) enum BundleError {
         #[source]
         source: Box<RegistryError>,
     },
-    /// The registry wants credentials the node does not hold.
-    #[error(
-        "cannot pull bundle {digest} from {reference}: the registry wants the credentials `{secret}`, \
-         and nodes hold no registry credentials; make the repository readable without them"
-    )]
+    /// The registry credentials the lease names could not be had.
+    #[error("cannot pull bundle {digest} from {reference}: Unauthorized: the credentials `{secret}`: {why}")]
     Credentials {
         /// The bundle.
         digest: Digest,
@@ -120,6 +129,10 @@ pub(crate) enum BundleError {
         reference: String,
         /// The credentials the lease names.
         secret: String,
+        /// Why they could not be had.
+        why: String,
+        /// Whether asking again later may succeed.
+        transient: bool,
     },
     /// The program to run is not in the bundle, or leads out of it.
     #[error("bundle {digest}: {field} `{path}` {reason}")]
@@ -145,6 +158,7 @@ impl BundleError {
             BundleError::InvalidReference { .. } => "BundleInvalid",
             BundleError::Pull { source, .. } => cache_reason(source),
             BundleError::Access { source, .. } => registry_reason(source),
+            BundleError::Credentials { transient: true, .. } => "BundleUnavailable",
             BundleError::Credentials { .. } => "BundleUnauthorized",
             BundleError::Program { field: "command", .. } => "InvalidCommand",
             BundleError::Program { .. } => "BundleInvalid",
@@ -182,6 +196,8 @@ fn registry_reason(error: &RegistryError) -> &'static str {
 /// What a bundle lease asks of the node's bundles.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct BundleAsk {
+    /// The lease, by which revisions hands out its registry credentials.
+    pub(crate) lease_id: String,
     /// The tenant.
     pub(crate) project: String,
     /// The service, when the lease is a replica of one.
@@ -204,6 +220,7 @@ impl BundleAsk {
         let workload = lease.workload.as_ref()?;
         let bundle = workload.bundle.as_ref()?;
         Some(Self {
+            lease_id: lease.lease_id.clone(),
             project: lease.project.clone(),
             service: workload.service.clone(),
             revision: workload.revision.clone(),
@@ -243,6 +260,9 @@ pub(crate) struct BundleStore {
 struct StoreInner {
     cache: BundleCache,
     client: BundleClient,
+    /// Where registry credentials come from; `None` when no revisions
+    /// address is configured.
+    credentials: Option<Arc<dyn PullCredentials>>,
     tenants: Mutex<HashMap<String, Tenant>>,
     /// One fetch per digest at a time: a second lease of a digest being
     /// pulled waits for the first, then finds it in the cache.
@@ -264,12 +284,25 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl BundleStore {
-    /// A store over `cache`, pulling with `client`.
+    /// A store over `cache`, pulling with `client`, with no way to registry
+    /// credentials.
+    #[cfg(test)]
     pub(crate) fn new(cache: BundleCache, client: BundleClient) -> Self {
+        Self::with_credentials(cache, client, None)
+    }
+
+    /// A store over `cache`, pulling with `client` and, for leases that
+    /// name registry credentials, with what `credentials` hands out.
+    pub(crate) fn with_credentials(
+        cache: BundleCache,
+        client: BundleClient,
+        credentials: Option<Arc<dyn PullCredentials>>,
+    ) -> Self {
         Self {
             inner: Arc::new(StoreInner {
                 cache,
                 client,
+                credentials,
                 tenants: Mutex::new(HashMap::new()),
                 turns: Mutex::new(HashMap::new()),
             }),
@@ -317,15 +350,13 @@ impl BundleStore {
             }
             _ => self.inner.client.clone(),
         };
-        let credentials = RegistryCredentials::Anonymous;
         let shown = reference.to_string();
+        let credentials = self.credentials(ask, &digest, &reference).await?;
         let ready = match self.inner.cache.get(&digest).await.map_err(cache_error)? {
             Some(ready) => {
                 // Another tenant brought it here: this one shows it may read it.
                 client.inspect(&reference, &credentials).await.map_err(|source| match source {
-                    RegistryError::Unauthorized { .. } if !ask.secret.is_empty() => {
-                        credentials_error(ask, &digest, &shown)
-                    }
+                    RegistryError::Unauthorized { .. } if self.no_way_to(ask) => no_revisions(ask, &digest, &shown),
                     source => BundleError::Access {
                         digest: digest.clone(),
                         reference: shown.clone(),
@@ -335,18 +366,69 @@ impl BundleStore {
                 ready
             }
             None => self.inner.cache.pull(&client, &reference, &credentials).await.map_err(|source| match source {
-                CacheError::Fetch(RegistryError::Unauthorized { .. }) if !ask.secret.is_empty() => {
-                    credentials_error(ask, &digest, &shown)
+                CacheError::Fetch(RegistryError::Unauthorized { .. }) if self.no_way_to(ask) => {
+                    no_revisions(ask, &digest, &shown)
                 }
                 source => {
                     BundleError::Pull { digest: digest.clone(), reference: shown.clone(), source: Box::new(source) }
                 }
             })?,
         };
+        drop(credentials);
         self.remember(&ask.project, &ask.service, &ask.revision, &digest);
         tracing::info!(project = %tenant_name(&ask.project), service = %ask.service, revision = %ask.revision,
             %digest, root = %ready.definition().root.display(), "bundle ready");
         Ok(ready)
+    }
+
+    /// What to send the registry for `ask`'s pull of `reference`:
+    /// nothing for a lease that names no credentials (or a layout
+    /// directory), else what revisions hands out for the lease (see the
+    /// module docs).
+    async fn credentials(
+        &self,
+        ask: &BundleAsk,
+        digest: &Digest,
+        reference: &BundleReference,
+    ) -> Result<RegistryCredentials, BundleError> {
+        let BundleReference::Registry(registry) = reference else { return Ok(RegistryCredentials::Anonymous) };
+        if ask.secret.is_empty() {
+            return Ok(RegistryCredentials::Anonymous);
+        }
+        let refuse = |why: String, transient: bool| BundleError::Credentials {
+            digest: digest.clone(),
+            reference: reference.to_string(),
+            secret: ask.secret.clone(),
+            why,
+            transient,
+        };
+        // With nowhere to ask, try without: the registry may not want them.
+        let Some(source) = &self.inner.credentials else { return Ok(RegistryCredentials::Anonymous) };
+        let issued = source
+            .fetch(&ask.lease_id)
+            .await
+            .map_err(|error| refuse(error.to_string(), matches!(error, CredentialsError::Unavailable(_))))?;
+        if !issued.registry.eq_ignore_ascii_case(registry.registry()) {
+            return Err(refuse(
+                format!(
+                    "revisions gave them for registry {}, not {}; they were not sent",
+                    issued.registry,
+                    registry.registry()
+                ),
+                false,
+            ));
+        }
+        if issued.expires_at <= SystemTime::now() {
+            return Err(refuse("revisions gave them already expired".into(), true));
+        }
+        tracing::debug!(lease = %ask.lease_id, secret = %ask.secret, registry = %issued.registry,
+            "pulling with registry credentials from revisions");
+        Ok(issued.credentials)
+    }
+
+    /// Whether `ask` names credentials this node has nowhere to ask for.
+    fn no_way_to(&self, ask: &BundleAsk) -> bool {
+        !ask.secret.is_empty() && self.inner.credentials.is_none()
     }
 
     /// Pins the bundle of a workload found running after a restart, and
@@ -435,8 +517,16 @@ fn cache_error(error: CacheError) -> BundleError {
     BundleError::Cache(Box::new(error))
 }
 
-fn credentials_error(ask: &BundleAsk, digest: &Digest, reference: &str) -> BundleError {
-    BundleError::Credentials { digest: digest.clone(), reference: reference.to_string(), secret: ask.secret.clone() }
+fn no_revisions(ask: &BundleAsk, digest: &Digest, reference: &str) -> BundleError {
+    BundleError::Credentials {
+        digest: digest.clone(),
+        reference: reference.to_string(),
+        secret: ask.secret.clone(),
+        why: "the registry wants them, and this node has no revisions address to ask for them \
+              (--revisions-addr, BERTH_REVISIONS_ADDR)"
+            .to_string(),
+        transient: false,
+    }
 }
 
 fn tenant_name(project: &str) -> &str {

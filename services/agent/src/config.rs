@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::egress::{EgressIsolation, ProxyTiming};
 use crate::host::Capacity;
 
 /// The first wait after a failed call to the control plane.
@@ -144,6 +145,10 @@ pub struct AgentConfig {
     pub timing: AgentTiming,
     /// The leases service, `host:port`; with none, the node runs no leases.
     pub leases: Option<String>,
+    /// The revisions service, `host:port`, asked for the registry
+    /// credentials of leases whose bundle names some; with none, such
+    /// bundles are pulled anonymously.
+    pub revisions: Option<String>,
     /// The lease runner's timings.
     pub lease_timing: LeaseTiming,
     /// How long compute may be held in custody (after the node's session
@@ -159,6 +164,15 @@ pub struct AgentConfig {
     /// PEM certificates of a private registry's CA, trusted beside the
     /// system roots.
     pub registry_ca_pem: Option<String>,
+    /// The egress service, `host:port`; with it every replica reaches the
+    /// network only through its tenant's egress proxy, and with none
+    /// replicas are not held to any egress plan.
+    pub egress: Option<String>,
+    /// Whether replicas run in their tenant's network namespace (with an
+    /// egress service configured).
+    pub egress_isolation: EgressIsolation,
+    /// The egress proxy's timings.
+    pub proxy_timing: ProxyTiming,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -176,10 +190,14 @@ impl std::fmt::Debug for AgentConfig {
             .field("version", &self.version)
             .field("timing", &self.timing)
             .field("leases", &self.leases)
+            .field("revisions", &self.revisions)
             .field("lease_timing", &self.lease_timing)
             .field("max_custody", &self.max_custody)
             .field("bundle_cache_budget", &self.bundle_cache_budget)
             .field("insecure_registries", &self.insecure_registries)
+            .field("egress", &self.egress)
+            .field("egress_isolation", &self.egress_isolation)
+            .field("proxy_timing", &self.proxy_timing)
             .finish_non_exhaustive()
     }
 }
@@ -209,11 +227,15 @@ impl AgentConfig {
             version: env!("CARGO_PKG_VERSION").to_string(),
             timing: AgentTiming::default(),
             leases: None,
+            revisions: None,
             lease_timing: LeaseTiming::default(),
             max_custody: None,
             bundle_cache_budget: DEFAULT_BUNDLE_CACHE_BUDGET,
             insecure_registries: Vec::new(),
             registry_ca_pem: None,
+            egress: None,
+            egress_isolation: EgressIsolation::default(),
+            proxy_timing: ProxyTiming::default(),
         }
     }
 
@@ -235,6 +257,9 @@ impl AgentConfig {
         }
         if self.leases.as_deref().is_some_and(|addr| addr.trim().is_empty()) {
             return Err("leases: the leases service address must be host:port, or not given at all".into());
+        }
+        if self.egress.as_deref().is_some_and(|addr| addr.trim().is_empty()) {
+            return Err("egress: the egress service address must be host:port, or not given at all".into());
         }
         if self.lease_timing.sweep_interval.is_zero() || self.lease_timing.renew_interval.is_zero() {
             return Err("lease_timing: the sweep and renew intervals must be positive".into());

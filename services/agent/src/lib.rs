@@ -4,7 +4,9 @@
 //! when its session is fenced, runs the leases assigned to the node through
 //! a [`Provider`] (pulling their bundles by digest into a verified cache, and
 //! giving each workload a port of its own), and serves `berth.agent.v1.Agent`
-//! on the node certificate.
+//! on the node certificate. With an egress service configured, every
+//! replica reaches the network only through its tenant's egress proxy (see
+//! [`EgressProxies`]), which follows the plans the egress service pushes.
 //!
 //! # Expected flow
 //! [`start`] joins with a token, or resumes the identity kept in the data
@@ -29,6 +31,7 @@ mod backoff;
 mod board;
 mod bundles;
 mod config;
+mod egress;
 mod heartbeat;
 mod host;
 mod identity_dir;
@@ -48,6 +51,10 @@ pub use config::{
     AgentConfig, AgentTiming, DEFAULT_BUNDLE_CACHE_BUDGET, DEFAULT_LOG_POLL, DEFAULT_MAX_HEARTBEAT_INTERVAL,
     DEFAULT_MIN_HEARTBEAT_INTERVAL, DEFAULT_RENEW_INTERVAL, DEFAULT_RETAIN_FINISHED, DEFAULT_RETRY_INITIAL,
     DEFAULT_RETRY_MAX, DEFAULT_RPC_TIMEOUT, DEFAULT_SWEEP_INTERVAL, LeaseTiming,
+};
+pub use egress::{
+    Attachment, DEFAULT_PROXY_CONNECT_TIMEOUT, DEFAULT_PROXY_HEAD_TIMEOUT, EgressError, EgressIsolation, EgressProxies,
+    EgressSettings, EgressStatus, Enforcement, NamespaceError, ProxyTiming, RulesError,
 };
 pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;

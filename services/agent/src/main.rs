@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use berth_agent::{AgentConfig, AgentError, Capacity};
+use berth_agent::{AgentConfig, AgentError, Capacity, EgressIsolation};
 use berth_runtime::{StartError, TelemetryArgs, parse_duration, run_main};
 use clap::Parser;
 
@@ -67,6 +67,24 @@ struct Args {
     /// runs no leases.
     #[arg(long, env = "BERTH_LEASES_ADDR", value_name = "HOST:PORT")]
     leases_addr: Option<String>,
+    /// The revisions service, asked for the registry credentials of a
+    /// lease whose bundle names some. Without it, such bundles are pulled
+    /// anonymously.
+    #[arg(long, env = "BERTH_REVISIONS_ADDR", value_name = "HOST:PORT")]
+    revisions_addr: Option<String>,
+    /// The egress service to follow the node's egress plans from. With it,
+    /// every replica reaches the network only through its tenant's egress
+    /// proxy; without it, replicas are not held to any egress plan.
+    #[arg(long, env = "BERTH_EGRESS_ADDR", value_name = "HOST:PORT")]
+    egress_addr: Option<String>,
+    /// Whether replicas run in their tenant's network namespace, whose only
+    /// way out is the tenant's egress proxy: `auto` where the host allows it
+    /// (root on Linux, with `ip`), `required` to refuse to start otherwise,
+    /// `off` to only point replicas at the proxy. Without isolation the node
+    /// reports its egress enforcement as advisory.
+    #[arg(long, env = "BERTH_EGRESS_ISOLATION", value_name = "MODE", default_value = "auto",
+        value_parser = str::parse::<EgressIsolation>)]
+    egress_isolation: EgressIsolation,
     /// How long a workload may run in custody (after the node's session
     /// ended, or after a restart, until the leases service confirms it)
     /// before it is destroyed, e.g. 10m. Unset holds it until the leases
@@ -161,6 +179,9 @@ impl Args {
         config.name = name;
         config.labels = self.labels.into_iter().collect::<BTreeMap<_, _>>();
         config.leases = self.leases_addr.filter(|addr| !addr.trim().is_empty());
+        config.revisions = self.revisions_addr.filter(|addr| !addr.trim().is_empty());
+        config.egress = self.egress_addr.filter(|addr| !addr.trim().is_empty());
+        config.egress_isolation = self.egress_isolation;
         config.max_custody = self.max_custody;
         config.lease_timing.stop_grace = self.stop_grace;
         config.lease_timing.sweep_interval = self.sweep_interval;

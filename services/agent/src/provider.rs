@@ -214,6 +214,15 @@ pub enum ProviderError {
         /// Why.
         detail: String,
     },
+    /// The replica's egress (its tenant's proxy, its network namespace)
+    /// could not be prepared.
+    #[error("cannot prepare egress for lease {lease_id}: {detail}")]
+    Egress {
+        /// The lease.
+        lease_id: String,
+        /// Why.
+        detail: String,
+    },
     /// The program could not be started.
     #[error("cannot start '{command}': {source}")]
     Spawn {
@@ -278,6 +287,7 @@ impl ProviderError {
             ProviderError::Unsupported(_) => "Unsupported",
             ProviderError::InvalidLeaseId(_) => "InvalidLease",
             ProviderError::Spawn { .. } => "StartFailed",
+            ProviderError::Egress { .. } => "EgressUnavailable",
             _ => "NodeError",
         }
     }

@@ -61,6 +61,11 @@ pub(crate) struct DevArgs {
     /// Address every port is bound on.
     #[arg(long, env = "BERTH_DEV_HOST", default_value = "127.0.0.1", value_name = "IP")]
     host: IpAddr,
+    /// A JSON file of named registry credentials that templates name with
+    /// `bundle.secret` (the format of berth-revisions' flag of this name);
+    /// revisions resolves with them and the dev node pulls with them.
+    #[arg(long, env = "BERTH_REGISTRY_CREDENTIALS", value_name = "FILE")]
+    registry_credentials: Option<PathBuf>,
 }
 
 pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
@@ -68,6 +73,11 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     std::fs::create_dir_all(dir).map_err(|source| io("cannot create data directory", dir, source))?;
     probe_writable(dir)?;
     let secret = load_or_create_secret(dir)?;
+    let registry_secrets = match &args.registry_credentials {
+        Some(path) => berth_revisions::RegistrySecrets::from_file(path)
+            .map_err(|e| StartError::Invalid(format!("--registry-credentials: {e}")))?,
+        None => berth_revisions::RegistrySecrets::none(),
+    };
 
     // One in-process bus shared the way services share one Redis: each
     // service under its own prefix.
@@ -83,6 +93,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         authority: berth_identity::AuthorityTiming::default(),
         node_cert_ttl: Duration::from_secs(3600),
     };
+    let identity_readiness = berth_runtime::store_readiness(&identity_store);
     let identity = IdentityService::open(identity_store, identity_bus, config).await.map_err(authority_error)?;
     let authority = identity.authority().clone();
     let bundle = authority.bundle_pem().await.map_err(authority_error)?;
@@ -99,7 +110,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     let listener = bind(SocketAddr::new(args.host, args.port_base), me.credentials.clone()).await?;
     identity.spawn_loops(&shutdown);
     let stop = shutdown.clone();
-    let server = identity.server();
+    let server = identity.server().with_readiness(identity_readiness);
     servers.spawn(async move { Ok(server.serve(listener, stop).await?) });
     kept.push(me);
 
@@ -128,8 +139,18 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
             // Control plane and node share this machine, so oci: layout
             // directories work as bundle sources here.
             let policy = berth_revisions::RegistryPolicy { insecure_registries: Vec::new(), allow_layouts: true };
-            let server =
-                berth_revisions::server_with_leases(&ctx, &leases, policy)?.with_revocations(ctx.revocations.clone());
+            let server = berth_revisions::server_with_leases(&ctx, &leases, policy, registry_secrets.clone())?
+                .with_revocations(ctx.revocations.clone())
+                .with_readiness(ctx.readiness());
+            servers.spawn(async move { Ok(server.serve(listener, stop).await?) });
+        } else if spec.name == berth_egress::NAME {
+            // Egress follows revisions (services' selections) and leases
+            // (which tenants each node hosts), the two ports below it.
+            let revisions = SocketAddr::new(dial_host, args.port_base + 1).to_string();
+            let leases = SocketAddr::new(dial_host, args.port_base + 2).to_string();
+            let server = berth_egress::server_with_sources(&ctx, &revisions, &leases)?
+                .with_revocations(ctx.revocations.clone())
+                .with_readiness(ctx.readiness());
             servers.spawn(async move { Ok(server.serve(listener, stop).await?) });
         } else {
             servers.spawn(async move { spec.serve(&ctx, listener, stop).await });
@@ -155,6 +176,10 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     agent.join_token = join_token;
     agent.name = DEV_NODE.to_string();
     agent.leases = Some(SocketAddr::new(dial_host, args.port_base + 2).to_string());
+    agent.revisions = Some(SocketAddr::new(dial_host, args.port_base + 1).to_string());
+    // Every replica reaches out only through its tenant's egress proxy,
+    // held to the plan the egress service (three above identity) sends.
+    agent.egress = Some(SocketAddr::new(dial_host, args.port_base + 3).to_string());
     let agent = berth_agent::start(agent, shutdown.clone())
         .await
         .map_err(|e| StartError::Invalid(format!("dev agent: {e}")))?;

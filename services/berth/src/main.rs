@@ -34,6 +34,12 @@ enum Command {
     Node(cli::NodeArgs),
     /// Issue admin and service certificates.
     Cert(cli::CertArgs),
+    /// Make a mesh's CA (in identity's database) and write its CA bundle,
+    /// an admin and the service certificates, before the services first start.
+    Bootstrap(cli::BootstrapArgs),
+    /// Ask one berth process whether it serves (grpc.health.v1 over TLS);
+    /// exit 0 when it does: for container health checks and exec probes.
+    Health(cli::HealthArgs),
     /// Ask for compute to run a command, and list, inspect and release leases.
     Lease(cli::LeaseArgs),
     /// Show what each node offers to leases and how much of it is reserved.
@@ -41,6 +47,9 @@ enum Command {
     /// Declare services and show them, pin their traffic, redeploy them:
     /// `berth service apply -f service.json --name hello --wait`.
     Service(cli::ServiceArgs),
+    /// Declare each tenant's egress gateways and routes, and show the plan
+    /// compiled from them: `berth egress route apply -f route.json`.
+    Egress(cli::EgressArgs),
     /// List and show the revisions minted from a service.
     Revision(cli::RevisionArgs),
     /// Print a lease's output, fetched from its node; `-f` follows it.
@@ -59,16 +68,23 @@ fn main() -> ExitCode {
         // Tables and JSON on stdout; only problems on stderr.
         cli.telemetry.default_log_filter = Some("warn");
     }
+    if matches!(cli.command, Command::Health(_)) {
+        // A probe every few seconds exports no traces of itself.
+        cli.telemetry.otlp_endpoint = None;
+    }
     run_main("berth", &cli.telemetry, || async {
         match cli.command {
             Command::Dev(args) => dev::run(args).await,
             Command::Token(args) => args.run().await,
             Command::Node(args) => args.run().await,
             Command::Cert(args) => args.run().await,
+            Command::Bootstrap(args) => args.run().await,
+            Command::Health(args) => args.run().await,
             Command::Lease(args) => args.run().await,
             Command::Capacity(args) => args.run().await,
             Command::Service(args) => args.run().await,
             Command::Revision(args) => args.run().await,
+            Command::Egress(args) => args.run().await,
             Command::Logs(args) => args.run().await,
             Command::Bench(args) => args.run().await,
             Command::Bundle(args) => args.run().await,

@@ -495,7 +495,7 @@ fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts
 }
 
 #[test]
-fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
+fn node_rpcs_refuse_the_admin_and_egress_serves_it() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
     let base = common::free_port_base();
@@ -509,8 +509,11 @@ fn unbuilt_rpc_answers_unimplemented_and_node_rpcs_refuse_the_admin() {
 
     let out = run(format!("127.0.0.1:{}", base + 3), "berth.egress.v1.Egress/ListGateways");
     let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let out = run(format!("127.0.0.1:{}", base + 3), "berth.egress.v1.NodeEgress/WatchEgress");
+    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success());
-    assert!(text.contains("Unimplemented"), "{text}");
+    assert!(text.contains("PermissionDenied"), "{text}");
     drop(dev);
 }
 

@@ -1,6 +1,7 @@
 //! The service CLI end to end: the real `berth` binary deploys the hello
-//! example from an OCI layout onto a real `berth dev`, and the tests read
-//! what the commands print and what the replicas answer over HTTP.
+//! example from an OCI layout, or from a real registry behind htpasswd,
+//! onto a real `berth dev`, and the tests read what the commands print and
+//! what the replicas answer over HTTP.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 #![allow(clippy::disallowed_methods, reason = "these tests drive processes from plain threads, not a runtime")]
@@ -8,10 +9,12 @@
 mod common;
 
 use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use berth_bundle::testing::TestRegistry;
 use serde_json::Value;
 
 /// How long the dev node may take to join and be offered to leases.
@@ -36,8 +39,14 @@ impl Dev {
     /// Starts `berth dev` and waits until its node is UP in the ledger, so
     /// replicas can be placed on it.
     fn start(dir: &Path) -> Dev {
+        Dev::start_with(dir, &[])
+    }
+
+    /// Like [`Dev::start`], with `extra` flags for `berth dev`.
+    fn start_with(dir: &Path, extra: &[&str]) -> Dev {
         let base = common::free_port_base();
-        let child = common::spawn_dev(dir, base);
+        let child =
+            if extra.is_empty() { common::spawn_dev(dir, base) } else { common::spawn_dev_with(dir, base, extra) };
         let dev = Dev { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}") };
         poll(READY_DEADLINE, "the dev node is UP in the ledger", || {
             let listed = dev.berth(&["capacity", "-o", "json"]);
@@ -291,19 +300,263 @@ fn the_example_deploys_in_one_apply_and_rolls_forward_and_back() {
 fn a_bad_spec_is_one_error_naming_the_field() {
     let tmp = tempfile::tempdir().unwrap();
     let spec = tmp.path().join("bad.json");
-    let cases: [(&str, &[&str], &str); 4] = [
-        (r#"{"name": "x", "template": {"replicaz": 2}}"#, &[], "template.replicaz: unknown field"),
-        (r#"{"replicas": 2}"#, &[], "name: missing"),
-        (r#"{"replicas": "two"}"#, &["--name", "x"], "replicas: must be a whole number, not the string \"two\""),
-        ("replicas: 2\n", &["--name", "x"], "only JSON specs are read"),
+    let yaml = tmp.path().join("bad.yaml");
+    let cases: [(&Path, &str, &[&str], &str); 7] = [
+        (&spec, r#"{"name": "x", "template": {"replicaz": 2}}"#, &[], "template.replicaz: unknown field"),
+        (&spec, r#"{"replicas": 2}"#, &[], "name: missing"),
+        (&spec, r#"{"replicas": "two"}"#, &["--name", "x"], "replicas: must be a whole number, not the string \"two\""),
+        (&spec, "replicas: 2\n", &["--name", "x"], "name a YAML spec .yaml or .yml"),
+        (&yaml, "name: x\ntemplate:\n  replicaz: 2\n", &[], "template.replicaz: unknown field"),
+        (&yaml, "replicas: two\n", &["--name", "x"], "replicas: must be a whole number, not the string \"two\""),
+        (&yaml, "name: x\ntemplate:\n  replicas: [2\n  ports: []\n", &[], "line 4"),
     ];
-    for (text, flags, expected) in cases {
-        std::fs::write(&spec, text).unwrap();
-        let args = [&["service", "apply", "-f", spec.to_str().unwrap()][..], flags].concat();
+    for (file, text, flags, expected) in cases {
+        std::fs::write(file, text).unwrap();
+        let args = [&["service", "apply", "-f", file.to_str().unwrap()][..], flags].concat();
         let line = run(berth_command(&args), COMMAND_DEADLINE).error_line();
         assert!(line.contains(expected), "{text}: {line}");
-        assert!(line.contains(spec.to_str().unwrap()), "the file is named: {line}");
+        assert!(line.contains(file.to_str().unwrap()), "the file is named: {line}");
     }
     let usage = run(berth_command(&["service", "apply", "--name", "x"]), COMMAND_DEADLINE);
     assert_eq!(usage.code, Some(2), "no -f is a usage error: {usage:?}");
+}
+
+/// The processes whose working directory is under `dir`: a node's replicas
+/// work in directories under its data directory.
+fn processes_in(dir: &Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            let cwd = std::fs::read_link(entry.path().join("cwd")).ok()?;
+            cwd.starts_with(dir).then_some(pid)
+        })
+        .collect()
+}
+
+#[test]
+fn a_private_bundle_runs_with_the_credentials_revisions_holds_and_fails_unauthorized_without() {
+    const USER: &str = "ci";
+    const PASSWORD: &str = "pull-s3cret";
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = runtime.block_on(TestRegistry::start_with_htpasswd(USER, PASSWORD)).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let example = example();
+    let reference = registry.reference("team/hello:v1");
+
+    // The registry takes nobody without credentials, pushes included.
+    let refused = run(berth_command(&["bundle", "push", example.to_str().unwrap(), &reference]), COMMAND_DEADLINE);
+    assert_eq!(refused.code, Some(1), "{refused:?}");
+    let pushed = run(
+        berth_command(&[
+            "bundle",
+            "push",
+            example.to_str().unwrap(),
+            &reference,
+            "--username",
+            USER,
+            "--password",
+            PASSWORD,
+            "-o",
+            "json",
+        ]),
+        COMMAND_DEADLINE,
+    );
+    assert_eq!(pushed.code, Some(0), "{pushed:?}");
+    let digest = serde_json::from_str::<Value>(&pushed.stdout).unwrap()["digest"].as_str().unwrap().to_string();
+
+    let credentials = tmp.path().join("registry-credentials.json");
+    let file = serde_json::json!({"team": {"registry": registry.host(), "username": USER, "password": PASSWORD}});
+    std::fs::write(&credentials, file.to_string()).unwrap();
+    let data = tmp.path().join("data");
+    let dev = Dev::start_with(&data, &["--registry-credentials", credentials.to_str().unwrap()]);
+
+    // The bundle pinned by digest and naming no credentials needs no
+    // registry to mint, and the node's anonymous pull is refused.
+    let anonymous = tmp.path().join("anonymous.json");
+    write_template(&anonymous, &format!("{}/team/hello@{digest}", registry.host()), &[]);
+    let failed = dev.berth(&["service", "apply", "-f", anonymous.to_str().unwrap(), "--name", "anonymous", "--wait"]);
+    let line = failed.error_line();
+    assert!(line.contains("anonymous-00001") && line.contains("BundleUnauthorized"), "{line}");
+    assert!(line.contains("unauthorized at"), "{line}");
+
+    // A YAML declaration naming the credentials: the tag resolves, the node
+    // pulls with them, and the replica answers.
+    let spec = tmp.path().join("private.yaml");
+    std::fs::write(
+        &spec,
+        format!(
+            "name: private\ntemplate:\n  bundle:\n    reference: {reference}\n    secret: team\n  replicas: 1\n  \
+             ports:\n    - name: http\n      port: 8080\n  resources:\n    cpu_millis: 100\n    \
+             memory_bytes: 67108864\n"
+        ),
+    )
+    .unwrap();
+    let applied = dev.ok(&["service", "apply", "-f", spec.to_str().unwrap(), "--wait"]);
+    assert!(applied.contains("private-00001 is live, 1 of 1 replicas running"), "{applied}");
+    let revision = dev.json(&["revision", "get", "private-00001"]);
+    assert_eq!(revision["revision"]["digest"], digest.as_str(), "{revision}");
+    let shown = dev.json(&["service", "get", "private"]);
+    let port = shown["replicas"][0]["port"].as_u64().unwrap();
+    let answer = poll(Duration::from_secs(10), "the private replica answers", || {
+        http_get(port, "/").ok_or_else(|| "no answer".to_string())
+    });
+    assert_eq!(answer, "hello from private-00001\n");
+
+    // Deleting the services releases the replica, and the node stops it.
+    dev.ok(&["service", "delete", "private"]);
+    dev.ok(&["service", "delete", "anonymous"]);
+    let agent = data.join("agent");
+    poll(Duration::from_secs(30), "the replicas stopped", || {
+        let left = processes_in(&agent);
+        if left.is_empty() { Ok(()) } else { Err(format!("{left:?}")) }
+    });
+}
+
+/// A workload that fetches `?url=` as an ordinary HTTP client would (urllib
+/// honours the proxy variables the node sets) and answers with the status
+/// and body it got, so the test sees what the replica saw.
+const FETCHER: &str = r#"#!/usr/bin/env python3
+import http.server, os, urllib.error, urllib.parse, urllib.request
+
+class Fetch(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        url = query["url"][0]
+        # ?direct=1 ignores the proxy variables, as a careless program would.
+        handlers = [urllib.request.ProxyHandler({})] if "direct" in query else []
+        try:
+            with urllib.request.build_opener(*handlers).open(url, timeout=5) as answer:
+                status, body = answer.status, answer.read()
+        except urllib.error.HTTPError as refused:
+            status, body = refused.code, refused.read()
+        except Exception as failed:
+            status, body = 599, str(failed).encode()
+        out = b"%d " % status + body
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+http.server.ThreadingHTTPServer(("", int(os.environ["PORT"])), Fetch).serve_forever()
+"#;
+
+/// An HTTP origin on `127.0.0.2` (a loopback address the proxy variables do
+/// not exempt) answering every request with `body`; returns its port.
+fn origin(body: &'static str) -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut head = [0u8; 4096];
+            let _ = stream.read(&mut head);
+            let _ =
+                write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+        }
+    });
+    port
+}
+
+#[test]
+fn a_replica_reaches_only_what_its_egress_routes_allow_and_an_edit_applies_without_a_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (allowed, other) = (origin("allowed origin"), origin("other origin"));
+
+    let bundle = tmp.path().join("fetcher");
+    std::fs::create_dir_all(&bundle).unwrap();
+    std::fs::write(bundle.join("fetch.py"), FETCHER).unwrap();
+    std::fs::set_permissions(bundle.join("fetch.py"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(bundle.join("berth.toml"), "entrypoint = \"fetch.py\"\n\n[[ports]]\nname = \"http\"\nport = 8080\n")
+        .unwrap();
+    let reference = format!("oci:{}:fetcher", tmp.path().join("oci").display());
+    let push = run(berth_command(&["bundle", "push", bundle.to_str().unwrap(), &reference]), COMMAND_DEADLINE);
+    assert_eq!(push.code, Some(0), "{push:?}");
+
+    let dev = Dev::start(&tmp.path().join("data"));
+    let write = |name: &str, value: Value| {
+        let path = tmp.path().join(name);
+        std::fs::write(&path, value.to_string()).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let gateway = write(
+        "gateway.json",
+        serde_json::json!({"name": "default", "listeners": [{"name": "http", "protocol": "HTTP", "port": 3128}]}),
+    );
+    dev.ok(&["egress", "gateway", "apply", "-f", &gateway]);
+    let route = |ports: &[u16]| {
+        serde_json::json!({
+            "name": "origins",
+            "parent_refs": [{"gateway": "default", "listener": "http"}],
+            "hostnames": ["127.0.0.2"],
+            "ports": ports,
+        })
+    };
+    let only_allowed = write("route.json", route(&[allowed]));
+    dev.ok(&["egress", "route", "apply", "-f", &only_allowed]);
+
+    let spec = write(
+        "service.json",
+        serde_json::json!({
+            "bundle": {"reference": reference},
+            "replicas": 1,
+            "ports": [{"name": "http", "port": 8080}],
+            "resources": {"cpu_millis": 100, "memory_bytes": 67_108_864},
+        }),
+    );
+    dev.ok(&["service", "apply", "-f", &spec, "--name", "fetch", "--wait"]);
+    let shown = dev.json(&["service", "get", "fetch"]);
+    let port = shown["replicas"][0]["port"].as_u64().unwrap_or_else(|| panic!("a replica port in {shown}"));
+    let fetch_as = |target: u16, extra: &str| {
+        let url = format!("http://127.0.0.2:{target}/");
+        poll(Duration::from_secs(30), "the replica answers", || {
+            http_get(port, &format!("/fetch?url={url}{extra}")).ok_or_else(|| "no answer".to_string())
+        })
+    };
+    let fetch = |target: u16| fetch_as(target, "");
+
+    // The plan reached the node before the replica ran, so its very first
+    // requests are held to it.
+    let fetched = poll(Duration::from_secs(30), "the allowed origin through the proxy", || {
+        let got = fetch(allowed);
+        if got.starts_with("200 ") { Ok(got) } else { Err(got) }
+    });
+    assert_eq!(fetched, "200 allowed origin");
+    let refused = fetch(other);
+    assert_eq!(refused, format!("403 berth egress: no route allows 127.0.0.2:{other} for service fetch (HTTP)\n"));
+
+    let plan = dev.json(&["egress", "plan"]);
+    let acks = plan["plan"]["node_acks"].as_array().unwrap_or_else(|| panic!("node acks in {plan}"));
+    assert_eq!(acks.len(), 1, "the dev node acknowledged: {plan}");
+    assert_eq!(acks[0]["error"], "", "{plan}");
+    let acked = acks[0]["generation"].as_u64().unwrap();
+    // Isolated (the agent runs as root), a program that ignores the proxy
+    // variables reaches nothing; advisory, only the variables hold it.
+    let direct = fetch_as(allowed, "&direct=1");
+    match acks[0]["enforcement"].as_str() {
+        Some("EGRESS_ENFORCEMENT_ISOLATED") => assert!(direct.starts_with("599 "), "left the namespace: {direct}"),
+        Some("EGRESS_ENFORCEMENT_ADVISORY") => assert_eq!(direct, "200 allowed origin"),
+        other => panic!("the ack names how the node enforces: {other:?} in {plan}"),
+    }
+    let service = &plan["plan"]["services"][0];
+    assert_eq!(service["service"], "fetch", "{plan}");
+    assert_eq!(service["condition"]["reason"], "Accepted", "{plan}");
+
+    // An edit reaches the running replica's proxy: no restart, a new ack.
+    let pid_before = processes_in(&dev.dir);
+    let both = write("route.json", route(&[allowed, other]));
+    dev.ok(&["egress", "route", "apply", "-f", &both]);
+    let now_allowed = poll(Duration::from_secs(10), "the edited route in force", || {
+        let got = fetch(other);
+        if got.starts_with("200 ") { Ok(got) } else { Err(got) }
+    });
+    assert_eq!(now_allowed, "200 other origin");
+    assert_eq!(processes_in(&dev.dir), pid_before, "the replica was not restarted");
+    poll(Duration::from_secs(10), "the node acknowledges the edit", || {
+        let plan = dev.json(&["egress", "plan"]);
+        let generation = plan["plan"]["node_acks"][0]["generation"].as_u64().unwrap_or_default();
+        if generation > acked { Ok(()) } else { Err(plan.to_string()) }
+    });
+    dev.ok(&["service", "delete", "fetch"]);
 }

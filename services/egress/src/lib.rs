@@ -1,11 +1,67 @@
-//! The egress service: each tenant's egress policy: gateways and routes, the compiled plan, its status, and per-node pushes.
+//! The egress service: each tenant's outbound traffic policy. Admins declare
+//! gateways (the listeners of a tenant's egress proxy) and routes (which
+//! destinations may, or may not, leave through them); services select a
+//! gateway in their template. One elected full pass compiles each tenant's
+//! plan, writes every status, and decides what each node is sent; every
+//! replica streams each node the whole plan of every tenant it hosts.
 //!
-//! Its RPCs answer `UNIMPLEMENTED` until they are built; the access layer
-//! already admits each only to the caller kinds its proto declares.
+//! # Who writes what
+//! - `gateways`, `routes` (declarations): the API handlers.
+//! - Statuses, `plans`, `nodes` and `node_plans` (what each node is sent):
+//!   only the elected full pass ([`EGRESS_LOOP`]), fenced on its term.
+//! - Acknowledgements: `AckEgress`, for the calling node's own rows.
+//! - Services and leases are revisions' and leases': egress follows them
+//!   over gRPC with its own certificate, never reads their tables (see the
+//!   `sources` module: `WatchServices` plus `GetRevision` for live
+//!   revisions, and `ListLeases` polled for placement, leases having no
+//!   watch for requesters).
+//!
+//! # Expected flow
+//! A process builds an [`EgressService`] over its
+//! [`ServiceContext`](berth_runtime::ServiceContext) (store migrated with
+//! [`MIGRATIONS`]) and its [`Sources`], starts its loops with
+//! [`EgressService::spawn_loops`] and serves [`EgressService::server`].
+//! [`server_with_sources`] does that for `berth dev`; [`SPEC`] serves with
+//! no sources (plans list no services and reach no node).
+//!
+//! # The compile
+//! [`compile`] is pure and public, so the benchmark and tests drive it
+//! directly; its module documents the rules (listener protocols, wildcards,
+//! TCP routes, conditions).
 
-use berth_proto::egress::v1;
-use berth_rpc::{MAX_REQUEST_BYTES, ServerBuilder};
-use berth_runtime::{ServiceContext, ServiceSpec};
+pub use cli::binary_main;
+pub use compile::{
+    CompiledPlan, Destination, Destinations, EgressReadiness, GatewayOutcome, GatewaySpec, ListenerOutcome,
+    ListenerSpec, ParentOutcome, ParentSpec, ParentVerdict, PlanInputs, RouteOutcome, RouteSpec, ServiceInput,
+    ServicePlan, compile,
+};
+pub use config::{DEFAULT_DEBOUNCE, DEFAULT_FULL_RESYNC, DEFAULT_MAX_DELAY, DEFAULT_PLACEMENT_POLL, EgressConfig};
+pub use model::{
+    ACCEPTED, CONFLICTED, DEFAULT_GATEWAY, DEFAULT_PROJECT, EGRESS_READY, HostPattern, HostPatternError, Protocol,
+    READY, RouteAction, Selection, reason,
+};
+pub use pass::EGRESS_LOOP;
+pub use service::EgressService;
+pub use sources::{SourceError, Sources};
+pub use validate::{MAX_HOSTNAMES, MAX_LISTENERS, MAX_PARENT_REFS, MAX_PORTS};
+
+mod api;
+mod catalog;
+mod cli;
+mod compile;
+mod config;
+mod model;
+mod pass;
+mod push;
+mod queue;
+mod records;
+mod render;
+mod service;
+mod sources;
+mod validate;
+
+use berth_rpc::ServerBuilder;
+use berth_runtime::{ServiceContext, ServiceSpec, StartError};
 use berth_store::Migration;
 
 /// The service's name: its Postgres schema, bus prefix and `svc` SAN.
@@ -15,30 +71,32 @@ pub const NAME: &str = "egress";
 pub const DEFAULT_PORT: u16 = 7446;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[];
+pub static MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "policy",
+    postgres: include_str!("../migrations/postgres/0001_policy.sql"),
+    sqlite: include_str!("../migrations/sqlite/0001_policy.sql"),
+}];
 
-/// How the runtime starts it.
+/// How the runtime starts it: [`server`], with no sources.
 pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, build: server };
 
-/// The handlers' shared state.
-#[derive(Debug, Clone)]
-pub struct EgressService {
-    #[allow(dead_code, reason = "read by the handlers as they are built")]
-    ctx: ServiceContext,
-}
-
-/// Every gRPC service of egress, ready to serve.
+/// Every gRPC service of egress over `ctx` with the default timings and no
+/// sources, its loops running until the server is dropped.
 pub fn server(ctx: &ServiceContext) -> ServerBuilder {
-    let svc = EgressService { ctx: ctx.clone() };
-    ServerBuilder::new()
-        .add_service(v1::egress_server::EgressServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .add_service(
-            v1::node_egress_server::NodeEgressServer::new(svc.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-        )
+    EgressService::new(ctx, EgressConfig::default(), Sources::none()).with_loops_for_its_lifetime().server()
 }
 
-#[tonic::async_trait]
-impl v1::egress_server::Egress for EgressService {}
-
-#[tonic::async_trait]
-impl v1::node_egress_server::NodeEgress for EgressService {}
+/// Every gRPC service of egress over `ctx`, following revisions at
+/// `revisions_addr` and leases at `leases_addr` (dialled with
+/// `ctx.credentials`), with the default timings and its loops running until
+/// the server is dropped: what `berth dev` serves.
+pub fn server_with_sources(
+    ctx: &ServiceContext,
+    revisions_addr: &str,
+    leases_addr: &str,
+) -> Result<ServerBuilder, StartError> {
+    let sources = Sources::connect(&ctx.credentials, Some(revisions_addr), Some(leases_addr))
+        .map_err(|e| StartError::Invalid(format!("egress: {e}")))?;
+    Ok(EgressService::new(ctx, EgressConfig::default(), sources).with_loops_for_its_lifetime().server())
+}

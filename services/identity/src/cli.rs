@@ -94,6 +94,7 @@ async fn run(args: Args) -> Result<(), StartError> {
         authority: AuthorityTiming::default(),
         node_cert_ttl: Duration::from_secs(args.node_cert_ttl),
     };
+    let readiness = berth_runtime::store_readiness(&store);
     let service = IdentityService::open(store, bus, config)
         .await
         .map_err(|e| StartError::Invalid(e.to_string()))?
@@ -106,6 +107,6 @@ async fn run(args: Args) -> Result<(), StartError> {
     spawn_keeper(service.authority().clone(), vec![kept], SERVING_CERT_TTL, args.ca_bundle_out, shutdown.clone());
     service.spawn_loops(&shutdown);
     tracing::info!(addr = %args.listen, "identity serving");
-    service.server().serve(listener, shutdown).await?;
+    service.server().with_readiness(readiness).serve(listener, shutdown).await?;
     Ok(())
 }

@@ -9,12 +9,14 @@
 //!   [`IdentityService`].
 
 mod authority;
+mod bookkeeping;
 pub mod cli;
 mod config;
 mod join;
 mod keeper;
 mod monitor;
 mod nodes_api;
+mod offline;
 mod registry;
 mod session;
 mod tokens;
@@ -33,6 +35,7 @@ pub use config::{DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL, MAX_TOKEN_USES, NodeTiming};
 pub use join::RETRY_AFTER_MS_HEADER;
 pub use keeper::{KEEPER_POLL, KeptIdentity, spawn_keeper, write_bundle};
 pub use monitor::MONITOR_LOOP;
+pub use offline::{OfflineIssueError, issue_from_state};
 
 /// The service's name: its Postgres schema, bus prefix and `svc` SAN.
 pub const NAME: &str = "identity";
@@ -134,9 +137,11 @@ impl IdentityService {
             )
     }
 
-    /// Starts the background loops (the elected monitor) until `shutdown`.
+    /// Starts the background loops (the registry follower, the heartbeat
+    /// bookkeeping writer, the elected monitor) until `shutdown`.
     pub fn spawn_loops(&self, shutdown: &CancellationToken) {
         self.nodes.spawn_follower(shutdown);
+        self.nodes.spawn_bookkeeper(shutdown);
         monitor::NodeMonitor::new(self.nodes.clone()).spawn(shutdown);
     }
 }

@@ -39,6 +39,7 @@ use sqlx::{AnyConnection, Row as _};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
+use crate::bookkeeping::{Beat, Bookkeeper};
 use crate::config::NodeTiming;
 
 /// The bus deadline index of every node the monitor watches.
@@ -63,6 +64,9 @@ macro_rules! node_columns {
          reaped_at_ms, revoked_at_ms, revoked_reason"
     };
 }
+
+/// Every column of `nodes`, for statements built at run time.
+pub(crate) const NODE_COLUMNS: &str = node_columns!();
 
 /// Where a node is in its life, as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -322,8 +326,10 @@ struct Inner {
     changes: broadcast::Sender<NodeChange>,
     /// Serializes full reloads so two never interleave their removals.
     resyncing: tokio::sync::Mutex<()>,
-    /// When this replica last wrote each node's heartbeat bookkeeping.
+    /// When this replica last wrote (or queued) each node's heartbeat bookkeeping.
     persisted: Mutex<HashMap<String, Instant>>,
+    /// Writes steady nodes' bookkeeping in batches.
+    bookkeeper: Bookkeeper,
     /// The database clock minus this host's, as last measured.
     clock_offset_ms: AtomicI64,
     /// Cancelled when the replica shuts down; ends `WatchNodes` streams.
@@ -361,6 +367,7 @@ impl NodeRegistry {
                 changes: broadcast::channel(CHANGE_BUFFER).0,
                 resyncing: tokio::sync::Mutex::new(()),
                 persisted: Mutex::default(),
+                bookkeeper: Bookkeeper::default(),
                 clock_offset_ms: AtomicI64::new(0),
                 closing: CancellationToken::new(),
                 revocations: Revocations::new(),
@@ -555,6 +562,28 @@ impl NodeRegistry {
     /// Notes that `node_id`'s bookkeeping was just written.
     pub(crate) fn mark_persisted(&self, node_id: &str) {
         self.inner.persisted.lock().unwrap_or_else(PoisonError::into_inner).insert(node_id.to_owned(), Instant::now());
+    }
+
+    /// Marks `node_id`'s bookkeeping as not written, so its next heartbeat writes it.
+    pub(crate) fn forget_persisted(&self, node_id: &str) {
+        self.inner.persisted.lock().unwrap_or_else(PoisonError::into_inner).remove(node_id);
+    }
+
+    /// Hands a steady node's bookkeeping to the batch writer and marks it
+    /// written; `false` when the writer cannot take it and the caller must
+    /// write it itself.
+    pub(crate) fn queue_bookkeeping(&self, beat: Beat) -> bool {
+        let node_id = beat.node_id.clone();
+        if !self.inner.bookkeeper.offer(beat) {
+            return false;
+        }
+        self.mark_persisted(&node_id);
+        true
+    }
+
+    /// Starts the bookkeeping writer until `shutdown` (once per registry).
+    pub(crate) fn spawn_bookkeeper(&self, shutdown: &CancellationToken) {
+        self.inner.bookkeeper.spawn(self.clone(), shutdown);
     }
 
     /// Sets when the monitor next looks at `node_id`. Best effort: a lost

@@ -8,11 +8,14 @@
 //!    (`PERMISSION_DENIED`), and one whose incarnation is not the stored one
 //!    is answered `fenced = true` with an OK status, and nothing is written.
 //! 3. A node already `UP`/`DRAINING` that reports the same capacity and
-//!    version, asks no renewal, and whose bookkeeping was written within
-//!    `persist_every`: only its bus deadline moves. Anything else is one
-//!    transaction that re-reads the row, fences on its incarnation and state,
-//!    and writes: `JOINING`/`DOWN` become `UP` (`DRAINING` when drained)
-//!    unless another live node holds the same (tier, advertise address).
+//!    version and asks no renewal: its bus deadline moves, and when its
+//!    bookkeeping (last heartbeat, usage) was last written `persist_every`
+//!    ago it is handed to the batch writer ([`crate::bookkeeping`]); the
+//!    answer never waits for the database. Anything else (or bookkeeping the
+//!    writer cannot take) is one transaction that re-reads the row, fences on
+//!    its incarnation and state, and writes: `JOINING`/`DOWN` become `UP`
+//!    (`DRAINING` when drained) unless another live node holds the same
+//!    (tier, advertise address).
 //! 4. A renewal CSR gets a new certificate; the CA bundle rides every answer.
 //!
 //! # Invariants
@@ -22,13 +25,15 @@
 //!   registry went back in time (a restore). Either way the agent must stop
 //!   what it runs and rejoin.
 //! - Liveness is the bus deadline, not the row: the row's last heartbeat and
-//!   usage are as of the last write, at most `persist_every` old, which is
-//!   why the monitor never judges liveness from them.
+//!   usage are as of the last write, at most `persist_every` (plus one
+//!   bookkeeping batch) old, which is why the monitor never judges liveness
+//!   from them.
 
 use berth_mtls::IssuedCertificate;
 use berth_proto::identity::v1;
 use berth_store::{StoreError, TxError, expect_one};
 
+use crate::bookkeeping::Beat;
 use crate::config::millis;
 use crate::registry::{self, NodeRecord, NodeState, timestamp, to_column};
 use crate::{AuthorityError, IdentityService};
@@ -139,9 +144,19 @@ impl IdentityService {
             && (beat.version.is_empty() || beat.version == indexed.version);
         let wants_renewal = !beat.renewal_csr_pem.trim().is_empty();
         let timing = self.nodes.timing();
-        if indexed.state.is_live() && unchanged && !wants_renewal && !self.nodes.persist_due(node_id) {
-            self.nodes.set_deadline(node_id, self.nodes.now_ms() + millis(timing.down_after)).await;
-            return self.answer(indexed.state, None).await;
+        if indexed.state.is_live() && unchanged && !wants_renewal {
+            let now_ms = self.nodes.now_ms();
+            let steady = !self.nodes.persist_due(node_id)
+                || self.nodes.queue_bookkeeping(Beat {
+                    node_id: node_id.to_owned(),
+                    incarnation: indexed.incarnation,
+                    usage: beat.usage,
+                    at_ms: now_ms,
+                });
+            if steady {
+                self.nodes.set_deadline(node_id, now_ms + millis(timing.down_after)).await;
+                return self.answer(indexed.state, None).await;
+            }
         }
 
         let certificate = if wants_renewal {

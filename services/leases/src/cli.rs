@@ -63,7 +63,7 @@ async fn run(args: Args) -> Result<(), StartError> {
     let service = LeasesService::new(&ctx, LeasesConfig::with_lease_ttl(Duration::from_secs(args.lease_ttl)));
     service.spawn_loops(&shutdown);
     tracing::info!(addr = %args.listen, replica = service.replica_id(), "leases serving");
-    service.server().serve(listener, shutdown).await?;
+    service.server().with_readiness(ctx.readiness()).serve(listener, shutdown).await?;
     Ok(())
 }
 

@@ -3,7 +3,8 @@
 //!
 //! # Who may call what
 //! The access layer admits each RPC only to the caller kinds its proto
-//! declares: admins change services; admins and services read them.
+//! declares: admins change services; admins and services read them; nodes
+//! ask for the pull credentials of their own leases (see [`crate::pull`]).
 //!
 //! # Minting
 //! `ApplyService` resolves the bundle reference before its transaction, and
@@ -150,5 +151,17 @@ impl v1::revisions_server::Revisions for RevisionsService {
         validate::revision_name("name", &request.name, false)?;
         let revision = self.core.catalog.revision(&project, &request.name).await?;
         Ok(Response::new(v1::GetRevisionResponse { revision: Some(revision.to_proto()) }))
+    }
+
+    async fn get_pull_credentials(
+        &self,
+        request: Request<v1::GetPullCredentialsRequest>,
+    ) -> Result<Response<v1::GetPullCredentialsResponse>, Status> {
+        let node = berth_rpc::caller(&request)?
+            .node_id()
+            .ok_or_else(|| Status::permission_denied("only a node may ask for pull credentials"))?
+            .to_owned();
+        let request = request.into_inner();
+        Ok(Response::new(crate::pull::credentials_for(&self.core, &node, &request.lease_id).await?))
     }
 }

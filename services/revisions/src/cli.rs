@@ -1,9 +1,11 @@
 //! The `berth-revisions` binary's flags and startup: the flags every
 //! control-plane service takes (listen address, certificates, state, mesh,
 //! telemetry) plus where leases is, which registries may be spoken to over
-//! plain HTTP, the rollout deadline and the revision GC policy.
+//! plain HTTP and with which credentials, the rollout deadline and the
+//! revision GC policy.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,8 +17,8 @@ use berth_runtime::{
 use clap::Parser;
 
 use crate::{
-    DEFAULT_PORT, Dependencies, GrpcLeases, LeaseClient, NoLeases, RegistryPolicy, RevisionsConfig, RevisionsService,
-    SPEC,
+    DEFAULT_PORT, Dependencies, GrpcLeases, LeaseClient, NoLeases, RegistryPolicy, RegistrySecrets, RevisionsConfig,
+    RevisionsService, SPEC,
 };
 
 /// The berth revisions service: services, their immutable revisions, rollout
@@ -35,6 +37,12 @@ struct Args {
     /// repeated. Loopback registries always are.
     #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
     insecure_registries: Vec<String>,
+    /// A JSON file of named registry credentials, which templates name with
+    /// `bundle.secret`: `{"NAME": {"registry": "HOST", "username": "U",
+    /// "password": "P"}}` or `{"NAME": {"token": "T"}}`. Revisions resolves
+    /// tags with them and hands them to nodes for their leases' pulls.
+    #[arg(long, env = "BERTH_REGISTRY_CREDENTIALS", value_name = "FILE")]
+    registry_credentials: Option<PathBuf>,
     /// Let templates name `oci:DIR:TAG` layout directories; only for meshes
     /// whose control plane and every node share that directory.
     #[arg(long, env = "BERTH_ALLOW_OCI_LAYOUTS")]
@@ -105,14 +113,21 @@ async fn run(args: Args) -> Result<(), StartError> {
     let config = args.config();
     let policy =
         RegistryPolicy { insecure_registries: args.insecure_registries.clone(), allow_layouts: args.allow_oci_layouts };
-    let dependencies = Dependencies::with_registry(leases, policy, &config)
+    let secrets = match &args.registry_credentials {
+        Some(path) => {
+            RegistrySecrets::from_file(path).map_err(|e| StartError::Invalid(format!("--registry-credentials: {e}")))?
+        }
+        None => RegistrySecrets::none(),
+    };
+    tracing::info!(names = ?secrets.names(), "registry credentials loaded");
+    let dependencies = Dependencies::with_secrets(leases, policy, secrets, &config)
         .map_err(|e| StartError::Invalid(format!("registry client: {e}")))?;
     let listener = bind(args.listen, credentials.clone()).await?;
     watch_cert_files(args.tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
     let service = RevisionsService::new(&ctx, config, dependencies);
     service.spawn_loops(&shutdown);
     tracing::info!(addr = %args.listen, replica = service.replica_id(), leases = ?args.leases_addr, "revisions serving");
-    service.server().serve(listener, shutdown).await?;
+    service.server().with_readiness(ctx.readiness()).serve(listener, shutdown).await?;
     Ok(())
 }
 

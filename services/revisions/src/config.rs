@@ -27,6 +27,9 @@ pub const DEFAULT_CPU_MILLIS: u64 = 100;
 /// Memory a replica reserves when its template names none.
 pub const DEFAULT_MEMORY_BYTES: u64 = 128 << 20;
 
+/// How long a node may use the registry credentials handed to it for a pull.
+pub const DEFAULT_PULL_CREDENTIALS_TTL: Duration = Duration::from_secs(300);
+
 /// The timings and limits of the revisions service. [`RevisionsConfig::default`]
 /// suits production; tests shorten every duration.
 #[derive(Debug, Clone)]
@@ -59,6 +62,9 @@ pub struct RevisionsConfig {
     pub watch_resync: Duration,
     /// Lease of the reconciler's leadership.
     pub election: ElectionTiming,
+    /// How long a node may use registry credentials handed to it by
+    /// `GetPullCredentials`: the `expires_at` it is told.
+    pub pull_credentials_ttl: Duration,
 }
 
 impl Default for RevisionsConfig {
@@ -76,6 +82,7 @@ impl Default for RevisionsConfig {
             workers: 4,
             watch_resync: Duration::from_secs(30),
             election: ElectionTiming::default(),
+            pull_credentials_ttl: DEFAULT_PULL_CREDENTIALS_TTL,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The deploy reconciler's view of the leases service: ask for a lease,
-//! list a service's leases, give one back. [`LeaseClient`] is the seam;
+//! list a service's leases, give one back; and one lease by id, to check
+//! that a node asking for pull credentials holds it. [`LeaseClient`] is the seam;
 //! [`GrpcLeases`] speaks `berth.leases.v1.Leases` over mTLS with this
 //! service's certificate.
 //!
@@ -54,6 +55,9 @@ pub trait LeaseClient: fmt::Debug + Send + Sync + 'static {
     async fn request(&self, request: v1::RequestLeaseRequest) -> Result<v1::Lease, LeaseCallError>;
     /// Every lease of `owner` in `project`, open or recently final.
     async fn list(&self, project: &str, owner: &str) -> Result<Vec<v1::Lease>, LeaseCallError>;
+    /// One lease by id; `None` when leases knows none by that id (never
+    /// existed, or forgotten after its retention).
+    async fn get(&self, lease_id: &str) -> Result<Option<v1::Lease>, LeaseCallError>;
     /// Gives a lease back with `reason`; a lease already final stays as it is.
     async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError>;
 }
@@ -88,6 +92,15 @@ impl LeaseClient for GrpcLeases {
         Ok(self.client.clone().list_leases(request).await?.into_inner().leases)
     }
 
+    async fn get(&self, lease_id: &str) -> Result<Option<v1::Lease>, LeaseCallError> {
+        let request = v1::GetLeaseRequest { lease_id: lease_id.to_owned() };
+        match self.client.clone().get_lease(request).await {
+            Ok(response) => Ok(response.into_inner().lease),
+            Err(status) if status.code() == Code::NotFound => Ok(None),
+            Err(status) => Err(status.into()),
+        }
+    }
+
     async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError> {
         let request = v1::ReleaseLeaseRequest { lease_id: lease_id.to_owned(), reason: reason.to_owned() };
         match self.client.clone().release_lease(request).await {
@@ -113,6 +126,10 @@ impl LeaseClient for NoLeases {
     }
 
     async fn list(&self, _project: &str, _owner: &str) -> Result<Vec<v1::Lease>, LeaseCallError> {
+        Err(LeaseCallError::Unavailable(NOT_CONFIGURED.to_owned()))
+    }
+
+    async fn get(&self, _lease_id: &str) -> Result<Option<v1::Lease>, LeaseCallError> {
         Err(LeaseCallError::Unavailable(NOT_CONFIGURED.to_owned()))
     }
 

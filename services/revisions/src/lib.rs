@@ -9,6 +9,9 @@
 //!   elected reconciler writes observations, fenced on its term.
 //! - Leases are the leases service's: the reconciler asks for them, lists
 //!   them and releases them over gRPC, never reads their tables.
+//! - Registry credentials are the operator's, read from a file at start
+//!   ([`RegistrySecrets`]) and never stored: templates and leases carry only
+//!   their name, and a node gets them for one pull of a lease it holds.
 //!
 //! # Expected flow
 //! A process builds a [`RevisionsService`] over its
@@ -23,12 +26,13 @@
 pub use cli::binary_main;
 pub use config::{
     DEFAULT_CPU_MILLIS, DEFAULT_GC_KEEP, DEFAULT_GC_MIN_AGE, DEFAULT_MEMORY_BYTES, DEFAULT_PROGRESS_DEADLINE,
-    RevisionsConfig,
+    DEFAULT_PULL_CREDENTIALS_TTL, RevisionsConfig,
 };
 pub use controller::DEPLOY_LOOP;
 pub use leases::{GrpcLeases, LeaseCallError, LeaseClient, NoLeases};
 pub use model::{BUNDLE_RESOLVED, READY, ROLLOUT_COMPLETE};
 pub use resolver::{RegistryPolicy, RegistryResolver, ResolveError, TagResolver};
+pub use secrets::{RegistrySecrets, SecretsError};
 pub use service::{Dependencies, RevisionsService};
 
 mod api;
@@ -38,9 +42,11 @@ mod config;
 mod controller;
 mod leases;
 mod model;
+mod pull;
 mod reconciler;
 mod records;
 mod resolver;
+mod secrets;
 mod service;
 mod signals;
 mod validate;
@@ -69,17 +75,19 @@ pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, 
 
 /// Every gRPC service of revisions over `ctx`, asking the leases service at
 /// `leases_addr` (dialled with `ctx.credentials`) for replicas, with the
-/// default timings, loopback registries alone spoken to over plain HTTP, and
-/// the controller running until the server is dropped: what `berth dev` serves.
+/// default timings, registries spoken to over plain HTTP as `policy` says,
+/// the registry credentials `secrets`, and the controller running until the
+/// server is dropped: what `berth dev` serves.
 pub fn server_with_leases(
     ctx: &ServiceContext,
     leases_addr: &str,
     policy: RegistryPolicy,
+    secrets: RegistrySecrets,
 ) -> Result<ServerBuilder, StartError> {
     let config = RevisionsConfig::default();
     let leases = GrpcLeases::connect(leases_addr, ctx.credentials.clone())
         .map_err(|e| StartError::Invalid(format!("revisions: leases address: {e}")))?;
-    let dependencies = Dependencies::with_registry(std::sync::Arc::new(leases), policy, &config)
+    let dependencies = Dependencies::with_secrets(std::sync::Arc::new(leases), policy, secrets, &config)
         .map_err(|e| StartError::Invalid(format!("revisions: registry client: {e}")))?;
     Ok(RevisionsService::new(ctx, config, dependencies).with_loops_for_its_lifetime().server())
 }

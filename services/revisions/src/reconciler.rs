@@ -739,6 +739,10 @@ mod tests {
             Ok(leases.iter().filter(|l| l.project == project && l.owner == owner).cloned().collect())
         }
 
+        async fn get(&self, lease_id: &str) -> Result<Option<leases::Lease>, LeaseCallError> {
+            Ok(self.leases.lock().unwrap().iter().find(|l| l.lease_id == lease_id).cloned())
+        }
+
         async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError> {
             let mut leases = self.leases.lock().unwrap();
             if let Some(lease) = leases.iter_mut().find(|l| l.lease_id == lease_id && is_open(l)) {

@@ -8,12 +8,13 @@
 //! operator names with `--insecure-registry`; [`RegistryPolicy`] says which,
 //! so a template asking for plain HTTP elsewhere is refused at apply.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::time::Duration;
 
 use berth_bundle::{BundleClient, BundleReference, Digest, RegistryConfig, RegistryCredentials, RegistryError};
 use berth_proto::types::v1::BundleRef;
+
+use crate::secrets::RegistrySecrets;
 
 /// Why a bundle reference did not resolve; each kind is the reason of the
 /// `BundleResolved=False` condition it causes.
@@ -89,7 +90,7 @@ impl RegistryPolicy {
 }
 
 /// The host part of `host[:port]` or `[v6][:port]`.
-fn host_of(registry: &str) -> &str {
+pub(crate) fn host_of(registry: &str) -> &str {
     if let Some(rest) = registry.strip_prefix('[') {
         return rest.split(']').next().unwrap_or(rest);
     }
@@ -108,7 +109,7 @@ fn is_loopback(host: &str) -> bool {
 pub struct RegistryResolver {
     client: BundleClient,
     /// Registry credentials by the secret name a bundle reference gives.
-    credentials: HashMap<String, RegistryCredentials>,
+    secrets: RegistrySecrets,
 }
 
 impl RegistryResolver {
@@ -121,12 +122,19 @@ impl RegistryResolver {
             read_timeout: timeout,
             ..RegistryConfig::default()
         };
-        Ok(Self { client: BundleClient::new(config)?, credentials: HashMap::new() })
+        Ok(Self { client: BundleClient::new(config)?, secrets: RegistrySecrets::none() })
     }
 
-    /// The same resolver, using `credentials` for bundles whose secret is `name`.
+    /// The same resolver, using `credentials` for bundles whose secret is
+    /// `name`, in whichever registry they name.
     pub fn with_credentials(mut self, name: impl Into<String>, credentials: RegistryCredentials) -> Self {
-        self.credentials.insert(name.into(), credentials);
+        self.secrets = self.secrets.with(name, None, credentials);
+        self
+    }
+
+    /// The same resolver, using `secrets` for bundles that name one.
+    pub fn with_secrets(mut self, secrets: RegistrySecrets) -> Self {
+        self.secrets = secrets;
         self
     }
 }
@@ -134,18 +142,16 @@ impl RegistryResolver {
 #[tonic::async_trait]
 impl TagResolver for RegistryResolver {
     async fn resolve(&self, bundle: &BundleRef) -> Result<Digest, ResolveError> {
-        let credentials = if bundle.secret.is_empty() {
-            RegistryCredentials::Anonymous
-        } else {
-            self.credentials.get(&bundle.secret).cloned().ok_or_else(|| {
-                ResolveError::Unauthorized(format!(
-                    "no registry credentials named '{}' are known to the control plane",
-                    bundle.secret
-                ))
-            })?
-        };
         let reference =
             BundleReference::parse(&bundle.reference).map_err(|e| ResolveError::InvalidReference(e.to_string()))?;
+        let credentials = match &reference {
+            BundleReference::Registry(registry) if !bundle.secret.is_empty() => self
+                .secrets
+                .for_registry(&bundle.secret, registry.registry())
+                .map_err(|e| ResolveError::Unauthorized(e.to_string()))?
+                .clone(),
+            _ => RegistryCredentials::Anonymous,
+        };
         Ok(self.client.resolve(&reference, &credentials).await?)
     }
 }

@@ -5,8 +5,8 @@
 //! # Expected flow
 //! [`RevisionsService::new`] builds a replica over a
 //! [`ServiceContext`](berth_runtime::ServiceContext) (store already migrated)
-//! and its [`Dependencies`]: the leases client, the tag resolver and the
-//! registry policy. [`RevisionsService::spawn_loops`] starts the campaign
+//! and its [`Dependencies`]: the leases client, the tag resolver, the
+//! registry policy and the registry credentials. [`RevisionsService::spawn_loops`] starts the campaign
 //! for the deploy reconciler, which runs on whichever replica leads; it
 //! stops when the token passed is cancelled. Every replica serves RPCs.
 
@@ -23,6 +23,7 @@ use crate::config::RevisionsConfig;
 use crate::leases::{LeaseClient, NoLeases};
 use crate::model::ServiceKey;
 use crate::resolver::{RegistryPolicy, RegistryResolver, TagResolver};
+use crate::secrets::RegistrySecrets;
 use crate::signals::Signals;
 
 /// What the revisions service talks to beyond its own state.
@@ -34,17 +35,32 @@ pub struct Dependencies {
     pub resolver: Arc<dyn TagResolver>,
     /// Which registries may be spoken to over plain HTTP.
     pub policy: RegistryPolicy,
+    /// The registry credentials templates name, handed to nodes for their
+    /// leases' pulls.
+    pub secrets: RegistrySecrets,
 }
 
 impl Dependencies {
-    /// `leases` with the default resolver (straight to the registry) under `policy`.
+    /// `leases` with the default resolver (straight to the registry) under
+    /// `policy`, holding no registry credentials.
     pub fn with_registry(
         leases: Arc<dyn LeaseClient>,
         policy: RegistryPolicy,
         config: &RevisionsConfig,
     ) -> Result<Self, berth_bundle::RegistryError> {
-        let resolver = RegistryResolver::new(&policy, config.resolve_timeout)?;
-        Ok(Self { leases, resolver: Arc::new(resolver), policy })
+        Self::with_secrets(leases, policy, RegistrySecrets::none(), config)
+    }
+
+    /// `leases` with the default resolver under `policy`, which resolves
+    /// with `secrets` as nodes pull with them.
+    pub fn with_secrets(
+        leases: Arc<dyn LeaseClient>,
+        policy: RegistryPolicy,
+        secrets: RegistrySecrets,
+        config: &RevisionsConfig,
+    ) -> Result<Self, berth_bundle::RegistryError> {
+        let resolver = RegistryResolver::new(&policy, config.resolve_timeout)?.with_secrets(secrets.clone());
+        Ok(Self { leases, resolver: Arc::new(resolver), policy, secrets })
     }
 
     /// No leases service and the default resolver: services are accepted
@@ -62,6 +78,7 @@ pub(crate) struct Core {
     pub(crate) leases: Arc<dyn LeaseClient>,
     pub(crate) resolver: Arc<dyn TagResolver>,
     pub(crate) policy: RegistryPolicy,
+    pub(crate) secrets: RegistrySecrets,
     pub(crate) config: RevisionsConfig,
     /// This replica's name as it campaigns for the reconciler.
     pub(crate) replica_id: String,
@@ -90,6 +107,7 @@ impl RevisionsService {
             leases: dependencies.leases,
             resolver: dependencies.resolver,
             policy: dependencies.policy,
+            secrets: dependencies.secrets,
             config,
             replica_id: new_replica_id(),
             closing: CancellationToken::new(),

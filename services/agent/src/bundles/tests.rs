@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use berth_bundle::{BundlePort, CacheOptions, PackedBundle, RegistryConfig};
 
+use super::credentials::IssuedCredentials;
 use super::*;
 use crate::procfs::TestDir;
 
@@ -45,6 +46,7 @@ async fn store(cache_dir: &Path, budget_bytes: u64) -> BundleStore {
 
 fn ask(project: &str, revision: &str, layout: &Path, digest: &Digest) -> BundleAsk {
     BundleAsk {
+        lease_id: format!("l-{revision}"),
         project: project.into(),
         service: "web".into(),
         revision: revision.into(),
@@ -130,6 +132,140 @@ async fn a_bundle_a_lease_holds_is_never_evicted_and_one_no_lease_holds_is() {
     assert!(held.definition().root.is_dir(), "a held bundle was evicted");
     assert_eq!(store.inner.cache.usage().bundles, 1, "the bundle nothing holds stays past the budget");
     assert!(!store.inner.cache.bundle_dir(&second).exists());
+}
+
+/// Hands out whatever it was given, and records which leases asked.
+#[derive(Debug)]
+struct Handed {
+    answer: Result<IssuedCredentials, CredentialsError>,
+    asked: Mutex<Vec<String>>,
+}
+
+impl Handed {
+    fn store(cache: BundleCache, answer: Result<IssuedCredentials, CredentialsError>) -> (BundleStore, Arc<Handed>) {
+        let handed = Arc::new(Handed { answer, asked: Mutex::new(Vec::new()) });
+        let source: Arc<dyn PullCredentials> = handed.clone();
+        (BundleStore::with_credentials(cache, client(), Some(source)), handed)
+    }
+
+    fn asked(&self) -> Vec<String> {
+        self.asked.lock().unwrap().clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl PullCredentials for Handed {
+    async fn fetch(&self, lease_id: &str) -> Result<IssuedCredentials, CredentialsError> {
+        self.asked.lock().unwrap().push(lease_id.to_owned());
+        self.answer.clone()
+    }
+}
+
+const USER: &str = "ci";
+const PASSWORD: &str = "pull-s3cret";
+
+fn issued(registry: &str, password: &str) -> IssuedCredentials {
+    IssuedCredentials {
+        registry: registry.to_owned(),
+        credentials: RegistryCredentials::Basic { username: USER.into(), password: password.into() },
+        expires_at: SystemTime::now() + std::time::Duration::from_secs(60),
+    }
+}
+
+/// A registry behind htpasswd holding one bundle, and a lease of it naming
+/// the credentials `team`.
+async fn private_registry() -> (berth_bundle::testing::TestRegistry, BundleAsk, Digest) {
+    let registry = berth_bundle::testing::TestRegistry::start_with_htpasswd(USER, PASSWORD).await.unwrap();
+    let source = bundle_dir("private");
+    let packed = PackedBundle::from_dir(source.path()).unwrap();
+    let reference = BundleReference::parse(&registry.reference("team/app:v1")).unwrap();
+    let basic = RegistryCredentials::Basic { username: USER.into(), password: PASSWORD.into() };
+    let digest = client().push(&packed, &reference, &basic).await.unwrap();
+    let ask = BundleAsk {
+        lease_id: "l-private".into(),
+        project: "team".into(),
+        service: "web".into(),
+        revision: "web-00001".into(),
+        reference: format!("{}@{digest}", registry.reference("team/app")),
+        digest: digest.to_string(),
+        insecure: false,
+        secret: "team".into(),
+    };
+    (registry, ask, digest)
+}
+
+async fn cache(dir: &TestDir) -> BundleCache {
+    BundleCache::open(dir.path(), CacheOptions::default()).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_private_bundle_is_pulled_with_the_credentials_revisions_hands_out_for_the_lease() {
+    let (registry, ask, digest) = private_registry().await;
+    let dir = TestDir::new();
+    let (store, handed) = Handed::store(cache(&dir).await, Ok(issued(&registry.host(), PASSWORD)));
+    let ready = store.warm(&ask).await.unwrap();
+    assert_eq!(ready.definition().digest, digest);
+    assert_eq!(handed.asked(), ["l-private"]);
+    // The tenant's next replica of the revision needs neither registry nor credentials.
+    let mut next = ask.clone();
+    next.lease_id = "l-next".into();
+    store.warm(&next).await.unwrap();
+    assert_eq!(handed.asked(), ["l-private"]);
+}
+
+#[tokio::test]
+async fn without_credentials_a_private_bundle_fails_the_launch_as_unauthorized() {
+    let (registry, ask, _) = private_registry().await;
+
+    // Revisions hands out a password the registry refuses.
+    let dir = TestDir::new();
+    let (store, _) = Handed::store(cache(&dir).await, Ok(issued(&registry.host(), "wrong")));
+    let error = store.warm(&ask).await.unwrap_err();
+    assert_eq!(error.reason(), "BundleUnauthorized", "{error}");
+    assert!(error.to_string().contains("unauthorized at"), "{error}");
+
+    // Revisions refuses: the lease is not this node's, say.
+    let (store, _) =
+        Handed::store(cache(&dir).await, Err(CredentialsError::Refused("lease l-private is not open".into())));
+    let error = store.warm(&ask).await.unwrap_err();
+    assert_eq!(error.reason(), "BundleUnauthorized", "{error}");
+    let message = error.to_string();
+    assert!(
+        message.contains("Unauthorized") && message.contains("`team`") && message.contains("not open"),
+        "{message}"
+    );
+
+    // Revisions cannot be reached: worth trying again.
+    let (store, _) = Handed::store(cache(&dir).await, Err(CredentialsError::Unavailable("refused".into())));
+    assert_eq!(store.warm(&ask).await.unwrap_err().reason(), "BundleUnavailable");
+
+    // No revisions address: the anonymous pull is refused, naming the flag.
+    let store = BundleStore::new(cache(&dir).await, client());
+    let error = store.warm(&ask).await.unwrap_err();
+    assert_eq!(error.reason(), "BundleUnauthorized", "{error}");
+    assert!(error.to_string().contains("--revisions-addr"), "{error}");
+
+    // No secret named: pulled anonymously and refused by the registry.
+    let (store, handed) = Handed::store(cache(&dir).await, Ok(issued(&registry.host(), PASSWORD)));
+    let anonymous = BundleAsk { secret: String::new(), ..ask.clone() };
+    assert_eq!(store.warm(&anonymous).await.unwrap_err().reason(), "BundleUnauthorized");
+    assert!(handed.asked().is_empty(), "a lease naming no credentials asks for none");
+}
+
+#[tokio::test]
+async fn credentials_for_another_registry_are_never_sent() {
+    let (registry, ask, _) = private_registry().await;
+    let dir = TestDir::new();
+    let (store, _) = Handed::store(cache(&dir).await, Ok(issued("registry.example.com", PASSWORD)));
+    let error = store.warm(&ask).await.unwrap_err();
+    assert_eq!(error.reason(), "BundleUnauthorized", "{error}");
+    let message = error.to_string();
+    assert!(message.contains(&format!("for registry registry.example.com, not {}", registry.host())), "{message}");
+
+    let mut expired = issued(&registry.host(), PASSWORD);
+    expired.expires_at = SystemTime::now() - std::time::Duration::from_secs(1);
+    let (store, _) = Handed::store(cache(&dir).await, Ok(expired));
+    assert!(store.warm(&ask).await.unwrap_err().to_string().contains("expired"));
 }
 
 fn definition(root: &Path) -> BundleDefinition {

@@ -26,8 +26,7 @@ use std::time::{Duration, Instant};
 
 use berth_bus::{Bus, Continuity};
 use berth_core::Identity;
-use berth_identity::{Authority, AuthorityTiming};
-use berth_mtls::{TlsCredentials, TlsMaterial};
+use berth_mtls::TlsCredentials;
 use sqlx::{AnyConnection, Connection as _, Executor as _};
 use tokio::sync::{oneshot, watch};
 
@@ -98,12 +97,10 @@ pub(crate) enum ProcessError {
         /// The Redis given.
         url: String,
     },
-    /// Identity's store could not be opened to issue the admin certificate.
-    #[error("cannot open identity's state: {0}")]
-    State(#[source] berth_runtime::StartError),
-    /// The CA refused to issue the admin certificate.
+    /// Identity's state could not be opened, or its CA refused to issue the
+    /// admin certificate.
     #[error("cannot issue the bench's admin certificate: {0}")]
-    Authority(#[source] berth_identity::AuthorityError),
+    Issue(#[source] Box<berth_identity::OfflineIssueError>),
     /// The admin name is not a valid identity.
     #[error("admin name: {0}")]
     AdminName(#[source] berth_core::IdentityError),
@@ -381,19 +378,10 @@ fn random_secret() -> String {
 /// state and secret (creating it, since the state is fresh), and issues the
 /// bench's admin certificate through it.
 async fn issue_admin(database_url: &str, secret: &str) -> Result<TlsCredentials, ProcessError> {
-    let store = berth_runtime::open_store(database_url, berth_identity::NAME, berth_identity::MIGRATIONS)
+    let admin = Identity::admin(ADMIN_NAME).map_err(ProcessError::AdminName)?;
+    let material = berth_identity::issue_from_state(database_url, secret, &admin, &[], ADMIN_CERT_TTL)
         .await
-        .map_err(ProcessError::State)?;
-    let issued = async {
-        let authority = Authority::open(store.clone(), secret, AuthorityTiming::default())
-            .await
-            .map_err(ProcessError::Authority)?;
-        let admin = Identity::admin(ADMIN_NAME).map_err(ProcessError::AdminName)?;
-        authority.issue_material(&admin, &[], ADMIN_CERT_TTL).await.map_err(ProcessError::Authority)
-    }
-    .await;
-    store.close().await;
-    let material: TlsMaterial = issued?;
+        .map_err(|e| ProcessError::Issue(Box::new(e)))?;
     TlsCredentials::new(material).map_err(ProcessError::Tls)
 }
 

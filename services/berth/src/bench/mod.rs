@@ -8,6 +8,8 @@
 //! the same run, against the same process, over as many connections, and
 //! every figure is reported whether or not it meets its target.
 
+mod deploy;
+mod egress;
 mod heartbeats;
 mod identity_process;
 mod launch;
@@ -41,6 +43,14 @@ enum Scenario {
     /// to RUNNING latency, the agent's memory idle and loaded, and the
     /// ledger's memory with many leases on record.
     Launch(launch::LaunchArgs),
+    /// Services applied to revisions and leases on PostgreSQL and Redis and
+    /// run by a real node: apply to RUNNING latency with the bundle on the
+    /// node and pulled from a registry, and how fast applies mint revisions.
+    Deploy(deploy::DeployArgs),
+    /// The egress compile of one tenant (10,000 services, 1,000 gateways,
+    /// 10,000 routes by default), at half, full and double size: its time
+    /// and growth rate.
+    Egress(egress::EgressArgs),
 }
 
 impl BenchArgs {
@@ -50,6 +60,8 @@ impl BenchArgs {
             Scenario::Heartbeats(args) => heartbeats::run(args).await.map_err(|error| one_line(&error)),
             Scenario::Leases(args) => leases::run(args).await.map_err(|error| one_line(&error)),
             Scenario::Launch(args) => launch::run(args).await.map_err(|error| one_line(&error)),
+            Scenario::Deploy(args) => deploy::run(args).await.map_err(|error| one_line(&error)),
+            Scenario::Egress(args) => egress::run(args).await.map_err(|error| one_line(&error)),
         };
         outcome.map_err(StartError::Invalid)
     }

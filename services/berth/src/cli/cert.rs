@@ -134,7 +134,7 @@ impl CertArgs {
 
 /// Writes `contents` to a temporary file beside `path` and renames it over
 /// `path`; `private` files are created 0600.
-fn write_file(path: &Path, contents: &str, private: bool) -> Result<(), CliError> {
+pub(super) fn write_file(path: &Path, contents: &str, private: bool) -> Result<(), CliError> {
     let failed = |source| CliError::Write { path: path.display().to_string(), source };
     let file_name = path
         .file_name()

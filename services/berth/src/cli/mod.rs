@@ -15,7 +15,10 @@
 //! into plain words here, once, for every command; bad flag values never get
 //! this far: clap refuses them as usage errors (exit code 2).
 
+mod bootstrap;
 mod cert;
+mod egress;
+mod health;
 mod lease;
 mod logs;
 mod node;
@@ -31,7 +34,10 @@ use berth_rpc::Channel;
 use berth_runtime::StartError;
 use tonic::Code;
 
+pub(crate) use bootstrap::BootstrapArgs;
 pub(crate) use cert::CertArgs;
+pub(crate) use egress::EgressArgs;
+pub(crate) use health::HealthArgs;
 pub(crate) use lease::{CapacityArgs, LeaseArgs};
 pub(crate) use logs::LogsArgs;
 pub(crate) use node::NodeArgs;
@@ -140,6 +146,15 @@ pub(crate) enum CliError {
         /// Identity's address.
         server: String,
     },
+    /// No egress address was given and none follows from identity's.
+    #[error("--server {server} leaves no port three above it for egress; pass --egress-server HOST:PORT")]
+    NoEgressServer {
+        /// Identity's address.
+        server: String,
+    },
+    /// An egress spec file was refused before anything was sent.
+    #[error(transparent)]
+    EgressSpec(#[from] egress::EgressSpecError),
     /// No revisions address was given and none follows from identity's.
     #[error("--server {server} leaves no port one above it for revisions; pass --revisions-server HOST:PORT")]
     NoRevisionsServer {

@@ -9,13 +9,18 @@
 //! identity, which replicas it runs and on which port.
 //!
 //! # What a spec file holds
-//! JSON only: no YAML parser is in the dependency tree, so a YAML file is
-//! refused with a line saying so. Either a whole declaration, `{project?,
-//! name, template, source?}`, or just the template (the fields of
+//! JSON or YAML, one schema: either a whole declaration, `{project?, name,
+//! template, source?}`, or just the template (the fields of
 //! `ServiceTemplate`) with `--name` on the command line. Field names are the
-//! proto's, in snake_case or lowerCamel. The file is converted field by field,
-//! before anything is dialled: an unknown field or a value of the wrong type
-//! is refused with its path, e.g. `template.replicas`.
+//! proto's, in snake_case or lowerCamel. A `.yaml` or `.yml` file is read as
+//! YAML, a `.json` file as JSON, and anything else (stdin too) as JSON when
+//! it starts with `{` and as YAML otherwise. Both are parsed into the same
+//! JSON value and converted field by field, before anything is dialled: a
+//! syntax error names its line and column, a key given twice names the key,
+//! an unknown field or a value of the wrong type its path, e.g.
+//! `template.replicas`. YAML values keep their
+//! YAML types: `replicas: 2` is a number, and `env: {PORT: 8080}` is refused
+//! like its JSON twin, since environment values are strings.
 //!
 //! # How redeploy mints a revision
 //! Applying an unchanged declaration mints nothing. `redeploy` applies the
@@ -70,7 +75,7 @@ pub(crate) enum SpecError {
         #[source]
         source: std::io::Error,
     },
-    /// The file is not JSON.
+    /// The file is read as JSON and is not JSON.
     #[error("{file} is not JSON: {source}{hint}")]
     Syntax {
         /// The file, or "stdin".
@@ -80,6 +85,15 @@ pub(crate) enum SpecError {
         source: serde_json::Error,
         /// A hint when the file looks like YAML.
         hint: &'static str,
+    },
+    /// The file is read as YAML and is not YAML that holds a spec.
+    #[error("{file} is not a YAML spec: {source}")]
+    YamlSyntax {
+        /// The file, or "stdin".
+        file: String,
+        /// Where the parser stopped; its message names the line and column.
+        #[source]
+        source: serde_yaml_ng::Error,
     },
     /// A field is unknown, missing or holds a value of the wrong type.
     #[error("{file}: {path}: {problem}")]
@@ -135,9 +149,9 @@ pub(crate) struct ServiceArgs {
 
 #[derive(Debug, clap::Subcommand)]
 enum ServiceCommand {
-    /// Create or update a service from a JSON spec, e.g. `berth service
-    /// apply -f examples/hello/service.json --name hello --wait`. A new
-    /// revision is minted only when the template or source changed.
+    /// Create or update a service from a JSON or YAML spec, e.g. `berth
+    /// service apply -f examples/hello/service.yaml --name hello --wait`. A
+    /// new revision is minted only when the template or source changed.
     Apply(ApplyArgs),
     /// Show one service: its revisions, conditions and replicas.
     Get(ServiceName),
@@ -179,7 +193,8 @@ struct ServiceName {
 
 #[derive(Debug, clap::Args)]
 struct ApplyArgs {
-    /// The spec: a JSON file, or `-` for stdin.
+    /// The spec: a JSON or YAML file (`.json`, `.yaml`, `.yml`), or `-` for
+    /// stdin.
     #[arg(short = 'f', long = "filename", value_name = "FILE")]
     file: String,
     /// The service's name, when the file holds only a template (or to check
@@ -756,16 +771,57 @@ fn read_spec(args: &ApplyArgs) -> Result<v1::ApplyServiceRequest, SpecError> {
             .map_err(|source| SpecError::Read { file: args.file.clone(), source })?;
         (args.file.clone(), text)
     };
-    let value: Value = serde_json::from_str(&text).map_err(|source| {
-        let yaml = args.file.ends_with(".yaml") || args.file.ends_with(".yml") || !text.trim_start().starts_with('{');
-        let hint = if yaml { " (only JSON specs are read, not YAML)" } else { "" };
-        SpecError::Syntax { file: file.clone(), source, hint }
-    })?;
+    let value = parse_spec(&file, &text)?;
     spec_request(&value, args.name.as_deref(), args.project.as_deref()).map_err(|(path, problem)| SpecError::Field {
         file,
         path,
         problem,
     })
+}
+
+/// How a spec file is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SpecSyntax {
+    Json,
+    Yaml,
+}
+
+impl SpecSyntax {
+    /// By the file's extension, else by its first character (see the module docs).
+    fn of(file: &str, text: &str) -> Self {
+        let lower = file.to_ascii_lowercase();
+        if lower.ends_with(".yaml") || lower.ends_with(".yml") {
+            Self::Yaml
+        } else if lower.ends_with(".json") || text.trim_start().starts_with('{') {
+            Self::Json
+        } else {
+            Self::Yaml
+        }
+    }
+}
+
+/// `text` parsed as the syntax its name or contents say, into one JSON value.
+fn parse_spec(file: &str, text: &str) -> Result<Value, SpecError> {
+    match SpecSyntax::of(file, text) {
+        SpecSyntax::Json => serde_json::from_str(text).map_err(|source| {
+            let hint = if text.trim_start().starts_with('{') {
+                ""
+            } else {
+                " (a .json file is read as JSON; name a YAML spec .yaml or .yml)"
+            };
+            SpecError::Syntax { file: file.to_string(), source, hint }
+        }),
+        SpecSyntax::Yaml => {
+            // Through YAML's own value first, which refuses a key given twice.
+            let yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(text)
+                .map_err(|source| SpecError::YamlSyntax { file: file.to_string(), source })?;
+            serde_json::to_value(yaml).map_err(|error| SpecError::Field {
+                file: file.to_string(),
+                path: "the file".to_string(),
+                problem: format!("holds what a JSON spec cannot: {error}"),
+            })
+        }
+    }
 }
 
 /// A field that was refused: its path and what is wrong with it.
@@ -1029,6 +1085,47 @@ mod tests {
         assert_eq!(template.ports, vec![Port { name: "http".into(), port: 8080 }]);
         assert_eq!(template.resources, Some(Capacity { cpu_millis: 100, memory_bytes: 64 << 20 }));
         assert!(request.source.is_none());
+    }
+
+    #[test]
+    fn the_yaml_example_reads_as_the_json_one() {
+        let json: Value = serde_json::from_str(include_str!("../../../../examples/hello/service.json")).unwrap();
+        let yaml = parse_spec("service.yaml", include_str!("../../../../examples/hello/service.yaml")).unwrap();
+        assert_eq!(
+            spec_request(&yaml, Some("hello"), None).unwrap(),
+            spec_request(&json, Some("hello"), None).unwrap()
+        );
+    }
+
+    #[test]
+    fn the_syntax_follows_the_extension_then_the_first_character() {
+        assert_eq!(SpecSyntax::of("s.yaml", "{}"), SpecSyntax::Yaml);
+        assert_eq!(SpecSyntax::of("s.YML", ""), SpecSyntax::Yaml);
+        assert_eq!(SpecSyntax::of("s.json", "replicas: 2"), SpecSyntax::Json);
+        assert_eq!(SpecSyntax::of("stdin", "  {\"replicas\": 2}"), SpecSyntax::Json);
+        assert_eq!(SpecSyntax::of("stdin", "replicas: 2"), SpecSyntax::Yaml);
+    }
+
+    #[test]
+    fn a_yaml_syntax_error_names_its_line() {
+        let error = parse_spec("s.yaml", "name: web\ntemplate:\n  replicas: [1\n").unwrap_err().to_string();
+        assert!(error.starts_with("s.yaml is not a YAML spec: "), "{error}");
+        assert!(error.contains("line 4"), "{error}");
+        let error = parse_spec("s.yaml", "name: a\nname: b\n").unwrap_err().to_string();
+        assert_eq!(error, "s.yaml is not a YAML spec: duplicate entry with key \"name\"");
+        let error = parse_spec("s.yaml", "name: a\n[1]: b\n").unwrap_err().to_string();
+        assert!(error.starts_with("s.yaml: the file: holds what a JSON spec cannot"), "{error}");
+    }
+
+    #[test]
+    fn a_yaml_field_of_the_wrong_type_is_named_like_a_json_one() {
+        let value = parse_spec("s.yaml", "name: web\ntemplate:\n  env:\n    PORT: 8080\n").unwrap();
+        assert_eq!(
+            spec_request(&value, None, None).unwrap_err(),
+            ("template.env.PORT".to_string(), "must be a string, not the number 8080".to_string())
+        );
+        let value = parse_spec("s.yml", "replicas: two\n").unwrap();
+        assert_eq!(spec_request(&value, Some("x"), None).unwrap_err().0, "replicas");
     }
 
     #[test]

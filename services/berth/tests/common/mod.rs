@@ -30,10 +30,16 @@ pub(crate) fn free_port_base() -> u16 {
 /// Starts `berth dev` on `dir` and `base` and waits for its banner; the
 /// caller owns (and kills) the process.
 pub(crate) fn spawn_dev(dir: &Path, base: u16) -> Child {
+    spawn_dev_with(dir, base, &[])
+}
+
+/// Like [`spawn_dev`], with `extra` flags for `berth dev`.
+pub(crate) fn spawn_dev_with(dir: &Path, base: u16, extra: &[&str]) -> Child {
     let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
         .args(["dev", "--data-dir"])
         .arg(dir)
         .args(["--port-base", &base.to_string()])
+        .args(extra)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -30,7 +30,9 @@ use berth_proto::leases::v1 as leases;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::revisions::v1;
 use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus, EventKind};
-use berth_revisions::{Dependencies, GrpcLeases, RegistryPolicy, RevisionsConfig, RevisionsService, TagResolver};
+use berth_revisions::{
+    Dependencies, GrpcLeases, RegistryPolicy, RegistrySecrets, RevisionsConfig, RevisionsService, TagResolver,
+};
 use berth_rpc::{Channel, Listener, Revocations, ServerBuilder};
 use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
 use berth_store::ElectionTiming;
@@ -75,6 +77,7 @@ pub(crate) fn fast_config() -> RevisionsConfig {
         workers: 4,
         watch_resync: Duration::from_secs(1),
         election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+        pull_credentials_ttl: Duration::from_secs(60),
     }
 }
 
@@ -180,6 +183,7 @@ pub(crate) struct Plane {
     admin: TlsCredentials,
     config: RevisionsConfig,
     resolver: Option<Arc<dyn TagResolver>>,
+    secrets: RegistrySecrets,
 }
 
 impl Plane {
@@ -194,6 +198,26 @@ impl Plane {
         config: RevisionsConfig,
         nodes: &[&str],
         resolver: Option<Arc<dyn TagResolver>>,
+    ) -> Self {
+        Self::start_full(backend, config, nodes, resolver, RegistrySecrets::none()).await
+    }
+
+    /// Like [`Plane::start`], with revisions holding the registry credentials `secrets`.
+    pub(crate) async fn start_with_secrets(
+        backend: Backend,
+        config: RevisionsConfig,
+        nodes: &[&str],
+        secrets: RegistrySecrets,
+    ) -> Self {
+        Self::start_full(backend, config, nodes, None, secrets).await
+    }
+
+    async fn start_full(
+        backend: Backend,
+        config: RevisionsConfig,
+        nodes: &[&str],
+        resolver: Option<Arc<dyn TagResolver>>,
+        secrets: RegistrySecrets,
     ) -> Self {
         install_crypto_and_logs();
         let ca = CertificateAuthority::generate("revisions test CA", CERT_TTL).unwrap();
@@ -257,6 +281,7 @@ impl Plane {
             admin,
             config,
             resolver,
+            secrets,
         };
         plane.wait_for_nodes().await;
         plane.add_replica().await;
@@ -282,7 +307,8 @@ impl Plane {
             nodes: NodeDirectory::new(),
         };
         let leases = Arc::new(GrpcLeases::connect(&self.leases_addr.to_string(), me.clone()).unwrap());
-        let mut dependencies = Dependencies::with_registry(leases, RegistryPolicy::default(), &self.config).unwrap();
+        let mut dependencies =
+            Dependencies::with_secrets(leases, RegistryPolicy::default(), self.secrets.clone(), &self.config).unwrap();
         if let Some(resolver) = &self.resolver {
             dependencies.resolver = resolver.clone();
         }
@@ -354,6 +380,12 @@ impl Plane {
     pub(crate) fn services_as_node(&self, node_id: &str) -> v1::services_client::ServicesClient<Channel> {
         let node = credentials(&self.ca, &Identity::node(node_id).unwrap());
         v1::services_client::ServicesClient::new(self.channel(0, node))
+    }
+
+    /// `Revisions` as node `node_id`, with its own certificate.
+    pub(crate) fn revisions_as_node(&self, node_id: &str) -> v1::revisions_client::RevisionsClient<Channel> {
+        let node = credentials(&self.ca, &Identity::node(node_id).unwrap());
+        v1::revisions_client::RevisionsClient::new(self.channel(0, node))
     }
 
     /// `Leases` as an admin, to look at what revisions asked for.
@@ -537,6 +569,16 @@ pub(crate) fn pinned_reference() -> String {
 /// Packs a small bundle whose data file says `marker` and pushes it to
 /// `reference` in `registry`; its digest.
 pub(crate) async fn push_bundle(registry: &TestRegistry, repository_and_tag: &str, marker: &str) -> Digest {
+    push_bundle_as(registry, repository_and_tag, marker, &RegistryCredentials::Anonymous).await
+}
+
+/// Like [`push_bundle`], pushing with `credentials`.
+pub(crate) async fn push_bundle_as(
+    registry: &TestRegistry,
+    repository_and_tag: &str,
+    marker: &str,
+    credentials: &RegistryCredentials,
+) -> Digest {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("berth.toml"),
@@ -548,7 +590,7 @@ pub(crate) async fn push_bundle(registry: &TestRegistry, repository_and_tag: &st
     let bundle = PackedBundle::from_dir(dir.path()).unwrap();
     let client = BundleClient::new(RegistryConfig::default()).unwrap();
     let reference = BundleReference::parse(&registry.reference(repository_and_tag)).unwrap();
-    client.push(&bundle, &reference, &RegistryCredentials::Anonymous).await.unwrap()
+    client.push(&bundle, &reference, credentials).await.unwrap()
 }
 
 /// Runs a test body on both backends, each in its own test.

@@ -1,0 +1,144 @@
+//! A replica launched by the agent's lease runner with an egress service
+//! configured: it is given its tenant's proxy in every proxy variable (which
+//! its lease cannot override), its proxy refuses everything until a plan
+//! arrives, it stays reachable on its node port, and, where the agent runs
+//! as root, it runs in its tenant's network namespace, which goes with its
+//! lease. The egress service is not running: the agent retries it quietly
+//! while all of this holds.
+//!
+//! Identity and leases run in process (see `common`).
+
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
+mod common;
+
+use std::io::{Read as _, Write as _};
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use berth_agent::Enforcement;
+use berth_proto::leases::v1 as leases;
+use berth_proto::leases::v1::LeasePhase;
+use berth_proto::types::v1 as types;
+
+use common::*;
+
+const CURL: &str = "/usr/bin/curl";
+const PYTHON: &str = "/usr/bin/python3";
+
+/// Waits until the file holds a line starting with `prefix`; returns the file.
+async fn output_until(path: &Path, prefix: &str) -> String {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if text.lines().any(|line| line.starts_with(prefix)) {
+            return text;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no '{prefix}' line in {}:\n{text}", path.display());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// `GET /` on `127.0.0.1:port` from the host, once something answers.
+async fn fetch_from_host(port: u32) -> String {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let answer = tokio::task::spawn_blocking(move || {
+            let mut stream = std::net::TcpStream::connect(("127.0.0.1", u16::try_from(port).unwrap())).ok()?;
+            stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+            stream.write_all(b"GET / HTTP/1.0\r\nHost: replica\r\n\r\n").ok()?;
+            let mut answer = String::new();
+            stream.read_to_string(&mut answer).ok()?;
+            Some(answer).filter(|a| a.starts_with("HTTP/"))
+        })
+        .await
+        .unwrap();
+        if let Some(answer) = answer {
+            return answer;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the replica never answered on its node port {port}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The `ip netns` name of the namespace with this inode, if one is mounted.
+fn mounted_namespace(inode: u64) -> Option<PathBuf> {
+    std::fs::read_dir("/run/netns")
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .find(|path| std::fs::metadata(path).is_ok_and(|m| m.ino() == inode))
+}
+
+#[tokio::test]
+async fn a_replica_launched_by_the_runner_is_given_its_tenants_proxy_and_stays_reachable() {
+    if !Path::new(CURL).exists() || !Path::new(PYTHON).exists() {
+        eprintln!("SKIPPED: this test runs {CURL} and {PYTHON} as the replica; it checked nothing");
+        return;
+    }
+    let plane = ControlPlane::start(Duration::from_secs(5)).await;
+    let dir = TestDir::new();
+    let mut config = agent_config(&plane, dir.path());
+    // Nothing listens there: the agent keeps retrying, quietly.
+    config.egress = Some("127.0.0.1:1".into());
+    let agent = RunningAgent::start(config).await;
+    let enforcement = agent.handle.egress().expect("egress is configured").borrow().enforcement.clone();
+    let isolated = enforcement == Enforcement::Isolated;
+    assert_eq!(isolated, rustix::process::geteuid().is_root(), "root isolates, anyone else is advisory: {enforcement}");
+
+    let script = format!(
+        "echo \"proxy=$HTTP_PROXY $HTTPS_PROXY $ALL_PROXY $http_proxy $https_proxy $all_proxy\"; \
+         echo \"no_proxy=$NO_PROXY\"; \
+         {CURL} -s -o /dev/null -w 'status=%{{http_code}}\\n' http://example.invalid/; \
+         exec {PYTHON} -m http.server \"$PORT\" --bind 127.0.0.1"
+    );
+    let workload = leases::Workload {
+        command: "sh".into(),
+        args: vec!["-c".into(), script],
+        // The lease cannot send its replica around the proxy.
+        env: [("HTTP_PROXY".to_string(), "http://elsewhere:1".to_string())].into(),
+        service: "web".into(),
+        ports: vec![types::Port { name: "http".into(), port: 8080 }],
+        ..Default::default()
+    };
+    let lease = plane.request_workload("egress-env", workload).await;
+    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
+
+    let stdout = dir.path().join("logs").join(&lease.lease_id).join("stdout.log");
+    let output = output_until(&stdout, "status=").await;
+    let proxy_line = output.lines().find(|line| line.starts_with("proxy=")).unwrap();
+    let urls: Vec<&str> = proxy_line["proxy=".len()..].split(' ').collect();
+    assert_eq!(urls.len(), 6, "{proxy_line}");
+    assert!(urls[0].starts_with("http://127.0.0.1:"), "{proxy_line}");
+    assert!(urls.iter().all(|url| *url == urls[0]), "every proxy variable names the same proxy: {proxy_line}");
+    assert!(output.contains("no_proxy=localhost,127.0.0.1,::1"), "{output}");
+    assert!(output.contains("status=403"), "no plan has arrived, so the proxy refuses: {output}");
+
+    let instance =
+        agent.instance_until(&plane, &lease.lease_id, "running with a port", |i| i.pid != 0 && i.port != 0).await;
+    let answer = fetch_from_host(instance.port).await;
+    assert!(answer.starts_with("HTTP/1.0 200"), "the replica answers on its node port: {answer}");
+
+    let own_namespace = std::fs::metadata("/proc/self/ns/net").unwrap().ino();
+    let replica_namespace = std::fs::metadata(format!("/proc/{}/ns/net", instance.pid)).unwrap().ino();
+    let mounted = mounted_namespace(replica_namespace);
+    if isolated {
+        assert_ne!(replica_namespace, own_namespace, "the replica runs in a namespace of its own");
+        assert!(mounted.is_some(), "its namespace is one the agent named");
+    } else {
+        assert_eq!(replica_namespace, own_namespace);
+    }
+
+    plane.release(&lease.lease_id).await;
+    gone_until(instance.pid).await;
+    if let Some(namespace) = mounted {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while namespace.exists() {
+            assert!(tokio::time::Instant::now() < deadline, "{} outlived the tenant's last lease", namespace.display());
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+    agent.kill().await;
+    plane.cleanup().await;
+}

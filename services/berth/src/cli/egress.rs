@@ -1,0 +1,979 @@
+//! `berth egress gateway|route apply|get|list|delete` and `berth egress plan`:
+//! each tenant's egress policy, spoken to the egress service.
+//!
+//! # Where egress is
+//! `--egress-server` (or `BERTH_EGRESS_SERVER`); without it, identity's host
+//! with the port three above identity's, which is where `berth dev` serves
+//! egress.
+//!
+//! # What a spec file holds
+//! JSON: a gateway `{project?, name?, listeners: [{name, protocol, port}]}`,
+//! or a route `{project?, name?, parent_refs: [{gateway, listener?}],
+//! hostnames: [...], ports?: [...], action?}`, with the field names of
+//! `proto/berth/egress/v1/egress.proto` in snake_case or lowerCamel. A
+//! protocol is `HTTP`, `HTTPS_CONNECT` or `TCP`; an action `ALLOW` (the
+//! default) or `DENY` (the proto's full enum names are taken too). `--name`
+//! and `--project` fill in what the file leaves out and must agree with what
+//! it says. The file is converted field by field before anything is dialled:
+//! an unknown field or a value of the wrong type is refused with its path,
+//! e.g. `listeners[1].port`; the server checks the rest (names, ports, host
+//! names) and names the field it refuses.
+
+use std::collections::BTreeMap;
+use std::io::Read as _;
+
+use berth_mtls::TlsCredentials;
+use berth_proto::egress::v1 as egress;
+use berth_proto::egress::v1::egress_client::EgressClient;
+use berth_proto::types::v1::{Condition, ConditionStatus};
+use berth_rpc::Channel;
+use berth_runtime::StartError;
+use serde_json::{Value, json};
+
+use super::output::{self, Table};
+use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server, port_above};
+
+/// The project an empty project field means.
+const DEFAULT_PROJECT: &str = "default";
+
+/// How far above identity's port `berth dev` serves egress.
+const EGRESS_PORT_OFFSET: u16 = 3;
+
+/// Why an egress spec file was refused. Each message names the file and,
+/// when one field is at fault, that field's path.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum EgressSpecError {
+    /// The file (or stdin) could not be read.
+    #[error("cannot read {file}: {source}")]
+    Read {
+        /// The file, or "stdin".
+        file: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not JSON.
+    #[error("{file} is not JSON: {source}")]
+    Syntax {
+        /// The file, or "stdin".
+        file: String,
+        /// Where the parser stopped.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A field is unknown, missing or holds a value of the wrong type.
+    #[error("{file}: {path}: {problem}")]
+    Field {
+        /// The file, or "stdin".
+        file: String,
+        /// The field's path, e.g. `listeners[1].port`.
+        path: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+}
+
+/// Flags of `berth egress`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct EgressArgs {
+    #[command(flatten)]
+    client: ClientArgs,
+    /// The egress service to talk to [default: --server's host, port + 3,
+    /// where `berth dev` serves it].
+    #[arg(long = "egress-server", env = "BERTH_EGRESS_SERVER", value_name = "HOST:PORT",
+          value_parser = parse_server, global = true)]
+    egress_server: Option<String>,
+    #[command(subcommand)]
+    command: EgressCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum EgressCommand {
+    /// Gateways: the listeners of a tenant's egress proxy.
+    Gateway {
+        #[command(subcommand)]
+        command: ObjectCommand,
+    },
+    /// Routes: which destinations may (or may not) leave through which listeners.
+    Route {
+        #[command(subcommand)]
+        command: ObjectCommand,
+    },
+    /// Show a project's compiled plan: what each service may reach, and which
+    /// nodes applied it.
+    Plan {
+        /// The project [default: default].
+        #[arg(value_name = "PROJECT")]
+        project: Option<String>,
+    },
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum ObjectCommand {
+    /// Create or replace one from a JSON spec (`-f FILE`, or `-f -` for stdin).
+    Apply(ApplyArgs),
+    /// Show one with its status.
+    Get(ObjectName),
+    /// List a project's, by name.
+    List {
+        /// The project [default: default].
+        #[arg(long, value_name = "PROJECT")]
+        project: Option<String>,
+    },
+    /// Delete one.
+    Delete(ObjectName),
+}
+
+#[derive(Debug, clap::Args)]
+struct ObjectName {
+    /// Its name.
+    #[arg(value_name = "NAME")]
+    name: String,
+    /// Its project [default: default].
+    #[arg(long, value_name = "PROJECT")]
+    project: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+struct ApplyArgs {
+    /// The spec: a JSON file, or `-` for stdin.
+    #[arg(short = 'f', long = "filename", value_name = "FILE")]
+    file: String,
+    /// Its name, when the file does not say (or to check the file's name).
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
+    /// Its project, when the file does not say [default: default].
+    #[arg(long, value_name = "PROJECT")]
+    project: Option<String>,
+}
+
+/// The egress client and the connection under it.
+#[derive(Debug)]
+struct Egress {
+    client: EgressClient<Channel>,
+    connection: Connection,
+}
+
+impl Egress {
+    fn status(&self, status: tonic::Status) -> CliError {
+        self.connection.status_error(status)
+    }
+}
+
+impl EgressArgs {
+    pub(crate) async fn run(self) -> Result<(), StartError> {
+        Ok(self.execute().await?)
+    }
+
+    fn connect(&self, credentials: TlsCredentials) -> Result<Egress, CliError> {
+        let address = match &self.egress_server {
+            Some(address) => address.clone(),
+            None => port_above(&self.client.server, EGRESS_PORT_OFFSET)
+                .ok_or_else(|| CliError::NoEgressServer { server: self.client.server.clone() })?,
+        };
+        let connection = Connection::open("egress", &address, credentials)?;
+        Ok(Egress { client: EgressClient::new(connection.channel.clone()), connection })
+    }
+
+    async fn execute(self) -> Result<(), CliError> {
+        let format = self.client.output;
+        // A bad spec is refused before any credential is read or server dialled.
+        let spec = match &self.command {
+            EgressCommand::Gateway { command: ObjectCommand::Apply(args) } => {
+                Some(Spec::Gateway(gateway_request(&read_spec(args)?, args)?))
+            }
+            EgressCommand::Route { command: ObjectCommand::Apply(args) } => {
+                Some(Spec::Route(route_request(&read_spec(args)?, args)?))
+            }
+            _ => None,
+        };
+        let mut egress = self.connect(self.client.credentials()?)?;
+        match (self.command, spec) {
+            (EgressCommand::Gateway { .. }, Some(Spec::Gateway(apply))) => {
+                let apply = egress.connection.request(apply);
+                let response = egress.client.apply_gateway(apply).await.map_err(|s| egress.status(s))?;
+                let gateway = response.into_inner().gateway.ok_or(CliError::IncompleteResponse("the gateway"))?;
+                match format {
+                    OutputFormat::Json => output::print_json(&json!({ "gateway": gateway_json(&gateway) })),
+                    OutputFormat::Table => output::print(&format!(
+                        "gateway {} applied (generation {}); its status follows the next egress pass\n",
+                        gateway.name, gateway.generation
+                    )),
+                }
+            }
+            (EgressCommand::Route { .. }, Some(Spec::Route(apply))) => {
+                let apply = egress.connection.request(apply);
+                let response = egress.client.apply_route(apply).await.map_err(|s| egress.status(s))?;
+                let route = response.into_inner().route.ok_or(CliError::IncompleteResponse("the route"))?;
+                match format {
+                    OutputFormat::Json => output::print_json(&json!({ "route": route_json(&route) })),
+                    OutputFormat::Table => output::print(&format!(
+                        "route {} applied (generation {}); its status follows the next egress pass\n",
+                        route.name, route.generation
+                    )),
+                }
+            }
+            (EgressCommand::Gateway { command }, _) => gateway_command(&mut egress, command, format).await,
+            (EgressCommand::Route { command }, _) => route_command(&mut egress, command, format).await,
+            (EgressCommand::Plan { project }, _) => {
+                let message = egress::GetPlanRequest { project: project.unwrap_or_default() };
+                let response =
+                    egress.client.get_plan(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
+                let response = response.into_inner();
+                let plan = response.plan.ok_or(CliError::IncompleteResponse("the plan"))?;
+                let passes = response.passes.unwrap_or_default();
+                match format {
+                    OutputFormat::Json => {
+                        output::print_json(&json!({ "plan": plan_json(&plan), "passes": passes_json(&passes) }))
+                    }
+                    OutputFormat::Table => output::print(&plan_details(&plan, &passes)),
+                }
+            }
+        }
+    }
+}
+
+/// An apply read from a spec file.
+#[derive(Debug)]
+enum Spec {
+    Gateway(egress::ApplyGatewayRequest),
+    Route(egress::ApplyRouteRequest),
+}
+
+async fn gateway_command(egress: &mut Egress, command: ObjectCommand, format: OutputFormat) -> Result<(), CliError> {
+    match command {
+        ObjectCommand::Apply(_) => Ok(()),
+        ObjectCommand::Get(target) => {
+            let message = egress::GetGatewayRequest { project: target.project.unwrap_or_default(), name: target.name };
+            let response =
+                egress.client.get_gateway(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
+            let gateway = response.into_inner().gateway.ok_or(CliError::IncompleteResponse("the gateway"))?;
+            match format {
+                OutputFormat::Json => output::print_json(&json!({ "gateway": gateway_json(&gateway) })),
+                OutputFormat::Table => output::print(&gateway_details(&gateway)),
+            }
+        }
+        ObjectCommand::List { project } => {
+            let message = egress::ListGatewaysRequest { project: project.unwrap_or_default() };
+            let response =
+                egress.client.list_gateways(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
+            let gateways = response.into_inner().gateways;
+            if format == OutputFormat::Json {
+                let gateways: Vec<Value> = gateways.iter().map(gateway_json).collect();
+                return output::print_json(&json!({ "gateways": gateways }));
+            }
+            if gateways.is_empty() {
+                output::note("No gateways found.");
+                return Ok(());
+            }
+            // ATTACHMENTS: route attachments summed over the listeners.
+            let mut table = Table::new(vec!["NAME", "LISTENERS", "READY", "ATTACHMENTS", "AGE"]);
+            for gateway in &gateways {
+                let status = gateway.status.clone().unwrap_or_default();
+                let routes: u32 = status.listeners.iter().map(|l| l.attached_routes).sum();
+                table.row(vec![
+                    gateway.name.clone(),
+                    gateway.listeners.iter().map(listener_text).collect::<Vec<_>>().join(","),
+                    output::condition_of(&status.conditions, "Ready"),
+                    routes.to_string(),
+                    output::age(gateway.created_at.as_ref()),
+                ]);
+            }
+            output::print(&table.render())
+        }
+        ObjectCommand::Delete(target) => {
+            let name = target.name.clone();
+            let message =
+                egress::DeleteGatewayRequest { project: target.project.unwrap_or_default(), name: target.name };
+            egress.client.delete_gateway(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
+            match format {
+                OutputFormat::Json => output::print_json(&json!({})),
+                OutputFormat::Table => output::print(&format!(
+                    "gateway {name} deleted: services that select it send nothing out until it is back\n"
+                )),
+            }
+        }
+    }
+}
+
+async fn route_command(egress: &mut Egress, command: ObjectCommand, format: OutputFormat) -> Result<(), CliError> {
+    match command {
+        ObjectCommand::Apply(_) => Ok(()),
+        ObjectCommand::Get(target) => {
+            let message = egress::GetRouteRequest { project: target.project.unwrap_or_default(), name: target.name };
+            let response =
+                egress.client.get_route(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
+            let route = response.into_inner().route.ok_or(CliError::IncompleteResponse("the route"))?;
+            match format {
+                OutputFormat::Json => output::print_json(&json!({ "route": route_json(&route) })),
+                OutputFormat::Table => output::print(&route_details(&route)),
+            }
+        }
+        ObjectCommand::List { project } => {
+            let message = egress::ListRoutesRequest { project: project.unwrap_or_default() };
+            let response =
+                egress.client.list_routes(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
+            let routes = response.into_inner().routes;
+            if format == OutputFormat::Json {
+                let routes: Vec<Value> = routes.iter().map(route_json).collect();
+                return output::print_json(&json!({ "routes": routes }));
+            }
+            if routes.is_empty() {
+                output::note("No routes found.");
+                return Ok(());
+            }
+            let mut table = Table::new(vec!["NAME", "ACTION", "HOSTNAMES", "PORTS", "PARENTS", "ACCEPTED", "AGE"]);
+            for route in &routes {
+                let parents = route.status.as_ref().map_or(&[][..], |s| s.parents.as_slice());
+                let accepted = parents.iter().filter(|p| holds(&p.conditions, "Accepted")).count();
+                table.row(vec![
+                    route.name.clone(),
+                    action_text(route.action),
+                    route.hostnames.join(","),
+                    ports_text(&route.ports),
+                    route.parent_refs.iter().map(parent_text).collect::<Vec<_>>().join(","),
+                    format!("{accepted}/{}", route.parent_refs.len()),
+                    output::age(route.created_at.as_ref()),
+                ]);
+            }
+            output::print(&table.render())
+        }
+        ObjectCommand::Delete(target) => {
+            let name = target.name.clone();
+            let message = egress::DeleteRouteRequest { project: target.project.unwrap_or_default(), name: target.name };
+            egress.client.delete_route(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
+            match format {
+                OutputFormat::Json => output::print_json(&json!({})),
+                OutputFormat::Table => output::print(&format!("route {name} deleted\n")),
+            }
+        }
+    }
+}
+
+fn project_name(project: &str) -> &str {
+    if project.is_empty() { DEFAULT_PROJECT } else { project }
+}
+
+fn holds(conditions: &[Condition], kind: &str) -> bool {
+    conditions.iter().any(|c| c.r#type == kind && c.status == ConditionStatus::True as i32)
+}
+
+fn protocol_text(protocol: i32) -> String {
+    match egress::ListenerProtocol::try_from(protocol) {
+        Ok(egress::ListenerProtocol::Http) => "HTTP".to_string(),
+        Ok(egress::ListenerProtocol::HttpsConnect) => "HTTPS_CONNECT".to_string(),
+        Ok(egress::ListenerProtocol::Tcp) => "TCP".to_string(),
+        _ => format!("UNKNOWN({protocol})"),
+    }
+}
+
+fn action_text(action: i32) -> String {
+    match egress::RouteAction::try_from(action) {
+        Ok(egress::RouteAction::Deny) => "DENY".to_string(),
+        Ok(egress::RouteAction::Allow | egress::RouteAction::Unspecified) => "ALLOW".to_string(),
+        Err(_) => format!("UNKNOWN({action})"),
+    }
+}
+
+fn listener_text(listener: &egress::Listener) -> String {
+    format!("{}={}:{}", listener.name, protocol_text(listener.protocol), listener.port)
+}
+
+fn parent_text(parent: &egress::ParentRef) -> String {
+    if parent.listener.is_empty() { parent.gateway.clone() } else { format!("{}/{}", parent.gateway, parent.listener) }
+}
+
+fn ports_text(ports: &[u32]) -> String {
+    if ports.is_empty() { "any".to_string() } else { ports.iter().map(u32::to_string).collect::<Vec<_>>().join(",") }
+}
+
+fn indent(text: &str) -> String {
+    text.lines().map(|line| format!("  {line}\n")).collect()
+}
+
+fn gateway_details(gateway: &egress::EgressGateway) -> String {
+    let status = gateway.status.clone().unwrap_or_default();
+    let rows: Vec<(&str, String)> = vec![
+        ("Name", gateway.name.clone()),
+        ("Project", project_name(&gateway.project).to_string()),
+        ("Generation", gateway.generation.to_string()),
+        ("Created", output::age(gateway.created_at.as_ref())),
+        ("Updated", output::age(gateway.updated_at.as_ref())),
+    ];
+    let mut text = output::fields(&rows);
+    text.push_str("\nListeners:\n");
+    let mut table = Table::new(vec!["NAME", "PROTOCOL", "PORT", "ROUTES", "ACCEPTED"]);
+    for listener in &gateway.listeners {
+        let observed = status.listeners.iter().find(|l| l.name == listener.name);
+        table.row(vec![
+            listener.name.clone(),
+            protocol_text(listener.protocol),
+            listener.port.to_string(),
+            observed.map_or_else(|| output::NONE.to_string(), |l| l.attached_routes.to_string()),
+            observed.map_or_else(|| "Unknown".to_string(), |l| output::condition_of(&l.conditions, "Accepted")),
+        ]);
+    }
+    text.push_str(&indent(&table.render()));
+    text.push_str("\nConditions:\n");
+    let mut conditions = status.conditions.clone();
+    for listener in &status.listeners {
+        conditions.extend(
+            listener
+                .conditions
+                .iter()
+                .filter(|c| c.r#type != "Accepted")
+                .map(|c| Condition { r#type: format!("{} ({})", c.r#type, listener.name), ..c.clone() }),
+        );
+    }
+    text.push_str(&indent(&output::conditions_table(&conditions)));
+    text
+}
+
+fn route_details(route: &egress::EgressRoute) -> String {
+    let rows: Vec<(&str, String)> = vec![
+        ("Name", route.name.clone()),
+        ("Project", project_name(&route.project).to_string()),
+        ("Action", action_text(route.action)),
+        ("Hostnames", route.hostnames.join(", ")),
+        ("Ports", ports_text(&route.ports)),
+        ("Generation", route.generation.to_string()),
+        ("Created", output::age(route.created_at.as_ref())),
+        ("Updated", output::age(route.updated_at.as_ref())),
+    ];
+    let mut text = output::fields(&rows);
+    text.push_str("\nParents:\n");
+    let mut table = Table::new(vec!["GATEWAY", "LISTENER", "ACCEPTED", "REASON", "MESSAGE"]);
+    let parents = route.status.as_ref().map_or(&[][..], |s| s.parents.as_slice());
+    for parent in &route.parent_refs {
+        let observed = parents.iter().find(|p| p.parent_ref.as_ref() == Some(parent));
+        let accepted = observed.and_then(|p| p.conditions.iter().find(|c| c.r#type == "Accepted"));
+        table.row(vec![
+            parent.gateway.clone(),
+            if parent.listener.is_empty() { "<every>".to_string() } else { parent.listener.clone() },
+            accepted.map_or_else(|| "Unknown".to_string(), |c| output::condition_status(c.status)),
+            accepted.map_or_else(|| output::NONE.to_string(), |c| output::or_none(&c.reason)),
+            accepted.map_or_else(|| "not compiled yet".to_string(), |c| output::or_none(&c.message)),
+        ]);
+    }
+    text.push_str(&indent(&table.render()));
+    text
+}
+
+fn plan_details(plan: &egress::EgressPlan, passes: &egress::PassStats) -> String {
+    let rows: Vec<(&str, String)> = vec![
+        ("Project", project_name(&plan.project).to_string()),
+        ("Generation", plan.generation.to_string()),
+        (
+            "Compiled",
+            output::when(plan.compiled_at.as_ref(), &format!("{} ago", output::age(plan.compiled_at.as_ref()))),
+        ),
+        ("Gateways", plan.gateways.len().to_string()),
+        ("Routes", plan.routes.len().to_string()),
+        (
+            "Passes",
+            if passes.leading {
+                format!("{} run, {} changed the plan, for {} events", passes.passes, passes.changes, passes.events)
+            } else {
+                "counted by the replica that runs the full pass; this one does not".to_string()
+            },
+        ),
+    ];
+    let mut text = output::fields(&rows);
+    text.push_str("\nServices:\n");
+    if plan.services.is_empty() {
+        text.push_str("  <none>\n");
+    } else {
+        let mut table = Table::new(vec!["SERVICE", "GATEWAY", "READY", "REASON", "ALLOWED", "DENIED"]);
+        for service in &plan.services {
+            let condition = service.condition.clone().unwrap_or_default();
+            table.row(vec![
+                service.service.clone(),
+                output::or_none(&service.gateway),
+                output::condition_status(condition.status),
+                output::or_none(&condition.reason),
+                destinations_text(&service.allowed),
+                destinations_text(&service.denied),
+            ]);
+        }
+        text.push_str(&indent(&table.render()));
+    }
+    text.push_str("\nNodes:\n");
+    if plan.node_acks.is_empty() {
+        text.push_str("  <none: no node hosts the project>\n");
+    } else {
+        let mut table = Table::new(vec!["NODE", "APPLIED", "STATUS", "ACKED", "ERROR"]);
+        for ack in &plan.node_acks {
+            let state = if ack.generation >= plan.generation { "current" } else { "lagging" };
+            table.row(vec![
+                ack.node_id.clone(),
+                ack.generation.to_string(),
+                state.to_string(),
+                output::when(ack.acked_at.as_ref(), &format!("{} ago", output::age(ack.acked_at.as_ref()))),
+                output::or_none(&ack.error),
+            ]);
+        }
+        text.push_str(&indent(&table.render()));
+    }
+    text
+}
+
+/// `listener/host:ports` of each destination, at most a few, then a count.
+fn destinations_text(destinations: &[egress::Destination]) -> String {
+    const SHOWN: usize = 3;
+    if destinations.is_empty() {
+        return output::NONE.to_string();
+    }
+    let mut parts: Vec<String> = destinations
+        .iter()
+        .take(SHOWN)
+        .map(|d| {
+            let ports = if d.ports.is_empty() { String::new() } else { format!(":{}", ports_text(&d.ports)) };
+            format!("{}/{}{ports}", d.listener, d.hostname)
+        })
+        .collect();
+    if destinations.len() > SHOWN {
+        parts.push(format!("+{} more", destinations.len() - SHOWN));
+    }
+    parts.join(" ")
+}
+
+fn conditions_json(conditions: &[Condition]) -> Value {
+    Value::Array(conditions.iter().map(condition_json).collect())
+}
+
+fn condition_json(condition: &Condition) -> Value {
+    let status = ConditionStatus::try_from(condition.status).ok().map(|s| s.as_str_name());
+    json!({
+        "type": condition.r#type,
+        "status": status.map_or_else(|| json!(condition.status), |s| json!(s)),
+        "reason": condition.reason,
+        "message": condition.message,
+        "last_transition_time": output::timestamp_json(condition.last_transition_time.as_ref()),
+        "observed_generation": condition.observed_generation,
+    })
+}
+
+fn enum_json(name: Option<&'static str>, value: i32) -> Value {
+    name.map_or_else(|| json!(value), |n| json!(n))
+}
+
+fn gateway_json(gateway: &egress::EgressGateway) -> Value {
+    let status = gateway.status.clone().unwrap_or_default();
+    json!({
+        "project": gateway.project,
+        "name": gateway.name,
+        "listeners": gateway.listeners.iter().map(|l| json!({
+            "name": l.name,
+            "protocol": enum_json(egress::ListenerProtocol::try_from(l.protocol).ok().map(|p| p.as_str_name()), l.protocol),
+            "port": l.port,
+        })).collect::<Vec<_>>(),
+        "status": {
+            "conditions": conditions_json(&status.conditions),
+            "listeners": status.listeners.iter().map(|l| json!({
+                "name": l.name,
+                "attached_routes": l.attached_routes,
+                "conditions": conditions_json(&l.conditions),
+            })).collect::<Vec<_>>(),
+        },
+        "generation": gateway.generation,
+        "created_at": output::timestamp_json(gateway.created_at.as_ref()),
+        "updated_at": output::timestamp_json(gateway.updated_at.as_ref()),
+    })
+}
+
+fn parent_json(parent: &egress::ParentRef) -> Value {
+    json!({ "gateway": parent.gateway, "listener": parent.listener })
+}
+
+fn route_json(route: &egress::EgressRoute) -> Value {
+    let parents = route.status.as_ref().map_or(&[][..], |s| s.parents.as_slice());
+    json!({
+        "project": route.project,
+        "name": route.name,
+        "parent_refs": route.parent_refs.iter().map(parent_json).collect::<Vec<_>>(),
+        "hostnames": route.hostnames,
+        "ports": route.ports,
+        "action": enum_json(egress::RouteAction::try_from(route.action).ok().map(|a| a.as_str_name()), route.action),
+        "status": {
+            "parents": parents.iter().map(|p| json!({
+                "parent_ref": p.parent_ref.as_ref().map_or(Value::Null, parent_json),
+                "conditions": conditions_json(&p.conditions),
+            })).collect::<Vec<_>>(),
+        },
+        "generation": route.generation,
+        "created_at": output::timestamp_json(route.created_at.as_ref()),
+        "updated_at": output::timestamp_json(route.updated_at.as_ref()),
+    })
+}
+
+fn destination_json(destination: &egress::Destination) -> Value {
+    let protocol = egress::ListenerProtocol::try_from(destination.protocol).ok().map(|p| p.as_str_name());
+    json!({
+        "listener": destination.listener,
+        "protocol": enum_json(protocol, destination.protocol),
+        "listener_port": destination.listener_port,
+        "hostname": destination.hostname,
+        "ports": destination.ports,
+        "route": destination.route,
+    })
+}
+
+fn plan_json(plan: &egress::EgressPlan) -> Value {
+    json!({
+        "project": plan.project,
+        "generation": plan.generation,
+        "services": plan.services.iter().map(|s| json!({
+            "service": s.service,
+            "gateway": s.gateway,
+            "allowed": s.allowed.iter().map(destination_json).collect::<Vec<_>>(),
+            "denied": s.denied.iter().map(destination_json).collect::<Vec<_>>(),
+            "condition": s.condition.as_ref().map_or(Value::Null, condition_json),
+        })).collect::<Vec<_>>(),
+        "gateways": plan.gateways.iter().map(gateway_json).collect::<Vec<_>>(),
+        "routes": plan.routes.iter().map(route_json).collect::<Vec<_>>(),
+        "node_acks": plan.node_acks.iter().map(|a| {
+            let enforcement = egress::EgressEnforcement::try_from(a.enforcement).ok().map(|e| e.as_str_name());
+            json!({
+                "node_id": a.node_id,
+                "generation": a.generation,
+                "acked_at": output::timestamp_json(a.acked_at.as_ref()),
+                "error": a.error,
+                "enforcement": enum_json(enforcement, a.enforcement),
+            })
+        }).collect::<Vec<_>>(),
+        "compiled_at": output::timestamp_json(plan.compiled_at.as_ref()),
+    })
+}
+
+fn passes_json(passes: &egress::PassStats) -> Value {
+    json!({
+        "leading": passes.leading,
+        "events": passes.events,
+        "passes": passes.passes,
+        "changes": passes.changes,
+        "last_pass_at": output::timestamp_json(passes.last_pass_at.as_ref()),
+    })
+}
+
+/// The file (or stdin) the apply names, parsed as JSON, with its name for messages.
+fn read_spec(args: &ApplyArgs) -> Result<(String, Value), EgressSpecError> {
+    let (file, text) = if args.file == "-" {
+        let mut text = String::new();
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .map_err(|source| EgressSpecError::Read { file: "stdin".to_string(), source })?;
+        ("stdin".to_string(), text)
+    } else {
+        let text = std::fs::read_to_string(&args.file)
+            .map_err(|source| EgressSpecError::Read { file: args.file.clone(), source })?;
+        (args.file.clone(), text)
+    };
+    let value = serde_json::from_str(&text).map_err(|source| EgressSpecError::Syntax { file: file.clone(), source })?;
+    Ok((file, value))
+}
+
+/// A field that was refused: its path and what is wrong with it.
+type Refusal = (String, String);
+
+const GATEWAY_FIELDS: [&str; 3] = ["project", "name", "listeners"];
+const LISTENER_FIELDS: [&str; 3] = ["name", "protocol", "port"];
+const ROUTE_FIELDS: [&str; 6] = ["project", "name", "parent_refs", "hostnames", "ports", "action"];
+const PARENT_FIELDS: [&str; 2] = ["gateway", "listener"];
+
+fn gateway_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::ApplyGatewayRequest, EgressSpecError> {
+    let (file, value) = spec;
+    let refused = |(path, problem): Refusal| EgressSpecError::Field { file: file.clone(), path, problem };
+    let fields = Fields::of(value, "", &GATEWAY_FIELDS).map_err(refused)?;
+    let (project, name) = key(&fields, args).map_err(refused)?;
+    let listeners = fields
+        .objects("listeners", &LISTENER_FIELDS)
+        .and_then(|listeners| {
+            listeners
+                .iter()
+                .map(|l| {
+                    Ok(egress::Listener {
+                        name: l.string("name")?,
+                        protocol: l.enumeration("protocol", "LISTENER_PROTOCOL_", |n| {
+                            egress::ListenerProtocol::from_str_name(n).map(|p| p as i32)
+                        })?,
+                        port: l.number("port")?,
+                    })
+                })
+                .collect::<Result<Vec<_>, Refusal>>()
+        })
+        .map_err(refused)?;
+    Ok(egress::ApplyGatewayRequest { project, name, listeners })
+}
+
+fn route_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::ApplyRouteRequest, EgressSpecError> {
+    let (file, value) = spec;
+    let refused = |(path, problem): Refusal| EgressSpecError::Field { file: file.clone(), path, problem };
+    let fields = Fields::of(value, "", &ROUTE_FIELDS).map_err(refused)?;
+    let (project, name) = key(&fields, args).map_err(refused)?;
+    let parent_refs = fields
+        .objects("parent_refs", &PARENT_FIELDS)
+        .and_then(|parents| {
+            parents
+                .iter()
+                .map(|p| Ok(egress::ParentRef { gateway: p.string("gateway")?, listener: p.string("listener")? }))
+                .collect::<Result<Vec<_>, Refusal>>()
+        })
+        .map_err(refused)?;
+    let action = if fields.has("action") {
+        fields
+            .enumeration("action", "ROUTE_ACTION_", |n| egress::RouteAction::from_str_name(n).map(|a| a as i32))
+            .map_err(refused)?
+    } else {
+        egress::RouteAction::Allow as i32
+    };
+    Ok(egress::ApplyRouteRequest {
+        project,
+        name,
+        parent_refs,
+        hostnames: fields.strings("hostnames").map_err(refused)?,
+        ports: fields.numbers("ports").map_err(refused)?,
+        action,
+    })
+}
+
+/// The object's project and name: from the file, else from the flags; both
+/// given must agree.
+fn key(fields: &Fields<'_>, args: &ApplyArgs) -> Result<(String, String), Refusal> {
+    let pick = |field: &str, file: String, flag: Option<&String>| match (file.as_str(), flag) {
+        ("", None) if field == "name" => {
+            Err((field.to_string(), "missing; give `name` in the file or pass --name NAME".to_string()))
+        }
+        ("", flag) => Ok(flag.cloned().unwrap_or_default()),
+        (file, Some(flag)) if file != flag => {
+            Err((field.to_string(), format!("is {file:?} but --{field} says {flag:?}")))
+        }
+        (file, _) => Ok(file.to_string()),
+    };
+    let project = pick("project", fields.string("project")?, args.project.as_ref())?;
+    let name = pick("name", fields.string("name")?, args.name.as_ref())?;
+    Ok((project, name))
+}
+
+/// The fields of one JSON object of a spec, by snake_case name, with the
+/// path that leads to the object. A `null` field counts as absent.
+#[derive(Debug)]
+struct Fields<'v> {
+    path: String,
+    values: BTreeMap<String, &'v Value>,
+}
+
+impl<'v> Fields<'v> {
+    /// `value` as an object whose fields are all among `known`.
+    fn of(value: &'v Value, path: &str, known: &[&str]) -> Result<Self, Refusal> {
+        let Value::Object(map) = value else {
+            let at = if path.is_empty() { "the file".to_string() } else { path.to_string() };
+            return Err((at, format!("must be an object, not {}", kind(value))));
+        };
+        let mut values = BTreeMap::new();
+        for (key, field) in map {
+            let name = snake_case(key);
+            let at = join(path, key);
+            if !known.contains(&name.as_str()) {
+                return Err((at, format!("unknown field; the fields here are {}", known.join(", "))));
+            }
+            if field.is_null() {
+                continue;
+            }
+            if values.insert(name, field).is_some() {
+                return Err((at, "given twice, in snake_case and in lowerCamel".to_string()));
+            }
+        }
+        Ok(Self { path: path.to_string(), values })
+    }
+
+    fn at(&self, name: &str) -> String {
+        join(&self.path, name)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.values.contains_key(name)
+    }
+
+    fn string(&self, name: &str) -> Result<String, Refusal> {
+        match self.values.get(name) {
+            None => Ok(String::new()),
+            Some(Value::String(text)) => Ok(text.clone()),
+            Some(other) => Err((self.at(name), format!("must be a string, not {}", kind(other)))),
+        }
+    }
+
+    /// A whole number that fits a `u32`; absent is 0.
+    fn number(&self, name: &str) -> Result<u32, Refusal> {
+        let Some(value) = self.values.get(name) else { return Ok(0) };
+        whole(value)
+            .ok_or_else(|| (self.at(name), format!("must be a whole number up to 4294967295, not {}", kind(value))))
+    }
+
+    fn strings(&self, name: &str) -> Result<Vec<String>, Refusal> {
+        self.list(name)?
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(text) => Ok(text.clone()),
+                other => Err((format!("{}[{i}]", self.at(name)), format!("must be a string, not {}", kind(other)))),
+            })
+            .collect()
+    }
+
+    fn numbers(&self, name: &str) -> Result<Vec<u32>, Refusal> {
+        self.list(name)?
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                whole(item).ok_or_else(|| {
+                    (format!("{}[{i}]", self.at(name)), format!("must be a whole number, not {}", kind(item)))
+                })
+            })
+            .collect()
+    }
+
+    fn objects(&self, name: &str, known: &[&str]) -> Result<Vec<Fields<'v>>, Refusal> {
+        self.list(name)?
+            .iter()
+            .enumerate()
+            .map(|(i, item)| Fields::of(item, &format!("{}[{i}]", self.at(name)), known))
+            .collect()
+    }
+
+    fn list(&self, name: &str) -> Result<&'v [Value], Refusal> {
+        match self.values.get(name) {
+            None => Ok(&[]),
+            Some(Value::Array(items)) => Ok(items.as_slice()),
+            Some(other) => Err((self.at(name), format!("must be a list, not {}", kind(other)))),
+        }
+    }
+
+    /// An enum value by its short name (`TCP`) or its proto name
+    /// (`LISTENER_PROTOCOL_TCP`), in any case; absent is 0 (unspecified).
+    fn enumeration(&self, name: &str, prefix: &str, parse: impl Fn(&str) -> Option<i32>) -> Result<i32, Refusal> {
+        let text = self.string(name)?;
+        if text.is_empty() {
+            return Ok(0);
+        }
+        let upper = text.to_ascii_uppercase().replace('-', "_");
+        let full = if upper.starts_with(prefix) { upper } else { format!("{prefix}{upper}") };
+        match parse(&full) {
+            Some(value) if value != 0 => Ok(value),
+            _ => Err((self.at(name), format!("{text:?} is not one of the values this field takes"))),
+        }
+    }
+}
+
+fn whole(value: &Value) -> Option<u32> {
+    value.as_u64().and_then(|n| u32::try_from(n).ok())
+}
+
+/// `parentRefs` as `parent_refs`; snake_case names are left as they are.
+fn snake_case(key: &str) -> String {
+    let mut name = String::with_capacity(key.len() + 4);
+    for c in key.chars() {
+        if c.is_ascii_uppercase() {
+            name.push('_');
+            name.push(c.to_ascii_lowercase());
+        } else {
+            name.push(c);
+        }
+    }
+    name
+}
+
+fn join(path: &str, field: &str) -> String {
+    if path.is_empty() { field.to_string() } else { format!("{path}.{field}") }
+}
+
+/// What a JSON value is, with the value when short, for a refusal.
+fn kind(value: &Value) -> String {
+    match value {
+        Value::Null => "null".to_string(),
+        Value::Bool(flag) => format!("{flag}"),
+        Value::Number(number) => format!("the number {number}"),
+        Value::String(text) if text.chars().count() <= 40 => format!("the string {text:?}"),
+        Value::String(_) => "a string".to_string(),
+        Value::Array(_) => "a list".to_string(),
+        Value::Object(_) => "an object".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(name: Option<&str>, project: Option<&str>) -> ApplyArgs {
+        ApplyArgs { file: "spec.json".into(), name: name.map(str::to_owned), project: project.map(str::to_owned) }
+    }
+
+    fn spec(value: Value) -> (String, Value) {
+        ("spec.json".to_string(), value)
+    }
+
+    fn refusal(error: EgressSpecError) -> (String, String) {
+        match error {
+            EgressSpecError::Field { path, problem, .. } => (path, problem),
+            other => panic!("not a field refusal: {other}"),
+        }
+    }
+
+    #[test]
+    fn a_gateway_reads_short_and_proto_enum_names_in_either_spelling() {
+        let value = json!({
+            "name": "default",
+            "listeners": [
+                {"name": "http", "protocol": "HTTP", "port": 3128},
+                {"name": "tls", "protocol": "https_connect", "port": 3129},
+                {"name": "db", "protocol": "LISTENER_PROTOCOL_TCP", "port": 5432},
+            ],
+        });
+        let request = gateway_request(&spec(value), &args(None, Some("team"))).unwrap();
+        assert_eq!((request.project.as_str(), request.name.as_str()), ("team", "default"));
+        let protocols: Vec<i32> = request.listeners.iter().map(|l| l.protocol).collect();
+        assert_eq!(
+            protocols,
+            [
+                egress::ListenerProtocol::Http as i32,
+                egress::ListenerProtocol::HttpsConnect as i32,
+                egress::ListenerProtocol::Tcp as i32
+            ]
+        );
+    }
+
+    #[test]
+    fn a_route_reads_in_lower_camel_and_allows_by_default() {
+        let value = json!({
+            "parentRefs": [{"gateway": "default"}, {"gateway": "default", "listener": "db"}],
+            "hostnames": ["api.example.com", "*.example.com"],
+            "ports": [443],
+        });
+        let request = route_request(&spec(value), &args(Some("api"), None)).unwrap();
+        assert_eq!(request.name, "api");
+        assert_eq!(request.parent_refs[1].listener, "db");
+        assert_eq!(request.action, egress::RouteAction::Allow as i32);
+        let deny = json!({"name": "no", "parent_refs": [{"gateway": "g"}], "hostnames": ["x.com"], "action": "deny"});
+        assert_eq!(route_request(&spec(deny), &args(None, None)).unwrap().action, egress::RouteAction::Deny as i32);
+    }
+
+    #[test]
+    fn each_refusal_names_the_field() {
+        let gateway = |value| refusal(gateway_request(&spec(value), &args(Some("g"), None)).unwrap_err());
+        let route = |value| refusal(route_request(&spec(value), &args(Some("r"), None)).unwrap_err());
+        assert_eq!(gateway(json!({"listeners": [{"name": "a", "port": "80"}]})).0, "listeners[0].port");
+        assert_eq!(gateway(json!({"listeners": [{"name": "a", "protocol": "UDP"}]})).0, "listeners[0].protocol");
+        assert_eq!(gateway(json!({"listenerz": []})).0, "listenerz");
+        assert_eq!(gateway(json!({"name": "other"})).0, "name");
+        assert_eq!(route(json!({"hostnames": ["a.com", 7]})).0, "hostnames[1]");
+        assert_eq!(route(json!({"ports": [-1]})).0, "ports[0]");
+        assert_eq!(route(json!({"parent_refs": [{"gw": "x"}]})).0, "parent_refs[0].gw");
+        assert_eq!(route(json!({"action": "MAYBE"})).0, "action");
+        let missing = refusal(route_request(&spec(json!({})), &args(None, None)).unwrap_err());
+        assert!(missing.0 == "name" && missing.1.contains("--name"), "{missing:?}");
+    }
+
+    #[test]
+    fn egress_sits_three_ports_above_identity() {
+        assert_eq!(port_above("127.0.0.1:7443", EGRESS_PORT_OFFSET).as_deref(), Some("127.0.0.1:7446"));
+    }
+}

@@ -1,0 +1,140 @@
+//! The `berth-egress` binary's flags and startup: the flags every
+//! control-plane service takes (listen address, certificates, state, mesh,
+//! telemetry) plus where revisions and leases are and how the full pass
+//! coalesces.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use berth_runtime::{
+    CERT_POLL_INTERVAL, MeshArgs, StartError, StateArgs, TelemetryArgs, TlsArgs, bind, follow_nodes, parse_duration,
+    run_main, watch_cert_files,
+};
+use clap::Parser;
+
+use crate::{DEFAULT_PORT, EgressConfig, EgressService, SPEC, Sources};
+
+/// The berth egress service: each tenant's egress policy, compiled and
+/// pushed to the nodes that host it.
+#[derive(Debug, Parser)]
+#[command(name = "berth-egress", version)]
+struct Args {
+    /// Address to serve mTLS gRPC on.
+    #[arg(long, env = "BERTH_LISTEN", default_value_t = SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT)))]
+    listen: SocketAddr,
+    /// The revisions service (`host:port`), followed for each service's
+    /// egress selection. Unset, plans list no services.
+    #[arg(long, env = "BERTH_REVISIONS_ADDR", value_name = "HOST:PORT")]
+    revisions_addr: Option<String>,
+    /// The leases service (`host:port`), polled for which tenants each node
+    /// hosts. Unset, no node is sent any plan.
+    #[arg(long, env = "BERTH_LEASES_ADDR", value_name = "HOST:PORT")]
+    leases_addr: Option<String>,
+    /// How long a tenant must be quiet before its pending pass runs (e.g. 200ms).
+    #[arg(long, env = "BERTH_EGRESS_DEBOUNCE", default_value = "200ms", value_name = "DURATION",
+          value_parser = parse_duration)]
+    debounce: Duration,
+    /// The longest a tenant's pending pass waits however busy it stays (e.g. 2s).
+    #[arg(long, env = "BERTH_EGRESS_MAX_DELAY", default_value = "2s", value_name = "DURATION",
+          value_parser = parse_duration)]
+    max_delay: Duration,
+    /// How often every tenant is passed whether or not anything was heard (e.g. 60s).
+    #[arg(long, env = "BERTH_EGRESS_FULL_RESYNC", default_value = "60s", value_name = "DURATION",
+          value_parser = parse_duration)]
+    full_resync: Duration,
+    #[command(flatten)]
+    tls: TlsArgs,
+    #[command(flatten)]
+    state: StateArgs,
+    #[command(flatten)]
+    mesh: MeshArgs,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+impl Args {
+    fn config(&self) -> EgressConfig {
+        EgressConfig {
+            debounce: self.debounce,
+            max_delay: self.max_delay.max(self.debounce),
+            full_resync: self.full_resync,
+            ..EgressConfig::default()
+        }
+    }
+}
+
+/// Parses the flags and serves until SIGTERM or Ctrl-C.
+pub fn binary_main() -> ExitCode {
+    let args = Args::parse();
+    let telemetry = args.telemetry.clone();
+    run_main("berth-egress", &telemetry, || run(args))
+}
+
+async fn run(args: Args) -> Result<(), StartError> {
+    let shutdown = berth_rpc::shutdown_signal();
+    let credentials = args.tls.load()?;
+    let ctx = SPEC.open(&args.state, credentials.clone()).await?;
+    if let Some(identity) = &args.mesh.identity_addr {
+        follow_nodes(
+            identity.clone(),
+            credentials.clone(),
+            ctx.nodes.clone(),
+            ctx.revocations.clone(),
+            shutdown.clone(),
+        );
+    }
+    if args.revisions_addr.is_none() {
+        tracing::warn!("no --revisions-addr: plans list no services");
+    }
+    if args.leases_addr.is_none() {
+        tracing::warn!("no --leases-addr: no node is sent any plan");
+    }
+    let sources = Sources::connect(&credentials, args.revisions_addr.as_deref(), args.leases_addr.as_deref())
+        .map_err(|e| StartError::Invalid(format!("egress: {e}")))?;
+    let listener = bind(args.listen, credentials.clone()).await?;
+    watch_cert_files(args.tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
+    let service = EgressService::new(&ctx, args.config(), sources);
+    service.spawn_loops(&shutdown);
+    tracing::info!(addr = %args.listen, replica = service.replica_id(), "egress serving");
+    service.server().with_readiness(ctx.readiness()).serve(listener, shutdown).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::*;
+
+    #[test]
+    fn flags_are_consistent() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn addresses_and_durations_parse() {
+        let args = Args::try_parse_from([
+            "berth-egress",
+            "--tls-cert",
+            "c",
+            "--tls-key",
+            "k",
+            "--ca-file",
+            "a",
+            "--database-url",
+            "sqlite://x",
+            "--revisions-addr",
+            "127.0.0.1:7444",
+            "--leases-addr",
+            "127.0.0.1:7445",
+            "--debounce",
+            "50ms",
+        ])
+        .unwrap();
+        assert_eq!(args.revisions_addr.as_deref(), Some("127.0.0.1:7444"));
+        assert_eq!(args.config().debounce, Duration::from_millis(50));
+        assert_eq!(args.config().max_delay, crate::DEFAULT_MAX_DELAY);
+        assert_eq!(args.listen.port(), DEFAULT_PORT);
+    }
+}

@@ -1,0 +1,224 @@
+//! Gateways, routes and plans as the database holds them, and as the API and
+//! the compile see them.
+//!
+//! # What is stored
+//! Declarations, statuses and plan contents are protobuf encodings of their
+//! API messages, so a field added to one needs no migration. Times are epoch
+//! milliseconds on the database clock.
+
+use berth_proto::egress::v1 as proto;
+use berth_store::StoreError;
+use prost::Message;
+use sqlx::Row as _;
+use sqlx::any::AnyRow;
+
+use crate::compile::{GatewaySpec, ListenerSpec, ParentSpec, RouteSpec};
+use crate::model::{HostPattern, Protocol, RouteAction};
+
+/// The columns [`GatewayRow::from_row`] and [`RouteRow::from_row`] read.
+macro_rules! object_columns {
+    () => {
+        "project, name, spec, status, generation, created_at_ms, updated_at_ms"
+    };
+}
+
+pub(crate) use object_columns;
+
+pub(crate) fn decode<M: Message + Default>(row: &AnyRow, column: &str) -> Result<M, StoreError> {
+    let bytes: Vec<u8> = row.try_get(column)?;
+    M::decode(bytes.as_slice()).map_err(|e| StoreError::Internal {
+        context: format!("decoding the stored {column}"),
+        source: Some(Box::new(e)),
+    })
+}
+
+/// Epoch milliseconds as a protobuf timestamp.
+pub(crate) fn timestamp(ms: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: ms.div_euclid(1000),
+        nanos: i32::try_from(ms.rem_euclid(1000) * 1_000_000).unwrap_or_default(),
+    }
+}
+
+/// A stored count as the API counts it.
+pub(crate) fn unsigned(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or_default()
+}
+
+/// One gateway, as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct GatewayRow {
+    pub(crate) project: String,
+    pub(crate) name: String,
+    pub(crate) spec: proto::ApplyGatewayRequest,
+    pub(crate) status: proto::GatewayStatus,
+    pub(crate) generation: i64,
+    pub(crate) created_at_ms: i64,
+    pub(crate) updated_at_ms: i64,
+}
+
+impl GatewayRow {
+    /// Decodes a row selected with [`object_columns!`].
+    pub(crate) fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            project: row.try_get("project")?,
+            name: row.try_get("name")?,
+            spec: decode(row, "spec")?,
+            status: decode(row, "status")?,
+            generation: row.try_get("generation")?,
+            created_at_ms: row.try_get("created_at_ms")?,
+            updated_at_ms: row.try_get("updated_at_ms")?,
+        })
+    }
+
+    /// The gateway as the API shows it, with `status`.
+    pub(crate) fn to_proto_with(&self, status: proto::GatewayStatus) -> proto::EgressGateway {
+        proto::EgressGateway {
+            project: self.project.clone(),
+            name: self.name.clone(),
+            listeners: self.spec.listeners.clone(),
+            status: Some(status),
+            generation: unsigned(self.generation),
+            created_at: Some(timestamp(self.created_at_ms)),
+            updated_at: Some(timestamp(self.updated_at_ms)),
+        }
+    }
+
+    /// The gateway as the API shows it.
+    pub(crate) fn to_proto(&self) -> proto::EgressGateway {
+        self.to_proto_with(self.status.clone())
+    }
+
+    /// What the compile reads. Listeners were checked on apply; one that no
+    /// longer reads (an unknown protocol) is left out.
+    pub(crate) fn to_spec(&self) -> GatewaySpec {
+        GatewaySpec {
+            name: self.name.clone(),
+            generation: unsigned(self.generation),
+            listeners: self
+                .spec
+                .listeners
+                .iter()
+                .filter_map(|l| {
+                    Some(ListenerSpec {
+                        name: l.name.clone(),
+                        protocol: Protocol::from_proto(l.protocol)?,
+                        port: u16::try_from(l.port).ok()?,
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One route, as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RouteRow {
+    pub(crate) project: String,
+    pub(crate) name: String,
+    pub(crate) spec: proto::ApplyRouteRequest,
+    pub(crate) status: proto::RouteStatus,
+    pub(crate) generation: i64,
+    pub(crate) created_at_ms: i64,
+    pub(crate) updated_at_ms: i64,
+}
+
+impl RouteRow {
+    /// Decodes a row selected with [`object_columns!`].
+    pub(crate) fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            project: row.try_get("project")?,
+            name: row.try_get("name")?,
+            spec: decode(row, "spec")?,
+            status: decode(row, "status")?,
+            generation: row.try_get("generation")?,
+            created_at_ms: row.try_get("created_at_ms")?,
+            updated_at_ms: row.try_get("updated_at_ms")?,
+        })
+    }
+
+    /// The route as the API shows it, with `status`.
+    pub(crate) fn to_proto_with(&self, status: proto::RouteStatus) -> proto::EgressRoute {
+        proto::EgressRoute {
+            project: self.project.clone(),
+            name: self.name.clone(),
+            parent_refs: self.spec.parent_refs.clone(),
+            hostnames: self.spec.hostnames.clone(),
+            ports: self.spec.ports.clone(),
+            action: self.spec.action,
+            status: Some(status),
+            generation: unsigned(self.generation),
+            created_at: Some(timestamp(self.created_at_ms)),
+            updated_at: Some(timestamp(self.updated_at_ms)),
+        }
+    }
+
+    /// The route as the API shows it.
+    pub(crate) fn to_proto(&self) -> proto::EgressRoute {
+        self.to_proto_with(self.status.clone())
+    }
+
+    /// What the compile reads. Fields were checked on apply; a value that no
+    /// longer reads is left out.
+    pub(crate) fn to_spec(&self) -> RouteSpec {
+        RouteSpec {
+            name: self.name.clone(),
+            generation: unsigned(self.generation),
+            parents: self
+                .spec
+                .parent_refs
+                .iter()
+                .map(|p| ParentSpec {
+                    gateway: p.gateway.clone(),
+                    listener: (!p.listener.is_empty()).then(|| p.listener.clone()),
+                })
+                .collect(),
+            hostnames: self.spec.hostnames.iter().filter_map(|h| HostPattern::parse(h).ok()).collect(),
+            ports: self.spec.ports.iter().filter_map(|p| u16::try_from(*p).ok()).collect(),
+            action: RouteAction::from_proto(self.spec.action).unwrap_or(RouteAction::Allow),
+        }
+    }
+}
+
+/// One project's plan, as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PlanRow {
+    pub(crate) project: String,
+    pub(crate) generation: i64,
+    /// The plan without generation, node acks and compile time.
+    pub(crate) content: proto::EgressPlan,
+    pub(crate) compiled_at_ms: i64,
+}
+
+impl PlanRow {
+    /// Decodes `project, generation, content, compiled_at_ms`.
+    pub(crate) fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            project: row.try_get("project")?,
+            generation: row.try_get("generation")?,
+            content: decode(row, "content")?,
+            compiled_at_ms: row.try_get("compiled_at_ms")?,
+        })
+    }
+
+    /// The plan as the API shows it, with `node_acks`.
+    pub(crate) fn to_proto(&self, node_acks: Vec<proto::NodeAck>) -> proto::EgressPlan {
+        let mut plan = self.content.clone();
+        plan.project.clone_from(&self.project);
+        plan.generation = unsigned(self.generation);
+        plan.compiled_at = Some(timestamp(self.compiled_at_ms));
+        plan.node_acks = node_acks;
+        plan
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_split_milliseconds_exactly() {
+        let ts = timestamp(1_700_000_000_123);
+        assert_eq!((ts.seconds, ts.nanos), (1_700_000_000, 123_000_000));
+    }
+}

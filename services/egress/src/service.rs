@@ -1,0 +1,143 @@
+//! The service's shared state and its life: what every handler and loop of
+//! one replica holds, how the loops start, and how they stop.
+//!
+//! # Expected flow
+//! [`EgressService::new`] builds a replica over a
+//! [`ServiceContext`](berth_runtime::ServiceContext) (store already migrated
+//! with [`MIGRATIONS`](crate::MIGRATIONS)) and its [`Sources`] (channels to
+//! revisions and leases). [`EgressService::spawn_loops`]
+//! starts the bus follower that wakes `WatchEgress` streams and the campaign
+//! for the full pass, which runs on whichever replica leads; they stop when
+//! the token passed is cancelled. Every replica serves every RPC.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use berth_bus::Bus;
+use berth_proto::egress::v1;
+use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
+use berth_runtime::ServiceContext;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use crate::catalog::Catalog;
+use crate::config::EgressConfig;
+use crate::pass::CHANGES_TOPIC;
+use crate::push::NodeSignals;
+use crate::queue::PassQueue;
+use crate::sources::Sources;
+
+/// What every handler and loop of one replica shares.
+#[derive(Debug)]
+pub(crate) struct Core {
+    pub(crate) catalog: Catalog,
+    pub(crate) bus: Bus,
+    pub(crate) config: EgressConfig,
+    pub(crate) queue: PassQueue,
+    pub(crate) nodes: NodeSignals,
+    pub(crate) sources: Sources,
+    /// This replica's name as it campaigns for the full pass.
+    pub(crate) replica_id: String,
+    /// Cancelled when the replica stops: loops and streams end.
+    pub(crate) closing: CancellationToken,
+    started: Mutex<bool>,
+}
+
+impl Core {
+    /// Marks a pass of `project` here (when leading) and on whichever replica leads.
+    pub(crate) async fn changed(&self, project: &str) {
+        self.queue.mark(project);
+        let payload = format!("{}\n{project}", self.replica_id);
+        if let Err(error) = self.bus.publish(CHANGES_TOPIC, payload).await {
+            tracing::debug!(%error, %project, "could not announce an egress change; the next full resync compiles it");
+        }
+    }
+}
+
+/// One replica of the egress service: its gRPC handlers and its loops.
+#[derive(Debug, Clone)]
+pub struct EgressService {
+    pub(crate) core: Arc<Core>,
+    revocations: Revocations,
+    /// Set when the loops live exactly as long as the handlers (see [`crate::server`]).
+    lifetime: Option<Arc<DropGuard>>,
+}
+
+impl EgressService {
+    /// A replica over `ctx`'s store (already migrated) and bus, learning
+    /// services and placement from `sources`.
+    pub fn new(ctx: &ServiceContext, config: EgressConfig, sources: Sources) -> Self {
+        let core = Core {
+            catalog: Catalog::new(ctx.store.clone()),
+            bus: ctx.bus.clone(),
+            queue: PassQueue::new(config.debounce, config.max_delay),
+            config,
+            nodes: NodeSignals::default(),
+            sources,
+            replica_id: new_replica_id(),
+            closing: CancellationToken::new(),
+            started: Mutex::new(false),
+        };
+        Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: None }
+    }
+
+    /// This replica's name among the service's replicas, as it campaigns for
+    /// the full pass ([`EGRESS_LOOP`](crate::EGRESS_LOOP)).
+    pub fn replica_id(&self) -> &str {
+        &self.core.replica_id
+    }
+
+    /// The timings it runs with.
+    pub fn config(&self) -> &EgressConfig {
+        &self.core.config
+    }
+
+    /// Every gRPC service of egress, ready to serve, refusing revoked nodes.
+    pub fn server(&self) -> ServerBuilder {
+        ServerBuilder::new()
+            .with_revocations(self.revocations.clone())
+            .add_service(
+                v1::egress_server::EgressServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+            .add_service(
+                v1::node_egress_server::NodeEgressServer::new(self.clone())
+                    .max_decoding_message_size(MAX_REQUEST_BYTES),
+            )
+    }
+
+    /// Starts the stream waker and the campaign for the full pass until
+    /// `shutdown` (which also ends open watch streams). Only the first call
+    /// starts anything.
+    pub fn spawn_loops(&self, shutdown: &CancellationToken) {
+        {
+            let mut started = self.core.started.lock().unwrap_or_else(PoisonError::into_inner);
+            if *started {
+                tracing::warn!("the egress loops are already running");
+                return;
+            }
+            *started = true;
+        }
+        let (shutdown, closing) = (shutdown.clone(), self.core.closing.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                () = shutdown.cancelled() => closing.cancel(),
+                () = closing.cancelled() => {}
+            }
+        });
+        self.core.nodes.spawn_follower(self.core.bus.clone(), self.core.closing.clone());
+        crate::pass::spawn(Arc::clone(&self.core));
+    }
+
+    /// This replica with its loops running until every handle on it (the
+    /// server's included) is dropped: for callers that only hand out a
+    /// [`ServerBuilder`].
+    pub fn with_loops_for_its_lifetime(mut self) -> Self {
+        let token = CancellationToken::new();
+        self.spawn_loops(&token);
+        self.lifetime = Some(Arc::new(token.drop_guard()));
+        self
+    }
+}
+
+fn new_replica_id() -> String {
+    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty() && h.len() <= 64);
+    format!("{}-{}", host.as_deref().unwrap_or("egress"), hex::encode(rand::random::<[u8; 4]>()))
+}

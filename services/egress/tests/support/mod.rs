@@ -1,0 +1,569 @@
+//! A running mesh for egress tests: a real leases replica and a real
+//! revisions replica (each on its own store and bus prefix), one or more
+//! egress replicas following them, all serving mTLS gRPC on loopback ports,
+//! a scripted node registry, and clients: an admin, and nodes with their own
+//! certificates.
+//!
+//! # Placement
+//! Each node is alone in its tier (`t-<node>`), so a test puts a tenant's
+//! workload on a node by asking leases, as an admin, for a lease in that
+//! tier. Services are applied through revisions with zero replicas, so
+//! revisions asks for no lease of its own and placement is the test's alone.
+//!
+//! `RUST_LOG=berth_egress=debug` shows the replicas' logs.
+
+#![allow(dead_code, reason = "each test binary uses a different part of the harness")]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use berth_bus::{Bus, MemoryBus};
+use berth_core::Identity;
+use berth_egress::{EgressConfig, EgressService, Sources};
+use berth_leases::{LeasesConfig, LeasesService};
+use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
+use berth_proto::egress::v1 as egress;
+use berth_proto::identity::v1 as identity;
+use berth_proto::identity::v1::NodeState;
+use berth_proto::leases::v1 as leases;
+use berth_proto::revisions::v1 as revisions;
+use berth_proto::types::v1::{BundleRef, Capacity, EventKind};
+use berth_revisions::{Dependencies, GrpcLeases, RegistryPolicy, RevisionsConfig, RevisionsService};
+use berth_rpc::{Channel, Listener, Revocations, ServerBuilder};
+use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_store::ElectionTiming;
+use berth_store::testing::TestDb;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+/// How long test certificates live.
+const CERT_TTL: Duration = Duration::from_secs(3600);
+
+/// How long a test waits for something that should happen within a second or two.
+pub(crate) const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A digest no registry holds: references pinned to it resolve without a registry.
+const PINNED: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/// Which stores and bus the mesh runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// PostgreSQL and Redis: production.
+    Postgres,
+    /// SQLite and the in-process bus: `berth dev`.
+    Sqlite,
+}
+
+/// Egress timings in milliseconds, with no periodic resync to blur what a test counts.
+pub(crate) fn fast_config() -> EgressConfig {
+    EgressConfig {
+        debounce: Duration::from_millis(50),
+        max_delay: Duration::from_millis(500),
+        full_resync: Duration::from_secs(3600),
+        placement_poll: Duration::from_millis(100),
+        watch_resync: Duration::from_millis(500),
+        source_backoff_min: Duration::from_millis(50),
+        source_backoff_max: Duration::from_millis(500),
+        sync_timeout: Duration::from_secs(10),
+        election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+    }
+}
+
+/// The registry's side of `Nodes/WatchNodes`: the whole list, `SYNCED`, then each change.
+#[derive(Clone)]
+struct ScriptedRegistry {
+    nodes: watch::Sender<BTreeMap<String, identity::Node>>,
+}
+
+#[tonic::async_trait]
+impl identity::nodes_server::Nodes for ScriptedRegistry {
+    async fn watch_nodes(
+        &self,
+        _request: tonic::Request<identity::WatchNodesRequest>,
+    ) -> Result<tonic::Response<tonic::codegen::BoxStream<identity::NodeEvent>>, tonic::Status> {
+        let mut nodes = self.nodes.subscribe();
+        let (events, stream) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let event =
+                |kind: EventKind, node: Option<identity::Node>| Ok(identity::NodeEvent { kind: kind as i32, node });
+            let sent = nodes.borrow_and_update().clone();
+            for node in sent.values() {
+                if events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err() {
+                    return;
+                }
+            }
+            if events.send(event(EventKind::Synced, None)).await.is_err() {
+                return;
+            }
+            let _ = nodes.changed().await;
+            // Nodes never change in these tests; hold the stream open.
+            events.closed().await;
+        });
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+}
+
+/// An UP node alone in its tier, with room for many small leases.
+fn node(node_id: &str) -> identity::Node {
+    identity::Node {
+        node_id: node_id.to_owned(),
+        tier: tier(node_id),
+        state: NodeState::Up as i32,
+        capacity: Some(Capacity { cpu_millis: 64_000, memory_bytes: 64 << 30 }),
+        ..Default::default()
+    }
+}
+
+fn tier(node_id: &str) -> String {
+    format!("t-{node_id}")
+}
+
+fn credentials(ca: &CertificateAuthority, identity: &Identity) -> TlsCredentials {
+    let (cert, key_pem) = ca.issue(identity, &["localhost".to_owned(), "127.0.0.1".to_owned()], CERT_TTL).unwrap();
+    TlsCredentials::new(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: ca.cert_pem().to_owned() })
+        .unwrap()
+}
+
+fn install_crypto_and_logs() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+async fn test_db(backend: Backend) -> TestDb {
+    match backend {
+        Backend::Postgres => TestDb::postgres().await.unwrap(),
+        Backend::Sqlite => TestDb::sqlite().await.unwrap(),
+    }
+}
+
+async fn test_bus(backend: Backend) -> Bus {
+    match backend {
+        Backend::Postgres => berth_bus::testing::redis_bus().await.unwrap(),
+        Backend::Sqlite => Bus::new(MemoryBus::new(), &berth_bus::testing::unique_prefix()).unwrap(),
+    }
+}
+
+async fn serve(server: ServerBuilder, credentials: TlsCredentials, stop: CancellationToken) -> SocketAddr {
+    let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), credentials).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
+    addr
+}
+
+/// One egress replica serving on a loopback port.
+pub(crate) struct Replica {
+    pub(crate) service: EgressService,
+    pub(crate) addr: SocketAddr,
+    shutdown: CancellationToken,
+}
+
+/// The mesh: leases, revisions, egress, a scripted node registry, clients.
+pub(crate) struct Mesh {
+    pub(crate) backend: Backend,
+    dbs: Vec<TestDb>,
+    buses: Vec<Bus>,
+    egress_db: usize,
+    egress_bus: Bus,
+    ca: CertificateAuthority,
+    stop: CancellationToken,
+    leases_addr: SocketAddr,
+    revisions_addr: SocketAddr,
+    pub(crate) replicas: Vec<Replica>,
+    admin: TlsCredentials,
+    config: EgressConfig,
+}
+
+impl Mesh {
+    /// Leases knowing `nodes`, revisions, and one egress replica with `config`.
+    pub(crate) async fn start(backend: Backend, config: EgressConfig, nodes: &[&str]) -> Self {
+        install_crypto_and_logs();
+        let ca = CertificateAuthority::generate("egress test CA", CERT_TTL).unwrap();
+        let stop = CancellationToken::new();
+        let (mut dbs, mut buses) = (Vec::new(), Vec::new());
+
+        let registry =
+            ScriptedRegistry { nodes: watch::channel(nodes.iter().map(|n| (n.to_string(), node(n))).collect()).0 };
+        let identity_credentials = credentials(&ca, &Identity::service("identity").unwrap());
+        let server = ServerBuilder::new().add_service(identity::nodes_server::NodesServer::new(registry));
+        let registry_addr = serve(server, identity_credentials, stop.clone()).await;
+
+        let leases_db = test_db(backend).await;
+        leases_db.store().migrate(berth_leases::MIGRATIONS).await.unwrap();
+        let leases_bus = test_bus(backend).await;
+        let leases_credentials = credentials(&ca, &Identity::service("leases").unwrap());
+        let ctx = ServiceContext {
+            store: leases_db.store().clone(),
+            bus: leases_bus.clone(),
+            credentials: leases_credentials.clone(),
+            revocations: Revocations::new(),
+            nodes: NodeDirectory::new(),
+        };
+        follow_nodes(
+            registry_addr.to_string(),
+            leases_credentials.clone(),
+            ctx.nodes.clone(),
+            ctx.revocations.clone(),
+            stop.clone(),
+        );
+        let ledger_config = LeasesConfig {
+            lease_ttl: Duration::from_secs(600),
+            reap_every: Duration::from_millis(50),
+            assignment_resync: Duration::from_millis(500),
+            index_resync: Duration::from_millis(500),
+            election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+            ..LeasesConfig::default()
+        };
+        let ledger = LeasesService::new(&ctx, ledger_config);
+        ledger.spawn_loops(&stop);
+        let leases_addr = serve(ledger.server(), leases_credentials, stop.clone()).await;
+        dbs.push(leases_db);
+        buses.push(leases_bus);
+
+        let revisions_db = test_db(backend).await;
+        revisions_db.store().migrate(berth_revisions::MIGRATIONS).await.unwrap();
+        let revisions_bus = test_bus(backend).await;
+        let revisions_credentials = credentials(&ca, &Identity::service("revisions").unwrap());
+        let ctx = ServiceContext {
+            store: revisions_db.store().clone(),
+            bus: revisions_bus.clone(),
+            credentials: revisions_credentials.clone(),
+            revocations: Revocations::new(),
+            nodes: NodeDirectory::new(),
+        };
+        let revisions_config = RevisionsConfig {
+            rollout_poll: Duration::from_millis(50),
+            steady_resync: Duration::from_millis(300),
+            full_resync: Duration::from_secs(1),
+            watch_resync: Duration::from_secs(1),
+            election: ElectionTiming::from_ttl(Duration::from_millis(900)),
+            ..RevisionsConfig::default()
+        };
+        let grpc_leases = GrpcLeases::connect(&leases_addr.to_string(), revisions_credentials.clone()).unwrap();
+        let dependencies =
+            Dependencies::with_registry(Arc::new(grpc_leases), RegistryPolicy::default(), &revisions_config).unwrap();
+        let catalog = RevisionsService::new(&ctx, revisions_config, dependencies);
+        catalog.spawn_loops(&stop);
+        let revisions_addr = serve(catalog.server(), revisions_credentials, stop.clone()).await;
+        dbs.push(revisions_db);
+        buses.push(revisions_bus);
+
+        let egress_db = test_db(backend).await;
+        egress_db.store().migrate(berth_egress::MIGRATIONS).await.unwrap();
+        let egress_bus = test_bus(backend).await;
+        dbs.push(egress_db);
+
+        let admin = credentials(&ca, &Identity::admin("alice").unwrap());
+        let mut mesh = Self {
+            backend,
+            dbs,
+            buses,
+            egress_db: 2,
+            egress_bus,
+            ca,
+            stop,
+            leases_addr,
+            revisions_addr,
+            replicas: Vec::new(),
+            admin,
+            config,
+        };
+        mesh.wait_for_nodes(nodes.len()).await;
+        mesh.add_replica().await;
+        mesh
+    }
+
+    /// Starts another egress replica on the same store and bus prefix.
+    pub(crate) async fn add_replica(&mut self) -> usize {
+        let db = &self.dbs[self.egress_db];
+        let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
+        let bus = match self.backend {
+            Backend::Postgres => {
+                Bus::connect(&berth_bus::testing::redis_url(), self.egress_bus.prefix()).await.unwrap()
+            }
+            Backend::Sqlite => self.egress_bus.with_prefix(self.egress_bus.prefix()).unwrap(),
+        };
+        let me = credentials(&self.ca, &Identity::service("egress").unwrap());
+        let ctx = ServiceContext {
+            store,
+            bus,
+            credentials: me.clone(),
+            revocations: Revocations::new(),
+            nodes: NodeDirectory::new(),
+        };
+        let sources =
+            Sources::connect(&me, Some(&self.revisions_addr.to_string()), Some(&self.leases_addr.to_string())).unwrap();
+        let service = EgressService::new(&ctx, self.config.clone(), sources);
+        let shutdown = self.stop.child_token();
+        service.spawn_loops(&shutdown);
+        let addr = serve(service.server(), me, shutdown.clone()).await;
+        self.replicas.push(Replica { service, addr, shutdown });
+        self.replicas.len() - 1
+    }
+
+    /// Stops replica `n`'s server and loops, as a crashed process would.
+    pub(crate) fn stop_replica(&self, n: usize) {
+        self.replicas[n].shutdown.cancel();
+    }
+
+    /// The egress store, for tests that look behind the API.
+    pub(crate) fn store(&self) -> &berth_store::Store {
+        self.dbs[self.egress_db].store()
+    }
+
+    async fn wait_for_nodes(&self, expected: usize) {
+        let channel = berth_rpc::connect(&self.leases_addr.to_string(), self.admin.clone()).unwrap();
+        let mut capacity = leases::capacity_client::CapacityClient::new(channel);
+        let started = Instant::now();
+        loop {
+            let known = capacity
+                .list_node_capacity(leases::ListNodeCapacityRequest::default())
+                .await
+                .map(|r| r.into_inner().nodes.iter().filter(|n| n.state == NodeState::Up as i32).count())
+                .unwrap_or_default();
+            if known == expected {
+                return;
+            }
+            assert!(started.elapsed() < PATIENCE, "leases learned {known} of {expected} nodes");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn channel(&self, replica: usize, credentials: TlsCredentials) -> Channel {
+        berth_rpc::connect(&self.replicas[replica].addr.to_string(), credentials).unwrap()
+    }
+
+    /// `Egress` as an admin, through replica 0.
+    pub(crate) fn egress(&self) -> egress::egress_client::EgressClient<Channel> {
+        self.egress_on(0)
+    }
+
+    /// `Egress` as an admin, through `replica`.
+    pub(crate) fn egress_on(&self, replica: usize) -> egress::egress_client::EgressClient<Channel> {
+        egress::egress_client::EgressClient::new(self.channel(replica, self.admin.clone()))
+    }
+
+    /// `Egress` with `identity`'s certificate.
+    pub(crate) fn egress_as(&self, identity: &Identity) -> egress::egress_client::EgressClient<Channel> {
+        egress::egress_client::EgressClient::new(self.channel(0, credentials(&self.ca, identity)))
+    }
+
+    /// Certificates for `identity`, signed by the mesh's CA.
+    pub(crate) fn credentials_for(&self, identity: &Identity) -> TlsCredentials {
+        credentials(&self.ca, identity)
+    }
+
+    /// `NodeEgress` as node `node_id`, with its own certificate, through `replica`.
+    pub(crate) fn node_on(
+        &self,
+        replica: usize,
+        node_id: &str,
+    ) -> egress::node_egress_client::NodeEgressClient<Channel> {
+        let node = credentials(&self.ca, &Identity::node(node_id).unwrap());
+        egress::node_egress_client::NodeEgressClient::new(self.channel(replica, node))
+    }
+
+    /// `NodeEgress` as node `node_id`, through replica 0.
+    pub(crate) fn node(&self, node_id: &str) -> egress::node_egress_client::NodeEgressClient<Channel> {
+        self.node_on(0, node_id)
+    }
+
+    /// `Services` on revisions, as an admin.
+    pub(crate) fn services(&self) -> revisions::services_client::ServicesClient<Channel> {
+        let channel = berth_rpc::connect(&self.revisions_addr.to_string(), self.admin.clone()).unwrap();
+        revisions::services_client::ServicesClient::new(channel)
+    }
+
+    /// `Leases` on leases, as an admin.
+    pub(crate) fn leases(&self) -> leases::leases_client::LeasesClient<Channel> {
+        let channel = berth_rpc::connect(&self.leases_addr.to_string(), self.admin.clone()).unwrap();
+        leases::leases_client::LeasesClient::new(channel)
+    }
+
+    /// Applies a gateway as an admin.
+    pub(crate) async fn apply_gateway(&self, request: egress::ApplyGatewayRequest) -> egress::EgressGateway {
+        self.egress().apply_gateway(request).await.unwrap().into_inner().gateway.unwrap()
+    }
+
+    /// Applies a route as an admin.
+    pub(crate) async fn apply_route(&self, request: egress::ApplyRouteRequest) -> egress::EgressRoute {
+        self.egress().apply_route(request).await.unwrap().into_inner().route.unwrap()
+    }
+
+    /// Declares service `name` in `project` with zero replicas and `egress` as its selection.
+    pub(crate) async fn apply_service(
+        &self,
+        project: &str,
+        name: &str,
+        egress: Option<revisions::EgressSelection>,
+    ) -> revisions::ApplyServiceResponse {
+        let request = revisions::ApplyServiceRequest {
+            project: project.to_owned(),
+            name: name.to_owned(),
+            template: Some(revisions::ServiceTemplate {
+                bundle: Some(BundleRef { reference: format!("127.0.0.1:1/team/app@{PINNED}"), ..Default::default() }),
+                replicas: Some(0),
+                egress,
+                ..Default::default()
+            }),
+            source: None,
+        };
+        self.services().apply_service(request).await.unwrap().into_inner()
+    }
+
+    /// Puts a workload of `project`'s `service` on `node_id`; the lease.
+    pub(crate) async fn place(&self, project: &str, service: &str, node_id: &str) -> leases::Lease {
+        let request = leases::RequestLeaseRequest {
+            project: project.to_owned(),
+            owner: "egress-test".into(),
+            idempotency_key: format!("{project}/{service}/{node_id}/{}", rand::random::<u32>()),
+            resources: Some(Capacity { cpu_millis: 10, memory_bytes: 1 << 20 }),
+            tier: tier(node_id),
+            spread_group: String::new(),
+            workload: Some(leases::Workload {
+                command: "/bin/true".into(),
+                service: service.to_owned(),
+                ..Default::default()
+            }),
+        };
+        let lease = self.leases().request_lease(request).await.unwrap().into_inner().lease.unwrap();
+        assert_eq!(lease.node_id, node_id, "the tier pins the node");
+        lease
+    }
+
+    /// Gives a lease back.
+    pub(crate) async fn release(&self, lease_id: &str) {
+        let request = leases::ReleaseLeaseRequest { lease_id: lease_id.to_owned(), reason: String::new() };
+        self.leases().release_lease(request).await.unwrap();
+    }
+
+    /// `project`'s plan and pass counters as replica 0 answers, if compiled.
+    pub(crate) async fn plan(&self, project: &str) -> Option<(egress::EgressPlan, egress::PassStats)> {
+        self.plan_on(0, project).await
+    }
+
+    /// `project`'s plan and pass counters as `replica` answers, if compiled.
+    pub(crate) async fn plan_on(
+        &self,
+        replica: usize,
+        project: &str,
+    ) -> Option<(egress::EgressPlan, egress::PassStats)> {
+        let request = egress::GetPlanRequest { project: project.to_owned() };
+        match self.egress_on(replica).get_plan(request).await {
+            Ok(response) => {
+                let response = response.into_inner();
+                Some((response.plan.unwrap(), response.passes.unwrap()))
+            }
+            Err(status) if status.code() == tonic::Code::NotFound => None,
+            Err(status) => panic!("GetPlan failed: {status:?}"),
+        }
+    }
+
+    /// Waits until `project`'s plan satisfies `check`; returns it.
+    pub(crate) async fn await_plan(
+        &self,
+        project: &str,
+        what: &str,
+        check: impl Fn(&egress::EgressPlan) -> bool,
+    ) -> (egress::EgressPlan, egress::PassStats) {
+        let started = Instant::now();
+        loop {
+            let plan = self.plan(project).await;
+            if let Some((plan, stats)) = &plan
+                && check(plan)
+            {
+                return (plan.clone(), *stats);
+            }
+            assert!(started.elapsed() < PATIENCE, "the plan of {project} never {what}: {plan:#?}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Stops everything and drops the schemas or files and the bus keys.
+    pub(crate) async fn cleanup(mut self) {
+        self.stop.cancel();
+        // Let the loops resign and the servers drain.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if self.backend == Backend::Postgres {
+            for bus in self.buses.iter().chain(std::iter::once(&self.egress_bus)) {
+                berth_bus::testing::cleanup(bus).await.unwrap();
+            }
+        }
+        for db in self.dbs.drain(..) {
+            db.cleanup().await.unwrap();
+        }
+    }
+}
+
+/// A listener.
+pub(crate) fn listener(name: &str, protocol: egress::ListenerProtocol, port: u32) -> egress::Listener {
+    egress::Listener { name: name.to_owned(), protocol: protocol as i32, port }
+}
+
+/// A gateway `name` in `project` with an HTTP listener on 3128 and an HTTPS CONNECT one on 3129.
+pub(crate) fn gateway(project: &str, name: &str) -> egress::ApplyGatewayRequest {
+    egress::ApplyGatewayRequest {
+        project: project.to_owned(),
+        name: name.to_owned(),
+        listeners: vec![
+            listener("http", egress::ListenerProtocol::Http, 3128),
+            listener("https", egress::ListenerProtocol::HttpsConnect, 3129),
+        ],
+    }
+}
+
+/// An allow route `name` in `project` on every listener of `gateway`.
+pub(crate) fn route(
+    project: &str,
+    name: &str,
+    gateway: &str,
+    hosts: &[&str],
+    ports: &[u32],
+) -> egress::ApplyRouteRequest {
+    egress::ApplyRouteRequest {
+        project: project.to_owned(),
+        name: name.to_owned(),
+        parent_refs: vec![egress::ParentRef { gateway: gateway.to_owned(), listener: String::new() }],
+        hostnames: hosts.iter().map(|h| h.to_string()).collect(),
+        ports: ports.to_vec(),
+        action: egress::RouteAction::Allow as i32,
+    }
+}
+
+/// The service `name` of a plan.
+pub(crate) fn service<'a>(plan: &'a egress::EgressPlan, name: &str) -> Option<&'a egress::ServiceEgress> {
+    plan.services.iter().find(|s| s.service == name)
+}
+
+/// The reason of `name`'s `EgressReady` condition in a plan.
+pub(crate) fn egress_reason(plan: &egress::EgressPlan, name: &str) -> Option<String> {
+    service(plan, name).and_then(|s| s.condition.as_ref()).map(|c| c.reason.clone())
+}
+
+/// Runs a test body on both backends, each in its own test.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Postgres).await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Sqlite).await;
+                }
+            )*
+        }
+    };
+}

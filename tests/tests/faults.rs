@@ -1,0 +1,754 @@
+//! The fault suite: the mesh as production runs it (two replicas of each
+//! service as processes, a private PostgreSQL and Redis, three agents),
+//! under a steady load of heartbeats, applies and lease requests, taken
+//! through one fault at a time:
+//!
+//! 1. `kill -9` of every service replica in turn: the other replica carries
+//!    on, and the loops the killed one led move within their lease;
+//! 2. Redis restarted, then flushed: no healthy node is marked down and no
+//!    renewed lease expires;
+//! 3. PostgreSQL restarted: every replica reports NOT_SERVING while it is
+//!    gone and serves again without a restart of its own;
+//! 4. `kill -9` of an agent, then a restart: what it ran is adopted, not
+//!    restarted;
+//! 5. an agent cut off past the reap time (its network namespace's link
+//!    down where the test is root, else SIGSTOP): its service replicas move
+//!    elsewhere, and once it is back it is fenced and destroys its stale
+//!    compute within the fencing bound. The bound counts from its return:
+//!    a node out of reach cannot be told anything, so until then its old
+//!    copy runs beside the new one (the suite prints how many did).
+//!
+//! After each fault every invariant is checked (see
+//! `berth_e2e::invariants`): no node over capacity, every lease with one
+//! holder, service status true to what runs, and everything acknowledged
+//! stored. A table of the faults is printed; the test fails if any promise
+//! was broken. It needs the machine to itself and the binaries built, so it
+//! is ignored in the ordinary run: `make test-faults`.
+
+#![allow(clippy::unwrap_used, reason = "tests fail loudly")]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use berth_e2e::invariants::{self, ResidentService};
+use berth_e2e::report::{self, FaultRow};
+use berth_e2e::{Cut, Load, LoadOptions, Mesh, MeshOptions, RUN_MARKER_ENV, ServiceKind, Snapshot, workloads};
+use berth_proto::agent::v1 as agent_v1;
+use berth_proto::identity::v1 as identity_v1;
+use berth_proto::leases::v1 as leases_v1;
+use berth_proto::revisions::v1 as revisions_v1;
+use berth_proto::types::v1::{BundleRef, Capacity};
+use tokio::task::JoinHandle;
+use tonic_health::pb::health_check_response::ServingStatus;
+
+/// The service deployed with replicas, whose replicas the faults watch.
+const WEB: &str = "web";
+
+/// Its replicas: fewer than the agents, so one can be lost and replaced.
+const WEB_REPLICAS: u32 = 2;
+
+/// How long the mesh runs under load before the first fault.
+const WARM_UP: Duration = Duration::from_secs(5);
+
+/// How long the mesh may take to settle after a fault.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(45);
+
+/// How long a request through a front may take to succeed again after a
+/// replica behind it was killed.
+const SERVE_AGAIN_BOUND: Duration = Duration::from_secs(10);
+
+/// How long one replica serves alone before the killed one comes back.
+const ONE_REPLICA_FOR: Duration = Duration::from_secs(3);
+
+/// Slack on top of a leader lease for the new leader to take over.
+const LEADER_SLACK: Duration = Duration::from_secs(5);
+
+/// How long Redis stays down when restarted.
+const REDIS_DOWN: Duration = Duration::from_secs(1);
+
+/// How long PostgreSQL stays down: under a lease TTL, so a node's renewals
+/// can catch up once it is back.
+const PG_DOWN: Duration = Duration::from_secs(3);
+
+/// How long every kind of request may take to succeed again after a
+/// dependency came back.
+const RECOVERY_BOUND: Duration = Duration::from_secs(30);
+
+/// How long a restarted agent may take to adopt what it ran.
+const ADOPT_BOUND: Duration = Duration::from_secs(30);
+
+/// Slack on top of the computed bounds of the partition.
+const PARTITION_SLACK: Duration = Duration::from_secs(15);
+
+/// How long a fenced agent may take to be UP again under a new incarnation.
+const REJOIN_BOUND: Duration = Duration::from_secs(60);
+
+/// How often the fault steps look at the state they wait for.
+const POLL: Duration = Duration::from_millis(200);
+
+/// What one fault step found.
+struct Outcome {
+    recovery: Option<Duration>,
+    violations: Vec<String>,
+}
+
+struct Suite {
+    mesh: Mesh,
+    load: Load,
+    services: Vec<ResidentService>,
+    rows: Vec<FaultRow>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs the machine to itself and the binaries built: make test-faults"]
+async fn the_mesh_keeps_its_promises_through_every_fault() {
+    let started = Instant::now();
+    let options = MeshOptions::default();
+    eprintln!("faults: starting the mesh ({:?} agents)", options.isolation);
+    let mesh = Mesh::start(options).await.unwrap();
+    let bundle = berth_e2e::bundles::push_sleeper(&mesh.dir().join("oci"), "sleeper").await.unwrap();
+    deploy_web(&mesh, &bundle).await.unwrap();
+    let services = vec![ResidentService { name: WEB.into(), replicas: WEB_REPLICAS }];
+    let (took, unsettled) = invariants::wait_settled(&mesh, &services, Duration::from_secs(90)).await.unwrap();
+    assert!(unsettled.is_empty(), "{WEB} never ran its replicas: {unsettled:?}");
+    eprintln!("faults: {WEB} runs {WEB_REPLICAS} replicas after {took:?}; starting the load");
+    let load = Load::start(&mesh, load_options(&mesh, bundle)).await.unwrap();
+    let mut suite = Suite { mesh, load, services, rows: Vec::new() };
+
+    let result = suite.run_every_fault().await;
+    let table = report::table(&suite.rows);
+    let broken: usize = suite.rows.iter().map(|row| row.violations.len()).sum();
+    eprintln!("\n{table}");
+    eprintln!("faults: {} faults in {:.0?}", suite.rows.len(), started.elapsed());
+    let Suite { mut mesh, load, .. } = suite;
+    load.stop().await;
+    let shutdown = mesh.shutdown().await;
+    result.unwrap();
+    shutdown.unwrap();
+    assert_eq!(broken, 0, "the mesh broke {broken} promises; the table above lists them");
+}
+
+impl Suite {
+    async fn run_every_fault(&mut self) -> anyhow::Result<()> {
+        tokio::time::sleep(WARM_UP).await;
+        let before = self.load.snapshot();
+        tokio::time::sleep(WARM_UP).await;
+        let outcome = Outcome { recovery: Some(Duration::ZERO), violations: self.acknowledgement_check_sees().await? };
+        self.record("steady load, no fault", "-", before, outcome).await?;
+
+        for kind in ServiceKind::ALL {
+            for index in self.kill_order(kind).await? {
+                let leader = self.leads_any(kind, index).await?;
+                let name = format!("kill -9 {kind}-{index}{}", if leader { " (leader)" } else { "" });
+                let before = self.load.snapshot();
+                let outcome = self.kill_replica(kind, index).await?;
+                let when =
+                    if leader { "the other replica served and took the lead" } else { "the other replica served" };
+                self.record(&name, when, before, outcome).await?;
+            }
+        }
+
+        let before = self.load.snapshot();
+        let outcome = self.redis_fault(false).await?;
+        self.record("restart Redis", "every request kind succeeded again", before, outcome).await?;
+        let before = self.load.snapshot();
+        let outcome = self.redis_fault(true).await?;
+        self.record("FLUSHALL Redis", "every request kind succeeded again", before, outcome).await?;
+
+        let before = self.load.snapshot();
+        let outcome = self.postgres_fault().await?;
+        self.record("restart PostgreSQL", "every replica SERVING, every request kind succeeded", before, outcome)
+            .await?;
+
+        let agent = self.agent_running_web(None).await?;
+        let before = self.load.snapshot();
+        let outcome = self.kill_agent(agent).await?;
+        let name = format!("kill -9 agent {}, restart", self.mesh.agents()[agent].name());
+        self.record(&name, "its instances adopted, same processes", before, outcome).await?;
+
+        let other = self.agent_running_web(Some(agent)).await?;
+        let how = match self.mesh.agents()[other].cut_kind() {
+            Cut::Network => "network namespace down",
+            Cut::Frozen => "SIGSTOP",
+        };
+        let before = self.load.snapshot();
+        let outcome = self.partition(other).await?;
+        let name = format!("cut off agent {} ({how})", self.mesh.agents()[other].name());
+        self.record(&name, "stale compute destroyed after it returned", before, outcome).await?;
+        Ok(())
+    }
+
+    /// Whether the check of acknowledged against stored notices a lease and
+    /// a revision acknowledged but never stored: if it did not, its silence
+    /// after the faults would mean nothing.
+    async fn acknowledgement_check_sees(&self) -> anyhow::Result<Vec<String>> {
+        self.load.pause().await;
+        let mut acks = self.load.acks();
+        acks.leases.insert("never-asked".into(), "l-never-placed".into());
+        acks.revisions.insert(u64::MAX, ("load-0".into(), "load-0-99999".into()));
+        let found = invariants::check_hard(&self.mesh, &acks).await;
+        self.load.resume();
+        let found = found?;
+        let seen = |needle: &str| found.iter().any(|v| v.contains(needle));
+        Ok(if seen("l-never-placed") && seen("load-0-99999") {
+            Vec::new()
+        } else {
+            vec![format!("the acknowledgement check missed made-up acknowledgements: {found:?}")]
+        })
+    }
+
+    /// Settles, checks every invariant with the writes paused, and adds the row.
+    async fn record(
+        &mut self,
+        fault: &str,
+        recovered_when: &str,
+        before: Snapshot,
+        outcome: Outcome,
+    ) -> anyhow::Result<()> {
+        let during = self.load.snapshot();
+        let mut violations = outcome.violations;
+        let (_, unsettled) = invariants::wait_settled(&self.mesh, &self.services, SETTLE_TIMEOUT).await?;
+        violations.extend(unsettled.into_iter().map(|v| format!("not settled after {SETTLE_TIMEOUT:?}: {v}")));
+        self.load.pause().await;
+        let hard = invariants::check_hard(&self.mesh, &self.load.acks()).await;
+        self.load.resume();
+        violations.extend(hard?);
+        let row = FaultRow {
+            fault: fault.to_string(),
+            load_rps: during.rate_since(&before),
+            client_errors: during.errors_since(&before),
+            recovery: outcome.recovery,
+            recovered_when: recovered_when.to_string(),
+            violations,
+        };
+        eprintln!(
+            "faults: {}: {:.1} req/s ({}), recovery {:?}, {} violations{}",
+            row.fault,
+            row.load_rps,
+            during.breakdown_since(&before),
+            row.recovery,
+            row.violations.len(),
+            self.load.last_error().map(|e| format!("; last client error: {e}")).unwrap_or_default()
+        );
+        self.rows.push(row);
+        Ok(())
+    }
+
+    /// The replicas of `kind` in the order they are killed: those leading
+    /// nothing first, so each kill of a leader is a kill of the only one.
+    async fn kill_order(&self, kind: ServiceKind) -> anyhow::Result<Vec<usize>> {
+        let mut order: Vec<usize> = (0..self.mesh.replicas()).collect();
+        let mut leading = BTreeSet::new();
+        for index in &order {
+            if self.leads_any(kind, *index).await? {
+                leading.insert(*index);
+            }
+        }
+        order.sort_by_key(|index| leading.contains(index));
+        Ok(order)
+    }
+
+    async fn leads_any(&self, kind: ServiceKind, index: usize) -> anyhow::Result<bool> {
+        for loop_name in kind.loops() {
+            if let Some((holder, _)) = self.mesh.leader(kind, loop_name).await?
+                && self.mesh.replica_of_holder(kind, &holder) == Some(index)
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    async fn kill_replica(&mut self, kind: ServiceKind, index: usize) -> anyhow::Result<Outcome> {
+        let mut led = Vec::new();
+        for loop_name in kind.loops() {
+            if let Some((holder, term)) = self.mesh.leader(kind, loop_name).await?
+                && self.mesh.replica_of_holder(kind, &holder) == Some(index)
+            {
+                led.push((*loop_name, term));
+            }
+        }
+        let killed_at = Instant::now();
+        self.mesh.kill_replica(kind, index).await?;
+        let mut violations = Vec::new();
+        let mesh = &self.mesh;
+
+        let served = wait_for(SERVE_AGAIN_BOUND, || probe(mesh, kind)).await.map(|_| killed_at.elapsed());
+        if served.is_none() {
+            violations.push(format!("no request to {kind} succeeded through its front within {SERVE_AGAIN_BOUND:?}"));
+        }
+        let timing = mesh.options().timings.leader();
+        let lease_bound = timing.ttl + timing.retry_every + LEADER_SLACK;
+        let mut moved = Duration::ZERO;
+        for (loop_name, term) in led {
+            let taken = wait_for(lease_bound.saturating_sub(killed_at.elapsed()), || async move {
+                match mesh.leader(kind, loop_name).await {
+                    Ok(Some((holder, new_term))) => {
+                        let by = mesh.replica_of_holder(kind, &holder);
+                        (by.is_some() && by != Some(index) && new_term > term).then_some(())
+                    }
+                    _ => None,
+                }
+            })
+            .await;
+            match taken {
+                Some(()) => moved = moved.max(killed_at.elapsed()),
+                None => violations.push(format!(
+                    "{loop_name} did not move to another replica within its lease ({lease_bound:?}; held at term {term})"
+                )),
+            }
+        }
+        let alone_until = killed_at + ONE_REPLICA_FOR;
+        tokio::time::sleep_until(alone_until.into()).await;
+        self.mesh.start_replica(kind, index).await?;
+        let recovery = served.map(|served| served.max(moved));
+        Ok(Outcome { recovery, violations })
+    }
+
+    async fn redis_fault(&mut self, flush: bool) -> anyhow::Result<Outcome> {
+        let timings = self.mesh.options().timings.clone();
+        let watched = self.healthy_nodes().await?;
+        let watch = DbWatch::start(&self.mesh, watched).await?;
+        let started = Instant::now();
+        if flush {
+            self.mesh.redis_mut().flushall().await?;
+        } else {
+            self.mesh.redis_mut().restart(REDIS_DOWN).await?;
+        }
+        let back = Instant::now();
+        let mut violations = Vec::new();
+        let load = &self.load;
+        let recovered = wait_for(RECOVERY_BOUND, || async move { load.all_succeeded_since(back).then_some(()) })
+            .await
+            .map(|()| started.elapsed());
+        if recovered.is_none() {
+            violations.push(format!(
+                "not every kind of request succeeded within {RECOVERY_BOUND:?} of Redis coming back (last error: {})",
+                self.load.last_error().unwrap_or_default()
+            ));
+        }
+        // Long enough for any node whose deadline the bus lost, and any
+        // lease it did not renew, to have been marked down or expired.
+        let grace = berth_identity::NodeTiming::default().reset_grace.max(timings.down_after);
+        let watch_for = (grace + timings.down_after).max(timings.lease_ttl() * 2) + Duration::from_secs(1);
+        tokio::time::sleep_until((started + watch_for).into()).await;
+        violations.extend(watch.stop().await);
+        Ok(Outcome { recovery: recovered, violations })
+    }
+
+    async fn postgres_fault(&mut self) -> anyhow::Result<Outcome> {
+        let timings = self.mesh.options().timings.clone();
+        let replicas = self.all_replicas();
+        let pids: BTreeMap<(ServiceKind, usize), Option<u32>> =
+            replicas.iter().map(|(kind, index)| ((*kind, *index), self.replica_pid(*kind, *index))).collect();
+        let watched = self.healthy_nodes().await?;
+        let watch = DbWatch::start(&self.mesh, watched).await?;
+        let started = Instant::now();
+        self.mesh.postgres_mut().stop().await?;
+
+        let mut answered: BTreeMap<(ServiceKind, usize), BTreeSet<String>> = BTreeMap::new();
+        while started.elapsed() < PG_DOWN {
+            for (kind, index) in &replicas {
+                let status = self.mesh.health(*kind, *index).await;
+                answered.entry((*kind, *index)).or_default().insert(format!("{status:?}"));
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        self.mesh.postgres_mut().start_again().await?;
+        let back = Instant::now();
+        let not_serving = format!("{:?}", Some(ServingStatus::NotServing));
+        let mut violations: Vec<String> = replicas
+            .iter()
+            .filter(|r| !answered.get(r).is_some_and(|seen| seen.contains(&not_serving)))
+            .map(|(kind, index)| {
+                let seen = answered.get(&(*kind, *index)).cloned().unwrap_or_default();
+                format!(
+                    "{kind}-{index} never reported NOT_SERVING while PostgreSQL was down (its health said {seen:?})"
+                )
+            })
+            .collect();
+        let (mesh, load, replicas_ref) = (&self.mesh, &self.load, &replicas);
+        let recovered = wait_for(RECOVERY_BOUND, || async move {
+            for (kind, index) in replicas_ref {
+                if mesh.health(*kind, *index).await != Some(ServingStatus::Serving) {
+                    return None;
+                }
+            }
+            load.all_succeeded_since(back).then_some(())
+        })
+        .await
+        .map(|()| back.elapsed());
+        if recovered.is_none() {
+            let serving: Vec<String> = health_of(&self.mesh, &replicas).await;
+            violations.push(format!(
+                "not recovered within {RECOVERY_BOUND:?} of PostgreSQL coming back: {serving:?} (last error: {})",
+                self.load.last_error().unwrap_or_default()
+            ));
+        }
+        for ((kind, index), before) in &pids {
+            let now = self.replica_pid(*kind, *index);
+            if now != *before {
+                violations.push(format!("{kind}-{index} did not survive the outage: pid {before:?}, now {now:?}"));
+            }
+        }
+        tokio::time::sleep_until((back + timings.lease_ttl() * 2).into()).await;
+        violations.extend(watch.stop().await);
+        Ok(Outcome { recovery: recovered, violations })
+    }
+
+    async fn kill_agent(&mut self, agent: usize) -> anyhow::Result<Outcome> {
+        let node_id = self.mesh.agent_node_id(agent).await?;
+        let before: Vec<workloads::Workload> =
+            workloads::scan(self.mesh.run_id()).into_iter().filter(|w| w.node_id == node_id).collect();
+        anyhow::ensure!(!before.is_empty(), "agent {agent} runs nothing to adopt");
+        let started = Instant::now();
+        self.mesh.agent_mut(agent)?.kill().await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        self.mesh.agent_mut(agent)?.start()?;
+
+        let mut violations = Vec::new();
+        let (mesh, load, before_ref) = (&self.mesh, &self.load, &before);
+        let adopted = wait_for(ADOPT_BOUND, || async move {
+            let listed = list_instances(mesh, agent).await.ok()?;
+            let released = load.acks().released;
+            let pending: Vec<&workloads::Workload> = before_ref
+                .iter()
+                .filter(|w| !released.contains(&w.lease_id))
+                .filter(|w| {
+                    !listed.iter().any(|i| {
+                        i.lease_id == w.lease_id && i.pid == w.pid && i.phase == leases_v1::LeasePhase::Running as i32
+                    })
+                })
+                .collect();
+            pending.is_empty().then_some(())
+        })
+        .await;
+        if adopted.is_none() {
+            violations.push(format!(
+                "agent {agent} did not adopt its instances within {ADOPT_BOUND:?}:\n{}",
+                self.mesh.agents()[agent].log_tail(10)
+            ));
+        }
+        let now: Vec<workloads::Workload> = workloads::scan(self.mesh.run_id());
+        let released = self.load.acks().released;
+        for old in before.iter().filter(|w| !released.contains(&w.lease_id)) {
+            let same: Vec<&workloads::Workload> = now.iter().filter(|w| w.lease_id == old.lease_id).collect();
+            match same.as_slice() {
+                [only] if only.pid == old.pid && only.start_time == old.start_time => {}
+                others => violations.push(format!(
+                    "lease {} was restarted, not adopted: pid {} before, {:?} after",
+                    old.lease_id,
+                    old.pid,
+                    others.iter().map(|w| w.pid).collect::<Vec<_>>()
+                )),
+            }
+        }
+        Ok(Outcome { recovery: adopted.map(|()| started.elapsed()), violations })
+    }
+
+    async fn partition(&mut self, agent: usize) -> anyhow::Result<Outcome> {
+        let timings = self.mesh.options().timings.clone();
+        let name = self.mesh.agents()[agent].name().to_string();
+        let node = self.mesh.node(&name).await?.context("the agent's node")?;
+        let stale: BTreeSet<String> = workloads::scan(self.mesh.run_id())
+            .into_iter()
+            .filter(|w| w.node_id == node.node_id)
+            .map(|w| w.lease_id)
+            .collect();
+        // The same watch that must see nothing during the other faults must
+        // see this one: the node marked down and its leases expired.
+        let watch = DbWatch::start(&self.mesh, vec![node.node_id.clone()]).await?;
+        let kind = self.mesh.agent_mut(agent)?.cut()?;
+        let cut_at = Instant::now();
+        let mut violations = Vec::new();
+
+        // Its leases move elsewhere: the node is reaped, and the service's
+        // replicas run on other nodes.
+        let move_bound =
+            timings.down_after + timings.reap_after + timings.lease_ttl() + Duration::from_secs(10) + PARTITION_SLACK;
+        let (mesh, name_ref, node_ref) = (&self.mesh, &name, &node);
+        let moved = wait_for(move_bound, || async move {
+            let row = mesh.node(name_ref).await.ok()??;
+            let reaped = row.reaped_at_ms.is_some() || row.incarnation > node_ref.incarnation;
+            let elsewhere = web_processes(mesh).await.ok()?;
+            let running_elsewhere = elsewhere.iter().filter(|w| w.node_id != node_ref.node_id).count();
+            (reaped && running_elsewhere >= WEB_REPLICAS as usize).then_some(())
+        })
+        .await;
+        if moved.is_none() {
+            violations
+                .push(format!("{name} was not reaped with {WEB}'s replicas running elsewhere within {move_bound:?}"));
+        }
+        let overlap_before_heal = web_processes(&self.mesh).await?.len().saturating_sub(WEB_REPLICAS as usize);
+        let cut_for = cut_at.elapsed();
+        // The settled check must see the stale compute the cut-off node
+        // still runs, or its silence after the faults would mean nothing.
+        let seen = invariants::check_settled(&self.mesh, &self.services).await?;
+        if !stale.iter().any(|lease| seen.iter().any(|v| v.contains(lease.as_str()))) {
+            violations.push(format!("the invariant check did not see {name}'s stale compute {stale:?}: {seen:?}"));
+        }
+
+        // Back: fenced, it destroys what it ran before.
+        self.mesh.agent_mut(agent)?.heal()?;
+        let healed_at = Instant::now();
+        let fencing_bound = match kind {
+            // A cut-off agent backs off to the retry maximum, and a call in
+            // flight when the link comes back may first time out.
+            Cut::Network => berth_agent::DEFAULT_RETRY_MAX + berth_agent::DEFAULT_RPC_TIMEOUT,
+            Cut::Frozen => berth_agent::DEFAULT_RPC_TIMEOUT,
+        } + timings.heartbeat_interval
+            + timings.stop_grace
+            + PARTITION_SLACK;
+        let (mesh, stale_ref) = (&self.mesh, &stale);
+        let gone = wait_for(fencing_bound, || async move {
+            let running = workloads::scan(mesh.run_id());
+            (!running.iter().any(|w| stale_ref.contains(&w.lease_id))).then_some(())
+        })
+        .await;
+        let fenced_in = healed_at.elapsed();
+        if gone.is_none() {
+            let left: Vec<String> = workloads::scan(self.mesh.run_id())
+                .into_iter()
+                .filter(|w| stale.contains(&w.lease_id))
+                .map(|w| format!("{} (pid {})", w.lease_id, w.pid))
+                .collect();
+            violations.push(format!(
+                "stale compute still ran {fencing_bound:?} after {name} returned ({} replica copies ran twice \
+                 while it was cut off): {left:?}\n{}",
+                overlap_before_heal,
+                self.mesh.agents()[agent].log_tail(10)
+            ));
+        }
+        let (mesh, name_ref, node_ref) = (&self.mesh, &name, &node);
+        let rejoined = wait_for(REJOIN_BOUND, || async move {
+            let row = mesh.node(name_ref).await.ok()??;
+            (row.state == "up" && row.incarnation > node_ref.incarnation).then_some(())
+        })
+        .await;
+        if rejoined.is_none() {
+            let row = self.mesh.node(&name).await?;
+            violations.push(format!("{name} was not UP under a new incarnation within {REJOIN_BOUND:?}: {row:?}"));
+        }
+        let seen = watch.stop().await;
+        let marked_down = seen.iter().any(|s| s.starts_with(&format!("healthy node {} was marked", node.node_id)));
+        let expired = seen.iter().any(|s| s.starts_with("lease ") && s.contains(&format!(" on {} ", node.node_id)));
+        if !marked_down || !expired {
+            violations.push(format!(
+                "the database watch missed the partition (node marked down: {marked_down}, a lease of it \
+                 expired: {expired}), so it cannot vouch for the other faults: {seen:?}"
+            ));
+        }
+        eprintln!(
+            "faults: {name} was cut off for {cut_for:.1?}; {overlap_before_heal} replica copies ran twice until it \
+             returned; its stale compute was gone {fenced_in:.1?} after (bound {fencing_bound:?})"
+        );
+        Ok(Outcome { recovery: gone.map(|()| fenced_in), violations })
+    }
+
+    /// An agent that runs one of web's replicas, other than `not`.
+    async fn agent_running_web(&self, not: Option<usize>) -> anyhow::Result<usize> {
+        for workload in web_processes(&self.mesh).await? {
+            if let Some(agent) = self.mesh.agent_of_node(&workload.node_id).await?
+                && Some(agent) != not
+            {
+                return Ok(agent);
+            }
+        }
+        anyhow::bail!("no agent other than {not:?} runs a replica of {WEB}")
+    }
+
+    /// Every agent's and synthetic node's id: nodes that heartbeat throughout.
+    async fn healthy_nodes(&self) -> anyhow::Result<Vec<String>> {
+        let mut nodes: Vec<String> = self.load.nodes().iter().map(|n| n.node_id.clone()).collect();
+        for agent in 0..self.mesh.agents().len() {
+            nodes.push(self.mesh.agent_node_id(agent).await?);
+        }
+        Ok(nodes)
+    }
+
+    fn all_replicas(&self) -> Vec<(ServiceKind, usize)> {
+        ServiceKind::ALL.iter().flat_map(|kind| (0..self.mesh.replicas()).map(move |index| (*kind, index))).collect()
+    }
+
+    fn replica_pid(&self, kind: ServiceKind, index: usize) -> Option<u32> {
+        self.mesh.replica(kind, index).ok().and_then(|replica| replica.pid())
+    }
+}
+
+/// Calls `probe` every [`POLL`] until it answers, for at most `bound`.
+async fn wait_for<T, F, Fut>(bound: Duration, mut probe: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(found) = probe().await {
+            return Some(found);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// One real read of `kind` through its front, on a fresh connection.
+async fn probe(mesh: &Mesh, kind: ServiceKind) -> Option<()> {
+    let channel = mesh.channel(kind).ok()?;
+    let timeout = Duration::from_secs(2);
+    let answered = match kind {
+        ServiceKind::Identity => {
+            let mut request = tonic::Request::new(identity_v1::ListNodesRequest::default());
+            request.set_timeout(timeout);
+            identity_v1::nodes_client::NodesClient::new(channel).list_nodes(request).await.is_ok()
+        }
+        ServiceKind::Leases => {
+            let mut request = tonic::Request::new(leases_v1::ListNodeCapacityRequest::default());
+            request.set_timeout(timeout);
+            leases_v1::capacity_client::CapacityClient::new(channel).list_node_capacity(request).await.is_ok()
+        }
+        ServiceKind::Revisions => {
+            let mut request = tonic::Request::new(revisions_v1::ListServicesRequest::default());
+            request.set_timeout(timeout);
+            revisions_v1::services_client::ServicesClient::new(channel).list_services(request).await.is_ok()
+        }
+        // Egress serves no data yet; its health is its answer.
+        ServiceKind::Egress => {
+            let mut request = tonic::Request::new(tonic_health::pb::HealthCheckRequest { service: String::new() });
+            request.set_timeout(timeout);
+            tonic_health::pb::health_client::HealthClient::new(channel)
+                .check(request)
+                .await
+                .is_ok_and(|r| r.get_ref().status == ServingStatus::Serving as i32)
+        }
+    };
+    answered.then_some(())
+}
+
+/// Each replica's health now, described.
+async fn health_of(mesh: &Mesh, replicas: &[(ServiceKind, usize)]) -> Vec<String> {
+    let mut described = Vec::new();
+    for (kind, index) in replicas {
+        described.push(format!("{kind}-{index}: {:?}", mesh.health(*kind, *index).await));
+    }
+    described
+}
+
+/// The processes running a revision of web.
+async fn web_processes(mesh: &Mesh) -> anyhow::Result<Vec<workloads::Workload>> {
+    Ok(workloads::scan(mesh.run_id())
+        .into_iter()
+        .filter(|w| w.revision.as_deref().is_some_and(|r| r.starts_with(&format!("{WEB}-"))))
+        .collect())
+}
+
+/// The instances agent `agent` reports.
+async fn list_instances(mesh: &Mesh, agent: usize) -> anyhow::Result<Vec<agent_v1::Instance>> {
+    let mut request = tonic::Request::new(agent_v1::ListInstancesRequest::default());
+    request.set_timeout(Duration::from_secs(2));
+    let listed = agent_v1::agent_client::AgentClient::new(mesh.agent_channel(agent)?).list_instances(request).await?;
+    Ok(listed.into_inner().instances)
+}
+
+/// Declares web: a bundle that sleeps, [`WEB_REPLICAS`] replicas spread
+/// over the agents' tier.
+async fn deploy_web(mesh: &Mesh, bundle: &str) -> anyhow::Result<()> {
+    let mut services = revisions_v1::services_client::ServicesClient::new(mesh.channel(ServiceKind::Revisions)?);
+    services
+        .apply_service(revisions_v1::ApplyServiceRequest {
+            name: WEB.into(),
+            template: Some(revisions_v1::ServiceTemplate {
+                bundle: Some(BundleRef { reference: bundle.into(), ..Default::default() }),
+                env: [(RUN_MARKER_ENV.to_string(), mesh.run_id().to_string())].into(),
+                resources: Some(Capacity { cpu_millis: 100, memory_bytes: 32 << 20 }),
+                replicas: Some(WEB_REPLICAS),
+                tier: mesh.options().tier.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .context("ApplyService web")?;
+    Ok(())
+}
+
+fn load_options(mesh: &Mesh, bundle_reference: String) -> LoadOptions {
+    LoadOptions {
+        synthetic_nodes: 16,
+        synthetic_tier: "synthetic".into(),
+        apply_every: Duration::from_millis(500),
+        load_services: 4,
+        lease_every: Duration::from_millis(500),
+        open_leases: 6,
+        lease_cpu_millis: 50,
+        lease_memory_bytes: 16 << 20,
+        tier: mesh.options().tier.clone(),
+        request_timeout: Duration::from_secs(5),
+        ack_deadline: Duration::from_secs(60),
+        bundle_reference,
+    }
+}
+
+/// Watches the database during a fault for what it must never show: a
+/// healthy node marked anything but UP, or a lease expiring.
+struct DbWatch {
+    seen: Arc<Mutex<BTreeSet<String>>>,
+    stop: tokio_util::sync::CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl DbWatch {
+    async fn start(mesh: &Mesh, nodes: Vec<String>) -> anyhow::Result<Self> {
+        let pool = mesh.pool().clone();
+        let (since,): (i64,) =
+            sqlx::query_as("SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT").fetch_one(&pool).await?;
+        let seen = Arc::new(Mutex::new(BTreeSet::new()));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn({
+            let (seen, stop) = (seen.clone(), stop.clone());
+            async move {
+                while !stop.is_cancelled() {
+                    // The database may be the fault: a failed read is retried.
+                    if let Ok(down) = sqlx::query_as::<_, (String, String)>(
+                        "SELECT node_id, state FROM identity.nodes WHERE node_id = ANY($1) AND state <> 'up'",
+                    )
+                    .bind(&nodes)
+                    .fetch_all(&pool)
+                    .await
+                    {
+                        let mut seen = seen.lock().unwrap();
+                        for (node, state) in down {
+                            seen.insert(format!("healthy node {node} was marked {state}"));
+                        }
+                    }
+                    if let Ok(expired) = sqlx::query_as::<_, (String, String)>(
+                        "SELECT lease_id, node_id FROM leases.leases WHERE phase = 'expired' AND phase_changed_at_ms >= $1",
+                    )
+                    .bind(since)
+                    .fetch_all(&pool)
+                    .await
+                    {
+                        let mut seen = seen.lock().unwrap();
+                        for (lease, node) in expired {
+                            seen.insert(format!("lease {lease} on {node} expired though its node renewed it"));
+                        }
+                    }
+                    tokio::select! {
+                        () = stop.cancelled() => {}
+                        () = tokio::time::sleep(POLL) => {}
+                    }
+                }
+            }
+        });
+        Ok(Self { seen, stop, task })
+    }
+
+    async fn stop(self) -> Vec<String> {
+        self.stop.cancel();
+        let _ = self.task.await;
+        self.seen.lock().unwrap().iter().cloned().collect()
+    }
+}
