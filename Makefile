@@ -20,13 +20,14 @@ test: lint check-manifests
 	fi
 	$(MAKE) --no-print-directory test-faults
 
-## The fault suite alone: the mesh as processes (two replicas of each
-## service, a private PostgreSQL and Redis, agents) under load, through one
-## fault at a time; prints a table and fails on any broken promise.
+## The mesh as processes (two replicas of each service, a private
+## PostgreSQL and Redis, agents): the fault suite under load, through one
+## fault at a time (prints a table, fails on any broken promise), and one
+## trace followed across every hop into an in-test OTLP collector.
 test-faults:
 	@scripts/test-deps.sh >/dev/null
 	$(CARGO) build --bins -p berth-identity -p berth-revisions -p berth-leases -p berth-egress -p berth-agent
-	$(CARGO) test -p berth-e2e --test faults -- --ignored --nocapture
+	$(CARGO) test -p berth-e2e --test faults --test traces -- --ignored --nocapture --test-threads 1
 
 ## Formatting and clippy, as CI runs them.
 lint:

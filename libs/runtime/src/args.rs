@@ -56,6 +56,10 @@ pub struct TelemetryArgs {
     /// a command-line tool keeps its output clean with `warn`.
     #[arg(skip)]
     pub default_log_filter: Option<&'static str>,
+    /// Resource attributes on every span this process exports, on top of
+    /// `service.name` and `host.name`, e.g. the node an agent runs.
+    #[arg(skip)]
+    pub resource: Vec<(String, String)>,
 }
 
 /// Where the rest of the mesh is.

@@ -86,6 +86,10 @@ where
         let mut config = berth_telemetry::TelemetryConfig::from_env(binary).map_err(StartError::Telemetry)?;
         config.log_format = telemetry.log_format.parse().map_err(StartError::Telemetry)?;
         config.otlp_endpoint = telemetry.otlp_endpoint.clone().filter(|e| !e.is_empty());
+        if let Some(host) = host_name() {
+            config.resource.push(("host.name".to_owned(), host));
+        }
+        config.resource.extend(telemetry.resource.iter().cloned());
         if let Some(filter) = telemetry.default_log_filter
             && std::env::var_os("RUST_LOG").is_none_or(|v| v.is_empty())
         {
@@ -105,6 +109,13 @@ where
             ExitCode::FAILURE
         }
     }
+}
+
+/// This host's name, for the `host.name` resource attribute: which machine
+/// a span came from, as operators name it.
+fn host_name() -> Option<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").ok().or_else(|| std::env::var("HOSTNAME").ok())?;
+    Some(name.trim().to_owned()).filter(|name| !name.is_empty())
 }
 
 /// The error and its sources on one line, skipping sources whose text the

@@ -27,7 +27,7 @@ pub use crate::{
     config::{LogFormat, TelemetryConfig},
     error::TelemetryError,
     install::{TelemetryGuard, init, otel_layer},
-    propagation::{current_trace_id, extract_context, inject_context},
+    propagation::{adopt_traceparent, current_trace_id, current_traceparent, extract_context, inject_context},
     server::{ServerTraceLayer, ServerTraceService},
     traced::{TracedBody, TracedResponseFuture},
 };

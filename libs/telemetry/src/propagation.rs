@@ -35,6 +35,30 @@ pub fn extract_context(carrier: &HashMap<String, String>) -> Context {
     global::get_text_map_propagator(|propagator| propagator.extract_with_context(&Context::new(), carrier))
 }
 
+/// The current span's W3C `traceparent`, or empty outside any traced span. Work that outlives
+/// the request that asked for it (a lease placed, a service to roll out) keeps this beside it, so
+/// whatever acts on it later joins the request's trace with [`adopt_traceparent`].
+pub fn current_traceparent() -> String {
+    let mut carrier = HashMap::new();
+    inject_context(&mut carrier);
+    carrier.remove("traceparent").unwrap_or_default()
+}
+
+/// Makes `span` a child of the remote span `traceparent` names, so the work it covers shows in
+/// the trace of the request that caused it. Does nothing when `traceparent` is empty or
+/// malformed (the span then starts a trace of its own), or when the span is not traced.
+pub fn adopt_traceparent(span: &tracing::Span, traceparent: &str) {
+    if traceparent.is_empty() {
+        return;
+    }
+    let carrier = HashMap::from([("traceparent".to_owned(), traceparent.to_owned())]);
+    let cx = extract_context(&carrier);
+    if cx.span().span_context().is_valid() {
+        // Refused only for a span that is already closed or not traced: nothing to join then.
+        let _ = span.set_parent(cx);
+    }
+}
+
 /// The current trace's id as 32 lowercase hex digits, for log lines and error reports; `None`
 /// outside any traced span.
 pub fn current_trace_id() -> Option<String> {

@@ -254,3 +254,32 @@ async fn malformed_traceparent_is_ignored_and_the_call_succeeds() {
 
     server.stop().await;
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_kept_traceparent_makes_later_work_a_child_of_the_request() {
+    let captured = Captured::start();
+    let request = tracing::info_span!("request");
+    let kept = request.in_scope(berth_telemetry::current_traceparent);
+    assert!(kept.starts_with("00-"), "a traced span yields a traceparent: {kept:?}");
+    drop(request);
+    let request = captured.span("request", SpanKind::Internal).await;
+
+    let later = tracing::info_span!("later");
+    berth_telemetry::adopt_traceparent(&later, &kept);
+    drop(later);
+    let later = captured.span("later", SpanKind::Internal).await;
+    assert_eq!(later.span_context.trace_id(), request.span_context.trace_id());
+    assert_eq!(later.parent_span_id, request.span_context.span_id());
+
+    // Nothing kept, or something unreadable: the work starts its own trace.
+    for kept in ["", "00-not-a-trace-01"] {
+        let alone = tracing::info_span!("alone");
+        berth_telemetry::adopt_traceparent(&alone, kept);
+        drop(alone);
+        let alone = captured.span("alone", SpanKind::Internal).await;
+        assert_ne!(alone.span_context.trace_id(), request.span_context.trace_id());
+        assert_eq!(alone.parent_span_id, SpanId::INVALID);
+        captured.exporter.reset();
+    }
+    assert_eq!(berth_telemetry::current_traceparent(), "", "outside any span there is nothing to keep");
+}

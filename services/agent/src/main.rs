@@ -225,7 +225,10 @@ fn agent_error(error: AgentError) -> StartError {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let telemetry = args.telemetry.clone();
+    let mut telemetry = args.telemetry.clone();
+    if let Some(name) = &args.name {
+        telemetry.resource.push(("berth.node.name".to_owned(), name.clone()));
+    }
     run_main("berth-agent", &telemetry, || async move {
         let shutdown = berth_rpc::shutdown_signal();
         let config = args.config()?;

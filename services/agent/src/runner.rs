@@ -435,7 +435,8 @@ impl Runner {
         let held = self.hold(&lease.lease_id, lease.epoch, false, false);
         tracing::info!(lease_id = %lease.lease_id, epoch = lease.epoch, "taking on a lease");
         let bundle = BundleAsk::of(&lease);
-        self.spawn_worker(&lease.lease_id, held, Start::Launch(Box::new(Launch { spec, bundle })));
+        let traceparent = lease.traceparent.clone();
+        self.spawn_worker(&lease.lease_id, held, Start::Launch(Box::new(Launch { spec, bundle, traceparent })));
     }
 
     fn hold(&mut self, lease_id: &str, epoch: u64, started: bool, needs_custody: bool) -> WorkerWiring {
@@ -907,6 +908,8 @@ struct Launch {
     spec: LaunchSpec,
     /// Its bundle, when it runs one.
     bundle: Option<BundleAsk>,
+    /// The trace of the request that created the lease; the launch joins it.
+    traceparent: String,
 }
 
 /// Why a report did not go through.
@@ -955,7 +958,7 @@ impl Worker {
         // The bundle stays pinned until the worker is done with the lease.
         let (exit, _bundle) = match start {
             Start::Adopt { exit, bundle } => (exit, bundle),
-            Start::Launch(launch) => match self.launch(*launch).await {
+            Start::Launch(launch) => match self.traced_launch(*launch).await {
                 Ok(started) => started,
                 Err(end) => return end,
             },
@@ -963,8 +966,18 @@ impl Worker {
         self.supervise(exit).await
     }
 
+    /// [`Worker::launch`] in a span of its own, a child of the lease
+    /// request's trace: pulling the bundle, reporting LAUNCHING and RUNNING
+    /// and starting the workload show in the trace that asked for it.
+    async fn traced_launch(&mut self, launch: Launch) -> Result<(ExitWatch, Option<ReadyBundle>), WorkerEnd> {
+        let span = tracing::info_span!("launch", lease_id = %self.lease_id, epoch = launch.spec.epoch,
+            project = %launch.spec.meta.project, service = %launch.spec.meta.service);
+        berth_telemetry::adopt_traceparent(&span, &launch.traceparent);
+        tracing::Instrument::instrument(self.launch(launch), span).await
+    }
+
     async fn launch(&mut self, launch: Launch) -> Result<(ExitWatch, Option<ReadyBundle>), WorkerEnd> {
-        let Launch { mut spec, bundle } = launch;
+        let Launch { mut spec, bundle, .. } = launch;
         // The pull starts while the lease is still BOUND and goes on while
         // LAUNCHING is reported; dropping the handle abandons it.
         let warming = bundle.map(|ask| {

@@ -47,7 +47,8 @@ impl v1::leases_server::Leases for LeasesService {
         &self,
         request: Request<v1::RequestLeaseRequest>,
     ) -> Result<Response<v1::RequestLeaseResponse>, Status> {
-        let ask = validate::lease_ask(request.into_inner())?;
+        let mut ask = validate::lease_ask(request.into_inner())?;
+        ask.traceparent = berth_telemetry::current_traceparent();
         let placed = self.core.placer.request(ask).await?;
         if placed.created {
             tracing::info!(lease_id = %placed.lease.lease_id, node_id = %placed.lease.node_id,

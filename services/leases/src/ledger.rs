@@ -199,6 +199,8 @@ pub(crate) struct LeaseAsk {
     pub(crate) tier: String,
     pub(crate) spread_group: String,
     pub(crate) workload: v1::Workload,
+    /// The asking call's trace, kept on the lease (see `Lease.traceparent`).
+    pub(crate) traceparent: String,
 }
 
 /// A lease as a request for it found it.
@@ -1008,6 +1010,7 @@ async fn place_in_tx(
                 phase_changed_at_ms: now,
                 expires_at_ms: Some(now.saturating_add(ttl_ms)),
                 seq: seqs[position],
+                traceparent: ask.traceparent.clone(),
             });
         }
     }
@@ -1146,9 +1149,9 @@ async fn insert_leases<'a>(
     for chunk in leases.chunks(ROWS_PER_STATEMENT) {
         let values: Vec<String> = (0..chunk.len())
             .map(|row| {
-                let p = |k: usize| format!("${}", 2 + row * 11 + k);
+                let p = |k: usize| format!("${}", 2 + row * 12 + k);
                 format!(
-                    "({}, {}, {}, {}, {}, 'bound', 1, {}, {}, {}, {}, {}, $1, $1, $2, {})",
+                    "({}, {}, {}, {}, {}, 'bound', 1, {}, {}, {}, {}, {}, $1, $1, $2, {}, {})",
                     p(1),
                     p(2),
                     p(3),
@@ -1159,14 +1162,15 @@ async fn insert_leases<'a>(
                     p(8),
                     p(9),
                     p(10),
-                    p(11)
+                    p(11),
+                    p(12)
                 )
             })
             .collect();
         let sql = format!(
             "INSERT INTO leases (lease_id, project, idempotency_key, owner, node_id, phase, epoch, cpu_millis, \
-             memory_bytes, tier, spread_group, workload, created_at_ms, phase_changed_at_ms, expires_at_ms, seq) \
-             VALUES {}",
+             memory_bytes, tier, spread_group, workload, created_at_ms, phase_changed_at_ms, expires_at_ms, seq, \
+             traceparent) VALUES {}",
             values.join(", ")
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now).bind(expires_at);
@@ -1182,7 +1186,8 @@ async fn insert_leases<'a>(
                 .bind(lease.tier.as_str())
                 .bind(lease.spread_group.as_str())
                 .bind(lease.workload.encode_to_vec())
-                .bind(lease.seq);
+                .bind(lease.seq)
+                .bind(lease.traceparent.as_str());
         }
         query.execute(&mut *conn).await?;
     }

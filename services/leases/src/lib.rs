@@ -54,12 +54,20 @@ pub const NAME: &str = "leases";
 pub const DEFAULT_PORT: u16 = 7445;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "ledger",
-    postgres: include_str!("../migrations/postgres/0001_ledger.sql"),
-    sqlite: include_str!("../migrations/sqlite/0001_ledger.sql"),
-}];
+pub static MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "ledger",
+        postgres: include_str!("../migrations/postgres/0001_ledger.sql"),
+        sqlite: include_str!("../migrations/sqlite/0001_ledger.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "traceparent",
+        postgres: include_str!("../migrations/postgres/0002_traceparent.sql"),
+        sqlite: include_str!("../migrations/sqlite/0002_traceparent.sql"),
+    },
+];
 
 /// How the runtime starts it: [`server`] with the default timings.
 pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, build: server };

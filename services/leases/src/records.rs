@@ -19,7 +19,8 @@ use crate::model::{Phase, Resources};
 macro_rules! lease_columns {
     () => {
         "lease_id, project, idempotency_key, owner, node_id, phase, epoch, cpu_millis, memory_bytes, tier, \
-         spread_group, workload, reason, message, exit_code, created_at_ms, phase_changed_at_ms, expires_at_ms, seq"
+         spread_group, workload, reason, message, exit_code, created_at_ms, phase_changed_at_ms, expires_at_ms, seq, \
+         traceparent"
     };
 }
 
@@ -47,6 +48,8 @@ pub(crate) struct LeaseRecord {
     pub(crate) expires_at_ms: Option<i64>,
     /// The node's assignment cursor at the lease's last change.
     pub(crate) seq: i64,
+    /// The trace of the request that created it (see `Lease.traceparent`).
+    pub(crate) traceparent: String,
 }
 
 impl LeaseRecord {
@@ -83,6 +86,7 @@ impl LeaseRecord {
             phase_changed_at_ms: row.try_get("phase_changed_at_ms")?,
             expires_at_ms: row.try_get("expires_at_ms")?,
             seq: row.try_get("seq")?,
+            traceparent: row.try_get("traceparent")?,
         })
     }
 
@@ -111,6 +115,7 @@ impl LeaseRecord {
             idempotency_key: self.idempotency_key.clone(),
             phase_changed_at: Some(timestamp(self.phase_changed_at_ms)),
             message: self.message.clone(),
+            traceparent: self.traceparent.clone(),
         }
     }
 

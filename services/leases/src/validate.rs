@@ -148,6 +148,7 @@ pub(crate) fn lease_ask(request: v1::RequestLeaseRequest) -> Result<LeaseAsk, Le
         tier: request.tier,
         spread_group: request.spread_group,
         workload,
+        traceparent: String::new(),
     })
 }
 

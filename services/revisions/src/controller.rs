@@ -24,7 +24,7 @@ use crate::catalog::Fence;
 use crate::model::ServiceKey;
 use crate::reconciler::{Action, Context, ReconcileError, reconcile};
 use crate::service::Core;
-use crate::signals::WAKE_TOPIC;
+use crate::signals::{WAKE_TOPIC, Wake};
 
 /// The name the deploy reconciler's (and revision GC's) leadership is held under.
 pub const DEPLOY_LOOP: &str = "revisions.deployer";
@@ -33,7 +33,7 @@ pub const DEPLOY_LOOP: &str = "revisions.deployer";
 const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Campaigns for [`DEPLOY_LOOP`] and runs the controller while leading, until `core.closing`.
-pub(crate) fn spawn(core: Arc<Core>, mut wakes: mpsc::Receiver<ServiceKey>) {
+pub(crate) fn spawn(core: Arc<Core>, mut wakes: mpsc::Receiver<Wake>) {
     tokio::spawn(async move {
         let elector = LeaderElector::new(core.catalog.store().clone(), DEPLOY_LOOP, core.replica_id.clone())
             .with_timing(core.config.election)
@@ -64,16 +64,26 @@ pub(crate) fn spawn(core: Arc<Core>, mut wakes: mpsc::Receiver<ServiceKey>) {
     });
 }
 
-/// The queue of one term: when each key is due, which are running, and how
-/// many times in a row each failed.
+/// The queue of one term: when each key is due, which are running, how
+/// many times in a row each failed, and the trace each was last woken in.
 #[derive(Debug, Default)]
 struct Queue {
     due: HashMap<ServiceKey, Instant>,
     running: HashSet<ServiceKey>,
     failures: HashMap<ServiceKey, u32>,
+    traces: HashMap<ServiceKey, String>,
 }
 
 impl Queue {
+    /// Makes the woken key due now; its reconciles join the waking call's
+    /// trace until the service settles (or a later call's trace replaces it).
+    fn wake(&mut self, wake: Wake) {
+        if !wake.traceparent.is_empty() {
+            self.traces.insert(wake.key.clone(), wake.traceparent);
+        }
+        self.schedule(wake.key, Instant::now());
+    }
+
     /// Makes `key` due at `at`, or sooner if it already was.
     fn schedule(&mut self, key: ServiceKey, at: Instant) {
         let due = self.due.entry(key).or_insert(at);
@@ -109,7 +119,7 @@ async fn run_term(
     core: &Arc<Core>,
     term: Term,
     leadership: &mut watch::Receiver<Option<Term>>,
-    wakes: &mut mpsc::Receiver<ServiceKey>,
+    wakes: &mut mpsc::Receiver<Wake>,
 ) {
     let fence = Fence { loop_name: DEPLOY_LOOP, holder: core.replica_id.clone(), term };
     let ctx = Arc::new(Context {
@@ -135,8 +145,11 @@ async fn run_term(
     loop {
         for key in queue.take_ready(workers.saturating_sub(queue.running.len())) {
             let ctx = Arc::clone(&ctx);
+            let span = tracing::info_span!("reconcile", service = %key);
+            if let Some(traceparent) = queue.traces.get(&key) {
+                berth_telemetry::adopt_traceparent(&span, traceparent);
+            }
             reconciles.spawn(async move {
-                let span = tracing::info_span!("reconcile", service = %key);
                 let result = tracing::Instrument::instrument(reconcile(&key, &ctx), span).await;
                 (key, result)
             });
@@ -158,11 +171,11 @@ async fn run_term(
                 }
                 Err(error) => tracing::warn!(%error, "listing services for a full pass failed"),
             },
-            Some(key) = wakes.recv() => queue.schedule(key, Instant::now()),
+            Some(wake) = wakes.recv() => queue.wake(wake),
             message = next_message(&mut subscription) => match message {
                 Some(BusMessage::Payload(payload)) => {
-                    if let Some(key) = std::str::from_utf8(&payload).ok().and_then(ServiceKey::decode) {
-                        queue.schedule(key, Instant::now());
+                    if let Some(wake) = Wake::decode(&payload) {
+                        queue.wake(wake);
                     }
                 }
                 Some(BusMessage::Gap) => full_pass.reset_immediately(),
@@ -175,8 +188,11 @@ async fn run_term(
                 match result {
                     Ok(action) => {
                         queue.failures.remove(&key);
-                        if let Action::Requeue(after) = action {
-                            queue.schedule(key, Instant::now() + after);
+                        match action {
+                            Action::Requeue(after) => queue.schedule(key, Instant::now() + after),
+                            Action::AwaitChange => {
+                                queue.traces.remove(&key);
+                            }
                         }
                     }
                     Err(error) if error.is_deposed() => {

@@ -21,10 +21,9 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use crate::catalog::Catalog;
 use crate::config::RevisionsConfig;
 use crate::leases::{LeaseClient, NoLeases};
-use crate::model::ServiceKey;
 use crate::resolver::{RegistryPolicy, RegistryResolver, TagResolver};
 use crate::secrets::RegistrySecrets;
-use crate::signals::Signals;
+use crate::signals::{Signals, Wake};
 
 /// What the revisions service talks to beyond its own state.
 #[derive(Debug, Clone)]
@@ -85,7 +84,7 @@ pub(crate) struct Core {
     /// Cancelled when the replica stops: the controller and watch streams end.
     pub(crate) closing: CancellationToken,
     /// Wake-ups for this replica's controller until its task takes them.
-    wakes: Mutex<Option<mpsc::Receiver<ServiceKey>>>,
+    wakes: Mutex<Option<mpsc::Receiver<Wake>>>,
 }
 
 /// One replica of the revisions service: its gRPC handlers and its controller.

@@ -9,6 +9,13 @@
 //! re-read everything on a gap and on a timer. A wake-up is also handed to
 //! this replica's own reconciler directly, so a leader whose bus is down
 //! still acts on the applies it serves.
+//!
+//! # Traces
+//! A wake-up carries the W3C `traceparent` of the call that caused it (an
+//! apply, a pin, a delete): the bus payload is the key, then a newline and
+//! the traceparent when there is one. The reconciler runs that service's
+//! reconciles as children of it until the service settles, so one trace
+//! shows an apply through revisions, leases and the node that launches it.
 
 use berth_bus::Bus;
 use tokio::sync::mpsc;
@@ -25,15 +32,43 @@ pub(crate) const WAKE_TOPIC: &str = "services.wake";
 /// (the periodic full pass covers them).
 pub(crate) const LOCAL_WAKE_QUEUE: usize = 1024;
 
+/// A service to reconcile, and the trace of the call that asked for it
+/// (empty when that call was not traced).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Wake {
+    pub(crate) key: ServiceKey,
+    pub(crate) traceparent: String,
+}
+
+impl Wake {
+    /// The bus payload: the key, then `\n` and the traceparent when there is one.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut payload = self.key.encode();
+        if !self.traceparent.is_empty() {
+            payload.push('\n');
+            payload.push_str(&self.traceparent);
+        }
+        payload.into_bytes()
+    }
+
+    /// Reads a payload [`Wake::encode`] made (or a bare key); `None` when it
+    /// names no service.
+    pub(crate) fn decode(payload: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(payload).ok()?;
+        let (key, traceparent) = text.split_once('\n').unwrap_or((text, ""));
+        Some(Self { key: ServiceKey::decode(key)?, traceparent: traceparent.to_owned() })
+    }
+}
+
 /// Publishes changes and wake-ups; cheap to clone.
 #[derive(Debug, Clone)]
 pub(crate) struct Signals {
     bus: Bus,
-    local: mpsc::Sender<ServiceKey>,
+    local: mpsc::Sender<Wake>,
 }
 
 impl Signals {
-    pub(crate) fn new(bus: Bus) -> (Self, mpsc::Receiver<ServiceKey>) {
+    pub(crate) fn new(bus: Bus) -> (Self, mpsc::Receiver<Wake>) {
         let (local, receiver) = mpsc::channel(LOCAL_WAKE_QUEUE);
         (Self { bus, local }, receiver)
     }
@@ -51,10 +86,30 @@ impl Signals {
 
     /// Wakes the reconciler (wherever it leads) for `key`, and tells watchers.
     pub(crate) async fn wake(&self, key: &ServiceKey) {
-        let _ = self.local.try_send(key.clone());
-        if let Err(error) = self.bus.publish(WAKE_TOPIC, key.encode().into_bytes()).await {
+        let wake = Wake { key: key.clone(), traceparent: berth_telemetry::current_traceparent() };
+        let payload = wake.encode();
+        let _ = self.local.try_send(wake);
+        if let Err(error) = self.bus.publish(WAKE_TOPIC, payload).await {
             tracing::debug!(%error, service = %key, "could not wake the reconciler; its next pass acts");
         }
         self.changed(key).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wake_reads_back_with_or_without_its_trace() {
+        let Some(key) = ServiceKey::decode("acme/web") else { panic!("a valid key") };
+        let traced =
+            Wake { key: key.clone(), traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into() };
+        assert_eq!(Wake::decode(&traced.encode()), Some(traced));
+        let bare = Wake { key, traceparent: String::new() };
+        assert_eq!(bare.encode(), b"acme/web");
+        assert_eq!(Wake::decode(b"acme/web"), Some(bare));
+        assert_eq!(Wake::decode(b"\xff"), None);
+        assert_eq!(Wake::decode(b""), None);
     }
 }

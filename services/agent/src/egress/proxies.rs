@@ -49,6 +49,7 @@ use berth_proto::egress::v1::{EgressEnforcement, NodeEgressState};
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, watch};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::netns::{NamespaceError, Namespaces};
 use super::proxy::{ProxyTiming, ServiceProxy};
@@ -301,6 +302,10 @@ struct Inner {
     state: Mutex<State>,
     status: watch::Sender<EgressStatus>,
     stop: CancellationToken,
+    /// The tasks serving proxy listeners: [`EgressProxies::close`] waits
+    /// for them, so their ports are free again once it returns (a restart
+    /// reopens each on the port its replicas were told).
+    listeners: TaskTracker,
 }
 
 #[derive(Debug, Default)]
@@ -383,6 +388,7 @@ impl EgressProxies {
                 state: Mutex::new(State { recorded, ..State::default() }),
                 status: watch::channel(status).0,
                 stop: shutdown.child_token(),
+                listeners: TaskTracker::new(),
             }),
         })
     }
@@ -541,7 +547,7 @@ impl EgressProxies {
             .port();
         let proxy =
             ServiceProxy { service: service.to_string(), rules: tenant.rules.subscribe(), timing: self.inner.timing };
-        tokio::spawn(proxy.serve(listener, tenant.stop.child_token()));
+        self.inner.listeners.spawn(proxy.serve(listener, tenant.stop.child_token()));
         tracing::info!(%project, %service, port, namespace = ?tenant.namespace, "egress proxy listening");
         Ok(port)
     }
@@ -626,7 +632,7 @@ impl EgressProxies {
 
     /// Stops every listener and forwarding, and removes every namespace no
     /// process is in; replicas keep running, and a restarted agent opens
-    /// their proxies again.
+    /// their proxies again. Returns once every proxy port is closed.
     pub async fn close(&self) {
         let mut state = self.inner.state.lock().await;
         if state.closed {
@@ -643,6 +649,9 @@ impl EgressProxies {
             }
             namespaces.release_owner();
         }
+        drop(state);
+        self.inner.listeners.close();
+        self.inner.listeners.wait().await;
     }
 }
 
