@@ -35,6 +35,7 @@ mod error;
 mod memory;
 mod redis_bus;
 mod redis_pubsub;
+mod signals;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -43,3 +44,4 @@ pub use bus::{Bus, Continuity, MAX_DEADLINE_MS};
 pub use error::BusError;
 pub use memory::{DEFAULT_TOPIC_CAPACITY, MemoryBus};
 pub use redis_bus::{RedisBus, RedisTimings};
+pub use signals::KeySignals;

@@ -21,7 +21,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use crate::catalog::Catalog;
 use crate::config::EgressConfig;
 use crate::pass::CHANGES_TOPIC;
-use crate::push::NodeSignals;
+use crate::push::{NodeSignals, node_signals};
 use crate::queue::PassQueue;
 use crate::sources::Sources;
 
@@ -70,7 +70,7 @@ impl EgressService {
             bus: ctx.bus.clone(),
             queue: PassQueue::new(config.debounce, config.max_delay),
             config,
-            nodes: NodeSignals::default(),
+            nodes: node_signals(),
             sources,
             replica_id: new_replica_id(),
             closing: CancellationToken::new(),

@@ -20,7 +20,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use crate::config::LeasesConfig;
 use crate::ledger::Ledger;
 use crate::placer::{PlacerHandle, Queued};
-use crate::signals::NodeSignals;
+use crate::signals::{NodeSignals, node_signals};
 
 /// What every handler and loop of one replica shares.
 #[derive(Debug)]
@@ -58,7 +58,7 @@ impl LeasesService {
             ledger: Ledger::new(ctx.store.clone(), &config),
             bus: ctx.bus.clone(),
             nodes: ctx.nodes.clone(),
-            signals: NodeSignals::default(),
+            signals: node_signals(),
             config,
             replica_id: new_replica_id(),
             closing: CancellationToken::new(),
