@@ -19,7 +19,6 @@
 //! e.g. `listeners[1].port`; the server checks the rest (names, ports, host
 //! names) and names the field it refuses.
 
-use std::collections::BTreeMap;
 use std::io::Read as _;
 
 use berth_mtls::TlsCredentials;
@@ -31,6 +30,7 @@ use berth_runtime::StartError;
 use serde_json::{Value, json};
 
 use super::output::{self, Table};
+use super::spec_fields::{Fields, Refusal};
 use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server, port_above};
 
 /// The project an empty project field means.
@@ -672,9 +672,6 @@ fn read_spec(args: &ApplyArgs) -> Result<(String, Value), EgressSpecError> {
     Ok((file, value))
 }
 
-/// A field that was refused: its path and what is wrong with it.
-type Refusal = (String, String);
-
 const GATEWAY_FIELDS: [&str; 3] = ["project", "name", "listeners"];
 const LISTENER_FIELDS: [&str; 3] = ["name", "protocol", "port"];
 const ROUTE_FIELDS: [&str; 6] = ["project", "name", "parent_refs", "hostnames", "ports", "action"];
@@ -696,7 +693,7 @@ fn gateway_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::A
                         protocol: l.enumeration("protocol", "LISTENER_PROTOCOL_", |n| {
                             egress::ListenerProtocol::from_str_name(n).map(|p| p as i32)
                         })?,
-                        port: l.number("port")?,
+                        port: l.number("port")?.unwrap_or_default(),
                     })
                 })
                 .collect::<Result<Vec<_>, Refusal>>()
@@ -752,151 +749,6 @@ fn key(fields: &Fields<'_>, args: &ApplyArgs) -> Result<(String, String), Refusa
     let project = pick("project", fields.string("project")?, args.project.as_ref())?;
     let name = pick("name", fields.string("name")?, args.name.as_ref())?;
     Ok((project, name))
-}
-
-/// The fields of one JSON object of a spec, by snake_case name, with the
-/// path that leads to the object. A `null` field counts as absent.
-#[derive(Debug)]
-struct Fields<'v> {
-    path: String,
-    values: BTreeMap<String, &'v Value>,
-}
-
-impl<'v> Fields<'v> {
-    /// `value` as an object whose fields are all among `known`.
-    fn of(value: &'v Value, path: &str, known: &[&str]) -> Result<Self, Refusal> {
-        let Value::Object(map) = value else {
-            let at = if path.is_empty() { "the file".to_string() } else { path.to_string() };
-            return Err((at, format!("must be an object, not {}", kind(value))));
-        };
-        let mut values = BTreeMap::new();
-        for (key, field) in map {
-            let name = snake_case(key);
-            let at = join(path, key);
-            if !known.contains(&name.as_str()) {
-                return Err((at, format!("unknown field; the fields here are {}", known.join(", "))));
-            }
-            if field.is_null() {
-                continue;
-            }
-            if values.insert(name, field).is_some() {
-                return Err((at, "given twice, in snake_case and in lowerCamel".to_string()));
-            }
-        }
-        Ok(Self { path: path.to_string(), values })
-    }
-
-    fn at(&self, name: &str) -> String {
-        join(&self.path, name)
-    }
-
-    fn has(&self, name: &str) -> bool {
-        self.values.contains_key(name)
-    }
-
-    fn string(&self, name: &str) -> Result<String, Refusal> {
-        match self.values.get(name) {
-            None => Ok(String::new()),
-            Some(Value::String(text)) => Ok(text.clone()),
-            Some(other) => Err((self.at(name), format!("must be a string, not {}", kind(other)))),
-        }
-    }
-
-    /// A whole number that fits a `u32`; absent is 0.
-    fn number(&self, name: &str) -> Result<u32, Refusal> {
-        let Some(value) = self.values.get(name) else { return Ok(0) };
-        whole(value)
-            .ok_or_else(|| (self.at(name), format!("must be a whole number up to 4294967295, not {}", kind(value))))
-    }
-
-    fn strings(&self, name: &str) -> Result<Vec<String>, Refusal> {
-        self.list(name)?
-            .iter()
-            .enumerate()
-            .map(|(i, item)| match item {
-                Value::String(text) => Ok(text.clone()),
-                other => Err((format!("{}[{i}]", self.at(name)), format!("must be a string, not {}", kind(other)))),
-            })
-            .collect()
-    }
-
-    fn numbers(&self, name: &str) -> Result<Vec<u32>, Refusal> {
-        self.list(name)?
-            .iter()
-            .enumerate()
-            .map(|(i, item)| {
-                whole(item).ok_or_else(|| {
-                    (format!("{}[{i}]", self.at(name)), format!("must be a whole number, not {}", kind(item)))
-                })
-            })
-            .collect()
-    }
-
-    fn objects(&self, name: &str, known: &[&str]) -> Result<Vec<Fields<'v>>, Refusal> {
-        self.list(name)?
-            .iter()
-            .enumerate()
-            .map(|(i, item)| Fields::of(item, &format!("{}[{i}]", self.at(name)), known))
-            .collect()
-    }
-
-    fn list(&self, name: &str) -> Result<&'v [Value], Refusal> {
-        match self.values.get(name) {
-            None => Ok(&[]),
-            Some(Value::Array(items)) => Ok(items.as_slice()),
-            Some(other) => Err((self.at(name), format!("must be a list, not {}", kind(other)))),
-        }
-    }
-
-    /// An enum value by its short name (`TCP`) or its proto name
-    /// (`LISTENER_PROTOCOL_TCP`), in any case; absent is 0 (unspecified).
-    fn enumeration(&self, name: &str, prefix: &str, parse: impl Fn(&str) -> Option<i32>) -> Result<i32, Refusal> {
-        let text = self.string(name)?;
-        if text.is_empty() {
-            return Ok(0);
-        }
-        let upper = text.to_ascii_uppercase().replace('-', "_");
-        let full = if upper.starts_with(prefix) { upper } else { format!("{prefix}{upper}") };
-        match parse(&full) {
-            Some(value) if value != 0 => Ok(value),
-            _ => Err((self.at(name), format!("{text:?} is not one of the values this field takes"))),
-        }
-    }
-}
-
-fn whole(value: &Value) -> Option<u32> {
-    value.as_u64().and_then(|n| u32::try_from(n).ok())
-}
-
-/// `parentRefs` as `parent_refs`; snake_case names are left as they are.
-fn snake_case(key: &str) -> String {
-    let mut name = String::with_capacity(key.len() + 4);
-    for c in key.chars() {
-        if c.is_ascii_uppercase() {
-            name.push('_');
-            name.push(c.to_ascii_lowercase());
-        } else {
-            name.push(c);
-        }
-    }
-    name
-}
-
-fn join(path: &str, field: &str) -> String {
-    if path.is_empty() { field.to_string() } else { format!("{path}.{field}") }
-}
-
-/// What a JSON value is, with the value when short, for a refusal.
-fn kind(value: &Value) -> String {
-    match value {
-        Value::Null => "null".to_string(),
-        Value::Bool(flag) => format!("{flag}"),
-        Value::Number(number) => format!("the number {number}"),
-        Value::String(text) if text.chars().count() <= 40 => format!("the string {text:?}"),
-        Value::String(_) => "a string".to_string(),
-        Value::Array(_) => "a list".to_string(),
-        Value::Object(_) => "an object".to_string(),
-    }
 }
 
 #[cfg(test)]

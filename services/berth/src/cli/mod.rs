@@ -24,6 +24,7 @@ mod logs;
 mod node;
 mod output;
 mod service;
+mod spec_fields;
 mod token;
 
 use std::path::{Path, PathBuf};

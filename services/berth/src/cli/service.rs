@@ -28,7 +28,6 @@
 //! time now; a source change mints a revision, so the replicas are replaced
 //! while what runs stays the same.
 
-use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -46,6 +45,7 @@ use berth_runtime::StartError;
 use serde_json::{Value, json};
 
 use super::output::{self, Table};
+use super::spec_fields::{Fields, Refusal};
 use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server, port_above};
 
 /// How often `--wait` asks how the rollout is doing.
@@ -824,9 +824,6 @@ fn parse_spec(file: &str, text: &str) -> Result<Value, SpecError> {
     }
 }
 
-/// A field that was refused: its path and what is wrong with it.
-type Refusal = (String, String);
-
 /// The fields of a declaration, in the proto's snake_case.
 const SPEC_FIELDS: [&str; 4] = ["project", "name", "template", "source"];
 const TEMPLATE_FIELDS: [&str; 9] =
@@ -927,141 +924,6 @@ fn source(fields: &Fields<'_>) -> Result<v1::Source, Refusal> {
         r#ref: fields.string("ref")?,
         labels: fields.string_map("labels")?,
     })
-}
-
-/// The fields of one JSON object of a spec, by snake_case name, with the
-/// path that leads to the object. A `null` field counts as absent.
-#[derive(Debug)]
-struct Fields<'v> {
-    path: String,
-    values: BTreeMap<String, &'v Value>,
-}
-
-impl<'v> Fields<'v> {
-    /// `value` as an object whose fields are all among `known`.
-    fn of(value: &'v Value, path: &str, known: &[&str]) -> Result<Self, Refusal> {
-        let Value::Object(map) = value else {
-            return Err((shown_path(path), format!("must be an object, not {}", kind(value))));
-        };
-        let mut values = BTreeMap::new();
-        for (key, field) in map {
-            let name = snake_case(key);
-            let at = join(path, key);
-            if !known.contains(&name.as_str()) {
-                return Err((at, format!("unknown field; the fields here are {}", known.join(", "))));
-            }
-            if field.is_null() {
-                continue;
-            }
-            if values.insert(name, field).is_some() {
-                return Err((at, "given twice, in snake_case and in lowerCamel".to_string()));
-            }
-        }
-        Ok(Self { path: path.to_string(), values })
-    }
-
-    fn at(&self, name: &str) -> String {
-        join(&self.path, name)
-    }
-
-    fn string(&self, name: &str) -> Result<String, Refusal> {
-        match self.values.get(name) {
-            None => Ok(String::new()),
-            Some(Value::String(text)) => Ok(text.clone()),
-            Some(other) => Err((self.at(name), format!("must be a string, not {}", kind(other)))),
-        }
-    }
-
-    fn flag(&self, name: &str) -> Result<bool, Refusal> {
-        match self.values.get(name) {
-            None => Ok(false),
-            Some(Value::Bool(flag)) => Ok(*flag),
-            Some(other) => Err((self.at(name), format!("must be true or false, not {}", kind(other)))),
-        }
-    }
-
-    /// A whole number that fits `T`; absent is `None`.
-    fn number<T: TryFrom<u64>>(&self, name: &str) -> Result<Option<T>, Refusal> {
-        let Some(value) = self.values.get(name) else { return Ok(None) };
-        let number =
-            value.as_u64().ok_or_else(|| (self.at(name), format!("must be a whole number, not {}", kind(value))))?;
-        T::try_from(number).map(Some).map_err(|_| (self.at(name), format!("{number} is too large")))
-    }
-
-    fn strings(&self, name: &str) -> Result<Vec<String>, Refusal> {
-        let Some(value) = self.values.get(name) else { return Ok(Vec::new()) };
-        let Value::Array(items) = value else {
-            return Err((self.at(name), format!("must be a list of strings, not {}", kind(value))));
-        };
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| match item {
-                Value::String(text) => Ok(text.clone()),
-                other => Err((format!("{}[{i}]", self.at(name)), format!("must be a string, not {}", kind(other)))),
-            })
-            .collect()
-    }
-
-    fn string_map(&self, name: &str) -> Result<HashMap<String, String>, Refusal> {
-        let Some(value) = self.values.get(name) else { return Ok(HashMap::new()) };
-        let Value::Object(map) = value else {
-            return Err((self.at(name), format!("must be an object of strings, not {}", kind(value))));
-        };
-        map.iter()
-            .map(|(key, item)| match item {
-                Value::String(text) => Ok((key.clone(), text.clone())),
-                other => Err((join(&self.at(name), key), format!("must be a string, not {}", kind(other)))),
-            })
-            .collect()
-    }
-
-    fn object(&self, name: &str, known: &[&str]) -> Result<Option<Fields<'v>>, Refusal> {
-        self.values.get(name).map(|value| Fields::of(value, &self.at(name), known)).transpose()
-    }
-
-    fn objects(&self, name: &str, known: &[&str]) -> Result<Vec<Fields<'v>>, Refusal> {
-        let Some(value) = self.values.get(name) else { return Ok(Vec::new()) };
-        let Value::Array(items) = value else {
-            return Err((self.at(name), format!("must be a list, not {}", kind(value))));
-        };
-        items.iter().enumerate().map(|(i, item)| Fields::of(item, &format!("{}[{i}]", self.at(name)), known)).collect()
-    }
-}
-
-/// `cpuMillis` as `cpu_millis`; snake_case names are left as they are.
-fn snake_case(key: &str) -> String {
-    let mut name = String::with_capacity(key.len() + 4);
-    for c in key.chars() {
-        if c.is_ascii_uppercase() {
-            name.push('_');
-            name.push(c.to_ascii_lowercase());
-        } else {
-            name.push(c);
-        }
-    }
-    name
-}
-
-fn join(path: &str, field: &str) -> String {
-    if path.is_empty() { field.to_string() } else { format!("{path}.{field}") }
-}
-
-fn shown_path(path: &str) -> String {
-    if path.is_empty() { "the file".to_string() } else { path.to_string() }
-}
-
-/// What a JSON value is, with the value when short, for a refusal.
-fn kind(value: &Value) -> String {
-    match value {
-        Value::Null => "null".to_string(),
-        Value::Bool(flag) => format!("{flag}"),
-        Value::Number(number) => format!("the number {number}"),
-        Value::String(text) if text.chars().count() <= 40 => format!("the string {text:?}"),
-        Value::String(_) => "a string".to_string(),
-        Value::Array(_) => "a list".to_string(),
-        Value::Object(_) => "an object".to_string(),
-    }
 }
 
 #[cfg(test)]
