@@ -138,7 +138,7 @@ impl ServiceKind {
             ServiceKind::Identity => &[berth_identity::MONITOR_LOOP],
             ServiceKind::Leases => &[berth_leases::REAPER_LOOP],
             ServiceKind::Revisions => &[berth_revisions::DEPLOY_LOOP],
-            ServiceKind::Egress => &[],
+            ServiceKind::Egress => &[berth_egress::EGRESS_LOOP],
         }
     }
 }
