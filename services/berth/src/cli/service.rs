@@ -800,9 +800,67 @@ impl SpecSyntax {
     }
 }
 
+/// The deepest nesting of YAML flow collections in `text`, counting `{`
+/// and `[` outside quoted scalars and comments. A quote opens a quoted
+/// scalar only where a scalar may start (after whitespace, `[`, `{` or
+/// `,`), so an apostrophe inside a plain word does not.
+fn flow_depth(text: &str) -> usize {
+    let (mut depth, mut deepest) = (0usize, 0usize);
+    let mut quote: Option<char> = None;
+    let mut prev = '\n';
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match quote {
+            Some('"') if c == '\\' => {
+                chars.next();
+            }
+            Some('\'') if c == '\'' && chars.peek() == Some(&'\'') => {
+                chars.next();
+            }
+            Some(open) if c == open => quote = None,
+            Some(_) => {}
+            None => match c {
+                '"' | '\'' if prev.is_whitespace() || matches!(prev, '[' | '{' | ',') => quote = Some(c),
+                '#' if prev.is_whitespace() => {
+                    for skipped in chars.by_ref() {
+                        if skipped == '\n' {
+                            break;
+                        }
+                    }
+                }
+                '[' | '{' => {
+                    depth += 1;
+                    deepest = deepest.max(depth);
+                }
+                ']' | '}' => depth = depth.saturating_sub(1),
+                _ => {}
+            },
+        }
+        prev = c;
+    }
+    deepest
+}
+
+/// The largest spec file read: far above any real declaration, and at the
+/// size of the largest request the server takes.
+const MAX_SPEC_BYTES: usize = berth_rpc::MAX_REQUEST_BYTES;
+
+/// How deep YAML flow collections (`{…}`, `[…]`) may nest. The YAML parser
+/// takes time quadratic in that depth, so a file nesting them thousands deep
+/// is refused before it is parsed; real specs nest a few levels.
+const MAX_FLOW_DEPTH: usize = 64;
+
 /// `text` parsed as the syntax its name or contents say, into one JSON value.
 fn parse_spec(file: &str, text: &str) -> Result<Value, SpecError> {
-    match SpecSyntax::of(file, text) {
+    let refused = |problem: String| SpecError::Field { file: file.to_string(), path: "the file".to_string(), problem };
+    if text.len() > MAX_SPEC_BYTES {
+        return Err(refused(format!("is {} bytes; a spec may be at most {MAX_SPEC_BYTES}", text.len())));
+    }
+    let syntax = SpecSyntax::of(file, text);
+    if syntax == SpecSyntax::Yaml && flow_depth(text) > MAX_FLOW_DEPTH {
+        return Err(refused(format!("nests {{ and [ collections more than {MAX_FLOW_DEPTH} levels deep")));
+    }
+    match syntax {
         SpecSyntax::Json => serde_json::from_str(text).map_err(|source| {
             let hint = if text.trim_start().starts_with('{') {
                 ""
@@ -966,6 +1024,23 @@ mod tests {
         assert_eq!(SpecSyntax::of("s.json", "replicas: 2"), SpecSyntax::Json);
         assert_eq!(SpecSyntax::of("stdin", "  {\"replicas\": 2}"), SpecSyntax::Json);
         assert_eq!(SpecSyntax::of("stdin", "replicas: 2"), SpecSyntax::Yaml);
+    }
+
+    #[test]
+    fn deep_flow_nesting_is_refused_before_the_yaml_parser_sees_it() {
+        let deep = format!("{}{}", "{a: ".repeat(40_000), "}".repeat(40_000));
+        // Our refusal, not the parser's: it never reached the parser.
+        let Err(SpecError::Field { path, problem, .. }) = parse_spec("deep.yaml", &deep) else {
+            panic!("a 40,000-deep spec is refused")
+        };
+        assert_eq!(path, "the file");
+        assert!(problem.contains("more than 64 levels deep"), "{problem}");
+
+        assert_eq!(flow_depth("args: [a, {b: \"{{{\"}, '[[it''s]]']\nenv: {A: \"}\"} # [[[[\nname: it's{"), 2);
+        let fine = "args: [a, {b: [c]}]\nenv:\n  A: \"{{{{\"\n";
+        assert!(parse_spec("fine.yaml", fine).is_ok(), "quoted braces and shallow nesting are fine");
+        let big = " ".repeat(MAX_SPEC_BYTES + 1);
+        assert!(matches!(parse_spec("big.yaml", &big), Err(SpecError::Field { .. })));
     }
 
     #[test]
