@@ -49,7 +49,8 @@ test-deps:
 ## removed afterwards): a quick 1,000-node run, then the issue's scenario of
 ## 10,000 nodes heartbeating every second; lease placement and launch; and
 ## deploys (apply to RUNNING, warm and cold from a loopback registry, and the
-## mint rate); the egress compile and the node proxy's overhead.
+## mint rate); the egress compile, the node proxy's overhead, and how long
+## a route edit takes to be in force on a real node.
 ## BENCHMARKS.md records the figures.
 bench:
 	$(CARGO) build --release --bins
@@ -69,7 +70,8 @@ bench:
 	"$$berth" bench launch --leases 100 --records 10000; \
 	"$$berth" bench deploy --warm 30 --cold 10 --bundle-mib 10 --mints 200 \
 	  --database-url "$$database" --redis-url "$$redis"; \
-	"$$berth" bench egress
+	"$$berth" bench egress; \
+	"$$berth" bench egress-push
 
 ## Container images, where a Docker engine runs: one per binary, tagged
 ## <binary>:dev, from one build of the workspace (docker/Dockerfile).

@@ -118,3 +118,17 @@ fn durations_without_a_unit_are_usage_errors() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("needs a unit: ms, s or m"), "{stderr}");
 }
+
+#[test]
+fn egress_push_measures_edits_on_a_real_dev_node() {
+    let out = berth(&["bench", "egress-push", "--edits", "3", "--baseline", "5", "-o", "json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["edits"], 3, "{report}");
+    assert_eq!(report["missed"], 0, "every edit reached the node: {report}");
+    assert_eq!(report["in_force"]["count"], 3, "{report}");
+    assert!(report["in_force"]["p50_ms"].as_f64().unwrap() > 0.0, "{report}");
+    assert_eq!(report["baseline"]["count"], 5, "{report}");
+    let enforcement = report["enforcement"].as_str().unwrap();
+    assert!(enforcement.starts_with("EGRESS_ENFORCEMENT_"), "the node says how it enforces: {report}");
+}

@@ -10,6 +10,7 @@
 
 mod deploy;
 mod egress;
+mod egress_push;
 mod heartbeats;
 mod identity_process;
 mod launch;
@@ -52,6 +53,9 @@ enum Scenario {
     /// and growth rate; then the node proxy's added latency on an allowed
     /// request, plain and through CONNECT, against a direct request.
     Egress(egress::EgressArgs),
+    /// Route edits on a real `berth dev` whose node hosts the tenant: how
+    /// long until the node has each edit in force, beside an empty mTLS RPC.
+    EgressPush(egress_push::EgressPushArgs),
 }
 
 impl BenchArgs {
@@ -63,6 +67,7 @@ impl BenchArgs {
             Scenario::Launch(args) => launch::run(args).await.map_err(|error| one_line(&error)),
             Scenario::Deploy(args) => deploy::run(args).await.map_err(|error| one_line(&error)),
             Scenario::Egress(args) => egress::run(args).await.map_err(|error| one_line(&error)),
+            Scenario::EgressPush(args) => egress_push::run(args).await.map_err(|error| one_line(&error)),
         };
         outcome.map_err(StartError::Invalid)
     }
