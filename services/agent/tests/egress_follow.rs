@@ -140,6 +140,19 @@ async fn the_agent_retries_an_unimplemented_egress_service_then_applies_and_acks
     assert_eq!(status.applied, Some(3), "the rules of generation 3 hold");
     assert!(status.error.unwrap().contains("not a host"));
 
+    // A node hosting a large tenant gets a state past gRPC's 4 MiB default.
+    let mut large = state(5, "api.example.com");
+    let template = large.plans[0].services[0].allowed[0].clone();
+    large.plans[0].services[0].allowed = (0..80_000)
+        .map(|i| Destination { hostname: format!("host-{i:05}.a-long-enough-domain.example.com"), ..template.clone() })
+        .collect();
+    assert!(prost::Message::encoded_len(&large) > 4 << 20, "the state is over 4 MiB");
+    stand_in.push(large).await;
+    stand_in.until("generation 5 acked", |s| s.ack(5).is_some()).await;
+    let (_, ack) = stand_in.ack(5).unwrap();
+    assert_eq!(ack.error, "", "the large state applied");
+    assert_eq!(agent.handle.egress().unwrap().borrow().applied, Some(5));
+
     agent.kill().await;
     serving.cancel();
     plane.cleanup().await;

@@ -38,6 +38,13 @@ use crate::status::NodeSession;
 /// How many times one acknowledgement is tried.
 const ACK_ATTEMPTS: u32 = 5;
 
+/// The largest node egress state the node takes. A state holds the whole
+/// plan of every tenant the node hosts, so it outgrows gRPC's 4 MiB default
+/// long before anything else the node receives (a tenant of 10,000 routes
+/// is several MiB); a state over this is refused and the node keeps the
+/// rules in force.
+const MAX_NODE_STATE_BYTES: usize = 64 * 1024 * 1024;
+
 /// The node's egress states, as the egress service streams them.
 pub(crate) type EgressStream = Pin<Box<dyn Stream<Item = Result<NodeEgressState, tonic::Status>> + Send>>;
 
@@ -83,7 +90,7 @@ impl GrpcNodeEgress {
 
     fn client(&self) -> NodeEgressClient<Channel> {
         let channel = self.channel.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-        NodeEgressClient::new(channel)
+        NodeEgressClient::new(channel).max_decoding_message_size(MAX_NODE_STATE_BYTES)
     }
 
     fn late(&self) -> tonic::Status {

@@ -36,6 +36,9 @@ use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server, port_a
 /// The project an empty project field means.
 const DEFAULT_PROJECT: &str = "default";
 
+/// The largest answer read from egress (`GetPlan` of a large tenant).
+const MAX_PLAN_BYTES: usize = 64 * 1024 * 1024;
+
 /// How far above identity's port `berth dev` serves egress.
 const EGRESS_PORT_OFFSET: u16 = 3;
 
@@ -172,7 +175,10 @@ impl EgressArgs {
                 .ok_or_else(|| CliError::NoEgressServer { server: self.client.server.clone() })?,
         };
         let connection = Connection::open("egress", &address, credentials)?;
-        Ok(Egress { client: EgressClient::new(connection.channel.clone()), connection })
+        // A whole tenant's plan outgrows gRPC's 4 MiB default long before
+        // anything else the CLI reads.
+        let client = EgressClient::new(connection.channel.clone()).max_decoding_message_size(MAX_PLAN_BYTES);
+        Ok(Egress { client, connection })
     }
 
     async fn execute(self) -> Result<(), CliError> {
