@@ -43,6 +43,9 @@ use crate::compile::ServiceInput;
 use crate::model::{Selection, project_or_default};
 use crate::service::Core;
 
+/// The largest lease list read from leases (every open lease, one phase).
+const MAX_LEASE_LIST_BYTES: usize = 256 * 1024 * 1024;
+
 /// Live revisions fetched at once while a view is rebuilt.
 const RESOLVE_CONCURRENCY: usize = 16;
 
@@ -409,7 +412,9 @@ async fn fetch_live(
 
 async fn follow_placement(core: Arc<Core>, world: Arc<World>, channel: Channel, stop: CancellationToken) {
     let config = &core.config;
-    let client = leases::leases_client::LeasesClient::new(channel);
+    // Every open lease of every project in one answer: past gRPC's 4 MiB
+    // default from about ten thousand leases on.
+    let client = leases::leases_client::LeasesClient::new(channel).max_decoding_message_size(MAX_LEASE_LIST_BYTES);
     let mut backoff = config.source_backoff_min;
     loop {
         let wait = match open_leases_by_node(&client).await {
