@@ -74,11 +74,7 @@ async fn run(args: Args) -> Result<(), StartError> {
     if args.auth_secret.len() < AUTH_SECRET_MIN_LEN {
         return Err(StartError::Invalid(format!("--auth-secret must be at least {AUTH_SECRET_MIN_LEN} characters")));
     }
-    if args.down_after <= args.heartbeat_interval || args.reap_after <= args.down_after {
-        return Err(StartError::Invalid(
-            "timings must grow: --heartbeat-interval < --down-after < --reap-after".into(),
-        ));
-    }
+    check_timing(args.heartbeat_interval, args.down_after, args.reap_after).map_err(StartError::Invalid)?;
     let timing = NodeTiming {
         heartbeat_interval: args.heartbeat_interval,
         down_after: args.down_after,
@@ -109,4 +105,36 @@ async fn run(args: Args) -> Result<(), StartError> {
     tracing::info!(addr = %args.listen, "identity serving");
     service.server().with_readiness(readiness).serve(listener, shutdown).await?;
     Ok(())
+}
+
+/// The node timings make sense together: a node is marked DOWN only after
+/// missing more than one heartbeat, and reaped some time after that
+/// (`--reap-after` counts from the moment it went DOWN, so it may be
+/// shorter than `--down-after`).
+fn check_timing(heartbeat: Duration, down_after: Duration, reap_after: Duration) -> Result<(), String> {
+    if down_after <= heartbeat {
+        return Err(format!(
+            "--down-after ({down_after:?}) must be longer than --heartbeat-interval ({heartbeat:?}), or every \
+             node is marked DOWN between two heartbeats"
+        ));
+    }
+    if reap_after.is_zero() {
+        return Err("--reap-after must be longer than zero: it counts from the moment a node went DOWN".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reaping_counts_from_down_so_it_may_be_shorter_than_down_after() {
+        let s = Duration::from_secs;
+        assert_eq!(check_timing(s(1), s(5), s(3)), Ok(()));
+        assert_eq!(check_timing(s(5), s(15), s(300)), Ok(()));
+        let refused = check_timing(s(5), s(5), s(300)).unwrap_err();
+        assert!(refused.starts_with("--down-after (5s) must be longer than --heartbeat-interval (5s)"), "{refused}");
+        assert!(check_timing(s(1), s(5), s(0)).unwrap_err().starts_with("--reap-after"));
+    }
 }
