@@ -190,6 +190,8 @@ pub struct MeshTimings {
     pub sweep_interval: Duration,
     /// revisions `--progress-deadline`.
     pub progress_deadline: Duration,
+    /// Every service's `--leader-ttl`.
+    pub leader_ttl: Duration,
 }
 
 impl MeshTimings {
@@ -203,6 +205,7 @@ impl MeshTimings {
             stop_grace: Duration::from_secs(1),
             sweep_interval: Duration::from_secs(5),
             progress_deadline: Duration::from_secs(120),
+            leader_ttl: Duration::from_secs(6),
         }
     }
 
@@ -211,10 +214,9 @@ impl MeshTimings {
         Duration::from_secs(self.lease_ttl_secs)
     }
 
-    /// The leadership lease of every elected loop. No binary takes a flag
-    /// for it, so it is the store's default.
+    /// The leadership lease of every elected loop, as `--leader-ttl` sets it.
     pub fn leader(&self) -> ElectionTiming {
-        ElectionTiming::default()
+        ElectionTiming::from_ttl(self.leader_ttl)
     }
 }
 
@@ -387,7 +389,9 @@ impl Mesh {
                     .arg("--database-url")
                     .arg(&database_url)
                     .arg("--redis-url")
-                    .arg(&redis_url);
+                    .arg(&redis_url)
+                    .arg("--leader-ttl")
+                    .arg(duration_flag(timings.leader_ttl));
                 if let Some((cert, key)) = &certs {
                     spec = spec
                         .arg("--tls-cert")

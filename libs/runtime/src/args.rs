@@ -2,8 +2,10 @@
 //! fallback.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use berth_mtls::{TlsCredentials, TlsMaterial};
+use berth_store::ElectionTiming;
 
 use crate::StartError;
 
@@ -41,6 +43,32 @@ pub struct StateArgs {
     /// in-process one (a single replica only).
     #[arg(long, env = "BERTH_REDIS_URL", value_name = "URL", default_value = "memory://")]
     pub redis_url: String,
+    /// How long the leader of an elected loop (identity's monitor, leases'
+    /// reaper, revisions' deployer, egress's full pass) holds the lead
+    /// without renewing it: how long that loop stands still when its leader
+    /// dies. Renewed, and tried by the other replicas, every third of it.
+    #[arg(long, env = "BERTH_LEADER_TTL", value_name = "DURATION", default_value = "15s",
+          value_parser = parse_leader_ttl)]
+    pub leader_ttl: Duration,
+}
+
+impl StateArgs {
+    /// The election timing `--leader-ttl` makes.
+    pub fn election(&self) -> ElectionTiming {
+        ElectionTiming::from_ttl(self.leader_ttl)
+    }
+}
+
+/// The shortest `--leader-ttl`: a third of it must leave room for a
+/// database round trip under load.
+const MIN_LEADER_TTL: Duration = Duration::from_secs(3);
+
+fn parse_leader_ttl(text: &str) -> Result<Duration, String> {
+    let ttl = crate::parse_duration(text)?;
+    if ttl < MIN_LEADER_TTL {
+        return Err(format!("{text} is too short: a leader's lease must be at least {MIN_LEADER_TTL:?}"));
+    }
+    Ok(ttl)
 }
 
 /// Logging and tracing.
@@ -70,4 +98,36 @@ pub struct MeshArgs {
     /// certificates expire.
     #[arg(long, env = "BERTH_IDENTITY_ADDR", value_name = "HOST:PORT")]
     pub identity_addr: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        state: StateArgs,
+    }
+
+    fn state(extra: &[&str]) -> Result<StateArgs, clap::Error> {
+        let args = [&["flags", "--database-url", "sqlite://x.db"], extra].concat();
+        Flags::try_parse_from(args).map(|flags| flags.state)
+    }
+
+    #[test]
+    fn the_leader_ttl_sets_every_election_and_refuses_a_lease_too_short_to_renew() {
+        let default = state(&[]).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(default.election().ttl, Duration::from_secs(15));
+        let short = state(&["--leader-ttl", "6s"]).unwrap_or_else(|e| panic!("{e}"));
+        let election = short.election();
+        assert_eq!(
+            (election.ttl, election.renew_every, election.retry_every),
+            (Duration::from_secs(6), Duration::from_secs(2), Duration::from_secs(2))
+        );
+        let refused = state(&["--leader-ttl", "2s"]).map(|_| ()).unwrap_err().to_string();
+        assert!(refused.contains("2s is too short"), "{refused}");
+    }
 }

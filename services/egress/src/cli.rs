@@ -59,6 +59,7 @@ impl Args {
             debounce: self.debounce,
             max_delay: self.max_delay.max(self.debounce),
             full_resync: self.full_resync,
+            election: self.state.election(),
             ..EgressConfig::default()
         }
     }

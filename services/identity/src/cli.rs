@@ -80,6 +80,7 @@ async fn run(args: Args) -> Result<(), StartError> {
         down_after: args.down_after,
         reap_after: args.reap_after,
         forget_after: args.forget_after,
+        election: args.state.election(),
         ..NodeTiming::default()
     };
     let shutdown = berth_rpc::shutdown_signal();

@@ -60,7 +60,13 @@ async fn run(args: Args) -> Result<(), StartError> {
     }
     let listener = bind(args.listen, credentials.clone()).await?;
     watch_cert_files(args.tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
-    let service = LeasesService::new(&ctx, LeasesConfig::with_lease_ttl(Duration::from_secs(args.lease_ttl)));
+    let service = LeasesService::new(
+        &ctx,
+        LeasesConfig {
+            election: args.state.election(),
+            ..LeasesConfig::with_lease_ttl(Duration::from_secs(args.lease_ttl))
+        },
+    );
     service.spawn_loops(&shutdown);
     tracing::info!(addr = %args.listen, replica = service.replica_id(), "leases serving");
     service.server().with_readiness(ctx.readiness()).serve(listener, shutdown).await?;

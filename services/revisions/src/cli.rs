@@ -75,6 +75,7 @@ impl Args {
             progress_deadline: self.progress_deadline,
             gc_keep: self.revisions_keep,
             gc_min_age: self.revisions_min_age,
+            election: self.state.election(),
             ..RevisionsConfig::default()
         }
     }
