@@ -12,6 +12,7 @@
 
 mod access;
 mod client;
+pub mod invalid;
 mod listener;
 mod revocations;
 mod server;

@@ -19,6 +19,7 @@
 use std::collections::HashSet;
 
 use berth_proto::egress::v1 as proto;
+use berth_rpc::invalid::{Checker, Invalid, shown};
 
 use crate::compile::{ListenerSpec, ParentSpec};
 use crate::model::{DEFAULT_PROJECT, HostPattern, Protocol, RouteAction};
@@ -31,80 +32,6 @@ pub const MAX_PARENT_REFS: usize = 16;
 pub const MAX_HOSTNAMES: usize = 128;
 /// Most ports one route may match.
 pub const MAX_PORTS: usize = 64;
-
-/// What is wrong with one field.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Violation {
-    pub(crate) field: String,
-    pub(crate) reason: String,
-}
-
-/// Why a request was refused before anything was read or written.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum Invalid {
-    /// One or more fields are missing or malformed.
-    #[error("{}", describe(.0))]
-    Fields(Vec<Violation>),
-}
-
-impl Invalid {
-    /// The fields named, for tests.
-    #[cfg(test)]
-    pub(crate) fn fields(&self) -> Vec<&str> {
-        let Self::Fields(violations) = self;
-        violations.iter().map(|v| v.field.as_str()).collect()
-    }
-}
-
-fn describe(violations: &[Violation]) -> String {
-    let parts: Vec<String> = violations.iter().map(|v| format!("{}: {}", v.field, v.reason)).collect();
-    format!("invalid request: {}", parts.join("; "))
-}
-
-impl From<Invalid> for tonic::Status {
-    fn from(error: Invalid) -> Self {
-        tonic::Status::invalid_argument(error.to_string())
-    }
-}
-
-/// Collects violations as a request is walked.
-#[derive(Debug, Default)]
-struct Checker {
-    violations: Vec<Violation>,
-}
-
-impl Checker {
-    fn bad(&mut self, field: impl Into<String>, reason: impl Into<String>) {
-        self.violations.push(Violation { field: field.into(), reason: reason.into() });
-    }
-
-    fn dns_label(&mut self, field: &str, value: &str, what: &str) -> bool {
-        let ok = berth_core::is_dns_label(value);
-        if !ok {
-            self.bad(field, format!("'{}' is not {what}: use 1-63 lowercase letters, digits or '-'", shown(value)));
-        }
-        ok
-    }
-
-    fn port(&mut self, field: &str, port: u32) -> Option<u16> {
-        match u16::try_from(port) {
-            Ok(port) if port > 0 => Some(port),
-            _ => {
-                self.bad(field, format!("{port} is not a port: use 1 to 65535"));
-                None
-            }
-        }
-    }
-
-    fn finish(self) -> Result<(), Invalid> {
-        if self.violations.is_empty() { Ok(()) } else { Err(Invalid::Fields(self.violations)) }
-    }
-}
-
-/// At most 64 characters of `value`, for messages.
-fn shown(value: &str) -> String {
-    value.chars().take(64).flat_map(char::escape_default).collect()
-}
 
 /// An object's project and name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

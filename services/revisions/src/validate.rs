@@ -6,6 +6,7 @@ use std::collections::HashSet;
 
 use berth_bundle::BundleReference;
 use berth_proto::revisions::v1::{ApplyServiceRequest, ServiceTemplate, Source};
+use berth_rpc::invalid::{Checker, Invalid, shown};
 
 use crate::model::{DEFAULT_PROJECT, ServiceKey, fingerprint};
 use crate::resolver::RegistryPolicy;
@@ -39,76 +40,6 @@ const MAX_LABELS: usize = 64;
 const MAX_LABEL_NAME: usize = 253;
 /// The longest revision name a caller may name.
 const MAX_REVISION_NAME: usize = 128;
-
-/// What is wrong with one field.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Violation {
-    pub(crate) field: String,
-    pub(crate) reason: String,
-}
-
-/// Why a request was refused before anything was read or written.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum Invalid {
-    /// One or more fields are missing or malformed.
-    #[error("{}", describe(.0))]
-    Fields(Vec<Violation>),
-}
-
-impl Invalid {
-    /// The fields named, for tests.
-    #[cfg(test)]
-    pub(crate) fn fields(&self) -> Vec<&str> {
-        let Self::Fields(violations) = self;
-        violations.iter().map(|v| v.field.as_str()).collect()
-    }
-}
-
-fn describe(violations: &[Violation]) -> String {
-    let parts: Vec<String> = violations.iter().map(|v| format!("{}: {}", v.field, v.reason)).collect();
-    format!("invalid request: {}", parts.join("; "))
-}
-
-impl From<Invalid> for tonic::Status {
-    fn from(error: Invalid) -> Self {
-        tonic::Status::invalid_argument(error.to_string())
-    }
-}
-
-/// Collects violations as a request is walked.
-#[derive(Debug, Default)]
-struct Checker {
-    violations: Vec<Violation>,
-}
-
-impl Checker {
-    fn bad(&mut self, field: impl Into<String>, reason: impl Into<String>) {
-        self.violations.push(Violation { field: field.into(), reason: reason.into() });
-    }
-
-    fn text(&mut self, field: &str, value: &str, max: usize) {
-        if value.len() > max {
-            self.bad(field, format!("must be at most {max} bytes"));
-        } else if value.chars().any(char::is_control) {
-            self.bad(field, "must not contain control characters");
-        }
-    }
-
-    fn dns_label(&mut self, field: &str, value: &str, what: &str) {
-        if !berth_core::is_dns_label(value) {
-            self.bad(field, format!("'{}' is not {what}: use 1-63 lowercase letters, digits or '-'", shown(value)));
-        }
-    }
-
-    fn finish(self) -> Result<(), Invalid> {
-        if self.violations.is_empty() { Ok(()) } else { Err(Invalid::Fields(self.violations)) }
-    }
-}
-
-/// At most 64 characters of `value`, for messages.
-fn shown(value: &str) -> String {
-    value.chars().take(64).flat_map(char::escape_default).collect()
-}
 
 /// A checked `ApplyService`.
 #[derive(Debug, Clone, PartialEq)]
