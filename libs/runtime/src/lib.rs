@@ -15,5 +15,7 @@ pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
 pub use duration::parse_duration;
 pub use follow::{NodeDirectory, NodeSnapshot, follow_nodes};
 pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};
-pub use service::{ServiceContext, ServiceSpec, bind, run_service, service_main, store_readiness};
+pub use service::{
+    ServiceContext, ServiceSpec, Started, bind, run_service, service_main, start_service, store_readiness,
+};
 pub use startup::{StartError, open_bus, open_store, run_main};

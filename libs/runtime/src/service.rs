@@ -87,16 +87,29 @@ pub async fn bind(addr: SocketAddr, credentials: TlsCredentials) -> Result<Liste
     Listener::bind(addr, credentials).await.map_err(|source| StartError::Bind { addr, source })
 }
 
-/// Runs a service binary: loads the certificate files (and watches them for
-/// renewal), opens the state, binds `listen` and serves until `shutdown`.
-pub async fn run_service(
+/// A service binary ready to serve: its state, its bound listener, and the
+/// credentials it dials the rest of the mesh with.
+#[derive(Debug)]
+pub struct Started {
+    /// Its store, bus, credentials and the node registry it follows.
+    pub ctx: ServiceContext,
+    /// The mTLS listener on `--listen`.
+    pub listener: Listener,
+    /// Its certificate, renewed from the files as they change.
+    pub credentials: TlsCredentials,
+}
+
+/// Everything a service binary does before it serves: loads the certificate
+/// files (and watches them for renewal), opens the state, follows identity's
+/// node registry when `--identity-addr` is given, and binds `listen`.
+pub async fn start_service(
     spec: ServiceSpec,
     listen: SocketAddr,
     tls: &TlsArgs,
     state: &StateArgs,
     mesh: &MeshArgs,
-    shutdown: CancellationToken,
-) -> Result<(), StartError> {
+    shutdown: &CancellationToken,
+) -> Result<Started, StartError> {
     let credentials = tls.load()?;
     let ctx = spec.open(state, credentials.clone()).await?;
     if let Some(identity) = &mesh.identity_addr {
@@ -109,8 +122,22 @@ pub async fn run_service(
         );
     }
     let listener = bind(listen, credentials.clone()).await?;
-    watch_cert_files(tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
-    spec.serve(&ctx, listener, shutdown).await
+    watch_cert_files(tls.clone(), credentials.clone(), CERT_POLL_INTERVAL, shutdown.clone());
+    Ok(Started { ctx, listener, credentials })
+}
+
+/// Runs a service binary whose spec builds its whole server: [`start_service`],
+/// then serves until `shutdown`.
+pub async fn run_service(
+    spec: ServiceSpec,
+    listen: SocketAddr,
+    tls: &TlsArgs,
+    state: &StateArgs,
+    mesh: &MeshArgs,
+    shutdown: CancellationToken,
+) -> Result<(), StartError> {
+    let started = start_service(spec, listen, tls, state, mesh, &shutdown).await?;
+    spec.serve(&started.ctx, started.listener, shutdown).await
 }
 
 impl std::fmt::Display for ServiceSpec {

@@ -8,8 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use berth_runtime::{
-    CERT_POLL_INTERVAL, MeshArgs, StartError, StateArgs, TelemetryArgs, TlsArgs, bind, follow_nodes, parse_duration,
-    run_main, watch_cert_files,
+    MeshArgs, StartError, Started, StateArgs, TelemetryArgs, TlsArgs, parse_duration, run_main, start_service,
 };
 use clap::Parser;
 
@@ -74,17 +73,8 @@ pub fn binary_main() -> ExitCode {
 
 async fn run(args: Args) -> Result<(), StartError> {
     let shutdown = berth_rpc::shutdown_signal();
-    let credentials = args.tls.load()?;
-    let ctx = SPEC.open(&args.state, credentials.clone()).await?;
-    if let Some(identity) = &args.mesh.identity_addr {
-        follow_nodes(
-            identity.clone(),
-            credentials.clone(),
-            ctx.nodes.clone(),
-            ctx.revocations.clone(),
-            shutdown.clone(),
-        );
-    }
+    let Started { ctx, listener, credentials } =
+        start_service(SPEC, args.listen, &args.tls, &args.state, &args.mesh, &shutdown).await?;
     if args.revisions_addr.is_none() {
         tracing::warn!("no --revisions-addr: plans list no services");
     }
@@ -93,8 +83,6 @@ async fn run(args: Args) -> Result<(), StartError> {
     }
     let sources = Sources::connect(&credentials, args.revisions_addr.as_deref(), args.leases_addr.as_deref())
         .map_err(|e| StartError::Invalid(format!("egress: {e}")))?;
-    let listener = bind(args.listen, credentials.clone()).await?;
-    watch_cert_files(args.tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
     let service = EgressService::new(&ctx, args.config(), sources);
     service.spawn_loops(&shutdown);
     tracing::info!(addr = %args.listen, replica = service.replica_id(), "egress serving");

@@ -6,10 +6,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use berth_runtime::{
-    CERT_POLL_INTERVAL, MeshArgs, StartError, StateArgs, TelemetryArgs, TlsArgs, bind, follow_nodes, run_main,
-    watch_cert_files,
-};
+use berth_runtime::{MeshArgs, StartError, Started, StateArgs, TelemetryArgs, TlsArgs, run_main, start_service};
 use clap::Parser;
 
 use crate::{DEFAULT_PORT, LeasesConfig, LeasesService, SPEC};
@@ -46,20 +43,11 @@ pub fn binary_main() -> ExitCode {
 
 async fn run(args: Args) -> Result<(), StartError> {
     let shutdown = berth_rpc::shutdown_signal();
-    let credentials = args.tls.load()?;
-    let ctx = SPEC.open(&args.state, credentials.clone()).await?;
-    match &args.mesh.identity_addr {
-        Some(identity) => follow_nodes(
-            identity.clone(),
-            credentials.clone(),
-            ctx.nodes.clone(),
-            ctx.revocations.clone(),
-            shutdown.clone(),
-        ),
-        None => tracing::warn!("no --identity-addr: the ledger learns of no node, so it places no lease"),
+    if args.mesh.identity_addr.is_none() {
+        tracing::warn!("no --identity-addr: the ledger learns of no node, so it places no lease");
     }
-    let listener = bind(args.listen, credentials.clone()).await?;
-    watch_cert_files(args.tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
+    let Started { ctx, listener, .. } =
+        start_service(SPEC, args.listen, &args.tls, &args.state, &args.mesh, &shutdown).await?;
     let service = LeasesService::new(
         &ctx,
         LeasesConfig {

@@ -11,8 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_runtime::{
-    CERT_POLL_INTERVAL, MeshArgs, StartError, StateArgs, TelemetryArgs, TlsArgs, bind, follow_nodes, parse_duration,
-    run_main, watch_cert_files,
+    MeshArgs, StartError, Started, StateArgs, TelemetryArgs, TlsArgs, parse_duration, run_main, start_service,
 };
 use clap::Parser;
 
@@ -90,17 +89,8 @@ pub fn binary_main() -> ExitCode {
 
 async fn run(args: Args) -> Result<(), StartError> {
     let shutdown = berth_rpc::shutdown_signal();
-    let credentials = args.tls.load()?;
-    let ctx = SPEC.open(&args.state, credentials.clone()).await?;
-    if let Some(identity) = &args.mesh.identity_addr {
-        follow_nodes(
-            identity.clone(),
-            credentials.clone(),
-            ctx.nodes.clone(),
-            ctx.revocations.clone(),
-            shutdown.clone(),
-        );
-    }
+    let Started { ctx, listener, credentials } =
+        start_service(SPEC, args.listen, &args.tls, &args.state, &args.mesh, &shutdown).await?;
     let leases: Arc<dyn LeaseClient> = match &args.leases_addr {
         Some(addr) => Arc::new(
             GrpcLeases::connect(addr, credentials.clone())
@@ -123,8 +113,6 @@ async fn run(args: Args) -> Result<(), StartError> {
     tracing::info!(names = ?secrets.names(), "registry credentials loaded");
     let dependencies = Dependencies::with_secrets(leases, policy, secrets, &config)
         .map_err(|e| StartError::Invalid(format!("registry client: {e}")))?;
-    let listener = bind(args.listen, credentials.clone()).await?;
-    watch_cert_files(args.tls.clone(), credentials, CERT_POLL_INTERVAL, shutdown.clone());
     let service = RevisionsService::new(&ctx, config, dependencies);
     service.spawn_loops(&shutdown);
     tracing::info!(addr = %args.listen, replica = service.replica_id(), leases = ?args.leases_addr, "revisions serving");
