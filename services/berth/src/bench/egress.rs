@@ -380,7 +380,7 @@ fn time_compile(scale: &'static str, inputs: &PlanInputs, expected: &CompiledPla
     Ok(ms(elapsed))
 }
 
-fn ms(duration: Duration) -> f64 {
+pub(super) fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
 }
 
@@ -945,7 +945,7 @@ fn path_figures(
 }
 
 /// The nearest-rank percentile `q` of sorted samples.
-fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+pub(super) fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
     if sorted.is_empty() {
         return None;
     }

@@ -36,6 +36,7 @@ use tokio::io::AsyncBufReadExt as _;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
+use super::egress::{ms, percentile};
 use super::heartbeats::OutputFormat;
 
 /// How often the plan is read while an edit is waited for.
@@ -430,19 +431,6 @@ fn free_port_base() -> Option<u16> {
         }
     }
     None
-}
-
-fn ms(duration: Duration) -> f64 {
-    duration.as_secs_f64() * 1000.0
-}
-
-/// The nearest-rank percentile `q` of sorted samples.
-fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, sorted.len()) - 1])
 }
 
 fn table(report: &Report) -> String {
