@@ -12,6 +12,7 @@
 
 mod access;
 mod client;
+mod deadline;
 pub mod invalid;
 mod listener;
 mod revocations;

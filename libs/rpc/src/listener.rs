@@ -1,6 +1,6 @@
 //! The mTLS listener: accepts TCP, runs each TLS handshake in its own task
-//! with a deadline, and hands tonic only connections that finished it, each
-//! tagged with the identity its certificate names.
+//! with a deadline, and hands the server only connections that finished it,
+//! each tagged with the identity its certificate names.
 //!
 //! # Invariants
 //! - The server configuration is read from the [`TlsCredentials`] on every
@@ -23,15 +23,14 @@ use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::server::Connected;
 
 /// How long a client has to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Finished handshakes waiting for tonic to pick them up.
+/// Finished handshakes waiting for the server to pick them up.
 const ACCEPT_BACKLOG: usize = 256;
 
-/// Who is on the other end of a connection; tonic puts it in every
+/// Who is on the other end of a connection; the server puts it in every
 /// request's extensions.
 #[derive(Debug, Clone)]
 pub struct PeerInfo {
@@ -62,7 +61,7 @@ impl Listener {
     }
 
     /// Starts accepting; the stream ends when `stop` is cancelled.
-    pub(crate) fn incoming(self, stop: CancellationToken) -> ReceiverStream<io::Result<MtlsStream>> {
+    pub(crate) fn incoming(self, stop: CancellationToken) -> ReceiverStream<MtlsStream> {
         let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
         tokio::spawn(async move {
             loop {
@@ -92,7 +91,7 @@ impl Listener {
                                 .and_then(|certs| certs.first())
                                 .and_then(identity_from_cert);
                             let info = PeerInfo { remote_addr, identity };
-                            let _ = tx.send(Ok(MtlsStream { tls, info })).await;
+                            let _ = tx.send(MtlsStream { tls, info }).await;
                         }
                         Ok(Err(error)) => tracing::debug!(%remote_addr, %error, "tls handshake refused"),
                         Err(_) => tracing::debug!(%remote_addr, "tls handshake timed out"),
@@ -111,11 +110,10 @@ pub(crate) struct MtlsStream {
     info: PeerInfo,
 }
 
-impl Connected for MtlsStream {
-    type ConnectInfo = PeerInfo;
-
-    fn connect_info(&self) -> PeerInfo {
-        self.info.clone()
+impl MtlsStream {
+    /// Who is on the other end.
+    pub(crate) fn info(&self) -> &PeerInfo {
+        &self.info
     }
 }
 

@@ -2,6 +2,17 @@
 //! the access layer, plus `grpc.health.v1` and reflection (v1 and v1alpha),
 //! on an mTLS [`Listener`], until shutdown.
 //!
+//! # Connections
+//! Each connection is served by hyper's HTTP/2 server directly rather than
+//! through tonic's `Server`, whose builder does not reach two settings that
+//! matter when one identity replica holds a connection per node for the
+//! node's whole life: no `date` header (gRPC does not use it, and a value
+//! that changes every second churned each connection's HPACK table, about
+//! 6 KiB per connection) and the size of the header table a caller may fill.
+//! What tonic's loop did besides is kept: the caller's [`PeerInfo`](crate::PeerInfo) in every
+//! request's extensions, HTTP/2 keepalive pings, caller deadlines
+//! (`grpc-timeout`, see [`crate::deadline`]), and a graceful drain.
+//!
 //! # Shutdown
 //! When the token is cancelled the health service turns `NOT_SERVING`, the
 //! listener stops accepting, and in-flight calls get [`DRAIN_TIMEOUT`] to
@@ -21,13 +32,19 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio_stream::StreamExt as _;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::server::NamedService;
 use tonic::service::RoutesBuilder;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
+use tower::ServiceExt as _;
 
 use crate::access::{AccessLayer, AccessPolicy};
+use crate::deadline::DeadlineLayer;
 use crate::listener::Listener;
 use crate::revocations::Revocations;
 
@@ -40,6 +57,13 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often an idle HTTP/2 connection is pinged, so dead peers are noticed.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+
+/// The most a caller may store in a connection's HPACK decoder table. A
+/// berth client's stable headers (path, authority, content type, user
+/// agent) take about 300 bytes of it; per-call values are sent unindexed
+/// (see `client.rs`), so a smaller table than HTTP/2's 4 KiB default costs
+/// no re-sent bytes and bounds what each connection keeps.
+const HEADER_TABLE_BYTES: u32 = 1024;
 
 /// How often a server's readiness probe runs.
 pub const READINESS_INTERVAL: Duration = Duration::from_secs(1);
@@ -57,9 +81,6 @@ pub enum RpcError {
     /// The reflection service could not read the descriptor sets.
     #[error("reflection setup failed: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
-    /// The transport failed.
-    #[error("grpc server failed: {0}")]
-    Transport(#[from] tonic::transport::Error),
 }
 
 /// The health of every service one server serves, flipped together.
@@ -198,30 +219,63 @@ impl ServerBuilder {
         let mut routes = self.routes;
         routes.add_service(self.health_service).add_service(v1).add_service(v1alpha);
 
-        let stop_accepting = shutdown.child_token();
-        let incoming = listener.incoming(stop_accepting);
-        let router = tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        let service = tower::ServiceBuilder::new()
             .layer(berth_telemetry::ServerTraceLayer)
             .layer(AccessLayer::new(self.policy, self.revocations.clone()))
-            .add_routes(routes.routes());
+            .layer(DeadlineLayer)
+            .service(routes.routes());
 
-        let drained = shutdown.clone();
-        let serve = router.serve_with_incoming_shutdown(incoming, async move {
-            drained.cancelled().await;
-            health.set(false).await;
-        });
-        tokio::pin!(serve);
-        tokio::select! {
-            result = &mut serve => Ok(result?),
-            _ = async {
-                shutdown.cancelled().await;
-                tokio::time::sleep(DRAIN_TIMEOUT).await;
-            } => {
-                tracing::warn!(timeout = ?DRAIN_TIMEOUT, "calls still in flight after the drain timeout; closing");
-                Ok(())
-            }
+        let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        http2
+            .timer(TokioTimer::new())
+            .keep_alive_interval(KEEPALIVE_INTERVAL)
+            .header_table_size(HEADER_TABLE_BYTES)
+            .auto_date_header(false)
+            // As tonic's server: no cap of hyper's own (200), which would
+            // queue a busy control-plane client's calls on its connection.
+            .max_concurrent_streams(None);
+
+        let connections = TaskTracker::new();
+        let mut incoming = listener.incoming(shutdown.child_token());
+        loop {
+            let stream = tokio::select! {
+                () = shutdown.cancelled() => break,
+                next = incoming.next() => match next {
+                    Some(stream) => stream,
+                    None => break,
+                },
+            };
+            let info = stream.info().clone();
+            let service = service.clone();
+            let calls = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                let mut req = req.map(tonic::body::Body::new);
+                req.extensions_mut().insert(info.clone());
+                service.clone().oneshot(req)
+            });
+            let connection = http2.serve_connection(TokioIo::new(stream), calls);
+            let shutdown = shutdown.clone();
+            connections.spawn(async move {
+                tokio::pin!(connection);
+                let served = tokio::select! {
+                    served = &mut connection => served,
+                    () = shutdown.cancelled() => {
+                        // GOAWAY: calls in flight finish, no new ones start.
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
+                    }
+                };
+                if let Err(error) = served {
+                    tracing::debug!(%error, "connection ended with an error");
+                }
+            });
         }
+        drop(incoming);
+        health.set(false).await;
+        connections.close();
+        if tokio::time::timeout(DRAIN_TIMEOUT, connections.wait()).await.is_err() {
+            tracing::warn!(timeout = ?DRAIN_TIMEOUT, "calls still in flight after the drain timeout; closing");
+        }
+        Ok(())
     }
 }
 
