@@ -35,6 +35,7 @@ use berth_store::{StoreError, TxError};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::batches;
 use crate::registry::{NODE_COLUMNS, NodeRecord, NodeRegistry, to_column};
 
 /// How long the first beat of a batch may wait for others to join it.
@@ -116,35 +117,13 @@ impl Bookkeeper {
 /// The writer: batches beats and writes each batch in one transaction.
 async fn write_batches(registry: NodeRegistry, mut receiver: mpsc::Receiver<Beat>, shutdown: CancellationToken) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
-    loop {
-        let first = tokio::select! {
-            () = shutdown.cancelled() => break,
-            beat = receiver.recv() => beat,
-        };
-        let Some(first) = first else { break };
-        batch.push(first);
-        let flush_at = tokio::time::Instant::now() + FLUSH_EVERY;
-        while batch.len() < MAX_BATCH {
-            tokio::select! {
-                () = shutdown.cancelled() => break,
-                () = tokio::time::sleep_until(flush_at) => break,
-                beat = receiver.recv() => match beat {
-                    Some(beat) => batch.push(beat),
-                    None => break,
-                },
-            }
-        }
+    while batches::gather(&mut receiver, &shutdown, FLUSH_EVERY, MAX_BATCH, &mut batch).await {
         write_logged(&registry, &mut batch).await;
     }
-    // Whatever arrived before shutdown is still written, within one pass.
-    receiver.close();
-    while let Ok(beat) = receiver.try_recv() {
-        batch.push(beat);
-        if batch.len() == MAX_BATCH {
-            write_logged(&registry, &mut batch).await;
-        }
-    }
     write_logged(&registry, &mut batch).await;
+    for mut rest in batches::drain(&mut receiver, MAX_BATCH) {
+        write_logged(&registry, &mut rest).await;
+    }
 }
 
 /// Writes and empties `batch`; on failure its nodes are due again.

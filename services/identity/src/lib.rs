@@ -9,9 +9,11 @@
 //!   [`IdentityService`].
 
 mod authority;
+mod batches;
 mod bookkeeping;
 pub mod cli;
 mod config;
+mod deadlines;
 mod join;
 mod keeper;
 mod monitor;
@@ -141,7 +143,7 @@ impl IdentityService {
     /// bookkeeping writer, the elected monitor) until `shutdown`.
     pub fn spawn_loops(&self, shutdown: &CancellationToken) {
         self.nodes.spawn_follower(shutdown);
-        self.nodes.spawn_bookkeeper(shutdown);
+        self.nodes.spawn_writers(shutdown);
         monitor::NodeMonitor::new(self.nodes.clone()).spawn(shutdown);
     }
 }

@@ -41,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::bookkeeping::{Beat, Bookkeeper};
 use crate::config::NodeTiming;
+use crate::deadlines::{DeadlineWriter, Due};
 
 /// The bus deadline index of every node the monitor watches.
 pub(crate) const NODE_DEADLINES: &str = "node-deadlines";
@@ -330,6 +331,8 @@ struct Inner {
     persisted: Mutex<HashMap<String, Instant>>,
     /// Writes steady nodes' bookkeeping in batches.
     bookkeeper: Bookkeeper,
+    /// Moves steady nodes' deadlines in batches.
+    deadlines: DeadlineWriter,
     /// The database clock minus this host's, as last measured.
     clock_offset_ms: AtomicI64,
     /// Cancelled when the replica shuts down; ends `WatchNodes` streams.
@@ -368,6 +371,7 @@ impl NodeRegistry {
                 resyncing: tokio::sync::Mutex::new(()),
                 persisted: Mutex::default(),
                 bookkeeper: Bookkeeper::default(),
+                deadlines: DeadlineWriter::default(),
                 clock_offset_ms: AtomicI64::new(0),
                 closing: CancellationToken::new(),
                 revocations: Revocations::new(),
@@ -581,9 +585,26 @@ impl NodeRegistry {
         true
     }
 
-    /// Starts the bookkeeping writer until `shutdown` (once per registry).
-    pub(crate) fn spawn_bookkeeper(&self, shutdown: &CancellationToken) {
+    /// Starts the bookkeeping and deadline writers until `shutdown` (once per registry).
+    pub(crate) fn spawn_writers(&self, shutdown: &CancellationToken) {
         self.inner.bookkeeper.spawn(self.clone(), shutdown);
+        self.inner.deadlines.spawn(self.clone(), shutdown);
+    }
+
+    /// Moves a steady node's deadline through the batch writer, or at once
+    /// when the writer cannot take it.
+    pub(crate) async fn queue_deadline(&self, node_id: &str, at_ms: i64) {
+        if let Err((node_id, at_ms)) = self.inner.deadlines.offer((node_id.to_owned(), at_ms)) {
+            self.set_deadline(&node_id, at_ms).await;
+        }
+    }
+
+    /// Moves a batch of deadlines in one round trip. Best effort, like
+    /// [`Self::set_deadline`].
+    pub(crate) async fn set_deadlines(&self, batch: &[Due]) {
+        if let Err(error) = self.inner.bus.deadline_set_many(NODE_DEADLINES, batch).await {
+            tracing::warn!(nodes = batch.len(), %error, "setting node deadlines failed; the monitor restores them");
+        }
     }
 
     /// Sets when the monitor next looks at `node_id`. Best effort: a lost

@@ -154,7 +154,7 @@ impl IdentityService {
                     at_ms: now_ms,
                 });
             if steady {
-                self.nodes.set_deadline(node_id, now_ms + millis(timing.down_after)).await;
+                self.nodes.queue_deadline(node_id, now_ms + millis(timing.down_after)).await;
                 return self.answer(indexed.state, None).await;
             }
         }

@@ -1,0 +1,93 @@
+//! The one way identity's write-behind queues gather work: wait for the first
+//! item, then take more until a window has passed since it or a batch is
+//! full, so a quiet queue costs nothing and a busy one writes in few trips.
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// Fills `batch` (which the caller has emptied) from `receiver`: waits for a
+/// first item, then takes more until `window` has passed since it arrived or
+/// `max` are in the batch. `false` when there will be no more: `shutdown`
+/// was cancelled or the queue closed; `batch` may still hold items to write.
+pub(crate) async fn gather<T>(
+    receiver: &mut mpsc::Receiver<T>,
+    shutdown: &CancellationToken,
+    window: Duration,
+    max: usize,
+    batch: &mut Vec<T>,
+) -> bool {
+    let first = tokio::select! {
+        biased;
+        () = shutdown.cancelled() => return false,
+        item = receiver.recv() => item,
+    };
+    let Some(first) = first else { return false };
+    batch.push(first);
+    let flush_at = tokio::time::Instant::now() + window;
+    while batch.len() < max {
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => return false,
+            () = tokio::time::sleep_until(flush_at) => break,
+            item = receiver.recv() => match item {
+                Some(item) => batch.push(item),
+                None => return false,
+            },
+        }
+    }
+    true
+}
+
+/// What was queued before shutdown, in batches of at most `max`, so it is
+/// still written within one pass.
+pub(crate) fn drain<T>(receiver: &mut mpsc::Receiver<T>, max: usize) -> Vec<Vec<T>> {
+    receiver.close();
+    let mut batches = Vec::new();
+    let mut batch = Vec::new();
+    while let Ok(item) = receiver.try_recv() {
+        batch.push(item);
+        if batch.len() == max {
+            batches.push(std::mem::take(&mut batch));
+        }
+    }
+    if !batch.is_empty() {
+        batches.push(batch);
+    }
+    batches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_closes_when_full_or_when_its_window_has_passed() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let shutdown = CancellationToken::new();
+        for n in 0..5 {
+            tx.send(n).await.unwrap();
+        }
+        let mut batch = Vec::new();
+        assert!(gather(&mut rx, &shutdown, Duration::from_millis(20), 3, &mut batch).await);
+        assert_eq!(batch, [0, 1, 2], "full at three");
+        batch.clear();
+        assert!(gather(&mut rx, &shutdown, Duration::from_millis(20), 3, &mut batch).await);
+        assert_eq!(batch, [3, 4], "closed by the window with two");
+    }
+
+    #[tokio::test]
+    async fn shutdown_ends_gathering_and_drain_keeps_what_was_queued() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let shutdown = CancellationToken::new();
+        for n in 0..5 {
+            tx.send(n).await.unwrap();
+        }
+        shutdown.cancel();
+        let mut batch = Vec::new();
+        assert!(!gather(&mut rx, &shutdown, Duration::from_secs(60), 3, &mut batch).await);
+        assert_eq!(drain(&mut rx, 2), [vec![0, 1], vec![2, 3], vec![4]]);
+        assert!(tx.try_send(9).is_err(), "closed after the drain");
+    }
+}

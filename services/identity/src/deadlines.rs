@@ -1,0 +1,91 @@
+//! Heartbeat deadlines moved in batches: a steady node's heartbeat hands its
+//! next deadline to a writer that moves up to [`MAX_BATCH`] of them in one bus
+//! round trip, at most [`FLUSH_EVERY`] after the first of them, instead of one
+//! round trip per heartbeat. At 10,000 nodes a second that is about 50 round
+//! trips a second instead of 10,000, for identity and for Redis.
+//!
+//! # Invariants
+//! - A deadline reaches the bus at most [`FLUSH_EVERY`] plus one round trip
+//!   after its heartbeat was answered. The deadline itself lies
+//!   `--down-after` ahead of the heartbeat, and the monitor acts only once it
+//!   has passed, so the delay would have to exceed `--down-after` (always
+//!   longer than the heartbeat interval) to let a node look late.
+//! - Batches are written one at a time in the order their beats arrived, and
+//!   within a batch a later entry for a node overrides an earlier one, so a
+//!   node's deadline never moves back.
+//! - When the writer is not running or its queue is full, the heartbeat moves
+//!   its deadline itself, as one round trip of its own.
+//! - A batch that fails is logged, like a failed single move; the monitor's
+//!   rebuild after a bus loss restores every deadline from the database.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::batches;
+use crate::registry::NodeRegistry;
+
+/// How long the first deadline of a batch may wait for others to join it.
+pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(20);
+
+/// The most deadlines moved in one round trip.
+pub(crate) const MAX_BATCH: usize = 1024;
+
+/// Deadlines that may wait for the writer before heartbeats move their own.
+const QUEUE_CAPACITY: usize = 16 * 1024;
+
+/// A node and the moment its next heartbeat is due by, in epoch milliseconds.
+pub(crate) type Due = (String, i64);
+
+/// The queue of deadlines waiting to be moved, and whether a writer takes them.
+#[derive(Debug)]
+pub(crate) struct DeadlineWriter {
+    queue: mpsc::Sender<Due>,
+    /// Taken by the writer when it starts.
+    receiver: Mutex<Option<mpsc::Receiver<Due>>>,
+    running: AtomicBool,
+}
+
+impl Default for DeadlineWriter {
+    fn default() -> Self {
+        let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
+        Self { queue, receiver: Mutex::new(Some(receiver)), running: AtomicBool::new(false) }
+    }
+}
+
+impl DeadlineWriter {
+    /// Queues `due`; gives it back when no writer runs or the queue is full,
+    /// and the caller must move it itself.
+    pub(crate) fn offer(&self, due: Due) -> Result<(), Due> {
+        if !self.running.load(Ordering::Acquire) {
+            return Err(due);
+        }
+        self.queue.try_send(due).map_err(|refused| match refused {
+            mpsc::error::TrySendError::Full(due) | mpsc::error::TrySendError::Closed(due) => due,
+        })
+    }
+
+    /// Starts the writer over `registry` until `shutdown`; a second call does nothing.
+    pub(crate) fn spawn(&self, registry: NodeRegistry, shutdown: &CancellationToken) {
+        let taken = self.receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        let Some(receiver) = taken else { return };
+        self.running.store(true, Ordering::Release);
+        tokio::spawn(write_batches(registry, receiver, shutdown.clone()));
+    }
+}
+
+/// The writer: gathers deadlines and moves each batch in one round trip.
+async fn write_batches(registry: NodeRegistry, mut receiver: mpsc::Receiver<Due>, shutdown: CancellationToken) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    while batches::gather(&mut receiver, &shutdown, FLUSH_EVERY, MAX_BATCH, &mut batch).await {
+        registry.set_deadlines(&batch).await;
+        batch.clear();
+    }
+    registry.set_deadlines(&batch).await;
+    for rest in batches::drain(&mut receiver, MAX_BATCH) {
+        registry.set_deadlines(&rest).await;
+    }
+}
