@@ -406,6 +406,11 @@ impl<'a> Ptr<'a> {
         // Remove the stream state
         let stream = self.store.slab.remove(self.key.index.0 as usize);
         assert_eq!(stream.id, self.key.stream_id);
+        // berth: a connection with no stream left holds no stream storage
+        // (see `third_party/README.md`); the next stream allocates it again.
+        if self.store.slab.is_empty() {
+            self.store.slab = slab::Slab::new();
+        }
         stream.id
     }
 
@@ -416,6 +421,10 @@ impl<'a> Ptr<'a> {
     pub fn unlink(&mut self) {
         let id = self.key.stream_id;
         self.store.ids.swap_remove(&id);
+        // berth: as in `remove`, for the stream id index.
+        if self.store.ids.is_empty() {
+            self.store.ids = IndexMap::new();
+        }
     }
 }
 
