@@ -1,11 +1,49 @@
-//! The one way identity's write-behind queues gather work: wait for the first
-//! item, then take more until a window has passed since it or a batch is
-//! full, so a quiet queue costs nothing and a busy one writes in few trips.
+//! Identity's write-behind queues: callers hand work to a [`Queue`] without
+//! waiting, and its one writer task gathers it: wait for the first item, then
+//! take more until a window has passed since it or a batch is full, so a
+//! quiet queue costs nothing and a busy one writes in few trips.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+/// A bounded queue with one writer, which may not have started yet.
+#[derive(Debug)]
+pub(crate) struct Queue<T> {
+    sender: mpsc::Sender<T>,
+    /// Taken by the writer when it starts.
+    receiver: Mutex<Option<mpsc::Receiver<T>>>,
+    running: AtomicBool,
+}
+
+impl<T> Queue<T> {
+    /// A queue holding at most `capacity` items.
+    pub(crate) fn new(capacity: usize) -> Self {
+        let (sender, receiver) = mpsc::channel(capacity);
+        Self { sender, receiver: Mutex::new(Some(receiver)), running: AtomicBool::new(false) }
+    }
+
+    /// Queues `item`; gives it back when no writer runs or the queue is
+    /// full, and the caller must do the work itself.
+    pub(crate) fn offer(&self, item: T) -> Result<(), T> {
+        if !self.running.load(Ordering::Acquire) {
+            return Err(item);
+        }
+        self.sender.try_send(item).map_err(|refused| match refused {
+            mpsc::error::TrySendError::Full(item) | mpsc::error::TrySendError::Closed(item) => item,
+        })
+    }
+
+    /// The receiving end, for the writer starting now; `None` once taken.
+    pub(crate) fn start(&self) -> Option<mpsc::Receiver<T>> {
+        let receiver = self.receiver.lock().unwrap_or_else(PoisonError::into_inner).take()?;
+        self.running.store(true, Ordering::Release);
+        Some(receiver)
+    }
+}
 
 /// Fills `batch` (which the caller has emptied) from `receiver`: waits for a
 /// first item, then takes more until `window` has passed since it arrived or
@@ -75,6 +113,17 @@ mod tests {
         batch.clear();
         assert!(gather(&mut rx, &shutdown, Duration::from_millis(20), 3, &mut batch).await);
         assert_eq!(batch, [3, 4], "closed by the window with two");
+    }
+
+    #[test]
+    fn a_queue_refuses_work_until_its_writer_starts_and_when_full() {
+        let queue = Queue::new(1);
+        assert_eq!(queue.offer(1), Err(1), "no writer yet");
+        let mut receiver = queue.start().unwrap();
+        assert!(queue.start().is_none(), "one writer");
+        assert_eq!(queue.offer(2), Ok(()));
+        assert_eq!(queue.offer(3), Err(3), "full");
+        assert_eq!(receiver.try_recv().ok(), Some(2));
     }
 
     #[tokio::test]

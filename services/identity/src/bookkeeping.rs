@@ -26,8 +26,6 @@
 //! - When the writer is not running or its queue is full, the heartbeat writes
 //!   its bookkeeping itself, as one transaction of its own.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use berth_proto::types::v1::Capacity;
@@ -82,19 +80,15 @@ impl From<sqlx::Error> for BookkeepingError {
     }
 }
 
-/// The queue of beats waiting to be written, and whether a writer takes them.
+/// The queue of beats waiting to be written, and its writer.
 #[derive(Debug)]
 pub(crate) struct Bookkeeper {
-    queue: mpsc::Sender<Beat>,
-    /// Taken by the writer when it starts.
-    receiver: Mutex<Option<mpsc::Receiver<Beat>>>,
-    running: AtomicBool,
+    queue: batches::Queue<Beat>,
 }
 
 impl Default for Bookkeeper {
     fn default() -> Self {
-        let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
-        Self { queue, receiver: Mutex::new(Some(receiver)), running: AtomicBool::new(false) }
+        Self { queue: batches::Queue::new(QUEUE_CAPACITY) }
     }
 }
 
@@ -102,15 +96,14 @@ impl Bookkeeper {
     /// Queues `beat`; `false` when no writer runs or the queue is full, and the
     /// caller must write it itself.
     pub(crate) fn offer(&self, beat: Beat) -> bool {
-        self.running.load(Ordering::Acquire) && self.queue.try_send(beat).is_ok()
+        self.queue.offer(beat).is_ok()
     }
 
     /// Starts the writer over `registry` until `shutdown`; a second call does nothing.
     pub(crate) fn spawn(&self, registry: NodeRegistry, shutdown: &CancellationToken) {
-        let taken = self.receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-        let Some(receiver) = taken else { return };
-        self.running.store(true, Ordering::Release);
-        tokio::spawn(write_batches(registry, receiver, shutdown.clone()));
+        if let Some(receiver) = self.queue.start() {
+            tokio::spawn(write_batches(registry, receiver, shutdown.clone()));
+        }
     }
 }
 

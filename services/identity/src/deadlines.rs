@@ -18,8 +18,6 @@
 //! - A batch that fails is logged, like a failed single move; the monitor's
 //!   rebuild after a bus loss restores every deadline from the database.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -40,19 +38,15 @@ const QUEUE_CAPACITY: usize = 16 * 1024;
 /// A node and the moment its next heartbeat is due by, in epoch milliseconds.
 pub(crate) type Due = (String, i64);
 
-/// The queue of deadlines waiting to be moved, and whether a writer takes them.
+/// The queue of deadlines waiting to be moved, and its writer.
 #[derive(Debug)]
 pub(crate) struct DeadlineWriter {
-    queue: mpsc::Sender<Due>,
-    /// Taken by the writer when it starts.
-    receiver: Mutex<Option<mpsc::Receiver<Due>>>,
-    running: AtomicBool,
+    queue: batches::Queue<Due>,
 }
 
 impl Default for DeadlineWriter {
     fn default() -> Self {
-        let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
-        Self { queue, receiver: Mutex::new(Some(receiver)), running: AtomicBool::new(false) }
+        Self { queue: batches::Queue::new(QUEUE_CAPACITY) }
     }
 }
 
@@ -60,20 +54,14 @@ impl DeadlineWriter {
     /// Queues `due`; gives it back when no writer runs or the queue is full,
     /// and the caller must move it itself.
     pub(crate) fn offer(&self, due: Due) -> Result<(), Due> {
-        if !self.running.load(Ordering::Acquire) {
-            return Err(due);
-        }
-        self.queue.try_send(due).map_err(|refused| match refused {
-            mpsc::error::TrySendError::Full(due) | mpsc::error::TrySendError::Closed(due) => due,
-        })
+        self.queue.offer(due)
     }
 
     /// Starts the writer over `registry` until `shutdown`; a second call does nothing.
     pub(crate) fn spawn(&self, registry: NodeRegistry, shutdown: &CancellationToken) {
-        let taken = self.receiver.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-        let Some(receiver) = taken else { return };
-        self.running.store(true, Ordering::Release);
-        tokio::spawn(write_batches(registry, receiver, shutdown.clone()));
+        if let Some(receiver) = self.queue.start() {
+            tokio::spawn(write_batches(registry, receiver, shutdown.clone()));
+        }
     }
 }
 
