@@ -59,6 +59,16 @@ struct Partial {
 /// `third_party/README.md`). It grows past this for larger frames, as before.
 const READ_BUFFER_CAPACITY: usize = 8 * 1024;
 
+/// Frames up to this size are copied out of the read buffer before they are
+/// decoded.
+///
+/// berth: what is decoded from a frame shares its bytes (header values, DATA
+/// payloads), so a request waiting to be handled would otherwise keep the
+/// whole read buffer it arrived in allocated. A copy gives a small frame an
+/// allocation of its own size and leaves the read buffer free to be reused
+/// or released; larger frames are most of their buffer and stay shared.
+const COPY_FRAMES_UP_TO: usize = READ_BUFFER_CAPACITY / 4;
+
 #[derive(Debug)]
 enum Continuable {
     Headers(frame::Headers),
@@ -444,6 +454,11 @@ where
             };
 
             tracing::trace!(read.bytes = bytes.len());
+            let bytes = if bytes.len() <= COPY_FRAMES_UP_TO {
+                BytesMut::from(&bytes[..])
+            } else {
+                bytes
+            };
             if let Some(frame) = self.decoder.decode(bytes)? {
                 tracing::debug!(?frame, "received");
                 return Poll::Ready(Some(Ok(frame)));

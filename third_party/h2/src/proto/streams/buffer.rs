@@ -82,6 +82,12 @@ impl Deque {
         match self.indices {
             Some(mut idxs) => {
                 let mut slot = buf.slab.remove(idxs.head);
+                if buf.slab.is_empty() {
+                    // berth: the last frame buffered on the connection is
+                    // gone (so every deque is empty): free the slab rather
+                    // than keep room for as many frames as it ever held.
+                    buf.slab = Slab::new();
+                }
 
                 if idxs.head == idxs.tail {
                     assert!(slot.next.is_none());
