@@ -252,10 +252,14 @@ impl ServerBuilder {
                 req.extensions_mut().insert(info.clone());
                 service.clone().oneshot(req)
             });
-            let connection = http2.serve_connection(TokioIo::new(stream), calls);
+            // Boxed before it moves into the task: a value captured by an
+            // async block and then pinned inside it takes room twice in the
+            // task (once as the capture, once as the pinned local), and this
+            // one is the connection's whole TLS and HTTP/2 state, held for
+            // as long as the peer stays connected.
+            let mut connection = Box::pin(http2.serve_connection(TokioIo::new(stream), calls));
             let shutdown = shutdown.clone();
             connections.spawn(async move {
-                tokio::pin!(connection);
                 let served = tokio::select! {
                     served = &mut connection => served,
                     () = shutdown.cancelled() => {
