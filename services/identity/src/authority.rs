@@ -396,7 +396,9 @@ impl Authority {
     async fn view(&self) -> Result<Arc<View>, AuthorityError> {
         match self.cached() {
             Some(view) if view.loaded.elapsed() < CACHE_TTL => Ok(view),
-            _ => self.refresh().await,
+            // Boxed: reloading reads the database, and every heartbeat in
+            // flight awaits this; the cached answer needs no room for it.
+            _ => Box::pin(self.refresh()).await,
         }
     }
 

@@ -428,7 +428,9 @@ impl NodeRegistry {
         if let Some(entry) = self.read_index().nodes.get(node_id) {
             return Ok(Some(Arc::clone(&entry.record)));
         }
-        self.refresh(node_id).await
+        // Boxed: a miss reads the database, and the future of every
+        // heartbeat in flight would otherwise carry room for that read.
+        Box::pin(self.refresh(node_id)).await
     }
 
     /// Re-reads one row and applies what it finds; the row as indexed now.
@@ -595,7 +597,8 @@ impl NodeRegistry {
     /// when the writer cannot take it.
     pub(crate) async fn queue_deadline(&self, node_id: &str, at_ms: i64) {
         if let Err((node_id, at_ms)) = self.inner.deadlines.offer((node_id.to_owned(), at_ms)) {
-            self.set_deadline(&node_id, at_ms).await;
+            // Boxed, as the rare path: a steady heartbeat's future stays small.
+            Box::pin(self.set_deadline(&node_id, at_ms)).await;
         }
     }
 

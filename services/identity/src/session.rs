@@ -29,6 +29,8 @@
 //!   bookkeeping batch) old, which is why the monitor never judges liveness
 //!   from them.
 
+use std::sync::Arc;
+
 use berth_mtls::IssuedCertificate;
 use berth_proto::identity::v1;
 use berth_store::{StoreError, TxError, expect_one};
@@ -138,7 +140,7 @@ impl IdentityService {
             return Err(HeartbeatError::Revoked);
         }
         if is_fenced(beat.incarnation, indexed.incarnation) {
-            return self.fenced(&indexed, beat.incarnation).await;
+            return Box::pin(self.fenced(&indexed, beat.incarnation)).await;
         }
         let unchanged = beat.capacity.is_none_or(|c| c == indexed.capacity)
             && (beat.version.is_empty() || beat.version == indexed.version);
@@ -158,7 +160,22 @@ impl IdentityService {
                 return self.answer(indexed.state, None).await;
             }
         }
+        // Boxed: the written path (signing, a transaction) needs a future
+        // several times the steady path's, and every call in flight would
+        // otherwise carry room for it.
+        Box::pin(self.write_heartbeat(node_id, beat, indexed, wants_renewal)).await
+    }
 
+    /// A heartbeat that changes the row or renews the certificate: written in
+    /// a transaction, then published.
+    async fn write_heartbeat(
+        &self,
+        node_id: &str,
+        beat: v1::HeartbeatRequest,
+        indexed: Arc<NodeRecord>,
+        wants_renewal: bool,
+    ) -> Result<v1::HeartbeatResponse, HeartbeatError> {
+        let timing = self.nodes.timing();
         let certificate = if wants_renewal {
             let sans = [indexed.advertise_host()];
             Some(self.authority.sign_node(&beat.renewal_csr_pem, node_id, &sans, self.config.node_cert_ttl).await?)
