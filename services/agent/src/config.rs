@@ -155,6 +155,10 @@ pub struct AgentConfig {
     /// ended, or at start, until the leases service confirms it) before it
     /// is destroyed; `None` holds it until the leases service decides.
     pub max_custody: Option<Duration>,
+    /// How long lease renewals may fail (counted from the last one that
+    /// went through) before the node stops everything it runs; `None` keeps
+    /// it running until the leases service can be reached.
+    pub stop_after_disconnect: Option<Duration>,
     /// Disk the bundle cache (`DATA_DIR/bundles`) may use before it evicts
     /// bundles no lease holds.
     pub bundle_cache_budget: u64,
@@ -193,6 +197,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("revisions", &self.revisions)
             .field("lease_timing", &self.lease_timing)
             .field("max_custody", &self.max_custody)
+            .field("stop_after_disconnect", &self.stop_after_disconnect)
             .field("bundle_cache_budget", &self.bundle_cache_budget)
             .field("insecure_registries", &self.insecure_registries)
             .field("egress", &self.egress)
@@ -230,6 +235,7 @@ impl AgentConfig {
             revisions: None,
             lease_timing: LeaseTiming::default(),
             max_custody: None,
+            stop_after_disconnect: None,
             bundle_cache_budget: DEFAULT_BUNDLE_CACHE_BUDGET,
             insecure_registries: Vec::new(),
             registry_ca_pem: None,

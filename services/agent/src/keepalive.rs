@@ -11,11 +11,17 @@
 //!   epoch would be reported lost.
 //! - A failed batch is retried with backoff, but never later than the next
 //!   regular renewal would have gone out.
+//! - With a stop-after-disconnect bound, leases whose renewals have failed
+//!   for that long are handed back as lost (`ControlPlaneLost`), so the node
+//!   stops running what the leases service has, by then, most likely given
+//!   to another node. Without one, a node that cannot reach the service
+//!   keeps running its work until it can.
 
 use std::time::Duration;
 
 use berth_proto::leases::v1::{LeaseRef, RenewLeasesRequest};
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -24,6 +30,20 @@ use crate::leases_client::NodeLeasesApi;
 /// The shortest renewal interval, whatever the TTL, so a tiny TTL never
 /// makes the node spin.
 const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Leases to take off the node, and why (the removal reason the runner
+/// records: one CamelCase word).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Lost {
+    pub(crate) leases: Vec<LeaseRef>,
+    pub(crate) reason: &'static str,
+}
+
+/// The leases service said these leases are no longer the node's.
+pub(crate) const LEASE_LOST: &str = "LeaseLost";
+
+/// Renewals failed for longer than the stop-after-disconnect bound.
+pub(crate) const CONTROL_PLANE_LOST: &str = "ControlPlaneLost";
 
 /// What to renew, as the runner publishes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,7 +62,10 @@ pub(crate) struct KeepAlive {
     /// The leases service's TTL, once it said (on the assignment stream).
     pub(crate) ttl: watch::Receiver<Option<Duration>>,
     /// Where leases reported lost go.
-    pub(crate) lost: mpsc::UnboundedSender<Vec<LeaseRef>>,
+    pub(crate) lost: mpsc::UnboundedSender<Lost>,
+    /// How long renewals may fail before the node stops what it runs;
+    /// `None` never stops it.
+    pub(crate) stop_after_disconnect: Option<Duration>,
     /// The interval until the TTL is known.
     pub(crate) default_interval: Duration,
     pub(crate) backoff: Backoff,
@@ -68,6 +91,12 @@ impl KeepAlive {
     pub(crate) async fn run(mut self) {
         let mut answered_ttl = None;
         let mut failing = false;
+        // Since when the node has held its leases unrenewed, for the
+        // stop-after-disconnect bound: the last renewal that went through
+        // (the leases service counts its TTL from there), else the first
+        // failure.
+        let mut last_renewed: Option<Instant> = None;
+        let mut failing_since: Option<Instant> = None;
         loop {
             let interval = self.interval(answered_ttl);
             let wait = if failing { self.backoff.next_delay().min(interval) } else { interval };
@@ -77,9 +106,11 @@ impl KeepAlive {
             }
             let Some(set) = self.renewals.borrow().clone().filter(|set| !set.leases.is_empty()) else {
                 failing = false;
+                failing_since = None;
                 continue;
             };
             let held = set.leases.len();
+            let bounded = self.stop_after_disconnect.map(|bound| (bound, set.leases.clone()));
             let request = RenewLeasesRequest { node_id: set.node_id, leases: set.leases };
             let renewed = tokio::select! {
                 _ = self.shutdown.cancelled() => return,
@@ -91,6 +122,8 @@ impl KeepAlive {
                         tracing::info!("lease renewals go through again");
                     }
                     failing = false;
+                    failing_since = None;
+                    last_renewed = Some(Instant::now());
                     self.backoff.reset();
                     if response.ttl_ms > 0 {
                         answered_ttl = Some(Duration::from_millis(u64::from(response.ttl_ms)));
@@ -105,12 +138,21 @@ impl KeepAlive {
                         let lost: Vec<String> = response.lost.iter().map(|l| l.lease_id.clone()).collect();
                         tracing::warn!(?lost, "the leases service says these leases are no longer this node's");
                         // The runner gone means shutdown: nothing left to tell.
-                        let _ = self.lost.send(response.lost);
+                        let _ = self.lost.send(Lost { leases: response.lost, reason: LEASE_LOST });
                     }
                 }
                 Err(status) => {
                     failing = true;
+                    let since = *failing_since.get_or_insert_with(|| last_renewed.unwrap_or_else(Instant::now));
                     tracing::warn!(held, error = %crate::join::status_text(&status), "cannot renew leases; retrying");
+                    if let Some((bound, leases)) = bounded
+                        && since.elapsed() >= bound
+                    {
+                        tracing::warn!(held, bound = ?bound,
+                            "lease renewals have failed for longer than the stop-after-disconnect bound; \
+                             stopping what the node runs");
+                        let _ = self.lost.send(Lost { leases, reason: CONTROL_PLANE_LOST });
+                    }
                 }
             }
         }

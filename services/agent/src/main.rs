@@ -91,6 +91,16 @@ struct Args {
     /// service decides.
     #[arg(long, env = "BERTH_MAX_CUSTODY", value_name = "DURATION", value_parser = parse_duration)]
     max_custody: Option<Duration>,
+    /// Stop every workload once lease renewals have failed this long,
+    /// counted from the last renewal that went through, e.g. 8s (Nomad's
+    /// stop_after_client_disconnect). The leases service gives an unrenewed
+    /// lease to another node after its TTL (30s by default); renewals are
+    /// retried at least every third of it and a workload has --stop-grace to
+    /// exit, so a bound under two thirds of the TTL less the stop grace has
+    /// the work gone before a replacement starts. Unset keeps it running,
+    /// whatever the outage, until the leases service is reached again.
+    #[arg(long, env = "BERTH_STOP_AFTER_DISCONNECT", value_name = "DURATION", value_parser = parse_duration)]
+    stop_after_disconnect: Option<Duration>,
     /// How long a workload has to exit after SIGTERM before SIGKILL.
     #[arg(long, env = "BERTH_STOP_GRACE", value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
     stop_grace: Duration,
@@ -183,6 +193,7 @@ impl Args {
         config.egress = self.egress_addr.filter(|addr| !addr.trim().is_empty());
         config.egress_isolation = self.egress_isolation;
         config.max_custody = self.max_custody;
+        config.stop_after_disconnect = self.stop_after_disconnect;
         config.lease_timing.stop_grace = self.stop_grace;
         config.lease_timing.sweep_interval = self.sweep_interval;
         config.bundle_cache_budget = self.bundle_cache_budget;

@@ -56,7 +56,7 @@ use crate::backoff::Backoff;
 use crate::board::{InstanceBoard, InstanceView};
 use crate::bundles::{BundleAsk, BundleError, BundleStore, bundle_spec};
 use crate::config::LeaseTiming;
-use crate::keepalive::{KeepAlive, RenewSet};
+use crate::keepalive::{KeepAlive, Lost, RenewSet};
 use crate::leases_client::{NodeLeasesApi, is_transient};
 use crate::provider::{Exit, ExitStatus, ExitWatch, InstanceMeta, LaunchSpec, Launched, Provider};
 use crate::recovery::{PassPlan, PassReport, run_pass};
@@ -70,6 +70,7 @@ pub(crate) struct RunnerSettings {
     pub(crate) retry_initial: Duration,
     pub(crate) retry_max: Duration,
     pub(crate) max_custody: Option<Duration>,
+    pub(crate) stop_after_disconnect: Option<Duration>,
 }
 
 impl RunnerSettings {
@@ -209,6 +210,7 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         renewals: renewals_rx,
         ttl: ttl_rx,
         lost: lost_tx,
+        stop_after_disconnect: settings.stop_after_disconnect,
         default_interval: settings.timing.renew_interval,
         backoff: settings.backoff(),
         shutdown: shutdown.clone(),
@@ -267,7 +269,7 @@ struct Runner {
     next_generation: u64,
     inbox: mpsc::UnboundedReceiver<Inbox>,
     inbox_tx: mpsc::UnboundedSender<Inbox>,
-    lost: mpsc::UnboundedReceiver<Vec<LeaseRef>>,
+    lost: mpsc::UnboundedReceiver<Lost>,
     /// The node id workers report as; `None` while they must not report.
     reporting: watch::Sender<Option<String>>,
     renewals: watch::Sender<Option<RenewSet>>,
@@ -763,14 +765,14 @@ impl Runner {
         }
     }
 
-    fn on_lost(&mut self, lost: Vec<LeaseRef>) {
+    fn on_lost(&mut self, lost: Lost) {
         if self.standing != Standing::Serving {
             // A renewal sent before the session ended; the recovery pass
             // (custody may take an expired lease back) decides instead.
             return;
         }
-        for lease in &lost {
-            self.destroy_at(lease, Removal::new(None, "LeaseLost"));
+        for lease in &lost.leases {
+            self.destroy_at(lease, Removal::new(None, lost.reason));
         }
     }
 }

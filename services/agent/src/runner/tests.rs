@@ -282,6 +282,7 @@ fn settings() -> RunnerSettings {
         retry_initial: Duration::from_millis(10),
         retry_max: Duration::from_millis(100),
         max_custody: None,
+        stop_after_disconnect: None,
     }
 }
 
@@ -358,6 +359,22 @@ impl Harness {
         let fence = Fence { session: self.session.borrow().clone(), reason, at: SystemTime::now() };
         self.fences.send_replace(Some(fence));
     }
+}
+
+/// Places `lease_id` on the fake ledger running `command`; its pid once it
+/// runs.
+async fn run_lease(fake: &FakeLeases, runner: &Harness, lease_id: &str, command: &str) -> u32 {
+    fake.place(lease_id, command);
+    fake.phase_until(lease_id, LeasePhase::Running).await;
+    runner.pid_of(lease_id).await
+}
+
+/// Destroys a workload a killed runner left running, as a restarted agent's
+/// provider would find it.
+async fn destroy_left_behind(dir: &Path, lease_id: &str) {
+    let provider = ProcessProvider::new(dir, ProcessTiming::default(), CancellationToken::new());
+    provider.recover().await.unwrap();
+    provider.destroy(lease_id).await.unwrap();
 }
 
 fn group_gone(pid: u32) -> bool {
@@ -541,9 +558,7 @@ async fn a_released_lease_is_destroyed_and_held_leases_are_renewed_in_one_batch(
     let pid2 = runner.pid_of("l-2").await;
     runner.kill().await;
     assert!(alive(pid2), "stopping the runner leaves the workload running");
-    let provider = ProcessProvider::new(dir.path(), ProcessTiming::default(), CancellationToken::new());
-    provider.recover().await.unwrap();
-    provider.destroy("l-2").await.unwrap();
+    destroy_left_behind(dir.path(), "l-2").await;
 }
 
 #[tokio::test]
@@ -573,9 +588,7 @@ async fn a_lease_reported_lost_is_destroyed_and_renewals_go_on_while_a_destroy_w
     gone_until(stubborn).await;
     assert_eq!(fake.lease("l-other").phase(), LeasePhase::Running);
     runner.kill().await;
-    let provider = ProcessProvider::new(dir.path(), ProcessTiming::default(), CancellationToken::new());
-    provider.recover().await.unwrap();
-    provider.destroy("l-other").await.unwrap();
+    destroy_left_behind(dir.path(), "l-other").await;
 }
 
 #[tokio::test]
@@ -637,9 +650,7 @@ async fn a_fenced_node_holds_its_compute_in_custody_and_reconciles_after_it_rejo
     let fake = Arc::new(FakeLeases::default());
     let runner = Harness::start(&fake, dir.path(), settings()).await;
     runner.standing_until(Standing::Serving).await;
-    fake.place("l-1", "exec sleep 1000");
-    fake.phase_until("l-1", LeasePhase::Running).await;
-    let pid = runner.pid_of("l-1").await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     runner.fence(FenceReason::Fenced);
     runner.standing_until(Standing::Custody).await;
@@ -659,9 +670,7 @@ async fn a_fenced_node_holds_its_compute_in_custody_and_reconciles_after_it_rejo
     assert_eq!((lease.phase(), lease.epoch, lease.reason.as_str()), (LeasePhase::Running, 2, "CustodyAssumed"));
     assert_eq!(runner.board.get("l-1").unwrap().pid, Some(pid));
     runner.kill().await;
-    let provider = ProcessProvider::new(dir.path(), ProcessTiming::default(), CancellationToken::new());
-    provider.recover().await.unwrap();
-    provider.destroy("l-1").await.unwrap();
+    destroy_left_behind(dir.path(), "l-1").await;
 }
 
 #[tokio::test]
@@ -671,9 +680,7 @@ async fn compute_held_in_custody_past_the_bound_is_destroyed() {
     let settings = RunnerSettings { max_custody: Some(Duration::from_millis(300)), ..settings() };
     let runner = Harness::start(&fake, dir.path(), settings).await;
     runner.standing_until(Standing::Serving).await;
-    fake.place("l-1", "exec sleep 1000");
-    fake.phase_until("l-1", LeasePhase::Running).await;
-    let pid = runner.pid_of("l-1").await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     let fenced_at = Instant::now();
     runner.fence(FenceReason::Fenced);
@@ -686,14 +693,57 @@ async fn compute_held_in_custody_past_the_bound_is_destroyed() {
 }
 
 #[tokio::test]
+async fn a_node_cut_off_from_leases_keeps_its_work_without_a_stop_bound() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let runner = Harness::start(&fake, dir.path(), settings()).await;
+    runner.standing_until(Standing::Serving).await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
+
+    fake.set_down(true);
+    tokio::time::sleep(TTL * 2).await;
+    assert!(alive(pid), "no bound: the work outlives an outage of two TTLs");
+    fake.set_down(false);
+    tokio::time::sleep(TTL).await;
+    assert!(alive(pid));
+    assert_eq!(runner.board.get("l-1").unwrap().pid, Some(pid));
+    runner.kill().await;
+    destroy_left_behind(dir.path(), "l-1").await;
+}
+
+#[tokio::test]
+async fn a_node_cut_off_from_leases_past_the_stop_bound_stops_its_work() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let bound = Duration::from_millis(400);
+    let settings = RunnerSettings { stop_after_disconnect: Some(bound), ..settings() };
+    let runner = Harness::start(&fake, dir.path(), settings).await;
+    runner.standing_until(Standing::Serving).await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
+    let renewals = fake.renewals();
+    let deadline = Instant::now() + PATIENCE;
+    while fake.renewals() == renewals {
+        assert!(Instant::now() < deadline, "the lease was never renewed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let down_at = Instant::now();
+    fake.set_down(true);
+    gone_until(pid).await;
+    assert!(down_at.elapsed() >= bound - TTL / 3, "stopped before the bound: {:?}", down_at.elapsed());
+    let view = runner.view_until("l-1", "settled", |v| v.ended_at.is_some()).await;
+    assert_eq!(view.reason, "ControlPlaneLost");
+    runner.holding_until(0).await;
+    runner.kill().await;
+}
+
+#[tokio::test]
 async fn a_revoked_node_destroys_what_it_runs() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
     let runner = Harness::start(&fake, dir.path(), settings()).await;
     runner.standing_until(Standing::Serving).await;
-    fake.place("l-1", "exec sleep 1000");
-    fake.phase_until("l-1", LeasePhase::Running).await;
-    let pid = runner.pid_of("l-1").await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
     runner.fence(FenceReason::Revoked);
     gone_until(pid).await;
     runner.holding_until(0).await;
@@ -709,9 +759,7 @@ async fn the_sweep_destroys_what_no_open_lease_covers() {
     settings.timing.sweep_interval = Duration::from_millis(200);
     let runner = Harness::start(&fake, dir.path(), settings).await;
     runner.standing_until(Standing::Serving).await;
-    fake.place("l-1", "exec sleep 1000");
-    fake.phase_until("l-1", LeasePhase::Running).await;
-    let pid = runner.pid_of("l-1").await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
     // Neither the stream nor the renewals say: only the sweep can find out.
     fake.ledger().renew_blindly = true;
     fake.change("l-1", None, |l| l.epoch = 5);
@@ -760,9 +808,7 @@ async fn a_sweep_that_was_under_way_when_the_session_ended_does_not_end_custody(
     settings.timing.sweep_interval = Duration::from_millis(100);
     let runner = Harness::start(&fake, dir.path(), settings).await;
     runner.standing_until(Standing::Serving).await;
-    fake.place("l-1", "exec sleep 1000");
-    fake.phase_until("l-1", LeasePhase::Running).await;
-    let pid = runner.pid_of("l-1").await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     // A sweep is held at the service while the session ends and a new one begins.
     let gate = Arc::new(Semaphore::new(0));
@@ -786,7 +832,5 @@ async fn a_sweep_that_was_under_way_when_the_session_ended_does_not_end_custody(
     assert_eq!(runner.board.get("l-1").unwrap().epoch, 2);
     assert!(alive(pid));
     runner.kill().await;
-    let provider = ProcessProvider::new(dir.path(), ProcessTiming::default(), CancellationToken::new());
-    provider.recover().await.unwrap();
-    provider.destroy("l-1").await.unwrap();
+    destroy_left_behind(dir.path(), "l-1").await;
 }
