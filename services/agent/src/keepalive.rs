@@ -90,27 +90,24 @@ impl KeepAlive {
     /// Renews until shutdown.
     pub(crate) async fn run(mut self) {
         let mut answered_ttl = None;
-        let mut failing = false;
-        // Since when the node has held its leases unrenewed, for the
-        // stop-after-disconnect bound: the last renewal that went through
-        // (the leases service counts its TTL from there), else the first
-        // failure.
         let mut last_renewed: Option<Instant> = None;
-        let mut failing_since: Option<Instant> = None;
+        // While renewals fail: since when the node has held its leases
+        // unrenewed, for the stop-after-disconnect bound. That is the last
+        // renewal that went through (the leases service counts its TTL from
+        // there), else the first failure.
+        let mut unrenewed_since: Option<Instant> = None;
         loop {
             let interval = self.interval(answered_ttl);
-            let wait = if failing { self.backoff.next_delay().min(interval) } else { interval };
+            let wait = if unrenewed_since.is_some() { self.backoff.next_delay().min(interval) } else { interval };
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
             }
             let Some(set) = self.renewals.borrow().clone().filter(|set| !set.leases.is_empty()) else {
-                failing = false;
-                failing_since = None;
+                unrenewed_since = None;
                 continue;
             };
             let held = set.leases.len();
-            let bounded = self.stop_after_disconnect.map(|bound| (bound, set.leases.clone()));
             let request = RenewLeasesRequest { node_id: set.node_id, leases: set.leases };
             let renewed = tokio::select! {
                 _ = self.shutdown.cancelled() => return,
@@ -118,11 +115,9 @@ impl KeepAlive {
             };
             match renewed {
                 Ok(response) => {
-                    if failing {
+                    if unrenewed_since.take().is_some() {
                         tracing::info!("lease renewals go through again");
                     }
-                    failing = false;
-                    failing_since = None;
                     last_renewed = Some(Instant::now());
                     self.backoff.reset();
                     if response.ttl_ms > 0 {
@@ -142,15 +137,16 @@ impl KeepAlive {
                     }
                 }
                 Err(status) => {
-                    failing = true;
-                    let since = *failing_since.get_or_insert_with(|| last_renewed.unwrap_or_else(Instant::now));
+                    let since = *unrenewed_since.get_or_insert_with(|| last_renewed.unwrap_or_else(Instant::now));
                     tracing::warn!(held, error = %crate::join::status_text(&status), "cannot renew leases; retrying");
-                    if let Some((bound, leases)) = bounded
+                    if let Some(bound) = self.stop_after_disconnect
                         && since.elapsed() >= bound
                     {
                         tracing::warn!(held, bound = ?bound,
                             "lease renewals have failed for longer than the stop-after-disconnect bound; \
                              stopping what the node runs");
+                        // What the node holds now, as the runner publishes it.
+                        let leases = self.renewals.borrow().as_ref().map(|set| set.leases.clone()).unwrap_or_default();
                         let _ = self.lost.send(Lost { leases, reason: CONTROL_PLANE_LOST });
                     }
                 }

@@ -322,6 +322,13 @@ impl Harness {
         Harness { board, session, fences, handle, stop }
     }
 
+    /// Starts a runner and waits until it serves.
+    async fn serving(fake: &Arc<FakeLeases>, dir: &Path, settings: RunnerSettings) -> Harness {
+        let runner = Harness::start(fake, dir, settings).await;
+        runner.standing_until(Standing::Serving).await;
+        runner
+    }
+
     async fn standing_until(&self, standing: Standing) {
         let mut rx = self.handle.standing.clone();
         let reached = tokio::time::timeout(PATIENCE, rx.wait_for(|s| *s == standing)).await.map(|r| r.is_ok());
@@ -403,8 +410,7 @@ async fn launching_is_reported_before_the_workload_starts_then_running_then_done
     let fake = Arc::new(FakeLeases::default());
     let gate = Arc::new(Semaphore::new(0));
     *fake.launch_gate.lock().unwrap() = Some(gate.clone());
-    let runner = Harness::start(&fake, dir.path(), settings()).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings()).await;
     fake.place("l-1", "echo ran > ran; exit 0");
 
     // The LAUNCHING report is held at the service: nothing may start yet.
@@ -456,8 +462,7 @@ async fn a_bundle_is_pulled_while_the_lease_is_bound_and_runs_once_launching_is_
     let fake = Arc::new(FakeLeases::default());
     let gate = Arc::new(Semaphore::new(0));
     *fake.launch_gate.lock().unwrap() = Some(gate.clone());
-    let runner = Harness::start(&fake, dir.path(), settings()).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings()).await;
     fake.place_workload("l-1", workload);
 
     // LAUNCHING is held at the service, and the bundle arrives all the same.
@@ -490,8 +495,7 @@ async fn a_bundle_is_pulled_while_the_lease_is_bound_and_runs_once_launching_is_
 async fn a_failing_workload_is_failed_with_its_exit_code() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings()).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings()).await;
     fake.place("l-1", "exit 3");
     let failed = fake.phase_until("l-1", LeasePhase::Failed).await;
     assert_eq!(failed.exit_code, Some(3));
@@ -523,8 +527,7 @@ async fn a_failing_workload_is_failed_with_its_exit_code() {
 async fn a_released_lease_is_destroyed_and_held_leases_are_renewed_in_one_batch() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings()).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings()).await;
     fake.place("l-1", "sleep 1000 & sleep 1000");
     fake.place("l-2", "exec sleep 1000");
     fake.phase_until("l-1", LeasePhase::Running).await;
@@ -567,8 +570,7 @@ async fn a_lease_reported_lost_is_destroyed_and_renewals_go_on_while_a_destroy_w
     let fake = Arc::new(FakeLeases::default());
     let mut settings = settings();
     settings.timing.stop_grace = Duration::from_millis(1500);
-    let runner = Harness::start(&fake, dir.path(), settings).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings).await;
     // Ignores SIGTERM: destroying it takes the whole grace.
     fake.place("l-stubborn", "trap '' TERM; sleep 1000");
     fake.place("l-other", "exec sleep 1000");
@@ -648,8 +650,7 @@ async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_
 async fn a_fenced_node_holds_its_compute_in_custody_and_reconciles_after_it_rejoins() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings()).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings()).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     runner.fence(FenceReason::Fenced);
@@ -678,8 +679,7 @@ async fn compute_held_in_custody_past_the_bound_is_destroyed() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
     let settings = RunnerSettings { max_custody: Some(Duration::from_millis(300)), ..settings() };
-    let runner = Harness::start(&fake, dir.path(), settings).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     let fenced_at = Instant::now();
@@ -696,8 +696,7 @@ async fn compute_held_in_custody_past_the_bound_is_destroyed() {
 async fn a_node_cut_off_from_leases_keeps_its_work_without_a_stop_bound() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings()).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings()).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     fake.set_down(true);
@@ -717,8 +716,7 @@ async fn a_node_cut_off_from_leases_past_the_stop_bound_stops_its_work() {
     let fake = Arc::new(FakeLeases::default());
     let bound = Duration::from_millis(400);
     let settings = RunnerSettings { stop_after_disconnect: Some(bound), ..settings() };
-    let runner = Harness::start(&fake, dir.path(), settings).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
     let renewals = fake.renewals();
     let deadline = Instant::now() + PATIENCE;
@@ -741,8 +739,7 @@ async fn a_node_cut_off_from_leases_past_the_stop_bound_stops_its_work() {
 async fn a_revoked_node_destroys_what_it_runs() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings()).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings()).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
     runner.fence(FenceReason::Revoked);
     gone_until(pid).await;
@@ -757,8 +754,7 @@ async fn the_sweep_destroys_what_no_open_lease_covers() {
     let fake = Arc::new(FakeLeases::default());
     let mut settings = settings();
     settings.timing.sweep_interval = Duration::from_millis(200);
-    let runner = Harness::start(&fake, dir.path(), settings).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
     // Neither the stream nor the renewals say: only the sweep can find out.
     fake.ledger().renew_blindly = true;
@@ -772,8 +768,7 @@ async fn the_sweep_destroys_what_no_open_lease_covers() {
 async fn reports_wait_out_a_leases_outage() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::start(&fake, dir.path(), settings()).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings()).await;
     fake.place("l-1", "exec sleep 0.3");
     fake.phase_until("l-1", LeasePhase::Running).await;
     fake.set_down(true);
@@ -806,8 +801,7 @@ async fn a_sweep_that_was_under_way_when_the_session_ended_does_not_end_custody(
     let fake = Arc::new(FakeLeases::default());
     let mut settings = settings();
     settings.timing.sweep_interval = Duration::from_millis(100);
-    let runner = Harness::start(&fake, dir.path(), settings).await;
-    runner.standing_until(Standing::Serving).await;
+    let runner = Harness::serving(&fake, dir.path(), settings).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     // A sweep is held at the service while the session ends and a new one begins.
