@@ -71,12 +71,9 @@ use berth_proto::leases::v1::Lease;
 
 use self::credentials::CredentialsError;
 pub(crate) use self::credentials::{GrpcPullCredentials, PullCredentials};
-use crate::provider::LaunchSpec;
+use crate::provider::{LaunchSpec, Program, WorkloadRoot};
 
 mod credentials;
-
-/// The variable naming the extracted bundle's directory.
-pub(crate) const BUNDLE_DIR_VAR: &str = "BERTH_BUNDLE_DIR";
 
 /// The variable naming the bundle's digest.
 pub(crate) const BUNDLE_DIGEST_VAR: &str = "BERTH_BUNDLE_DIGEST";
@@ -540,39 +537,43 @@ fn revision_key(service: &str, revision: &str) -> Option<String> {
 /// `spec` (what the lease says) made into what runs the bundle of
 /// `definition`, by the rules in the module docs.
 pub(crate) fn bundle_spec(definition: &BundleDefinition, mut spec: LaunchSpec) -> Result<LaunchSpec, BundleError> {
-    let own_command = !spec.command.is_empty();
-    let program = if own_command { lease_command(definition, &spec.command)? } else { entrypoint(definition)? };
-    if spec.args.is_empty() && !own_command {
-        spec.args = definition.args.clone();
-    }
+    let program = match &spec.program {
+        Program::Command(command) => lease_command(definition, command)?,
+        Program::Entrypoint | Program::Bundled(_) => {
+            if spec.args.is_empty() {
+                spec.args = definition.args.clone();
+            }
+            entrypoint(definition)?
+        }
+    };
     let mut env = definition.env.clone();
     env.extend(std::mem::take(&mut spec.env));
-    env.insert(BUNDLE_DIR_VAR.to_string(), definition.root.display().to_string());
     env.insert(BUNDLE_DIGEST_VAR.to_string(), definition.digest.to_string());
     if spec.ports.is_empty() {
         spec.ports = definition.ports.iter().map(|port| port.name.clone()).collect();
     }
-    spec.command = program;
+    spec.root = WorkloadRoot::Bundle { dir: definition.root.clone(), digest: definition.digest.to_string() };
+    spec.program = program;
     spec.env = env;
     Ok(spec)
 }
 
 /// The bundle's own program.
-fn entrypoint(definition: &BundleDefinition) -> Result<String, BundleError> {
+fn entrypoint(definition: &BundleDefinition) -> Result<Program, BundleError> {
     let path = &definition.entrypoint;
     if !path.starts_with(&definition.root) {
         // An absolute path on the node, as the bundle says.
-        return Ok(path.display().to_string());
+        return Ok(Program::Command(path.display().to_string()));
     }
     let shown = path.strip_prefix(&definition.root).unwrap_or(path).display().to_string();
     inside(definition, "entrypoint", path, &shown)
 }
 
 /// The lease's own program, run with the bundle.
-fn lease_command(definition: &BundleDefinition, command: &str) -> Result<String, BundleError> {
+fn lease_command(definition: &BundleDefinition, command: &str) -> Result<Program, BundleError> {
     let path = Path::new(command);
     if path.is_absolute() {
-        return Ok(command.to_string());
+        return Ok(Program::Command(command.to_string()));
     }
     let refuse = |reason: &str| BundleError::Program {
         digest: definition.digest.clone(),
@@ -591,11 +592,16 @@ fn lease_command(definition: &BundleDefinition, command: &str) -> Result<String,
         return Err(refuse("is not a file in the bundle"));
     }
     // A bare name the bundle does not have: the workload's PATH finds it.
-    Ok(command.to_string())
+    Ok(Program::Command(command.to_string()))
 }
 
 /// `path`, once its real location is known to be a file inside the bundle.
-fn inside(definition: &BundleDefinition, field: &'static str, path: &Path, shown: &str) -> Result<String, BundleError> {
+fn inside(
+    definition: &BundleDefinition,
+    field: &'static str,
+    path: &Path,
+    shown: &str,
+) -> Result<Program, BundleError> {
     let refuse = |reason: String| BundleError::Program {
         digest: definition.digest.clone(),
         field,
@@ -613,7 +619,8 @@ fn inside(definition: &BundleDefinition, field: &'static str, path: &Path, shown
     }
     // The path as the bundle names it: a program may go by the name it was
     // called with.
-    Ok(path.display().to_string())
+    let relative = path.strip_prefix(&definition.root).unwrap_or(path);
+    Ok(Program::Bundled(relative.to_path_buf()))
 }
 
 #[cfg(test)]

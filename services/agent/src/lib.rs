@@ -31,10 +31,14 @@ mod backoff;
 mod board;
 mod bundles;
 mod config;
+mod container;
+#[cfg(test)]
+mod contract;
 mod egress;
 mod heartbeat;
 mod host;
 mod identity_dir;
+mod instances;
 mod join;
 mod keepalive;
 mod leases_client;
@@ -52,6 +56,7 @@ pub use config::{
     DEFAULT_MIN_HEARTBEAT_INTERVAL, DEFAULT_RENEW_INTERVAL, DEFAULT_RETAIN_FINISHED, DEFAULT_RETRY_INITIAL,
     DEFAULT_RETRY_MAX, DEFAULT_RPC_TIMEOUT, DEFAULT_SWEEP_INTERVAL, LeaseTiming,
 };
+pub use container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
 pub use egress::{
     Attachment, DEFAULT_PROXY_CONNECT_TIMEOUT, DEFAULT_PROXY_HEAD_TIMEOUT, EgressError, EgressIsolation, EgressProxies,
     EgressSettings, EgressStatus, Enforcement, NamespaceError, ProxyTiming, RulesError,
@@ -61,8 +66,8 @@ pub use identity_dir::IdentityDirError;
 pub use join::JoinError;
 pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
 pub use provider::{
-    Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched, LogFiles, Provider,
-    ProviderError, WorkloadSignal,
+    Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched, LogFiles,
+    NetworkAttachment, Program, Provider, ProviderError, Resources, Runtime, WorkloadRoot, WorkloadSignal,
 };
 pub use status::{AgentStatus, Fence, FenceReason, NodeSession};
 

@@ -2,30 +2,24 @@
 //! own process group and working directory, recorded on disk so that a
 //! restarted agent finds it again.
 //!
-//! # What is stored
-//! ```text
-//! DATA_DIR/leases/<lease_id>/            the workload's working directory (and HOME)
-//! DATA_DIR/instances/<lease_id>.json     the record: pid, process start time, epoch,
-//!                                        lease id, started_at, exit, settled, and
-//!                                        what the agent API shows (ports included)
-//! DATA_DIR/logs/<lease_id>/stdout.log    what it writes to standard output
-//! DATA_DIR/logs/<lease_id>/stderr.log    ... and to standard error
-//! ```
-//! The workload owns its working directory; the agent's own files live
-//! beside it, where the workload cannot overwrite them by accident. A record
-//! is replaced atomically (written whole to a temporary file, flushed, renamed
-//! over the old one), so a crash leaves the old record or the new one.
+//! Records, logs and working directories are kept as [`crate::instances`]
+//! says. The workload owns its working directory; the agent's own files live
+//! beside it, where the workload cannot overwrite them by accident.
+//!
+//! # Containment
+//! None: the workload runs as the agent's user, in the host's mount, PID and
+//! (unless egress isolation puts it in its tenant's network namespace)
+//! network namespaces, with no limit on its memory, CPU or processes. The
+//! agent runs this provider only when told `--allow-uncontained` (or, for
+//! `berth dev`, when it is not root), and says so in its node labels.
 //!
 //! # Processes
 //! - The workload gets its own process group (`process_group(0)`), so a
 //!   signal to the group reaches everything it started. Destroying it sends
 //!   SIGTERM to the group, waits for the grace, then SIGKILL.
-//! - Its environment is not the agent's: `PATH` (a default the workload may
-//!   override), `HOME` (its working directory), the lease's own variables,
-//!   then what names it and which the lease cannot override: `BERTH_LEASE_ID`,
-//!   `BERTH_NODE_ID`, `BERTH_SERVICE` and `BERTH_REVISION` (when it has
-//!   them), `PORT` and `BERTH_PORT_<NAME>`. Nothing of the agent's (a join
-//!   token, for one) leaks into it.
+//! - Its environment is not the agent's: see [`LaunchSpec::environment`].
+//! - In its tenant's network namespace, it is started through the
+//!   attachment's `enter` prefix (`ip netns exec`), which keeps its pid.
 //! - A process is named by its pid and its start time from
 //!   `/proc/<pid>/stat`, so a recycled pid is never adopted or signalled.
 //! - When the leader of a workload exits, whatever it left running in its
@@ -57,23 +51,22 @@
 //! and a process it cannot find.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::{File, OpenOptions};
-use std::io::Write as _;
-use std::net::{Ipv4Addr, TcpListener};
-use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use rustix::process::{Pid, Signal, kill_process_group};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::instances::{
+    Layout, PortBook, StoredExit, StoredRecord, assign_ports, blocking, from_unix_ms, host_ports, load_records,
+    prepare, remove_path, unix_ms, validate_lease_id, write_record,
+};
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    Exit, ExitStatus, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched, LogFiles, Provider,
-    ProviderError, WorkloadSignal,
+    Exit, ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
 };
 
 /// How long a workload has to stop after SIGTERM before it gets SIGKILL.
@@ -88,24 +81,6 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 
 /// How often a stopping group is looked at.
 const STOP_POLL: Duration = Duration::from_millis(25);
-
-/// How many ports the kernel is asked for before a launch gives up on
-/// finding ones no other instance holds.
-const PORT_ATTEMPTS: usize = 64;
-
-/// The `PATH` a workload gets unless its lease sets one.
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-
-const WORK_DIR: &str = "leases";
-const RECORD_DIR: &str = "instances";
-const LOG_DIR: &str = "logs";
-const RECORD_SUFFIX: &str = ".json";
-const TMP_SUFFIX: &str = ".tmp";
-const STDOUT_FILE: &str = "stdout.log";
-const STDERR_FILE: &str = "stderr.log";
-
-/// Numbers the record writes of this process.
-static NEXT_WRITE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The timings of the process provider.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,83 +97,10 @@ impl Default for ProcessTiming {
     }
 }
 
-/// A record as kept on disk.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-struct StoredRecord {
-    lease_id: String,
-    epoch: u64,
-    node_id: String,
-    pid: Option<u32>,
-    /// The process's start time in clock ticks after boot, from `/proc`.
-    start_ticks: Option<u64>,
-    started_at_ms: Option<u64>,
-    exit: Option<StoredExit>,
-    settled: bool,
-    meta: crate::provider::InstanceMeta,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-struct StoredExit {
-    status: ExitStatus,
-    at_ms: u64,
-}
-
-impl StoredRecord {
-    fn to_record(&self) -> InstanceRecord {
-        InstanceRecord {
-            lease_id: self.lease_id.clone(),
-            epoch: self.epoch,
-            pid: self.pid,
-            started_at: self.started_at_ms.map(from_unix_ms),
-            exit: self.exit.map(|e| Exit { status: e.status, at: from_unix_ms(e.at_ms) }),
-            settled: self.settled,
-            meta: self.meta.clone(),
-        }
-    }
-
-    fn exit(&self) -> Option<Exit> {
-        self.exit.map(|e| Exit { status: e.status, at: from_unix_ms(e.at_ms) })
-    }
-
-    /// The process group and the leader's start time, when it started.
-    fn group(&self) -> Option<(i32, u64)> {
-        Some((i32::try_from(self.pid?).ok()?, self.start_ticks?))
-    }
-}
-
 #[derive(Debug)]
 struct Tracked {
     stored: StoredRecord,
     exit: watch::Sender<Option<Exit>>,
-}
-
-/// Where everything lives under the data directory.
-#[derive(Debug, Clone)]
-struct Layout {
-    root: PathBuf,
-}
-
-impl Layout {
-    fn work_dir(&self, lease_id: &str) -> PathBuf {
-        self.root.join(WORK_DIR).join(lease_id)
-    }
-
-    fn record_dir(&self) -> PathBuf {
-        self.root.join(RECORD_DIR)
-    }
-
-    fn record(&self, lease_id: &str) -> PathBuf {
-        self.record_dir().join(format!("{lease_id}{RECORD_SUFFIX}"))
-    }
-
-    fn log_dir(&self, lease_id: &str) -> PathBuf {
-        self.root.join(LOG_DIR).join(lease_id)
-    }
-
-    fn logs(&self, lease_id: &str) -> LogFiles {
-        let dir = self.log_dir(lease_id);
-        LogFiles { stdout: dir.join(STDOUT_FILE), stderr: dir.join(STDERR_FILE) }
-    }
 }
 
 /// Runs each lease's command as a process group; see the module docs.
@@ -214,7 +116,7 @@ struct Inner {
     timing: ProcessTiming,
     instances: Mutex<BTreeMap<String, Tracked>>,
     /// Ports handed to launches whose instance is not tracked yet.
-    claimed_ports: Mutex<BTreeSet<u16>>,
+    ports: Arc<PortBook>,
     /// Stops the tasks that wait for processes; never the processes.
     shutdown: CancellationToken,
 }
@@ -229,7 +131,7 @@ impl ProcessProvider {
                 proc_root: PathBuf::from(PROC_ROOT),
                 timing,
                 instances: Mutex::new(BTreeMap::new()),
-                claimed_ports: Mutex::new(BTreeSet::new()),
+                ports: Arc::default(),
                 shutdown,
             }),
         }
@@ -338,42 +240,6 @@ impl ProcessProvider {
         }
     }
 
-    /// Loads every record from disk into memory; records already tracked
-    /// are kept as they are.
-    fn load_records(&self) -> Result<Vec<StoredRecord>, ProviderError> {
-        let dir = self.inner.layout.record_dir();
-        let entries = match std::fs::read_dir(&dir) {
-            Ok(entries) => entries,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(source) => return Err(io("read", &dir, source)),
-        };
-        let mut records = Vec::new();
-        for entry in entries {
-            let path = entry.map_err(|source| io("read", &dir, source))?.path();
-            let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
-            if name.ends_with(TMP_SUFFIX) {
-                // A write the agent did not finish; the record it replaced is in force.
-                let _ = std::fs::remove_file(&path);
-                continue;
-            }
-            if !name.ends_with(RECORD_SUFFIX) {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).map_err(|source| io("read", &path, source))?;
-            match serde_json::from_str::<StoredRecord>(&text) {
-                Ok(record) if validate_lease_id(&record.lease_id).is_ok() => records.push(record),
-                Ok(record) => {
-                    tracing::warn!(path = %path.display(), lease_id = %record.lease_id, "ignoring a record with an unusable lease id")
-                }
-                Err(e) => {
-                    let error = ProviderError::Corrupt { path: path.display().to_string(), detail: e.to_string() };
-                    tracing::warn!(%error, "ignoring an unreadable instance record");
-                }
-            }
-        }
-        Ok(records)
-    }
-
     fn group_of(&self, lease_id: &str) -> Result<(StoredRecord, Option<(i32, u64)>), ProviderError> {
         let stored = self.stored(lease_id)?;
         let group = stored.group().filter(|(pgid, ticks)| procfs::owns_group(&self.inner.proc_root, *pgid, *ticks));
@@ -403,89 +269,22 @@ impl Inner {
         self.instances.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn claimed_ports(&self) -> MutexGuard<'_, BTreeSet<u16>> {
-        self.claimed_ports.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// Ports a launch was given, kept from other launches until its instance is
-/// tracked (which then keeps them) or the launch failed.
-#[derive(Debug)]
-struct PortClaim {
-    inner: Arc<Inner>,
-    ports: Vec<u16>,
-}
-
-impl Drop for PortClaim {
-    fn drop(&mut self) {
-        let mut claimed = self.inner.claimed_ports();
-        for port in &self.ports {
-            claimed.remove(port);
-        }
-    }
-}
-
-impl ProcessProvider {
-    /// Finds a free host port for each of `names` (one, with none) that no
-    /// other instance holds: the first is `PORT`.
-    fn allocate_ports(&self, lease_id: &str, names: &[String]) -> Result<(Vec<u16>, PortClaim), ProviderError> {
-        let wanted = names.len().max(1);
-        let mut taken: BTreeSet<u16> = self
-            .inner
-            .lock()
+    /// The host ports running instances hold.
+    fn ports_taken(&self) -> BTreeSet<u16> {
+        self.lock()
             .values()
             .filter(|tracked| tracked.stored.exit.is_none())
             .flat_map(|tracked| host_ports(&tracked.stored.meta))
-            .collect();
-        let mut claimed = self.inner.claimed_ports();
-        taken.extend(claimed.iter().copied());
-        let no_port = |detail: String| ProviderError::NoFreePort { lease_id: lease_id.to_string(), detail };
-        // Every probe stays bound until the end, so the kernel never hands
-        // one port to this launch twice.
-        let mut probes = Vec::new();
-        let mut ports = Vec::new();
-        while ports.len() < wanted && probes.len() < PORT_ATTEMPTS {
-            let probe = TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| no_port(e.to_string()))?;
-            let port = probe.local_addr().map_err(|e| no_port(e.to_string()))?.port();
-            if taken.insert(port) {
-                ports.push(port);
-            }
-            probes.push(probe);
-        }
-        if ports.len() < wanted {
-            return Err(no_port(format!(
-                "the kernel offered only ports other instances hold after {PORT_ATTEMPTS} tries"
-            )));
-        }
-        claimed.extend(ports.iter().copied());
-        drop(claimed);
-        Ok((ports.clone(), PortClaim { inner: self.inner.clone(), ports }))
+            .collect()
     }
-}
-
-/// The host ports an instance holds.
-fn host_ports(meta: &InstanceMeta) -> impl Iterator<Item = u16> + '_ {
-    std::iter::once(meta.port).chain(meta.ports.values().copied()).filter_map(|port| u16::try_from(port).ok())
-}
-
-/// `BERTH_PORT_<NAME>` for a port's name: upper case, anything but a letter
-/// or digit as `_`.
-fn port_variable(name: &str) -> String {
-    let name: String =
-        name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect();
-    format!("BERTH_PORT_{name}")
 }
 
 #[async_trait::async_trait]
 impl Provider for ProcessProvider {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
         validate_lease_id(&spec.lease_id)?;
-        if spec.command.trim().is_empty() {
-            return Err(ProviderError::Unsupported(format!(
-                "lease {} runs a bundle, and this node runs bare commands only",
-                spec.lease_id
-            )));
-        }
+        let bundle = spec.root.bundle_dir().map(Path::to_path_buf);
+        let program = spec.program_path(bundle.as_deref())?;
         if let Ok(stored) = self.stored(&spec.lease_id)
             && stored.exit.is_none()
             && stored.pid.is_some()
@@ -493,51 +292,41 @@ impl Provider for ProcessProvider {
             return Err(ProviderError::AlreadyRunning(spec.lease_id));
         }
         let mut spec = spec;
-        let (ports, _claim) = self.allocate_ports(&spec.lease_id, &spec.ports)?;
-        spec.meta.port = u32::from(ports[0]);
-        spec.meta.ports = spec.ports.iter().cloned().zip(ports.iter().map(|port| u32::from(*port))).collect();
+        let taken = self.inner.ports_taken();
+        let (ports, _claim) = self.inner.ports.allocate(&spec.lease_id, &spec.ports, taken)?;
+        assign_ports(&mut spec.meta, &spec.ports, &ports);
 
         let layout = self.inner.layout.clone();
-        let first = StoredRecord {
-            lease_id: spec.lease_id.clone(),
-            epoch: spec.epoch,
-            node_id: spec.node_id.clone(),
-            pid: None,
-            start_ticks: None,
-            started_at_ms: None,
-            exit: None,
-            settled: false,
-            meta: spec.meta.clone(),
-        };
+        let first = StoredRecord::starting(&spec);
         let (work_dir, stdout, stderr) = {
             let first = first.clone();
             blocking(move || prepare(&layout, &first)).await?
         };
-
-        let mut command = tokio::process::Command::new(&spec.command);
+        let env = spec.environment(&work_dir, bundle.as_deref());
+        let mut line = spec.network.as_ref().map(|network| network.enter.clone()).unwrap_or_default();
+        if !line.is_empty() {
+            // The namespace's tool would start and then fail to find the
+            // program; a path that is not there fails the launch as it would
+            // without it.
+            let path = Path::new(&program);
+            if path.is_absolute() && !path.exists() {
+                let source = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+                return Err(ProviderError::Spawn { command: program, source });
+            }
+        }
+        line.push(program.clone());
+        line.extend(spec.args.iter().cloned());
+        let mut command = tokio::process::Command::new(&line[0]);
         command
-            .args(&spec.args)
+            .args(&line[1..])
             .env_clear()
-            .env("PATH", DEFAULT_PATH)
-            .env("HOME", &work_dir)
-            .envs(&spec.env)
-            // Set last: a workload cannot pass for another lease or node, nor
-            // listen anywhere but where the agent says it does.
-            .env("BERTH_LEASE_ID", &spec.lease_id)
-            .env("BERTH_NODE_ID", &spec.node_id)
-            .env("PORT", spec.meta.port.to_string())
-            .envs(spec.meta.ports.iter().map(|(name, port)| (port_variable(name), port.to_string())))
+            .envs(&env)
             .current_dir(&work_dir)
             .stdin(std::process::Stdio::null())
             .stdout(stdout)
             .stderr(stderr)
             .process_group(0)
             .kill_on_drop(false);
-        for (variable, value) in [("BERTH_SERVICE", &spec.meta.service), ("BERTH_REVISION", &spec.meta.revision)] {
-            if !value.is_empty() {
-                command.env(variable, value);
-            }
-        }
         let (exit_tx, exit_rx) = watch::channel(None);
         let child = match command.spawn() {
             Ok(child) => child,
@@ -548,7 +337,7 @@ impl Provider for ProcessProvider {
                 };
                 let layout = self.inner.layout.clone();
                 let _ = blocking(move || write_record(&layout, &failed)).await;
-                return Err(ProviderError::Spawn { command: spec.command, source });
+                return Err(ProviderError::Spawn { command: program, source });
             }
         };
         let pid = child.id();
@@ -565,14 +354,14 @@ impl Provider for ProcessProvider {
             })
             .await?;
         }
-        tracing::info!(lease_id = %spec.lease_id, epoch = spec.epoch, ?pid, command = %spec.command, "workload started");
+        tracing::info!(lease_id = %spec.lease_id, epoch = spec.epoch, ?pid, %program, "workload started");
         self.wait_for_child(spec.lease_id, child, group);
         Ok(Launched { record: started.to_record(), exit: exit_rx })
     }
 
     async fn recover(&self) -> Result<Vec<Launched>, ProviderError> {
         let provider = self.clone();
-        let loaded = blocking(move || provider.load_records()).await?;
+        let loaded = blocking(move || load_records(&provider.inner.layout)).await?;
         let mut recovered = Vec::new();
         for stored in loaded {
             let lease_id = stored.lease_id.clone();
@@ -692,86 +481,10 @@ impl Provider for ProcessProvider {
         self.stored(lease_id)?;
         Ok(self.inner.layout.logs(lease_id))
     }
-}
 
-/// Runs `f` on the blocking pool: file writes are flushed to disk, and
-/// `/proc` scans read many files.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ProviderError> + Send + 'static,
-) -> Result<T, ProviderError> {
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
-        Err(ProviderError::Io { action: "finish", path: String::new(), source: std::io::Error::other(e.to_string()) })
-    })
-}
-
-/// Creates the working and log directories, writes the record that says a
-/// start is under way, and opens fresh log files.
-fn prepare(layout: &Layout, record: &StoredRecord) -> Result<(PathBuf, File, File), ProviderError> {
-    let work_dir = layout.work_dir(&record.lease_id);
-    let log_dir = layout.log_dir(&record.lease_id);
-    for dir in [&work_dir, &log_dir, &layout.record_dir()] {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(|source| io("create", dir, source))?;
+    fn runtime(&self) -> Runtime {
+        Runtime { name: "process".into(), contained: false }
     }
-    write_record(layout, record)?;
-    let logs = layout.logs(&record.lease_id);
-    let open = |path: &Path| {
-        OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(path)
-            .map_err(|source| io("create", path, source))
-    };
-    Ok((work_dir, open(&logs.stdout)?, open(&logs.stderr)?))
-}
-
-/// Replaces the record atomically: whole temporary file, flush, rename,
-/// flush the directory.
-fn write_record(layout: &Layout, record: &StoredRecord) -> Result<(), ProviderError> {
-    let path = layout.record(&record.lease_id);
-    // A name of its own per write, so two writes of one record never share
-    // (and rename away) each other's staging file.
-    let write = NEXT_WRITE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let staging = path.with_extension(format!("json.{}.{write}{TMP_SUFFIX}", std::process::id()));
-    let text = serde_json::to_vec_pretty(record)
-        .map_err(|e| ProviderError::Corrupt { path: path.display().to_string(), detail: e.to_string() })?;
-    let mut file = OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&staging)
-        .map_err(|source| io("write", &staging, source))?;
-    file.write_all(&text).map_err(|source| io("write", &staging, source))?;
-    file.sync_all().map_err(|source| io("flush", &staging, source))?;
-    std::fs::rename(&staging, &path).map_err(|source| io("rename", &staging, source))?;
-    let dir = layout.record_dir();
-    File::open(&dir).and_then(|d| d.sync_all()).map_err(|source| io("flush", &dir, source))
-}
-
-fn remove_path(path: &Path) -> Result<(), ProviderError> {
-    let removed = match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(path),
-        Ok(_) => std::fs::remove_file(path),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => Err(e),
-    };
-    removed.map_err(|source| io("remove", path, source))
-}
-
-/// A lease id names directories: letters, digits, `-`, `_` and `.`, not
-/// starting with a dot, at most 128 characters.
-fn validate_lease_id(lease_id: &str) -> Result<(), ProviderError> {
-    let usable = !lease_id.is_empty()
-        && lease_id.len() <= 128
-        && !lease_id.starts_with('.')
-        && lease_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-    if usable { Ok(()) } else { Err(ProviderError::InvalidLeaseId(lease_id.to_string())) }
 }
 
 /// Signals every process in group `pgid`.
@@ -801,18 +514,6 @@ fn rustix_signal(signal: WorkloadSignal) -> Signal {
     }
 }
 
-fn io(action: &'static str, path: &Path, source: std::io::Error) -> ProviderError {
-    ProviderError::Io { action, path: path.display().to_string(), source }
-}
-
-fn unix_ms(at: SystemTime) -> u64 {
-    at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis().min(u128::from(u64::MAX)) as u64)
-}
-
-fn from_unix_ms(ms: u64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms)
-}
-
 #[cfg(test)]
 mod tests {
     use std::os::unix::process::CommandExt as _;
@@ -828,16 +529,7 @@ mod tests {
     }
 
     fn spec(lease_id: &str, script: &str) -> LaunchSpec {
-        LaunchSpec {
-            lease_id: lease_id.into(),
-            epoch: 1,
-            node_id: "n-1".into(),
-            command: "sh".into(),
-            args: vec!["-c".into(), script.into()],
-            env: BTreeMap::from([("GREETING".to_string(), "hello".to_string())]),
-            ports: Vec::new(),
-            meta: Default::default(),
-        }
+        LaunchSpec::for_test(lease_id, script)
     }
 
     async fn ended(watch: &mut ExitWatch) -> Exit {
@@ -847,7 +539,8 @@ mod tests {
     }
 
     fn record_on_disk(root: &Path, lease_id: &str) -> StoredRecord {
-        let text = std::fs::read_to_string(root.join(RECORD_DIR).join(format!("{lease_id}.json"))).unwrap();
+        let text =
+            std::fs::read_to_string(root.join(crate::instances::RECORD_DIR).join(format!("{lease_id}.json"))).unwrap();
         serde_json::from_str(&text).unwrap()
     }
 
@@ -1003,9 +696,9 @@ mod tests {
 
     #[test]
     fn port_names_become_variable_names() {
-        assert_eq!(port_variable("http"), "BERTH_PORT_HTTP");
-        assert_eq!(port_variable("admin-api"), "BERTH_PORT_ADMIN_API");
-        assert_eq!(port_variable("a=b\0"), "BERTH_PORT_A_B_");
+        assert_eq!(crate::provider::port_variable("http"), "BERTH_PORT_HTTP");
+        assert_eq!(crate::provider::port_variable("admin-api"), "BERTH_PORT_ADMIN_API");
+        assert_eq!(crate::provider::port_variable("a=b\0"), "BERTH_PORT_A_B_");
     }
 
     #[tokio::test]
@@ -1028,6 +721,8 @@ mod tests {
             exit: None,
             settled: false,
             meta: Default::default(),
+            uid: None,
+            memory_limited: false,
         };
         write_record(&layout, &record).unwrap();
 
@@ -1095,11 +790,11 @@ mod tests {
             assert!(matches!(err, ProviderError::InvalidLeaseId(_)), "{bad}: {err}");
         }
         let mut bundle = spec("lease-g", "");
-        bundle.command = String::new();
+        bundle.program = crate::provider::Program::Entrypoint;
         let err = provider.launch(bundle).await.unwrap_err();
         assert_eq!(err.start_reason(), "Unsupported", "{err}");
         let mut missing = spec("lease-h", "");
-        missing.command = "/nonexistent/program".into();
+        missing.program = crate::provider::Program::Command("/nonexistent/program".into());
         let err = provider.launch(missing).await.unwrap_err();
         assert_eq!(err.start_reason(), "StartFailed", "{err}");
         assert!(err.to_string().contains("/nonexistent/program"), "{err}");

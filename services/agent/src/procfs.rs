@@ -129,8 +129,16 @@ impl Drop for TestDir {
     fn drop(&mut self) {
         let Ok(entries) = std::fs::read_dir(PROC_ROOT) else { return };
         for pid in entries.filter_map(Result::ok).filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()) {
-            let cwd = std::fs::read_link(Path::new(PROC_ROOT).join(pid.to_string()).join("cwd"));
-            if cwd.is_ok_and(|cwd| cwd.starts_with(self.0.path()))
+            let proc = Path::new(PROC_ROOT).join(pid.to_string());
+            let cwd = std::fs::read_link(proc.join("cwd"));
+            // A contained workload's root is under the directory; a gVisor
+            // sandbox names it on its command line.
+            let root = std::fs::read_link(proc.join("root"));
+            let cmdline = std::fs::read(proc.join("cmdline")).unwrap_or_default();
+            let named = String::from_utf8_lossy(&cmdline).contains(&*self.0.path().to_string_lossy());
+            if (cwd.is_ok_and(|cwd| cwd.starts_with(self.0.path()))
+                || root.is_ok_and(|root| root.starts_with(self.0.path()))
+                || named)
                 && let Some(pid) = rustix::process::Pid::from_raw(pid)
             {
                 let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);

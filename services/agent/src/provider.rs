@@ -10,11 +10,20 @@
 //!   [`destroy`](Provider::destroy) does.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 
-/// What to start for a lease.
+/// The `PATH` a workload gets unless its lease sets one.
+pub(crate) const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The variable naming where the workload sees its bundle.
+pub(crate) const BUNDLE_DIR_VAR: &str = "BERTH_BUNDLE_DIR";
+
+/// What to start for a lease: a program in a root, with the lease's
+/// resources and its tenant's network. The provider decides how the root is
+/// shown to the workload (the host's own paths, or a container's mounts).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchSpec {
     /// The lease the workload runs for; names its working directory.
@@ -23,8 +32,10 @@ pub struct LaunchSpec {
     pub epoch: u64,
     /// The node the workload runs on.
     pub node_id: String,
-    /// The program; a bare name is looked up in the workload's `PATH`.
-    pub command: String,
+    /// The files it runs from.
+    pub root: WorkloadRoot,
+    /// The program.
+    pub program: Program,
     /// Its arguments.
     pub args: Vec<String>,
     /// Its environment, on top of what the provider always sets.
@@ -33,8 +44,135 @@ pub struct LaunchSpec {
     /// port on the host (`BERTH_PORT_<NAME>`), the first one also as
     /// `PORT`; with none named it still gets a `PORT`.
     pub ports: Vec<String>,
+    /// The compute the lease reserves: a containing provider's limits.
+    pub resources: Resources,
+    /// The tenant's network namespace, when the node isolates egress.
+    pub network: Option<NetworkAttachment>,
     /// What the agent API shows about it.
     pub meta: InstanceMeta,
+}
+
+/// The files a workload runs from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum WorkloadRoot {
+    /// Nothing of its own: a bare command from the host's files.
+    #[default]
+    Host,
+    /// A verified, extracted bundle.
+    Bundle {
+        /// Where it is extracted on the host.
+        dir: PathBuf,
+        /// Its manifest digest.
+        digest: String,
+    },
+}
+
+impl WorkloadRoot {
+    /// The bundle's directory on the host, when there is one.
+    pub fn bundle_dir(&self) -> Option<&Path> {
+        match self {
+            WorkloadRoot::Host => None,
+            WorkloadRoot::Bundle { dir, .. } => Some(dir),
+        }
+    }
+}
+
+/// The program a lease runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Program {
+    /// The bundle's own entrypoint: what a lease that names no program runs,
+    /// until its bundle is known.
+    Entrypoint,
+    /// A file inside the bundle, relative to its root.
+    Bundled(PathBuf),
+    /// An absolute path, or a bare name looked up in the workload's `PATH`.
+    Command(String),
+}
+
+impl Program {
+    /// The program a lease names: empty means the bundle's entrypoint.
+    pub fn of_lease(command: &str) -> Self {
+        if command.is_empty() { Program::Entrypoint } else { Program::Command(command.to_string()) }
+    }
+}
+
+impl std::fmt::Display for Program {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Program::Entrypoint => f.write_str("the bundle's entrypoint"),
+            Program::Bundled(path) => write!(f, "{} in the bundle", path.display()),
+            Program::Command(command) => f.write_str(command),
+        }
+    }
+}
+
+/// The compute a lease reserves; zero means not reserved (no limit).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Resources {
+    /// CPU in thousandths of a core.
+    pub cpu_millis: u64,
+    /// Memory in bytes.
+    pub memory_bytes: u64,
+}
+
+/// The tenant's network namespace a workload joins.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetworkAttachment {
+    /// The namespace's file, e.g. `/run/netns/<name>`.
+    pub namespace: PathBuf,
+    /// A command line prefix that runs a host program inside it (for a
+    /// provider that starts host processes), e.g. `ip netns exec <name>`.
+    pub enter: Vec<String>,
+}
+
+impl LaunchSpec {
+    /// The program as the workload sees it, with its bundle at
+    /// `bundle_seen_at`.
+    pub(crate) fn program_path(&self, bundle_seen_at: Option<&Path>) -> Result<String, ProviderError> {
+        match (&self.program, bundle_seen_at) {
+            (Program::Command(command), _) if !command.trim().is_empty() => Ok(command.clone()),
+            (Program::Bundled(path), Some(bundle)) => Ok(bundle.join(path).display().to_string()),
+            _ => Err(ProviderError::Unsupported(format!(
+                "lease {} names no program this node can run ({})",
+                self.lease_id, self.program
+            ))),
+        }
+    }
+
+    /// The workload's environment: a default `PATH`, `HOME`, the lease's
+    /// own variables, then what names it and which the lease cannot
+    /// override: `BERTH_LEASE_ID`, `BERTH_NODE_ID`, `BERTH_SERVICE` and
+    /// `BERTH_REVISION` (when it has them), `BERTH_BUNDLE_DIR` (with a
+    /// bundle), `PORT` and `BERTH_PORT_<NAME>`. Nothing of the agent's own
+    /// environment (a join token, for one) is in it.
+    pub(crate) fn environment(&self, home: &Path, bundle_seen_at: Option<&Path>) -> BTreeMap<String, String> {
+        let mut env = BTreeMap::from([
+            ("PATH".to_string(), DEFAULT_PATH.to_string()),
+            ("HOME".to_string(), home.display().to_string()),
+        ]);
+        env.extend(self.env.clone());
+        env.insert("BERTH_LEASE_ID".into(), self.lease_id.clone());
+        env.insert("BERTH_NODE_ID".into(), self.node_id.clone());
+        for (variable, value) in [("BERTH_SERVICE", &self.meta.service), ("BERTH_REVISION", &self.meta.revision)] {
+            if !value.is_empty() {
+                env.insert(variable.into(), value.clone());
+            }
+        }
+        if let Some(bundle) = bundle_seen_at {
+            env.insert(BUNDLE_DIR_VAR.into(), bundle.display().to_string());
+        }
+        env.insert("PORT".into(), self.meta.port.to_string());
+        env.extend(self.meta.ports.iter().map(|(name, port)| (port_variable(name), port.to_string())));
+        env
+    }
+}
+
+/// `BERTH_PORT_<NAME>` for a port's name: upper case, anything but a letter
+/// or digit as `_`.
+pub(crate) fn port_variable(name: &str) -> String {
+    let name: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect();
+    format!("BERTH_PORT_{name}")
 }
 
 /// What the agent API shows about an instance besides its process: kept
@@ -64,6 +202,8 @@ pub enum ExitStatus {
     Code(i32),
     /// A signal killed it.
     Signal(i32),
+    /// The kernel killed it for going past its memory limit.
+    OutOfMemory,
     /// It ended while no one could wait for it (it was adopted after an
     /// agent restart, so its parent is not this agent): it is known to be
     /// gone, not how it went.
@@ -80,7 +220,7 @@ impl ExitStatus {
     pub fn code(self) -> Option<i32> {
         match self {
             ExitStatus::Code(code) => Some(code),
-            ExitStatus::Signal(_) | ExitStatus::Unknown => None,
+            ExitStatus::Signal(_) | ExitStatus::OutOfMemory | ExitStatus::Unknown => None,
         }
     }
 }
@@ -93,6 +233,7 @@ impl std::fmt::Display for ExitStatus {
                 Some(name) => write!(f, "killed by signal {signal} ({name})"),
                 None => write!(f, "killed by signal {signal}"),
             },
+            ExitStatus::OutOfMemory => f.write_str("killed for going past its memory limit"),
             ExitStatus::Unknown => {
                 f.write_str("ended while the agent could not wait for it; its exit status is unknown")
             }
@@ -329,6 +470,40 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
 
     /// Where the workload's output goes.
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError>;
+
+    /// What runs the workloads, for the node's labels and logs.
+    fn runtime(&self) -> Runtime;
+}
+
+/// What runs a node's workloads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Runtime {
+    /// `process`, or the OCI runtime's name (`runc`, `crun`, `runsc`).
+    pub name: String,
+    /// Whether each workload is contained: its own user, mount and PID
+    /// namespaces, no capabilities, and its lease's resources as limits.
+    pub contained: bool,
+}
+
+#[cfg(test)]
+impl LaunchSpec {
+    /// A lease running `sh -c script` from the host's files, with no
+    /// resources reserved.
+    pub(crate) fn for_test(lease_id: &str, script: &str) -> Self {
+        LaunchSpec {
+            lease_id: lease_id.into(),
+            epoch: 1,
+            node_id: "n-1".into(),
+            root: WorkloadRoot::Host,
+            program: Program::Command("sh".into()),
+            args: vec!["-c".into(), script.into()],
+            env: BTreeMap::from([("GREETING".to_string(), "hello".to_string())]),
+            ports: Vec::new(),
+            resources: Resources::default(),
+            network: None,
+            meta: InstanceMeta::default(),
+        }
+    }
 }
 
 #[cfg(test)]

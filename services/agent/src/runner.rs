@@ -58,7 +58,9 @@ use crate::bundles::{BundleAsk, BundleError, BundleStore, bundle_spec};
 use crate::config::LeaseTiming;
 use crate::keepalive::{KeepAlive, Lost, RenewSet};
 use crate::leases_client::{NodeLeasesApi, is_transient};
-use crate::provider::{Exit, ExitStatus, ExitWatch, InstanceMeta, LaunchSpec, Launched, Provider};
+use crate::provider::{
+    Exit, ExitStatus, ExitWatch, InstanceMeta, LaunchSpec, Launched, Program, Provider, Resources, WorkloadRoot,
+};
 use crate::recovery::{PassPlan, PassReport, run_pass};
 use crate::status::{Fence, FenceReason, NodeSession};
 
@@ -427,10 +429,16 @@ impl Runner {
             lease_id: lease.lease_id.clone(),
             epoch: lease.epoch,
             node_id: self.session.node_id.clone(),
-            command: workload.command,
+            root: WorkloadRoot::Host,
+            program: Program::of_lease(&workload.command),
             args: workload.args,
             env: workload.env.into_iter().collect(),
             ports: workload.ports.iter().map(|port| port.name.clone()).collect(),
+            resources: lease
+                .resources
+                .map(|r| Resources { cpu_millis: r.cpu_millis, memory_bytes: r.memory_bytes })
+                .unwrap_or_default(),
+            network: None,
             meta: meta.clone(),
         };
         self.shared.board.put(InstanceView::new(&lease.lease_id, lease.epoch, meta, LeasePhase::Bound));
@@ -1083,6 +1091,7 @@ impl Worker {
             ExitStatus::Code(0) => (LeasePhase::Done, "Exited"),
             ExitStatus::Code(_) => (LeasePhase::Failed, "Exited"),
             ExitStatus::Signal(_) => (LeasePhase::Failed, "Killed"),
+            ExitStatus::OutOfMemory => (LeasePhase::Failed, "OOMKilled"),
             ExitStatus::Unknown => (LeasePhase::Failed, "ExitUnknown"),
         };
         let detail =

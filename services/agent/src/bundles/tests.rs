@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt as _;
-use std::path::PathBuf;
 
 use berth_bundle::{BundlePort, CacheOptions, PackedBundle, RegistryConfig};
 
@@ -281,14 +280,10 @@ fn definition(root: &Path) -> BundleDefinition {
 
 fn lease_spec() -> LaunchSpec {
     LaunchSpec {
-        lease_id: "lease-1".into(),
-        epoch: 1,
-        node_id: "n-1".into(),
-        command: String::new(),
+        program: Program::Entrypoint,
         args: Vec::new(),
         env: BTreeMap::new(),
-        ports: Vec::new(),
-        meta: Default::default(),
+        ..LaunchSpec::for_test("lease-1", "")
     }
 }
 
@@ -300,10 +295,10 @@ fn a_bundle_runs_its_entrypoint_with_its_own_settings_under_the_lease_overrides(
     let definition = definition(root);
 
     let plain = bundle_spec(&definition, lease_spec()).unwrap();
-    assert_eq!(PathBuf::from(&plain.command), root.join("bin/app"));
+    assert_eq!(plain.program, Program::Bundled("bin/app".into()));
+    assert_eq!(plain.root, WorkloadRoot::Bundle { dir: root.to_path_buf(), digest: definition.digest.to_string() });
     assert_eq!(plain.args, ["--serve"]);
     assert_eq!(plain.env["GREETING"], "hello");
-    assert_eq!(PathBuf::from(&plain.env[BUNDLE_DIR_VAR]), root);
     assert_eq!(plain.env[BUNDLE_DIGEST_VAR], definition.digest.to_string());
     assert_eq!(plain.ports, ["http"], "the bundle's ports when the lease names none");
 
@@ -312,21 +307,21 @@ fn a_bundle_runs_its_entrypoint_with_its_own_settings_under_the_lease_overrides(
     overridden.env.insert("LEVEL".into(), "debug".into());
     overridden.ports = vec!["web".into()];
     let overridden = bundle_spec(&definition, overridden).unwrap();
-    assert_eq!(PathBuf::from(&overridden.command), root.join("bin/app"));
+    assert_eq!(overridden.program, Program::Bundled("bin/app".into()));
     assert_eq!(overridden.args, ["--once"], "the lease's arguments replace the bundle's");
     assert_eq!((overridden.env["LEVEL"].as_str(), overridden.env["GREETING"].as_str()), ("debug", "hello"));
     assert_eq!(overridden.ports, ["web"]);
 
     let mut own = lease_spec();
-    own.command = "bin/other".into();
+    own.program = Program::Command("bin/other".into());
     let own = bundle_spec(&definition, own).unwrap();
-    assert_eq!(PathBuf::from(&own.command), root.join("bin/other"));
+    assert_eq!(own.program, Program::Bundled("bin/other".into()));
     assert!(own.args.is_empty(), "a command of the lease's own does not take the bundle's arguments");
 
     for (command, expected) in [("python3", "python3"), ("/bin/true", "/bin/true")] {
         let mut spec = lease_spec();
-        spec.command = command.into();
-        assert_eq!(bundle_spec(&definition, spec).unwrap().command, expected);
+        spec.program = Program::Command(command.into());
+        assert_eq!(bundle_spec(&definition, spec).unwrap().program, Program::Command(expected.into()));
     }
 }
 
@@ -347,7 +342,7 @@ fn a_program_that_is_not_in_the_bundle_or_leads_out_of_it_is_refused() {
         ("bin", "is not a file in the bundle"),
     ] {
         let mut spec = lease_spec();
-        spec.command = command.into();
+        spec.program = Program::Command(command.into());
         let error = bundle_spec(&definition, spec).unwrap_err();
         assert_eq!(error.reason(), "InvalidCommand", "{command}: {error}");
         let message = error.to_string();

@@ -6,8 +6,8 @@
 //! - **Launch**: the replica's tenant and service are attached first (see
 //!   [`EgressProxies::attach`]); the replica gets the proxy variables on top
 //!   of its lease's own (which cannot override them) and, when the node
-//!   isolates, runs inside its tenant's namespace through `ip netns exec`,
-//!   which keeps its process id; once it runs, its ports are forwarded into
+//!   isolates, is given its tenant's namespace to run in (the inner
+//!   provider decides how it joins it); once it runs, its ports are forwarded into
 //!   the namespace. A replica that cannot be attached is not started: its
 //!   lease fails with `EgressUnavailable`.
 //! - **Recover**: every replica found running after a restart is attached
@@ -18,7 +18,9 @@
 use std::sync::Arc;
 
 use super::proxies::EgressProxies;
-use crate::provider::{InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, WorkloadSignal};
+use crate::provider::{
+    InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
+};
 
 /// A provider whose replicas reach the network only through their tenant's
 /// egress proxy.
@@ -56,20 +58,7 @@ impl Provider for EgressProvider {
             .await
             .map_err(|error| ProviderError::Egress { lease_id: lease_id.clone(), detail: error.to_string() })?;
         spec.env.extend(attachment.env());
-        if attachment.namespace().is_some() && !spec.command.trim().is_empty() {
-            // `ip netns exec` would start and then fail to find the program;
-            // an absolute path that is not there fails the launch as it would
-            // without it.
-            let program = std::path::Path::new(&spec.command);
-            if program.is_absolute() && !program.exists() {
-                self.proxies.detach(&lease_id).await;
-                let source = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
-                return Err(ProviderError::Spawn { command: spec.command, source });
-            }
-            let (command, args) = attachment.command(&spec.command, &spec.args);
-            spec.command = command;
-            spec.args = args;
-        }
+        spec.network = attachment.network().cloned();
         match self.inner.launch(spec).await {
             Ok(launched) => {
                 self.expose(&launched).await;
@@ -137,5 +126,9 @@ impl Provider for EgressProvider {
 
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
         self.inner.log_files(lease_id)
+    }
+
+    fn runtime(&self) -> Runtime {
+        self.inner.runtime()
     }
 }

@@ -162,7 +162,7 @@ impl Namespaces {
         format!("{NAME_PREFIX}{}-{label}-{:08x}", self.node, fnv32(tenant.as_bytes()))
     }
 
-    fn path(&self, name: &str) -> PathBuf {
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.netns_dir.join(name)
     }
 
@@ -346,7 +346,7 @@ fn enter(_path: &Path) -> io::Result<()> {
 
 /// FNV-1a, folded to 32 bits: stable across builds and releases, so the
 /// names an agent gives survive its upgrade.
-fn fnv32(bytes: &[u8]) -> u32 {
+pub(crate) fn fnv32(bytes: &[u8]) -> u32 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in bytes {
         hash ^= u64::from(*byte);

@@ -54,6 +54,7 @@ use tokio_util::task::TaskTracker;
 use super::netns::{NamespaceError, Namespaces};
 use super::proxy::{ProxyTiming, ServiceProxy};
 use super::rules::{RulesError, TenantRules, tenant_name};
+use crate::provider::NetworkAttachment;
 
 /// Where the proxies keep their record, in the data directory.
 const EGRESS_DIR: &str = "egress";
@@ -227,7 +228,7 @@ pub struct Attachment {
     service: String,
     proxy: SocketAddr,
     namespace: Option<String>,
-    exec_prefix: Vec<String>,
+    network: Option<NetworkAttachment>,
 }
 
 impl Attachment {
@@ -273,18 +274,21 @@ impl Attachment {
         env
     }
 
-    /// The command line that runs `program` with `args` where the replica
-    /// belongs: inside the namespace when isolated, as given otherwise.
+    /// The command line that runs the host program `program` with `args`
+    /// where the replica belongs: inside the namespace when isolated, as
+    /// given otherwise.
     pub fn command(&self, program: &str, args: &[String]) -> (String, Vec<String>) {
-        match self.exec_prefix.split_first() {
-            Some((tool, rest)) => {
-                let mut full = rest.to_vec();
-                full.push(program.to_string());
-                full.extend(args.iter().cloned());
-                (tool.clone(), full)
-            }
-            None => (program.to_string(), args.to_vec()),
-        }
+        let mut line = self.network.as_ref().map(|network| network.enter.clone()).unwrap_or_default();
+        line.push(program.to_string());
+        line.extend(args.iter().cloned());
+        let program = line.remove(0);
+        (program, line)
+    }
+
+    /// The tenant's network namespace for the replica to join; `None`
+    /// when the node does not isolate.
+    pub(crate) fn network(&self) -> Option<&NetworkAttachment> {
+        self.network.as_ref()
     }
 }
 
@@ -489,16 +493,19 @@ impl EgressProxies {
         };
         tenant.leases.entry(lease_id.to_string()).or_insert_with(|| tenant.stop.child_token());
         let namespace = tenant.namespace.clone();
-        let exec_prefix = match (&self.inner.namespaces, &namespace) {
-            (Some(namespaces), Some(namespace)) => namespaces.exec_prefix(namespace),
-            _ => Vec::new(),
+        let network = match (&self.inner.namespaces, &namespace) {
+            (Some(namespaces), Some(namespace)) => Some(NetworkAttachment {
+                namespace: namespaces.path(namespace),
+                enter: namespaces.exec_prefix(namespace),
+            }),
+            _ => None,
         };
         Ok(Attachment {
             tenant: name,
             service: service.to_string(),
             proxy: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
             namespace,
-            exec_prefix,
+            network,
         })
     }
 
@@ -728,23 +735,18 @@ mod tests {
     }
 
     #[test]
-    fn an_isolated_replica_runs_through_ip_netns_exec_and_gets_every_proxy_variable() {
+    fn an_isolated_replica_gets_every_proxy_variable() {
         let attachment = Attachment {
             tenant: "acme".into(),
             service: "web".into(),
             proxy: "127.0.0.1:3128".parse().unwrap(),
             namespace: Some("berth-x-acme".into()),
-            exec_prefix: vec!["/usr/sbin/ip".into(), "netns".into(), "exec".into(), "berth-x-acme".into()],
+            network: None,
         };
-        let (program, args) = attachment.command("sh", &["-c".into(), "true".into()]);
-        assert_eq!(program, "/usr/sbin/ip");
-        assert_eq!(args, ["netns", "exec", "berth-x-acme", "sh", "-c", "true"]);
         let env = attachment.env();
         for name in ["HTTP_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "BERTH_EGRESS_PROXY"] {
             assert_eq!(env[name], "http://127.0.0.1:3128", "{name}");
         }
         assert_eq!(env["NO_PROXY"], NO_PROXY);
-        let advisory = Attachment { namespace: None, exec_prefix: Vec::new(), ..attachment };
-        assert_eq!(advisory.command("sh", &[]), ("sh".to_string(), Vec::new()));
     }
 }

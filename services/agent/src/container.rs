@@ -1,0 +1,971 @@
+//! The container provider: each lease's workload runs contained, through an
+//! OCI runtime binary (`runc`, `crun`, or gVisor's `runsc`), in a root and
+//! with limits [`spec`] describes.
+//!
+//! Namespaces, cgroups, capabilities and the change of user are the runtime
+//! binary's work, not hand-written here: those binaries are the audited,
+//! widely run implementations, and the agent's own code stays free of
+//! `unsafe`. The agent writes the spec, starts the runtime, and keeps the
+//! same records as every provider (see [`crate::instances`]).
+//!
+//! # What is stored
+//! ```text
+//! DATA_DIR/containers/<lease_id>/config.json   the runtime spec
+//! DATA_DIR/containers/<lease_id>/rootfs/       the (read-only) root: mount points,
+//!                                              links to the system directories, /etc
+//! DATA_DIR/containers/<lease_id>/init.pid      the workload's pid on the host
+//! DATA_DIR/runtime/<runtime>/                  the runtime's own state (its `--root`)
+//! ```
+//! plus the record, logs and working directory every provider keeps.
+//!
+//! # Expected flow
+//! - **Launch**: the program is looked for where the workload will see it
+//!   (a missing one fails the launch, as for a process); a user is taken
+//!   from the agent's range and the working directory given to it; the root
+//!   and spec are written; `<runtime> run --keep` starts in its own process
+//!   group as the workload's monitor (it waits for the workload, passes its
+//!   output through to the log files, forwards signals, and exits with its
+//!   status). The launch returns once the workload's pid is known.
+//! - **End**: the monitor's exit is the workload's: a status above 128 is a
+//!   signal. Before the container is deleted its cgroup is read: a workload
+//!   that ended badly after the kernel's OOM killer acted in its cgroup ended
+//!   [`ExitStatus::OutOfMemory`].
+//! - **Restart**: a restarted agent asks the runtime for each recorded
+//!   container's state; a running one is adopted and watched through `/proc`
+//!   (pid and start time), an ended one is recorded and deleted, and a
+//!   container of this agent's runtime root that no record names is
+//!   destroyed.
+//! - **Destroy**: SIGTERM to the workload, the grace, then SIGKILL to every
+//!   process of the container, then the container is deleted. The PID
+//!   namespace dies with its first process, so nothing escapes by `setsid`
+//!   or a double fork.
+//!
+//! # Invariants
+//! - No two running workloads of this agent share a user: a uid is held by
+//!   its instance's record until it ends.
+//! - A workload never runs as uid 0 or as the agent's user: the range is
+//!   checked when the agent starts.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::DirBuilderExt as _;
+use std::os::unix::process::ExitStatusExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::instances::{
+    Layout, PortBook, StoredExit, StoredRecord, assign_ports, blocking, from_unix_ms, host_ports, io, load_records,
+    prepare, remove_path, unix_ms, validate_lease_id, write_record,
+};
+use crate::process::ProcessTiming;
+use crate::procfs::{self, PROC_ROOT};
+use crate::provider::{
+    Exit, ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
+};
+
+mod spec;
+
+pub(crate) use self::spec::{BUNDLE_MOUNT, WORK_MOUNT};
+use self::spec::{ContainerPlan, runtime_spec};
+
+/// How long a runtime may take to start a workload before the launch fails.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How often a starting workload's pid file is looked for.
+const START_POLL: Duration = Duration::from_millis(2);
+
+/// How long a container may outlive SIGKILL before destroy gives up on it.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// How often a stopping workload is looked at.
+const STOP_POLL: Duration = Duration::from_millis(25);
+
+/// How many processes a workload may have at once.
+pub const DEFAULT_PIDS_LIMIT: i64 = 1024;
+
+/// Host directories every workload sees read-only at the same paths; those
+/// the host lacks are left out, and those that are links (a merged `/usr`)
+/// become the same links in the workload's root.
+const SYSTEM_DIRS: [&str; 7] = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"];
+
+/// Host files and directories under `/etc` a workload sees read-only: CA
+/// certificates and how names are looked up.
+const SHARED_ETC: [&str; 4] = ["/etc/ssl", "/etc/ca-certificates", "/etc/nsswitch.conf", "/etc/resolv.conf"];
+
+/// Where every runtime binary is looked for.
+const BINARY_DIRS: [&str; 4] = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin"];
+
+const CONTAINER_DIR: &str = "containers";
+const RUNTIME_DIR: &str = "runtime";
+const PID_FILE: &str = "init.pid";
+
+/// The OCI runtimes the agent drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OciRuntime {
+    /// runc: the reference runtime; cgroup v1, hybrid and v2.
+    Runc,
+    /// crun: a small runtime in C; cgroup v2 only.
+    Crun,
+    /// runsc: gVisor, a user-space kernel between the workload and the host.
+    Runsc,
+}
+
+impl OciRuntime {
+    /// The binary's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            OciRuntime::Runc => "runc",
+            OciRuntime::Crun => "crun",
+            OciRuntime::Runsc => "runsc",
+        }
+    }
+
+    /// Where its binary is on this host, if it is installed.
+    pub fn binary(self) -> Option<PathBuf> {
+        BINARY_DIRS.iter().map(|dir| Path::new(dir).join(self.name())).find(|path| path.is_file())
+    }
+
+    /// The runtime for a host whose cgroups are as they are now: runc, which
+    /// works with every cgroup layout.
+    pub fn for_host() -> Self {
+        OciRuntime::Runc
+    }
+}
+
+impl std::str::FromStr for OciRuntime {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "runc" => Ok(OciRuntime::Runc),
+            "crun" => Ok(OciRuntime::Crun),
+            "runsc" => Ok(OciRuntime::Runsc),
+            other => Err(format!("unknown OCI runtime '{other}': expected runc, crun or runsc")),
+        }
+    }
+}
+
+impl std::fmt::Display for OciRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The users workloads run as: `first..first + count` on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UidRange {
+    /// The first uid (and gid) of the range.
+    pub first: u32,
+    /// How many there are.
+    pub count: u32,
+}
+
+impl Default for UidRange {
+    fn default() -> Self {
+        Self { first: 200_000, count: 100_000 }
+    }
+}
+
+impl std::str::FromStr for UidRange {
+    type Err = String;
+
+    /// `FIRST-LAST`, both included.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || format!("'{s}' is not a uid range: expected FIRST-LAST, e.g. 200000-299999");
+        let (first, last) = s.split_once('-').ok_or_else(bad)?;
+        let first: u32 = first.trim().parse().map_err(|_| bad())?;
+        let last: u32 = last.trim().parse().map_err(|_| bad())?;
+        if last < first {
+            return Err(bad());
+        }
+        Ok(Self { first, count: last - first + 1 })
+    }
+}
+
+impl UidRange {
+    /// Whether the range holds uid 0 or the agent's own uid: workloads may
+    /// never run as either.
+    pub fn check(&self, agent_uid: u32) -> Result<(), String> {
+        let holds = |uid: u32| uid >= self.first && uid - self.first < self.count;
+        if self.count == 0 {
+            return Err("the workload uid range is empty".into());
+        }
+        if holds(0) {
+            return Err("the workload uid range holds uid 0 (root)".into());
+        }
+        if holds(agent_uid) {
+            return Err(format!("the workload uid range holds the agent's own uid {agent_uid}"));
+        }
+        Ok(())
+    }
+}
+
+/// How the container provider runs workloads.
+#[derive(Debug, Clone)]
+pub struct ContainerSettings {
+    /// The runtime.
+    pub runtime: OciRuntime,
+    /// Its binary.
+    pub binary: PathBuf,
+    /// The users workloads run as.
+    pub uids: UidRange,
+    /// How many processes a workload may have at once.
+    pub pids_limit: i64,
+    /// Stop grace and how often an adopted workload is looked for.
+    pub timing: ProcessTiming,
+}
+
+/// Runs each lease's workload in a container; see the module docs.
+#[derive(Debug, Clone)]
+pub struct ContainerProvider {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Tracked {
+    stored: StoredRecord,
+    exit: watch::Sender<Option<Exit>>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    layout: Layout,
+    settings: ContainerSettings,
+    /// The runtime's `--root`: only this agent's containers are in it.
+    state_root: PathBuf,
+    /// Names this agent's cgroups apart from another agent's on the host.
+    cgroup_parent: String,
+    instances: Mutex<BTreeMap<String, Tracked>>,
+    ports: Arc<PortBook>,
+    /// Uids handed to launches whose instance is not tracked yet.
+    claimed_uids: Mutex<BTreeSet<u32>>,
+    /// Leases being destroyed: their end is not an out-of-memory kill.
+    destroying: Mutex<BTreeSet<String>>,
+    shutdown: CancellationToken,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Tracked>> {
+        self.instances.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn container_dir(&self, lease_id: &str) -> PathBuf {
+        self.layout.root.join(CONTAINER_DIR).join(lease_id)
+    }
+
+    fn cgroup(&self, lease_id: &str) -> String {
+        format!("/{}/{lease_id}", self.cgroup_parent)
+    }
+
+    /// The runtime's name for a lease's container: some runtimes (runsc)
+    /// name host-wide resources by it, so it carries this agent's mark.
+    fn container_id(&self, lease_id: &str) -> String {
+        format!("{}-{lease_id}", self.cgroup_parent)
+    }
+
+    /// `<runtime> --root STATE ARGS…`.
+    fn command(&self, args: &[&str]) -> tokio::process::Command {
+        let mut command = tokio::process::Command::new(&self.settings.binary);
+        command.arg("--root").arg(&self.state_root).args(args).stdin(std::process::Stdio::null()).kill_on_drop(true);
+        command
+    }
+
+    /// The command that runs a container as its workload's monitor.
+    fn run_command(&self, isolated: bool) -> tokio::process::Command {
+        let mut command = tokio::process::Command::new(&self.settings.binary);
+        command.arg("--root").arg(&self.state_root);
+        match self.settings.runtime {
+            OciRuntime::Runsc => {
+                // gVisor brings up its own network stack on the tenant's
+                // namespace; without one the workload shares the host's.
+                command.arg(if isolated { "--network=sandbox" } else { "--network=host" });
+                // runsc keeps no stopped container to read afterwards.
+                command.arg("run");
+            }
+            OciRuntime::Runc | OciRuntime::Crun => {
+                command.args(["run", "--keep"]);
+            }
+        }
+        command.stdin(std::process::Stdio::null());
+        command
+    }
+
+    /// Runs the runtime to the end; its error output is the error.
+    async fn run(&self, args: &[&str]) -> Result<Vec<u8>, String> {
+        let output = self.command(args).output().await.map_err(|e| format!("cannot run {}: {e}", self.name()))?;
+        if output.status.success() {
+            Ok(output.stdout)
+        } else {
+            Err(String::from_utf8_lossy(&output.stderr).trim().to_string())
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        self.settings.runtime.name()
+    }
+
+    /// The runtime's view of a container: its status and pid; `None` when
+    /// it has no such container.
+    async fn state(&self, lease_id: &str) -> Option<(String, u32)> {
+        let out = self.run(&["state", &self.container_id(lease_id)]).await.ok()?;
+        let state: serde_json::Value = serde_json::from_slice(&out).ok()?;
+        let status = state["status"].as_str()?.to_string();
+        let pid = state["pid"].as_u64().and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
+        Some((status, pid))
+    }
+
+    /// Whether the kernel's OOM killer acted in the lease's cgroup.
+    fn oom_killed(&self, lease_id: &str) -> bool {
+        let cgroup = self.cgroup(lease_id);
+        let root = Path::new("/sys/fs/cgroup");
+        let (file, key) = if root.join("cgroup.controllers").exists() {
+            (root.join(cgroup.trim_start_matches('/')).join("memory.events"), "oom_kill")
+        } else {
+            (root.join("memory").join(cgroup.trim_start_matches('/')).join("memory.oom_control"), "oom_kill")
+        };
+        std::fs::read_to_string(file).ok().is_some_and(|text| {
+            text.lines().any(|line| {
+                line.split_once(' ')
+                    .is_some_and(|(name, count)| name == key && count.trim().parse().unwrap_or(0u64) > 0)
+            })
+        })
+    }
+
+    /// Deletes the container and its root; a container already gone is
+    /// what deleting it was for.
+    async fn delete(&self, lease_id: &str) {
+        if let Err(error) = self.run(&["delete", "--force", &self.container_id(lease_id)]).await
+            && !error.contains("not exist")
+            && !error.contains("does not exist")
+        {
+            tracing::warn!(%lease_id, %error, "cannot delete the container");
+        }
+        let dir = self.container_dir(lease_id);
+        let _ = blocking(move || remove_path(&dir)).await;
+    }
+}
+
+impl ContainerProvider {
+    /// A provider keeping its state under `data_dir`; its waiting tasks stop
+    /// on `shutdown` (the workloads keep running).
+    pub fn new(data_dir: &Path, settings: ContainerSettings, shutdown: CancellationToken) -> Self {
+        let state_root = data_dir.join(RUNTIME_DIR).join(settings.runtime.name());
+        let cgroup_parent = format!("berth-{:08x}", crate::egress::fnv32(data_dir.as_os_str().as_encoded_bytes()));
+        Self {
+            inner: Arc::new(Inner {
+                layout: Layout { root: data_dir.to_path_buf() },
+                settings,
+                state_root,
+                cgroup_parent,
+                instances: Mutex::new(BTreeMap::new()),
+                ports: Arc::default(),
+                claimed_uids: Mutex::new(BTreeSet::new()),
+                destroying: Mutex::new(BTreeSet::new()),
+                shutdown,
+            }),
+        }
+    }
+
+    fn stored(&self, lease_id: &str) -> Result<StoredRecord, ProviderError> {
+        self.inner
+            .lock()
+            .get(lease_id)
+            .map(|t| t.stored.clone())
+            .ok_or_else(|| ProviderError::NotFound(lease_id.to_string()))
+    }
+
+    async fn update(
+        &self,
+        lease_id: &str,
+        f: impl FnOnce(&mut StoredRecord) + Send + 'static,
+    ) -> Result<(), ProviderError> {
+        let inner = self.inner.clone();
+        let lease_id = lease_id.to_string();
+        blocking(move || {
+            let mut instances = inner.lock();
+            let tracked = instances.get_mut(&lease_id).ok_or_else(|| ProviderError::NotFound(lease_id.clone()))?;
+            let before = tracked.stored.clone();
+            f(&mut tracked.stored);
+            if tracked.stored != before {
+                write_record(&inner.layout, &tracked.stored)?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// A uid no running workload of this agent holds.
+    fn allocate_uid(&self, lease_id: &str) -> Result<u32, ProviderError> {
+        let range = self.inner.settings.uids;
+        let held: BTreeSet<u32> =
+            self.inner.lock().values().filter(|t| t.stored.exit.is_none()).filter_map(|t| t.stored.uid).collect();
+        let mut claimed = self.inner.claimed_uids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let uid = (0..range.count)
+            .map(|offset| range.first + offset)
+            .find(|uid| !held.contains(uid) && !claimed.contains(uid))
+            .ok_or_else(|| {
+                ProviderError::Unsupported(format!(
+                    "lease {lease_id} cannot start: every uid of the workload range ({} of them) is in use",
+                    range.count
+                ))
+            })?;
+        claimed.insert(uid);
+        Ok(uid)
+    }
+
+    fn release_uid(&self, uid: u32) {
+        self.inner.claimed_uids.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&uid);
+    }
+
+    fn is_running(&self, pid: u32, ticks: u64) -> bool {
+        procfs::is_running(Path::new(PROC_ROOT), pid, ticks)
+    }
+
+    /// Records how `lease_id` ended, deletes its container, and tells
+    /// whoever watches.
+    async fn ended(&self, lease_id: &str, status: ExitStatus) {
+        let destroyed =
+            self.inner.destroying.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(lease_id);
+        let status = if !destroyed && !status.success() && self.out_of_memory(lease_id, status) {
+            ExitStatus::OutOfMemory
+        } else {
+            status
+        };
+        self.inner.delete(lease_id).await;
+        let exit = Exit { status, at: SystemTime::now() };
+        let stored = StoredExit { status, at_ms: unix_ms(exit.at) };
+        if let Err(error) = self
+            .update(lease_id, move |record| {
+                if record.exit.is_none() {
+                    record.exit = Some(stored);
+                }
+            })
+            .await
+        {
+            tracing::warn!(%lease_id, %error, "cannot record how the workload ended");
+        }
+        tracing::info!(%lease_id, %status, runtime = self.inner.name(), "workload ended");
+        if let Some(tracked) = self.inner.lock().get(lease_id) {
+            tracked.exit.send_replace(Some(exit));
+        }
+    }
+
+    /// Whether a workload that ended with `status` was killed for its memory.
+    fn out_of_memory(&self, lease_id: &str, status: ExitStatus) -> bool {
+        if self.inner.oom_killed(lease_id) {
+            return true;
+        }
+        // gVisor's kernel runs inside the cgroup and the host's OOM killer
+        // ends the whole sandbox, whose cgroup goes with it: a sandbox
+        // killed by SIGKILL that the agent did not kill, under a memory
+        // limit, is the only evidence there is.
+        self.inner.settings.runtime == OciRuntime::Runsc
+            && status == ExitStatus::Signal(9)
+            && self.stored(lease_id).is_ok_and(|record| record.memory_limited)
+    }
+
+    /// Waits for the monitor this agent started.
+    fn wait_for_monitor(&self, lease_id: String, mut monitor: tokio::process::Child) {
+        let provider = self.clone();
+        tokio::spawn(async move {
+            let status = tokio::select! {
+                // The agent stops; the workload runs on and the next agent adopts it.
+                _ = provider.inner.shutdown.cancelled() => return,
+                status = monitor.wait() => status,
+            };
+            let status = match status {
+                Ok(status) => match (status.code(), status.signal()) {
+                    // The runtime passes a signal on as 128 + its number.
+                    (Some(code), _) if (129..=192).contains(&code) => ExitStatus::Signal(code - 128),
+                    (Some(code), _) => ExitStatus::Code(code),
+                    (None, Some(signal)) => ExitStatus::Signal(signal),
+                    (None, None) => ExitStatus::Unknown,
+                },
+                Err(error) => {
+                    tracing::warn!(%lease_id, %error, "cannot wait for the workload's monitor");
+                    ExitStatus::Unknown
+                }
+            };
+            provider.ended(&lease_id, status).await;
+        });
+    }
+
+    /// Polls `/proc` for a workload adopted after a restart until it is gone.
+    fn watch_adopted(&self, lease_id: String, pid: u32, start_ticks: u64) {
+        let provider = self.clone();
+        tokio::spawn(async move {
+            let every = provider.inner.settings.timing.exit_poll.max(Duration::from_millis(1));
+            loop {
+                tokio::select! {
+                    _ = provider.inner.shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                if !provider.is_running(pid, start_ticks) {
+                    break;
+                }
+            }
+            provider.ended(&lease_id, ExitStatus::Unknown).await;
+        });
+    }
+
+    /// Waits until the workload's first process is gone, up to `within`.
+    async fn gone(&self, pid: u32, ticks: u64, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if !self.is_running(pid, ticks) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(STOP_POLL).await;
+        }
+    }
+
+    /// The running workload's pid and start time.
+    fn running(&self, lease_id: &str) -> Result<(StoredRecord, Option<(u32, u64)>), ProviderError> {
+        let stored = self.stored(lease_id)?;
+        let running = stored
+            .pid
+            .zip(stored.start_ticks)
+            .filter(|(pid, ticks)| stored.exit.is_none() && self.is_running(*pid, *ticks));
+        Ok((stored, running))
+    }
+
+    /// Writes the container's root and spec; returns the bundle directory.
+    fn write_bundle(&self, lease_id: &str, plan: &ContainerPlan) -> Result<PathBuf, ProviderError> {
+        let dir = self.inner.container_dir(lease_id);
+        remove_path(&dir)?;
+        let rootfs = dir.join("rootfs");
+        let create = |path: &Path| {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(path)
+                .map_err(|source| io("create", path, source))
+        };
+        create(&rootfs.join("etc"))?;
+        for dir in SYSTEM_DIRS {
+            let host = Path::new(dir);
+            if let Ok(target) = std::fs::read_link(host) {
+                let link = rootfs.join(dir.trim_start_matches('/'));
+                std::os::unix::fs::symlink(&target, &link).map_err(|source| io("link", &link, source))?;
+            }
+        }
+        let etc = rootfs.join("etc");
+        let files = [
+            (
+                "passwd",
+                format!(
+                    "root:x:0:0:root:/root:/bin/sh\nberth:x:{0}:{0}:berth workload:{WORK_MOUNT}:/bin/sh\n",
+                    plan.uid
+                ),
+            ),
+            ("group", format!("root:x:0:\nberth:x:{}:\n", plan.uid)),
+            ("hosts", format!("127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t{}\n", plan.hostname)),
+            ("hostname", format!("{}\n", plan.hostname)),
+        ];
+        for (name, text) in files {
+            let path = etc.join(name);
+            std::fs::write(&path, text).map_err(|source| io("write", &path, source))?;
+        }
+        let spec = runtime_spec(plan, &rootfs).map_err(|e| ProviderError::Corrupt {
+            path: dir.join("config.json").display().to_string(),
+            detail: e.to_string(),
+        })?;
+        let config = dir.join("config.json");
+        let text = serde_json::to_vec_pretty(&spec)
+            .map_err(|e| ProviderError::Corrupt { path: config.display().to_string(), detail: e.to_string() })?;
+        std::fs::write(&config, text).map_err(|source| io("write", &config, source))?;
+        Ok(dir)
+    }
+}
+
+/// Host paths under `/etc` every workload sees, those the host has.
+fn shared_files() -> Vec<PathBuf> {
+    SHARED_ETC.iter().map(PathBuf::from).filter(|path| path.exists()).collect()
+}
+
+/// System directories bound into every root (links are made as links).
+fn system_dirs() -> Vec<PathBuf> {
+    SYSTEM_DIRS
+        .iter()
+        .map(PathBuf::from)
+        .filter(|path| std::fs::symlink_metadata(path).is_ok_and(|meta| meta.is_dir()))
+        .collect()
+}
+
+/// Where `path`, as the workload sees it, is on the host.
+fn host_path(path: &Path, bundle: Option<&Path>, work_dir: &Path) -> Option<PathBuf> {
+    let mapped = |inside: &str, host: &Path| path.strip_prefix(inside).ok().map(|rest| host.join(rest));
+    if let Some(found) = bundle.and_then(|bundle| mapped(BUNDLE_MOUNT, bundle)) {
+        return Some(found);
+    }
+    if let Some(found) = mapped(WORK_MOUNT, work_dir) {
+        return Some(found);
+    }
+    SYSTEM_DIRS.iter().any(|dir| path.starts_with(dir)).then(|| path.to_path_buf())
+}
+
+/// Whether the workload will find `program`: an absolute path is looked up
+/// where it is mounted from, a bare name in each of `PATH`'s directories.
+fn findable(program: &str, path_var: &str, bundle: Option<&Path>, work_dir: &Path) -> bool {
+    let exists = |inside: &Path| host_path(inside, bundle, work_dir).is_some_and(|host| host.is_file());
+    if program.contains('/') {
+        return exists(Path::new(program));
+    }
+    path_var.split(':').filter(|dir| dir.starts_with('/')).any(|dir| exists(&Path::new(dir).join(program)))
+}
+
+/// Reads the pid the runtime wrote, waiting for it; `None` if the monitor
+/// ended first or it took too long.
+async fn started_pid(pid_file: &Path, monitor: &mut tokio::process::Child) -> Option<u32> {
+    let deadline = tokio::time::Instant::now() + START_TIMEOUT;
+    loop {
+        if let Ok(text) = tokio::fs::read_to_string(pid_file).await
+            && let Ok(pid) = text.trim().parse::<u32>()
+        {
+            return Some(pid);
+        }
+        if matches!(monitor.try_wait(), Ok(Some(_))) || tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(START_POLL).await;
+    }
+}
+
+#[async_trait::async_trait]
+impl Provider for ContainerProvider {
+    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
+        validate_lease_id(&spec.lease_id)?;
+        let bundle = spec.root.bundle_dir().map(Path::to_path_buf);
+        let program = spec.program_path(bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)))?;
+        if let Ok(stored) = self.stored(&spec.lease_id)
+            && stored.exit.is_none()
+            && stored.pid.is_some()
+        {
+            return Err(ProviderError::AlreadyRunning(spec.lease_id));
+        }
+        let mut spec = spec;
+        let taken: BTreeSet<u16> = self
+            .inner
+            .lock()
+            .values()
+            .filter(|t| t.stored.exit.is_none())
+            .flat_map(|t| host_ports(&t.stored.meta))
+            .collect();
+        let (ports, _claim) = self.inner.ports.allocate(&spec.lease_id, &spec.ports, taken)?;
+        assign_ports(&mut spec.meta, &spec.ports, &ports);
+        let uid = self.allocate_uid(&spec.lease_id)?;
+        let launched = self.start(spec, program, bundle, uid).await;
+        self.release_uid(uid);
+        launched
+    }
+
+    async fn recover(&self) -> Result<Vec<Launched>, ProviderError> {
+        let layout = self.inner.layout.clone();
+        let loaded = blocking(move || load_records(&layout)).await?;
+        let mut recovered = Vec::new();
+        let mut known = BTreeSet::new();
+        for stored in loaded {
+            let lease_id = stored.lease_id.clone();
+            known.insert(lease_id.clone());
+            if let Some(tracked) = self.inner.lock().get(&lease_id) {
+                recovered.push(Launched { record: tracked.stored.to_record(), exit: tracked.exit.subscribe() });
+                continue;
+            }
+            let running = if stored.exit.is_none() {
+                let state = self.inner.state(&lease_id).await;
+                let alive = matches!(&state, Some((status, _)) if status != "stopped");
+                stored.pid.zip(stored.start_ticks).filter(|(pid, ticks)| alive && self.is_running(*pid, *ticks))
+            } else {
+                None
+            };
+            let (exit_tx, exit_rx) = watch::channel(stored.exit());
+            let record = stored.to_record();
+            let ended_unwatched = running.is_none() && stored.exit.is_none();
+            self.inner.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
+            if let Some((pid, ticks)) = running {
+                tracing::info!(%lease_id, pid, runtime = self.inner.name(), "found a container still running from before the restart");
+                self.watch_adopted(lease_id, pid, ticks);
+                recovered.push(Launched { record, exit: exit_rx });
+            } else if ended_unwatched {
+                // Ended (or never started) while no agent watched it.
+                self.ended(&lease_id, ExitStatus::Unknown).await;
+                let record = self.stored(&lease_id)?.to_record();
+                recovered.push(Launched { record, exit: exit_rx });
+            } else {
+                recovered.push(Launched { record, exit: exit_rx });
+            }
+        }
+        // Containers of this agent's runtime root that no record names: an
+        // agent stopped between starting one and recording it.
+        if let Ok(listed) = self.inner.run(&["list", "--quiet"]).await {
+            let prefix = self.inner.container_id("");
+            for id in String::from_utf8_lossy(&listed).lines().map(str::trim).filter(|id| !id.is_empty()) {
+                let lease_id = id.strip_prefix(&prefix).unwrap_or(id);
+                if !known.contains(lease_id) {
+                    tracing::warn!(container = %id, "destroying a container no record names");
+                    let _ = self.inner.run(&["kill", "--all", id, "KILL"]).await;
+                    let _ = self.inner.run(&["delete", "--force", id]).await;
+                }
+            }
+        }
+        Ok(recovered)
+    }
+
+    async fn set_epoch(&self, lease_id: &str, epoch: u64) -> Result<(), ProviderError> {
+        self.update(lease_id, move |record| record.epoch = epoch).await
+    }
+
+    async fn settle(&self, lease_id: &str) -> Result<(), ProviderError> {
+        self.update(lease_id, |record| record.settled = true).await
+    }
+
+    async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {
+        let (_, running) = self.running(lease_id)?;
+        let Some((pid, ticks)) = running else {
+            self.inner.delete(lease_id).await;
+            return Ok(());
+        };
+        self.inner.destroying.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(lease_id.to_string());
+        tracing::info!(%lease_id, pid, grace = ?self.inner.settings.timing.stop_grace, "stopping the container");
+        let id = self.inner.container_id(lease_id);
+        let _ = self.inner.run(&["kill", &id, "TERM"]).await;
+        if !self.gone(pid, ticks, self.inner.settings.timing.stop_grace).await {
+            tracing::warn!(%lease_id, pid, "the workload outlived its grace; killing its container");
+            let _ = self.inner.run(&["kill", "--all", &id, "KILL"]).await;
+            if !self.gone(pid, ticks, KILL_WAIT).await {
+                return Err(ProviderError::Stuck {
+                    lease_id: lease_id.into(),
+                    detail: format!("pid {pid} survived SIGKILL"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    async fn remove(&self, lease_id: &str) -> Result<(), ProviderError> {
+        validate_lease_id(lease_id)?;
+        if let Ok((_, Some(_))) = self.running(lease_id) {
+            return Err(ProviderError::AlreadyRunning(lease_id.to_string()));
+        }
+        self.inner.delete(lease_id).await;
+        self.inner.destroying.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(lease_id);
+        let inner = self.inner.clone();
+        let lease_id = lease_id.to_string();
+        blocking(move || {
+            inner.lock().remove(&lease_id);
+            let layout = &inner.layout;
+            remove_path(&layout.record(&lease_id))?;
+            remove_path(&layout.log_dir(&lease_id))?;
+            remove_path(&layout.work_dir(&lease_id))
+        })
+        .await
+    }
+
+    async fn signal(&self, lease_id: &str, signal: WorkloadSignal) -> Result<(), ProviderError> {
+        let (_, running) = self.running(lease_id)?;
+        if running.is_none() {
+            return Err(ProviderError::NotRunning(lease_id.to_string()));
+        }
+        self.inner.run(&["kill", &self.inner.container_id(lease_id), signal_name(signal)]).await.map(|_| ()).map_err(
+            |detail| ProviderError::Signal { lease_id: lease_id.to_string(), source: std::io::Error::other(detail) },
+        )
+    }
+
+    async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError> {
+        let (stored, running) = self.running(lease_id)?;
+        if running.is_none() {
+            return Err(ProviderError::NotRunning(lease_id.to_string()));
+        }
+        let out = self
+            .inner
+            .run(&["events", "--stats", &self.inner.container_id(lease_id)])
+            .await
+            .map_err(|_| ProviderError::NotRunning(lease_id.to_string()))?;
+        let stats: serde_json::Value = serde_json::from_slice(&out).map_err(|e| ProviderError::Corrupt {
+            path: format!("{} events", self.inner.name()),
+            detail: e.to_string(),
+        })?;
+        let data = &stats["data"];
+        let started = stored.started_at_ms.map(from_unix_ms).unwrap_or_else(SystemTime::now);
+        Ok(InstanceStats {
+            cpu_time: Duration::from_nanos(data["cpu"]["usage"]["total"].as_u64().unwrap_or(0)),
+            memory_bytes: data["memory"]["usage"]["usage"].as_u64().unwrap_or(0),
+            uptime: SystemTime::now().duration_since(started).unwrap_or_default(),
+        })
+    }
+
+    fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
+        self.stored(lease_id)?;
+        Ok(self.inner.layout.logs(lease_id))
+    }
+
+    fn runtime(&self) -> Runtime {
+        Runtime { name: self.inner.name().into(), contained: true }
+    }
+}
+
+impl ContainerProvider {
+    /// Everything of a launch after its ports and user are taken.
+    async fn start(
+        &self,
+        spec: LaunchSpec,
+        program: String,
+        bundle: Option<PathBuf>,
+        uid: u32,
+    ) -> Result<Launched, ProviderError> {
+        let lease_id = spec.lease_id.clone();
+        let mut first = StoredRecord::starting(&spec);
+        first.uid = Some(uid);
+        first.memory_limited = spec.resources.memory_bytes > 0;
+        let layout = self.inner.layout.clone();
+        let (work_dir, stdout, stderr) = {
+            let first = first.clone();
+            blocking(move || {
+                let prepared = prepare(&layout, &first)?;
+                let work_dir = &prepared.0;
+                rustix::fs::chown(work_dir, Some(rustix::fs::Uid::from_raw(uid)), Some(rustix::fs::Gid::from_raw(uid)))
+                    .map_err(|e| io("give the workload", work_dir, e.into()))?;
+                Ok(prepared)
+            })
+            .await?
+        };
+        let env = spec.environment(Path::new(WORK_MOUNT), bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)));
+        let path_var = env.get("PATH").cloned().unwrap_or_default();
+        if !findable(&program, &path_var, bundle.as_deref(), &work_dir) {
+            let failed = StoredRecord {
+                exit: Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) }),
+                ..first
+            };
+            let layout = self.inner.layout.clone();
+            let _ = blocking(move || write_record(&layout, &failed)).await;
+            let source = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file in the workload's root");
+            return Err(ProviderError::Spawn { command: program, source });
+        }
+        let mut args = vec![program.clone()];
+        args.extend(spec.args.iter().cloned());
+        let plan = ContainerPlan {
+            args,
+            env: env.iter().map(|(name, value)| format!("{name}={value}")).collect(),
+            uid,
+            system_dirs: system_dirs(),
+            shared_files: shared_files(),
+            bundle: bundle.clone(),
+            work_dir: work_dir.clone(),
+            network: spec.network.as_ref().map(|network| network.namespace.clone()),
+            cgroup: self.inner.cgroup(&lease_id),
+            memory_bytes: spec.resources.memory_bytes,
+            cpu_millis: spec.resources.cpu_millis,
+            pids: self.inner.settings.pids_limit,
+            hostname: lease_id.chars().take(63).collect(),
+        };
+        let dir = {
+            let provider = self.clone();
+            let lease_id = lease_id.clone();
+            blocking(move || provider.write_bundle(&lease_id, &plan)).await?
+        };
+        // A container of that name left by an earlier try is in the way.
+        self.inner.delete_state_only(&lease_id).await;
+        let pid_file = dir.join(PID_FILE);
+        let mut command = self.inner.run_command(spec.network.is_some());
+        command
+            .arg("--bundle")
+            .arg(&dir)
+            .arg("--pid-file")
+            .arg(&pid_file)
+            .arg(self.inner.container_id(&lease_id))
+            .stdout(stdout)
+            .stderr(stderr)
+            .process_group(0)
+            .kill_on_drop(false);
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let mut monitor = match command.spawn() {
+            Ok(monitor) => monitor,
+            Err(source) => {
+                let failed = StoredRecord {
+                    exit: Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) }),
+                    ..first
+                };
+                let layout = self.inner.layout.clone();
+                let _ = blocking(move || write_record(&layout, &failed)).await;
+                let command = self.inner.settings.binary.display().to_string();
+                return Err(ProviderError::Spawn { command, source });
+            }
+        };
+        let pid = started_pid(&pid_file, &mut monitor).await;
+        let start_ticks = pid.and_then(|pid| procfs::read_stat(Path::new(PROC_ROOT), pid)).map(|s| s.start_ticks);
+        let started = StoredRecord { pid, start_ticks, started_at_ms: Some(unix_ms(SystemTime::now())), ..first };
+        {
+            let inner = self.inner.clone();
+            let started = started.clone();
+            blocking(move || {
+                inner.lock().insert(started.lease_id.clone(), Tracked { stored: started.clone(), exit: exit_tx });
+                write_record(&inner.layout, &started)
+            })
+            .await?;
+        }
+        tracing::info!(%lease_id, epoch = spec.epoch, ?pid, uid, %program, runtime = self.inner.name(), "workload started");
+        self.wait_for_monitor(lease_id, monitor);
+        Ok(Launched { record: started.to_record(), exit: exit_rx })
+    }
+}
+
+impl Inner {
+    /// Forgets a container the runtime still lists under a lease's name,
+    /// without touching the root the launch just wrote.
+    async fn delete_state_only(&self, lease_id: &str) {
+        if self.state(lease_id).await.is_some() {
+            let _ = self.run(&["delete", "--force", &self.container_id(lease_id)]).await;
+        }
+    }
+}
+
+fn signal_name(signal: WorkloadSignal) -> &'static str {
+    match signal {
+        WorkloadSignal::Term => "TERM",
+        WorkloadSignal::Kill => "KILL",
+        WorkloadSignal::Int => "INT",
+        WorkloadSignal::Hup => "HUP",
+        WorkloadSignal::Usr1 => "USR1",
+        WorkloadSignal::Usr2 => "USR2",
+        WorkloadSignal::Quit => "QUIT",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uid_ranges_read_as_operators_write_them_and_never_hold_root_or_the_agent() {
+        let range: UidRange = "200000-299999".parse().unwrap();
+        assert_eq!(range, UidRange { first: 200_000, count: 100_000 });
+        assert!(range.check(0).is_ok());
+        assert!("0-10".parse::<UidRange>().unwrap().check(1000).unwrap_err().contains("uid 0"));
+        assert!("900-1100".parse::<UidRange>().unwrap().check(1000).unwrap_err().contains("agent's own uid 1000"));
+        for bad in ["200000", "b-c", "10-5"] {
+            assert!(bad.parse::<UidRange>().unwrap_err().contains("FIRST-LAST"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_program_is_looked_for_where_the_workload_will_see_it() {
+        let bundle = tempfile::tempdir().unwrap();
+        std::fs::create_dir(bundle.path().join("bin")).unwrap();
+        std::fs::write(bundle.path().join("bin/app"), "").unwrap();
+        let work = tempfile::tempdir().unwrap();
+        let path = "/usr/bin:/bin";
+        assert!(findable("/berth/bundle/bin/app", path, Some(bundle.path()), work.path()));
+        assert!(!findable("/berth/bundle/bin/nope", path, Some(bundle.path()), work.path()));
+        assert!(findable("sh", path, None, work.path()));
+        assert!(!findable("no-such-program-anywhere", path, None, work.path()));
+        // The agent's own files are not in the workload's root.
+        assert!(!findable("/root/.bashrc", path, None, work.path()));
+        assert!(!findable("/etc/passwd", path, None, work.path()));
+    }
+}

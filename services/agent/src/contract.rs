@@ -1,0 +1,442 @@
+//! The provider contract: what every [`Provider`] must do, run against each
+//! of them (the process provider, and the container provider under every
+//! OCI runtime installed here), as the store's contract suite runs against
+//! every store. Then the hostile-workload suite: what a contained workload
+//! tries and must fail at, run against every containing provider.
+//!
+//! A runtime needs root and its binary; without root a test is skipped, but
+//! with `CI=true` a missing runtime or missing root fails it instead, so CI
+//! never passes by skipping.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
+use crate::process::{ProcessProvider, ProcessTiming};
+use crate::procfs::TestDir;
+use crate::provider::{
+    Exit, ExitStatus, ExitWatch, LaunchSpec, Program, Provider, ProviderError, Resources, WorkloadSignal,
+};
+
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn timing() -> ProcessTiming {
+    ProcessTiming { stop_grace: Duration::from_secs(2), exit_poll: Duration::from_millis(20) }
+}
+
+/// Which provider a test runs against.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Process,
+    Oci(OciRuntime),
+}
+
+/// A provider of `kind` on `dir`, or `None` when this machine cannot run it
+/// and the test may be skipped (never under `CI=true`).
+fn provider(kind: Kind, dir: &Path) -> Option<Arc<dyn Provider>> {
+    provider_until(kind, dir, CancellationToken::new())
+}
+
+/// [`provider`], whose waiting tasks stop on `stop` as an agent's do.
+fn provider_until(kind: Kind, dir: &Path, stop: CancellationToken) -> Option<Arc<dyn Provider>> {
+    match kind {
+        Kind::Process => Some(Arc::new(ProcessProvider::new(dir, timing(), stop))),
+        Kind::Oci(runtime) => {
+            let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+            if !rustix::process::geteuid().is_root() {
+                assert!(!ci, "the {runtime} provider's tests need root, and CI runs as root");
+                eprintln!("skipping: the {runtime} provider needs root");
+                return None;
+            }
+            let Some(binary) = runtime.binary() else {
+                assert!(!ci, "{runtime} is not installed: `make test` installs it");
+                eprintln!("skipping: {runtime} is not installed");
+                return None;
+            };
+            let settings = ContainerSettings {
+                runtime,
+                binary,
+                uids: UidRange { first: 300_000, count: 1000 },
+                pids_limit: DEFAULT_PIDS_LIMIT,
+                timing: timing(),
+            };
+            Some(Arc::new(ContainerProvider::new(dir, settings, stop)))
+        }
+    }
+}
+
+fn spec(lease_id: &str, script: &str) -> LaunchSpec {
+    LaunchSpec::for_test(lease_id, script)
+}
+
+async fn ended(watch: &mut ExitWatch) -> Exit {
+    let exit = tokio::time::timeout(PATIENCE, watch.wait_for(Option::is_some)).await.expect("the workload never ended");
+    exit.unwrap().unwrap()
+}
+
+async fn until(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !check() {
+        assert!(tokio::time::Instant::now() < deadline, "never {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn stdout_of(provider: &dyn Provider, lease_id: &str) -> String {
+    std::fs::read_to_string(provider.log_files(lease_id).unwrap().stdout).unwrap_or_default()
+}
+
+/// Every process on the host whose command line contains `needle`.
+fn host_processes(needle: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z'));
+        if !zombie && String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(needle) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+macro_rules! contract {
+    ($($name:ident => $kind:expr;)*) => {$(
+        mod $name {
+            use super::*;
+
+            #[tokio::test]
+            async fn runs_a_command_keeps_its_exit_code_and_output() {
+                runs_a_command_keeps_its_exit_code_and_output_on($kind).await
+            }
+
+            #[tokio::test]
+            async fn gives_the_workload_its_own_environment_and_nothing_of_the_agents() {
+                gives_the_workload_its_own_environment_on($kind).await
+            }
+
+            #[tokio::test]
+            async fn destroy_reaches_everything_the_workload_started() {
+                destroy_reaches_everything_on($kind).await
+            }
+
+            #[tokio::test]
+            async fn a_workload_that_ignores_sigterm_is_killed_after_the_grace() {
+                ignores_sigterm_on($kind).await
+            }
+
+            #[tokio::test]
+            async fn a_restarted_provider_adopts_what_runs_and_finds_what_ended() {
+                adopts_on($kind).await
+            }
+
+            #[tokio::test]
+            async fn signals_reach_the_workload_and_stats_are_read() {
+                signals_and_stats_on($kind).await
+            }
+
+            #[tokio::test]
+            async fn unusable_leases_are_refused_before_anything_starts() {
+                refuses_on($kind).await
+            }
+        }
+    )*};
+}
+
+contract! {
+    process => Kind::Process;
+    runc => Kind::Oci(OciRuntime::Runc);
+    runsc => Kind::Oci(OciRuntime::Runsc);
+}
+
+async fn runs_a_command_keeps_its_exit_code_and_output_on(kind: Kind) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    let mut launched = provider.launch(spec("lease-a", "echo out; echo oops >&2; exit 3")).await.unwrap();
+    let errors = std::fs::read_to_string(provider.log_files("lease-a").unwrap().stderr).unwrap_or_default();
+    assert!(launched.record.pid.is_some(), "a started workload has a pid: {errors}");
+    assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(3));
+    let logs = provider.log_files("lease-a").unwrap();
+    assert_eq!(std::fs::read_to_string(&logs.stdout).unwrap(), "out\n");
+    assert!(std::fs::read_to_string(&logs.stderr).unwrap().contains("oops"));
+
+    let mut good = provider.launch(spec("lease-b", "exit 0")).await.unwrap();
+    assert!(ended(&mut good.exit).await.status.success());
+    provider.settle("lease-b").await.unwrap();
+    provider.remove("lease-b").await.unwrap();
+    assert!(matches!(provider.log_files("lease-b"), Err(ProviderError::NotFound(_))));
+}
+
+async fn gives_the_workload_its_own_environment_on(kind: Kind) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    let mut with_ports = spec("lease-env", "env | sort; pwd");
+    with_ports.ports = vec!["http".into(), "admin-api".into()];
+    let mut launched = provider.launch(with_ports).await.unwrap();
+    assert!(ended(&mut launched.exit).await.status.success());
+    let meta = &launched.record.meta;
+    assert!(meta.port > 0 && meta.ports.len() == 2, "{meta:?}");
+    let out = stdout_of(provider.as_ref(), "lease-env");
+    for expected in [
+        "BERTH_LEASE_ID=lease-env".to_string(),
+        "BERTH_NODE_ID=n-1".into(),
+        "GREETING=hello".into(),
+        format!("PORT={}", meta.port),
+        format!("BERTH_PORT_ADMIN_API={}", meta.ports["admin-api"]),
+    ] {
+        assert!(out.lines().any(|line| line == expected), "{expected} in {out}");
+    }
+    assert!(!out.contains("CARGO"), "nothing of the agent's environment: {out}");
+}
+
+/// What shows a workload's processes on the host: their command line, or,
+/// under gVisor (whose processes live inside its user-space kernel), the
+/// sandbox's own processes, which name the provider's directory.
+fn needle(kind: Kind, marker: &str, dir: &Path) -> String {
+    match kind {
+        Kind::Oci(OciRuntime::Runsc) => dir.display().to_string(),
+        Kind::Process | Kind::Oci(_) => marker.to_string(),
+    }
+}
+
+async fn destroy_reaches_everything_on(kind: Kind) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    let marker = format!("sleep 31{}", std::process::id() % 1000);
+    let script = format!("{marker} & {marker} & sh -c '{marker}' & echo spawned; wait");
+    let launched = provider.launch(spec("lease-d", &script)).await.unwrap();
+    until("the workload's children ran", || stdout_of(provider.as_ref(), "lease-d").contains("spawned")).await;
+    let needle = needle(kind, &marker, tmp.path());
+    assert!(!host_processes(&needle).is_empty());
+    provider.destroy("lease-d").await.unwrap();
+    until("every process of the workload was gone", || host_processes(&needle).is_empty()).await;
+    let mut exit = launched.exit;
+    ended(&mut exit).await;
+}
+
+async fn ignores_sigterm_on(kind: Kind) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    let mut launched =
+        provider.launch(spec("lease-t", "trap '' TERM; echo ready; while :; do sleep 1; done")).await.unwrap();
+    until("the workload was ready", || stdout_of(provider.as_ref(), "lease-t").contains("ready")).await;
+    let started = std::time::Instant::now();
+    provider.destroy("lease-t").await.unwrap();
+    assert!(started.elapsed() >= timing().stop_grace, "SIGKILL only after the grace");
+    let status = ended(&mut launched.exit).await.status;
+    assert!(!status.success(), "{status}");
+}
+
+async fn adopts_on(kind: Kind) {
+    let tmp = TestDir::new();
+    let stopped = CancellationToken::new();
+    let Some(first) = provider_until(kind, tmp.path(), stopped.clone()) else { return };
+    let running = first.launch(spec("lease-r", "echo up; exec sleep 1000")).await.unwrap();
+    let mut quick = first.launch(spec("lease-q", "exit 0")).await.unwrap();
+    ended(&mut quick.exit).await;
+    until("the workload was up", || stdout_of(first.as_ref(), "lease-r").contains("up")).await;
+    stopped.cancel();
+    drop(first);
+
+    // A restarted agent: a new provider on the same directory.
+    let Some(second) = provider(kind, tmp.path()) else { return };
+    let recovered = second.recover().await.unwrap();
+    let by_id: BTreeMap<_, _> = recovered.into_iter().map(|l| (l.record.lease_id.clone(), l)).collect();
+    let adopted = &by_id["lease-r"];
+    assert_eq!(adopted.record.pid, running.record.pid, "the same workload, not a new one");
+    assert!(adopted.exit.borrow().is_none(), "it still runs");
+    assert!(by_id["lease-q"].exit.borrow().is_some(), "what ended stays ended");
+    let mut exit = adopted.exit.clone();
+    second.destroy("lease-r").await.unwrap();
+    ended(&mut exit).await;
+}
+
+async fn signals_and_stats_on(kind: Kind) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    let script = "trap 'echo got-usr1; exit 7' USR1; echo ready; while :; do sleep 0.1; done";
+    let mut launched = provider.launch(spec("lease-s", script)).await.unwrap();
+    until("the workload was ready", || stdout_of(provider.as_ref(), "lease-s").contains("ready")).await;
+    let stats = provider.stats("lease-s").await.unwrap();
+    assert!(stats.memory_bytes > 0, "{stats:?}");
+    provider.signal("lease-s", WorkloadSignal::Usr1).await.unwrap();
+    assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(7));
+    assert!(stdout_of(provider.as_ref(), "lease-s").contains("got-usr1"));
+    let err = provider.signal("lease-s", WorkloadSignal::Term).await.unwrap_err();
+    assert!(matches!(err, ProviderError::NotRunning(_)), "{err}");
+}
+
+async fn refuses_on(kind: Kind) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    for bad in ["", "../escape", ".hidden", "a/b"] {
+        let err = provider.launch(spec(bad, "exit 0")).await.unwrap_err();
+        assert!(matches!(err, ProviderError::InvalidLeaseId(_)), "{bad}: {err}");
+    }
+    let mut missing = spec("lease-h", "");
+    missing.program = Program::Command("/nonexistent/program".into());
+    let err = provider.launch(missing).await.unwrap_err();
+    assert_eq!(err.start_reason(), "StartFailed", "{err}");
+    assert!(err.to_string().contains("/nonexistent/program"), "{err}");
+    let mut entrypoint = spec("lease-g", "");
+    entrypoint.program = Program::Entrypoint;
+    assert_eq!(provider.launch(entrypoint).await.unwrap_err().start_reason(), "Unsupported");
+
+    provider.launch(spec("lease-i", "exec sleep 1000")).await.unwrap();
+    let err = provider.launch(spec("lease-i", "exit 0")).await.unwrap_err();
+    assert!(matches!(err, ProviderError::AlreadyRunning(_)), "{err}");
+    provider.destroy("lease-i").await.unwrap();
+}
+
+macro_rules! hostile {
+    ($($name:ident => $runtime:expr;)*) => {$(
+        mod $name {
+            use super::*;
+
+            #[tokio::test]
+            async fn cannot_read_the_node_key_or_another_leases_files() {
+                cannot_read_on($runtime).await
+            }
+
+            #[tokio::test]
+            async fn cannot_signal_another_tenants_process() {
+                cannot_signal_on($runtime).await
+            }
+
+            #[tokio::test]
+            async fn going_past_its_memory_ends_it_oom_killed_and_the_node_unharmed() {
+                out_of_memory_on($runtime).await
+            }
+
+            #[tokio::test]
+            async fn a_fork_bomb_is_held_by_the_process_limit() {
+                fork_bomb_on($runtime).await
+            }
+
+            #[tokio::test]
+            async fn nothing_escapes_destroy_by_setsid() {
+                setsid_on($runtime).await
+            }
+
+            #[tokio::test]
+            async fn runs_as_its_own_user_with_no_capabilities() {
+                unprivileged_on($runtime).await
+            }
+        }
+    )*};
+}
+
+hostile! {
+    hostile_runc => OciRuntime::Runc;
+    hostile_runsc => OciRuntime::Runsc;
+}
+
+async fn cannot_read_on(runtime: OciRuntime) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
+    // The node's key and another lease's working directory, as the agent
+    // keeps them.
+    let key = tmp.path().join("agent/identity/node.key");
+    std::fs::create_dir_all(key.parent().unwrap()).unwrap();
+    std::fs::write(&key, "-----BEGIN PRIVATE KEY-----secret").unwrap();
+    let mut other = provider.launch(spec("lease-other", "echo mine > $HOME/data; exit 0")).await.unwrap();
+    ended(&mut other.exit).await;
+    let other_file = tmp.path().join("leases/lease-other/data");
+    assert!(other_file.exists());
+
+    let script = format!(
+        "cat {key} ; cat {other} ; cat /berth/../leases/lease-other/data ; ls {dir} ; cat /etc/shadow ; echo done",
+        key = key.display(),
+        other = other_file.display(),
+        dir = tmp.path().display(),
+    );
+    let mut thief = provider.launch(spec("lease-thief", &script)).await.unwrap();
+    ended(&mut thief.exit).await;
+    let out = stdout_of(provider.as_ref(), "lease-thief");
+    assert!(out.ends_with("done\n"), "{out}");
+    assert!(!out.contains("secret") && !out.contains("mine"), "the workload read what is not its own: {out}");
+}
+
+async fn cannot_signal_on(runtime: OciRuntime) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
+    let victim = provider.launch(spec("lease-victim", "exec sleep 1000")).await.unwrap();
+    let host_pid = victim.record.pid.unwrap();
+    let script = format!("kill -9 {host_pid}; kill -9 -1; pkill sleep; echo tried");
+    let mut attacker = provider.launch(spec("lease-attacker", &script)).await.unwrap();
+    ended(&mut attacker.exit).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(victim.exit.borrow().is_none(), "the other tenant's workload still runs");
+    provider.destroy("lease-victim").await.unwrap();
+}
+
+async fn out_of_memory_on(runtime: OciRuntime) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
+    let mut greedy = spec("lease-greedy", "exec dd if=/dev/zero of=/dev/null bs=600M count=1");
+    greedy.resources = Resources { cpu_millis: 500, memory_bytes: 256 << 20 };
+    let mut launched = provider.launch(greedy).await.unwrap();
+    let status = ended(&mut launched.exit).await.status;
+    assert_eq!(status, ExitStatus::OutOfMemory, "{}", stdout_of(provider.as_ref(), "lease-greedy"));
+
+    let mut modest = spec("lease-modest", "exec dd if=/dev/zero of=/dev/null bs=16M count=1");
+    modest.resources = Resources { cpu_millis: 500, memory_bytes: 256 << 20 };
+    let mut launched = provider.launch(modest).await.unwrap();
+    assert!(ended(&mut launched.exit).await.status.success(), "the node and the next workload are unharmed");
+}
+
+async fn fork_bomb_on(runtime: OciRuntime) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
+    let marker = format!("sleep 32{}", std::process::id() % 1000);
+    let script = format!("i=0; while [ $i -lt 3000 ]; do {marker} 2>/dev/null & i=$((i+1)); done; echo spawned");
+    let launched = provider.launch(spec("lease-bomb", &script)).await.unwrap();
+    until("the workload hit its limit", || {
+        stdout_of(provider.as_ref(), "lease-bomb").contains("spawned") || launched.exit.borrow().is_some()
+    })
+    .await;
+    let running = host_processes(&marker).len();
+    assert!(running <= DEFAULT_PIDS_LIMIT as usize, "{running} processes past a limit of {DEFAULT_PIDS_LIMIT}");
+    provider.destroy("lease-bomb").await.unwrap();
+    until("the bomb was cleared", || host_processes(&marker).is_empty()).await;
+}
+
+async fn setsid_on(runtime: OciRuntime) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
+    let marker = format!("sleep 33{}", std::process::id() % 1000);
+    let script = format!("setsid sh -c '{marker} & {marker}' & sleep 0.2; echo left; exec sleep 1000");
+    let launched = provider.launch(spec("lease-escape", &script)).await.unwrap();
+    until("the escapee ran", || stdout_of(provider.as_ref(), "lease-escape").contains("left")).await;
+    let needle = needle(Kind::Oci(runtime), &marker, tmp.path());
+    assert!(!host_processes(&needle).is_empty());
+    provider.destroy("lease-escape").await.unwrap();
+    until("nothing was left after destroy", || host_processes(&needle).is_empty()).await;
+    let mut exit = launched.exit;
+    ended(&mut exit).await;
+}
+
+async fn unprivileged_on(runtime: OciRuntime) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
+    let script = "id -u; grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs)' /proc/self/status; \
+                  touch /usr/evil 2>/dev/null && echo wrote-usr; touch $HOME/mine && echo wrote-home; \
+                  nsenter --net=/proc/1/ns/net true 2>/dev/null && echo entered";
+    let mut launched = provider.launch(spec("lease-who", script)).await.unwrap();
+    ended(&mut launched.exit).await;
+    let out = stdout_of(provider.as_ref(), "lease-who");
+    let uid: u32 = out.lines().next().unwrap().trim().parse().unwrap();
+    assert!((300_000..301_000).contains(&uid), "a uid of the workload range, not root: {out}");
+    for cap in ["CapEff", "CapPrm", "CapBnd"] {
+        let line = out.lines().find(|l| l.starts_with(cap)).unwrap_or_else(|| panic!("{cap} in {out}"));
+        assert!(line.ends_with("0000000000000000"), "{line}");
+    }
+    assert!(out.contains("NoNewPrivs:\t1") || runtime == OciRuntime::Runsc, "{out}");
+    assert!(!out.contains("wrote-usr") && !out.contains("entered"), "{out}");
+    assert!(out.contains("wrote-home"), "its own directory is writable: {out}");
+}

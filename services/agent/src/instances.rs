@@ -1,0 +1,345 @@
+//! The records every provider keeps of its instances, and the files beside
+//! them: one JSON record per lease, its logs, and its working directory.
+//!
+//! # What is stored
+//! ```text
+//! DATA_DIR/leases/<lease_id>/            the workload's working directory (and HOME)
+//! DATA_DIR/instances/<lease_id>.json     the record: pid, process start time, epoch,
+//!                                        lease id, started_at, exit, settled, and
+//!                                        what the agent API shows (ports included)
+//! DATA_DIR/logs/<lease_id>/stdout.log    what it writes to standard output
+//! DATA_DIR/logs/<lease_id>/stderr.log    ... and to standard error
+//! ```
+//!
+//! # Invariants
+//! - A record is replaced atomically (written whole to a temporary file,
+//!   flushed, renamed over the old one), so a crash leaves the old record or
+//!   the new one.
+//! - Two instances of one provider never hold the same host port: a port is
+//!   claimed from the moment a launch is given it until its instance is
+//!   tracked, and then held by its record until it ends.
+
+use std::collections::BTreeSet;
+use std::fs::{File, OpenOptions};
+use std::io::Write as _;
+use std::net::{Ipv4Addr, TcpListener};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::provider::{Exit, ExitStatus, InstanceMeta, InstanceRecord, LaunchSpec, LogFiles, ProviderError};
+
+/// How many ports the kernel is asked for before a launch gives up on
+/// finding ones no other instance holds.
+const PORT_ATTEMPTS: usize = 64;
+
+pub(crate) const WORK_DIR: &str = "leases";
+pub(crate) const RECORD_DIR: &str = "instances";
+pub(crate) const LOG_DIR: &str = "logs";
+pub(crate) const RECORD_SUFFIX: &str = ".json";
+pub(crate) const TMP_SUFFIX: &str = ".tmp";
+pub(crate) const STDOUT_FILE: &str = "stdout.log";
+pub(crate) const STDERR_FILE: &str = "stderr.log";
+
+/// Numbers the record writes of this process.
+pub(crate) static NEXT_WRITE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A record as kept on disk.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct StoredRecord {
+    pub(crate) lease_id: String,
+    pub(crate) epoch: u64,
+    pub(crate) node_id: String,
+    pub(crate) pid: Option<u32>,
+    /// The process's start time in clock ticks after boot, from `/proc`.
+    pub(crate) start_ticks: Option<u64>,
+    pub(crate) started_at_ms: Option<u64>,
+    pub(crate) exit: Option<StoredExit>,
+    pub(crate) settled: bool,
+    pub(crate) meta: crate::provider::InstanceMeta,
+    /// The user a contained workload runs as.
+    #[serde(default)]
+    pub(crate) uid: Option<u32>,
+    /// Whether it runs under a memory limit.
+    #[serde(default)]
+    pub(crate) memory_limited: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct StoredExit {
+    pub(crate) status: ExitStatus,
+    pub(crate) at_ms: u64,
+}
+
+impl StoredRecord {
+    /// The record that says a start of `spec` is under way.
+    pub(crate) fn starting(spec: &LaunchSpec) -> Self {
+        StoredRecord {
+            lease_id: spec.lease_id.clone(),
+            epoch: spec.epoch,
+            node_id: spec.node_id.clone(),
+            pid: None,
+            start_ticks: None,
+            started_at_ms: None,
+            exit: None,
+            settled: false,
+            meta: spec.meta.clone(),
+            uid: None,
+            memory_limited: false,
+        }
+    }
+
+    pub(crate) fn to_record(&self) -> InstanceRecord {
+        InstanceRecord {
+            lease_id: self.lease_id.clone(),
+            epoch: self.epoch,
+            pid: self.pid,
+            started_at: self.started_at_ms.map(from_unix_ms),
+            exit: self.exit.map(|e| Exit { status: e.status, at: from_unix_ms(e.at_ms) }),
+            settled: self.settled,
+            meta: self.meta.clone(),
+        }
+    }
+
+    pub(crate) fn exit(&self) -> Option<Exit> {
+        self.exit.map(|e| Exit { status: e.status, at: from_unix_ms(e.at_ms) })
+    }
+
+    /// The process group and the leader's start time, when it started.
+    pub(crate) fn group(&self) -> Option<(i32, u64)> {
+        Some((i32::try_from(self.pid?).ok()?, self.start_ticks?))
+    }
+}
+
+/// Where everything lives under the data directory.
+#[derive(Debug, Clone)]
+pub(crate) struct Layout {
+    pub(crate) root: PathBuf,
+}
+
+impl Layout {
+    pub(crate) fn work_dir(&self, lease_id: &str) -> PathBuf {
+        self.root.join(WORK_DIR).join(lease_id)
+    }
+
+    pub(crate) fn record_dir(&self) -> PathBuf {
+        self.root.join(RECORD_DIR)
+    }
+
+    pub(crate) fn record(&self, lease_id: &str) -> PathBuf {
+        self.record_dir().join(format!("{lease_id}{RECORD_SUFFIX}"))
+    }
+
+    pub(crate) fn log_dir(&self, lease_id: &str) -> PathBuf {
+        self.root.join(LOG_DIR).join(lease_id)
+    }
+
+    pub(crate) fn logs(&self, lease_id: &str) -> LogFiles {
+        let dir = self.log_dir(lease_id);
+        LogFiles { stdout: dir.join(STDOUT_FILE), stderr: dir.join(STDERR_FILE) }
+    }
+}
+
+/// Runs `f` on the blocking pool: file writes are flushed to disk, and
+/// `/proc` scans read many files.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ProviderError> + Send + 'static,
+) -> Result<T, ProviderError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ProviderError::Io { action: "finish", path: String::new(), source: std::io::Error::other(e.to_string()) })
+    })
+}
+
+/// Creates the working and log directories, writes the record that says a
+/// start is under way, and opens fresh log files.
+pub(crate) fn prepare(layout: &Layout, record: &StoredRecord) -> Result<(PathBuf, File, File), ProviderError> {
+    let work_dir = layout.work_dir(&record.lease_id);
+    let log_dir = layout.log_dir(&record.lease_id);
+    for dir in [&work_dir, &log_dir, &layout.record_dir()] {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|source| io("create", dir, source))?;
+    }
+    write_record(layout, record)?;
+    let logs = layout.logs(&record.lease_id);
+    let open = |path: &Path| {
+        OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|source| io("create", path, source))
+    };
+    Ok((work_dir, open(&logs.stdout)?, open(&logs.stderr)?))
+}
+
+/// Replaces the record atomically: whole temporary file, flush, rename,
+/// flush the directory.
+pub(crate) fn write_record(layout: &Layout, record: &StoredRecord) -> Result<(), ProviderError> {
+    let path = layout.record(&record.lease_id);
+    // A name of its own per write, so two writes of one record never share
+    // (and rename away) each other's staging file.
+    let write = NEXT_WRITE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let staging = path.with_extension(format!("json.{}.{write}{TMP_SUFFIX}", std::process::id()));
+    let text = serde_json::to_vec_pretty(record)
+        .map_err(|e| ProviderError::Corrupt { path: path.display().to_string(), detail: e.to_string() })?;
+    let mut file = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&staging)
+        .map_err(|source| io("write", &staging, source))?;
+    file.write_all(&text).map_err(|source| io("write", &staging, source))?;
+    file.sync_all().map_err(|source| io("flush", &staging, source))?;
+    std::fs::rename(&staging, &path).map_err(|source| io("rename", &staging, source))?;
+    let dir = layout.record_dir();
+    File::open(&dir).and_then(|d| d.sync_all()).map_err(|source| io("flush", &dir, source))
+}
+
+pub(crate) fn remove_path(path: &Path) -> Result<(), ProviderError> {
+    let removed = match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => Err(e),
+    };
+    removed.map_err(|source| io("remove", path, source))
+}
+
+/// A lease id names directories: letters, digits, `-`, `_` and `.`, not
+/// starting with a dot, at most 128 characters.
+pub(crate) fn validate_lease_id(lease_id: &str) -> Result<(), ProviderError> {
+    let usable = !lease_id.is_empty()
+        && lease_id.len() <= 128
+        && !lease_id.starts_with('.')
+        && lease_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if usable { Ok(()) } else { Err(ProviderError::InvalidLeaseId(lease_id.to_string())) }
+}
+
+pub(crate) fn io(action: &'static str, path: &Path, source: std::io::Error) -> ProviderError {
+    ProviderError::Io { action, path: path.display().to_string(), source }
+}
+
+pub(crate) fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis().min(u128::from(u64::MAX)) as u64)
+}
+
+pub(crate) fn from_unix_ms(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+/// Reads every record under `layout`; unreadable ones are skipped with a
+/// warning, and staging files a crash left behind are removed.
+pub(crate) fn load_records(layout: &Layout) -> Result<Vec<StoredRecord>, ProviderError> {
+    let dir = layout.record_dir();
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(io("read", &dir, source)),
+    };
+    let mut records = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(|source| io("read", &dir, source))?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+        if name.ends_with(TMP_SUFFIX) {
+            // A write the agent did not finish; the record it replaced is in force.
+            let _ = std::fs::remove_file(&path);
+            continue;
+        }
+        if !name.ends_with(RECORD_SUFFIX) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).map_err(|source| io("read", &path, source))?;
+        match serde_json::from_str::<StoredRecord>(&text) {
+            Ok(record) if validate_lease_id(&record.lease_id).is_ok() => records.push(record),
+            Ok(record) => {
+                tracing::warn!(path = %path.display(), lease_id = %record.lease_id, "ignoring a record with an unusable lease id")
+            }
+            Err(e) => {
+                let error = ProviderError::Corrupt { path: path.display().to_string(), detail: e.to_string() };
+                tracing::warn!(%error, "ignoring an unreadable instance record");
+            }
+        }
+    }
+    Ok(records)
+}
+
+/// The host ports handed to launches whose instance is not tracked yet.
+#[derive(Debug, Default)]
+pub(crate) struct PortBook {
+    claimed: Mutex<BTreeSet<u16>>,
+}
+
+impl PortBook {
+    fn claimed(&self) -> MutexGuard<'_, BTreeSet<u16>> {
+        self.claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Finds a free host port for each of `names` (one, with none) that is
+    /// neither in `taken` (the ports running instances hold) nor claimed by
+    /// another launch: the first is `PORT`.
+    pub(crate) fn allocate(
+        self: &Arc<Self>,
+        lease_id: &str,
+        names: &[String],
+        mut taken: BTreeSet<u16>,
+    ) -> Result<(Vec<u16>, PortClaim), ProviderError> {
+        let wanted = names.len().max(1);
+        let mut claimed = self.claimed();
+        taken.extend(claimed.iter().copied());
+        let no_port = |detail: String| ProviderError::NoFreePort { lease_id: lease_id.to_string(), detail };
+        // Every probe stays bound until the end, so the kernel never hands
+        // one port to this launch twice.
+        let mut probes = Vec::new();
+        let mut ports = Vec::new();
+        while ports.len() < wanted && probes.len() < PORT_ATTEMPTS {
+            let probe = TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| no_port(e.to_string()))?;
+            let port = probe.local_addr().map_err(|e| no_port(e.to_string()))?.port();
+            if taken.insert(port) {
+                ports.push(port);
+            }
+            probes.push(probe);
+        }
+        if ports.len() < wanted {
+            return Err(no_port(format!(
+                "the kernel offered only ports other instances hold after {PORT_ATTEMPTS} tries"
+            )));
+        }
+        claimed.extend(ports.iter().copied());
+        drop(claimed);
+        Ok((ports.clone(), PortClaim { book: self.clone(), ports }))
+    }
+}
+
+/// Ports a launch was given, kept from other launches until its instance is
+/// tracked (which then keeps them) or the launch failed.
+#[derive(Debug)]
+pub(crate) struct PortClaim {
+    book: Arc<PortBook>,
+    ports: Vec<u16>,
+}
+
+impl Drop for PortClaim {
+    fn drop(&mut self) {
+        let mut claimed = self.book.claimed();
+        for port in &self.ports {
+            claimed.remove(port);
+        }
+    }
+}
+
+/// The host ports an instance holds.
+pub(crate) fn host_ports(meta: &InstanceMeta) -> impl Iterator<Item = u16> + '_ {
+    std::iter::once(meta.port).chain(meta.ports.values().copied()).filter_map(|port| u16::try_from(port).ok())
+}
+
+/// Gives the spec's meta the host ports a launch was given.
+pub(crate) fn assign_ports(meta: &mut InstanceMeta, names: &[String], ports: &[u16]) {
+    meta.port = ports.first().copied().map(u32::from).unwrap_or_default();
+    meta.ports = names.iter().cloned().zip(ports.iter().map(|port| u32::from(*port))).collect();
+}
