@@ -6,8 +6,11 @@ CARGO ?= cargo
 
 .PHONY: dev test test-faults lint fmt build bench images check-manifests test-deps
 
-## Run the whole mesh in one process on .berth/dev (Ctrl-C stops it).
+## Run the whole mesh in one process on .berth/dev (Ctrl-C stops it, and
+## the dev node's workloads with it). As root, the dev node contains its
+## workloads through runc, which this installs first where it is missing.
 dev:
+	@if [ "$$(id -u)" = 0 ]; then scripts/runtime-deps.sh; fi
 	$(CARGO) run --bin berth -- dev
 
 ## Lint, then every test against real PostgreSQL, Redis and grpcurl.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Brings up what the test suite talks to, on a fresh machine with Rust:
 # the real grpcurl, cargo-nextest, PostgreSQL on 127.0.0.1:5432, Redis on
-# 127.0.0.1:6379, and the docker-registry binary the bundle tests start on
-# loopback ports of their own. Installs only what is missing (as root), starts
+# 127.0.0.1:6379, the docker-registry binary the bundle tests start on
+# loopback ports of their own, and the OCI runtimes (runc, crun, runsc) and
+# init (tini) that contained workloads run through. Installs only what is missing (as root), starts
 # only what is not running, and prints the grpcurl path for the Makefile.
 set -euo pipefail
 
@@ -52,5 +53,8 @@ if ! command -v docker-registry >/dev/null && [ ! -x /usr/bin/docker-registry ];
   log "installing docker-registry"
   apt_install docker-registry
 fi
+
+# The OCI runtimes and init that contained workloads run through.
+"$(dirname "$0")/runtime-deps.sh"
 
 echo "$g"

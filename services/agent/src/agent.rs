@@ -51,6 +51,8 @@ use crate::backoff::Backoff;
 use crate::board::InstanceBoard;
 use crate::bundles::{BundleStore, GrpcPullCredentials, PullCredentials};
 use crate::config::AgentConfig;
+use crate::config::{Containment, WorkloadRuntime};
+use crate::container::{ContainerProvider, ContainerSettings};
 use crate::egress::{
     EgressError, EgressFollower, EgressProvider, EgressProxies, EgressSettings, EgressStatus, GrpcNodeEgress,
 };
@@ -65,6 +67,39 @@ use crate::status::{AgentStatus, Fence, FenceReason, NodeSession};
 
 /// Where the bundle cache lives in the data directory.
 const BUNDLE_CACHE_DIR: &str = "bundles";
+
+/// The node label naming what runs its workloads: `process`, `runc`,
+/// `crun` or `runsc`.
+pub const RUNTIME_LABEL: &str = "berth.runtime";
+
+/// The node label saying whether its workloads are contained.
+pub const CONTAINED_LABEL: &str = "berth.contained";
+
+/// What will run the node's workloads: the configured runtime where this
+/// host can run it; else, when allowed, plain processes; else an error
+/// that says what is missing.
+fn choose_runtime(containment: &Containment) -> Result<WorkloadRuntime, AgentError> {
+    let why = match containment.runtime {
+        WorkloadRuntime::Process => "the process runtime does not contain workloads".to_string(),
+        WorkloadRuntime::Oci(oci) => {
+            let euid = rustix::process::geteuid();
+            if !euid.is_root() {
+                format!("containing workloads with {oci} needs root, and the agent runs as uid {}", euid.as_raw())
+            } else if oci.binary().is_none() {
+                format!("{oci} is not installed (looked in /usr/local/sbin, /usr/local/bin, /usr/sbin, /usr/bin)")
+            } else {
+                containment.uids.check(euid.as_raw()).map_err(|e| AgentError::Config(format!("workload uids: {e}")))?;
+                return Ok(containment.runtime);
+            }
+        }
+    };
+    if containment.allow_uncontained {
+        tracing::warn!(reason = %why, "running workloads uncontained, as allowed");
+        Ok(WorkloadRuntime::Process)
+    } else {
+        Err(AgentError::Uncontained(why))
+    }
+}
 
 /// Why the agent could not start, or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -154,6 +189,10 @@ pub enum AgentError {
     /// One of the agent's tasks panicked or was aborted.
     #[error("agent task failed: {0}")]
     Task(String),
+    /// The node cannot contain its workloads, and was not allowed to run
+    /// them uncontained.
+    #[error("{0}; workloads would run uncontained (pass --allow-uncontained to run them so anyway)")]
+    Uncontained(String),
 }
 
 /// A running agent.
@@ -173,6 +212,7 @@ pub struct AgentHandle {
     runner: Option<RunnerHandle>,
     egress: Option<EgressProxies>,
     follower: Option<JoinHandle<()>>,
+    provider: Option<Arc<dyn Provider>>,
 }
 
 impl AgentHandle {
@@ -224,6 +264,30 @@ impl AgentHandle {
     /// applied); `None` without an egress service.
     pub fn egress(&self) -> Option<watch::Receiver<EgressStatus>> {
         self.egress.as_ref().map(EgressProxies::status)
+    }
+
+    /// Whether the node's workloads are contained.
+    pub fn contained(&self) -> bool {
+        self.provider.as_ref().is_some_and(|provider| provider.runtime().contained)
+    }
+
+    /// [`wait`](Self::wait), then destroys every workload the node still
+    /// runs: for an agent no other will take over from (`berth dev`), whose
+    /// workloads would otherwise run on, orphaned, after it stopped.
+    pub async fn wait_then_stop_workloads(mut self) -> Result<(), AgentError> {
+        let provider = self.provider.take();
+        let result = self.wait().await;
+        if let Some(provider) = provider {
+            let held = provider.recover().await.unwrap_or_default();
+            for launched in held.iter().filter(|l| l.exit.borrow().is_none()) {
+                let lease_id = &launched.record.lease_id;
+                tracing::info!(%lease_id, "stopping the workload with the agent");
+                if let Err(error) = provider.destroy(lease_id).await {
+                    tracing::warn!(%lease_id, %error, "cannot stop the workload");
+                }
+            }
+        }
+        result
     }
 
     /// Waits until the agent stops: `Ok` after shutdown, or the error that
@@ -299,6 +363,21 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     {
         config.data_dir = cwd.join(&config.data_dir);
     }
+    let runtime = choose_runtime(&config.containment)?;
+    let contained = matches!(runtime, WorkloadRuntime::Oci(_));
+    if !contained {
+        tracing::warn!(
+            "workloads on this node are NOT contained: they run as the agent's user, see its files, \
+            and have no memory, CPU or process limit"
+        );
+    }
+    // Set by the agent, whatever the operator's labels say.
+    let runtime_name = match runtime {
+        WorkloadRuntime::Process => "process".to_string(),
+        WorkloadRuntime::Oci(oci) => oci.name().to_string(),
+    };
+    config.labels.insert(RUNTIME_LABEL.into(), runtime_name);
+    config.labels.insert(CONTAINED_LABEL.into(), contained.to_string());
     let config = Arc::new(config);
     let dir = IdentityDir::open(&config.data_dir)?;
     let data_dir = || dir.root().display().to_string();
@@ -368,11 +447,23 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     let runner = match &config.leases {
         Some(addr) => {
             let timing = &config.lease_timing;
-            let mut provider: Arc<dyn Provider> = Arc::new(ProcessProvider::new(
-                dir.root(),
-                ProcessTiming { stop_grace: timing.stop_grace, exit_poll: timing.exit_poll },
-                stop.clone(),
-            ));
+            let process_timing = ProcessTiming { stop_grace: timing.stop_grace, exit_poll: timing.exit_poll };
+            let mut provider: Arc<dyn Provider> = match runtime {
+                WorkloadRuntime::Process => Arc::new(ProcessProvider::new(dir.root(), process_timing, stop.clone())),
+                WorkloadRuntime::Oci(oci) => {
+                    let settings = ContainerSettings {
+                        runtime: oci,
+                        binary: oci
+                            .binary()
+                            .ok_or_else(|| AgentError::Uncontained(format!("{oci} is not installed")))?,
+                        uids: config.containment.uids,
+                        pids_limit: config.containment.pids_limit,
+                        timing: process_timing,
+                    };
+                    Arc::new(ContainerProvider::new(dir.root(), settings, stop.clone()))
+                }
+            };
+            tracing::info!(runtime = %runtime, contained, "workloads run through this runtime");
             if let Some((proxies, _)) = &egress {
                 provider = Arc::new(EgressProvider::new(provider, proxies.clone()));
             }
@@ -396,9 +487,10 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
             None
         }
     };
+    let workloads = runner.as_ref().map(|(provider, ..)| provider.clone());
     let api = AgentApi {
         board: board.clone(),
-        provider: runner.as_ref().map(|(provider, ..)| provider.clone()),
+        provider: workloads.clone(),
         log_poll: config.lease_timing.log_poll,
         shutdown: stop.clone(),
     };
@@ -437,6 +529,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         stop,
         server,
         heartbeater,
+        provider: workloads,
         runner,
         egress,
         follower,

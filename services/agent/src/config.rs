@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::container::{DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
 use crate::egress::{EgressIsolation, ProxyTiming};
 use crate::host::Capacity;
 
@@ -71,6 +72,59 @@ impl Default for LeaseTiming {
             log_poll: DEFAULT_LOG_POLL,
             retain_finished: DEFAULT_RETAIN_FINISHED,
         }
+    }
+}
+
+/// What runs the node's workloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkloadRuntime {
+    /// Plain host processes, not contained: only with `allow_uncontained`.
+    Process,
+    /// Containers through this OCI runtime binary.
+    Oci(OciRuntime),
+}
+
+impl std::fmt::Display for WorkloadRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WorkloadRuntime::Process => f.write_str("process"),
+            WorkloadRuntime::Oci(runtime) => write!(f, "oci ({runtime})"),
+        }
+    }
+}
+
+/// How the node contains its workloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Containment {
+    /// What runs them.
+    pub runtime: WorkloadRuntime,
+    /// The users they run as.
+    pub uids: UidRange,
+    /// How many processes each may have at once.
+    pub pids_limit: i64,
+    /// Whether the agent may run workloads uncontained (the process
+    /// runtime, or a host where the OCI runtime cannot run) instead of
+    /// refusing to start.
+    pub allow_uncontained: bool,
+}
+
+impl Default for Containment {
+    /// Containers through runc, and no start without them.
+    fn default() -> Self {
+        Self {
+            runtime: WorkloadRuntime::Oci(OciRuntime::for_host()),
+            uids: UidRange::default(),
+            pids_limit: DEFAULT_PIDS_LIMIT,
+            allow_uncontained: false,
+        }
+    }
+}
+
+impl Containment {
+    /// Plain host processes, as the agent's own user: for tests of what is
+    /// not containment, and hosts where an operator chose it.
+    pub fn uncontained() -> Self {
+        Self { runtime: WorkloadRuntime::Process, allow_uncontained: true, ..Self::default() }
     }
 }
 
@@ -177,6 +231,8 @@ pub struct AgentConfig {
     pub egress_isolation: EgressIsolation,
     /// The egress proxy's timings.
     pub proxy_timing: ProxyTiming,
+    /// What runs workloads, and how they are contained.
+    pub containment: Containment,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -203,6 +259,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("egress", &self.egress)
             .field("egress_isolation", &self.egress_isolation)
             .field("proxy_timing", &self.proxy_timing)
+            .field("containment", &self.containment)
             .finish_non_exhaustive()
     }
 }
@@ -242,6 +299,7 @@ impl AgentConfig {
             egress: None,
             egress_isolation: EgressIsolation::default(),
             proxy_timing: ProxyTiming::default(),
+            containment: Containment::default(),
         }
     }
 

@@ -95,6 +95,13 @@ const SYSTEM_DIRS: [&str; 7] = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib
 /// certificates and how names are looked up.
 const SHARED_ETC: [&str; 4] = ["/etc/ssl", "/etc/ca-certificates", "/etc/nsswitch.conf", "/etc/resolv.conf"];
 
+/// The init every container's workload runs under, where the host has it:
+/// tini, as `docker run --init` uses. The workload is not the PID
+/// namespace's first process, so a signal it has no handler for still ends
+/// it, and what it orphans is reaped instead of piling up as zombies. Both live under `/usr`, which
+/// every workload sees.
+const INITS: [&str; 2] = ["/usr/bin/tini-static", "/usr/bin/tini"];
+
 /// Where every runtime binary is looked for.
 const BINARY_DIRS: [&str; 4] = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin"];
 
@@ -847,7 +854,11 @@ impl ContainerProvider {
             let source = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file in the workload's root");
             return Err(ProviderError::Spawn { command: program, source });
         }
-        let mut args = vec![program.clone()];
+        let mut args: Vec<String> = match INITS.iter().find(|init| Path::new(init).is_file()) {
+            Some(init) => vec![init.to_string(), "--".into()],
+            None => Vec::new(),
+        };
+        args.push(program.clone());
         args.extend(spec.args.iter().cloned());
         let plan = ContainerPlan {
             args,

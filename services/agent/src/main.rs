@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use berth_agent::{AgentConfig, AgentError, Capacity, EgressIsolation};
+use berth_agent::{
+    AgentConfig, AgentError, Capacity, Containment, EgressIsolation, OciRuntime, UidRange, WorkloadRuntime,
+};
 use berth_runtime::{StartError, TelemetryArgs, parse_duration, run_main};
 use clap::Parser;
 
@@ -120,6 +122,33 @@ struct Args {
     /// trusted beside the system roots.
     #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
     registry_ca: Option<PathBuf>,
+    /// What runs workloads: `oci`, a container per lease through
+    /// --oci-runtime (its own user, no capabilities, its own PID and mount
+    /// namespaces on a read-only root, the lease's memory and CPU as cgroup
+    /// limits), or `process`, plain host processes as the agent's user,
+    /// which contain nothing and need --allow-uncontained.
+    #[arg(long, env = "BERTH_RUNTIME", value_name = "RUNTIME", default_value = "oci",
+        value_parser = ["oci", "process"])]
+    runtime: String,
+    /// The OCI runtime binary for --runtime oci: `runc` (cgroup v1, hybrid
+    /// and v2), `crun` (cgroup v2 only), or `runsc` (gVisor: a user-space
+    /// kernel between each workload and the host, for untrusted code).
+    #[arg(long, env = "BERTH_OCI_RUNTIME", value_name = "NAME", default_value = "runc",
+        value_parser = str::parse::<OciRuntime>)]
+    oci_runtime: OciRuntime,
+    /// The host uids (and gids) workloads run as, FIRST-LAST: each running
+    /// workload takes one of its own. Must hold neither 0 nor the agent's uid.
+    #[arg(long, env = "BERTH_WORKLOAD_UIDS", value_name = "FIRST-LAST", default_value = "200000-299999",
+        value_parser = str::parse::<UidRange>)]
+    workload_uids: UidRange,
+    /// How many processes one workload may have at once.
+    #[arg(long, env = "BERTH_WORKLOAD_PIDS_LIMIT", value_name = "N", default_value_t = berth_agent::DEFAULT_PIDS_LIMIT)]
+    workload_pids_limit: i64,
+    /// Run workloads uncontained (as the agent's user, seeing the host)
+    /// where the node cannot contain them, instead of refusing to start.
+    /// The node then says so in its `berth.contained` label and its logs.
+    #[arg(long, env = "BERTH_ALLOW_UNCONTAINED")]
+    allow_uncontained: bool,
     #[command(flatten)]
     telemetry: TelemetryArgs,
 }
@@ -197,6 +226,15 @@ impl Args {
         config.lease_timing.stop_grace = self.stop_grace;
         config.lease_timing.sweep_interval = self.sweep_interval;
         config.bundle_cache_budget = self.bundle_cache_budget;
+        config.containment = Containment {
+            runtime: match self.runtime.as_str() {
+                "process" => WorkloadRuntime::Process,
+                _ => WorkloadRuntime::Oci(self.oci_runtime),
+            },
+            uids: self.workload_uids,
+            pids_limit: self.workload_pids_limit,
+            allow_uncontained: self.allow_uncontained,
+        };
         config.insecure_registries =
             self.insecure_registries.into_iter().map(|r| r.trim().to_string()).filter(|r| !r.is_empty()).collect();
         config.registry_ca_pem = match &self.registry_ca {

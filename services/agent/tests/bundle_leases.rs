@@ -180,12 +180,15 @@ async fn a_bundle_from_an_oci_layout_runs_with_no_registry_in_its_own_directory(
     let instance = agent.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await;
     assert_eq!(answer(instance.port, "/").await, (200, "hello from hello-00007\n".to_string()));
 
-    // The workload works in its lease's directory, with the bundle's
-    // settings and the port it was given.
+    // The workload works in its lease's own directory, which is all it sees
+    // of the agent's data directory (contained, at /berth/work), with the
+    // bundle's settings, its bundle at /berth/bundle, and its port.
     let cwd = std::fs::read_link(format!("/proc/{}/cwd", instance.pid)).unwrap();
-    assert!(cwd.starts_with(dir.path()) && cwd.ends_with(&lease.lease_id), "works in {}", cwd.display());
+    assert_eq!(cwd, std::path::Path::new("/berth/work"), "works in {}", cwd.display());
+    assert!(dir.path().join("leases").join(&lease.lease_id).is_dir());
     let env = environment(instance.pid);
     for expected in [
+        "BERTH_BUNDLE_DIR=/berth/bundle".to_string(),
         format!("PORT={}", instance.port),
         format!("BERTH_PORT_HTTP={}", instance.port),
         format!("BERTH_BUNDLE_DIGEST={digest}"),

@@ -66,6 +66,20 @@ pub(crate) struct DevArgs {
     /// revisions resolves with them and the dev node pulls with them.
     #[arg(long, env = "BERTH_REGISTRY_CREDENTIALS", value_name = "FILE")]
     registry_credentials: Option<PathBuf>,
+    /// The OCI runtime the dev node contains its workloads with, when run
+    /// as root: runc, crun or runsc.
+    #[arg(long, env = "BERTH_OCI_RUNTIME", default_value = "runc", value_name = "NAME",
+          value_parser = str::parse::<berth_agent::OciRuntime>)]
+    oci_runtime: berth_agent::OciRuntime,
+    /// Run the dev node's workloads uncontained when it cannot contain them
+    /// as root (the OCI runtime is missing). Without root they always run
+    /// uncontained, and the banner says so.
+    #[arg(long, env = "BERTH_ALLOW_UNCONTAINED")]
+    allow_uncontained: bool,
+    /// Leave the dev node's workloads running when `berth dev` stops; by
+    /// default Ctrl-C stops them first, since nothing else would.
+    #[arg(long)]
+    keep_workloads: bool,
 }
 
 pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
@@ -180,20 +194,33 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     // Every replica reaches out only through its tenant's egress proxy,
     // held to the plan the egress service (three above identity) sends.
     agent.egress = Some(SocketAddr::new(dial_host, args.port_base + 3).to_string());
+    let contained = rustix::process::geteuid().is_root();
+    agent.containment = if contained {
+        berth_agent::Containment {
+            runtime: berth_agent::WorkloadRuntime::Oci(args.oci_runtime),
+            allow_uncontained: args.allow_uncontained,
+            ..Default::default()
+        }
+    } else {
+        berth_agent::Containment::uncontained()
+    };
     let agent = berth_agent::start(agent, shutdown.clone())
         .await
         .map_err(|e| StartError::Invalid(format!("dev agent: {e}")))?;
+    let contained = contained && agent.contained();
     // The dev node stopping (revoked by an operator, say) leaves the control
     // plane serving.
+    let keep_workloads = args.keep_workloads;
     servers.spawn(async move {
-        if let Err(error) = agent.wait().await {
+        let stopped = if keep_workloads { agent.wait().await } else { agent.wait_then_stop_workloads().await };
+        if let Err(error) = stopped {
             tracing::warn!(%error, "the dev node's agent stopped; the control plane keeps serving");
         }
         Ok(())
     });
 
     spawn_keeper(authority, kept, LEAF_VALIDITY, Some(ca_path), shutdown.clone());
-    print_banner(&args);
+    print_banner(&args, contained);
 
     // The first server to stop (an error, or all of them after shutdown)
     // stops the rest.
@@ -309,7 +336,7 @@ fn now_secs() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
 }
 
-fn print_banner(args: &DevArgs) {
+fn print_banner(args: &DevArgs, contained: bool) {
     let dir = args.data_dir.display();
     let host = args.host;
     let p = args.port_base;
@@ -324,6 +351,23 @@ fn print_banner(args: &DevArgs) {
     lines.push(format!(
         "  grpcurl -cacert {dir}/ca.pem -cert {dir}/admin.pem -key {dir}/admin-key.pem {host}:{p} grpc.health.v1.Health/Check"
     ));
-    lines.push("Stop with Ctrl-C.".into());
+    if contained {
+        lines.push(format!(
+            "The dev node contains its workloads ({}): each runs as a user of its own, in its own namespaces, \
+             within its lease's memory and CPU.",
+            args.oci_runtime
+        ));
+    } else {
+        lines.push(
+            "WARNING: the dev node's workloads are NOT contained: they run as your user, see your files, and have \
+             no limits. Run `berth dev` as root to contain them."
+                .into(),
+        );
+    }
+    if args.keep_workloads {
+        lines.push("Stop with Ctrl-C; the dev node's workloads keep running.".into());
+    } else {
+        lines.push("Stop with Ctrl-C; the dev node's workloads stop with it.".into());
+    }
     println!("{}", lines.join("\n"));
 }
