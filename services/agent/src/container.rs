@@ -86,6 +86,15 @@ const STOP_POLL: Duration = Duration::from_millis(25);
 /// How many processes a workload may have at once.
 pub const DEFAULT_PIDS_LIMIT: i64 = 1024;
 
+/// The smallest memory limit a container gets: the runtime's own init runs
+/// in the workload's cgroup before it becomes the workload, and a lease
+/// reserving less (a test's 1 MiB, say) could not start at all.
+const MIN_MEMORY_LIMIT: u64 = 8 << 20;
+
+/// What gVisor's own kernel takes inside a sandbox's cgroup, added to the
+/// lease's memory so the workload itself has what its lease reserves.
+const RUNSC_OVERHEAD: u64 = 64 << 20;
+
 /// Host directories every workload sees read-only at the same paths; those
 /// the host lacks are left out, and those that are links (a merged `/usr`)
 /// become the same links in the workload's root.
@@ -591,6 +600,15 @@ impl ContainerProvider {
     }
 }
 
+/// The cgroup memory limit for a lease reserving `reserved` bytes (0: none).
+fn memory_limit(runtime: OciRuntime, reserved: u64) -> u64 {
+    match (runtime, reserved) {
+        (_, 0) => 0,
+        (OciRuntime::Runsc, reserved) => reserved.saturating_add(RUNSC_OVERHEAD),
+        (OciRuntime::Runc | OciRuntime::Crun, reserved) => reserved.max(MIN_MEMORY_LIMIT),
+    }
+}
+
 /// Host paths under `/etc` every workload sees, those the host has.
 fn shared_files() -> Vec<PathBuf> {
     SHARED_ETC.iter().map(PathBuf::from).filter(|path| path.exists()).collect()
@@ -870,7 +888,7 @@ impl ContainerProvider {
             work_dir: work_dir.clone(),
             network: spec.network.as_ref().map(|network| network.namespace.clone()),
             cgroup: self.inner.cgroup(&lease_id),
-            memory_bytes: spec.resources.memory_bytes,
+            memory_bytes: memory_limit(self.inner.settings.runtime, spec.resources.memory_bytes),
             cpu_millis: spec.resources.cpu_millis,
             pids: self.inner.settings.pids_limit,
             hostname: lease_id.chars().take(63).collect(),
@@ -962,6 +980,14 @@ mod tests {
         for bad in ["200000", "b-c", "10-5"] {
             assert!(bad.parse::<UidRange>().unwrap_err().contains("FIRST-LAST"), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_lease_memory_becomes_a_limit_the_runtime_can_start_in() {
+        assert_eq!(memory_limit(OciRuntime::Runc, 0), 0, "no reservation, no limit");
+        assert_eq!(memory_limit(OciRuntime::Runc, 1 << 20), MIN_MEMORY_LIMIT);
+        assert_eq!(memory_limit(OciRuntime::Runc, 256 << 20), 256 << 20);
+        assert_eq!(memory_limit(OciRuntime::Runsc, 256 << 20), (256 << 20) + RUNSC_OVERHEAD);
     }
 
     #[test]

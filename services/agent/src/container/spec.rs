@@ -15,7 +15,10 @@
 //!   set, and `no_new_privs`, so it cannot gain any back (a set-uid binary
 //!   does nothing) nor `setns` out of its network namespace.
 //! - A cgroup whose memory limit is the lease's memory (swap included), whose
-//!   CPU quota is the lease's CPU, and whose process count is bounded.
+//!   CPU quota is the lease's CPU, and whose process count is bounded. The
+//!   provider raises the limit where the runtime needs room of its own: to
+//!   at least 8 MiB (runc's init runs in the cgroup before it becomes the
+//!   workload), and by gVisor's kernel's share under runsc.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

@@ -77,7 +77,9 @@ pub(crate) struct BootstrapArgs {
           value_parser = parse_duration)]
     cert_ttl: Duration,
     /// Also create a join token and write it here (0600), for the first hosts'
-    /// agents (`BERTH_JOIN_TOKEN`). Every run creates a fresh one.
+    /// agents (`BERTH_JOIN_TOKEN`). Every run creates a fresh one. Outside
+    /// --out, the CA bundle is also written beside it as `ca.pem`: that
+    /// directory is all an agent needs.
     #[arg(long, env = "BERTH_BOOTSTRAP_JOIN_TOKEN_OUT", value_name = "FILE")]
     join_token_out: Option<PathBuf>,
     /// How long that join token stays usable, e.g. `1h`, `7d` (at most 30d).
@@ -280,6 +282,13 @@ impl BootstrapArgs {
             let token = self.create_token(identity, admin).await?;
             write_file(path, &token.token, true)?;
             written.push(format!("join token {}: {}", token.token_id, path.display()));
+            // Beside the token, the bundle an agent joins with, so a host
+            // can be given that directory and nothing of the PKI's keys.
+            if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty() && *dir != self.out) {
+                let beside = dir.join("ca.pem");
+                write_file(&beside, &bundle, false)?;
+                written.push(format!("CA bundle for agents: {}", beside.display()));
+            }
         }
         Ok(written)
     }
