@@ -117,9 +117,12 @@ impl ProcessSpec {
             .with_context(|| format!("cannot open the log of {} at {}", self.name, self.log.display()))?;
         let log_copy = log.try_clone().with_context(|| format!("cannot open the log of {}", self.name))?;
         let mut command = match &self.netns {
+            // Only the network namespace: `ip netns exec` would also give the
+            // process a mount namespace with a fresh /sys, hiding the cgroup
+            // filesystem an agent contains its workloads with.
             Some(netns) => {
-                let mut command = tokio::process::Command::new("ip");
-                command.arg("netns").arg("exec").arg(netns).arg(&self.program);
+                let mut command = tokio::process::Command::new("nsenter");
+                command.arg(format!("--net=/run/netns/{netns}")).arg("--").arg(&self.program);
                 command
             }
             None => tokio::process::Command::new(&self.program),

@@ -6,15 +6,16 @@
 //! Every lease and service template a test makes carries the variable
 //! [`RUN_MARKER_ENV`] set to the test's run id, and the agent passes a
 //! lease's variables to its workload beside `BERTH_LEASE_ID`,
-//! `BERTH_NODE_ID` and `BERTH_REVISION`. A workload is the leader of its
-//! own process group (the agent starts it with `process_group(0)`), so
-//! only group leaders are counted: what a workload forks is not another
-//! workload.
+//! `BERTH_NODE_ID` and `BERTH_REVISION`. A workload is a marked process
+//! whose parent is not a marked process of the same lease: what a workload
+//! forks is not another workload, whether the agent started it as a
+//! process group of its own or in a container under an init (whose child
+//! is the lease's program).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use rustix::process::{Signal, kill_process_group};
+use rustix::process::{Signal, kill_process, kill_process_group};
 
 use crate::process::pid_of;
 
@@ -41,10 +42,16 @@ pub struct Workload {
 pub fn scan(run_id: &str) -> Vec<Workload> {
     let marker = format!("{RUN_MARKER_ENV}={run_id}");
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    let mut found: Vec<Workload> = entries
+    let marked: Vec<(Workload, u32)> = entries
         .filter_map(Result::ok)
         .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
         .filter_map(|pid| read_workload(pid, &marker))
+        .collect();
+    let lease_of: BTreeMap<u32, String> = marked.iter().map(|(w, _)| (w.pid, w.lease_id.clone())).collect();
+    let mut found: Vec<Workload> = marked
+        .into_iter()
+        .filter(|(workload, parent)| lease_of.get(parent) != Some(&workload.lease_id))
+        .map(|(workload, _)| workload)
         .collect();
     found.sort_by_key(|w| w.pid);
     found
@@ -65,22 +72,24 @@ pub fn kill_all(run_id: &str) -> usize {
     for workload in &workloads {
         if let Ok(pid) = pid_of(workload.pid) {
             let _ = kill_process_group(pid, Signal::KILL);
+            let _ = kill_process(pid, Signal::KILL);
         }
     }
     workloads.len()
 }
 
-fn read_workload(pid: u32, marker: &str) -> Option<Workload> {
+/// The marked process `pid` and its parent's pid.
+fn read_workload(pid: u32, marker: &str) -> Option<(Workload, u32)> {
     let dir = Path::new("/proc").join(pid.to_string());
     let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
     // The command name is in parentheses and may hold anything; the fields
     // after its closing parenthesis are plain.
     let after = &stat[stat.rfind(')')? + 1..];
     let fields: Vec<&str> = after.split_whitespace().collect();
-    // fields[0] is the state (field 3), fields[2] the process group (5),
-    // fields[19] the start time (22).
-    let (state, pgrp, start_time) = (fields.first()?, fields.get(2)?, fields.get(19)?);
-    if *state == "Z" || pgrp.parse::<u32>().ok()? != pid {
+    // fields[0] is the state (field 3), fields[1] the parent (4), fields[19]
+    // the start time (22).
+    let (state, parent, start_time) = (fields.first()?, fields.get(1)?, fields.get(19)?);
+    if *state == "Z" {
         return None;
     }
     let environ = std::fs::read(dir.join("environ")).ok()?;
@@ -98,13 +107,14 @@ fn read_workload(pid: u32, marker: &str) -> Option<Workload> {
     if !marked {
         return None;
     }
-    Some(Workload {
+    let workload = Workload {
         pid,
         start_time: start_time.parse().ok()?,
         lease_id: variables.remove("BERTH_LEASE_ID")?,
         node_id: variables.remove("BERTH_NODE_ID").unwrap_or_default(),
         revision: variables.remove("BERTH_REVISION").filter(|r| !r.is_empty()),
-    })
+    };
+    Some((workload, parent.parse().ok()?))
 }
 
 /// When process `pid` started, in clock ticks since boot; `None` once it is gone.

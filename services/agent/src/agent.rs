@@ -75,6 +75,13 @@ pub const RUNTIME_LABEL: &str = "berth.runtime";
 /// The node label saying whether its workloads are contained.
 pub const CONTAINED_LABEL: &str = "berth.contained";
 
+/// Whether this process sees a cgroup filesystem to limit workloads with:
+/// v2's root, or v1's memory hierarchy (hybrid hosts too).
+fn cgroups_visible() -> bool {
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    root.join("cgroup.controllers").exists() || root.join("memory/memory.limit_in_bytes").exists()
+}
+
 /// What will run the node's workloads: the configured runtime where this
 /// host can run it; else, when allowed, plain processes; else an error
 /// that says what is missing.
@@ -87,6 +94,10 @@ fn choose_runtime(containment: &Containment) -> Result<WorkloadRuntime, AgentErr
                 format!("containing workloads with {oci} needs root, and the agent runs as uid {}", euid.as_raw())
             } else if oci.binary().is_none() {
                 format!("{oci} is not installed (looked in /usr/local/sbin, /usr/local/bin, /usr/sbin, /usr/bin)")
+            } else if !cgroups_visible() {
+                "no cgroup filesystem at /sys/fs/cgroup to hold workloads to their leases (an agent started \
+                 by `ip netns exec` has a /sys of its own: use `nsenter --net=` instead)"
+                    .to_string()
             } else {
                 containment.uids.check(euid.as_raw()).map_err(|e| AgentError::Config(format!("workload uids: {e}")))?;
                 return Ok(containment.runtime);

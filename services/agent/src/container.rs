@@ -46,24 +46,24 @@
 //! - A workload never runs as uid 0 or as the agent's user: the range is
 //!   checked when the agent starts.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::os::unix::fs::DirBuilderExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::instances::{
-    Layout, PortBook, StoredExit, StoredRecord, assign_ports, blocking, from_unix_ms, host_ports, io, load_records,
-    prepare, remove_path, unix_ms, validate_lease_id, write_record,
+    Instances, PortBook, StoredRecord, Tracked, assign_ports, blocking, from_unix_ms, io, load_records, prepare,
+    remove_path, unix_ms, validate_lease_id,
 };
 use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    Exit, ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
+    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
 };
 
 mod spec;
@@ -241,20 +241,13 @@ pub struct ContainerProvider {
 }
 
 #[derive(Debug)]
-struct Tracked {
-    stored: StoredRecord,
-    exit: watch::Sender<Option<Exit>>,
-}
-
-#[derive(Debug)]
 struct Inner {
-    layout: Layout,
+    instances: Arc<Instances>,
     settings: ContainerSettings,
     /// The runtime's `--root`: only this agent's containers are in it.
     state_root: PathBuf,
     /// Names this agent's cgroups apart from another agent's on the host.
     cgroup_parent: String,
-    instances: Mutex<BTreeMap<String, Tracked>>,
     ports: Arc<PortBook>,
     /// Uids handed to launches whose instance is not tracked yet.
     claimed_uids: Mutex<BTreeSet<u32>>,
@@ -264,12 +257,8 @@ struct Inner {
 }
 
 impl Inner {
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Tracked>> {
-        self.instances.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
     fn container_dir(&self, lease_id: &str) -> PathBuf {
-        self.layout.root.join(CONTAINER_DIR).join(lease_id)
+        self.instances.layout.root.join(CONTAINER_DIR).join(lease_id)
     }
 
     fn cgroup(&self, lease_id: &str) -> String {
@@ -372,11 +361,10 @@ impl ContainerProvider {
         let cgroup_parent = format!("berth-{:08x}", crate::egress::fnv32(data_dir.as_os_str().as_encoded_bytes()));
         Self {
             inner: Arc::new(Inner {
-                layout: Layout { root: data_dir.to_path_buf() },
+                instances: Arc::new(Instances::new(data_dir)),
                 settings,
                 state_root,
                 cgroup_parent,
-                instances: Mutex::new(BTreeMap::new()),
                 ports: Arc::default(),
                 claimed_uids: Mutex::new(BTreeSet::new()),
                 destroying: Mutex::new(BTreeSet::new()),
@@ -385,39 +373,17 @@ impl ContainerProvider {
         }
     }
 
-    fn stored(&self, lease_id: &str) -> Result<StoredRecord, ProviderError> {
-        self.inner
-            .lock()
-            .get(lease_id)
-            .map(|t| t.stored.clone())
-            .ok_or_else(|| ProviderError::NotFound(lease_id.to_string()))
-    }
-
-    async fn update(
-        &self,
-        lease_id: &str,
-        f: impl FnOnce(&mut StoredRecord) + Send + 'static,
-    ) -> Result<(), ProviderError> {
-        let inner = self.inner.clone();
-        let lease_id = lease_id.to_string();
-        blocking(move || {
-            let mut instances = inner.lock();
-            let tracked = instances.get_mut(&lease_id).ok_or_else(|| ProviderError::NotFound(lease_id.clone()))?;
-            let before = tracked.stored.clone();
-            f(&mut tracked.stored);
-            if tracked.stored != before {
-                write_record(&inner.layout, &tracked.stored)?;
-            }
-            Ok(())
-        })
-        .await
-    }
-
     /// A uid no running workload of this agent holds.
     fn allocate_uid(&self, lease_id: &str) -> Result<u32, ProviderError> {
         let range = self.inner.settings.uids;
-        let held: BTreeSet<u32> =
-            self.inner.lock().values().filter(|t| t.stored.exit.is_none()).filter_map(|t| t.stored.uid).collect();
+        let held: BTreeSet<u32> = self
+            .inner
+            .instances
+            .lock()
+            .values()
+            .filter(|t| t.stored.exit.is_none())
+            .filter_map(|t| t.stored.uid)
+            .collect();
         let mut claimed = self.inner.claimed_uids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let uid = (0..range.count)
             .map(|offset| range.first + offset)
@@ -451,22 +417,7 @@ impl ContainerProvider {
             status
         };
         self.inner.delete(lease_id).await;
-        let exit = Exit { status, at: SystemTime::now() };
-        let stored = StoredExit { status, at_ms: unix_ms(exit.at) };
-        if let Err(error) = self
-            .update(lease_id, move |record| {
-                if record.exit.is_none() {
-                    record.exit = Some(stored);
-                }
-            })
-            .await
-        {
-            tracing::warn!(%lease_id, %error, "cannot record how the workload ended");
-        }
-        tracing::info!(%lease_id, %status, runtime = self.inner.name(), "workload ended");
-        if let Some(tracked) = self.inner.lock().get(lease_id) {
-            tracked.exit.send_replace(Some(exit));
-        }
+        self.inner.instances.ended(lease_id, status).await;
     }
 
     /// Whether a workload that ended with `status` was killed for its memory.
@@ -480,7 +431,7 @@ impl ContainerProvider {
         // limit, is the only evidence there is.
         self.inner.settings.runtime == OciRuntime::Runsc
             && status == ExitStatus::Signal(9)
-            && self.stored(lease_id).is_ok_and(|record| record.memory_limited)
+            && self.inner.instances.stored(lease_id).is_ok_and(|record| record.memory_limited)
     }
 
     /// Waits for the monitor this agent started.
@@ -543,7 +494,7 @@ impl ContainerProvider {
 
     /// The running workload's pid and start time.
     fn running(&self, lease_id: &str) -> Result<(StoredRecord, Option<(u32, u64)>), ProviderError> {
-        let stored = self.stored(lease_id)?;
+        let stored = self.inner.instances.stored(lease_id)?;
         let running = stored
             .pid
             .zip(stored.start_ticks)
@@ -668,20 +619,14 @@ impl Provider for ContainerProvider {
         validate_lease_id(&spec.lease_id)?;
         let bundle = spec.root.bundle_dir().map(Path::to_path_buf);
         let program = spec.program_path(bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)))?;
-        if let Ok(stored) = self.stored(&spec.lease_id)
+        if let Ok(stored) = self.inner.instances.stored(&spec.lease_id)
             && stored.exit.is_none()
             && stored.pid.is_some()
         {
             return Err(ProviderError::AlreadyRunning(spec.lease_id));
         }
         let mut spec = spec;
-        let taken: BTreeSet<u16> = self
-            .inner
-            .lock()
-            .values()
-            .filter(|t| t.stored.exit.is_none())
-            .flat_map(|t| host_ports(&t.stored.meta))
-            .collect();
+        let taken = self.inner.instances.ports_taken();
         let (ports, _claim) = self.inner.ports.allocate(&spec.lease_id, &spec.ports, taken)?;
         assign_ports(&mut spec.meta, &spec.ports, &ports);
         let uid = self.allocate_uid(&spec.lease_id)?;
@@ -691,14 +636,14 @@ impl Provider for ContainerProvider {
     }
 
     async fn recover(&self) -> Result<Vec<Launched>, ProviderError> {
-        let layout = self.inner.layout.clone();
+        let layout = self.inner.instances.layout.clone();
         let loaded = blocking(move || load_records(&layout)).await?;
         let mut recovered = Vec::new();
         let mut known = BTreeSet::new();
         for stored in loaded {
             let lease_id = stored.lease_id.clone();
             known.insert(lease_id.clone());
-            if let Some(tracked) = self.inner.lock().get(&lease_id) {
+            if let Some(tracked) = self.inner.instances.lock().get(&lease_id) {
                 recovered.push(Launched { record: tracked.stored.to_record(), exit: tracked.exit.subscribe() });
                 continue;
             }
@@ -712,7 +657,7 @@ impl Provider for ContainerProvider {
             let (exit_tx, exit_rx) = watch::channel(stored.exit());
             let record = stored.to_record();
             let ended_unwatched = running.is_none() && stored.exit.is_none();
-            self.inner.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
+            self.inner.instances.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
             if let Some((pid, ticks)) = running {
                 tracing::info!(%lease_id, pid, runtime = self.inner.name(), "found a container still running from before the restart");
                 self.watch_adopted(lease_id, pid, ticks);
@@ -720,7 +665,7 @@ impl Provider for ContainerProvider {
             } else if ended_unwatched {
                 // Ended (or never started) while no agent watched it.
                 self.ended(&lease_id, ExitStatus::Unknown).await;
-                let record = self.stored(&lease_id)?.to_record();
+                let record = self.inner.instances.stored(&lease_id)?.to_record();
                 recovered.push(Launched { record, exit: exit_rx });
             } else {
                 recovered.push(Launched { record, exit: exit_rx });
@@ -743,11 +688,11 @@ impl Provider for ContainerProvider {
     }
 
     async fn set_epoch(&self, lease_id: &str, epoch: u64) -> Result<(), ProviderError> {
-        self.update(lease_id, move |record| record.epoch = epoch).await
+        self.inner.instances.update(lease_id, move |record| record.epoch = epoch).await
     }
 
     async fn settle(&self, lease_id: &str) -> Result<(), ProviderError> {
-        self.update(lease_id, |record| record.settled = true).await
+        self.inner.instances.update(lease_id, |record| record.settled = true).await
     }
 
     async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {
@@ -780,16 +725,7 @@ impl Provider for ContainerProvider {
         }
         self.inner.delete(lease_id).await;
         self.inner.destroying.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(lease_id);
-        let inner = self.inner.clone();
-        let lease_id = lease_id.to_string();
-        blocking(move || {
-            inner.lock().remove(&lease_id);
-            let layout = &inner.layout;
-            remove_path(&layout.record(&lease_id))?;
-            remove_path(&layout.log_dir(&lease_id))?;
-            remove_path(&layout.work_dir(&lease_id))
-        })
-        .await
+        self.inner.instances.forget(lease_id).await
     }
 
     async fn signal(&self, lease_id: &str, signal: WorkloadSignal) -> Result<(), ProviderError> {
@@ -826,8 +762,8 @@ impl Provider for ContainerProvider {
     }
 
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
-        self.stored(lease_id)?;
-        Ok(self.inner.layout.logs(lease_id))
+        self.inner.instances.stored(lease_id)?;
+        Ok(self.inner.instances.layout.logs(lease_id))
     }
 
     fn runtime(&self) -> Runtime {
@@ -848,7 +784,7 @@ impl ContainerProvider {
         let mut first = StoredRecord::starting(&spec);
         first.uid = Some(uid);
         first.memory_limited = spec.resources.memory_bytes > 0;
-        let layout = self.inner.layout.clone();
+        let layout = self.inner.instances.layout.clone();
         let (work_dir, stdout, stderr) = {
             let first = first.clone();
             blocking(move || {
@@ -863,12 +799,7 @@ impl ContainerProvider {
         let env = spec.environment(Path::new(WORK_MOUNT), bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)));
         let path_var = env.get("PATH").cloned().unwrap_or_default();
         if !findable(&program, &path_var, bundle.as_deref(), &work_dir) {
-            let failed = StoredRecord {
-                exit: Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) }),
-                ..first
-            };
-            let layout = self.inner.layout.clone();
-            let _ = blocking(move || write_record(&layout, &failed)).await;
+            self.inner.instances.never_started(first).await;
             let source = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file in the workload's root");
             return Err(ProviderError::Spawn { command: program, source });
         }
@@ -916,12 +847,7 @@ impl ContainerProvider {
         let mut monitor = match command.spawn() {
             Ok(monitor) => monitor,
             Err(source) => {
-                let failed = StoredRecord {
-                    exit: Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) }),
-                    ..first
-                };
-                let layout = self.inner.layout.clone();
-                let _ = blocking(move || write_record(&layout, &failed)).await;
+                self.inner.instances.never_started(first).await;
                 let command = self.inner.settings.binary.display().to_string();
                 return Err(ProviderError::Spawn { command, source });
             }
@@ -929,15 +855,7 @@ impl ContainerProvider {
         let pid = started_pid(&pid_file, &mut monitor).await;
         let start_ticks = pid.and_then(|pid| procfs::read_stat(Path::new(PROC_ROOT), pid)).map(|s| s.start_ticks);
         let started = StoredRecord { pid, start_ticks, started_at_ms: Some(unix_ms(SystemTime::now())), ..first };
-        {
-            let inner = self.inner.clone();
-            let started = started.clone();
-            blocking(move || {
-                inner.lock().insert(started.lease_id.clone(), Tracked { stored: started.clone(), exit: exit_tx });
-                write_record(&inner.layout, &started)
-            })
-            .await?;
-        }
+        self.inner.instances.track(started.clone(), exit_tx).await?;
         tracing::info!(%lease_id, epoch = spec.epoch, ?pid, uid, %program, runtime = self.inner.name(), "workload started");
         self.wait_for_monitor(lease_id, monitor);
         Ok(Launched { record: started.to_record(), exit: exit_rx })

@@ -28,6 +28,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::collections::BTreeMap;
+
+use tokio::sync::watch;
+
 use crate::provider::{Exit, ExitStatus, InstanceMeta, InstanceRecord, LaunchSpec, LogFiles, ProviderError};
 
 /// How many ports the kernel is asked for before a launch gives up on
@@ -342,4 +346,123 @@ pub(crate) fn host_ports(meta: &InstanceMeta) -> impl Iterator<Item = u16> + '_ 
 pub(crate) fn assign_ports(meta: &mut InstanceMeta, names: &[String], ports: &[u16]) {
     meta.port = ports.first().copied().map(u32::from).unwrap_or_default();
     meta.ports = names.iter().cloned().zip(ports.iter().map(|port| u32::from(*port))).collect();
+}
+
+/// An instance a provider tracks: its record, and the watch its end is told on.
+#[derive(Debug)]
+pub(crate) struct Tracked {
+    pub(crate) stored: StoredRecord,
+    pub(crate) exit: watch::Sender<Option<Exit>>,
+}
+
+/// Every instance one provider tracks, and where their files are; each
+/// record change is written through to disk.
+#[derive(Debug)]
+pub(crate) struct Instances {
+    pub(crate) layout: Layout,
+    map: Mutex<BTreeMap<String, Tracked>>,
+}
+
+impl Instances {
+    /// The instances kept under `data_dir` (none tracked yet).
+    pub(crate) fn new(data_dir: &Path) -> Self {
+        Self { layout: Layout { root: data_dir.to_path_buf() }, map: Mutex::new(BTreeMap::new()) }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Tracked>> {
+        // A panic while holding the lock left a map that is still whole.
+        self.map.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The record of `lease_id`, as tracked.
+    pub(crate) fn stored(&self, lease_id: &str) -> Result<StoredRecord, ProviderError> {
+        self.lock().get(lease_id).map(|t| t.stored.clone()).ok_or_else(|| ProviderError::NotFound(lease_id.to_string()))
+    }
+
+    /// The host ports running instances hold.
+    pub(crate) fn ports_taken(&self) -> BTreeSet<u16> {
+        self.lock().values().filter(|t| t.stored.exit.is_none()).flat_map(|t| host_ports(&t.stored.meta)).collect()
+    }
+
+    /// Runs `f` over the record of `lease_id` on the blocking pool, writing
+    /// it back when `f` changed it.
+    pub(crate) async fn update<T: Send + 'static>(
+        self: &Arc<Self>,
+        lease_id: &str,
+        f: impl FnOnce(&mut StoredRecord) -> T + Send + 'static,
+    ) -> Result<T, ProviderError> {
+        let instances = self.clone();
+        let lease_id = lease_id.to_string();
+        blocking(move || {
+            let mut map = instances.lock();
+            let tracked = map.get_mut(&lease_id).ok_or_else(|| ProviderError::NotFound(lease_id.clone()))?;
+            let before = tracked.stored.clone();
+            let out = f(&mut tracked.stored);
+            if tracked.stored != before {
+                write_record(&instances.layout, &tracked.stored)?;
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Tracks a started instance and writes its record.
+    pub(crate) async fn track(
+        self: &Arc<Self>,
+        stored: StoredRecord,
+        exit: watch::Sender<Option<Exit>>,
+    ) -> Result<(), ProviderError> {
+        let instances = self.clone();
+        blocking(move || {
+            instances.lock().insert(stored.lease_id.clone(), Tracked { stored: stored.clone(), exit });
+            write_record(&instances.layout, &stored)
+        })
+        .await
+    }
+
+    /// Writes the record of a launch that never started: it ended at once,
+    /// how unknown.
+    pub(crate) async fn never_started(self: &Arc<Self>, first: StoredRecord) {
+        let failed = StoredRecord {
+            exit: Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) }),
+            ..first
+        };
+        let instances = self.clone();
+        let _ = blocking(move || write_record(&instances.layout, &failed)).await;
+    }
+
+    /// Records how `lease_id` ended (the first end told is kept) and tells
+    /// whoever watches.
+    pub(crate) async fn ended(self: &Arc<Self>, lease_id: &str, status: ExitStatus) {
+        let exit = Exit { status, at: SystemTime::now() };
+        let stored = StoredExit { status, at_ms: unix_ms(exit.at) };
+        let recorded = self
+            .update(lease_id, move |record| {
+                if record.exit.is_none() {
+                    record.exit = Some(stored);
+                }
+            })
+            .await;
+        if let Err(error) = recorded {
+            tracing::warn!(%lease_id, %error, "cannot record how the workload ended");
+        }
+        tracing::info!(%lease_id, %status, "workload ended");
+        if let Some(tracked) = self.lock().get(lease_id) {
+            tracked.exit.send_replace(Some(exit));
+        }
+    }
+
+    /// Forgets `lease_id`: its record, its logs and its working directory.
+    pub(crate) async fn forget(self: &Arc<Self>, lease_id: &str) -> Result<(), ProviderError> {
+        let instances = self.clone();
+        let lease_id = lease_id.to_string();
+        blocking(move || {
+            instances.lock().remove(&lease_id);
+            let layout = &instances.layout;
+            remove_path(&layout.record(&lease_id))?;
+            remove_path(&layout.log_dir(&lease_id))?;
+            remove_path(&layout.work_dir(&lease_id))
+        })
+        .await
+    }
 }

@@ -50,10 +50,9 @@
 //! leaves a record with no pid, which a restart reports as never started,
 //! and a process it cannot find.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use rustix::process::{Pid, Signal, kill_process_group};
@@ -61,12 +60,12 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::instances::{
-    Layout, PortBook, StoredExit, StoredRecord, assign_ports, blocking, from_unix_ms, host_ports, load_records,
-    prepare, remove_path, unix_ms, validate_lease_id, write_record,
+    Instances, PortBook, StoredExit, StoredRecord, Tracked, assign_ports, blocking, from_unix_ms, load_records,
+    prepare, unix_ms, validate_lease_id, write_record,
 };
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    Exit, ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
+    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
 };
 
 /// How long a workload has to stop after SIGTERM before it gets SIGKILL.
@@ -97,12 +96,6 @@ impl Default for ProcessTiming {
     }
 }
 
-#[derive(Debug)]
-struct Tracked {
-    stored: StoredRecord,
-    exit: watch::Sender<Option<Exit>>,
-}
-
 /// Runs each lease's command as a process group; see the module docs.
 #[derive(Debug, Clone)]
 pub struct ProcessProvider {
@@ -111,10 +104,9 @@ pub struct ProcessProvider {
 
 #[derive(Debug)]
 struct Inner {
-    layout: Layout,
+    instances: Arc<Instances>,
     proc_root: PathBuf,
     timing: ProcessTiming,
-    instances: Mutex<BTreeMap<String, Tracked>>,
     /// Ports handed to launches whose instance is not tracked yet.
     ports: Arc<PortBook>,
     /// Stops the tasks that wait for processes; never the processes.
@@ -127,44 +119,13 @@ impl ProcessProvider {
     pub fn new(data_dir: &Path, timing: ProcessTiming, shutdown: CancellationToken) -> Self {
         Self {
             inner: Arc::new(Inner {
-                layout: Layout { root: data_dir.to_path_buf() },
+                instances: Arc::new(Instances::new(data_dir)),
                 proc_root: PathBuf::from(PROC_ROOT),
                 timing,
-                instances: Mutex::new(BTreeMap::new()),
                 ports: Arc::default(),
                 shutdown,
             }),
         }
-    }
-
-    /// Runs `f` over the tracked instance of `lease_id` on the blocking pool,
-    /// writing its record back when `f` changed it.
-    async fn update<T: Send + 'static>(
-        &self,
-        lease_id: &str,
-        f: impl FnOnce(&mut StoredRecord) -> T + Send + 'static,
-    ) -> Result<T, ProviderError> {
-        let inner = self.inner.clone();
-        let lease_id = lease_id.to_string();
-        blocking(move || {
-            let mut instances = inner.lock();
-            let tracked = instances.get_mut(&lease_id).ok_or_else(|| ProviderError::NotFound(lease_id.clone()))?;
-            let before = tracked.stored.clone();
-            let out = f(&mut tracked.stored);
-            if tracked.stored != before {
-                write_record(&inner.layout, &tracked.stored)?;
-            }
-            Ok(out)
-        })
-        .await
-    }
-
-    fn stored(&self, lease_id: &str) -> Result<StoredRecord, ProviderError> {
-        self.inner
-            .lock()
-            .get(lease_id)
-            .map(|t| t.stored.clone())
-            .ok_or_else(|| ProviderError::NotFound(lease_id.to_string()))
     }
 
     /// Waits for a child this provider spawned, records how it ended, and
@@ -222,26 +183,11 @@ impl ProcessProvider {
                 let _ = signal_group(pgid, Signal::KILL);
             }
         }
-        let exit = Exit { status, at: SystemTime::now() };
-        let stored = StoredExit { status, at_ms: unix_ms(exit.at) };
-        let recorded = self
-            .update(lease_id, move |record| {
-                if record.exit.is_none() {
-                    record.exit = Some(stored);
-                }
-            })
-            .await;
-        if let Err(error) = recorded {
-            tracing::warn!(%lease_id, %error, "cannot record how the workload ended");
-        }
-        tracing::info!(%lease_id, %status, "workload ended");
-        if let Some(tracked) = self.inner.lock().get(lease_id) {
-            tracked.exit.send_replace(Some(exit));
-        }
+        self.inner.instances.ended(lease_id, status).await;
     }
 
     fn group_of(&self, lease_id: &str) -> Result<(StoredRecord, Option<(i32, u64)>), ProviderError> {
-        let stored = self.stored(lease_id)?;
+        let stored = self.inner.instances.stored(lease_id)?;
         let group = stored.group().filter(|(pgid, ticks)| procfs::owns_group(&self.inner.proc_root, *pgid, *ticks));
         Ok((stored, group))
     }
@@ -263,40 +209,24 @@ impl ProcessProvider {
     }
 }
 
-impl Inner {
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Tracked>> {
-        // A panic while holding the lock left a map that is still whole.
-        self.instances.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// The host ports running instances hold.
-    fn ports_taken(&self) -> BTreeSet<u16> {
-        self.lock()
-            .values()
-            .filter(|tracked| tracked.stored.exit.is_none())
-            .flat_map(|tracked| host_ports(&tracked.stored.meta))
-            .collect()
-    }
-}
-
 #[async_trait::async_trait]
 impl Provider for ProcessProvider {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
         validate_lease_id(&spec.lease_id)?;
         let bundle = spec.root.bundle_dir().map(Path::to_path_buf);
         let program = spec.program_path(bundle.as_deref())?;
-        if let Ok(stored) = self.stored(&spec.lease_id)
+        if let Ok(stored) = self.inner.instances.stored(&spec.lease_id)
             && stored.exit.is_none()
             && stored.pid.is_some()
         {
             return Err(ProviderError::AlreadyRunning(spec.lease_id));
         }
         let mut spec = spec;
-        let taken = self.inner.ports_taken();
+        let taken = self.inner.instances.ports_taken();
         let (ports, _claim) = self.inner.ports.allocate(&spec.lease_id, &spec.ports, taken)?;
         assign_ports(&mut spec.meta, &spec.ports, &ports);
 
-        let layout = self.inner.layout.clone();
+        let layout = self.inner.instances.layout.clone();
         let first = StoredRecord::starting(&spec);
         let (work_dir, stdout, stderr) = {
             let first = first.clone();
@@ -331,12 +261,7 @@ impl Provider for ProcessProvider {
         let child = match command.spawn() {
             Ok(child) => child,
             Err(source) => {
-                let failed = StoredRecord {
-                    exit: Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) }),
-                    ..first
-                };
-                let layout = self.inner.layout.clone();
-                let _ = blocking(move || write_record(&layout, &failed)).await;
+                self.inner.instances.never_started(first).await;
                 return Err(ProviderError::Spawn { command: program, source });
             }
         };
@@ -344,16 +269,7 @@ impl Provider for ProcessProvider {
         let start_ticks = pid.and_then(|pid| procfs::read_stat(&self.inner.proc_root, pid)).map(|s| s.start_ticks);
         let started = StoredRecord { pid, start_ticks, started_at_ms: Some(unix_ms(SystemTime::now())), ..first };
         let group = started.group();
-        {
-            let inner = self.inner.clone();
-            let started = started.clone();
-            blocking(move || {
-                let mut instances = inner.lock();
-                instances.insert(started.lease_id.clone(), Tracked { stored: started.clone(), exit: exit_tx });
-                write_record(&inner.layout, &started)
-            })
-            .await?;
-        }
+        self.inner.instances.track(started.clone(), exit_tx).await?;
         tracing::info!(lease_id = %spec.lease_id, epoch = spec.epoch, ?pid, %program, "workload started");
         self.wait_for_child(spec.lease_id, child, group);
         Ok(Launched { record: started.to_record(), exit: exit_rx })
@@ -361,11 +277,11 @@ impl Provider for ProcessProvider {
 
     async fn recover(&self) -> Result<Vec<Launched>, ProviderError> {
         let provider = self.clone();
-        let loaded = blocking(move || load_records(&provider.inner.layout)).await?;
+        let loaded = blocking(move || load_records(&provider.inner.instances.layout)).await?;
         let mut recovered = Vec::new();
         for stored in loaded {
             let lease_id = stored.lease_id.clone();
-            if let Some(tracked) = self.inner.lock().get(&lease_id) {
+            if let Some(tracked) = self.inner.instances.lock().get(&lease_id) {
                 recovered.push(Launched { record: tracked.stored.to_record(), exit: tracked.exit.subscribe() });
                 continue;
             }
@@ -376,7 +292,7 @@ impl Provider for ProcessProvider {
             if running.is_none() && stored.exit.is_none() {
                 // Ended (or never started) while no agent watched it.
                 stored.exit = Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) });
-                let layout = self.inner.layout.clone();
+                let layout = self.inner.instances.layout.clone();
                 let ended = stored.clone();
                 blocking(move || write_record(&layout, &ended)).await?;
             }
@@ -390,7 +306,7 @@ impl Provider for ProcessProvider {
             }
             let (exit_tx, exit_rx) = watch::channel(stored.exit());
             let record = stored.to_record();
-            self.inner.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
+            self.inner.instances.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
             if let Some((pid, ticks)) = running {
                 tracing::info!(%lease_id, pid, "found a workload still running from before the restart");
                 self.watch_adopted(lease_id, pid, ticks);
@@ -401,11 +317,11 @@ impl Provider for ProcessProvider {
     }
 
     async fn set_epoch(&self, lease_id: &str, epoch: u64) -> Result<(), ProviderError> {
-        self.update(lease_id, move |record| record.epoch = epoch).await
+        self.inner.instances.update(lease_id, move |record| record.epoch = epoch).await
     }
 
     async fn settle(&self, lease_id: &str) -> Result<(), ProviderError> {
-        self.update(lease_id, |record| record.settled = true).await
+        self.inner.instances.update(lease_id, |record| record.settled = true).await
     }
 
     async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {
@@ -432,16 +348,7 @@ impl Provider for ProcessProvider {
         if let Ok((_, Some(_))) = self.group_of(lease_id) {
             return Err(ProviderError::AlreadyRunning(lease_id.to_string()));
         }
-        let inner = self.inner.clone();
-        let lease_id = lease_id.to_string();
-        blocking(move || {
-            inner.lock().remove(&lease_id);
-            let layout = &inner.layout;
-            remove_path(&layout.record(&lease_id))?;
-            remove_path(&layout.log_dir(&lease_id))?;
-            remove_path(&layout.work_dir(&lease_id))
-        })
-        .await
+        self.inner.instances.forget(lease_id).await
     }
 
     async fn signal(&self, lease_id: &str, signal: WorkloadSignal) -> Result<(), ProviderError> {
@@ -478,8 +385,8 @@ impl Provider for ProcessProvider {
     }
 
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
-        self.stored(lease_id)?;
-        Ok(self.inner.layout.logs(lease_id))
+        self.inner.instances.stored(lease_id)?;
+        Ok(self.inner.instances.layout.logs(lease_id))
     }
 
     fn runtime(&self) -> Runtime {
@@ -520,7 +427,7 @@ mod tests {
 
     use super::*;
     use crate::procfs::TestDir;
-    use crate::provider::ExitWatch;
+    use crate::provider::{Exit, ExitWatch};
 
     const PATIENCE: Duration = Duration::from_secs(20);
 
@@ -709,7 +616,7 @@ mod tests {
             std::process::Command::new("sleep").arg("1000").current_dir(tmp.path()).process_group(0).spawn().unwrap();
         let pid = stranger.id();
         let real_start = procfs::read_stat(proc_root(), pid).unwrap().start_ticks;
-        let layout = Layout { root: tmp.path().to_path_buf() };
+        let layout = crate::instances::Layout { root: tmp.path().to_path_buf() };
         std::fs::create_dir_all(layout.record_dir()).unwrap();
         let record = StoredRecord {
             lease_id: "lease-e".into(),

@@ -14,6 +14,9 @@
 //!    placed on it (never launched): leases' memory with that many on record.
 //! 4. The running leases are released, so the agent stops its processes
 //!    before every service is stopped and the state removed.
+//! 5. What the runtime itself adds, at the provider, beside a raw
+//!    `fork+exec` and the runtime's own bare `run` in the same run (see
+//!    [`super::runtime_launch`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,9 +41,19 @@ use super::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
 use super::nodes::{self, NODE_CAPACITY};
 use super::procfs::{load_average, read_memory};
 use super::report::Target;
+use super::runtime_launch::{BenchRuntime, RuntimeLaunch, RuntimeLaunchError};
 
 /// Request → RUNNING p99 must stay under this.
 const TARGET_P99_MS: f64 = 100.0;
+
+/// The contained process runtime's launch p50 may exceed a raw spawn's by this.
+const TARGET_PROCESS_OVER_SPAWN_MS: f64 = 15.0;
+
+/// runc's launch p50 through the provider may exceed a bare `runc run` by this.
+const TARGET_RUNC_OVER_BARE_MS: f64 = 20.0;
+
+/// runsc's launch p99 must stay under this.
+const TARGET_RUNSC_P99_MS: f64 = 1000.0;
 
 /// The agent's resident memory before any lease must stay under this.
 const TARGET_AGENT_IDLE_MIB: f64 = 20.0;
@@ -95,6 +108,13 @@ pub(super) struct LaunchArgs {
     /// leases' memory is read.
     #[arg(long, default_value_t = 10_000, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     records: u32,
+    /// What the agent runs workloads through: process (uncontained), or a
+    /// container through runc, runsc or crun (needs root).
+    #[arg(long, value_enum, default_value_t = BenchRuntime::Process, value_name = "RUNTIME")]
+    runtime: BenchRuntime,
+    /// How many launches the provider-level comparison takes of each kind.
+    #[arg(long, default_value_t = 50, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    compare: u32,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table, value_name = "FORMAT")]
     output: OutputFormat,
@@ -150,6 +170,9 @@ pub(crate) enum LaunchBenchError {
     /// The report could not be written.
     #[error("cannot write the report: {0}")]
     Output(String),
+    /// The provider-level comparison could not run.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeLaunchError),
 }
 
 /// Everything one run measured.
@@ -161,10 +184,12 @@ struct LaunchReport {
     leases: u32,
     /// Leases put on record for the ledger's memory.
     records: u32,
-    /// The agent's provider: always "process".
+    /// What the agent ran workloads through.
     provider: &'static str,
     /// RequestLease → RUNNING, one lease at a time.
     launch: Figures,
+    /// The runtime at the provider, beside its baselines.
+    runtime: Option<RuntimeLaunch>,
     /// The agent's resident memory, MiB.
     agent_memory: AgentMemory,
     /// The ledger's resident memory, MiB.
@@ -218,6 +243,12 @@ pub(super) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
     let stopped = identity.stop().await;
     let mut report = outcome?;
     stopped?;
+    progress(&format!(
+        "launching {} workloads through the {} provider beside its baselines",
+        args.compare,
+        args.runtime.name()
+    ));
+    report.runtime = Some(super::runtime_launch::measure(args.runtime, args.compare).await?);
     report.load_average_before = load_average_before;
     report.judge();
     let text = match args.output {
@@ -306,9 +337,9 @@ async fn with_leases(
     tokio::time::sleep(SETTLE).await;
     let leases_idle_kib = leases.memory().map_or(0, |m| m.rss_kib);
 
-    progress("starting berth-agent with the process provider");
+    progress(&format!("starting berth-agent with the {} runtime", args.runtime.name()));
     let token = join_token(admin_channel, "", 1).await?;
-    let agent = start_agent(identity, leases.addr(), &token, dir)?;
+    let agent = start_agent(args.runtime, identity, leases.addr(), &token, dir)?;
     let outcome = tokio::select! {
         outcome = with_agent(args, identity, admin_channel, leases, &leases_channel, &agent, dir, leases_idle_kib) => outcome,
         died = agent.exited() => Err(LaunchBenchError::Process(died)),
@@ -319,6 +350,7 @@ async fn with_leases(
 }
 
 fn start_agent(
+    runtime: BenchRuntime,
     identity: &IdentityProcess,
     leases_addr: SocketAddr,
     token: &str,
@@ -345,6 +377,10 @@ fn start_agent(
         .arg(leases_addr.to_string())
         .args(["--cpu-millis", "64000", "--memory-bytes", &(64u64 << 30).to_string(), "--name", "bench-agent"])
         .args(["--stop-grace", "2s"])
+        .args(match runtime.oci() {
+            Some(oci) => vec!["--runtime".to_string(), "oci".into(), "--oci-runtime".into(), oci.name().into()],
+            None => vec!["--runtime".into(), "process".into(), "--allow-uncontained".into()],
+        })
         // Through the environment, so the token never shows in `ps`.
         .env("BERTH_JOIN_TOKEN", token)
         .env("RUST_LOG", "warn");
@@ -421,8 +457,9 @@ async fn with_agent(
         scenario: "launch",
         leases: args.leases,
         records: args.records,
-        provider: "process",
+        provider: args.runtime.name(),
         launch,
+        runtime: None,
         agent_memory: AgentMemory { idle_mib: mib(agent_idle_kib), with_leases_mib: mib(agent_loaded_kib) },
         leases_memory: RecordsMemory {
             idle_mib: mib(leases_idle_kib),
@@ -629,6 +666,32 @@ impl LaunchReport {
                 met: agent.with_leases_mib > 0.0 && agent.with_leases_mib < TARGET_AGENT_LOADED_MIB,
             },
         ];
+        let Some(runtime) = &self.runtime else { return };
+        let over = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a - b);
+        let clean = runtime.provider.errors == 0;
+        self.targets.push(match self.provider {
+            "process" => {
+                let value = over(runtime.provider.p50_ms, runtime.raw_spawn.p50_ms);
+                Target {
+                    name: format!("process launch p50 <= raw fork+exec + {TARGET_PROCESS_OVER_SPAWN_MS:.0}ms"),
+                    value,
+                    met: clean && value.is_some_and(|v| v <= TARGET_PROCESS_OVER_SPAWN_MS),
+                }
+            }
+            "runsc" => Target {
+                name: format!("runsc launch p99 < {TARGET_RUNSC_P99_MS:.0}ms"),
+                value: runtime.provider.p99_ms,
+                met: clean && runtime.provider.p99_ms.is_some_and(|v| v < TARGET_RUNSC_P99_MS),
+            },
+            name => {
+                let value = over(runtime.provider.p50_ms, runtime.bare_runtime.as_ref().and_then(|f| f.p50_ms));
+                Target {
+                    name: format!("{name} launch p50 <= bare {name} run + {TARGET_RUNC_OVER_BARE_MS:.0}ms"),
+                    value,
+                    met: clean && value.is_some_and(|v| v <= TARGET_RUNC_OVER_BARE_MS),
+                }
+            }
+        });
     }
 
     fn table(&self) -> String {
@@ -646,6 +709,24 @@ impl LaunchReport {
             latency(l.max_ms),
             l.errors
         );
+        if let Some(runtime) = &self.runtime {
+            let mut row = |name: &str, f: &Figures| {
+                let _ = writeln!(
+                    out,
+                    "{:<30}{:>10}{:>10}{:>10}{:>8}",
+                    name,
+                    latency(f.p50_ms),
+                    latency(f.p99_ms),
+                    latency(f.max_ms),
+                    f.errors
+                );
+            };
+            row(&format!("{} provider launch", self.provider), &runtime.provider);
+            row("raw fork+exec (baseline)", &runtime.raw_spawn);
+            if let Some(bare) = &runtime.bare_runtime {
+                row(&format!("bare {} run -d (baseline)", self.provider), bare);
+            }
+        }
         let _ = writeln!(
             out,
             "agent RSS: idle {:.1} MiB, with {} leases running {:.1} MiB",

@@ -20,6 +20,7 @@ mod load;
 mod nodes;
 mod procfs;
 mod report;
+mod runtime_launch;
 
 use berth_runtime::StartError;
 
