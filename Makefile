@@ -71,6 +71,8 @@ bench:
 	"$$berth" bench leases --nodes 100 --leases 10000 --concurrency 32 --duration 5s \
 	  --database-url "$$database" --redis-url "$$redis"; \
 	"$$berth" bench launch --leases 100 --records 10000; \
+	"$$berth" bench launch --runtime runc --leases 30 --records 0 --compare 50; \
+	"$$berth" bench launch --runtime runsc --leases 30 --records 0 --compare 50; \
 	"$$berth" bench deploy --warm 30 --cold 10 --bundle-mib 10 --mints 200 \
 	  --database-url "$$database" --redis-url "$$redis"; \
 	"$$berth" bench egress; \

@@ -349,7 +349,12 @@ impl Inner {
             tracing::warn!(%lease_id, %error, "cannot delete the container");
         }
         let dir = self.container_dir(lease_id);
-        let _ = blocking(move || remove_path(&dir)).await;
+        let parent = self.cgroup_parent.clone();
+        let _ = blocking(move || {
+            remove_empty_cgroups(&parent);
+            remove_path(&dir)
+        })
+        .await;
     }
 }
 
@@ -557,6 +562,43 @@ fn memory_limit(runtime: OciRuntime, reserved: u64) -> u64 {
         (_, 0) => 0,
         (OciRuntime::Runsc, reserved) => reserved.saturating_add(RUNSC_OVERHEAD),
         (OciRuntime::Runc | OciRuntime::Crun, reserved) => reserved.max(MIN_MEMORY_LIMIT),
+    }
+}
+
+/// Destroys every container an agent on `data_dir` left, through the runtime
+/// that runs it, and returns how many there were: for tearing down a data
+/// directory whose agent is gone (a test's, a bench's), where no agent will
+/// adopt them.
+pub fn destroy_containers(data_dir: &Path) -> usize {
+    let mut destroyed = 0;
+    for runtime in [OciRuntime::Runc, OciRuntime::Crun, OciRuntime::Runsc] {
+        let state_root = data_dir.join(RUNTIME_DIR).join(runtime.name());
+        let (Some(binary), Ok(entries)) = (runtime.binary(), std::fs::read_dir(&state_root)) else { continue };
+        for id in entries.filter_map(Result::ok).filter_map(|e| e.file_name().into_string().ok()) {
+            for args in [vec!["kill", "--all", &id, "KILL"], vec!["delete", "--force", &id]] {
+                let _ = std::process::Command::new(&binary)
+                    .arg("--root")
+                    .arg(&state_root)
+                    .args(&args)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .status();
+            }
+            destroyed += 1;
+        }
+    }
+    destroyed
+}
+
+/// Removes this agent's cgroup directory `name` from every hierarchy where
+/// it holds no container any more (the runtime removes each container's
+/// own); one that still does stays, as the kernel refuses to remove it.
+fn remove_empty_cgroups(name: &str) {
+    let root = Path::new("/sys/fs/cgroup");
+    let _ = std::fs::remove_dir(root.join(name));
+    for hierarchy in std::fs::read_dir(root).into_iter().flatten().filter_map(Result::ok) {
+        let _ = std::fs::remove_dir(hierarchy.path().join(name));
     }
 }
 
@@ -863,11 +905,15 @@ impl ContainerProvider {
 }
 
 impl Inner {
-    /// Forgets a container the runtime still lists under a lease's name,
-    /// without touching the root the launch just wrote.
+    /// Forgets a container the runtime still keeps under a lease's name,
+    /// without touching the root the launch just wrote. The runtime keeps
+    /// each container's state in a directory of its name under its root, so
+    /// a launch with none there (every first launch) asks the runtime
+    /// nothing.
     async fn delete_state_only(&self, lease_id: &str) {
-        if self.state(lease_id).await.is_some() {
-            let _ = self.run(&["delete", "--force", &self.container_id(lease_id)]).await;
+        let id = self.container_id(lease_id);
+        if tokio::fs::try_exists(self.state_root.join(&id)).await.unwrap_or(true) {
+            let _ = self.run(&["delete", "--force", &id]).await;
         }
     }
 }

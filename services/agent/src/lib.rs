@@ -57,7 +57,9 @@ pub use config::{
     DEFAULT_RETRY_INITIAL, DEFAULT_RETRY_MAX, DEFAULT_RPC_TIMEOUT, DEFAULT_SWEEP_INTERVAL, LeaseTiming,
     WorkloadRuntime,
 };
-pub use container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
+pub use container::{
+    ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange, destroy_containers,
+};
 pub use egress::{
     Attachment, DEFAULT_PROXY_CONNECT_TIMEOUT, DEFAULT_PROXY_HEAD_TIMEOUT, EgressError, EgressIsolation, EgressProxies,
     EgressSettings, EgressStatus, Enforcement, NamespaceError, ProxyTiming, RulesError,

@@ -288,8 +288,7 @@ fn every_public_rpc_refuses_malformed_requests_cleanly_and_keeps_serving() {
             still_serving(base, &admin_credentials, channels[&(0, true)].clone()).await;
         });
     }));
-    let _ = dev.kill();
-    let _ = dev.wait();
+    common::stop_dev(&mut dev, dir.path());
     if let Err(panic) = result {
         std::panic::resume_unwind(panic);
     }

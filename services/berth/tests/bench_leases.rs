@@ -96,7 +96,7 @@ fn a_tiny_launch_run_reports_latency_and_memory() {
     sibling("berth-identity", "berth-identity");
     sibling("berth-leases", "berth-leases");
     sibling("berth-agent", "berth-agent");
-    let out = berth(&["bench", "launch", "--leases", "3", "--records", "100", "--output", "json"]);
+    let out = berth(&["bench", "launch", "--leases", "3", "--records", "100", "--compare", "5", "--output", "json"]);
     let report = json(&out);
     let text = report.to_string();
     let launch = &report["launch"];
@@ -110,5 +110,13 @@ fn a_tiny_launch_run_reports_latency_and_memory() {
     assert!(agent["idle_mib"].as_f64().unwrap() > 0.0, "{text}");
     assert!(agent["with_leases_mib"].as_f64().unwrap() > 0.0, "{text}");
     assert_eq!(report["leases_memory"]["records_placed"], 100, "{text}");
-    assert_eq!(report["targets"].as_array().unwrap().len(), 3, "{text}");
+    assert_eq!(report["targets"].as_array().unwrap().len(), 4, "{text}");
+    // What the runtime adds at the provider, beside a raw fork+exec in the
+    // same run (the process runtime has no bare-runtime baseline).
+    let runtime = &report["runtime"];
+    for figures in ["provider", "raw_spawn"] {
+        assert_eq!(runtime[figures]["calls"], 5, "{figures}: {text}");
+        assert_eq!(runtime[figures]["errors"], 0, "{figures}: {text}");
+    }
+    assert!(runtime["bare_runtime"].is_null(), "{text}");
 }

@@ -35,13 +35,22 @@ fn grpcurl() -> PathBuf {
 
 struct Dev {
     child: Child,
+    dir: PathBuf,
+    /// Whether dropping it leaves its node's containers running, as a
+    /// killed `berth dev` does, for the next one to adopt.
+    leave_workloads: bool,
 }
 
 impl Dev {
     /// Starts `berth dev` and waits for its banner.
     fn start(dir: &Path, base: u16) -> Dev {
         let child = common::spawn_dev(dir, base);
-        Dev { child }
+        Dev { child, dir: dir.to_path_buf(), leave_workloads: false }
+    }
+
+    /// Drops a killed `berth dev` without cleaning up after it.
+    fn abandon(mut self) {
+        self.leave_workloads = true;
     }
 
     /// SIGTERM, then the exit status.
@@ -60,8 +69,12 @@ impl Dev {
 
 impl Drop for Dev {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if self.leave_workloads {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        } else {
+            common::stop_dev(&mut self.child, &self.dir);
+        }
     }
 }
 
@@ -458,7 +471,7 @@ fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts
     // kill -9: no cleanup at all, in any of the five services or the agent.
     Command::new("kill").args(["-KILL", &dev.child.id().to_string()]).status().unwrap();
     let _ = dev.child.wait();
-    drop(dev);
+    dev.abandon();
     assert_eq!(pid_with(&marker), Some(pid), "the workload outlives the agent");
 
     let _dev = Dev::start(&dir, base);
@@ -560,4 +573,30 @@ fn port_in_use_is_one_clear_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains(&format!("cannot listen on 127.0.0.1:{}", base + 2)), "{stderr}");
+}
+
+#[test]
+fn stopping_berth_dev_stops_its_nodes_workloads_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let base = common::free_port_base();
+    let dev = Dev::start(&dir, base);
+    let leases = format!("127.0.0.1:{}", base + 2);
+    let marker = format!("berth-dev-stop-{base}-{}", std::process::id());
+    let script = format!("sleep 600; echo {marker}");
+    request_lease(&dir, &leases, "stop", &[&script, &marker]);
+    let mut running = None;
+    for _ in 0..100 {
+        running = pid_with(&marker);
+        if running.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(running.is_some(), "the workload started");
+
+    // Ctrl-C (SIGINT) and SIGTERM stop the same way: nothing else would
+    // adopt the dev node's workloads, so they stop with it.
+    assert!(dev.stop().success());
+    assert_eq!(pid_with(&marker), None, "the dev node's workload outlived berth dev");
 }

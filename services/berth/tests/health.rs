@@ -8,7 +8,7 @@
 mod common;
 
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
@@ -16,12 +16,11 @@ use std::time::{Duration, Instant};
 const AGENT_DEADLINE: Duration = Duration::from_secs(30);
 
 /// `berth dev`, killed on drop.
-struct Dev(Child);
+struct Dev(Child, PathBuf);
 
 impl Drop for Dev {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        common::stop_dev(&mut self.0, &self.1);
     }
 }
 
@@ -52,7 +51,7 @@ fn failure(out: &Output) -> String {
 fn health_passes_only_a_serving_process_whose_certificate_verifies() {
     let dir = tempfile::tempdir().unwrap();
     let base = common::free_port_base();
-    let _dev = Dev(common::spawn_dev(dir.path(), base));
+    let _dev = Dev(common::spawn_dev(dir.path(), base), dir.path().to_path_buf());
     let ca = dir.path().join("ca.pem");
     let ca = ca.to_str().unwrap();
     let identity = format!("127.0.0.1:{base}");

@@ -94,8 +94,7 @@ impl Dev {
 
 impl Drop for Dev {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        common::stop_dev(&mut self.child, &self.dir);
     }
 }
 

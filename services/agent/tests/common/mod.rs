@@ -342,6 +342,7 @@ impl TestDir {
 
 impl Drop for TestDir {
     fn drop(&mut self) {
+        berth_agent::destroy_containers(self.0.path());
         for entry in std::fs::read_dir("/proc").unwrap().filter_map(Result::ok) {
             let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
             let cwd = std::fs::read_link(entry.path().join("cwd"));

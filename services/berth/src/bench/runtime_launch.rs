@@ -31,6 +31,9 @@ const SLEEP_SECONDS: &str = "600";
 /// How long one start may take before it counts as failed.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The host directories the bare bundle shows, as the provider does.
+const SYSTEM_DIRS: [&str; 5] = ["/usr", "/bin", "/sbin", "/lib", "/lib64"];
+
 /// The memory each bench workload reserves.
 const MEMORY: u64 = 64 << 20;
 
@@ -149,6 +152,13 @@ async fn bare_runs(oci: OciRuntime, binary: &Path, count: u32, dir: &Path) -> Re
     let io = |what| move |source| RuntimeLaunchError::Io { what, source };
     let bundle = dir.join("bundle");
     std::fs::create_dir_all(bundle.join("rootfs")).map_err(io("cannot make the bare bundle"))?;
+    // A merged /usr's links, as the provider makes them.
+    for dir in SYSTEM_DIRS {
+        if let Ok(target) = std::fs::read_link(dir) {
+            std::os::unix::fs::symlink(target, bundle.join("rootfs").join(dir.trim_start_matches('/')))
+                .map_err(io("cannot link a system directory into the bare bundle"))?;
+        }
+    }
     std::fs::write(bundle.join("config.json"), bare_spec(&bundle.join("rootfs")).to_string())
         .map_err(io("cannot write the bare bundle's spec"))?;
     let state = dir.join("state");
@@ -191,7 +201,7 @@ fn bare_spec(rootfs: &Path) -> serde_json::Value {
         serde_json::json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
     ];
-    for dir in ["/usr", "/lib", "/lib64", "/bin"] {
+    for dir in SYSTEM_DIRS {
         if Path::new(dir).is_dir() && std::fs::read_link(dir).is_err() {
             mounts.push(bind(dir));
         }

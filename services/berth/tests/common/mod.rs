@@ -27,8 +27,27 @@ pub(crate) fn free_port_base() -> u16 {
     panic!("no five consecutive free ports");
 }
 
+/// Stops a `berth dev` on `dir` as Ctrl-C does (SIGTERM: it stops its node's
+/// workloads first), SIGKILL if it has not exited within a few seconds, then
+/// destroys any container its node left, so no test leaves one behind.
+#[allow(clippy::disallowed_methods, reason = "called from Drop and plain tests, outside any runtime")]
+pub(crate) fn stop_dev(child: &mut Child, dir: &Path) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    }
+    for _ in 0..200 {
+        if matches!(child.try_wait(), Ok(Some(_))) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    berth_agent::destroy_containers(&dir.join("agent"));
+}
+
 /// Starts `berth dev` on `dir` and `base` and waits for its banner; the
-/// caller owns (and kills) the process.
+/// caller owns (and stops, with [`stop_dev`]) the process.
 pub(crate) fn spawn_dev(dir: &Path, base: u16) -> Child {
     spawn_dev_with(dir, base, &[])
 }
