@@ -87,9 +87,15 @@ async fn a_replica_launched_by_the_runner_is_given_its_tenants_proxy_and_stays_r
     let isolated = enforcement == Enforcement::Isolated;
     assert_eq!(isolated, rustix::process::geteuid().is_root(), "root isolates, anyone else is advisory: {enforcement}");
 
+    // Around the proxy, straight to a port on the host's loopback (the
+    // identity service listens there): from the tenant's namespace there is
+    // no such listener and no route out.
+    let host_port = plane.identity_addr.rsplit(':').next().unwrap().to_string();
     let script = format!(
         "echo \"proxy=$HTTP_PROXY $HTTPS_PROXY $ALL_PROXY $http_proxy $https_proxy $all_proxy\"; \
          echo \"no_proxy=$NO_PROXY\"; \
+         {CURL} -s --noproxy '*' --max-time 3 -o /dev/null -w 'direct=%{{http_code}}\\n' \
+           http://127.0.0.1:{host_port}/; \
          {CURL} -s -o /dev/null -w 'status=%{{http_code}}\\n' http://example.invalid/; \
          exec {PYTHON} -m http.server \"$PORT\" --bind 127.0.0.1"
     );
@@ -114,6 +120,9 @@ async fn a_replica_launched_by_the_runner_is_given_its_tenants_proxy_and_stays_r
     assert!(urls.iter().all(|url| *url == urls[0]), "every proxy variable names the same proxy: {proxy_line}");
     assert!(output.contains("no_proxy=localhost,127.0.0.1,::1"), "{output}");
     assert!(output.contains("status=403"), "no plan has arrived, so the proxy refuses: {output}");
+    if isolated {
+        assert!(output.contains("direct=000"), "nothing is reached around the proxy: {output}");
+    }
 
     let instance =
         agent.instance_until(&plane, &lease.lease_id, "running with a port", |i| i.pid != 0 && i.port != 0).await;
