@@ -94,6 +94,9 @@ pub enum UnsafeEntry {
     /// A link entry without a target.
     #[error("it is a link without a target")]
     MissingLinkTarget,
+    /// A whiteout that names no entry of its directory (`.`, `..`, nothing).
+    #[error("it is a whiteout of `{0}`, which names no entry of its directory")]
+    BadWhiteout(String),
     /// A character or block device.
     #[error("it is a device file")]
     DeviceFile,
@@ -189,7 +192,7 @@ pub fn extract_layer(
 
 /// Extracts a plain tar stream into `dest`, an existing empty directory.
 pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Result<ExtractStats, ExtractError> {
-    let bounded = BoundedReader { inner: reader, remaining: limits.max_stream_bytes() };
+    let bounded = BoundedReader::new(reader, limits.max_stream_bytes());
     let mut archive = tar::Archive::new(bounded);
     let mut stats = ExtractStats::default();
     let mut symlinks: Vec<(String, PathBuf)> = Vec::new();
@@ -311,7 +314,7 @@ pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Res
 }
 
 /// The entry path as plain components, `.` parts dropped.
-fn relative_path(path: &Path) -> Result<PathBuf, UnsafeEntry> {
+pub(crate) fn relative_path(path: &Path) -> Result<PathBuf, UnsafeEntry> {
     let mut rel = PathBuf::new();
     for component in path.components() {
         match component {
@@ -413,13 +416,13 @@ fn push_front_steps(pending: &mut VecDeque<Step>, path: &Path) {
 }
 
 /// Why the directories above an entry could not be made.
-enum ParentRefusal {
+pub(crate) enum ParentRefusal {
     Unsafe(UnsafeEntry),
     Io(ExtractError),
 }
 
 impl ParentRefusal {
-    fn into_error(self, entry: &str) -> ExtractError {
+    pub(crate) fn into_error(self, entry: &str) -> ExtractError {
         match self {
             Self::Unsafe(reason) => ExtractError::Refused { entry: entry.to_owned(), reason },
             Self::Io(error) => error,
@@ -428,7 +431,7 @@ impl ParentRefusal {
 }
 
 /// Makes the directories above `rel`, refusing to pass through a symlink or a file.
-fn prepare_parents(root: &Path, rel: &Path) -> Result<(), ParentRefusal> {
+pub(crate) fn prepare_parents(root: &Path, rel: &Path) -> Result<(), ParentRefusal> {
     let mut here = root.to_path_buf();
     let mut shown = PathBuf::new();
     let Some(parent) = rel.parent() else { return Ok(()) };
@@ -448,7 +451,7 @@ fn prepare_parents(root: &Path, rel: &Path) -> Result<(), ParentRefusal> {
 }
 
 /// Checks that the directories above `rel` exist and are real directories.
-fn prepare_parents_existing(root: &Path, rel: &Path) -> Result<(), ()> {
+pub(crate) fn prepare_parents_existing(root: &Path, rel: &Path) -> Result<(), ()> {
     let mut here = root.to_path_buf();
     let Some(parent) = rel.parent() else { return Ok(()) };
     for part in components(parent) {
@@ -461,22 +464,29 @@ fn prepare_parents_existing(root: &Path, rel: &Path) -> Result<(), ()> {
     Ok(())
 }
 
-fn create_dir(path: &Path) -> Result<(), ExtractError> {
+pub(crate) fn create_dir(path: &Path) -> Result<(), ExtractError> {
     match fs::create_dir(path) {
         Ok(()) => fs::set_permissions(path, Permissions::from_mode(0o755)).map_err(|e| io_error(path, e)),
         Err(source) => Err(io_error(path, source)),
     }
 }
 
-fn io_error(path: &Path, source: io::Error) -> ExtractError {
+pub(crate) fn io_error(path: &Path, source: io::Error) -> ExtractError {
     ExtractError::Io { path: path.display().to_string(), source }
 }
 
 /// A reader that fails once more than a set number of bytes has been read, so a
 /// decompression bomb ends in an error instead of a full disk or memory.
-struct BoundedReader<R> {
+pub(crate) struct BoundedReader<R> {
     inner: R,
     remaining: u64,
+}
+
+impl<R> BoundedReader<R> {
+    /// `inner`, failing past `limit` bytes.
+    pub(crate) fn new(inner: R, limit: u64) -> Self {
+        Self { inner, remaining: limit }
+    }
 }
 
 impl<R: Read> Read for BoundedReader<R> {

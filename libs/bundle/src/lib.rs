@@ -18,6 +18,7 @@ mod client;
 mod digest;
 mod extract;
 mod format;
+mod image;
 mod layout;
 mod pack;
 mod reference;
@@ -43,6 +44,7 @@ pub use format::{
     FormatError, LAYER_TAR_GZIP_MEDIA_TYPE, LAYER_TAR_MEDIA_TYPE, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES,
     OCI_INDEX_MEDIA_TYPE, OCI_MANIFEST_MEDIA_TYPE, REF_NAME_ANNOTATION,
 };
+pub use image::{unpack_image_layer, unpack_image_tar};
 pub use pack::{PackError, PackedBundle};
 pub use reference::{BundleReference, DEFAULT_TAG, LAYOUT_PREFIX, LayoutReference, ReferenceError, RegistryReference};
 pub use spec::{BundlePort, BundleSpec, SPEC_FILE, SpecError, validate};
