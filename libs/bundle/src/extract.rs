@@ -227,31 +227,10 @@ pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Res
                 Err(_) => create_dir(&target)?,
             }
         } else if kind.is_file() || kind.is_contiguous() {
-            let size = entry.size();
-            if size > limits.max_file_bytes {
-                return Err(refuse(UnsafeEntry::FileTooLarge { size, limit: limits.max_file_bytes }));
-            }
-            if stats.bytes.saturating_add(size) > limits.max_total_bytes {
-                return Err(refuse(UnsafeEntry::BundleTooLarge { limit: limits.max_total_bytes }));
-            }
             prepare_parents(dest, &rel).map_err(|r| r.into_error(&name))?;
-            let mut file = match OpenOptions::new().write(true).create_new(true).open(&target) {
-                Ok(file) => file,
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Err(refuse(UnsafeEntry::Duplicate)),
-                Err(source) => return Err(io_error(&target, source)),
-            };
-            let written = io::copy(&mut (&mut entry).take(size), &mut file).map_err(ExtractError::Archive)?;
-            if written != size {
-                return Err(ExtractError::Archive(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("entry `{name}` ends after {written} of its {size} bytes"),
-                )));
-            }
             let executable = entry.header().mode().is_ok_and(|mode| mode & 0o111 != 0);
             let mode = if executable { 0o755 } else { 0o644 };
-            file.set_permissions(Permissions::from_mode(mode)).map_err(|e| io_error(&target, e))?;
-            stats.files += 1;
-            stats.bytes += size;
+            write_file_entry(&mut entry, &name, &target, mode, limits, &mut stats)?;
         } else if kind.is_symlink() {
             let link = entry
                 .link_name()
@@ -279,18 +258,7 @@ pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Res
                 .link_name()
                 .map_err(ExtractError::Archive)?
                 .ok_or_else(|| refuse(UnsafeEntry::MissingLinkTarget))?;
-            let shown = link.display().to_string();
-            let Ok(source_rel) = relative_path(&link) else {
-                return Err(refuse(UnsafeEntry::HardlinkEscapes(shown)));
-            };
-            if prepare_parents_existing(dest, &source_rel).is_err() {
-                return Err(refuse(UnsafeEntry::HardlinkEscapes(shown)));
-            }
-            let source = dest.join(&source_rel);
-            match fs::symlink_metadata(&source) {
-                Ok(meta) if meta.is_file() => {}
-                _ => return Err(refuse(UnsafeEntry::HardlinkEscapes(shown))),
-            }
+            let source = hardlink_source(dest, &link).map_err(refuse)?;
             prepare_parents(dest, &rel).map_err(|r| r.into_error(&name))?;
             match fs::hard_link(&source, &target) {
                 Ok(()) => {}
@@ -311,6 +279,55 @@ pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Res
         resolve_inside(dest, &rel).map_err(|reason| ExtractError::Refused { entry: name, reason })?;
     }
     Ok(stats)
+}
+
+/// Writes a regular file entry's content to `target`, which must not exist
+/// yet, with `mode`, within `limits`, and counts it in `stats`.
+pub(crate) fn write_file_entry<R: Read>(
+    entry: &mut tar::Entry<'_, R>,
+    name: &str,
+    target: &Path,
+    mode: u32,
+    limits: &BundleLimits,
+    stats: &mut ExtractStats,
+) -> Result<(), ExtractError> {
+    let refuse = |reason: UnsafeEntry| ExtractError::Refused { entry: name.to_owned(), reason };
+    let size = entry.size();
+    if size > limits.max_file_bytes {
+        return Err(refuse(UnsafeEntry::FileTooLarge { size, limit: limits.max_file_bytes }));
+    }
+    if stats.bytes.saturating_add(size) > limits.max_total_bytes {
+        return Err(refuse(UnsafeEntry::BundleTooLarge { limit: limits.max_total_bytes }));
+    }
+    let mut file = match OpenOptions::new().write(true).create_new(true).open(target) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Err(refuse(UnsafeEntry::Duplicate)),
+        Err(source) => return Err(io_error(target, source)),
+    };
+    let written = io::copy(&mut entry.take(size), &mut file).map_err(ExtractError::Archive)?;
+    if written != size {
+        return Err(ExtractError::Archive(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("entry `{name}` ends after {written} of its {size} bytes"),
+        )));
+    }
+    file.set_permissions(Permissions::from_mode(mode)).map_err(|e| io_error(target, e))?;
+    stats.files += 1;
+    stats.bytes += size;
+    Ok(())
+}
+
+/// Where a hardlink to `link` points under `root`: a regular file already
+/// there, reached through real directories only.
+pub(crate) fn hardlink_source(root: &Path, link: &Path) -> Result<PathBuf, UnsafeEntry> {
+    let escapes = || UnsafeEntry::HardlinkEscapes(link.display().to_string());
+    let source_rel = relative_path(link).map_err(|_| escapes())?;
+    prepare_parents_existing(root, &source_rel).map_err(|()| escapes())?;
+    let source = root.join(&source_rel);
+    match fs::symlink_metadata(&source) {
+        Ok(meta) if meta.is_file() => Ok(source),
+        _ => Err(escapes()),
+    }
 }
 
 /// The entry path as plain components, `.` parts dropped.
@@ -451,7 +468,7 @@ pub(crate) fn prepare_parents(root: &Path, rel: &Path) -> Result<(), ParentRefus
 }
 
 /// Checks that the directories above `rel` exist and are real directories.
-pub(crate) fn prepare_parents_existing(root: &Path, rel: &Path) -> Result<(), ()> {
+fn prepare_parents_existing(root: &Path, rel: &Path) -> Result<(), ()> {
     let mut here = root.to_path_buf();
     let Some(parent) = rel.parent() else { return Ok(()) };
     for part in components(parent) {

@@ -26,14 +26,14 @@
 //! error, removes it whole; only a complete tree is ever used as a root.
 
 use std::collections::HashSet;
-use std::fs::{self, OpenOptions, Permissions};
+use std::fs::{self, Permissions};
 use std::io::{self, Read};
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 
 use crate::extract::{
-    BoundedReader, BundleLimits, ExtractError, ExtractStats, ParentRefusal, UnsafeEntry, create_dir, io_error,
-    prepare_parents, prepare_parents_existing, relative_path,
+    BoundedReader, BundleLimits, ExtractError, ExtractStats, ParentRefusal, UnsafeEntry, create_dir, hardlink_source,
+    io_error, prepare_parents, relative_path, write_file_entry,
 };
 use crate::format::LAYER_TAR_GZIP_MEDIA_TYPE;
 
@@ -117,26 +117,8 @@ pub fn unpack_image_tar(reader: impl Read, root: &Path, limits: &BundleLimits) -
             }
             fs::set_permissions(&target, Permissions::from_mode(mode | 0o700)).map_err(|e| io_error(&target, e))?;
         } else if kind.is_file() || kind.is_contiguous() {
-            let size = entry.size();
-            if size > limits.max_file_bytes {
-                return Err(refuse(UnsafeEntry::FileTooLarge { size, limit: limits.max_file_bytes }));
-            }
-            if stats.bytes.saturating_add(size) > limits.max_total_bytes {
-                return Err(refuse(UnsafeEntry::BundleTooLarge { limit: limits.max_total_bytes }));
-            }
             remove_any(&target)?;
-            let mut file =
-                OpenOptions::new().write(true).create_new(true).open(&target).map_err(|e| io_error(&target, e))?;
-            let copied = io::copy(&mut (&mut entry).take(size), &mut file).map_err(ExtractError::Archive)?;
-            if copied != size {
-                return Err(ExtractError::Archive(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("entry `{name}` ends after {copied} of its {size} bytes"),
-                )));
-            }
-            file.set_permissions(Permissions::from_mode(mode)).map_err(|e| io_error(&target, e))?;
-            stats.files += 1;
-            stats.bytes += size;
+            write_file_entry(&mut entry, &name, &target, mode, limits, &mut stats)?;
         } else if kind.is_symlink() {
             let link = entry
                 .link_name()
@@ -152,16 +134,7 @@ pub fn unpack_image_tar(reader: impl Read, root: &Path, limits: &BundleLimits) -
                 .link_name()
                 .map_err(ExtractError::Archive)?
                 .ok_or_else(|| refuse(UnsafeEntry::MissingLinkTarget))?;
-            let shown = link.display().to_string();
-            let source_rel = relative_path(&link).map_err(|_| refuse(UnsafeEntry::HardlinkEscapes(shown.clone())))?;
-            if prepare_parents_existing(root, &source_rel).is_err() {
-                return Err(refuse(UnsafeEntry::HardlinkEscapes(shown)));
-            }
-            let source = root.join(&source_rel);
-            match fs::symlink_metadata(&source) {
-                Ok(meta) if meta.is_file() => {}
-                _ => return Err(refuse(UnsafeEntry::HardlinkEscapes(shown))),
-            }
+            let source = hardlink_source(root, &link).map_err(refuse)?;
             if source != target {
                 remove_any(&target)?;
                 fs::hard_link(&source, &target).map_err(|e| io_error(&target, e))?;
