@@ -9,6 +9,7 @@
 //! never passes by skipping.
 
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt as _;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -143,6 +144,11 @@ macro_rules! contract {
             #[tokio::test]
             async fn unusable_leases_are_refused_before_anything_starts() {
                 refuses_on($kind).await
+            }
+
+            #[tokio::test]
+            async fn a_recycled_pid_is_neither_adopted_nor_signalled() {
+                recycled_pid_on($kind).await
             }
         }
     )*};
@@ -439,4 +445,45 @@ async fn unprivileged_on(runtime: OciRuntime) {
     assert!(out.contains("NoNewPrivs:\t1") || runtime == OciRuntime::Runsc, "{out}");
     assert!(!out.contains("wrote-usr") && !out.contains("entered"), "{out}");
     assert!(out.contains("wrote-home"), "its own directory is writable: {out}");
+}
+
+async fn recycled_pid_on(kind: Kind) {
+    let tmp = TestDir::new();
+    // A process that is not the workload, holding the pid the record names;
+    // its own directory, so the test directory's clean-up leaves it alone.
+    let elsewhere = TestDir::new();
+    let mut stranger =
+        std::process::Command::new("sleep").arg("1000").current_dir(elsewhere.path()).process_group(0).spawn().unwrap();
+    let pid = stranger.id();
+    let real_start = crate::procfs::read_stat(Path::new(crate::procfs::PROC_ROOT), pid).unwrap().start_ticks;
+    let layout = crate::instances::Layout { root: tmp.path().to_path_buf() };
+    std::fs::create_dir_all(layout.record_dir()).unwrap();
+    let mut record = crate::instances::StoredRecord::starting(&spec("lease-e", "exit 0"));
+    record.pid = Some(pid);
+    record.start_ticks = Some(real_start.saturating_sub(1));
+    record.started_at_ms = Some(1);
+    crate::instances::write_record(&layout, &record).unwrap();
+
+    let Some(provider) = provider(kind, tmp.path()) else {
+        let _ = stranger.kill();
+        let _ = stranger.wait();
+        return;
+    };
+    let recovered = provider.recover().await.unwrap();
+    assert_eq!(recovered.len(), 1);
+    let mut exit = recovered[0].exit.clone();
+    assert_eq!(
+        ended(&mut exit).await.status,
+        ExitStatus::Unknown,
+        "the recorded workload is gone, whatever holds its pid"
+    );
+    provider.destroy("lease-e").await.unwrap();
+    let err = provider.signal("lease-e", WorkloadSignal::Kill).await.unwrap_err();
+    assert!(matches!(err, ProviderError::NotRunning(_)), "{err}");
+    assert!(
+        crate::procfs::is_running(Path::new(crate::procfs::PROC_ROOT), pid, real_start),
+        "the stranger was signalled"
+    );
+    stranger.kill().unwrap();
+    stranger.wait().unwrap();
 }

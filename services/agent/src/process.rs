@@ -423,7 +423,6 @@ fn rustix_signal(signal: WorkloadSignal) -> Signal {
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::process::CommandExt as _;
 
     use super::*;
     use crate::procfs::TestDir;
@@ -606,47 +605,6 @@ mod tests {
         assert_eq!(crate::provider::port_variable("http"), "BERTH_PORT_HTTP");
         assert_eq!(crate::provider::port_variable("admin-api"), "BERTH_PORT_ADMIN_API");
         assert_eq!(crate::provider::port_variable("a=b\0"), "BERTH_PORT_A_B_");
-    }
-
-    #[tokio::test]
-    async fn a_recycled_pid_is_neither_adopted_nor_signalled() {
-        let tmp = TestDir::new();
-        // A process that is not the workload, holding the pid the record names.
-        let mut stranger =
-            std::process::Command::new("sleep").arg("1000").current_dir(tmp.path()).process_group(0).spawn().unwrap();
-        let pid = stranger.id();
-        let real_start = procfs::read_stat(proc_root(), pid).unwrap().start_ticks;
-        let layout = crate::instances::Layout { root: tmp.path().to_path_buf() };
-        std::fs::create_dir_all(layout.record_dir()).unwrap();
-        let record = StoredRecord {
-            lease_id: "lease-e".into(),
-            epoch: 1,
-            node_id: "n-1".into(),
-            pid: Some(pid),
-            start_ticks: Some(real_start.saturating_sub(1)),
-            started_at_ms: Some(1),
-            exit: None,
-            settled: false,
-            meta: Default::default(),
-            uid: None,
-            memory_limited: false,
-        };
-        write_record(&layout, &record).unwrap();
-
-        let provider = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
-        let recovered = provider.recover().await.unwrap();
-        assert_eq!(recovered.len(), 1);
-        assert_eq!(
-            recovered[0].exit.borrow().map(|e| e.status),
-            Some(ExitStatus::Unknown),
-            "the recorded process is gone, whatever holds its pid now"
-        );
-        provider.destroy("lease-e").await.unwrap();
-        let err = provider.signal("lease-e", WorkloadSignal::Kill).await.unwrap_err();
-        assert!(matches!(err, ProviderError::NotRunning(_)), "{err}");
-        assert!(procfs::is_running(proc_root(), pid, real_start), "the stranger was signalled");
-        stranger.kill().unwrap();
-        stranger.wait().unwrap();
     }
 
     #[tokio::test]
