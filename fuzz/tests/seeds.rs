@@ -180,6 +180,7 @@ fn declaration() -> revisions::ApplyServiceRequest {
             ports: vec![Port { name: "http".into(), port: 8080 }, Port { name: "admin".into(), port: 9090 }],
             egress: Some(revisions::EgressSelection { gateway: "corp".into(), disabled: false }),
             tier: "frontend".into(),
+            image: None,
         }),
         source: Some(revisions::Source {
             repo: "https://git.example.com/acme/web".into(),

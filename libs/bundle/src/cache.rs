@@ -1,14 +1,22 @@
-//! The node's bundle cache: pulls bundles by digest, verifies every blob, extracts each
-//! one safely and atomically, hands out ready-to-run definitions pinned while in use, and
-//! evicts the least recently used unpinned bundles past a size budget.
+//! The node's bundle cache: pulls bundles and container images by digest, verifies every
+//! blob, extracts each one safely and atomically, hands out ready-to-run definitions pinned
+//! while in use, and evicts the least recently used unpinned ones past a size budget.
 //!
 //! # What is stored
 //! ```text
-//! ROOT/blobs/sha256/<hex>       manifest, config and layer blobs, each verified
-//! ROOT/bundles/sha256/<hex>/    the extracted bundle of manifest <hex>
+//! ROOT/blobs/sha256/<hex>       manifests, configs and bundle layers, each verified
+//! ROOT/bundles/sha256/<hex>/    the extracted bundle, or the unpacked image root, of <hex>
 //! ROOT/used/<hex>               empty; its mtime is the bundle's last use
 //! ROOT/tmp/                     downloads and extractions in flight, emptied on open
 //! ```
+//! A container image is kept as its root filesystem alone: its layers are unpacked in
+//! order (see [`crate::unpack_image_layer`]) and then dropped, since the root is what
+//! runs and the layers can be pulled again. An image index's digest names the root of
+//! the one manifest in it for this node's platform; the index, that manifest and the
+//! image config are kept as blobs, so a restart knows what the root runs. The root is
+//! shared by every lease of its digest and never written after it is renamed into
+//! place: each lease's runtime gives it its own copy-on-write view. A pin is the root's
+//! reference count.
 //! A bundle directory appears only by a rename of a fully extracted and checked tree, after
 //! its blobs are stored, so a crash never leaves half a bundle: what is in `tmp/` is
 //! removed on open, and so are blobs of no bundle and bundles without their blobs.
@@ -29,11 +37,15 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::SystemTime;
 
-use crate::client::{BundleClient, RegistryCredentials, RegistryError};
+use std::os::unix::fs::PermissionsExt as _;
+
+use crate::client::{BundleClient, Fetcher, RegistryCredentials, RegistryError};
 use crate::digest::{Digest, digest_reader};
 use crate::extract::{BundleLimits, ExtractError, extract_layer};
 use crate::format::{BundleConfig, BundleManifest, FormatError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
+use crate::image::unpack_image_layer;
 use crate::layout::{read_bounded, write_atomically};
+use crate::oci_image::{ImageManifest, ImageRun, ManifestKind, classify};
 use crate::reference::BundleReference;
 use crate::spec::BundlePort;
 
@@ -56,6 +68,15 @@ pub enum CacheError {
     /// The manifest or config is not a berth bundle.
     #[error("bundle {digest} is not usable: {source}")]
     NotABundle {
+        /// The manifest digest.
+        digest: Digest,
+        /// What is wrong.
+        #[source]
+        source: FormatError,
+    },
+    /// The manifest, index or config is not of a container image this node can run.
+    #[error("image {digest} is not usable: {source}")]
+    NotAnImage {
         /// The manifest digest.
         digest: Digest,
         /// What is wrong.
@@ -126,6 +147,9 @@ pub struct BundleDefinition {
     pub env: BTreeMap<String, String>,
     /// The ports the program listens on.
     pub ports: Vec<BundlePort>,
+    /// Set when the digest is a container image: `root` is then its unpacked root
+    /// filesystem, what runs is this config, and the fields above are empty.
+    pub image: Option<ImageRun>,
 }
 
 /// A bundle in the cache, kept from eviction while this (or a clone of its pin) lives.
@@ -258,11 +282,19 @@ struct State {
 
 #[derive(Debug)]
 struct Entry {
-    config: Arc<BundleConfig>,
-    blobs: [Digest; 2],
+    run: Run,
+    /// The blobs kept for it besides its manifest.
+    blobs: Vec<Digest>,
     size: u64,
     last_used: (SystemTime, u64),
     pins: usize,
+}
+
+/// What an entry runs.
+#[derive(Debug, Clone)]
+enum Run {
+    Bundle(Arc<BundleConfig>),
+    Image(Arc<ImageRun>),
 }
 
 impl BundleCache {
@@ -406,7 +438,7 @@ impl BundleCache {
         let uses = state.uses;
         let entry = state.bundles.get_mut(digest)?;
         entry.last_used = (SystemTime::now(), uses);
-        let definition = definition(&self.inner.bundle_dir(digest), digest, &entry.config);
+        let definition = definition(&self.inner.bundle_dir(digest), digest, &entry.run);
         Some(ReadyBundle { definition, pin: BundlePin::new(&self.inner, state, digest) })
     }
 
@@ -427,6 +459,30 @@ impl BundleCache {
     ) -> Result<ReadyBundle, CacheError> {
         let fetcher = client.fetcher(reference, credentials)?;
         let manifest_bytes = fetcher.manifest(digest).await?;
+        let not_an_image = |source| CacheError::NotAnImage { digest: digest.clone(), source };
+        let image = match classify(&manifest_bytes).map_err(not_an_image)? {
+            ManifestKind::Bundle => None,
+            ManifestKind::Image(image) => Some((image, Vec::new())),
+            ManifestKind::Index(entries) => {
+                let chosen = entries.into_iter().next().ok_or_else(|| {
+                    not_an_image(FormatError::NotAnImage("the index has no image for this node".to_owned()))
+                })?;
+                let child = fetcher.manifest(&chosen.digest).await?;
+                match classify(&child).map_err(not_an_image)? {
+                    ManifestKind::Image(image) => Some((image, vec![(chosen.digest, child)])),
+                    _ => {
+                        return Err(not_an_image(FormatError::NotAnImage(format!(
+                            "index entry {} is not an image manifest",
+                            chosen.digest
+                        ))));
+                    }
+                }
+            }
+        };
+        if let Some((image, mut kept)) = image {
+            kept.insert(0, (digest.clone(), manifest_bytes));
+            return self.fetch_image(&fetcher, digest, image, kept).await;
+        }
         let not_a_bundle = |source| CacheError::NotABundle { digest: digest.clone(), source };
         let manifest = BundleManifest::parse(&manifest_bytes).map_err(not_a_bundle)?;
         let config_bytes = fetcher.small_blob(&manifest.config, MAX_CONFIG_BYTES).await?;
@@ -448,7 +504,7 @@ impl BundleCache {
         }
 
         let blobs = [manifest.config.digest.clone(), layer.digest.clone()];
-        let _installing = Installing::new(&self.inner, [digest.clone(), blobs[0].clone(), blobs[1].clone()]);
+        let _installing = Installing::new(&self.inner, vec![digest.clone(), blobs[0].clone(), blobs[1].clone()]);
         let inner = Arc::clone(&self.inner);
         let (digest_owned, config_owned) = (digest.clone(), config.clone());
         let size = tokio::task::spawn_blocking(move || {
@@ -460,8 +516,8 @@ impl BundleCache {
         let ready = {
             let mut state = self.inner.lock();
             state.bundles.entry(digest.clone()).or_insert_with(|| Entry {
-                config: Arc::new(config),
-                blobs,
+                run: Run::Bundle(Arc::new(config)),
+                blobs: blobs.to_vec(),
                 size,
                 last_used: (SystemTime::now(), 0),
                 pins: 0,
@@ -471,16 +527,86 @@ impl BundleCache {
         self.record_use(digest).await;
         ready.ok_or_else(|| io_error(&self.bundle_dir(digest), io::Error::other("the bundle vanished after install")))
     }
+
+    /// Fetches the image config and every layer of `image`, verified, unpacks the layers
+    /// in order into a private root, and renames it into place; `kept` are the verified
+    /// manifests (the digest's own first) stored beside the config.
+    async fn fetch_image(
+        &self,
+        fetcher: &Fetcher,
+        digest: &Digest,
+        image: ImageManifest,
+        kept: Vec<(Digest, Vec<u8>)>,
+    ) -> Result<ReadyBundle, CacheError> {
+        let config_bytes = fetcher.small_blob(&image.config, MAX_CONFIG_BYTES).await?;
+        let run = ImageRun::parse(&config_bytes)
+            .map_err(|source| CacheError::NotAnImage { digest: digest.clone(), source })?;
+        let mut blobs: Vec<Digest> = kept.iter().skip(1).map(|(d, _)| d.clone()).collect();
+        blobs.push(image.config.digest.clone());
+        let mut installing: Vec<Digest> = vec![digest.clone()];
+        installing.extend(blobs.iter().cloned());
+        let _installing = Installing::new(&self.inner, installing);
+
+        let tmp = self.inner.tmp();
+        tokio::fs::create_dir_all(&tmp).await.map_err(|e| io_error(&tmp, e))?;
+        let staging = tempfile::Builder::new().prefix("image-").tempdir_in(&tmp).map_err(|e| io_error(&tmp, e))?;
+        let limits = self.inner.options.limits;
+        for layer in &image.layers {
+            let download = tempfile::Builder::new()
+                .prefix("layer-")
+                .tempfile_in(&tmp)
+                .map_err(|e| io_error(&tmp, e))?
+                .into_temp_path();
+            {
+                let mut file = tokio::fs::File::create(&download).await.map_err(|e| io_error(&download, e))?;
+                fetcher.blob(layer, limits.max_layer_bytes(), &mut file).await?;
+            }
+            let (root, media_type) = (staging.path().to_path_buf(), layer.media_type.clone());
+            tokio::task::spawn_blocking(move || {
+                let unpacked = unpack_image_layer(&download, &media_type, &root, &limits);
+                drop(download);
+                unpacked
+            })
+            .await
+            .map_err(|e| io_error(&tmp, io::Error::other(e.to_string())))?
+            .map_err(|source| CacheError::Unsafe { digest: digest.clone(), source })?;
+        }
+
+        let inner = Arc::clone(&self.inner);
+        let (digest_owned, config_digest) = (digest.clone(), image.config.digest.clone());
+        let size = tokio::task::spawn_blocking(move || {
+            let mut stored = kept;
+            stored.push((config_digest, config_bytes));
+            install_image(&inner, &digest_owned, &stored, staging)
+        })
+        .await
+        .map_err(|e| io_error(&self.inner.tmp(), io::Error::other(e.to_string())))??;
+
+        let ready = {
+            let mut state = self.inner.lock();
+            state.bundles.entry(digest.clone()).or_insert_with(|| Entry {
+                run: Run::Image(Arc::new(run)),
+                blobs,
+                size,
+                last_used: (SystemTime::now(), 0),
+                pins: 0,
+            });
+            self.ready_locked(&mut state, digest)
+        };
+        self.record_use(digest).await;
+        tracing::info!(%digest, layers = image.layers.len(), "container image unpacked");
+        ready.ok_or_else(|| io_error(&self.bundle_dir(digest), io::Error::other("the image vanished after install")))
+    }
 }
 
 /// Marks blobs as being installed for as long as it lives.
 struct Installing {
     cache: Arc<Inner>,
-    blobs: [Digest; 3],
+    blobs: Vec<Digest>,
 }
 
 impl Installing {
-    fn new(cache: &Arc<Inner>, blobs: [Digest; 3]) -> Self {
+    fn new(cache: &Arc<Inner>, blobs: Vec<Digest>) -> Self {
         let mut state = cache.lock();
         for blob in &blobs {
             *state.installing.entry(blob.clone()).or_default() += 1;
@@ -560,6 +686,37 @@ fn install(
     Ok(size)
 }
 
+/// Stores an image's manifests and config and renames its unpacked root into place;
+/// the image's size on disk.
+fn install_image(
+    inner: &Inner,
+    digest: &Digest,
+    stored: &[(Digest, Vec<u8>)],
+    staging: tempfile::TempDir,
+) -> Result<u64, CacheError> {
+    let blobs = inner.blobs();
+    fs::create_dir_all(&blobs).map_err(|e| io_error(&blobs, e))?;
+    for (blob, bytes) in stored {
+        let path = blobs.join(blob.hex());
+        write_atomically(&path, bytes).map_err(|e| io_error(&path, e))?;
+    }
+    let size = tree_size(staging.path()).map_err(|e| io_error(staging.path(), e))?
+        + stored.iter().map(|(_, bytes)| bytes.len() as u64).sum::<u64>();
+    let bundles = inner.bundles();
+    fs::create_dir_all(&bundles).map_err(|e| io_error(&bundles, e))?;
+    let target = inner.bundle_dir(digest);
+    let staged = staging.keep();
+    // The root is shown to workloads of other users: it must be traversable.
+    fs::set_permissions(&staged, fs::Permissions::from_mode(0o755)).map_err(|e| io_error(&staged, e))?;
+    if let Err(error) = fs::rename(&staged, &target) {
+        let _ = fs::remove_dir_all(&staged);
+        if !target.is_dir() {
+            return Err(io_error(&target, error));
+        }
+    }
+    Ok(size)
+}
+
 /// Checks that every module is a regular file of the listed size and digest, and that a
 /// relative entrypoint is a file in the bundle.
 fn check_modules(root: &Path, digest: &Digest, config: &BundleConfig) -> Result<(), CacheError> {
@@ -589,14 +746,26 @@ fn check_modules(root: &Path, digest: &Digest, config: &BundleConfig) -> Result<
     Ok(())
 }
 
-fn definition(root: &Path, digest: &Digest, config: &BundleConfig) -> BundleDefinition {
-    BundleDefinition {
-        digest: digest.clone(),
-        root: root.to_path_buf(),
-        entrypoint: root.join(&config.entrypoint),
-        args: config.args.clone(),
-        env: config.env.clone(),
-        ports: config.ports.clone(),
+fn definition(root: &Path, digest: &Digest, run: &Run) -> BundleDefinition {
+    match run {
+        Run::Bundle(config) => BundleDefinition {
+            digest: digest.clone(),
+            root: root.to_path_buf(),
+            entrypoint: root.join(&config.entrypoint),
+            args: config.args.clone(),
+            env: config.env.clone(),
+            ports: config.ports.clone(),
+            image: None,
+        },
+        Run::Image(run) => BundleDefinition {
+            digest: digest.clone(),
+            root: root.to_path_buf(),
+            entrypoint: PathBuf::new(),
+            args: Vec::new(),
+            env: BTreeMap::new(),
+            ports: Vec::new(),
+            image: Some(ImageRun::clone(run)),
+        },
     }
 }
 
@@ -679,18 +848,44 @@ fn load_entry(blobs: &Path, used: &Path, dir: &Path, digest: &Digest) -> Option<
         return None;
     }
     let manifest_bytes = read_bounded(&blobs.join(digest.hex()), MAX_MANIFEST_BYTES).ok()?;
+    let last_used = fs::metadata(used.join(digest.hex()))
+        .and_then(|m| m.modified())
+        .or_else(|_| fs::metadata(dir).and_then(|m| m.modified()))
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let image = match classify(&manifest_bytes).ok()? {
+        ManifestKind::Bundle => None,
+        ManifestKind::Image(image) => Some((image, Vec::new(), manifest_bytes.len() as u64)),
+        ManifestKind::Index(entries) => {
+            let chosen = entries.into_iter().next()?;
+            let child = read_bounded(&blobs.join(chosen.digest.hex()), MAX_MANIFEST_BYTES).ok()?;
+            match classify(&child).ok()? {
+                ManifestKind::Image(image) => {
+                    Some((image, vec![chosen.digest], (manifest_bytes.len() + child.len()) as u64))
+                }
+                _ => None?,
+            }
+        }
+    };
+    if let Some((image, mut kept, manifests_size)) = image {
+        let config_bytes = read_bounded(&blobs.join(image.config.digest.hex()), MAX_CONFIG_BYTES).ok()?;
+        let run = ImageRun::parse(&config_bytes).ok()?;
+        kept.push(image.config.digest);
+        return Some(Entry {
+            run: Run::Image(Arc::new(run)),
+            blobs: kept,
+            size: tree_size(dir).ok()? + manifests_size + config_bytes.len() as u64,
+            last_used: (last_used, 0),
+            pins: 0,
+        });
+    }
     let manifest = BundleManifest::parse(&manifest_bytes).ok()?;
     let config_bytes = read_bounded(&blobs.join(manifest.config.digest.hex()), MAX_CONFIG_BYTES).ok()?;
     let config = BundleConfig::parse(&config_bytes).ok()?;
     let layer = manifest.layer()?;
     let size = tree_size(dir).ok()? + manifest_bytes.len() as u64 + config_bytes.len() as u64 + layer.size;
-    let last_used = fs::metadata(used.join(digest.hex()))
-        .and_then(|m| m.modified())
-        .or_else(|_| fs::metadata(dir).and_then(|m| m.modified()))
-        .unwrap_or(SystemTime::UNIX_EPOCH);
     Some(Entry {
-        config: Arc::new(config),
-        blobs: [manifest.config.digest.clone(), layer.digest.clone()],
+        run: Run::Bundle(Arc::new(config)),
+        blobs: vec![manifest.config.digest.clone(), layer.digest.clone()],
         size,
         last_used: (last_used, 0),
         pins: 0,

@@ -320,25 +320,8 @@ impl BundleClient {
         }
         match reference {
             BundleReference::Registry(r) => {
-                let client = self.oci_client(r.registry())?;
-                let auth = credentials.auth();
-                client.store_auth_if_needed(r.registry(), &auth).await;
-                for (descriptor, bytes) in bundle.blobs() {
-                    let digest = descriptor.digest.to_string();
-                    let present =
-                        client.blob_exists(r.oci(), &digest).await.map_err(|e| from_oci(e, Target::Push(r)))?;
-                    if !present {
-                        client
-                            .push_blob(r.oci(), bytes.to_vec(), &digest)
-                            .await
-                            .map_err(|e| from_oci(e, Target::Push(r)))?;
-                    }
-                }
-                let content_type = http::HeaderValue::from_static(crate::format::OCI_MANIFEST_MEDIA_TYPE);
-                client
-                    .push_manifest_raw(r.oci(), bundle.manifest_bytes().to_vec(), content_type)
-                    .await
-                    .map_err(|e| from_oci(e, Target::Push(r)))?;
+                let blobs = bundle.blobs();
+                self.push_to_registry(r, &blobs, bundle.manifest_bytes(), credentials).await?;
             }
             BundleReference::Layout(l) => {
                 let dir = l.dir().to_path_buf();
@@ -348,6 +331,33 @@ impl BundleClient {
             }
         }
         Ok(bundle.digest().clone())
+    }
+
+    /// Pushes `blobs` (skipping those the registry has) and then the OCI image
+    /// manifest `manifest` to `r`.
+    pub(crate) async fn push_to_registry(
+        &self,
+        r: &RegistryReference,
+        blobs: &[(&Descriptor, &[u8])],
+        manifest: &[u8],
+        credentials: &RegistryCredentials,
+    ) -> Result<(), RegistryError> {
+        let client = self.oci_client(r.registry())?;
+        let auth = credentials.auth();
+        client.store_auth_if_needed(r.registry(), &auth).await;
+        for (descriptor, bytes) in blobs {
+            let digest = descriptor.digest.to_string();
+            let present = client.blob_exists(r.oci(), &digest).await.map_err(|e| from_oci(e, Target::Push(r)))?;
+            if !present {
+                client.push_blob(r.oci(), bytes.to_vec(), &digest).await.map_err(|e| from_oci(e, Target::Push(r)))?;
+            }
+        }
+        let content_type = http::HeaderValue::from_static(crate::format::OCI_MANIFEST_MEDIA_TYPE);
+        client
+            .push_manifest_raw(r.oci(), manifest.to_vec(), content_type)
+            .await
+            .map_err(|e| from_oci(e, Target::Push(r)))?;
+        Ok(())
     }
 
     /// Resolves `reference` and reads its manifest and config, verified.
@@ -371,6 +381,18 @@ impl BundleClient {
             manifest,
             config,
         })
+    }
+
+    /// Fetches the manifest `reference` names, verified, to show the credentials may
+    /// read it; for a bundle or an image alike. Its digest.
+    pub async fn check_readable(
+        &self,
+        reference: &BundleReference,
+        credentials: &RegistryCredentials,
+    ) -> Result<Digest, RegistryError> {
+        let digest = self.resolve(reference, credentials).await?;
+        self.fetcher(reference, credentials)?.manifest(&digest).await?;
+        Ok(digest)
     }
 
     /// A fetcher for the blobs of the repository or layout `reference` names.
@@ -482,7 +504,7 @@ impl Fetcher {
             Source::Registry { client, reference, auth } => {
                 let pinned = reference_pinned(reference, digest);
                 let (bytes, _) = client
-                    .pull_manifest_raw(pinned.oci(), auth, &[crate::format::OCI_MANIFEST_MEDIA_TYPE])
+                    .pull_manifest_raw(pinned.oci(), auth, &crate::oci_image::ACCEPTED_MANIFESTS)
                     .await
                     .map_err(|e| from_oci(e, Target::Manifest(reference, digest)))?;
                 bytes.to_vec()

@@ -59,6 +59,9 @@ pub enum FormatError {
     /// The config's run definition or module list breaks a rule.
     #[error("the bundle config is invalid: {0}")]
     Config(#[source] SpecError),
+    /// The manifest, index or config is not of a container image this node can run.
+    #[error("not a runnable container image: {0}")]
+    NotAnImage(String),
 }
 
 /// A content descriptor: what a manifest or index says about a blob.

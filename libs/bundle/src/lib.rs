@@ -1,6 +1,7 @@
 //! Bundles: the OCI artifacts that carry a service's code. Packs a directory into one,
 //! pushes it to a registry or an OCI layout directory, resolves tags to digests, and keeps
-//! the node's verified, content-addressed cache of extracted bundles.
+//! the node's verified, content-addressed cache of extracted bundles and of unpacked
+//! standard OCI container images.
 //!
 //! # The artifact
 //! An OCI image manifest with `artifactType` [`BUNDLE_ARTIFACT_TYPE`], a JSON config
@@ -20,9 +21,12 @@ mod extract;
 mod format;
 mod image;
 mod layout;
+mod oci_image;
 mod pack;
 mod reference;
 mod spec;
+#[cfg(feature = "testing")]
+pub mod test_image;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -45,6 +49,10 @@ pub use format::{
     OCI_INDEX_MEDIA_TYPE, OCI_MANIFEST_MEDIA_TYPE, REF_NAME_ANNOTATION,
 };
 pub use image::{unpack_image_layer, unpack_image_tar};
+pub use oci_image::{
+    DOCKER_LAYER_GZIP_MEDIA_TYPE, DOCKER_LAYER_TAR_MEDIA_TYPE, DOCKER_MANIFEST_LIST_MEDIA_TYPE,
+    DOCKER_MANIFEST_MEDIA_TYPE, ImageRun,
+};
 pub use pack::{PackError, PackedBundle};
 pub use reference::{BundleReference, DEFAULT_TAG, LAYOUT_PREFIX, LayoutReference, ReferenceError, RegistryReference};
 pub use spec::{BundlePort, BundleSpec, SPEC_FILE, SpecError, validate};

@@ -69,6 +69,66 @@ pub mod agent {
     }
 }
 
+/// What a service template or a lease's workload runs from: a berth bundle or a
+/// standard OCI container image. Both are named by a [`types::v1::BundleRef`] and
+/// resolved, pinned and pulled alike; only what the node does with the pulled
+/// content differs. A valid template or workload sets at most one of the two.
+pub mod artifact {
+    use crate::leases::v1::Workload;
+    use crate::revisions::v1::ServiceTemplate;
+    use crate::types::v1::BundleRef;
+
+    /// Which kind of artifact a reference names.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum ArtifactKind {
+        /// A berth bundle (`berth bundle push`).
+        Bundle,
+        /// A standard OCI container image.
+        Image,
+    }
+
+    impl ArtifactKind {
+        /// The field that names it, in templates and workloads alike.
+        pub fn field(self) -> &'static str {
+            match self {
+                Self::Bundle => "bundle",
+                Self::Image => "image",
+            }
+        }
+    }
+
+    /// The artifact a template or workload names.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Artifact<'a> {
+        /// Bundle or image.
+        pub kind: ArtifactKind,
+        /// Where it is.
+        pub reference: &'a BundleRef,
+    }
+
+    fn pick<'a>(bundle: Option<&'a BundleRef>, image: Option<&'a BundleRef>) -> Option<Artifact<'a>> {
+        match (bundle, image) {
+            (Some(reference), _) => Some(Artifact { kind: ArtifactKind::Bundle, reference }),
+            (None, Some(reference)) => Some(Artifact { kind: ArtifactKind::Image, reference }),
+            (None, None) => None,
+        }
+    }
+
+    impl ServiceTemplate {
+        /// The bundle or image it runs; the bundle when (invalidly) both are set.
+        pub fn artifact(&self) -> Option<Artifact<'_>> {
+            pick(self.bundle.as_ref(), self.image.as_ref())
+        }
+    }
+
+    impl Workload {
+        /// The bundle or image it runs, if any; the bundle when (invalidly) both are set.
+        pub fn artifact(&self) -> Option<Artifact<'_>> {
+            pick(self.bundle.as_ref(), self.image.as_ref())
+        }
+    }
+}
+
 /// Encoded FileDescriptorSet of the whole API, for reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/berth_descriptor.bin"));
 

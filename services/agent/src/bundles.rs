@@ -64,9 +64,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::SystemTime;
 
 use berth_bundle::{
-    BundleCache, BundleClient, BundleDefinition, BundleReference, CacheError, Digest, ReadyBundle, RegistryCredentials,
-    RegistryError,
+    BundleCache, BundleClient, BundleDefinition, BundleReference, CacheError, Digest, ImageRun, ReadyBundle,
+    RegistryCredentials, RegistryError,
 };
+use berth_proto::artifact::ArtifactKind;
 use berth_proto::leases::v1::Lease;
 
 use self::credentials::CredentialsError;
@@ -143,6 +144,18 @@ pub(crate) enum BundleError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The lease names a bundle and the digest is an image, or the other way round.
+    #[error("{reference} is {is}; run it as the lease's {named} it is not")]
+    Kind {
+        /// The digest.
+        digest: Digest,
+        /// Where it was pulled from.
+        reference: String,
+        /// `bundle` or `image`: what the lease names it as.
+        named: &'static str,
+        /// What it is.
+        is: &'static str,
+    },
     /// The cache could not be read or written.
     #[error("bundle cache: {0}")]
     Cache(#[source] Box<CacheError>),
@@ -158,7 +171,7 @@ impl BundleError {
             BundleError::Credentials { transient: true, .. } => "BundleUnavailable",
             BundleError::Credentials { .. } => "BundleUnauthorized",
             BundleError::Program { field: "command", .. } => "InvalidCommand",
-            BundleError::Program { .. } => "BundleInvalid",
+            BundleError::Program { .. } | BundleError::Kind { .. } => "BundleInvalid",
             BundleError::Cache(_) => "NodeError",
         }
     }
@@ -169,6 +182,7 @@ fn cache_reason(error: &CacheError) -> &'static str {
         CacheError::Fetch(source) => registry_reason(source),
         CacheError::NotPinned { .. }
         | CacheError::NotABundle { .. }
+        | CacheError::NotAnImage { .. }
         | CacheError::Unsafe { .. }
         | CacheError::ModuleMismatch { .. } => "BundleInvalid",
         CacheError::Io { .. } => "NodeError",
@@ -209,13 +223,16 @@ pub(crate) struct BundleAsk {
     pub(crate) insecure: bool,
     /// The registry credentials the lease names; empty for none.
     pub(crate) secret: String,
+    /// Whether the lease names a container image rather than a bundle.
+    pub(crate) image: bool,
 }
 
 impl BundleAsk {
     /// What `lease` asks for, when it runs a bundle.
     pub(crate) fn of(lease: &Lease) -> Option<Self> {
         let workload = lease.workload.as_ref()?;
-        let bundle = workload.bundle.as_ref()?;
+        let artifact = workload.artifact()?;
+        let bundle = artifact.reference;
         Some(Self {
             lease_id: lease.lease_id.clone(),
             project: lease.project.clone(),
@@ -225,6 +242,7 @@ impl BundleAsk {
             digest: workload.digest.clone(),
             insecure: bundle.insecure,
             secret: bundle.secret.clone(),
+            image: artifact.kind == ArtifactKind::Image,
         })
     }
 
@@ -352,7 +370,7 @@ impl BundleStore {
         let ready = match self.inner.cache.get(&digest).await.map_err(cache_error)? {
             Some(ready) => {
                 // Another tenant brought it here: this one shows it may read it.
-                client.inspect(&reference, &credentials).await.map_err(|source| match source {
+                client.check_readable(&reference, &credentials).await.map_err(|source| match source {
                     RegistryError::Unauthorized { .. } if self.no_way_to(ask) => no_revisions(ask, &digest, &shown),
                     source => BundleError::Access {
                         digest: digest.clone(),
@@ -372,6 +390,10 @@ impl BundleStore {
             })?,
         };
         drop(credentials);
+        if ready.definition().image.is_some() != ask.image {
+            let (named, is) = if ask.image { ("image", "a berth bundle") } else { ("bundle", "a container image") };
+            return Err(BundleError::Kind { digest, reference: shown, named, is });
+        }
         self.remember(&ask.project, &ask.service, &ask.revision, &digest);
         tracing::info!(project = %tenant_name(&ask.project), service = %ask.service, revision = %ask.revision,
             %digest, root = %ready.definition().root.display(), "bundle ready");
@@ -537,6 +559,9 @@ fn revision_key(service: &str, revision: &str) -> Option<String> {
 /// `spec` (what the lease says) made into what runs the bundle of
 /// `definition`, by the rules in the module docs.
 pub(crate) fn bundle_spec(definition: &BundleDefinition, mut spec: LaunchSpec) -> Result<LaunchSpec, BundleError> {
+    if let Some(run) = &definition.image {
+        return image_spec(definition, run, spec);
+    }
     let program = match &spec.program {
         Program::Command(command) => lease_command(definition, command)?,
         Program::Entrypoint | Program::Bundled(_) => {
@@ -554,6 +579,43 @@ pub(crate) fn bundle_spec(definition: &BundleDefinition, mut spec: LaunchSpec) -
     }
     spec.root = WorkloadRoot::Bundle { dir: definition.root.clone(), digest: definition.digest.to_string() };
     spec.program = program;
+    spec.env = env;
+    Ok(spec)
+}
+
+/// `spec` made into what runs the container image of `definition`: the
+/// lease's `command` replaces the image's Entrypoint and its `args` the
+/// image's Cmd (a `command` alone runs without the Cmd), as Kubernetes
+/// does; the lease's env is laid over the image's; the image's working
+/// directory applies.
+fn image_spec(definition: &BundleDefinition, run: &ImageRun, mut spec: LaunchSpec) -> Result<LaunchSpec, BundleError> {
+    let args = std::mem::take(&mut spec.args);
+    let mut argv: Vec<String> = match &spec.program {
+        Program::Command(command) => std::iter::once(command.clone()).chain(args).collect(),
+        Program::Entrypoint | Program::Bundled(_) if args.is_empty() => {
+            run.entrypoint.iter().chain(&run.cmd).cloned().collect()
+        }
+        Program::Entrypoint | Program::Bundled(_) => run.entrypoint.iter().cloned().chain(args).collect(),
+    };
+    if argv.first().is_none_or(|program| program.trim().is_empty()) {
+        return Err(BundleError::Program {
+            digest: definition.digest.clone(),
+            field: "entrypoint",
+            path: String::new(),
+            reason: "is empty: the image names no Entrypoint nor Cmd, and the lease no command".into(),
+        });
+    }
+    let program = argv.remove(0);
+    let mut env = run.env.clone();
+    env.extend(std::mem::take(&mut spec.env));
+    env.insert(BUNDLE_DIGEST_VAR.to_string(), definition.digest.to_string());
+    spec.root = WorkloadRoot::Image {
+        dir: definition.root.clone(),
+        digest: definition.digest.to_string(),
+        working_dir: run.working_dir.clone(),
+    };
+    spec.program = Program::Command(program);
+    spec.args = argv;
     spec.env = env;
     Ok(spec)
 }

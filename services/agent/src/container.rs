@@ -63,13 +63,14 @@ use crate::instances::{
 use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
+    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadRoot,
+    WorkloadSignal,
 };
 
 mod spec;
 
 pub(crate) use self::spec::{BUNDLE_MOUNT, WORK_MOUNT};
-use self::spec::{ContainerPlan, runtime_spec};
+use self::spec::{ContainerPlan, INIT_MOUNT, ImagePlan, runtime_spec};
 
 /// How long a runtime may take to start a workload before the launch fails.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -351,6 +352,7 @@ impl Inner {
         let dir = self.container_dir(lease_id);
         let parent = self.cgroup_parent.clone();
         let _ = blocking(move || {
+            unmount_root(&dir);
             remove_empty_cgroups(&parent);
             remove_path(&dir)
         })
@@ -508,10 +510,23 @@ impl ContainerProvider {
     }
 
     /// Writes the container's root and spec; returns the bundle directory.
-    fn write_bundle(&self, lease_id: &str, plan: &ContainerPlan) -> Result<PathBuf, ProviderError> {
+    /// For an image (`lower`, its shared unpacked root) the root is an
+    /// overlay of it private to the lease.
+    fn write_bundle(
+        &self,
+        lease_id: &str,
+        plan: &mut ContainerPlan,
+        lower: Option<&Path>,
+    ) -> Result<PathBuf, ProviderError> {
         let dir = self.inner.container_dir(lease_id);
+        unmount_root(&dir);
         remove_path(&dir)?;
         let rootfs = dir.join("rootfs");
+        if let (Some(lower), Some(image)) = (lower, plan.image.as_mut()) {
+            mount_image_root(&dir, lower)?;
+            image.etc = image_etc(&dir, &plan.hostname)?;
+            return self.write_spec(&dir, plan);
+        }
         let create = |path: &Path| {
             std::fs::DirBuilder::new()
                 .recursive(true)
@@ -544,6 +559,12 @@ impl ContainerProvider {
             let path = etc.join(name);
             std::fs::write(&path, text).map_err(|source| io("write", &path, source))?;
         }
+        self.write_spec(&dir, plan)
+    }
+
+    /// Writes `config.json` for `plan` into `dir`, whose `rootfs` is ready.
+    fn write_spec(&self, dir: &Path, plan: &ContainerPlan) -> Result<PathBuf, ProviderError> {
+        let rootfs = dir.join("rootfs");
         let spec = runtime_spec(plan, &rootfs).map_err(|e| ProviderError::Corrupt {
             path: dir.join("config.json").display().to_string(),
             detail: e.to_string(),
@@ -552,8 +573,89 @@ impl ContainerProvider {
         let text = serde_json::to_vec_pretty(&spec)
             .map_err(|e| ProviderError::Corrupt { path: config.display().to_string(), detail: e.to_string() })?;
         std::fs::write(&config, text).map_err(|source| io("write", &config, source))?;
-        Ok(dir)
+        Ok(dir.to_path_buf())
     }
+}
+
+/// Mounts `dir/rootfs` as an overlay of an image's shared root `lower`, its
+/// writes going to `dir/upper`: the lease's own copy-on-write view.
+fn mount_image_root(dir: &Path, lower: &Path) -> Result<(), ProviderError> {
+    let (rootfs, upper, scratch) = (dir.join("rootfs"), dir.join("upper"), dir.join("overlay"));
+    for path in [&rootfs, &upper, &scratch] {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(path)
+            .map_err(|source| io("create", path, source))?;
+    }
+    for path in [lower, &upper, &scratch] {
+        if path.to_str().is_none_or(|p| p.contains([',', ':'])) {
+            return Err(ProviderError::Unsupported(format!(
+                "{} cannot be an overlay layer: its path holds `,` or `:`",
+                path.display()
+            )));
+        }
+    }
+    let options = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), scratch.display());
+    let options = std::ffi::CString::new(options)
+        .map_err(|_| ProviderError::Unsupported("an overlay layer's path holds a NUL byte".to_owned()))?;
+    rustix::mount::mount(
+        "overlay",
+        &rootfs,
+        "overlay",
+        rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
+        Some(options.as_c_str()),
+    )
+    .map_err(|e| io("mount the image overlay on", &rootfs, e.into()))
+}
+
+/// Unmounts a container directory's image overlay, if it has one.
+fn unmount_root(dir: &Path) {
+    let rootfs = dir.join("rootfs");
+    match rustix::mount::unmount(&rootfs, rustix::mount::UnmountFlags::DETACH) {
+        Ok(()) => tracing::debug!(path = %rootfs.display(), "unmounted the image overlay"),
+        // Not a mount point, or not there: nothing to undo.
+        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOENT) => {}
+        Err(error) => tracing::warn!(path = %rootfs.display(), %error, "cannot unmount the image overlay"),
+    }
+}
+
+/// Writes the `/etc` files an image's workload gets from the node (its host
+/// name and the node's resolver) and says where each is bound.
+fn image_etc(dir: &Path, hostname: &str) -> Result<Vec<(PathBuf, PathBuf)>, ProviderError> {
+    let etc = dir.join("etc");
+    std::fs::create_dir_all(&etc).map_err(|source| io("create", &etc, source))?;
+    let mut bound = Vec::new();
+    for (name, text) in [
+        ("hosts", format!("127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t{hostname}\n")),
+        ("hostname", format!("{hostname}\n")),
+    ] {
+        let path = etc.join(name);
+        std::fs::write(&path, text).map_err(|source| io("write", &path, source))?;
+        bound.push((path, PathBuf::from("/etc").join(name)));
+    }
+    let resolv = Path::new("/etc/resolv.conf");
+    if resolv.is_file() {
+        bound.push((resolv.to_path_buf(), resolv.to_path_buf()));
+    }
+    Ok(bound)
+}
+
+/// Whether `program` is in the image at `root`, as the workload will look
+/// for it from `working_dir` with `PATH`; links count as found (the runtime
+/// resolves them inside the root).
+fn findable_in_image(program: &str, path_var: &str, root: &Path, working_dir: &str) -> bool {
+    let exists = |inside: &Path| {
+        let relative: PathBuf = inside.components().filter(|c| matches!(c, std::path::Component::Normal(_))).collect();
+        std::fs::symlink_metadata(root.join(relative)).is_ok()
+    };
+    if program.starts_with('/') {
+        return exists(Path::new(program));
+    }
+    if program.contains('/') {
+        return exists(&Path::new("/").join(working_dir).join(program));
+    }
+    path_var.split(':').filter(|dir| dir.starts_with('/')).any(|dir| exists(&Path::new(dir).join(program)))
 }
 
 /// The cgroup memory limit for a lease reserving `reserved` bytes (0: none).
@@ -586,6 +688,11 @@ pub fn destroy_containers(data_dir: &Path) -> usize {
                     .status();
             }
             destroyed += 1;
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir(data_dir.join(CONTAINER_DIR)) {
+        for entry in entries.filter_map(Result::ok) {
+            unmount_root(&entry.path());
         }
     }
     destroyed
@@ -840,14 +947,27 @@ impl ContainerProvider {
         };
         let env = spec.environment(Path::new(WORK_MOUNT), bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)));
         let path_var = env.get("PATH").cloned().unwrap_or_default();
-        if !findable(&program, &path_var, bundle.as_deref(), &work_dir) {
+        let found = match &spec.root {
+            WorkloadRoot::Image { dir, working_dir, .. } => findable_in_image(&program, &path_var, dir, working_dir),
+            _ => findable(&program, &path_var, bundle.as_deref(), &work_dir),
+        };
+        if !found {
             self.inner.instances.never_started(first).await;
             let source = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file in the workload's root");
             return Err(ProviderError::Spawn { command: program, source });
         }
-        let mut args: Vec<String> = match INITS.iter().find(|init| Path::new(init).is_file()) {
-            Some(init) => vec![init.to_string(), "--".into()],
-            None => Vec::new(),
+        let init = INITS.iter().map(Path::new).find(|init| init.is_file());
+        let image = match &spec.root {
+            WorkloadRoot::Image { dir, working_dir, .. } => Some((
+                dir.clone(),
+                ImagePlan { working_dir: working_dir.clone(), init: init.map(Path::to_path_buf), etc: Vec::new() },
+            )),
+            _ => None,
+        };
+        let mut args: Vec<String> = match (init, &image) {
+            (Some(_), Some(_)) => vec![INIT_MOUNT.to_string(), "--".into()],
+            (Some(init), None) => vec![init.display().to_string(), "--".into()],
+            (None, _) => Vec::new(),
         };
         args.push(program.clone());
         args.extend(spec.args.iter().cloned());
@@ -855,8 +975,8 @@ impl ContainerProvider {
             args,
             env: env.iter().map(|(name, value)| format!("{name}={value}")).collect(),
             uid,
-            system_dirs: system_dirs(),
-            shared_files: shared_files(),
+            system_dirs: if image.is_some() { Vec::new() } else { system_dirs() },
+            shared_files: if image.is_some() { Vec::new() } else { shared_files() },
             bundle: bundle.clone(),
             work_dir: work_dir.clone(),
             network: spec.network.as_ref().map(|network| network.namespace.clone()),
@@ -865,11 +985,22 @@ impl ContainerProvider {
             cpu_millis: spec.resources.cpu_millis,
             pids: self.inner.settings.pids_limit,
             hostname: lease_id.chars().take(63).collect(),
+            image: None,
         };
         let dir = {
             let provider = self.clone();
             let lease_id = lease_id.clone();
-            blocking(move || provider.write_bundle(&lease_id, &plan)).await?
+            let lower = image.as_ref().map(|(dir, _)| dir.clone());
+            let mut plan = plan;
+            plan.image = image.map(|(_, image)| image);
+            let written = blocking(move || provider.write_bundle(&lease_id, &mut plan, lower.as_deref())).await;
+            match written {
+                Ok(dir) => dir,
+                Err(error) => {
+                    self.inner.instances.never_started(first).await;
+                    return Err(error);
+                }
+            }
         };
         // A container of that name left by an earlier try is in the way.
         self.inner.delete_state_only(&lease_id).await;

@@ -65,7 +65,8 @@ use crate::instances::{
 };
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
+    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadRoot,
+    WorkloadSignal,
 };
 
 /// How long a workload has to stop after SIGTERM before it gets SIGKILL.
@@ -213,6 +214,13 @@ impl ProcessProvider {
 impl Provider for ProcessProvider {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
         validate_lease_id(&spec.lease_id)?;
+        if let WorkloadRoot::Image { digest, .. } = &spec.root {
+            return Err(ProviderError::Unsupported(format!(
+                "lease {} runs container image {digest}, and this node runs workloads as processes: \
+                 images run only on nodes whose agent runs an OCI runtime (--runtime oci)",
+                spec.lease_id
+            )));
+        }
         let bundle = spec.root.bundle_dir().map(Path::to_path_buf);
         let program = spec.program_path(bundle.as_deref())?;
         if let Ok(stored) = self.inner.instances.stored(&spec.lease_id)

@@ -65,14 +65,33 @@ pub enum WorkloadRoot {
         /// Its manifest digest.
         digest: String,
     },
+    /// A container image's unpacked root filesystem, shared by every lease
+    /// of its digest: the workload's whole view, which the provider gives it
+    /// copy-on-write so it never changes what another lease sees.
+    Image {
+        /// Where it is unpacked on the host.
+        dir: PathBuf,
+        /// Its manifest (or index) digest.
+        digest: String,
+        /// The working directory inside it; empty means `/`.
+        working_dir: String,
+    },
 }
 
 impl WorkloadRoot {
     /// The bundle's directory on the host, when there is one.
     pub fn bundle_dir(&self) -> Option<&Path> {
         match self {
-            WorkloadRoot::Host => None,
+            WorkloadRoot::Host | WorkloadRoot::Image { .. } => None,
             WorkloadRoot::Bundle { dir, .. } => Some(dir),
+        }
+    }
+
+    /// The image's unpacked root on the host, when it runs one.
+    pub fn image_dir(&self) -> Option<&Path> {
+        match self {
+            WorkloadRoot::Image { dir, .. } => Some(dir),
+            WorkloadRoot::Host | WorkloadRoot::Bundle { .. } => None,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Checks on what callers send, before anything is read or written: each
 //! failure is an `InvalidArgument` naming the field and what it must be.
 
+use berth_proto::artifact::ArtifactKind;
 use berth_proto::leases::v1;
 
 use crate::ledger::{LeaseAsk, LeaseError};
@@ -153,23 +154,31 @@ pub(crate) fn lease_ask(request: v1::RequestLeaseRequest) -> Result<LeaseAsk, Le
 }
 
 fn workload(workload: &v1::Workload) -> Result<(), LeaseError> {
-    match (&workload.bundle, workload.digest.is_empty()) {
+    if workload.bundle.is_some() && workload.image.is_some() {
+        return Err(invalid("workload.image", "set either workload.bundle or workload.image, not both"));
+    }
+    match (workload.artifact(), workload.digest.is_empty()) {
         (None, true) if workload.command.is_empty() => {
-            return Err(invalid("workload", "needs a bundle with its digest, or a command"));
+            return Err(invalid("workload", "needs a bundle or image with its digest, or a command"));
         }
         (None, true) => {}
-        (None, false) => return Err(invalid("workload.bundle", "must be set when workload.digest is")),
-        (Some(_), true) => return Err(invalid("workload.digest", "must be set when workload.bundle is")),
-        (Some(bundle), false) => {
+        (None, false) => {
+            return Err(invalid("workload.bundle", "must be set (or workload.image) when workload.digest is"));
+        }
+        (Some(artifact), true) => {
+            return Err(invalid("workload.digest", format!("must be set when workload.{} is", artifact.kind.field())));
+        }
+        (Some(artifact), false) => {
             let hex = workload.digest.strip_prefix("sha256:").unwrap_or_default();
             if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
                 return Err(invalid("workload.digest", "must be sha256: followed by 64 lowercase hex digits"));
             }
-            if !bundle.reference.ends_with(&format!("@{}", workload.digest)) {
-                return Err(invalid(
-                    "workload.bundle.reference",
-                    "must be pinned to workload.digest (repo@sha256:...)",
-                ));
+            if !artifact.reference.reference.ends_with(&format!("@{}", workload.digest)) {
+                let field = match artifact.kind {
+                    ArtifactKind::Bundle => "workload.bundle.reference",
+                    ArtifactKind::Image => "workload.image.reference",
+                };
+                return Err(invalid(field, "must be pinned to workload.digest (repo@sha256:...)"));
             }
         }
     }

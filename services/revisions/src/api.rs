@@ -26,9 +26,9 @@ use crate::validate;
 
 impl RevisionsService {
     async fn resolve_for_apply(&self, valid: &validate::ValidApply) -> Resolution {
-        let Some(bundle) = &valid.template.bundle else { return Resolution::NotTried };
+        let Some(artifact) = valid.template.artifact() else { return Resolution::NotTried };
         let config = &self.core.config;
-        match timeout(config.resolve_timeout, self.core.resolver.resolve(bundle)).await {
+        match timeout(config.resolve_timeout, self.core.resolver.resolve(artifact.reference)).await {
             Ok(Ok(digest)) => Resolution::Resolved(digest.to_string()),
             Ok(Err(error)) => Resolution::Failed(error),
             Err(_) => Resolution::Failed(ResolveError::RegistryUnavailable(format!(

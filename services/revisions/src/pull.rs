@@ -142,7 +142,7 @@ pub(crate) async fn credentials_for(
     if revision.service != service.key.name || revision.digest.is_empty() || revision.digest != workload.digest {
         return Err(not_a_revision("it runs another bundle than its revision"));
     }
-    let bundle = revision.template.bundle.clone().unwrap_or_default();
+    let bundle = revision.template.artifact().map(|a| a.reference.clone()).unwrap_or_default();
     if bundle.secret.is_empty() {
         return Err(PullError::NoSecret { revision: revision.name });
     }

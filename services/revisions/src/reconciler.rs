@@ -35,6 +35,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use berth_proto::artifact::ArtifactKind;
 use berth_proto::leases::v1::{self as leases, LeasePhase};
 use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus};
 use tokio::time::timeout;
@@ -398,10 +399,10 @@ async fn release_tombstones(key: &ServiceKey, ctx: &Context) -> Result<bool, Rec
 }
 
 async fn resolve(ctx: &Context, revision: &RevisionRow) -> Result<String, ResolveError> {
-    let Some(bundle) = &revision.template.bundle else {
-        return Err(ResolveError::InvalidReference("the template names no bundle".to_owned()));
+    let Some(artifact) = revision.template.artifact() else {
+        return Err(ResolveError::InvalidReference("the template names no bundle nor image".to_owned()));
     };
-    match timeout(ctx.config.resolve_timeout, ctx.resolver.resolve(bundle)).await {
+    match timeout(ctx.config.resolve_timeout, ctx.resolver.resolve(artifact.reference)).await {
         Ok(result) => result.map(|digest| digest.to_string()),
         Err(_) => Err(ResolveError::RegistryUnavailable(format!(
             "the registry did not answer within {:?}",
@@ -551,7 +552,10 @@ fn lease_request(
     policy: &RegistryPolicy,
 ) -> leases::RequestLeaseRequest {
     let template = &revision.template;
-    let bundle = template.bundle.clone().unwrap_or_default();
+    let (kind, bundle) = match template.artifact() {
+        Some(artifact) => (artifact.kind, artifact.reference.clone()),
+        None => (ArtifactKind::Bundle, BundleRef::default()),
+    };
     let pinned = match berth_bundle::BundleReference::parse(&bundle.reference) {
         Ok(reference) => match revision.digest.parse::<berth_bundle::Digest>() {
             Ok(digest) => reference.pinned(&digest).to_string(),
@@ -568,6 +572,11 @@ fn lease_request(
         .resources
         .filter(|r| r.cpu_millis > 0 && r.memory_bytes > 0)
         .unwrap_or(Capacity { cpu_millis: DEFAULT_CPU_MILLIS, memory_bytes: DEFAULT_MEMORY_BYTES });
+    let pinned = Some(BundleRef { reference: pinned, secret: bundle.secret, insecure });
+    let (bundle, image) = match kind {
+        ArtifactKind::Bundle => (pinned, None),
+        ArtifactKind::Image => (None, pinned),
+    };
     leases::RequestLeaseRequest {
         project: service.key.project.clone(),
         owner: lease_owner(&service.key.name, &service.uid),
@@ -576,7 +585,8 @@ fn lease_request(
         tier: template.tier.clone(),
         spread_group: service.key.name.clone(),
         workload: Some(leases::Workload {
-            bundle: Some(BundleRef { reference: pinned, secret: bundle.secret, insecure }),
+            bundle,
+            image,
             digest: revision.digest.clone(),
             command: template.command.clone(),
             args: template.args.clone(),

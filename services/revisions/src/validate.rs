@@ -6,6 +6,7 @@ use std::collections::HashSet;
 
 use berth_bundle::BundleReference;
 use berth_proto::revisions::v1::{ApplyServiceRequest, ServiceTemplate, Source};
+use berth_proto::types::v1::BundleRef;
 use berth_rpc::invalid::{Checker, Invalid, shown};
 
 use crate::model::{DEFAULT_PROJECT, ServiceKey, fingerprint};
@@ -114,34 +115,44 @@ pub(crate) fn apply(request: ApplyServiceRequest, policy: &RegistryPolicy) -> Re
     Ok(ValidApply { key: ServiceKey::new(project, request.name), template, source, fingerprint })
 }
 
-fn template(check: &mut Checker, template: &ServiceTemplate, policy: &RegistryPolicy) {
-    match &template.bundle {
-        None => check.bad("template.bundle", "must be set"),
-        Some(bundle) if bundle.reference.is_empty() => check.bad("template.bundle.reference", "must not be empty"),
-        Some(bundle) if bundle.reference.len() > MAX_REFERENCE => {
-            check.bad("template.bundle.reference", format!("must be at most {MAX_REFERENCE} bytes"));
+/// Checks the reference of a template's bundle or image, named `field`.
+fn artifact(check: &mut Checker, field: &str, bundle: &BundleRef, policy: &RegistryPolicy) {
+    match BundleReference::parse(&bundle.reference) {
+        _ if bundle.reference.is_empty() => check.bad(format!("{field}.reference"), "must not be empty"),
+        _ if bundle.reference.len() > MAX_REFERENCE => {
+            check.bad(format!("{field}.reference"), format!("must be at most {MAX_REFERENCE} bytes"));
         }
-        Some(bundle) => match BundleReference::parse(&bundle.reference) {
-            Err(error) => check.bad("template.bundle.reference", error.to_string()),
-            Ok(BundleReference::Layout(_)) if policy.allow_layouts => {}
-            Ok(BundleReference::Layout(_)) => check.bad(
-                "template.bundle.reference",
-                "must name a registry (host/repo:tag): an oci: layout directory exists on one machine only \
-                 (allowed with --allow-oci-layouts when every node shares it)",
-            ),
-            Ok(BundleReference::Registry(registry)) => {
-                if bundle.insecure && !policy.plain_http(registry.registry()) {
-                    check.bad(
-                        "template.bundle.insecure",
-                        format!(
-                            "registry {} is not loopback nor among the operator's insecure registries",
-                            registry.registry()
-                        ),
-                    );
-                }
-                check.text("template.bundle.secret", &bundle.secret, MAX_SECRET);
+        Err(error) => check.bad(format!("{field}.reference"), error.to_string()),
+        Ok(BundleReference::Layout(_)) if policy.allow_layouts => {}
+        Ok(BundleReference::Layout(_)) => check.bad(
+            &format!("{field}.reference"),
+            "must name a registry (host/repo:tag): an oci: layout directory exists on one machine only \
+             (allowed with --allow-oci-layouts when every node shares it)",
+        ),
+        Ok(BundleReference::Registry(registry)) => {
+            if bundle.insecure && !policy.plain_http(registry.registry()) {
+                check.bad(
+                    &format!("{field}.insecure"),
+                    format!(
+                        "registry {} is not loopback nor among the operator's insecure registries",
+                        registry.registry()
+                    ),
+                );
             }
-        },
+            check.text(&format!("{field}.secret"), &bundle.secret, MAX_SECRET);
+        }
+    }
+}
+
+fn template(check: &mut Checker, template: &ServiceTemplate, policy: &RegistryPolicy) {
+    if template.bundle.is_some() && template.image.is_some() {
+        check.bad("template.image", "set either template.bundle or template.image, not both");
+    }
+    match template.artifact() {
+        None => check.bad("template.bundle", "must be set (or template.image, to run a container image)"),
+        Some(artifact) => {
+            self::artifact(check, &format!("template.{}", artifact.kind.field()), artifact.reference, policy)
+        }
     }
     if template.command.contains('\0') || template.command.len() > MAX_ARG_BYTES {
         check.bad("template.command", format!("must be at most {MAX_ARG_BYTES} bytes without NUL"));

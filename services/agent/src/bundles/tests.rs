@@ -53,6 +53,7 @@ fn ask(project: &str, revision: &str, layout: &Path, digest: &Digest) -> BundleA
         digest: digest.to_string(),
         insecure: false,
         secret: String::new(),
+        image: false,
     }
 }
 
@@ -189,6 +190,7 @@ async fn private_registry() -> (berth_bundle::testing::TestRegistry, BundleAsk, 
         digest: digest.to_string(),
         insecure: false,
         secret: "team".into(),
+        image: false,
     };
     (registry, ask, digest)
 }
@@ -275,6 +277,7 @@ fn definition(root: &Path) -> BundleDefinition {
         args: vec!["--serve".into()],
         env: BTreeMap::from([("GREETING".into(), "hello".into()), ("LEVEL".into(), "info".into())]),
         ports: vec![BundlePort { name: "http".into(), port: 8080 }],
+        image: None,
     }
 }
 

@@ -9,6 +9,14 @@
 //!   `HOME`), a private `/tmp`, and an `/etc` written for it (its user, the
 //!   host's resolver settings and CA certificates). Nothing else of the host:
 //!   not the agent's data directory, not other leases' files.
+//! - Running a container image instead, its root is the image's own root
+//!   filesystem, through an overlay private to the lease (so what it writes
+//!   never reaches the shared unpacked image nor another lease), with the
+//!   image's working directory, the node's init bound read-only at
+//!   [`INIT_MOUNT`], `/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf`
+//!   bound read-only over the image's, and the same private `/tmp` and
+//!   working directory at [`WORK_MOUNT`]; nothing of the host's system
+//!   directories.
 //! - Its own PID, mount, IPC, UTS and cgroup namespaces; its tenant's network
 //!   namespace when the node isolates egress, else the host's network.
 //! - A user of its own (never 0, never the agent's), no capabilities in any
@@ -35,6 +43,9 @@ pub(crate) const BUNDLE_MOUNT: &str = "/berth/bundle";
 
 /// Where a workload sees its working directory.
 pub(crate) const WORK_MOUNT: &str = "/berth/work";
+
+/// Where an image's workload sees the node's init.
+pub(crate) const INIT_MOUNT: &str = "/berth/init";
 
 /// The CPU quota period: 100 ms, the kernel's default.
 const CPU_PERIOD_US: u64 = 100_000;
@@ -72,9 +83,23 @@ pub(crate) struct ContainerPlan {
     pub(crate) pids: i64,
     /// The container's host name.
     pub(crate) hostname: String,
+    /// Set when it runs a container image.
+    pub(crate) image: Option<ImagePlan>,
 }
 
-/// The runtime spec for `plan`, with `rootfs` as the (read-only) root.
+/// What differs for a container image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ImagePlan {
+    /// The working directory inside the image; empty means `/`.
+    pub(crate) working_dir: String,
+    /// The node's init binary, bound at [`INIT_MOUNT`].
+    pub(crate) init: Option<PathBuf>,
+    /// Host files bound read-only over the image's: (host, inside).
+    pub(crate) etc: Vec<(PathBuf, PathBuf)>,
+}
+
+/// The runtime spec for `plan`, with `rootfs` as the root: read-only for a
+/// bundle, the lease's own overlay for an image.
 pub(crate) fn runtime_spec(plan: &ContainerPlan, rootfs: &Path) -> Result<Spec, OciSpecError> {
     let none: HashSet<_> = HashSet::new();
     let capabilities = LinuxCapabilitiesBuilder::default()
@@ -89,7 +114,11 @@ pub(crate) fn runtime_spec(plan: &ContainerPlan, rootfs: &Path) -> Result<Spec, 
         .user(UserBuilder::default().uid(plan.uid).gid(plan.uid).additional_gids(Vec::<u32>::new()).build()?)
         .args(plan.args.clone())
         .env(plan.env.clone())
-        .cwd(WORK_MOUNT)
+        .cwd(match &plan.image {
+            Some(image) if !image.working_dir.is_empty() => image.working_dir.as_str(),
+            Some(_) => "/",
+            None => WORK_MOUNT,
+        })
         .capabilities(capabilities)
         .no_new_privileges(true)
         .build()?;
@@ -150,7 +179,7 @@ pub(crate) fn runtime_spec(plan: &ContainerPlan, rootfs: &Path) -> Result<Spec, 
     SpecBuilder::default()
         .version("1.0.2")
         .hostname(plan.hostname.clone())
-        .root(RootBuilder::default().path(rootfs).readonly(true).build()?)
+        .root(RootBuilder::default().path(rootfs).readonly(plan.image.is_none()).build()?)
         .process(process)
         .mounts(mounts(plan)?)
         .linux(linux)
@@ -199,6 +228,14 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>, OciSpecError> {
     if let Some(bundle) = &plan.bundle {
         mounts.push(bind(bundle, Path::new(BUNDLE_MOUNT), false)?);
     }
+    if let Some(image) = &plan.image {
+        if let Some(init) = &image.init {
+            mounts.push(bind(init, Path::new(INIT_MOUNT), false)?);
+        }
+        for (host, inside) in &image.etc {
+            mounts.push(bind(host, inside, false)?);
+        }
+    }
     mounts.push(bind(&plan.work_dir, Path::new(WORK_MOUNT), true)?);
     Ok(mounts)
 }
@@ -222,6 +259,7 @@ mod tests {
             cpu_millis: 250,
             pids: 128,
             hostname: "l-1".into(),
+            image: None,
         }
     }
 

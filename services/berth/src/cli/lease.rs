@@ -461,7 +461,7 @@ fn details(lease: &v1::Lease) -> String {
         ("Spread group", output::or_none(&lease.spread_group)),
         ("Command", program),
         ("Environment", output::labels(&workload.env)),
-        ("Bundle", workload.bundle.as_ref().map_or_else(|| output::NONE.to_string(), |b| b.reference.clone())),
+        output::artifact_row(workload.artifact()),
         ("Service", output::or_none(&workload.service)),
         ("Revision", output::or_none(&workload.revision)),
         ("Created", ago(lease.created_at.as_ref())),

@@ -349,6 +349,7 @@ pub(super) fn lease_json(lease: &leases::Lease) -> Value {
 fn workload_json(workload: &leases::Workload) -> Value {
     json!({
         "bundle": bundle_json(workload.bundle.as_ref()),
+        "image": bundle_json(workload.image.as_ref()),
         "digest": workload.digest,
         "command": workload.command,
         "args": workload.args,
@@ -357,6 +358,15 @@ fn workload_json(workload: &leases::Workload) -> Value {
         "service": workload.service,
         "revision": workload.revision,
     })
+}
+
+/// The `Bundle` (or `Image`) row of a description.
+pub(crate) fn artifact_row(artifact: Option<berth_proto::artifact::Artifact<'_>>) -> (&'static str, String) {
+    match artifact {
+        Some(a) if a.kind == berth_proto::artifact::ArtifactKind::Image => ("Image", a.reference.reference.clone()),
+        Some(a) => ("Bundle", a.reference.reference.clone()),
+        None => ("Bundle", NONE.to_string()),
+    }
 }
 
 fn bundle_json(bundle: Option<&BundleRef>) -> Value {
@@ -387,6 +397,7 @@ fn template_json(template: Option<&revisions::ServiceTemplate>) -> Value {
     let egress = t.egress.as_ref().map_or(Value::Null, |e| json!({ "gateway": e.gateway, "disabled": e.disabled }));
     json!({
         "bundle": bundle_json(t.bundle.as_ref()),
+        "image": bundle_json(t.image.as_ref()),
         "command": t.command,
         "args": t.args,
         "env": labels_json(&t.env),

@@ -596,7 +596,7 @@ fn service_details(service: &v1::Service, replicas: &[(String, Instance)]) -> St
         ("Name", service.name.clone()),
         ("Project", project_name(&service.project).to_string()),
         ("Generation", service.generation.to_string()),
-        ("Bundle", template.bundle.as_ref().map_or_else(|| output::NONE.to_string(), |b| b.reference.clone())),
+        output::artifact_row(template.artifact()),
         ("Live revision", output::or_none(&status.live_revision)),
         ("Latest created", output::or_none(&status.latest_created_revision)),
         ("Latest ready", output::or_none(&status.latest_ready_revision)),
@@ -634,7 +634,8 @@ fn revision_details(revision: &v1::Revision) -> String {
     let template = revision.template.clone().unwrap_or_default();
     let source = revision.source.clone().unwrap_or_default();
     let program = if template.command.is_empty() && template.args.is_empty() {
-        "<the bundle's entrypoint>".to_string()
+        if template.image.is_some() { "<the image's entrypoint and cmd>" } else { "<the bundle's entrypoint>" }
+            .to_string()
     } else {
         let command = if template.command.is_empty() { "<entrypoint>" } else { template.command.as_str() };
         std::iter::once(command).chain(template.args.iter().map(String::as_str)).collect::<Vec<_>>().join(" ")
@@ -652,7 +653,7 @@ fn revision_details(revision: &v1::Revision) -> String {
         ("Project", project_name(&revision.project).to_string()),
         ("Generation", revision.generation.to_string()),
         ("Digest", output::or_none(&revision.digest)),
-        ("Bundle", template.bundle.as_ref().map_or_else(|| output::NONE.to_string(), |b| b.reference.clone())),
+        output::artifact_row(template.artifact()),
         ("Command", program),
         ("Environment", output::labels(&template.env)),
         ("Replicas", format!("{} running, {} desired", revision.replicas_running, template.replicas.unwrap_or(1))),
@@ -884,8 +885,8 @@ fn parse_spec(file: &str, text: &str) -> Result<Value, SpecError> {
 
 /// The fields of a declaration, in the proto's snake_case.
 const SPEC_FIELDS: [&str; 4] = ["project", "name", "template", "source"];
-const TEMPLATE_FIELDS: [&str; 9] =
-    ["bundle", "command", "args", "env", "resources", "replicas", "ports", "egress", "tier"];
+const TEMPLATE_FIELDS: [&str; 10] =
+    ["bundle", "image", "command", "args", "env", "resources", "replicas", "ports", "egress", "tier"];
 const BUNDLE_FIELDS: [&str; 3] = ["reference", "secret", "insecure"];
 const CAPACITY_FIELDS: [&str; 2] = ["cpu_millis", "memory_bytes"];
 const PORT_FIELDS: [&str; 2] = ["name", "port"];
@@ -930,16 +931,24 @@ fn spec_request(
 }
 
 fn template(fields: &Fields<'_>) -> Result<v1::ServiceTemplate, Refusal> {
-    let bundle = fields
-        .object("bundle", &BUNDLE_FIELDS)?
-        .map(|b| -> Result<BundleRef, Refusal> {
-            Ok(BundleRef {
-                reference: b.string("reference")?,
-                secret: b.string("secret")?,
-                insecure: b.flag("insecure")?,
+    // A bundle or image is an object, or its reference alone as a string.
+    let artifact = |name: &str| -> Result<Option<BundleRef>, Refusal> {
+        if fields.is_string(name) {
+            return Ok(Some(BundleRef { reference: fields.string(name)?, ..BundleRef::default() }));
+        }
+        fields
+            .object(name, &BUNDLE_FIELDS)?
+            .map(|b| -> Result<BundleRef, Refusal> {
+                Ok(BundleRef {
+                    reference: b.string("reference")?,
+                    secret: b.string("secret")?,
+                    insecure: b.flag("insecure")?,
+                })
             })
-        })
-        .transpose()?;
+            .transpose()
+    };
+    let bundle = artifact("bundle")?;
+    let image = artifact("image")?;
     let resources = fields
         .object("resources", &CAPACITY_FIELDS)?
         .map(|c| -> Result<Capacity, Refusal> {
@@ -972,6 +981,7 @@ fn template(fields: &Fields<'_>) -> Result<v1::ServiceTemplate, Refusal> {
         ports,
         egress,
         tier: fields.string("tier")?,
+        image,
     })
 }
 

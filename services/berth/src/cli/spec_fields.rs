@@ -58,6 +58,11 @@ impl<'v> Fields<'v> {
         self.values.contains_key(name)
     }
 
+    /// Whether field `name` is given as a string.
+    pub(crate) fn is_string(&self, name: &str) -> bool {
+        matches!(self.values.get(name), Some(Value::String(_)))
+    }
+
     /// A string; absent is empty.
     pub(crate) fn string(&self, name: &str) -> Result<String, Refusal> {
         match self.values.get(name) {
