@@ -149,7 +149,7 @@ pub struct BundleDefinition {
     pub ports: Vec<BundlePort>,
     /// Set when the digest is a container image: `root` is then its unpacked root
     /// filesystem, what runs is this config, and the fields above are empty.
-    pub image: Option<ImageRun>,
+    pub image: Option<Arc<ImageRun>>,
 }
 
 /// A bundle in the cache, kept from eviction while this (or a clone of its pin) lives.
@@ -764,7 +764,7 @@ fn definition(root: &Path, digest: &Digest, run: &Run) -> BundleDefinition {
             args: Vec::new(),
             env: BTreeMap::new(),
             ports: Vec::new(),
-            image: Some(ImageRun::clone(run)),
+            image: Some(Arc::clone(run)),
         },
     }
 }

@@ -280,14 +280,18 @@ impl Inner {
     }
 
     /// The command that runs a container as its workload's monitor.
-    fn run_command(&self, isolated: bool) -> tokio::process::Command {
+    fn run_command(&self) -> tokio::process::Command {
         let mut command = tokio::process::Command::new(&self.settings.binary);
         command.arg("--root").arg(&self.state_root);
         match self.settings.runtime {
             OciRuntime::Runsc => {
-                // gVisor brings up its own network stack on the tenant's
-                // namespace; without one the workload shares the host's.
-                command.arg(if isolated { "--network=sandbox" } else { "--network=host" });
+                // The sandbox starts in the namespace the spec names (the
+                // tenant's, when egress is isolated) and gVisor passes its
+                // sockets through to that namespace's network: the tenant's
+                // routes hold as under runc. Its own netstack
+                // (`--network=sandbox`) refuses to start on kernels where it
+                // takes the tenant's namespace for the root one.
+                command.arg("--network=host");
                 // runsc keeps no stopped container to read afterwards.
                 command.arg("run");
             }
@@ -1005,7 +1009,7 @@ impl ContainerProvider {
         // A container of that name left by an earlier try is in the way.
         self.inner.delete_state_only(&lease_id).await;
         let pid_file = dir.join(PID_FILE);
-        let mut command = self.inner.run_command(spec.network.is_some());
+        let mut command = self.inner.run_command();
         command
             .arg("--bundle")
             .arg(&dir)

@@ -20,7 +20,7 @@ use crate::container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT,
 use crate::process::{ProcessProvider, ProcessTiming};
 use crate::procfs::TestDir;
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, LaunchSpec, Program, Provider, ProviderError, Resources, WorkloadSignal,
+    Exit, ExitStatus, ExitWatch, LaunchSpec, Program, Provider, ProviderError, Resources, WorkloadRoot, WorkloadSignal,
 };
 
 const PATIENCE: Duration = Duration::from_secs(30);
@@ -150,6 +150,11 @@ macro_rules! contract {
             async fn a_recycled_pid_is_neither_adopted_nor_signalled() {
                 recycled_pid_on($kind).await
             }
+
+            #[tokio::test]
+            async fn an_image_root_runs_copy_on_write_or_is_refused_by_name() {
+                image_root_on($kind).await
+            }
         }
     )*};
 }
@@ -176,6 +181,57 @@ async fn runs_a_command_keeps_its_exit_code_and_output_on(kind: Kind) {
     provider.settle("lease-b").await.unwrap();
     provider.remove("lease-b").await.unwrap();
     assert!(matches!(provider.log_files("lease-b"), Err(ProviderError::NotFound(_))));
+}
+
+/// An unpacked image root, as the bundle cache leaves one: the host's
+/// static busybox as `/bin/busybox` with `sh` linked to it, a `/www` the
+/// image makes world-writable, and a file only root may write.
+fn image_root(dir: &Path) {
+    std::fs::create_dir_all(dir.join("bin")).unwrap();
+    std::fs::copy("/bin/busybox", dir.join("bin/busybox")).unwrap();
+    std::os::unix::fs::symlink("busybox", dir.join("bin/sh")).unwrap();
+    std::fs::create_dir_all(dir.join("www")).unwrap();
+    std::fs::set_permissions(dir.join("www"), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    std::fs::write(dir.join("www/index.html"), "shared\n").unwrap();
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+}
+
+async fn image_root_on(kind: Kind) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    let root = tmp.path().join("image-root");
+    image_root(&root);
+    let script = "pwd; echo written > new.html; cat new.html; ls /usr 2>&1 | head -1; \
+                  echo root > /etc-owned 2>/dev/null || echo refused";
+    let mut spec = spec("lease-image", script);
+    spec.root = WorkloadRoot::Image { dir: root.clone(), digest: "sha256:test".into(), working_dir: "/www".into() };
+    spec.program = Program::Command("sh".into());
+    spec.env.insert("PATH".into(), "/bin".into());
+    if matches!(kind, Kind::Process) {
+        let refused = provider.launch(spec).await.unwrap_err();
+        assert!(refused.to_string().contains("--runtime oci"), "{refused}");
+        return;
+    }
+    let mut launched = provider.launch(spec).await.unwrap();
+    let status = ended(&mut launched.exit).await.status;
+    let errors = std::fs::read_to_string(provider.log_files("lease-image").unwrap().stderr).unwrap_or_default();
+    assert!(status.success(), "{status:?}: {errors}");
+    let out = stdout_of(provider.as_ref(), "lease-image");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.first(), Some(&"/www"), "the image's working directory: {out}");
+    assert_eq!(lines.get(1), Some(&"written"), "a world-writable directory of the image is writable: {out}");
+    assert!(lines.get(2).is_some_and(|l| l.contains("No such file")), "nothing of the host's /usr: {out}");
+    assert_eq!(lines.last(), Some(&"refused"), "root-owned directories stay closed to the workload: {out}");
+    assert_eq!(
+        std::fs::read_to_string(root.join("www/index.html")).unwrap(),
+        "shared\n",
+        "the shared root is untouched"
+    );
+
+    provider.settle("lease-image").await.unwrap();
+    provider.remove("lease-image").await.unwrap();
+    let mounted = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounted.contains(tmp.path().to_str().unwrap()), "the lease's overlay is unmounted: {mounted}");
 }
 
 async fn gives_the_workload_its_own_environment_on(kind: Kind) {

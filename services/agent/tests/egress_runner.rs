@@ -17,7 +17,7 @@ use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use berth_agent::Enforcement;
+use berth_agent::{Enforcement, OciRuntime, WorkloadRuntime};
 use berth_proto::leases::v1 as leases;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1 as types;
@@ -73,6 +73,22 @@ fn mounted_namespace(inode: u64) -> Option<PathBuf> {
 
 #[tokio::test]
 async fn a_replica_launched_by_the_runner_is_given_its_tenants_proxy_and_stays_reachable() {
+    replica_held_to_its_proxy(OciRuntime::Runc).await;
+}
+
+/// The same under gVisor, whose sandbox runs in the tenant's namespace and
+/// passes the workload's sockets through to it.
+#[tokio::test]
+async fn a_replica_under_runsc_is_held_to_its_tenants_proxy_too() {
+    if !rustix::process::geteuid().is_root() {
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "runsc needs root, and CI runs as root");
+        eprintln!("SKIPPED: runsc needs root");
+        return;
+    }
+    replica_held_to_its_proxy(OciRuntime::Runsc).await;
+}
+
+async fn replica_held_to_its_proxy(runtime: OciRuntime) {
     if !Path::new(CURL).exists() || !Path::new(PYTHON).exists() {
         eprintln!("SKIPPED: this test runs {CURL} and {PYTHON} as the replica; it checked nothing");
         return;
@@ -80,6 +96,9 @@ async fn a_replica_launched_by_the_runner_is_given_its_tenants_proxy_and_stays_r
     let plane = ControlPlane::start(Duration::from_secs(5)).await;
     let dir = TestDir::new();
     let mut config = agent_config(&plane, dir.path());
+    if rustix::process::geteuid().is_root() {
+        config.containment.runtime = WorkloadRuntime::Oci(runtime);
+    }
     // Nothing listens there: the agent keeps retrying, quietly.
     config.egress = Some("127.0.0.1:1".into());
     let agent = RunningAgent::start(config).await;

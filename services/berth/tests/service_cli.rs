@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use berth_bundle::RegistryCredentials;
+use berth_bundle::test_image::{Layer, TestImage};
 use berth_bundle::testing::TestRegistry;
 use serde_json::Value;
 
@@ -561,4 +563,89 @@ fn a_replica_reaches_only_what_its_egress_routes_allow_and_an_edit_applies_witho
         if generation > acked { Ok(()) } else { Err(plan.to_string()) }
     });
     dev.ok(&["service", "delete", "fetch"]);
+}
+
+/// Whether this run may contain workloads (root); a run that cannot skips,
+/// except under `CI=true`, where it fails.
+fn contained_here(test: &str) -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{test} needs root to contain workloads, and CI=true");
+    eprintln!("skipping {test}: containing workloads needs root");
+    false
+}
+
+/// A busybox `httpd` packed as a container image by the test (no Python
+/// in it), deployed with the same `service apply` as the README's hello,
+/// under the dev node's OCI runtime `runtime`: it answers from the image's
+/// working directory, with the lower layer's file replaced and another
+/// removed by a whiteout, the template's env over the image's, and runs as
+/// the lease's own user, not root.
+fn an_image_deploys_and_answers(runtime: &str) {
+    if !contained_here(&format!("an image under {runtime}")) {
+        return;
+    }
+    let tokio = tokio::runtime::Runtime::new().unwrap();
+    let registry = tokio.block_on(TestRegistry::start()).unwrap();
+    let reference = registry.reference("team/httpd:v1");
+    // From the image's working directory, which the image makes writable:
+    // what the workload writes lands in its own overlay.
+    let serve = "echo \"$GREETING from $(id -u)\" > whoami && exec httpd -f -p \"$PORT\" -h .";
+    let image = TestImage::new(&["/bin/sh", "-c"], &[serve], &["PATH=/bin", "GREETING=image-env"], "/www")
+        .layer(
+            Layer::busybox(&["sh", "httpd", "id"])
+                .unwrap()
+                .dir("www", 0o777)
+                .file("www/index.html", b"from the first layer\n", 0o644)
+                .file("www/stale.html", b"whited out\n", 0o644),
+        )
+        .unwrap()
+        .layer(Layer::new().file("www/index.html", b"from the second layer\n", 0o644).whiteout("www/stale.html"))
+        .unwrap();
+    let client = berth_bundle::BundleClient::new(berth_bundle::RegistryConfig::default()).unwrap();
+    let digest = tokio.block_on(image.push(&client, &reference, &RegistryCredentials::Anonymous)).unwrap();
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start_with(&tmp.path().join("data"), &["--oci-runtime", runtime]);
+    let spec = tmp.path().join("service.json");
+    let template = serde_json::json!({
+        "image": reference,
+        "replicas": 1,
+        "ports": [{"name": "http", "port": 8080}],
+        "env": {"GREETING": "template-env"},
+        "resources": {"cpu_millis": 100, "memory_bytes": 64 << 20},
+    });
+    std::fs::write(&spec, template.to_string()).unwrap();
+    let applied = dev.ok(&["service", "apply", "-f", spec.to_str().unwrap(), "--name", "web", "--wait"]);
+    assert!(applied.contains("web-00001 is live, 1 of 1 replicas running"), "{applied}");
+
+    let revision = dev.json(&["revision", "get", "web-00001"]);
+    assert_eq!(revision["revision"]["digest"], digest.to_string(), "{revision}");
+    let shown = dev.json(&["service", "get", "web"]);
+    let port = shown["replicas"][0]["port"].as_u64().unwrap();
+    let index = poll(Duration::from_secs(20), "the image's httpd answers", || {
+        http_get(port, "/index.html").ok_or_else(|| "no answer".to_string())
+    });
+    assert_eq!(index, "from the second layer\n");
+    let whoami = http_get(port, "/whoami").unwrap();
+    let uid: u32 =
+        whoami.trim().strip_prefix("template-env from ").unwrap_or_else(|| panic!("{whoami}")).parse().unwrap();
+    assert!(uid >= 200_000, "the workload runs as a uid of the lease's own, not {uid}");
+    assert!(http_get(port, "/stale.html").unwrap_or_default().contains("404"), "the whiteout removed it");
+    let described = dev.ok(&["service", "get", "web"]);
+    assert!(described.contains("Image:") && described.contains(&reference), "{described}");
+
+    let deleted = dev.ok(&["service", "delete", "web"]);
+    assert!(deleted.contains("service web deleted"), "{deleted}");
+}
+
+#[test]
+fn a_container_image_deploys_with_service_apply_under_runc() {
+    an_image_deploys_and_answers("runc");
+}
+
+#[test]
+fn a_container_image_deploys_with_service_apply_under_runsc() {
+    an_image_deploys_and_answers("runsc");
 }

@@ -125,14 +125,14 @@ fn artifact(check: &mut Checker, field: &str, bundle: &BundleRef, policy: &Regis
         Err(error) => check.bad(format!("{field}.reference"), error.to_string()),
         Ok(BundleReference::Layout(_)) if policy.allow_layouts => {}
         Ok(BundleReference::Layout(_)) => check.bad(
-            &format!("{field}.reference"),
+            format!("{field}.reference"),
             "must name a registry (host/repo:tag): an oci: layout directory exists on one machine only \
              (allowed with --allow-oci-layouts when every node shares it)",
         ),
         Ok(BundleReference::Registry(registry)) => {
             if bundle.insecure && !policy.plain_http(registry.registry()) {
                 check.bad(
-                    &format!("{field}.insecure"),
+                    format!("{field}.insecure"),
                     format!(
                         "registry {} is not loopback nor among the operator's insecure registries",
                         registry.registry()

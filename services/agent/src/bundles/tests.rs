@@ -357,3 +357,55 @@ fn a_program_that_is_not_in_the_bundle_or_leads_out_of_it_is_refused() {
     assert_eq!(error.reason(), "BundleInvalid", "{error}");
     assert!(error.to_string().contains("entrypoint `bin/escape` leads outside the bundle"), "{error}");
 }
+
+#[test]
+fn an_image_runs_its_entrypoint_and_cmd_under_the_lease_command_args_and_env_as_kubernetes_does() {
+    let run = ImageRun {
+        entrypoint: vec!["/bin/httpd".into(), "-f".into()],
+        cmd: vec!["-p".into(), "8080".into()],
+        env: BTreeMap::from([("PATH".into(), "/bin".into()), ("MODE".into(), "image".into())]),
+        working_dir: "/www".into(),
+        user: String::new(),
+    };
+    let definition = BundleDefinition {
+        image: Some(std::sync::Arc::new(run)),
+        entrypoint: std::path::PathBuf::new(),
+        args: Vec::new(),
+        env: BTreeMap::new(),
+        ports: Vec::new(),
+        ..definition(Path::new("/cache/bundles/sha256/abc"))
+    };
+    let argv = |spec: &LaunchSpec| {
+        let Program::Command(program) = &spec.program else { panic!("{:?}", spec.program) };
+        std::iter::once(program.clone()).chain(spec.args.iter().cloned()).collect::<Vec<_>>()
+    };
+
+    let plain = bundle_spec(&definition, lease_spec()).unwrap();
+    assert_eq!(argv(&plain), ["/bin/httpd", "-f", "-p", "8080"]);
+    assert_eq!(
+        plain.root,
+        WorkloadRoot::Image {
+            dir: "/cache/bundles/sha256/abc".into(),
+            digest: definition.digest.to_string(),
+            working_dir: "/www".into()
+        }
+    );
+    assert_eq!(plain.env["MODE"], "image");
+    assert_eq!(plain.env[BUNDLE_DIGEST_VAR], definition.digest.to_string());
+
+    let mut args_only = lease_spec();
+    args_only.args = vec!["-p".into(), "9090".into()];
+    args_only.env.insert("MODE".into(), "lease".into());
+    let args_only = bundle_spec(&definition, args_only).unwrap();
+    assert_eq!(argv(&args_only), ["/bin/httpd", "-f", "-p", "9090"], "args replace the Cmd");
+    assert_eq!(args_only.env["MODE"], "lease", "the lease's env over the image's");
+
+    let mut command = lease_spec();
+    command.program = Program::Command("sh".into());
+    assert_eq!(argv(&bundle_spec(&definition, command).unwrap()), ["sh"], "a command alone drops the Cmd");
+
+    let empty = BundleDefinition { image: Some(std::sync::Arc::new(ImageRun::default())), ..definition.clone() };
+    let refused = bundle_spec(&empty, lease_spec()).unwrap_err();
+    assert_eq!(refused.reason(), "BundleInvalid");
+    assert!(refused.to_string().contains("no Entrypoint nor Cmd"), "{refused}");
+}
