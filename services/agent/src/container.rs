@@ -12,7 +12,11 @@
 //! ```text
 //! DATA_DIR/containers/<lease_id>/config.json   the runtime spec
 //! DATA_DIR/containers/<lease_id>/rootfs/       the (read-only) root: mount points,
-//!                                              links to the system directories, /etc
+//!                                              links to the system directories, /etc;
+//!                                              for an image, the overlay mounted there
+//! DATA_DIR/containers/<lease_id>/upper/        an image lease's writes (overlay upper)
+//! DATA_DIR/containers/<lease_id>/overlay/      the overlay's scratch directory
+//! DATA_DIR/containers/<lease_id>/etc/          an image lease's hosts and hostname
 //! DATA_DIR/containers/<lease_id>/init.pid      the workload's pid on the host
 //! DATA_DIR/runtime/<runtime>/                  the runtime's own state (its `--root`)
 //! ```
@@ -40,7 +44,16 @@
 //!   namespace dies with its first process, so nothing escapes by `setsid`
 //!   or a double fork.
 //!
+//! - **Images**: a lease running a container image gets the image's shared
+//!   unpacked root (from the bundle cache) as the lower layer of an overlay
+//!   the agent mounts at its `rootfs/` before the runtime starts, and
+//!   unmounts before the directory is removed (on delete, on a relaunch of
+//!   the same lease, and in [`destroy_containers`]). An adopted container
+//!   keeps its mount: nothing unmounts it until the container is deleted.
+//!
 //! # Invariants
+//! - The shared root of an image is never a container's root itself, only
+//!   an overlay's lower layer: no lease changes what another sees.
 //! - No two running workloads of this agent share a user: a uid is held by
 //!   its instance's record until it ends.
 //! - A workload never runs as uid 0 or as the agent's user: the range is
