@@ -181,6 +181,7 @@ fn declaration() -> revisions::ApplyServiceRequest {
             egress: Some(revisions::EgressSelection { gateway: "corp".into(), disabled: false }),
             tier: "frontend".into(),
             image: None,
+            runtime: 0,
         }),
         source: Some(revisions::Source {
             repo: "https://git.example.com/acme/web".into(),

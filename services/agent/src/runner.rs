@@ -44,7 +44,7 @@ use std::time::{Duration, SystemTime};
 
 use berth_bundle::ReadyBundle;
 use berth_proto::leases::v1::{AssignmentEvent, Lease, LeasePhase, LeaseRef, ReportPhaseRequest};
-use berth_proto::types::v1::EventKind;
+use berth_proto::types::v1::{EventKind, RuntimeClass};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
@@ -59,7 +59,8 @@ use crate::config::LeaseTiming;
 use crate::keepalive::{KeepAlive, Lost, RenewSet};
 use crate::leases_client::{NodeLeasesApi, is_transient};
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, InstanceMeta, LaunchSpec, Launched, Program, Provider, Resources, WorkloadRoot,
+    Exit, ExitStatus, ExitWatch, InstanceMeta, LaunchSpec, Launched, Program, Provider, Resources, Runtime,
+    WorkloadRoot,
 };
 use crate::recovery::{PassPlan, PassReport, run_pass};
 use crate::status::{Fence, FenceReason, NodeSession};
@@ -446,7 +447,12 @@ impl Runner {
         tracing::info!(lease_id = %lease.lease_id, epoch = lease.epoch, "taking on a lease");
         let bundle = BundleAsk::of(&lease);
         let traceparent = lease.traceparent.clone();
-        self.spawn_worker(&lease.lease_id, held, Start::Launch(Box::new(Launch { spec, bundle, traceparent })));
+        let runtime = workload.runtime;
+        self.spawn_worker(
+            &lease.lease_id,
+            held,
+            Start::Launch(Box::new(Launch { spec, bundle, traceparent, runtime })),
+        );
     }
 
     fn hold(&mut self, lease_id: &str, epoch: u64, started: bool, needs_custody: bool) -> WorkerWiring {
@@ -920,6 +926,25 @@ struct Launch {
     bundle: Option<BundleAsk>,
     /// The trace of the request that created the lease; the launch joins it.
     traceparent: String,
+    /// The [`RuntimeClass`] the lease needs.
+    runtime: i32,
+}
+
+/// Why this node's runtime cannot run a lease needing `class`, if it cannot:
+/// placement only sends a lease to a node whose labels satisfy it, so this
+/// catches labels that changed under a placement.
+fn runtime_refusal(class: i32, runtime: &Runtime) -> Option<String> {
+    let shown = if runtime.contained { runtime.name.clone() } else { format!("{} (uncontained)", runtime.name) };
+    match RuntimeClass::try_from(class) {
+        Ok(RuntimeClass::Sandboxed) if runtime.name != "runsc" || !runtime.contained => {
+            Some(format!("the lease needs a gVisor (runsc) node, and this node runs its workloads with {shown}"))
+        }
+        Ok(RuntimeClass::Contained) if !runtime.contained => {
+            Some(format!("the lease needs a node that contains its workloads, and this node runs them with {shown}"))
+        }
+        Ok(_) => None,
+        Err(_) => Some(format!("the lease asks for runtime class {class}, which this node does not know")),
+    }
 }
 
 /// Why a report did not go through.
@@ -987,10 +1012,11 @@ impl Worker {
     }
 
     async fn launch(&mut self, launch: Launch) -> Result<(ExitWatch, Option<ReadyBundle>), WorkerEnd> {
-        let Launch { mut spec, bundle, .. } = launch;
+        let Launch { mut spec, bundle, runtime, .. } = launch;
+        let refusal = runtime_refusal(runtime, &self.shared.provider.runtime());
         // The pull starts while the lease is still BOUND and goes on while
         // LAUNCHING is reported; dropping the handle abandons it.
-        let warming = bundle.map(|ask| {
+        let warming = bundle.filter(|_| refusal.is_none()).map(|ask| {
             let bundles = self.shared.bundles.clone();
             AbortOnDropHandle::new(tokio::spawn(async move { bundles.warm(&ask).await }))
         });
@@ -1002,6 +1028,10 @@ impl Worker {
                 tracing::warn!(lease_id = %self.lease_id, error = %status.message(), "LAUNCHING refused; not starting the workload");
                 return Err(self.destroyed(Removal::new(None, "LaunchRefused")).await);
             }
+        }
+        if let Some(message) = refusal {
+            tracing::warn!(lease_id = %self.lease_id, %message, "not starting a lease this node's runtime cannot run");
+            return Err(self.report_end(LeasePhase::Failed, Detail::failed("RuntimeMismatch", message)).await);
         }
         let bundle = match warming {
             Some(warming) => {

@@ -615,6 +615,8 @@ fn an_image_deploys_and_answers(runtime: &str) {
         "ports": [{"name": "http", "port": 8080}],
         "env": {"GREETING": "template-env"},
         "resources": {"cpu_millis": 100, "memory_bytes": 64 << 20},
+        // The dev node's labels say what runs its workloads; placement reads them.
+        "runtime": if runtime == "runsc" { "sandboxed" } else { "contained" },
     });
     std::fs::write(&spec, template.to_string()).unwrap();
     let applied = dev.ok(&["service", "apply", "-f", spec.to_str().unwrap(), "--name", "web", "--wait"]);
@@ -635,6 +637,21 @@ fn an_image_deploys_and_answers(runtime: &str) {
     assert!(http_get(port, "/stale.html").unwrap_or_default().contains("404"), "the whiteout removed it");
     let described = dev.ok(&["service", "get", "web"]);
     assert!(described.contains("Image:") && described.contains(&reference), "{described}");
+
+    let capacity = dev.json(&["capacity"]);
+    assert_eq!(capacity["nodes"][0]["runtime"], runtime, "{capacity}");
+    if runtime != "runsc" {
+        // Asking for gVisor where no node runs it places nothing, and says why.
+        let mut sandboxed = template.clone();
+        sandboxed["runtime"] = "sandboxed".into();
+        std::fs::write(&spec, sandboxed.to_string()).unwrap();
+        dev.ok(&["service", "apply", "-f", spec.to_str().unwrap(), "--name", "untrusted"]);
+        poll(Duration::from_secs(30), "the sandboxed service says no node runs gVisor", || {
+            let shown = dev.json(&["service", "get", "untrusted"]);
+            let conditions = shown["service"]["status"]["conditions"].to_string();
+            if conditions.contains("runs gVisor (runsc)") { Ok(()) } else { Err(conditions) }
+        });
+    }
 
     let deleted = dev.ok(&["service", "delete", "web"]);
     assert!(deleted.contains("service web deleted"), "{deleted}");

@@ -21,6 +21,7 @@ use tonic::{Request, Response, Status};
 
 use crate::ledger::{LeaseError, LeaseFilter, PhaseReport};
 use crate::model::Resources;
+use crate::placement::NodeRuntime;
 use crate::reaper::EXPIRY_INDEX;
 use crate::records::LeaseRecord;
 use crate::service::LeasesService;
@@ -112,6 +113,7 @@ impl v1::capacity_server::Capacity for LeasesService {
         for node in snapshot.nodes.values().filter(|n| tier.is_empty() || n.tier == tier) {
             let row = rows.remove(&node.node_id).unwrap_or_default();
             let total = node.capacity.map(Resources::from).unwrap_or_default();
+            let runtime = NodeRuntime::of_labels(&node.labels);
             nodes.push(v1::NodeCapacity {
                 node_id: node.node_id.clone(),
                 tier: node.tier.clone(),
@@ -120,6 +122,8 @@ impl v1::capacity_server::Capacity for LeasesService {
                 allocated: Some(row.allocated.into()),
                 free: Some(total.minus(row.allocated).into()),
                 leases: row.open_leases,
+                runtime: runtime.name,
+                contained: runtime.contained,
             });
         }
         // A node identity no longer lists may still hold leases until they expire.
@@ -133,6 +137,7 @@ impl v1::capacity_server::Capacity for LeasesService {
                     allocated: Some(row.allocated.into()),
                     free: Some(Resources::default().into()),
                     leases: row.open_leases,
+                    ..v1::NodeCapacity::default()
                 });
             }
         }

@@ -53,7 +53,7 @@ use sqlx::AnyConnection;
 
 use crate::config::{LeasesConfig, millis};
 use crate::model::{OPEN_PHASES_SQL, Phase, Resources};
-use crate::placement::{Placement, PlacementNode, PlacementRequest, Shortage, place};
+use crate::placement::{Placement, PlacementNode, PlacementRequest, RuntimeNeed, Shortage, place};
 use crate::records::{LeaseRecord, NodeLedgerRow, lease_columns, to_column};
 
 /// The name the reaper's leadership is held under.
@@ -954,6 +954,7 @@ async fn place_in_tx(
             resources: ask.resources,
             tier: ask.tier.clone(),
             spread_group: spread_key(&ask.project, &ask.spread_group),
+            runtime: RuntimeNeed::of_workload(&ask.workload),
         })
         .collect();
     let plan = place(&candidates, &requests);

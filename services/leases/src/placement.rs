@@ -4,8 +4,9 @@
 //!
 //! # The rule
 //! A request may go to a node that is `UP`, in the request's tier (an empty
-//! tier means any), and has room for it in both dimensions. Among those it
-//! goes to the first by:
+//! tier means any), whose runtime satisfies what its workload needs (see
+//! [`RuntimeNeed`]; a node says what it runs in its labels), and has room
+//! for it in both dimensions. Among those it goes to the first by:
 //! 1. fewest open leases of the request's spread group (so a group's leases
 //!    land on different nodes while any node without one fits);
 //! 2. most free, where a node's freeness is the free fraction of its scarcer
@@ -20,10 +21,12 @@
 //! - A request that fits nowhere gets a [`Shortage`] and changes no tally.
 
 use std::cmp::{Ordering, Reverse};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use berth_proto::identity::v1::NodeState;
+use berth_proto::leases::v1::Workload;
+use berth_proto::types::v1::RuntimeClass;
 
 use crate::model::Resources;
 
@@ -43,6 +46,88 @@ pub struct PlacementNode {
     pub allocated: Resources,
     /// Open leases on the node per spread group key.
     pub spread: BTreeMap<String, u32>,
+    /// What runs its workloads.
+    pub runtime: NodeRuntime,
+}
+
+/// The node label naming what runs a node's workloads.
+pub(crate) const RUNTIME_LABEL: &str = "berth.runtime";
+
+/// The node label saying whether a node contains its workloads.
+pub(crate) const CONTAINED_LABEL: &str = "berth.contained";
+
+/// What runs a node's workloads, as its labels say; a node that says
+/// nothing runs only workloads that need nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeRuntime {
+    /// `process`, `runc`, `crun` or `runsc`; empty when unknown.
+    pub name: String,
+    /// Whether it contains its workloads.
+    pub contained: bool,
+}
+
+impl NodeRuntime {
+    /// From a node's labels.
+    pub fn of_labels(labels: &HashMap<String, String>) -> Self {
+        Self {
+            name: labels.get(RUNTIME_LABEL).cloned().unwrap_or_default(),
+            contained: labels.get(CONTAINED_LABEL).is_some_and(|v| v == "true"),
+        }
+    }
+
+    fn runs_containers(&self) -> bool {
+        matches!(self.name.as_str(), "runc" | "crun" | "runsc")
+    }
+
+    /// Whether a workload needing `need` may run here.
+    pub fn satisfies(&self, need: RuntimeNeed) -> bool {
+        (!need.oci || self.runs_containers())
+            && (!need.contained || self.contained)
+            && (!need.sandboxed || (self.name == "runsc" && self.contained))
+    }
+}
+
+/// What a workload needs of its node's runtime.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RuntimeNeed {
+    /// An OCI runtime: a container image needs one.
+    pub oci: bool,
+    /// A runtime that contains its workloads.
+    pub contained: bool,
+    /// gVisor.
+    pub sandboxed: bool,
+}
+
+impl RuntimeNeed {
+    /// What `workload` needs: its runtime class, and an OCI runtime for an image.
+    pub fn of_workload(workload: &Workload) -> Self {
+        let class = RuntimeClass::try_from(workload.runtime).unwrap_or(RuntimeClass::Unspecified);
+        Self {
+            oci: workload.image.is_some(),
+            contained: matches!(class, RuntimeClass::Contained | RuntimeClass::Sandboxed),
+            sandboxed: class == RuntimeClass::Sandboxed,
+        }
+    }
+
+    /// Whether it needs nothing.
+    pub fn any(self) -> bool {
+        self == Self::default()
+    }
+}
+
+impl fmt::Display for RuntimeNeed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        if self.sandboxed {
+            parts.push("runs gVisor (runsc)");
+        } else if self.contained {
+            parts.push("contains its workloads");
+        }
+        if self.oci && !self.sandboxed {
+            parts.push("runs container images (an OCI runtime)");
+        }
+        f.write_str(&parts.join(" and "))
+    }
 }
 
 impl PlacementNode {
@@ -55,7 +140,14 @@ impl PlacementNode {
             total,
             allocated: Resources::default(),
             spread: BTreeMap::new(),
+            runtime: NodeRuntime::default(),
         }
+    }
+
+    /// The same node, run by `runtime`.
+    pub fn with_runtime(mut self, runtime: NodeRuntime) -> Self {
+        self.runtime = runtime;
+        self
     }
 
     /// What one more lease may take.
@@ -73,6 +165,11 @@ impl PlacementNode {
         tier.is_empty() || self.tier == tier
     }
 
+    /// Whether it may take `request` at all, room aside.
+    fn eligible(&self, request: &PlacementRequest) -> bool {
+        self.state == NodeState::Up && self.in_tier(&request.tier) && self.runtime.satisfies(request.runtime)
+    }
+
     fn spread_count(&self, group: &str) -> u32 {
         if group.is_empty() { 0 } else { self.spread.get(group).copied().unwrap_or(0) }
     }
@@ -87,6 +184,8 @@ pub struct PlacementRequest {
     pub tier: String,
     /// Its spread group key (scoped by the caller, e.g. by project); empty means none.
     pub spread_group: String,
+    /// What it needs of its node's runtime.
+    pub runtime: RuntimeNeed,
 }
 
 /// Where one request went.
@@ -127,6 +226,8 @@ impl PlacementPlan {
 pub struct Shortage {
     /// The tier asked for; empty means any.
     pub tier: String,
+    /// What it needs of a node's runtime.
+    pub runtime: RuntimeNeed,
     /// What the request asked for.
     pub wanted: Resources,
     /// How many `UP` nodes the tier has.
@@ -143,6 +244,9 @@ impl fmt::Display for Shortage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let tier = if self.tier.is_empty() { "any tier".to_owned() } else { format!("tier '{}'", self.tier) };
         write!(f, "no UP node in {tier}")?;
+        if !self.runtime.any() {
+            write!(f, " that {}", self.runtime)?;
+        }
         let Some((node_id, free)) = &self.most_free else {
             return Ok(());
         };
@@ -197,10 +301,8 @@ pub fn place(nodes: &[PlacementNode], requests: &[PlacementRequest]) -> Placemen
     let mut nodes: Vec<PlacementNode> = nodes.to_vec();
     let mut placements = Vec::with_capacity(requests.len());
     for request in requests {
-        let chosen = nodes
-            .iter_mut()
-            .filter(|n| n.state == NodeState::Up && n.in_tier(&request.tier) && n.free().holds(request.resources))
-            .min_by(|a, b| {
+        let chosen =
+            nodes.iter_mut().filter(|n| n.eligible(request) && n.free().holds(request.resources)).min_by(|a, b| {
                 let key = |n: &PlacementNode| (n.spread_count(&request.spread_group), Reverse(n.freeness()));
                 key(a).cmp(&key(b)).then_with(|| a.node_id.cmp(&b.node_id))
             });
@@ -219,8 +321,7 @@ pub fn place(nodes: &[PlacementNode], requests: &[PlacementRequest]) -> Placemen
 }
 
 fn shortage(nodes: &[PlacementNode], request: &PlacementRequest) -> Shortage {
-    let up: Vec<&PlacementNode> =
-        nodes.iter().filter(|n| n.state == NodeState::Up && n.in_tier(&request.tier)).collect();
+    let up: Vec<&PlacementNode> = nodes.iter().filter(|n| n.eligible(request)).collect();
     let wanted = request.resources;
     let most_free = up
         .iter()
@@ -228,6 +329,7 @@ fn shortage(nodes: &[PlacementNode], request: &PlacementRequest) -> Shortage {
         .map(|n| (n.node_id.clone(), n.free()));
     Shortage {
         tier: request.tier.clone(),
+        runtime: request.runtime,
         wanted,
         up_nodes: up.len(),
         cpu_short: up.iter().all(|n| n.free().cpu_millis < wanted.cpu_millis),
@@ -256,6 +358,7 @@ mod tests {
             resources: Resources::new(cpu, memory_gib * GIB),
             tier: String::new(),
             spread_group: String::new(),
+            runtime: RuntimeNeed::default(),
         }
     }
 
@@ -414,5 +517,53 @@ mod tests {
     fn a_dimension_with_no_total_counts_as_nothing_free() {
         let nodes = vec![node("n-1", 4000, 0), node("n-2", 1000, 1)];
         assert_eq!(placed(&place(&nodes, &[ask(100, 0)])), vec!["n-2"]);
+    }
+
+    fn run_by(node: PlacementNode, name: &str, contained: bool) -> PlacementNode {
+        node.with_runtime(NodeRuntime { name: name.to_owned(), contained })
+    }
+
+    #[test]
+    fn a_workload_goes_only_to_a_node_whose_runtime_satisfies_it() {
+        let sandboxed = RuntimeNeed { oci: false, contained: true, sandboxed: true };
+        let image = RuntimeNeed { oci: true, ..RuntimeNeed::default() };
+        let contained = RuntimeNeed { contained: true, ..RuntimeNeed::default() };
+        // The emptiest node runs plain processes; placement passes it over
+        // for whatever asks for more than that.
+        let nodes = vec![
+            run_by(node("n-1", 64000, 64), "process", false),
+            run_by(node("n-2", 4000, 8), "runc", true),
+            run_by(node("n-3", 2000, 4), "runsc", true),
+            node("n-4", 64000, 64),
+        ];
+        let with = |runtime| PlacementRequest { runtime, ..ask(100, 1) };
+        assert_eq!(placed(&place(&nodes, &[with(sandboxed)])), vec!["n-3"]);
+        assert_eq!(placed(&place(&nodes, &[with(image)])), vec!["n-2"]);
+        assert_eq!(placed(&place(&nodes, &[with(RuntimeNeed { sandboxed: true, ..image })])), vec!["n-3"]);
+        assert_eq!(placed(&place(&nodes, &[with(contained)])), vec!["n-2"]);
+        assert_eq!(placed(&place(&nodes, &[with(RuntimeNeed::default())])), vec!["n-1"], "no need: any node");
+
+        // Where none satisfies it, the refusal says what was needed.
+        let plain = vec![run_by(node("n-1", 4000, 8), "runc", true)];
+        let Placement::NoRoom(shortage) = &place(&plain, &[with(sandboxed)]).placements[0] else { panic!() };
+        assert_eq!(shortage.to_string(), "no UP node in any tier that runs gVisor (runsc)");
+        let processes = vec![run_by(node("n-1", 4000, 8), "process", false)];
+        let Placement::NoRoom(shortage) = &place(&processes, &[with(image)]).placements[0] else { panic!() };
+        assert_eq!(shortage.to_string(), "no UP node in any tier that runs container images (an OCI runtime)");
+    }
+
+    #[test]
+    fn a_workloads_need_comes_from_its_runtime_class_and_whether_it_runs_an_image() {
+        let mut workload = Workload { runtime: RuntimeClass::Sandboxed as i32, ..Workload::default() };
+        assert_eq!(RuntimeNeed::of_workload(&workload), RuntimeNeed { oci: false, contained: true, sandboxed: true });
+        workload.runtime = RuntimeClass::Unspecified as i32;
+        assert!(RuntimeNeed::of_workload(&workload).any());
+        workload.image = Some(berth_proto::types::v1::BundleRef::default());
+        assert_eq!(RuntimeNeed::of_workload(&workload), RuntimeNeed { oci: true, ..RuntimeNeed::default() });
+        let labels = HashMap::from([
+            (RUNTIME_LABEL.to_owned(), "runsc".to_owned()),
+            (CONTAINED_LABEL.to_owned(), "true".to_owned()),
+        ]);
+        assert_eq!(NodeRuntime::of_labels(&labels), NodeRuntime { name: "runsc".into(), contained: true });
     }
 }

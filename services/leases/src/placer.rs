@@ -26,7 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::ledger::{LeaseAsk, LeaseError, Placed};
 use crate::model::Resources;
-use crate::placement::PlacementNode;
+use crate::placement::{NodeRuntime, PlacementNode};
 use crate::reaper::EXPIRY_INDEX;
 use crate::service::Core;
 
@@ -109,6 +109,7 @@ pub(crate) fn placement_node(node: &Node) -> PlacementNode {
         NodeState::try_from(node.state).unwrap_or(NodeState::Unspecified),
         node.capacity.map(Resources::from).unwrap_or_default(),
     )
+    .with_runtime(NodeRuntime::of_labels(&node.labels))
 }
 
 async fn place(core: &Arc<Core>, batch: Vec<Queued>) {

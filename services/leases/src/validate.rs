@@ -182,6 +182,9 @@ fn workload(workload: &v1::Workload) -> Result<(), LeaseError> {
             }
         }
     }
+    if berth_proto::types::v1::RuntimeClass::try_from(workload.runtime).is_err() {
+        return Err(invalid("workload.runtime", format!("{} is not a RuntimeClass value", workload.runtime)));
+    }
     if workload.env.keys().any(|key| key.is_empty() || key.contains('=') || key.contains('\0')) {
         return Err(invalid("workload.env", "names must be non-empty and hold no '=' or NUL"));
     }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::LeasePhase;
+use berth_proto::types::v1::{BundleRef, RuntimeClass};
 use support::{Backend, GIB, Ledger, MIB, PATIENCE, ask, expiring_config, fast_config, node};
 use tonic::Code;
 
@@ -394,7 +395,61 @@ async fn nodes_may_not_request_leases_nor_act_for_other_nodes(backend: Backend) 
     ledger.cleanup().await;
 }
 
+/// A node as it joins saying what runs its workloads.
+fn run_by(node: berth_proto::identity::v1::Node, runtime: &str, contained: bool) -> berth_proto::identity::v1::Node {
+    let mut node = node;
+    node.labels.insert("berth.runtime".into(), runtime.into());
+    node.labels.insert("berth.contained".into(), contained.to_string());
+    node
+}
+
+async fn a_lease_goes_only_where_the_runtime_it_needs_runs(backend: Backend) {
+    // The emptiest node runs plain processes: only leases that need nothing go there.
+    let nodes = vec![
+        run_by(node("n-1", "", NodeState::Up, 64000, 64 * GIB), "process", false),
+        run_by(node("n-2", "", NodeState::Up, 4000, 8 * GIB), "runc", true),
+        run_by(node("n-3", "", NodeState::Up, 4000, 8 * GIB), "runsc", true),
+    ];
+    let ledger = Ledger::start(backend, fast_config(), nodes).await;
+    let with = |key: &str, runtime: RuntimeClass, image: bool| {
+        let mut request = ask(key, 100, MIB);
+        let workload = request.workload.as_mut().unwrap();
+        workload.runtime = runtime as i32;
+        if image {
+            workload.command.clear();
+            workload.digest = format!("sha256:{}", "a".repeat(64));
+            workload.image =
+                Some(BundleRef { reference: format!("registry.test/web@{}", workload.digest), ..Default::default() });
+        }
+        request
+    };
+    let placed = |request| async { ledger.leases(0).request_lease(request).await.unwrap().into_inner().lease.unwrap() };
+    let sandboxed = placed(with("sandboxed", RuntimeClass::Sandboxed, false)).await;
+    assert_eq!(sandboxed.node_id, "n-3");
+    assert_eq!(sandboxed.workload.unwrap().runtime(), RuntimeClass::Sandboxed, "the lease keeps what it needs");
+    assert_eq!(placed(with("contained", RuntimeClass::Contained, false)).await.node_id, "n-2");
+    assert_eq!(placed(with("image", RuntimeClass::Unspecified, true)).await.node_id, "n-2");
+    assert_eq!(placed(with("anything", RuntimeClass::Unspecified, false)).await.node_id, "n-1");
+
+    let capacity = ledger.node_capacity("n-3").await;
+    assert_eq!((capacity.runtime.as_str(), capacity.contained), ("runsc", true), "ListNodeCapacity says what runs");
+
+    ledger.set_state("n-3", NodeState::Draining).await;
+    let refused = ledger.leases(0).request_lease(with("nowhere", RuntimeClass::Sandboxed, false)).await.unwrap_err();
+    assert_eq!(
+        (refused.code(), refused.message()),
+        (Code::ResourceExhausted, "no UP node in any tier that runs gVisor (runsc)")
+    );
+    let mut unknown = ask("unknown", 100, MIB);
+    unknown.workload.as_mut().unwrap().runtime = 7;
+    let refused = ledger.leases(0).request_lease(unknown).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(refused.message().contains("workload.runtime"), "{}", refused.message());
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
+    a_lease_goes_only_where_the_runtime_it_needs_runs,
     a_spread_group_lands_on_different_nodes_and_what_does_not_fit_is_refused,
     draining_and_down_nodes_get_nothing_new,
     bad_requests_name_the_field,

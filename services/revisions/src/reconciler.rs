@@ -587,6 +587,7 @@ fn lease_request(
         workload: Some(leases::Workload {
             bundle,
             image,
+            runtime: template.runtime,
             digest: revision.digest.clone(),
             command: template.command.clone(),
             args: template.args.clone(),
@@ -976,5 +977,35 @@ mod tests {
         let doomed = collectable(&revisions, "web-00005", &none, 0, 0, 100_000);
         assert!(!doomed.contains(&"web-00008".to_owned()));
         assert_eq!(doomed.len(), 6);
+    }
+
+    #[test]
+    fn a_replicas_lease_runs_the_templates_image_pinned_and_needs_its_runtime() {
+        let mut revision = row("web-00001", 1, RevisionState::Pending, 0);
+        revision.template.image =
+            Some(BundleRef { reference: "127.0.0.1:5000/team/web:v1".into(), ..Default::default() });
+        revision.template.runtime = berth_proto::types::v1::RuntimeClass::Sandboxed as i32;
+        let service = ServiceRow {
+            key: key(),
+            uid: "u".into(),
+            generation: 1,
+            template: revision.template.clone(),
+            source: v1::Source::default(),
+            pinned_revision: String::new(),
+            live_revision: String::new(),
+            status: v1::ServiceStatus::default(),
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            version: 1,
+        };
+        let slot = SlotKey { revision: revision.name.clone(), uid: "u".into(), slot: 0, attempt: 0 };
+        let request = lease_request(&service, &revision, &slot, &RegistryPolicy::default());
+        let workload = request.workload.unwrap();
+        assert!(workload.bundle.is_none(), "an image lease names no bundle");
+        let image = workload.image.clone().unwrap();
+        assert_eq!(image.reference, format!("127.0.0.1:5000/team/web@{DIGEST}"), "pinned to the revision's digest");
+        assert!(image.insecure, "a loopback registry is spoken to over plain HTTP");
+        assert_eq!(workload.digest, DIGEST);
+        assert_eq!(workload.runtime(), berth_proto::types::v1::RuntimeClass::Sandboxed);
     }
 }

@@ -154,6 +154,9 @@ fn template(check: &mut Checker, template: &ServiceTemplate, policy: &RegistryPo
             self::artifact(check, &format!("template.{}", artifact.kind.field()), artifact.reference, policy)
         }
     }
+    if berth_proto::types::v1::RuntimeClass::try_from(template.runtime).is_err() {
+        check.bad("template.runtime", format!("{} is not a RuntimeClass value", template.runtime));
+    }
     if template.command.contains('\0') || template.command.len() > MAX_ARG_BYTES {
         check.bad("template.command", format!("must be at most {MAX_ARG_BYTES} bytes without NUL"));
     }

@@ -828,3 +828,20 @@ async fn a_sweep_that_was_under_way_when_the_session_ended_does_not_end_custody(
     runner.kill().await;
     destroy_left_behind(dir.path(), "l-1").await;
 }
+
+#[test]
+fn a_lease_needing_a_runtime_this_node_lacks_is_refused_naming_both() {
+    let runc = Runtime { name: "runc".into(), contained: true };
+    let runsc = Runtime { name: "runsc".into(), contained: true };
+    let process = Runtime { name: "process".into(), contained: false };
+    let sandboxed = RuntimeClass::Sandboxed as i32;
+    let contained = RuntimeClass::Contained as i32;
+    assert_eq!(runtime_refusal(sandboxed, &runsc), None);
+    assert_eq!(runtime_refusal(contained, &runc), None);
+    assert_eq!(runtime_refusal(RuntimeClass::Unspecified as i32, &process), None);
+    let refused = runtime_refusal(sandboxed, &runc).unwrap();
+    assert!(refused.contains("gVisor (runsc)") && refused.contains("with runc"), "{refused}");
+    let refused = runtime_refusal(contained, &process).unwrap();
+    assert!(refused.contains("process (uncontained)"), "{refused}");
+    assert!(runtime_refusal(9, &runsc).unwrap().contains("runtime class 9"));
+}

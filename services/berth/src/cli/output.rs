@@ -360,6 +360,23 @@ fn workload_json(workload: &leases::Workload) -> Value {
     })
 }
 
+/// A runtime class by its short name (`sandboxed`), or its number when unknown.
+pub(crate) fn runtime_class_name(value: i32) -> Value {
+    match berth_proto::types::v1::RuntimeClass::try_from(value) {
+        Ok(class) => Value::String(class.as_str_name().trim_start_matches("RUNTIME_CLASS_").to_ascii_lowercase()),
+        Err(_) => Value::from(value),
+    }
+}
+
+/// A runtime class as a description shows it: `any` when unset.
+pub(crate) fn runtime_class_text(value: i32) -> String {
+    match runtime_class_name(value) {
+        Value::String(name) if name == "unspecified" => "any".to_owned(),
+        Value::String(name) => name,
+        other => other.to_string(),
+    }
+}
+
 /// The `Bundle` (or `Image`) row of a description.
 pub(crate) fn artifact_row(artifact: Option<berth_proto::artifact::Artifact<'_>>) -> (&'static str, String) {
     match artifact {
@@ -406,6 +423,7 @@ fn template_json(template: Option<&revisions::ServiceTemplate>) -> Value {
         "ports": ports_json(&t.ports),
         "egress": egress,
         "tier": t.tier,
+        "runtime": runtime_class_name(t.runtime),
     })
 }
 
@@ -483,6 +501,8 @@ pub(super) fn node_capacity_json(node: &leases::NodeCapacity) -> Value {
         "allocated": capacity_json(node.allocated.as_ref()),
         "free": capacity_json(node.free.as_ref()),
         "leases": node.leases,
+        "runtime": node.runtime,
+        "contained": node.contained,
     })
 }
 

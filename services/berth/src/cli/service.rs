@@ -597,6 +597,7 @@ fn service_details(service: &v1::Service, replicas: &[(String, Instance)]) -> St
         ("Project", project_name(&service.project).to_string()),
         ("Generation", service.generation.to_string()),
         output::artifact_row(template.artifact()),
+        ("Runtime", output::runtime_class_text(template.runtime)),
         ("Live revision", output::or_none(&status.live_revision)),
         ("Latest created", output::or_none(&status.latest_created_revision)),
         ("Latest ready", output::or_none(&status.latest_ready_revision)),
@@ -654,6 +655,7 @@ fn revision_details(revision: &v1::Revision) -> String {
         ("Generation", revision.generation.to_string()),
         ("Digest", output::or_none(&revision.digest)),
         output::artifact_row(template.artifact()),
+        ("Runtime", output::runtime_class_text(template.runtime)),
         ("Command", program),
         ("Environment", output::labels(&template.env)),
         ("Replicas", format!("{} running, {} desired", revision.replicas_running, template.replicas.unwrap_or(1))),
@@ -885,8 +887,8 @@ fn parse_spec(file: &str, text: &str) -> Result<Value, SpecError> {
 
 /// The fields of a declaration, in the proto's snake_case.
 const SPEC_FIELDS: [&str; 4] = ["project", "name", "template", "source"];
-const TEMPLATE_FIELDS: [&str; 10] =
-    ["bundle", "image", "command", "args", "env", "resources", "replicas", "ports", "egress", "tier"];
+const TEMPLATE_FIELDS: [&str; 11] =
+    ["bundle", "image", "command", "args", "env", "resources", "replicas", "ports", "egress", "tier", "runtime"];
 const BUNDLE_FIELDS: [&str; 3] = ["reference", "secret", "insecure"];
 const CAPACITY_FIELDS: [&str; 2] = ["cpu_millis", "memory_bytes"];
 const PORT_FIELDS: [&str; 2] = ["name", "port"];
@@ -982,6 +984,9 @@ fn template(fields: &Fields<'_>) -> Result<v1::ServiceTemplate, Refusal> {
         egress,
         tier: fields.string("tier")?,
         image,
+        runtime: fields.enumeration("runtime", "RUNTIME_CLASS_", |n| {
+            berth_proto::types::v1::RuntimeClass::from_str_name(n).map(|c| c as i32)
+        })?,
     })
 }
 
