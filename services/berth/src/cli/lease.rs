@@ -299,7 +299,7 @@ impl CapacityArgs {
                 match (node.runtime.as_str(), node.contained) {
                     ("", _) => output::NONE.to_string(),
                     (name, true) => name.to_string(),
-                    (name, false) => format!("{name} (uncontained)"),
+                    (name, false) => format!("{name}/uncontained"),
                 },
                 cpu(total),
                 cpu(allocated),
