@@ -152,7 +152,7 @@ macro_rules! contract {
             }
 
             #[tokio::test]
-            async fn an_image_root_runs_copy_on_write_or_is_refused_by_name() {
+            async fn an_image_root_runs_copy_on_write_is_adopted_after_a_restart_or_is_refused() {
                 image_root_on($kind).await
             }
         }
@@ -230,8 +230,37 @@ async fn image_root_on(kind: Kind) {
 
     provider.settle("lease-image").await.unwrap();
     provider.remove("lease-image").await.unwrap();
-    let mounted = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(!mounted.contains(tmp.path().to_str().unwrap()), "the lease's overlay is unmounted: {mounted}");
+    let overlays = || {
+        let mounted = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        mounted.lines().filter(|line| line.contains(tmp.path().to_str().unwrap())).count()
+    };
+    assert_eq!(overlays(), 0, "the lease's overlay is unmounted with it");
+
+    // An image workload is adopted across an agent restart like any other,
+    // its overlay still under it, and destroying it then unmounts it.
+    drop(provider);
+    let stopped = CancellationToken::new();
+    let Some(first) = provider_until(kind, tmp.path(), stopped.clone()) else { return };
+    let mut long = self::spec("lease-long", "echo up; exec sleep 1000");
+    long.root = WorkloadRoot::Image { dir: root.clone(), digest: "sha256:test".into(), working_dir: String::new() };
+    long.program = Program::Command("sh".into());
+    long.env.insert("PATH".into(), "/bin".into());
+    let running = first.launch(long).await.unwrap();
+    until("the image workload was up", || stdout_of(first.as_ref(), "lease-long").contains("up")).await;
+    stopped.cancel();
+    drop(first);
+    let Some(second) = self::provider(kind, tmp.path()) else { return };
+    let recovered = second.recover().await.unwrap();
+    let adopted = recovered.iter().find(|l| l.record.lease_id == "lease-long").expect("adopted");
+    assert_eq!(adopted.record.pid, running.record.pid, "the same workload, not a new one");
+    assert!(adopted.exit.borrow().is_none(), "it still runs");
+    assert_eq!(overlays(), 1, "its overlay is still mounted under it");
+    let mut exit = adopted.exit.clone();
+    second.destroy("lease-long").await.unwrap();
+    ended(&mut exit).await;
+    second.settle("lease-long").await.unwrap();
+    second.remove("lease-long").await.unwrap();
+    assert_eq!(overlays(), 0, "destroyed and removed, its overlay is gone");
 }
 
 async fn gives_the_workload_its_own_environment_on(kind: Kind) {
