@@ -479,6 +479,12 @@ impl Ledger {
             .tx("leases.assume_custody", |conn| {
                 Box::pin(async move {
                     let now = now_ms(conn, now_sql).await?;
+                    if let Some(current) = fetch(conn, lease_id).await?
+                        && custody_already_taken(&current, node_id, epoch)
+                    {
+                        // A retry of a custody whose reply was lost: it already holds.
+                        return Ok(current);
+                    }
                     let lease = held_by(conn, node_id, lease_id, epoch).await?;
                     let refuse = |reason: String| LeaseError::CustodyRefused { lease_id: lease_id.to_owned(), reason };
                     let room = match lease.phase {
@@ -719,6 +725,15 @@ async fn fetch_many(
 }
 
 /// The lease a node names, checked to be that node's and at the epoch it holds.
+/// Whether `lease` is where `node_id`'s own custody of it at `epoch` left it:
+/// on that node, RUNNING, one epoch on. Only custody moves a placed lease's
+/// epoch, and only its node may take it, so that epoch is this node's custody;
+/// answering it again makes a retry after a lost reply harmless instead of a
+/// refusal that would destroy the adopted workload.
+fn custody_already_taken(lease: &LeaseRecord, node_id: &str, epoch: u64) -> bool {
+    lease.node_id == node_id && lease.phase == Phase::Running && lease.epoch() == epoch.saturating_add(1)
+}
+
 async fn held_by(
     conn: &mut AnyConnection,
     node_id: &str,

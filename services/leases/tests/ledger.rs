@@ -333,9 +333,16 @@ async fn custody_takes_a_lost_launch_to_running_at_the_next_epoch(backend: Backe
     assert_eq!((held.phase(), held.epoch, held.reason.as_str()), (LeasePhase::Running, 2, "CustodyAssumed"));
     let stale = ledger.report(&lease, 1, LeasePhase::Failed).await.unwrap_err();
     assert_eq!(stale.code(), Code::FailedPrecondition, "the old epoch is fenced off");
-    let again = node.assume_custody(custody(&lease.lease_id, 1)).await.unwrap_err();
-    assert_eq!(again.code(), Code::FailedPrecondition);
+    // The reply was lost and the node asks again with the epoch it had: the
+    // custody it already holds is the answer, not a refusal.
+    let again = node.assume_custody(custody(&lease.lease_id, 1)).await.unwrap().into_inner().lease.unwrap();
+    assert_eq!((again.phase(), again.epoch), (LeasePhase::Running, 2), "the same custody, no further epoch");
+    let mut n2 = ledger.node("n-2");
+    let other = n2.assume_custody(v1::AssumeCustodyRequest { node_id: "n-2".into(), ..custody(&lease.lease_id, 1) });
+    assert_eq!(other.await.unwrap_err().code(), Code::PermissionDenied, "another node never takes it");
     assert_eq!(ledger.report(&lease, 2, LeasePhase::Done).await.unwrap().phase(), LeasePhase::Done);
+    let after_end = node.assume_custody(custody(&lease.lease_id, 1)).await.unwrap_err();
+    assert_eq!(after_end.code(), Code::FailedPrecondition, "once it ended, an old epoch is refused again");
 
     let refused = node.assume_custody(custody(&lease.lease_id, 2)).await.unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition);
