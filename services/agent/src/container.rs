@@ -76,8 +76,8 @@ use crate::instances::{
 use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadRoot,
-    WorkloadSignal,
+    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, Settlement,
+    WorkloadRoot, WorkloadSignal,
 };
 
 mod spec;
@@ -857,8 +857,14 @@ impl Provider for ContainerProvider {
         self.inner.instances.update(lease_id, move |record| record.epoch = epoch).await
     }
 
-    async fn settle(&self, lease_id: &str) -> Result<(), ProviderError> {
-        self.inner.instances.update(lease_id, |record| record.settled = true).await
+    async fn settle(&self, lease_id: &str, settlement: Settlement) -> Result<(), ProviderError> {
+        self.inner
+            .instances
+            .update(lease_id, move |record| {
+                record.settled = true;
+                record.settlement = Some(settlement);
+            })
+            .await
     }
 
     async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {

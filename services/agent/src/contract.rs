@@ -20,7 +20,8 @@ use crate::container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT,
 use crate::process::{ProcessProvider, ProcessTiming};
 use crate::procfs::TestDir;
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, LaunchSpec, Program, Provider, ProviderError, Resources, WorkloadRoot, WorkloadSignal,
+    Exit, ExitStatus, ExitWatch, LaunchSpec, Program, Provider, ProviderError, Resources, Settlement, WorkloadRoot,
+    WorkloadSignal,
 };
 
 const PATIENCE: Duration = Duration::from_secs(30);
@@ -178,7 +179,7 @@ async fn runs_a_command_keeps_its_exit_code_and_output_on(kind: Kind) {
 
     let mut good = provider.launch(spec("lease-b", "exit 0")).await.unwrap();
     assert!(ended(&mut good.exit).await.status.success());
-    provider.settle("lease-b").await.unwrap();
+    provider.settle("lease-b", Settlement::default()).await.unwrap();
     provider.remove("lease-b").await.unwrap();
     assert!(matches!(provider.log_files("lease-b"), Err(ProviderError::NotFound(_))));
 }
@@ -228,7 +229,7 @@ async fn image_root_on(kind: Kind) {
         "the shared root is untouched"
     );
 
-    provider.settle("lease-image").await.unwrap();
+    provider.settle("lease-image", Settlement::default()).await.unwrap();
     provider.remove("lease-image").await.unwrap();
     let overlays = || {
         let mounted = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
@@ -258,7 +259,7 @@ async fn image_root_on(kind: Kind) {
     let mut exit = adopted.exit.clone();
     second.destroy("lease-long").await.unwrap();
     ended(&mut exit).await;
-    second.settle("lease-long").await.unwrap();
+    second.settle("lease-long", Settlement::default()).await.unwrap();
     second.remove("lease-long").await.unwrap();
     assert_eq!(overlays(), 0, "destroyed and removed, its overlay is gone");
 }

@@ -68,6 +68,9 @@ pub(crate) struct StoredRecord {
     /// Whether it runs under a memory limit.
     #[serde(default)]
     pub(crate) memory_limited: bool,
+    /// The phase and reason it was settled with.
+    #[serde(default)]
+    pub(crate) settlement: Option<crate::provider::Settlement>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -91,6 +94,7 @@ impl StoredRecord {
             meta: spec.meta.clone(),
             uid: None,
             memory_limited: false,
+            settlement: None,
         }
     }
 
@@ -102,6 +106,7 @@ impl StoredRecord {
             started_at: self.started_at_ms.map(from_unix_ms),
             exit: self.exit.map(|e| Exit { status: e.status, at: from_unix_ms(e.at_ms) }),
             settled: self.settled,
+            settlement: self.settlement.clone(),
             meta: self.meta.clone(),
         }
     }

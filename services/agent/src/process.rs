@@ -65,8 +65,8 @@ use crate::instances::{
 };
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadRoot,
-    WorkloadSignal,
+    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, Settlement,
+    WorkloadRoot, WorkloadSignal,
 };
 
 /// How long a workload has to stop after SIGTERM before it gets SIGKILL.
@@ -328,8 +328,14 @@ impl Provider for ProcessProvider {
         self.inner.instances.update(lease_id, move |record| record.epoch = epoch).await
     }
 
-    async fn settle(&self, lease_id: &str) -> Result<(), ProviderError> {
-        self.inner.instances.update(lease_id, |record| record.settled = true).await
+    async fn settle(&self, lease_id: &str, settlement: Settlement) -> Result<(), ProviderError> {
+        self.inner
+            .instances
+            .update(lease_id, move |record| {
+                record.settled = true;
+                record.settlement = Some(settlement);
+            })
+            .await
     }
 
     async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {
@@ -566,7 +572,7 @@ mod tests {
         let logs = second.log_files("lease-d").unwrap();
         assert_eq!(std::fs::read_to_string(logs.stdout).unwrap(), "started\n", "the logs survive the restart");
 
-        second.settle("lease-d").await.unwrap();
+        second.settle("lease-d", Settlement::default()).await.unwrap();
         second.remove("lease-d").await.unwrap();
         assert!(!tmp.path().join("leases/lease-d").exists());
         assert!(!tmp.path().join("logs/lease-d").exists());

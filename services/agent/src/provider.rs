@@ -305,8 +305,21 @@ pub struct InstanceRecord {
     /// Whether the agent has told the leases service how it ended (or the
     /// lease was taken away); such an instance is kept only for its logs.
     pub settled: bool,
+    /// The phase and reason the agent left it in, once settled; `None` for
+    /// an instance settled before records kept them.
+    pub settlement: Option<Settlement>,
     /// What the agent API shows about it.
     pub meta: InstanceMeta,
+}
+
+/// How the agent left a lease it is done with, kept with the instance so a
+/// restarted agent shows the same phase and reason as before the restart.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Settlement {
+    /// The lease phase, by its proto name (`LEASE_PHASE_DONE`).
+    pub phase: String,
+    /// Why, one CamelCase word; may be empty.
+    pub reason: String,
 }
 
 /// A started or adopted workload: its record, and a watch on its end.
@@ -472,7 +485,7 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
 
     /// Records that the instance needs nothing more from the agent but
     /// keeping its logs a while.
-    async fn settle(&self, lease_id: &str) -> Result<(), ProviderError>;
+    async fn settle(&self, lease_id: &str, settlement: Settlement) -> Result<(), ProviderError>;
 
     /// Stops the workload and everything it started. Stopping one that
     /// already ended is not an error.

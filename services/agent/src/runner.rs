@@ -59,7 +59,7 @@ use crate::config::LeaseTiming;
 use crate::keepalive::{KeepAlive, Lost, RenewSet};
 use crate::leases_client::{NodeLeasesApi, is_transient};
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, InstanceMeta, LaunchSpec, Launched, Program, Provider, Resources, Runtime,
+    Exit, ExitStatus, ExitWatch, InstanceMeta, LaunchSpec, Launched, Program, Provider, Resources, Runtime, Settlement,
     WorkloadRoot,
 };
 use crate::recovery::{PassPlan, PassReport, run_pass};
@@ -410,6 +410,10 @@ impl Runner {
         view.started_at = record.started_at;
         view.exit = ended.map(|e| e.status);
         if record.settled {
+            // As it was left before the restart, not running.
+            let (phase, reason) = settled_as(record.settlement.as_ref(), ended.map(|e| e.status));
+            view.phase = phase;
+            view.reason = reason;
             view.ended_at = Some(ended.map_or_else(SystemTime::now, |e| e.at));
             self.shared.board.put(view);
             return;
@@ -930,6 +934,35 @@ struct Launch {
     runtime: i32,
 }
 
+/// The phase and reason a settled instance shows after a restart: what it
+/// was settled with, or, for a record from before settlements were kept,
+/// what its exit says.
+fn settled_as(settlement: Option<&Settlement>, exit: Option<ExitStatus>) -> (LeasePhase, String) {
+    if let Some(settlement) = settlement
+        && let Some(phase) = LeasePhase::from_str_name(&settlement.phase)
+    {
+        return (phase, settlement.reason.clone());
+    }
+    match exit {
+        Some(status) => {
+            let (phase, reason) = ended_as(status);
+            (phase, reason.to_owned())
+        }
+        None => (LeasePhase::Released, String::new()),
+    }
+}
+
+/// The phase and reason a workload that ended with `status` reports.
+fn ended_as(status: ExitStatus) -> (LeasePhase, &'static str) {
+    match status {
+        ExitStatus::Code(0) => (LeasePhase::Done, "Exited"),
+        ExitStatus::Code(_) => (LeasePhase::Failed, "Exited"),
+        ExitStatus::Signal(_) => (LeasePhase::Failed, "Killed"),
+        ExitStatus::OutOfMemory => (LeasePhase::Failed, "OOMKilled"),
+        ExitStatus::Unknown => (LeasePhase::Failed, "ExitUnknown"),
+    }
+}
+
 /// Why this node's runtime cannot run a lease needing `class`, if it cannot:
 /// placement only sends a lease to a node whose labels satisfy it, so this
 /// catches labels that changed under a placement.
@@ -1117,13 +1150,7 @@ impl Worker {
             },
         };
         self.shared.board.update(&self.lease_id, |view| view.exit = Some(ended.status));
-        let (phase, reason) = match ended.status {
-            ExitStatus::Code(0) => (LeasePhase::Done, "Exited"),
-            ExitStatus::Code(_) => (LeasePhase::Failed, "Exited"),
-            ExitStatus::Signal(_) => (LeasePhase::Failed, "Killed"),
-            ExitStatus::OutOfMemory => (LeasePhase::Failed, "OOMKilled"),
-            ExitStatus::Unknown => (LeasePhase::Failed, "ExitUnknown"),
-        };
+        let (phase, reason) = ended_as(ended.status);
         let detail =
             Detail { reason: reason.to_string(), message: ended.status.to_string(), exit_code: ended.status.code() };
         self.report_end(phase, detail).await
@@ -1169,7 +1196,13 @@ impl Worker {
     }
 
     async fn settle(&mut self) -> WorkerEnd {
-        if let Err(error) = self.shared.provider.settle(&self.lease_id).await
+        let settlement = self
+            .shared
+            .board
+            .get(&self.lease_id)
+            .map(|view| Settlement { phase: view.phase.as_str_name().to_owned(), reason: view.reason })
+            .unwrap_or_default();
+        if let Err(error) = self.shared.provider.settle(&self.lease_id, settlement).await
             && self.started.load(Ordering::SeqCst)
         {
             tracing::warn!(lease_id = %self.lease_id, %error, "cannot record that the instance is settled");

@@ -114,8 +114,20 @@ async fn a_lease_runs_to_done_and_a_failing_one_is_failed_with_its_exit_code() {
     let instance = agent.instance_until(&plane, &lease.lease_id, "failed", |i| i.exit_code.is_some()).await;
     assert_eq!((instance.exit_code, instance.pid), (Some(3), 0));
     assert_eq!(plane.node_capacity(&node_id).await.leases, 0);
+    let ok_id = done.lease_id.clone();
+    let done_listed = agent.instance_until(&plane, &ok_id, "done", |i| i.phase() == LeasePhase::Done).await;
 
+    // A restarted agent shows what ended as it ended, not as running.
     agent.kill().await;
+    let second = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let done_again = second.instance_until(&plane, &ok_id, "listed after the restart", |_| true).await;
+    assert_eq!((done_again.phase(), done_again.reason.as_str()), (LeasePhase::Done, done_listed.reason.as_str()));
+    assert_eq!(done_again.exit_code, Some(0));
+    let failed_again = second.instance_until(&plane, &lease.lease_id, "listed after the restart", |_| true).await;
+    assert_eq!((failed_again.phase(), failed_again.reason.as_str()), (LeasePhase::Failed, "Exited"));
+    assert_eq!(failed_again.exit_code, Some(3));
+
+    second.kill().await;
     plane.cleanup().await;
 }
 

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use super::proxies::EgressProxies;
 use crate::provider::{
-    InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, WorkloadSignal,
+    InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, Settlement, WorkloadSignal,
 };
 
 /// A provider whose replicas reach the network only through their tenant's
@@ -94,8 +94,8 @@ impl Provider for EgressProvider {
         self.inner.set_epoch(lease_id, epoch).await
     }
 
-    async fn settle(&self, lease_id: &str) -> Result<(), ProviderError> {
-        let settled = self.inner.settle(lease_id).await;
+    async fn settle(&self, lease_id: &str, settlement: Settlement) -> Result<(), ProviderError> {
+        let settled = self.inner.settle(lease_id, settlement).await;
         self.proxies.detach(lease_id).await;
         settled
     }
