@@ -247,6 +247,9 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         pass_due: Some(Instant::now()),
         pass_backoff: settings.backoff(),
         deferred: Vec::new(),
+        inventoried: false,
+        inventory_due: None,
+        inventory_backoff: settings.backoff(),
     };
     let task = tokio::spawn(async move {
         let keepalive = tokio::spawn(keepalive.run());
@@ -294,6 +297,13 @@ struct Runner {
     pass_backoff: Backoff,
     /// BOUND leases that arrived during a pass, to start after it.
     deferred: Vec<Lease>,
+    /// Whether the provider has listed what the node runs since the start.
+    /// Until it has, nothing is reconciled: an empty set the node failed to
+    /// read is not evidence that nothing runs.
+    inventoried: bool,
+    /// When to ask the provider for its listing again.
+    inventory_due: Option<Instant>,
+    inventory_backoff: Backoff,
 }
 
 impl std::fmt::Debug for Runner {
@@ -308,23 +318,12 @@ impl std::fmt::Debug for Runner {
 
 impl Runner {
     async fn run(mut self) {
-        match self.shared.provider.recover().await {
-            Ok(recovered) => {
-                for launched in recovered {
-                    let bundle = self.adopted_bundle(&launched).await;
-                    self.adopt(launched, bundle);
-                }
-            }
-            Err(error) => tracing::error!(%error, "cannot list the workloads recorded on this node"),
-        }
-        if !self.held.is_empty() {
-            self.custody_since = Some(Instant::now());
-            tracing::info!(held = self.held.len(), "recovering the workloads found on this node");
-        }
+        self.take_inventory().await;
         let (mut fences_open, mut session_open) = (true, true);
         loop {
             self.publish();
-            let pass_at = self.pass_due.filter(|_| !self.pass_running);
+            let pass_at = self.pass_due.filter(|_| !self.pass_running && self.inventoried);
+            let inventory_at = self.inventory_due;
             let custody_deadline = self.custody_deadline();
             tokio::select! {
                 biased;
@@ -343,11 +342,43 @@ impl Runner {
                     self.on_worker_end(joined);
                 }
                 _ = sleep_until(pass_at), if pass_at.is_some() => self.start_pass(),
+                _ = sleep_until(inventory_at), if inventory_at.is_some() => self.take_inventory().await,
                 _ = sleep_until(custody_deadline), if custody_deadline.is_some() => self.custody_expired(),
             }
         }
         self.stop_watching();
         self.workers.abort_all();
+    }
+
+    /// Asks the provider what the node runs and adopts it; a listing that
+    /// fails leaves everything as it is (nothing reconciled, nothing
+    /// destroyed, no assignments served) and is asked again with backoff.
+    async fn take_inventory(&mut self) {
+        self.inventory_due = None;
+        let recovered = tokio::select! {
+            _ = self.shared.shutdown.cancelled() => return,
+            recovered = self.shared.provider.recover() => recovered,
+        };
+        match recovered {
+            Ok(recovered) => {
+                for launched in recovered {
+                    let bundle = self.adopted_bundle(&launched).await;
+                    self.adopt(launched, bundle);
+                }
+                self.inventoried = true;
+                self.inventory_backoff.reset();
+                if !self.held.is_empty() {
+                    self.custody_since.get_or_insert_with(Instant::now);
+                    tracing::info!(held = self.held.len(), "recovering the workloads found on this node");
+                }
+            }
+            Err(error) => {
+                let retry = self.inventory_backoff.next_delay();
+                tracing::error!(%error, retry_in = ?retry,
+                    "cannot list the workloads on this node; reconciling nothing until a listing succeeds");
+                self.inventory_due = Some(Instant::now() + retry);
+            }
+        }
     }
 
     /// Publishes what the keep-alive task, the workers and the agent read.

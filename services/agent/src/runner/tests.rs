@@ -15,6 +15,7 @@ use tokio::sync::Semaphore;
 use super::*;
 use crate::leases_client::AssignmentStream;
 use crate::process::{ProcessProvider, ProcessTiming};
+use crate::provider::ProviderError;
 use crate::procfs::{self, TestDir};
 
 const NODE: &str = "n-1";
@@ -298,11 +299,69 @@ struct Harness {
     stop: CancellationToken,
 }
 
+/// The process provider, whose listing fails its first `failures` times.
+#[derive(Debug)]
+struct FlakyInventory {
+    inner: Arc<dyn Provider>,
+    failures: std::sync::atomic::AtomicUsize,
+    listings: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl Provider for FlakyInventory {
+    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
+        self.inner.launch(spec).await
+    }
+    async fn recover(&self) -> Result<Vec<Launched>, ProviderError> {
+        self.listings.fetch_add(1, Ordering::SeqCst);
+        let left = self.failures.load(Ordering::SeqCst);
+        if left > 0 {
+            self.failures.store(left - 1, Ordering::SeqCst);
+            return Err(ProviderError::Unsupported("the instance directory cannot be read".into()));
+        }
+        self.inner.recover().await
+    }
+    async fn set_epoch(&self, lease_id: &str, epoch: u64) -> Result<(), ProviderError> {
+        self.inner.set_epoch(lease_id, epoch).await
+    }
+    async fn settle(&self, lease_id: &str, settlement: Settlement) -> Result<(), ProviderError> {
+        self.inner.settle(lease_id, settlement).await
+    }
+    async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {
+        self.inner.destroy(lease_id).await
+    }
+    async fn remove(&self, lease_id: &str) -> Result<(), ProviderError> {
+        self.inner.remove(lease_id).await
+    }
+    async fn signal(&self, lease_id: &str, signal: crate::provider::WorkloadSignal) -> Result<(), ProviderError> {
+        self.inner.signal(lease_id, signal).await
+    }
+    async fn stats(&self, lease_id: &str) -> Result<crate::provider::InstanceStats, ProviderError> {
+        self.inner.stats(lease_id).await
+    }
+    fn log_files(&self, lease_id: &str) -> Result<crate::provider::LogFiles, ProviderError> {
+        self.inner.log_files(lease_id)
+    }
+    fn runtime(&self) -> Runtime {
+        self.inner.runtime()
+    }
+}
+
 impl Harness {
     async fn start(fake: &Arc<FakeLeases>, dir: &Path, settings: RunnerSettings) -> Harness {
+        Harness::start_with(fake, dir, settings, |provider| provider).await
+    }
+
+    /// [`Harness::start`] with the provider as `wrap` makes it.
+    async fn start_with(
+        fake: &Arc<FakeLeases>,
+        dir: &Path,
+        settings: RunnerSettings,
+        wrap: impl FnOnce(Arc<dyn Provider>) -> Arc<dyn Provider>,
+    ) -> Harness {
         let stop = CancellationToken::new();
         let timing = ProcessTiming { stop_grace: settings.timing.stop_grace, exit_poll: settings.timing.exit_poll };
-        let provider: Arc<dyn Provider> = Arc::new(ProcessProvider::new(dir, timing, stop.clone()));
+        let provider: Arc<dyn Provider> = wrap(Arc::new(ProcessProvider::new(dir, timing, stop.clone())));
         let cache = berth_bundle::BundleCache::open(dir.join("bundles"), Default::default()).await.unwrap();
         let client = berth_bundle::BundleClient::new(Default::default()).unwrap();
         let bundles = BundleStore::new(cache, client);
@@ -643,6 +702,53 @@ async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_
     let failed = fake.phase_until("l-kept", LeasePhase::Failed).await;
     assert_eq!(failed.reason, "ExitUnknown", "an adopted process's exit status cannot be known");
     assert_eq!(fake.ledger().reports.last().unwrap().epoch, 2);
+    second.kill().await;
+}
+
+#[tokio::test]
+async fn a_failed_listing_at_start_reconciles_nothing_until_a_listing_succeeds() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let first = Harness::serving(&fake, dir.path(), settings()).await;
+    fake.place("l-kept", "exec sleep 1000");
+    fake.phase_until("l-kept", LeasePhase::Running).await;
+    let kept = first.pid_of("l-kept").await;
+    first.kill().await;
+
+    // The restarted agent cannot read what it runs, twice.
+    let earlier = fake.ledger().reconciles.len();
+    let flaky = Arc::new(std::sync::Mutex::new(None::<Arc<FlakyInventory>>));
+    let slot = flaky.clone();
+    let second = Harness::start_with(&fake, dir.path(), settings(), move |inner| {
+        let wrapped = Arc::new(FlakyInventory {
+            inner,
+            failures: std::sync::atomic::AtomicUsize::new(2),
+            listings: std::sync::atomic::AtomicUsize::new(0),
+        });
+        *slot.lock().unwrap() = Some(wrapped.clone());
+        wrapped
+    })
+    .await;
+    let wrapped = flaky.lock().unwrap().clone().unwrap();
+    let deadline = Instant::now() + PATIENCE;
+    while wrapped.listings.load(Ordering::SeqCst) < 2 {
+        assert!(Instant::now() < deadline, "the listing was never asked again");
+        assert_eq!(fake.ledger().reconciles.len(), earlier, "nothing is reconciled on a failed listing");
+        assert_eq!(*second.handle.standing.borrow(), Standing::Recovering, "not serving meanwhile");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(alive(kept), "the workload it could not list is left alone");
+
+    // Once a listing succeeds it is adopted, not replaced.
+    second.standing_until(Standing::Serving).await;
+    assert!(wrapped.listings.load(Ordering::SeqCst) >= 3);
+    let view = second.view_until("l-kept", "taken into custody", |v| v.epoch == 2).await;
+    assert_eq!(view.pid, Some(kept), "adopted, not restarted");
+    assert_eq!(fake.lease("l-kept").phase(), LeasePhase::Running);
+    let reconciled = fake.ledger().reconciles[earlier].clone();
+    assert!(reconciled.running.iter().any(|l| l.lease_id == "l-kept"), "{reconciled:?}");
+    fake.change("l-kept", Some(EventKind::Upsert), |l| l.phase = LeasePhase::Released as i32);
+    gone_until(kept).await;
     second.kill().await;
 }
 
