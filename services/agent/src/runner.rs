@@ -119,6 +119,9 @@ enum Inbox {
     Assignment { stream: u64, event: Box<AssignmentEvent> },
     /// A reconcile pass ended.
     PassDone(PassReport),
+    /// What the provider runs, as a steady sweep listed it: lease ids of
+    /// workloads still running.
+    Listed(Vec<String>),
 }
 
 /// How a worker ended.
@@ -621,6 +624,7 @@ impl Runner {
         }
         if self.standing == Standing::Serving {
             self.clean_up_finished();
+            self.list_strays();
         }
         let live = self.held.iter().filter(|(_, h)| !h.destroying());
         let plan = PassPlan {
@@ -704,6 +708,54 @@ impl Runner {
         self.launch_deferred();
     }
 
+    /// Asks the provider what it actually runs, so a workload the runner
+    /// holds no lease for (one whose destroy never finished before a
+    /// restart, or that outlived its record) is found and destroyed.
+    fn list_strays(&self) {
+        let (provider, inbox, shutdown) =
+            (self.shared.provider.clone(), self.inbox_tx.clone(), self.shared.shutdown.clone());
+        tokio::spawn(async move {
+            let listed = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                listed = provider.recover() => listed,
+            };
+            match listed {
+                Ok(listed) => {
+                    let running = listed
+                        .into_iter()
+                        .filter(|l| !l.record.settled && l.record.pid.is_some() && l.exit.borrow().is_none())
+                        .map(|l| l.record.lease_id)
+                        .collect();
+                    let _ = inbox.send(Inbox::Listed(running));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "cannot list what the node runs; strays are looked for next sweep")
+                }
+            }
+        });
+    }
+
+    /// Destroys every listed workload no held lease covers, and shows it
+    /// (reason `Stray`) until it is gone; a destroy that fails is tried
+    /// again by its worker, and the next sweep lists it again meanwhile.
+    fn on_listed(&mut self, running: Vec<String>) {
+        let strays: Vec<String> = running.into_iter().filter(|id| !self.held.contains_key(id)).collect();
+        for lease_id in strays {
+            tracing::warn!(%lease_id, "a workload runs that no lease held by this node covers; destroying it");
+            let epoch = self.shared.board.get(&lease_id).map_or(0, |view| view.epoch);
+            let meta = self.shared.board.get(&lease_id).map(|view| view.meta).unwrap_or_default();
+            let mut view = InstanceView::new(&lease_id, epoch, meta, LeasePhase::Released);
+            view.reason = "Stray".into();
+            self.shared.board.put(view);
+            let held = self.hold(&lease_id, epoch, true, false);
+            if let Some(entry) = self.held.get(&lease_id) {
+                // Destroying from the start: never renewed nor reconciled.
+                entry.removal.send_replace(Some(Removal::new(Some(LeasePhase::Released), "Stray")));
+            }
+            self.spawn_worker(&lease_id, held, Start::Stray);
+        }
+    }
+
     fn launch_deferred(&mut self) {
         for lease in std::mem::take(&mut self.deferred) {
             if !self.held.contains_key(&lease.lease_id) {
@@ -759,6 +811,7 @@ impl Runner {
     fn on_inbox(&mut self, message: Inbox) {
         match message {
             Inbox::PassDone(report) => self.on_pass_done(report),
+            Inbox::Listed(running) => self.on_listed(running),
             Inbox::StreamOpened { stream } if stream == self.stream_generation => self.stream_seen.clear(),
             Inbox::Assignment { stream, event } if stream == self.stream_generation => self.on_assignment(*event),
             // From a stream stopped since.
@@ -944,6 +997,8 @@ impl AssignmentWatcher {
 enum Start {
     /// Pull the bundle, report LAUNCHING, start the workload, report RUNNING.
     Launch(Box<Launch>),
+    /// A workload no held lease covers: destroy it.
+    Stray,
     /// The workload was started before a restart; only its end is awaited.
     Adopt {
         /// Fires when it ends.
@@ -1056,6 +1111,10 @@ impl Worker {
     async fn run(mut self, start: Start) -> WorkerEnd {
         // The bundle stays pinned until the worker is done with the lease.
         let (exit, _bundle) = match start {
+            Start::Stray => {
+                self.started.store(true, Ordering::SeqCst);
+                return self.destroyed(Removal::new(Some(LeasePhase::Released), "Stray")).await;
+            }
             Start::Adopt { exit, bundle } => (exit, bundle),
             Start::Launch(launch) => match self.traced_launch(*launch).await {
                 Ok(started) => started,
@@ -1215,13 +1274,25 @@ impl Worker {
             view.reason = removal.reason.clone();
         });
         if self.started.load(Ordering::SeqCst) {
-            let destroyed = tokio::select! {
-                _ = self.shared.shutdown.cancelled() => return WorkerEnd::Stopped,
-                destroyed = self.shared.provider.destroy(&self.lease_id) => destroyed,
-            };
-            if let Err(error) = destroyed {
-                tracing::error!(lease_id = %self.lease_id, %error, "cannot destroy the workload");
+            // A workload is never forgotten while it may still run: a destroy
+            // that fails is tried again, visibly, until it is gone.
+            let mut backoff = self.shared.settings.backoff();
+            loop {
+                let destroyed = tokio::select! {
+                    _ = self.shared.shutdown.cancelled() => return WorkerEnd::Stopped,
+                    destroyed = self.shared.provider.destroy(&self.lease_id) => destroyed,
+                };
+                let Err(error) = destroyed else { break };
+                let retry = backoff.next_delay();
+                tracing::warn!(lease_id = %self.lease_id, %error, retry_in = ?retry,
+                    "cannot destroy the workload; trying again");
+                self.shared.board.update(&self.lease_id, |view| view.reason = "DestroyFailing".into());
+                tokio::select! {
+                    _ = self.shared.shutdown.cancelled() => return WorkerEnd::Stopped,
+                    () = tokio::time::sleep(retry) => {}
+                }
             }
+            self.shared.board.update(&self.lease_id, |view| view.reason = removal.reason.clone());
         }
         self.settle().await
     }

@@ -15,8 +15,8 @@ use tokio::sync::Semaphore;
 use super::*;
 use crate::leases_client::AssignmentStream;
 use crate::process::{ProcessProvider, ProcessTiming};
-use crate::provider::ProviderError;
 use crate::procfs::{self, TestDir};
+use crate::provider::ProviderError;
 
 const NODE: &str = "n-1";
 const PATIENCE: Duration = Duration::from_secs(20);
@@ -299,18 +299,45 @@ struct Harness {
     stop: CancellationToken,
 }
 
-/// The process provider, whose listing fails its first `failures` times.
-#[derive(Debug)]
+/// The process provider, whose listing fails its first `failures` times
+/// and whose destroy its first `destroy_failures` times.
+#[derive(Debug, Default)]
 struct FlakyInventory {
-    inner: Arc<dyn Provider>,
+    inner: Option<Arc<dyn Provider>>,
     failures: std::sync::atomic::AtomicUsize,
     listings: std::sync::atomic::AtomicUsize,
+    destroy_failures: std::sync::atomic::AtomicUsize,
+    destroys: std::sync::atomic::AtomicUsize,
+}
+
+impl FlakyInventory {
+    fn inner(&self) -> &Arc<dyn Provider> {
+        self.inner.as_ref().unwrap()
+    }
+
+    /// `wrap` for [`Harness::start_with`], leaving the wrapper in `slot`.
+    fn wrapping(
+        failures: usize,
+        destroy_failures: usize,
+        slot: Arc<Mutex<Option<Arc<FlakyInventory>>>>,
+    ) -> impl FnOnce(Arc<dyn Provider>) -> Arc<dyn Provider> {
+        move |inner| {
+            let wrapped = Arc::new(FlakyInventory {
+                inner: Some(inner),
+                failures: failures.into(),
+                destroy_failures: destroy_failures.into(),
+                ..FlakyInventory::default()
+            });
+            *slot.lock().unwrap() = Some(wrapped.clone());
+            wrapped
+        }
+    }
 }
 
 #[async_trait::async_trait]
 impl Provider for FlakyInventory {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
-        self.inner.launch(spec).await
+        self.inner().launch(spec).await
     }
     async fn recover(&self) -> Result<Vec<Launched>, ProviderError> {
         self.listings.fetch_add(1, Ordering::SeqCst);
@@ -319,31 +346,37 @@ impl Provider for FlakyInventory {
             self.failures.store(left - 1, Ordering::SeqCst);
             return Err(ProviderError::Unsupported("the instance directory cannot be read".into()));
         }
-        self.inner.recover().await
+        self.inner().recover().await
     }
     async fn set_epoch(&self, lease_id: &str, epoch: u64) -> Result<(), ProviderError> {
-        self.inner.set_epoch(lease_id, epoch).await
+        self.inner().set_epoch(lease_id, epoch).await
     }
     async fn settle(&self, lease_id: &str, settlement: Settlement) -> Result<(), ProviderError> {
-        self.inner.settle(lease_id, settlement).await
+        self.inner().settle(lease_id, settlement).await
     }
     async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {
-        self.inner.destroy(lease_id).await
+        self.destroys.fetch_add(1, Ordering::SeqCst);
+        let left = self.destroy_failures.load(Ordering::SeqCst);
+        if left > 0 {
+            self.destroy_failures.store(left - 1, Ordering::SeqCst);
+            return Err(ProviderError::Stuck { lease_id: lease_id.into(), detail: "it survived SIGKILL".into() });
+        }
+        self.inner().destroy(lease_id).await
     }
     async fn remove(&self, lease_id: &str) -> Result<(), ProviderError> {
-        self.inner.remove(lease_id).await
+        self.inner().remove(lease_id).await
     }
     async fn signal(&self, lease_id: &str, signal: crate::provider::WorkloadSignal) -> Result<(), ProviderError> {
-        self.inner.signal(lease_id, signal).await
+        self.inner().signal(lease_id, signal).await
     }
     async fn stats(&self, lease_id: &str) -> Result<crate::provider::InstanceStats, ProviderError> {
-        self.inner.stats(lease_id).await
+        self.inner().stats(lease_id).await
     }
     fn log_files(&self, lease_id: &str) -> Result<crate::provider::LogFiles, ProviderError> {
-        self.inner.log_files(lease_id)
+        self.inner().log_files(lease_id)
     }
     fn runtime(&self) -> Runtime {
-        self.inner.runtime()
+        self.inner().runtime()
     }
 }
 
@@ -717,18 +750,9 @@ async fn a_failed_listing_at_start_reconciles_nothing_until_a_listing_succeeds()
 
     // The restarted agent cannot read what it runs, twice.
     let earlier = fake.ledger().reconciles.len();
-    let flaky = Arc::new(std::sync::Mutex::new(None::<Arc<FlakyInventory>>));
-    let slot = flaky.clone();
-    let second = Harness::start_with(&fake, dir.path(), settings(), move |inner| {
-        let wrapped = Arc::new(FlakyInventory {
-            inner,
-            failures: std::sync::atomic::AtomicUsize::new(2),
-            listings: std::sync::atomic::AtomicUsize::new(0),
-        });
-        *slot.lock().unwrap() = Some(wrapped.clone());
-        wrapped
-    })
-    .await;
+    let flaky = Arc::new(Mutex::new(None));
+    let second =
+        Harness::start_with(&fake, dir.path(), settings(), FlakyInventory::wrapping(2, 0, flaky.clone())).await;
     let wrapped = flaky.lock().unwrap().clone().unwrap();
     let deadline = Instant::now() + PATIENCE;
     while wrapped.listings.load(Ordering::SeqCst) < 2 {
@@ -750,6 +774,51 @@ async fn a_failed_listing_at_start_reconciles_nothing_until_a_listing_succeeds()
     fake.change("l-kept", Some(EventKind::Upsert), |l| l.phase = LeasePhase::Released as i32);
     gone_until(kept).await;
     second.kill().await;
+}
+
+#[tokio::test]
+async fn a_destroy_that_fails_is_tried_again_visibly_until_the_workload_is_gone() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let flaky = Arc::new(Mutex::new(None));
+    let runner =
+        Harness::start_with(&fake, dir.path(), settings(), FlakyInventory::wrapping(0, 2, flaky.clone())).await;
+    runner.standing_until(Standing::Serving).await;
+    let wrapped = flaky.lock().unwrap().clone().unwrap();
+    fake.place("l-stuck", "exec sleep 1000");
+    fake.phase_until("l-stuck", LeasePhase::Running).await;
+    let pid = runner.pid_of("l-stuck").await;
+
+    fake.change("l-stuck", Some(EventKind::Upsert), |l| l.phase = LeasePhase::Released as i32);
+    runner.view_until("l-stuck", "shown as failing to be destroyed", |v| v.reason == "DestroyFailing").await;
+    assert!(alive(pid), "not yet destroyed");
+    assert_eq!(*runner.handle.holding.borrow(), 1, "still held, not forgotten");
+    gone_until(pid).await;
+    runner.view_until("l-stuck", "settled once gone", |v| v.ended_at.is_some()).await;
+    assert_eq!(wrapped.destroys.load(Ordering::SeqCst), 3, "two refusals, then the destroy that worked");
+    runner.holding_until(0).await;
+    runner.kill().await;
+}
+
+#[tokio::test]
+async fn a_sweep_finds_and_destroys_a_workload_no_held_lease_covers() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let flaky = Arc::new(Mutex::new(None));
+    let mut quick = settings();
+    quick.timing.sweep_interval = Duration::from_millis(100);
+    let runner = Harness::start_with(&fake, dir.path(), quick, FlakyInventory::wrapping(0, 0, flaky.clone())).await;
+    runner.standing_until(Standing::Serving).await;
+    let wrapped = flaky.lock().unwrap().clone().unwrap();
+    // Something the provider runs that the runner holds no lease for.
+    let stray = wrapped.launch(LaunchSpec::for_test("l-stray", "exec sleep 1000")).await.unwrap();
+    let pid = stray.record.pid.unwrap();
+    let view = runner.view_until("l-stray", "found by a sweep", |v| v.reason == "Stray").await;
+    assert_eq!(view.phase, LeasePhase::Released);
+    gone_until(pid).await;
+    runner.view_until("l-stray", "settled", |v| v.ended_at.is_some()).await;
+    assert!(!fake.ledger().reports.iter().any(|r| r.lease_id == "l-stray"), "no report for a lease it never held");
+    runner.kill().await;
 }
 
 #[tokio::test]
