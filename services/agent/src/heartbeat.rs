@@ -373,6 +373,13 @@ impl Heartbeater {
         self.set_status(AgentStatus::Fenced { session, reason });
     }
 
+    /// Tells the runner the node will never rejoin: what it holds in custody
+    /// can never be accounted for again, and goes after the stop grace.
+    fn rejoin_refused(&mut self, old: &NodeSession) {
+        let fence = Fence { session: old.clone(), reason: FenceReason::RejoinRefused, at: SystemTime::now() };
+        self.watches.fences.send_replace(Some(fence));
+    }
+
     /// Rejoins after the session ended: with the node's certificate while it
     /// is valid, else with the join token. Returns `Ok` with the new session
     /// in force, or `Ok` unchanged on shutdown.
@@ -386,6 +393,7 @@ impl Heartbeater {
                 with_certificate = false;
             }
             if !with_certificate && self.config.token().is_none() {
+                self.rejoin_refused(&old);
                 return Err(AgentError::RejoinNeedsToken { node_id: old.node_id, reason });
             }
             let attempt = tokio::select! {
@@ -415,7 +423,10 @@ impl Heartbeater {
                     tracing::warn!(%error, "identity refused a rejoin with the node certificate; trying the join token");
                     with_certificate = false;
                 }
-                Err(source) => return Err(AgentError::Rejoin { node_id: old.node_id, reason, source }),
+                Err(source) => {
+                    self.rejoin_refused(&old);
+                    return Err(AgentError::Rejoin { node_id: old.node_id, reason, source });
+                }
             }
         }
     }

@@ -252,6 +252,7 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         deferred: Vec::new(),
         inventoried: false,
         inventory_due: None,
+        stop_by: None,
         inventory_backoff: settings.backoff(),
     };
     let task = tokio::spawn(async move {
@@ -307,6 +308,8 @@ struct Runner {
     /// When to ask the provider for its listing again.
     inventory_due: Option<Instant>,
     inventory_backoff: Backoff,
+    /// When what the node holds in custody goes because it can never rejoin.
+    stop_by: Option<Instant>,
 }
 
 impl std::fmt::Debug for Runner {
@@ -409,11 +412,14 @@ impl Runner {
     }
 
     fn custody_deadline(&self) -> Option<Instant> {
-        let bound = self.shared.settings.max_custody?;
         if self.standing == Standing::Serving || self.held.values().all(Held::destroying) {
             return None;
         }
-        Some(self.custody_since? + bound)
+        let bound = self.shared.settings.max_custody.zip(self.custody_since).map(|(bound, since)| since + bound);
+        match (bound, self.stop_by) {
+            (Some(bound), Some(stop_by)) => Some(bound.min(stop_by)),
+            (bound, stop_by) => bound.or(stop_by),
+        }
     }
 
     // -- taking leases on ---------------------------------------------------
@@ -568,7 +574,12 @@ impl Runner {
             // A fence of a session the runner has already moved past.
             return;
         }
-        if fence.reason == FenceReason::Revoked {
+        if fence.reason == FenceReason::RejoinRefused {
+            let grace = self.shared.settings.timing.stop_grace;
+            tracing::warn!(node_id = %fence.session.node_id, held = self.held.len(), ?grace,
+                "the node cannot rejoin: destroying what it holds after the stop grace");
+            self.stop_by = Some(Instant::now() + grace);
+        } else if fence.reason == FenceReason::Revoked {
             tracing::warn!(node_id = %fence.session.node_id, held = self.held.len(),
                 "the node was revoked: destroying everything it runs");
             self.destroy_all(&Removal::new(None, "NodeRevoked"));
@@ -589,6 +600,7 @@ impl Runner {
         tracing::info!(node_id = %session.node_id, incarnation = session.incarnation,
             "new session; reconciling what the node runs under it");
         self.session = session;
+        self.stop_by = None;
         self.shared.leases.reconnect();
         self.enter_custody();
         self.standing = Standing::Recovering;
@@ -610,6 +622,11 @@ impl Runner {
     }
 
     fn custody_expired(&mut self) {
+        if self.stop_by.is_some_and(|at| at <= Instant::now()) {
+            tracing::warn!(held = self.held.len(), "the node cannot rejoin; destroying what it held in custody");
+            self.destroy_all(&Removal::new(None, "RejoinRefused"));
+            return;
+        }
         tracing::warn!(held = self.held.len(), bound = ?self.shared.settings.max_custody,
             "compute was held in custody longer than the max-custody bound; destroying it");
         self.destroy_all(&Removal::new(None, "CustodyExpired"));

@@ -95,6 +95,10 @@ pub enum FenceReason {
     CertificateExpired,
     /// An operator revoked the node.
     Revoked,
+    /// The session ended and identity refused every way to rejoin (no join
+    /// token, or the token refused): the node can never again account for
+    /// what it runs.
+    RejoinRefused,
 }
 
 impl std::fmt::Display for FenceReason {
@@ -104,6 +108,7 @@ impl std::fmt::Display for FenceReason {
             FenceReason::Forgotten => "forgotten by identity",
             FenceReason::CertificateExpired => "certificate expired",
             FenceReason::Revoked => "revoked",
+            FenceReason::RejoinRefused => "refused a rejoin",
         })
     }
 }

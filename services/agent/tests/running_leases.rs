@@ -339,7 +339,7 @@ async fn a_revoked_node_destroys_its_workloads_before_the_agent_exits() {
 }
 
 #[tokio::test]
-async fn a_node_that_cannot_rejoin_holds_its_workload_until_the_custody_bound_and_only_then_exits() {
+async fn a_node_that_cannot_rejoin_holds_its_workload_for_the_stop_grace_and_only_then_exits() {
     let nodes = NodeTiming {
         down_after: Duration::from_millis(600),
         reap_after: Duration::from_millis(300),
@@ -355,9 +355,11 @@ async fn a_node_that_cannot_rejoin_holds_its_workload_until_the_custody_bound_an
     RunningAgent::start(config.clone()).await.kill().await;
     // Resumed without a token: once identity forgets the node, nothing can
     // bring it back.
+    // No custody bound: a node that can never rejoin still stops its
+    // work, one stop grace after its rejoin is refused.
     config.join_token = None;
-    let bound = Duration::from_millis(1500);
-    config.max_custody = Some(bound);
+    config.max_custody = None;
+    let grace = config.lease_timing.stop_grace;
     let agent = RunningAgent::start(config).await;
     let node_id = agent.handle.node_id();
     let lease = plane.request("stranded", "exec sleep 1000").await;
@@ -378,16 +380,23 @@ async fn a_node_that_cannot_rejoin_holds_its_workload_until_the_custody_bound_an
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     relay.come_back();
-    tokio::time::timeout(PATIENCE, fences.changed()).await.expect("the agent never saw the fence").unwrap();
-    let fenced_at = tokio::time::Instant::now();
-    assert_eq!(fences.borrow().as_ref().unwrap().reason, FenceReason::Forgotten);
+    // Forgotten first, then the rejoin without a token refused.
+    let refused = tokio::time::timeout(
+        PATIENCE,
+        fences.wait_for(|f| f.as_ref().is_some_and(|f| f.reason == FenceReason::RejoinRefused)),
+    )
+    .await
+    .expect("the agent never saw its rejoin refused")
+    .is_ok();
+    assert!(refused);
+    let refused_at = tokio::time::Instant::now();
 
     let waiting = tokio::spawn(agent.handle.wait());
-    tokio::time::sleep(bound / 2).await;
+    tokio::time::sleep(grace / 2).await;
     assert!(!waiting.is_finished(), "the agent exited while it held a workload in custody");
-    assert!(start_ticks(pid).is_some(), "custody keeps the workload running");
+    assert!(start_ticks(pid).is_some(), "custody keeps the workload running for the grace");
     let stopped = tokio::time::timeout(PATIENCE, waiting).await.expect("the agent never stopped").unwrap();
-    assert!(fenced_at.elapsed() >= bound, "destroyed before the bound");
+    assert!(refused_at.elapsed() >= grace / 2, "destroyed at once, not after the grace");
     assert!(matches!(stopped, Err(berth_agent::AgentError::RejoinNeedsToken { .. })), "{stopped:?}");
     assert_eq!(start_ticks(pid), None, "the agent exited while its workload still ran");
     drop(agent.stop);

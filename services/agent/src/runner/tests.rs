@@ -868,6 +868,34 @@ async fn compute_held_in_custody_past_the_bound_is_destroyed() {
 }
 
 #[tokio::test]
+async fn a_node_that_can_never_rejoin_destroys_its_custody_after_the_stop_grace() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let mut short = settings();
+    short.timing.stop_grace = Duration::from_millis(300);
+    let runner = Harness::serving(&fake, dir.path(), short).await;
+    fake.place("l-1", "exec sleep 1000");
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    let pid = runner.pid_of("l-1").await;
+
+    // Fenced, it may still rejoin: custody keeps the work, with no bound set.
+    runner.fence(FenceReason::Forgotten);
+    runner.standing_until(Standing::Custody).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(alive(pid), "a node that may rejoin keeps its custody");
+
+    // Its rejoin refused, it never can: the custody goes after the grace.
+    let refused_at = Instant::now();
+    runner.fence(FenceReason::RejoinRefused);
+    gone_until(pid).await;
+    assert!(refused_at.elapsed() >= Duration::from_millis(300), "destroyed before the stop grace");
+    runner.holding_until(0).await;
+    let view = runner.view_until("l-1", "destroyed", |v| v.ended_at.is_some()).await;
+    assert_eq!(view.reason, "RejoinRefused");
+    runner.kill().await;
+}
+
+#[tokio::test]
 async fn a_node_cut_off_from_leases_keeps_its_work_without_a_stop_bound() {
     let dir = TestDir::new();
     let fake = Arc::new(FakeLeases::default());
