@@ -485,6 +485,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
                 retry_initial: config.timing.retry_initial,
                 retry_max: config.timing.retry_max,
                 max_custody: config.max_custody,
+                custody_warning: config.custody_warning,
                 stop_after_disconnect: config.stop_after_disconnect,
             };
             let bundles = open_bundles(&config, dir.root(), &credentials).await?;

@@ -117,7 +117,12 @@ impl v1::agent_server::Agent for AgentApi {
             .filter(|view| project_matches(wanted.trim(), &view.meta.project))
             .map(instance)
             .collect();
-        Ok(Response::new(v1::ListInstancesResponse { instances }))
+        let custody = self.board.custody();
+        Ok(Response::new(v1::ListInstancesResponse {
+            instances,
+            held_in_custody: u32::try_from(custody.held).unwrap_or(u32::MAX),
+            custody_since: custody.since.map(prost_types::Timestamp::from),
+        }))
     }
 
     async fn get_logs(

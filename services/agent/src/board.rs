@@ -65,6 +65,17 @@ impl InstanceView {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct InstanceBoard {
     entries: Arc<Mutex<BTreeMap<String, InstanceView>>>,
+    custody: Arc<Mutex<Custody>>,
+}
+
+/// What the node holds in custody: compute it runs but cannot account for
+/// yet (after a fence or a restart, until the leases service confirms it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Custody {
+    /// How many workloads.
+    pub(crate) held: usize,
+    /// Since when; `None` when nothing is held in custody.
+    pub(crate) since: Option<SystemTime>,
 }
 
 impl InstanceBoard {
@@ -99,5 +110,15 @@ impl InstanceBoard {
     /// Every entry, ordered by lease id.
     pub(crate) fn list(&self) -> Vec<InstanceView> {
         self.lock().values().cloned().collect()
+    }
+
+    /// What the node holds in custody now.
+    pub(crate) fn custody(&self) -> Custody {
+        *self.custody.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records what the node holds in custody.
+    pub(crate) fn set_custody(&self, custody: Custody) {
+        *self.custody.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = custody;
     }
 }

@@ -11,6 +11,9 @@ use crate::egress::{EgressIsolation, ProxyTiming};
 use crate::host::Capacity;
 
 /// The first wait after a failed call to the control plane.
+/// How long compute may be held in custody before the agent warns about it, by default.
+pub const DEFAULT_CUSTODY_WARNING: Duration = Duration::from_secs(300);
+
 pub const DEFAULT_RETRY_INITIAL: Duration = Duration::from_millis(500);
 
 /// The longest wait between retries: an agent that lost the control plane
@@ -209,6 +212,9 @@ pub struct AgentConfig {
     /// ended, or at start, until the leases service confirms it) before it
     /// is destroyed; `None` holds it until the leases service decides.
     pub max_custody: Option<Duration>,
+    /// How long compute may be held in custody before the agent warns, every
+    /// sweep, that it holds compute it cannot account for.
+    pub custody_warning: Duration,
     /// How long lease renewals may fail (counted from the last one that
     /// went through) before the node stops everything it runs; `None` keeps
     /// it running until the leases service can be reached.
@@ -253,6 +259,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("revisions", &self.revisions)
             .field("lease_timing", &self.lease_timing)
             .field("max_custody", &self.max_custody)
+            .field("custody_warning", &self.custody_warning)
             .field("stop_after_disconnect", &self.stop_after_disconnect)
             .field("bundle_cache_budget", &self.bundle_cache_budget)
             .field("insecure_registries", &self.insecure_registries)
@@ -292,6 +299,7 @@ impl AgentConfig {
             revisions: None,
             lease_timing: LeaseTiming::default(),
             max_custody: None,
+            custody_warning: DEFAULT_CUSTODY_WARNING,
             stop_after_disconnect: None,
             bundle_cache_budget: DEFAULT_BUNDLE_CACHE_BUDGET,
             insecure_registries: Vec::new(),

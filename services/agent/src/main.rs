@@ -93,6 +93,11 @@ struct Args {
     /// service decides.
     #[arg(long, env = "BERTH_MAX_CUSTODY", value_name = "DURATION", value_parser = parse_duration)]
     max_custody: Option<Duration>,
+    /// Warn, every sweep, once compute has been held in custody this long
+    /// (it runs, but the node cannot account for it yet), e.g. 5m.
+    #[arg(long, env = "BERTH_CUSTODY_WARNING", value_name = "DURATION", value_parser = parse_duration,
+          default_value = "5m")]
+    custody_warning: Duration,
     /// Stop every workload once lease renewals have failed this long,
     /// counted from the last renewal that went through, e.g. 8s (Nomad's
     /// stop_after_client_disconnect). The leases service gives an unrenewed
@@ -222,6 +227,7 @@ impl Args {
         config.egress = self.egress_addr.filter(|addr| !addr.trim().is_empty());
         config.egress_isolation = self.egress_isolation;
         config.max_custody = self.max_custody;
+        config.custody_warning = self.custody_warning;
         config.stop_after_disconnect = self.stop_after_disconnect;
         config.lease_timing.stop_grace = self.stop_grace;
         config.lease_timing.sweep_interval = self.sweep_interval;

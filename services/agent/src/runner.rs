@@ -53,7 +53,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::backoff::Backoff;
-use crate::board::{InstanceBoard, InstanceView};
+use crate::board::{Custody, InstanceBoard, InstanceView};
 use crate::bundles::{BundleAsk, BundleError, BundleStore, bundle_spec};
 use crate::config::LeaseTiming;
 use crate::keepalive::{KeepAlive, Lost, RenewSet};
@@ -73,6 +73,7 @@ pub(crate) struct RunnerSettings {
     pub(crate) retry_initial: Duration,
     pub(crate) retry_max: Duration,
     pub(crate) max_custody: Option<Duration>,
+    pub(crate) custody_warning: Duration,
     pub(crate) stop_after_disconnect: Option<Duration>,
 }
 
@@ -253,6 +254,7 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         inventoried: false,
         inventory_due: None,
         stop_by: None,
+        custody_warned_at: None,
         inventory_backoff: settings.backoff(),
     };
     let task = tokio::spawn(async move {
@@ -310,6 +312,8 @@ struct Runner {
     inventory_backoff: Backoff,
     /// When what the node holds in custody goes because it can never rejoin.
     stop_by: Option<Instant>,
+    /// When the runner last warned of the custody it holds.
+    custody_warned_at: Option<Instant>,
 }
 
 impl std::fmt::Debug for Runner {
@@ -331,6 +335,7 @@ impl Runner {
             let pass_at = self.pass_due.filter(|_| !self.pass_running && self.inventoried);
             let inventory_at = self.inventory_due;
             let custody_deadline = self.custody_deadline();
+            let warn_at = self.custody_warning_due();
             tokio::select! {
                 biased;
                 _ = self.shared.shutdown.cancelled() => break,
@@ -349,6 +354,7 @@ impl Runner {
                 }
                 _ = sleep_until(pass_at), if pass_at.is_some() => self.start_pass(),
                 _ = sleep_until(inventory_at), if inventory_at.is_some() => self.take_inventory().await,
+                _ = sleep_until(warn_at), if warn_at.is_some() => self.warn_of_custody(),
                 _ = sleep_until(custody_deadline), if custody_deadline.is_some() => self.custody_expired(),
             }
         }
@@ -407,8 +413,48 @@ impl Runner {
         });
         let holding = self.held.len();
         self.holding.send_if_modified(|current| std::mem::replace(current, holding) != holding);
+        let held = self.in_custody().len();
+        if held == 0 {
+            self.custody_warned_at = None;
+        }
+        let shown = self.shared.board.custody();
+        if shown.held != held || shown.since.is_some() != (held > 0) {
+            let since = self
+                .custody_since
+                .filter(|_| held > 0)
+                .map(|since| SystemTime::now().checked_sub(since.elapsed()).unwrap_or(SystemTime::UNIX_EPOCH));
+            self.shared.board.set_custody(Custody { held, since });
+        }
         let standing = self.standing;
         self.standing_tx.send_if_modified(|current| std::mem::replace(current, standing) != standing);
+    }
+
+    /// The workloads held in custody now: running, not being destroyed, and
+    /// not yet confirmed by the leases service.
+    fn in_custody(&self) -> Vec<&String> {
+        if self.standing == Standing::Serving || self.custody_since.is_none() {
+            return Vec::new();
+        }
+        self.held.iter().filter(|(_, h)| !h.destroying()).map(|(id, _)| id).collect()
+    }
+
+    /// When to warn next of compute held in custody past the warning age:
+    /// at that age, then every sweep.
+    fn custody_warning_due(&self) -> Option<Instant> {
+        if self.in_custody().is_empty() {
+            return None;
+        }
+        let first = self.custody_since? + self.shared.settings.custody_warning;
+        let sweep = self.shared.settings.timing.sweep_interval;
+        Some(self.custody_warned_at.map_or(first, |at| (at + sweep).max(first)))
+    }
+
+    fn warn_of_custody(&mut self) {
+        self.custody_warned_at = Some(Instant::now());
+        let held = self.in_custody();
+        let age = self.custody_since.map(|since| since.elapsed()).unwrap_or_default();
+        tracing::warn!(?held, count = held.len(), ?age, standing = ?self.standing,
+            "holding compute it cannot account for");
     }
 
     fn custody_deadline(&self) -> Option<Instant> {

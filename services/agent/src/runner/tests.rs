@@ -283,6 +283,7 @@ fn settings() -> RunnerSettings {
         retry_initial: Duration::from_millis(10),
         retry_max: Duration::from_millis(100),
         max_custody: None,
+        custody_warning: Duration::from_secs(3600),
         stop_after_disconnect: None,
     }
 }
@@ -864,6 +865,43 @@ async fn compute_held_in_custody_past_the_bound_is_destroyed() {
     let view = runner.view_until("l-1", "settled", |v| v.ended_at.is_some()).await;
     assert_eq!(view.reason, "CustodyExpired");
     runner.holding_until(0).await;
+    runner.kill().await;
+}
+
+#[tokio::test]
+async fn what_a_node_holds_in_custody_is_counted_with_its_age_until_confirmed() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let mut quick = settings();
+    quick.custody_warning = Duration::from_millis(50);
+    let runner = Harness::serving(&fake, dir.path(), quick).await;
+    fake.place("l-1", "exec sleep 1000");
+    fake.phase_until("l-1", LeasePhase::Running).await;
+    let pid = runner.pid_of("l-1").await;
+    assert_eq!(runner.board.custody(), Custody::default(), "serving: nothing in custody");
+
+    let fenced_at = SystemTime::now();
+    runner.fence(FenceReason::Fenced);
+    runner.standing_until(Standing::Custody).await;
+    let deadline = Instant::now() + PATIENCE;
+    while runner.board.custody().held != 1 {
+        assert!(Instant::now() < deadline, "custody never counted: {:?}", runner.board.custody());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let since = runner.board.custody().since.expect("since when");
+    assert!(since <= SystemTime::now() && since + Duration::from_secs(1) >= fenced_at, "{since:?}");
+    // Past the warning age the runner keeps running it (and warns each sweep).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(alive(pid));
+
+    // Rejoined and confirmed: nothing in custody any more.
+    runner.session.send_replace(session(2));
+    runner.standing_until(Standing::Serving).await;
+    let deadline = Instant::now() + PATIENCE;
+    while runner.board.custody() != Custody::default() {
+        assert!(Instant::now() < deadline, "custody never ended: {:?}", runner.board.custody());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     runner.kill().await;
 }
 
