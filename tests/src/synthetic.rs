@@ -102,6 +102,7 @@ impl SyntheticNode {
             capacity: Some(CAPACITY),
             version: env!("CARGO_PKG_VERSION").to_string(),
             renewal_csr_pem: String::new(),
+            ca_bundle_sha256: String::new(),
         });
         request.set_timeout(timeout);
         v1::node_session_client::NodeSessionClient::new(self.channel.clone())

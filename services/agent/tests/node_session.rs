@@ -211,8 +211,13 @@ impl IdentityUnderTest {
 
     /// One step of a CA rotation, as an operator takes it; returns the bundle.
     async fn rotate_ca(&self, activate: bool) -> String {
-        let request = v1::RotateCaRequest { activate };
-        AuthorityClient::new(self.admin_channel.clone()).rotate_ca(request).await.unwrap().into_inner().ca_bundle_pem
+        self.try_rotate_ca(activate).await.unwrap()
+    }
+
+    /// [`Self::rotate_ca`], refusals included.
+    async fn try_rotate_ca(&self, activate: bool) -> Result<String, tonic::Status> {
+        let request = v1::RotateCaRequest { activate, force: false };
+        Ok(AuthorityClient::new(self.admin_channel.clone()).rotate_ca(request).await?.into_inner().ca_bundle_pem)
     }
 
     /// Polls GetNode until identity no longer knows the node.
@@ -646,6 +651,11 @@ async fn a_rotated_ca_reaches_the_agent_before_it_signs_and_renewals_follow_it()
 
     let prepared = identity.rotate_ca(false).await;
     assert_eq!(certs_from_pem("bundle", &prepared).unwrap().len(), 2);
+    // Until the node has acknowledged the bundle holding the new CA, it
+    // cannot be activated: the refusal names the node.
+    let early = identity.try_rotate_ca(true).await.unwrap_err();
+    assert_eq!(early.code(), tonic::Code::FailedPrecondition, "{early:?}");
+    assert!(early.message().contains(&agent.handle.node_id()), "{}", early.message());
     let deadline = tokio::time::Instant::now() + PATIENCE;
     while agent.handle.credentials().material().ca_bundle_pem != prepared {
         assert!(tokio::time::Instant::now() < deadline, "the prepared CA never reached the agent");
@@ -658,7 +668,12 @@ async fn a_rotated_ca_reaches_the_agent_before_it_signs_and_renewals_follow_it()
     admin.ca_bundle_pem = prepared.clone();
     identity.admin.reload(admin).unwrap();
 
-    identity.rotate_ca(true).await;
+    // Once its next heartbeat says it has the bundle, activation goes through.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while let Err(refused) = identity.try_rotate_ca(true).await {
+        assert!(tokio::time::Instant::now() < deadline, "activation never allowed: {}", refused.message());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // The prepared CA is the second in the bundle; once active, renewals are
     // signed by it alone.
     let new_ca = prepared.split_inclusive("-----END CERTIFICATE-----").nth(1).unwrap().trim().to_string() + "\n";

@@ -215,6 +215,15 @@ struct Inner {
     view: RwLock<Option<Arc<View>>>,
     /// One refresh at a time; others wait for it rather than stampede.
     refresh: tokio::sync::Mutex<()>,
+    /// The bundle digest each node last acknowledged, as this replica knows
+    /// it; `None` until loaded from `node_ca_acks`.
+    acks: std::sync::Mutex<Option<std::collections::HashMap<String, String>>>,
+}
+
+/// The SHA-256 (lowercase hex) of a CA bundle's PEM, as nodes report what
+/// they trust.
+pub fn bundle_digest(bundle_pem: &str) -> String {
+    hex::encode(ring::digest::digest(&ring::digest::SHA256, bundle_pem.as_bytes()))
 }
 
 /// Holds the CA in the identity schema and signs with it; cheap to clone.
@@ -283,6 +292,7 @@ impl Authority {
                 timing,
                 view: RwLock::new(None),
                 refresh: tokio::sync::Mutex::new(()),
+                acks: std::sync::Mutex::new(None),
             }),
         };
         if !authority.load_rows().await?.iter().any(|r| r.state == State::Active) {
@@ -501,10 +511,88 @@ impl Authority {
         Ok(())
     }
 
-    /// Activates the prepared CA; the active one retires.
-    pub async fn activate(&self) -> Result<(), AuthorityError> {
+    /// Records that `node_id` trusts the bundle whose PEM hashes to
+    /// `bundle_sha256`: a write only when this replica does not already know
+    /// it, so steady heartbeats cost a map lookup.
+    pub async fn acknowledge(&self, node_id: &str, bundle_sha256: &str) -> Result<(), AuthorityError> {
+        let known = {
+            let acks = self.inner.acks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            acks.as_ref().map(|acks| acks.get(node_id).is_some_and(|known| known == bundle_sha256))
+        };
+        match known {
+            Some(true) => return Ok(()),
+            Some(false) => {}
+            None => self.load_acks().await?,
+        }
+        let already = self
+            .inner
+            .acks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|acks| acks.get(node_id).is_some_and(|known| known == bundle_sha256));
+        if already {
+            return Ok(());
+        }
+        let (node, digest, now) = (node_id.to_owned(), bundle_sha256.to_owned(), now_ms());
+        self.inner
+            .store
+            .tx("authority.acknowledge", |conn| {
+                let (node, digest) = (node.clone(), digest.clone());
+                Box::pin(async move {
+                    sqlx::query(
+                        "INSERT INTO node_ca_acks (node_id, bundle_sha256, acked_at_ms) VALUES ($1, $2, $3) \
+                         ON CONFLICT (node_id) DO UPDATE SET bundle_sha256 = $2, acked_at_ms = $3",
+                    )
+                    .bind(&node)
+                    .bind(&digest)
+                    .bind(now)
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok::<_, AuthorityError>(())
+                })
+            })
+            .await?;
+        if let Some(acks) = self.inner.acks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_mut() {
+            acks.insert(node_id.to_owned(), bundle_sha256.to_owned());
+        }
+        Ok(())
+    }
+
+    /// Loads every node's acknowledged bundle into this replica's map.
+    async fn load_acks(&self) -> Result<(), AuthorityError> {
+        let rows = self
+            .inner
+            .store
+            .tx("authority.load_acks", |conn| {
+                Box::pin(async move {
+                    let rows =
+                        sqlx::query("SELECT node_id, bundle_sha256 FROM node_ca_acks").fetch_all(&mut *conn).await?;
+                    rows.iter()
+                        .map(|row| {
+                            Ok((row.try_get::<String, _>("node_id")?, row.try_get::<String, _>("bundle_sha256")?))
+                        })
+                        .collect::<Result<Vec<_>, AuthorityError>>()
+                })
+            })
+            .await?;
+        let mut acks = self.inner.acks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if acks.is_none() {
+            *acks = Some(rows.into_iter().collect());
+        }
+        Ok(())
+    }
+
+    /// Activates the prepared CA; the active one retires. Refused while an
+    /// UP node has not acknowledged the bundle holding it, unless `force`.
+    pub async fn activate(&self, force: bool) -> Result<(), AuthorityError> {
         let now = now_ms();
         let min_prepared_ms = self.inner.timing.min_prepared.as_millis() as i64;
+        // The bundle every node must have before the prepared CA signs: the
+        // one distributed now, which holds it.
+        let view = self.refresh().await?;
+        let expected = bundle_digest(&view.bundle_pem);
+        let expected = expected.as_str();
         let fingerprint = self
             .inner
             .store
@@ -528,6 +616,30 @@ impl Authority {
                             (now - created) / 1000,
                             (ready_at - now + 999) / 1000
                         )));
+                    }
+                    if !force {
+                        let lagging = sqlx::query(
+                            "SELECT n.node_id FROM nodes n LEFT JOIN node_ca_acks a ON a.node_id = n.node_id \
+                             WHERE n.state = 'up' AND (a.bundle_sha256 IS NULL OR a.bundle_sha256 <> $1) \
+                             ORDER BY n.node_id LIMIT 11",
+                        )
+                        .bind(expected)
+                        .fetch_all(&mut *conn)
+                        .await?;
+                        if !lagging.is_empty() {
+                            let mut names: Vec<String> =
+                                lagging.iter().map(|row| row.try_get("node_id")).collect::<Result<_, _>>()?;
+                            if names.len() > 10 {
+                                names.truncate(10);
+                                names.push("…".to_owned());
+                            }
+                            return Err(AuthorityError::Rotation(format!(
+                                "UP nodes have not yet acknowledged the bundle holding the prepared CA: {}; \
+                                 wait for their heartbeats, or activate with force (they could not verify \
+                                 what the new CA signs)",
+                                names.join(", ")
+                            )));
+                        }
                     }
                     sqlx::query("UPDATE authorities SET state = 'retired', active_slot = NULL WHERE state = 'active'")
                         .execute(&mut *conn)
@@ -594,7 +706,7 @@ impl v1::authority_server::Authority for Authority {
 
     async fn rotate_ca(&self, request: Request<v1::RotateCaRequest>) -> Result<Response<v1::RotateCaResponse>, Status> {
         if request.get_ref().activate {
-            self.activate().await?;
+            self.activate(request.get_ref().force).await?;
         } else {
             self.prepare().await?;
         }

@@ -32,7 +32,7 @@ use berth_rpc::{MAX_REQUEST_BYTES, ServerBuilder};
 use berth_store::{Migration, Store};
 use tokio_util::sync::CancellationToken;
 
-pub use authority::{AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTiming};
+pub use authority::{AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTiming, bundle_digest};
 pub use config::{DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL, MAX_TOKEN_USES, NodeTiming};
 pub use join::RETRY_AFTER_MS_HEADER;
 pub use keeper::{KEEPER_POLL, KeptIdentity, spawn_keeper, write_bundle};
@@ -58,6 +58,12 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "nodes",
         postgres: include_str!("../migrations/postgres/0002_nodes.sql"),
         sqlite: include_str!("../migrations/sqlite/0002_nodes.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "ca_acks",
+        postgres: include_str!("../migrations/postgres/0003_ca_acks.sql"),
+        sqlite: include_str!("../migrations/sqlite/0003_ca_acks.sql"),
     },
 ];
 

@@ -135,12 +135,23 @@ impl IdentityService {
                 reason: format!("at most {MAX_VERSION_LEN} printable characters"),
             });
         }
+        let digest = beat.ca_bundle_sha256.as_str();
+        if !digest.is_empty() && (digest.len() != 64 || !digest.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        {
+            return Err(HeartbeatError::InvalidArgument {
+                field: "ca_bundle_sha256",
+                reason: "64 lowercase hex digits, or empty".to_owned(),
+            });
+        }
         let indexed = self.nodes.lookup(node_id).await?.ok_or_else(|| HeartbeatError::NotFound(node_id.to_owned()))?;
         if indexed.state == NodeState::Revoked {
             return Err(HeartbeatError::Revoked);
         }
         if is_fenced(beat.incarnation, indexed.incarnation) {
             return Box::pin(self.fenced(&indexed, beat.incarnation)).await;
+        }
+        if !beat.ca_bundle_sha256.is_empty() {
+            self.authority.acknowledge(node_id, &beat.ca_bundle_sha256).await?;
         }
         let unchanged = beat.capacity.is_none_or(|c| c == indexed.capacity)
             && (beat.version.is_empty() || beat.version == indexed.version);

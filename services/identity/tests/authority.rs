@@ -109,11 +109,11 @@ async fn rotation_prepares_then_activates_and_keeps_the_retired_ca_while_needed(
     let during = patient.sign(&csr, &node, &[], Duration::from_secs(600)).await.unwrap();
     assert!(verify_chain(&during.cert_pem, &certs_pem_of(&bundle, 0)).is_ok(), "still signed by the active CA");
 
-    let refused = patient.activate().await.unwrap_err().to_string();
+    let refused = patient.activate(false).await.unwrap_err().to_string();
     assert!(refused.contains("wait"), "{refused}");
 
     let eager = Authority::open(db.connect().await.unwrap(), SECRET, timing(Duration::ZERO)).await.unwrap();
-    eager.activate().await.unwrap();
+    eager.activate(false).await.unwrap();
     let new = eager.active_fingerprint().await.unwrap();
     assert_ne!(new, old);
     assert_eq!(eager.state_of(&old).await.unwrap(), Some("retired"));
@@ -125,7 +125,7 @@ async fn rotation_prepares_then_activates_and_keeps_the_retired_ca_while_needed(
     assert_eq!(active_rows(&store).await, 1);
 
     // Activating twice with nothing prepared is refused with a reason.
-    let again = eager.activate().await.unwrap_err().to_string();
+    let again = eager.activate(false).await.unwrap_err().to_string();
     assert!(again.contains("no prepared CA"), "{again}");
     db.cleanup().await.unwrap();
 }
@@ -199,7 +199,7 @@ async fn issue_certificate_over_mtls_admits_admins_only(db: TestDb) {
     let mut as_node = AuthorityClient::new(berth_rpc::connect(&addr, node).unwrap());
     assert_eq!(as_node.issue_certificate(request).await.unwrap_err().code(), Code::PermissionDenied);
     assert!(as_node.get_ca_bundle(v1::GetCaBundleRequest {}).await.is_ok(), "nodes may read the bundle");
-    let rotate = as_node.rotate_ca(v1::RotateCaRequest { activate: false }).await.unwrap_err();
+    let rotate = as_node.rotate_ca(v1::RotateCaRequest { activate: false, force: false }).await.unwrap_err();
     assert_eq!(rotate.code(), Code::PermissionDenied);
 
     stop.cancel();

@@ -32,6 +32,7 @@ on_both_backends!(
     a_revoked_node_is_refused_and_watchers_see_it,
     a_drained_node_shows_draining_until_undrained,
     a_long_dead_node_is_forgotten_but_a_revoked_one_is_kept,
+    a_new_ca_is_activated_only_once_every_up_node_has_acknowledged_it,
 );
 
 /// Polls ten beats' worth of time and checks the node never left `UP`.
@@ -543,5 +544,44 @@ async fn a_long_dead_node_is_forgotten_but_a_revoked_one_is_kept(backend: Backen
 
     // The revoked row outlives every retention, for audit.
     assert_eq!(cluster.get(&revoked.node_id).await.state(), NodeState::Revoked);
+    cluster.cleanup().await;
+}
+
+async fn a_new_ca_is_activated_only_once_every_up_node_has_acknowledged_it(backend: Backend) {
+    let cluster = Cluster::start(backend, fast_timing()).await;
+    let token = cluster.token(1).await;
+    let node = cluster.join(0, &token, "10.0.0.9:7450").await.unwrap();
+    let first = node.heartbeat(&cluster.addr(0)).await.unwrap();
+    assert_eq!(first.state(), NodeState::Up);
+    let mut authority = v1::authority_client::AuthorityClient::new(cluster.admin_channel(0));
+    let step = |activate, force| v1::RotateCaRequest { activate, force };
+    let prepared = authority.rotate_ca(step(false, false)).await.unwrap().into_inner().ca_bundle_pem;
+
+    // The node has not said it trusts the bundle holding the new CA.
+    let refused = authority.rotate_ca(step(true, false)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    assert!(refused.message().contains(&node.node_id), "{}", refused.message());
+
+    // It reports the old bundle: still refused. A digest that is not one is refused by name.
+    let mut beat = node.beat();
+    beat.ca_bundle_sha256 = berth_identity::bundle_digest(&first.ca_bundle_pem);
+    let answer = node.send(&cluster.addr(0), beat.clone()).await.unwrap();
+    assert_eq!(answer.ca_bundle_pem, prepared, "the heartbeat hands out the bundle holding the new CA");
+    assert_eq!(authority.rotate_ca(step(true, false)).await.unwrap_err().code(), Code::FailedPrecondition);
+    let bad_beat = v1::HeartbeatRequest { ca_bundle_sha256: "XYZ".into(), ..beat.clone() };
+    let bad = node.send(&cluster.addr(0), bad_beat).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument);
+    assert!(bad.message().contains("ca_bundle_sha256"), "{}", bad.message());
+
+    // It reports the new one: activation goes through.
+    beat.ca_bundle_sha256 = berth_identity::bundle_digest(&prepared);
+    node.send(&cluster.addr(0), beat).await.unwrap();
+    let activated = authority.rotate_ca(step(true, false)).await.unwrap().into_inner();
+    assert_eq!(activated.authorities[0].state(), v1::AuthorityState::Active);
+
+    // Forced, a lagging node does not hold activation back.
+    authority.rotate_ca(step(false, false)).await.unwrap();
+    assert_eq!(authority.rotate_ca(step(true, false)).await.unwrap_err().code(), Code::FailedPrecondition);
+    authority.rotate_ca(step(true, true)).await.unwrap();
     cluster.cleanup().await;
 }

@@ -511,6 +511,7 @@ impl Beat {
             capacity: Some(NODE_CAPACITY),
             version: env!("CARGO_PKG_VERSION").to_string(),
             renewal_csr_pem: String::new(),
+            ca_bundle_sha256: String::new(),
         });
         request.set_timeout(CALL_TIMEOUT);
         request

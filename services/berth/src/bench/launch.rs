@@ -591,6 +591,7 @@ async fn put_records(
         }),
         version: env!("CARGO_PKG_VERSION").to_string(),
         renewal_csr_pem: String::new(),
+        ca_bundle_sha256: String::new(),
     };
     session
         .heartbeat(beat.clone())

@@ -207,7 +207,8 @@ impl Cluster {
 async fn start_replica(store: Store, bus: Bus, timing: NodeTiming) -> Replica {
     let config = IdentityConfig {
         auth_secret: AUTH_SECRET.to_owned(),
-        authority: AuthorityTiming::default(),
+        // No wait after preparing a CA: the tests drive rotations step by step.
+        authority: AuthorityTiming { min_prepared: Duration::ZERO, ..AuthorityTiming::default() },
         node_cert_ttl: NODE_CERT_TTL,
     };
     let service = IdentityService::open(store, bus, config).await.unwrap().with_node_timing(timing);
@@ -282,6 +283,7 @@ impl TestNode {
             capacity: Some(Capacity { cpu_millis: 4000, memory_bytes: 8 << 30 }),
             version: "0.1.0".to_owned(),
             renewal_csr_pem: String::new(),
+            ca_bundle_sha256: String::new(),
         }
     }
 
