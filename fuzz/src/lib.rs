@@ -413,8 +413,11 @@ impl Harness {
                 policy,
                 secrets: RegistrySecrets::none(),
             };
-            let dev_policy =
-                RegistryPolicy { insecure_registries: vec!["registry.internal:5000".into()], allow_layouts: true };
+            let dev_policy = RegistryPolicy {
+                insecure_registries: vec!["registry.internal:5000".into()],
+                ca_pem: None,
+                allow_layouts: true,
+            };
             let revisions_context = context(revisions_store);
             (
                 RevisionsService::new(&revisions_context, config.clone(), dependencies(RegistryPolicy::default())),

@@ -66,6 +66,10 @@ pub(crate) struct DevArgs {
     /// revisions resolves with them and the dev node pulls with them.
     #[arg(long, env = "BERTH_REGISTRY_CREDENTIALS", value_name = "FILE")]
     registry_credentials: Option<PathBuf>,
+    /// PEM file of the CA that signed a private registry's certificate:
+    /// revisions resolves tags and the dev node pulls trusting it.
+    #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
+    registry_ca: Option<PathBuf>,
     /// The OCI runtime the dev node contains its workloads with, when run
     /// as root: runc, crun or runsc.
     #[arg(long, env = "BERTH_OCI_RUNTIME", default_value = "runc", value_name = "NAME",
@@ -91,6 +95,10 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         Some(path) => berth_revisions::RegistrySecrets::from_file(path)
             .map_err(|e| StartError::Invalid(format!("--registry-credentials: {e}")))?,
         None => berth_revisions::RegistrySecrets::none(),
+    };
+    let registry_ca = match &args.registry_ca {
+        Some(path) => Some(std::fs::read_to_string(path).map_err(|source| io("cannot read", path, source))?),
+        None => None,
     };
 
     // One in-process bus shared the way services share one Redis: each
@@ -152,7 +160,11 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
             let leases = SocketAddr::new(dial_host, args.port_base + 2).to_string();
             // Control plane and node share this machine, so oci: layout
             // directories work as bundle sources here.
-            let policy = berth_revisions::RegistryPolicy { insecure_registries: Vec::new(), allow_layouts: true };
+            let policy = berth_revisions::RegistryPolicy {
+                insecure_registries: Vec::new(),
+                ca_pem: registry_ca.clone(),
+                allow_layouts: true,
+            };
             let server = berth_revisions::server_with_leases(&ctx, &leases, policy, registry_secrets.clone())?
                 .with_revocations(ctx.revocations.clone())
                 .with_readiness(ctx.readiness());
@@ -187,6 +199,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         capacity,
     );
     agent.ca_bundle_pem = bundle.clone();
+    agent.registry_ca_pem = registry_ca.clone();
     agent.join_token = join_token;
     agent.name = DEV_NODE.to_string();
     agent.leases = Some(SocketAddr::new(dial_host, args.port_base + 2).to_string());

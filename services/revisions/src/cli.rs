@@ -36,6 +36,11 @@ struct Args {
     /// repeated. Loopback registries always are.
     #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
     insecure_registries: Vec<String>,
+    /// PEM file of the CA that signed a private registry's certificate,
+    /// trusted beside the system roots when resolving tags (give nodes the
+    /// same file with berth-agent --registry-ca).
+    #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
+    registry_ca: Option<PathBuf>,
     /// A JSON file of named registry credentials, which templates name with
     /// `bundle.secret`: `{"NAME": {"registry": "HOST", "username": "U",
     /// "password": "P"}}` or `{"NAME": {"token": "T"}}`. Revisions resolves
@@ -102,8 +107,18 @@ async fn run(args: Args) -> Result<(), StartError> {
         }
     };
     let config = args.config();
-    let policy =
-        RegistryPolicy { insecure_registries: args.insecure_registries.clone(), allow_layouts: args.allow_oci_layouts };
+    let ca_pem = match &args.registry_ca {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| StartError::Invalid(format!("--registry-ca: cannot read {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let policy = RegistryPolicy {
+        insecure_registries: args.insecure_registries.clone(),
+        ca_pem,
+        allow_layouts: args.allow_oci_layouts,
+    };
     let secrets = match &args.registry_credentials {
         Some(path) => {
             RegistrySecrets::from_file(path).map_err(|e| StartError::Invalid(format!("--registry-credentials: {e}")))?

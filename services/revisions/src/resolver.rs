@@ -70,11 +70,15 @@ pub trait TagResolver: fmt::Debug + Send + Sync + 'static {
     async fn resolve(&self, bundle: &BundleRef) -> Result<Digest, ResolveError>;
 }
 
-/// Which registries the control plane speaks plain HTTP to.
+/// How the control plane talks to registries: which it speaks plain HTTP
+/// to, and which private CA it trusts for the others.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RegistryPolicy {
     /// `host` (any port) or `host:port` entries; loopback is always allowed.
     pub insecure_registries: Vec<String>,
+    /// PEM certificates of a private registry CA, trusted beside the system
+    /// roots when resolving tags (nodes take the same with `--registry-ca`).
+    pub ca_pem: Option<String>,
     /// Whether templates may name `oci:DIR:TAG` layout directories. A layout
     /// exists on one machine only, so this is for meshes whose control plane
     /// and nodes share that machine (`berth dev`).
@@ -100,6 +104,17 @@ pub(crate) fn host_of(registry: &str) -> &str {
     }
 }
 
+/// How the resolver's registry client is set up under `policy`.
+fn client_config(policy: &RegistryPolicy, timeout: Duration) -> RegistryConfig {
+    RegistryConfig {
+        insecure_registries: policy.insecure_registries.clone(),
+        ca_pem: policy.ca_pem.clone(),
+        connect_timeout: timeout,
+        read_timeout: timeout,
+        ..RegistryConfig::default()
+    }
+}
+
 fn is_loopback(host: &str) -> bool {
     host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
@@ -116,12 +131,10 @@ impl RegistryResolver {
     /// A resolver speaking plain HTTP where `policy` says, HTTPS elsewhere,
     /// giving up on a registry that does not answer within `timeout`.
     pub fn new(policy: &RegistryPolicy, timeout: Duration) -> Result<Self, RegistryError> {
-        let config = RegistryConfig {
-            insecure_registries: policy.insecure_registries.clone(),
-            connect_timeout: timeout,
-            read_timeout: timeout,
-            ..RegistryConfig::default()
-        };
+        Self::with_config(client_config(policy, timeout))
+    }
+
+    fn with_config(config: RegistryConfig) -> Result<Self, RegistryError> {
         Ok(Self { client: BundleClient::new(config)?, secrets: RegistrySecrets::none() })
     }
 
@@ -164,7 +177,7 @@ mod tests {
     fn loopback_and_listed_registries_are_plain_http() {
         let policy = RegistryPolicy {
             insecure_registries: vec!["registry.lan".into(), "cache.lan:5000".into()],
-            allow_layouts: false,
+            ..RegistryPolicy::default()
         };
         assert!(policy.plain_http("127.0.0.1:5000"));
         assert!(policy.plain_http("localhost"));
@@ -183,5 +196,32 @@ mod tests {
         assert_eq!(ResolveError::from(down).reason(), "RegistryUnavailable");
         let denied = RegistryError::Unauthorized { registry: "r".into(), detail: "401".into() };
         assert_eq!(ResolveError::from(denied).reason(), "Unauthorized");
+    }
+
+    #[tokio::test]
+    async fn a_registry_signed_by_a_private_ca_resolves_with_that_ca_and_not_without() {
+        let registry = berth_bundle::testing::TestRegistry::start_with_tls().await.unwrap();
+        let ca = registry.ca_pem().unwrap().to_owned();
+        // The test registry listens on loopback, which the control plane
+        // otherwise speaks plain HTTP to; here it is spoken to as any
+        // registry with a certificate would be.
+        let https = |ca_pem: Option<String>| {
+            let policy = RegistryPolicy { ca_pem, ..RegistryPolicy::default() };
+            RegistryConfig { plain_http_loopback: false, ..client_config(&policy, Duration::from_secs(10)) }
+        };
+        let pusher = BundleClient::new(https(Some(ca.clone()))).unwrap();
+        let source = tempfile::tempdir().unwrap();
+        std::fs::write(source.path().join("berth.toml"), "entrypoint = \"run.sh\"\n").unwrap();
+        std::fs::write(source.path().join("run.sh"), "#!/bin/sh\n").unwrap();
+        let packed = berth_bundle::PackedBundle::from_dir(source.path()).unwrap();
+        let reference = BundleReference::parse(&registry.reference("team/app:v1")).unwrap();
+        let digest = pusher.push(&packed, &reference, &RegistryCredentials::Anonymous).await.unwrap();
+
+        let bundle = BundleRef { reference: registry.reference("team/app:v1"), ..BundleRef::default() };
+        let trusting = RegistryResolver::with_config(https(Some(ca))).unwrap();
+        assert_eq!(trusting.resolve(&bundle).await.unwrap(), digest);
+        let untrusting = RegistryResolver::with_config(https(None)).unwrap();
+        let refused = untrusting.resolve(&bundle).await.unwrap_err();
+        assert_eq!(refused.reason(), "RegistryUnavailable", "{refused}");
     }
 }

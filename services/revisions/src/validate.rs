@@ -348,7 +348,8 @@ mod tests {
         assert!(apply(loopback, &RegistryPolicy::default()).is_ok());
         let mut listed = request();
         listed.template.as_mut().unwrap().bundle.as_mut().unwrap().insecure = true;
-        let policy = RegistryPolicy { insecure_registries: vec!["registry.example.com".into()], allow_layouts: false };
+        let policy =
+            RegistryPolicy { insecure_registries: vec!["registry.example.com".into()], ..RegistryPolicy::default() };
         assert!(apply(listed, &policy).is_ok());
     }
 
