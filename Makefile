@@ -4,7 +4,7 @@ SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
 CARGO ?= cargo
 
-.PHONY: dev test test-faults lint fmt build bench images check-manifests test-deps
+.PHONY: dev test test-faults lint deny audit fmt build bench images check-manifests test-deps
 
 ## Run the whole mesh in one process on .berth/dev (Ctrl-C stops it, and
 ## the dev node's workloads with it). As root, the dev node contains its
@@ -14,7 +14,7 @@ dev:
 	$(CARGO) run --bin berth -- dev
 
 ## Lint, then every test against real PostgreSQL, Redis and grpcurl.
-test: lint check-manifests
+test: lint deny check-manifests
 	grpcurl="$$(scripts/test-deps.sh)"; \
 	if $(CARGO) nextest --version >/dev/null 2>&1; then \
 	  BERTH_GRPCURL="$$grpcurl" $(CARGO) nextest run --workspace --no-fail-fast; \
@@ -36,6 +36,17 @@ test-faults:
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+## The dependency tree held to deny.toml: only the licenses it lists, no
+## second version of a crate it does not list, crates.io as the only source.
+deny:
+	@scripts/test-deps.sh >/dev/null
+	$(CARGO) deny check bans licenses sources
+
+## The dependency tree against the RustSec advisory database (needs the network).
+audit:
+	@scripts/test-deps.sh >/dev/null
+	$(CARGO) deny check advisories
 
 fmt:
 	$(CARGO) fmt --all

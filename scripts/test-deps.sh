@@ -54,6 +54,12 @@ if ! command -v docker-registry >/dev/null && [ ! -x /usr/bin/docker-registry ];
   apt_install docker-registry
 fi
 
+# cargo-deny, which holds the dependency tree to deny.toml.
+if ! cargo deny --version >/dev/null 2>&1; then
+  log "installing cargo-deny (cargo install)"
+  cargo install --locked --quiet cargo-deny --version 0.20.2 >&2
+fi
+
 # The OCI runtimes and init that contained workloads run through.
 "$(dirname "$0")/runtime-deps.sh"
 
