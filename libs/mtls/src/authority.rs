@@ -23,7 +23,7 @@ use crate::pem::{certs_from_pem, fingerprint};
 
 /// Clock skew tolerated between the authority and the hosts checking its
 /// certificates: leaves are valid from this long before they were signed.
-const BACKDATE: Duration = Duration::from_secs(5 * 60);
+pub const BACKDATE: Duration = Duration::from_secs(5 * 60);
 
 /// A CA certificate and its signing key.
 pub struct CertificateAuthority {

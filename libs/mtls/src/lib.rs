@@ -18,10 +18,10 @@ mod credentials;
 mod peer;
 mod pem;
 
-pub use authority::{CertificateAuthority, IssuedCertificate, generate_csr};
+pub use authority::{BACKDATE, CertificateAuthority, IssuedCertificate, generate_csr};
 pub use credentials::{TlsCredentials, TlsMaterial, anonymous_client_config, verify_chain};
 pub use peer::identity_from_cert;
-pub use pem::{cert_not_after, certs_from_pem, fingerprint};
+pub use pem::{cert_host_names, cert_not_after, cert_validity, certs_from_pem, fingerprint};
 
 /// Why a certificate operation failed.
 #[derive(Debug, thiserror::Error)]

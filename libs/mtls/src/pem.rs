@@ -29,6 +29,38 @@ pub fn fingerprint(cert: &CertificateDer<'_>) -> String {
     hex::encode(Sha256::digest(cert.as_ref()))
 }
 
+/// When a certificate becomes valid and when it expires, as seconds since
+/// the Unix epoch.
+pub fn cert_validity(cert: &CertificateDer<'_>) -> Result<(i64, i64), MtlsError> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| MtlsError::Pem { what: "certificate", detail: e.to_string() })?;
+    Ok((parsed.validity().not_before.timestamp(), parsed.validity().not_after.timestamp()))
+}
+
+/// The host names and IPs a certificate names beside its berth identity:
+/// what a service is dialled by, to be kept when it is renewed.
+pub fn cert_host_names(cert: &CertificateDer<'_>) -> Result<Vec<String>, MtlsError> {
+    use x509_parser::extensions::GeneralName;
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| MtlsError::Pem { what: "certificate", detail: e.to_string() })?;
+    let Ok(Some(san)) = parsed.subject_alternative_name() else { return Ok(Vec::new()) };
+    let mut names = Vec::new();
+    for name in &san.value.general_names {
+        match name {
+            GeneralName::DNSName(dns) if berth_core::Identity::from_san(dns).is_err() => names.push((*dns).to_owned()),
+            GeneralName::IPAddress(bytes) => match bytes.len() {
+                4 => names.push(std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*bytes).unwrap_or_default()).to_string()),
+                16 => {
+                    names.push(std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*bytes).unwrap_or_default()).to_string())
+                }
+                _ => {}
+            },
+            _ => {}
+        }
+    }
+    Ok(names)
+}
+
 /// The expiry of a certificate, as seconds since the Unix epoch.
 pub fn cert_not_after(cert: &CertificateDer<'_>) -> Result<i64, MtlsError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())

@@ -120,7 +120,9 @@ fn admission_table_matches_the_contract() {
         ("berth.identity.v1.Nodes", &["ListNodes", "GetNode", "WatchNodes"], READERS),
         ("berth.identity.v1.Nodes", &["RevokeNode", "DrainNode"], ADMIN),
         ("berth.identity.v1.Authority", &["GetCABundle"], &[Node, Service, Admin]),
-        ("berth.identity.v1.Authority", &["RotateCA", "IssueCertificate"], ADMIN),
+        ("berth.identity.v1.Authority", &["RotateCA"], ADMIN),
+        // A service renews only its own certificate (the handler holds it to that).
+        ("berth.identity.v1.Authority", &["IssueCertificate"], READERS),
         ("berth.revisions.v1.Services", &["ApplyService", "DeleteService", "SetTraffic"], ADMIN),
         ("berth.revisions.v1.Services", &["GetService", "ListServices", "WatchServices"], READERS),
         ("berth.revisions.v1.Revisions", &["ListRevisions", "GetRevision"], READERS),

@@ -8,6 +8,7 @@ mod args;
 mod duration;
 mod follow;
 mod reload;
+mod renew;
 mod service;
 mod startup;
 
@@ -15,6 +16,7 @@ pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
 pub use duration::parse_duration;
 pub use follow::{NodeDirectory, NodeSnapshot, follow_nodes};
 pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};
+pub use renew::{RENEW_CHECK_INTERVAL, RenewError, renew_if_due, renew_service_certificate};
 pub use service::{
     ServiceContext, ServiceSpec, Started, bind, run_service, service_main, start_service, store_readiness,
 };

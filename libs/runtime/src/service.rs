@@ -100,8 +100,9 @@ pub struct Started {
 }
 
 /// Everything a service binary does before it serves: loads the certificate
-/// files (and watches them for renewal), opens the state, follows identity's
-/// node registry when `--identity-addr` is given, and binds `listen`.
+/// files (and watches them for changes), opens the state, follows identity's
+/// node registry and renews its own certificate through identity when
+/// `--identity-addr` is given, and binds `listen`.
 pub async fn start_service(
     spec: ServiceSpec,
     listen: SocketAddr,
@@ -123,6 +124,16 @@ pub async fn start_service(
     }
     let listener = bind(listen, credentials.clone()).await?;
     watch_cert_files(tls.clone(), credentials.clone(), CERT_POLL_INTERVAL, shutdown.clone());
+    if let Some(identity) = &mesh.identity_addr {
+        // Its certificate renews itself through identity past half its life.
+        crate::renew_service_certificate(
+            tls.clone(),
+            credentials.clone(),
+            identity.clone(),
+            crate::RENEW_CHECK_INTERVAL,
+            shutdown.clone(),
+        );
+    }
     Ok(Started { ctx, listener, credentials })
 }
 

@@ -731,6 +731,11 @@ impl v1::authority_server::Authority for Authority {
             }
         };
         let identity = identity.map_err(|e| Status::invalid_argument(format!("name: {e}")))?;
+        if caller.kind() == berth_core::CallerKind::Service && identity != caller {
+            return Err(Status::permission_denied(format!(
+                "{caller} may renew only its own certificate, not issue one for {identity}"
+            )));
+        }
         let ttl = match req.ttl_seconds {
             0 => default_ttl,
             s => Duration::from_secs(u64::from(s)),
