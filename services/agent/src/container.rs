@@ -941,6 +941,10 @@ impl Provider for ContainerProvider {
     fn runtime(&self) -> Runtime {
         Runtime { name: self.inner.name().into(), contained: true }
     }
+
+    fn running(&self) -> Vec<String> {
+        self.inner.instances.running()
+    }
 }
 
 impl ContainerProvider {

@@ -384,6 +384,16 @@ impl Instances {
         self.lock().get(lease_id).map(|t| t.stored.clone()).ok_or_else(|| ProviderError::NotFound(lease_id.to_string()))
     }
 
+    /// The leases whose workloads this provider started or adopted and that
+    /// have neither ended nor been settled; reads memory only.
+    pub(crate) fn running(&self) -> Vec<String> {
+        self.lock()
+            .values()
+            .filter(|t| t.stored.pid.is_some() && t.stored.exit.is_none() && !t.stored.settled)
+            .map(|t| t.stored.lease_id.clone())
+            .collect()
+    }
+
     /// The host ports running instances hold.
     pub(crate) fn ports_taken(&self) -> BTreeSet<u16> {
         self.lock().values().filter(|t| t.stored.exit.is_none()).flat_map(|t| host_ports(&t.stored.meta)).collect()

@@ -406,6 +406,10 @@ impl Provider for ProcessProvider {
     fn runtime(&self) -> Runtime {
         Runtime { name: "process".into(), contained: false }
     }
+
+    fn running(&self) -> Vec<String> {
+        self.inner.instances.running()
+    }
 }
 
 /// Signals every process in group `pgid`.

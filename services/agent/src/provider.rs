@@ -505,6 +505,11 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
 
     /// What runs the workloads, for the node's labels and logs.
     fn runtime(&self) -> Runtime;
+
+    /// The leases whose workloads this provider runs now, as it tracks them:
+    /// no side effects, unlike [`Provider::recover`], so a steady sweep may
+    /// ask at any time.
+    fn running(&self) -> Vec<String>;
 }
 
 /// What runs a node's workloads.

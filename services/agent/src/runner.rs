@@ -120,9 +120,6 @@ enum Inbox {
     Assignment { stream: u64, event: Box<AssignmentEvent> },
     /// A reconcile pass ended.
     PassDone(PassReport),
-    /// What the provider runs, as a steady sweep listed it: lease ids of
-    /// workloads still running.
-    Listed(Vec<String>),
 }
 
 /// How a worker ended.
@@ -773,29 +770,13 @@ impl Runner {
 
     /// Asks the provider what it actually runs, so a workload the runner
     /// holds no lease for (one whose destroy never finished before a
-    /// restart, or that outlived its record) is found and destroyed.
-    fn list_strays(&self) {
-        let (provider, inbox, shutdown) =
-            (self.shared.provider.clone(), self.inbox_tx.clone(), self.shared.shutdown.clone());
-        tokio::spawn(async move {
-            let listed = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                listed = provider.recover() => listed,
-            };
-            match listed {
-                Ok(listed) => {
-                    let running = listed
-                        .into_iter()
-                        .filter(|l| !l.record.settled && l.record.pid.is_some() && l.exit.borrow().is_none())
-                        .map(|l| l.record.lease_id)
-                        .collect();
-                    let _ = inbox.send(Inbox::Listed(running));
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "cannot list what the node runs; strays are looked for next sweep")
-                }
-            }
-        });
+    /// restart, or whose lease the runner let go while it still ran) is
+    /// found and destroyed. The provider's listing reads only what it
+    /// tracks; it is not the start-up inventory, which adopts and fixes
+    /// records and must not run beside launches.
+    fn list_strays(&mut self) {
+        let running = self.shared.provider.running();
+        self.on_listed(running);
     }
 
     /// Destroys every listed workload no held lease covers, and shows it
@@ -874,7 +855,6 @@ impl Runner {
     fn on_inbox(&mut self, message: Inbox) {
         match message {
             Inbox::PassDone(report) => self.on_pass_done(report),
-            Inbox::Listed(running) => self.on_listed(running),
             Inbox::StreamOpened { stream } if stream == self.stream_generation => self.stream_seen.clear(),
             Inbox::Assignment { stream, event } if stream == self.stream_generation => self.on_assignment(*event),
             // From a stream stopped since.

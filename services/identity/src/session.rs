@@ -150,8 +150,12 @@ impl IdentityService {
         if is_fenced(beat.incarnation, indexed.incarnation) {
             return Box::pin(self.fenced(&indexed, beat.incarnation)).await;
         }
-        if !beat.ca_bundle_sha256.is_empty() {
-            self.authority.acknowledge(node_id, &beat.ca_bundle_sha256).await?;
+        if !beat.ca_bundle_sha256.is_empty()
+            && let Err(error) = self.authority.acknowledge(node_id, &beat.ca_bundle_sha256).await
+        {
+            // Bookkeeping for CA activation must never cost a node its
+            // liveness: the next heartbeat records it.
+            tracing::warn!(%node_id, %error, "cannot record the CA bundle the node trusts; retried next heartbeat");
         }
         let unchanged = beat.capacity.is_none_or(|c| c == indexed.capacity)
             && (beat.version.is_empty() || beat.version == indexed.version);

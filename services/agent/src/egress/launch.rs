@@ -131,4 +131,8 @@ impl Provider for EgressProvider {
     fn runtime(&self) -> Runtime {
         self.inner.runtime()
     }
+
+    fn running(&self) -> Vec<String> {
+        self.inner.running()
+    }
 }

@@ -379,6 +379,9 @@ impl Provider for FlakyInventory {
     fn runtime(&self) -> Runtime {
         self.inner().runtime()
     }
+    fn running(&self) -> Vec<String> {
+        self.inner().running()
+    }
 }
 
 impl Harness {
