@@ -42,7 +42,7 @@ use std::os::unix::fs::PermissionsExt as _;
 use crate::client::{BundleClient, Fetcher, RegistryCredentials, RegistryError};
 use crate::digest::{Digest, digest_reader};
 use crate::extract::{BundleLimits, ExtractError, extract_layer};
-use crate::format::{BundleConfig, BundleManifest, FormatError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
+use crate::format::{BundleConfig, BundleManifest, Descriptor, FormatError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
 use crate::image::unpack_image_layer;
 use crate::layout::{read_bounded, write_atomically};
 use crate::oci_image::{ImageManifest, ImageRun, ManifestKind, classify};
@@ -490,18 +490,7 @@ impl BundleCache {
         let layer =
             manifest.layer().cloned().ok_or_else(|| not_a_bundle(FormatError::NotABundle("no layer".to_owned())))?;
 
-        let tmp = self.inner.tmp();
-        tokio::fs::create_dir_all(&tmp).await.map_err(|e| io_error(&tmp, e))?;
-        let download = tempfile::Builder::new()
-            .prefix("layer-")
-            .tempfile_in(&tmp)
-            .map_err(|e| io_error(&tmp, e))?
-            .into_temp_path();
-        {
-            let mut file = tokio::fs::File::create(&download).await.map_err(|e| io_error(&download, e))?;
-            fetcher.blob(&layer, self.inner.options.limits.max_layer_bytes(), &mut file).await?;
-            file.sync_all().await.map_err(|e| io_error(&download, e))?;
-        }
+        let download = self.download_layer(&fetcher, &layer).await?;
 
         let blobs = [manifest.config.digest.clone(), layer.digest.clone()];
         let _installing = Installing::new(&self.inner, vec![digest.clone(), blobs[0].clone(), blobs[1].clone()]);
@@ -528,6 +517,21 @@ impl BundleCache {
         ready.ok_or_else(|| io_error(&self.bundle_dir(digest), io::Error::other("the bundle vanished after install")))
     }
 
+    /// Downloads one layer blob, verified, into a temporary file under `tmp/`.
+    async fn download_layer(&self, fetcher: &Fetcher, layer: &Descriptor) -> Result<tempfile::TempPath, CacheError> {
+        let tmp = self.inner.tmp();
+        tokio::fs::create_dir_all(&tmp).await.map_err(|e| io_error(&tmp, e))?;
+        let download = tempfile::Builder::new()
+            .prefix("layer-")
+            .tempfile_in(&tmp)
+            .map_err(|e| io_error(&tmp, e))?
+            .into_temp_path();
+        let mut file = tokio::fs::File::create(&download).await.map_err(|e| io_error(&download, e))?;
+        fetcher.blob(layer, self.inner.options.limits.max_layer_bytes(), &mut file).await?;
+        file.sync_all().await.map_err(|e| io_error(&download, e))?;
+        Ok(download)
+    }
+
     /// Fetches the image config and every layer of `image`, verified, unpacks the layers
     /// in order into a private root, and renames it into place; `kept` are the verified
     /// manifests (the digest's own first) stored beside the config.
@@ -552,15 +556,7 @@ impl BundleCache {
         let staging = tempfile::Builder::new().prefix("image-").tempdir_in(&tmp).map_err(|e| io_error(&tmp, e))?;
         let limits = self.inner.options.limits;
         for layer in &image.layers {
-            let download = tempfile::Builder::new()
-                .prefix("layer-")
-                .tempfile_in(&tmp)
-                .map_err(|e| io_error(&tmp, e))?
-                .into_temp_path();
-            {
-                let mut file = tokio::fs::File::create(&download).await.map_err(|e| io_error(&download, e))?;
-                fetcher.blob(layer, limits.max_layer_bytes(), &mut file).await?;
-            }
+            let download = self.download_layer(fetcher, layer).await?;
             let (root, media_type) = (staging.path().to_path_buf(), layer.media_type.clone());
             tokio::task::spawn_blocking(move || {
                 let unpacked = unpack_image_layer(&download, &media_type, &root, &limits);
@@ -672,6 +668,12 @@ fn install(
         + manifest_bytes.len() as u64
         + config_bytes.len() as u64
         + layer.size;
+    place_tree(inner, digest, staging)?;
+    Ok(size)
+}
+
+/// Renames a fully extracted and checked tree into place as `digest`'s.
+fn place_tree(inner: &Inner, digest: &Digest, staging: tempfile::TempDir) -> Result<(), CacheError> {
     let bundles = inner.bundles();
     fs::create_dir_all(&bundles).map_err(|e| io_error(&bundles, e))?;
     let target = inner.bundle_dir(digest);
@@ -683,7 +685,7 @@ fn install(
             return Err(io_error(&target, error));
         }
     }
-    Ok(size)
+    Ok(())
 }
 
 /// Stores an image's manifests and config and renames its unpacked root into place;
@@ -702,18 +704,9 @@ fn install_image(
     }
     let size = tree_size(staging.path()).map_err(|e| io_error(staging.path(), e))?
         + stored.iter().map(|(_, bytes)| bytes.len() as u64).sum::<u64>();
-    let bundles = inner.bundles();
-    fs::create_dir_all(&bundles).map_err(|e| io_error(&bundles, e))?;
-    let target = inner.bundle_dir(digest);
-    let staged = staging.keep();
     // The root is shown to workloads of other users: it must be traversable.
-    fs::set_permissions(&staged, fs::Permissions::from_mode(0o755)).map_err(|e| io_error(&staged, e))?;
-    if let Err(error) = fs::rename(&staged, &target) {
-        let _ = fs::remove_dir_all(&staged);
-        if !target.is_dir() {
-            return Err(io_error(&target, error));
-        }
-    }
+    fs::set_permissions(staging.path(), fs::Permissions::from_mode(0o755)).map_err(|e| io_error(staging.path(), e))?;
+    place_tree(inner, digest, staging)?;
     Ok(size)
 }
 

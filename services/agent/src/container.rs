@@ -858,13 +858,7 @@ impl Provider for ContainerProvider {
     }
 
     async fn settle(&self, lease_id: &str, settlement: Settlement) -> Result<(), ProviderError> {
-        self.inner
-            .instances
-            .update(lease_id, move |record| {
-                record.settled = true;
-                record.settlement = Some(settlement);
-            })
-            .await
+        self.inner.instances.settle(lease_id, settlement).await
     }
 
     async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {

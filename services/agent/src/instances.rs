@@ -394,6 +394,19 @@ impl Instances {
             .collect()
     }
 
+    /// Records that the agent is done with `lease_id`, and how it left it.
+    pub(crate) async fn settle(
+        self: &Arc<Self>,
+        lease_id: &str,
+        settlement: crate::provider::Settlement,
+    ) -> Result<(), ProviderError> {
+        self.update(lease_id, move |record| {
+            record.settled = true;
+            record.settlement = Some(settlement);
+        })
+        .await
+    }
+
     /// The host ports running instances hold.
     pub(crate) fn ports_taken(&self) -> BTreeSet<u16> {
         self.lock().values().filter(|t| t.stored.exit.is_none()).flat_map(|t| host_ports(&t.stored.meta)).collect()

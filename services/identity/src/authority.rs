@@ -515,23 +515,10 @@ impl Authority {
     /// `bundle_sha256`: a write only when this replica does not already know
     /// it, so steady heartbeats cost a map lookup.
     pub async fn acknowledge(&self, node_id: &str, bundle_sha256: &str) -> Result<(), AuthorityError> {
-        let known = {
-            let acks = self.inner.acks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            acks.as_ref().map(|acks| acks.get(node_id).is_some_and(|known| known == bundle_sha256))
-        };
-        match known {
-            Some(true) => return Ok(()),
-            Some(false) => {}
-            None => self.load_acks().await?,
+        if self.acknowledged(node_id, bundle_sha256).is_none() {
+            self.load_acks().await?;
         }
-        let already = self
-            .inner
-            .acks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .as_ref()
-            .is_some_and(|acks| acks.get(node_id).is_some_and(|known| known == bundle_sha256));
-        if already {
+        if self.acknowledged(node_id, bundle_sha256) == Some(true) {
             return Ok(());
         }
         let (node, digest, now) = (node_id.to_owned(), bundle_sha256.to_owned(), now_ms());
@@ -557,6 +544,13 @@ impl Authority {
             acks.insert(node_id.to_owned(), bundle_sha256.to_owned());
         }
         Ok(())
+    }
+
+    /// Whether this replica knows `node_id` trusts `bundle_sha256`; `None`
+    /// until the map is loaded.
+    fn acknowledged(&self, node_id: &str, bundle_sha256: &str) -> Option<bool> {
+        let acks = self.inner.acks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        acks.as_ref().map(|acks| acks.get(node_id).is_some_and(|known| known == bundle_sha256))
     }
 
     /// Loads every node's acknowledged bundle into this replica's map.
