@@ -52,7 +52,7 @@ use crate::board::InstanceBoard;
 use crate::bundles::{BundleStore, GrpcPullCredentials, PullCredentials};
 use crate::config::AgentConfig;
 use crate::config::{Containment, WorkloadRuntime};
-use crate::container::{ContainerProvider, ContainerSettings};
+use crate::container::{ContainerProvider, ContainerSettings, OciRuntime};
 use crate::egress::{
     EgressError, EgressFollower, EgressProvider, EgressProxies, EgressSettings, EgressStatus, GrpcNodeEgress,
 };
@@ -86,12 +86,13 @@ fn cgroups_visible() -> bool {
 /// host can run it; else, when allowed, plain processes; else an error
 /// that says what is missing.
 fn choose_runtime(containment: &Containment) -> Result<WorkloadRuntime, AgentError> {
-    let why = match containment.runtime {
-        WorkloadRuntime::Process => "the process runtime does not contain workloads".to_string(),
-        WorkloadRuntime::Oci(oci) => {
+    let why = match containment.runtime.container_runtime() {
+        None => "plain host processes contain nothing".to_string(),
+        Some(oci) => {
             let euid = rustix::process::geteuid();
             if !euid.is_root() {
-                format!("containing workloads with {oci} needs root, and the agent runs as uid {}", euid.as_raw())
+                let by = if oci == OciRuntime::Own { "the process runtime".to_string() } else { oci.to_string() };
+                format!("containing workloads with {by} needs root, and the agent runs as uid {}", euid.as_raw())
             } else if oci.binary().is_none() {
                 format!("{oci} is not installed (looked in /usr/local/sbin, /usr/local/bin, /usr/sbin, /usr/bin)")
             } else if !cgroups_visible() {
@@ -106,7 +107,7 @@ fn choose_runtime(containment: &Containment) -> Result<WorkloadRuntime, AgentErr
     };
     if containment.allow_uncontained {
         tracing::warn!(reason = %why, "running workloads uncontained, as allowed");
-        Ok(WorkloadRuntime::Process)
+        Ok(WorkloadRuntime::Uncontained)
     } else {
         Err(AgentError::Uncontained(why))
     }
@@ -375,7 +376,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         config.data_dir = cwd.join(&config.data_dir);
     }
     let runtime = choose_runtime(&config.containment)?;
-    let contained = matches!(runtime, WorkloadRuntime::Oci(_));
+    let contained = runtime.container_runtime().is_some();
     if !contained {
         tracing::warn!(
             "workloads on this node are NOT contained: they run as the agent's user, see its files, \
@@ -383,10 +384,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         );
     }
     // Set by the agent, whatever the operator's labels say.
-    let runtime_name = match runtime {
-        WorkloadRuntime::Process => "process".to_string(),
-        WorkloadRuntime::Oci(oci) => oci.name().to_string(),
-    };
+    let runtime_name = runtime.container_runtime().unwrap_or(OciRuntime::Own).name().to_string();
     config.labels.insert(RUNTIME_LABEL.into(), runtime_name);
     config.labels.insert(CONTAINED_LABEL.into(), contained.to_string());
     let config = Arc::new(config);
@@ -459,14 +457,17 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         Some(addr) => {
             let timing = &config.lease_timing;
             let process_timing = ProcessTiming { stop_grace: timing.stop_grace, exit_poll: timing.exit_poll };
-            let mut provider: Arc<dyn Provider> = match runtime {
-                WorkloadRuntime::Process => Arc::new(ProcessProvider::new(dir.root(), process_timing, stop.clone())),
-                WorkloadRuntime::Oci(oci) => {
+            let mut provider: Arc<dyn Provider> = match runtime.container_runtime() {
+                None => Arc::new(ProcessProvider::new(dir.root(), process_timing, stop.clone())),
+                Some(oci) => {
                     let settings = ContainerSettings {
                         runtime: oci,
-                        binary: oci
-                            .binary()
-                            .ok_or_else(|| AgentError::Uncontained(format!("{oci} is not installed")))?,
+                        binary: match (oci, &config.process_runtime_exe) {
+                            (OciRuntime::Own, Some(exe)) => exe.clone(),
+                            _ => oci
+                                .binary()
+                                .ok_or_else(|| AgentError::Uncontained(format!("{oci} is not installed")))?,
+                        },
                         uids: config.containment.uids,
                         pids_limit: config.containment.pids_limit,
                         timing: process_timing,

@@ -81,17 +81,42 @@ impl Default for LeaseTiming {
 /// What runs the node's workloads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkloadRuntime {
-    /// Plain host processes, not contained: only with `allow_uncontained`.
+    /// The process runtime: each workload contained by the agent itself
+    /// (namespaces, cgroups, its own user), without a runtime binary.
     Process,
     /// Containers through this OCI runtime binary.
     Oci(OciRuntime),
+    /// Plain host processes as the agent's user, contained by nothing:
+    /// only with `allow_uncontained`.
+    Uncontained,
+}
+
+impl WorkloadRuntime {
+    /// From the agent's `--runtime` (`process` or `oci`) and `--oci-runtime`.
+    pub fn from_flags(runtime: &str, oci: OciRuntime) -> Result<Self, String> {
+        match runtime {
+            "process" => Ok(WorkloadRuntime::Process),
+            "oci" => Ok(WorkloadRuntime::Oci(oci)),
+            other => Err(format!("unknown runtime '{other}': expected process or oci")),
+        }
+    }
+
+    /// The OCI runtime the container provider drives for it, if any.
+    pub fn container_runtime(self) -> Option<OciRuntime> {
+        match self {
+            WorkloadRuntime::Process => Some(OciRuntime::Own),
+            WorkloadRuntime::Oci(oci) => Some(oci),
+            WorkloadRuntime::Uncontained => None,
+        }
+    }
 }
 
 impl std::fmt::Display for WorkloadRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            WorkloadRuntime::Process => f.write_str("process"),
+            WorkloadRuntime::Process => f.write_str("process (contained by the agent)"),
             WorkloadRuntime::Oci(runtime) => write!(f, "oci ({runtime})"),
+            WorkloadRuntime::Uncontained => f.write_str("process (uncontained)"),
         }
     }
 }
@@ -127,7 +152,7 @@ impl Containment {
     /// Plain host processes, as the agent's own user: for tests of what is
     /// not containment, and hosts where an operator chose it.
     pub fn uncontained() -> Self {
-        Self { runtime: WorkloadRuntime::Process, allow_uncontained: true, ..Self::default() }
+        Self { runtime: WorkloadRuntime::Uncontained, allow_uncontained: true, ..Self::default() }
     }
 }
 
@@ -239,6 +264,10 @@ pub struct AgentConfig {
     pub proxy_timing: ProxyTiming,
     /// What runs workloads, and how they are contained.
     pub containment: Containment,
+    /// The executable that acts as the process runtime (`berth-agent` or
+    /// `berth`); `None` is the running one. Set where the agent runs inside
+    /// another program, as a test's.
+    pub process_runtime_exe: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -308,6 +337,7 @@ impl AgentConfig {
             egress_isolation: EgressIsolation::default(),
             proxy_timing: ProxyTiming::default(),
             containment: Containment::default(),
+            process_runtime_exe: None,
         }
     }
 

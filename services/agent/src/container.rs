@@ -80,7 +80,10 @@ use crate::provider::{
     WorkloadRoot, WorkloadSignal,
 };
 
+mod own;
 mod spec;
+
+pub use self::own::main_if_invoked as runtime_main_if_invoked;
 
 pub(crate) use self::spec::{BUNDLE_MOUNT, WORK_MOUNT};
 use self::spec::{ContainerPlan, INIT_MOUNT, ImagePlan, runtime_spec};
@@ -141,6 +144,10 @@ pub enum OciRuntime {
     Crun,
     /// runsc: gVisor, a user-space kernel between the workload and the host.
     Runsc,
+    /// The process runtime: the agent's own launcher for the same spec
+    /// (namespaces, cgroups, a change of user, no runtime binary); see
+    /// [`own`]. The node reports it as `process`.
+    Own,
 }
 
 impl OciRuntime {
@@ -150,11 +157,17 @@ impl OciRuntime {
             OciRuntime::Runc => "runc",
             OciRuntime::Crun => "crun",
             OciRuntime::Runsc => "runsc",
+            OciRuntime::Own => "process",
         }
     }
 
-    /// Where its binary is on this host, if it is installed.
+    /// Where its binary is on this host, if it is installed. The process
+    /// runtime is the running executable itself (`berth-agent` or `berth`,
+    /// both of which act as it when invoked by its name).
     pub fn binary(self) -> Option<PathBuf> {
+        if self == OciRuntime::Own {
+            return Some(PathBuf::from("/proc/self/exe"));
+        }
         BINARY_DIRS.iter().map(|dir| Path::new(dir).join(self.name())).find(|path| path.is_file())
     }
 
@@ -311,13 +324,27 @@ impl Inner {
             OciRuntime::Runc | OciRuntime::Crun => {
                 command.args(["run", "--keep"]);
             }
+            OciRuntime::Own => {
+                command.arg0(own::ARG0).args(["run", "--keep"]);
+            }
         }
         command.stdin(std::process::Stdio::null());
         command
     }
 
-    /// Runs the runtime to the end; its error output is the error.
+    /// Runs the runtime to the end; its error output is the error. The
+    /// process runtime's commands other than `run` are the agent's own code
+    /// and run in it.
     async fn run(&self, args: &[&str]) -> Result<Vec<u8>, String> {
+        if self.settings.runtime == OciRuntime::Own {
+            let root = self.state_root.clone();
+            let args: Vec<String> = args.iter().map(|arg| arg.to_string()).collect();
+            return tokio::task::spawn_blocking(move || {
+                own::command(&root, &args.iter().map(String::as_str).collect::<Vec<_>>())
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("the runtime command failed: {e}")));
+        }
         let output = self.command(args).output().await.map_err(|e| format!("cannot run {}: {e}", self.name()))?;
         if output.status.success() {
             Ok(output.stdout)
@@ -680,7 +707,7 @@ fn memory_limit(runtime: OciRuntime, reserved: u64) -> u64 {
     match (runtime, reserved) {
         (_, 0) => 0,
         (OciRuntime::Runsc, reserved) => reserved.saturating_add(RUNSC_OVERHEAD),
-        (OciRuntime::Runc | OciRuntime::Crun, reserved) => reserved.max(MIN_MEMORY_LIMIT),
+        (OciRuntime::Runc | OciRuntime::Crun | OciRuntime::Own, reserved) => reserved.max(MIN_MEMORY_LIMIT),
     }
 }
 
@@ -690,6 +717,13 @@ fn memory_limit(runtime: OciRuntime, reserved: u64) -> u64 {
 /// adopt them.
 pub fn destroy_containers(data_dir: &Path) -> usize {
     let mut destroyed = 0;
+    let own_root = data_dir.join(RUNTIME_DIR).join(OciRuntime::Own.name());
+    for id in std::fs::read_dir(&own_root).into_iter().flatten().filter_map(Result::ok) {
+        let Ok(id) = id.file_name().into_string() else { continue };
+        let _ = own::command(&own_root, &["kill", "--all", &id, "KILL"]);
+        let _ = own::command(&own_root, &["delete", "--force", &id]);
+        destroyed += 1;
+    }
     for runtime in [OciRuntime::Runc, OciRuntime::Crun, OciRuntime::Runsc] {
         let state_root = data_dir.join(RUNTIME_DIR).join(runtime.name());
         let (Some(binary), Ok(entries)) = (runtime.binary(), std::fs::read_dir(&state_root)) else { continue };

@@ -1,7 +1,7 @@
 //! The provider contract: what every [`Provider`] must do, run against each
-//! of them (the process provider, and the container provider under every
-//! OCI runtime installed here), as the store's contract suite runs against
-//! every store. Then the hostile-workload suite: what a contained workload
+//! of them (plain uncontained processes, and the container provider under
+//! the process runtime and every OCI runtime installed here), as the
+//! store's contract suite runs against every store. Then the hostile-workload suite: what a contained workload
 //! tries and must fail at, run against every containing provider.
 //!
 //! A runtime needs root and its binary; without root a test is skipped, but
@@ -33,8 +33,17 @@ fn timing() -> ProcessTiming {
 /// Which provider a test runs against.
 #[derive(Debug, Clone, Copy)]
 enum Kind {
-    Process,
+    Uncontained,
     Oci(OciRuntime),
+}
+
+/// The executable that acts as the process runtime: the agent's, which the
+/// workspace's test run builds beside this test binary.
+fn own_runtime_binary() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    let dir = if dir.ends_with("deps") { dir.parent()? } else { dir };
+    Some(dir.join("berth-agent")).filter(|path| path.is_file())
 }
 
 /// A provider of `kind` on `dir`, or `None` when this machine cannot run it
@@ -46,7 +55,7 @@ fn provider(kind: Kind, dir: &Path) -> Option<Arc<dyn Provider>> {
 /// [`provider`], whose waiting tasks stop on `stop` as an agent's do.
 fn provider_until(kind: Kind, dir: &Path, stop: CancellationToken) -> Option<Arc<dyn Provider>> {
     match kind {
-        Kind::Process => Some(Arc::new(ProcessProvider::new(dir, timing(), stop))),
+        Kind::Uncontained => Some(Arc::new(ProcessProvider::new(dir, timing(), stop))),
         Kind::Oci(runtime) => {
             let ci = std::env::var("CI").is_ok_and(|v| v == "true");
             if !rustix::process::geteuid().is_root() {
@@ -54,8 +63,9 @@ fn provider_until(kind: Kind, dir: &Path, stop: CancellationToken) -> Option<Arc
                 eprintln!("skipping: the {runtime} provider needs root");
                 return None;
             }
-            let Some(binary) = runtime.binary() else {
-                assert!(!ci, "{runtime} is not installed: `make test` installs it");
+            let binary = if runtime == OciRuntime::Own { own_runtime_binary() } else { runtime.binary() };
+            let Some(binary) = binary else {
+                assert!(!ci, "{runtime} is not installed: `make test` installs it (and builds berth-agent)");
                 eprintln!("skipping: {runtime} is not installed");
                 return None;
             };
@@ -161,7 +171,8 @@ macro_rules! contract {
 }
 
 contract! {
-    process => Kind::Process;
+    uncontained => Kind::Uncontained;
+    process => Kind::Oci(OciRuntime::Own);
     runc => Kind::Oci(OciRuntime::Runc);
     runsc => Kind::Oci(OciRuntime::Runsc);
 }
@@ -208,9 +219,9 @@ async fn image_root_on(kind: Kind) {
     spec.root = WorkloadRoot::Image { dir: root.clone(), digest: "sha256:test".into(), working_dir: "/www".into() };
     spec.program = Program::Command("sh".into());
     spec.env.insert("PATH".into(), "/bin".into());
-    if matches!(kind, Kind::Process) {
+    if matches!(kind, Kind::Uncontained) {
         let refused = provider.launch(spec).await.unwrap_err();
-        assert!(refused.to_string().contains("--runtime oci"), "{refused}");
+        assert!(refused.to_string().contains("nodes that contain their workloads"), "{refused}");
         return;
     }
     let mut launched = provider.launch(spec).await.unwrap();
@@ -292,7 +303,7 @@ async fn gives_the_workload_its_own_environment_on(kind: Kind) {
 fn needle(kind: Kind, marker: &str, dir: &Path) -> String {
     match kind {
         Kind::Oci(OciRuntime::Runsc) => dir.display().to_string(),
-        Kind::Process | Kind::Oci(_) => marker.to_string(),
+        Kind::Uncontained | Kind::Oci(_) => marker.to_string(),
     }
 }
 
@@ -424,6 +435,7 @@ macro_rules! hostile {
 }
 
 hostile! {
+    hostile_process => OciRuntime::Own;
     hostile_runc => OciRuntime::Runc;
     hostile_runsc => OciRuntime::Runsc;
 }

@@ -127,11 +127,12 @@ struct Args {
     /// trusted beside the system roots.
     #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
     registry_ca: Option<PathBuf>,
-    /// What runs workloads: `oci`, a container per lease through
-    /// --oci-runtime (its own user, no capabilities, its own PID and mount
-    /// namespaces on a read-only root, the lease's memory and CPU as cgroup
-    /// limits), or `process`, plain host processes as the agent's user,
-    /// which contain nothing and need --allow-uncontained.
+    /// What runs workloads, each contained (its own user, no capabilities,
+    /// its own PID and mount namespaces on a read-only root, the lease's
+    /// memory and CPU as cgroup limits): `oci`, through the --oci-runtime
+    /// binary, or `process`, by the agent itself with no runtime binary
+    /// (the fastest start). Where neither can run, --allow-uncontained runs
+    /// plain host processes as the agent's user instead.
     #[arg(long, env = "BERTH_RUNTIME", value_name = "RUNTIME", default_value = "oci",
         value_parser = ["oci", "process"])]
     runtime: String,
@@ -233,10 +234,7 @@ impl Args {
         config.lease_timing.sweep_interval = self.sweep_interval;
         config.bundle_cache_budget = self.bundle_cache_budget;
         config.containment = Containment {
-            runtime: match self.runtime.as_str() {
-                "process" => WorkloadRuntime::Process,
-                _ => WorkloadRuntime::Oci(self.oci_runtime),
-            },
+            runtime: WorkloadRuntime::from_flags(&self.runtime, self.oci_runtime).map_err(StartError::Invalid)?,
             uids: self.workload_uids,
             pids_limit: self.workload_pids_limit,
             allow_uncontained: self.allow_uncontained,
@@ -279,6 +277,10 @@ fn agent_error(error: AgentError) -> StartError {
 }
 
 fn main() -> ExitCode {
+    // Invoked as the process runtime's monitor or init: nothing else runs.
+    if let Some(code) = berth_agent::runtime_main_if_invoked() {
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let args = Args::parse();
     let mut telemetry = args.telemetry.clone();
     if let Some(name) = &args.name {

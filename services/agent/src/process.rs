@@ -216,8 +216,8 @@ impl Provider for ProcessProvider {
         validate_lease_id(&spec.lease_id)?;
         if let WorkloadRoot::Image { digest, .. } = &spec.root {
             return Err(ProviderError::Unsupported(format!(
-                "lease {} runs container image {digest}, and this node runs workloads as processes: \
-                 images run only on nodes whose agent runs an OCI runtime (--runtime oci)",
+                "lease {} runs container image {digest}, and this node runs workloads uncontained: \
+                 images run only on nodes that contain their workloads (--runtime process or oci)",
                 spec.lease_id
             )));
         }

@@ -80,12 +80,29 @@ async fn a_replica_launched_by_the_runner_is_given_its_tenants_proxy_and_stays_r
 /// passes the workload's sockets through to it.
 #[tokio::test]
 async fn a_replica_under_runsc_is_held_to_its_tenants_proxy_too() {
-    if !rustix::process::geteuid().is_root() {
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "runsc needs root, and CI runs as root");
-        eprintln!("SKIPPED: runsc needs root");
-        return;
+    if contained_here("runsc") {
+        replica_held_to_its_proxy(OciRuntime::Runsc).await;
     }
-    replica_held_to_its_proxy(OciRuntime::Runsc).await;
+}
+
+/// The same under the agent's own process runtime, which enters the
+/// tenant's namespace before anything of the workload runs.
+#[tokio::test]
+async fn a_replica_under_the_process_runtime_is_held_to_its_tenants_proxy_too() {
+    if contained_here("the process runtime") {
+        replica_held_to_its_proxy(OciRuntime::Own).await;
+    }
+}
+
+/// Whether this test may contain workloads with `runtime`: root is needed,
+/// and CI runs as root, so there a missing root fails instead of skipping.
+fn contained_here(runtime: &str) -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{runtime} needs root, and CI runs as root");
+    eprintln!("SKIPPED: {runtime} needs root");
+    false
 }
 
 async fn replica_held_to_its_proxy(runtime: OciRuntime) {
@@ -97,7 +114,9 @@ async fn replica_held_to_its_proxy(runtime: OciRuntime) {
     let dir = TestDir::new();
     let mut config = agent_config(&plane, dir.path());
     if rustix::process::geteuid().is_root() {
-        config.containment.runtime = WorkloadRuntime::Oci(runtime);
+        config.containment.runtime =
+            if runtime == OciRuntime::Own { WorkloadRuntime::Process } else { WorkloadRuntime::Oci(runtime) };
+        config.process_runtime_exe = Some(env!("CARGO_BIN_EXE_berth-agent").into());
     }
     // Nothing listens there: the agent keeps retrying, quietly.
     config.egress = Some("127.0.0.1:1".into());

@@ -70,8 +70,14 @@ pub(crate) struct DevArgs {
     /// revisions resolves tags and the dev node pulls trusting it.
     #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
     registry_ca: Option<PathBuf>,
-    /// The OCI runtime the dev node contains its workloads with, when run
-    /// as root: runc, crun or runsc.
+    /// What contains the dev node's workloads when run as root: `oci`,
+    /// through --oci-runtime, or `process`, the agent itself (no runtime
+    /// binary).
+    #[arg(long, env = "BERTH_RUNTIME", default_value = "oci", value_name = "RUNTIME",
+          value_parser = ["oci", "process"])]
+    runtime: String,
+    /// The OCI runtime the dev node contains its workloads with under
+    /// `--runtime oci`: runc, crun or runsc.
     #[arg(long, env = "BERTH_OCI_RUNTIME", default_value = "runc", value_name = "NAME",
           value_parser = str::parse::<berth_agent::OciRuntime>)]
     oci_runtime: berth_agent::OciRuntime,
@@ -210,7 +216,8 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     let contained = rustix::process::geteuid().is_root();
     agent.containment = if contained {
         berth_agent::Containment {
-            runtime: berth_agent::WorkloadRuntime::Oci(args.oci_runtime),
+            runtime: berth_agent::WorkloadRuntime::from_flags(&args.runtime, args.oci_runtime)
+                .map_err(StartError::Invalid)?,
             allow_uncontained: args.allow_uncontained,
             ..Default::default()
         }

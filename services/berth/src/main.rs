@@ -63,6 +63,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // `berth dev` and `berth bench launch` run the process runtime from this
+    // executable: invoked as its monitor or init, nothing else runs.
+    if let Some(code) = berth_agent::runtime_main_if_invoked() {
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let mut cli = Cli::parse();
     if !matches!(cli.command, Command::Dev(_)) {
         // Tables and JSON on stdout; only problems on stderr.

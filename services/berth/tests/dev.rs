@@ -48,6 +48,12 @@ impl Dev {
         Dev { child, dir: dir.to_path_buf(), leave_workloads: false }
     }
 
+    /// Starts `berth dev` with `extra` flags.
+    fn start_with(dir: &Path, base: u16, extra: &[&str]) -> Dev {
+        let child = common::spawn_dev_with(dir, base, extra);
+        Dev { child, dir: dir.to_path_buf(), leave_workloads: false }
+    }
+
     /// Drops a killed `berth dev` without cleaning up after it.
     fn abandon(mut self) {
         self.leave_workloads = true;
@@ -307,6 +313,17 @@ fn http_get(port: u64, path: &str) -> Option<String> {
 
 #[test]
 fn the_example_deploys_from_an_oci_layout_with_no_registry() {
+    the_example_deploys_with(&[]);
+}
+
+#[test]
+fn the_example_deploys_under_the_process_runtime() {
+    the_example_deploys_with(&["--runtime", "process"]);
+}
+
+/// The README's deploy on a `berth dev` started with `flags`: two replicas
+/// answer, a changed template rolls out, a deleted service's replicas stop.
+fn the_example_deploys_with(flags: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
     let layout = tmp.path().join("oci");
@@ -316,7 +333,7 @@ fn the_example_deploys_from_an_oci_layout_with_no_registry() {
     assert!(push.status.success(), "{}", String::from_utf8_lossy(&push.stderr));
 
     let base = common::free_port_base();
-    let _dev = Dev::start(&dir, base);
+    let _dev = Dev::start_with(&dir, base, flags);
     let template: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(example.join("service.json")).unwrap()).unwrap();
     let mut template = template;

@@ -607,7 +607,8 @@ fn an_image_deploys_and_answers(runtime: &str) {
     let digest = tokio.block_on(image.push(&client, &reference, &RegistryCredentials::Anonymous)).unwrap();
 
     let tmp = tempfile::tempdir().unwrap();
-    let dev = Dev::start_with(&tmp.path().join("data"), &["--oci-runtime", runtime]);
+    let flags: &[&str] = if runtime == "process" { &["--runtime", "process"] } else { &["--oci-runtime", runtime] };
+    let dev = Dev::start_with(&tmp.path().join("data"), flags);
     let spec = tmp.path().join("service.json");
     let template = serde_json::json!({
         "image": reference,
@@ -665,4 +666,9 @@ fn a_container_image_deploys_with_service_apply_under_runc() {
 #[test]
 fn a_container_image_deploys_with_service_apply_under_runsc() {
     an_image_deploys_and_answers("runsc");
+}
+
+#[test]
+fn a_container_image_deploys_with_service_apply_under_the_process_runtime() {
+    an_image_deploys_and_answers("process");
 }

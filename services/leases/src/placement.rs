@@ -75,13 +75,15 @@ impl NodeRuntime {
         }
     }
 
-    fn runs_containers(&self) -> bool {
-        matches!(self.name.as_str(), "runc" | "crun" | "runsc")
+    /// Whether it runs container images: every containing runtime does
+    /// (an OCI runtime binary, or the agent's own process runtime).
+    fn runs_images(&self) -> bool {
+        matches!(self.name.as_str(), "runc" | "crun" | "runsc") || (self.name == "process" && self.contained)
     }
 
     /// Whether a workload needing `need` may run here.
     pub fn satisfies(&self, need: RuntimeNeed) -> bool {
-        (!need.oci || self.runs_containers())
+        (!need.oci || self.runs_images())
             && (!need.contained || self.contained)
             && (!need.sandboxed || (self.name == "runsc" && self.contained))
     }
@@ -90,7 +92,7 @@ impl NodeRuntime {
 /// What a workload needs of its node's runtime.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RuntimeNeed {
-    /// An OCI runtime: a container image needs one.
+    /// A runtime that runs container images: one that contains.
     pub oci: bool,
     /// A runtime that contains its workloads.
     pub contained: bool,
@@ -124,7 +126,7 @@ impl fmt::Display for RuntimeNeed {
             parts.push("contains its workloads");
         }
         if self.oci && !self.sandboxed {
-            parts.push("runs container images (an OCI runtime)");
+            parts.push("runs container images (a containing runtime)");
         }
         f.write_str(&parts.join(" and "))
     }
@@ -549,7 +551,13 @@ mod tests {
         assert_eq!(shortage.to_string(), "no UP node in any tier that runs gVisor (runsc)");
         let processes = vec![run_by(node("n-1", 4000, 8), "process", false)];
         let Placement::NoRoom(shortage) = &place(&processes, &[with(image)]).placements[0] else { panic!() };
-        assert_eq!(shortage.to_string(), "no UP node in any tier that runs container images (an OCI runtime)");
+        assert_eq!(shortage.to_string(), "no UP node in any tier that runs container images (a containing runtime)");
+        let contained_processes = vec![run_by(node("n-1", 4000, 8), "process", true)];
+        assert_eq!(
+            placed(&place(&contained_processes, &[with(image)])),
+            vec!["n-1"],
+            "the process runtime runs images"
+        );
     }
 
     #[test]

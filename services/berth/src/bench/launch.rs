@@ -42,6 +42,7 @@ use super::nodes::{self, NODE_CAPACITY};
 use super::procfs::{load_average, read_memory};
 use super::report::Target;
 use super::runtime_launch::{BenchRuntime, RuntimeLaunch, RuntimeLaunchError};
+use berth_agent::OciRuntime;
 
 /// Request → RUNNING p99 must stay under this.
 const TARGET_P99_MS: f64 = 100.0;
@@ -110,8 +111,9 @@ pub(super) struct LaunchArgs {
     /// leases' memory is read.
     #[arg(long, default_value_t = 10_000, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     records: u32,
-    /// What the agent runs workloads through: process (uncontained), or a
-    /// container through runc, runsc or crun (needs root).
+    /// What the agent runs workloads through: the process runtime (the
+    /// agent's own containment), a container through runc, runsc or crun
+    /// (each needs root), or uncontained host processes.
     #[arg(long, value_enum, default_value_t = BenchRuntime::Process, value_name = "RUNTIME")]
     runtime: BenchRuntime,
     /// How many launches the provider-level comparison takes of each kind.
@@ -228,6 +230,12 @@ struct RecordsMemory {
 
 /// Runs the scenario and prints its report.
 pub(super) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
+    if args.runtime == BenchRuntime::Uncontained && rustix::process::geteuid().is_root() {
+        return Err(LaunchBenchError::Refused {
+            what: "--runtime uncontained",
+            message: "as root the agent contains every workload; run it as another user".into(),
+        });
+    }
     let load_average_before = load_average();
     let shutdown = berth_rpc::shutdown_signal();
     progress("starting berth-identity on sqlite with a memory bus");
@@ -380,7 +388,9 @@ fn start_agent(
         .args(["--cpu-millis", "64000", "--memory-bytes", &(64u64 << 30).to_string(), "--name", "bench-agent"])
         .args(["--stop-grace", "2s"])
         .args(match runtime.oci() {
+            Some(OciRuntime::Own) => vec!["--runtime".to_string(), "process".into()],
             Some(oci) => vec!["--runtime".to_string(), "oci".into(), "--oci-runtime".into(), oci.name().into()],
+            // Uncontained only where the agent cannot contain (not root).
             None => vec!["--runtime".into(), "process".into(), "--allow-uncontained".into()],
         })
         // Through the environment, so the token never shows in `ps`.
@@ -679,6 +689,8 @@ impl LaunchReport {
         let over = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a - b);
         let clean = runtime.provider.errors == 0;
         self.targets.push(match self.provider {
+            // Nothing is promised of what contains nothing.
+            "uncontained" => return,
             "process" => {
                 let value = over(runtime.provider.p50_ms, runtime.raw_spawn.p50_ms);
                 Target {

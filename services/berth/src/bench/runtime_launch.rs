@@ -2,8 +2,11 @@
 //! `Provider::launch` of `sleep` under the chosen runtime, one at a time,
 //! beside two baselines taken in the same run on the same machine: a raw
 //! `fork+exec` of the same program (spawn until `/proc/<pid>/exe` is the
-//! program), and, for an OCI runtime, the same runtime's own
+//! program), and, for an OCI runtime binary, the same runtime's own
 //! `run --detach` of an equivalent bundle with nothing of berth around it.
+//! The process runtime is this executable itself (see
+//! `berth_agent::runtime_main_if_invoked`), so it has no bare run of its own:
+//! the raw spawn is its baseline.
 //!
 //! # Expected flow
 //! The provider and the bare bundles live in a directory of the run's own,
@@ -41,8 +44,10 @@ const MEMORY: u64 = 64 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub(super) enum BenchRuntime {
-    /// Plain host processes (uncontained).
+    /// The process runtime: contained by the agent itself, no runtime binary.
     Process,
+    /// Plain host processes, contained by nothing.
+    Uncontained,
     /// Containers through runc.
     Runc,
     /// gVisor sandboxes through runsc.
@@ -55,7 +60,8 @@ impl BenchRuntime {
     /// The OCI runtime, for the container ones.
     pub(super) fn oci(self) -> Option<OciRuntime> {
         match self {
-            BenchRuntime::Process => None,
+            BenchRuntime::Process => Some(OciRuntime::Own),
+            BenchRuntime::Uncontained => None,
             BenchRuntime::Runc => Some(OciRuntime::Runc),
             BenchRuntime::Runsc => Some(OciRuntime::Runsc),
             BenchRuntime::Crun => Some(OciRuntime::Crun),
@@ -64,7 +70,7 @@ impl BenchRuntime {
 
     /// Its name.
     pub(super) fn name(self) -> &'static str {
-        self.oci().map_or("process", OciRuntime::name)
+        self.oci().map_or("uncontained", OciRuntime::name)
     }
 }
 
@@ -115,7 +121,9 @@ pub(super) async fn measure(runtime: BenchRuntime, count: u32) -> Result<Runtime
     };
     let raw_spawn = raw_spawns(count).await;
     let bare_runtime = match (runtime.oci(), &binary) {
-        (Some(oci), Some(binary)) => Some(bare_runs(oci, binary, count, &dir.path().join("bare")).await?),
+        (Some(oci), Some(binary)) if oci != OciRuntime::Own => {
+            Some(bare_runs(oci, binary, count, &dir.path().join("bare")).await?)
+        }
         _ => None,
     };
     let provider = provider_launches(runtime, binary, count, &dir.path().join("provider")).await;
