@@ -430,6 +430,11 @@ macro_rules! hostile {
             async fn runs_as_its_own_user_with_no_capabilities() {
                 unprivileged_on($runtime).await
             }
+
+            #[tokio::test]
+            async fn what_it_orphans_is_reaped() {
+                orphans_reaped_on($runtime).await
+            }
         }
     )*};
 }
@@ -543,6 +548,25 @@ async fn unprivileged_on(runtime: OciRuntime) {
     assert!(out.contains("NoNewPrivs:\t1") || runtime == OciRuntime::Runsc, "{out}");
     assert!(!out.contains("wrote-usr") && !out.contains("entered"), "{out}");
     assert!(out.contains("wrote-home"), "its own directory is writable: {out}");
+}
+
+/// Every containing runtime gives the workload an init of its own as its
+/// PID namespace's first process, which reaps what the workload orphans: the
+/// agent is never the parent of processes it did not start (a subreaper's
+/// `waitpid(-1)` would take its own children's statuses from it).
+async fn orphans_reaped_on(runtime: OciRuntime) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
+    // Twenty double forks, whose short-lived grandchildren are orphaned.
+    let script = "i=0; while [ $i -lt 20 ]; do (sh -c 'sleep 0.1' &); i=$((i+1)); done; sleep 1; \
+                  echo zombies=$(grep -l '^State:.Z' /proc/[0-9]*/status 2>/dev/null | wc -l); exec sleep 1000";
+    let launched = provider.launch(spec("lease-orphans", script)).await.unwrap();
+    until("the workload counted", || stdout_of(provider.as_ref(), "lease-orphans").contains("zombies=")).await;
+    let out = stdout_of(provider.as_ref(), "lease-orphans");
+    assert!(out.contains("zombies=0"), "orphans were left unreaped: {out}");
+    provider.destroy("lease-orphans").await.unwrap();
+    let mut exit = launched.exit;
+    ended(&mut exit).await;
 }
 
 async fn recycled_pid_on(kind: Kind) {
