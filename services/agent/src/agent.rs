@@ -377,6 +377,12 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     }
     let runtime = choose_runtime(&config.containment)?;
     let contained = runtime.container_runtime().is_some();
+    if contained && config.containment.favor_cgroup_migrations {
+        match crate::container::favor_cgroup_migrations() {
+            Ok(mount) => tracing::info!(mount = %mount.display(), "cgroup migrations favoured (favordynmods)"),
+            Err(error) => tracing::warn!(%error, "launches will wait on cgroup migrations"),
+        }
+    }
     if !contained {
         tracing::warn!(
             "workloads on this node are NOT contained: they run as the agent's user, see its files, \

@@ -134,6 +134,11 @@ pub struct Containment {
     /// runtime, or a host where the OCI runtime cannot run) instead of
     /// refusing to start.
     pub allow_uncontained: bool,
+    /// Whether the agent turns on the host's cgroup2 `favordynmods` option
+    /// when it contains workloads, so each launch's move into its cgroup
+    /// does not wait for an RCU grace period (see
+    /// [`crate::favor_cgroup_migrations`]).
+    pub favor_cgroup_migrations: bool,
 }
 
 impl Default for Containment {
@@ -144,6 +149,7 @@ impl Default for Containment {
             uids: UidRange::default(),
             pids_limit: DEFAULT_PIDS_LIMIT,
             allow_uncontained: false,
+            favor_cgroup_migrations: false,
         }
     }
 }

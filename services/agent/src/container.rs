@@ -83,7 +83,7 @@ use crate::provider::{
 mod own;
 mod spec;
 
-pub use self::own::main_if_invoked as runtime_main_if_invoked;
+pub use self::own::{favor_cgroup_migrations, main_if_invoked as runtime_main_if_invoked};
 
 pub(crate) use self::spec::{BUNDLE_MOUNT, WORK_MOUNT};
 use self::spec::{ContainerPlan, INIT_MOUNT, ImagePlan, runtime_spec};
@@ -92,7 +92,7 @@ use self::spec::{ContainerPlan, INIT_MOUNT, ImagePlan, runtime_spec};
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How often a starting workload's pid file is looked for.
-const START_POLL: Duration = Duration::from_millis(2);
+const START_POLL: Duration = Duration::from_millis(1);
 
 /// How long a container may outlive SIGKILL before destroy gives up on it.
 const KILL_WAIT: Duration = Duration::from_secs(5);

@@ -59,7 +59,7 @@ pub use config::{
 };
 pub use container::{
     ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange, destroy_containers,
-    runtime_main_if_invoked,
+    favor_cgroup_migrations, runtime_main_if_invoked,
 };
 pub use egress::{
     Attachment, DEFAULT_PROXY_CONNECT_TIMEOUT, DEFAULT_PROXY_HEAD_TIMEOUT, EgressError, EgressIsolation, EgressProxies,

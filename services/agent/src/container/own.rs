@@ -12,27 +12,29 @@
 //! The agent's own executable, invoked as [`ARG0`] (both `berth-agent` and
 //! `berth` dispatch on that name before anything else runs, so the process
 //! is single-threaded, as `unshare` and `setns` need):
-//! 1. **The monitor** creates the lease's cgroup with its limits (v1 per
-//!    controller on hybrid hosts, the unified tree on v2), unshares a PID
-//!    namespace, and spawns the init. It moves the init into the cgroup
-//!    before letting it go on (it waits on a pipe), so nothing of the
-//!    workload ever runs outside its limits; the monitor itself stays
-//!    outside them. It writes the init's host pid, then waits for it and
-//!    exits with its status (128 + the signal for a signal), as runc does.
+//! 1. **The monitor** unshares a PID namespace and spawns the init, then,
+//!    while the init sets up, creates the lease's cgroup with its limits
+//!    (v1 per controller on hybrid hosts, the unified tree on v2) and moves
+//!    the init into it; the monitor itself stays outside. It writes the
+//!    init's host pid and lets it go on (a byte on a pipe), then waits for
+//!    it and exits with its status (128 + the signal for a signal), as runc
+//!    does.
 //! 2. **The init** is the PID namespace's first process. It enters the
-//!    tenant's network namespace, unshares mount, cgroup, IPC and UTS
-//!    namespaces, makes every mount private, mounts what the spec lists into
-//!    the root (each destination resolved inside the root, so a link in an
-//!    image never sends a mount outside it), masks and write-protects the
-//!    `/proc` paths the spec names, pivots into the root and detaches the
-//!    host's, sets the host name, drops every capability from the bounding
-//!    set, sets `no_new_privs`, and execs the spec's program as the spec's
-//!    user with no supplementary groups (which clears the permitted and
-//!    effective sets).
+//!    tenant's network namespace, unshares mount, IPC and UTS namespaces,
+//!    makes every mount private, mounts what the spec lists into the root
+//!    (each destination resolved inside the root, so a link in an image
+//!    never sends a mount outside it), masks and write-protects the `/proc`
+//!    paths the spec names, pivots into the root and detaches the host's,
+//!    sets the host name, drops every capability from the bounding set and
+//!    sets `no_new_privs`. Then it waits for the monitor's word, unshares
+//!    a cgroup namespace (rooted at the lease's cgroup, where it now is) and
+//!    execs the spec's program as the spec's user with no supplementary
+//!    groups (which clears the permitted and effective sets).
 //!
 //! # Invariants
-//! - Nothing of a workload runs before its cgroup holds it: the init waits
-//!   for the monitor's word, and the monitor kills it if the cgroup cannot.
+//! - Nothing of a workload runs before its cgroup holds it: the init execs
+//!   the workload only on the monitor's word, and the monitor kills it if
+//!   the cgroup cannot hold it.
 //! - A mount destination never leaves the root (links are resolved inside
 //!   it); a failed mount fails the start, nothing runs half-contained.
 //! - `kill --all` and `delete` reach every process of the workload: SIGKILL
@@ -459,6 +461,42 @@ impl Cgroup {
     }
 }
 
+/// Turns on `favordynmods` on the host's cgroup2 mount (`/sys/fs/cgroup`
+/// on v2 hosts, `/sys/fs/cgroup/unified` on hybrid ones), keeping its other
+/// options, and returns the mount point.
+///
+/// Moving a process into a cgroup takes a kernel-wide lock whose write side
+/// waits for an RCU grace period unless this option is on: 5 to 25 ms per
+/// launch on a v1 or hybrid host, most of what the process runtime adds to a
+/// spawn (BENCHMARKS.md). The option is kernel-wide (every hierarchy's
+/// migrations get fast; forks and exits get slightly slower) and lasts until
+/// reboot, so the agent sets it only when told to.
+pub fn favor_cgroup_migrations() -> Result<PathBuf, String> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+    // `ID PARENT DEV ROOT POINT OPTIONS [TAGS...] - TYPE SOURCE SUPER_OPTIONS`
+    let (point, options) = mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (head, tail) = line.split_once(" - ")?;
+            let mut tail = tail.split_whitespace();
+            (tail.next()? == "cgroup2").then_some(())?;
+            let options = tail.nth(1).unwrap_or_default().to_string();
+            Some((head.split_whitespace().nth(4)?.to_string(), options))
+        })
+        .find(|(point, _)| point == CGROUP_ROOT || point == "/sys/fs/cgroup/unified")
+        .ok_or("no cgroup2 filesystem is mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified")?;
+    let mut wanted: Vec<&str> = options.split(',').filter(|o| !o.is_empty() && *o != "rw" && *o != "ro").collect();
+    if wanted.contains(&"favordynmods") {
+        return Ok(PathBuf::from(point));
+    }
+    wanted.push("favordynmods");
+    let data = CString::new(wanted.join(",")).map_err(|_| "a cgroup2 mount option holds a NUL".to_string())?;
+    rustix::mount::mount_remount(point.as_str(), MountFlags::empty(), data.as_c_str())
+        .map_err(|e| format!("cannot remount {point} with favordynmods (kernel 6.0 or later has it): {e}"))?;
+    Ok(PathBuf::from(point))
+}
+
 fn load_spec(bundle: &Path) -> Result<Spec, String> {
     let config = bundle.join("config.json");
     Spec::load(&config).map_err(|e| format!("cannot read {}: {e}", config.display()))
@@ -497,9 +535,9 @@ fn start(root: &Path, bundle: &Path, pid_file: &Path, id: &str) -> Result<std::p
     })?;
     let cgroup_path = cgroup_path(&spec, id);
     let cgroup = Cgroup::new(&cgroup_path);
-    cgroup.create(&spec)?;
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID)
         .map_err(|e| format!("cannot make a PID namespace: {e}"))?;
+    // The init sets up the workload's root while its cgroup is made.
     let mut init = std::process::Command::new(SELF_EXE)
         .arg0(ARG0)
         .arg("--root")
@@ -512,6 +550,7 @@ fn start(root: &Path, bundle: &Path, pid_file: &Path, id: &str) -> Result<std::p
         .map_err(|e| format!("cannot start the workload's init: {e}"))?;
     let go = init.stdin.take();
     let placed = (|| {
+        cgroup.create(&spec)?;
         cgroup.join(init.id())?;
         let start_ticks = procfs::read_stat(Path::new(PROC_ROOT), init.id())
             .map(|stat| stat.start_ticks)
@@ -543,24 +582,30 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), String> {
         .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
-/// The init: sets up the workload's namespaces and root, then becomes its
-/// program. Returns only on failure.
+/// The init: sets up the workload's namespaces and root while the monitor
+/// places it in its cgroup, waits for the monitor's word, then becomes the
+/// workload's program. Returns only on failure.
 fn init(bundle: &Path) -> i32 {
+    let mut program = match contain(bundle) {
+        Ok(program) => program,
+        Err(error) => return fail(&error),
+    };
     let mut go = [0u8; 1];
     if !matches!(std::io::stdin().read(&mut go), Ok(1)) {
         // The monitor could not place this process in its cgroup.
         return 1;
     }
-    match contain(bundle) {
-        Ok(mut program) => {
-            let error = program.exec();
-            fail(&format!("cannot start {:?}: {error}", program.get_program()))
-        }
-        Err(error) => fail(&error),
+    // Now in its cgroup: that is the root of the workload's cgroup namespace.
+    if let Err(error) = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP) {
+        return fail(&format!("cannot make the workload's cgroup namespace: {error}"));
     }
+    let error = program.exec();
+    fail(&format!("cannot start {:?}: {error}", program.get_program()))
 }
 
-/// Everything the init does before the exec; returns the command to exec.
+/// Everything the init does before it waits for its cgroup: the network
+/// namespace, the mount, IPC and UTS namespaces, the root, and dropping
+/// what the workload may not keep; returns the command to exec.
 fn contain(bundle: &Path) -> Result<std::process::Command, String> {
     use nix::sched::CloneFlags;
     let spec = load_spec(bundle)?;
@@ -575,10 +620,8 @@ fn contain(bundle: &Path) -> Result<std::process::Command, String> {
         )
         .map_err(|e| format!("cannot enter the network namespace {}: {e}", path.display()))?;
     }
-    nix::sched::unshare(
-        CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWCGROUP | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS,
-    )
-    .map_err(|e| format!("cannot make the workload's namespaces: {e}"))?;
+    nix::sched::unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS)
+        .map_err(|e| format!("cannot make the workload's namespaces: {e}"))?;
     rustix::mount::mount_change("/", MountPropagationFlags::PRIVATE | MountPropagationFlags::REC)
         .map_err(|e| format!("cannot make the mounts private: {e}"))?;
 

@@ -119,6 +119,11 @@ pub(super) struct LaunchArgs {
     /// How many launches the provider-level comparison takes of each kind.
     #[arg(long, default_value_t = 50, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
     compare: u32,
+    /// Turn on the host's cgroup2 `favordynmods` first (as the agent's flag
+    /// of that name does), so launches do not wait on cgroup migrations; it
+    /// stays on until reboot.
+    #[arg(long)]
+    cgroup_favordynmods: bool,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table, value_name = "FORMAT")]
     output: OutputFormat,
@@ -235,6 +240,11 @@ pub(super) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
             what: "--runtime uncontained",
             message: "as root the agent contains every workload; run it as another user".into(),
         });
+    }
+    if args.cgroup_favordynmods {
+        let mount = berth_agent::favor_cgroup_migrations()
+            .map_err(|message| LaunchBenchError::Refused { what: "--cgroup-favordynmods", message })?;
+        progress(&format!("favordynmods is on at {}", mount.display()));
     }
     let load_average_before = load_average();
     let shutdown = berth_rpc::shutdown_signal();
