@@ -99,6 +99,22 @@ pub enum AuthorityError {
     /// A rotation step is not possible now; the message says why.
     #[error("{0}")]
     Rotation(String),
+    /// A stored CA key opens under neither secret of a reseal.
+    #[error(
+        "cannot re-seal CA {fingerprint}: its key opens under neither the old nor the new secret; nothing was changed"
+    )]
+    ResealRefused {
+        /// The CA whose key did not open.
+        fingerprint: String,
+    },
+    /// The secret file could not be read.
+    #[error("cannot read the auth secret file {path}: {detail}")]
+    SecretFile {
+        /// The file.
+        path: String,
+        /// Why.
+        detail: String,
+    },
     /// Certificate generation failed.
     #[error("certificate operation failed: {0}")]
     Mtls(#[source] MtlsError),
@@ -210,7 +226,11 @@ struct View {
 
 struct Inner {
     store: Store,
-    seal: LessSafeKey,
+    /// The key CA keys are sealed under, from the auth secret.
+    seal: std::sync::RwLock<Arc<LessSafeKey>>,
+    /// Where the secret is read from, when it is a file: read again when
+    /// the stored keys no longer open under the one in memory (a reseal).
+    secret_file: Option<std::path::PathBuf>,
     timing: AuthorityTiming,
     view: RwLock<Option<Arc<View>>>,
     /// One refresh at a time; others wait for it rather than stampede.
@@ -272,6 +292,22 @@ fn unseal(key: &LessSafeKey, fingerprint: &str, sealed: &[u8]) -> Result<String,
     String::from_utf8(plain.to_vec()).map_err(|_| AuthorityError::Unseal)
 }
 
+/// The secret in `path`, without its trailing newline.
+pub(crate) fn read_secret_file(path: &std::path::Path) -> Result<String, AuthorityError> {
+    std::fs::read_to_string(path)
+        .map(|text| text.trim_end_matches(['\n', '\r']).to_string())
+        .map_err(|e| AuthorityError::SecretFile { path: path.display().to_string(), detail: e.to_string() })
+}
+
+/// What [`Authority::reseal`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Resealed {
+    /// Keys sealed under the old secret, now under the new one.
+    pub resealed: usize,
+    /// Keys already under the new secret (a reseal run again).
+    pub already: usize,
+}
+
 fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
@@ -284,11 +320,32 @@ impl Authority {
     /// Loads the authorities, creating the first CA if there is none, and
     /// checks that `auth_secret` opens the active one.
     pub async fn open(store: Store, auth_secret: &str, timing: AuthorityTiming) -> Result<Self, AuthorityError> {
-        let seal = sealing_key(auth_secret)?;
+        Self::open_sealed(store, sealing_key(auth_secret)?, None, timing).await
+    }
+
+    /// [`Authority::open`] with the secret read from `path`, and read again
+    /// whenever a stored key no longer opens under it: a replica given its
+    /// secret as a file follows a reseal without a restart.
+    pub async fn open_with_secret_file(
+        store: Store,
+        path: &std::path::Path,
+        timing: AuthorityTiming,
+    ) -> Result<Self, AuthorityError> {
+        let key = sealing_key(&read_secret_file(path)?)?;
+        Self::open_sealed(store, key, Some(path.to_path_buf()), timing).await
+    }
+
+    async fn open_sealed(
+        store: Store,
+        seal: LessSafeKey,
+        secret_file: Option<std::path::PathBuf>,
+        timing: AuthorityTiming,
+    ) -> Result<Self, AuthorityError> {
         let authority = Authority {
             inner: Arc::new(Inner {
                 store,
-                seal,
+                seal: std::sync::RwLock::new(Arc::new(seal)),
+                secret_file,
                 timing,
                 view: RwLock::new(None),
                 refresh: tokio::sync::Mutex::new(()),
@@ -300,6 +357,69 @@ impl Authority {
         }
         authority.refresh().await?;
         Ok(authority)
+    }
+
+    /// Re-seals every stored CA key from `old_secret` to `new_secret` in
+    /// one transaction: all of them or none. A key already under the new
+    /// secret is left as it is, so a reseal run again (after a crash, or
+    /// racing a rotation that added a key) converges; a key that opens
+    /// under neither refuses the whole reseal. Afterwards the old secret
+    /// opens nothing: a replica started with it refuses to start, and a
+    /// running one refuses to seal a new CA with it.
+    pub async fn reseal(store: &Store, old_secret: &str, new_secret: &str) -> Result<Resealed, AuthorityError> {
+        let (old, new) = (sealing_key(old_secret)?, sealing_key(new_secret)?);
+        let (old, new) = (&old, &new);
+        let done = store
+            .tx("authority.reseal", |conn| {
+                Box::pin(async move {
+                    let rows = sqlx::query("SELECT fingerprint, sealed_key FROM authorities ORDER BY created_at_ms")
+                        .fetch_all(&mut *conn)
+                        .await?;
+                    let mut done = Resealed::default();
+                    for row in rows {
+                        let fingerprint: String = row.try_get("fingerprint")?;
+                        let sealed: Vec<u8> = row.try_get("sealed_key")?;
+                        if unseal(new, &fingerprint, &sealed).is_ok() {
+                            done.already += 1;
+                            continue;
+                        }
+                        let key = unseal(old, &fingerprint, &sealed)
+                            .map_err(|_| AuthorityError::ResealRefused { fingerprint: fingerprint.clone() })?;
+                        let resealed = seal(new, &fingerprint, key.as_bytes())?;
+                        sqlx::query("UPDATE authorities SET sealed_key = $1 WHERE fingerprint = $2")
+                            .bind(resealed)
+                            .bind(&fingerprint)
+                            .execute(&mut *conn)
+                            .await?;
+                        done.resealed += 1;
+                    }
+                    Ok::<_, AuthorityError>(done)
+                })
+            })
+            .await?;
+        tracing::info!(resealed = done.resealed, already = done.already, "re-sealed the CA keys under the new secret");
+        Ok(done)
+    }
+
+    /// The sealing key in use now.
+    fn sealing(&self) -> Arc<LessSafeKey> {
+        self.inner.seal.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Opens a stored key; when it does not open and the secret is a file,
+    /// reads the file again (a reseal may have changed it) and tries once more.
+    fn unseal_row(&self, fingerprint: &str, sealed: &[u8]) -> Result<String, AuthorityError> {
+        match unseal(&self.sealing(), fingerprint, sealed) {
+            Ok(key) => Ok(key),
+            Err(error) => {
+                let Some(path) = &self.inner.secret_file else { return Err(error) };
+                let fresh = Arc::new(sealing_key(&read_secret_file(path)?)?);
+                let key = unseal(&fresh, fingerprint, sealed)?;
+                *self.inner.seal.write().unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+                tracing::info!(path = %path.display(), "took up the auth secret from its file again");
+                Ok(key)
+            }
+        }
     }
 
     async fn create_first(&self) -> Result<(), AuthorityError> {
@@ -326,7 +446,7 @@ impl Authority {
     fn generate(&self, name: &str) -> Result<(String, String, Vec<u8>, i64), AuthorityError> {
         let ca = CertificateAuthority::generate(name, self.inner.timing.ca_validity).map_err(AuthorityError::Mtls)?;
         let fingerprint = ca.fingerprint();
-        let sealed = seal(&self.inner.seal, &fingerprint, ca.key_pem().as_bytes())?;
+        let sealed = seal(&self.sealing(), &fingerprint, ca.key_pem().as_bytes())?;
         let der = certs_from_pem("CA certificate", ca.cert_pem()).map_err(AuthorityError::Mtls)?;
         let not_after_ms = cert_not_after(&der[0]).map_err(AuthorityError::Mtls)? * 1000;
         Ok((fingerprint, ca.cert_pem().to_string(), sealed, not_after_ms))
@@ -377,7 +497,7 @@ impl Authority {
         let active = match previous.as_ref().filter(|v| v.active.fingerprint() == active_row.fingerprint) {
             Some(v) => v.active.clone(),
             None => {
-                let key_pem = unseal(&self.inner.seal, &active_row.fingerprint, &active_row.sealed_key)?;
+                let key_pem = self.unseal_row(&active_row.fingerprint, &active_row.sealed_key)?;
                 Arc::new(CertificateAuthority::from_pem(&active_row.cert_pem, &key_pem).map_err(AuthorityError::Mtls)?)
             }
         };
@@ -481,8 +601,20 @@ impl Authority {
     }
 
     /// Prepares a new CA, replacing any prepared one: it joins the bundle but
-    /// signs nothing until activated.
+    /// signs nothing until activated. Refused when the stored active key no
+    /// longer opens under this replica's secret (it was re-sealed), so no
+    /// CA is ever sealed under a retired secret.
     pub async fn prepare(&self) -> Result<(), AuthorityError> {
+        let rows = self.load_rows().await?;
+        if let Some(active) = rows.iter().find(|r| r.state == State::Active)
+            && self.unseal_row(&active.fingerprint, &active.sealed_key).is_err()
+        {
+            return Err(AuthorityError::Rotation(
+                "the CA key was re-sealed under a new auth secret: restart this replica with it (or give it \
+                 --auth-secret-file) before rotating"
+                    .into(),
+            ));
+        }
         let (fingerprint, cert_pem, sealed, not_after_ms) = self.generate("berth CA")?;
         let now = now_ms();
         self.inner

@@ -24,15 +24,30 @@ const SERVING_CERT_TTL: Duration = Duration::from_secs(24 * 3600);
 /// The berth identity service: the CA, join tokens, node join and
 /// heartbeats, the node registry and revocation.
 #[derive(Debug, Parser)]
-#[command(name = "berth-identity", version)]
+#[command(
+    name = "berth-identity",
+    version,
+    after_help = "`berth-identity reseal --help`: re-seal the CA keys under a new auth secret."
+)]
 struct Args {
     /// Address to serve mTLS gRPC on.
     #[arg(long, env = "BERTH_LISTEN", default_value = "0.0.0.0:7443")]
     listen: SocketAddr,
     /// Secret the CA private key is sealed under (at least 32 characters).
     /// Every replica needs the same one; losing it loses the CA.
-    #[arg(long, env = "BERTH_AUTH_SECRET", hide_env_values = true)]
-    auth_secret: String,
+    #[arg(
+        long,
+        env = "BERTH_AUTH_SECRET",
+        hide_env_values = true,
+        required_unless_present = "auth_secret_file",
+        conflicts_with = "auth_secret_file"
+    )]
+    auth_secret: Option<String>,
+    /// A file holding the auth secret instead: read again whenever the
+    /// stored CA key no longer opens under the secret in memory, so a
+    /// replica follows `berth-identity reseal` without a restart.
+    #[arg(long, env = "BERTH_AUTH_SECRET_FILE", value_name = "FILE")]
+    auth_secret_file: Option<PathBuf>,
     /// Host names and IPs clients dial identity by, written into the
     /// certificate identity issues itself (comma separated).
     #[arg(long, env = "BERTH_ADVERTISE_NAMES", value_delimiter = ',', default_value = "localhost,127.0.0.1")]
@@ -63,15 +78,63 @@ struct Args {
     telemetry: TelemetryArgs,
 }
 
-/// Parses the flags and runs identity until SIGTERM or Ctrl-C.
+/// Re-seal the CA keys under a new auth secret, all in one transaction,
+/// with no replica stopped: replicas given --auth-secret-file take up the
+/// new secret from their file; the others keep signing and must be
+/// restarted with it before the next CA rotation. The old secret opens
+/// nothing afterwards.
+#[derive(Debug, Parser)]
+#[command(name = "berth-identity reseal", version)]
+struct ResealArgs {
+    /// A file holding the secret the CA keys are sealed under now.
+    #[arg(long, value_name = "FILE")]
+    old_secret_file: PathBuf,
+    /// A file holding the secret to seal them under (at least 32 characters).
+    #[arg(long, value_name = "FILE")]
+    new_secret_file: PathBuf,
+    #[command(flatten)]
+    state: StateArgs,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+/// Parses the flags and runs identity until SIGTERM or Ctrl-C, or runs
+/// `berth-identity reseal`.
 pub fn main() -> ExitCode {
+    if std::env::args_os().nth(1).is_some_and(|first| first == "reseal") {
+        let args = ResealArgs::parse_from(std::env::args_os().skip(1));
+        let telemetry = args.telemetry.clone();
+        return run_main("berth-identity", &telemetry, || reseal(args));
+    }
     let args = Args::parse();
     let telemetry = args.telemetry.clone();
     run_main("berth-identity", &telemetry, || run(args))
 }
 
+async fn reseal(args: ResealArgs) -> Result<(), StartError> {
+    let read = |path: &PathBuf| {
+        crate::authority::read_secret_file(path).map_err(|error| StartError::Invalid(error.to_string()))
+    };
+    let (old, new) = (read(&args.old_secret_file)?, read(&args.new_secret_file)?);
+    if new.len() < AUTH_SECRET_MIN_LEN {
+        return Err(StartError::Invalid(format!("the new secret must be at least {AUTH_SECRET_MIN_LEN} characters")));
+    }
+    let store = open_store(&args.state.database_url, NAME, MIGRATIONS).await?;
+    let done = crate::Authority::reseal(&store, &old, &new).await;
+    store.close().await;
+    let done = done.map_err(|e| StartError::Invalid(e.to_string()))?;
+    println!(
+        "re-sealed {} CA key(s) under the new secret ({} already were); replicas given --auth-secret-file take it up \
+         from their file, every other replica needs it before its next start",
+        done.resealed, done.already
+    );
+    Ok(())
+}
+
 async fn run(args: Args) -> Result<(), StartError> {
-    if args.auth_secret.len() < AUTH_SECRET_MIN_LEN {
+    if let Some(secret) = &args.auth_secret
+        && secret.len() < AUTH_SECRET_MIN_LEN
+    {
         return Err(StartError::Invalid(format!("--auth-secret must be at least {AUTH_SECRET_MIN_LEN} characters")));
     }
     check_timing(args.heartbeat_interval, args.down_after, args.reap_after).map_err(StartError::Invalid)?;
@@ -87,15 +150,17 @@ async fn run(args: Args) -> Result<(), StartError> {
     let store = open_store(&args.state.database_url, NAME, MIGRATIONS).await?;
     let bus = open_bus(&args.state.redis_url, NAME).await?;
     let config = IdentityConfig {
-        auth_secret: args.auth_secret,
+        auth_secret: args.auth_secret.unwrap_or_default(),
         authority: AuthorityTiming::default(),
         node_cert_ttl: Duration::from_secs(args.node_cert_ttl),
     };
     let readiness = berth_runtime::store_readiness(&store);
-    let service = IdentityService::open(store, bus, config)
-        .await
-        .map_err(|e| StartError::Invalid(e.to_string()))?
-        .with_node_timing(timing);
+    let service = match &args.auth_secret_file {
+        Some(path) => IdentityService::open_with_secret_file(store, bus, config, path).await,
+        None => IdentityService::open(store, bus, config).await,
+    }
+    .map_err(|e| StartError::Invalid(e.to_string()))?
+    .with_node_timing(timing);
     let me = Identity::service(NAME).map_err(|e| StartError::Invalid(e.to_string()))?;
     let kept = KeptIdentity::issue(service.authority(), me, args.advertise_names, SERVING_CERT_TTL)
         .await

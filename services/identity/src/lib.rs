@@ -32,7 +32,7 @@ use berth_rpc::{MAX_REQUEST_BYTES, ServerBuilder};
 use berth_store::{Migration, Store};
 use tokio_util::sync::CancellationToken;
 
-pub use authority::{AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTiming, bundle_digest};
+pub use authority::{AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTiming, Resealed, bundle_digest};
 pub use config::{DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL, MAX_TOKEN_USES, NodeTiming};
 pub use join::RETRY_AFTER_MS_HEADER;
 pub use keeper::{KEEPER_POLL, KeptIdentity, spawn_keeper, write_bundle};
@@ -103,8 +103,24 @@ impl IdentityService {
     /// creates it on first start.
     pub async fn open(store: Store, bus: Bus, config: IdentityConfig) -> Result<Self, AuthorityError> {
         let authority = Authority::open(store.clone(), &config.auth_secret, config.authority.clone()).await?;
+        Ok(Self::with_authority(store, bus, config, authority))
+    }
+
+    /// [`IdentityService::open`], with the auth secret read from `path`
+    /// instead of `config.auth_secret`, and read again after a reseal.
+    pub async fn open_with_secret_file(
+        store: Store,
+        bus: Bus,
+        config: IdentityConfig,
+        path: &std::path::Path,
+    ) -> Result<Self, AuthorityError> {
+        let authority = Authority::open_with_secret_file(store.clone(), path, config.authority.clone()).await?;
+        Ok(Self::with_authority(store, bus, config, authority))
+    }
+
+    fn with_authority(store: Store, bus: Bus, config: IdentityConfig, authority: Authority) -> Self {
         let nodes = registry::NodeRegistry::new(store.clone(), bus.clone(), NodeTiming::default());
-        Ok(Self { store, bus, authority, config: Arc::new(config), nodes })
+        Self { store, bus, authority, config: Arc::new(config), nodes }
     }
 
     /// Replaces the node timings (heartbeat, grace, reap, election, join
