@@ -431,7 +431,13 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         }
     };
 
-    let credentials = TlsCredentials::new(identity.material()).map_err(AgentError::Tls)?;
+    // The operator's --ca-file is trusted beside the kept bundle until the
+    // first heartbeat brings identity's: a node that was away while a CA was
+    // rotated and force-activated, whose kept bundle no longer verifies
+    // identity, is brought back by restarting it with the current bundle.
+    let mut material = identity.material();
+    material.ca_bundle_pem = trust_union(&identity.ca_bundle_pem, &config.ca_bundle_pem);
+    let credentials = TlsCredentials::new(material).map_err(AgentError::Tls)?;
     let listener = Listener::bind(config.listen, credentials.clone())
         .await
         .map_err(|source| AgentError::Bind { addr: config.listen, source })?;

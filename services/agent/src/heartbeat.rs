@@ -63,6 +63,12 @@ enum Beat {
     Revoked(String),
 }
 
+/// How a node whose CA bundle no longer verifies identity recovers.
+pub(crate) const UNTRUSTED_IDENTITY: &str = "identity's certificate does not verify against this node's CA \
+    bundle: a CA rotation was activated while this node was away. Restart the agent with the current bundle as \
+    --ca-file (berth-identity --ca-bundle-out writes it); the agent trusts it beside its own and takes identity's \
+    bundle in on its first heartbeat";
+
 fn classify(result: Result<HeartbeatResponse, tonic::Status>) -> Beat {
     match result {
         Ok(response) => Beat::Answered(response),
@@ -75,6 +81,11 @@ fn classify(result: Result<HeartbeatResponse, tonic::Status>) -> Beat {
         }
         Err(status) => {
             let text = status_text(&status);
+            if text.contains("invalid peer certificate") {
+                // What a node sees when identity's certificate comes from a
+                // CA it never received: it was away through a rotation.
+                return Beat::Failed(format!("{text}: {UNTRUSTED_IDENTITY}"));
+            }
             if is_transient_code(status.code()) {
                 Beat::Failed(text)
             } else {

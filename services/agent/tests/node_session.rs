@@ -113,6 +113,10 @@ struct IdentityUnderTest {
     db: Option<TestDb>,
     relay: Relay,
     bundle: String,
+    authority: berth_identity::Authority,
+    /// The certificate identity serves with; reloading it swaps what the
+    /// next handshake presents.
+    serving: TlsCredentials,
     admin: TlsCredentials,
     admin_channel: berth_rpc::Channel,
     stop: CancellationToken,
@@ -173,6 +177,8 @@ impl IdentityUnderTest {
             db: Some(db),
             relay: Relay::start(direct).await,
             bundle: authority.bundle_pem().await.unwrap(),
+            serving: me.credentials.clone(),
+            authority,
             admin,
             admin_channel,
             stop,
@@ -218,6 +224,28 @@ impl IdentityUnderTest {
     async fn try_rotate_ca(&self, activate: bool) -> Result<String, tonic::Status> {
         let request = v1::RotateCaRequest { activate, force: false };
         Ok(AuthorityClient::new(self.admin_channel.clone()).rotate_ca(request).await?.into_inner().ca_bundle_pem)
+    }
+
+    /// Activates the prepared CA whatever the nodes acknowledged
+    /// (`RotateCA {activate: true, force: true}`), has identity serve a
+    /// certificate of the new CA as its keeper does, and has the operator's
+    /// client trust the new bundle; returns it.
+    async fn force_activate(&self) -> String {
+        let request = v1::RotateCaRequest { activate: true, force: true };
+        let bundle = AuthorityClient::new(self.admin_channel.clone())
+            .rotate_ca(request)
+            .await
+            .unwrap()
+            .into_inner()
+            .ca_bundle_pem;
+        let mut admin = self.admin.material();
+        admin.ca_bundle_pem = bundle.clone();
+        self.admin.reload(admin).unwrap();
+        let me = Identity::service("identity").unwrap();
+        let serving =
+            self.authority.issue_material(&me, &["127.0.0.1".into()], Duration::from_secs(3600)).await.unwrap();
+        self.serving.reload(serving).unwrap();
+        bundle
     }
 
     /// Polls GetNode until identity no longer knows the node.
@@ -692,5 +720,48 @@ async fn a_rotated_ca_reaches_the_agent_before_it_signs_and_renewals_follow_it()
     agent.stop().await.unwrap();
     let trouble = watcher.await.unwrap();
     assert!(trouble.is_empty(), "the rotation disturbed the session: {trouble:?}");
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_node_away_through_a_forced_ca_activation_is_told_how_to_recover_and_does() {
+    let authority = AuthorityTiming { min_prepared: Duration::ZERO, ..AuthorityTiming::default() };
+    let identity = IdentityUnderTest::start_with(Duration::from_secs(3600), node_timing(), authority).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    agent.up().await;
+    agent.stop().await.unwrap();
+
+    // While the node is away, a new CA is prepared and activated by force,
+    // and identity serves a certificate it signed.
+    identity.rotate_ca(false).await;
+    let bundle = identity.force_activate().await;
+    assert_ne!(bundle, identity.bundle);
+
+    // Back with only the bundle it had, it cannot verify identity, and its
+    // status says why and what to do.
+    let stale = RunningAgent::start(agent_config(&identity, dir.path(), None)).await;
+    let told = stale
+        .status_until(
+            "told how to recover",
+            |s| matches!(s, AgentStatus::Retrying { last_error, .. } if last_error.contains("--ca-file")),
+        )
+        .await;
+    let AgentStatus::Retrying { last_error, .. } = told else { unreachable!() };
+    assert!(last_error.contains("a CA rotation was activated while this node was away"), "{last_error}");
+    stale.stop().await.unwrap();
+
+    // Restarted with the current bundle, as told, it is UP again and keeps
+    // identity's bundle for its next start.
+    let mut config = agent_config(&identity, dir.path(), None);
+    config.ca_bundle_pem = bundle.clone();
+    let back = RunningAgent::start(config).await;
+    back.up().await;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while std::fs::read_to_string(dir.path().join("identity/ca.pem")).unwrap() != bundle {
+        assert!(tokio::time::Instant::now() < deadline, "the current bundle was never kept");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    back.stop().await.unwrap();
     identity.cleanup().await;
 }
