@@ -92,9 +92,11 @@ bench:
 ## Container images, where a Docker engine runs: one per binary, tagged
 ## <binary>:dev, from one build of the workspace (docker/Dockerfile).
 images:
-	for target in berth berth-identity berth-revisions berth-leases berth-egress berth-agent; do \
+	for target in berth berth-identity berth-revisions berth-leases berth-egress; do \
 	  docker build -f docker/Dockerfile --target "$$target" -t "$$target:dev" .; \
 	done
+	# As compose builds it: examples/hello runs python3 in the agent's container.
+	docker build -f docker/Dockerfile --target berth-agent --build-arg AGENT_PACKAGES=python3 -t berth-agent:dev .
 
 ## The Dockerfile, compose.yaml and the k8s/ kustomizations, checked with
 ## the real tools (installed from PyPI when missing); no engine or cluster.

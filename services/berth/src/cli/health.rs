@@ -29,9 +29,14 @@ pub(crate) struct HealthArgs {
     #[arg(long, env = "BERTH_HEALTH_SERVER", default_value = "127.0.0.1:7443", value_name = "HOST:PORT",
           value_parser = super::parse_server)]
     server: String,
-    /// PEM bundle of the CAs the server's certificate must chain to.
+    /// PEM bundle of the CAs the server's certificate must chain to; in a
+    /// service's own container, the bundle it trusts (`BERTH_CA_FILE`)
+    /// when this is not given.
     #[arg(long, env = "BERTH_HEALTH_CA", value_name = "FILE")]
-    ca: PathBuf,
+    ca: Option<PathBuf>,
+    /// The service's own CA bundle, from its environment.
+    #[arg(long = "service-ca-file", env = "BERTH_CA_FILE", value_name = "FILE", hide = true)]
+    service_ca: Option<PathBuf>,
     /// The gRPC service to ask about, e.g. `berth.leases.v1.Leases`; empty
     /// asks about the whole server.
     #[arg(long, env = "BERTH_HEALTH_SERVICE", default_value = "", value_name = "NAME")]
@@ -46,6 +51,9 @@ pub(crate) struct HealthArgs {
 /// user (or the container runtime's log) sees.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum HealthError {
+    /// No CA bundle was named.
+    #[error("no CA bundle to verify the server with: pass --ca FILE, or set BERTH_HEALTH_CA or BERTH_CA_FILE")]
+    NoCa,
     /// The CA bundle could not be read.
     #[error("cannot read the CA bundle {path}: {source}; pass --ca FILE or set BERTH_HEALTH_CA")]
     ReadCa {
@@ -107,9 +115,15 @@ impl HealthArgs {
         Ok(self.check().await?)
     }
 
+    /// The bundle to verify with: `--ca`, else the service's own.
+    fn ca_file(&self) -> Result<&PathBuf, HealthError> {
+        self.ca.as_ref().or(self.service_ca.as_ref()).ok_or(HealthError::NoCa)
+    }
+
     async fn check(self) -> Result<(), HealthError> {
-        let ca_pem = std::fs::read_to_string(&self.ca)
-            .map_err(|source| HealthError::ReadCa { path: self.ca.display().to_string(), source })?;
+        let ca = self.ca_file()?;
+        let ca_pem = std::fs::read_to_string(ca)
+            .map_err(|source| HealthError::ReadCa { path: ca.display().to_string(), source })?;
         let channel = berth_rpc::connect_anonymous(&self.server, &ca_pem).map_err(HealthError::Channel)?;
         let mut request = tonic::Request::new(HealthCheckRequest { service: self.service.clone() });
         request.set_timeout(self.timeout);
@@ -164,7 +178,13 @@ mod tests {
         assert_eq!(probe.health.server, "127.0.0.1:7443");
         assert_eq!(probe.health.timeout, Duration::from_secs(5));
         assert!(Probe::try_parse_from(["probe", "--ca", "ca.pem", "--server", "leases"]).is_err());
-        assert!(Probe::try_parse_from(["probe", "--server", "127.0.0.1:7445"]).is_err(), "--ca is required");
+        let bare = Probe::try_parse_from(["probe", "--server", "127.0.0.1:7445"]).unwrap();
+        assert!(bare.health.ca_file().unwrap_err().to_string().contains("pass --ca FILE"));
+        // In a service's container, the bundle the service trusts; --ca wins.
+        let own = Probe::try_parse_from(["probe", "--service-ca-file", "/pki/ca.pem"]).unwrap();
+        assert_eq!(own.health.ca_file().unwrap(), &PathBuf::from("/pki/ca.pem"));
+        let both = Probe::try_parse_from(["probe", "--service-ca-file", "/pki/ca.pem", "--ca", "other.pem"]).unwrap();
+        assert_eq!(both.health.ca_file().unwrap(), &PathBuf::from("other.pem"));
     }
 
     #[test]
