@@ -568,6 +568,7 @@ impl ContainerProvider {
         let rootfs = dir.join("rootfs");
         if let (Some(lower), Some(image)) = (lower, plan.image.as_mut()) {
             mount_image_root(&dir, lower)?;
+            shadow_runtime_links(&rootfs)?;
             image.etc = image_etc(&dir, &plan.hostname)?;
             return self.write_spec(&dir, plan);
         }
@@ -651,6 +652,33 @@ fn mount_image_root(dir: &Path, lower: &Path) -> Result<(), ProviderError> {
         Some(options.as_c_str()),
     )
     .map_err(|e| io("mount the image overlay on", &rootfs, e.into()))
+}
+
+/// The directories of a root the runtime itself fills (`/dev` with its
+/// nodes and links, the kernel's filesystems, a tmpfs).
+const RUNTIME_DIRS: [&str; 4] = ["dev", "proc", "sys", "tmp"];
+
+/// Replaces, in a lease's own overlay, any of [`RUNTIME_DIRS`] that the image
+/// has as a link with an empty directory. A runtime writes into these by
+/// joining paths (runc 1.1 makes `/dev/fd`, `/dev/stdin`... that way), so an
+/// image whose `/dev` links to a host path would have it write there; the
+/// shared image is untouched (the link's removal is a whiteout in the
+/// lease's upper layer), and the runtime mounts over these directories anyway.
+fn shadow_runtime_links(rootfs: &Path) -> Result<(), ProviderError> {
+    for name in RUNTIME_DIRS {
+        let path = rootfs.join(name);
+        let is_link = std::fs::symlink_metadata(&path).is_ok_and(|meta| meta.file_type().is_symlink());
+        if is_link {
+            tracing::info!(path = %path.display(), "the image has a link where the runtime mounts; the lease gets a directory there");
+            std::fs::remove_file(&path).map_err(|source| io("remove the image's link", &path, source))?;
+            std::fs::DirBuilder::new().mode(0o755).create(&path).map_err(|source| io("create", &path, source))?;
+            // As an image has it: runc gives a tmpfs the mode of the directory under it.
+            let mode = if name == "tmp" { 0o1777 } else { 0o755 };
+            std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+                .map_err(|source| io("open up", &path, source))?;
+        }
+    }
+    Ok(())
 }
 
 /// Unmounts a container directory's image overlay, if it has one.

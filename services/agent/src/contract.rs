@@ -435,6 +435,11 @@ macro_rules! hostile {
             async fn what_it_orphans_is_reaped() {
                 orphans_reaped_on($runtime).await
             }
+
+            #[tokio::test]
+            async fn an_images_links_never_send_a_mount_outside_its_root() {
+                image_links_on($runtime).await
+            }
         }
     )*};
 }
@@ -535,6 +540,7 @@ async fn unprivileged_on(runtime: OciRuntime) {
     let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
     let script = "id -u; grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs)' /proc/self/status; \
                   touch /usr/evil 2>/dev/null && echo wrote-usr; touch $HOME/mine && echo wrote-home; \
+                  touch /tmp/mine && echo wrote-tmp; \
                   nsenter --net=/proc/1/ns/net true 2>/dev/null && echo entered";
     let mut launched = provider.launch(spec("lease-who", script)).await.unwrap();
     ended(&mut launched.exit).await;
@@ -548,6 +554,7 @@ async fn unprivileged_on(runtime: OciRuntime) {
     assert!(out.contains("NoNewPrivs:\t1") || runtime == OciRuntime::Runsc, "{out}");
     assert!(!out.contains("wrote-usr") && !out.contains("entered"), "{out}");
     assert!(out.contains("wrote-home"), "its own directory is writable: {out}");
+    assert!(out.contains("wrote-tmp"), "its private /tmp is writable: {out}");
 }
 
 /// Every containing runtime gives the workload an init of its own as its
@@ -567,6 +574,39 @@ async fn orphans_reaped_on(runtime: OciRuntime) {
     provider.destroy("lease-orphans").await.unwrap();
     let mut exit = launched.exit;
     ended(&mut exit).await;
+}
+
+/// An image whose `/tmp` and `/dev` are absolute links to a host directory:
+/// the runtime's mounts there land inside the lease's root, where the links
+/// lead inside it, never in that directory, and the workload runs.
+async fn image_links_on(runtime: OciRuntime) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
+    // Outside /tmp and /dev themselves, so the links do not loop.
+    let outside = tempfile::tempdir_in("/var/tmp").unwrap();
+    let root = tmp.path().join("image-root");
+    image_root(&root);
+    for link in ["tmp", "dev"] {
+        std::fs::create_dir_all(outside.path().join(link)).unwrap();
+        std::os::unix::fs::symlink(outside.path().join(link), root.join(link)).unwrap();
+    }
+    let mut spec =
+        spec("lease-links", "echo inside > /tmp/written && cat /tmp/written && echo x > /dev/null && echo ran");
+    spec.root = WorkloadRoot::Image { dir: root, digest: "sha256:links".into(), working_dir: "/".into() };
+    spec.program = Program::Command("sh".into());
+    spec.env.insert("PATH".into(), "/bin".into());
+    let mut launched = provider.launch(spec).await.unwrap();
+    let status = ended(&mut launched.exit).await.status;
+    let errors = std::fs::read_to_string(provider.log_files("lease-links").unwrap().stderr).unwrap_or_default();
+    assert!(status.success(), "{status:?}: {errors}");
+    assert_eq!(stdout_of(provider.as_ref(), "lease-links"), "inside\nran\n");
+    for dir in ["tmp", "dev"] {
+        let entries: Vec<_> =
+            std::fs::read_dir(outside.path().join(dir)).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert!(entries.is_empty(), "{runtime} wrote {entries:?} into the host's {dir} through the image's link");
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(outside.path().to_str().unwrap()), "a mount landed outside the root: {mounts}");
 }
 
 async fn recycled_pid_on(kind: Kind) {
