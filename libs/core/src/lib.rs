@@ -15,6 +15,8 @@
 //! that clients can verify the server by the address they dialled; they carry
 //! no identity.
 
+mod addr;
 mod identity;
 
+pub use addr::bracket_ipv6;
 pub use identity::{CallerKind, Identity, IdentityError, TRUST_DOMAIN, is_dns_label};

@@ -42,8 +42,10 @@ struct Args {
     #[arg(long, env = "BERTH_DATA_DIR", value_name = "DIR", default_value = "/var/lib/berth/agent")]
     data_dir: PathBuf,
     /// Where the control plane reaches this agent's API; its host is written
-    /// into the node certificate.
-    #[arg(long, env = "BERTH_ADVERTISE_ADDR", value_name = "HOST:PORT")]
+    /// into the node certificate. An IPv6 host may come without brackets
+    /// (`$(POD_IP):7447` on an IPv6 cluster).
+    #[arg(long, env = "BERTH_ADVERTISE_ADDR", value_name = "HOST:PORT",
+          value_parser = |value: &str| Ok::<_, String>(berth_core::bracket_ipv6(value)))]
     advertise_addr: String,
     /// Address to serve the agent API (mTLS gRPC) on.
     #[arg(long, env = "BERTH_LISTEN", value_name = "ADDR", default_value = "0.0.0.0:7447")]

@@ -373,6 +373,8 @@ fn port_above(server: &str, offset: u16) -> Option<String> {
 
 /// `host:port`, `[v6]:port` or `https://host:port`.
 fn parse_server(value: &str) -> Result<String, String> {
+    // `$(POD_IP):7447` on an IPv6 cluster comes without brackets.
+    let value = &berth_core::bracket_ipv6(value);
     let rest = value.strip_prefix("https://").unwrap_or(value);
     let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("'{value}' is not HOST:PORT"))?;
     if host.is_empty() || host.contains('/') {
@@ -430,6 +432,7 @@ mod tests {
         assert!(parse_server("identity.berth:7443").is_ok());
         assert!(parse_server("https://identity:7443").is_ok());
         assert!(parse_server("[::1]:7443").is_ok());
+        assert_eq!(parse_server("fd00::5:7447").unwrap(), "[fd00::5]:7447", "as $(POD_IP):7447 reads on IPv6");
         for bad in ["identity", ":7443", "identity:", "identity:http", "identity:0", "identity:70000"] {
             assert!(parse_server(bad).is_err(), "{bad} should be refused");
         }
