@@ -292,6 +292,9 @@ impl Attachment {
     }
 }
 
+/// How long a departed tenant's namespace is waited on to empty.
+const NAMESPACE_LINGER: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The node's egress proxies; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct EgressProxies {
@@ -629,12 +632,51 @@ impl EgressProxies {
         if let (Some(namespaces), Some(namespace)) = (&self.inner.namespaces, &tenant.namespace) {
             match namespaces.remove_if_unused(namespace).await {
                 Ok(true) => {}
-                Ok(false) => tracing::warn!(project = %name, %namespace,
-                    "the tenant left the node, and a process is still in its network namespace; keeping it"),
+                Ok(false) => {
+                    tracing::info!(project = %name, %namespace,
+                        "the tenant left the node while a process is still in its network namespace; removing it once that is gone");
+                    self.remove_when_unused(name.to_string(), namespace.clone());
+                }
                 Err(error) => tracing::warn!(project = %name, %namespace, %error, "cannot remove a network namespace"),
             }
         }
         tracing::info!(project = %name, "stopped the tenant's egress proxy");
+    }
+
+    /// Removes a departed tenant's namespace once the last process in it
+    /// (a sandbox still tearing down, say) is gone, for up to
+    /// [`NAMESPACE_LINGER`]. Each try holds the state lock and gives up if
+    /// the tenant came back, so a namespace a new lease is about to use is
+    /// never removed.
+    fn remove_when_unused(&self, tenant: String, namespace: String) {
+        let proxies = self.clone();
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + NAMESPACE_LINGER;
+            while tokio::time::Instant::now() < deadline {
+                tokio::select! {
+                    _ = proxies.inner.stop.cancelled() => return,
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+                }
+                let state = proxies.inner.state.lock().await;
+                if state.closed || state.tenants.contains_key(&tenant) {
+                    return;
+                }
+                let Some(namespaces) = &proxies.inner.namespaces else { return };
+                match namespaces.remove_if_unused(&namespace).await {
+                    Ok(true) => {
+                        tracing::info!(project = %tenant, %namespace, "removed the departed tenant's network namespace");
+                        return;
+                    }
+                    Ok(false) => {}
+                    Err(error) => {
+                        tracing::warn!(project = %tenant, %namespace, %error, "cannot remove a network namespace");
+                        return;
+                    }
+                }
+            }
+            tracing::warn!(project = %tenant, %namespace,
+                "a process is still in the departed tenant's network namespace; keeping it until the next start");
+        });
     }
 
     /// Stops every listener and forwarding, and removes every namespace no
