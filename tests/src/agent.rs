@@ -70,6 +70,18 @@ impl AgentProcess {
         if self.namespace.is_some() { Cut::Network } else { Cut::Frozen }
     }
 
+    /// Changes how the agent is started (flags, environment), from its
+    /// next start on.
+    pub fn reconfigure(&mut self, change: impl FnOnce(ProcessSpec) -> ProcessSpec) {
+        self.spec = change(self.spec.clone());
+    }
+
+    /// How many times `needle` appears in its log, every life of it.
+    pub fn log_count(&self, needle: &str) -> usize {
+        // Lossy: a workload's bytes in a logged error must not hide the rest.
+        std::fs::read(self.spec.log()).map(|log| String::from_utf8_lossy(&log).matches(needle).count()).unwrap_or(0)
+    }
+
     /// Starts the agent (again); a no-op while it runs.
     pub fn start(&mut self) -> anyhow::Result<()> {
         if self.is_running() {

@@ -61,8 +61,12 @@ pub struct LoadOptions {
     pub load_services: usize,
     /// One `RequestLease` every this often.
     pub lease_every: Duration,
-    /// Leases kept open: past this, the oldest is released.
+    /// Leases kept open by each lease writer: past this, its oldest is
+    /// released.
     pub open_leases: usize,
+    /// How many apply writers and how many lease writers run at once, each
+    /// at the pace above.
+    pub writers: usize,
     /// CPU each lease reserves, in thousandths of a core.
     pub lease_cpu_millis: u64,
     /// Memory each lease reserves.
@@ -196,6 +200,9 @@ struct Shared {
     paused: AtomicBool,
     busy: AtomicUsize,
     stop: CancellationToken,
+    /// The last declaration number and lease request number handed out.
+    declarations: AtomicU64,
+    lease_requests: AtomicU64,
 }
 
 impl Shared {
@@ -261,14 +268,21 @@ impl Load {
             paused: AtomicBool::new(false),
             busy: AtomicUsize::new(0),
             stop: CancellationToken::new(),
+            declarations: AtomicU64::new(0),
+            lease_requests: AtomicU64::new(0),
         });
         let mut tasks = Vec::new();
+        // Spread over one heartbeat interval, so the full rate is reached
+        // within a second of the start.
+        let count = nodes.len().max(1) as u64;
         for (index, node) in nodes.iter().enumerate() {
-            let spread = Duration::from_millis(37 * index as u64);
+            let spread = Duration::from_millis(1000 * index as u64 / count);
             tasks.push(tokio::spawn(heartbeat_worker(shared.clone(), node.clone(), spread)));
         }
-        tasks.push(tokio::spawn(apply_worker(shared.clone(), mesh.channel(ServiceKind::Revisions)?)));
-        tasks.push(tokio::spawn(lease_worker(shared.clone(), mesh.channel(ServiceKind::Leases)?)));
+        for _ in 0..shared.options.writers.max(1) {
+            tasks.push(tokio::spawn(apply_worker(shared.clone(), mesh.channel(ServiceKind::Revisions)?)));
+            tasks.push(tokio::spawn(lease_worker(shared.clone(), mesh.channel(ServiceKind::Leases)?)));
+        }
         Ok(Self { shared, nodes, tasks })
     }
 
@@ -337,6 +351,7 @@ async fn heartbeat_worker(shared: Arc<Shared>, node: SyntheticNode, spread: Dura
     let timeout = shared.options.request_timeout;
     let mut interval = Duration::from_secs(1);
     loop {
+        let started = Instant::now();
         match node.heartbeat(timeout).await {
             Ok(answer) => {
                 shared.stats.succeeded(Op::Heartbeat);
@@ -344,7 +359,9 @@ async fn heartbeat_worker(shared: Arc<Shared>, node: SyntheticNode, spread: Dura
                     shared.acks().fenced.insert(node.node_id.clone());
                 }
                 interval = Duration::from_millis(u64::from(answer.heartbeat_interval_ms.max(100)));
-                if !shared.rest(interval).await {
+                // On the interval's cadence, as an agent beats: a slow answer
+                // does not make the next beat later.
+                if !shared.rest(interval.saturating_sub(started.elapsed())).await {
                     return;
                 }
             }
@@ -361,9 +378,8 @@ async fn heartbeat_worker(shared: Arc<Shared>, node: SyntheticNode, spread: Dura
 async fn apply_worker(shared: Arc<Shared>, channel: Channel) {
     let mut services = revisions_v1::services_client::ServicesClient::new(channel);
     let options = shared.options.clone();
-    let mut declaration = 0u64;
     while let Some(turn) = shared.turn().await {
-        declaration += 1;
+        let declaration = shared.declarations.fetch_add(1, Ordering::SeqCst) + 1;
         let service = format!("{LOAD_SERVICE_PREFIX}{}", declaration % options.load_services.max(1) as u64);
         let request = revisions_v1::ApplyServiceRequest {
             project: String::new(),
@@ -418,9 +434,8 @@ async fn lease_worker(shared: Arc<Shared>, channel: Channel) {
     let mut leases = leases_v1::leases_client::LeasesClient::new(channel);
     let options = shared.options.clone();
     let mut open: VecDeque<String> = VecDeque::new();
-    let mut number = 0u64;
     while let Some(turn) = shared.turn().await {
-        number += 1;
+        let number = shared.lease_requests.fetch_add(1, Ordering::SeqCst) + 1;
         let key = format!("{}-{number}", shared.run_id);
         let request = leases_v1::RequestLeaseRequest {
             project: String::new(),

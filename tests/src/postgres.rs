@@ -5,6 +5,11 @@
 //! # What is stored
 //! `TMP/data`: the cluster (trust authentication, superuser `postgres`),
 //! removed when the server is dropped. Its unix socket lives there too.
+//! The server's log goes to `PARENT/logs/postgres.log` where the parent
+//! has a `logs/` directory (the mesh's, kept with it for a post-mortem),
+//! else to `TMP/postgres.log`. It records every wait for a lock longer
+//! than a second, naming the process that holds it, and every statement
+//! that ran longer than two seconds.
 //!
 //! # Running as root
 //! PostgreSQL refuses to run as root, so when the test is root the server
@@ -46,6 +51,7 @@ pub struct PrivatePostgres {
     bin: PathBuf,
     port: u16,
     user: Option<(u32, u32)>,
+    log: PathBuf,
     process: Option<ManagedProcess>,
 }
 
@@ -85,7 +91,9 @@ impl PrivatePostgres {
                 bail!("initdb failed ({}):\n{}", status.unwrap_or_else(|| "still running".into()), init.log_tail(20))
             }
         }
-        let mut server = Self { dir, bin, port: free_port()?, user, process: None };
+        let logs = parent.join("logs");
+        let log = if logs.is_dir() { logs.join("postgres.log") } else { dir.path().join("postgres.log") };
+        let mut server = Self { dir, bin, port: free_port()?, user, log, process: None };
         server.start_again().await?;
         Ok(server)
     }
@@ -123,7 +131,7 @@ impl PrivatePostgres {
             return Ok(());
         }
         let data = self.dir.path().join("data");
-        let mut spec = ProcessSpec::new("postgres", self.bin.join("postgres"), self.dir.path().join("postgres.log"))
+        let mut spec = ProcessSpec::new("postgres", self.bin.join("postgres"), self.log.clone())
             .arg("-D")
             .arg(&data)
             .arg("-p")
@@ -132,6 +140,8 @@ impl PrivatePostgres {
             .arg(&data)
             .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "full_page_writes=off"])
             .args(["-c".to_string(), format!("max_connections={MAX_CONNECTIONS}")])
+            .args(["-c", "log_lock_waits=on", "-c", "deadlock_timeout=1s", "-c", "log_min_duration_statement=2000"])
+            .args(["-c", "log_line_prefix=%m [%p] %a: "])
             .current_dir(self.dir.path());
         if let Some((uid, gid)) = self.user {
             spec = spec.as_user(uid, gid);

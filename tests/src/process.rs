@@ -35,6 +35,7 @@ pub struct ProcessSpec {
     program: PathBuf,
     args: Vec<OsString>,
     env: Vec<(OsString, OsString)>,
+    clear_env: bool,
     netns: Option<String>,
     user: Option<(u32, u32)>,
     current_dir: Option<PathBuf>,
@@ -49,6 +50,7 @@ impl ProcessSpec {
             program: program.into(),
             args: Vec::new(),
             env: Vec::new(),
+            clear_env: false,
             netns: None,
             user: None,
             current_dir: None,
@@ -75,6 +77,14 @@ impl ProcessSpec {
     /// Sets an environment variable (on top of the test's own environment).
     pub fn env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> Self {
         self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Starts the program with only the variables set here (and `PATH`),
+    /// not the test's own environment nor a default `RUST_LOG`, as a
+    /// container starts.
+    pub fn env_clear(mut self) -> Self {
+        self.clear_env = true;
         self
     }
 
@@ -128,7 +138,13 @@ impl ProcessSpec {
             None => tokio::process::Command::new(&self.program),
         };
         command.args(&self.args).stdin(Stdio::null()).stdout(Stdio::from(log_copy)).stderr(Stdio::from(log));
-        if std::env::var_os("RUST_LOG").is_none() {
+        if self.clear_env {
+            command.env_clear();
+            if let Some(path) = std::env::var_os("PATH") {
+                command.env("PATH", path);
+            }
+        }
+        if !self.clear_env && std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "info");
         }
         for (key, value) in &self.env {

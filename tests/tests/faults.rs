@@ -16,7 +16,20 @@
 //!    elsewhere, and once it is back it is fenced and destroys its stale
 //!    compute within the fencing bound. The bound counts from its return:
 //!    a node out of reach cannot be told anything, so until then its old
-//!    copy runs beside the new one (the suite prints how many did).
+//!    copy runs beside the new one (the suite prints how many did);
+//! 6. faults injected into a restarted agent (built with its
+//!    `fault-injection` feature, see `berth_agent::FAULTS_ENV`): its first
+//!    `AssumeCustody` reply lost after the commit, its listing of the host
+//!    failing twice, every destroy failing twice. What it ran is adopted,
+//!    the same processes, and what the load released from it is gone;
+//! 7. an agent given `--stop-after-disconnect` cut off: it stops what it
+//!    runs before the leases service can give the work away, so no replica
+//!    runs twice.
+//!
+//! The load is ten times a small fleet's: 240 synthetic nodes heartbeating
+//! every second, and four writers of each kind applying, requesting and
+//! releasing leases as fast as the mesh answers them (each at most ten a
+//! second); the steady row fails if it runs under 220 requests a second.
 //!
 //! After each fault every invariant is checked (see
 //! `berth_e2e::invariants`): no node over capacity, every lease with one
@@ -32,6 +45,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use berth_agent::FAULTS_ENV;
 use berth_e2e::invariants::{self, ResidentService};
 use berth_e2e::report::{self, FaultRow};
 use berth_e2e::{Cut, Load, LoadOptions, Mesh, MeshOptions, RUN_MARKER_ENV, ServiceKind, Snapshot, workloads};
@@ -48,6 +62,11 @@ const WEB: &str = "web";
 
 /// Its replicas: fewer than the agents, so one can be lost and replaced.
 const WEB_REPLICAS: u32 = 2;
+
+/// The load every fault runs under, at least: ten times what a small
+/// fleet makes (16 nodes' heartbeats, 2 applies, 2 lease requests and 2
+/// releases a second).
+const MIN_LOAD_RPS: f64 = 220.0;
 
 /// How long the mesh runs under load before the first fault.
 const WARM_UP: Duration = Duration::from_secs(5);
@@ -84,6 +103,14 @@ const PARTITION_SLACK: Duration = Duration::from_secs(15);
 
 /// How long a fenced agent may take to be UP again under a new incarnation.
 const REJOIN_BOUND: Duration = Duration::from_secs(60);
+
+/// How long a released lease's workload may take to be gone while every
+/// destroy of it fails twice first.
+const DESTROY_BOUND: Duration = Duration::from_secs(30);
+
+/// The `--stop-after-disconnect` of the agent cut off last: under two
+/// thirds of the mesh's lease TTL less its stop grace.
+const STOP_AFTER: Duration = Duration::from_secs(3);
 
 /// How often the fault steps look at the state they wait for.
 const POLL: Duration = Duration::from_millis(200);
@@ -135,7 +162,13 @@ impl Suite {
         tokio::time::sleep(WARM_UP).await;
         let before = self.load.snapshot();
         tokio::time::sleep(WARM_UP).await;
-        let outcome = Outcome { recovery: Some(Duration::ZERO), violations: self.acknowledgement_check_sees().await? };
+        let mut violations = self.acknowledgement_check_sees().await?;
+        let rate = self.load.snapshot().rate_since(&before);
+        if rate < MIN_LOAD_RPS {
+            violations
+                .push(format!("the load ran at {rate:.0} req/s, under the {MIN_LOAD_RPS} every fault is run under"));
+        }
+        let outcome = Outcome { recovery: Some(Duration::ZERO), violations };
         self.record("steady load, no fault", "-", before, outcome).await?;
 
         for kind in ServiceKind::ALL {
@@ -168,6 +201,22 @@ impl Suite {
         let name = format!("kill -9 agent {}, restart", self.mesh.agents()[agent].name());
         self.record(&name, "its instances adopted, same processes", before, outcome).await?;
 
+        let before = self.load.snapshot();
+        let outcome =
+            self.kill_agent_with(agent, "custody-reply-lost=1", "injected fault: the custody reply", 1).await?;
+        let name = format!("kill -9 agent {}, its first AssumeCustody reply lost", self.mesh.agents()[agent].name());
+        self.record(&name, "its instances adopted, same processes", before, outcome).await?;
+
+        let before = self.load.snapshot();
+        let outcome = self.kill_agent_with(agent, "listing-fails=2", "injected fault: the listing", 2).await?;
+        let name = format!("kill -9 agent {}, its listing failing twice", self.mesh.agents()[agent].name());
+        self.record(&name, "its instances adopted, same processes", before, outcome).await?;
+
+        let before = self.load.snapshot();
+        let outcome = self.failing_destroys(agent).await?;
+        let name = format!("agent {}: every destroy fails twice", self.mesh.agents()[agent].name());
+        self.record(&name, "every released lease's workload gone", before, outcome).await?;
+
         let other = self.agent_running_web(Some(agent)).await?;
         let how = match self.mesh.agents()[other].cut_kind() {
             Cut::Network => "network namespace down",
@@ -177,6 +226,12 @@ impl Suite {
         let outcome = self.partition(other).await?;
         let name = format!("cut off agent {} ({how})", self.mesh.agents()[other].name());
         self.record(&name, "stale compute destroyed after it returned", before, outcome).await?;
+
+        let agent = self.agent_running_web(None).await?;
+        let before = self.load.snapshot();
+        let outcome = self.partition_stopping(agent).await?;
+        let name = format!("cut off agent {} --stop-after-disconnect {STOP_AFTER:?}", self.mesh.agents()[agent].name());
+        self.record(&name, "its compute stopped while cut off", before, outcome).await?;
         Ok(())
     }
 
@@ -448,15 +503,198 @@ impl Suite {
         Ok(Outcome { recovery: adopted.map(|()| started.elapsed()), violations })
     }
 
-    async fn partition(&mut self, agent: usize) -> anyhow::Result<Outcome> {
+    /// [`kill_agent`](Self::kill_agent), the agent started again with
+    /// `faults` injected (see `berth_agent::FAULTS_ENV`); the fault must be
+    /// seen in its log at least `times` times, or the row means nothing.
+    async fn kill_agent_with(
+        &mut self,
+        agent: usize,
+        faults: &str,
+        injected: &str,
+        times: usize,
+    ) -> anyhow::Result<Outcome> {
+        let seen_before = self.mesh.agents()[agent].log_count(injected);
+        self.mesh.agent_mut(agent)?.reconfigure(|spec| spec.env(FAULTS_ENV, faults));
+        let mut outcome = self.kill_agent(agent).await?;
+        let seen = self.mesh.agents()[agent].log_count(injected) - seen_before;
+        if seen < times {
+            outcome.violations.push(format!(
+                "'{faults}' was injected {seen} times, not {times}: the row proves nothing\n{}",
+                self.mesh.agents()[agent].log_tail(10)
+            ));
+        }
+        Ok(outcome)
+    }
+
+    /// The agent restarted with every destroy failing twice: each lease the
+    /// load releases from it must still have its workload gone, and the
+    /// failing destroy must show in `ListInstances` meanwhile. The agent is
+    /// restarted without the fault afterwards.
+    async fn failing_destroys(&mut self, agent: usize) -> anyhow::Result<Outcome> {
+        const INJECTED: &str = "injected fault: the destroy fails";
+        let mut outcome = self.kill_agent_with(agent, "destroy-fails=2", "this agent injects faults", 1).await?;
+        let node_id = self.mesh.agent_node_id(agent).await?;
+        let injected_before = self.mesh.agents()[agent].log_count(INJECTED);
+        let (mesh, load, node_ref) = (&self.mesh, &self.load, &node_id);
+        // What the load runs on the node now: it releases each of them soon.
+        let watched = wait_for(SETTLE_TIMEOUT, || async move {
+            let opened: BTreeSet<String> = load.acks().leases.into_values().collect();
+            let here: BTreeSet<String> = workloads::scan(mesh.run_id())
+                .into_iter()
+                .filter(|w| &w.node_id == node_ref && opened.contains(&w.lease_id))
+                .map(|w| w.lease_id)
+                .collect();
+            (!here.is_empty()).then_some(here)
+        })
+        .await
+        .context("the load ran nothing on the agent")?;
+        let started = Instant::now();
+        let shown_failing = std::cell::Cell::new(false);
+        let (watched_ref, shown_ref) = (&watched, &shown_failing);
+        let gone = wait_for(DESTROY_BOUND, || async move {
+            if let Ok(listed) = list_instances(mesh, agent).await
+                && listed.iter().any(|i| watched_ref.contains(&i.lease_id) && i.reason == "DestroyFailing")
+            {
+                shown_ref.set(true);
+            }
+            let released = load.acks().released;
+            let running = workloads::scan(mesh.run_id());
+            (watched_ref.iter().all(|lease| released.contains(lease))
+                && !running.iter().any(|w| watched_ref.contains(&w.lease_id)))
+            .then_some(())
+        })
+        .await;
+        let injected = self.mesh.agents()[agent].log_count(INJECTED) - injected_before;
+        if gone.is_none() {
+            let left: Vec<String> = workloads::scan(self.mesh.run_id())
+                .into_iter()
+                .filter(|w| watched.contains(&w.lease_id))
+                .map(|w| w.lease_id)
+                .collect();
+            outcome.violations.push(format!(
+                "released leases' workloads still ran {DESTROY_BOUND:?} later: {left:?}\n{}",
+                self.mesh.agents()[agent].log_tail(10)
+            ));
+        }
+        if injected < 2 * watched.len() {
+            outcome.violations.push(format!(
+                "{injected} destroys failed for {} released leases, not two each: the row proves nothing",
+                watched.len()
+            ));
+        }
+        if !shown_failing.get() {
+            outcome.violations.push(format!("ListInstances never showed a lease of {watched:?} as DestroyFailing"));
+        }
+        eprintln!(
+            "faults: {} released leases' workloads gone {:.1?} after, through {injected} failed destroys",
+            watched.len(),
+            started.elapsed()
+        );
+        let agent_process = self.mesh.agent_mut(agent)?;
+        agent_process.reconfigure(|spec| spec.env(FAULTS_ENV, ""));
+        agent_process.stop(Duration::from_secs(10)).await?;
+        agent_process.start()?;
+        Ok(Outcome { recovery: gone.map(|()| started.elapsed()), violations: outcome.violations })
+    }
+
+    /// The agent, given `--stop-after-disconnect`, is cut off: it must stop
+    /// everything it runs before the leases service can give the work to
+    /// another node (a bound under two thirds of the lease TTL less the
+    /// stop grace, the README's rule), so no replica runs twice.
+    async fn partition_stopping(&mut self, agent: usize) -> anyhow::Result<Outcome> {
         let timings = self.mesh.options().timings.clone();
+        anyhow::ensure!(
+            STOP_AFTER < timings.lease_ttl() * 2 / 3 - timings.stop_grace,
+            "{STOP_AFTER:?} is not a bound the README promises anything for"
+        );
+        let agent_process = self.mesh.agent_mut(agent)?;
+        agent_process
+            .reconfigure(|spec| spec.arg("--stop-after-disconnect").arg(format!("{}ms", STOP_AFTER.as_millis())));
+        agent_process.stop(Duration::from_secs(10)).await?;
+        agent_process.start()?;
+        let (_, unsettled) = invariants::wait_settled(&self.mesh, &self.services, SETTLE_TIMEOUT).await?;
+        anyhow::ensure!(unsettled.is_empty(), "not settled after the restart: {unsettled:?}");
+        // The bound counts from the last renewal: the restarted agent must
+        // have reconciled (holding nothing in custody) and renewed once.
+        let mesh = &self.mesh;
+        wait_for(SETTLE_TIMEOUT, || async move {
+            let listed = list_instances_response(mesh, agent).await.ok()?;
+            (listed.held_in_custody == 0 && !listed.instances.is_empty()).then_some(())
+        })
+        .await
+        .context("the restarted agent never reconciled what it runs")?;
+        tokio::time::sleep(timings.lease_ttl() / 3 + Duration::from_secs(1)).await;
+        let (name, node, stale) = self.what_runs_on(agent).await?;
+        anyhow::ensure!(!stale.is_empty(), "{name} runs nothing to stop");
+        let kind = self.mesh.agent_mut(agent)?.cut()?;
+        let cut_at = Instant::now();
+        let mut violations = Vec::new();
+        // Until the leases could be given away, and a little past it.
+        let bound = timings.lease_ttl() + PARTITION_SLACK;
+        let (mesh, stale_ref, node_ref) = (&self.mesh, &stale, &node);
+        let most_twice = std::cell::Cell::new(0usize);
+        let twice_ref = &most_twice;
+        let gone = wait_for(bound, || async move {
+            let running = workloads::scan(mesh.run_id());
+            let stale_left = running.iter().any(|w| stale_ref.contains(&w.lease_id));
+            let web: Vec<&workloads::Workload> = running
+                .iter()
+                .filter(|w| w.revision.as_deref().is_some_and(|r| r.starts_with(&format!("{WEB}-"))))
+                .collect();
+            if stale_left && web.iter().any(|w| w.node_id != node_ref.node_id) {
+                twice_ref.set(twice_ref.get().max(web.len().saturating_sub(WEB_REPLICAS as usize)));
+            }
+            (!stale_left).then(|| cut_at.elapsed())
+        })
+        .await;
+        match gone {
+            Some(took) if took > timings.lease_ttl() => violations.push(format!(
+                "{name}'s compute was stopped {took:.1?} after the cut, past the lease TTL ({:?})",
+                timings.lease_ttl()
+            )),
+            Some(_) => {}
+            None => violations.push(format!(
+                "{name} still ran {stale:?} {bound:?} after it was cut off ({kind:?})\n{}",
+                self.mesh.agents()[agent].log_tail(10)
+            )),
+        }
+        if most_twice.get() > 0 {
+            violations.push(format!("{} replica copies of {WEB} ran twice while {name} was cut off", most_twice.get()));
+        }
+        self.mesh.agent_mut(agent)?.heal()?;
+        let (mesh, name_ref) = (&self.mesh, &name);
+        let back = wait_for(REJOIN_BOUND, || async move {
+            let row = mesh.node(name_ref).await.ok()??;
+            (row.state == "up").then_some(())
+        })
+        .await;
+        if back.is_none() {
+            violations.push(format!("{name} was not UP again within {REJOIN_BOUND:?} of its return"));
+        }
+        eprintln!(
+            "faults: {name} stopped its {} workloads {:.1?} after it was cut off; {} copies ran twice",
+            stale.len(),
+            gone.unwrap_or(bound),
+            most_twice.get()
+        );
+        Ok(Outcome { recovery: gone, violations })
+    }
+
+    /// Agent `agent`'s node name, its node, and the leases it runs now.
+    async fn what_runs_on(&self, agent: usize) -> anyhow::Result<(String, berth_e2e::NodeRow, BTreeSet<String>)> {
         let name = self.mesh.agents()[agent].name().to_string();
         let node = self.mesh.node(&name).await?.context("the agent's node")?;
-        let stale: BTreeSet<String> = workloads::scan(self.mesh.run_id())
+        let leases = workloads::scan(self.mesh.run_id())
             .into_iter()
             .filter(|w| w.node_id == node.node_id)
             .map(|w| w.lease_id)
             .collect();
+        Ok((name, node, leases))
+    }
+
+    async fn partition(&mut self, agent: usize) -> anyhow::Result<Outcome> {
+        let timings = self.mesh.options().timings.clone();
+        let (name, node, stale) = self.what_runs_on(agent).await?;
         // The same watch that must see nothing during the other faults must
         // see this one: the node marked down and its leases expired.
         let watch = DbWatch::start(&self.mesh, vec![node.node_id.clone()]).await?;
@@ -647,10 +885,15 @@ async fn web_processes(mesh: &Mesh) -> anyhow::Result<Vec<workloads::Workload>> 
 
 /// The instances agent `agent` reports.
 async fn list_instances(mesh: &Mesh, agent: usize) -> anyhow::Result<Vec<agent_v1::Instance>> {
+    Ok(list_instances_response(mesh, agent).await?.instances)
+}
+
+/// Agent `agent`'s whole answer to `ListInstances`, custody included.
+async fn list_instances_response(mesh: &Mesh, agent: usize) -> anyhow::Result<agent_v1::ListInstancesResponse> {
     let mut request = tonic::Request::new(agent_v1::ListInstancesRequest::default());
     request.set_timeout(Duration::from_secs(2));
     let listed = agent_v1::agent_client::AgentClient::new(mesh.agent_channel(agent)?).list_instances(request).await?;
-    Ok(listed.into_inner().instances)
+    Ok(listed.into_inner())
 }
 
 /// Declares web: a bundle that sleeps, [`WEB_REPLICAS`] replicas spread
@@ -677,12 +920,13 @@ async fn deploy_web(mesh: &Mesh, bundle: &str) -> anyhow::Result<()> {
 
 fn load_options(mesh: &Mesh, bundle_reference: String) -> LoadOptions {
     LoadOptions {
-        synthetic_nodes: 16,
+        synthetic_nodes: 240,
         synthetic_tier: "synthetic".into(),
-        apply_every: Duration::from_millis(500),
+        apply_every: Duration::from_millis(100),
         load_services: 4,
-        lease_every: Duration::from_millis(500),
-        open_leases: 6,
+        lease_every: Duration::from_millis(100),
+        open_leases: 2,
+        writers: 4,
         lease_cpu_millis: 50,
         lease_memory_bytes: 16 << 20,
         tier: mesh.options().tier.clone(),

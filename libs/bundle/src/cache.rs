@@ -39,7 +39,7 @@ use std::time::SystemTime;
 
 use std::os::unix::fs::PermissionsExt as _;
 
-use crate::client::{BundleClient, Fetcher, RegistryCredentials, RegistryError};
+use crate::client::{BundleClient, Fetcher, RegistryCredentials};
 use crate::digest::{Digest, digest_reader};
 use crate::extract::{BundleLimits, ExtractError, extract_layer};
 use crate::format::{BundleConfig, BundleManifest, Descriptor, FormatError, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES};
@@ -47,6 +47,7 @@ use crate::image::unpack_image_layer;
 use crate::layout::{read_bounded, write_atomically};
 use crate::oci_image::{ImageManifest, ImageRun, ManifestKind, classify};
 use crate::reference::BundleReference;
+use crate::registry_error::RegistryError;
 use crate::spec::BundlePort;
 
 /// How much disk the cache may use by default before evicting, 20 GiB.

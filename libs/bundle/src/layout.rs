@@ -16,10 +16,10 @@ use std::io::{self, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::client::RegistryError;
 use crate::digest::{Digest, HashingReader};
 use crate::format::{BUNDLE_ARTIFACT_TYPE, Descriptor, ImageIndex, OCI_MANIFEST_MEDIA_TYPE, REF_NAME_ANNOTATION};
 use crate::pack::PackedBundle;
+use crate::registry_error::RegistryError;
 
 /// The contents of the `oci-layout` marker file.
 const LAYOUT_MARKER: &str = r#"{"imageLayoutVersion":"1.0.0"}"#;

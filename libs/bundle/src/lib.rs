@@ -24,6 +24,7 @@ mod layout;
 mod oci_image;
 mod pack;
 mod reference;
+mod registry_error;
 mod spec;
 #[cfg(feature = "testing")]
 pub mod test_image;
@@ -36,7 +37,6 @@ pub use cache::{
 };
 pub use client::{
     BundleClient, BundleInfo, DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RegistryConfig, RegistryCredentials,
-    RegistryError,
 };
 pub use digest::{Digest, DigestError, SHA256_PREFIX};
 pub use extract::{
@@ -55,4 +55,5 @@ pub use oci_image::{
 };
 pub use pack::{PackError, PackedBundle};
 pub use reference::{BundleReference, DEFAULT_TAG, LAYOUT_PREFIX, LayoutReference, ReferenceError, RegistryReference};
+pub use registry_error::RegistryError;
 pub use spec::{BundlePort, BundleSpec, SPEC_FILE, SpecError, validate};

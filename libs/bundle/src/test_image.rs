@@ -6,10 +6,11 @@
 use std::io::{self, Write as _};
 use std::path::Path;
 
-use crate::client::{BundleClient, RegistryCredentials, RegistryError};
+use crate::client::{BundleClient, RegistryCredentials};
 use crate::digest::Digest;
 use crate::format::{Descriptor, LAYER_TAR_GZIP_MEDIA_TYPE, OCI_MANIFEST_MEDIA_TYPE};
 use crate::reference::BundleReference;
+use crate::registry_error::RegistryError;
 
 /// Where Debian's `busybox-static` puts its binary.
 pub const BUSYBOX: &str = "/bin/busybox";

@@ -34,6 +34,7 @@ mod bus;
 mod error;
 mod memory;
 mod redis_bus;
+mod redis_calls;
 mod redis_pubsub;
 mod signals;
 #[cfg(feature = "testing")]
@@ -43,5 +44,6 @@ pub use backend::{BusBackend, BusFuture, BusMessage, MarkerState, RateDecision, 
 pub use bus::{Bus, Continuity, MAX_DEADLINE_MS};
 pub use error::BusError;
 pub use memory::{DEFAULT_TOPIC_CAPACITY, MemoryBus};
-pub use redis_bus::{RedisBus, RedisTimings};
+pub use redis_bus::RedisBus;
+pub use redis_calls::RedisTimings;
 pub use signals::KeySignals;

@@ -22,11 +22,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, ErrorKind, RedisError, RedisResult, Script, ServerErrorKind};
+use redis::{Client, RedisResult, Script};
 
 use crate::BusError;
 use crate::backend::{BusBackend, BusFuture, MarkerState, RateDecision, Subscription};
-use crate::error::NoAnswer;
+use crate::redis_calls::{RedisTimings, bounded};
 use crate::redis_pubsub::PubSubHandle;
 
 /// How many `ZADD` pairs one command of a rebuild carries; keeps each command small
@@ -62,35 +62,6 @@ end
 redis.call('SET', KEYS[1], ARGV[1])
 return {1, ARGV[1]}
 ";
-
-/// How long the Redis bus waits for the server, and how it paces reconnects.
-///
-/// The defaults suit production; tests shorten them to run in milliseconds.
-#[derive(Clone, Debug)]
-pub struct RedisTimings {
-    /// How long one connection attempt may take before the bus counts as unavailable.
-    pub connect_timeout: Duration,
-    /// How long one command may take, reconnecting included.
-    pub command_timeout: Duration,
-    /// How often the idle pub/sub connection is probed, so a silently dead socket is noticed.
-    pub keepalive_interval: Duration,
-    /// The first pause before reconnecting a lost pub/sub connection; doubles per failure.
-    pub reconnect_backoff_min: Duration,
-    /// The longest pause between pub/sub reconnect attempts.
-    pub reconnect_backoff_max: Duration,
-}
-
-impl Default for RedisTimings {
-    fn default() -> Self {
-        Self {
-            connect_timeout: Duration::from_secs(3),
-            command_timeout: Duration::from_secs(3),
-            keepalive_interval: Duration::from_secs(5),
-            reconnect_backoff_min: Duration::from_millis(100),
-            reconnect_backoff_max: Duration::from_secs(5),
-        }
-    }
-}
 
 /// The Redis [`BusBackend`].
 pub struct RedisBus {
@@ -316,44 +287,6 @@ impl BusBackend for RedisBus {
     }
 }
 
-/// Awaits a Redis operation for at most `limit`, mapping what goes wrong to a [`BusError`].
-pub(crate) async fn bounded<T>(
-    address: &str,
-    operation: &'static str,
-    limit: Duration,
-    operation_future: impl Future<Output = RedisResult<T>>,
-) -> Result<T, BusError> {
-    match tokio::time::timeout(limit, operation_future).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(err)) => Err(classify(address, operation, err)),
-        Err(_elapsed) => Err(BusError::Unavailable { address: address.to_owned(), source: Box::new(NoAnswer(limit)) }),
-    }
-}
-
-/// Tells a server that is away (retry later) from one that refused the command.
-pub(crate) fn classify(address: &str, operation: &'static str, err: RedisError) -> BusError {
-    let away = err.is_io_error()
-        || err.is_timeout()
-        || err.is_connection_dropped()
-        || err.is_unrecoverable_error()
-        || matches!(
-            err.kind(),
-            ErrorKind::AuthenticationFailed
-                | ErrorKind::Server(
-                    ServerErrorKind::BusyLoading
-                        | ServerErrorKind::TryAgain
-                        | ServerErrorKind::ClusterDown
-                        | ServerErrorKind::MasterDown
-                        | ServerErrorKind::ReadOnly
-                )
-        );
-    if away {
-        BusError::Unavailable { address: address.to_owned(), source: Box::new(err) }
-    } else {
-        BusError::internal(operation, err)
-    }
-}
-
 /// Scores are written as integers within ±2^53, so they read back exactly.
 fn score_to_ms(score: f64) -> i64 {
     score as i64
@@ -384,17 +317,5 @@ mod tests {
     fn glob_characters_in_a_prefix_match_only_themselves() {
         assert_eq!(escape_glob("svc-1.a_b"), "svc-1.a_b");
         assert_eq!(escape_glob(r"a*b?[c]\"), r"a\*b\?\[c\]\\");
-    }
-
-    #[test]
-    fn a_refused_command_is_internal_but_a_dropped_connection_is_unavailable() {
-        let refused = RedisError::from((ErrorKind::Server(ServerErrorKind::ResponseError), "boom"));
-        let err = classify("127.0.0.1:6379", "deadline_due", refused);
-        assert_eq!(err.to_string(), "bus operation deadline_due failed");
-
-        let dropped = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        let err = classify("127.0.0.1:6379", "deadline_due", dropped);
-        assert_eq!(err.to_string(), "bus at 127.0.0.1:6379 is unavailable");
-        assert!(err.is_unavailable());
     }
 }

@@ -34,7 +34,7 @@ use crate::BusError;
 use crate::backend::{BusMessage, Subscription};
 use crate::error::{PubSubStopped, Reconnecting};
 use crate::memory::DEFAULT_TOPIC_CAPACITY;
-use crate::redis_bus::{RedisTimings, bounded};
+use crate::redis_calls::{RedisTimings, bounded};
 
 /// The handle through which a [`crate::RedisBus`] reaches its pub/sub task.
 #[derive(Clone, Debug)]

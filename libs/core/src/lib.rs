@@ -16,6 +16,7 @@
 //! no identity.
 
 mod addr;
+pub mod backoff;
 mod identity;
 
 pub use addr::bracket_ipv6;

@@ -43,6 +43,9 @@ impl std::fmt::Debug for CertificateAuthority {
 pub struct IssuedCertificate {
     /// The leaf, PEM.
     pub cert_pem: String,
+    /// When it becomes valid (its issue time, backdated for clock skew),
+    /// seconds since the Unix epoch.
+    pub not_before: i64,
     /// When it stops being valid, seconds since the Unix epoch.
     pub not_after: i64,
 }
@@ -173,7 +176,11 @@ impl CertificateAuthority {
         params.serial_number = Some(random_serial());
         let issuer = Issuer::from_ca_cert_der(&self.cert_der, &self.key).map_err(MtlsError::Generate)?;
         let cert = params.signed_by(public_key, &issuer).map_err(MtlsError::Generate)?;
-        Ok(IssuedCertificate { cert_pem: cert.pem(), not_after: not_after.unix_timestamp() })
+        Ok(IssuedCertificate {
+            cert_pem: cert.pem(),
+            not_before: not_before.unix_timestamp(),
+            not_after: not_after.unix_timestamp(),
+        })
     }
 }
 

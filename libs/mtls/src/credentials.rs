@@ -7,6 +7,7 @@
 //! listener and connector holding a clone sees the new material on its next
 //! handshake. Established connections keep the material they were made with.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use berth_core::Identity;
@@ -73,6 +74,8 @@ struct Loaded {
 #[derive(Clone)]
 pub struct TlsCredentials {
     current: Arc<RwLock<Arc<Loaded>>>,
+    /// How many times new material was swapped in.
+    generation: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for TlsCredentials {
@@ -88,7 +91,7 @@ impl std::fmt::Debug for TlsCredentials {
 impl TlsCredentials {
     /// Builds server and client configurations from `material`.
     pub fn new(material: TlsMaterial) -> Result<Self, MtlsError> {
-        Ok(Self { current: Arc::new(RwLock::new(Arc::new(load(material)?))) })
+        Ok(Self { current: Arc::new(RwLock::new(Arc::new(load(material)?))), generation: Arc::default() })
     }
 
     /// Swaps in new material; the next handshake uses it. On error the old
@@ -96,7 +99,15 @@ impl TlsCredentials {
     pub fn reload(&self, material: TlsMaterial) -> Result<(), MtlsError> {
         let loaded = Arc::new(load(material)?);
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = loaded;
+        self.generation.fetch_add(1, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Counts the reloads: a client that made its connection at another
+    /// generation presents material no longer current, and should make a
+    /// fresh one (a server refuses a node certificate a renewal replaced).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// The configuration a listener accepts with: it presents our certificate

@@ -51,6 +51,14 @@ pub mod leases {
     }
 }
 
+impl leases::v1::LeasePhase {
+    /// Whether a lease in this phase holds capacity and may still change
+    /// (PENDING, BOUND, LAUNCHING, RUNNING); every other phase is final.
+    pub fn is_open(self) -> bool {
+        matches!(self, Self::Pending | Self::Bound | Self::Launching | Self::Running)
+    }
+}
+
 /// The egress service: gateways, routes, compiled plans (`berth.egress.v1`).
 pub mod egress {
     /// Version 1.

@@ -10,7 +10,9 @@
 //! - Anything else (reflection, an unknown path) admits any caller with a
 //!   verified certificate; tonic answers `UNIMPLEMENTED` for unknown paths.
 //! - A node in the [`Revocations`] set gets `PERMISSION_DENIED` on every
-//!   RPC, health included, whatever its certificate says.
+//!   RPC, health included, whatever its certificate says; so does a node
+//!   presenting a certificate issued before its floor (superseded by a
+//!   renewal or a rejoin).
 //! - Node RPCs additionally act only on the caller's own node id; the
 //!   handler checks that with [`require_own_node`], since the id lives in
 //!   the request body.
@@ -116,11 +118,17 @@ pub struct Access<S> {
 }
 
 impl<S> Access<S> {
-    fn decide(&self, path: &str, identity: Option<&Identity>) -> Result<(), Status> {
-        if let Some(node) = identity.and_then(Identity::node_id)
-            && self.revocations.is_revoked(node)
-        {
-            return Err(Status::permission_denied(format!("node '{node}' is revoked")));
+    fn decide(&self, path: &str, peer: Option<&PeerInfo>) -> Result<(), Status> {
+        let identity = peer.and_then(|p| p.identity.as_ref());
+        if let Some(node) = identity.and_then(Identity::node_id) {
+            if self.revocations.is_revoked(node) {
+                return Err(Status::permission_denied(format!("node '{node}' is revoked")));
+            }
+            if let Some(issued) = peer.and_then(|p| p.issued_at)
+                && let Some(why) = self.revocations.superseded(node, issued)
+            {
+                return Err(Status::permission_denied(why));
+            }
         }
         self.policy.check(path, identity)
     }
@@ -144,8 +152,8 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let identity = req.extensions().get::<PeerInfo>().and_then(|p| p.identity.as_ref());
-        match self.decide(req.uri().path(), identity) {
+        let peer = req.extensions().get::<PeerInfo>();
+        match self.decide(req.uri().path(), peer) {
             Ok(()) => Box::pin(self.inner.call(req)),
             Err(status) => {
                 tracing::info!(path = req.uri().path(), code = ?status.code(), message = status.message(), "call refused");

@@ -96,6 +96,66 @@ pub fn connect(addr: &str, credentials: TlsCredentials) -> Result<Channel, Clien
     channel(addr, TlsConnector { config: ConfigSource::Credentials(credentials) })
 }
 
+/// A channel to one address that follows its credentials: once they are
+/// reloaded (a renewed certificate), the next call makes a fresh connection
+/// presenting the new material. A healthy connection is otherwise kept for
+/// ever, and servers refuse a node certificate a renewal superseded.
+pub struct FollowingChannel {
+    addr: String,
+    credentials: TlsCredentials,
+    /// The credentials' generation the channel was made at, and the channel.
+    current: std::sync::Mutex<(u64, Channel)>,
+}
+
+impl std::fmt::Debug for FollowingChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FollowingChannel").field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+impl FollowingChannel {
+    /// A channel to `addr` (`host:port`) presenting `credentials`.
+    pub fn new(addr: &str, credentials: TlsCredentials) -> Result<Self, ClientError> {
+        let generation = credentials.generation();
+        let channel = connect(addr, credentials.clone())?;
+        Ok(Self { addr: addr.to_string(), credentials, current: std::sync::Mutex::new((generation, channel)) })
+    }
+
+    /// The address it dials.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The channel for the next call: a fresh one when the credentials
+    /// changed since the current one was made.
+    pub fn channel(&self) -> Channel {
+        let generation = self.credentials.generation();
+        let mut current = self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.0 != generation {
+            match connect(&self.addr, self.credentials.clone()) {
+                Ok(channel) => *current = (generation, channel),
+                Err(error) => {
+                    tracing::warn!(addr = %self.addr, %error, "cannot rebuild a channel; keeping the current one")
+                }
+            }
+        }
+        current.1.clone()
+    }
+
+    /// Drops the current connection: the next call makes a fresh one.
+    pub fn reconnect(&self) {
+        match connect(&self.addr, self.credentials.clone()) {
+            Ok(channel) => {
+                *self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    (self.credentials.generation(), channel);
+            }
+            Err(error) => {
+                tracing::warn!(addr = %self.addr, %error, "cannot rebuild a channel; keeping the current one")
+            }
+        }
+    }
+}
+
 /// A channel to `addr` that presents no certificate and verifies the server
 /// against `ca_bundle_pem`: what a host uses to join.
 pub fn connect_anonymous(addr: &str, ca_bundle_pem: &str) -> Result<Channel, ClientError> {

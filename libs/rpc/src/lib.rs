@@ -19,9 +19,11 @@ mod revocations;
 mod server;
 
 pub use access::{AccessLayer, AccessPolicy, caller, require_own_node};
-pub use client::{Channel, ClientError, PER_CALL_HEADERS, UnindexedPerCallHeaders, connect, connect_anonymous};
+pub use client::{
+    Channel, ClientError, FollowingChannel, PER_CALL_HEADERS, UnindexedPerCallHeaders, connect, connect_anonymous,
+};
 pub use listener::{Listener, PeerInfo};
-pub use revocations::Revocations;
+pub use revocations::{CertificateFloor, Revocations};
 pub use server::{
     MAX_REQUEST_BYTES, READINESS_INTERVAL, READINESS_TIMEOUT, ReadinessProbe, RpcError, ServerBuilder, ServingHealth,
     shutdown_signal,

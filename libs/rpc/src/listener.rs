@@ -16,7 +16,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use berth_core::Identity;
-use berth_mtls::{TlsCredentials, identity_from_cert};
+use berth_mtls::{TlsCredentials, cert_validity, identity_from_cert};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -39,6 +39,10 @@ pub struct PeerInfo {
     /// The berth identity its verified certificate names; `None` when it
     /// presented no certificate.
     pub identity: Option<Identity>,
+    /// When its certificate was issued (its notBefore), seconds since the
+    /// Unix epoch; `None` when it presented none. A node's certificates
+    /// issued before its floor are refused (see [`Revocations`](crate::Revocations)).
+    pub issued_at: Option<i64>,
 }
 
 /// A bound TCP socket and the credentials its handshakes use.
@@ -84,13 +88,10 @@ impl Listener {
                 tokio::spawn(async move {
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                         Ok(Ok(tls)) => {
-                            let identity = tls
-                                .get_ref()
-                                .1
-                                .peer_certificates()
-                                .and_then(|certs| certs.first())
-                                .and_then(identity_from_cert);
-                            let info = PeerInfo { remote_addr, identity };
+                            let leaf = tls.get_ref().1.peer_certificates().and_then(|certs| certs.first());
+                            let identity = leaf.and_then(identity_from_cert);
+                            let issued_at = leaf.and_then(|cert| cert_validity(cert).ok()).map(|(from, _)| from);
+                            let info = PeerInfo { remote_addr, identity, issued_at };
                             let _ = tx.send(MtlsStream { tls, info }).await;
                         }
                         Ok(Err(error)) => tracing::debug!(%remote_addr, %error, "tls handshake refused"),

@@ -1,8 +1,9 @@
 //! A reflector of identity's node registry: every control-plane service
 //! other than identity follows `berth.identity.v1.Nodes/WatchNodes` into a
 //! [`NodeDirectory`] (the nodes as identity last described them) and keeps
-//! its [`Revocations`] set from it, so a revoked node is refused everywhere
-//! within the stream's latency.
+//! its [`Revocations`] set from it, so a revoked node, and a certificate a
+//! node's renewal or rejoin superseded, is refused everywhere within the
+//! stream's latency.
 //!
 //! # Expected flow
 //! Each (re)connection receives the whole registry, then `SYNCED`; the
@@ -19,7 +20,7 @@ use std::time::Duration;
 use berth_mtls::TlsCredentials;
 use berth_proto::identity::v1::{Node, NodeState, WatchNodesRequest, nodes_client::NodesClient};
 use berth_proto::types::v1::EventKind;
-use berth_rpc::Revocations;
+use berth_rpc::{CertificateFloor, Revocations};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -107,10 +108,9 @@ pub fn follow_nodes(
                 tracing::warn!(identity = %identity_addr, code = ?status.code(), message = status.message(),
                     "node stream from identity broke; retrying");
             }
-            let jitter = backoff.mul_f64(rand::random::<f64>() * 0.5);
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(backoff + jitter) => {}
+                _ = tokio::time::sleep(berth_core::backoff::spread(backoff)) => {}
             }
             backoff = (backoff * 2).min(MAX_BACKOFF);
         }
@@ -119,6 +119,19 @@ pub fn follow_nodes(
 
 fn is_revoked(node: &Node) -> bool {
     node.state == NodeState::Revoked as i32
+}
+
+/// Which of the node's certificates are still its own, as identity says.
+fn certificate_floor(node: &Node) -> CertificateFloor {
+    let seconds = |t: &Option<prost_types::Timestamp>| t.as_ref().map_or(0, |t| t.seconds);
+    let millis = |t: &Option<prost_types::Timestamp>| {
+        t.as_ref().map_or(0, |t| t.seconds.saturating_mul(1000).saturating_add(i64::from(t.nanos / 1_000_000)))
+    };
+    CertificateFloor {
+        floor_s: seconds(&node.certificate_floor),
+        next_s: seconds(&node.certificate_next_floor),
+        moves_at_ms: millis(&node.certificate_floor_moves_at),
+    }
 }
 
 async fn follow_once(
@@ -142,6 +155,13 @@ async fn follow_once(
                         nodes.values().filter(|n| is_revoked(n)).map(|n| n.node_id.clone()).collect();
                     tracing::debug!(nodes = nodes.len(), revoked = revoked.len(), "in sync with identity's registry");
                     revocations.replace(revoked);
+                    revocations.replace_floors(
+                        nodes
+                            .values()
+                            .map(|n| (n.node_id.clone(), certificate_floor(n)))
+                            .filter(|(_, floor)| *floor != CertificateFloor::default())
+                            .collect(),
+                    );
                     directory.replace(NodeSnapshot { nodes, synced: true });
                 }
                 *backoff = MIN_BACKOFF;
@@ -157,9 +177,13 @@ async fn follow_once(
                     tracing::info!(node = %node.node_id, "node revoked");
                     revocations.revoke(&node.node_id);
                 }
+                revocations.set_floor(&node.node_id, certificate_floor(&node));
                 directory.upsert(node);
             }
-            (EventKind::Removed, Some(node), None) => directory.remove(&node.node_id),
+            (EventKind::Removed, Some(node), None) => {
+                revocations.set_floor(&node.node_id, CertificateFloor::default());
+                directory.remove(&node.node_id);
+            }
             _ => {}
         }
     }

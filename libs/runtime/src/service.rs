@@ -12,7 +12,7 @@ use berth_store::{Migration, Store};
 use tokio_util::sync::CancellationToken;
 
 use crate::reload::{CERT_POLL_INTERVAL, watch_cert_files};
-use crate::{MeshArgs, NodeDirectory, StartError, StateArgs, TlsArgs, follow_nodes, open_bus, open_store};
+use crate::{MeshArgs, NodeDirectory, StartError, StateArgs, TlsArgs, follow_nodes, wait_for_bus, wait_for_store};
 
 /// What a control-plane service declares about itself.
 #[derive(Debug, Clone, Copy)]
@@ -59,10 +59,16 @@ pub fn store_readiness(store: &Store) -> ReadinessProbe {
 }
 
 impl ServiceSpec {
-    /// Opens the service's store (migrated) and bus.
-    pub async fn open(&self, state: &StateArgs, credentials: TlsCredentials) -> Result<ServiceContext, StartError> {
-        let store = open_store(&state.database_url, self.name, self.migrations).await?;
-        let bus = open_bus(&state.redis_url, self.name).await?;
+    /// Opens the service's store (migrated) and bus, waiting for either
+    /// while it cannot be reached, until `stop`.
+    pub async fn open(
+        &self,
+        state: &StateArgs,
+        credentials: TlsCredentials,
+        stop: &CancellationToken,
+    ) -> Result<ServiceContext, StartError> {
+        let store = wait_for_store(&state.database_url, self.name, self.migrations, stop).await?;
+        let bus = wait_for_bus(&state.redis_url, self.name, stop).await?;
         Ok(ServiceContext { store, bus, credentials, revocations: Revocations::new(), nodes: NodeDirectory::new() })
     }
 
@@ -112,7 +118,7 @@ pub async fn start_service(
     shutdown: &CancellationToken,
 ) -> Result<Started, StartError> {
     let credentials = tls.load()?;
-    let ctx = spec.open(state, credentials.clone()).await?;
+    let ctx = spec.open(state, credentials.clone(), shutdown).await?;
     if let Some(identity) = &mesh.identity_addr {
         follow_nodes(
             identity.clone(),

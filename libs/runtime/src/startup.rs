@@ -4,8 +4,11 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
+use std::time::Duration;
+
 use berth_bus::Bus;
-use berth_store::{Migration, Store};
+use berth_store::{Migration, Store, StoreError};
+use tokio_util::sync::CancellationToken;
 
 use crate::TelemetryArgs;
 
@@ -65,6 +68,72 @@ pub async fn open_bus(url: &str, prefix: &str) -> Result<Bus, StartError> {
     Bus::connect(url, prefix).await.map_err(StartError::Bus)
 }
 
+/// The first wait between attempts to reach a dependency at start-up.
+const FIRST_START_RETRY: Duration = Duration::from_millis(250);
+
+/// The longest wait between attempts to reach a dependency at start-up.
+const MAX_START_RETRY: Duration = Duration::from_secs(10);
+
+/// [`open_store`] for a long-running service: while the database cannot be
+/// reached (refused, timed out), it waits and tries again, saying so each
+/// time, instead of exiting: a service started during a database failover,
+/// or before its database in a deploy, comes up once the database does
+/// (Kubernetes' start-up probe bounds the wait). Any other failure (a bad
+/// URL, a refused login, a failed migration) ends the start at once, and so
+/// does `stop`.
+pub async fn wait_for_store(
+    url: &str,
+    schema: &str,
+    migrations: &[Migration],
+    stop: &CancellationToken,
+) -> Result<Store, StartError> {
+    wait_for(
+        "database",
+        stop,
+        || open_store(url, schema, migrations),
+        |error| matches!(error, StartError::Store(StoreError::Unavailable { .. })),
+    )
+    .await
+}
+
+/// [`open_bus`] that waits for Redis as [`wait_for_store`] waits for the database.
+pub async fn wait_for_bus(url: &str, prefix: &str, stop: &CancellationToken) -> Result<Bus, StartError> {
+    wait_for(
+        "bus",
+        stop,
+        || open_bus(url, prefix),
+        |error| matches!(error, StartError::Bus(bus) if bus.is_unavailable()),
+    )
+    .await
+}
+
+async fn wait_for<T, F, Fut>(
+    what: &'static str,
+    stop: &CancellationToken,
+    mut attempt: F,
+    is_unavailable: fn(&StartError) -> bool,
+) -> Result<T, StartError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, StartError>>,
+{
+    let mut delay = FIRST_START_RETRY;
+    loop {
+        let error = match attempt().await {
+            Err(error) if is_unavailable(&error) => error,
+            done => return done,
+        };
+        tracing::warn!(%error, retry_in = ?delay, "waiting for the {what} before serving");
+        tokio::select! {
+            () = stop.cancelled() => {
+                return Err(StartError::Invalid(format!("stopped while waiting for the {what}: {error}")));
+            }
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(MAX_START_RETRY);
+    }
+}
+
 /// Runs a binary: installs the ring crypto provider, starts the runtime and
 /// telemetry, runs `body`, and turns an error into `<binary>: error: ...`
 /// on stderr and exit code 1.
@@ -97,6 +166,12 @@ where
         }
         let guard = berth_telemetry::init(&config).map_err(StartError::Telemetry)?;
         let result = body().await;
+        // A leading loop resigns as it ends: the next replica takes over at
+        // once instead of a leader TTL later. Only a body that ended well
+        // stopped its loops; one that failed exits without waiting for them.
+        if result.is_ok() && !crate::loops::wait_for_loops(crate::LOOPS_GRACE).await {
+            tracing::warn!(grace = ?crate::LOOPS_GRACE, "exiting before every loop ended; a lead it held lapses after its ttl");
+        }
         if let Err(error) = guard.shutdown_async().await {
             tracing::warn!(%error, "flushing traces at exit failed");
         }
@@ -120,16 +195,20 @@ fn host_name() -> Option<String> {
 
 /// The error and its sources on one line, skipping sources whose text the
 /// outer message already includes.
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut line = error.to_string();
-    let mut source = error.source();
-    while let Some(s) = source {
-        let text = s.to_string();
+pub fn chain(error: &dyn std::error::Error) -> String {
+    with_causes(error.to_string(), error.source())
+}
+
+/// `line`, then `source` and each of its sources after it, each once: a
+/// cause whose text the line already includes is not repeated.
+pub fn with_causes(mut line: String, mut source: Option<&(dyn std::error::Error + 'static)>) -> String {
+    while let Some(cause) = source {
+        let text = cause.to_string();
         if !line.contains(&text) {
             line.push_str(": ");
             line.push_str(&text);
         }
-        source = s.source();
+        source = cause.source();
     }
     line
 }

@@ -15,7 +15,7 @@
 pub use crate::error::{BoxError, StoreError, TxError, expect_one};
 pub use crate::leader::{ElectionTiming, LeaderElector, LeaderHandle, Term};
 pub use crate::migrate::Migration;
-pub use crate::store::{Backend, Store, StoreOptions, TxFuture, TxRetry, TxScope};
+pub use crate::store::{Backend, Store, StoreOptions, TxFuture, TxRetry, TxScope, now_ms_in};
 
 mod error;
 mod leader;

@@ -23,10 +23,10 @@
 //!   an older replica keeps running during a rolling upgrade.
 
 use sha2::{Digest as _, Sha256};
-use sqlx::AnyConnection;
+use sqlx::{AnyConnection, Connection as _};
 
 use crate::error::StoreError;
-use crate::store::{Backend, Store, pg_now_ms, sqlite_now_ms};
+use crate::store::{Backend, Store, pg_now_ms, schema_lock_key, sqlite_now_ms};
 
 /// One schema change, as a service ships it (usually `include_str!` of its
 /// SQL files). Each backend's SQL may hold several statements.
@@ -136,14 +136,6 @@ impl Ledger {
     }
 }
 
-/// The advisory lock key that serializes schema changes to one schema.
-pub(crate) fn schema_lock_key(schema: &str) -> i64 {
-    let digest = Sha256::digest(format!("berth-store/{schema}").as_bytes());
-    let mut key = [0u8; 8];
-    key.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(key)
-}
-
 impl Store {
     /// Applies the migrations this database lacks, in order, each in its own
     /// transaction. Running it again is a no-op; see the module docs for the
@@ -154,13 +146,20 @@ impl Store {
 
     /// Creates the ledgers and the store's own tables.
     pub(crate) async fn bootstrap(&self) -> Result<(), StoreError> {
-        let mut tx = self.pool().begin_with(self.migration_begin()).await.map_err(|e| self.classify(e))?;
+        let mut conn = self.transaction_connection().await?;
+        let created = self.create_ledgers(&mut conn).await;
+        conn.settled();
+        created?;
+        self.apply(Ledger::Store, STORE_MIGRATIONS).await
+    }
+
+    async fn create_ledgers(&self, conn: &mut AnyConnection) -> Result<(), StoreError> {
+        let mut tx = conn.begin_with(self.migration_begin()).await.map_err(|e| self.classify(e))?;
         self.lock_schema(&mut tx).await?;
         for ledger in [Ledger::Service, Ledger::Store] {
             sqlx::query(ledger.sql().create).execute(&mut *tx).await.map_err(|e| self.classify(e))?;
         }
-        tx.commit().await.map_err(|e| self.classify(e))?;
-        self.apply(Ledger::Store, STORE_MIGRATIONS).await
+        tx.commit().await.map_err(|e| self.classify(e))
     }
 
     async fn apply(&self, ledger: Ledger, migrations: &[Migration]) -> Result<(), StoreError> {
@@ -172,6 +171,18 @@ impl Store {
     }
 
     async fn apply_one(&self, ledger: Ledger, migration: &Migration) -> Result<(), StoreError> {
+        let mut conn = self.transaction_connection().await?;
+        let applied = self.apply_one_on(&mut conn, ledger, migration).await;
+        conn.settled();
+        applied
+    }
+
+    async fn apply_one_on(
+        &self,
+        conn: &mut AnyConnection,
+        ledger: Ledger,
+        migration: &Migration,
+    ) -> Result<(), StoreError> {
         let backend = self.backend();
         let checksum = migration.checksum(backend);
         let failed = |reason: &str, source: Option<sqlx::Error>| StoreError::Migration {
@@ -181,7 +192,7 @@ impl Store {
             source,
         };
 
-        let mut tx = self.pool().begin_with(self.migration_begin()).await.map_err(|e| self.classify(e))?;
+        let mut tx = conn.begin_with(self.migration_begin()).await.map_err(|e| self.classify(e))?;
         self.lock_schema(&mut tx).await?;
         let applied: Option<(String, String)> = sqlx::query_as(ledger.sql().select)
             .bind(migration.version)

@@ -36,14 +36,19 @@
 //! begin `IMMEDIATE`, taking the write lock up front so `busy_timeout`
 //! applies instead of failing on upgrade. A failed `COMMIT` whose cause is
 //! not contention is reported, never retried: its outcome is unknown and the
-//! caller must read the state again.
+//! caller must read the state again. A transaction whose future is dropped
+//! before it ends (a cancelled call) closes its connection rather than
+//! return it to the pool, so no pooled connection is ever left inside a
+//! transaction nobody will end ([`SettledOrClosed`]). [`Store::read`] runs a
+//! body that only reads in one snapshot (`REPEATABLE READ READ ONLY` on
+//! PostgreSQL), which never fails as contended and never makes a writer
+//! fail; lists and lookups use it, read-modify-writes never do.
 
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rand::Rng as _;
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::pool::PoolConnectionMetadata;
 use sqlx::sqlite::SqliteConnectOptions;
@@ -136,10 +141,7 @@ impl TxRetry {
     /// A random wait in `[0, min(max, base * 2^(attempt-1))]` ("full jitter"),
     /// so colliding transactions spread out instead of colliding again.
     fn backoff(&self, attempt: u32) -> Duration {
-        let exp = self.base_backoff.saturating_mul(1u32 << attempt.saturating_sub(1).min(16));
-        let cap = exp.min(self.max_backoff);
-        let cap_ms = u64::try_from(cap.as_millis()).unwrap_or(u64::MAX);
-        Duration::from_millis(rand::rng().random_range(0..=cap_ms))
+        berth_core::backoff::full_jitter(self.base_backoff, self.max_backoff, attempt)
     }
 }
 
@@ -291,7 +293,31 @@ impl Store {
     ///     expect_one(done.rows_affected(), "lease")
     /// })).await?;
     /// ```
-    pub async fn tx<'env, T, E, F>(&self, op: &'static str, mut body: F) -> Result<T, E>
+    pub async fn tx<'env, T, E, F>(&self, op: &'static str, body: F) -> Result<T, E>
+    where
+        F: for<'c> FnMut(&'c mut AnyConnection) -> TxFuture<'env, 'c, Result<T, E>> + Send + 'env,
+        T: Send,
+        E: TxError + Send,
+    {
+        self.run(op, Access::ReadWrite, body).await
+    }
+
+    /// Runs `body` in a read-only transaction named `op`: one consistent
+    /// snapshot of what was committed when it began, and a write in it is
+    /// refused. On PostgreSQL it is `REPEATABLE READ READ ONLY`, which never
+    /// fails as contended and takes no predicate locks: a read neither
+    /// fails under concurrent writers nor makes them fail, as a
+    /// `SERIALIZABLE` one can. A read-modify-write belongs in [`Store::tx`].
+    pub async fn read<'env, T, E, F>(&self, op: &'static str, body: F) -> Result<T, E>
+    where
+        F: for<'c> FnMut(&'c mut AnyConnection) -> TxFuture<'env, 'c, Result<T, E>> + Send + 'env,
+        T: Send,
+        E: TxError + Send,
+    {
+        self.run(op, Access::ReadOnly, body).await
+    }
+
+    async fn run<'env, T, E, F>(&self, op: &'static str, access: Access, mut body: F) -> Result<T, E>
     where
         F: for<'c> FnMut(&'c mut AnyConnection) -> TxFuture<'env, 'c, Result<T, E>> + Send + 'env,
         T: Send,
@@ -303,13 +329,14 @@ impl Store {
             db.operation = op,
             db.system = self.backend().as_str(),
             db.namespace = %self.schema(),
+            db.access = access.as_str(),
             attempts = tracing::field::Empty,
         );
         let retry = self.shared.tx_retry;
         async move {
             let mut attempt = 1;
             loop {
-                let result = self.tx_once(&mut body).await;
+                let result = self.tx_once(access, &mut body).await;
                 let contended = match &result {
                     Err(error) => error.store_error().is_some_and(StoreError::is_retryable),
                     Ok(_) => false,
@@ -336,33 +363,131 @@ impl Store {
         .await
     }
 
-    async fn tx_once<'env, T, E, F>(&self, body: &mut F) -> Result<T, E>
+    async fn tx_once<'env, T, E, F>(&self, access: Access, body: &mut F) -> Result<T, E>
     where
         F: for<'c> FnMut(&'c mut AnyConnection) -> TxFuture<'env, 'c, Result<T, E>> + Send + 'env,
         E: TxError,
     {
-        let begin = match self.backend() {
-            Backend::Postgres => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-            Backend::Sqlite => "BEGIN IMMEDIATE",
-        };
-        let mut tx = self.pool.begin_with(begin).await.map_err(|e| E::from(self.classify(e)))?;
-        match body(&mut tx).await {
-            Ok(value) => {
-                tx.commit().await.map_err(|e| E::from(self.classify(e)))?;
-                Ok(value)
+        let (begin, read_only) = match (self.backend(), access) {
+            (Backend::Postgres, Access::ReadWrite) => ("BEGIN ISOLATION LEVEL SERIALIZABLE", None),
+            (Backend::Postgres, Access::ReadOnly) => ("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", None),
+            (Backend::Sqlite, Access::ReadWrite) => ("BEGIN IMMEDIATE", None),
+            // SQLite has no read-only transaction; the connection is made
+            // read-only for its length (a setting of the connection, which
+            // a cancelled read leaves behind on a connection that is closed).
+            (Backend::Sqlite, Access::ReadOnly) => {
+                ("BEGIN DEFERRED", Some(("PRAGMA query_only = ON", "PRAGMA query_only = OFF")))
             }
-            Err(error) => {
-                if let Err(rollback) = tx.rollback().await {
-                    tracing::debug!(error = %rollback, "rollback failed; the connection is discarded");
+        };
+        let mut conn = self.transaction_connection().await.map_err(E::from)?;
+        let result = async {
+            if let Some((on, _)) = read_only {
+                conn.execute(on).await.map_err(|e| E::from(self.classify(e)))?;
+            }
+            let mut tx = conn.begin_with(begin).await.map_err(|e| E::from(self.classify(e)))?;
+            match body(&mut tx).await {
+                Ok(value) => {
+                    tx.commit().await.map_err(|e| E::from(self.classify(e)))?;
+                    Ok(value)
                 }
-                Err(error)
+                Err(error) => {
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback, "rollback failed; the connection is discarded");
+                    }
+                    Err(error)
+                }
             }
         }
+        .await;
+        if let Some((_, off)) = read_only
+            && let Err(error) = conn.execute(off).await
+        {
+            tracing::debug!(%error, "could not make the connection writable again; it is discarded");
+            return result;
+        }
+        conn.settled();
+        result
+    }
+
+    /// A pooled connection to run one transaction on; see [`SettledOrClosed`].
+    pub(crate) async fn transaction_connection(&self) -> Result<SettledOrClosed, StoreError> {
+        let conn = self.pool.acquire().await.map_err(|e| self.classify(e))?;
+        Ok(SettledOrClosed { conn, settled: false })
     }
 
     /// Classifies a driver error and names this database in it.
     pub(crate) fn classify(&self, error: sqlx::Error) -> StoreError {
         StoreError::from(error).at(&self.shared.target)
+    }
+}
+
+/// The database clock in epoch milliseconds, read on `conn` (inside a
+/// transaction body); `now_sql` is [`Store::now_ms_sql`].
+pub async fn now_ms_in(conn: &mut AnyConnection, now_sql: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT {now_sql}"))).fetch_one(&mut *conn).await
+}
+
+/// What a transaction may do, which picks how it begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    ReadWrite,
+    ReadOnly,
+}
+
+impl Access {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::ReadWrite => "read-write",
+            Self::ReadOnly => "read-only",
+        }
+    }
+}
+
+/// A pooled connection a transaction runs on: back to the pool once the
+/// transaction ran to an end ([`SettledOrClosed::settled`]), closed if it
+/// is dropped before, that is when the future running the transaction was
+/// cancelled (a caller's deadline, a client gone).
+///
+/// Closing is what keeps the pool sound: sqlx rolls back a transaction
+/// dropped after its `BEGIN` was answered, but a `begin` cancelled while its
+/// `BEGIN` is in flight leaves the connection inside a transaction it does
+/// not know about. Back in the pool, every later statement on it would run
+/// in that one transaction, never committed: its writes invisible, its row
+/// locks held, its serializable snapshot kept open, which makes every other
+/// serializable transaction on the server fail as contended. A closed
+/// connection's transaction is rolled back by the server.
+pub(crate) struct SettledOrClosed {
+    conn: sqlx::pool::PoolConnection<sqlx::Any>,
+    settled: bool,
+}
+
+impl SettledOrClosed {
+    /// The transaction ran to an end (committed, rolled back, or failed
+    /// with an answer): the connection goes back to the pool.
+    pub(crate) fn settled(mut self) {
+        self.settled = true;
+    }
+}
+
+impl std::ops::Deref for SettledOrClosed {
+    type Target = AnyConnection;
+
+    fn deref(&self) -> &AnyConnection {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for SettledOrClosed {
+    fn deref_mut(&mut self) -> &mut AnyConnection {
+        &mut self.conn
+    }
+}
+
+impl Drop for SettledOrClosed {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.conn.close_on_drop();
+        }
     }
 }
 
@@ -442,12 +567,20 @@ fn postgres_target(options: &AnyConnectOptions) -> String {
     format!("postgres {host}:{port}/{database}")
 }
 
+/// The advisory lock key that serializes schema changes to one schema.
+pub(crate) fn schema_lock_key(schema: &str) -> i64 {
+    let digest = <sha2::Sha256 as sha2::Digest>::digest(format!("berth-store/{schema}").as_bytes());
+    let mut key = [0u8; 8];
+    key.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(key)
+}
+
 /// Creates the schema under an advisory lock: concurrent `CREATE SCHEMA IF
 /// NOT EXISTS` from two replicas can otherwise fail on a catalog unique index.
 async fn create_schema(conn: &mut AnyConnection, schema: &str) -> Result<(), sqlx::Error> {
     let mut tx = conn.begin().await?;
     sqlx::query("SELECT 1 FROM (SELECT pg_advisory_xact_lock($1)) AS locked")
-        .bind(crate::migrate::schema_lock_key(schema))
+        .bind(schema_lock_key(schema))
         .execute(&mut *tx)
         .await?;
     tx.execute(sqlx::AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))).await?;

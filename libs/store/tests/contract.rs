@@ -25,6 +25,8 @@ macro_rules! contract_suite {
                 unique_violation_is_already_exists,
                 stale_epoch_write_is_conflict,
                 failed_body_rolls_back,
+                a_cancelled_transaction_leaves_no_pooled_connection_inside_it,
+                a_read_sees_one_snapshot_and_refuses_writes,
                 contended_body_runs_again_in_a_fresh_transaction,
                 concurrent_read_modify_writes_lose_no_update,
                 placeholders_bind_by_number,
@@ -89,6 +91,23 @@ async fn count(store: &Store, name: &str) -> i64 {
         .fetch_one(store.pool())
         .await
         .expect("count items")
+}
+
+/// Rounds of cancelled transactions: enough that some are cancelled in
+/// each window of their life, which takes a round trip or two to cross.
+const CANCEL_ROUNDS: usize = 30;
+
+/// Polls `future` `polls` times, a millisecond apart (time for the database
+/// to answer in between), then drops it unless it finished.
+async fn poll_then_drop<F: std::future::Future>(future: F, polls: usize) {
+    let mut future = std::pin::pin!(future);
+    for _ in 0..polls {
+        let done = std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_ready())).await;
+        if done {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
 
 async fn applied_versions(store: &Store) -> Vec<i64> {
@@ -252,6 +271,84 @@ mod cases {
         let error = result.unwrap_err();
         assert!(matches!(&error, StoreError::NotFound { what } if what == "item 10"), "{error}");
         assert_eq!(count(store, "doomed").await, 0);
+    }
+
+    pub(super) async fn a_cancelled_transaction_leaves_no_pooled_connection_inside_it(db: &TestDb) {
+        let store = db.store();
+        store.migrate(&[ITEMS]).await.unwrap();
+        let observer = db.connect().await.unwrap();
+        let mut id = 100;
+        for _ in 0..CANCEL_ROUNDS {
+            // Cancelled at every point of its life: while acquiring, while
+            // its BEGIN is in flight, in its body, while committing.
+            for polls in 1..=6 {
+                let tx = store.tx("items.count", |conn| {
+                    Box::pin(async move {
+                        let counted: i64 =
+                            sqlx::query_scalar("SELECT COUNT(*) FROM items").fetch_one(&mut *conn).await?;
+                        Ok::<_, StoreError>(counted)
+                    })
+                });
+                poll_then_drop(tx, polls).await;
+                // Time for the dropped connection to be back in the pool.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                // A plain statement on the pool commits as it returns:
+                // another connection sees its write at once.
+                id += 1;
+                let name = format!("after-cancel-{id}");
+                sqlx::query("INSERT INTO items (id, name, epoch) VALUES ($1, $2, 1)")
+                    .bind(id)
+                    .bind(name.clone())
+                    .execute(store.pool())
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    count(&observer, &name).await,
+                    1,
+                    "{name}, written outside a transaction after one cancelled at poll {polls}, is not visible"
+                );
+            }
+        }
+        observer.close().await;
+    }
+
+    pub(super) async fn a_read_sees_one_snapshot_and_refuses_writes(db: &TestDb) {
+        let store = db.store();
+        store.migrate(&[ITEMS]).await.unwrap();
+        insert(store, 1, "before").await.unwrap();
+        let writer = db.connect().await.unwrap();
+        let writer = &writer;
+        // A write committed while the read runs is not in its snapshot.
+        let (first, second) = store
+            .read("items.count_twice", |conn| {
+                Box::pin(async move {
+                    let first: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM items").fetch_one(&mut *conn).await?;
+                    insert(writer, 2, "during").await?;
+                    let second: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM items").fetch_one(&mut *conn).await?;
+                    Ok::<_, StoreError>((first, second))
+                })
+            })
+            .await
+            .unwrap();
+        assert_eq!((first, second), (2, 2), "the seed and 'before', twice");
+        assert_eq!(count(store, "during").await, 1, "the write committed beside the read is there after it");
+
+        let refused: Result<(), StoreError> = store
+            .read("items.write_in_a_read", |conn| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO items (id, name, epoch) VALUES (3, 'sneaked', 1)")
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+            })
+            .await;
+        assert!(refused.is_err(), "a write in a read was accepted");
+        assert_eq!(count(store, "sneaked").await, 0);
+        // The connection the read ran on writes again afterwards.
+        insert(store, 4, "after").await.unwrap();
+        assert_eq!(count(store, "after").await, 1);
+        writer.close().await;
     }
 
     pub(super) async fn contended_body_runs_again_in_a_fresh_transaction(db: &TestDb) {

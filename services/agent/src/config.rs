@@ -212,6 +212,11 @@ pub struct AgentConfig {
     /// node's own certificate can no longer do it (expired, or the node was
     /// forgotten).
     pub join_token: Option<String>,
+    /// A file holding the join token, read at every join and rejoin, so a
+    /// mounted Secret that is updated in place (a rotated token) is used
+    /// without a restart. Takes precedence over `join_token` while it holds
+    /// one.
+    pub join_token_file: Option<PathBuf>,
     /// Where the node's identity is kept across restarts.
     pub data_dir: PathBuf,
     /// `host:port` where the control plane reaches this agent's API; its host
@@ -253,6 +258,9 @@ pub struct AgentConfig {
     /// Disk the bundle cache (`DATA_DIR/bundles`) may use before it evicts
     /// bundles no lease holds.
     pub bundle_cache_budget: u64,
+    /// The most output one stream of one workload keeps before it is
+    /// rotated (see `log_rotation`).
+    pub log_max_bytes: u64,
     /// Registries bundles are pulled from over plain HTTP, `host` or
     /// `host:port`; loopback registries always are.
     pub insecure_registries: Vec<String>,
@@ -297,6 +305,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("custody_warning", &self.custody_warning)
             .field("stop_after_disconnect", &self.stop_after_disconnect)
             .field("bundle_cache_budget", &self.bundle_cache_budget)
+            .field("log_max_bytes", &self.log_max_bytes)
             .field("insecure_registries", &self.insecure_registries)
             .field("egress", &self.egress)
             .field("egress_isolation", &self.egress_isolation)
@@ -321,6 +330,7 @@ impl AgentConfig {
             server: server.into(),
             ca_bundle_pem: String::new(),
             join_token: None,
+            join_token_file: None,
             data_dir: data_dir.into(),
             advertise_addr: advertise_addr.into(),
             listen,
@@ -337,6 +347,7 @@ impl AgentConfig {
             custody_warning: DEFAULT_CUSTODY_WARNING,
             stop_after_disconnect: None,
             bundle_cache_budget: DEFAULT_BUNDLE_CACHE_BUDGET,
+            log_max_bytes: crate::log_rotation::DEFAULT_LOG_MAX_BYTES,
             insecure_registries: Vec::new(),
             registry_ca_pem: None,
             egress: None,
@@ -347,9 +358,21 @@ impl AgentConfig {
         }
     }
 
-    /// The join token, when one was given and is not blank.
-    pub(crate) fn token(&self) -> Option<&str> {
-        self.join_token.as_deref().map(str::trim).filter(|t| !t.is_empty())
+    /// The join token, when one was given and is not blank: the token
+    /// file's content as it is now, else `join_token`.
+    pub(crate) fn token(&self) -> Option<String> {
+        let from_file = self.join_token_file.as_ref().and_then(|path| match std::fs::read_to_string(path) {
+            Ok(token) => Some(token),
+            Err(error) => {
+                tracing::warn!(path = %path.display(), %error, "cannot read the join token file");
+                None
+            }
+        });
+        [from_file, self.join_token.clone()]
+            .into_iter()
+            .flatten()
+            .map(|token| token.trim().to_owned())
+            .find(|token| !token.is_empty())
     }
 
     /// Checks what can be checked before any I/O; the message names the field.
@@ -391,18 +414,40 @@ mod tests {
         assert_eq!(timing.heartbeat_interval(u32::MAX), DEFAULT_MAX_HEARTBEAT_INTERVAL);
     }
 
-    #[test]
-    fn the_join_token_never_appears_in_debug_output() {
-        let mut config = AgentConfig::new(
+    /// A complete configuration for an agent of one host.
+    fn sample_config() -> AgentConfig {
+        AgentConfig::new(
             "identity:7443",
             "/tmp/x",
             "10.0.0.1:7447",
             "0.0.0.0:7447".parse().unwrap(),
             Capacity { cpu_millis: 1000, memory_bytes: 1 << 30 },
-        );
+        )
+    }
+
+    #[test]
+    fn the_join_token_never_appears_in_debug_output() {
+        let mut config = sample_config();
         config.join_token = Some("berth-join.abc.s3cret".into());
         let debug = format!("{config:?}");
         assert!(!debug.contains("s3cret"), "{debug}");
+    }
+
+    #[test]
+    fn a_token_file_is_read_at_each_join_and_wins_while_it_holds_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        let mut config = sample_config();
+        config.join_token = Some("from-the-flag".into());
+        config.join_token_file = Some(file.clone());
+        assert_eq!(config.token().as_deref(), Some("from-the-flag"), "no file yet: the flag");
+        std::fs::write(&file, "first\n").unwrap();
+        assert_eq!(config.token().as_deref(), Some("first"));
+        // The Secret is updated in place: the next join reads the new token.
+        std::fs::write(&file, "rotated").unwrap();
+        assert_eq!(config.token().as_deref(), Some("rotated"));
+        std::fs::write(&file, "  \n").unwrap();
+        assert_eq!(config.token().as_deref(), Some("from-the-flag"), "a blank file is no token");
     }
 
     #[test]

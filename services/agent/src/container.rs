@@ -83,6 +83,8 @@ use crate::provider::{
 mod own;
 mod spec;
 
+#[cfg(test)]
+pub(crate) use self::own::ARG0 as OWN_ARG0;
 pub use self::own::{favor_cgroup_migrations, main_if_invoked as runtime_main_if_invoked};
 
 pub(crate) use self::spec::{BUNDLE_MOUNT, WORK_MOUNT};
@@ -382,6 +384,40 @@ impl Inner {
                     .is_some_and(|(name, count)| name == key && count.trim().parse().unwrap_or(0u64) > 0)
             })
         })
+    }
+
+    /// Kills every monitor a stopped agent left starting `lease_id`'s
+    /// container, with its process group, and waits for them to be gone. A
+    /// launch interrupted before its pid was recorded leaves a monitor that
+    /// may still be creating the container: were it let be, the container
+    /// would come up after the restarted agent had settled the lease, and
+    /// run with no agent tracking it. The monitor is found by what its
+    /// command line names (this agent's state root and the container id),
+    /// since nothing recorded its pid.
+    async fn stop_orphaned_monitors(&self, lease_id: &str) {
+        let (root, id) = (self.state_root.display().to_string(), self.container_id(lease_id));
+        let found = blocking(move || Ok(procfs::with_args(Path::new(PROC_ROOT), &["--root", &root, &id])))
+            .await
+            .unwrap_or_default();
+        if found.is_empty() {
+            return;
+        }
+        tracing::warn!(%lease_id, monitors = ?found.iter().map(|m| m.pid).collect::<Vec<_>>(),
+            "stopping what an interrupted launch left starting the container");
+        for monitor in &found {
+            let Some(pid) = i32::try_from(monitor.pid).ok().and_then(rustix::process::Pid::from_raw) else { continue };
+            let _ = if monitor.pgrp == pid.as_raw_nonzero().get() {
+                rustix::process::kill_process_group(pid, rustix::process::Signal::KILL)
+            } else {
+                rustix::process::kill_process(pid, rustix::process::Signal::KILL)
+            };
+        }
+        let deadline = tokio::time::Instant::now() + KILL_WAIT;
+        while found.iter().any(|m| procfs::is_running(Path::new(PROC_ROOT), m.pid, m.start_ticks))
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(STOP_POLL).await;
+        }
     }
 
     /// Deletes the container and its root; a container already gone is
@@ -739,6 +775,16 @@ fn memory_limit(runtime: OciRuntime, reserved: u64) -> u64 {
     }
 }
 
+/// How many containers an agent on `data_dir` has in its runtimes' state
+/// directories: the ones it runs, and the ones it is still destroying.
+pub fn containers_left(data_dir: &Path) -> usize {
+    let runtimes = data_dir.join(RUNTIME_DIR);
+    [OciRuntime::Own, OciRuntime::Runc, OciRuntime::Crun, OciRuntime::Runsc]
+        .into_iter()
+        .map(|runtime| std::fs::read_dir(runtimes.join(runtime.name())).map_or(0, |entries| entries.count()))
+        .sum()
+}
+
 /// Destroys every container an agent on `data_dir` left, through the runtime
 /// that runs it, and returns how many there were: for tearing down a data
 /// directory whose agent is gone (a test's, a bench's), where no agent will
@@ -874,6 +920,10 @@ impl Provider for ContainerProvider {
             if let Some(tracked) = self.inner.instances.lock().get(&lease_id) {
                 recovered.push(Launched { record: tracked.stored.to_record(), exit: tracked.exit.subscribe() });
                 continue;
+            }
+            if stored.exit.is_none() && stored.pid.is_none() {
+                // A launch the last agent stopped in before it knew the pid.
+                self.inner.stop_orphaned_monitors(&lease_id).await;
             }
             let running = if stored.exit.is_none() {
                 let state = self.inner.state(&lease_id).await;

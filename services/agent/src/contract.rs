@@ -18,11 +18,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
 use crate::process::{ProcessProvider, ProcessTiming};
-use crate::procfs::TestDir;
 use crate::provider::{
     Exit, ExitStatus, ExitWatch, LaunchSpec, Program, Provider, ProviderError, Resources, Settlement, WorkloadRoot,
     WorkloadSignal,
 };
+use crate::testdir::TestDir;
 
 const PATIENCE: Duration = Duration::from_secs(30);
 
@@ -56,29 +56,41 @@ fn provider(kind: Kind, dir: &Path) -> Option<Arc<dyn Provider>> {
 fn provider_until(kind: Kind, dir: &Path, stop: CancellationToken) -> Option<Arc<dyn Provider>> {
     match kind {
         Kind::Uncontained => Some(Arc::new(ProcessProvider::new(dir, timing(), stop))),
-        Kind::Oci(runtime) => {
-            let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-            if !rustix::process::geteuid().is_root() {
-                assert!(!ci, "the {runtime} provider's tests need root, and CI runs as root");
-                eprintln!("skipping: the {runtime} provider needs root");
-                return None;
-            }
-            let binary = if runtime == OciRuntime::Own { own_runtime_binary() } else { runtime.binary() };
-            let Some(binary) = binary else {
-                assert!(!ci, "{runtime} is not installed: `make test` installs it (and builds berth-agent)");
-                eprintln!("skipping: {runtime} is not installed");
-                return None;
-            };
-            let settings = ContainerSettings {
-                runtime,
-                binary,
-                uids: UidRange { first: 300_000, count: 1000 },
-                pids_limit: DEFAULT_PIDS_LIMIT,
-                timing: timing(),
-            };
-            Some(Arc::new(ContainerProvider::new(dir, settings, stop)))
-        }
+        Kind::Oci(runtime) => Some(container_provider(runtime, runtime_binary(runtime)?, dir, stop)),
     }
+}
+
+/// The binary of `runtime`, or `None` when this machine cannot run it and
+/// the test may be skipped (never under `CI=true`).
+fn runtime_binary(runtime: OciRuntime) -> Option<std::path::PathBuf> {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    if !rustix::process::geteuid().is_root() {
+        assert!(!ci, "the {runtime} provider's tests need root, and CI runs as root");
+        eprintln!("skipping: the {runtime} provider needs root");
+        return None;
+    }
+    let binary = if runtime == OciRuntime::Own { own_runtime_binary() } else { runtime.binary() };
+    if binary.is_none() {
+        assert!(!ci, "{runtime} is not installed: `make test` installs it (and builds berth-agent)");
+        eprintln!("skipping: {runtime} is not installed");
+    }
+    binary
+}
+
+fn container_provider(
+    runtime: OciRuntime,
+    binary: std::path::PathBuf,
+    dir: &Path,
+    stop: CancellationToken,
+) -> Arc<dyn Provider> {
+    let settings = ContainerSettings {
+        runtime,
+        binary,
+        uids: UidRange { first: 300_000, count: 1000 },
+        pids_limit: DEFAULT_PIDS_LIMIT,
+        timing: timing(),
+    };
+    Arc::new(ContainerProvider::new(dir, settings, stop))
 }
 
 fn spec(lease_id: &str, script: &str) -> LaunchSpec {
@@ -440,8 +452,66 @@ macro_rules! hostile {
             async fn an_images_links_never_send_a_mount_outside_its_root() {
                 image_links_on($runtime).await
             }
+
+            #[tokio::test]
+            async fn a_launch_stopped_before_its_pid_was_known_leaves_nothing_running_after_a_restart() {
+                interrupted_launch_on($runtime).await
+            }
         }
     )*};
+}
+
+/// The agent stops (or is killed) while the runtime is still starting a
+/// container, before the pid is recorded; a new agent recovers before the
+/// runtime is done. The container must not come up afterwards, unknown to
+/// every agent, and run for good.
+async fn interrupted_launch_on(runtime: OciRuntime) {
+    let tmp = TestDir::new();
+    let Some(real) = runtime_binary(runtime) else { return };
+    // The runtime as a loaded host runs it: slow to start a container once
+    // it has read its bundle (kept here as a copy, which nothing the agent
+    // removes can take away from under it).
+    let slow = tmp.path().join("slow-runtime");
+    let exec = match runtime {
+        OciRuntime::Own => format!("exec -a {} {}", crate::container::OWN_ARG0, real.display()),
+        _ => format!("exec {}", real.display()),
+    };
+    let script = format!(
+        r#"#!/bin/bash
+args=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = --bundle ]; then cp -a "$2" "$2.read"; args+=(--bundle "$2.read"); shift 2; continue; fi
+  [ "$1" = run ] && slow=1
+  args+=("$1"); shift
+done
+[ -n "$slow" ] && sleep 3
+{exec} "${{args[@]}}"
+"#
+    );
+    std::fs::write(&slow, script).unwrap();
+    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let stopped = CancellationToken::new();
+    let first = container_provider(runtime, slow.clone(), tmp.path(), stopped.clone());
+    let marker = format!("sleep 32{}", std::process::id() % 1000);
+    let launching = {
+        let first = first.clone();
+        let script = format!("echo up; exec {marker}");
+        tokio::spawn(async move { first.launch(spec("lease-x", &script)).await })
+    };
+    until("the runtime was starting the container", || !host_processes("slow-runtime").is_empty()).await;
+    launching.abort();
+    stopped.cancel();
+    drop(first);
+
+    let second = container_provider(runtime, slow, tmp.path(), CancellationToken::new());
+    let recovered = second.recover().await.unwrap();
+    let record = recovered.iter().find(|l| l.record.lease_id == "lease-x").map(|l| l.exit.borrow().is_some());
+    assert_eq!(record, Some(true), "the interrupted launch is not recorded as ended");
+    // Past the runtime's pause and a start: nothing may run.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let needle = needle(Kind::Oci(runtime), &marker, tmp.path());
+    assert_eq!(host_processes(&needle), Vec::<u32>::new(), "the container came up after the recovery");
+    assert!(host_processes("slow-runtime").is_empty(), "the runtime that was starting it still runs");
 }
 
 hostile! {

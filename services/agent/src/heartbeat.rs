@@ -33,13 +33,14 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::AgentError;
-use crate::backoff::Backoff;
 use crate::config::AgentConfig;
+use crate::error::AgentError;
 use crate::host::UsageSampler;
 use crate::identity_dir::{IdentityDir, NodeIdentity};
-use crate::join::{self, JoinError, is_transient_code, status_text};
+use crate::join::{self, JoinError};
+use crate::rpc_status::{is_transient_code, status_text};
 use crate::status::{AgentStatus, Fence, FenceReason, NodeSession};
+use berth_core::backoff::Backoff;
 
 /// The common name put in renewal CSRs; the authority ignores it.
 const CSR_COMMON_NAME: &str = "berth-node";
@@ -61,6 +62,8 @@ enum Beat {
     Forgotten(String),
     /// An operator revoked this node.
     Revoked(String),
+    /// The node's certificate was superseded by a newer one of the node.
+    Superseded(String),
 }
 
 /// How a node whose CA bundle no longer verifies identity recovers.
@@ -68,6 +71,10 @@ pub(crate) const UNTRUSTED_IDENTITY: &str = "identity's certificate does not ver
     bundle: a CA rotation was activated while this node was away. Restart the agent with the current bundle as \
     --ca-file (berth-identity --ca-bundle-out writes it); the agent trusts it beside its own and takes identity's \
     bundle in on its first heartbeat";
+
+/// What every service says of a node certificate issued before the node's
+/// floor (see `berth_rpc::Revocations::superseded`).
+const SUPERSEDED: &str = "presented a certificate superseded";
 
 fn classify(result: Result<HeartbeatResponse, tonic::Status>) -> Beat {
     match result {
@@ -78,6 +85,9 @@ fn classify(result: Result<HeartbeatResponse, tonic::Status>) -> Beat {
                 && status.message().to_ascii_lowercase().contains("revoked") =>
         {
             Beat::Revoked(status.message().to_string())
+        }
+        Err(status) if status.code() == tonic::Code::PermissionDenied && status.message().contains(SUPERSEDED) => {
+            Beat::Superseded(status.message().to_string())
         }
         Err(status) => {
             let text = status_text(&status);
@@ -234,6 +244,13 @@ impl Heartbeater {
                     next = Instant::now();
                 }
                 Beat::Revoked(message) => return Err(self.revoked(&message)),
+                Beat::Superseded(message) => {
+                    tracing::warn!(node_id = %self.identity.node_id, %message,
+                        "every service refuses this node's certificate; rejoining with the join token");
+                    self.end_session(FenceReason::CertificateSuperseded);
+                    self.rejoin(FenceReason::CertificateSuperseded).await?;
+                    next = Instant::now();
+                }
             }
         }
     }
@@ -400,7 +417,8 @@ impl Heartbeater {
     async fn rejoin(&mut self, reason: FenceReason) -> Result<(), AgentError> {
         self.set_status(AgentStatus::Joining);
         let old = self.session();
-        let mut with_certificate = reason != FenceReason::CertificateExpired;
+        let mut with_certificate =
+            !matches!(reason, FenceReason::CertificateExpired | FenceReason::CertificateSuperseded);
         let shutdown = self.shutdown.clone();
         loop {
             if with_certificate && self.identity.expired_at(SystemTime::now()) {
@@ -450,7 +468,7 @@ impl Heartbeater {
             _ if with_certificate => join::rejoin_with_certificate(&self.config, &self.credentials).await,
             Some(token) => {
                 let bundle = trust_union(&self.identity.ca_bundle_pem, &self.config.ca_bundle_pem);
-                join::join_with_token(&self.config, token, &bundle).await
+                join::join_with_token(&self.config, &token, &bundle).await
             }
             None => Err(JoinError::Refused {
                 code: tonic::Code::Unauthenticated,

@@ -161,7 +161,8 @@ pub(crate) async fn blocking<T: Send + 'static>(
 }
 
 /// Creates the working and log directories, writes the record that says a
-/// start is under way, and opens fresh log files.
+/// start is under way, and opens fresh log files, in append mode so that
+/// `log_rotation` can empty them under the workload.
 pub(crate) fn prepare(layout: &Layout, record: &StoredRecord) -> Result<(PathBuf, File, File), ProviderError> {
     let work_dir = layout.work_dir(&record.lease_id);
     let log_dir = layout.log_dir(&record.lease_id);
@@ -175,13 +176,14 @@ pub(crate) fn prepare(layout: &Layout, record: &StoredRecord) -> Result<(PathBuf
     write_record(layout, record)?;
     let logs = layout.logs(&record.lease_id);
     let open = |path: &Path| {
-        OpenOptions::new()
+        let file = OpenOptions::new()
             .create(true)
-            .write(true)
-            .truncate(true)
+            .append(true)
             .mode(0o600)
             .open(path)
-            .map_err(|source| io("create", path, source))
+            .map_err(|source| io("create", path, source))?;
+        file.set_len(0).map_err(|source| io("empty", path, source))?;
+        Ok(file)
     };
     Ok((work_dir, open(&logs.stdout)?, open(&logs.stderr)?))
 }

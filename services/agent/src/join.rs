@@ -18,9 +18,10 @@ use berth_proto::identity::v1::{JoinRequest, join_client::JoinClient};
 use berth_rpc::Channel;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
 use crate::config::AgentConfig;
 use crate::identity_dir::NodeIdentity;
+use crate::rpc_status::{is_transient_code, status_text};
+use berth_core::backoff::Backoff;
 
 /// The common name put in CSRs; the authority ignores it and names the node
 /// id it chose.
@@ -85,22 +86,6 @@ const RETRY_AFTER_MS: &str = "retry-after-ms";
 fn retry_after(status: &tonic::Status) -> Option<Duration> {
     let millis = status.metadata().get(RETRY_AFTER_MS)?.to_str().ok()?.trim().parse().ok()?;
     Some(Duration::from_millis(millis))
-}
-
-/// Status codes that say "not now" rather than "no": the peer is down,
-/// overloaded, rate-limiting, or the call was lost on the way.
-pub(crate) fn is_transient_code(code: tonic::Code) -> bool {
-    use tonic::Code;
-    matches!(
-        code,
-        Code::Unavailable
-            | Code::DeadlineExceeded
-            | Code::ResourceExhausted
-            | Code::Aborted
-            | Code::Cancelled
-            | Code::Unknown
-            | Code::Internal
-    )
 }
 
 /// Joins with `token`, verifying identity against `ca_bundle_pem`.
@@ -202,23 +187,6 @@ async fn join(
     verify_chain(&material.cert_chain_pem, &material.ca_bundle_pem).map_err(|e| bad(e.to_string()))?;
     let interval = config.timing.heartbeat_interval(response.heartbeat_interval_ms);
     NodeIdentity::new(response.node_id, response.incarnation, interval, material, SystemTime::now()).map_err(bad)
-}
-
-/// A status as one line: its message (or code) and the transport errors
-/// behind it, which say why a connection failed.
-pub(crate) fn status_text(status: &tonic::Status) -> String {
-    let mut text =
-        if status.message().is_empty() { format!("{:?}", status.code()) } else { status.message().to_string() };
-    let mut source = std::error::Error::source(status);
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

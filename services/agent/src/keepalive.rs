@@ -11,6 +11,16 @@
 //!   epoch would be reported lost.
 //! - A failed batch is retried with backoff, but never later than the next
 //!   regular renewal would have gone out.
+//! - The stop-after-disconnect clock belongs to one stint of holding
+//!   leases: a session's, from its first lease until it holds none. A stint
+//!   starts with a renewal at once (leases just reconciled after a restart
+//!   or a rejoin, or the first placed after none), and the first TTL the
+//!   service says shortens the interval guessed until then at once: the
+//!   clock always runs from a renewal the service has seen in that stint,
+//!   never from one an interval late or an earlier stint's.
+//! - A renewal unanswered past the next regular one, or past the
+//!   stop-after-disconnect bound, counts as failed: a cut link hangs a call
+//!   on an open connection until TCP gives up, far past the bound.
 //! - With a stop-after-disconnect bound, leases whose renewals have failed
 //!   for that long are handed back as lost (`ControlPlaneLost`), so the node
 //!   stops running what the leases service has, by then, most likely given
@@ -24,12 +34,16 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
 use crate::leases_client::NodeLeasesApi;
+use berth_core::backoff::Backoff;
 
 /// The shortest renewal interval, whatever the TTL, so a tiny TTL never
 /// makes the node spin.
 const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(20);
+
+/// The least time one renewal is given to be answered, even right at the
+/// stop-after-disconnect bound: a reachable service answers within it.
+const MIN_ANSWER_WITHIN: Duration = Duration::from_millis(500);
 
 /// Leases to take off the node, and why (the removal reason the runner
 /// records: one CamelCase word).
@@ -50,6 +64,8 @@ pub(crate) const CONTROL_PLANE_LOST: &str = "ControlPlaneLost";
 pub(crate) struct RenewSet {
     /// The node, as its current session names it.
     pub(crate) node_id: String,
+    /// The session's incarnation: a new one starts the renewal clock afresh.
+    pub(crate) incarnation: u64,
     /// Every lease the node holds, at the epoch it holds it.
     pub(crate) leases: Vec<LeaseRef>,
 }
@@ -87,38 +103,77 @@ impl KeepAlive {
         }
     }
 
+    /// How long one renewal may go unanswered before it counts as failed:
+    /// never past the next regular renewal, and never past the
+    /// stop-after-disconnect bound counted from `since` (the last renewal
+    /// that went through). A connection whose peer vanished (a cut link)
+    /// fails no call until TCP gives up, long after the RPC timeout; without
+    /// this the node would notice the bound only when that call ended.
+    fn answer_within(&self, interval: Duration, since: Option<Instant>) -> Duration {
+        let to_bound = self
+            .stop_after_disconnect
+            .zip(since)
+            .map(|(bound, since)| (since + bound).saturating_duration_since(Instant::now()));
+        to_bound.map_or(interval, |left| left.clamp(MIN_ANSWER_WITHIN, interval.max(MIN_ANSWER_WITHIN)))
+    }
+
     /// Renews until shutdown.
     pub(crate) async fn run(mut self) {
         let mut answered_ttl = None;
-        let mut last_renewed: Option<Instant> = None;
-        // While renewals fail: since when the node has held its leases
-        // unrenewed, for the stop-after-disconnect bound. That is the last
-        // renewal that went through (the leases service counts its TTL from
-        // there), else the first failure.
-        let mut unrenewed_since: Option<Instant> = None;
+        let mut clock = Clock::default();
+        let mut attempted_at = Instant::now();
+        let mut next_at = attempted_at + self.interval(answered_ttl);
         loop {
-            let interval = self.interval(answered_ttl);
-            let wait = if unrenewed_since.is_some() { self.backoff.next_delay().min(interval) } else { interval };
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
-                _ = tokio::time::sleep(wait) => {}
+                () = tokio::time::sleep_until(next_at) => {}
+                changed = self.renewals.changed() => {
+                    // The runner gone means shutdown.
+                    if changed.is_err() {
+                        return;
+                    }
+                    if clock.observe(self.renewals.borrow_and_update().as_ref()) {
+                        next_at = Instant::now();
+                    }
+                    continue;
+                }
+                changed = self.ttl.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    // The first TTL the service said shortens the interval
+                    // guessed until then; the renewal due is not put off.
+                    next_at = next_at.min(attempted_at + self.interval(answered_ttl));
+                    continue;
+                }
             }
-            let Some(set) = self.renewals.borrow().clone().filter(|set| !set.leases.is_empty()) else {
-                unrenewed_since = None;
+            attempted_at = Instant::now();
+            let interval = self.interval(answered_ttl);
+            let set = self.renewals.borrow_and_update().clone();
+            // A session that changed while a renewal was on its way (its
+            // `None` never seen) starts its clock here.
+            clock.observe(set.as_ref());
+            let Some(set) = set.filter(|set| !set.leases.is_empty()) else {
+                next_at = attempted_at + interval;
                 continue;
             };
             let held = set.leases.len();
             let request = RenewLeasesRequest { node_id: set.node_id, leases: set.leases };
+            let answer_within = self.answer_within(interval, clock.since());
             let renewed = tokio::select! {
                 _ = self.shutdown.cancelled() => return,
-                renewed = self.leases.renew_leases(request) => renewed,
+                renewed = tokio::time::timeout(answer_within, self.leases.renew_leases(request)) => {
+                    renewed.unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(format!(
+                        "the leases service did not answer a renewal within {answer_within:?}"
+                    ))))
+                }
             };
             match renewed {
                 Ok(response) => {
-                    if unrenewed_since.take().is_some() {
+                    if clock.unrenewed_since.take().is_some() {
                         tracing::info!("lease renewals go through again");
                     }
-                    last_renewed = Some(Instant::now());
+                    clock.last_renewed = Some(Instant::now());
                     self.backoff.reset();
                     if response.ttl_ms > 0 {
                         answered_ttl = Some(Duration::from_millis(u64::from(response.ttl_ms)));
@@ -137,8 +192,10 @@ impl KeepAlive {
                     }
                 }
                 Err(status) => {
-                    let since = *unrenewed_since.get_or_insert_with(|| last_renewed.unwrap_or_else(Instant::now));
-                    tracing::warn!(held, error = %crate::join::status_text(&status), "cannot renew leases; retrying");
+                    // With no renewal through in this session, the clock
+                    // starts when the first failed one went out.
+                    let since = *clock.unrenewed_since.get_or_insert(clock.last_renewed.unwrap_or(attempted_at));
+                    tracing::warn!(held, error = %crate::rpc_status::status_text(&status), "cannot renew leases; retrying");
                     if let Some(bound) = self.stop_after_disconnect
                         && since.elapsed() >= bound
                     {
@@ -151,6 +208,51 @@ impl KeepAlive {
                     }
                 }
             }
+            let interval = self.interval(answered_ttl);
+            let wait = if clock.unrenewed_since.is_some() { self.backoff.next_delay().min(interval) } else { interval };
+            next_at = Instant::now() + wait;
         }
+    }
+}
+
+/// The clock of one stint of holding leases: a session's, from its first
+/// lease until it holds none. The stop-after-disconnect bound counts from
+/// the last renewal that went through in the stint, else its first failure.
+#[derive(Debug, Default)]
+struct Clock {
+    /// The session (node id, incarnation) the stint belongs to; `None`
+    /// while the node holds nothing.
+    stint: Option<(String, u64)>,
+    /// The last renewal that went through: the leases service counts its
+    /// TTL from there.
+    last_renewed: Option<Instant>,
+    /// While renewals fail: since when the node has held its leases
+    /// unrenewed.
+    unrenewed_since: Option<Instant>,
+}
+
+impl Clock {
+    /// Takes in what the runner publishes; whether a stint starts, so its
+    /// leases are renewed at once (the clock then runs from a renewal the
+    /// service has seen, not one an interval later).
+    fn observe(&mut self, set: Option<&RenewSet>) -> bool {
+        let Some(set) = set.filter(|set| !set.leases.is_empty()) else {
+            *self = Self::default();
+            return false;
+        };
+        if self
+            .stint
+            .as_ref()
+            .is_some_and(|(node, incarnation)| *node == set.node_id && *incarnation == set.incarnation)
+        {
+            return false;
+        }
+        *self = Self { stint: Some((set.node_id.clone(), set.incarnation)), ..Self::default() };
+        true
+    }
+
+    /// What the bound counts from now, if anything.
+    fn since(&self) -> Option<Instant> {
+        self.last_renewed.or(self.unrenewed_since)
     }
 }

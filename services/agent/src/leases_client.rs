@@ -8,7 +8,6 @@
 //! call would get the same answer.
 
 use std::pin::Pin;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use berth_mtls::TlsCredentials;
@@ -16,7 +15,7 @@ use berth_proto::leases::v1::{
     AssignmentEvent, AssumeCustodyRequest, Lease, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest,
     RenewLeasesResponse, ReportPhaseRequest, WatchAssignmentsRequest, node_leases_client::NodeLeasesClient,
 };
-use berth_rpc::Channel;
+use berth_rpc::{Channel, FollowingChannel};
 use tokio_stream::Stream;
 
 /// The node's assignments, as the leases service streams them.
@@ -44,21 +43,19 @@ pub(crate) trait NodeLeasesApi: Send + Sync + std::fmt::Debug {
 
 /// Whether a call that failed with `status` may succeed if tried again.
 pub(crate) fn is_transient(status: &tonic::Status) -> bool {
-    crate::join::is_transient_code(status.code())
+    crate::rpc_status::is_transient_code(status.code())
 }
 
 /// The leases service over mTLS gRPC, presenting the node certificate.
 pub(crate) struct GrpcNodeLeases {
-    addr: String,
-    credentials: TlsCredentials,
-    channel: Mutex<Channel>,
+    channel: FollowingChannel,
     timeout: Duration,
 }
 
 impl std::fmt::Debug for GrpcNodeLeases {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GrpcNodeLeases")
-            .field("addr", &self.addr)
+            .field("addr", &self.channel.addr())
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
@@ -71,13 +68,11 @@ impl GrpcNodeLeases {
         credentials: TlsCredentials,
         timeout: Duration,
     ) -> Result<Self, berth_rpc::ClientError> {
-        let channel = berth_rpc::connect(addr, credentials.clone())?;
-        Ok(Self { addr: addr.to_string(), credentials, channel: Mutex::new(channel), timeout })
+        Ok(Self { channel: FollowingChannel::new(addr, credentials)?, timeout })
     }
 
     fn client(&self) -> NodeLeasesClient<Channel> {
-        let channel = self.channel.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-        NodeLeasesClient::new(channel)
+        NodeLeasesClient::new(self.channel.channel())
     }
 
     /// Runs one unary call under the timeout.
@@ -89,7 +84,8 @@ impl GrpcNodeLeases {
             Ok(result) => result.map(tonic::Response::into_inner),
             Err(_) => Err(tonic::Status::deadline_exceeded(format!(
                 "leases at {} did not answer within {:?}",
-                self.addr, self.timeout
+                self.channel.addr(),
+                self.timeout
             ))),
         }
     }
@@ -134,9 +130,6 @@ impl NodeLeasesApi for GrpcNodeLeases {
     }
 
     fn reconnect(&self) {
-        match berth_rpc::connect(&self.addr, self.credentials.clone()) {
-            Ok(channel) => *self.channel.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = channel,
-            Err(error) => tracing::warn!(%error, "cannot rebuild the channel to leases; keeping the current one"),
-        }
+        self.channel.reconnect();
     }
 }

@@ -27,7 +27,6 @@
 
 mod agent;
 mod api;
-mod backoff;
 mod board;
 mod bundles;
 mod config;
@@ -35,6 +34,15 @@ mod container;
 #[cfg(test)]
 mod contract;
 mod egress;
+mod error;
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    expect(
+        dead_code,
+        reason = "only a fault-injection build wraps its seams; the module is built always so it is linted and tested"
+    )
+)]
+mod faults;
 mod heartbeat;
 mod host;
 mod identity_dir;
@@ -42,15 +50,19 @@ mod instances;
 mod join;
 mod keepalive;
 mod leases_client;
+mod log_rotation;
 mod logs;
 mod process;
 mod procfs;
 mod provider;
 mod recovery;
+mod rpc_status;
 mod runner;
 mod status;
+#[cfg(test)]
+mod testdir;
 
-pub use agent::{AgentError, AgentHandle, CONTAINED_LABEL, RUNTIME_LABEL, start};
+pub use agent::{AgentHandle, CONTAINED_LABEL, RUNTIME_LABEL, start};
 pub use config::{
     AgentConfig, AgentTiming, Containment, DEFAULT_BUNDLE_CACHE_BUDGET, DEFAULT_CUSTODY_WARNING, DEFAULT_LOG_POLL,
     DEFAULT_MAX_HEARTBEAT_INTERVAL, DEFAULT_MIN_HEARTBEAT_INTERVAL, DEFAULT_RENEW_INTERVAL, DEFAULT_RETAIN_FINISHED,
@@ -58,13 +70,15 @@ pub use config::{
     WorkloadRuntime,
 };
 pub use container::{
-    ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange, destroy_containers,
-    favor_cgroup_migrations, runtime_main_if_invoked,
+    ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange, containers_left,
+    destroy_containers, favor_cgroup_migrations, runtime_main_if_invoked,
 };
 pub use egress::{
     Attachment, DEFAULT_PROXY_CONNECT_TIMEOUT, DEFAULT_PROXY_HEAD_TIMEOUT, EgressError, EgressIsolation, EgressProxies,
     EgressSettings, EgressStatus, Enforcement, NamespaceError, ProxyTiming, RulesError,
 };
+pub use error::AgentError;
+pub use faults::FAULTS_ENV;
 pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;
 pub use join::JoinError;

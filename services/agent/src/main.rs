@@ -37,6 +37,11 @@ struct Args {
     /// (expired, or the node was forgotten).
     #[arg(long, env = "BERTH_JOIN_TOKEN", value_name = "TOKEN", hide_env_values = true)]
     join_token: Option<String>,
+    /// A file holding the join token (a mounted Secret), read again at every
+    /// join and rejoin, so a rotated token is picked up without a restart;
+    /// used before --join-token while it holds one.
+    #[arg(long, env = "BERTH_JOIN_TOKEN_FILE", value_name = "FILE")]
+    join_token_file: Option<PathBuf>,
     /// Where the node identity (key, certificate, CA bundle, node id) is kept
     /// across restarts. One agent per directory.
     #[arg(long, env = "BERTH_DATA_DIR", value_name = "DIR", default_value = "/var/lib/berth/agent")]
@@ -121,6 +126,10 @@ struct Args {
     /// (or KB, MB, GB, TB in powers of 1000), e.g. 10GiB.
     #[arg(long, env = "BERTH_BUNDLE_CACHE_BUDGET", value_name = "SIZE", value_parser = parse_size, default_value = "20GiB")]
     bundle_cache_budget: u64,
+    /// The most output one stream (stdout or stderr) of one workload keeps:
+    /// past it the file is rotated, one earlier generation kept beside it.
+    #[arg(long, env = "BERTH_LOG_MAX_BYTES", value_name = "SIZE", value_parser = parse_size, default_value = "16MiB")]
+    log_max_bytes: u64,
     /// A registry to pull bundles from over plain HTTP, `host` or
     /// `host:port` (repeat, or comma separated). Loopback registries always are.
     #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
@@ -229,6 +238,7 @@ impl Args {
         let mut config = AgentConfig::new(self.server, self.data_dir, self.advertise_addr, self.listen, capacity);
         config.ca_bundle_pem = ca_bundle_pem;
         config.join_token = self.join_token;
+        config.join_token_file = self.join_token_file;
         config.tier = self.tier;
         config.name = name;
         config.labels = self.labels.into_iter().collect::<BTreeMap<_, _>>();
@@ -242,6 +252,7 @@ impl Args {
         config.lease_timing.stop_grace = self.stop_grace;
         config.lease_timing.sweep_interval = self.sweep_interval;
         config.bundle_cache_budget = self.bundle_cache_budget;
+        config.log_max_bytes = self.log_max_bytes;
         config.containment = Containment {
             runtime: WorkloadRuntime::from_flags(&self.runtime, self.oci_runtime).map_err(StartError::Invalid)?,
             uids: self.workload_uids,
@@ -273,17 +284,7 @@ fn host_name() -> String {
 
 /// The error and its causes on one line, each cause once.
 fn agent_error(error: AgentError) -> StartError {
-    let mut line = error.to_string();
-    let mut source = std::error::Error::source(&error);
-    while let Some(cause) = source {
-        let text = cause.to_string();
-        if !line.contains(&text) {
-            line.push_str(": ");
-            line.push_str(&text);
-        }
-        source = cause.source();
-    }
-    StartError::Invalid(line)
+    StartError::Invalid(berth_runtime::chain(&error))
 }
 
 fn main() -> ExitCode {

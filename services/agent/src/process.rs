@@ -437,8 +437,8 @@ fn rustix_signal(signal: WorkloadSignal) -> Signal {
 mod tests {
 
     use super::*;
-    use crate::procfs::TestDir;
     use crate::provider::{Exit, ExitWatch};
+    use crate::testdir::TestDir;
 
     const PATIENCE: Duration = Duration::from_secs(20);
 

@@ -107,45 +107,22 @@ pub(crate) fn owns_group(proc_root: &Path, pgid: i32, start_ticks: u64) -> bool 
     }
 }
 
-/// A temporary directory for tests that run workloads in it: dropping it
-/// kills every process still working in it first, so a failed test leaves
-/// nothing running behind.
-#[cfg(test)]
-pub(crate) struct TestDir(tempfile::TempDir);
-
-#[cfg(test)]
-impl TestDir {
-    pub(crate) fn new() -> Self {
-        Self(tempfile::tempdir().unwrap_or_else(|e| panic!("cannot make a temporary directory: {e}")))
-    }
-
-    pub(crate) fn path(&self) -> &Path {
-        self.0.path()
-    }
-}
-
-#[cfg(test)]
-impl Drop for TestDir {
-    fn drop(&mut self) {
-        crate::container::destroy_containers(self.0.path());
-        let Ok(entries) = std::fs::read_dir(PROC_ROOT) else { return };
-        for pid in entries.filter_map(Result::ok).filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()) {
-            let proc = Path::new(PROC_ROOT).join(pid.to_string());
-            let cwd = std::fs::read_link(proc.join("cwd"));
-            // A contained workload's root is under the directory; a gVisor
-            // sandbox names it on its command line.
-            let root = std::fs::read_link(proc.join("root"));
-            let cmdline = std::fs::read(proc.join("cmdline")).unwrap_or_default();
-            let named = String::from_utf8_lossy(&cmdline).contains(&*self.0.path().to_string_lossy());
-            if (cwd.is_ok_and(|cwd| cwd.starts_with(self.0.path()))
-                || root.is_ok_and(|root| root.starts_with(self.0.path()))
-                || named)
-                && let Some(pid) = rustix::process::Pid::from_raw(pid)
-            {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-            }
-        }
-    }
+/// Every live process whose command line holds each of `args` as a whole
+/// argument, with its `/proc` stat: how a monitor is found by the
+/// container it was started for, when no record kept its pid.
+pub(crate) fn with_args(proc_root: &Path, args: &[&str]) -> Vec<ProcStat> {
+    let Ok(entries) = std::fs::read_dir(proc_root) else { return Vec::new() };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(line) = std::fs::read(proc_root.join(pid.to_string()).join("cmdline")) else { return false };
+            let words: Vec<&[u8]> = line.split(|b| *b == 0).collect();
+            args.iter().all(|arg| words.contains(&arg.as_bytes()))
+        })
+        .filter_map(|pid| read_stat(proc_root, pid))
+        .filter(ProcStat::is_live)
+        .collect()
 }
 
 #[cfg(test)]

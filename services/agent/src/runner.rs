@@ -52,7 +52,6 @@ use tokio_stream::StreamExt as _;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::backoff::Backoff;
 use crate::board::{Custody, InstanceBoard, InstanceView};
 use crate::bundles::{BundleAsk, BundleError, BundleStore, bundle_spec};
 use crate::config::LeaseTiming;
@@ -64,6 +63,7 @@ use crate::provider::{
 };
 use crate::recovery::{PassPlan, PassReport, run_pass};
 use crate::status::{Fence, FenceReason, NodeSession};
+use berth_core::backoff::Backoff;
 
 /// The runner's settings: its timings, the agent's retry bounds, and the
 /// max-custody bound.
@@ -401,6 +401,7 @@ impl Runner {
         });
         let set = serving.then(|| RenewSet {
             node_id: self.session.node_id.clone(),
+            incarnation: self.session.incarnation,
             leases: self.held.iter().filter(|(_, h)| !h.destroying()).map(|(id, h)| h.lease_ref(id)).collect(),
         });
         self.renewals.send_if_modified(|current| {
@@ -752,7 +753,7 @@ impl Runner {
             } else {
                 self.pass_backoff.next_delay()
             };
-            tracing::warn!(error = %crate::join::status_text(&error), retry_in = ?retry, "reconcile with leases failed");
+            tracing::warn!(error = %crate::rpc_status::status_text(&error), retry_in = ?retry, "reconcile with leases failed");
             self.pass_due = Some(Instant::now() + retry);
             self.launch_deferred();
             return;
@@ -892,7 +893,7 @@ impl Runner {
     fn on_upsert(&mut self, lease: Lease) {
         self.stream_seen.insert(lease.lease_id.clone());
         if let Some(held) = self.held.get(&lease.lease_id) {
-            if lease.epoch > held.epoch() && is_open(lease.phase()) {
+            if lease.epoch > held.epoch() && lease.phase().is_open() {
                 tracing::info!(lease_id = %lease.lease_id, from = held.epoch(), to = lease.epoch, "the lease moved to a new epoch");
                 held.epoch.send_replace(lease.epoch);
                 self.shared.board.update(&lease.lease_id, |view| view.epoch = lease.epoch);
@@ -902,7 +903,7 @@ impl Runner {
         match lease.phase() {
             LeasePhase::Bound if self.pass_running => self.deferred.push(lease),
             LeasePhase::Bound => self.launch(lease),
-            phase if is_open(phase) => {
+            phase if phase.is_open() => {
                 tracing::warn!(lease_id = %lease.lease_id, ?phase,
                     "the leases service has this node running a lease it does not run; the next sweep settles it");
             }
@@ -941,10 +942,6 @@ fn meta_of(lease: &Lease) -> InstanceMeta {
         port: 0,
         ports: BTreeMap::new(),
     }
-}
-
-fn is_open(phase: LeasePhase) -> bool {
-    matches!(phase, LeasePhase::Pending | LeasePhase::Bound | LeasePhase::Launching | LeasePhase::Running)
 }
 
 fn removed_reason(lease: &Lease) -> String {
@@ -991,7 +988,7 @@ impl AssignmentWatcher {
             };
             match opened {
                 Err(status) => {
-                    tracing::warn!(error = %crate::join::status_text(&status), "cannot open the assignment stream")
+                    tracing::warn!(error = %crate::rpc_status::status_text(&status), "cannot open the assignment stream")
                 }
                 Ok(mut events) => {
                     if self.inbox.send(Inbox::StreamOpened { stream: self.stream }).is_err() {
@@ -1012,7 +1009,7 @@ impl AssignmentWatcher {
                                 }
                             }
                             Some(Err(status)) => {
-                                tracing::warn!(error = %crate::join::status_text(&status), "the assignment stream broke");
+                                tracing::warn!(error = %crate::rpc_status::status_text(&status), "the assignment stream broke");
                                 break;
                             }
                             None => {
@@ -1398,7 +1395,7 @@ impl Worker {
                 Err(_) if *self.epoch.borrow() != epoch => continue,
                 Err(status) if is_transient(&status) => {
                     let delay = backoff.next_delay();
-                    tracing::warn!(lease_id = %self.lease_id, ?phase, error = %crate::join::status_text(&status),
+                    tracing::warn!(lease_id = %self.lease_id, ?phase, error = %crate::rpc_status::status_text(&status),
                         retry_in = ?delay, "cannot report; retrying");
                     tokio::select! {
                         _ = self.shared.shutdown.cancelled() => return Err(Interrupt::Stopped),

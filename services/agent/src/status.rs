@@ -93,6 +93,10 @@ pub enum FenceReason {
     Forgotten,
     /// The node certificate expired before it could be renewed.
     CertificateExpired,
+    /// The node certificate was superseded by a newer one of the same node
+    /// (a renewal this agent never received, or a rejoin from elsewhere):
+    /// every service refuses it.
+    CertificateSuperseded,
     /// An operator revoked the node.
     Revoked,
     /// The session ended and identity refused every way to rejoin (no join
@@ -107,6 +111,7 @@ impl std::fmt::Display for FenceReason {
             FenceReason::Fenced => "fenced",
             FenceReason::Forgotten => "forgotten by identity",
             FenceReason::CertificateExpired => "certificate expired",
+            FenceReason::CertificateSuperseded => "certificate superseded",
             FenceReason::Revoked => "revoked",
             FenceReason::RejoinRefused => "refused a rejoin",
         })

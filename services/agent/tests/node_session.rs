@@ -139,6 +139,12 @@ fn node_timing() -> NodeTiming {
     }
 }
 
+/// Node timing under which a node that stops heartbeating is reaped and
+/// then forgotten within a second.
+fn forgetting_timing() -> NodeTiming {
+    NodeTiming { reap_after: Duration::from_millis(300), forget_after: Duration::from_millis(300), ..node_timing() }
+}
+
 impl IdentityUnderTest {
     async fn start(node_cert_ttl: Duration, nodes: NodeTiming) -> IdentityUnderTest {
         Self::start_with(node_cert_ttl, nodes, AuthorityTiming::default()).await
@@ -627,13 +633,80 @@ async fn an_identity_that_expired_while_stopped_needs_a_token_and_rejoins_with_i
 }
 
 #[tokio::test]
+async fn an_agent_restored_from_a_backup_is_refused_its_superseded_certificate_and_rejoins_with_its_token() {
+    let ttl = Duration::from_secs(10);
+    let timing = NodeTiming { certificate_overlap: Duration::from_millis(200), ..node_timing() };
+    let identity = IdentityUnderTest::start(ttl, timing).await;
+    let dir = tempfile::tempdir().unwrap();
+    let token = identity.token(2).await;
+    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(token.clone()))).await;
+    let (old_node, _) = agent.up().await;
+    // A backup of the data directory, taken before the node renews.
+    let backup = tempfile::tempdir().unwrap();
+    let copied =
+        std::process::Command::new("cp").arg("-a").arg(dir.path().join(".")).arg(backup.path()).status().unwrap();
+    assert!(copied.success());
+    let joined_expiry = agent.handle.credentials().not_after();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while agent.handle.credentials().not_after() == joined_expiry {
+        assert!(tokio::time::Instant::now() < deadline, "the node never renewed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Presented on a heartbeat, then past the overlap: the backup's
+    // certificate, still unexpired, is no longer the node's.
+    identity.node_until(&old_node, "the renewal presented", |n| n.certificate_next_floor.is_some()).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    agent.stop().await.unwrap();
+
+    // The host restored from the backup.
+    let agent = RunningAgent::start(agent_config(&identity, backup.path(), Some(token))).await;
+    let fences = agent.handle.fences();
+    let status =
+        agent.status_until("up as a new node", |s| s.is_up() && s.session().unwrap().node_id != old_node).await;
+    let fence = fences.borrow().clone().unwrap();
+    assert_eq!(
+        (fence.session.node_id.as_str(), fence.reason),
+        (old_node.as_str(), FenceReason::CertificateSuperseded),
+        "refused as superseded, not expired: the backup's certificate was still valid"
+    );
+    identity.node_until(&status.session().unwrap().node_id, "UP", |n| n.state == up()).await;
+    assert_eq!(identity.token_uses().await, vec![2], "the token brought the host back");
+    agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_token_rotated_in_its_file_is_the_one_a_forgotten_node_rejoins_with() {
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), forgetting_timing()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let secrets = tempfile::tempdir().unwrap();
+    let token_file = secrets.path().join("token");
+    // A single-use token: spent by the first join.
+    std::fs::write(&token_file, identity.token(1).await).unwrap();
+    let mut config = agent_config(&identity, dir.path(), None);
+    config.join_token_file = Some(token_file.clone());
+    let agent = RunningAgent::start(config).await;
+    let (old_node, _) = agent.up().await;
+
+    // The operator rotates the token: the Secret's file is rewritten in place.
+    std::fs::write(&token_file, identity.token(1).await).unwrap();
+    identity.relay.go_down();
+    identity.node_forgotten(&old_node).await;
+    identity.relay.come_back();
+
+    let status =
+        agent.status_until("up as a new node", |s| s.is_up() && s.session().unwrap().node_id != old_node).await;
+    identity.node_until(&status.session().unwrap().node_id, "UP", |n| n.state == up()).await;
+    let mut uses = identity.token_uses().await;
+    uses.sort_unstable();
+    assert_eq!(uses, vec![1, 1], "each token joined once: the rotated one brought the host back");
+    agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
 async fn a_forgotten_node_discards_its_identity_and_rejoins_with_its_token() {
-    let timing = NodeTiming {
-        reap_after: Duration::from_millis(300),
-        forget_after: Duration::from_millis(300),
-        ..node_timing()
-    };
-    let identity = IdentityUnderTest::start(Duration::from_secs(600), timing).await;
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), forgetting_timing()).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(2).await))).await;
     let (old_node, _) = agent.up().await;
@@ -661,7 +734,10 @@ async fn a_forgotten_node_discards_its_identity_and_rejoins_with_its_token() {
 async fn a_rotated_ca_reaches_the_agent_before_it_signs_and_renewals_follow_it() {
     use berth_mtls::{certs_from_pem, verify_chain};
     let authority = AuthorityTiming { min_prepared: Duration::ZERO, ..AuthorityTiming::default() };
-    let identity = IdentityUnderTest::start_with(Duration::from_secs(3), node_timing(), authority).await;
+    // Short enough to see a renewal under the new CA, long enough that a
+    // loaded machine answers the first heartbeat well before the first
+    // certificate (whose notAfter is in whole seconds) runs out.
+    let identity = IdentityUnderTest::start_with(Duration::from_secs(6), node_timing(), authority).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
     agent.up().await;

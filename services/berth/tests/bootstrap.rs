@@ -131,6 +131,26 @@ impl Drop for IdentityProcess {
     }
 }
 
+/// Who leads identity's node monitor now (a live, unresigned term), read
+/// from the database as a second replica would find it.
+fn monitor_leader(database_url: &str) -> Option<String> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        sqlx::any::install_default_drivers();
+        let mut conn = AnyConnection::connect(database_url).await.unwrap();
+        let holder: Option<(String,)> = sqlx::query_as(
+            "SELECT holder FROM identity._berth_leaders WHERE loop_name = $1 AND holder <> '' \
+             AND expires_at_ms > (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT",
+        )
+        .bind(berth_identity::MONITOR_LOOP)
+        .fetch_optional(&mut conn)
+        .await
+        .unwrap();
+        conn.close().await.unwrap();
+        holder.map(|(holder,)| holder)
+    })
+}
+
 fn berth(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_berth")).args(args).env("RUST_LOG", "warn").output().unwrap()
 }
@@ -297,4 +317,29 @@ fn bootstrap_refuses_bad_flags_before_touching_the_database() {
         assert_eq!(out.status.code(), Some(2), "{flags:?}: clap refuses it as usage");
         assert!(text(&out.stderr).contains(expected), "{flags:?}: {}", text(&out.stderr));
     }
+}
+
+/// An identity replica stopped by SIGTERM while it leads the node monitor
+/// resigns before it exits: another replica takes the monitor over at once,
+/// not a leader TTL (15 s by default) later.
+#[test]
+fn a_leading_replica_stopped_by_sigterm_resigns_before_it_exits() {
+    let db = ScratchDatabase::create();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("pki");
+    let done = bootstrap(&out, &db.url, SECRET, &[]);
+    assert!(done.status.success(), "{}", text(&done.stderr));
+    let mut identity = IdentityProcess::start(&db.url, &dir.path().join("bundle.pem"));
+    wait_until_serving(&mut identity, &out.join("ca.pem"));
+    let deadline = Instant::now() + SERVE_DEADLINE;
+    while monitor_leader(&db.url).is_none() {
+        assert!(Instant::now() < deadline, "the only replica never led the node monitor");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    let pid = identity.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = identity.child.wait().unwrap();
+    assert!(status.success(), "berth-identity ended with {status} on SIGTERM");
+    assert_eq!(monitor_leader(&db.url), None, "the stopped replica left its term to lapse");
 }

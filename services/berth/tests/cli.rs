@@ -296,7 +296,7 @@ fn cert_issue_writes_a_private_key_and_a_cert_that_chains_to_the_ca() {
         "--name",
         "leases",
         "--dns-name",
-        "localhost,127.0.0.1",
+        "leases",
         "--cert-out",
         cert.to_str().unwrap(),
         "--key-out",
@@ -315,6 +315,11 @@ fn cert_issue_writes_a_private_key_and_a_cert_that_chains_to_the_ca() {
     let der = berth_mtls::certs_from_pem("certificate", &cert_pem).unwrap().remove(0);
     let identity = berth_mtls::identity_from_cert(&der).expect("the cert names a berth identity");
     assert_eq!(identity.to_san(), "leases.svc.berth.internal");
+    // The names given, and loopback for the service's own health checks.
+    let hosts = berth_mtls::cert_host_names(&der).unwrap();
+    for name in ["leases", "localhost", "127.0.0.1"] {
+        assert!(hosts.iter().any(|h| h == name), "{name} missing from {hosts:?}");
+    }
     let _ = rustls::crypto::ring::default_provider().install_default();
     berth_mtls::TlsCredentials::new(berth_mtls::TlsMaterial {
         cert_chain_pem: cert_pem,

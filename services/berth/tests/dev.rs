@@ -311,6 +311,19 @@ fn http_get(port: u64, path: &str) -> Option<String> {
     response.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
 }
 
+/// What the replica on `port` answers to `GET /`, once it answers: a
+/// replica is RUNNING once its process started, which may be before its
+/// server listens.
+fn answer_of(port: u64) -> Option<String> {
+    for _ in 0..50 {
+        if let Some(answer) = http_get(port, "/") {
+            return Some(answer);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    None
+}
+
 #[test]
 fn the_example_deploys_from_an_oci_layout_with_no_registry() {
     the_example_deploys_with(&[]);
@@ -369,15 +382,7 @@ fn the_example_deploys_with(flags: &[&str]) {
         .collect();
     assert_eq!(ports.len(), 2, "{instances}");
     for port in ports {
-        let mut answer = None;
-        for _ in 0..50 {
-            answer = http_get(port, "/");
-            if answer.is_some() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        assert_eq!(answer.as_deref(), Some(format!("hello from {live}\n").as_str()), "replica on port {port}");
+        assert_eq!(answer_of(port).as_deref(), Some(format!("hello from {live}\n").as_str()), "replica on port {port}");
     }
 
     // A changed template mints the next revision and rolls it out with never
@@ -430,7 +435,7 @@ fn the_example_deploys_with(flags: &[&str]) {
     let instances = grpcurl_admin_call(&dir, &agent, "berth.agent.v1.Agent/ListInstances", "{}");
     for instance in instances["instances"].as_array().unwrap().iter().filter(|i| i["revision"] == next.as_str()) {
         let port = instance["port"].as_u64().unwrap();
-        assert_eq!(http_get(port, "/").as_deref(), Some(format!("hello from {next}\n").as_str()), "port {port}");
+        assert_eq!(answer_of(port).as_deref(), Some(format!("hello from {next}\n").as_str()), "port {port}");
     }
 
     // Deleting the service releases its replicas, and the node stops them.

@@ -234,7 +234,7 @@ impl Catalog {
     /// One gateway.
     pub(crate) async fn gateway(&self, key: &ObjectKey) -> Result<Option<GatewayRow>, CatalogError> {
         self.store
-            .tx("egress.get_gateway", |conn| {
+            .read("egress.get_gateway", |conn| {
                 Box::pin(async move {
                     let sql = concat!("SELECT ", object_columns!(), " FROM gateways WHERE project = $1 AND name = $2");
                     let row = sqlx::query(sql)
@@ -251,7 +251,7 @@ impl Catalog {
     /// One route.
     pub(crate) async fn route(&self, key: &ObjectKey) -> Result<Option<RouteRow>, CatalogError> {
         self.store
-            .tx("egress.get_route", |conn| {
+            .read("egress.get_route", |conn| {
                 Box::pin(async move {
                     let sql = concat!("SELECT ", object_columns!(), " FROM routes WHERE project = $1 AND name = $2");
                     let row = sqlx::query(sql)
@@ -267,12 +267,14 @@ impl Catalog {
 
     /// A project's gateways, by name.
     pub(crate) async fn gateways(&self, project: &str) -> Result<Vec<GatewayRow>, CatalogError> {
-        self.store.tx("egress.list_gateways", |conn| Box::pin(async move { fetch_gateways(conn, project).await })).await
+        self.store
+            .read("egress.list_gateways", |conn| Box::pin(async move { fetch_gateways(conn, project).await }))
+            .await
     }
 
     /// A project's routes, by name.
     pub(crate) async fn routes(&self, project: &str) -> Result<Vec<RouteRow>, CatalogError> {
-        self.store.tx("egress.list_routes", |conn| Box::pin(async move { fetch_routes(conn, project).await })).await
+        self.store.read("egress.list_routes", |conn| Box::pin(async move { fetch_routes(conn, project).await })).await
     }
 
     /// Deletes a gateway.
@@ -305,7 +307,7 @@ impl Catalog {
     /// A project's plan as last compiled, with each hosting node's ack.
     pub(crate) async fn plan(&self, project: &str) -> Result<proto::EgressPlan, CatalogError> {
         self.store
-            .tx("egress.get_plan", |conn| {
+            .read("egress.get_plan", |conn| {
                 Box::pin(async move {
                     let plan = fetch_plan(conn, project).await?;
                     let plan = plan.ok_or_else(|| CatalogError::PlanNotFound(project.to_owned()))?;
@@ -339,7 +341,7 @@ impl Catalog {
     /// Every project that has a gateway, a route or a plan.
     pub(crate) async fn projects(&self) -> Result<BTreeSet<String>, CatalogError> {
         self.store
-            .tx("egress.projects", |conn| {
+            .read("egress.projects", |conn| {
                 Box::pin(async move {
                     let rows: Vec<(String,)> = sqlx::query_as(
                         "SELECT project FROM gateways UNION SELECT project FROM routes UNION SELECT project FROM plans",
@@ -365,7 +367,7 @@ impl Catalog {
             .tx("egress.full_pass", |conn| {
                 Box::pin(async move {
                     check_fence(conn, fence, now_sql).await?;
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let gateways = fetch_gateways(conn, project).await?;
                     let routes = fetch_routes(conn, project).await?;
                     let previous = fetch_plan(conn, project).await?;
@@ -390,7 +392,7 @@ impl Catalog {
             .tx("egress.place", |conn| {
                 Box::pin(async move {
                     check_fence(conn, fence, now_sql).await?;
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let plans: BTreeMap<String, i64> =
                         sqlx::query_as::<_, (String, i64)>("SELECT project, generation FROM plans")
                             .fetch_all(&mut *conn)
@@ -510,7 +512,7 @@ impl Catalog {
                     if row.is_none() || acked < last_acked {
                         return Ok(());
                     }
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     sqlx::query(
                         "UPDATE nodes SET acked_generation = $2, acked_at_ms = $3, ack_error = $4 WHERE node_id = $1",
                     )
@@ -659,8 +661,4 @@ async fn check_fence(conn: &mut AnyConnection, fence: &Fence, now_sql: &str) -> 
         .fetch_optional(&mut *conn)
         .await?;
     held.map(drop).ok_or(CatalogError::Deposed)
-}
-
-async fn now_ms(conn: &mut AnyConnection, now_sql: &str) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT {now_sql}"))).fetch_one(&mut *conn).await
 }

@@ -57,8 +57,10 @@ mod queue;
 mod records;
 mod render;
 mod service;
+mod shared;
 mod sources;
 mod validate;
+mod world;
 
 use berth_rpc::ServerBuilder;
 use berth_runtime::{ServiceContext, ServiceSpec, StartError};

@@ -39,19 +39,15 @@ use tokio::time::Instant;
 use crate::catalog::{CatalogError, Fence};
 use crate::compile::{PlanInputs, compile};
 use crate::render::render;
-use crate::service::Core;
-use crate::sources::{self, World};
+use crate::shared::{CHANGES_TOPIC, Core};
+use crate::world::{self, World};
 
 /// The name the full pass's leadership is held under.
 pub const EGRESS_LOOP: &str = "egress.full-pass";
 
-/// The bus topic gateway and route changes travel on; the payload is
-/// `<replica id>\n<project>`, so the leader skips what it already marked.
-pub(crate) const CHANGES_TOPIC: &str = "egress.changed";
-
 /// Campaigns for [`EGRESS_LOOP`] and runs passes while leading, until `core.closing`.
 pub(crate) fn spawn(core: Arc<Core>) {
-    tokio::spawn(async move {
+    berth_runtime::spawn_loop(async move {
         let elector = LeaderElector::new(core.catalog.store().clone(), EGRESS_LOOP, core.replica_id.clone())
             .with_timing(core.config.election)
             .spawn(&core.closing);
@@ -97,7 +93,7 @@ async fn run_term(core: &Arc<Core>, term: Term, leadership: &mut watch::Receiver
     let world = World::new();
     let stop = core.closing.child_token();
     core.queue.set_leading(true);
-    sources::spawn(Arc::clone(core), Arc::clone(&world), stop.clone());
+    world::spawn(Arc::clone(core), Arc::clone(&world), stop.clone());
     tokio::select! {
         () = core.closing.cancelled() => {}
         () = lost(leadership, term) => {}
@@ -193,7 +189,7 @@ async fn pass(core: &Core, fence: &Fence, world: &World, project: &str) -> Resul
         .await;
     match written {
         Ok(written) => {
-            core.queue.record_pass(project, written.plan_changed, now_ms());
+            core.queue.record_pass(project, written.plan_changed, berth_runtime::wall_clock_ms());
             let (_, counters) = core.queue.counters(project);
             let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
             if written.plan_changed || written.statuses_written > 0 {
@@ -237,13 +233,6 @@ async fn place(core: &Core, fence: &Fence, world: &World) -> Result<(), Deposed>
             Ok(())
         }
     }
-}
-
-/// Epoch milliseconds by the local clock, for the counters only.
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 async fn next_message(subscription: &mut Option<berth_bus::Subscription>) -> Option<BusMessage> {

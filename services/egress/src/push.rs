@@ -13,7 +13,7 @@
 //! # Signals
 //! The full pass, on whichever replica leads, announces the nodes whose
 //! state it changed: it wakes its own streams for them and publishes the
-//! node ids on the bus topic [`NODES_TOPIC`]; every replica follows the
+//! node ids on the bus topic [`NODES_TOPIC`](crate::shared::NODES_TOPIC); every replica follows the
 //! topic and wakes its streams for the nodes named. A signal carries no data.
 //! Level-triggered: a lost signal delays a push until the stream's next
 //! `watch_resync` re-read, and a bus gap wakes every stream.
@@ -25,22 +25,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::catalog::CatalogError;
-use crate::service::Core;
-
-/// The bus topic node change signals travel on; the payload is node ids, one per line.
-pub(crate) const NODES_TOPIC: &str = "egress.nodes";
+use crate::shared::Core;
 
 /// States a slow node may have waiting before the stream waits for it.
 const WATCH_BUFFER: usize = 4;
-
-/// The replica's wakers for node streams, one per node with a live stream
-/// (the fan-out leases uses for its assignment streams).
-pub(crate) type NodeSignals = berth_bus::KeySignals;
-
-/// Signals on [`NODES_TOPIC`].
-pub(crate) fn node_signals() -> NodeSignals {
-    NodeSignals::new(NODES_TOPIC)
-}
 
 /// Opens `node_id`'s stream.
 pub(crate) fn open(core: Arc<Core>, node_id: String) -> tonic::codegen::BoxStream<proto::NodeEgressState> {

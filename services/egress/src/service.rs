@@ -1,5 +1,5 @@
-//! The service's shared state and its life: what every handler and loop of
-//! one replica holds, how the loops start, and how they stop.
+//! The service's life: a replica built over its shared state
+//! ([`crate::shared`]), how its loops start, and how they stop.
 //!
 //! # Expected flow
 //! [`EgressService::new`] builds a replica over a
@@ -12,7 +12,6 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use berth_bus::Bus;
 use berth_proto::egress::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
 use berth_runtime::ServiceContext;
@@ -20,37 +19,9 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::catalog::Catalog;
 use crate::config::EgressConfig;
-use crate::pass::CHANGES_TOPIC;
-use crate::push::{NodeSignals, node_signals};
 use crate::queue::PassQueue;
+use crate::shared::{Core, node_signals};
 use crate::sources::Sources;
-
-/// What every handler and loop of one replica shares.
-#[derive(Debug)]
-pub(crate) struct Core {
-    pub(crate) catalog: Catalog,
-    pub(crate) bus: Bus,
-    pub(crate) config: EgressConfig,
-    pub(crate) queue: PassQueue,
-    pub(crate) nodes: NodeSignals,
-    pub(crate) sources: Sources,
-    /// This replica's name as it campaigns for the full pass.
-    pub(crate) replica_id: String,
-    /// Cancelled when the replica stops: loops and streams end.
-    pub(crate) closing: CancellationToken,
-    started: Mutex<bool>,
-}
-
-impl Core {
-    /// Marks a pass of `project` here (when leading) and on whichever replica leads.
-    pub(crate) async fn changed(&self, project: &str) {
-        self.queue.mark(project);
-        let payload = format!("{}\n{project}", self.replica_id);
-        if let Err(error) = self.bus.publish(CHANGES_TOPIC, payload).await {
-            tracing::debug!(%error, %project, "could not announce an egress change; the next full resync compiles it");
-        }
-    }
-}
 
 /// One replica of the egress service: its gRPC handlers and its loops.
 #[derive(Debug, Clone)]
@@ -72,7 +43,7 @@ impl EgressService {
             config,
             nodes: node_signals(),
             sources,
-            replica_id: new_replica_id(),
+            replica_id: berth_runtime::replica_id("egress"),
             closing: CancellationToken::new(),
             started: Mutex::new(false),
         };
@@ -135,9 +106,4 @@ impl EgressService {
         self.lifetime = Some(Arc::new(token.drop_guard()));
         self
     }
-}
-
-fn new_replica_id() -> String {
-    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty() && h.len() <= 64);
-    format!("{}-{}", host.as_deref().unwrap_or("egress"), hex::encode(rand::random::<[u8; 4]>()))
 }

@@ -308,10 +308,6 @@ pub struct Resealed {
     pub already: usize,
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
-}
-
 fn timestamp(ms: i64) -> prost_types::Timestamp {
     prost_types::Timestamp { seconds: ms.div_euclid(1000), nanos: (ms.rem_euclid(1000) * 1_000_000) as i32 }
 }
@@ -424,7 +420,7 @@ impl Authority {
 
     async fn create_first(&self) -> Result<(), AuthorityError> {
         let (fingerprint, cert_pem, sealed, not_after_ms) = self.generate("berth CA")?;
-        let now = now_ms();
+        let now = berth_runtime::wall_clock_ms();
         // Insert-if-absent on the active slot: of two replicas racing here,
         // one row wins and the other insert does nothing.
         sqlx::query(
@@ -485,7 +481,7 @@ impl Authority {
         {
             return Ok(view);
         }
-        let now = now_ms();
+        let now = berth_runtime::wall_clock_ms();
         let rows: Vec<Row0> = self
             .load_rows()
             .await?
@@ -616,7 +612,7 @@ impl Authority {
             ));
         }
         let (fingerprint, cert_pem, sealed, not_after_ms) = self.generate("berth CA")?;
-        let now = now_ms();
+        let now = berth_runtime::wall_clock_ms();
         self.inner
             .store
             .tx("authority.prepare", |conn| {
@@ -653,7 +649,7 @@ impl Authority {
         if self.acknowledged(node_id, bundle_sha256) == Some(true) {
             return Ok(());
         }
-        let (node, digest, now) = (node_id.to_owned(), bundle_sha256.to_owned(), now_ms());
+        let (node, digest, now) = (node_id.to_owned(), bundle_sha256.to_owned(), berth_runtime::wall_clock_ms());
         self.inner
             .store
             .tx("authority.acknowledge", |conn| {
@@ -690,7 +686,7 @@ impl Authority {
         let rows = self
             .inner
             .store
-            .tx("authority.load_acks", |conn| {
+            .read("authority.load_acks", |conn| {
                 Box::pin(async move {
                     let rows =
                         sqlx::query("SELECT node_id, bundle_sha256 FROM node_ca_acks").fetch_all(&mut *conn).await?;
@@ -712,7 +708,7 @@ impl Authority {
     /// Activates the prepared CA; the active one retires. Refused while an
     /// UP node has not acknowledged the bundle holding it, unless `force`.
     pub async fn activate(&self, force: bool) -> Result<(), AuthorityError> {
-        let now = now_ms();
+        let now = berth_runtime::wall_clock_ms();
         let min_prepared_ms = self.inner.timing.min_prepared.as_millis() as i64;
         // The bundle every node must have before the prepared CA signs: the
         // one distributed now, which holds it.

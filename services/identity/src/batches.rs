@@ -96,6 +96,33 @@ pub(crate) fn drain<T>(receiver: &mut mpsc::Receiver<T>, max: usize) -> Vec<Vec<
     batches
 }
 
+/// A queue's writer, until `shutdown`: gathers each batch (see [`gather`])
+/// and hands it to `write`; once stopped, writes what is still queued. An
+/// empty batch is never handed over.
+pub(crate) async fn write_all<T, F, Fut>(
+    mut receiver: mpsc::Receiver<T>,
+    shutdown: CancellationToken,
+    flush_every: Duration,
+    max_batch: usize,
+    write: F,
+) where
+    F: Fn(Vec<T>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut batch = Vec::with_capacity(max_batch);
+    while gather(&mut receiver, &shutdown, flush_every, max_batch, &mut batch).await {
+        if !batch.is_empty() {
+            write(std::mem::replace(&mut batch, Vec::with_capacity(max_batch))).await;
+        }
+    }
+    if !batch.is_empty() {
+        write(batch).await;
+    }
+    for rest in drain(&mut receiver, max_batch).into_iter().filter(|rest| !rest.is_empty()) {
+        write(rest).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

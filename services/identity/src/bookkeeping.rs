@@ -25,16 +25,18 @@
 //!   grants a grace on top of a row that may be `persist_every` old anyway.
 //! - When the writer is not running or its queue is full, the heartbeat writes
 //!   its bookkeeping itself, as one transaction of its own.
+//!
+//! The write itself is the registry's, which owns the rows and the index it
+//! keeps of them; this module holds the queue and the writer task the
+//! registry hands that write to, and imports nothing of the registry.
 
 use std::time::Duration;
 
 use berth_proto::types::v1::Capacity;
 use berth_store::{StoreError, TxError};
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::batches;
-use crate::registry::{NODE_COLUMNS, NodeRecord, NodeRegistry, to_column};
 
 /// How long the first beat of a batch may wait for others to join it.
 pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(500);
@@ -60,7 +62,7 @@ pub(crate) struct Beat {
 
 /// Why a batch could not be written.
 #[derive(Debug, thiserror::Error)]
-enum BookkeepingError {
+pub(crate) enum BookkeepingError {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -99,77 +101,16 @@ impl Bookkeeper {
         self.queue.offer(beat).is_ok()
     }
 
-    /// Starts the writer over `registry` until `shutdown`; a second call does nothing.
-    pub(crate) fn spawn(&self, registry: NodeRegistry, shutdown: &CancellationToken) {
+    /// Starts the writer until `shutdown`, handing each batch to `write`
+    /// (the registry's: one transaction, then its cache); a second call
+    /// does nothing.
+    pub(crate) fn spawn<F, Fut>(&self, write: F, shutdown: &CancellationToken)
+    where
+        F: Fn(Vec<Beat>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         if let Some(receiver) = self.queue.start() {
-            tokio::spawn(write_batches(registry, receiver, shutdown.clone()));
+            tokio::spawn(batches::write_all(receiver, shutdown.clone(), FLUSH_EVERY, MAX_BATCH, write));
         }
     }
-}
-
-/// The writer: batches beats and writes each batch in one transaction.
-async fn write_batches(registry: NodeRegistry, mut receiver: mpsc::Receiver<Beat>, shutdown: CancellationToken) {
-    let mut batch = Vec::with_capacity(MAX_BATCH);
-    while batches::gather(&mut receiver, &shutdown, FLUSH_EVERY, MAX_BATCH, &mut batch).await {
-        write_logged(&registry, &mut batch).await;
-    }
-    write_logged(&registry, &mut batch).await;
-    for mut rest in batches::drain(&mut receiver, MAX_BATCH) {
-        write_logged(&registry, &mut rest).await;
-    }
-}
-
-/// Writes and empties `batch`; on failure its nodes are due again.
-async fn write_logged(registry: &NodeRegistry, batch: &mut Vec<Beat>) {
-    if batch.is_empty() {
-        return;
-    }
-    match write(registry, batch).await {
-        Ok(written) => {
-            for record in written {
-                registry.remember(record);
-            }
-        }
-        Err(error) => {
-            tracing::warn!(nodes = batch.len(), %error, "writing heartbeat bookkeeping failed; the next heartbeats retry");
-            for beat in batch.iter() {
-                registry.forget_persisted(&beat.node_id);
-            }
-        }
-    }
-    batch.clear();
-}
-
-/// Writes every beat of `batch` in one transaction; the rows it changed.
-async fn write(registry: &NodeRegistry, batch: &[Beat]) -> Result<Vec<NodeRecord>, BookkeepingError> {
-    let update = format!(
-        "UPDATE nodes SET last_heartbeat_at_ms = $3, revision = revision + 1, \
-         usage_cpu_millis = COALESCE($4, usage_cpu_millis), usage_memory_bytes = COALESCE($5, usage_memory_bytes) \
-         WHERE node_id = $1 AND incarnation = $2 AND state IN ('up', 'draining') \
-         AND (last_heartbeat_at_ms IS NULL OR last_heartbeat_at_ms < $3) \
-         RETURNING {NODE_COLUMNS}"
-    );
-    let update = update.as_str();
-    registry
-        .store()
-        .tx("nodes.heartbeat_bookkeeping", |conn| {
-            Box::pin(async move {
-                let mut written = Vec::with_capacity(batch.len());
-                for beat in batch {
-                    let row = sqlx::query(sqlx::AssertSqlSafe(update))
-                        .bind(&beat.node_id)
-                        .bind(beat.incarnation)
-                        .bind(beat.at_ms)
-                        .bind(beat.usage.map(|u| to_column(u.cpu_millis)))
-                        .bind(beat.usage.map(|u| to_column(u.memory_bytes)))
-                        .fetch_optional(&mut *conn)
-                        .await?;
-                    if let Some(row) = row {
-                        written.push(NodeRecord::from_row(&row)?);
-                    }
-                }
-                Ok(written)
-            })
-        })
-        .await
 }

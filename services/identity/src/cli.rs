@@ -11,7 +11,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use berth_core::Identity;
-use berth_runtime::{StartError, StateArgs, TelemetryArgs, bind, open_bus, open_store, parse_duration, run_main};
+use berth_runtime::{
+    StartError, StateArgs, TelemetryArgs, bind, open_store, parse_duration, run_main, wait_for_bus, wait_for_store,
+};
 use clap::Parser;
 
 use crate::authority::{AUTH_SECRET_MIN_LEN, AuthorityTiming};
@@ -147,8 +149,8 @@ async fn run(args: Args) -> Result<(), StartError> {
         ..NodeTiming::default()
     };
     let shutdown = berth_rpc::shutdown_signal();
-    let store = open_store(&args.state.database_url, NAME, MIGRATIONS).await?;
-    let bus = open_bus(&args.state.redis_url, NAME).await?;
+    let store = wait_for_store(&args.state.database_url, NAME, MIGRATIONS, &shutdown).await?;
+    let bus = wait_for_bus(&args.state.redis_url, NAME, &shutdown).await?;
     let config = IdentityConfig {
         auth_secret: args.auth_secret.unwrap_or_default(),
         authority: AuthorityTiming::default(),

@@ -58,6 +58,8 @@ pub const MAX_TOKEN_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 pub const MAX_TOKEN_USES: u32 = 10_000;
 
 /// How long a token is remembered after it expired, for `ListJoinTokens`.
+pub(crate) const DEFAULT_CERTIFICATE_OVERLAP: Duration = Duration::from_secs(60);
+
 pub(crate) const DEFAULT_TOKEN_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// The timings of the node side of identity. [`NodeTiming::default`] suits
@@ -88,6 +90,10 @@ pub struct NodeTiming {
     pub join_window: Duration,
     /// How long expired join tokens are still listed.
     pub token_retention: Duration,
+    /// How long a node's certificate stays good after the node presented
+    /// the renewal that replaced it, so calls in flight on connections made
+    /// with it finish; then every service refuses it.
+    pub certificate_overlap: Duration,
 }
 
 impl Default for NodeTiming {
@@ -105,6 +111,7 @@ impl Default for NodeTiming {
             join_attempts: DEFAULT_JOIN_ATTEMPTS,
             join_window: DEFAULT_JOIN_WINDOW,
             token_retention: DEFAULT_TOKEN_RETENTION,
+            certificate_overlap: DEFAULT_CERTIFICATE_OVERLAP,
         }
     }
 }

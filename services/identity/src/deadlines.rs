@@ -20,11 +20,9 @@
 
 use std::time::Duration;
 
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::batches;
-use crate::registry::NodeRegistry;
 
 /// How long the first deadline of a batch may wait for others to join it.
 pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(20);
@@ -57,23 +55,15 @@ impl DeadlineWriter {
         self.queue.offer(due)
     }
 
-    /// Starts the writer over `registry` until `shutdown`; a second call does nothing.
-    pub(crate) fn spawn(&self, registry: NodeRegistry, shutdown: &CancellationToken) {
+    /// Starts the writer until `shutdown`, handing each batch to `write`
+    /// (the registry's: one round trip); a second call does nothing.
+    pub(crate) fn spawn<F, Fut>(&self, write: F, shutdown: &CancellationToken)
+    where
+        F: Fn(Vec<Due>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         if let Some(receiver) = self.queue.start() {
-            tokio::spawn(write_batches(registry, receiver, shutdown.clone()));
+            tokio::spawn(batches::write_all(receiver, shutdown.clone(), FLUSH_EVERY, MAX_BATCH, write));
         }
-    }
-}
-
-/// The writer: gathers deadlines and moves each batch in one round trip.
-async fn write_batches(registry: NodeRegistry, mut receiver: mpsc::Receiver<Due>, shutdown: CancellationToken) {
-    let mut batch = Vec::with_capacity(MAX_BATCH);
-    while batches::gather(&mut receiver, &shutdown, FLUSH_EVERY, MAX_BATCH, &mut batch).await {
-        registry.set_deadlines(&batch).await;
-        batch.clear();
-    }
-    registry.set_deadlines(&batch).await;
-    for rest in batches::drain(&mut receiver, MAX_BATCH) {
-        registry.set_deadlines(&rest).await;
     }
 }

@@ -253,8 +253,8 @@ impl IdentityService {
         let insert = format!(
             "INSERT INTO nodes (node_id, name, tier, advertise_addr, state, incarnation, revision, labels_json, \
              version, capacity_cpu_millis, capacity_memory_bytes, usage_cpu_millis, usage_memory_bytes, \
-             join_token_id, joined_at_ms, state_changed_at_ms, certificate_expires_at_ms) \
-             VALUES ($1, $2, $3, $4, 'joining', 1, 1, $5, $6, $7, $8, 0, 0, $9, {now}, {now}, $10)"
+             join_token_id, joined_at_ms, state_changed_at_ms, certificate_expires_at_ms, certificate_floor_s) \
+             VALUES ($1, $2, $3, $4, 'joining', 1, 1, $5, $6, $7, $8, 0, 0, $9, {now}, {now}, $10, $11)"
         );
         for attempt in 1..=ID_ATTEMPTS {
             let node_id = format!("n-{}", random_hex::<NODE_ID_BYTES>());
@@ -269,6 +269,7 @@ impl IdentityService {
                 capacity: applicant.capacity,
                 token_id: grant.token_id.clone(),
                 certificate_expires_at_ms: certificate.not_after.saturating_mul(1000),
+                certificate_floor_s: certificate.not_before,
             };
             let (insert, now) = (insert.clone(), now.to_owned());
             let inserted = self
@@ -288,6 +289,7 @@ impl IdentityService {
                             .bind(to_column(row.capacity.memory_bytes))
                             .bind(&row.token_id)
                             .bind(row.certificate_expires_at_ms)
+                            .bind(row.certificate_floor_s)
                             .execute(&mut *conn)
                             .await?;
                         registry::fetch(conn, &row.node_id).await?.ok_or_else(|| {
@@ -319,12 +321,15 @@ impl IdentityService {
         let update = format!(
             "UPDATE nodes SET incarnation = incarnation + 1, revision = revision + 1, state = 'joining', \
              state_changed_at_ms = {}, reaped_at_ms = NULL, name = $3, advertise_addr = $4, version = $5, \
-             capacity_cpu_millis = $6, capacity_memory_bytes = $7, certificate_expires_at_ms = $8 \
+             capacity_cpu_millis = $6, capacity_memory_bytes = $7, certificate_expires_at_ms = $8, \
+             certificate_floor_s = $9, certificate_next_floor_s = 0, certificate_floor_moves_at_ms = 0 \
              WHERE node_id = $1 AND incarnation = $2 AND state <> 'revoked'",
             self.store.now_ms_sql()
         );
         let node_id = node.node_id.clone();
         let certificate_expires_at_ms = certificate.not_after.saturating_mul(1000);
+        // Every certificate of earlier incarnations is refused from now on.
+        let certificate_floor_s = certificate.not_before;
         let (name, advertise_addr, version, capacity) =
             (applicant.name.clone(), applicant.advertise_addr.clone(), applicant.version.clone(), applicant.capacity);
         let record = self
@@ -348,6 +353,7 @@ impl IdentityService {
                         .bind(to_column(capacity.cpu_millis))
                         .bind(to_column(capacity.memory_bytes))
                         .bind(certificate_expires_at_ms)
+                        .bind(certificate_floor_s)
                         .execute(&mut *conn)
                         .await?;
                     expect_one(
@@ -396,6 +402,7 @@ struct NewRow {
     capacity: Capacity,
     token_id: String,
     certificate_expires_at_ms: i64,
+    certificate_floor_s: i64,
 }
 
 #[tonic::async_trait]

@@ -65,6 +65,12 @@ pub static MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0003_ca_acks.sql"),
         sqlite: include_str!("../migrations/sqlite/0003_ca_acks.sql"),
     },
+    Migration {
+        version: 4,
+        name: "certificate_floor",
+        postgres: include_str!("../migrations/postgres/0004_certificate_floor.sql"),
+        sqlite: include_str!("../migrations/sqlite/0004_certificate_floor.sql"),
+    },
 ];
 
 /// How identity is configured beyond its state.

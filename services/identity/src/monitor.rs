@@ -105,7 +105,7 @@ impl NodeMonitor {
     /// Campaigns and runs until `shutdown`, then resigns.
     pub(crate) fn spawn(self, shutdown: &CancellationToken) {
         let shutdown = shutdown.clone();
-        tokio::spawn(async move { self.run(shutdown).await });
+        berth_runtime::spawn_loop(async move { self.run(shutdown).await });
     }
 
     async fn run(self, shutdown: CancellationToken) {
@@ -297,19 +297,17 @@ impl NodeMonitor {
             "DELETE FROM nodes WHERE node_id = $1 AND incarnation = $2 AND state = $3 \
              AND reaped_at_ms IS NOT NULL AND {fence}"
         );
-        let now_query = format!("SELECT {now_sql}");
         let timing = self.registry.timing().clone();
         let (node_id, holder) = (node_id.to_owned(), self.holder.clone());
         store
             .tx("nodes.monitor", move |conn| {
-                let (mark_down, reap, forget, now_query) =
-                    (mark_down.clone(), reap.clone(), forget.clone(), now_query.clone());
+                let (mark_down, reap, forget) = (mark_down.clone(), reap.clone(), forget.clone());
                 let (node_id, holder, timing) = (node_id.clone(), holder.clone(), timing.clone());
                 Box::pin(async move {
                     let Some(node) = registry::fetch(conn, &node_id).await? else {
                         return Ok(Acted::Nothing(Next::Never));
                     };
-                    let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(now_query)).fetch_one(&mut *conn).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let fenced_on = format!("node {node_id} at incarnation {} under term {term}", node.incarnation);
                     let (statement, next) = match (node.state, node.reaped_at_ms) {
                         (NodeState::Revoked, _) => return Ok(Acted::Nothing(Next::Never)),

@@ -96,7 +96,7 @@ impl IdentityService {
         require_node_id(node_id)?;
         let node_id = node_id.to_owned();
         self.store
-            .tx("nodes.get", move |conn| {
+            .read("nodes.get", move |conn| {
                 let node_id = node_id.clone();
                 Box::pin(async move { registry::fetch(conn, &node_id).await?.ok_or(NodesApiError::NotFound(node_id)) })
             })

@@ -27,19 +27,19 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use berth_bus::{Bus, BusMessage};
 use berth_proto::identity::v1;
 use berth_proto::types::v1::Capacity;
-use berth_rpc::Revocations;
+use berth_rpc::{CertificateFloor, Revocations};
 use berth_store::{Store, StoreError};
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row as _};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
-use crate::bookkeeping::{Beat, Bookkeeper};
+use crate::bookkeeping::{Beat, Bookkeeper, BookkeepingError};
 use crate::config::NodeTiming;
 use crate::deadlines::{DeadlineWriter, Due};
 
@@ -62,7 +62,8 @@ macro_rules! node_columns {
         "node_id, name, tier, advertise_addr, state, incarnation, revision, labels_json, version, \
          capacity_cpu_millis, capacity_memory_bytes, usage_cpu_millis, usage_memory_bytes, join_token_id, \
          joined_at_ms, state_changed_at_ms, last_heartbeat_at_ms, certificate_expires_at_ms, drained_at_ms, \
-         reaped_at_ms, revoked_at_ms, revoked_reason"
+         reaped_at_ms, revoked_at_ms, revoked_reason, certificate_floor_s, certificate_next_floor_s, \
+         certificate_floor_moves_at_ms"
     };
 }
 
@@ -162,6 +163,8 @@ pub(crate) struct NodeRecord {
     pub(crate) state_changed_at_ms: i64,
     pub(crate) last_heartbeat_at_ms: Option<i64>,
     pub(crate) certificate_expires_at_ms: i64,
+    /// Which of its certificates are still the node's (see [`CertificateFloor`]).
+    pub(crate) certificate_floor: CertificateFloor,
     pub(crate) drained: bool,
     pub(crate) reaped_at_ms: Option<i64>,
     pub(crate) revoked_at_ms: Option<i64>,
@@ -198,6 +201,11 @@ impl NodeRecord {
             state_changed_at_ms: row.try_get("state_changed_at_ms")?,
             last_heartbeat_at_ms: row.try_get("last_heartbeat_at_ms")?,
             certificate_expires_at_ms: row.try_get("certificate_expires_at_ms")?,
+            certificate_floor: CertificateFloor {
+                floor_s: row.try_get("certificate_floor_s")?,
+                next_s: row.try_get("certificate_next_floor_s")?,
+                moves_at_ms: row.try_get("certificate_floor_moves_at_ms")?,
+            },
             drained: drained_at_ms.is_some(),
             reaped_at_ms: row.try_get("reaped_at_ms")?,
             revoked_at_ms: row.try_get("revoked_at_ms")?,
@@ -223,6 +231,12 @@ impl NodeRecord {
             state_changed_at: Some(timestamp(self.state_changed_at_ms)),
             certificate_expires_at: Some(timestamp(self.certificate_expires_at_ms)),
             join_token_id: self.join_token_id.clone(),
+            certificate_floor: (self.certificate_floor.floor_s > 0)
+                .then(|| timestamp(self.certificate_floor.floor_s.saturating_mul(1000))),
+            certificate_next_floor: (self.certificate_floor.next_s > 0)
+                .then(|| timestamp(self.certificate_floor.next_s.saturating_mul(1000))),
+            certificate_floor_moves_at: (self.certificate_floor.next_s > 0)
+                .then(|| timestamp(self.certificate_floor.moves_at_ms)),
         }
     }
 
@@ -362,7 +376,7 @@ impl NodeRegistry {
     pub(crate) fn new(store: Store, bus: Bus, timing: NodeTiming) -> Self {
         Self {
             inner: Arc::new(Inner {
-                replica_id: new_replica_id(),
+                replica_id: berth_runtime::replica_id("identity"),
                 store,
                 bus,
                 timing,
@@ -409,14 +423,14 @@ impl NodeRegistry {
     /// The database clock as this host estimates it, in epoch milliseconds:
     /// bus deadlines are compared on it, so replicas on skewed hosts agree.
     pub(crate) fn now_ms(&self) -> i64 {
-        local_now_ms().saturating_add(self.inner.clock_offset_ms.load(Ordering::Relaxed))
+        berth_runtime::wall_clock_ms().saturating_add(self.inner.clock_offset_ms.load(Ordering::Relaxed))
     }
 
     /// Measures the database clock against this host's.
     async fn measure_clock(&self) -> Result<(), StoreError> {
-        let before = local_now_ms();
+        let before = berth_runtime::wall_clock_ms();
         let database = self.inner.store.now_ms().await?;
-        let after = local_now_ms();
+        let after = berth_runtime::wall_clock_ms();
         let offset = database - (before + (after - before) / 2);
         self.inner.clock_offset_ms.store(offset, Ordering::Relaxed);
         Ok(())
@@ -488,6 +502,7 @@ impl NodeRegistry {
         if record.state == NodeState::Revoked {
             self.inner.revocations.revoke(&record.node_id);
         }
+        self.inner.revocations.set_floor(&record.node_id, record.certificate_floor);
         let record = Arc::new(record);
         index.applied += 1;
         let applied = index.applied;
@@ -500,6 +515,7 @@ impl NodeRegistry {
     fn apply_removed(&self, node_id: &str) {
         let mut index = self.write_index();
         if let Some(last) = index.nodes.remove(node_id) {
+            self.inner.revocations.set_floor(node_id, CertificateFloor::default());
             let _ = self.inner.changes.send(NodeChange::Removed(last.record));
         }
     }
@@ -531,6 +547,10 @@ impl NodeRegistry {
         }
         let revoked = index.nodes.values().filter(|e| e.record.state == NodeState::Revoked);
         self.inner.revocations.replace(revoked.map(|e| e.record.node_id.clone()).collect());
+        let floors = index.nodes.values().map(|e| (e.record.node_id.clone(), e.record.certificate_floor));
+        self.inner
+            .revocations
+            .replace_floors(floors.filter(|(_, floor)| *floor != CertificateFloor::default()).collect());
         index.loaded = true;
         Ok(())
     }
@@ -589,8 +609,40 @@ impl NodeRegistry {
 
     /// Starts the bookkeeping and deadline writers until `shutdown` (once per registry).
     pub(crate) fn spawn_writers(&self, shutdown: &CancellationToken) {
-        self.inner.bookkeeper.spawn(self.clone(), shutdown);
-        self.inner.deadlines.spawn(self.clone(), shutdown);
+        let registry = self.clone();
+        self.inner.bookkeeper.spawn(
+            move |batch| {
+                let registry = registry.clone();
+                async move { registry.write_bookkeeping(&batch).await }
+            },
+            shutdown,
+        );
+        let registry = self.clone();
+        self.inner.deadlines.spawn(
+            move |batch| {
+                let registry = registry.clone();
+                async move { registry.set_deadlines(&batch).await }
+            },
+            shutdown,
+        );
+    }
+
+    /// Writes a batch of beats in one transaction and keeps what it wrote;
+    /// on failure its nodes are due again (the next heartbeats retry).
+    async fn write_bookkeeping(&self, batch: &[Beat]) {
+        match write_beats(self.store(), batch).await {
+            Ok(written) => {
+                for record in written {
+                    self.remember(record);
+                }
+            }
+            Err(error) => {
+                tracing::warn!(nodes = batch.len(), %error, "writing heartbeat bookkeeping failed; the next heartbeats retry");
+                for beat in batch {
+                    self.forget_persisted(&beat.node_id);
+                }
+            }
+        }
     }
 
     /// Moves a steady node's deadline through the batch writer, or at once
@@ -708,17 +760,37 @@ impl NodeRegistry {
     }
 }
 
-/// `<host>-<random>`: the pod or host name when the environment names one,
-/// so operators can tell which replica leads, and random so two replicas on
-/// one host never share it.
-fn new_replica_id() -> String {
-    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty() && h.len() <= 64);
-    format!("{}-{}", host.as_deref().unwrap_or("identity"), crate::tokens::random_hex::<4>())
-}
-
-/// This host's wall clock in epoch milliseconds.
-fn local_now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+/// Writes every beat of `batch` in one transaction; the rows it changed.
+async fn write_beats(store: &Store, batch: &[Beat]) -> Result<Vec<NodeRecord>, BookkeepingError> {
+    let update = format!(
+        "UPDATE nodes SET last_heartbeat_at_ms = $3, revision = revision + 1, \
+         usage_cpu_millis = COALESCE($4, usage_cpu_millis), usage_memory_bytes = COALESCE($5, usage_memory_bytes) \
+         WHERE node_id = $1 AND incarnation = $2 AND state IN ('up', 'draining') \
+         AND (last_heartbeat_at_ms IS NULL OR last_heartbeat_at_ms < $3) \
+         RETURNING {NODE_COLUMNS}"
+    );
+    let update = update.as_str();
+    store
+        .tx("nodes.heartbeat_bookkeeping", |conn| {
+            Box::pin(async move {
+                let mut written = Vec::with_capacity(batch.len());
+                for beat in batch {
+                    let row = sqlx::query(sqlx::AssertSqlSafe(update))
+                        .bind(&beat.node_id)
+                        .bind(beat.incarnation)
+                        .bind(beat.at_ms)
+                        .bind(beat.usage.map(|u| to_column(u.cpu_millis)))
+                        .bind(beat.usage.map(|u| to_column(u.memory_bytes)))
+                        .fetch_optional(&mut *conn)
+                        .await?;
+                    if let Some(row) = row {
+                        written.push(NodeRecord::from_row(&row)?);
+                    }
+                }
+                Ok(written)
+            })
+        })
+        .await
 }
 
 #[cfg(test)]

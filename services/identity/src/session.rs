@@ -128,6 +128,7 @@ impl IdentityService {
         &self,
         node_id: &str,
         beat: v1::HeartbeatRequest,
+        presented: Option<i64>,
     ) -> Result<v1::HeartbeatResponse, HeartbeatError> {
         if beat.version.len() > MAX_VERSION_LEN || beat.version.chars().any(char::is_control) {
             return Err(HeartbeatError::InvalidArgument {
@@ -161,7 +162,11 @@ impl IdentityService {
             && (beat.version.is_empty() || beat.version == indexed.version);
         let wants_renewal = !beat.renewal_csr_pem.trim().is_empty();
         let timing = self.nodes.timing();
-        if indexed.state.is_live() && unchanged && !wants_renewal {
+        // A renewed certificate presented for the first time moves the floor.
+        let floor_moves = presented.is_some_and(|issued| {
+            indexed.certificate_floor.presented(issued, self.nodes.now_ms(), timing.certificate_overlap).is_some()
+        });
+        if indexed.state.is_live() && unchanged && !wants_renewal && !floor_moves {
             let now_ms = self.nodes.now_ms();
             let steady = !self.nodes.persist_due(node_id)
                 || self.nodes.queue_bookkeeping(Beat {
@@ -178,7 +183,7 @@ impl IdentityService {
         // Boxed: the written path (signing, a transaction) needs a future
         // several times the steady path's, and every call in flight would
         // otherwise carry room for it.
-        Box::pin(self.write_heartbeat(node_id, beat, indexed, wants_renewal)).await
+        Box::pin(self.write_heartbeat(node_id, beat, presented, indexed, wants_renewal)).await
     }
 
     /// A heartbeat that changes the row or renews the certificate: written in
@@ -187,6 +192,7 @@ impl IdentityService {
         &self,
         node_id: &str,
         beat: v1::HeartbeatRequest,
+        presented: Option<i64>,
         indexed: Arc<NodeRecord>,
         wants_renewal: bool,
     ) -> Result<v1::HeartbeatResponse, HeartbeatError> {
@@ -197,7 +203,19 @@ impl IdentityService {
         } else {
             None
         };
-        let outcome = self.record_heartbeat(node_id, &beat, certificate.as_ref()).await?;
+        let outcome = match self.record_heartbeat(node_id, &beat, presented, certificate.as_ref()).await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                // The node beat: while the database is away its liveness,
+                // kept in the bus, must not lapse with the write, or every
+                // node whose bookkeeping fell due in the outage is marked
+                // down once the database is back.
+                if indexed.state.is_live() {
+                    self.nodes.queue_deadline(node_id, self.nodes.now_ms() + millis(timing.down_after)).await;
+                }
+                return Err(error);
+            }
+        };
         let record = match outcome {
             Outcome::Fenced(record) => {
                 let record = self.nodes.remember(record);
@@ -210,7 +228,8 @@ impl IdentityService {
         let noteworthy = record.state != indexed.state
             || record.capacity != indexed.capacity
             || record.version != indexed.version
-            || record.certificate_expires_at_ms != indexed.certificate_expires_at_ms;
+            || record.certificate_expires_at_ms != indexed.certificate_expires_at_ms
+            || record.certificate_floor != indexed.certificate_floor;
         if record.state != indexed.state {
             tracing::info!(%node_id, from = indexed.state.as_str(), to = record.state.as_str(), "node heard from");
         }
@@ -229,6 +248,7 @@ impl IdentityService {
         &self,
         node_id: &str,
         beat: &v1::HeartbeatRequest,
+        presented: Option<i64>,
         certificate: Option<&IssuedCertificate>,
     ) -> Result<Outcome, HeartbeatError> {
         let update = format!(
@@ -236,7 +256,8 @@ impl IdentityService {
              state_changed_at_ms = CASE WHEN state = $3 THEN state_changed_at_ms ELSE {now} END, \
              last_heartbeat_at_ms = {now}, reaped_at_ms = NULL, revision = revision + 1, \
              capacity_cpu_millis = $4, capacity_memory_bytes = $5, usage_cpu_millis = $6, usage_memory_bytes = $7, \
-             version = $8, certificate_expires_at_ms = $9 \
+             version = $8, certificate_expires_at_ms = $9, certificate_floor_s = $11, \
+             certificate_next_floor_s = $12, certificate_floor_moves_at_ms = $13 \
              WHERE node_id = $1 AND incarnation = $2 AND state = $10",
             now = self.store.now_ms_sql()
         );
@@ -244,6 +265,7 @@ impl IdentityService {
         let reported_incarnation = beat.incarnation;
         let (capacity, usage, version) = (beat.capacity, beat.usage, beat.version.clone());
         let renewed_until_ms = certificate.map(|c| c.not_after.saturating_mul(1000));
+        let (now_ms, overlap) = (self.nodes.now_ms(), self.nodes.timing().certificate_overlap);
         let owned_node_id = node_id.clone();
         let result = self
             .store
@@ -267,6 +289,9 @@ impl IdentityService {
                     let capacity = capacity.unwrap_or(current.capacity);
                     let usage = usage.unwrap_or(current.usage);
                     let version = if version.is_empty() { current.version.clone() } else { version };
+                    let floor = presented
+                        .and_then(|issued| current.certificate_floor.presented(issued, now_ms, overlap))
+                        .unwrap_or(current.certificate_floor);
                     let done = sqlx::query(sqlx::AssertSqlSafe(update))
                         .bind(&node_id)
                         .bind(current.incarnation)
@@ -278,6 +303,9 @@ impl IdentityService {
                         .bind(&version)
                         .bind(renewed_until_ms.unwrap_or(current.certificate_expires_at_ms))
                         .bind(current.state.as_str())
+                        .bind(floor.floor_s)
+                        .bind(floor.next_s)
+                        .bind(floor.moves_at_ms)
                         .execute(&mut *conn)
                         .await
                         .map_err(|e| taken_on_unique_violation(e.into(), &current))?;
@@ -365,7 +393,8 @@ impl v1::node_session_server::NodeSession for IdentityService {
         request: tonic::Request<v1::HeartbeatRequest>,
     ) -> Result<tonic::Response<v1::HeartbeatResponse>, tonic::Status> {
         let node_id = berth_rpc::require_own_node(&request, &request.get_ref().node_id)?.to_owned();
-        match self.heartbeat_node(&node_id, request.into_inner()).await {
+        let presented = request.extensions().get::<berth_rpc::PeerInfo>().and_then(|peer| peer.issued_at);
+        match self.heartbeat_node(&node_id, request.into_inner(), presented).await {
             Ok(response) => Ok(tonic::Response::new(response)),
             Err(error) => {
                 tracing::info!(%node_id, %error, "heartbeat refused");

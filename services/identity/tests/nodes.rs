@@ -26,6 +26,7 @@ on_both_backends!(
     join_tokens_are_listed_without_secrets_and_revocation_keeps_the_row,
     a_node_certificate_is_confined_to_its_own_node,
     renewal_returns_a_certificate_that_chains_to_the_bundle,
+    a_superseded_certificate_is_refused_by_identity_and_every_follower,
     bad_and_weak_csrs_are_refused_naming_the_field,
     a_node_reaped_while_partitioned_is_fenced_and_rejoins,
     a_second_live_node_on_the_same_address_is_refused,
@@ -264,6 +265,107 @@ async fn a_node_certificate_is_confined_to_its_own_node(backend: Backend) {
     cluster.cleanup().await;
 }
 
+/// When a certificate PEM was issued (its notBefore), seconds.
+fn issued_at(pem: &str) -> i64 {
+    let certs = berth_mtls::certs_from_pem("certificate", pem).unwrap();
+    berth_mtls::cert_validity(&certs[0]).unwrap().0
+}
+
+/// A node's certificates are ordered by issue: once the node presents a
+/// renewal, the one it replaced is refused after the overlap, and once it
+/// rejoins, every certificate of its earlier incarnation is refused at
+/// once, by identity and by every service following `WatchNodes`. A renewal
+/// the node never presents (its reply lost) moves nothing.
+async fn a_superseded_certificate_is_refused_by_identity_and_every_follower(backend: Backend) {
+    let overlap = Duration::from_millis(700);
+    let timing = berth_identity::NodeTiming { certificate_overlap: overlap, ..fast_timing() };
+    let mut cluster = Cluster::start(backend, timing).await;
+    cluster.add_replica().await;
+    let token = cluster.token(1).await;
+    let first = cluster.join(0, &token, "10.0.0.1:7450").await.unwrap();
+    first.heartbeat(&cluster.addr(0)).await.unwrap();
+    let first_pem = first.credentials.material().cert_chain_pem;
+    let floor = cluster.get(&first.node_id).await.certificate_floor.unwrap();
+    assert_eq!(floor.seconds, issued_at(&first_pem), "the floor is the joined certificate's issue time");
+
+    // A service following identity, as leases and revisions do.
+    let (directory, revocations) = (berth_runtime::NodeDirectory::new(), berth_rpc::Revocations::new());
+    let stop = tokio_util::sync::CancellationToken::new();
+    berth_runtime::follow_nodes(cluster.addr(1), cluster.admin.clone(), directory, revocations.clone(), stop.clone());
+
+    // Certificates issued in the same second share their issue time.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let renew = |node: &support::TestNode| {
+        let (csr, key_pem) = generate_csr("renewal").unwrap();
+        let mut beat = node.beat();
+        beat.renewal_csr_pem = csr;
+        (beat, key_pem)
+    };
+    let (beat, _lost_key) = renew(&first);
+    let lost = first.send(&cluster.addr(0), beat).await.unwrap();
+    assert!(!lost.certificate_pem.is_empty());
+    // Its reply lost: the node carries on with its certificate, accepted.
+    first.heartbeat(&cluster.addr(0)).await.unwrap();
+    first.heartbeat(&cluster.addr(1)).await.unwrap();
+
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (beat, key_pem) = renew(&first);
+    let answer = first.send(&cluster.addr(0), beat).await.unwrap();
+    let renewed = support::TestNode {
+        node_id: first.node_id.clone(),
+        incarnation: first.incarnation,
+        credentials: TlsCredentials::new(TlsMaterial {
+            cert_chain_pem: answer.certificate_pem.clone(),
+            key_pem,
+            ca_bundle_pem: answer.ca_bundle_pem,
+        })
+        .unwrap(),
+    };
+    // Presented: the old one keeps working through the overlap...
+    renewed.heartbeat(&cluster.addr(0)).await.unwrap();
+    first.heartbeat(&cluster.addr(1)).await.unwrap();
+    let node = cluster.get(&first.node_id).await;
+    assert_eq!(node.certificate_floor.unwrap().seconds, issued_at(&first_pem));
+    assert_eq!(node.certificate_next_floor.unwrap().seconds, issued_at(&answer.certificate_pem));
+    // ...and is refused by every replica after it.
+    tokio::time::sleep(overlap + Duration::from_millis(100)).await;
+    for replica in 0..2 {
+        let refused = first.heartbeat(&cluster.addr(replica)).await.unwrap_err();
+        assert_eq!(refused.code(), Code::PermissionDenied, "replica {replica}: {refused:?}");
+        assert!(refused.message().contains("superseded"), "{}", refused.message());
+        renewed.heartbeat(&cluster.addr(replica)).await.unwrap();
+    }
+    // Neither the replaced nor the lost renewal is the node's for a follower.
+    let old_issue = issued_at(&first_pem);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while revocations.superseded(&first.node_id, old_issue).is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "the follower never took the floor in");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(revocations.superseded(&first.node_id, issued_at(&lost.certificate_pem)).is_some());
+    assert_eq!(revocations.superseded(&first.node_id, issued_at(&answer.certificate_pem)), None);
+
+    // A rejoin (with the current certificate) supersedes every certificate of
+    // the earlier incarnation at once: no overlap.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let rejoined = join_over(renewed.channel(&cluster.addr(0)), "", "10.0.0.1:7450", &cluster.bundle).await.unwrap();
+    assert_eq!(rejoined.node_id, first.node_id);
+    assert!(rejoined.incarnation > renewed.incarnation);
+    let refused = renewed.heartbeat(&cluster.addr(0)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("superseded"), "{}", refused.message());
+    rejoined.heartbeat(&cluster.addr(0)).await.unwrap();
+    let rejoined_issue = issued_at(&rejoined.credentials.material().cert_chain_pem);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while revocations.superseded(&first.node_id, issued_at(&answer.certificate_pem)).is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "the follower never took the rejoin's floor in");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(revocations.superseded(&first.node_id, rejoined_issue), None);
+    stop.cancel();
+    cluster.cleanup().await;
+}
+
 async fn renewal_returns_a_certificate_that_chains_to_the_bundle(backend: Backend) {
     let cluster = Cluster::start(backend, fast_timing()).await;
     let token = cluster.token(1).await;
@@ -368,8 +470,16 @@ async fn a_node_reaped_while_partitioned_is_fenced_and_rejoins(backend: Backend)
     assert_eq!(rejoined.node_id, node.node_id);
     assert_eq!(rejoined.incarnation, node.incarnation + 2, "joined 1, reaped 2, rejoined 3");
     assert_eq!(rejoined.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Up);
-    // The old agent, should it still run, stays fenced.
-    assert!(node.heartbeat(&cluster.addr(0)).await.unwrap().fenced);
+    // The old agent, should it still run, stays fenced: refused outright as
+    // superseded when its certificate predates the rejoin's by a second or
+    // more (certificate times are in seconds), else told it is fenced.
+    match node.heartbeat(&cluster.addr(0)).await {
+        Ok(answer) => assert!(answer.fenced),
+        Err(refused) => {
+            assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+            assert!(refused.message().contains("superseded"), "{}", refused.message());
+        }
+    }
     assert_eq!(cluster.get(&node.node_id).await.state(), NodeState::Up);
     cluster.cleanup().await;
 }

@@ -22,9 +22,9 @@ use tonic::{Request, Response, Status};
 use crate::ledger::{LeaseError, LeaseFilter, PhaseReport};
 use crate::model::Resources;
 use crate::placement::NodeRuntime;
-use crate::reaper::EXPIRY_INDEX;
 use crate::records::LeaseRecord;
 use crate::service::LeasesService;
+use crate::shared::EXPIRY_INDEX;
 use crate::validate;
 
 impl LeasesService {

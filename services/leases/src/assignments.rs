@@ -27,7 +27,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::ledger::Assignments;
 use crate::records::LeaseRecord;
-use crate::service::Core;
+use crate::shared::Core;
 
 /// Events a stream buffers for a slow node before its task waits.
 const STREAM_BUFFER: usize = 256;

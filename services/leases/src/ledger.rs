@@ -294,7 +294,7 @@ impl Ledger {
     /// One lease.
     pub(crate) async fn get(&self, lease_id: &str) -> Result<LeaseRecord, LeaseError> {
         self.store
-            .tx("leases.get", |conn| {
+            .read("leases.get", |conn| {
                 Box::pin(async move {
                     fetch(conn, lease_id).await?.ok_or_else(|| LeaseError::NotFound(lease_id.to_owned()))
                 })
@@ -321,7 +321,7 @@ impl Ledger {
         sql.push_str(" ORDER BY created_at_ms, lease_id");
         let (sql, values) = (&sql, &values);
         self.store
-            .tx("leases.list", |conn| {
+            .read("leases.list", |conn| {
                 Box::pin(async move {
                     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.as_str()));
                     for value in values {
@@ -348,7 +348,7 @@ impl Ledger {
         self.store
             .tx("leases.release", |conn| {
                 Box::pin(async move {
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let lease =
                         fetch(conn, lease_id).await?.ok_or_else(|| LeaseError::NotFound(lease_id.to_owned()))?;
                     if !lease.phase.is_open() {
@@ -369,7 +369,7 @@ impl Ledger {
         self.store
             .tx("leases.report_phase", |conn| {
                 Box::pin(async move {
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let lease = held_by(conn, node_id, &report.lease_id, report.epoch).await?;
                     if lease.phase == report.phase {
                         return Ok((lease, false));
@@ -402,7 +402,7 @@ impl Ledger {
         self.store
             .tx("leases.renew", |conn| {
                 Box::pin(async move {
-                    let expires_at = now_ms(conn, now_sql).await?.saturating_add(ttl_ms);
+                    let expires_at = berth_store::now_ms_in(conn, now_sql).await?.saturating_add(ttl_ms);
                     let mut renewed = HashSet::new();
                     for chunk in held.chunks(ROWS_PER_STATEMENT) {
                         let sql = format!(
@@ -432,7 +432,7 @@ impl Ledger {
         self.store
             .tx("leases.reconcile_node", |conn| {
                 Box::pin(async move {
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let sql = concat!(
                         "SELECT ",
                         lease_columns!(),
@@ -478,7 +478,7 @@ impl Ledger {
         self.store
             .tx("leases.assume_custody", |conn| {
                 Box::pin(async move {
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     if let Some(current) = fetch(conn, lease_id).await?
                         && custody_already_taken(&current, node_id, epoch)
                     {
@@ -591,7 +591,7 @@ impl Ledger {
                     if leading != 1 {
                         return Err(StoreError::Conflict { what: format!("reaper leadership at term {term}") }.into());
                     }
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let found = fetch_many(conn, lease_ids).await?;
                     let mut outcomes = Vec::with_capacity(lease_ids.len());
                     for lease_id in lease_ids {
@@ -619,7 +619,7 @@ impl Ledger {
     /// Every open lease's deadline, for rebuilding the index.
     pub(crate) async fn open_deadlines(&self) -> Result<Vec<(String, i64)>, LeaseError> {
         self.store
-            .tx("leases.open_deadlines", |conn| {
+            .read("leases.open_deadlines", |conn| {
                 Box::pin(async move {
                     let sql = "SELECT lease_id, expires_at_ms FROM leases \
                                WHERE phase IN ('pending', 'bound', 'launching', 'running') AND expires_at_ms IS NOT NULL";
@@ -690,10 +690,6 @@ fn placeholders(n: usize, shared: usize, width: usize) -> String {
         }
     }
     out
-}
-
-async fn now_ms(conn: &mut AnyConnection, now_sql: &str) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT {now_sql}"))).fetch_one(&mut *conn).await
 }
 
 async fn fetch(conn: &mut AnyConnection, lease_id: &str) -> Result<Option<LeaseRecord>, LeaseError> {
@@ -924,7 +920,7 @@ async fn place_in_tx(
     asks: &[LeaseAsk],
     nodes: &[PlacementNode],
 ) -> Result<Vec<Result<Placed, LeaseError>>, LeaseError> {
-    let now = now_ms(conn, now_sql).await?;
+    let now = berth_store::now_ms_in(conn, now_sql).await?;
     let existing = leases_by_key(conn, asks).await?;
 
     let mut slots = Vec::with_capacity(asks.len());

@@ -40,6 +40,7 @@ mod placer;
 mod reaper;
 mod records;
 mod service;
+mod shared;
 mod signals;
 mod validate;
 

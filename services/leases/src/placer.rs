@@ -21,14 +21,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_proto::identity::v1::{Node, NodeState};
-use rand::Rng as _;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
-use crate::ledger::{LeaseAsk, LeaseError, Placed};
+use crate::ledger::{LeaseAsk, LeaseError};
 use crate::model::Resources;
 use crate::placement::{NodeRuntime, PlacementNode};
-use crate::reaper::EXPIRY_INDEX;
-use crate::service::Core;
+use crate::shared::{Core, EXPIRY_INDEX, Queued};
 
 /// How many times a batch is placed before its callers are told it collided.
 const PLACE_ATTEMPTS: u32 = 8;
@@ -38,41 +36,6 @@ const RETRY_BACKOFF: Duration = Duration::from_millis(5);
 
 /// No retry waits longer than this.
 const MAX_RETRY_BACKOFF: Duration = Duration::from_millis(200);
-
-/// One queued request and where its answer goes.
-#[derive(Debug)]
-pub(crate) struct Queued {
-    ask: LeaseAsk,
-    reply: oneshot::Sender<Result<Placed, LeaseError>>,
-}
-
-/// The way into the placer's queue; cheap to clone.
-#[derive(Debug, Clone)]
-pub(crate) struct PlacerHandle {
-    queue: mpsc::Sender<Queued>,
-}
-
-impl PlacerHandle {
-    /// A handle and the queue the placer task will drain.
-    pub(crate) fn new(capacity: usize) -> (Self, mpsc::Receiver<Queued>) {
-        let (queue, receiver) = mpsc::channel(capacity.max(1));
-        (Self { queue }, receiver)
-    }
-
-    /// Places `ask`, or finds the lease its key already names.
-    pub(crate) async fn request(&self, ask: LeaseAsk) -> Result<Placed, LeaseError> {
-        let (reply, answer) = oneshot::channel();
-        self.queue.try_send(Queued { ask, reply }).map_err(|error| match error {
-            mpsc::error::TrySendError::Full(_) => {
-                LeaseError::Unavailable("the ledger has too many requests queued; retry shortly".to_owned())
-            }
-            mpsc::error::TrySendError::Closed(_) => {
-                LeaseError::Unavailable("the ledger is shutting down; retry on another replica".to_owned())
-            }
-        })?;
-        answer.await.map_err(|_| LeaseError::Unavailable("the ledger stopped before placing the lease".to_owned()))?
-    }
-}
 
 /// Drains `queue` until the service closes.
 pub(crate) fn spawn(core: Arc<Core>, mut queue: mpsc::Receiver<Queued>) {
@@ -182,9 +145,7 @@ async fn place(core: &Arc<Core>, batch: Vec<Queued>) {
 
 /// A random wait in `[0, min(MAX_RETRY_BACKOFF, RETRY_BACKOFF * 2^(attempt-1))]`.
 fn backoff(attempt: u32) -> Duration {
-    let cap = RETRY_BACKOFF.saturating_mul(1u32 << attempt.saturating_sub(1).min(16)).min(MAX_RETRY_BACKOFF);
-    let cap_ms = u64::try_from(cap.as_millis()).unwrap_or(u64::MAX);
-    Duration::from_millis(rand::rng().random_range(0..=cap_ms))
+    berth_core::backoff::full_jitter(RETRY_BACKOFF, MAX_RETRY_BACKOFF, attempt)
 }
 
 #[cfg(test)]

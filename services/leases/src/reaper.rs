@@ -27,10 +27,7 @@ use berth_store::{LeaderElector, StoreError, Term};
 
 use crate::config::millis;
 use crate::ledger::{Expiry, LeaseError, REAPER_LOOP};
-use crate::service::Core;
-
-/// The bus deadline index of open leases: member lease id, score `expires_at_ms`.
-pub(crate) const EXPIRY_INDEX: &str = "lease-expiry";
+use crate::shared::{Core, EXPIRY_INDEX};
 
 /// Due leases taken from the index at a time.
 const DUE_BATCH: usize = 500;
@@ -58,7 +55,7 @@ enum ReaperError {
 
 /// Campaigns until the service closes, and reaps while it leads.
 pub(crate) fn spawn(core: Arc<Core>) {
-    tokio::spawn(async move {
+    berth_runtime::spawn_loop(async move {
         let elector = LeaderElector::new(core.ledger.store().clone(), REAPER_LOOP, core.replica_id.clone())
             .with_timing(core.config.election)
             .spawn(&core.closing);

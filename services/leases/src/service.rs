@@ -1,5 +1,5 @@
-//! The service's shared state and its life: what every handler and loop of
-//! one replica holds, how the loops start, and how they stop.
+//! The service's life: a replica built over its shared state
+//! ([`crate::shared`]), how its loops start, and how they stop.
 //!
 //! # Expected flow
 //! [`LeasesService::new`] builds a replica over a [`ServiceContext`] (no I/O:
@@ -10,35 +10,15 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use berth_bus::Bus;
 use berth_proto::leases::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
-use berth_runtime::{NodeDirectory, ServiceContext};
-use tokio::sync::mpsc;
+use berth_runtime::ServiceContext;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::config::LeasesConfig;
 use crate::ledger::Ledger;
-use crate::placer::{PlacerHandle, Queued};
-use crate::signals::{NodeSignals, node_signals};
-
-/// What every handler and loop of one replica shares.
-#[derive(Debug)]
-pub(crate) struct Core {
-    pub(crate) ledger: Ledger,
-    pub(crate) bus: Bus,
-    /// Identity's node registry, as this replica follows it.
-    pub(crate) nodes: NodeDirectory,
-    pub(crate) signals: NodeSignals,
-    pub(crate) config: LeasesConfig,
-    /// This replica's name as it campaigns for the reaper.
-    pub(crate) replica_id: String,
-    /// Cancelled when the replica stops: loops and streams end.
-    pub(crate) closing: CancellationToken,
-    pub(crate) placer: PlacerHandle,
-    /// The placer's queue until its task takes it.
-    queue: Mutex<Option<mpsc::Receiver<Queued>>>,
-}
+use crate::shared::{Core, PlacerHandle};
+use crate::signals::node_signals;
 
 /// One replica of the ledger: its gRPC handlers and its loops.
 #[derive(Debug, Clone)]
@@ -60,7 +40,7 @@ impl LeasesService {
             nodes: ctx.nodes.clone(),
             signals: node_signals(),
             config,
-            replica_id: new_replica_id(),
+            replica_id: berth_runtime::replica_id("leases"),
             closing: CancellationToken::new(),
             placer,
             queue: Mutex::new(Some(queue)),
@@ -125,9 +105,4 @@ impl LeasesService {
         self.lifetime = Some(Arc::new(token.drop_guard()));
         self
     }
-}
-
-fn new_replica_id() -> String {
-    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty() && h.len() <= 64);
-    format!("{}-{}", host.as_deref().unwrap_or("leases"), hex::encode(rand::random::<[u8; 4]>()))
 }

@@ -215,7 +215,7 @@ impl Catalog {
 
     /// One service.
     pub(crate) async fn service(&self, key: &ServiceKey) -> Result<Option<ServiceRow>, CatalogError> {
-        self.store.tx("revisions.get_service", |conn| Box::pin(async move { fetch_service(conn, key).await })).await
+        self.store.read("revisions.get_service", |conn| Box::pin(async move { fetch_service(conn, key).await })).await
     }
 
     /// One service and its revisions (newest first), read together.
@@ -224,7 +224,7 @@ impl Catalog {
         key: &ServiceKey,
     ) -> Result<Option<(ServiceRow, Vec<RevisionRow>)>, CatalogError> {
         self.store
-            .tx("revisions.snapshot", |conn| {
+            .read("revisions.snapshot", |conn| {
                 Box::pin(async move {
                     let Some(service) = fetch_service(conn, key).await? else { return Ok(None) };
                     Ok(Some((service, fetch_revisions(conn, key).await?)))
@@ -236,7 +236,7 @@ impl Catalog {
     /// Services in `scope`, by project then name.
     pub(crate) async fn services(&self, scope: &Scope) -> Result<Vec<ServiceRow>, CatalogError> {
         self.store
-            .tx("revisions.list_services", |conn| {
+            .read("revisions.list_services", |conn| {
                 Box::pin(async move {
                     let rows = match scope {
                         Scope::Project(project) => {
@@ -261,7 +261,7 @@ impl Catalog {
     /// Every service key, and every key with a tombstone, for a full pass.
     pub(crate) async fn keys(&self) -> Result<Vec<ServiceKey>, CatalogError> {
         self.store
-            .tx("revisions.keys", |conn| {
+            .read("revisions.keys", |conn| {
                 Box::pin(async move {
                     let sql = "SELECT project, name FROM services UNION SELECT project, name FROM deleted_services";
                     let rows: Vec<(String, String)> = sqlx::query_as(sql).fetch_all(&mut *conn).await?;
@@ -274,14 +274,14 @@ impl Catalog {
     /// A service's revisions, newest first.
     pub(crate) async fn revisions(&self, key: &ServiceKey) -> Result<Vec<RevisionRow>, CatalogError> {
         self.store
-            .tx("revisions.list_revisions", |conn| Box::pin(async move { fetch_revisions(conn, key).await }))
+            .read("revisions.list_revisions", |conn| Box::pin(async move { fetch_revisions(conn, key).await }))
             .await
     }
 
     /// One revision.
     pub(crate) async fn revision(&self, project: &str, name: &str) -> Result<RevisionRow, CatalogError> {
         self.store
-            .tx("revisions.get_revision", |conn| {
+            .read("revisions.get_revision", |conn| {
                 Box::pin(async move {
                     fetch_revision(conn, project, name).await?.ok_or_else(|| CatalogError::RevisionNotFound {
                         project: project.to_owned(),
@@ -298,7 +298,7 @@ impl Catalog {
         self.store
             .tx("revisions.delete_service", |conn| {
                 Box::pin(async move {
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let service =
                         fetch_service(conn, key).await?.ok_or_else(|| CatalogError::ServiceNotFound(key.clone()))?;
                     sqlx::query("DELETE FROM revisions WHERE project = $1 AND service = $2")
@@ -333,7 +333,7 @@ impl Catalog {
         self.store
             .tx("revisions.set_traffic", |conn| {
                 Box::pin(async move {
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let service =
                         fetch_service(conn, key).await?.ok_or_else(|| CatalogError::ServiceNotFound(key.clone()))?;
                     if !pinned.is_empty() {
@@ -394,7 +394,7 @@ impl Catalog {
             .tx("revisions.record_resolution", |conn| {
                 Box::pin(async move {
                     check_fence(conn, fence, now_sql).await?;
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let Some(row) = fetch_revision(conn, &key.project, revision).await? else {
                         return Ok(false);
                     };
@@ -448,7 +448,7 @@ impl Catalog {
             .tx("revisions.change_rollout", |conn| {
                 Box::pin(async move {
                     check_fence(conn, fence, now_sql).await?;
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let query = match change {
                         RolloutChange::Start => sqlx::query(
                             "UPDATE revisions SET rollout_started_at_ms = $3, state_reason = '', state_message = '', \
@@ -500,7 +500,7 @@ impl Catalog {
             .tx("revisions.go_live", |conn| {
                 Box::pin(async move {
                     check_fence(conn, fence, now_sql).await?;
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let Some(service) = fetch_service(conn, key).await? else { return Ok(false) };
                     sqlx::query(
                         "UPDATE revisions SET state_changed_at_ms = CASE WHEN state = 'ready' \
@@ -545,7 +545,7 @@ impl Catalog {
             .tx("revisions.report_status", |conn| {
                 Box::pin(async move {
                     check_fence(conn, fence, now_sql).await?;
-                    let now = now_ms(conn, now_sql).await?;
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let Some(service) = fetch_service(conn, key).await? else { return Ok(false) };
                     if service.uid != report.uid {
                         return Ok(false);
@@ -615,7 +615,7 @@ impl Catalog {
     /// Deleted incarnations of `key` whose leases may still be open.
     pub(crate) async fn tombstones(&self, key: &ServiceKey) -> Result<Vec<Tombstone>, CatalogError> {
         self.store
-            .tx("revisions.tombstones", |conn| {
+            .read("revisions.tombstones", |conn| {
                 Box::pin(async move {
                     let rows: Vec<(String,)> =
                         sqlx::query_as("SELECT uid FROM deleted_services WHERE project = $1 AND name = $2")
@@ -666,7 +666,7 @@ async fn apply_in_tx(
     retry_after_ms: i64,
 ) -> Result<Applied, CatalogError> {
     let key = &valid.key;
-    let now = now_ms(conn, now_sql).await?;
+    let now = berth_store::now_ms_in(conn, now_sql).await?;
     let existing = fetch_service(conn, key).await?;
     let newest = latest(conn, key).await?;
     if let (Some(service), Some((revision, fingerprint))) = (&existing, &newest)
@@ -788,10 +788,6 @@ async fn check_fence(conn: &mut AnyConnection, fence: &Fence, now_sql: &str) -> 
         .fetch_optional(&mut *conn)
         .await?;
     held.map(drop).ok_or(CatalogError::Deposed)
-}
-
-async fn now_ms(conn: &mut AnyConnection, now_sql: &str) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT {now_sql}"))).fetch_one(&mut *conn).await
 }
 
 async fn fetch_service(conn: &mut AnyConnection, key: &ServiceKey) -> Result<Option<ServiceRow>, CatalogError> {

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use crate::catalog::Fence;
 use crate::model::ServiceKey;
 use crate::reconciler::{Action, Context, ReconcileError, reconcile};
-use crate::service::Core;
+use crate::shared::Core;
 use crate::signals::{WAKE_TOPIC, Wake};
 
 /// The name the deploy reconciler's (and revision GC's) leadership is held under.
@@ -34,7 +34,7 @@ const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Campaigns for [`DEPLOY_LOOP`] and runs the controller while leading, until `core.closing`.
 pub(crate) fn spawn(core: Arc<Core>, mut wakes: mpsc::Receiver<Wake>) {
-    tokio::spawn(async move {
+    berth_runtime::spawn_loop(async move {
         let elector = LeaderElector::new(core.catalog.store().clone(), DEPLOY_LOOP, core.replica_id.clone())
             .with_timing(core.config.election)
             .spawn(&core.closing);

@@ -48,6 +48,7 @@ mod records;
 mod resolver;
 mod secrets;
 mod service;
+mod shared;
 mod signals;
 mod validate;
 mod watch;

@@ -39,7 +39,7 @@ use crate::catalog::CatalogError;
 use crate::leases::LeaseCallError;
 use crate::model::{ServiceKey, lease_owner};
 use crate::secrets::SecretLookupError;
-use crate::service::Core;
+use crate::shared::Core;
 use crate::validate;
 
 /// Why a node was not given pull credentials.

@@ -97,9 +97,9 @@ pub(crate) struct Context {
     pub(crate) signals: Signals,
 }
 
-/// Lease phases that hold capacity.
+/// Whether the lease holds capacity.
 fn is_open(lease: &leases::Lease) -> bool {
-    matches!(lease.phase(), LeasePhase::Pending | LeasePhase::Bound | LeasePhase::Launching | LeasePhase::Running)
+    lease.phase().is_open()
 }
 
 /// A revision's leases by slot, each slot's attempts highest first.

@@ -14,7 +14,7 @@ use std::time::Duration;
 use berth_bundle::{BundleClient, BundleReference, Digest, RegistryConfig, RegistryCredentials, RegistryError};
 use berth_proto::types::v1::BundleRef;
 
-use crate::secrets::RegistrySecrets;
+use crate::secrets::{RegistrySecrets, host_of};
 
 /// Why a bundle reference did not resolve; each kind is the reason of the
 /// `BundleResolved=False` condition it causes.
@@ -90,17 +90,6 @@ impl RegistryPolicy {
     pub fn plain_http(&self, registry: &str) -> bool {
         let host = host_of(registry);
         is_loopback(host) || self.insecure_registries.iter().any(|r| r == registry || r == host)
-    }
-}
-
-/// The host part of `host[:port]` or `[v6][:port]`.
-pub(crate) fn host_of(registry: &str) -> &str {
-    if let Some(rest) = registry.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    match registry.rsplit_once(':') {
-        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
-        _ => registry,
     }
 }
 

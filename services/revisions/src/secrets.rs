@@ -32,8 +32,6 @@ use std::sync::Arc;
 use berth_bundle::RegistryCredentials;
 use serde_json::Value;
 
-use crate::resolver::host_of;
-
 /// Why the credentials file was refused; each message names the file and,
 /// when one field is at fault, its path.
 #[derive(Debug, thiserror::Error)]
@@ -217,6 +215,17 @@ impl RegistrySecrets {
 fn same_registry(bound: &str, registry: &str) -> bool {
     let (bound, registry) = (bound.to_ascii_lowercase(), registry.to_ascii_lowercase());
     bound == registry || (host_of(&bound) == bound && host_of(&registry) == bound)
+}
+
+/// The host part of `host[:port]` or `[v6][:port]`.
+pub(crate) fn host_of(registry: &str) -> &str {
+    if let Some(rest) = registry.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match registry.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => registry,
+    }
 }
 
 #[cfg(test)]

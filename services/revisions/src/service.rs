@@ -1,6 +1,5 @@
-//! The service's shared state and its life: what every handler and the
-//! controller of one replica hold, how the controller starts, and how it
-//! stops.
+//! The service's life: a replica built over its shared state
+//! ([`crate::shared`]), how its controller starts, and how it stops.
 //!
 //! # Expected flow
 //! [`RevisionsService::new`] builds a replica over a
@@ -15,7 +14,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use berth_proto::revisions::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
 use berth_runtime::ServiceContext;
-use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::catalog::Catalog;
@@ -23,7 +21,8 @@ use crate::config::RevisionsConfig;
 use crate::leases::{LeaseClient, NoLeases};
 use crate::resolver::{RegistryPolicy, RegistryResolver, TagResolver};
 use crate::secrets::RegistrySecrets;
-use crate::signals::{Signals, Wake};
+use crate::shared::Core;
+use crate::signals::Signals;
 
 /// What the revisions service talks to beyond its own state.
 #[derive(Debug, Clone)]
@@ -69,24 +68,6 @@ impl Dependencies {
     }
 }
 
-/// What every handler and the controller of one replica share.
-#[derive(Debug)]
-pub(crate) struct Core {
-    pub(crate) catalog: Catalog,
-    pub(crate) signals: Signals,
-    pub(crate) leases: Arc<dyn LeaseClient>,
-    pub(crate) resolver: Arc<dyn TagResolver>,
-    pub(crate) policy: RegistryPolicy,
-    pub(crate) secrets: RegistrySecrets,
-    pub(crate) config: RevisionsConfig,
-    /// This replica's name as it campaigns for the reconciler.
-    pub(crate) replica_id: String,
-    /// Cancelled when the replica stops: the controller and watch streams end.
-    pub(crate) closing: CancellationToken,
-    /// Wake-ups for this replica's controller until its task takes them.
-    wakes: Mutex<Option<mpsc::Receiver<Wake>>>,
-}
-
 /// One replica of the revisions service: its gRPC handlers and its controller.
 #[derive(Debug, Clone)]
 pub struct RevisionsService {
@@ -108,7 +89,7 @@ impl RevisionsService {
             policy: dependencies.policy,
             secrets: dependencies.secrets,
             config,
-            replica_id: new_replica_id(),
+            replica_id: berth_runtime::replica_id("revisions"),
             closing: CancellationToken::new(),
             wakes: Mutex::new(Some(wakes)),
         };
@@ -164,9 +145,4 @@ impl RevisionsService {
         self.lifetime = Some(Arc::new(token.drop_guard()));
         self
     }
-}
-
-fn new_replica_id() -> String {
-    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty() && h.len() <= 64);
-    format!("{}-{}", host.as_deref().unwrap_or("revisions"), hex::encode(rand::random::<[u8; 4]>()))
 }

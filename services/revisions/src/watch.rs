@@ -21,7 +21,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::catalog::{CatalogError, Scope};
 use crate::model::ServiceKey;
 use crate::records::ServiceRow;
-use crate::service::Core;
+use crate::shared::Core;
 use crate::signals::CHANGES_TOPIC;
 
 /// Events a slow watcher may have waiting before the feed waits for it.

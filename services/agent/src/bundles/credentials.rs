@@ -17,7 +17,7 @@ use berth_bundle::RegistryCredentials;
 use berth_mtls::TlsCredentials;
 use berth_proto::revisions::v1::GetPullCredentialsRequest;
 use berth_proto::revisions::v1::revisions_client::RevisionsClient;
-use berth_rpc::Channel;
+use berth_rpc::FollowingChannel;
 
 /// Credentials handed to the node for one pull.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,8 +55,7 @@ pub(crate) trait PullCredentials: Send + Sync + std::fmt::Debug {
 /// Revisions over mTLS gRPC, presenting the node certificate.
 #[derive(Debug, Clone)]
 pub(crate) struct GrpcPullCredentials {
-    addr: String,
-    channel: Channel,
+    channel: std::sync::Arc<FollowingChannel>,
     timeout: Duration,
 }
 
@@ -68,7 +67,7 @@ impl GrpcPullCredentials {
         credentials: TlsCredentials,
         timeout: Duration,
     ) -> Result<Self, berth_rpc::ClientError> {
-        Ok(Self { addr: addr.to_owned(), channel: berth_rpc::connect(addr, credentials)?, timeout })
+        Ok(Self { channel: std::sync::Arc::new(FollowingChannel::new(addr, credentials)?), timeout })
     }
 }
 
@@ -77,18 +76,19 @@ impl PullCredentials for GrpcPullCredentials {
     async fn fetch(&self, lease_id: &str) -> Result<IssuedCredentials, CredentialsError> {
         let mut request = tonic::Request::new(GetPullCredentialsRequest { lease_id: lease_id.to_owned() });
         request.set_timeout(self.timeout);
-        let mut client = RevisionsClient::new(self.channel.clone());
+        let mut client = RevisionsClient::new(self.channel.channel());
         let call = client.get_pull_credentials(request);
         let answer = match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(answer)) => answer.into_inner(),
-            Ok(Err(status)) if crate::join::is_transient_code(status.code()) => {
-                return Err(CredentialsError::Unavailable(format!("{}: {}", self.addr, status.message())));
+            Ok(Err(status)) if crate::rpc_status::is_transient_code(status.code()) => {
+                return Err(CredentialsError::Unavailable(format!("{}: {}", self.channel.addr(), status.message())));
             }
             Ok(Err(status)) => return Err(CredentialsError::Refused(status.message().to_owned())),
             Err(_) => {
                 return Err(CredentialsError::Unavailable(format!(
                     "{} did not answer within {:?}",
-                    self.addr, self.timeout
+                    self.channel.addr(),
+                    self.timeout
                 )));
             }
         };

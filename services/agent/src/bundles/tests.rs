@@ -9,7 +9,7 @@ use berth_bundle::{BundlePort, CacheOptions, PackedBundle, RegistryConfig};
 
 use super::credentials::IssuedCredentials;
 use super::*;
-use crate::procfs::TestDir;
+use crate::testdir::TestDir;
 
 /// A bundle directory whose program prints `word`.
 fn bundle_dir(word: &str) -> TestDir {

@@ -205,10 +205,11 @@ pub(crate) fn command(root: &Path, args: &[&str]) -> Result<Vec<u8>, String> {
                 Ok(state) => {
                     kill_all(&state, rustix::process::Signal::KILL);
                     let deadline = Instant::now() + DELETE_WAIT;
-                    while Cgroup::new(&state.cgroup).holds_processes() && Instant::now() < deadline {
+                    let cgroup = Cgroup::new(&state.cgroup);
+                    while cgroup.holds_processes() && Instant::now() < deadline {
                         wait_a_little();
                     }
-                    Cgroup::new(&state.cgroup).remove();
+                    cgroup.remove();
                 }
                 Err(error) if !dir.exists() => return Err(error),
                 // A start that failed before its state was written.

@@ -18,22 +18,22 @@
 //! service sends the whole state again when the stream reopens.
 
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use berth_mtls::TlsCredentials;
 use berth_proto::egress::v1::{
     AckEgressRequest, NodeEgressState, WatchEgressRequest, node_egress_client::NodeEgressClient,
 };
-use berth_rpc::Channel;
+use berth_rpc::{Channel, FollowingChannel};
 use tokio::sync::watch;
 use tokio_stream::{Stream, StreamExt as _};
 use tokio_util::sync::CancellationToken;
 
 use super::proxies::EgressProxies;
-use crate::backoff::Backoff;
-use crate::join::{is_transient_code, status_text};
+use crate::rpc_status::{is_transient_code, status_text};
 use crate::status::NodeSession;
+use berth_core::backoff::Backoff;
 
 /// How many times one acknowledgement is tried.
 const ACK_ATTEMPTS: u32 = 5;
@@ -62,16 +62,14 @@ pub(crate) trait NodeEgressApi: Send + Sync + std::fmt::Debug {
 
 /// The egress service over mTLS gRPC, presenting the node certificate.
 pub(crate) struct GrpcNodeEgress {
-    addr: String,
-    credentials: TlsCredentials,
-    channel: Mutex<Channel>,
+    channel: FollowingChannel,
     timeout: Duration,
 }
 
 impl std::fmt::Debug for GrpcNodeEgress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GrpcNodeEgress")
-            .field("addr", &self.addr)
+            .field("addr", &self.channel.addr())
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
@@ -84,17 +82,19 @@ impl GrpcNodeEgress {
         credentials: TlsCredentials,
         timeout: Duration,
     ) -> Result<Self, berth_rpc::ClientError> {
-        let channel = berth_rpc::connect(addr, credentials.clone())?;
-        Ok(Self { addr: addr.to_string(), credentials, channel: Mutex::new(channel), timeout })
+        Ok(Self { channel: FollowingChannel::new(addr, credentials)?, timeout })
     }
 
     fn client(&self) -> NodeEgressClient<Channel> {
-        let channel = self.channel.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-        NodeEgressClient::new(channel).max_decoding_message_size(MAX_NODE_STATE_BYTES)
+        NodeEgressClient::new(self.channel.channel()).max_decoding_message_size(MAX_NODE_STATE_BYTES)
     }
 
     fn late(&self) -> tonic::Status {
-        tonic::Status::deadline_exceeded(format!("egress at {} did not answer within {:?}", self.addr, self.timeout))
+        tonic::Status::deadline_exceeded(format!(
+            "egress at {} did not answer within {:?}",
+            self.channel.addr(),
+            self.timeout
+        ))
     }
 }
 
@@ -116,10 +116,7 @@ impl NodeEgressApi for GrpcNodeEgress {
     }
 
     fn reconnect(&self) {
-        match berth_rpc::connect(&self.addr, self.credentials.clone()) {
-            Ok(channel) => *self.channel.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = channel,
-            Err(error) => tracing::warn!(%error, "cannot rebuild the channel to egress; keeping the current one"),
-        }
+        self.channel.reconnect();
     }
 }
 

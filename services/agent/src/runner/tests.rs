@@ -15,8 +15,9 @@ use tokio::sync::Semaphore;
 use super::*;
 use crate::leases_client::AssignmentStream;
 use crate::process::{ProcessProvider, ProcessTiming};
-use crate::procfs::{self, TestDir};
+use crate::procfs;
 use crate::provider::ProviderError;
+use crate::testdir::TestDir;
 
 const NODE: &str = "n-1";
 const PATIENCE: Duration = Duration::from_secs(20);
@@ -46,6 +47,8 @@ struct Ledger {
     /// RenewLeases renews whatever it is given, as a ledger that has not
     /// caught up would.
     renew_blindly: bool,
+    /// Renewals are never answered, as on a connection whose peer vanished.
+    hang_renewals: bool,
 }
 
 #[derive(Debug, Default)]
@@ -57,10 +60,6 @@ struct FakeLeases {
     reconcile_gate: Mutex<Option<Arc<Semaphore>>>,
     /// How many ReconcileNode calls have arrived, answered or not.
     reconciles_arrived: std::sync::atomic::AtomicUsize,
-}
-
-fn open(phase: LeasePhase) -> bool {
-    is_open(phase)
 }
 
 impl Ledger {
@@ -164,7 +163,7 @@ impl NodeLeasesApi for FakeLeases {
         ledger.check()?;
         assert_eq!(node_id, NODE);
         let (tx, rx) = mpsc::unbounded_channel();
-        let open_set: Vec<Lease> = ledger.leases.values().filter(|l| open(l.phase())).cloned().collect();
+        let open_set: Vec<Lease> = ledger.leases.values().filter(|l| l.phase().is_open()).cloned().collect();
         ledger.stream = Some(tx);
         ledger.streams_opened += 1;
         for lease in open_set {
@@ -188,7 +187,7 @@ impl NodeLeasesApi for FakeLeases {
         if lease.epoch != request.epoch {
             return Err(tonic::Status::failed_precondition("stale epoch"));
         }
-        if !open(lease.phase()) {
+        if !lease.phase().is_open() {
             return Err(tonic::Status::failed_precondition("lease is final"));
         }
         lease.phase = request.phase;
@@ -196,20 +195,24 @@ impl NodeLeasesApi for FakeLeases {
         lease.message = request.message.clone();
         lease.exit_code = request.exit_code;
         let lease = lease.clone();
-        if !open(lease.phase()) {
+        if !lease.phase().is_open() {
             ledger.push(EventKind::Removed, Some(lease.clone()));
         }
         Ok(lease)
     }
 
     async fn renew_leases(&self, request: RenewLeasesRequest) -> Result<RenewLeasesResponse, tonic::Status> {
+        let hang = self.ledger().hang_renewals;
+        if hang {
+            std::future::pending::<()>().await;
+        }
         let mut ledger = self.ledger();
         ledger.check()?;
         ledger.renewals.push(request.clone());
         let (mut renewed, mut lost) = (Vec::new(), Vec::new());
         for held in request.leases {
             let ok = ledger.renew_blindly
-                || ledger.leases.get(&held.lease_id).is_some_and(|l| open(l.phase()) && l.epoch == held.epoch);
+                || ledger.leases.get(&held.lease_id).is_some_and(|l| l.phase().is_open() && l.epoch == held.epoch);
             if ok { renewed.push(held) } else { lost.push(held) }
         }
         Ok(RenewLeasesResponse { renewed, lost, ttl_ms: TTL.as_millis() as u32 })
@@ -227,7 +230,7 @@ impl NodeLeasesApi for FakeLeases {
         let destroy = request
             .running
             .iter()
-            .filter(|r| !ledger.leases.get(&r.lease_id).is_some_and(|l| open(l.phase()) && l.epoch == r.epoch))
+            .filter(|r| !ledger.leases.get(&r.lease_id).is_some_and(|l| l.phase().is_open() && l.epoch == r.epoch))
             .cloned()
             .collect();
         let mut failed = Vec::new();
@@ -251,7 +254,7 @@ impl NodeLeasesApi for FakeLeases {
         if lease.epoch != request.epoch {
             return Err(tonic::Status::failed_precondition("stale epoch"));
         }
-        let takeable = open(lease.phase()) || (lease.phase() == LeasePhase::Expired && custody_of_expired);
+        let takeable = lease.phase().is_open() || (lease.phase() == LeasePhase::Expired && custody_of_expired);
         if !takeable {
             return Err(tonic::Status::failed_precondition(format!("it is {:?}; destroy its workload", lease.phase())));
         }
@@ -678,11 +681,19 @@ async fn a_lease_reported_lost_is_destroyed_and_renewals_go_on_while_a_destroy_w
     // can find out.
     fake.change("l-stubborn", None, |l| l.phase = LeasePhase::Expired as i32);
     runner.view_until("l-stubborn", "being destroyed", |v| v.reason == "LeaseLost").await;
+    // Renewals go on while the destroy waits out the grace: three of them
+    // come before the stubborn workload is gone.
     let before = fake.renewals();
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    assert!(alive(stubborn), "still within its grace");
-    let during = fake.renewals() - before;
-    assert!(during >= 3, "renewals stalled while a destroy waited: {during} in 900ms at a 200ms interval");
+    let deadline = Instant::now() + PATIENCE;
+    while fake.renewals() - before < 3 && alive(stubborn) {
+        assert!(Instant::now() < deadline, "neither three renewals nor the destroy within {PATIENCE:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        alive(stubborn),
+        "renewals stalled while a destroy waited: {} before the grace ran out",
+        fake.renewals() - before
+    );
     gone_until(stubborn).await;
     assert_eq!(fake.lease("l-other").phase(), LeasePhase::Running);
     runner.kill().await;
@@ -954,20 +965,28 @@ async fn a_node_cut_off_from_leases_keeps_its_work_without_a_stop_bound() {
     destroy_left_behind(dir.path(), "l-1").await;
 }
 
-#[tokio::test]
-async fn a_node_cut_off_from_leases_past_the_stop_bound_stops_its_work() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let bound = Duration::from_millis(400);
+/// A runner with `--stop-after-disconnect` `bound`, running one lease that
+/// has been renewed at least once: the clock starts from a renewal.
+async fn renewed_once_with_stop_bound(fake: &Arc<FakeLeases>, dir: &Path, bound: Duration) -> (Harness, u32, Duration) {
     let settings = RunnerSettings { stop_after_disconnect: Some(bound), ..settings() };
-    let runner = Harness::serving(&fake, dir.path(), settings).await;
-    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
+    let stop_grace = settings.timing.stop_grace;
+    let runner = Harness::serving(fake, dir, settings).await;
+    let pid = run_lease(fake, &runner, "l-1", "exec sleep 1000").await;
     let renewals = fake.renewals();
     let deadline = Instant::now() + PATIENCE;
     while fake.renewals() == renewals {
         assert!(Instant::now() < deadline, "the lease was never renewed");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    (runner, pid, stop_grace)
+}
+
+#[tokio::test]
+async fn a_node_cut_off_from_leases_past_the_stop_bound_stops_its_work() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let bound = Duration::from_millis(400);
+    let (runner, pid, _) = renewed_once_with_stop_bound(&fake, dir.path(), bound).await;
 
     let down_at = Instant::now();
     fake.set_down(true);
@@ -977,6 +996,78 @@ async fn a_node_cut_off_from_leases_past_the_stop_bound_stops_its_work() {
     assert_eq!(view.reason, "ControlPlaneLost");
     runner.holding_until(0).await;
     runner.kill().await;
+}
+
+#[tokio::test]
+async fn a_node_whose_renewals_hang_stops_its_work_at_the_bound_not_when_tcp_gives_up() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let bound = Duration::from_millis(400);
+    let (runner, pid, stop_grace) = renewed_once_with_stop_bound(&fake, dir.path(), bound).await;
+
+    cut_until_stopped(&fake, &runner, pid, bound, stop_grace).await;
+    runner.kill().await;
+}
+
+/// Cuts the link (the open connection swallows every renewal unanswered)
+/// and checks that the node stops `l-1` (`pid`) at the bound, not when TCP
+/// gives up.
+async fn cut_until_stopped(fake: &FakeLeases, runner: &Harness, pid: u32, bound: Duration, stop_grace: Duration) {
+    let cut_at = Instant::now();
+    fake.ledger().hang_renewals = true;
+    gone_until(pid).await;
+    // The bound, one renewal interval, the least answer time and the stop
+    // grace, with room for a loaded machine; a hung call alone would never end.
+    let within = bound + TTL / 3 + Duration::from_millis(500) + stop_grace + Duration::from_secs(2);
+    assert!(cut_at.elapsed() < within, "stopped {:?} after the cut", cut_at.elapsed());
+    let view = runner.view_until("l-1", "settled", |v| v.ended_at.is_some()).await;
+    assert_eq!(view.reason, "ControlPlaneLost");
+}
+
+/// Cut off right after it started serving, before any regular renewal: the
+/// clock runs from the renewal that went out as soon as it held a lease,
+/// not from one a (long) guessed interval later.
+#[tokio::test]
+async fn a_node_cut_off_before_its_first_regular_renewal_stops_its_work_at_the_bound() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let bound = Duration::from_millis(400);
+    let mut settings = RunnerSettings { stop_after_disconnect: Some(bound), ..settings() };
+    // The interval guessed until the service says its TTL: far past the bound.
+    settings.timing.renew_interval = Duration::from_secs(60);
+    let stop_grace = settings.timing.stop_grace;
+    let runner = Harness::serving(&fake, dir.path(), settings).await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
+
+    cut_until_stopped(&fake, &runner, pid, bound, stop_grace).await;
+    assert!(fake.renewals() >= 1, "nothing was renewed before the cut");
+    runner.kill().await;
+}
+
+/// A lease placed long after the node last held one starts a clock of its
+/// own: a renewal that fails once does not stop it as though nothing had
+/// been renewed since the last lease went.
+#[tokio::test]
+async fn a_lease_placed_after_an_idle_stretch_survives_one_failed_renewal() {
+    let dir = TestDir::new();
+    let fake = Arc::new(FakeLeases::default());
+    let bound = Duration::from_secs(1);
+    let (runner, pid, _) = renewed_once_with_stop_bound(&fake, dir.path(), bound).await;
+    fake.change("l-1", Some(EventKind::Removed), |l| l.phase = LeasePhase::Released as i32);
+    gone_until(pid).await;
+    runner.holding_until(0).await;
+    // Holding nothing for longer than the bound.
+    tokio::time::sleep(bound * 3 / 2).await;
+
+    let pid = run_lease(&fake, &runner, "l-2", "exec sleep 1000").await;
+    fake.set_down(true);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    fake.set_down(false);
+    tokio::time::sleep(bound).await;
+    assert!(alive(pid), "stopped for an outage of 200 ms: {:?}", runner.board.get("l-2"));
+    assert_eq!(runner.board.get("l-2").unwrap().reason, "");
+    runner.kill().await;
+    destroy_left_behind(dir.path(), "l-2").await;
 }
 
 #[tokio::test]

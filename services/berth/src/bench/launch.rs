@@ -474,6 +474,12 @@ async fn with_agent(
         }
     }
     stop_workloads(&workloads, &errors).await;
+    // The agent deletes a container's state just after its process is
+    // gone: give it the same time to finish.
+    let deadline = Instant::now() + RELEASE_TIMEOUT;
+    while berth_agent::containers_left(&dir.join("agent")) > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // A container the agent still had (its monitor killed above) is
     // destroyed through its runtime, so no run leaves one behind.
     let left = berth_agent::destroy_containers(&dir.join("agent"));

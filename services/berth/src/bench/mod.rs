@@ -63,27 +63,13 @@ impl BenchArgs {
     /// Runs the chosen scenario and prints its report.
     pub(crate) async fn run(self) -> Result<(), StartError> {
         let outcome = match self.scenario {
-            Scenario::Heartbeats(args) => heartbeats::run(args).await.map_err(|error| one_line(&error)),
-            Scenario::Leases(args) => leases::run(args).await.map_err(|error| one_line(&error)),
-            Scenario::Launch(args) => launch::run(args).await.map_err(|error| one_line(&error)),
-            Scenario::Deploy(args) => deploy::run(args).await.map_err(|error| one_line(&error)),
-            Scenario::Egress(args) => egress::run(args).await.map_err(|error| one_line(&error)),
-            Scenario::EgressPush(args) => egress_push::run(args).await.map_err(|error| one_line(&error)),
+            Scenario::Heartbeats(args) => heartbeats::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::Leases(args) => leases::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::Launch(args) => launch::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::Deploy(args) => deploy::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::Egress(args) => egress::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::EgressPush(args) => egress_push::run(args).await.map_err(|error| berth_runtime::chain(&error)),
         };
         outcome.map_err(StartError::Invalid)
     }
-}
-
-/// The error and its sources, each said once.
-fn one_line(error: &dyn std::error::Error) -> String {
-    let mut line = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let text = cause.to_string();
-        if !line.contains(&text) {
-            line = format!("{line}: {text}");
-        }
-        source = cause.source();
-    }
-    line
 }

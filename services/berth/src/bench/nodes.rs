@@ -115,7 +115,7 @@ pub(super) async fn join(
     let channel = endpoint
         .connect_with_connector(FromAddress { source: IpAddr::V4(source), config })
         .await
-        .map_err(|e| unreachable(super::one_line(&e)))?;
+        .map_err(|e| unreachable(berth_runtime::chain(&e)))?;
     let request = v1::JoinRequest {
         token: token.to_string(),
         csr_pem,

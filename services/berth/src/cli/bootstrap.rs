@@ -40,7 +40,7 @@ use super::{CliError, parse_ttl};
 
 /// Names every service certificate carries for checks from inside its own
 /// container or pod.
-const LOOPBACK_NAMES: [&str; 2] = ["localhost", "127.0.0.1"];
+pub(crate) const LOOPBACK_NAMES: [&str; 2] = ["localhost", "127.0.0.1"];
 
 /// The shortest certificate life bootstrap issues: anything shorter would
 /// expire before an operator could roll it out.
@@ -310,6 +310,7 @@ impl BootstrapArgs {
         request.extensions_mut().insert(berth_rpc::PeerInfo {
             remote_addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             identity: Some(admin.clone()),
+            issued_at: None,
         });
         let created = identity
             .create_join_token(request)

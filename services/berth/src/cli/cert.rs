@@ -57,9 +57,24 @@ struct IssueArgs {
     ttl: Option<u32>,
     /// A host name or IP the service is dialled by, added to the
     /// certificate so clients can verify it as a server; repeatable or
-    /// comma separated. Services only.
+    /// comma separated. Services only; a service certificate always carries
+    /// `localhost` and `127.0.0.1` too, for its own health checks. In
+    /// Kubernetes give every name of its Service: `leases`,
+    /// `leases.berth.svc`, `leases.berth.svc.cluster.local`.
     #[arg(long = "dns-name", value_name = "NAME", value_delimiter = ',')]
     dns_names: Vec<String>,
+}
+
+/// `names` and then the loopback names a service's own health check dials
+/// (`berth health` inside its container or pod), each once.
+fn with_loopback(names: &[String]) -> Vec<String> {
+    let mut all = names.to_vec();
+    for name in super::bootstrap::LOOPBACK_NAMES {
+        if !all.iter().any(|n| n == name) {
+            all.push(name.to_owned());
+        }
+    }
+    all
 }
 
 /// The identity kinds `cert issue` mints; node certificates come only from
@@ -91,7 +106,10 @@ impl CertArgs {
             name: args.name.clone(),
             csr_pem,
             ttl_seconds: args.ttl.unwrap_or(0),
-            dns_names: args.dns_names.clone(),
+            dns_names: match args.kind {
+                CertKind::Admin => args.dns_names.clone(),
+                CertKind::Service => with_loopback(&args.dns_names),
+            },
         };
         let issued = AuthorityClient::new(connection.channel.clone())
             .issue_certificate(connection.request(request))
@@ -163,4 +181,16 @@ pub(super) fn write_file(path: &Path, contents: &str, private: bool) -> Result<(
         return Err(failed(error));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_service_certificate_names_loopback_once_beside_the_names_given() {
+        let names = with_loopback(&["leases".to_owned(), "127.0.0.1".to_owned()]);
+        assert_eq!(names, ["leases", "127.0.0.1", "localhost"]);
+        assert_eq!(with_loopback(&[]), ["localhost", "127.0.0.1"]);
+    }
 }

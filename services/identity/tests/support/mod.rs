@@ -50,6 +50,7 @@ pub(crate) fn fast_timing() -> NodeTiming {
         join_attempts: 1000,
         join_window: Duration::from_secs(10),
         token_retention: Duration::from_secs(3600),
+        certificate_overlap: Duration::from_secs(60),
     }
 }
 

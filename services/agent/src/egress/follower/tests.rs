@@ -5,6 +5,7 @@
 //! stream under the new node id.
 
 use std::collections::VecDeque;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use berth_proto::egress::v1::{

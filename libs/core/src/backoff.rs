@@ -1,41 +1,46 @@
-//! Jittered exponential backoff for calls to the control plane.
+//! Jittered waits between retries, one implementation for every crate: the
+//! agent's calls to the control plane, a service following another, a
+//! transaction or placement that collided.
 //!
 //! # Invariants
-//! - Every delay is at least half the current step, so a failing peer is never
-//!   retried in a tight loop, and at most the cap.
-//! - The jitter spreads the retries of many agents that lost the control plane
-//!   at the same moment, so they do not all come back at once.
+//! - [`Backoff`]: every delay is at least half the current step, so a
+//!   failing peer is never retried in a tight loop, and at most the cap.
+//! - [`full_jitter`]: anywhere in `[0, step]`, for colliding writers, which
+//!   spread out best when some retry at once.
+//! - [`spread`]: the wait given, plus up to half again.
+//! - The jitter spreads the retries of many callers that failed at the same
+//!   moment, so they do not all come back at once.
 
 use std::time::Duration;
 
 /// The delays between consecutive failed attempts: the step doubles from
 /// `initial` up to `max`, and each delay is drawn from `[step/2, step]`.
 #[derive(Debug, Clone)]
-pub(crate) struct Backoff {
+pub struct Backoff {
     initial: Duration,
     max: Duration,
     failures: u32,
 }
 
 impl Backoff {
-    pub(crate) fn new(initial: Duration, max: Duration) -> Self {
+    pub fn new(initial: Duration, max: Duration) -> Self {
         // A zero step would retry at once forever.
         let initial = initial.max(Duration::from_millis(1));
         Self { initial, max: max.max(initial), failures: 0 }
     }
 
     /// The longest delay handed out.
-    pub(crate) fn cap(&self) -> Duration {
+    pub fn cap(&self) -> Duration {
         self.max
     }
 
     /// How many failures in a row have been counted since the last reset.
-    pub(crate) fn failures(&self) -> u32 {
+    pub fn failures(&self) -> u32 {
         self.failures
     }
 
     /// Counts a failure and returns how long to wait before the next attempt.
-    pub(crate) fn next_delay(&mut self) -> Duration {
+    pub fn next_delay(&mut self) -> Duration {
         let step = self.step();
         self.failures = self.failures.saturating_add(1);
         let half = step / 2;
@@ -44,7 +49,7 @@ impl Backoff {
     }
 
     /// Forgets the failures after a success.
-    pub(crate) fn reset(&mut self) {
+    pub fn reset(&mut self) {
         self.failures = 0;
     }
 
@@ -52,6 +57,20 @@ impl Backoff {
         let doublings = self.failures.min(32);
         self.initial.checked_mul(1u32 << doublings.min(31)).map_or(self.max, |d| d.min(self.max))
     }
+}
+
+/// A random wait in `[0, min(max, base * 2^(attempt-1))]` ("full jitter")
+/// before attempt `attempt + 1`: colliding writers spread out instead of
+/// colliding again.
+pub fn full_jitter(base: Duration, max: Duration, attempt: u32) -> Duration {
+    let cap = base.saturating_mul(1u32 << attempt.saturating_sub(1).min(16)).min(max);
+    let cap_nanos = u64::try_from(cap.as_nanos()).unwrap_or(u64::MAX);
+    Duration::from_nanos(rand::random_range(0..=cap_nanos))
+}
+
+/// `wait` plus up to half again, so callers retrying together spread out.
+pub fn spread(wait: Duration) -> Duration {
+    wait + wait.mul_f64(rand::random::<f64>() * 0.5)
 }
 
 #[cfg(test)]
@@ -94,6 +113,24 @@ mod tests {
         for _ in 0..100 {
             let delay = backoff.next_delay();
             assert!(delay >= Duration::from_micros(500) && delay <= backoff.max, "{delay:?}");
+        }
+    }
+
+    #[test]
+    fn full_jitter_stays_within_its_doubling_cap() {
+        let (base, max) = (Duration::from_millis(10), Duration::from_millis(300));
+        for attempt in 0u32..40 {
+            let cap = base.saturating_mul(1 << attempt.max(1).saturating_sub(1).min(16)).min(max);
+            assert!(full_jitter(base, max, attempt) <= cap, "attempt {attempt}");
+        }
+    }
+
+    #[test]
+    fn spread_adds_at_most_half() {
+        let wait = Duration::from_millis(200);
+        for _ in 0..1000 {
+            let spread = spread(wait);
+            assert!(spread >= wait && spread <= wait * 3 / 2, "{spread:?}");
         }
     }
 
