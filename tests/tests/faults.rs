@@ -37,6 +37,10 @@
 //! stored. A table of the faults is printed; the test fails if any promise
 //! was broken. It needs the machine to itself and the binaries built, so it
 //! is ignored in the ordinary run: `make test-faults`.
+//!
+//! `BERTH_FAULTS_ONLY` (a comma-separated list of `replicas`, `redis`,
+//! `postgres`, `agent`, `partition`, `stopping`) runs only those groups,
+//! to chase one fault without the rest; the steady row always runs.
 
 #![allow(clippy::unwrap_used, reason = "tests fail loudly")]
 
@@ -115,6 +119,11 @@ const STOP_AFTER: Duration = Duration::from_secs(3);
 /// How often the fault steps look at the state they wait for.
 const POLL: Duration = Duration::from_millis(200);
 
+/// The groups of faults to run (`BERTH_FAULTS_ONLY`): every group when unset.
+fn wants(group: &str) -> bool {
+    std::env::var("BERTH_FAULTS_ONLY").map_or(true, |only| only.split(',').any(|wanted| wanted.trim() == group))
+}
+
 /// What one fault step found.
 struct Outcome {
     recovery: Option<Duration>,
@@ -171,7 +180,7 @@ impl Suite {
         let outcome = Outcome { recovery: Some(Duration::ZERO), violations };
         self.record("steady load, no fault", "-", before, outcome).await?;
 
-        for kind in ServiceKind::ALL {
+        for kind in ServiceKind::ALL.into_iter().filter(|_| wants("replicas")) {
             for index in self.kill_order(kind).await? {
                 let leader = self.leads_any(kind, index).await?;
                 let name = format!("kill -9 {kind}-{index}{}", if leader { " (leader)" } else { "" });
@@ -183,19 +192,51 @@ impl Suite {
             }
         }
 
-        let before = self.load.snapshot();
-        let outcome = self.redis_fault(false).await?;
-        self.record("restart Redis", "every request kind succeeded again", before, outcome).await?;
-        let before = self.load.snapshot();
-        let outcome = self.redis_fault(true).await?;
-        self.record("FLUSHALL Redis", "every request kind succeeded again", before, outcome).await?;
+        if wants("redis") {
+            let before = self.load.snapshot();
+            let outcome = self.redis_fault(false).await?;
+            self.record("restart Redis", "every request kind succeeded again", before, outcome).await?;
+            let before = self.load.snapshot();
+            let outcome = self.redis_fault(true).await?;
+            self.record("FLUSHALL Redis", "every request kind succeeded again", before, outcome).await?;
+        }
 
-        let before = self.load.snapshot();
-        let outcome = self.postgres_fault().await?;
-        self.record("restart PostgreSQL", "every replica SERVING, every request kind succeeded", before, outcome)
-            .await?;
+        if wants("postgres") {
+            let before = self.load.snapshot();
+            let outcome = self.postgres_fault().await?;
+            self.record("restart PostgreSQL", "every replica SERVING, every request kind succeeded", before, outcome)
+                .await?;
+        }
 
         let agent = self.agent_running_web(None).await?;
+        if wants("agent") {
+            self.agent_faults(agent).await?;
+        }
+        if wants("partition") {
+            let other = self.agent_running_web(Some(agent)).await?;
+            let how = match self.mesh.agents()[other].cut_kind() {
+                Cut::Network => "network namespace down",
+                Cut::Frozen => "SIGSTOP",
+            };
+            let before = self.load.snapshot();
+            let outcome = self.partition(other).await?;
+            let name = format!("cut off agent {} ({how})", self.mesh.agents()[other].name());
+            self.record(&name, "stale compute destroyed after it returned", before, outcome).await?;
+        }
+        if wants("stopping") {
+            let agent = self.agent_running_web(None).await?;
+            let before = self.load.snapshot();
+            let outcome = self.partition_stopping(agent).await?;
+            let name =
+                format!("cut off agent {} --stop-after-disconnect {STOP_AFTER:?}", self.mesh.agents()[agent].name());
+            self.record(&name, "its compute stopped while cut off", before, outcome).await?;
+        }
+        Ok(())
+    }
+
+    /// The faults of one agent that runs `web`: killed and restarted,
+    /// then with faults injected into its restarts and destroys.
+    async fn agent_faults(&mut self, agent: usize) -> anyhow::Result<()> {
         let before = self.load.snapshot();
         let outcome = self.kill_agent(agent).await?;
         let name = format!("kill -9 agent {}, restart", self.mesh.agents()[agent].name());
@@ -217,21 +258,6 @@ impl Suite {
         let name = format!("agent {}: every destroy fails twice", self.mesh.agents()[agent].name());
         self.record(&name, "every released lease's workload gone", before, outcome).await?;
 
-        let other = self.agent_running_web(Some(agent)).await?;
-        let how = match self.mesh.agents()[other].cut_kind() {
-            Cut::Network => "network namespace down",
-            Cut::Frozen => "SIGSTOP",
-        };
-        let before = self.load.snapshot();
-        let outcome = self.partition(other).await?;
-        let name = format!("cut off agent {} ({how})", self.mesh.agents()[other].name());
-        self.record(&name, "stale compute destroyed after it returned", before, outcome).await?;
-
-        let agent = self.agent_running_web(None).await?;
-        let before = self.load.snapshot();
-        let outcome = self.partition_stopping(agent).await?;
-        let name = format!("cut off agent {} --stop-after-disconnect {STOP_AFTER:?}", self.mesh.agents()[agent].name());
-        self.record(&name, "its compute stopped while cut off", before, outcome).await?;
         Ok(())
     }
 
@@ -265,6 +291,9 @@ impl Suite {
         let during = self.load.snapshot();
         let mut violations = outcome.violations;
         let (_, unsettled) = invariants::wait_settled(&self.mesh, &self.services, SETTLE_TIMEOUT).await?;
+        if !unsettled.is_empty() {
+            eprintln!("faults: {fault} did not settle; what the control plane was doing:\n{}", self.explain().await);
+        }
         violations.extend(unsettled.into_iter().map(|v| format!("not settled after {SETTLE_TIMEOUT:?}: {v}")));
         self.load.pause().await;
         let hard = invariants::check_hard(&self.mesh, &self.load.acks()).await;
@@ -289,6 +318,36 @@ impl Suite {
         );
         self.rows.push(row);
         Ok(())
+    }
+
+    /// Who leads each loop, and the warnings the replicas of revisions and
+    /// leases logged last: what a run that did not settle is read by.
+    async fn explain(&self) -> String {
+        let mut lines = Vec::new();
+        for kind in ServiceKind::ALL {
+            for loop_name in kind.loops() {
+                let leader = self.mesh.leader(kind, loop_name).await;
+                lines.push(format!("  {loop_name} led by {leader:?}"));
+            }
+        }
+        for kind in [ServiceKind::Revisions, ServiceKind::Leases] {
+            for index in 0..self.mesh.replicas() {
+                let Ok(replica) = self.mesh.replica(kind, index) else { continue };
+                let text = std::fs::read_to_string(replica.log_path()).unwrap_or_default();
+                // The load's own services collide with its applies all the time; the rest is news.
+                let warnings: Vec<&str> = text
+                    .lines()
+                    .filter(|line| line.contains(" WARN ") || line.contains(" ERROR "))
+                    .filter(|line| !line.contains("service=default/load-"))
+                    .collect();
+                lines.push(format!("  {kind}-{index}, last warnings:"));
+                lines.extend(warnings[warnings.len().saturating_sub(15)..].iter().map(|line| format!("    {line}")));
+                let web: Vec<&str> = text.lines().filter(|line| line.contains(&format!("default/{WEB}"))).collect();
+                lines.push(format!("  {kind}-{index}, last lines about {WEB}:"));
+                lines.extend(web[web.len().saturating_sub(10)..].iter().map(|line| format!("    {line}")));
+            }
+        }
+        lines.join("\n")
     }
 
     /// The replicas of `kind` in the order they are killed: those leading

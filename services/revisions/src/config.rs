@@ -7,6 +7,11 @@
 //!   many times before it can be declared failed.
 //! - `resolve_backoff_min <= resolve_backoff_max`: a failing tag is retried
 //!   ever more slowly, never more slowly than the maximum.
+//! - `resolve_timeout < reconcile_timeout`: a slow registry fails the
+//!   resolution, not the whole reconcile.
+//! - A service whose reconcile fails is tried again at least every
+//!   `steady_resync`, like a settled one: a transient fault clears from its
+//!   status within that, however many tries failed before.
 
 use std::time::Duration;
 
@@ -45,6 +50,11 @@ pub struct RevisionsConfig {
     pub steady_resync: Duration,
     /// How often every service is queued, healing a missed wake-up.
     pub full_resync: Duration,
+    /// The longest one reconcile may take: past it, it is stopped and the
+    /// service is tried again, so a call that hangs (a connection cut
+    /// without a reset) never holds a service's status still. Every step
+    /// of a reconcile is safe to stop and redo.
+    pub reconcile_timeout: Duration,
     /// The first retry delay of a tag that failed to resolve; doubles per failure.
     pub resolve_backoff_min: Duration,
     /// The longest delay between resolution attempts.
@@ -74,6 +84,7 @@ impl Default for RevisionsConfig {
             rollout_poll: Duration::from_secs(1),
             steady_resync: Duration::from_secs(10),
             full_resync: Duration::from_secs(60),
+            reconcile_timeout: Duration::from_secs(20),
             resolve_backoff_min: Duration::from_secs(1),
             resolve_backoff_max: Duration::from_secs(60),
             resolve_timeout: Duration::from_secs(10),
@@ -109,6 +120,7 @@ mod tests {
         let config = RevisionsConfig::default();
         assert!(config.rollout_poll * 10 < config.progress_deadline);
         assert!(config.resolve_backoff_min <= config.resolve_backoff_max);
+        assert!(config.resolve_timeout < config.reconcile_timeout);
     }
 
     #[test]

@@ -9,6 +9,13 @@
 //! newer term exists; on losing the lead it stops every reconcile in flight
 //! and waits to lead again. The first pass of a term queues every service,
 //! so whatever happened while no one led is acted on.
+//!
+//! # Invariants
+//! - A reconcile runs at most `reconcile_timeout`; past it, it is stopped
+//!   and counted as failed, so one call that never returns cannot hold a
+//!   service still (its key stays "running" until the reconcile ends).
+//! - A failed reconcile is retried after a wait that doubles from
+//!   `rollout_poll` and never exceeds `steady_resync`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -28,9 +35,6 @@ use crate::signals::{WAKE_TOPIC, Wake};
 
 /// The name the deploy reconciler's (and revision GC's) leadership is held under.
 pub const DEPLOY_LOOP: &str = "revisions.deployer";
-
-/// The longest a service that keeps failing to reconcile waits between tries.
-const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Campaigns for [`DEPLOY_LOOP`] and runs the controller while leading, until `core.closing`.
 pub(crate) fn spawn(core: Arc<Core>, mut wakes: mpsc::Receiver<Wake>) {
@@ -150,7 +154,10 @@ async fn run_term(
                 berth_telemetry::adopt_traceparent(&span, traceparent);
             }
             reconciles.spawn(async move {
-                let result = tracing::Instrument::instrument(reconcile(&key, &ctx), span).await;
+                let limit = ctx.config.reconcile_timeout;
+                let reconciled = tracing::Instrument::instrument(reconcile(&key, &ctx), span);
+                let result =
+                    tokio::time::timeout(limit, reconciled).await.unwrap_or(Err(ReconcileError::TimedOut(limit)));
                 (key, result)
             });
         }
@@ -202,11 +209,7 @@ async fn run_term(
                     Err(error) => {
                         let failures = queue.failures.entry(key.clone()).or_default();
                         *failures = failures.saturating_add(1);
-                        let backoff = core
-                            .config
-                            .rollout_poll
-                            .saturating_mul(1 << (*failures).min(8))
-                            .min(MAX_ERROR_BACKOFF);
+                        let backoff = error_backoff(&core.config, *failures);
                         tracing::warn!(service = %key, %error, retry_in = ?backoff, "reconcile failed");
                         queue.schedule(key, Instant::now() + backoff);
                     }
@@ -216,6 +219,13 @@ async fn run_term(
     }
     reconciles.abort_all();
     while reconciles.join_next().await.is_some() {}
+}
+
+/// The wait before trying a service again after `failures` failed
+/// reconciles in a row: doubling from `rollout_poll`, never longer than
+/// `steady_resync`.
+fn error_backoff(config: &crate::config::RevisionsConfig, failures: u32) -> Duration {
+    config.rollout_poll.saturating_mul(1 << failures.min(16)).min(config.steady_resync)
 }
 
 async fn next_message(subscription: &mut Option<berth_bus::Subscription>) -> Option<BusMessage> {
@@ -229,5 +239,21 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RevisionsConfig;
+
+    #[test]
+    fn a_failing_service_is_tried_again_at_least_as_often_as_a_settled_one() {
+        let config = RevisionsConfig::default();
+        assert_eq!(error_backoff(&config, 1), config.rollout_poll * 2);
+        assert_eq!(error_backoff(&config, 2), config.rollout_poll * 4);
+        for failures in [5, 8, 40, u32::MAX] {
+            assert_eq!(error_backoff(&config, failures), config.steady_resync, "after {failures} failures");
+        }
     }
 }

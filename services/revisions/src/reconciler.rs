@@ -76,6 +76,9 @@ pub(crate) enum ReconcileError {
     /// The leases service could not be asked.
     #[error(transparent)]
     Leases(#[from] LeaseCallError),
+    /// The reconcile took longer than it may, and was stopped.
+    #[error("the reconcile took longer than {0:?} and was stopped")]
+    TimedOut(Duration),
 }
 
 impl ReconcileError {

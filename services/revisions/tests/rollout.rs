@@ -6,13 +6,16 @@
 
 mod support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use berth_proto::leases::v1 as leases;
 use berth_proto::leases::v1::{Lease, LeasePhase};
 use berth_proto::revisions::v1;
 use berth_proto::types::v1::{ConditionStatus, EventKind};
-use berth_revisions::{READY, ROLLOUT_COMPLETE};
-use support::{Backend, PATIENCE, Plane, apply_request, condition, fast_config, pinned_reference};
+use berth_revisions::{LeaseCallError, LeaseClient, READY, ROLLOUT_COMPLETE, RevisionsConfig};
+use support::{Backend, PATIENCE, Plane, WrapLeases, apply_request, condition, fast_config, pinned_reference};
 use tonic::Code;
 
 fn ms(ts: Option<prost_types::Timestamp>) -> i64 {
@@ -201,6 +204,78 @@ async fn a_replica_whose_lease_ends_is_replaced(backend: Backend) {
     plane.cleanup().await;
 }
 
+/// Leases that never answer the first listing of `web`'s leases after
+/// `armed` is set: a call on a connection cut without a reset.
+#[derive(Debug)]
+struct HangsOnce {
+    inner: Arc<dyn LeaseClient>,
+    armed: Arc<AtomicBool>,
+}
+
+#[tonic::async_trait]
+impl LeaseClient for HangsOnce {
+    async fn request(&self, request: leases::RequestLeaseRequest) -> Result<Lease, LeaseCallError> {
+        self.inner.request(request).await
+    }
+
+    async fn list(&self, project: &str, owner: &str) -> Result<Vec<Lease>, LeaseCallError> {
+        if owner.starts_with("revisions/web@") && self.armed.swap(false, Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.inner.list(project, owner).await
+    }
+
+    async fn get(&self, lease_id: &str) -> Result<Option<Lease>, LeaseCallError> {
+        self.inner.get(lease_id).await
+    }
+
+    async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError> {
+        self.inner.release(lease_id, reason).await
+    }
+}
+
+async fn a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again(backend: Backend) {
+    let armed = Arc::new(AtomicBool::new(false));
+    let trigger = armed.clone();
+    let wrap: WrapLeases = Arc::new(move |inner| Arc::new(HangsOnce { inner, armed: trigger.clone() }));
+    let config = RevisionsConfig { reconcile_timeout: Duration::from_millis(500), ..fast_config() };
+    let plane = Plane::start_wrapping_leases(backend, config, &["n-1", "n-2"], wrap).await;
+    plane.apply(web("1")).await;
+    let leases = plane.run("web-00001", 2).await;
+    plane.await_live("web", "web-00001").await;
+
+    // The next look at web hangs; a replica then crashes. Its slot is
+    // still replaced and the status follows, once the hung reconcile is
+    // stopped.
+    armed.store(true, Ordering::SeqCst);
+    let started = std::time::Instant::now();
+    while armed.load(Ordering::SeqCst) {
+        assert!(started.elapsed() < PATIENCE, "web was never looked at again");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let crashed = &leases[0];
+    let request = leases::ReportPhaseRequest {
+        node_id: crashed.node_id.clone(),
+        lease_id: crashed.lease_id.clone(),
+        epoch: crashed.epoch,
+        phase: LeasePhase::Failed as i32,
+        reason: "Exited".into(),
+        ..Default::default()
+    };
+    plane.node(&crashed.node_id).report_phase(request).await.unwrap();
+    let open = plane.await_open_leases("web-00001", 2).await;
+    assert!(open.iter().all(|l| l.lease_id != crashed.lease_id));
+    plane.report_all("web-00001", LeasePhase::Running).await;
+    let service = plane
+        .await_service("web", "both replicas running again", |s| {
+            s.status.as_ref().is_some_and(|status| status.replicas_running == 2)
+                && condition(s, READY).is_some_and(|c| c.status() == ConditionStatus::True)
+        })
+        .await;
+    assert_eq!(service.status.unwrap().replicas_desired, 2);
+    plane.cleanup().await;
+}
+
 async fn deleting_a_service_releases_its_leases_and_watchers_see_it(backend: Backend) {
     let plane = Plane::start(backend, fast_config(), &["n-1", "n-2"]).await;
     let mut watch = plane
@@ -254,5 +329,6 @@ on_both_backends!(
     a_new_revision_takes_over_only_once_all_its_replicas_run,
     a_revision_whose_replicas_fail_is_rolled_back,
     a_replica_whose_lease_ends_is_replaced,
+    a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again,
     deleting_a_service_releases_its_leases_and_watchers_see_it,
 );

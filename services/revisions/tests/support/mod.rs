@@ -31,7 +31,8 @@ use berth_proto::leases::v1::LeasePhase;
 use berth_proto::revisions::v1;
 use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus, EventKind};
 use berth_revisions::{
-    Dependencies, GrpcLeases, RegistryPolicy, RegistrySecrets, RevisionsConfig, RevisionsService, TagResolver,
+    Dependencies, GrpcLeases, LeaseClient, RegistryPolicy, RegistrySecrets, RevisionsConfig, RevisionsService,
+    TagResolver,
 };
 use berth_rpc::{Channel, Listener, Revocations, ServerBuilder};
 use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
@@ -72,6 +73,7 @@ pub(crate) fn fast_config() -> RevisionsConfig {
         resolve_backoff_min: Duration::from_millis(100),
         resolve_backoff_max: Duration::from_millis(400),
         resolve_timeout: Duration::from_secs(3),
+        reconcile_timeout: Duration::from_secs(5),
         gc_keep: 5,
         gc_min_age: Duration::ZERO,
         workers: 4,
@@ -184,7 +186,13 @@ pub(crate) struct Plane {
     config: RevisionsConfig,
     resolver: Option<Arc<dyn TagResolver>>,
     secrets: RegistrySecrets,
+    /// What each replica's leases client is wrapped in (a fault between
+    /// revisions and leases).
+    wrap_leases: Option<WrapLeases>,
 }
+
+/// Wraps a replica's client of the leases service.
+pub(crate) type WrapLeases = Arc<dyn Fn(Arc<dyn LeaseClient>) -> Arc<dyn LeaseClient> + Send + Sync>;
 
 impl Plane {
     /// Leases knowing `nodes`, and one revisions replica with `config`.
@@ -199,7 +207,17 @@ impl Plane {
         nodes: &[&str],
         resolver: Option<Arc<dyn TagResolver>>,
     ) -> Self {
-        Self::start_full(backend, config, nodes, resolver, RegistrySecrets::none()).await
+        Self::start_full(backend, config, nodes, resolver, RegistrySecrets::none(), None).await
+    }
+
+    /// Like [`Plane::start`], each replica reaching leases through `wrap`.
+    pub(crate) async fn start_wrapping_leases(
+        backend: Backend,
+        config: RevisionsConfig,
+        nodes: &[&str],
+        wrap: WrapLeases,
+    ) -> Self {
+        Self::start_full(backend, config, nodes, None, RegistrySecrets::none(), Some(wrap)).await
     }
 
     /// Like [`Plane::start`], with revisions holding the registry credentials `secrets`.
@@ -209,7 +227,7 @@ impl Plane {
         nodes: &[&str],
         secrets: RegistrySecrets,
     ) -> Self {
-        Self::start_full(backend, config, nodes, None, secrets).await
+        Self::start_full(backend, config, nodes, None, secrets, None).await
     }
 
     async fn start_full(
@@ -218,6 +236,7 @@ impl Plane {
         nodes: &[&str],
         resolver: Option<Arc<dyn TagResolver>>,
         secrets: RegistrySecrets,
+        wrap_leases: Option<WrapLeases>,
     ) -> Self {
         install_crypto_and_logs();
         let ca = CertificateAuthority::generate("revisions test CA", CERT_TTL).unwrap();
@@ -282,6 +301,7 @@ impl Plane {
             config,
             resolver,
             secrets,
+            wrap_leases,
         };
         plane.wait_for_nodes().await;
         plane.add_replica().await;
@@ -306,7 +326,11 @@ impl Plane {
             revocations: Revocations::new(),
             nodes: NodeDirectory::new(),
         };
-        let leases = Arc::new(GrpcLeases::connect(&self.leases_addr.to_string(), me.clone()).unwrap());
+        let mut leases: Arc<dyn LeaseClient> =
+            Arc::new(GrpcLeases::connect(&self.leases_addr.to_string(), me.clone()).unwrap());
+        if let Some(wrap) = &self.wrap_leases {
+            leases = wrap(leases);
+        }
         let mut dependencies =
             Dependencies::with_secrets(leases, RegistryPolicy::default(), self.secrets.clone(), &self.config).unwrap();
         if let Some(resolver) = &self.resolver {
