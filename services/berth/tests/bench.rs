@@ -3,35 +3,11 @@
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::OnceLock;
+mod siblings;
 
-/// `berth-identity` beside the `berth` under test. A workspace build (what
-/// `make test` runs) makes it; a build of this package alone does not, so it
-/// is built here when missing, once per test run.
-fn identity_binary() -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let berth = Path::new(env!("CARGO_BIN_EXE_berth"));
-            let identity = berth.with_file_name(format!("berth-identity{}", std::env::consts::EXE_SUFFIX));
-            if identity.is_file() {
-                return identity;
-            }
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let mut build = Command::new(cargo);
-            build.args(["build", "--quiet", "-p", "berth-identity", "--bin", "berth-identity"]);
-            if berth.parent().and_then(Path::file_name).is_some_and(|profile| profile == "release") {
-                build.arg("--release");
-            }
-            let status = build.current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
-            assert!(status.success(), "building berth-identity failed");
-            assert!(identity.is_file(), "{} was not built", identity.display());
-            identity
-        })
-        .clone()
-}
+use std::process::{Command, Output};
+
+use siblings::sibling;
 
 fn berth(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_berth")).args(args).env("RUST_LOG", "warn").output().unwrap()
@@ -43,7 +19,7 @@ fn figure<'a>(report: &'a serde_json::Value, row: &str, field: &str) -> &'a serd
 
 #[test]
 fn a_small_run_reports_every_figure_as_json() {
-    identity_binary();
+    sibling("berth-identity", "berth-identity");
     let out = berth(&[
         "bench",
         "heartbeats",

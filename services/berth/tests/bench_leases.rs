@@ -4,32 +4,11 @@
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::Mutex;
+mod siblings;
 
-/// `name` beside the `berth` under test, built here when a build of this
-/// package alone did not make it. One build at a time: cargo's lock would
-/// serialise them anyway.
-fn sibling(name: &str, package: &str) -> PathBuf {
-    static BUILDING: Mutex<()> = Mutex::new(());
-    let _one = BUILDING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let berth = Path::new(env!("CARGO_BIN_EXE_berth"));
-    let binary = berth.with_file_name(format!("{name}{}", std::env::consts::EXE_SUFFIX));
-    if binary.is_file() {
-        return binary;
-    }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut build = Command::new(cargo);
-    build.args(["build", "--quiet", "-p", package, "--bin", name]);
-    if berth.parent().and_then(Path::file_name).is_some_and(|profile| profile == "release") {
-        build.arg("--release");
-    }
-    let status = build.current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
-    assert!(status.success(), "building {name} failed");
-    assert!(binary.is_file(), "{} was not built", binary.display());
-    binary
-}
+use std::process::{Command, Output};
+
+use siblings::sibling;
 
 fn berth(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_berth")).args(args).env("RUST_LOG", "warn").output().unwrap()

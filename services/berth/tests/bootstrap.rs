@@ -6,15 +6,17 @@
 #![allow(clippy::disallowed_methods, reason = "these tests are synchronous and poll with std::thread::sleep")]
 #![allow(clippy::unwrap_used, reason = "a failed unwrap in a test is a failed test with a line number")]
 
+mod siblings;
+
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use berth_core::Identity;
 use serde_json::Value;
+use siblings::sibling;
 use sqlx::{AnyConnection, Connection as _, Executor as _};
 
 /// The secret the test's CA is sealed under.
@@ -77,30 +79,6 @@ fn run_sql(url: &str, sql: &str) -> Result<(), sqlx::Error> {
     })
 }
 
-/// `berth-identity` beside the `berth` under test, built when a build of
-/// this package alone did not make it.
-fn identity_binary() -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let berth = Path::new(env!("CARGO_BIN_EXE_berth"));
-            let identity = berth.with_file_name(format!("berth-identity{}", std::env::consts::EXE_SUFFIX));
-            if identity.is_file() {
-                return identity;
-            }
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let mut build = Command::new(cargo);
-            build.args(["build", "--quiet", "-p", "berth-identity", "--bin", "berth-identity"]);
-            if berth.parent().and_then(Path::file_name).is_some_and(|profile| profile == "release") {
-                build.arg("--release");
-            }
-            let status = build.current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
-            assert!(status.success(), "building berth-identity failed");
-            identity
-        })
-        .clone()
-}
-
 /// A running `berth-identity`, killed on drop.
 struct IdentityProcess {
     child: Child,
@@ -111,7 +89,7 @@ impl IdentityProcess {
     fn start(database_url: &str, bundle_out: &Path) -> Self {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let server = format!("127.0.0.1:{port}");
-        let child = Command::new(identity_binary())
+        let child = Command::new(sibling("berth-identity", "berth-identity"))
             .args(["--listen", &server, "--database-url", database_url, "--redis-url", "memory://"])
             .args(["--advertise-names", "127.0.0.1", "--ca-bundle-out"])
             .arg(bundle_out)
