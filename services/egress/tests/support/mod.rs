@@ -14,48 +14,38 @@
 
 #![allow(dead_code, reason = "each test binary uses a different part of the harness")]
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use berth_bus::{Bus, MemoryBus};
+use berth_bus::Bus;
 use berth_core::Identity;
 use berth_egress::{EgressConfig, EgressService, Sources};
-use berth_leases::{LeasesConfig, LeasesService};
-use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
+use berth_leases::LeasesConfig;
+use berth_mtls::{CertificateAuthority, TlsCredentials};
 use berth_proto::egress::v1 as egress;
 use berth_proto::identity::v1 as identity;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1 as leases;
 use berth_proto::revisions::v1 as revisions;
-use berth_proto::types::v1::{BundleRef, Capacity, EventKind};
+use berth_proto::types::v1::{BundleRef, Capacity};
 use berth_revisions::{Dependencies, GrpcLeases, RegistryPolicy, RevisionsConfig, RevisionsService};
-use berth_rpc::{Channel, Listener, Revocations, ServerBuilder};
-use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_rpc::{Channel, Revocations};
+use berth_runtime::{NodeDirectory, ServiceContext};
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
-use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
+pub(crate) use berth_testkit::Backend;
+use berth_testkit::{
+    InProcessLeases, ScriptedRegistry, cleanup_bus, credentials, install_crypto_and_logs, replica_bus, serve, test_bus,
+    test_ca, test_db,
+};
 use tokio_util::sync::CancellationToken;
-
-/// How long test certificates live.
-const CERT_TTL: Duration = Duration::from_secs(3600);
 
 /// How long a test waits for something that should happen within a second or two.
 pub(crate) const PATIENCE: Duration = Duration::from_secs(20);
 
 /// A digest no registry holds: references pinned to it resolve without a registry.
 const PINNED: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-
-/// Which stores and bus the mesh runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Backend {
-    /// PostgreSQL and Redis: production.
-    Postgres,
-    /// SQLite and the in-process bus: `berth dev`.
-    Sqlite,
-}
 
 /// Egress timings in milliseconds, with no periodic resync to blur what a test counts.
 pub(crate) fn fast_config() -> EgressConfig {
@@ -69,40 +59,6 @@ pub(crate) fn fast_config() -> EgressConfig {
         source_backoff_max: Duration::from_millis(500),
         sync_timeout: Duration::from_secs(10),
         election: ElectionTiming::from_ttl(Duration::from_millis(900)),
-    }
-}
-
-/// The registry's side of `Nodes/WatchNodes`: the whole list, `SYNCED`, then each change.
-#[derive(Clone)]
-struct ScriptedRegistry {
-    nodes: watch::Sender<BTreeMap<String, identity::Node>>,
-}
-
-#[tonic::async_trait]
-impl identity::nodes_server::Nodes for ScriptedRegistry {
-    async fn watch_nodes(
-        &self,
-        _request: tonic::Request<identity::WatchNodesRequest>,
-    ) -> Result<tonic::Response<tonic::codegen::BoxStream<identity::NodeEvent>>, tonic::Status> {
-        let mut nodes = self.nodes.subscribe();
-        let (events, stream) = mpsc::channel(64);
-        tokio::spawn(async move {
-            let event =
-                |kind: EventKind, node: Option<identity::Node>| Ok(identity::NodeEvent { kind: kind as i32, node });
-            let sent = nodes.borrow_and_update().clone();
-            for node in sent.values() {
-                if events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err() {
-                    return;
-                }
-            }
-            if events.send(event(EventKind::Synced, None)).await.is_err() {
-                return;
-            }
-            let _ = nodes.changed().await;
-            // Nodes never change in these tests; hold the stream open.
-            events.closed().await;
-        });
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(stream))))
     }
 }
 
@@ -121,41 +77,6 @@ fn tier(node_id: &str) -> String {
     format!("t-{node_id}")
 }
 
-fn credentials(ca: &CertificateAuthority, identity: &Identity) -> TlsCredentials {
-    let (cert, key_pem) = ca.issue(identity, &["localhost".to_owned(), "127.0.0.1".to_owned()], CERT_TTL).unwrap();
-    TlsCredentials::new(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: ca.cert_pem().to_owned() })
-        .unwrap()
-}
-
-fn install_crypto_and_logs() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
-async fn test_db(backend: Backend) -> TestDb {
-    match backend {
-        Backend::Postgres => TestDb::postgres().await.unwrap(),
-        Backend::Sqlite => TestDb::sqlite().await.unwrap(),
-    }
-}
-
-async fn test_bus(backend: Backend) -> Bus {
-    match backend {
-        Backend::Postgres => berth_bus::testing::redis_bus().await.unwrap(),
-        Backend::Sqlite => Bus::new(MemoryBus::new(), &berth_bus::testing::unique_prefix()).unwrap(),
-    }
-}
-
-async fn serve(server: ServerBuilder, credentials: TlsCredentials, stop: CancellationToken) -> SocketAddr {
-    let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), credentials).await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
-    addr
-}
-
 /// One egress replica serving on a loopback port.
 pub(crate) struct Replica {
     pub(crate) service: EgressService,
@@ -168,6 +89,7 @@ pub(crate) struct Mesh {
     pub(crate) backend: Backend,
     dbs: Vec<TestDb>,
     buses: Vec<Bus>,
+    leases: Option<InProcessLeases>,
     egress_db: usize,
     egress_bus: Bus,
     ca: CertificateAuthority,
@@ -183,34 +105,12 @@ impl Mesh {
     /// Leases knowing `nodes`, revisions, and one egress replica with `config`.
     pub(crate) async fn start(backend: Backend, config: EgressConfig, nodes: &[&str]) -> Self {
         install_crypto_and_logs();
-        let ca = CertificateAuthority::generate("egress test CA", CERT_TTL).unwrap();
+        let ca = test_ca("egress test CA");
         let stop = CancellationToken::new();
         let (mut dbs, mut buses) = (Vec::new(), Vec::new());
 
-        let registry =
-            ScriptedRegistry { nodes: watch::channel(nodes.iter().map(|n| (n.to_string(), node(n))).collect()).0 };
-        let identity_credentials = credentials(&ca, &Identity::service("identity").unwrap());
-        let server = ServerBuilder::new().add_service(identity::nodes_server::NodesServer::new(registry));
-        let registry_addr = serve(server, identity_credentials, stop.clone()).await;
-
-        let leases_db = test_db(backend).await;
-        leases_db.store().migrate(berth_leases::MIGRATIONS).await.unwrap();
-        let leases_bus = test_bus(backend).await;
-        let leases_credentials = credentials(&ca, &Identity::service("leases").unwrap());
-        let ctx = ServiceContext {
-            store: leases_db.store().clone(),
-            bus: leases_bus.clone(),
-            credentials: leases_credentials.clone(),
-            revocations: Revocations::new(),
-            nodes: NodeDirectory::new(),
-        };
-        follow_nodes(
-            registry_addr.to_string(),
-            leases_credentials.clone(),
-            ctx.nodes.clone(),
-            ctx.revocations.clone(),
-            stop.clone(),
-        );
+        let registry = ScriptedRegistry::new(nodes.iter().map(|n| node(n)));
+        let registry_addr = registry.serve(&ca, stop.clone()).await;
         let ledger_config = LeasesConfig {
             lease_ttl: Duration::from_secs(600),
             reap_every: Duration::from_millis(50),
@@ -219,11 +119,8 @@ impl Mesh {
             election: ElectionTiming::from_ttl(Duration::from_millis(900)),
             ..LeasesConfig::default()
         };
-        let ledger = LeasesService::new(&ctx, ledger_config);
-        ledger.spawn_loops(&stop);
-        let leases_addr = serve(ledger.server(), leases_credentials, stop.clone()).await;
-        dbs.push(leases_db);
-        buses.push(leases_bus);
+        let leases = InProcessLeases::start(backend, &ca, registry_addr, ledger_config, &stop).await;
+        let leases_addr = leases.addr;
 
         let revisions_db = test_db(backend).await;
         revisions_db.store().migrate(berth_revisions::MIGRATIONS).await.unwrap();
@@ -263,7 +160,8 @@ impl Mesh {
             backend,
             dbs,
             buses,
-            egress_db: 2,
+            leases: Some(leases),
+            egress_db: 1,
             egress_bus,
             ca,
             stop,
@@ -282,12 +180,7 @@ impl Mesh {
     pub(crate) async fn add_replica(&mut self) -> usize {
         let db = &self.dbs[self.egress_db];
         let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
-        let bus = match self.backend {
-            Backend::Postgres => {
-                Bus::connect(&berth_bus::testing::redis_url(), self.egress_bus.prefix()).await.unwrap()
-            }
-            Backend::Sqlite => self.egress_bus.with_prefix(self.egress_bus.prefix()).unwrap(),
-        };
+        let bus = replica_bus(self.backend, &self.egress_bus).await;
         let me = credentials(&self.ca, &Identity::service("egress").unwrap());
         let ctx = ServiceContext {
             store,
@@ -489,13 +382,14 @@ impl Mesh {
         self.stop.cancel();
         // Let the loops resign and the servers drain.
         tokio::time::sleep(Duration::from_millis(200)).await;
-        if self.backend == Backend::Postgres {
-            for bus in self.buses.iter().chain(std::iter::once(&self.egress_bus)) {
-                berth_bus::testing::cleanup(bus).await.unwrap();
-            }
+        for bus in self.buses.iter().chain(std::iter::once(&self.egress_bus)) {
+            cleanup_bus(self.backend, bus).await;
         }
         for db in self.dbs.drain(..) {
             db.cleanup().await.unwrap();
+        }
+        if let Some(leases) = self.leases.take() {
+            leases.cleanup(self.backend).await;
         }
     }
 }

@@ -14,26 +14,28 @@
 
 #![allow(dead_code, reason = "each test binary uses a different part of the harness")]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use berth_bus::{Bus, MemoryBus};
+use berth_bus::Bus;
 use berth_core::Identity;
 use berth_leases::{LeasesConfig, LeasesService, MIGRATIONS};
-use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
+use berth_mtls::{CertificateAuthority, TlsCredentials};
 use berth_proto::identity::v1 as identity;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
-use berth_proto::types::v1::{Capacity, EventKind};
-use berth_rpc::{Channel, Listener, Revocations, ServerBuilder};
+use berth_proto::types::v1::Capacity;
+use berth_rpc::{Channel, Listener, Revocations};
 use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
 use berth_store::testing::TestDb;
 use berth_store::{ElectionTiming, Store};
-use tokio::sync::{mpsc, watch};
+pub(crate) use berth_testkit::Backend;
+use berth_testkit::{
+    ScriptedRegistry, cleanup_bus, credentials, install_crypto_and_logs, replica_bus, test_bus, test_ca, test_db,
+};
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 /// A gibibyte.
@@ -42,20 +44,8 @@ pub(crate) const GIB: u64 = 1 << 30;
 /// A mebibyte.
 pub(crate) const MIB: u64 = 1 << 20;
 
-/// How long test certificates live.
-const CERT_TTL: Duration = Duration::from_secs(3600);
-
 /// How long a test waits for something that should happen within milliseconds.
 pub(crate) const PATIENCE: Duration = Duration::from_secs(10);
-
-/// Which store (and bus) a deployment runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Backend {
-    /// PostgreSQL and Redis: production.
-    Postgres,
-    /// SQLite and the in-process bus: `berth dev`.
-    Sqlite,
-}
 
 /// Loops in milliseconds; leases live 30 s, so only a test about expiry sees one expire.
 pub(crate) fn fast_config() -> LeasesConfig {
@@ -71,55 +61,6 @@ pub(crate) fn fast_config() -> LeasesConfig {
 /// Like [`fast_config`] with leases that live `ttl`.
 pub(crate) fn expiring_config(ttl: Duration) -> LeasesConfig {
     LeasesConfig { lease_ttl: ttl, reset_grace: ttl, custody_window: Duration::from_secs(30), ..fast_config() }
-}
-
-/// The registry's side of `Nodes/WatchNodes`: the whole list, `SYNCED`, then each change.
-#[derive(Clone)]
-struct ScriptedRegistry {
-    nodes: watch::Sender<BTreeMap<String, identity::Node>>,
-}
-
-#[tonic::async_trait]
-impl identity::nodes_server::Nodes for ScriptedRegistry {
-    async fn watch_nodes(
-        &self,
-        _request: tonic::Request<identity::WatchNodesRequest>,
-    ) -> Result<tonic::Response<tonic::codegen::BoxStream<identity::NodeEvent>>, tonic::Status> {
-        let mut nodes = self.nodes.subscribe();
-        let (events, stream) = mpsc::channel(64);
-        tokio::spawn(async move {
-            let event =
-                |kind: EventKind, node: Option<identity::Node>| Ok(identity::NodeEvent { kind: kind as i32, node });
-            let mut sent = nodes.borrow_and_update().clone();
-            for node in sent.values() {
-                if events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err() {
-                    return;
-                }
-            }
-            if events.send(event(EventKind::Synced, None)).await.is_err() {
-                return;
-            }
-            while nodes.changed().await.is_ok() {
-                let now = nodes.borrow_and_update().clone();
-                for (node_id, node) in &now {
-                    if sent.get(node_id) != Some(node)
-                        && events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err()
-                    {
-                        return;
-                    }
-                }
-                for (node_id, node) in &sent {
-                    if !now.contains_key(node_id)
-                        && events.send(event(EventKind::Removed, Some(node.clone()))).await.is_err()
-                    {
-                        return;
-                    }
-                }
-                sent = now;
-            }
-        });
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(stream))))
-    }
 }
 
 /// A node as the scripted registry describes it.
@@ -163,38 +104,17 @@ pub(crate) struct Ledger {
     config: LeasesConfig,
 }
 
-fn credentials(ca: &CertificateAuthority, identity: &Identity) -> TlsCredentials {
-    let (cert, key_pem) = ca.issue(identity, &["localhost".to_owned(), "127.0.0.1".to_owned()], CERT_TTL).unwrap();
-    TlsCredentials::new(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: ca.cert_pem().to_owned() })
-        .unwrap()
-}
-
 impl Ledger {
     /// One replica with `config`, knowing the nodes in `nodes`.
     pub(crate) async fn start(backend: Backend, config: LeasesConfig, nodes: Vec<identity::Node>) -> Self {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
-        let db = match backend {
-            Backend::Postgres => TestDb::postgres().await.unwrap(),
-            Backend::Sqlite => TestDb::sqlite().await.unwrap(),
-        };
+        install_crypto_and_logs();
+        let db = test_db(backend).await;
         db.store().migrate(MIGRATIONS).await.unwrap();
-        let bus = match backend {
-            Backend::Postgres => berth_bus::testing::redis_bus().await.unwrap(),
-            Backend::Sqlite => Bus::new(MemoryBus::new(), &berth_bus::testing::unique_prefix()).unwrap(),
-        };
-        let ca = CertificateAuthority::generate("leases test CA", CERT_TTL).unwrap();
-        let nodes = nodes.into_iter().map(|n| (n.node_id.clone(), n)).collect();
-        let registry = ScriptedRegistry { nodes: watch::channel(nodes).0 };
-        let identity_credentials = credentials(&ca, &Identity::service("identity").unwrap());
-        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), identity_credentials).await.unwrap();
-        let registry_addr = listener.local_addr().unwrap();
+        let bus = test_bus(backend).await;
+        let ca = test_ca("leases test CA");
+        let registry = ScriptedRegistry::new(nodes);
         let registry_stop = CancellationToken::new();
-        let server = ServerBuilder::new().add_service(identity::nodes_server::NodesServer::new(registry.clone()));
-        tokio::spawn(server.serve(listener, registry_stop.clone()));
+        let registry_addr = registry.serve(&ca, registry_stop.clone()).await;
         let admin = credentials(&ca, &Identity::admin("alice").unwrap());
         let mut ledger = Self {
             backend,
@@ -219,10 +139,7 @@ impl Ledger {
     pub(crate) async fn add_replica(&mut self) -> usize {
         let db = self.db.as_ref().unwrap();
         let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
-        let bus = match self.backend {
-            Backend::Postgres => Bus::connect(&berth_bus::testing::redis_url(), self.bus.prefix()).await.unwrap(),
-            Backend::Sqlite => self.bus.with_prefix(self.bus.prefix()).unwrap(),
-        };
+        let bus = replica_bus(self.backend, &self.bus).await;
         let credentials = credentials(&self.ca, &Identity::service("leases").unwrap());
         let ctx = ServiceContext {
             store,
@@ -254,17 +171,15 @@ impl Ledger {
 
     /// Tells the registry about `node` (new or changed) and waits until every replica knows.
     pub(crate) async fn put_node(&self, node: identity::Node) {
-        self.registry.nodes.send_modify(|nodes| {
-            nodes.insert(node.node_id.clone(), node);
-        });
+        self.registry.put(node);
         self.settle().await;
     }
 
     /// Moves `node_id` to `state` in the registry and waits until every replica knows.
     pub(crate) async fn set_state(&self, node_id: &str, state: NodeState) {
-        self.registry.nodes.send_modify(|nodes| {
-            nodes.get_mut(node_id).unwrap().state = state as i32;
-        });
+        let mut node = self.registry.nodes().remove(node_id).unwrap();
+        node.state = state as i32;
+        self.registry.put(node);
         self.settle().await;
     }
 
@@ -277,7 +192,7 @@ impl Ledger {
 
     async fn settle_replica(&self, replica: usize) {
         let expected: Vec<(String, i32, Option<Capacity>)> =
-            self.registry.nodes.borrow().values().map(|n| (n.node_id.clone(), n.state, n.capacity)).collect();
+            self.registry.nodes().values().map(|n| (n.node_id.clone(), n.state, n.capacity)).collect();
         let started = Instant::now();
         loop {
             let seen: Vec<(String, i32, Option<Capacity>)> = self
@@ -386,9 +301,7 @@ impl Ledger {
             replica.stop().await;
         }
         self.registry_stop.cancel();
-        if self.backend == Backend::Postgres {
-            berth_bus::testing::cleanup(&self.bus).await.unwrap();
-        }
+        cleanup_bus(self.backend, &self.bus).await;
         if let Some(db) = self.db.take() {
             db.cleanup().await.unwrap();
         }

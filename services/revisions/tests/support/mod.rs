@@ -13,55 +13,45 @@
 
 #![allow(dead_code, reason = "each test binary uses a different part of the harness")]
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use berth_bundle::testing::TestRegistry;
 use berth_bundle::{BundleClient, BundleReference, Digest, PackedBundle, RegistryConfig, RegistryCredentials};
-use berth_bus::{Bus, MemoryBus};
+use berth_bus::Bus;
 use berth_core::Identity;
-use berth_leases::{LeasesConfig, LeasesService};
-use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
+use berth_leases::LeasesConfig;
+use berth_mtls::{CertificateAuthority, TlsCredentials};
 use berth_proto::identity::v1 as identity;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1 as leases;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::revisions::v1;
-use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus, EventKind};
+use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus};
 use berth_revisions::{
     Dependencies, GrpcLeases, LeaseClient, RegistryPolicy, RegistrySecrets, RevisionsConfig, RevisionsService,
     TagResolver,
 };
-use berth_rpc::{Channel, Listener, Revocations, ServerBuilder};
-use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_rpc::{Channel, Listener, Revocations};
+use berth_runtime::{NodeDirectory, ServiceContext};
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
-use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
+pub(crate) use berth_testkit::Backend;
+use berth_testkit::{
+    InProcessLeases, ScriptedRegistry, cleanup_bus, credentials, install_crypto_and_logs, replica_bus, test_bus,
+    test_ca, test_db,
+};
 use tokio_util::sync::CancellationToken;
 
 /// A gibibyte.
 pub(crate) const GIB: u64 = 1 << 30;
-
-/// How long test certificates live.
-const CERT_TTL: Duration = Duration::from_secs(3600);
 
 /// How long a test waits for something that should happen within a second or two.
 pub(crate) const PATIENCE: Duration = Duration::from_secs(20);
 
 /// A digest no registry holds, for references pinned without a registry.
 pub(crate) const PINNED: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-
-/// Which stores and bus a deployment runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Backend {
-    /// PostgreSQL and Redis: production.
-    Postgres,
-    /// SQLite and the in-process bus: `berth dev`.
-    Sqlite,
-}
 
 /// Loops in milliseconds.
 pub(crate) fn fast_config() -> RevisionsConfig {
@@ -83,48 +73,6 @@ pub(crate) fn fast_config() -> RevisionsConfig {
     }
 }
 
-/// The registry's side of `Nodes/WatchNodes`: the whole list, `SYNCED`, then each change.
-#[derive(Clone)]
-struct ScriptedRegistry {
-    nodes: watch::Sender<BTreeMap<String, identity::Node>>,
-}
-
-#[tonic::async_trait]
-impl identity::nodes_server::Nodes for ScriptedRegistry {
-    async fn watch_nodes(
-        &self,
-        _request: tonic::Request<identity::WatchNodesRequest>,
-    ) -> Result<tonic::Response<tonic::codegen::BoxStream<identity::NodeEvent>>, tonic::Status> {
-        let mut nodes = self.nodes.subscribe();
-        let (events, stream) = mpsc::channel(64);
-        tokio::spawn(async move {
-            let event =
-                |kind: EventKind, node: Option<identity::Node>| Ok(identity::NodeEvent { kind: kind as i32, node });
-            let mut sent = nodes.borrow_and_update().clone();
-            for node in sent.values() {
-                if events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err() {
-                    return;
-                }
-            }
-            if events.send(event(EventKind::Synced, None)).await.is_err() {
-                return;
-            }
-            while nodes.changed().await.is_ok() {
-                let now = nodes.borrow_and_update().clone();
-                for (node_id, node) in &now {
-                    if sent.get(node_id) != Some(node)
-                        && events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err()
-                    {
-                        return;
-                    }
-                }
-                sent = now;
-            }
-        });
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(stream))))
-    }
-}
-
 /// An UP node with room for many small replicas.
 pub(crate) fn node(node_id: &str) -> identity::Node {
     identity::Node {
@@ -132,34 +80,6 @@ pub(crate) fn node(node_id: &str) -> identity::Node {
         state: NodeState::Up as i32,
         capacity: Some(Capacity { cpu_millis: 16_000, memory_bytes: 32 * GIB }),
         ..Default::default()
-    }
-}
-
-fn credentials(ca: &CertificateAuthority, identity: &Identity) -> TlsCredentials {
-    let (cert, key_pem) = ca.issue(identity, &["localhost".to_owned(), "127.0.0.1".to_owned()], CERT_TTL).unwrap();
-    TlsCredentials::new(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: ca.cert_pem().to_owned() })
-        .unwrap()
-}
-
-fn install_crypto_and_logs() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
-async fn test_db(backend: Backend) -> TestDb {
-    match backend {
-        Backend::Postgres => TestDb::postgres().await.unwrap(),
-        Backend::Sqlite => TestDb::sqlite().await.unwrap(),
-    }
-}
-
-async fn test_bus(backend: Backend) -> Bus {
-    match backend {
-        Backend::Postgres => berth_bus::testing::redis_bus().await.unwrap(),
-        Backend::Sqlite => Bus::new(MemoryBus::new(), &berth_bus::testing::unique_prefix()).unwrap(),
     }
 }
 
@@ -174,9 +94,8 @@ pub(crate) struct Replica {
 pub(crate) struct Plane {
     pub(crate) backend: Backend,
     revisions_db: Option<TestDb>,
-    leases_db: Option<TestDb>,
+    leases: Option<InProcessLeases>,
     revisions_bus: Bus,
-    leases_bus: Bus,
     ca: CertificateAuthority,
     registry: ScriptedRegistry,
     stop: CancellationToken,
@@ -239,35 +158,11 @@ impl Plane {
         wrap_leases: Option<WrapLeases>,
     ) -> Self {
         install_crypto_and_logs();
-        let ca = CertificateAuthority::generate("revisions test CA", CERT_TTL).unwrap();
+        let ca = test_ca("revisions test CA");
         let stop = CancellationToken::new();
 
-        let nodes = nodes.iter().map(|n| (n.to_string(), node(n))).collect();
-        let registry = ScriptedRegistry { nodes: watch::channel(nodes).0 };
-        let identity_credentials = credentials(&ca, &Identity::service("identity").unwrap());
-        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), identity_credentials).await.unwrap();
-        let registry_addr = listener.local_addr().unwrap();
-        let server = ServerBuilder::new().add_service(identity::nodes_server::NodesServer::new(registry.clone()));
-        tokio::spawn(server.serve(listener, stop.clone()));
-
-        let leases_db = test_db(backend).await;
-        leases_db.store().migrate(berth_leases::MIGRATIONS).await.unwrap();
-        let leases_bus = test_bus(backend).await;
-        let leases_credentials = credentials(&ca, &Identity::service("leases").unwrap());
-        let ctx = ServiceContext {
-            store: leases_db.store().clone(),
-            bus: leases_bus.clone(),
-            credentials: leases_credentials.clone(),
-            revocations: Revocations::new(),
-            nodes: NodeDirectory::new(),
-        };
-        follow_nodes(
-            registry_addr.to_string(),
-            leases_credentials.clone(),
-            ctx.nodes.clone(),
-            ctx.revocations.clone(),
-            stop.clone(),
-        );
+        let registry = ScriptedRegistry::new(nodes.iter().map(|n| node(n)));
+        let registry_addr = registry.serve(&ca, stop.clone()).await;
         let ledger_config = LeasesConfig {
             reap_every: Duration::from_millis(50),
             assignment_resync: Duration::from_millis(500),
@@ -275,12 +170,8 @@ impl Plane {
             election: ElectionTiming::from_ttl(Duration::from_millis(900)),
             ..LeasesConfig::default()
         };
-        let ledger = LeasesService::new(&ctx, ledger_config);
-        ledger.spawn_loops(&stop);
-        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), leases_credentials).await.unwrap();
-        let leases_addr = listener.local_addr().unwrap();
-        let server = ledger.server();
-        tokio::spawn(server.serve(listener, stop.clone()));
+        let leases = InProcessLeases::start(backend, &ca, registry_addr, ledger_config, &stop).await;
+        let leases_addr = leases.addr;
 
         let revisions_db = test_db(backend).await;
         revisions_db.store().migrate(berth_revisions::MIGRATIONS).await.unwrap();
@@ -289,9 +180,8 @@ impl Plane {
         let mut plane = Self {
             backend,
             revisions_db: Some(revisions_db),
-            leases_db: Some(leases_db),
+            leases: Some(leases),
             revisions_bus,
-            leases_bus,
             ca,
             registry,
             stop,
@@ -312,12 +202,7 @@ impl Plane {
     pub(crate) async fn add_replica(&mut self) -> usize {
         let db = self.revisions_db.as_ref().unwrap();
         let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
-        let bus = match self.backend {
-            Backend::Postgres => {
-                Bus::connect(&berth_bus::testing::redis_url(), self.revisions_bus.prefix()).await.unwrap()
-            }
-            Backend::Sqlite => self.revisions_bus.with_prefix(self.revisions_bus.prefix()).unwrap(),
-        };
+        let bus = replica_bus(self.backend, &self.revisions_bus).await;
         let me = credentials(&self.ca, &Identity::service("revisions").unwrap());
         let ctx = ServiceContext {
             store,
@@ -360,7 +245,7 @@ impl Plane {
 
     /// Waits until leases has learned every node of the registry.
     async fn wait_for_nodes(&self) {
-        let expected = self.registry.nodes.borrow().len();
+        let expected = self.registry.nodes().len();
         let mut capacity = leases::capacity_client::CapacityClient::new(self.leases_channel(self.admin.clone()));
         let started = Instant::now();
         loop {
@@ -545,15 +430,12 @@ impl Plane {
         self.stop.cancel();
         // Let the controllers resign and the servers drain.
         tokio::time::sleep(Duration::from_millis(200)).await;
-        if self.backend == Backend::Postgres {
-            berth_bus::testing::cleanup(&self.revisions_bus).await.unwrap();
-            berth_bus::testing::cleanup(&self.leases_bus).await.unwrap();
-        }
+        cleanup_bus(self.backend, &self.revisions_bus).await;
         if let Some(db) = self.revisions_db.take() {
             db.cleanup().await.unwrap();
         }
-        if let Some(db) = self.leases_db.take() {
-            db.cleanup().await.unwrap();
+        if let Some(leases) = self.leases.take() {
+            leases.cleanup(self.backend).await;
         }
     }
 }

@@ -1,0 +1,270 @@
+//! What the tests of several service crates need alike, written once:
+//! which backend a test runs on and its store and bus, certificates from a
+//! test CA, a server on a loopback port, the node registry identity would
+//! serve (scripted by the test), an in-process leases service following it,
+//! and one way to wait for something to become true.
+//!
+//! # Where it sits
+//! Only ever a dev-dependency. It sits above the services it starts (it
+//! links `berth-leases`), which no library may; that is why nothing shipped
+//! depends on it, and why no service crate's own code may.
+//!
+//! # Invariants
+//! - Every store and bus is the test's own (a fresh database or SQLite
+//!   file, a unique key prefix), removed when it is dropped.
+//! - The scripted registry speaks identity's `Nodes/WatchNodes` over mTLS
+//!   exactly: the whole list, `SYNCED`, then each change as `UPSERT` or
+//!   `REMOVED`, so a service follows it on its production path.
+
+#![allow(clippy::unwrap_used, reason = "a fixture that cannot be set up is a failed test, with its line")]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use berth_bus::{Bus, MemoryBus};
+use berth_core::Identity;
+use berth_leases::{LeasesConfig, LeasesService};
+use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
+use berth_proto::identity::v1 as identity;
+use berth_proto::types::v1::EventKind;
+use berth_rpc::{Listener, Revocations, ServerBuilder};
+use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_store::testing::TestDb;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+/// How long test certificates live.
+pub const CERT_TTL: Duration = Duration::from_secs(3600);
+
+/// Which store and bus a test runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// PostgreSQL and Redis: production.
+    Postgres,
+    /// SQLite and the in-process bus: `berth dev`.
+    Sqlite,
+}
+
+/// Installs the TLS crypto provider and, once per process, logs that
+/// follow `RUST_LOG` into the test's output.
+pub fn install_crypto_and_logs() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// A database of the test's own on `backend`.
+pub async fn test_db(backend: Backend) -> TestDb {
+    match backend {
+        Backend::Postgres => TestDb::postgres().await.unwrap(),
+        Backend::Sqlite => TestDb::sqlite().await.unwrap(),
+    }
+}
+
+/// A bus of the test's own on `backend` (a unique key prefix).
+pub async fn test_bus(backend: Backend) -> Bus {
+    match backend {
+        Backend::Postgres => berth_bus::testing::redis_bus().await.unwrap(),
+        Backend::Sqlite => Bus::new(MemoryBus::new(), &berth_bus::testing::unique_prefix()).unwrap(),
+    }
+}
+
+/// Another connection to `bus`, with its prefix, as another replica's process has.
+pub async fn replica_bus(backend: Backend, bus: &Bus) -> Bus {
+    match backend {
+        Backend::Postgres => Bus::connect(&berth_bus::testing::redis_url(), bus.prefix()).await.unwrap(),
+        Backend::Sqlite => bus.with_prefix(bus.prefix()).unwrap(),
+    }
+}
+
+/// Removes a bus's keys from Redis (the in-process bus goes with its process).
+pub async fn cleanup_bus(backend: Backend, bus: &Bus) {
+    if backend == Backend::Postgres {
+        berth_bus::testing::cleanup(bus).await.unwrap();
+    }
+}
+
+/// A certificate authority for one test.
+pub fn test_ca(name: &str) -> CertificateAuthority {
+    CertificateAuthority::generate(name, CERT_TTL).unwrap()
+}
+
+/// Credentials `ca` issues to `identity`, valid for loopback.
+pub fn credentials(ca: &CertificateAuthority, identity: &Identity) -> TlsCredentials {
+    let (cert, key_pem) = ca.issue(identity, &["localhost".to_owned(), "127.0.0.1".to_owned()], CERT_TTL).unwrap();
+    TlsCredentials::new(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: ca.cert_pem().to_owned() })
+        .unwrap()
+}
+
+/// Serves `server` with `credentials` on a free loopback port until `stop`.
+pub async fn serve(server: ServerBuilder, credentials: TlsCredentials, stop: CancellationToken) -> SocketAddr {
+    let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), credentials).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
+    addr
+}
+
+/// Polls `check` until it answers `Some`, failing the test after `timeout`
+/// with `what` (what the test was waiting for) and the last answer's absence.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let started = Instant::now();
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(started.elapsed() < timeout, "waited {timeout:?} for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The node registry identity serves, as the test scripts it.
+#[derive(Debug, Clone)]
+pub struct ScriptedRegistry {
+    nodes: watch::Sender<BTreeMap<String, identity::Node>>,
+}
+
+impl ScriptedRegistry {
+    /// A registry listing `nodes`.
+    pub fn new(nodes: impl IntoIterator<Item = identity::Node>) -> Self {
+        let nodes = nodes.into_iter().map(|node| (node.node_id.clone(), node)).collect();
+        Self { nodes: watch::channel(nodes).0 }
+    }
+
+    /// Serves `Nodes/WatchNodes` as identity, with certificates from `ca`, until `stop`.
+    pub async fn serve(&self, ca: &CertificateAuthority, stop: CancellationToken) -> SocketAddr {
+        let server = ServerBuilder::new().add_service(identity::nodes_server::NodesServer::new(self.clone()));
+        serve(server, credentials(ca, &Identity::service("identity").unwrap()), stop).await
+    }
+
+    /// Adds `node`, or changes it.
+    pub fn put(&self, node: identity::Node) {
+        self.nodes.send_modify(|nodes| {
+            nodes.insert(node.node_id.clone(), node);
+        });
+    }
+
+    /// Takes `node_id` off the list.
+    pub fn remove(&self, node_id: &str) {
+        self.nodes.send_modify(|nodes| {
+            nodes.remove(node_id);
+        });
+    }
+
+    /// Every node listed now.
+    pub fn nodes(&self) -> BTreeMap<String, identity::Node> {
+        self.nodes.borrow().clone()
+    }
+}
+
+#[tonic::async_trait]
+impl identity::nodes_server::Nodes for ScriptedRegistry {
+    async fn watch_nodes(
+        &self,
+        _request: tonic::Request<identity::WatchNodesRequest>,
+    ) -> Result<tonic::Response<tonic::codegen::BoxStream<identity::NodeEvent>>, tonic::Status> {
+        let mut nodes = self.nodes.subscribe();
+        let (events, stream) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let event =
+                |kind: EventKind, node: Option<identity::Node>| Ok(identity::NodeEvent { kind: kind as i32, node });
+            let mut sent = nodes.borrow_and_update().clone();
+            for node in sent.values() {
+                if events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err() {
+                    return;
+                }
+            }
+            if events.send(event(EventKind::Synced, None)).await.is_err() {
+                return;
+            }
+            while nodes.changed().await.is_ok() {
+                let now = nodes.borrow_and_update().clone();
+                for (node_id, node) in &now {
+                    if sent.get(node_id) != Some(node)
+                        && events.send(event(EventKind::Upsert, Some(node.clone()))).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                for (node_id, node) in &sent {
+                    if !now.contains_key(node_id)
+                        && events.send(event(EventKind::Removed, Some(node.clone()))).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                sent = now;
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+}
+
+/// One leases replica in this process, on a store and bus of its own,
+/// following the registry at `registry_addr`.
+pub struct InProcessLeases {
+    /// Where it serves.
+    pub addr: SocketAddr,
+    /// The service, for tests that look behind the API.
+    pub service: LeasesService,
+    db: TestDb,
+    bus: Bus,
+}
+
+impl std::fmt::Debug for InProcessLeases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InProcessLeases").field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+impl InProcessLeases {
+    /// Starts it with `config`, its certificate from `ca`, until `stop`.
+    pub async fn start(
+        backend: Backend,
+        ca: &CertificateAuthority,
+        registry_addr: SocketAddr,
+        config: LeasesConfig,
+        stop: &CancellationToken,
+    ) -> Self {
+        let db = test_db(backend).await;
+        db.store().migrate(berth_leases::MIGRATIONS).await.unwrap();
+        let bus = test_bus(backend).await;
+        let me = credentials(ca, &Identity::service("leases").unwrap());
+        let ctx = ServiceContext {
+            store: db.store().clone(),
+            bus: bus.clone(),
+            credentials: me.clone(),
+            revocations: Revocations::new(),
+            nodes: NodeDirectory::new(),
+        };
+        follow_nodes(registry_addr.to_string(), me.clone(), ctx.nodes.clone(), ctx.revocations.clone(), stop.clone());
+        let service = LeasesService::new(&ctx, config);
+        service.spawn_loops(stop);
+        let addr = serve(service.server(), me, stop.clone()).await;
+        Self { addr, service, db, bus }
+    }
+
+    /// Its database, removed with it by [`InProcessLeases::cleanup`].
+    pub fn db(&self) -> &TestDb {
+        &self.db
+    }
+
+    /// Its bus.
+    pub fn bus(&self) -> &Bus {
+        &self.bus
+    }
+
+    /// Removes its database and, on Redis, its bus keys; stop it first.
+    pub async fn cleanup(self, backend: Backend) {
+        cleanup_bus(backend, &self.bus).await;
+        self.db.cleanup().await.unwrap();
+    }
+}
