@@ -46,4 +46,4 @@ pub use error::BusError;
 pub use memory::{DEFAULT_TOPIC_CAPACITY, MemoryBus};
 pub use redis_bus::RedisBus;
 pub use redis_calls::RedisTimings;
-pub use signals::KeySignals;
+pub use signals::{KeySignals, Signal};

@@ -17,12 +17,16 @@
 //! - One waiter per stream, coalescing: however many signals arrive while a
 //!   stream reads, it reads once more.
 //! - Wakers of streams that ended are dropped as they are found.
+//! - An observer ([`KeySignals::observe`]) hears every key woken, for
+//!   streams that follow many keys (a prefix, a whole project) rather than
+//!   one. One that falls behind, and every observer on a gap, hears
+//!   [`Signal::All`]: whatever it follows may have changed.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::{Bus, BusMessage};
@@ -33,17 +37,36 @@ const MIN_BACKOFF: Duration = Duration::from_millis(100);
 /// Longest wait between subscription attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
+/// How many signals an observer may fall behind before it hears [`Signal::All`].
+const OBSERVER_BACKLOG: usize = 1024;
+
+/// What an observer of every key hears.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Signal {
+    /// What these keys show may have changed.
+    Keys(Arc<[String]>),
+    /// What any key shows may have changed (signals were lost).
+    All,
+}
+
 /// A replica's wakers for one topic, one per key with a live stream; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct KeySignals {
     topic: &'static str,
     wakers: Arc<Mutex<HashMap<String, watch::Sender<u64>>>>,
+    observers: broadcast::Sender<Signal>,
 }
 
 impl KeySignals {
     /// Signals published and followed on the bus topic `topic`.
     pub fn new(topic: &'static str) -> Self {
-        Self { topic, wakers: Arc::default() }
+        Self { topic, wakers: Arc::default(), observers: broadcast::channel(OBSERVER_BACKLOG).0 }
+    }
+
+    /// Hears every key woken on this replica from now on. A receive that
+    /// reports it lagged stands for [`Signal::All`].
+    pub fn observe(&self) -> broadcast::Receiver<Signal> {
+        self.observers.subscribe()
     }
 
     /// A receiver that changes whenever what `key` shows may have changed.
@@ -54,8 +77,13 @@ impl KeySignals {
 
     /// Wakes the streams of `keys` on this replica.
     pub fn wake<'a>(&self, keys: impl IntoIterator<Item = &'a str>) {
+        let observed = self.observers.receiver_count() > 0;
+        let mut heard: Vec<String> = Vec::new();
         let mut wakers = self.wakers.lock().unwrap_or_else(PoisonError::into_inner);
         for key in keys {
+            if observed {
+                heard.push(key.to_owned());
+            }
             match wakers.get(key) {
                 Some(waker) if waker.receiver_count() == 0 => {
                     wakers.remove(key);
@@ -63,6 +91,11 @@ impl KeySignals {
                 Some(waker) => waker.send_modify(|n| *n = n.wrapping_add(1)),
                 None => {}
             }
+        }
+        drop(wakers);
+        if !heard.is_empty() {
+            // No observer left is no one to tell.
+            let _ = self.observers.send(Signal::Keys(heard.into()));
         }
     }
 
@@ -73,6 +106,7 @@ impl KeySignals {
         for waker in wakers.values() {
             waker.send_modify(|n| *n = n.wrapping_add(1));
         }
+        let _ = self.observers.send(Signal::All);
     }
 
     /// Wakes `keys` here, then tells the other replicas through `bus`. A
@@ -150,6 +184,21 @@ mod tests {
         assert!(!one.has_changed().unwrap());
         signals.wake_all();
         assert!(one.has_changed().unwrap() && two.has_changed().unwrap());
+    }
+
+    #[tokio::test]
+    async fn an_observer_hears_every_key_woken_and_all_on_a_gap() {
+        let signals = KeySignals::new("t");
+        signals.wake(["before"]);
+        let mut observer = signals.observe();
+        signals.wake(["n-1", "n-2"]);
+        assert_eq!(observer.recv().await.unwrap(), Signal::Keys(vec!["n-1".to_owned(), "n-2".to_owned()].into()));
+        signals.wake_all();
+        assert_eq!(observer.recv().await.unwrap(), Signal::All);
+        for _ in 0..=OBSERVER_BACKLOG {
+            signals.wake(["n-1"]);
+        }
+        assert!(matches!(observer.recv().await, Err(broadcast::error::RecvError::Lagged(_))), "a laggard is told");
     }
 
     #[tokio::test]

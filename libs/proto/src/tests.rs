@@ -127,7 +127,7 @@ fn admission_table_matches_the_contract() {
         ("berth.revisions.v1.Services", &["GetService", "ListServices", "WatchServices"], READERS),
         ("berth.revisions.v1.Revisions", &["ListRevisions", "GetRevision"], READERS),
         ("berth.revisions.v1.Revisions", &["GetPullCredentials"], NODE),
-        ("berth.leases.v1.Leases", &["RequestLease", "GetLease", "ListLeases", "ReleaseLease"], READERS),
+        ("berth.leases.v1.Leases", &["RequestLease", "GetLease", "ListLeases", "ReleaseLease", "WatchLeases"], READERS),
         ("berth.leases.v1.Capacity", &["ListNodeCapacity"], READERS),
         (
             "berth.leases.v1.NodeLeases",

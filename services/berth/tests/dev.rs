@@ -371,6 +371,24 @@ fn the_example_deploys_with(flags: &[&str]) {
     assert_eq!(status["replicasRunning"], 2, "{service}");
     let live = status["liveRevision"].as_str().unwrap().to_string();
 
+    // The README's watch of the replicas: the open set, then SYNCED, until grpcurl's deadline.
+    let leases = format!("127.0.0.1:{}", base + 2);
+    let watched = Command::new(grpcurl())
+        .arg("-cacert")
+        .arg(dir.join("ca.pem"))
+        .arg("-cert")
+        .arg(dir.join("admin.pem"))
+        .arg("-key")
+        .arg(dir.join("admin-key.pem"))
+        .args(["-max-time", "3", "-d", r#"{"owner_prefix": "revisions/hello@"}"#, &leases])
+        .arg("berth.leases.v1.Leases/WatchLeases")
+        .output()
+        .unwrap();
+    let watched = String::from_utf8_lossy(&watched.stdout);
+    assert_eq!(watched.matches("EVENT_KIND_UPSERT").count(), 2, "{watched}");
+    assert_eq!(watched.matches("LEASE_PHASE_RUNNING").count(), 2, "{watched}");
+    assert_eq!(watched.matches("EVENT_KIND_SYNCED").count(), 1, "{watched}");
+
     let agent = format!("127.0.0.1:{}", base + 4);
     let instances = grpcurl_admin_call(&dir, &agent, "berth.agent.v1.Agent/ListInstances", "{}");
     let ports: Vec<u64> = instances["instances"]

@@ -32,6 +32,7 @@ impl LeasesService {
     async fn changed(&self, lease: &LeaseRecord) {
         let core = &self.core;
         core.signals.announce(&core.bus, std::slice::from_ref(&lease.node_id)).await;
+        core.announce_owners([lease]).await;
         let indexed = match (lease.phase.is_open(), lease.expires_at_ms) {
             (true, Some(at)) => core.bus.deadline_set(EXPIRY_INDEX, &lease.lease_id, at).await,
             _ => core.bus.deadline_remove(EXPIRY_INDEX, &lease.lease_id).await.map(drop),
@@ -75,6 +76,7 @@ impl v1::leases_server::Leases for LeasesService {
             node_id: Some(request.node_id).filter(|n| !n.is_empty()),
             phase: validate::phase_filter(request.phase)?,
             owner: Some(request.owner).filter(|o| !o.is_empty()),
+            ..LeaseFilter::default()
         };
         let leases = self.core.ledger.list(&filter).await?;
         Ok(Response::new(v1::ListLeasesResponse { leases: leases.iter().map(LeaseRecord::to_proto).collect() }))
@@ -95,6 +97,14 @@ impl v1::leases_server::Leases for LeasesService {
             self.changed(&lease).await;
         }
         Ok(Response::new(v1::ReleaseLeaseResponse { lease: Some(lease.to_proto()) }))
+    }
+
+    async fn watch_leases(
+        &self,
+        request: Request<v1::WatchLeasesRequest>,
+    ) -> Result<Response<tonic::codegen::BoxStream<v1::LeaseEvent>>, Status> {
+        let scope = validate::watch_scope(request.into_inner())?;
+        Ok(Response::new(crate::watch::open(self.core.clone(), scope)))
     }
 }
 
@@ -185,6 +195,9 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
         if changed && !lease.phase.is_open() {
             tracing::info!(lease_id = %lease.lease_id, %node_id, phase = %lease.phase, reason = %lease.reason, "lease ended");
             self.changed(&lease).await;
+        } else if changed {
+            // The node's own stream has nothing to learn from its own report; watchers do.
+            self.core.announce_owners([&lease]).await;
         }
         Ok(Response::new(v1::ReportPhaseResponse { lease: Some(lease.to_proto()) }))
     }

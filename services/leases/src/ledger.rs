@@ -222,13 +222,17 @@ pub(crate) struct PhaseReport {
     pub(crate) exit_code: Option<i32>,
 }
 
-/// Which leases `ListLeases` wants; every set field must match.
+/// Which leases `ListLeases` (and `WatchLeases`) wants; every set field must match.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct LeaseFilter {
     pub(crate) project: Option<String>,
     pub(crate) node_id: Option<String>,
     pub(crate) phase: Option<Phase>,
     pub(crate) owner: Option<String>,
+    /// The owner starts with this.
+    pub(crate) owner_prefix: Option<String>,
+    /// Only leases in an open phase.
+    pub(crate) open_only: bool,
 }
 
 /// What a node's assignment stream sends next.
@@ -317,6 +321,15 @@ impl Ledger {
                 values.push(value);
                 sql.push_str(&format!(" AND {column} = ${}", values.len()));
             }
+        }
+        if let Some(prefix) = &filter.owner_prefix {
+            values.push(prefix.clone());
+            let n = values.len();
+            // No LIKE: a prefix is matched as it is, `%` and `_` included.
+            sql.push_str(&format!(" AND substr(owner, 1, length(CAST(${n} AS TEXT))) = CAST(${n} AS TEXT)"));
+        }
+        if filter.open_only {
+            sql.push_str(&format!(" AND phase IN {OPEN_PHASES_SQL}"));
         }
         sql.push_str(" ORDER BY created_at_ms, lease_id");
         let (sql, values) = (&sql, &values);

@@ -43,6 +43,7 @@ mod service;
 mod shared;
 mod signals;
 mod validate;
+mod watch;
 
 use berth_rpc::ServerBuilder;
 use berth_runtime::{ServiceContext, ServiceSpec};

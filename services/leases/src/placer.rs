@@ -117,8 +117,10 @@ async fn place(core: &Arc<Core>, batch: Vec<Queued>) {
 
     let mut touched: Vec<String> = Vec::new();
     let mut deadlines: Vec<(String, i64)> = Vec::new();
+    let mut placed_leases = Vec::new();
     for placed in outcomes.iter().flatten().filter(|placed| placed.created) {
         touched.push(placed.lease.node_id.clone());
+        placed_leases.push(placed.lease.clone());
         if let Some(at) = placed.lease.expires_at_ms {
             deadlines.push((placed.lease.lease_id.clone(), at));
         }
@@ -137,6 +139,7 @@ async fn place(core: &Arc<Core>, batch: Vec<Queued>) {
     let core = Arc::clone(core);
     tokio::spawn(async move {
         core.signals.announce(&core.bus, &touched).await;
+        core.announce_owners(&placed_leases).await;
         if let Err(error) = core.bus.deadline_set_many(EXPIRY_INDEX, &deadlines).await {
             tracing::warn!(%error, leases = deadlines.len(), "could not index new lease deadlines; the reaper restores them");
         }

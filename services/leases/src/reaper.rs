@@ -171,6 +171,7 @@ impl Reaper {
                 other => other?,
             };
             let mut touched = Vec::new();
+            let mut expired = Vec::new();
             for (lease_id, outcome) in outcomes {
                 match outcome {
                     Expiry::Expired(lease) => {
@@ -178,6 +179,7 @@ impl Reaper {
                             "lease expired: not renewed in time");
                         touched.push(lease.node_id.clone());
                         bus.deadline_remove(EXPIRY_INDEX, &lease_id).await?;
+                        expired.push(lease);
                     }
                     Expiry::NotYet(at) => bus.deadline_set(EXPIRY_INDEX, &lease_id, at.max(self.grace_until)).await?,
                     Expiry::Gone => {
@@ -188,6 +190,7 @@ impl Reaper {
             touched.sort();
             touched.dedup();
             self.core.signals.announce(bus, &touched).await;
+            self.core.announce_owners(expired.iter().map(|lease| &**lease)).await;
             if due.len() < DUE_BATCH {
                 return Ok(());
             }

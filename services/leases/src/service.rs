@@ -4,7 +4,7 @@
 //! # Expected flow
 //! [`LeasesService::new`] builds a replica over a [`ServiceContext`] (no I/O:
 //! the store is already migrated). [`LeasesService::spawn_loops`] starts the
-//! placer, the bus follower that wakes assignment streams, and the reaper's
+//! placer, the bus followers that wake assignment and lease watch streams, and the reaper's
 //! campaign; they stop when the token passed is cancelled. Without the loops
 //! nothing places requests, so every process that serves the ledger runs them.
 
@@ -18,7 +18,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use crate::config::LeasesConfig;
 use crate::ledger::Ledger;
 use crate::shared::{Core, PlacerHandle};
-use crate::signals::node_signals;
+use crate::signals::{node_signals, owner_signals};
 
 /// One replica of the ledger: its gRPC handlers and its loops.
 #[derive(Debug, Clone)]
@@ -39,6 +39,7 @@ impl LeasesService {
             bus: ctx.bus.clone(),
             nodes: ctx.nodes.clone(),
             signals: node_signals(),
+            owners: owner_signals(),
             config,
             replica_id: berth_runtime::replica_id("leases"),
             closing: CancellationToken::new(),
@@ -93,6 +94,7 @@ impl LeasesService {
         });
         crate::placer::spawn(Arc::clone(&self.core), queue);
         self.core.signals.spawn_follower(self.core.bus.clone(), self.core.closing.clone());
+        self.core.owners.spawn_follower(self.core.bus.clone(), self.core.closing.clone());
         crate::reaper::spawn(Arc::clone(&self.core));
     }
 

@@ -27,6 +27,8 @@ pub(crate) struct Core {
     /// Identity's node registry, as this replica follows it.
     pub(crate) nodes: NodeDirectory,
     pub(crate) signals: NodeSignals,
+    /// Which owners' leases changed, for `WatchLeases` streams.
+    pub(crate) owners: berth_bus::KeySignals,
     pub(crate) config: LeasesConfig,
     /// This replica's name as it campaigns for the reaper.
     pub(crate) replica_id: String,
@@ -35,6 +37,17 @@ pub(crate) struct Core {
     pub(crate) placer: PlacerHandle,
     /// The placer's queue until its task takes it.
     pub(crate) queue: Mutex<Option<mpsc::Receiver<Queued>>>,
+}
+
+impl Core {
+    /// Tells `WatchLeases` streams on every replica that these leases changed.
+    pub(crate) async fn announce_owners<'a>(&self, leases: impl IntoIterator<Item = &'a crate::records::LeaseRecord>) {
+        let mut keys: Vec<String> =
+            leases.into_iter().map(|lease| crate::signals::owner_key(&lease.project, &lease.owner)).collect();
+        keys.sort();
+        keys.dedup();
+        self.owners.announce(&self.bus, &keys).await;
+    }
 }
 
 /// One queued request and where its answer goes.

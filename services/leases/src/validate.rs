@@ -37,6 +37,17 @@ pub(crate) fn project(project: &str) -> Result<String, LeaseError> {
     }
 }
 
+/// What a `WatchLeases` stream follows.
+pub(crate) fn watch_scope(request: v1::WatchLeasesRequest) -> Result<crate::watch::Scope, LeaseError> {
+    optional_name("owner", &request.owner)?;
+    optional_name("owner_prefix", &request.owner_prefix)?;
+    Ok(crate::watch::Scope {
+        project: if request.all_projects { None } else { Some(project(&request.project)?) },
+        owner: Some(request.owner).filter(|owner| !owner.is_empty()),
+        owner_prefix: Some(request.owner_prefix).filter(|prefix| !prefix.is_empty()),
+    })
+}
+
 /// A non-empty name of printable characters, at most [`MAX_NAME_LEN`] bytes.
 fn name(field: &'static str, value: &str) -> Result<(), LeaseError> {
     if value.is_empty() {

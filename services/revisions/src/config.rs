@@ -43,7 +43,8 @@ pub struct RevisionsConfig {
     /// marked failed and the previous live revision keeps serving.
     pub progress_deadline: Duration,
     /// How soon a service with a rollout, a resolution or a lease request in
-    /// flight is looked at again; lease phases are observed by this polling.
+    /// flight is looked at again. Lease changes wake a service at once
+    /// through `WatchLeases`; this polling covers a watch that is broken.
     pub rollout_poll: Duration,
     /// How soon a settled service is looked at again, to replace replicas
     /// that ended.

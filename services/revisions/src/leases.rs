@@ -48,6 +48,9 @@ impl From<tonic::Status> for LeaseCallError {
     }
 }
 
+/// The events of a `WatchLeases` stream.
+pub type LeaseEvents = tonic::codegen::BoxStream<v1::LeaseEvent>;
+
 /// What the deploy reconciler asks of the leases service.
 #[tonic::async_trait]
 pub trait LeaseClient: fmt::Debug + Send + Sync + 'static {
@@ -58,6 +61,13 @@ pub trait LeaseClient: fmt::Debug + Send + Sync + 'static {
     /// One lease by id; `None` when leases knows none by that id (never
     /// existed, or forgotten after its retention).
     async fn get(&self, lease_id: &str) -> Result<Option<v1::Lease>, LeaseCallError>;
+    /// Follows every lease, in every project, whose owner starts with
+    /// `owner_prefix` (`WatchLeases`): the open set, `SYNCED`, then each change.
+    /// A client that cannot follow says so, and the reconciler polls alone.
+    async fn watch(&self, owner_prefix: &str) -> Result<LeaseEvents, LeaseCallError> {
+        let _ = owner_prefix;
+        Err(LeaseCallError::Unavailable("this leases client cannot follow leases".to_owned()))
+    }
     /// Gives a lease back with `reason`; a lease already final stays as it is.
     async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError>;
 }
@@ -99,6 +109,13 @@ impl LeaseClient for GrpcLeases {
             Err(status) if status.code() == Code::NotFound => Ok(None),
             Err(status) => Err(status.into()),
         }
+    }
+
+    async fn watch(&self, owner_prefix: &str) -> Result<LeaseEvents, LeaseCallError> {
+        let request =
+            v1::WatchLeasesRequest { all_projects: true, owner_prefix: owner_prefix.to_owned(), ..Default::default() };
+        let stream = self.client.clone().watch_leases(request).await?.into_inner();
+        Ok(Box::pin(stream))
     }
 
     async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError> {

@@ -29,7 +29,7 @@ pub use config::{
     DEFAULT_PULL_CREDENTIALS_TTL, RevisionsConfig,
 };
 pub use controller::DEPLOY_LOOP;
-pub use leases::{GrpcLeases, LeaseCallError, LeaseClient, NoLeases};
+pub use leases::{GrpcLeases, LeaseCallError, LeaseClient, LeaseEvents, NoLeases};
 pub use model::{BUNDLE_RESOLVED, READY, ROLLOUT_COMPLETE};
 pub use resolver::{RegistryPolicy, RegistryResolver, ResolveError, TagResolver};
 pub use secrets::{RegistrySecrets, SecretsError};
@@ -40,6 +40,7 @@ mod catalog;
 mod cli;
 mod config;
 mod controller;
+mod lease_watch;
 mod leases;
 mod model;
 mod pull;

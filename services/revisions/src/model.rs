@@ -70,7 +70,17 @@ pub(crate) fn revision_name(service: &str, generation: i64) -> String {
 
 /// The owner recorded on every lease of one incarnation of a service.
 pub(crate) fn lease_owner(service: &str, uid: &str) -> String {
-    format!("revisions/{service}@{uid}")
+    format!("{LEASE_OWNER_PREFIX}{service}@{uid}")
+}
+
+/// What the owner of every lease revisions asks for starts with.
+pub(crate) const LEASE_OWNER_PREFIX: &str = "revisions/";
+
+/// The service a lease owner [`lease_owner`] made names; `None` for any other owner.
+pub(crate) fn service_of_owner(owner: &str) -> Option<&str> {
+    // A service name is a DNS label: the first `@` ends it.
+    let (service, _uid) = owner.strip_prefix(LEASE_OWNER_PREFIX)?.split_once('@')?;
+    (!service.is_empty()).then_some(service)
 }
 
 /// Which lease of a revision an idempotency key names: replica `slot`, the
@@ -203,6 +213,15 @@ mod tests {
     fn revision_names_sort_by_generation_and_never_collide() {
         assert_eq!(revision_name("web", 3), "web-00003");
         assert_ne!(revision_name("web-00001", 1), revision_name("web", 1));
+    }
+
+    #[test]
+    fn a_lease_owner_names_its_service_and_no_other_owner_does() {
+        assert_eq!(service_of_owner(&lease_owner("web", "u-1")), Some("web"));
+        assert_eq!(service_of_owner(&lease_owner("a-b", "u@2")), Some("a-b"), "the name ends at the first @");
+        for other in ["load", "revisions/", "revisions/web", "revisions/@u-1", "egress/web@u-1"] {
+            assert_eq!(service_of_owner(other), None, "{other}");
+        }
     }
 
     #[test]

@@ -135,6 +135,7 @@ impl RevisionsService {
             }
         });
         crate::controller::spawn(Arc::clone(&self.core), wakes);
+        crate::lease_watch::spawn(Arc::clone(&self.core));
     }
 
     /// This replica with its controller running until every handle on it

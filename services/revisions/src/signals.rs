@@ -84,6 +84,14 @@ impl Signals {
         }
     }
 
+    /// Wakes this replica's reconciler for `key`, if it leads: for what every
+    /// replica hears alike (a lease of the service changed), so no one else
+    /// needs telling.
+    pub(crate) fn wake_here(&self, key: ServiceKey) {
+        // A full queue is covered by the periodic full pass.
+        let _ = self.local.try_send(Wake { key, traceparent: String::new() });
+    }
+
     /// Wakes the reconciler (wherever it leads) for `key`, and tells watchers.
     pub(crate) async fn wake(&self, key: &ServiceKey) {
         let wake = Wake { key: key.clone(), traceparent: berth_telemetry::current_traceparent() };

@@ -14,13 +14,26 @@ use berth_proto::leases::v1 as leases;
 use berth_proto::leases::v1::{Lease, LeasePhase};
 use berth_proto::revisions::v1;
 use berth_proto::types::v1::{ConditionStatus, EventKind};
-use berth_revisions::{LeaseCallError, LeaseClient, READY, ROLLOUT_COMPLETE, RevisionsConfig};
+use berth_revisions::{LeaseCallError, LeaseClient, LeaseEvents, READY, ROLLOUT_COMPLETE, RevisionsConfig};
 use support::{Backend, PATIENCE, Plane, WrapLeases, apply_request, condition, fast_config, pinned_reference};
 use tonic::Code;
 
 fn ms(ts: Option<prost_types::Timestamp>) -> i64 {
     let ts = ts.unwrap();
     ts.seconds * 1000 + i64::from(ts.nanos) / 1_000_000
+}
+
+/// Reports `lease`'s workload as exited with an error, as its node would.
+async fn crash(plane: &Plane, lease: &Lease) {
+    let request = leases::ReportPhaseRequest {
+        node_id: lease.node_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        epoch: lease.epoch,
+        phase: LeasePhase::Failed as i32,
+        reason: "Exited".into(),
+        ..Default::default()
+    };
+    plane.node(&lease.node_id).report_phase(request).await.unwrap();
 }
 
 fn web(env: &str) -> v1::ApplyServiceRequest {
@@ -180,15 +193,7 @@ async fn a_replica_whose_lease_ends_is_replaced(backend: Backend) {
 
     // A running replica crashes: its slot gets a new lease, on a new key.
     let crashed = &leases[0];
-    let request = berth_proto::leases::v1::ReportPhaseRequest {
-        node_id: crashed.node_id.clone(),
-        lease_id: crashed.lease_id.clone(),
-        epoch: crashed.epoch,
-        phase: LeasePhase::Failed as i32,
-        reason: "Exited".into(),
-        ..Default::default()
-    };
-    plane.node(&crashed.node_id).report_phase(request).await.unwrap();
+    crash(&plane, crashed).await;
     plane
         .await_service("web", "short a replica", |s| {
             condition(s, READY).is_some_and(|c| c.status() == ConditionStatus::False)
@@ -232,6 +237,48 @@ impl LeaseClient for HangsOnce {
     async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError> {
         self.inner.release(lease_id, reason).await
     }
+
+    async fn watch(&self, owner_prefix: &str) -> Result<LeaseEvents, LeaseCallError> {
+        self.inner.watch(owner_prefix).await
+    }
+}
+
+/// Polls far slower than any wait below: what the controller sees in time,
+/// it saw through `WatchLeases`.
+fn polls_hourly() -> RevisionsConfig {
+    let hour = Duration::from_secs(3600);
+    RevisionsConfig {
+        rollout_poll: hour,
+        steady_resync: hour,
+        full_resync: hour,
+        progress_deadline: hour * 24,
+        reconcile_timeout: hour,
+        ..fast_config()
+    }
+}
+
+async fn a_replica_that_runs_or_ends_moves_the_status_at_once_not_at_the_next_poll(backend: Backend) {
+    let plane = Plane::start(backend, polls_hourly(), &["n-1", "n-2"]).await;
+    plane.apply(web("1")).await;
+    let leases = plane.run("web-00001", 2).await;
+    let service = plane.await_live("web", "web-00001").await;
+    assert_eq!(service.status.unwrap().replicas_running, 2);
+
+    // A replica crashes: the service says so, and its slot is asked for again.
+    let crashed = &leases[0];
+    crash(&plane, crashed).await;
+    plane
+        .await_service("web", "short a replica", |s| {
+            s.status.as_ref().is_some_and(|status| status.replicas_running == 1)
+        })
+        .await;
+    let open = plane.await_open_leases("web-00001", 2).await;
+    assert!(open.iter().all(|l| l.lease_id != crashed.lease_id));
+    plane.report_all("web-00001", LeasePhase::Running).await;
+    plane
+        .await_service("web", "whole again", |s| s.status.as_ref().is_some_and(|status| status.replicas_running == 2))
+        .await;
+    plane.cleanup().await;
 }
 
 async fn a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again(backend: Backend) {
@@ -254,15 +301,7 @@ async fn a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again(backe
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let crashed = &leases[0];
-    let request = leases::ReportPhaseRequest {
-        node_id: crashed.node_id.clone(),
-        lease_id: crashed.lease_id.clone(),
-        epoch: crashed.epoch,
-        phase: LeasePhase::Failed as i32,
-        reason: "Exited".into(),
-        ..Default::default()
-    };
-    plane.node(&crashed.node_id).report_phase(request).await.unwrap();
+    crash(&plane, crashed).await;
     let open = plane.await_open_leases("web-00001", 2).await;
     assert!(open.iter().all(|l| l.lease_id != crashed.lease_id));
     plane.report_all("web-00001", LeasePhase::Running).await;
@@ -330,5 +369,6 @@ on_both_backends!(
     a_revision_whose_replicas_fail_is_rolled_back,
     a_replica_whose_lease_ends_is_replaced,
     a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again,
+    a_replica_that_runs_or_ends_moves_the_status_at_once_not_at_the_next_poll,
     deleting_a_service_releases_its_leases_and_watchers_see_it,
 );
