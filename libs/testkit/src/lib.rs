@@ -1,8 +1,7 @@
 //! What the tests of several service crates need alike, written once:
 //! which backend a test runs on and its store and bus, certificates from a
 //! test CA, a server on a loopback port, the node registry identity would
-//! serve (scripted by the test), an in-process leases service following it,
-//! and one way to wait for something to become true.
+//! serve (scripted by the test), and an in-process leases service following it.
 //!
 //! # Where it sits
 //! Only ever a dev-dependency. It sits above the services it starts (it
@@ -19,9 +18,8 @@
 #![allow(clippy::unwrap_used, reason = "a fixture that cannot be set up is a failed test, with its line")]
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth_bus::{Bus, MemoryBus};
 use berth_core::Identity;
@@ -107,23 +105,6 @@ pub async fn serve(server: ServerBuilder, credentials: TlsCredentials, stop: Can
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
     addr
-}
-
-/// Polls `check` until it answers `Some`, failing the test after `timeout`
-/// with `what` (what the test was waiting for) and the last answer's absence.
-pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let started = Instant::now();
-    loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(started.elapsed() < timeout, "waited {timeout:?} for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The node registry identity serves, as the test scripts it.
