@@ -190,7 +190,7 @@ impl identity::nodes_server::Nodes for ScriptedRegistry {
 }
 
 /// One leases replica in this process, on a store and bus of its own,
-/// following the registry at `registry_addr`.
+/// following a node registry (scripted, or a real identity).
 pub struct InProcessLeases {
     /// Where it serves.
     pub addr: SocketAddr,
@@ -207,18 +207,19 @@ impl std::fmt::Debug for InProcessLeases {
 }
 
 impl InProcessLeases {
-    /// Starts it with `config`, its certificate from `ca`, until `stop`.
+    /// Starts it with `config`, presenting `me` (a `leases` service
+    /// certificate), following the registry at `registry` (`host:port`),
+    /// until `stop`.
     pub async fn start(
         backend: Backend,
-        ca: &CertificateAuthority,
-        registry_addr: SocketAddr,
+        me: TlsCredentials,
+        registry: &str,
         config: LeasesConfig,
         stop: &CancellationToken,
     ) -> Self {
         let db = test_db(backend).await;
         db.store().migrate(berth_leases::MIGRATIONS).await.unwrap();
         let bus = test_bus(backend).await;
-        let me = credentials(ca, &Identity::service("leases").unwrap());
         let ctx = ServiceContext {
             store: db.store().clone(),
             bus: bus.clone(),
@@ -226,7 +227,7 @@ impl InProcessLeases {
             revocations: Revocations::new(),
             nodes: NodeDirectory::new(),
         };
-        follow_nodes(registry_addr.to_string(), me.clone(), ctx.nodes.clone(), ctx.revocations.clone(), stop.clone());
+        follow_nodes(registry.to_owned(), me.clone(), ctx.nodes.clone(), ctx.revocations.clone(), stop.clone());
         let service = LeasesService::new(&ctx, config);
         service.spawn_loops(stop);
         let addr = serve(service.server(), me, stop.clone()).await;

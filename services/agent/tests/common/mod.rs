@@ -10,7 +10,7 @@ use std::time::Duration;
 use berth_agent::{AgentConfig, AgentHandle, AgentStatus, AgentTiming, Capacity, LeaseTiming};
 use berth_core::Identity;
 use berth_identity::{IdentityConfig, IdentityService, KeptIdentity, NodeTiming};
-use berth_leases::{LeasesConfig, LeasesService};
+use berth_leases::LeasesConfig;
 use berth_mtls::TlsCredentials;
 use berth_proto::agent::v1 as agent;
 use berth_proto::agent::v1::agent_client::AgentClient;
@@ -20,10 +20,10 @@ use berth_proto::leases::v1::LeasePhase;
 use berth_proto::leases::v1::capacity_client::CapacityClient;
 use berth_proto::leases::v1::leases_client::LeasesClient;
 use berth_proto::types::v1 as types;
-use berth_rpc::{Channel, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_rpc::Channel;
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
+use berth_testkit::{Backend, InProcessLeases};
 use tokio_util::sync::CancellationToken;
 
 pub(crate) const SECRET: &str = "0123456789abcdef0123456789abcdef-lease-test";
@@ -58,7 +58,8 @@ pub(crate) fn node_timing() -> NodeTiming {
 }
 
 pub(crate) struct ControlPlane {
-    pub(crate) dbs: Vec<TestDb>,
+    identity_db: TestDb,
+    leases: InProcessLeases,
     pub(crate) identity_addr: String,
     pub(crate) leases_addr: String,
     pub(crate) bundle: String,
@@ -107,23 +108,7 @@ impl ControlPlane {
         tokio::spawn(service.server().serve(listener, stop.clone()));
         let admin = issue(Identity::admin("ops").unwrap()).await;
 
-        let leases_db = TestDb::sqlite().await.unwrap();
-        leases_db.store().migrate(berth_leases::MIGRATIONS).await.unwrap();
         let leases_creds = issue(Identity::service("leases").unwrap()).await;
-        let ctx = ServiceContext {
-            store: leases_db.store().clone(),
-            bus: berth_bus::testing::memory_bus().unwrap(),
-            credentials: leases_creds.clone(),
-            revocations: Revocations::new(),
-            nodes: NodeDirectory::new(),
-        };
-        follow_nodes(
-            identity_addr.clone(),
-            leases_creds.clone(),
-            ctx.nodes.clone(),
-            ctx.revocations.clone(),
-            stop.clone(),
-        );
         let config = LeasesConfig {
             reap_every: Duration::from_millis(50),
             assignment_resync: Duration::from_millis(500),
@@ -131,22 +116,12 @@ impl ControlPlane {
             election: ElectionTiming::from_ttl(Duration::from_millis(900)),
             ..LeasesConfig::with_lease_ttl(ttl)
         };
-        let leases = LeasesService::new(&ctx, config);
-        leases.spawn_loops(&stop);
-        let listener = berth_rpc::Listener::bind("127.0.0.1:0".parse().unwrap(), leases_creds).await.unwrap();
-        let leases_addr = listener.local_addr().unwrap().to_string();
-        tokio::spawn(leases.server().serve(listener, stop.clone()));
+        let leases = InProcessLeases::start(Backend::Sqlite, leases_creds, &identity_addr, config, &stop).await;
+        let leases_addr = leases.addr.to_string();
 
         let bundle = authority.bundle_pem().await.unwrap();
-        let mut plane = ControlPlane {
-            dbs: vec![identity_db, leases_db],
-            identity_addr,
-            leases_addr,
-            bundle,
-            admin,
-            token: String::new(),
-            stop,
-        };
+        let mut plane =
+            ControlPlane { identity_db, leases, identity_addr, leases_addr, bundle, admin, token: String::new(), stop };
         let request = identity::CreateJoinTokenRequest { max_uses: 1, ttl_seconds: 600, ..Default::default() };
         plane.token = identity::join_tokens_client::JoinTokensClient::new(plane.channel(&plane.identity_addr))
             .create_join_token(request)
@@ -245,9 +220,8 @@ impl ControlPlane {
 
     pub(crate) async fn cleanup(self) {
         self.stop.cancel();
-        for db in self.dbs {
-            db.cleanup().await.unwrap();
-        }
+        self.identity_db.cleanup().await.unwrap();
+        self.leases.cleanup(Backend::Sqlite).await;
     }
 }
 

@@ -119,7 +119,8 @@ impl Mesh {
             election: ElectionTiming::from_ttl(Duration::from_millis(900)),
             ..LeasesConfig::default()
         };
-        let leases = InProcessLeases::start(backend, &ca, registry_addr, ledger_config, &stop).await;
+        let me = credentials(&ca, &Identity::service("leases").unwrap());
+        let leases = InProcessLeases::start(backend, me, &registry_addr.to_string(), ledger_config, &stop).await;
         let leases_addr = leases.addr;
 
         let revisions_db = test_db(backend).await;

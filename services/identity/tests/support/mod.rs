@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use berth_bus::{Bus, MemoryBus};
+use berth_bus::Bus;
 use berth_core::Identity;
 use berth_identity::{AuthorityTiming, IdentityConfig, IdentityService, MIGRATIONS, NodeTiming};
 use berth_mtls::{TlsCredentials, TlsMaterial, generate_csr};
@@ -17,6 +17,8 @@ use berth_proto::types::v1::Capacity;
 use berth_rpc::{Channel, Listener};
 use berth_store::testing::TestDb;
 use berth_store::{ElectionTiming, Store};
+pub(crate) use berth_testkit::Backend;
+use berth_testkit::{cleanup_bus, replica_bus, test_bus, test_db};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -25,15 +27,6 @@ const AUTH_SECRET: &str = "test-auth-secret-of-at-least-32-characters";
 
 /// How long node certificates issued in tests live.
 pub(crate) const NODE_CERT_TTL: Duration = Duration::from_secs(600);
-
-/// Which store (and bus) a deployment runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Backend {
-    /// PostgreSQL and Redis: production.
-    Postgres,
-    /// SQLite and the in-process bus: `berth dev`.
-    Sqlite,
-}
 
 /// Timings in milliseconds: beats every 100 ms, down after 500 ms of silence.
 pub(crate) fn fast_timing() -> NodeTiming {
@@ -85,14 +78,8 @@ impl Cluster {
     /// A deployment of one replica.
     pub(crate) async fn start(backend: Backend, timing: NodeTiming) -> Self {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let db = match backend {
-            Backend::Postgres => TestDb::postgres().await.unwrap(),
-            Backend::Sqlite => TestDb::sqlite().await.unwrap(),
-        };
-        let bus = match backend {
-            Backend::Postgres => berth_bus::testing::redis_bus().await.unwrap(),
-            Backend::Sqlite => Bus::new(MemoryBus::new(), &berth_bus::testing::unique_prefix()).unwrap(),
-        };
+        let db = test_db(backend).await;
+        let bus = test_bus(backend).await;
         db.store().migrate(MIGRATIONS).await.unwrap();
         let first = start_replica(db.store().clone(), bus.clone(), timing.clone()).await;
         let admin_material = first
@@ -111,10 +98,7 @@ impl Cluster {
     pub(crate) async fn add_replica(&mut self) -> usize {
         let db = self.db.as_ref().unwrap();
         let store = db.connect().await.unwrap();
-        let bus = match self.backend {
-            Backend::Postgres => Bus::connect(&berth_bus::testing::redis_url(), self.bus.prefix()).await.unwrap(),
-            Backend::Sqlite => self.bus.with_prefix(self.bus.prefix()).unwrap(),
-        };
+        let bus = replica_bus(self.backend, &self.bus).await;
         self.replicas.push(start_replica(store, bus, self.timing.clone()).await);
         self.replicas.len() - 1
     }
@@ -196,9 +180,7 @@ impl Cluster {
         for replica in self.replicas.drain(..) {
             replica.stop().await;
         }
-        if self.backend == Backend::Postgres {
-            berth_bus::testing::cleanup(&self.bus).await.unwrap();
-        }
+        cleanup_bus(self.backend, &self.bus).await;
         if let Some(db) = self.db.take() {
             db.cleanup().await.unwrap();
         }
