@@ -1,6 +1,7 @@
 //! The leases service: the capacity ledger. It places leases on the nodes
 //! identity knows, fences every write about a lease with its epoch, expires
-//! leases their nodes stop renewing, and streams each node its assignments.
+//! leases their nodes stop renewing, streams each node its assignments, and
+//! streams requesters the leases they follow (`WatchLeases`).
 //!
 //! # Who writes what
 //! - `leases` and `node_ledger`: only this crate, through its ledger module;

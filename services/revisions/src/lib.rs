@@ -8,7 +8,9 @@
 //!   its catalog module. API handlers write declarations and pins; the
 //!   elected reconciler writes observations, fenced on its term.
 //! - Leases are the leases service's: the reconciler asks for them, lists
-//!   them and releases them over gRPC, never reads their tables.
+//!   them and releases them over gRPC, never reads their tables, and is
+//!   woken when one of a service's leases changes by following
+//!   `WatchLeases`.
 //! - Registry credentials are the operator's, read from a file at start
 //!   ([`RegistrySecrets`]) and never stored: templates and leases carry only
 //!   their name, and a node gets them for one pull of a lease it holds.
