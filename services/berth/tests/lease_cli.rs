@@ -297,6 +297,56 @@ fn command_runs_to_done_and_its_output_listing_and_freed_capacity_show() {
 }
 
 #[test]
+fn a_watch_prints_each_change_of_a_lease_as_it_happens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start(&tmp.path().join("data"));
+    let owner = format!("t-watch-{}", unique());
+    let mut watcher = berth_command(&["lease", "list", "--watch", "-o", "json", "--owner", &owner]);
+    watcher.env("BERTH_SERVER", &dev.server).env("BERTH_DATA_DIR", &dev.dir);
+    let mut child = watcher.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let (lines, heard) = std::sync::mpsc::channel::<Value>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+            let Ok(line) = line else { return };
+            if lines.send(serde_json::from_str(&line).unwrap()).is_err() {
+                return;
+            }
+        }
+    });
+    let next = || heard.recv_timeout(PHASE_DEADLINE).expect("the watch printed nothing in time");
+    // This owner holds nothing yet: up to date at once.
+    assert_eq!(next()["kind"], "EVENT_KIND_SYNCED");
+
+    // Each state it passes through is printed as the watch reads it, up to RUNNING.
+    let (id, _) = dev.request(&["--owner", &owner, "--wait"], &["sleep", "300"]);
+    let mut phases = Vec::new();
+    while phases.last().map(String::as_str) != Some("LEASE_PHASE_RUNNING") {
+        let event = next();
+        assert_eq!(
+            (event["kind"].as_str(), event["lease"]["lease_id"].as_str()),
+            (Some("EVENT_KIND_UPSERT"), Some(id.as_str()))
+        );
+        phases.push(event["lease"]["phase"].as_str().unwrap().to_string());
+    }
+
+    dev.ok(&["lease", "release", &id, "--reason", "Done"]);
+    let removed = next();
+    assert_eq!(removed["kind"], "EVENT_KIND_REMOVED", "{removed}");
+    assert_eq!(
+        (removed["lease"]["phase"].as_str(), removed["lease"]["reason"].as_str()),
+        (Some("LEASE_PHASE_RELEASED"), Some("Done"))
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // The flags the stream cannot filter on are refused, naming them.
+    let refused = dev.berth(&["lease", "list", "--watch", "--phase", "running"]);
+    assert_eq!(refused.code, Some(2), "{refused:?}");
+    assert!(refused.stderr.contains("--phase"), "{refused:?}");
+}
+
+#[test]
 fn released_lease_stops_its_process() {
     let tmp = tempfile::tempdir().unwrap();
     let dev = Dev::start(&tmp.path().join("data"));

@@ -152,6 +152,11 @@ struct ListArgs {
     /// Only leases with this owner.
     #[arg(long, value_name = "OWNER")]
     owner: Option<String>,
+    /// Keep going: the open leases, then each change as it happens (a lease
+    /// placed, running, ended), one line each (one JSON object each with
+    /// `-o json`), until interrupted.
+    #[arg(long, short = 'w', conflicts_with_all = ["node", "phase"])]
+    watch: bool,
 }
 
 /// The phases `lease list --phase` filters on.
@@ -215,6 +220,7 @@ impl LeaseArgs {
         let format = self.client.output;
         match self.command {
             LeaseCommand::Request(args) => request(&mut client, &connection, args, format).await,
+            LeaseCommand::List(args) if args.watch => watch(&mut client, &connection, args, format).await,
             LeaseCommand::List(args) => {
                 let request = v1::ListLeasesRequest {
                     project: args.project.unwrap_or_default(),
@@ -425,6 +431,64 @@ fn print_list(listed: &v1::ListLeasesResponse, format: OutputFormat) -> Result<(
         ]);
     }
     output::print(&table.render())
+}
+
+/// `lease list --watch`: follows `WatchLeases` and prints each event as it
+/// comes, until the stream fails (an error) or the process is stopped.
+async fn watch(
+    client: &mut LeasesClient<Channel>,
+    connection: &Connection,
+    args: ListArgs,
+    format: OutputFormat,
+) -> Result<(), CliError> {
+    let request = v1::WatchLeasesRequest {
+        project: args.project.unwrap_or_default(),
+        all_projects: args.all_projects,
+        owner: args.owner.unwrap_or_default(),
+        owner_prefix: String::new(),
+    };
+    let mut events =
+        client.watch_leases(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner();
+    if format == OutputFormat::Table {
+        output::print(&watch_line(["EVENT", "LEASE", "PROJECT", "OWNER", "NODE", "PHASE", "EPOCH", "REASON"]))?;
+    }
+    loop {
+        let Some(event) = events.message().await.map_err(|s| connection.status_error(s))? else {
+            return Ok(());
+        };
+        let kind = event.kind();
+        match (format, &event.lease) {
+            (OutputFormat::Json, lease) => {
+                let mut object = json!({ "kind": kind.as_str_name() });
+                if let Some(lease) = lease {
+                    object["lease"] = output::lease_json(lease);
+                }
+                let mut line = serde_json::to_string(&object).map_err(|e| CliError::Output(e.into()))?;
+                line.push('\n');
+                output::print(&line)?;
+            }
+            (OutputFormat::Table, Some(lease)) => {
+                let kind = kind.as_str_name().trim_start_matches("EVENT_KIND_");
+                output::print(&watch_line([
+                    kind,
+                    &lease.lease_id,
+                    &output::or_none(&lease.project),
+                    &output::or_none(&lease.owner),
+                    &output::or_none(&lease.node_id),
+                    &output::lease_phase(lease.phase),
+                    &lease.epoch.to_string(),
+                    &output::lease_reason(lease),
+                ]))?;
+            }
+            (OutputFormat::Table, None) => output::note("(every open lease shown; following changes)"),
+        }
+    }
+}
+
+/// One line of `lease list --watch`: event, lease, project, owner, node,
+/// phase, epoch and reason, in columns wide enough for what they hold.
+fn watch_line([kind, lease, project, owner, node, phase, epoch, reason]: [&str; 8]) -> String {
+    format!("{kind:<8} {lease:<22} {project:<12} {owner:<24} {node:<16} {phase:<10} {epoch:>5}  {reason}\n")
 }
 
 /// What `release` did, in one line.
