@@ -6,8 +6,9 @@
 //! The task starts observing owner change signals, then reads every open
 //! lease in scope and sends each as `UPSERT`, then `SYNCED`. From then on a
 //! signal names the owners whose leases changed (on any replica); the task
-//! re-reads those owners' leases and sends the difference from what it
-//! sent: an open lease that is new or moved (phase, epoch, node, reason) as
+//! re-reads those owners' open leases (and, one by one, each it sent as
+//! open that no longer is) and sends the difference from what it sent: an
+//! open lease that is new or moved (phase, epoch, node, reason) as
 //! `UPSERT`, one that left the open phases as `REMOVED` with its final
 //! state. Every `assignment_resync`, or when signals were lost (a bus gap, a
 //! stream that fell behind), it re-reads the whole scope the same way.
@@ -133,7 +134,7 @@ async fn feed(core: &Core, scope: &Scope, events: &Events) -> Result<(), Gone> {
         };
         let caught_up = match owners {
             Some(owners) => catch_up_owners(core, &owners, &mut sent, events).await?,
-            None => catch_up_scope(core, scope, &mut sent, events).await?,
+            None => catch_up(core, &scope.open(), |_| true, &mut sent, events).await?,
         };
         if let Err(error) = caught_up {
             return fail(events, error).await;
@@ -149,45 +150,42 @@ async fn catch_up_owners(
     events: &Events,
 ) -> Result<Result<(), LeaseError>, Gone> {
     for (project, owner) in owners {
-        let filter =
-            LeaseFilter { project: Some(project.clone()), owner: Some(owner.clone()), ..LeaseFilter::default() };
-        let leases = match core.ledger.list(&filter).await {
-            Ok(leases) => leases,
-            Err(error) => return Ok(Err(error)),
+        let open = LeaseFilter {
+            project: Some(project.clone()),
+            owner: Some(owner.clone()),
+            open_only: true,
+            ..LeaseFilter::default()
         };
-        let seen: BTreeSet<&str> = leases.iter().map(|lease| lease.lease_id.as_str()).collect();
-        // Sent as open and no longer held at all: forgotten past its retention.
-        let forgotten: Vec<String> = sent
-            .values()
-            .filter(|lease| lease.project == *project && lease.owner == *owner)
-            .filter(|lease| !seen.contains(lease.lease_id.as_str()))
-            .map(|lease| lease.lease_id.clone())
-            .collect();
-        for lease in &leases {
-            differ(lease, sent, events).await?;
-        }
-        for lease_id in forgotten {
-            if let Some(last) = sent.remove(&lease_id) {
-                send(events, EventKind::Removed, &last).await?;
-            }
+        let covers = |lease: &LeaseRecord| lease.project == *project && lease.owner == *owner;
+        if let Err(error) = catch_up(core, &open, covers, sent, events).await? {
+            return Ok(Err(error));
         }
     }
     Ok(Ok(()))
 }
 
-/// Re-reads the whole scope and sends what changed.
-async fn catch_up_scope(
+/// Sends what changed among the leases `open` selects (open ones only) and
+/// those `covers` of what was sent: a lease sent as open and no longer in
+/// the open set is read alone, to send its final state, or its last one
+/// sent when it was forgotten past its retention. Final leases are never
+/// read in bulk, however many an owner has had.
+async fn catch_up(
     core: &Core,
-    scope: &Scope,
+    open: &LeaseFilter,
+    covers: impl Fn(&LeaseRecord) -> bool,
     sent: &mut HashMap<String, LeaseRecord>,
     events: &Events,
 ) -> Result<Result<(), LeaseError>, Gone> {
-    let open = match core.ledger.list(&scope.open()).await {
+    let open = match core.ledger.list(open).await {
         Ok(open) => open,
         Err(error) => return Ok(Err(error)),
     };
     let still_open: BTreeSet<&str> = open.iter().map(|lease| lease.lease_id.as_str()).collect();
-    let left: Vec<String> = sent.keys().filter(|id| !still_open.contains(id.as_str())).cloned().collect();
+    let left: Vec<String> = sent
+        .values()
+        .filter(|lease| covers(lease) && !still_open.contains(lease.lease_id.as_str()))
+        .map(|lease| lease.lease_id.clone())
+        .collect();
     for lease in &open {
         differ(lease, sent, events).await?;
     }
