@@ -210,7 +210,7 @@ impl tower_service::Service<Uri> for TlsConnector {
             let port = uri.port_u16().ok_or_else(|| invalid("server address has no port"))?;
             let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
             let name = ServerName::try_from(host.clone()).map_err(|_| invalid("server host is not a valid name"))?;
-            let tcp = TcpStream::connect((host.as_str(), port)).await?;
+            let tcp = connect_any(&host, port).await?;
             let _ = tcp.set_nodelay(true);
             let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
             Ok(TokioIo::new(tls))
@@ -218,9 +218,54 @@ impl tower_service::Service<Uri> for TlsConnector {
     }
 }
 
+/// Connects to one of the addresses `host` resolves to, trying them in a
+/// random order: a name that stands for several replicas spreads its
+/// clients' connections over them, and one that is down is passed over.
+async fn connect_any(host: &str, port: u16) -> std::io::Result<TcpStream> {
+    let mut addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host, port)).await?.collect();
+    shuffle(&mut addrs);
+    let mut last = None;
+    for addr in addrs {
+        match TcpStream::connect(addr).await {
+            Ok(tcp) => return Ok(tcp),
+            Err(error) => last = Some(error),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{host} has no address"))))
+}
+
+fn shuffle<T>(items: &mut [T]) {
+    use rand::seq::SliceRandom as _;
+    items.shuffle(&mut rand::rng());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_address_of_a_name_comes_first_in_some_dial() {
+        let mut first = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let mut addrs = [1, 2, 3];
+            shuffle(&mut addrs);
+            first.insert(addrs[0]);
+        }
+        assert_eq!(first.len(), 3, "{first:?}");
+    }
+
+    #[tokio::test]
+    async fn a_name_whose_first_address_is_down_is_reached_through_another() {
+        // localhost resolves to 127.0.0.1 (and ::1 where configured); a
+        // listener on one of them is found whatever order they are tried in.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        for _ in 0..10 {
+            let tcp = connect_any("localhost", port).await.unwrap();
+            assert_eq!(tcp.peer_addr().unwrap().port(), port);
+        }
+        assert!(connect_any("127.0.0.1", 1).await.is_err(), "nothing listens on port 1");
+    }
 
     #[test]
     fn per_call_headers_are_never_indexed_and_the_rest_are_left_alone() {

@@ -201,7 +201,9 @@ impl AgentTiming {
 /// Everything an agent needs to join (or resume) and run.
 #[derive(Clone)]
 pub struct AgentConfig {
-    /// The identity service, `host:port`.
+    /// The identity service, `host:port`; several replicas as
+    /// `host:port,host:port`, which the node spreads over and moves between
+    /// (see the agent's `identity_servers` module).
     pub server: String,
     /// The CA bundle (PEM) that the identity service's certificate must chain
     /// to when joining. Only needed to join: a resumed agent trusts the bundle
@@ -375,11 +377,14 @@ impl AgentConfig {
             .find(|token| !token.is_empty())
     }
 
+    /// The identity replicas in `server`, in order (checked by [`Self::validate`]).
+    pub(crate) fn identity_servers(&self) -> Vec<String> {
+        crate::identity_servers::parse(&self.server).unwrap_or_else(|_| vec![self.server.clone()])
+    }
+
     /// Checks what can be checked before any I/O; the message names the field.
     pub(crate) fn validate(&self) -> Result<(), String> {
-        if self.server.trim().is_empty() {
-            return Err("server: the identity service address (host:port) is required".into());
-        }
+        crate::identity_servers::parse(&self.server)?;
         if self.advertise_addr.trim().is_empty() {
             return Err("advertise_addr: the host:port the control plane reaches this agent at is required".into());
         }

@@ -14,6 +14,8 @@
 //! # Failures
 //! - Unreachable identity, timeouts and any other error that a later try may
 //!   not meet: retried with jittered exponential backoff, never faster.
+//!   Given several identity replicas, each failure moves the node on to the
+//!   next one, and it goes back to its own later (`identity_servers`).
 //! - `fenced`, `NOT_FOUND` (forgotten) or an expired certificate: the session
 //!   is over. A [`Fence`] is published first, so the work under it is held
 //!   in custody before anything else happens, then the agent rejoins: with
@@ -37,6 +39,7 @@ use crate::config::AgentConfig;
 use crate::error::AgentError;
 use crate::host::UsageSampler;
 use crate::identity_dir::{IdentityDir, NodeIdentity};
+use crate::identity_servers::IdentityServers;
 use crate::join::{self, JoinError};
 use crate::rpc_status::{is_transient_code, status_text};
 use crate::status::{AgentStatus, Fence, FenceReason, NodeSession};
@@ -121,6 +124,8 @@ pub(crate) struct Heartbeater {
     dir: IdentityDir,
     identity: NodeIdentity,
     credentials: TlsCredentials,
+    /// The identity replica the channel goes to, and where to go next.
+    servers: IdentityServers,
     channel: Channel,
     renewal: Option<PendingRenewal>,
     /// After identity refused a renewal CSR, none is sent until then.
@@ -150,13 +155,15 @@ impl Heartbeater {
         watches: Watches,
         shutdown: CancellationToken,
     ) -> Result<Self, AgentError> {
-        let channel = berth_rpc::connect(&config.server, credentials.clone()).map_err(AgentError::Client)?;
+        let servers = IdentityServers::new(config.identity_servers(), &identity.node_id);
+        let channel = berth_rpc::connect(servers.current(), credentials.clone()).map_err(AgentError::Client)?;
         let backoff = Backoff::new(config.timing.retry_initial, config.timing.retry_max);
         Ok(Self {
             config,
             dir,
             identity,
             credentials,
+            servers,
             channel,
             renewal: None,
             renewal_held_until: None,
@@ -220,6 +227,13 @@ impl Heartbeater {
                         tracing::info!(node_id = %self.identity.node_id, "identity answers heartbeats again");
                     }
                     self.backoff.reset();
+                    if self.servers.answered(Instant::now()) {
+                        tracing::info!(
+                            server = self.servers.current(),
+                            "going back to this node's own identity replica"
+                        );
+                        self.reconnect();
+                    }
                     self.apply(response);
                     self.set_status(AgentStatus::Up { session: self.session(), last_heartbeat: SystemTime::now() });
                     next = started + self.identity.heartbeat_interval;
@@ -235,6 +249,10 @@ impl Heartbeater {
                         failures: self.backoff.failures(),
                         last_error: error,
                     });
+                    if self.servers.failed(Instant::now()) {
+                        tracing::info!(server = self.servers.current(), "moving on to the next identity replica");
+                        self.reconnect();
+                    }
                     next = Instant::now() + delay;
                 }
                 Beat::Forgotten(message) => {
@@ -388,7 +406,7 @@ impl Heartbeater {
     /// A fresh channel, so the next handshake presents the current
     /// certificate instead of the one the open connection was made with.
     fn reconnect(&mut self) {
-        match berth_rpc::connect(&self.config.server, self.credentials.clone()) {
+        match berth_rpc::connect(self.servers.current(), self.credentials.clone()) {
             Ok(channel) => self.channel = channel,
             Err(error) => tracing::warn!(%error, "cannot rebuild the channel to identity; keeping the current one"),
         }
@@ -486,6 +504,8 @@ impl Heartbeater {
             tracing::error!(%error, "cannot write the new node identity; running on without it");
         }
         self.credentials.reload(identity.material()).map_err(AgentError::Tls)?;
+        // A new node id may prefer another replica.
+        self.servers = IdentityServers::new(self.config.identity_servers(), &identity.node_id);
         self.identity = identity;
         self.backoff.reset();
         self.reconnect();

@@ -94,8 +94,11 @@ pub(crate) async fn join_with_token(
     token: &str,
     ca_bundle_pem: &str,
 ) -> Result<NodeIdentity, JoinError> {
-    let channel = berth_rpc::connect_anonymous(&config.server, ca_bundle_pem)?;
-    join(channel, config, token, ca_bundle_pem).await
+    each_replica(config, |server| async move {
+        let channel = berth_rpc::connect_anonymous(&server, ca_bundle_pem)?;
+        join(channel, &server, config, token, ca_bundle_pem).await
+    })
+    .await
 }
 
 /// Rejoins as the node `credentials` name, authenticated by its certificate.
@@ -103,8 +106,40 @@ pub(crate) async fn rejoin_with_certificate(
     config: &AgentConfig,
     credentials: &TlsCredentials,
 ) -> Result<NodeIdentity, JoinError> {
-    let channel = berth_rpc::connect(&config.server, credentials.clone())?;
-    join(channel, config, "", &credentials.material().ca_bundle_pem).await
+    let bundle = credentials.material().ca_bundle_pem;
+    let bundle = bundle.as_str();
+    each_replica(config, |server| async move {
+        let channel = berth_rpc::connect(&server, credentials.clone())?;
+        join(channel, &server, config, "", bundle).await
+    })
+    .await
+}
+
+/// Tries `attempt` on each identity replica, from a random one, until one
+/// answers with anything but unavailable; else the last replica's error.
+async fn each_replica<F, Fut>(config: &AgentConfig, mut attempt: F) -> Result<NodeIdentity, JoinError>
+where
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = Result<NodeIdentity, JoinError>>,
+{
+    let servers = config.identity_servers();
+    let mut last = None;
+    for server in crate::identity_servers::join_order(&servers) {
+        match attempt(server.to_string()).await {
+            Err(error) if error.is_transient() => {
+                if servers.len() > 1 {
+                    tracing::warn!(%error, "identity replica unavailable for the join; trying the next");
+                }
+                last = Some(error);
+            }
+            outcome => return outcome,
+        }
+    }
+    Err(last.unwrap_or_else(|| JoinError::Unavailable {
+        server: config.server.clone(),
+        message: "no identity address given".into(),
+        retry_after: None,
+    }))
 }
 
 /// Runs `attempt` until it succeeds, fails for good, or `shutdown` fires,
@@ -144,6 +179,7 @@ where
 
 async fn join(
     channel: Channel,
+    server: &str,
     config: &AgentConfig,
     token: &str,
     fallback_bundle_pem: &str,
@@ -162,7 +198,7 @@ async fn join(
     });
     request.set_timeout(timeout);
     let unavailable = |message: String, retry_after: Option<Duration>| JoinError::Unavailable {
-        server: config.server.clone(),
+        server: server.to_string(),
         message,
         retry_after,
     };

@@ -46,6 +46,7 @@ mod faults;
 mod heartbeat;
 mod host;
 mod identity_dir;
+mod identity_servers;
 mod instances;
 mod join;
 mod keepalive;
@@ -81,6 +82,7 @@ pub use error::AgentError;
 pub use faults::FAULTS_ENV;
 pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;
+pub use identity_servers::preferred_index;
 pub use join::JoinError;
 pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
 pub use provider::{

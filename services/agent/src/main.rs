@@ -25,8 +25,11 @@ const HOSTNAME_FILE: &str = "/proc/sys/kernel/hostname";
 #[derive(Debug, Parser)]
 #[command(name = "berth-agent", version)]
 struct Args {
-    /// The identity service to join and heartbeat to.
-    #[arg(long, env = "BERTH_SERVER", value_name = "HOST:PORT")]
+    /// The identity service to join and heartbeat to. Several replicas as
+    /// host:port,host:port: the fleet spreads over them (each node prefers
+    /// the one its id hashes to), and a node whose replica fails moves on to
+    /// the next. A DNS name that resolves to several addresses spreads too.
+    #[arg(long, env = "BERTH_SERVER", value_name = "HOST:PORT[,HOST:PORT…]")]
     server: String,
     /// PEM bundle of the CA that identity's certificate must chain to. Needed
     /// to join; a joined node keeps the bundle current by itself.

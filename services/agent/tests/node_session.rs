@@ -49,8 +49,12 @@ const PATIENCE: Duration = Duration::from_secs(20);
 /// turned away: each is one attempt by the agent.
 struct Relay {
     addr: SocketAddr,
+    /// Where it relays to.
+    target: SocketAddr,
     down: Arc<AtomicBool>,
     turned_away: Arc<AtomicU64>,
+    relayed: Arc<AtomicU64>,
+    open: Arc<AtomicU64>,
     cuts: watch::Sender<u64>,
     accepting: JoinHandle<()>,
 }
@@ -61,8 +65,9 @@ impl Relay {
         let addr = listener.local_addr().unwrap();
         let down = Arc::new(AtomicBool::new(false));
         let turned_away = Arc::new(AtomicU64::new(0));
+        let (relayed, open) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let cuts = watch::channel(0u64).0;
-        let (d, t, c) = (down.clone(), turned_away.clone(), cuts.clone());
+        let (d, t, r, o, c) = (down.clone(), turned_away.clone(), relayed.clone(), open.clone(), cuts.clone());
         let accepting = tokio::spawn(async move {
             loop {
                 let Ok((mut client, _)) = listener.accept().await else { continue };
@@ -71,17 +76,22 @@ impl Relay {
                     drop(client);
                     continue;
                 }
+                r.fetch_add(1, Ordering::SeqCst);
+                o.fetch_add(1, Ordering::SeqCst);
                 let mut cut = c.subscribe();
+                let o = o.clone();
                 tokio::spawn(async move {
-                    let Ok(mut server) = TcpStream::connect(target).await else { return };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = cut.changed() => {}
+                    if let Ok(mut server) = TcpStream::connect(target).await {
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                            _ = cut.changed() => {}
+                        }
                     }
+                    o.fetch_sub(1, Ordering::SeqCst);
                 });
             }
         });
-        Relay { addr, down, turned_away, cuts, accepting }
+        Relay { addr, target, down, turned_away, relayed, open, cuts, accepting }
     }
 
     fn go_down(&self) {
@@ -95,6 +105,16 @@ impl Relay {
 
     fn turned_away(&self) -> u64 {
         self.turned_away.load(Ordering::SeqCst)
+    }
+
+    /// Connections it let through to identity.
+    fn relayed(&self) -> u64 {
+        self.relayed.load(Ordering::SeqCst)
+    }
+
+    /// Connections it relays now.
+    fn open(&self) -> u64 {
+        self.open.load(Ordering::SeqCst)
     }
 }
 
@@ -549,6 +569,76 @@ async fn an_identity_outage_is_retried_with_backoff_and_the_node_recovers() {
     assert!(agent.handle.fences().borrow().is_none());
     identity.node_until(&node_id, "UP", |n| n.state == up()).await;
     agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_node_given_two_identity_replicas_moves_to_the_other_when_its_own_goes_and_stays_up() {
+    let timing = NodeTiming { down_after: Duration::from_secs(30), ..node_timing() };
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), timing).await;
+    // A second way in to the same state: a replica of its own to the agent.
+    let second = Relay::start(identity.relay.target).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = agent_config(&identity, dir.path(), Some(identity.token(1).await));
+    config.server = format!("{},{}", identity.relay.addr, second.addr);
+    let agent = RunningAgent::start(config).await;
+    let (node_id, incarnation) = agent.up().await;
+
+    // Whichever replica the node heartbeats to goes away for good. (The
+    // join's own connection may have gone through either; it is closed.)
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while identity.relay.open() + second.open() != 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the node holds one connection to identity");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (own, other) = if identity.relay.open() == 1 { (&identity.relay, &second) } else { (&second, &identity.relay) };
+    let reached_other = other.relayed();
+    let last_beat = |node: &v1::Node| node.last_heartbeat_at.as_ref().map(|at| (at.seconds, at.nanos));
+    own.go_down();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while other.open() != 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the node never connected through the other replica");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let moved_at = last_beat(&identity.node(&node_id).await);
+
+    // The node carries on through the other one: the same session, UP,
+    // heartbeating while its own replica stays down.
+    identity
+        .node_until(&node_id, "heartbeating through the other replica", |n| n.state == up() && last_beat(n) > moved_at)
+        .await;
+    let (again, same_incarnation) = agent.up().await;
+    assert_eq!((again.as_str(), same_incarnation), (node_id.as_str(), incarnation), "a replica's loss is not a fence");
+    assert!(agent.handle.fences().borrow().is_none());
+    assert!(other.relayed() > reached_other, "it connected through the other replica");
+    assert!(own.turned_away() <= 2, "it moved on instead of retrying the lost one: {}", own.turned_away());
+    agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_join_passes_over_an_identity_replica_that_is_down() {
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), node_timing()).await;
+    let down = Relay::start(identity.relay.target).await;
+    down.go_down();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = agent_config(&identity, dir.path(), Some(identity.token(1).await));
+    config.server = format!("{},{}", down.addr, identity.relay.addr);
+    let agent = RunningAgent::start(config).await;
+    let (node_id, _) = agent.up().await;
+    identity.node_until(&node_id, "UP", |n| n.state == up()).await;
+    agent.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_identity_list_with_a_bad_entry_is_refused_naming_it() {
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), node_timing()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = agent_config(&identity, dir.path(), Some(identity.token(1).await));
+    config.server = format!("{},identity", identity.relay.addr);
+    let error = berth_agent::start(config, CancellationToken::new()).await.unwrap_err();
+    assert!(error.to_string().contains(r#""identity" is not host:port"#), "{error}");
     identity.cleanup().await;
 }
 
