@@ -63,7 +63,7 @@ build:
 test-deps:
 	@scripts/test-deps.sh >/dev/null
 
-## Release binaries, then `berth bench heartbeats` against PostgreSQL and
+## Release binaries, then `berth-bench heartbeats` against PostgreSQL and
 ## Redis (each run in a scratch database and Redis logical database 15, both
 ## removed afterwards): a quick 1,000-node run, then the issue's scenario of
 ## 10,000 nodes heartbeating every second; lease placement and launch; and
@@ -74,25 +74,25 @@ test-deps:
 bench:
 	$(CARGO) build --release --bins
 	@scripts/test-deps.sh >/dev/null
-	berth="$${CARGO_TARGET_DIR:-target}/release/berth"; \
+	bench="$${CARGO_TARGET_DIR:-target}/release/berth-bench"; \
 	database="$${BERTH_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"; \
 	redis="$${BERTH_BENCH_REDIS_URL:-redis://127.0.0.1:6379/15}"; \
-	"$$berth" bench heartbeats --nodes 1000 --interval 1s --duration 10s --warmup 3s \
+	"$$bench" heartbeats --nodes 1000 --interval 1s --duration 10s --warmup 3s \
 	  --database-url "$$database" --redis-url "$$redis"; \
-	"$$berth" bench heartbeats --nodes 10000 --interval 1s --duration 30s --warmup 5s \
+	"$$bench" heartbeats --nodes 10000 --interval 1s --duration 30s --warmup 5s \
 	  --database-url "$$database" --redis-url "$$redis"
-	berth="$${CARGO_TARGET_DIR:-target}/release/berth"; \
+	bench="$${CARGO_TARGET_DIR:-target}/release/berth-bench"; \
 	database="$${BERTH_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"; \
 	redis="$${BERTH_BENCH_REDIS_URL:-redis://127.0.0.1:6379/15}"; \
-	"$$berth" bench leases --nodes 100 --leases 10000 --concurrency 32 --duration 5s \
+	"$$bench" leases --nodes 100 --leases 10000 --concurrency 32 --duration 5s \
 	  --database-url "$$database" --redis-url "$$redis"; \
-	"$$berth" bench launch --leases 100 --records 10000; \
-	"$$berth" bench launch --runtime runc --leases 30 --records 0 --compare 50; \
-	"$$berth" bench launch --runtime runsc --leases 30 --records 0 --compare 50; \
-	"$$berth" bench deploy --warm 30 --cold 10 --bundle-mib 10 --mints 200 \
+	"$$bench" launch --leases 100 --records 10000; \
+	"$$bench" launch --runtime runc --leases 30 --records 0 --compare 50; \
+	"$$bench" launch --runtime runsc --leases 30 --records 0 --compare 50; \
+	"$$bench" deploy --warm 30 --cold 10 --bundle-mib 10 --mints 200 \
 	  --database-url "$$database" --redis-url "$$redis"; \
-	"$$berth" bench egress; \
-	"$$berth" bench egress-push
+	"$$bench" egress; \
+	"$$bench" egress-push
 
 ## Container images, where a Docker engine runs: one per binary, tagged
 ## <binary>:dev, from one build of the workspace (docker/Dockerfile).

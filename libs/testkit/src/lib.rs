@@ -1,12 +1,14 @@
 //! What the tests of several service crates need alike, written once:
 //! which backend a test runs on and its store and bus, certificates from a
 //! test CA, a server on a loopback port, the node registry identity would
-//! serve (scripted by the test), and an in-process leases service following it.
+//! serve (scripted by the test), an in-process leases service following it,
+//! and the workspace's binaries beside the one under test.
 //!
 //! # Where it sits
-//! Only ever a dev-dependency. It sits above the services it starts (it
-//! links `berth-leases`), which no library may; that is why nothing shipped
-//! depends on it, and why no service crate's own code may.
+//! A dev-dependency, and a dependency of `berth-bench`, which no image
+//! ships. It sits above the services it starts (it links `berth-leases`),
+//! which no library may; that is why nothing shipped depends on it, and why
+//! no service crate's own code may.
 //!
 //! # Invariants
 //! - Every store and bus is the test's own (a fresh database or SQLite
@@ -19,6 +21,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use berth_bus::{Bus, MemoryBus};
@@ -249,4 +252,24 @@ impl InProcessLeases {
         cleanup_bus(backend, &self.bus).await;
         self.db.cleanup().await.unwrap();
     }
+}
+
+/// The binary `name`, of `package`, beside `beside` (a test's
+/// `env!("CARGO_BIN_EXE_…")`).
+///
+/// A workspace test run (`make test`, `cargo nextest run --workspace`)
+/// builds every package's binaries before any test starts, so they are
+/// there; a test never runs cargo itself. Run alone (`cargo test -p …`), a
+/// test fails naming what to build.
+pub fn sibling(beside: &str, name: &str, package: &str) -> PathBuf {
+    let beside = Path::new(beside);
+    let binary = beside.with_file_name(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    let release = beside.parent().and_then(Path::file_name).is_some_and(|profile| profile == "release");
+    assert!(
+        binary.is_file(),
+        "{} is not built: a workspace test run builds it, or run `cargo build{} -p {package} --bin {name}` first",
+        binary.display(),
+        if release { " --release" } else { "" },
+    );
+    binary
 }

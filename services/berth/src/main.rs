@@ -1,8 +1,8 @@
 //! `berth`: the operator's binary. `berth dev` runs the whole mesh in one
 //! process; the other subcommands are the admin CLI (tokens, nodes,
-//! certificates, leases, services, revisions, bundles) and the benchmarks.
+//! certificates, leases, services, revisions, bundles). The benchmarks are
+//! a binary of their own, `berth-bench`.
 
-mod bench;
 mod bundle_cmd;
 mod cli;
 mod dev;
@@ -54,17 +54,14 @@ enum Command {
     Revision(cli::RevisionArgs),
     /// Print a lease's output, fetched from its node; `-f` follows it.
     Logs(cli::LogsArgs),
-    /// Measure a service under load against a real process of it, e.g.
-    /// `berth bench heartbeats --nodes 10000`.
-    Bench(bench::BenchArgs),
     /// Build and push bundles (`push DIR REF`) and show what a reference holds
     /// (`inspect REF`), in a registry or an `oci:DIR:TAG` layout directory.
     Bundle(bundle_cmd::BundleArgs),
 }
 
 fn main() -> ExitCode {
-    // `berth dev` and `berth bench launch` run the process runtime from this
-    // executable: invoked as its monitor or init, nothing else runs.
+    // `berth dev` runs the process runtime from this executable: invoked as
+    // its monitor or init, nothing else runs.
     if let Some(code) = berth_agent::runtime_main_if_invoked() {
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
@@ -91,7 +88,6 @@ fn main() -> ExitCode {
             Command::Revision(args) => args.run().await,
             Command::Egress(args) => args.run().await,
             Command::Logs(args) => args.run().await,
-            Command::Bench(args) => args.run().await,
             Command::Bundle(args) => args.run().await,
         }
     })

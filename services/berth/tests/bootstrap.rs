@@ -6,8 +6,6 @@
 #![allow(clippy::disallowed_methods, reason = "these tests are synchronous and poll with std::thread::sleep")]
 #![allow(clippy::unwrap_used, reason = "a failed unwrap in a test is a failed test with a line number")]
 
-mod siblings;
-
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -16,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use berth_core::Identity;
 use serde_json::Value;
-use siblings::sibling;
 use sqlx::{AnyConnection, Connection as _, Executor as _};
 
 /// The secret the test's CA is sealed under.
@@ -89,15 +86,16 @@ impl IdentityProcess {
     fn start(database_url: &str, bundle_out: &Path) -> Self {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let server = format!("127.0.0.1:{port}");
-        let child = Command::new(sibling("berth-identity", "berth-identity"))
-            .args(["--listen", &server, "--database-url", database_url, "--redis-url", "memory://"])
-            .args(["--advertise-names", "127.0.0.1", "--ca-bundle-out"])
-            .arg(bundle_out)
-            .env("BERTH_AUTH_SECRET", SECRET)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
+        let child =
+            Command::new(berth_testkit::sibling(env!("CARGO_BIN_EXE_berth"), "berth-identity", "berth-identity"))
+                .args(["--listen", &server, "--database-url", database_url, "--redis-url", "memory://"])
+                .args(["--advertise-names", "127.0.0.1", "--ca-bundle-out"])
+                .arg(bundle_out)
+                .env("BERTH_AUTH_SECRET", SECRET)
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
         IdentityProcess { child, server }
     }
 }

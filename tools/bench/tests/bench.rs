@@ -1,16 +1,17 @@
-//! `berth bench heartbeats` run as a user runs it: the real binary starting
+//! `berth-bench heartbeats` run as a user runs it: the real binary starting
 //! the real `berth-identity` beside it, small enough for a debug build.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
-mod siblings;
-
 use std::process::{Command, Output};
 
-use siblings::sibling;
+/// `name`, of `package`, beside the `berth-bench` under test.
+fn sibling(name: &str, package: &str) -> std::path::PathBuf {
+    berth_testkit::sibling(env!("CARGO_BIN_EXE_berth-bench"), name, package)
+}
 
-fn berth(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_berth")).args(args).env("RUST_LOG", "warn").output().unwrap()
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_berth-bench")).args(args).env("RUST_LOG", "warn").output().unwrap()
 }
 
 fn figure<'a>(report: &'a serde_json::Value, row: &str, field: &str) -> &'a serde_json::Value {
@@ -20,8 +21,7 @@ fn figure<'a>(report: &'a serde_json::Value, row: &str, field: &str) -> &'a serd
 #[test]
 fn a_small_run_reports_every_figure_as_json() {
     sibling("berth-identity", "berth-identity");
-    let out = berth(&[
-        "bench",
+    let out = bench(&[
         "heartbeats",
         "--nodes",
         "20",
@@ -67,21 +67,81 @@ fn a_small_run_reports_every_figure_as_json() {
 }
 
 #[test]
-fn a_missing_identity_binary_says_how_to_build_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let lonely = dir.path().join("berth");
-    std::fs::copy(env!("CARGO_BIN_EXE_berth"), &lonely).unwrap();
-    let out = Command::new(&lonely).args(["bench", "heartbeats", "--nodes", "1"]).output().unwrap();
+fn three_replicas_on_postgres_and_redis_share_the_fleet_and_each_is_reported() {
+    sibling("berth-identity", "berth-identity");
+    let out = bench(&[
+        "heartbeats",
+        "--nodes",
+        "30",
+        "--replicas",
+        "3",
+        "--interval",
+        "200ms",
+        "--duration",
+        "2s",
+        "--warmup",
+        "1s",
+        "--database-url",
+        "postgres://postgres@127.0.0.1:5432/postgres",
+        // A logical database no other test uses: its `identity:` prefix must be empty.
+        "--redis-url",
+        "redis://127.0.0.1:6379/13",
+        "-o",
+        "json",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+
+    assert_eq!((report["store"].as_str(), report["bus"].as_str()), (Some("postgres"), Some("redis")));
+    let replicas = report["replicas"].as_array().unwrap();
+    assert_eq!(replicas.len(), 3, "{stdout}");
+    let mut pids: Vec<u64> = replicas.iter().map(|r| r["pid"].as_u64().unwrap()).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    assert_eq!(pids.len(), 3, "three processes: {stdout}");
+    let nodes: Vec<u64> = replicas.iter().map(|r| r["nodes"].as_u64().unwrap()).collect();
+    assert_eq!(nodes.iter().sum::<u64>(), 30, "{stdout}");
+    assert!(nodes.iter().all(|&n| n > 0), "every replica holds part of the fleet: {nodes:?}");
+    for replica in replicas {
+        let idle = replica["idle_mib"].as_f64().unwrap();
+        assert!(0.0 < idle && idle <= replica["at_load_mib"].as_f64().unwrap(), "{stdout}");
+        assert!(replica["per_node_kib"].is_number(), "{stdout}");
+    }
+    assert_eq!(figure(&report, "heartbeat", "errors"), 0, "{stdout}");
+    assert_eq!(report["join"]["first_heartbeat_failed"], 0, "{stdout}");
+    let targets = report["targets"].as_array().unwrap();
+    assert!(targets.iter().any(|t| t["name"] == "RSS at load < 200 MiB per replica"), "{stdout}");
+}
+
+#[test]
+fn replicas_without_a_shared_database_and_redis_are_refused() {
+    let out = bench(&["heartbeats", "--nodes", "3", "--replicas", "2"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains(&format!("berth: error: {}", dir.path().join("berth-identity").display())), "{stderr}");
+    assert!(stderr.contains("--replicas 2 needs --database-url and --redis-url"), "{stderr}");
+}
+
+#[test]
+fn a_missing_identity_binary_says_how_to_build_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let lonely = dir.path().join("berth-bench");
+    std::fs::copy(env!("CARGO_BIN_EXE_berth-bench"), &lonely).unwrap();
+    let out = Command::new(&lonely).args(["heartbeats", "--nodes", "1"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("berth-bench: error: {}", dir.path().join("berth-identity").display())),
+        "{stderr}"
+    );
     assert!(stderr.contains("not found: build it with cargo build --release --bins"), "{stderr}");
     assert!(out.stdout.is_empty());
 }
 
 #[test]
 fn a_sqlite_database_url_is_refused_before_anything_starts() {
-    let out = berth(&["bench", "heartbeats", "--nodes", "1", "--database-url", "sqlite:///tmp/identity.db"]);
+    let out = bench(&["heartbeats", "--nodes", "1", "--database-url", "sqlite:///tmp/identity.db"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("--database-url must be a postgres:// URL"), "{stderr}");
@@ -89,7 +149,7 @@ fn a_sqlite_database_url_is_refused_before_anything_starts() {
 
 #[test]
 fn durations_without_a_unit_are_usage_errors() {
-    let out = berth(&["bench", "heartbeats", "--nodes", "10", "--interval", "1"]);
+    let out = bench(&["heartbeats", "--nodes", "10", "--interval", "1"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("needs a unit: ms, s or m"), "{stderr}");
@@ -97,7 +157,8 @@ fn durations_without_a_unit_are_usage_errors() {
 
 #[test]
 fn egress_push_measures_edits_on_a_real_dev_node() {
-    let out = berth(&["bench", "egress-push", "--edits", "3", "--baseline", "5", "-o", "json"]);
+    sibling("berth", "berth");
+    let out = bench(&["egress-push", "--edits", "3", "--baseline", "5", "-o", "json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["edits"], 3, "{report}");

@@ -1,10 +1,10 @@
-//! `berth bench leases`: placements against one leases replica on
+//! `berth-bench leases`: placements against one leases replica on
 //! PostgreSQL and Redis, beside pgbench claiming rows with `FOR UPDATE SKIP
 //! LOCKED` in the same database in the same run.
 //!
 //! # Expected flow
-//! 1. A CA made for the run signs the replica's, the bench's and the fake
-//!    registry's certificates. The registry serves `Nodes/WatchNodes` over
+//! 1. A CA made for the run signs the replica's, the bench's and the
+//!    scripted registry's certificates. The registry serves `Nodes/WatchNodes` over
 //!    mTLS from a fixed list of `--nodes` UP nodes, each with room for every
 //!    lease, so the ledger follows nodes exactly as it follows identity.
 //! 2. `berth-leases` starts as a process of its own in a scratch database,
@@ -30,18 +30,19 @@ use berth_core::Identity;
 use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
 use berth_proto::identity::v1 as identity;
 use berth_proto::leases::v1;
-use berth_proto::types::v1::{Capacity, EventKind};
-use berth_rpc::{Channel, Listener, ServerBuilder};
+use berth_proto::types::v1::Capacity;
+use berth_rpc::Channel;
+use berth_testkit::ScriptedRegistry;
 use serde::Serialize;
-use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::heartbeats::OutputFormat;
-use super::leases_process::{LeasesLaunch, LeasesProcess, ScratchDatabase, ServiceProcessError, claim_bus};
-use super::load::{ErrorCount, ErrorTally, Figures, Samples, is_transient, status_message};
-use super::procfs::load_average;
-use super::report::{Target, human};
+use crate::heartbeats::OutputFormat;
+use crate::leases_process::{LeasesLaunch, LeasesProcess};
+use crate::load::{ErrorCount, ErrorTally, Figures, Samples, is_transient, status_message};
+use crate::process::{ScratchDatabase, ServiceProcessError, claim_bus};
+use crate::procfs::load_average;
+use crate::report::{Target, human};
 
 /// Placements per second the replica must reach.
 const TARGET_PLACEMENTS_PER_S: f64 = 1500.0;
@@ -64,9 +65,9 @@ const NODES_TIMEOUT: Duration = Duration::from_secs(30);
 /// Leases live this long; nothing renews them, so it outlasts any run.
 const LEASE_TTL_SECONDS: u64 = 3600;
 
-/// Flags of `berth bench leases`.
+/// Flags of `berth-bench leases`.
 #[derive(Debug, Clone, clap::Args)]
-pub(super) struct LeasesArgs {
+pub(crate) struct LeasesArgs {
     /// How many simulated UP nodes the ledger places on.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100_000))]
     nodes: u32,
@@ -105,9 +106,6 @@ pub(crate) enum LeasesBenchError {
     /// A name the run's certificates carry is not a valid identity.
     #[error("identity name: {0}")]
     Name(#[source] berth_core::IdentityError),
-    /// The fake registry could not listen.
-    #[error("cannot serve the node registry: {0}")]
-    Registry(#[source] std::io::Error),
     /// The replica did not list every node UP in time.
     #[error("berth-leases saw {seen} of {nodes} nodes UP after {}s", NODES_TIMEOUT.as_secs())]
     NodesNotSeen {
@@ -132,7 +130,7 @@ pub(crate) enum LeasesBenchError {
 
 /// Everything one run measured.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct LeasesReport {
+pub(crate) struct LeasesReport {
     /// Always "leases".
     scenario: &'static str,
     /// Simulated UP nodes.
@@ -203,60 +201,26 @@ struct Baseline {
     command: String,
 }
 
-/// The fixed node list as `Nodes/WatchNodes` serves it: every node, SYNCED,
-/// then nothing until the run ends.
-#[derive(Debug, Clone)]
-struct FixedRegistry {
-    nodes: Arc<Vec<identity::Node>>,
-    stop: CancellationToken,
-}
-
-#[tonic::async_trait]
-impl identity::nodes_server::Nodes for FixedRegistry {
-    async fn watch_nodes(
-        &self,
-        _request: tonic::Request<identity::WatchNodesRequest>,
-    ) -> Result<tonic::Response<tonic::codegen::BoxStream<identity::NodeEvent>>, tonic::Status> {
-        let (events, stream) = mpsc::channel(256);
-        let (nodes, stop) = (self.nodes.clone(), self.stop.clone());
-        tokio::spawn(async move {
-            for node in nodes.iter() {
-                let event = identity::NodeEvent { kind: EventKind::Upsert as i32, node: Some(node.clone()) };
-                if events.send(Ok(event)).await.is_err() {
-                    return;
-                }
-            }
-            let synced = identity::NodeEvent { kind: EventKind::Synced as i32, node: None };
-            if events.send(Ok(synced)).await.is_err() {
-                return;
-            }
-            // The stream stays open: a closed one would read as identity gone.
-            stop.cancelled().await;
-        });
-        Ok(tonic::Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(stream))))
-    }
-}
-
 /// The run's certificates, all signed by one CA made for it.
 #[derive(Debug)]
-pub(super) struct RunCertificates {
+pub(crate) struct RunCertificates {
     ca: CertificateAuthority,
 }
 
 impl RunCertificates {
-    pub(super) fn new() -> Result<Self, LeasesBenchError> {
-        let ca = CertificateAuthority::generate("berth bench CA", CERT_TTL).map_err(LeasesBenchError::Certificates)?;
+    pub(crate) fn new() -> Result<Self, LeasesBenchError> {
+        let ca = CertificateAuthority::generate("berth-bench CA", CERT_TTL).map_err(LeasesBenchError::Certificates)?;
         Ok(Self { ca })
     }
 
     /// Material for `identity`, valid as a server on loopback.
-    pub(super) fn material(&self, identity: &Identity) -> Result<TlsMaterial, LeasesBenchError> {
+    pub(crate) fn material(&self, identity: &Identity) -> Result<TlsMaterial, LeasesBenchError> {
         let sans = ["localhost".to_string(), "127.0.0.1".to_string()];
         let (cert, key_pem) = self.ca.issue(identity, &sans, CERT_TTL).map_err(LeasesBenchError::Certificates)?;
         Ok(TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: self.ca.cert_pem().to_string() })
     }
 
-    pub(super) fn credentials(&self, identity: &Identity) -> Result<TlsCredentials, LeasesBenchError> {
+    pub(crate) fn credentials(&self, identity: &Identity) -> Result<TlsCredentials, LeasesBenchError> {
         TlsCredentials::new(self.material(identity)?).map_err(LeasesBenchError::Certificates)
     }
 }
@@ -266,14 +230,14 @@ fn identity_of(result: Result<Identity, berth_core::IdentityError>) -> Result<Id
 }
 
 /// Runs the scenario and prints its report.
-pub(super) async fn run(args: LeasesArgs) -> Result<(), LeasesBenchError> {
+pub(crate) async fn run(args: LeasesArgs) -> Result<(), LeasesBenchError> {
     let load_average_before = load_average();
     let shutdown = berth_rpc::shutdown_signal();
     let certificates = RunCertificates::new()?;
     let admin = certificates.credentials(&identity_of(Identity::admin("bench"))?)?;
 
     let registry_stop = CancellationToken::new();
-    let registry_addr = serve_registry(&certificates, args.nodes, args.leases, &registry_stop).await?;
+    let registry_addr = serve_registry(&certificates, args.nodes, args.leases, &registry_stop).await;
 
     progress("creating a scratch database");
     let database = ScratchDatabase::create(&args.database_url).await?;
@@ -302,38 +266,25 @@ fn progress(message: &str) {
     eprintln!("bench: {message}");
 }
 
-/// Serves the fixed registry of `nodes` UP nodes, each with room for `leases` leases.
+/// Serves a registry of `nodes` UP nodes, each with room for `leases`
+/// leases, and no change after them.
 async fn serve_registry(
     certificates: &RunCertificates,
     nodes: u32,
     leases: u32,
     stop: &CancellationToken,
-) -> Result<SocketAddr, LeasesBenchError> {
+) -> SocketAddr {
     let room = Capacity {
         cpu_millis: LEASE_ASK.cpu_millis * u64::from(leases),
         memory_bytes: LEASE_ASK.memory_bytes * u64::from(leases),
     };
-    let list = (0..nodes)
-        .map(|index| identity::Node {
-            node_id: format!("bench-node-{index:06}"),
-            state: identity::NodeState::Up as i32,
-            capacity: Some(room),
-            ..Default::default()
-        })
-        .collect();
-    let credentials = certificates.credentials(&identity_of(Identity::service("identity"))?)?;
-    let listener =
-        Listener::bind(SocketAddr::from(([127, 0, 0, 1], 0)), credentials).await.map_err(LeasesBenchError::Registry)?;
-    let addr = listener.local_addr().map_err(LeasesBenchError::Registry)?;
-    let registry = FixedRegistry { nodes: Arc::new(list), stop: stop.clone() };
-    let server = ServerBuilder::new().add_service(identity::nodes_server::NodesServer::new(registry));
-    let stop = stop.clone();
-    tokio::spawn(async move {
-        if let Err(error) = server.serve(listener, stop).await {
-            progress(&format!("warning: the node registry stopped: {error}"));
-        }
-    });
-    Ok(addr)
+    let registry = ScriptedRegistry::new((0..nodes).map(|index| identity::Node {
+        node_id: format!("bench-node-{index:06}"),
+        state: identity::NodeState::Up as i32,
+        capacity: Some(room),
+        ..Default::default()
+    }));
+    registry.serve(&certificates.ca, stop.clone()).await
 }
 
 /// Everything that runs inside the scratch database: the bus claim, the
@@ -439,7 +390,7 @@ fn connect(addr: SocketAddr, credentials: &TlsCredentials) -> Result<Channel, Le
 }
 
 /// Waits until the replica lists `nodes` nodes UP.
-pub(super) async fn wait_for_nodes(channel: &Channel, nodes: u32) -> Result<(), LeasesBenchError> {
+pub(crate) async fn wait_for_nodes(channel: &Channel, nodes: u32) -> Result<(), LeasesBenchError> {
     let mut capacity = v1::capacity_client::CapacityClient::new(channel.clone());
     let deadline = Instant::now() + NODES_TIMEOUT;
     loop {
@@ -671,7 +622,7 @@ impl LeasesReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "berth bench leases: {} nodes, {} leases, {} at a time, leases on {} + {} (pid {})",
+            "berth-bench leases: {} nodes, {} leases, {} at a time, leases on {} + {} (pid {})",
             self.nodes, self.leases, self.concurrency, self.store, self.bus, self.leases_pid
         );
         let _ = writeln!(out, "{:<34}{:>10}{:>10}{:>10}{:>10}{:>8}", "", "rate/s", "p50", "p99", "max", "errors");
@@ -743,7 +694,7 @@ impl LeasesReport {
 }
 
 /// A latency for the table: two decimals under a millisecond, one above.
-pub(super) fn latency(ms: Option<f64>) -> String {
+pub(crate) fn latency(ms: Option<f64>) -> String {
     match ms {
         None => "-".to_string(),
         Some(ms) if ms < 1.0 => format!("{ms:.2}ms"),

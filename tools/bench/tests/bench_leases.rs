@@ -1,17 +1,18 @@
-//! `berth bench leases` (and `berth bench launch`) run as a user runs them:
+//! `berth-bench leases` (and `berth-bench launch`) run as a user runs them:
 //! the real binary starting the real services beside it, tiny enough for a
 //! debug build.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
-mod siblings;
-
 use std::process::{Command, Output};
 
-use siblings::sibling;
+/// `name`, of `package`, beside the `berth-bench` under test.
+fn sibling(name: &str, package: &str) -> std::path::PathBuf {
+    berth_testkit::sibling(env!("CARGO_BIN_EXE_berth-bench"), name, package)
+}
 
-fn berth(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_berth")).args(args).env("RUST_LOG", "warn").output().unwrap()
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_berth-bench")).args(args).env("RUST_LOG", "warn").output().unwrap()
 }
 
 fn json(out: &Output) -> serde_json::Value {
@@ -24,8 +25,7 @@ fn json(out: &Output) -> serde_json::Value {
 #[test]
 fn a_tiny_leases_run_places_every_lease_and_reports_the_baseline() {
     sibling("berth-leases", "berth-leases");
-    let out = berth(&[
-        "bench",
+    let out = bench(&[
         "leases",
         "--nodes",
         "3",
@@ -64,7 +64,7 @@ fn a_tiny_leases_run_places_every_lease_and_reports_the_baseline() {
 
 #[test]
 fn a_sqlite_database_url_is_refused() {
-    let out = berth(&["bench", "leases", "--nodes", "1", "--leases", "1", "--database-url", "sqlite:///tmp/x.db"]);
+    let out = bench(&["leases", "--nodes", "1", "--leases", "1", "--database-url", "sqlite:///tmp/x.db"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("--database-url must be a postgres:// URL"), "{stderr}");
@@ -75,7 +75,7 @@ fn a_tiny_launch_run_reports_latency_and_memory() {
     sibling("berth-identity", "berth-identity");
     sibling("berth-leases", "berth-leases");
     sibling("berth-agent", "berth-agent");
-    let out = berth(&["bench", "launch", "--leases", "3", "--records", "100", "--compare", "5", "--output", "json"]);
+    let out = bench(&["launch", "--leases", "3", "--records", "100", "--compare", "5", "--output", "json"]);
     let report = json(&out);
     let text = report.to_string();
     let launch = &report["launch"];

@@ -30,7 +30,7 @@ const FIRST_NODE_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 1, 0, 1);
 
 /// The most nodes the loopback range below `127.255.255.255` holds after
 /// [`FIRST_NODE_ADDRESS`], kept well inside.
-pub(super) const MAX_NODES: u32 = 1_000_000;
+pub(crate) const MAX_NODES: u32 = 1_000_000;
 
 /// The agent port every node advertises.
 const AGENT_PORT: u16 = 7444;
@@ -39,7 +39,7 @@ const AGENT_PORT: u16 = 7444;
 const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The compute every simulated node offers: a small host.
-pub(super) const NODE_CAPACITY: Capacity = Capacity { cpu_millis: 4000, memory_bytes: 8 << 30 };
+pub(crate) const NODE_CAPACITY: Capacity = Capacity { cpu_millis: 4000, memory_bytes: 8 << 30 };
 
 /// Why a node could not join.
 #[derive(Debug, thiserror::Error)]
@@ -71,10 +71,10 @@ pub(crate) enum JoinError {
 impl JoinError {
     /// Whether an agent would try again: the connection failed, or identity
     /// asked for a retry (contention, overload, its rate limit).
-    pub(super) fn is_transient(&self) -> bool {
+    pub(crate) fn is_transient(&self) -> bool {
         match self {
             JoinError::Unreachable { .. } => true,
-            JoinError::Refused { code, .. } => super::load::is_transient(*code),
+            JoinError::Refused { code, .. } => crate::load::is_transient(*code),
             JoinError::Tls(_) | JoinError::Incomplete(_) => false,
         }
     }
@@ -82,23 +82,23 @@ impl JoinError {
 
 /// A node that joined: who identity says it is, and its credentials.
 #[derive(Debug)]
-pub(super) struct JoinedNode {
+pub(crate) struct JoinedNode {
     /// The node id identity chose.
-    pub(super) node_id: String,
+    pub(crate) node_id: String,
     /// The incarnation its heartbeats carry.
-    pub(super) incarnation: u64,
+    pub(crate) incarnation: u64,
     /// Its own certificate and key, trusting identity's CA bundle.
-    pub(super) credentials: TlsCredentials,
+    pub(crate) credentials: TlsCredentials,
 }
 
 /// Node `index`'s loopback address.
-pub(super) fn node_address(index: u32) -> Ipv4Addr {
+pub(crate) fn node_address(index: u32) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(FIRST_NODE_ADDRESS) + index)
 }
 
 /// Joins node `index` with `token`, over TLS without a client certificate
 /// from the node's own address, verifying identity against `ca_bundle_pem`.
-pub(super) async fn join(
+pub(crate) async fn join(
     index: u32,
     identity: SocketAddr,
     token: &str,
@@ -129,7 +129,7 @@ pub(super) async fn join(
     let answer = v1::join_client::JoinClient::new(channel)
         .join(request)
         .await
-        .map_err(|status| JoinError::Refused { code: status.code(), message: super::load::status_message(&status) })?
+        .map_err(|status| JoinError::Refused { code: status.code(), message: crate::load::status_message(&status) })?
         .into_inner();
     if answer.node_id.is_empty() {
         return Err(JoinError::Incomplete("a node id"));

@@ -18,58 +18,58 @@ const MAX_ERROR_LEN: usize = 200;
 
 /// A stretch of time calls are counted in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Window {
+pub(crate) struct Window {
     /// When counting starts.
-    pub(super) start: Instant,
+    pub(crate) start: Instant,
     /// When counting stops (exclusive).
-    pub(super) end: Instant,
+    pub(crate) end: Instant,
 }
 
 impl Window {
     /// The window of `length` that opens `warmup` after `from`.
-    pub(super) fn after(from: Instant, warmup: Duration, length: Duration) -> Self {
+    pub(crate) fn after(from: Instant, warmup: Duration, length: Duration) -> Self {
         let start = from + warmup;
         Window { start, end: start + length }
     }
 
     /// Whether an answer at `at` counts.
-    pub(super) fn contains(&self, at: Instant) -> bool {
+    pub(crate) fn contains(&self, at: Instant) -> bool {
         self.start <= at && at < self.end
     }
 
     /// How long the window is.
-    pub(super) fn length(&self) -> Duration {
+    pub(crate) fn length(&self) -> Duration {
         self.end - self.start
     }
 }
 
 /// The calls one or more clients completed inside one window.
 #[derive(Debug, Default, Clone)]
-pub(super) struct Samples {
+pub(crate) struct Samples {
     latencies_us: Vec<u32>,
     errors: u64,
 }
 
 impl Samples {
     /// One call that succeeded after `latency`.
-    pub(super) fn ok(&mut self, latency: Duration) {
+    pub(crate) fn ok(&mut self, latency: Duration) {
         self.latencies_us.push(u32::try_from(latency.as_micros()).unwrap_or(u32::MAX));
     }
 
     /// One call that failed.
-    pub(super) fn error(&mut self) {
+    pub(crate) fn error(&mut self) {
         self.errors += 1;
     }
 
     /// Adds another client's calls to these.
-    pub(super) fn merge(&mut self, other: Samples) {
+    pub(crate) fn merge(&mut self, other: Samples) {
         self.latencies_us.extend(other.latencies_us);
         self.errors += other.errors;
     }
 
     /// The rate and latencies of the window these samples were taken in,
     /// over `connections` client connections.
-    pub(super) fn figures(mut self, window: Duration, connections: u32) -> Figures {
+    pub(crate) fn figures(mut self, window: Duration, connections: u32) -> Figures {
         self.latencies_us.sort_unstable();
         let seconds = window.as_secs_f64();
         let calls = self.latencies_us.len() as u64;
@@ -88,14 +88,14 @@ impl Samples {
 
 /// CPU time identity, the bench and the machine used over one window.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) struct CpuUse {
+pub(crate) struct CpuUse {
     /// The server under test.
-    pub(super) identity: Duration,
+    pub(crate) identity: Duration,
     /// This process: every client.
-    pub(super) bench: Duration,
+    pub(crate) bench: Duration,
     /// Busy time of the whole machine, every CPU added up: identity, the
     /// clients, the database, Redis, the kernel and anything else.
-    pub(super) machine_busy: Duration,
+    pub(crate) machine_busy: Duration,
 }
 
 /// Nearest-rank percentile of sorted microseconds, in milliseconds.
@@ -110,28 +110,28 @@ fn percentile(sorted_us: &[u32], q: f64) -> Option<f64> {
 
 /// One measured window, summed up.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub(super) struct Figures {
+pub(crate) struct Figures {
     /// Calls answered successfully inside the window.
-    pub(super) calls: u64,
+    pub(crate) calls: u64,
     /// Calls that failed inside the window.
-    pub(super) errors: u64,
+    pub(crate) errors: u64,
     /// Successful calls per second.
-    pub(super) rate_per_s: f64,
+    pub(crate) rate_per_s: f64,
     /// Median latency; `None` without a successful call.
-    pub(super) p50_ms: Option<f64>,
+    pub(crate) p50_ms: Option<f64>,
     /// 99th percentile latency.
-    pub(super) p99_ms: Option<f64>,
+    pub(crate) p99_ms: Option<f64>,
     /// The slowest call.
-    pub(super) max_ms: Option<f64>,
+    pub(crate) max_ms: Option<f64>,
     /// Client connections the calls were spread over, one call in flight on each at most.
-    pub(super) connections: u32,
+    pub(crate) connections: u32,
     /// CPU used over the window; `None` where `/proc` could not be read.
-    pub(super) cpu: Option<CpuFigures>,
+    pub(crate) cpu: Option<CpuFigures>,
 }
 
 impl Figures {
     /// These figures with the CPU `used` over their `window`.
-    pub(super) fn with_cpu(mut self, used: Option<CpuUse>, window: Duration) -> Self {
+    pub(crate) fn with_cpu(mut self, used: Option<CpuUse>, window: Duration) -> Self {
         self.cpu = used.and_then(|used| CpuFigures::over(used, window, self.calls + self.errors));
         self
     }
@@ -140,23 +140,23 @@ impl Figures {
 /// Where the CPU went during a window: what it costs identity to answer,
 /// which stays comparable when the clients or other work share the cores.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub(super) struct CpuFigures {
+pub(crate) struct CpuFigures {
     /// Cores identity kept busy, on average.
-    pub(super) identity_cores: f64,
+    pub(crate) identity_cores: f64,
     /// Identity's CPU time per call answered in the window, microseconds.
-    pub(super) identity_us_per_call: Option<f64>,
+    pub(crate) identity_us_per_call: Option<f64>,
     /// Cores the bench's own clients kept busy.
-    pub(super) bench_cores: f64,
+    pub(crate) bench_cores: f64,
     /// Cores the whole machine kept busy.
-    pub(super) machine_cores: f64,
+    pub(crate) machine_cores: f64,
     /// Cores busy with anything but identity and the bench: the database,
     /// Redis, the kernel's own work, and whatever else runs here.
-    pub(super) other_cores: f64,
+    pub(crate) other_cores: f64,
 }
 
 impl CpuFigures {
     /// The CPU `used` over `window`, in which identity answered `answered` calls.
-    pub(super) fn over(used: CpuUse, window: Duration, answered: u64) -> Option<Self> {
+    pub(crate) fn over(used: CpuUse, window: Duration, answered: u64) -> Option<Self> {
         let seconds = window.as_secs_f64();
         (seconds > 0.0).then(|| CpuFigures {
             identity_cores: used.identity.as_secs_f64() / seconds,
@@ -173,13 +173,13 @@ impl CpuFigures {
 /// Every distinct failure any client met, with how often, across all phases
 /// (joins and warm-ups included), so a run with errors says what they were.
 #[derive(Debug, Clone, Default)]
-pub(super) struct ErrorTally {
+pub(crate) struct ErrorTally {
     counts: Arc<Mutex<BTreeMap<String, u64>>>,
 }
 
 impl ErrorTally {
     /// Counts one failure described by `message`.
-    pub(super) fn add(&self, message: &str) {
+    pub(crate) fn add(&self, message: &str) {
         let mut message: String = message.split_whitespace().collect::<Vec<_>>().join(" ");
         if message.chars().count() > MAX_ERROR_LEN {
             message = message.chars().take(MAX_ERROR_LEN).collect::<String>() + "...";
@@ -188,7 +188,7 @@ impl ErrorTally {
     }
 
     /// The failures, most frequent first.
-    pub(super) fn summary(&self) -> Vec<ErrorCount> {
+    pub(crate) fn summary(&self) -> Vec<ErrorCount> {
         let counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
         let mut all: Vec<ErrorCount> =
             counts.iter().map(|(message, &count)| ErrorCount { message: message.clone(), count }).collect();
@@ -199,15 +199,15 @@ impl ErrorTally {
 
 /// One distinct failure.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub(super) struct ErrorCount {
+pub(crate) struct ErrorCount {
     /// What the client saw, on one line.
-    pub(super) message: String,
+    pub(crate) message: String,
     /// How many calls failed so.
-    pub(super) count: u64,
+    pub(crate) count: u64,
 }
 
 /// A failed call in the tally's words: the status code and its message.
-pub(super) fn status_message(status: &tonic::Status) -> String {
+pub(crate) fn status_message(status: &tonic::Status) -> String {
     let mut message = format!("{:?}: {}", status.code(), status.message());
     // The transport's cause says what a bare `Unavailable` does not.
     if let Some(source) = std::error::Error::source(status) {
@@ -222,7 +222,7 @@ pub(super) fn status_message(status: &tonic::Status) -> String {
 /// Whether a call failing with `code` is worth repeating as it was: the
 /// server asked for a retry (contention, overload, a rate limit), or the
 /// answer did not come.
-pub(super) fn is_transient(code: tonic::Code) -> bool {
+pub(crate) fn is_transient(code: tonic::Code) -> bool {
     matches!(
         code,
         tonic::Code::Aborted

@@ -9,15 +9,15 @@ use std::time::Duration;
 
 /// A process's resident memory, from `/proc/<pid>/status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Memory {
+pub(crate) struct Memory {
     /// Resident now (`VmRSS`), KiB.
-    pub(super) rss_kib: u64,
+    pub(crate) rss_kib: u64,
     /// The most it was ever resident (`VmHWM`), KiB.
-    pub(super) peak_kib: u64,
+    pub(crate) peak_kib: u64,
 }
 
 /// Process `pid`'s resident memory.
-pub(super) fn read_memory(pid: u32) -> Option<Memory> {
+pub(crate) fn read_memory(pid: u32) -> Option<Memory> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     parse_memory(&status)
 }
@@ -34,7 +34,7 @@ fn parse_memory(status: &str) -> Option<Memory> {
 
 /// CPU time a whole process (every thread) has used so far, from
 /// `/proc/<pid>/stat` (user plus system).
-pub(super) fn read_cpu_time(pid: u32) -> Option<Duration> {
+pub(crate) fn read_cpu_time(pid: u32) -> Option<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     Some(ticks_to_time(parse_cpu_ticks(&stat)?))
 }
@@ -52,13 +52,13 @@ fn parse_cpu_ticks(stat: &str) -> Option<u64> {
 
 /// The whole machine's CPU time so far, every CPU added up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct MachineCpu {
+pub(crate) struct MachineCpu {
     /// Time spent doing anything (every process, the kernel, interrupts).
-    pub(super) busy: Duration,
+    pub(crate) busy: Duration,
 }
 
 /// The machine's CPU time from the `cpu` line of `/proc/stat`.
-pub(super) fn read_machine_cpu() -> Option<MachineCpu> {
+pub(crate) fn read_machine_cpu() -> Option<MachineCpu> {
     parse_machine_cpu(&std::fs::read_to_string("/proc/stat").ok()?)
 }
 
@@ -76,7 +76,7 @@ fn parse_machine_cpu(stat: &str) -> Option<MachineCpu> {
 }
 
 /// The one-minute load average: how much other work shares the machine.
-pub(super) fn load_average() -> Option<f64> {
+pub(crate) fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
 }
 

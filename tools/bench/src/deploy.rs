@@ -1,4 +1,4 @@
-//! `berth bench deploy`: from `ApplyService` to every replica of the new
+//! `berth-bench deploy`: from `ApplyService` to every replica of the new
 //! revision RUNNING, with the bundle already on the node (warm) and pulled
 //! from a registry (cold), and how fast applies mint (or do not mint)
 //! revisions.
@@ -53,15 +53,14 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
-use super::heartbeats::OutputFormat;
-use super::identity_process::{IdentityProcess, ProcessError, StateOptions};
-use super::leases::{LeasesBenchError, latency, wait_for_nodes};
-use super::leases_process::{
-    LeasesLaunch, LeasesProcess, ScratchDatabase, ServiceProcessError, claim_bus, free_loopback_port,
-};
-use super::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
-use super::procfs::load_average;
-use super::report::Target;
+use crate::heartbeats::OutputFormat;
+use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
+use crate::leases::{LeasesBenchError, latency, wait_for_nodes};
+use crate::leases_process::{LeasesLaunch, LeasesProcess};
+use crate::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
+use crate::process::{ScratchDatabase, ServiceProcessError, claim_bus, free_loopback_port};
+use crate::procfs::load_average;
+use crate::report::Target;
 
 /// Apply → RUNNING p50 with the bundle on the node must stay under this.
 const TARGET_WARM_P50_MS: f64 = 150.0;
@@ -108,9 +107,9 @@ const MINT_SERVICE: &str = "bench-mint";
 /// The repository the bundles are pushed to.
 const REPOSITORY: &str = "bench/app";
 
-/// Flags of `berth bench deploy`.
+/// Flags of `berth-bench deploy`.
 #[derive(Debug, Clone, clap::Args)]
-pub(super) struct DeployArgs {
+pub(crate) struct DeployArgs {
     /// Applies measured with the bundle already on the node.
     #[arg(long, default_value_t = 30, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
     warm: u32,
@@ -273,7 +272,7 @@ impl DeployReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "berth bench deploy: {} replica(s) per revision, {:.1} MiB bundles, revisions and leases on {} + {}",
+            "berth-bench deploy: {} replica(s) per revision, {:.1} MiB bundles, revisions and leases on {} + {}",
             self.replicas,
             self.bundle_bytes as f64 / f64::from(1 << 20),
             self.store,
@@ -335,7 +334,7 @@ impl DeployReport {
 }
 
 /// Runs the scenario and prints its report.
-pub(super) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
+pub(crate) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
     let load_average_before = load_average();
     let shutdown = berth_rpc::shutdown_signal();
     progress("starting berth-identity on postgres with a redis bus");
@@ -567,7 +566,7 @@ async fn join_token(admin: &Channel) -> Result<String, DeployBenchError> {
     let created = tokens
         .create_join_token(identity::CreateJoinTokenRequest {
             max_uses: 1,
-            description: "berth bench deploy".to_string(),
+            description: "berth-bench deploy".to_string(),
             ..Default::default()
         })
         .await

@@ -1,4 +1,4 @@
-//! `berth bench egress`: the egress control plane's compile, and the node
+//! `berth-bench egress`: the egress control plane's compile, and the node
 //! proxy's overhead on an allowed request against a direct one, in one run.
 //!
 //! # What it measures
@@ -69,7 +69,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-use super::heartbeats::OutputFormat;
+use crate::heartbeats::OutputFormat;
 
 /// The full set must compile in under this, in milliseconds (median).
 const TARGET_FULL_MS: f64 = 100.0;
@@ -85,7 +85,7 @@ const SEED: u64 = 0x0e9_7e55;
 const SCALES: [(&str, f64); 3] = [("half", 0.5), ("full", 1.0), ("double", 2.0)];
 
 /// What the loopback origin answers every request with.
-const ORIGIN_BODY: &str = "berth bench egress: hello from the origin\n";
+const ORIGIN_BODY: &str = "berth-bench egress: hello from the origin\n";
 
 /// The tenant, service and lease the proxy is measured for.
 const PROXY_PROJECT: &str = "bench";
@@ -98,9 +98,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest request or answer head read before giving up on it.
 const MAX_HEAD: usize = 16 * 1024;
 
-/// Flags of `berth bench egress`.
+/// Flags of `berth-bench egress`.
 #[derive(Debug, Clone, clap::Args)]
-pub(super) struct EgressArgs {
+pub(crate) struct EgressArgs {
     /// Services in the tenant compiled (the full size; half and twice as many
     /// are compiled too).
     #[arg(long, default_value_t = 10_000, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -247,12 +247,12 @@ struct Report {
     by_name_growth: (f64, f64),
     /// The node proxy's overhead; `None` with `--proxy-requests 0`.
     proxy: Option<ProxyFigures>,
-    targets: Vec<super::report::Target>,
+    targets: Vec<crate::report::Target>,
 }
 
 /// Runs the scenario and prints its report.
-pub(super) async fn run(args: EgressArgs) -> Result<(), EgressBenchError> {
-    let load_average_before = super::procfs::load_average();
+pub(crate) async fn run(args: EgressArgs) -> Result<(), EgressBenchError> {
+    let load_average_before = crate::procfs::load_average();
     let mut sizes = Vec::new();
     for (scale, factor) in SCALES {
         let n = |count: u32| ((f64::from(count) * factor).round() as usize).max(1);
@@ -274,12 +274,12 @@ pub(super) async fn run(args: EgressArgs) -> Result<(), EgressBenchError> {
     let by_name_growth = |from: &str, to: &str| if by_name(from) > 0.0 { by_name(to) / by_name(from) } else { 0.0 };
     let by_name_growth = (by_name_growth("half", "full"), by_name_growth("full", "double"));
     let mut targets = vec![
-        super::report::Target {
+        crate::report::Target {
             name: format!("full set < {TARGET_FULL_MS:.0}ms (median)"),
             value: Some(median("full")),
             met: median("full") < TARGET_FULL_MS,
         },
-        super::report::Target {
+        crate::report::Target {
             name: format!("near-linear: x2 inputs <= x{TARGET_GROWTH} time (fastest runs)"),
             value: Some(half_to_full.max(full_to_double)),
             met: half_to_full <= TARGET_GROWTH && full_to_double <= TARGET_GROWTH,
@@ -287,7 +287,7 @@ pub(super) async fn run(args: EgressArgs) -> Result<(), EgressBenchError> {
     ];
     if let Some(proxy) = &proxy {
         let failed = proxy.direct.errors + proxy.http.errors + proxy.connect.errors;
-        targets.push(super::report::Target {
+        targets.push(crate::report::Target {
             name: "every proxy-overhead request answered 200 (errors)".to_string(),
             value: Some(f64::from(failed)),
             met: failed == 0,
@@ -380,7 +380,7 @@ fn time_compile(scale: &'static str, inputs: &PlanInputs, expected: &CompiledPla
     Ok(ms(elapsed))
 }
 
-pub(super) fn ms(duration: Duration) -> f64 {
+pub(crate) fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
 }
 
@@ -447,7 +447,7 @@ fn table(report: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "berth bench egress: the pure compile of one tenant, {} timed runs per size after a warm-up (seed {:#x})",
+        "berth-bench egress: the pure compile of one tenant, {} timed runs per size after a warm-up (seed {:#x})",
         report.repeat, report.seed
     );
     let _ = writeln!(
@@ -945,7 +945,7 @@ fn path_figures(
 }
 
 /// The nearest-rank percentile `q` of sorted samples.
-pub(super) fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+pub(crate) fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
     if sorted.is_empty() {
         return None;
     }

@@ -1,38 +1,26 @@
-//! `berth bench deploy` run as a user runs it: the real binary starting
+//! `berth-bench deploy` run as a user runs it: the real binary starting
 //! identity and leases beside it on PostgreSQL and Redis, revisions and a
 //! node in its own process and a registry on loopback, tiny enough for a
 //! debug build.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
-mod siblings;
-
 use std::process::{Command, Output};
 
-use siblings::sibling;
+/// `name`, of `package`, beside the `berth-bench` under test.
+fn sibling(name: &str, package: &str) -> std::path::PathBuf {
+    berth_testkit::sibling(env!("CARGO_BIN_EXE_berth-bench"), name, package)
+}
 
-fn berth(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_berth")).args(args).env("RUST_LOG", "warn").output().unwrap()
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_berth-bench")).args(args).env("RUST_LOG", "warn").output().unwrap()
 }
 
 #[test]
 fn a_tiny_deploy_run_reports_warm_and_cold_latency_beside_its_baselines_and_mint_rates() {
     sibling("berth-identity", "berth-identity");
     sibling("berth-leases", "berth-leases");
-    let out = berth(&[
-        "bench",
-        "deploy",
-        "--warm",
-        "3",
-        "--cold",
-        "2",
-        "--bundle-mib",
-        "1",
-        "--mints",
-        "5",
-        "--output",
-        "json",
-    ]);
+    let out = bench(&["deploy", "--warm", "3", "--cold", "2", "--bundle-mib", "1", "--mints", "5", "--output", "json"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");

@@ -1,15 +1,14 @@
-//! The leases replica under test: the real `berth-leases` binary, run as a
-//! process of its own with certificate files, a store and a bus made for
-//! the run, so its throughput and memory are its own.
+//! What every scenario needs to run a service under test as a process of
+//! its own: the binary beside `berth-bench`, a child watched until it exits
+//! and stopped gracefully, a scratch PostgreSQL database and a claimed Redis
+//! prefix, each removed at the end.
 //!
 //! # What is stored
-//! - A temporary directory (removed at the end): the replica's certificate
-//!   files, its log, and its SQLite file when no PostgreSQL server is given.
-//! - With a PostgreSQL server: a scratch database `berth_bench_<pid>_<random>`
-//!   created there and dropped at the end (FORCE), so the replica's `leases`
-//!   schema and any baseline table are the run's alone.
-//! - With a Redis: the replica's keys under its usual `leases:` prefix, which
-//!   must be empty when the run starts and is cleared at the end.
+//! - A process's log, in a directory its caller makes and removes.
+//! - A scratch database `berth_bench_<pid>_<random>` on the PostgreSQL
+//!   server given, dropped (FORCE) by [`ScratchDatabase::drop_database`].
+//! - On Redis, a service's usual prefix, which must be empty when claimed
+//!   ([`claim_bus`]) because the run clears it when it ends.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -17,23 +16,22 @@ use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use berth_bus::{Bus, Continuity};
-use berth_mtls::{TlsCredentials, TlsMaterial};
+use berth_mtls::TlsCredentials;
 use sqlx::{AnyConnection, Connection as _, Executor as _};
 use tokio::sync::{oneshot, watch};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-use super::identity_process::with_database;
-use super::procfs::{self, Memory};
+use crate::procfs::{self, Memory};
 
-/// How long the replica may take from spawn to answering its health check.
+/// How long a process may take from spawn to answering its health check.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How often readiness is probed.
 const READY_POLL: Duration = Duration::from_millis(100);
 
-/// How long the replica may take to drain and exit after SIGTERM.
+/// How long a process may take to drain and exit after SIGTERM.
 const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Lines of a log quoted when a process fails.
@@ -42,14 +40,14 @@ const LOG_TAIL_LINES: usize = 15;
 /// Why a bench process or its state could not be made, watched or removed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ServiceProcessError {
-    /// The binary is not beside `berth`.
-    #[error("{path} not found: build it with cargo build --release --bins (it must sit next to berth)")]
+    /// The binary is not beside `berth-bench`.
+    #[error("{path} not found: build it with cargo build --release --bins (it must sit next to berth-bench)")]
     MissingBinary {
         /// Where it was looked for.
         path: String,
     },
     /// The running executable's path is unknown.
-    #[error("cannot find the running berth executable: {0}")]
+    #[error("cannot find the running berth-bench executable: {0}")]
     CurrentExe(#[source] std::io::Error),
     /// `--database-url` is not a PostgreSQL server.
     #[error("--database-url must be a postgres:// URL")]
@@ -117,116 +115,23 @@ pub(crate) enum ServiceProcessError {
     },
 }
 
-/// The binary `name` beside the running `berth`.
-pub(super) fn sibling_binary(name: &str) -> Result<PathBuf, ServiceProcessError> {
+/// The binary `name` beside the running `berth-bench`.
+pub(crate) fn sibling_binary(name: &str) -> Result<PathBuf, ServiceProcessError> {
     let me = std::env::current_exe().map_err(ServiceProcessError::CurrentExe)?;
     let path = me.with_file_name(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     if path.is_file() { Ok(path) } else { Err(ServiceProcessError::MissingBinary { path: path.display().to_string() }) }
 }
 
 /// A loopback port nothing listens on right now.
-pub(super) fn free_loopback_port() -> Result<SocketAddr, ServiceProcessError> {
+pub(crate) fn free_loopback_port() -> Result<SocketAddr, ServiceProcessError> {
     let probe = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .map_err(|source| ServiceProcessError::Io { what: "cannot find a free loopback port", source })?;
     probe.local_addr().map_err(|source| ServiceProcessError::Io { what: "cannot find a free loopback port", source })
 }
 
-/// Where and how the leases replica runs.
-#[derive(Debug)]
-pub(super) struct LeasesLaunch<'a> {
-    /// Its own certificate, key and CA bundle (a `leases` service identity).
-    pub(super) material: TlsMaterial,
-    /// Credentials the bench probes its health with.
-    pub(super) probe: &'a TlsCredentials,
-    /// Its store: `postgres://` (a scratch database) or `sqlite://` under the run's directory.
-    pub(super) database_url: String,
-    /// Its bus: `redis://` or `memory://`.
-    pub(super) redis_url: String,
-    /// Where it follows the node registry.
-    pub(super) identity_addr: SocketAddr,
-    /// Its lease TTL in seconds.
-    pub(super) lease_ttl_seconds: u64,
-}
-
-/// A running `berth-leases`.
-#[derive(Debug)]
-pub(super) struct LeasesProcess {
-    child: ChildProcess,
-    addr: SocketAddr,
-    _dir: tempfile::TempDir,
-}
-
-impl LeasesProcess {
-    /// Writes the certificate files, starts the replica on a free loopback
-    /// port and waits until it serves.
-    pub(super) async fn start(launch: LeasesLaunch<'_>) -> Result<Self, ServiceProcessError> {
-        let binary = sibling_binary("berth-leases")?;
-        let dir = tempfile::Builder::new()
-            .prefix("berth-bench-leases-")
-            .tempdir()
-            .map_err(|source| ServiceProcessError::Io { what: "cannot create a temporary directory", source })?;
-        let write = |name: &str, text: &str| -> Result<PathBuf, ServiceProcessError> {
-            let path = dir.path().join(name);
-            std::fs::write(&path, text)
-                .map_err(|source| ServiceProcessError::Io { what: "cannot write a certificate file", source })?;
-            Ok(path)
-        };
-        let cert = write("leases.crt", &launch.material.cert_chain_pem)?;
-        let key = write("leases.key", &launch.material.key_pem)?;
-        let ca = write("ca.crt", &launch.material.ca_bundle_pem)?;
-        let addr = free_loopback_port()?;
-        let mut command = tokio::process::Command::new(&binary);
-        command
-            .arg("--listen")
-            .arg(addr.to_string())
-            .arg("--tls-cert")
-            .arg(cert)
-            .arg("--tls-key")
-            .arg(key)
-            .arg("--ca-file")
-            .arg(ca)
-            .arg("--database-url")
-            .arg(&launch.database_url)
-            .arg("--redis-url")
-            .arg(&launch.redis_url)
-            .arg("--identity-addr")
-            .arg(launch.identity_addr.to_string())
-            .arg("--lease-ttl")
-            .arg(launch.lease_ttl_seconds.to_string());
-        let child = ChildProcess::spawn("berth-leases", &binary, command, dir.path().join("leases.log"))?;
-        child.wait_until_serving(addr, launch.probe).await?;
-        Ok(Self { child, addr, _dir: dir })
-    }
-
-    /// The replica's process id.
-    pub(super) fn pid(&self) -> u32 {
-        self.child.pid
-    }
-
-    /// Where it serves.
-    pub(super) fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Its resident memory now and its peak so far.
-    pub(super) fn memory(&self) -> Option<Memory> {
-        procfs::read_memory(self.child.pid)
-    }
-
-    /// Resolves once it has exited, with the reason as an error.
-    pub(super) async fn exited(&self) -> ServiceProcessError {
-        self.child.exited().await
-    }
-
-    /// SIGTERM, then SIGKILL after [`STOP_TIMEOUT`].
-    pub(super) async fn stop(self) {
-        self.child.stop().await;
-    }
-}
-
 /// A child process the bench started, watched until it exits.
 #[derive(Debug)]
-pub(super) struct ChildProcess {
+pub(crate) struct ChildProcess {
     binary: &'static str,
     pid: u32,
     log: PathBuf,
@@ -235,8 +140,9 @@ pub(super) struct ChildProcess {
 }
 
 impl ChildProcess {
-    /// Spawns `command` with its output in `log`; it is killed if the bench drops it.
-    pub(super) fn spawn(
+    /// Spawns `command` with its output in `log`; it is killed if the bench
+    /// drops it without [`ChildProcess::stop`].
+    pub(crate) fn spawn(
         binary: &'static str,
         path: &Path,
         mut command: tokio::process::Command,
@@ -260,7 +166,10 @@ impl ChildProcess {
         tokio::spawn(async move {
             let status = tokio::select! {
                 status = child.wait() => status,
-                Ok(()) = killed => {
+                // Sent, or its sender dropped with the process's owner (a
+                // start that failed): either way nobody will stop it
+                // gracefully any more.
+                _ = killed => {
                     let _ = child.start_kill();
                     child.wait().await
                 }
@@ -271,12 +180,17 @@ impl ChildProcess {
     }
 
     /// The process id.
-    pub(super) fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.pid
     }
 
+    /// Its resident memory now and its peak so far.
+    pub(crate) fn memory(&self) -> Option<Memory> {
+        procfs::read_memory(self.pid)
+    }
+
     /// Polls `grpc.health.v1` at `addr` until it says SERVING.
-    pub(super) async fn wait_until_serving(
+    pub(crate) async fn wait_until_serving(
         &self,
         addr: SocketAddr,
         credentials: &TlsCredentials,
@@ -309,7 +223,7 @@ impl ChildProcess {
     }
 
     /// Resolves once the process has exited, with the reason as an error.
-    pub(super) async fn exited(&self) -> ServiceProcessError {
+    pub(crate) async fn exited(&self) -> ServiceProcessError {
         let mut exited = self.exited.clone();
         let status = match exited.wait_for(Option::is_some).await {
             Ok(status) => status.map_or_else(|| "unknown status".to_string(), |s| s.to_string()),
@@ -319,7 +233,7 @@ impl ChildProcess {
     }
 
     /// SIGTERM, then SIGKILL after [`STOP_TIMEOUT`].
-    pub(super) async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         if self.exited.borrow().is_some() {
             return;
         }
@@ -356,7 +270,7 @@ fn log_tail(path: &Path) -> String {
 
 /// Claims `prefix` on the Redis at `url` for the run: an empty prefix gets
 /// the bus's marker and reads fresh; anything else is someone's data.
-pub(super) async fn claim_bus(url: &str, prefix: &'static str) -> Result<Bus, ServiceProcessError> {
+pub(crate) async fn claim_bus(url: &str, prefix: &'static str) -> Result<Bus, ServiceProcessError> {
     let bus = Bus::connect(url, prefix).await.map_err(ServiceProcessError::Bus)?;
     if bus.continuity().await.map_err(ServiceProcessError::Bus)? != Continuity::Fresh {
         return Err(ServiceProcessError::BusInUse { url: url.to_string(), prefix });
@@ -366,7 +280,7 @@ pub(super) async fn claim_bus(url: &str, prefix: &'static str) -> Result<Bus, Se
 
 /// A database of the run's own on the PostgreSQL server it was given.
 #[derive(Debug)]
-pub(super) struct ScratchDatabase {
+pub(crate) struct ScratchDatabase {
     server_url: String,
     name: String,
     url: String,
@@ -374,8 +288,8 @@ pub(super) struct ScratchDatabase {
 
 impl ScratchDatabase {
     /// Creates `berth_bench_<pid>_<random>` on `server_url`.
-    pub(super) async fn create(server_url: &str) -> Result<Self, ServiceProcessError> {
-        if !(server_url.starts_with("postgres://") || server_url.starts_with("postgresql://")) {
+    pub(crate) async fn create(server_url: &str) -> Result<Self, ServiceProcessError> {
+        if !is_postgres(server_url) {
             return Err(ServiceProcessError::DatabaseUrl);
         }
         let name = format!("berth_bench_{}_{:08x}", std::process::id(), rand::random::<u32>());
@@ -390,12 +304,12 @@ impl ScratchDatabase {
     }
 
     /// The scratch database's own URL.
-    pub(super) fn url(&self) -> &str {
+    pub(crate) fn url(&self) -> &str {
         &self.url
     }
 
     /// Runs `sql` (one or more statements) in the scratch database.
-    pub(super) async fn execute(&self, sql: &str) -> Result<(), ServiceProcessError> {
+    pub(crate) async fn execute(&self, sql: &str) -> Result<(), ServiceProcessError> {
         let failed =
             |source| ServiceProcessError::ScratchDatabase { what: "cannot use", name: self.name.clone(), source };
         let mut conn = AnyConnection::connect(&self.url).await.map_err(failed)?;
@@ -405,7 +319,7 @@ impl ScratchDatabase {
     }
 
     /// The first column of the one row `sql` returns, as a count.
-    pub(super) async fn count(&self, sql: &str) -> Result<i64, ServiceProcessError> {
+    pub(crate) async fn count(&self, sql: &str) -> Result<i64, ServiceProcessError> {
         use sqlx::Row as _;
         let failed =
             |source| ServiceProcessError::ScratchDatabase { what: "cannot use", name: self.name.clone(), source };
@@ -417,7 +331,7 @@ impl ScratchDatabase {
     }
 
     /// Drops the database, ending any session left in it.
-    pub(super) async fn drop_database(self) -> Result<(), ServiceProcessError> {
+    pub(crate) async fn drop_database(self) -> Result<(), ServiceProcessError> {
         let failed =
             |source| ServiceProcessError::ScratchDatabase { what: "cannot drop", name: self.name.clone(), source };
         let mut conn = AnyConnection::connect(&self.server_url).await.map_err(failed)?;
@@ -426,5 +340,53 @@ impl ScratchDatabase {
             .map_err(failed)?;
         let _ = conn.close().await;
         Ok(())
+    }
+}
+
+/// Whether `url` names a PostgreSQL server.
+pub(crate) fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+/// `url` naming database `name` instead of its own, query kept.
+fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
+    let authority_start = base.find("://").map_or(0, |i| i + 3);
+    let server = match base[authority_start..].find('/') {
+        Some(slash) => &base[..authority_start + slash],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{server}/{name}?{query}"),
+        None => format!("{server}/{name}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scratch_database_replaces_only_the_database_name() {
+        assert_eq!(
+            with_database("postgres://postgres@127.0.0.1:5432/postgres", "b1"),
+            "postgres://postgres@127.0.0.1:5432/b1"
+        );
+        assert_eq!(with_database("postgres://u:p@db:5432", "b1"), "postgres://u:p@db:5432/b1");
+        assert_eq!(
+            with_database("postgresql://u@db/test?sslmode=disable", "b1"),
+            "postgresql://u@db/b1?sslmode=disable"
+        );
+        assert_eq!(
+            with_database("postgresql://u@db/test?sslmode=disable&application_name=x", "b1"),
+            "postgresql://u@db/b1?sslmode=disable&application_name=x"
+        );
+    }
+
+    #[test]
+    fn a_sqlite_url_is_refused_as_a_database_server() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let refused = runtime.block_on(ScratchDatabase::create("sqlite:///tmp/x.db"));
+        assert!(matches!(refused, Err(ServiceProcessError::DatabaseUrl)));
     }
 }

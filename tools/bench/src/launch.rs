@@ -1,4 +1,4 @@
-//! `berth bench launch`: from `RequestLease` to the workload's process
+//! `berth-bench launch`: from `RequestLease` to the workload's process
 //! RUNNING on a real agent, with the agent's and the ledger's memory.
 //!
 //! # Expected flow
@@ -16,7 +16,7 @@
 //!    before every service is stopped and the state removed.
 //! 5. What the runtime itself adds, at the provider, beside a raw
 //!    `fork+exec` and the runtime's own bare `run` in the same run (see
-//!    [`super::runtime_launch`]).
+//!    [`crate::runtime_launch`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -31,17 +31,16 @@ use berth_rpc::Channel;
 use serde::Serialize;
 use tokio::task::JoinSet;
 
-use super::heartbeats::OutputFormat;
-use super::identity_process::{IdentityProcess, ProcessError, StateOptions};
-use super::leases::{LeasesBenchError, latency, wait_for_nodes};
-use super::leases_process::{
-    ChildProcess, LeasesLaunch, LeasesProcess, ServiceProcessError, free_loopback_port, sibling_binary,
-};
-use super::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
-use super::nodes::{self, NODE_CAPACITY};
-use super::procfs::{load_average, read_memory};
-use super::report::Target;
-use super::runtime_launch::{BenchRuntime, RuntimeLaunch, RuntimeLaunchError};
+use crate::heartbeats::OutputFormat;
+use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
+use crate::leases::{LeasesBenchError, latency, wait_for_nodes};
+use crate::leases_process::{LeasesLaunch, LeasesProcess};
+use crate::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
+use crate::nodes::{self, NODE_CAPACITY};
+use crate::process::{ChildProcess, ServiceProcessError, free_loopback_port, sibling_binary};
+use crate::procfs::{load_average, read_memory};
+use crate::report::Target;
+use crate::runtime_launch::{BenchRuntime, RuntimeLaunch, RuntimeLaunchError};
 use berth_agent::OciRuntime;
 
 /// Request → RUNNING p99 must stay under this.
@@ -101,9 +100,9 @@ const RECORDS_HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// Placements in flight while the records are made.
 const RECORD_CONCURRENCY: u32 = 32;
 
-/// Flags of `berth bench launch`.
+/// Flags of `berth-bench launch`.
 #[derive(Debug, Clone, clap::Args)]
-pub(super) struct LaunchArgs {
+pub(crate) struct LaunchArgs {
     /// How many leases are launched, one after another, and left running.
     #[arg(long, default_value_t = 100, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
     leases: u32,
@@ -234,7 +233,7 @@ struct RecordsMemory {
 }
 
 /// Runs the scenario and prints its report.
-pub(super) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
+pub(crate) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
     if args.runtime == BenchRuntime::Uncontained && rustix::process::geteuid().is_root() {
         return Err(LaunchBenchError::Refused {
             what: "--runtime uncontained",
@@ -268,7 +267,7 @@ pub(super) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
         args.compare,
         args.runtime.name()
     ));
-    report.runtime = Some(super::runtime_launch::measure(args.runtime, args.compare).await?);
+    report.runtime = Some(crate::runtime_launch::measure(args.runtime, args.compare).await?);
     report.load_average_before = load_average_before;
     report.judge();
     let text = match args.output {
@@ -338,7 +337,7 @@ async fn join_token(admin: &Channel, tier: &str, uses: u32) -> Result<String, La
             labels: Default::default(),
             ttl_seconds: 0,
             max_uses: uses,
-            description: "berth bench launch".to_string(),
+            description: "berth-bench launch".to_string(),
         })
         .await
         .map_err(|s| LaunchBenchError::Refused { what: "a join token", message: status_message(&s) })?;
@@ -735,7 +734,7 @@ impl LaunchReport {
         use std::fmt::Write as _;
         let mut out = String::new();
         let l = &self.launch;
-        let _ = writeln!(out, "berth bench launch: {} leases one at a time, {} provider", self.leases, self.provider);
+        let _ = writeln!(out, "berth-bench launch: {} leases one at a time, {} provider", self.leases, self.provider);
         let _ = writeln!(out, "{:<30}{:>10}{:>10}{:>10}{:>8}", "", "p50", "p99", "max", "errors");
         let _ = writeln!(
             out,

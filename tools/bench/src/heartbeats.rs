@@ -1,9 +1,10 @@
-//! `berth bench heartbeats`: simulated nodes heartbeating one identity
-//! replica over real mTLS, beside an empty RPC on the same stack.
+//! `berth-bench heartbeats`: simulated nodes heartbeating identity over
+//! real mTLS, beside an empty RPC on the same stack.
 //!
 //! # Expected flow
-//! 1. Identity starts as a process of its own on fresh state; its idle
-//!    memory is read once it serves.
+//! 1. Identity starts as a process of its own on fresh state (with
+//!    `--replicas N`, N processes on one PostgreSQL database and Redis); its
+//!    idle memory is read once it serves.
 //! 2. Baseline: `--nodes` mTLS connections (the bench's admin certificate)
 //!    call `grpc.health.v1.Health/Check` back to back, one call in flight on
 //!    each: the most this stack serves of an RPC that does nothing.
@@ -19,6 +20,14 @@
 //!
 //! Identity's memory is sampled throughout; its kernel-kept peak (`VmHWM`)
 //! is the figure "at load".
+//!
+//! # Several replicas
+//! Each node joins through replica `index % N` and heartbeats to the replica
+//! an agent given all N addresses would prefer (`berth_agent::preferred_index`
+//! of its node id), so the spread is the one a real fleet gets. The baseline's
+//! connections go round the replicas. Memory and CPU figures are the sum over
+//! the replicas; the report also gives each replica's nodes and memory, and
+//! the memory target holds each replica, not their sum.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,11 +42,11 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-use super::identity_process::{IdentityProcess, ProcessError, StateOptions};
-use super::load::{CpuFigures, CpuUse, ErrorTally, Figures, Samples, Window, is_transient, status_message};
-use super::nodes::{self, JoinedNode, MAX_NODES, NODE_CAPACITY};
-use super::procfs::{MachineCpu, Memory, load_average, read_cpu_time, read_machine_cpu, read_memory};
-use super::report::{JoinFigures, MemoryFigures, PhasePeaks, Report, human};
+use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
+use crate::load::{CpuFigures, CpuUse, ErrorTally, Figures, Samples, Window, is_transient, status_message};
+use crate::nodes::{self, JoinedNode, MAX_NODES, NODE_CAPACITY};
+use crate::procfs::{MachineCpu, Memory, load_average, read_cpu_time, read_machine_cpu, read_memory};
+use crate::report::{JoinFigures, MemoryFigures, PhasePeaks, ReplicaFigures, Report, human};
 
 /// How long one call may take before it counts as failed.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -66,16 +75,16 @@ const SPARE_FILES: u64 = 256;
 
 /// Output formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(super) enum OutputFormat {
+pub(crate) enum OutputFormat {
     /// Aligned columns for people.
     Table,
     /// Every figure as JSON, for scripts.
     Json,
 }
 
-/// Flags of `berth bench heartbeats`.
+/// Flags of `berth-bench heartbeats`.
 #[derive(Debug, Clone, clap::Args)]
-pub(super) struct HeartbeatArgs {
+pub(crate) struct HeartbeatArgs {
     /// How many simulated nodes join and heartbeat, each on its own
     /// connection (and as many connections for the baseline).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_NODES)))]
@@ -99,6 +108,11 @@ pub(super) struct HeartbeatArgs {
     /// Unset: identity's in-process bus.
     #[arg(long, value_name = "URL")]
     redis_url: Option<String>,
+    /// How many identity replicas serve the nodes, on one PostgreSQL
+    /// database and Redis (above 1, --database-url and --redis-url are
+    /// needed).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=16))]
+    replicas: u32,
     /// How many nodes join at once.
     #[arg(long, default_value_t = 32, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
     join_concurrency: u32,
@@ -113,6 +127,9 @@ pub(crate) enum BenchError {
     /// Identity could not be started, died, or its state not removed.
     #[error(transparent)]
     Identity(#[from] ProcessError),
+    /// Replicas were asked for without the state they share.
+    #[error("--replicas {0} needs --database-url and --redis-url: replicas share one PostgreSQL database and Redis")]
+    ReplicasNeedSharedState(u32),
     /// The process may not open enough files for the connections.
     #[error(
         "{nodes} nodes need about {needed} open files, but the limit is {limit} (hard limit {hard}); \
@@ -176,15 +193,18 @@ pub(crate) enum BenchError {
 }
 
 /// Runs the scenario and prints its report.
-pub(super) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
+pub(crate) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
+    if args.replicas > 1 && (args.database_url.is_none() || args.redis_url.is_none()) {
+        return Err(BenchError::ReplicasNeedSharedState(args.replicas));
+    }
     raise_open_files_limit(args.nodes, args.join_concurrency)?;
     let load_average_before = load_average();
     let state = StateOptions { database_url: args.database_url.clone(), redis_url: args.redis_url.clone() };
     let shutdown = berth_rpc::shutdown_signal();
     let (store, bus) = state.describe();
-    progress(&format!("starting berth-identity on {store} with a {bus} bus"));
+    progress(&format!("starting {} berth-identity replica(s) on {store} with a {bus} bus", args.replicas));
     let identity = tokio::select! {
-        started = IdentityProcess::start(&state) => started?,
+        started = IdentityProcess::start_replicas(&state, args.replicas as usize) => started?,
         () = shutdown.cancelled() => return Err(BenchError::Interrupted),
     };
     let outcome = tokio::select! {
@@ -218,10 +238,12 @@ async fn scenario(
     store: &'static str,
     bus: &'static str,
 ) -> Result<Report, BenchError> {
-    let memory = MemorySampler::spawn(identity);
+    let pids = identity.pids();
+    let memory = MemorySampler::spawn(&pids);
     tokio::time::sleep(IDLE_SETTLE).await;
-    let idle_kib = identity_memory(identity)?.rss_kib;
-    memory.take_peak();
+    let idle = replica_memory(&pids)?;
+    let idle_kib: u64 = idle.iter().map(|m| m.rss_kib).sum();
+    memory.take_peaks();
     let errors = ErrorTally::default();
 
     progress(&format!(
@@ -231,13 +253,13 @@ async fn scenario(
         human(args.duration)
     ));
     let empty = baseline(identity, args, &errors).await?;
-    let empty_peak = memory.take_peak();
+    let empty_peak: u64 = memory.take_peaks().iter().sum();
 
     progress(&format!("joining {} nodes, {} at a time", args.nodes, args.join_concurrency));
-    let join_started = CpuMark::now(identity.pid());
+    let join_started = CpuMark::now(&pids);
     let fleet = Fleet::join(identity, args, &errors).await?;
-    let join_cpu = join_started.zip(CpuMark::now(identity.pid())).map(|(before, after)| before.until(after));
-    let join_peak = memory.take_peak();
+    let join_cpu = join_started.zip(CpuMark::now(&pids)).map(|(before, after)| before.until(after));
+    let join_peak: u64 = memory.take_peaks().iter().sum();
     let join = JoinFigures {
         nodes: args.nodes,
         first_heartbeat_failed: fleet.not_up,
@@ -256,13 +278,27 @@ async fn scenario(
         human(args.duration)
     ));
     let plan = fleet.start_plan(args.warmup, args.duration);
-    let paced_cpu = measure_cpu(identity.pid(), plan.paced);
-    let saturated_cpu = measure_cpu(identity.pid(), plan.saturated);
+    let paced_cpu = measure_cpu(&pids, plan.paced);
+    let saturated_cpu = measure_cpu(&pids, plan.saturated);
     tokio::time::sleep_until(plan.saturate_at.into()).await;
-    let paced_peak = memory.take_peak();
+    let paced_peaks = memory.take_peaks();
+    let paced_peak: u64 = paced_peaks.iter().sum();
+    let nodes_per_replica = fleet.per_replica.clone();
     let (paced, saturated) = fleet.finish().await?;
-    let saturated_peak = memory.take_peak();
-    let at_load_kib = identity_memory(identity)?.peak_kib;
+    let saturated_peak: u64 = memory.take_peaks().iter().sum();
+    let at_load = replica_memory(&pids)?;
+    let at_load_kib: u64 = at_load.iter().map(|m| m.peak_kib).sum();
+    let replicas = (0..pids.len())
+        .map(|i| ReplicaFigures {
+            pid: pids[i],
+            nodes: nodes_per_replica[i],
+            idle_mib: mib(idle[i].rss_kib),
+            at_load_mib: mib(at_load[i].peak_kib),
+            heartbeat_mib: mib(paced_peaks[i]),
+            per_node_kib: (nodes_per_replica[i] > 0)
+                .then(|| paced_peaks[i].saturating_sub(idle[i].rss_kib) as f64 / f64::from(nodes_per_replica[i])),
+        })
+        .collect();
 
     Ok(Report {
         scenario: "heartbeats",
@@ -293,6 +329,7 @@ async fn scenario(
             },
             per_connection_kib: empty_peak.saturating_sub(idle_kib) as f64 / f64::from(args.nodes),
         },
+        replicas,
         errors: errors.summary(),
         targets: Vec::new(),
         cpus: std::thread::available_parallelism().map_or(0, usize::from),
@@ -300,8 +337,9 @@ async fn scenario(
     })
 }
 
-fn identity_memory(identity: &IdentityProcess) -> Result<Memory, BenchError> {
-    identity.memory().ok_or(BenchError::Memory { pid: identity.pid() })
+/// Each replica's memory now, in order.
+fn replica_memory(pids: &[u32]) -> Result<Vec<Memory>, BenchError> {
+    pids.iter().map(|&pid| read_memory(pid).ok_or(BenchError::Memory { pid })).collect()
 }
 
 /// The empty-RPC baseline: every connection dialled first, then health
@@ -311,9 +349,10 @@ async fn baseline(
     args: &HeartbeatArgs,
     errors: &ErrorTally,
 ) -> Result<Figures, BenchError> {
-    let addr = identity.addr().to_string();
+    let addrs = identity.addrs();
     let mut clients = Vec::with_capacity(args.nodes as usize);
     for index in 0..args.nodes {
+        let addr = addrs[index as usize % addrs.len()].to_string();
         let channel = berth_rpc::connect(&addr, identity.admin().clone())
             .map_err(|e| BenchError::Connect { index, message: e.to_string() })?;
         clients.push(HealthClient::new(channel));
@@ -337,7 +376,7 @@ async fn baseline(
     }
 
     let window = Window::after(Instant::now(), args.warmup, args.duration);
-    let cpu = measure_cpu(identity.pid(), window);
+    let cpu = measure_cpu(&identity.pids(), window);
     let mut running = JoinSet::new();
     for mut client in ready {
         let errors = errors.clone();
@@ -406,6 +445,8 @@ struct Fleet {
     joined_in: Duration,
     /// Nodes whose first heartbeat failed every attempt; their loops go on trying.
     not_up: u32,
+    /// Nodes heartbeating to each replica, in order.
+    per_replica: Vec<u32>,
 }
 
 impl Fleet {
@@ -421,11 +462,13 @@ impl Fleet {
         let mut loops = JoinSet::new();
         let mut joins = JoinSet::new();
         let slots = Arc::new(Semaphore::new(args.join_concurrency as usize));
-        let addr = identity.addr();
+        let addrs: Arc<Vec<std::net::SocketAddr>> = Arc::new(identity.addrs());
+        let mut per_replica = vec![0; addrs.len()];
         let mut not_up = 0;
         let mut launch = |joined: Result<JoinedClient, BenchError>| {
-            let JoinedClient { index, node, client, up } = joined?;
+            let JoinedClient { index, node, client, up, replica } = joined?;
             not_up += u32::from(!up);
+            per_replica[replica] += 1;
             let phase = args.interval.mul_f64(f64::from(index) / f64::from(args.nodes));
             let beat = Beat { node_id: node.node_id, incarnation: node.incarnation };
             loops.spawn(heartbeat_loop(client, beat, epoch + phase, args.interval, plan_rx.clone(), errors.clone()));
@@ -433,11 +476,12 @@ impl Fleet {
         };
         for index in 0..args.nodes {
             let slot = slots.clone().acquire_owned().await.map_err(|_| BenchError::Interrupted)?;
-            let (tokens, ca_bundle_pem, errors) = (tokens.clone(), ca_bundle_pem.clone(), errors.clone());
+            let (tokens, ca_bundle_pem, errors, addrs) =
+                (tokens.clone(), ca_bundle_pem.clone(), errors.clone(), addrs.clone());
             joins.spawn(async move {
                 let _slot = slot;
                 let token = &tokens[index as usize % tokens.len()];
-                join_and_beat(index, addr, token, &ca_bundle_pem, &errors).await
+                join_and_beat(index, &addrs, token, &ca_bundle_pem, &errors).await
             });
             while let Some(joined) = joins.try_join_next() {
                 launch(joined.map_err(BenchError::Task)?)?;
@@ -446,7 +490,7 @@ impl Fleet {
         while let Some(joined) = joins.join_next().await {
             launch(joined.map_err(BenchError::Task)?)?;
         }
-        Ok(Fleet { loops, plan, joined_in: started.elapsed(), not_up })
+        Ok(Fleet { loops, plan, joined_in: started.elapsed(), not_up, per_replica })
     }
 
     /// Sets the windows from now and tells every node.
@@ -485,7 +529,7 @@ async fn create_tokens(identity: &IdentityProcess, nodes: u32) -> Result<Vec<Str
             labels: Default::default(),
             ttl_seconds: 0,
             max_uses: uses,
-            description: "berth bench heartbeats".to_string(),
+            description: "berth-bench heartbeats".to_string(),
         });
         request.set_timeout(CALL_TIMEOUT);
         let created = client.create_join_token(request).await.map_err(|s| BenchError::Token(status_message(&s)))?;
@@ -550,23 +594,26 @@ struct JoinedClient {
     client: NodeSessionClient<Channel>,
     /// Whether its first heartbeat succeeded.
     up: bool,
+    /// Which replica it heartbeats to.
+    replica: usize,
 }
 
-/// Joins node `index` and sends its first heartbeat over its own mTLS
-/// connection, which that heartbeat dials. Like an agent, it tries a
+/// Joins node `index` (through replica `index % N` of `replicas`) and sends
+/// its first heartbeat over its own mTLS connection, which that heartbeat
+/// dials, to the replica an agent with the same list would prefer. Like an agent, it tries a
 /// transient failure again after a jittered backoff, and when its first
 /// heartbeat keeps failing so it goes on heartbeating in its loop; every
 /// failure is counted in `errors`. A refusal no retry can cure ends the run.
 async fn join_and_beat(
     index: u32,
-    identity: std::net::SocketAddr,
+    replicas: &[std::net::SocketAddr],
     token: &str,
     ca_bundle_pem: &str,
     errors: &ErrorTally,
 ) -> Result<JoinedClient, BenchError> {
     let mut attempt = 1;
     let node = loop {
-        match nodes::join(index, identity, token, ca_bundle_pem).await {
+        match nodes::join(index, replicas[index as usize % replicas.len()], token, ca_bundle_pem).await {
             Ok(node) => break node,
             Err(source) => {
                 errors.add(&format!("join: {source}"));
@@ -578,21 +625,22 @@ async fn join_and_beat(
         tokio::time::sleep(setup_backoff(attempt)).await;
         attempt += 1;
     };
-    let channel = berth_rpc::connect(&identity.to_string(), node.credentials.clone())
+    let replica = berth_agent::preferred_index(&node.node_id, replicas.len());
+    let channel = berth_rpc::connect(&replicas[replica].to_string(), node.credentials.clone())
         .map_err(|e| BenchError::Connect { index, message: e.to_string() })?;
     let mut client = NodeSessionClient::new(channel);
     let beat = Beat { node_id: node.node_id.clone(), incarnation: node.incarnation };
     let mut attempt = 1;
     loop {
         match beat.send(&mut client).await {
-            Ok(()) => return Ok(JoinedClient { index, node, client, up: true }),
+            Ok(()) => return Ok(JoinedClient { index, node, client, up: true, replica }),
             Err(failure) => {
                 errors.add(&format!("first heartbeat: {}", failure.message));
                 if !failure.transient {
                     return Err(BenchError::FirstHeartbeat { index, node_id: node.node_id, message: failure.message });
                 }
                 if attempt == SETUP_ATTEMPTS {
-                    return Ok(JoinedClient { index, node, client, up: false });
+                    return Ok(JoinedClient { index, node, client, up: false, replica });
                 }
             }
         }
@@ -677,33 +725,35 @@ fn next_tick(phase: Instant, interval: Duration, now: Instant) -> Instant {
     phase + interval.saturating_mul(ticks)
 }
 
-/// Samples identity's resident memory in the background, keeping the
-/// highest reading since it was last asked.
+/// Samples each replica's resident memory in the background, keeping the
+/// highest reading of each since it was last asked.
 #[derive(Debug)]
 struct MemorySampler {
-    peak_kib: Arc<AtomicU64>,
+    peaks_kib: Arc<Vec<AtomicU64>>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl MemorySampler {
-    fn spawn(identity: &IdentityProcess) -> Self {
-        let peak_kib = Arc::new(AtomicU64::new(0));
-        let (pid, peak) = (identity.pid(), peak_kib.clone());
+    fn spawn(pids: &[u32]) -> Self {
+        let peaks_kib: Arc<Vec<AtomicU64>> = Arc::new(pids.iter().map(|_| AtomicU64::new(0)).collect());
+        let (pids, peaks) = (pids.to_vec(), peaks_kib.clone());
         let task = tokio::spawn(async move {
             let mut every = tokio::time::interval(MEMORY_SAMPLE_EVERY);
             loop {
                 every.tick().await;
-                if let Some(memory) = read_memory(pid) {
-                    peak.fetch_max(memory.rss_kib, Ordering::Relaxed);
+                for (pid, peak) in pids.iter().zip(peaks.iter()) {
+                    if let Some(memory) = read_memory(*pid) {
+                        peak.fetch_max(memory.rss_kib, Ordering::Relaxed);
+                    }
                 }
             }
         });
-        MemorySampler { peak_kib, task }
+        MemorySampler { peaks_kib, task }
     }
 
-    /// The highest reading since the last call, KiB.
-    fn take_peak(&self) -> u64 {
-        self.peak_kib.swap(0, Ordering::Relaxed)
+    /// Each replica's highest reading since the last call, KiB.
+    fn take_peaks(&self) -> Vec<u64> {
+        self.peaks_kib.iter().map(|peak| peak.swap(0, Ordering::Relaxed)).collect()
     }
 }
 
@@ -722,12 +772,10 @@ struct CpuMark {
 }
 
 impl CpuMark {
-    fn now(identity_pid: u32) -> Option<Self> {
-        Some(CpuMark {
-            identity: read_cpu_time(identity_pid)?,
-            bench: read_cpu_time(std::process::id())?,
-            machine: read_machine_cpu()?,
-        })
+    /// Identity's time is the sum over its replicas.
+    fn now(identity_pids: &[u32]) -> Option<Self> {
+        let identity = identity_pids.iter().map(|&pid| read_cpu_time(pid)).sum::<Option<Duration>>()?;
+        Some(CpuMark { identity, bench: read_cpu_time(std::process::id())?, machine: read_machine_cpu()? })
     }
 
     /// What was used from `self` until `later`.
@@ -741,12 +789,13 @@ impl CpuMark {
 }
 
 /// Reads the CPU marks at the edges of `window`.
-fn measure_cpu(identity_pid: u32, window: Window) -> tokio::task::JoinHandle<Option<CpuUse>> {
+fn measure_cpu(identity_pids: &[u32], window: Window) -> tokio::task::JoinHandle<Option<CpuUse>> {
+    let pids = identity_pids.to_vec();
     tokio::spawn(async move {
         tokio::time::sleep_until(window.start.into()).await;
-        let before = CpuMark::now(identity_pid)?;
+        let before = CpuMark::now(&pids)?;
         tokio::time::sleep_until(window.end.into()).await;
-        Some(before.until(CpuMark::now(identity_pid)?))
+        Some(before.until(CpuMark::now(&pids)?))
     })
 }
 

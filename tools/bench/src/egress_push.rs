@@ -1,4 +1,4 @@
-//! `berth bench egress-push`: how long after a route edit the node that
+//! `berth-bench egress-push`: how long after a route edit the node that
 //! hosts the tenant has the new policy in force, end to end through a real
 //! `berth dev` (identity, revisions, leases, egress and an agent enforcing
 //! egress, on its embedded store).
@@ -36,8 +36,8 @@ use tokio::io::AsyncBufReadExt as _;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
-use super::egress::{ms, percentile};
-use super::heartbeats::OutputFormat;
+use crate::egress::{ms, percentile};
+use crate::heartbeats::OutputFormat;
 
 /// How often the plan is read while an edit is waited for.
 const POLL_EVERY: Duration = Duration::from_millis(2);
@@ -61,9 +61,9 @@ const PROJECT: &str = "default";
 const SERVICE: &str = "pushed";
 const ROUTE: &str = "bench";
 
-/// Flags of `berth bench egress-push`.
+/// Flags of `berth-bench egress-push`.
 #[derive(Debug, Clone, clap::Args)]
-pub(super) struct EgressPushArgs {
+pub(crate) struct EgressPushArgs {
     /// Route edits timed, one after the other.
     #[arg(long, default_value_t = 50, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
     edits: u32,
@@ -142,9 +142,9 @@ struct Report {
 }
 
 /// Runs the scenario and prints its report.
-pub(super) async fn run(args: EgressPushArgs) -> Result<(), PushBenchError> {
+pub(crate) async fn run(args: EgressPushArgs) -> Result<(), PushBenchError> {
     let dir = tempfile::tempdir().map_err(|e| setup("a scratch directory")(e.to_string()))?;
-    let exe = std::env::current_exe().map_err(|e| setup("the berth executable")(e.to_string()))?;
+    let exe = crate::process::sibling_binary("berth").map_err(|e| setup("the berth executable")(e.to_string()))?;
     let data = dir.path().join("data");
     let base = free_port_base().ok_or_else(|| setup("ports")("no five consecutive free ports".into()))?;
     let mut dev = Dev::start(&exe, &data, base).await?;
@@ -434,7 +434,7 @@ fn free_port_base() -> Option<u16> {
 }
 
 fn table(report: &Report) -> String {
-    let latency = super::leases::latency;
+    let latency = crate::leases::latency;
     let row = |name: &str, series: &Series| {
         format!(
             "{name:<28}{:>8}{:>12}{:>12}{:>12}\n",
@@ -445,7 +445,7 @@ fn table(report: &Report) -> String {
         )
     };
     let mut out = format!(
-        "berth bench egress-push: {} route edits, one at a time, on berth dev's node ({})\n",
+        "berth-bench egress-push: {} route edits, one at a time, on berth dev's node ({})\n",
         report.edits, report.enforcement
     );
     out.push_str(&format!("{:<28}{:>8}{:>12}{:>12}{:>12}\n", "", "count", "p50", "p99", "max"));

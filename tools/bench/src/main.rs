@@ -1,10 +1,10 @@
-//! `berth bench`: load scenarios against real service processes over real
-//! mTLS, whose figures BENCHMARKS.md records.
+//! `berth-bench`: load scenarios against real service processes over real
+//! mTLS, whose figures BENCHMARKS.md records (`make bench` runs them all).
 //!
 //! # What a scenario measures
 //! The service under test runs as a process of its own, started from the
-//! binary beside `berth` on state made for the run, so its memory is its
-//! own; the clients run here. Each load is compared with a baseline taken in
+//! binary beside `berth-bench` on state made for the run, so its memory is
+//! its own; the clients run here. Each load is compared with a baseline taken in
 //! the same run, against the same process, over as many connections, and
 //! every figure is reported whether or not it meets its target.
 
@@ -22,13 +22,22 @@ mod procfs;
 mod report;
 mod runtime_launch;
 
-use berth_runtime::StartError;
+mod process;
 
-/// Flags of `berth bench`.
-#[derive(Debug, Clone, clap::Args)]
-pub(crate) struct BenchArgs {
+use std::process::ExitCode;
+
+use berth_runtime::{StartError, TelemetryArgs, run_main};
+use clap::Parser;
+
+/// berth-bench: measure a berth service under load against a real process
+/// of it, e.g. `berth-bench heartbeats --nodes 10000`.
+#[derive(Debug, Parser)]
+#[command(name = "berth-bench", version)]
+struct Cli {
     #[command(subcommand)]
     scenario: Scenario,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
 }
 
 #[derive(Debug, Clone, clap::Subcommand)]
@@ -59,10 +68,22 @@ enum Scenario {
     EgressPush(egress_push::EgressPushArgs),
 }
 
-impl BenchArgs {
+fn main() -> ExitCode {
+    // `berth-bench launch` runs the process runtime from this executable:
+    // invoked as its monitor or init, nothing else runs.
+    if let Some(code) = berth_agent::runtime_main_if_invoked() {
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
+    let mut cli = Cli::parse();
+    // Reports on stdout; progress and problems on stderr.
+    cli.telemetry.default_log_filter = Some("warn");
+    run_main("berth-bench", &cli.telemetry, || cli.scenario.run())
+}
+
+impl Scenario {
     /// Runs the chosen scenario and prints its report.
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        let outcome = match self.scenario {
+    async fn run(self) -> Result<(), StartError> {
+        let outcome = match self {
             Scenario::Heartbeats(args) => heartbeats::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Leases(args) => leases::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Launch(args) => launch::run(args).await.map_err(|error| berth_runtime::chain(&error)),

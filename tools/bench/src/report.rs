@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::load::{CpuFigures, ErrorCount, Figures};
+use crate::load::{CpuFigures, ErrorCount, Figures};
 
 /// p99 of paced heartbeats must stay under this.
 const TARGET_P99_MS: f64 = 50.0;
@@ -25,7 +25,8 @@ const TARGET_CAPACITY_RATIO: f64 = 0.5;
 /// Paced heartbeats must reach this share of the offered rate, with no errors.
 const TARGET_SUSTAINED_SHARE: f64 = 0.99;
 
-/// Identity's peak resident memory over the run must stay under this.
+/// Identity's peak resident memory over the run must stay under this (each
+/// replica's, when there are several).
 const TARGET_RSS_AT_LOAD_MIB: f64 = 200.0;
 
 /// Identity's resident memory before any load must stay under this.
@@ -36,110 +37,137 @@ const ERRORS_SHOWN: usize = 5;
 
 /// Everything one run measured.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct Report {
+pub(crate) struct Report {
     /// Always "heartbeats".
-    pub(super) scenario: &'static str,
+    pub(crate) scenario: &'static str,
     /// Simulated nodes.
-    pub(super) nodes: u32,
+    pub(crate) nodes: u32,
     /// Each node's heartbeat interval.
-    pub(super) interval_ms: u64,
+    pub(crate) interval_ms: u64,
     /// Warm-up before each measured window.
-    pub(super) warmup_ms: u64,
+    pub(crate) warmup_ms: u64,
     /// Length of each measured window.
-    pub(super) duration_ms: u64,
+    pub(crate) duration_ms: u64,
     /// Identity's store: "sqlite" or "postgres".
-    pub(super) store: &'static str,
+    pub(crate) store: &'static str,
     /// Identity's bus: "memory" or "redis".
-    pub(super) bus: &'static str,
+    pub(crate) bus: &'static str,
     /// Identity's process id.
-    pub(super) identity_pid: u32,
+    pub(crate) identity_pid: u32,
     /// Heartbeats paced at the interval, one node per connection.
-    pub(super) heartbeat: Figures,
+    pub(crate) heartbeat: Figures,
     /// What the nodes offered while paced: nodes per interval.
-    pub(super) heartbeat_offered_per_s: f64,
+    pub(crate) heartbeat_offered_per_s: f64,
     /// Heartbeats sent back to back on the same connections.
-    pub(super) heartbeat_saturated: Figures,
+    pub(crate) heartbeat_saturated: Figures,
     /// `grpc.health.v1.Health/Check` back to back on as many connections.
-    pub(super) empty_rpc: Figures,
+    pub(crate) empty_rpc: Figures,
     /// How the fleet joined.
-    pub(super) join: JoinFigures,
-    /// Identity's resident memory.
-    pub(super) identity_memory: MemoryFigures,
+    pub(crate) join: JoinFigures,
+    /// Identity's resident memory (the sum over its replicas).
+    pub(crate) identity_memory: MemoryFigures,
+    /// Each identity replica: its nodes and its memory.
+    pub(crate) replicas: Vec<ReplicaFigures>,
     /// Every distinct failure, joins and warm-ups included, commonest first.
-    pub(super) errors: Vec<ErrorCount>,
+    pub(crate) errors: Vec<ErrorCount>,
     /// The targets, judged.
-    pub(super) targets: Vec<Target>,
+    pub(crate) targets: Vec<Target>,
     /// CPUs this machine offers the clients and identity together.
-    pub(super) cpus: usize,
+    pub(crate) cpus: usize,
     /// The one-minute load average before the run: other work sharing the machine.
-    pub(super) load_average_before: Option<f64>,
+    pub(crate) load_average_before: Option<f64>,
 }
 
 /// The join phase: every node's Join and first heartbeat.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct JoinFigures {
+pub(crate) struct JoinFigures {
     /// Nodes joined.
-    pub(super) nodes: u32,
+    pub(crate) nodes: u32,
     /// Nodes whose first heartbeat failed every attempt (they kept heartbeating).
-    pub(super) first_heartbeat_failed: u32,
+    pub(crate) first_heartbeat_failed: u32,
     /// Joins in flight at once.
-    pub(super) concurrency: u32,
+    pub(crate) concurrency: u32,
     /// Wall time for all of them.
-    pub(super) seconds: f64,
+    pub(crate) seconds: f64,
     /// Nodes joined per second.
-    pub(super) rate_per_s: f64,
+    pub(crate) rate_per_s: f64,
     /// CPU over the whole phase (joined nodes heartbeat meanwhile); per call
     /// is per node joined.
-    pub(super) cpu: Option<CpuFigures>,
+    pub(crate) cpu: Option<CpuFigures>,
 }
 
 /// Identity's resident memory, MiB.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct MemoryFigures {
+pub(crate) struct MemoryFigures {
     /// Resident after start, before any load.
-    pub(super) idle_mib: f64,
+    pub(crate) idle_mib: f64,
     /// The most it was ever resident during the run (`VmHWM`).
-    pub(super) at_load_mib: f64,
+    pub(crate) at_load_mib: f64,
     /// The most seen (sampled `VmRSS`) during each phase.
-    pub(super) phase_peaks_mib: PhasePeaks,
+    pub(crate) phase_peaks_mib: PhasePeaks,
     /// What one client connection costs identity: the empty-RPC peak over
     /// idle, per connection, KiB.
-    pub(super) per_connection_kib: f64,
+    pub(crate) per_connection_kib: f64,
 }
 
 /// Sampled resident-memory peaks per phase, MiB.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct PhasePeaks {
+pub(crate) struct PhasePeaks {
     /// Under the empty-RPC baseline.
-    pub(super) empty_rpc: f64,
+    pub(crate) empty_rpc: f64,
     /// While the nodes joined.
-    pub(super) join: f64,
+    pub(crate) join: f64,
     /// Under paced heartbeats.
-    pub(super) heartbeat: f64,
+    pub(crate) heartbeat: f64,
     /// Under back-to-back heartbeats.
-    pub(super) heartbeat_saturated: f64,
+    pub(crate) heartbeat_saturated: f64,
+}
+
+/// One identity replica's share of the fleet and what it cost.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ReplicaFigures {
+    /// Its process id.
+    pub(crate) pid: u32,
+    /// Nodes heartbeating to it.
+    pub(crate) nodes: u32,
+    /// Resident after start, before any load, MiB.
+    pub(crate) idle_mib: f64,
+    /// Its sampled peak under paced heartbeats, MiB.
+    pub(crate) heartbeat_mib: f64,
+    /// The most it was ever resident during the run (`VmHWM`), MiB.
+    pub(crate) at_load_mib: f64,
+    /// What one heartbeating node costs it: the paced-heartbeat peak over
+    /// idle, per node, KiB; `None` without nodes.
+    pub(crate) per_node_kib: Option<f64>,
 }
 
 /// One target and whether the run met it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub(super) struct Target {
+pub(crate) struct Target {
     /// What is held to what, in words.
-    pub(super) name: String,
+    pub(crate) name: String,
     /// The measured figure it was judged on, in the target's unit.
-    pub(super) value: Option<f64>,
+    pub(crate) value: Option<f64>,
     /// Whether it was met.
-    pub(super) met: bool,
+    pub(crate) met: bool,
 }
 
 impl Report {
     /// Judges the figures against the targets and stores the verdicts.
-    pub(super) fn judge(&mut self) {
+    pub(crate) fn judge(&mut self) {
         let paced = &self.heartbeat;
         let sustained_share =
             if self.heartbeat_offered_per_s > 0.0 { paced.rate_per_s / self.heartbeat_offered_per_s } else { 0.0 };
         let ratio =
             (self.empty_rpc.rate_per_s > 0.0).then(|| self.heartbeat_saturated.rate_per_s / self.empty_rpc.rate_per_s);
-        let memory = &self.identity_memory;
+        let several = self.replicas.len() > 1;
+        let per = if several { " per replica" } else { "" };
+        let (idle_mib, at_load_mib) = if several {
+            let most = |figure: fn(&ReplicaFigures) -> f64| self.replicas.iter().map(figure).fold(0.0, f64::max);
+            (most(|r| r.idle_mib), most(|r| r.at_load_mib))
+        } else {
+            (self.identity_memory.idle_mib, self.identity_memory.at_load_mib)
+        };
         self.targets = vec![
             Target {
                 name: format!(
@@ -161,30 +189,35 @@ impl Report {
                 met: ratio.is_some_and(|r| r >= TARGET_CAPACITY_RATIO),
             },
             Target {
-                name: format!("RSS at load < {TARGET_RSS_AT_LOAD_MIB:.0} MiB"),
-                value: Some(memory.at_load_mib),
-                met: memory.at_load_mib < TARGET_RSS_AT_LOAD_MIB,
+                name: format!("RSS at load < {TARGET_RSS_AT_LOAD_MIB:.0} MiB{per}"),
+                value: Some(at_load_mib),
+                met: at_load_mib < TARGET_RSS_AT_LOAD_MIB,
             },
             Target {
-                name: format!("idle < {TARGET_RSS_IDLE_MIB:.0} MiB"),
-                value: Some(memory.idle_mib),
-                met: memory.idle_mib < TARGET_RSS_IDLE_MIB,
+                name: format!("idle < {TARGET_RSS_IDLE_MIB:.0} MiB{per}"),
+                value: Some(idle_mib),
+                met: idle_mib < TARGET_RSS_IDLE_MIB,
             },
         ];
     }
 
     /// The report as aligned text.
-    pub(super) fn table(&self) -> String {
+    pub(crate) fn table(&self) -> String {
         let mut out = String::new();
         let backend =
             if self.bus == "memory" { self.store.to_string() } else { format!("{} + {}", self.store, self.bus) };
+        let processes = if self.replicas.len() > 1 {
+            let pids: Vec<String> = self.replicas.iter().map(|r| r.pid.to_string()).collect();
+            format!("{} replicas, pids {}", self.replicas.len(), pids.join(", "))
+        } else {
+            format!("pid {}", self.identity_pid)
+        };
         let _ = writeln!(
             out,
-            "berth bench heartbeats: {} nodes, interval {}, {} measured, identity on {backend} (pid {})",
+            "berth-bench heartbeats: {} nodes, interval {}, {} measured, identity on {backend} ({processes})",
             self.nodes,
             human(Duration::from_millis(self.interval_ms)),
             human(Duration::from_millis(self.duration_ms)),
-            self.identity_pid,
         );
         let _ = writeln!(
             out,
@@ -259,6 +292,23 @@ impl Report {
             peaks.heartbeat_saturated,
             memory.per_connection_kib,
         );
+        if self.replicas.len() > 1 {
+            for (index, replica) in self.replicas.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "  replica {} (pid {}): {} nodes; RSS idle {:.1} MiB, heartbeat {:.1} MiB, at load {:.1} MiB; {}",
+                    index + 1,
+                    replica.pid,
+                    replica.nodes,
+                    replica.idle_mib,
+                    replica.heartbeat_mib,
+                    replica.at_load_mib,
+                    replica
+                        .per_node_kib
+                        .map_or_else(|| "no nodes".to_string(), |kib| format!("about {kib:.0} KiB per node")),
+                );
+            }
+        }
         let verdicts: Vec<String> = self
             .targets
             .iter()
@@ -291,7 +341,7 @@ fn latency(ms: Option<f64>) -> String {
 }
 
 /// A duration as the flags take it: `1s`, `250ms`.
-pub(super) fn human(duration: Duration) -> String {
+pub(crate) fn human(duration: Duration) -> String {
     if duration.subsec_millis() == 0 && duration.as_secs() > 0 {
         format!("{}s", duration.as_secs())
     } else {
@@ -344,6 +394,14 @@ mod tests {
                 phase_peaks_mib: PhasePeaks { empty_rpc: 60.0, join: 70.0, heartbeat: 90.0, heartbeat_saturated: 96.0 },
                 per_connection_kib: 395.3,
             },
+            replicas: vec![ReplicaFigures {
+                pid: 42,
+                nodes: 100,
+                idle_mib: 21.4,
+                heartbeat_mib: 90.0,
+                at_load_mib: 96.8,
+                per_node_kib: Some(703.0),
+            }],
             errors: Vec::new(),
             targets: Vec::new(),
             cpus: 2,
@@ -364,7 +422,7 @@ mod tests {
         let table = report.table();
         assert!(
             table.starts_with(
-                "berth bench heartbeats: 100 nodes, interval 1s, 30s measured, identity on postgres + redis (pid 42)"
+                "berth-bench heartbeats: 100 nodes, interval 1s, 30s measured, identity on postgres + redis (pid 42)"
             ),
             "{table}"
         );
@@ -411,6 +469,36 @@ mod tests {
         report.identity_memory.at_load_mib = 200.0;
         report.judge();
         assert_eq!(met(&report), vec![true, true, true, false, false]);
+    }
+
+    #[test]
+    fn with_several_replicas_each_is_held_to_the_memory_targets_and_listed() {
+        let mut report = report();
+        let replica = |pid, nodes, at_load_mib| ReplicaFigures {
+            pid,
+            nodes,
+            idle_mib: 20.0,
+            heartbeat_mib: at_load_mib - 5.0,
+            at_load_mib,
+            per_node_kib: Some(30.0),
+        };
+        // 330 MiB in all, but each replica under its 200.
+        report.replicas = vec![replica(7, 34, 110.0), replica(8, 33, 110.0), replica(9, 33, 110.0)];
+        report.identity_memory.at_load_mib = 330.0;
+        report.judge();
+        assert_eq!(met(&report), vec![true; 5]);
+        assert_eq!(report.targets[3].name, "RSS at load < 200 MiB per replica");
+        assert_eq!(report.targets[3].value, Some(110.0));
+        let table = report.table();
+        assert!(table.contains("identity on postgres + redis (3 replicas, pids 7, 8, 9)"), "{table}");
+        assert!(
+            table.contains("  replica 2 (pid 8): 33 nodes; RSS idle 20.0 MiB, heartbeat 105.0 MiB, at load 110.0 MiB; about 30 KiB per node\n"),
+            "{table}"
+        );
+
+        report.replicas[2].at_load_mib = 201.0;
+        report.judge();
+        assert_eq!(met(&report), vec![true, true, true, false, true], "one replica over is a miss");
     }
 
     #[test]

@@ -23,7 +23,7 @@ use berth_agent::{
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use super::load::{Figures, Samples};
+use crate::load::{Figures, Samples};
 
 /// The program every launch starts.
 const PROGRAM: &str = "/bin/sleep";
@@ -40,10 +40,10 @@ const SYSTEM_DIRS: [&str; 5] = ["/usr", "/bin", "/sbin", "/lib", "/lib64"];
 /// The memory each bench workload reserves.
 const MEMORY: u64 = 64 << 20;
 
-/// The runtimes `berth bench launch --runtime` compares.
+/// The runtimes `berth-bench launch --runtime` compares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub(super) enum BenchRuntime {
+pub(crate) enum BenchRuntime {
     /// The process runtime: contained by the agent itself, no runtime binary.
     Process,
     /// Plain host processes, contained by nothing.
@@ -58,7 +58,7 @@ pub(super) enum BenchRuntime {
 
 impl BenchRuntime {
     /// The OCI runtime, for the container ones.
-    pub(super) fn oci(self) -> Option<OciRuntime> {
+    pub(crate) fn oci(self) -> Option<OciRuntime> {
         match self {
             BenchRuntime::Process => Some(OciRuntime::Own),
             BenchRuntime::Uncontained => None,
@@ -69,26 +69,26 @@ impl BenchRuntime {
     }
 
     /// Its name.
-    pub(super) fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         self.oci().map_or("uncontained", OciRuntime::name)
     }
 }
 
 /// The provider's launches beside their baselines.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct RuntimeLaunch {
+pub(crate) struct RuntimeLaunch {
     /// `Provider::launch` → the workload runs.
-    pub(super) provider: Figures,
+    pub(crate) provider: Figures,
     /// A raw `fork+exec` of the same program.
-    pub(super) raw_spawn: Figures,
+    pub(crate) raw_spawn: Figures,
     /// The runtime's own `run --detach` of an equivalent bundle; `None` for
     /// the process runtime.
-    pub(super) bare_runtime: Option<Figures>,
+    pub(crate) bare_runtime: Option<Figures>,
 }
 
 /// Why the comparison could not run.
 #[derive(Debug, thiserror::Error)]
-pub(super) enum RuntimeLaunchError {
+pub(crate) enum RuntimeLaunchError {
     /// The runtime's binary is not installed.
     #[error("{0} is not installed (make test installs it)")]
     Missing(&'static str),
@@ -107,7 +107,7 @@ pub(super) enum RuntimeLaunchError {
 }
 
 /// Runs `count` launches of each kind under `runtime`.
-pub(super) async fn measure(runtime: BenchRuntime, count: u32) -> Result<RuntimeLaunch, RuntimeLaunchError> {
+pub(crate) async fn measure(runtime: BenchRuntime, count: u32) -> Result<RuntimeLaunch, RuntimeLaunchError> {
     let dir =
         tempfile::tempdir().map_err(|source| RuntimeLaunchError::Io { what: "cannot make a directory", source })?;
     let binary = match runtime.oci() {
