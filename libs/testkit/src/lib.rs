@@ -40,6 +40,35 @@ use tokio_util::sync::CancellationToken;
 /// How long test certificates live.
 pub const CERT_TTL: Duration = Duration::from_secs(3600);
 
+/// How long a test waits for something that should happen within a second
+/// or two: long enough for anything on a loaded two-core machine, and a
+/// test that passes finishes far sooner.
+pub const PATIENCE: Duration = Duration::from_secs(20);
+
+/// How often [`eventually`] looks again.
+const POLL: Duration = Duration::from_millis(20);
+
+/// Polls `check` until it answers `Ok`, and returns that. After `timeout`
+/// the test fails, saying it was waiting for `what` and what `check` saw
+/// last (its `Err`).
+pub async fn eventually<T, Seen, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    Seen: std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Seen>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match check().await {
+            Ok(found) => return found,
+            Err(seen) => {
+                assert!(tokio::time::Instant::now() < deadline, "waited {timeout:?} for {what}; last saw {seen:#?}");
+            }
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
 /// Which store and bus a test runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {

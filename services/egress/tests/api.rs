@@ -7,13 +7,12 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
-
 use berth_core::Identity;
 use berth_proto::egress::v1 as egress;
 use berth_proto::revisions::v1 as revisions;
 use berth_proto::types::v1::ConditionStatus;
-use support::{Backend, Mesh, PATIENCE, egress_reason, fast_config, gateway, listener, route, service};
+use berth_testkit::{PATIENCE, eventually};
+use support::{Backend, Mesh, egress_reason, fast_config, gateway, listener, route, service};
 use tonic::Code;
 
 fn condition<'a>(
@@ -29,16 +28,12 @@ async fn await_route(
     name: &str,
     check: impl Fn(&egress::EgressRoute) -> bool,
 ) -> egress::EgressRoute {
-    let started = Instant::now();
-    loop {
+    eventually(&format!("route {name} to get the status expected"), PATIENCE, || async {
         let request = egress::GetRouteRequest { project: project.into(), name: name.into() };
         let route = mesh.egress().get_route(request).await.unwrap().into_inner().route.unwrap();
-        if check(&route) {
-            return route;
-        }
-        assert!(started.elapsed() < PATIENCE, "route {name} never got the status expected: {route:#?}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+        if check(&route) { Ok(route) } else { Err(route) }
+    })
+    .await
 }
 
 fn parent_reason(route: &egress::EgressRoute) -> Option<(i32, String)> {
@@ -97,16 +92,16 @@ async fn gateways_and_routes_round_trip_with_their_status(backend: Backend) {
     let mut moved = gateway("team", "default");
     moved.listeners[0].port = 8080;
     assert_eq!(mesh.apply_gateway(moved).await.generation, 2);
-    let started = Instant::now();
-    loop {
-        let request = egress::GetGatewayRequest { project: "team".into(), name: "default".into() };
-        let shown = api.get_gateway(request).await.unwrap().into_inner().gateway.unwrap();
-        if condition(&shown.status.unwrap().conditions, "Ready").observed_generation == 2 {
-            break;
+    eventually("the gateway's status to observe generation 2", PATIENCE, || {
+        let mut api = api.clone();
+        async move {
+            let request = egress::GetGatewayRequest { project: "team".into(), name: "default".into() };
+            let shown = api.get_gateway(request).await.unwrap().into_inner().gateway.unwrap();
+            let observed = condition(&shown.status.unwrap().conditions, "Ready").observed_generation;
+            if observed == 2 { Ok(()) } else { Err(observed) }
         }
-        assert!(started.elapsed() < PATIENCE, "the status never observed generation 2");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    })
+    .await;
 
     // Deleting a route takes it out of the plan.
     mesh.await_plan("team", "listed ghost", |p| p.routes.iter().any(|r| r.name == "ghost")).await;
@@ -264,16 +259,12 @@ async fn the_live_revisions_selection_wins_over_the_template(backend: Backend) {
 }
 
 async fn await_live(mesh: &Mesh, name: &str, revision: &str) {
-    let started = Instant::now();
-    loop {
+    eventually(&format!("{revision} to go live"), PATIENCE, || async {
         let request = revisions::GetServiceRequest { project: "team".into(), name: name.into() };
         let service = mesh.services().get_service(request).await.unwrap().into_inner().service.unwrap();
-        if service.status.as_ref().is_some_and(|s| s.live_revision == revision) {
-            return;
-        }
-        assert!(started.elapsed() < PATIENCE, "{revision} never went live: {service:#?}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+        if service.status.as_ref().is_some_and(|s| s.live_revision == revision) { Ok(()) } else { Err(service) }
+    })
+    .await;
 }
 
 on_both_backends!(

@@ -11,7 +11,8 @@ mod support;
 use std::time::{Duration, Instant};
 
 use berth_proto::egress::v1 as egress;
-use support::{Backend, Mesh, PATIENCE, fast_config, gateway, route};
+use berth_testkit::PATIENCE;
+use support::{Backend, Mesh, fast_config, gateway, route};
 use tonic::Code;
 
 /// One node's open `WatchEgress` stream and everything it received.

@@ -8,22 +8,17 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
-
 use berth_egress::EGRESS_LOOP;
 use berth_proto::egress::v1 as egress;
 use berth_store::Term;
-use support::{Backend, Mesh, PATIENCE, fast_config, gateway, route};
+use berth_testkit::{PATIENCE, eventually};
+use support::{Backend, Mesh, fast_config, gateway, route};
 
 async fn leader(mesh: &Mesh) -> (String, Term) {
-    let started = Instant::now();
-    loop {
-        if let Some(leader) = mesh.store().leader(EGRESS_LOOP).await.unwrap() {
-            return leader;
-        }
-        assert!(started.elapsed() < PATIENCE, "no replica leads the egress full pass");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    eventually("a replica to lead the egress full pass", PATIENCE, || async {
+        mesh.store().leader(EGRESS_LOOP).await.unwrap().ok_or("no leader")
+    })
+    .await
 }
 
 async fn next_state(stream: &mut tonic::Streaming<egress::NodeEgressState>) -> egress::NodeEgressState {
@@ -62,15 +57,11 @@ async fn the_follower_serves_what_the_leader_compiles_and_takes_over_when_it_sto
 
     // The leader stops; the follower takes over with a newer term and compiles the next edit.
     mesh.stop_replica(leading);
-    let started = Instant::now();
-    let (next, next_term) = loop {
+    let (next, next_term) = eventually(&format!("another replica than {holder} to lead"), PATIENCE, || async {
         let (next, next_term) = leader(&mesh).await;
-        if next != holder {
-            break (next, next_term);
-        }
-        assert!(started.elapsed() < PATIENCE, "{holder} still leads");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    };
+        if next == holder { Err(next) } else { Ok((next, next_term)) }
+    })
+    .await;
     assert_eq!(next, mesh.replicas[other].service.replica_id());
     assert!(next_term > term, "a new leader fences the old one with a newer term");
     follower.apply_route(route("alpha", "api", "default", &["api.example.com"], &[8443])).await.unwrap();

@@ -13,7 +13,8 @@ use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1::{BundleRef, RuntimeClass};
-use support::{Backend, GIB, Ledger, MIB, PATIENCE, ask, expiring_config, fast_config, node};
+use berth_testkit::{PATIENCE, eventually};
+use support::{Backend, GIB, Ledger, MIB, ask, expiring_config, fast_config, node};
 use tonic::Code;
 
 fn three_nodes() -> Vec<berth_proto::identity::v1::Node> {
@@ -355,15 +356,20 @@ async fn custody_takes_a_lost_launch_to_running_at_the_next_epoch(backend: Backe
     ledger.cleanup().await;
 }
 
+/// Waits until `lease_id` has expired.
+async fn expired(ledger: &Ledger, lease_id: &str) {
+    eventually(&format!("{lease_id} to expire"), PATIENCE, || async {
+        let phase = ledger.get(lease_id).await.phase();
+        if phase == LeasePhase::Expired { Ok(()) } else { Err(phase) }
+    })
+    .await;
+}
+
 async fn custody_saves_a_recently_expired_lease_while_its_room_is_free(backend: Backend) {
     let ttl = Duration::from_millis(300);
     let ledger = Ledger::start(backend, expiring_config(ttl), vec![node("n-1", "", NodeState::Up, 1000, GIB)]).await;
     let lease = ledger.place("slow-agent", 600, MIB).await;
-    let started = Instant::now();
-    while ledger.get(&lease.lease_id).await.phase() != LeasePhase::Expired {
-        assert!(started.elapsed() < PATIENCE, "the lease never expired");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    expired(&ledger, &lease.lease_id).await;
     assert_eq!(ledger.node_capacity("n-1").await.allocated.unwrap().cpu_millis, 0);
     let request = v1::AssumeCustodyRequest { node_id: "n-1".into(), lease_id: lease.lease_id.clone(), epoch: 1 };
     let held = ledger.node("n-1").assume_custody(request).await.unwrap().into_inner().lease.unwrap();
@@ -371,11 +377,7 @@ async fn custody_saves_a_recently_expired_lease_while_its_room_is_free(backend: 
     assert_eq!(ledger.node_capacity("n-1").await.allocated.unwrap().cpu_millis, 600, "its room is taken again");
 
     // Expired again, and this time another lease took the room first.
-    let started = Instant::now();
-    while ledger.get(&lease.lease_id).await.phase() != LeasePhase::Expired {
-        assert!(started.elapsed() < PATIENCE, "the lease never expired again");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    expired(&ledger, &lease.lease_id).await;
     ledger.place("newcomer", 600, MIB).await;
     let request = v1::AssumeCustodyRequest { node_id: "n-1".into(), lease_id: lease.lease_id.clone(), epoch: 2 };
     let refused = ledger.node("n-1").assume_custody(request).await.unwrap_err();

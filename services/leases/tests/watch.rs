@@ -13,7 +13,8 @@ use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1::EventKind;
-use support::{Backend, GIB, Ledger, MIB, PATIENCE, ask, expiring_config, fast_config, node};
+use berth_testkit::PATIENCE;
+use support::{Backend, GIB, Ledger, MIB, ask, expiring_config, fast_config, node};
 use tonic::{Code, Streaming};
 
 /// The next event, failing the test if none comes in time.

@@ -6,10 +6,11 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth_proto::revisions::v1;
-use support::{Backend, PATIENCE, Plane, apply_request, fast_config, pinned_reference};
+use berth_testkit::{PATIENCE, eventually};
+use support::{Backend, Plane, apply_request, fast_config, pinned_reference};
 use tonic::Code;
 
 /// Applies until the answer is final: a client retries what the server calls transient.
@@ -29,15 +30,11 @@ async fn apply(mut client: v1::services_client::ServicesClient<berth_rpc::Channe
 
 /// Waits until the service's revisions are exactly `expected`, newest first.
 async fn await_revisions(plane: &Plane, expected: &[&str]) {
-    let started = Instant::now();
-    loop {
+    eventually(&format!("web's revisions to be {expected:?}"), PATIENCE, || async {
         let names = plane.revision_names("web").await;
-        if names == expected {
-            return;
-        }
-        assert!(started.elapsed() < PATIENCE, "revisions are {names:?}, not {expected:?}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+        if names == expected { Ok(()) } else { Err(names) }
+    })
+    .await;
 }
 
 async fn gc_keeps_exactly_the_live_the_pinned_and_the_newest_n(backend: Backend) {

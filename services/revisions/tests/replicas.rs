@@ -6,21 +6,16 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
-
 use berth_revisions::DEPLOY_LOOP;
 use berth_store::Term;
-use support::{Backend, PATIENCE, Plane, apply_request, fast_config, pinned_reference};
+use berth_testkit::{PATIENCE, eventually};
+use support::{Backend, Plane, apply_request, fast_config, pinned_reference};
 
 async fn leader(plane: &Plane) -> (String, Term) {
-    let started = Instant::now();
-    loop {
-        if let Some(leader) = plane.store().leader(DEPLOY_LOOP).await.unwrap() {
-            return leader;
-        }
-        assert!(started.elapsed() < PATIENCE, "no replica leads the deploy reconciler");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    eventually("a replica to lead the deploy reconciler", PATIENCE, || async {
+        plane.store().leader(DEPLOY_LOOP).await.unwrap().ok_or("no leader")
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -41,30 +36,22 @@ async fn a_rollout_started_under_one_leader_is_finished_by_the_next() {
 
     // The leader stops mid-rollout; the other replica takes over and finishes it.
     plane.stop_replica(leading);
-    let started = Instant::now();
-    let (next, next_term) = loop {
+    let (next, next_term) = eventually(&format!("another replica than {holder} to lead"), PATIENCE, || async {
         let (next, next_term) = leader(&plane).await;
-        if next != holder {
-            break (next, next_term);
-        }
-        assert!(started.elapsed() < PATIENCE, "{holder} still leads");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    };
+        if next == holder { Err(next) } else { Ok((next, next_term)) }
+    })
+    .await;
     assert_eq!(next, plane.replicas[other].service.replica_id());
     assert!(next_term > term, "a new leader fences the old one with a newer term");
 
     plane.report_all("web-00002", berth_proto::leases::v1::LeasePhase::Running).await;
-    let started = Instant::now();
-    loop {
+    eventually("web-00002 to go live with 2 replicas running", PATIENCE, || async {
         let request = berth_proto::revisions::v1::GetServiceRequest { project: String::new(), name: "web".into() };
         let service = plane.services_on(other).get_service(request).await.unwrap().into_inner().service.unwrap();
         let status = service.status.unwrap();
-        if status.live_revision == "web-00002" && status.replicas_running == 2 {
-            break;
-        }
-        assert!(started.elapsed() < PATIENCE, "never went live: {status:?}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+        if status.live_revision == "web-00002" && status.replicas_running == 2 { Ok(()) } else { Err(status) }
+    })
+    .await;
     plane.await_open_leases("web-00001", 0).await;
     assert_eq!(plane.open_leases("web-00002").await.len(), 2, "the same leases, not a second set");
     plane.cleanup().await;

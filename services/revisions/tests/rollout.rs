@@ -15,7 +15,8 @@ use berth_proto::leases::v1::{Lease, LeasePhase};
 use berth_proto::revisions::v1;
 use berth_proto::types::v1::{ConditionStatus, EventKind};
 use berth_revisions::{LeaseCallError, LeaseClient, LeaseEvents, READY, ROLLOUT_COMPLETE, RevisionsConfig};
-use support::{Backend, PATIENCE, Plane, WrapLeases, apply_request, condition, fast_config, pinned_reference};
+use berth_testkit::{PATIENCE, eventually};
+use support::{Backend, Plane, WrapLeases, apply_request, condition, fast_config, pinned_reference};
 use tonic::Code;
 
 fn ms(ts: Option<prost_types::Timestamp>) -> i64 {
@@ -157,17 +158,13 @@ async fn a_revision_whose_replicas_fail_is_rolled_back(backend: Backend) {
     // A revision whose replicas never run is failed at the progress deadline.
     plane.apply(web("3")).await;
     plane.await_open_leases("web-00003", 2).await;
-    let started = std::time::Instant::now();
-    loop {
+    let ready = eventually("web-00003 to pass its progress deadline", PATIENCE, || async {
         let late = plane.revision("web-00003").await;
-        let ready = late.conditions.iter().find(|c| c.r#type == READY).unwrap();
-        if ready.reason == "ProgressDeadlineExceeded" {
-            assert_eq!(ready.status(), ConditionStatus::False);
-            break;
-        }
-        assert!(started.elapsed() < PATIENCE, "web-00003 is still {ready:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        let ready = late.conditions.iter().find(|c| c.r#type == READY).unwrap().clone();
+        if ready.reason == "ProgressDeadlineExceeded" { Ok(ready) } else { Err(ready) }
+    })
+    .await;
+    assert_eq!(ready.status(), ConditionStatus::False);
     let service = plane
         .await_service("web", "rolled back again", |s| {
             condition(s, ROLLOUT_COMPLETE)
@@ -295,11 +292,10 @@ async fn a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again(backe
     // still replaced and the status follows, once the hung reconcile is
     // stopped.
     armed.store(true, Ordering::SeqCst);
-    let started = std::time::Instant::now();
-    while armed.load(Ordering::SeqCst) {
-        assert!(started.elapsed() < PATIENCE, "web was never looked at again");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("web to be looked at again", PATIENCE, || async {
+        if armed.load(Ordering::SeqCst) { Err("not yet") } else { Ok(()) }
+    })
+    .await;
     let crashed = &leases[0];
     crash(&plane, crashed).await;
     let open = plane.await_open_leases("web-00001", 2).await;

@@ -16,7 +16,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth_bus::Bus;
 use berth_core::Identity;
@@ -36,13 +36,10 @@ use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;
 use berth_testkit::{
-    InProcessLeases, ScriptedRegistry, cleanup_bus, credentials, install_crypto_and_logs, replica_bus, serve, test_bus,
-    test_ca, test_db,
+    InProcessLeases, PATIENCE, ScriptedRegistry, cleanup_bus, credentials, eventually, install_crypto_and_logs,
+    replica_bus, serve, test_bus, test_ca, test_db,
 };
 use tokio_util::sync::CancellationToken;
-
-/// How long a test waits for something that should happen within a second or two.
-pub(crate) const PATIENCE: Duration = Duration::from_secs(20);
 
 /// A digest no registry holds: references pinned to it resolve without a registry.
 const PINNED: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -212,20 +209,19 @@ impl Mesh {
 
     async fn wait_for_nodes(&self, expected: usize) {
         let channel = berth_rpc::connect(&self.leases_addr.to_string(), self.admin.clone()).unwrap();
-        let mut capacity = leases::capacity_client::CapacityClient::new(channel);
-        let started = Instant::now();
-        loop {
-            let known = capacity
-                .list_node_capacity(leases::ListNodeCapacityRequest::default())
-                .await
-                .map(|r| r.into_inner().nodes.iter().filter(|n| n.state == NodeState::Up as i32).count())
-                .unwrap_or_default();
-            if known == expected {
-                return;
+        let capacity = leases::capacity_client::CapacityClient::new(channel);
+        eventually(&format!("leases to learn all {expected} nodes"), PATIENCE, || {
+            let mut capacity = capacity.clone();
+            async move {
+                let known = capacity
+                    .list_node_capacity(leases::ListNodeCapacityRequest::default())
+                    .await
+                    .map(|r| r.into_inner().nodes.iter().filter(|n| n.state == NodeState::Up as i32).count())
+                    .unwrap_or_default();
+                if known == expected { Ok(()) } else { Err(format!("{known} nodes UP")) }
             }
-            assert!(started.elapsed() < PATIENCE, "leases learned {known} of {expected} nodes");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
     }
 
     fn channel(&self, replica: usize, credentials: TlsCredentials) -> Channel {
@@ -365,17 +361,13 @@ impl Mesh {
         what: &str,
         check: impl Fn(&egress::EgressPlan) -> bool,
     ) -> (egress::EgressPlan, egress::PassStats) {
-        let started = Instant::now();
-        loop {
-            let plan = self.plan(project).await;
-            if let Some((plan, stats)) = &plan
-                && check(plan)
-            {
-                return (plan.clone(), *stats);
+        eventually(&format!("the plan of {project} to have {what}"), PATIENCE, || async {
+            match self.plan(project).await {
+                Some((plan, stats)) if check(&plan) => Ok((plan, stats)),
+                other => Err(other),
             }
-            assert!(started.elapsed() < PATIENCE, "the plan of {project} never {what}: {plan:#?}");
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        })
+        .await
     }
 
     /// Stops everything and drops the schemas or files and the bus keys.

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth_bus::Bus;
 use berth_core::Identity;
@@ -33,7 +33,8 @@ use berth_store::testing::TestDb;
 use berth_store::{ElectionTiming, Store};
 pub(crate) use berth_testkit::Backend;
 use berth_testkit::{
-    ScriptedRegistry, cleanup_bus, credentials, install_crypto_and_logs, replica_bus, test_bus, test_ca, test_db,
+    PATIENCE, ScriptedRegistry, cleanup_bus, credentials, eventually, install_crypto_and_logs, replica_bus, test_bus,
+    test_ca, test_db,
 };
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -43,9 +44,6 @@ pub(crate) const GIB: u64 = 1 << 30;
 
 /// A mebibyte.
 pub(crate) const MIB: u64 = 1 << 20;
-
-/// How long a test waits for something that should happen within milliseconds.
-pub(crate) const PATIENCE: Duration = Duration::from_secs(10);
 
 /// Loops in milliseconds; leases live 30 s, so only a test about expiry sees one expire.
 pub(crate) fn fast_config() -> LeasesConfig {
@@ -193,8 +191,8 @@ impl Ledger {
     async fn settle_replica(&self, replica: usize) {
         let expected: Vec<(String, i32, Option<Capacity>)> =
             self.registry.nodes().values().map(|n| (n.node_id.clone(), n.state, n.capacity)).collect();
-        let started = Instant::now();
-        loop {
+        let what = format!("replica {replica} to see the registry's {expected:?}");
+        eventually(&what, PATIENCE, || async {
             let seen: Vec<(String, i32, Option<Capacity>)> = self
                 .capacity(replica)
                 .list_node_capacity(v1::ListNodeCapacityRequest::default())
@@ -206,12 +204,9 @@ impl Ledger {
                 .filter(|n| n.total.is_some_and(|t| t.cpu_millis > 0) || n.state != NodeState::Unspecified as i32)
                 .map(|n| (n.node_id, n.state, n.total))
                 .collect();
-            if seen == expected {
-                return;
-            }
-            assert!(started.elapsed() < PATIENCE, "replica {replica} sees {seen:?}, registry says {expected:?}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+            if seen == expected { Ok(()) } else { Err(seen) }
+        })
+        .await;
     }
 
     /// The store, for tests that look behind the API.

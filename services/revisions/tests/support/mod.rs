@@ -15,7 +15,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth_bundle::testing::TestRegistry;
 use berth_bundle::{BundleClient, BundleReference, Digest, PackedBundle, RegistryConfig, RegistryCredentials};
@@ -39,16 +39,13 @@ use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;
 use berth_testkit::{
-    InProcessLeases, ScriptedRegistry, cleanup_bus, credentials, install_crypto_and_logs, replica_bus, test_bus,
-    test_ca, test_db,
+    InProcessLeases, PATIENCE, ScriptedRegistry, cleanup_bus, credentials, eventually, install_crypto_and_logs,
+    replica_bus, test_bus, test_ca, test_db,
 };
 use tokio_util::sync::CancellationToken;
 
 /// A gibibyte.
 pub(crate) const GIB: u64 = 1 << 30;
-
-/// How long a test waits for something that should happen within a second or two.
-pub(crate) const PATIENCE: Duration = Duration::from_secs(20);
 
 /// A digest no registry holds, for references pinned without a registry.
 pub(crate) const PINNED: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -247,20 +244,19 @@ impl Plane {
     /// Waits until leases has learned every node of the registry.
     async fn wait_for_nodes(&self) {
         let expected = self.registry.nodes().len();
-        let mut capacity = leases::capacity_client::CapacityClient::new(self.leases_channel(self.admin.clone()));
-        let started = Instant::now();
-        loop {
-            let known = capacity
-                .list_node_capacity(leases::ListNodeCapacityRequest::default())
-                .await
-                .map(|r| r.into_inner().nodes.iter().filter(|n| n.state == NodeState::Up as i32).count())
-                .unwrap_or_default();
-            if known == expected {
-                return;
+        let capacity = leases::capacity_client::CapacityClient::new(self.leases_channel(self.admin.clone()));
+        eventually(&format!("leases to learn all {expected} nodes"), PATIENCE, || {
+            let mut capacity = capacity.clone();
+            async move {
+                let known = capacity
+                    .list_node_capacity(leases::ListNodeCapacityRequest::default())
+                    .await
+                    .map(|r| r.into_inner().nodes.iter().filter(|n| n.state == NodeState::Up as i32).count())
+                    .unwrap_or_default();
+                if known == expected { Ok(()) } else { Err(format!("{known} nodes UP")) }
             }
-            assert!(started.elapsed() < PATIENCE, "leases learned {known} of {expected} nodes");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
     }
 
     fn leases_channel(&self, credentials: TlsCredentials) -> Channel {
@@ -332,15 +328,11 @@ impl Plane {
 
     /// Waits until `revision` has `count` open leases.
     pub(crate) async fn await_open_leases(&self, revision: &str, count: usize) -> Vec<leases::Lease> {
-        let started = Instant::now();
-        loop {
+        eventually(&format!("{revision} to have {count} open leases"), PATIENCE, || async {
             let open = self.open_leases(revision).await;
-            if open.len() == count {
-                return open;
-            }
-            assert!(started.elapsed() < PATIENCE, "{revision} has {} open leases, not {count}", open.len());
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+            if open.len() == count { Ok(open) } else { Err(open) }
+        })
+        .await
     }
 
     /// Reports `phase` for every open lease of `revision` not already in it,
@@ -391,15 +383,11 @@ impl Plane {
         what: &str,
         check: impl Fn(&v1::Service) -> bool,
     ) -> v1::Service {
-        let started = Instant::now();
-        loop {
+        eventually(&format!("{name} to become {what}"), PATIENCE, || async {
             let service = self.get(name).await;
-            if check(&service) {
-                return service;
-            }
-            assert!(started.elapsed() < PATIENCE, "{name} never became {what}: {service:#?}");
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+            if check(&service) { Ok(service) } else { Err(service) }
+        })
+        .await
     }
 
     /// Waits until `name`'s live revision is `revision` and all its replicas run.
