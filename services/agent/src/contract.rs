@@ -14,6 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use berth_testkit::eventually;
 use tokio_util::sync::CancellationToken;
 
 use crate::container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
@@ -24,7 +25,10 @@ use crate::provider::{
 };
 use crate::testdir::TestDir;
 
-const PATIENCE: Duration = Duration::from_secs(30);
+/// How long the suite waits for a workload: longer than the kit's
+/// `PATIENCE`, since under an OCI runtime (gVisor above all) a workload takes
+/// seconds to start, answer and be torn down on a loaded machine.
+const SLOW: Duration = Duration::from_secs(30);
 
 fn timing() -> ProcessTiming {
     ProcessTiming { stop_grace: Duration::from_secs(2), exit_poll: Duration::from_millis(20) }
@@ -98,16 +102,8 @@ fn spec(lease_id: &str, script: &str) -> LaunchSpec {
 }
 
 async fn ended(watch: &mut ExitWatch) -> Exit {
-    let exit = tokio::time::timeout(PATIENCE, watch.wait_for(Option::is_some)).await.expect("the workload never ended");
+    let exit = tokio::time::timeout(SLOW, watch.wait_for(Option::is_some)).await.expect("the workload never ended");
     exit.unwrap().unwrap()
-}
-
-async fn until(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while !check() {
-        assert!(tokio::time::Instant::now() < deadline, "never {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn stdout_of(provider: &dyn Provider, lease_id: &str) -> String {
@@ -270,7 +266,11 @@ async fn image_root_on(kind: Kind) {
     long.program = Program::Command("sh".into());
     long.env.insert("PATH".into(), "/bin".into());
     let running = first.launch(long).await.unwrap();
-    until("the image workload was up", || stdout_of(first.as_ref(), "lease-long").contains("up")).await;
+    eventually("the image workload to be up", SLOW, || async {
+        let stdout = stdout_of(first.as_ref(), "lease-long");
+        if stdout.contains("up") { Ok(()) } else { Err(stdout) }
+    })
+    .await;
     stopped.cancel();
     drop(first);
     let Some(second) = self::provider(kind, tmp.path()) else { return };
@@ -325,11 +325,19 @@ async fn destroy_reaches_everything_on(kind: Kind) {
     let marker = format!("sleep 31{}", std::process::id() % 1000);
     let script = format!("{marker} & {marker} & sh -c '{marker}' & echo spawned; wait");
     let launched = provider.launch(spec("lease-d", &script)).await.unwrap();
-    until("the workload's children ran", || stdout_of(provider.as_ref(), "lease-d").contains("spawned")).await;
+    eventually("the workload's children to run", SLOW, || async {
+        let stdout = stdout_of(provider.as_ref(), "lease-d");
+        if stdout.contains("spawned") { Ok(()) } else { Err(stdout) }
+    })
+    .await;
     let needle = needle(kind, &marker, tmp.path());
     assert!(!host_processes(&needle).is_empty());
     provider.destroy("lease-d").await.unwrap();
-    until("every process of the workload was gone", || host_processes(&needle).is_empty()).await;
+    eventually("every process of the workload to be gone", SLOW, || async {
+        let left = host_processes(&needle);
+        if left.is_empty() { Ok(()) } else { Err(left) }
+    })
+    .await;
     let mut exit = launched.exit;
     ended(&mut exit).await;
 }
@@ -339,7 +347,11 @@ async fn ignores_sigterm_on(kind: Kind) {
     let Some(provider) = provider(kind, tmp.path()) else { return };
     let mut launched =
         provider.launch(spec("lease-t", "trap '' TERM; echo ready; while :; do sleep 1; done")).await.unwrap();
-    until("the workload was ready", || stdout_of(provider.as_ref(), "lease-t").contains("ready")).await;
+    eventually("the workload to be ready", SLOW, || async {
+        let stdout = stdout_of(provider.as_ref(), "lease-t");
+        if stdout.contains("ready") { Ok(()) } else { Err(stdout) }
+    })
+    .await;
     let started = std::time::Instant::now();
     provider.destroy("lease-t").await.unwrap();
     assert!(started.elapsed() >= timing().stop_grace, "SIGKILL only after the grace");
@@ -354,7 +366,11 @@ async fn adopts_on(kind: Kind) {
     let running = first.launch(spec("lease-r", "echo up; exec sleep 1000")).await.unwrap();
     let mut quick = first.launch(spec("lease-q", "exit 0")).await.unwrap();
     ended(&mut quick.exit).await;
-    until("the workload was up", || stdout_of(first.as_ref(), "lease-r").contains("up")).await;
+    eventually("the workload to be up", SLOW, || async {
+        let stdout = stdout_of(first.as_ref(), "lease-r");
+        if stdout.contains("up") { Ok(()) } else { Err(stdout) }
+    })
+    .await;
     stopped.cancel();
     drop(first);
 
@@ -376,7 +392,11 @@ async fn signals_and_stats_on(kind: Kind) {
     let Some(provider) = provider(kind, tmp.path()) else { return };
     let script = "trap 'echo got-usr1; exit 7' USR1; echo ready; while :; do sleep 0.1; done";
     let mut launched = provider.launch(spec("lease-s", script)).await.unwrap();
-    until("the workload was ready", || stdout_of(provider.as_ref(), "lease-s").contains("ready")).await;
+    eventually("the workload to be ready", SLOW, || async {
+        let stdout = stdout_of(provider.as_ref(), "lease-s");
+        if stdout.contains("ready") { Ok(()) } else { Err(stdout) }
+    })
+    .await;
     let stats = provider.stats("lease-s").await.unwrap();
     assert!(stats.memory_bytes > 0, "{stats:?}");
     provider.signal("lease-s", WorkloadSignal::Usr1).await.unwrap();
@@ -498,7 +518,10 @@ done
         let script = format!("echo up; exec {marker}");
         tokio::spawn(async move { first.launch(spec("lease-x", &script)).await })
     };
-    until("the runtime was starting the container", || !host_processes("slow-runtime").is_empty()).await;
+    eventually("the runtime to be starting the container", SLOW, || async {
+        if host_processes("slow-runtime").is_empty() { Err("no slow-runtime process") } else { Ok(()) }
+    })
+    .await;
     launching.abort();
     stopped.cancel();
     drop(first);
@@ -580,14 +603,19 @@ async fn fork_bomb_on(runtime: OciRuntime) {
     let marker = format!("sleep 32{}", std::process::id() % 1000);
     let script = format!("i=0; while [ $i -lt 3000 ]; do {marker} 2>/dev/null & i=$((i+1)); done; echo spawned");
     let launched = provider.launch(spec("lease-bomb", &script)).await.unwrap();
-    until("the workload hit its limit", || {
-        stdout_of(provider.as_ref(), "lease-bomb").contains("spawned") || launched.exit.borrow().is_some()
+    eventually("the workload to hit its limit", SLOW, || async {
+        let (stdout, exit) = (stdout_of(provider.as_ref(), "lease-bomb"), *launched.exit.borrow());
+        if stdout.contains("spawned") || exit.is_some() { Ok(()) } else { Err((stdout, exit)) }
     })
     .await;
     let running = host_processes(&marker).len();
     assert!(running <= DEFAULT_PIDS_LIMIT as usize, "{running} processes past a limit of {DEFAULT_PIDS_LIMIT}");
     provider.destroy("lease-bomb").await.unwrap();
-    until("the bomb was cleared", || host_processes(&marker).is_empty()).await;
+    eventually("the bomb to be cleared", SLOW, || async {
+        let left = host_processes(&marker);
+        if left.is_empty() { Ok(()) } else { Err(left) }
+    })
+    .await;
 }
 
 async fn setsid_on(runtime: OciRuntime) {
@@ -596,11 +624,19 @@ async fn setsid_on(runtime: OciRuntime) {
     let marker = format!("sleep 33{}", std::process::id() % 1000);
     let script = format!("setsid sh -c '{marker} & {marker}' & sleep 0.2; echo left; exec sleep 1000");
     let launched = provider.launch(spec("lease-escape", &script)).await.unwrap();
-    until("the escapee ran", || stdout_of(provider.as_ref(), "lease-escape").contains("left")).await;
+    eventually("the escapee to run", SLOW, || async {
+        let stdout = stdout_of(provider.as_ref(), "lease-escape");
+        if stdout.contains("left") { Ok(()) } else { Err(stdout) }
+    })
+    .await;
     let needle = needle(Kind::Oci(runtime), &marker, tmp.path());
     assert!(!host_processes(&needle).is_empty());
     provider.destroy("lease-escape").await.unwrap();
-    until("nothing was left after destroy", || host_processes(&needle).is_empty()).await;
+    eventually("nothing to be left after destroy", SLOW, || async {
+        let left = host_processes(&needle);
+        if left.is_empty() { Ok(()) } else { Err(left) }
+    })
+    .await;
     let mut exit = launched.exit;
     ended(&mut exit).await;
 }
@@ -638,7 +674,11 @@ async fn orphans_reaped_on(runtime: OciRuntime) {
     let script = "i=0; while [ $i -lt 20 ]; do (sh -c 'sleep 0.1' &); i=$((i+1)); done; sleep 1; \
                   echo zombies=$(grep -l '^State:.Z' /proc/[0-9]*/status 2>/dev/null | wc -l); exec sleep 1000";
     let launched = provider.launch(spec("lease-orphans", script)).await.unwrap();
-    until("the workload counted", || stdout_of(provider.as_ref(), "lease-orphans").contains("zombies=")).await;
+    eventually("the workload to count its zombies", SLOW, || async {
+        let stdout = stdout_of(provider.as_ref(), "lease-orphans");
+        if stdout.contains("zombies=") { Ok(()) } else { Err(stdout) }
+    })
+    .await;
     let out = stdout_of(provider.as_ref(), "lease-orphans");
     assert!(out.contains("zombies=0"), "orphans were left unreaped: {out}");
     provider.destroy("lease-orphans").await.unwrap();

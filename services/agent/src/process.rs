@@ -436,11 +436,11 @@ fn rustix_signal(signal: WorkloadSignal) -> Signal {
 #[cfg(test)]
 mod tests {
 
+    use berth_testkit::{PATIENCE, eventually};
+
     use super::*;
     use crate::provider::{Exit, ExitWatch};
     use crate::testdir::TestDir;
-
-    const PATIENCE: Duration = Duration::from_secs(20);
 
     fn timing() -> ProcessTiming {
         ProcessTiming { stop_grace: Duration::from_secs(5), exit_poll: Duration::from_millis(20) }
@@ -460,14 +460,6 @@ mod tests {
         let text =
             std::fs::read_to_string(root.join(crate::instances::RECORD_DIR).join(format!("{lease_id}.json"))).unwrap();
         serde_json::from_str(&text).unwrap()
-    }
-
-    async fn until(what: &str, mut check: impl FnMut() -> bool) {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        while !check() {
-            assert!(tokio::time::Instant::now() < deadline, "never {what}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
     }
 
     fn proc_root() -> &'static Path {
@@ -508,7 +500,11 @@ mod tests {
         let provider = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
         let mut launched = provider.launch(spec("lease-b", "sleep 1000 & sleep 1000")).await.unwrap();
         let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
-        until("three processes in the group", || procfs::group_members(proc_root(), pgid).len() == 3).await;
+        eventually("three processes to be in the group", PATIENCE, || async {
+            let members = procfs::group_members(proc_root(), pgid);
+            if members.len() == 3 { Ok(()) } else { Err(members) }
+        })
+        .await;
 
         provider.destroy("lease-b").await.unwrap();
         assert!(procfs::group_members(proc_root(), pgid).is_empty(), "the backgrounded sleep survived");
@@ -527,7 +523,11 @@ mod tests {
         // An ignored signal stays ignored across exec: the sleep ignores it too.
         let mut launched = provider.launch(spec("lease-c", "trap '' TERM; sleep 1000")).await.unwrap();
         let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
-        until("the sleep started", || procfs::group_members(proc_root(), pgid).len() == 2).await;
+        eventually("the sleep to start", PATIENCE, || async {
+            let members = procfs::group_members(proc_root(), pgid);
+            if members.len() == 2 { Ok(()) } else { Err(members) }
+        })
+        .await;
         let started = tokio::time::Instant::now();
         provider.destroy("lease-c").await.unwrap();
         assert!(started.elapsed() >= Duration::from_millis(300), "SIGKILL came before the grace ran out");
@@ -594,7 +594,11 @@ mod tests {
         assert_ne!(meta.ports["admin-api"], meta.port);
         let expected = format!("{} {} {}\n", meta.port, meta.port, meta.ports["admin-api"]);
         let logs = first.log_files("lease-p").unwrap();
-        until("the ports were echoed", || std::fs::read_to_string(&logs.stdout).unwrap_or_default() == expected).await;
+        eventually("the ports to be echoed", PATIENCE, || async {
+            let stdout = std::fs::read_to_string(&logs.stdout).unwrap_or_default();
+            if stdout == expected { Ok(()) } else { Err(stdout) }
+        })
+        .await;
         let unnamed = first.launch(spec("lease-q", "exec sleep 1000")).await.unwrap();
         assert_ne!(unnamed.record.meta.port, 0, "a workload with no named port still gets PORT");
         assert!(!meta.ports.values().any(|port| *port == unnamed.record.meta.port), "two replicas share a port");
@@ -626,19 +630,30 @@ mod tests {
         let first = ProcessProvider::new(tmp.path(), timing(), first_stop.clone());
         let launched = first.launch(spec("lease-j", "sleep 1000 & sleep 0.3")).await.unwrap();
         let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
-        until("the background sleep started", || procfs::group_members(proc_root(), pgid).len() >= 2).await;
+        eventually("the background sleep to start", PATIENCE, || async {
+            let members = procfs::group_members(proc_root(), pgid);
+            if members.len() >= 2 { Ok(()) } else { Err(members) }
+        })
+        .await;
         first_stop.cancel();
         drop(first);
         // The leader exits with no agent watching; its background sleep stays.
         let pid = launched.record.pid.unwrap();
         let ticks = record_on_disk(tmp.path(), "lease-j").start_ticks.unwrap();
-        until("the leader exited", || !procfs::is_running(proc_root(), pid, ticks)).await;
+        eventually("the leader to exit", PATIENCE, || async {
+            if procfs::is_running(proc_root(), pid, ticks) { Err(format!("{pid} still runs")) } else { Ok(()) }
+        })
+        .await;
         assert!(!procfs::group_members(proc_root(), pgid).is_empty(), "nothing was left behind to test with");
 
         let second = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
         let recovered = second.recover().await.unwrap();
         assert_eq!(recovered[0].exit.borrow().map(|e| e.status), Some(ExitStatus::Unknown));
-        until("the leftover was killed", || procfs::group_members(proc_root(), pgid).is_empty()).await;
+        eventually("the leftover to be killed", PATIENCE, || async {
+            let members = procfs::group_members(proc_root(), pgid);
+            if members.is_empty() { Ok(()) } else { Err(members) }
+        })
+        .await;
     }
 
     #[tokio::test]
@@ -648,12 +663,18 @@ mod tests {
         let script = "trap 'echo reloaded' HUP; trap 'exit 0' TERM; while true; do sleep 0.05; done";
         let mut launched = provider.launch(spec("lease-f", script)).await.unwrap();
         let logs = provider.log_files("lease-f").unwrap();
-        until("the traps set", || {
-            procfs::group_members(proc_root(), i32::try_from(launched.record.pid.unwrap()).unwrap()).len() >= 2
+        let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
+        eventually("the traps to be set", PATIENCE, || async {
+            let members = procfs::group_members(proc_root(), pgid);
+            if members.len() >= 2 { Ok(()) } else { Err(members) }
         })
         .await;
         provider.signal("lease-f", WorkloadSignal::Hup).await.unwrap();
-        until("reloaded", || std::fs::read_to_string(&logs.stdout).unwrap_or_default().contains("reloaded")).await;
+        eventually("the workload to echo reloaded", PATIENCE, || async {
+            let stdout = std::fs::read_to_string(&logs.stdout).unwrap_or_default();
+            if stdout.contains("reloaded") { Ok(()) } else { Err(stdout) }
+        })
+        .await;
         provider.signal("lease-f", WorkloadSignal::Term).await.unwrap();
         assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(0));
     }

@@ -16,6 +16,7 @@ use berth_bundle::{BundleClient, BundleReference, Digest, PackedBundle, Registry
 use berth_proto::leases::v1 as leases;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1 as types;
+use berth_testkit::eventually;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use common::*;
@@ -52,7 +53,7 @@ async fn get(port: u32, path: &str) -> std::io::Result<(u16, String)> {
     let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await?;
     let mut response = Vec::new();
-    tokio::time::timeout(PATIENCE, stream.read_to_end(&mut response)).await??;
+    tokio::time::timeout(SLOW, stream.read_to_end(&mut response)).await??;
     let response = String::from_utf8_lossy(&response);
     let (head, body) = response.split_once("\r\n\r\n").ok_or_else(|| std::io::Error::other("no HTTP response"))?;
     let status = head.split_whitespace().nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
@@ -61,16 +62,7 @@ async fn get(port: u32, path: &str) -> std::io::Result<(u16, String)> {
 
 /// What `GET path` answers once the workload listens.
 async fn answer(port: u32, path: &str) -> (u16, String) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        match get(port, path).await {
-            Ok(answer) => return answer,
-            Err(error) => {
-                assert!(tokio::time::Instant::now() < deadline, "nothing answered on port {port}: {error}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
+    eventually(&format!("something to answer on port {port}"), SLOW, || get(port, path)).await
 }
 
 /// The processes working in `dir` (every workload of an agent on that data

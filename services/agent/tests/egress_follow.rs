@@ -23,6 +23,7 @@ use berth_proto::egress::v1::{
     self as egress, AckEgressRequest, AckEgressResponse, Destination, EgressEnforcement, EgressPlan, ListenerProtocol,
     NodeEgressState, ServiceEgress, WatchEgressRequest, node_egress_server::NodeEgressServer,
 };
+use berth_testkit::eventually;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -72,11 +73,7 @@ impl StandIn {
     }
 
     async fn until(&self, what: &str, check: impl Fn(&StandIn) -> bool) {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        while !check(self) {
-            assert!(tokio::time::Instant::now() < deadline, "never {what}: {self:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually(what, SLOW, || async { if check(self) { Ok(()) } else { Err(self) } }).await;
     }
 
     fn ack(&self, generation: u64) -> Option<(String, AckEgressRequest)> {
@@ -119,12 +116,12 @@ async fn the_agent_retries_an_unimplemented_egress_service_then_applies_and_acks
     let agent = RunningAgent::start(config).await;
     let node_id = agent.handle.node_id();
 
-    stand_in.until("the stream opened", |s| s.stream.lock().unwrap().is_some()).await;
+    stand_in.until("the stream to open", |s| s.stream.lock().unwrap().is_some()).await;
     let opened = stand_in.opened.lock().unwrap().clone();
     assert_eq!(opened, vec![node_id.clone(); 3], "two UNIMPLEMENTED answers, then the stream, all as the node");
 
     stand_in.push(state(3, "api.example.com")).await;
-    stand_in.until("generation 3 acked", |s| s.ack(3).is_some()).await;
+    stand_in.until("generation 3 to be acked", |s| s.ack(3).is_some()).await;
     let (caller, ack) = stand_in.ack(3).unwrap();
     assert_eq!(caller, node_id, "acknowledged on the node's own certificate");
     assert_eq!((ack.node_id.as_str(), ack.error.as_str()), (node_id.as_str(), ""));
@@ -133,7 +130,7 @@ async fn the_agent_retries_an_unimplemented_egress_service_then_applies_and_acks
     assert_eq!(status.applied, Some(3));
 
     stand_in.push(state(4, "not a host")).await;
-    stand_in.until("generation 4 acked", |s| s.ack(4).is_some()).await;
+    stand_in.until("generation 4 to be acked", |s| s.ack(4).is_some()).await;
     let (_, failed) = stand_in.ack(4).unwrap();
     assert!(failed.error.contains("hostname 'not a host'"), "{}", failed.error);
     let status = agent.handle.egress().unwrap().borrow().clone();
@@ -148,7 +145,7 @@ async fn the_agent_retries_an_unimplemented_egress_service_then_applies_and_acks
         .collect();
     assert!(prost::Message::encoded_len(&large) > 4 << 20, "the state is over 4 MiB");
     stand_in.push(large).await;
-    stand_in.until("generation 5 acked", |s| s.ack(5).is_some()).await;
+    stand_in.until("generation 5 to be acked", |s| s.ack(5).is_some()).await;
     let (_, ack) = stand_in.ack(5).unwrap();
     assert_eq!(ack.error, "", "the large state applied");
     assert_eq!(agent.handle.egress().unwrap().borrow().applied, Some(5));

@@ -21,6 +21,7 @@ use berth_agent::{Enforcement, OciRuntime, WorkloadRuntime};
 use berth_proto::leases::v1 as leases;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1 as types;
+use berth_testkit::eventually;
 
 use common::*;
 
@@ -29,37 +30,29 @@ const PYTHON: &str = "/usr/bin/python3";
 
 /// Waits until the file holds a line starting with `prefix`; returns the file.
 async fn output_until(path: &Path, prefix: &str) -> String {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
+    eventually(&format!("a '{prefix}' line to be in {}", path.display()), SLOW, || async {
         let text = std::fs::read_to_string(path).unwrap_or_default();
-        if text.lines().any(|line| line.starts_with(prefix)) {
-            return text;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no '{prefix}' line in {}:\n{text}", path.display());
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+        if text.lines().any(|line| line.starts_with(prefix)) { Ok(text) } else { Err(text) }
+    })
+    .await
 }
 
 /// `GET /` on `127.0.0.1:port` from the host, once something answers.
 async fn fetch_from_host(port: u32) -> String {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let answer = tokio::task::spawn_blocking(move || {
-            let mut stream = std::net::TcpStream::connect(("127.0.0.1", u16::try_from(port).unwrap())).ok()?;
-            stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-            stream.write_all(b"GET / HTTP/1.0\r\nHost: replica\r\n\r\n").ok()?;
+    eventually(&format!("the replica to answer on its node port {port}"), SLOW, || async move {
+        tokio::task::spawn_blocking(move || {
+            let mut stream = std::net::TcpStream::connect(("127.0.0.1", u16::try_from(port).unwrap()))
+                .map_err(|error| format!("connect: {error}"))?;
+            stream.set_read_timeout(Some(Duration::from_secs(5))).map_err(|error| format!("set timeout: {error}"))?;
+            stream.write_all(b"GET / HTTP/1.0\r\nHost: replica\r\n\r\n").map_err(|error| format!("write: {error}"))?;
             let mut answer = String::new();
-            stream.read_to_string(&mut answer).ok()?;
-            Some(answer).filter(|a| a.starts_with("HTTP/"))
+            stream.read_to_string(&mut answer).map_err(|error| format!("read: {error}"))?;
+            if answer.starts_with("HTTP/") { Ok(answer) } else { Err(format!("not HTTP: {answer:?}")) }
         })
         .await
-        .unwrap();
-        if let Some(answer) = answer {
-            return answer;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "the replica never answered on its node port {port}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        .unwrap()
+    })
+    .await
 }
 
 /// The `ip netns` name of the namespace with this inode, if one is mounted.
@@ -180,11 +173,10 @@ async fn replica_held_to_its_proxy(runtime: OciRuntime) {
     plane.release(&lease.lease_id).await;
     gone_until(instance.pid).await;
     if let Some(namespace) = mounted {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        while namespace.exists() {
-            assert!(tokio::time::Instant::now() < deadline, "{} outlived the tenant's last lease", namespace.display());
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        eventually(&format!("{} to go with the tenant's last lease", namespace.display()), SLOW, || async {
+            if namespace.exists() { Err(format!("{} still exists", namespace.display())) } else { Ok(()) }
+        })
+        .await;
     }
     agent.kill().await;
     plane.cleanup().await;

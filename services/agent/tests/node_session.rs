@@ -8,6 +8,7 @@
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
+use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -25,6 +26,7 @@ use berth_proto::identity::v1::join_tokens_client::JoinTokensClient;
 use berth_proto::identity::v1::nodes_client::NodesClient;
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
+use berth_testkit::{PATIENCE, eventually};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -35,10 +37,6 @@ const SECRET: &str = "0123456789abcdef0123456789abcdef-agent-test";
 /// What the agent advertises; its host is written into the node certificate,
 /// which is how a client dialling 127.0.0.1 verifies the agent API.
 const ADVERTISE: &str = "127.0.0.1:7447";
-
-/// Long enough for anything on a loaded two-core machine; tests that pass
-/// finish far sooner.
-const PATIENCE: Duration = Duration::from_secs(20);
 
 // ---------------------------------------------------------------------------
 // A relay in front of identity that can go down
@@ -276,28 +274,23 @@ impl IdentityUnderTest {
 
     /// Polls GetNode until identity no longer knows the node.
     async fn node_forgotten(&self, node_id: &str) {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        loop {
+        eventually(&format!("node {node_id} to be forgotten"), PATIENCE, || async {
             let request = v1::GetNodeRequest { node_id: node_id.into() };
             match NodesClient::new(self.admin_channel.clone()).get_node(request).await {
-                Err(status) if status.code() == tonic::Code::NotFound => return,
-                other => assert!(tokio::time::Instant::now() < deadline, "node {node_id} never forgotten: {other:?}"),
+                Err(status) if status.code() == tonic::Code::NotFound => Ok(()),
+                other => Err(other.map(tonic::Response::into_inner)),
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await;
     }
 
     /// Polls GetNode until `pred` holds.
     async fn node_until(&self, node_id: &str, what: &str, pred: impl Fn(&v1::Node) -> bool) -> v1::Node {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        loop {
+        eventually(&format!("node {node_id} to be {what}"), PATIENCE, || async {
             let node = self.node(node_id).await;
-            if pred(&node) {
-                return node;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "node {node_id} never {what}: {node:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            if pred(&node) { Ok(node) } else { Err(node) }
+        })
+        .await
     }
 
     async fn cleanup(mut self) {
@@ -472,16 +465,18 @@ async fn the_certificate_renews_again_and_again_and_the_api_serves_each_renewal(
         seen
     });
 
-    let mut served = vec![served_fingerprint(agent.handle.local_addr(), &identity.admin).await];
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while served.len() < 4 {
-        assert!(tokio::time::Instant::now() < deadline, "only {} certificates served: {served:?}", served.len());
+    let served = RefCell::new(vec![served_fingerprint(agent.handle.local_addr(), &identity.admin).await]);
+    eventually("the agent API to serve four certificates in turn", PATIENCE, || async {
+        // A TLS handshake each look: a few looks a second are enough.
         tokio::time::sleep(Duration::from_millis(200)).await;
         let now = served_fingerprint(agent.handle.local_addr(), &identity.admin).await;
+        let mut served = served.borrow_mut();
         if served.last() != Some(&now) {
             served.push(now);
         }
-    }
+        if served.len() >= 4 { Ok(()) } else { Err(served.clone()) }
+    })
+    .await;
     // Three renewals of a 3 s certificate: the agent outlived its first one.
     assert!(agent.handle.credentials().not_after() > first_expiry);
     // What is served is what is kept, so a restart resumes the renewed
@@ -586,20 +581,20 @@ async fn a_node_given_two_identity_replicas_moves_to_the_other_when_its_own_goes
 
     // Whichever replica the node heartbeats to goes away for good. (The
     // join's own connection may have gone through either; it is closed.)
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while identity.relay.open() + second.open() != 1 {
-        assert!(tokio::time::Instant::now() < deadline, "the node holds one connection to identity");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the node to hold one connection to identity", PATIENCE, || async {
+        let open = identity.relay.open() + second.open();
+        if open == 1 { Ok(()) } else { Err(format!("{open} connections open")) }
+    })
+    .await;
     let (own, other) = if identity.relay.open() == 1 { (&identity.relay, &second) } else { (&second, &identity.relay) };
     let reached_other = other.relayed();
     let last_beat = |node: &v1::Node| node.last_heartbeat_at.as_ref().map(|at| (at.seconds, at.nanos));
     own.go_down();
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while other.open() != 1 {
-        assert!(tokio::time::Instant::now() < deadline, "the node never connected through the other replica");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the node to connect through the other replica", PATIENCE, || async {
+        let open = other.open();
+        if open == 1 { Ok(()) } else { Err(format!("{open} connections open through it")) }
+    })
+    .await;
     let moved_at = last_beat(&identity.node(&node_id).await);
 
     // The node carries on through the other one: the same session, UP,
@@ -737,14 +732,14 @@ async fn an_agent_restored_from_a_backup_is_refused_its_superseded_certificate_a
         std::process::Command::new("cp").arg("-a").arg(dir.path().join(".")).arg(backup.path()).status().unwrap();
     assert!(copied.success());
     let joined_expiry = agent.handle.credentials().not_after();
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while agent.handle.credentials().not_after() == joined_expiry {
-        assert!(tokio::time::Instant::now() < deadline, "the node never renewed");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually("the node to renew", PATIENCE, || async {
+        let expiry = agent.handle.credentials().not_after();
+        if expiry == joined_expiry { Err(expiry) } else { Ok(()) }
+    })
+    .await;
     // Presented on a heartbeat, then past the overlap: the backup's
     // certificate, still unexpired, is no longer the node's.
-    identity.node_until(&old_node, "the renewal presented", |n| n.certificate_next_floor.is_some()).await;
+    identity.node_until(&old_node, "marked with its renewal", |n| n.certificate_next_floor.is_some()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     agent.stop().await.unwrap();
 
@@ -850,11 +845,11 @@ async fn a_rotated_ca_reaches_the_agent_before_it_signs_and_renewals_follow_it()
     let early = identity.try_rotate_ca(true).await.unwrap_err();
     assert_eq!(early.code(), tonic::Code::FailedPrecondition, "{early:?}");
     assert!(early.message().contains(&agent.handle.node_id()), "{}", early.message());
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while agent.handle.credentials().material().ca_bundle_pem != prepared {
-        assert!(tokio::time::Instant::now() < deadline, "the prepared CA never reached the agent");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("the prepared CA to reach the agent", PATIENCE, || async {
+        let bundle = agent.handle.credentials().material().ca_bundle_pem;
+        if bundle == prepared { Ok(()) } else { Err(bundle) }
+    })
+    .await;
     let kept = std::fs::read_to_string(dir.path().join("identity/ca.pem")).unwrap();
     assert_eq!(kept, prepared, "the new bundle is kept for the next start");
     // The operator's client learns the new bundle too.
@@ -863,23 +858,14 @@ async fn a_rotated_ca_reaches_the_agent_before_it_signs_and_renewals_follow_it()
     identity.admin.reload(admin).unwrap();
 
     // Once its next heartbeat says it has the bundle, activation goes through.
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while let Err(refused) = identity.try_rotate_ca(true).await {
-        assert!(tokio::time::Instant::now() < deadline, "activation never allowed: {}", refused.message());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually("activation to be allowed", PATIENCE, || identity.try_rotate_ca(true)).await;
     // The prepared CA is the second in the bundle; once active, renewals are
     // signed by it alone.
     let new_ca = prepared.split_inclusive("-----END CERTIFICATE-----").nth(1).unwrap().trim().to_string() + "\n";
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let cert = agent.handle.credentials().material().cert_chain_pem;
-        if verify_chain(&cert, &new_ca).is_ok() {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no renewal under the new CA");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually("the node to renew under the new CA", PATIENCE, || async {
+        verify_chain(&agent.handle.credentials().material().cert_chain_pem, &new_ca)
+    })
+    .await;
     let served = served_fingerprint(agent.handle.local_addr(), &identity.admin).await;
     assert_eq!(served, pem_fingerprint(&agent.handle.credentials().material().cert_chain_pem));
     agent.up().await;
@@ -923,11 +909,11 @@ async fn a_node_away_through_a_forced_ca_activation_is_told_how_to_recover_and_d
     config.ca_bundle_pem = bundle.clone();
     let back = RunningAgent::start(config).await;
     back.up().await;
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while std::fs::read_to_string(dir.path().join("identity/ca.pem")).unwrap() != bundle {
-        assert!(tokio::time::Instant::now() < deadline, "the current bundle was never kept");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("the current bundle to be kept", PATIENCE, || async {
+        let kept = std::fs::read_to_string(dir.path().join("identity/ca.pem")).unwrap();
+        if kept == bundle { Ok(()) } else { Err(kept) }
+    })
+    .await;
     back.stop().await.unwrap();
     identity.cleanup().await;
 }

@@ -20,6 +20,7 @@ use berth_identity::NodeTiming;
 use berth_proto::agent::v1 as agent;
 use berth_proto::identity::v1 as identity;
 use berth_proto::leases::v1::LeasePhase;
+use berth_testkit::eventually;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -199,8 +200,7 @@ async fn the_agent_api_shows_the_logs_and_a_term_signal_ends_the_workload() {
 
     let logs = |follow| agent::GetLogsRequest { lease_id: lease.lease_id.clone(), follow, tail_lines: 0 };
     let expected = format!("hello from {}\n", lease.lease_id);
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let (stdout, stderr) = loop {
+    let (stdout, stderr) = eventually("the logs to hold the greeting and the oops", SLOW, || async {
         let mut stream = agent.api(&plane).get_logs(logs(false)).await.unwrap().into_inner();
         let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
         while let Some(chunk) = stream.next().await {
@@ -212,11 +212,12 @@ async fn the_agent_api_shows_the_logs_and_a_term_signal_ends_the_workload() {
             }
         }
         if stdout == expected.as_bytes() && stderr == b"oops\n" {
-            break (stdout, stderr);
+            Ok((stdout, stderr))
+        } else {
+            Err((String::from_utf8_lossy(&stdout).into_owned(), String::from_utf8_lossy(&stderr).into_owned()))
         }
-        assert!(tokio::time::Instant::now() < deadline, "logs were {stdout:?} / {stderr:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    })
+    .await;
     assert_eq!((stdout.len(), stderr.len()), (expected.len(), 5));
 
     let stats = agent
@@ -233,7 +234,7 @@ async fn the_agent_api_shows_the_logs_and_a_term_signal_ends_the_workload() {
     let signal = agent::SignalInstanceRequest { lease_id: lease.lease_id.clone(), signal: agent::Signal::Term as i32 };
     agent.api(&plane).signal_instance(signal).await.unwrap();
     let mut seen = Vec::new();
-    let ended = tokio::time::timeout(PATIENCE, async {
+    let ended = tokio::time::timeout(SLOW, async {
         while let Some(chunk) = followed.next().await {
             let chunk = chunk.unwrap();
             if chunk.stream() == agent::LogStream::Stdout {
@@ -298,13 +299,13 @@ async fn a_fenced_node_holds_its_workload_in_custody_and_takes_it_back_after_rej
     // Cut off from identity long enough to be reaped: the next heartbeat
     // that gets through is told the incarnation is fenced.
     relay.go_down();
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while plane.node(&node_id).await.incarnation < 2 {
-        assert!(tokio::time::Instant::now() < deadline, "the node was never reaped");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("the node to be reaped", SLOW, || async {
+        let node = plane.node(&node_id).await;
+        if node.incarnation >= 2 { Ok(()) } else { Err(node) }
+    })
+    .await;
     relay.come_back();
-    tokio::time::timeout(PATIENCE, fences.changed()).await.expect("the agent never saw the fence").unwrap();
+    tokio::time::timeout(SLOW, fences.changed()).await.expect("the agent never saw the fence").unwrap();
     assert_eq!(fences.borrow().as_ref().unwrap().reason, FenceReason::Fenced);
 
     // After the rejoin the workload is taken back, not restarted.
@@ -332,7 +333,7 @@ async fn a_revoked_node_destroys_its_workloads_before_the_agent_exits() {
 
     let request = identity::RevokeNodeRequest { node_id: agent.handle.node_id(), reason: "decommissioned".into() };
     identity::nodes_client::NodesClient::new(plane.channel(&plane.identity_addr)).revoke_node(request).await.unwrap();
-    let stopped = tokio::time::timeout(PATIENCE, agent.handle.wait()).await.expect("the agent never stopped");
+    let stopped = tokio::time::timeout(SLOW, agent.handle.wait()).await.expect("the agent never stopped");
     assert!(matches!(stopped, Err(berth_agent::AgentError::Revoked { .. })), "{stopped:?}");
     assert_eq!(start_ticks(pid), None, "the agent exited while its workload still ran");
     plane.cleanup().await;
@@ -368,21 +369,20 @@ async fn a_node_that_cannot_rejoin_holds_its_workload_for_the_stop_grace_and_onl
     let mut fences = agent.handle.fences();
 
     relay.go_down();
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
+    eventually("the node to be forgotten", SLOW, || async {
         let request = identity::GetNodeRequest { node_id: node_id.clone() };
         let found =
             identity::nodes_client::NodesClient::new(plane.channel(&plane.identity_addr)).get_node(request).await;
-        if found.is_err_and(|status| status.code() == tonic::Code::NotFound) {
-            break;
+        match found {
+            Err(status) if status.code() == tonic::Code::NotFound => Ok(()),
+            found => Err(found.map(tonic::Response::into_inner)),
         }
-        assert!(tokio::time::Instant::now() < deadline, "the node was never forgotten");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
     relay.come_back();
     // Forgotten first, then the rejoin without a token refused.
     let refused = tokio::time::timeout(
-        PATIENCE,
+        SLOW,
         fences.wait_for(|f| f.as_ref().is_some_and(|f| f.reason == FenceReason::RejoinRefused)),
     )
     .await
@@ -395,7 +395,7 @@ async fn a_node_that_cannot_rejoin_holds_its_workload_for_the_stop_grace_and_onl
     tokio::time::sleep(grace / 2).await;
     assert!(!waiting.is_finished(), "the agent exited while it held a workload in custody");
     assert!(start_ticks(pid).is_some(), "custody keeps the workload running for the grace");
-    let stopped = tokio::time::timeout(PATIENCE, waiting).await.expect("the agent never stopped").unwrap();
+    let stopped = tokio::time::timeout(SLOW, waiting).await.expect("the agent never stopped").unwrap();
     assert!(refused_at.elapsed() >= grace / 2, "destroyed at once, not after the grace");
     assert!(matches!(stopped, Err(berth_agent::AgentError::RejoinNeedsToken { .. })), "{stopped:?}");
     assert_eq!(start_ticks(pid), None, "the agent exited while its workload still ran");

@@ -10,6 +10,7 @@ use berth_proto::leases::v1::{
     AssumeCustodyRequest, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest, RenewLeasesResponse,
     Workload,
 };
+use berth_testkit::{PATIENCE, eventually};
 use tokio::sync::Semaphore;
 
 use super::*;
@@ -20,7 +21,6 @@ use crate::provider::ProviderError;
 use crate::testdir::TestDir;
 
 const NODE: &str = "n-1";
-const PATIENCE: Duration = Duration::from_secs(20);
 /// The TTL the fake ledger gives; the keep-alive renews every third of it.
 const TTL: Duration = Duration::from_millis(600);
 
@@ -136,15 +136,11 @@ impl FakeLeases {
     }
 
     async fn phase_until(&self, lease_id: &str, phase: LeasePhase) -> Lease {
-        let deadline = Instant::now() + PATIENCE;
-        loop {
+        eventually(&format!("lease {lease_id} to be {phase:?}"), PATIENCE, || async {
             let lease = self.lease(lease_id);
-            if lease.phase() == phase {
-                return lease;
-            }
-            assert!(Instant::now() < deadline, "lease {lease_id} never {phase:?}: {lease:?}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+            if lease.phase() == phase { Ok(lease) } else { Err(lease) }
+        })
+        .await
     }
 
     fn reported(&self, lease_id: &str) -> Vec<LeasePhase> {
@@ -441,14 +437,13 @@ impl Harness {
     }
 
     async fn view_until(&self, lease_id: &str, what: &str, pred: impl Fn(&InstanceView) -> bool) -> InstanceView {
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            if let Some(view) = self.board.get(lease_id).filter(|v| pred(v)) {
-                return view;
+        eventually(&format!("the board to show instance {lease_id} {what}"), PATIENCE, || async {
+            match self.board.get(lease_id) {
+                Some(view) if pred(&view) => Ok(view),
+                seen => Err(seen),
             }
-            assert!(Instant::now() < deadline, "instance {lease_id} never {what}: {:?}", self.board.get(lease_id));
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        })
+        .await
     }
 
     async fn pid_of(&self, lease_id: &str) -> u32 {
@@ -488,11 +483,10 @@ fn group_gone(pid: u32) -> bool {
 }
 
 async fn gone_until(pid: u32) {
-    let deadline = Instant::now() + PATIENCE;
-    while !group_gone(pid) {
-        assert!(Instant::now() < deadline, "process group {pid} still runs");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(&format!("process group {pid} to be gone"), PATIENCE, || async {
+        if group_gone(pid) { Ok(()) } else { Err(format!("process group {pid} still runs")) }
+    })
+    .await;
 }
 
 fn alive(pid: u32) -> bool {
@@ -566,11 +560,10 @@ async fn a_bundle_is_pulled_while_the_lease_is_bound_and_runs_once_launching_is_
 
     // LAUNCHING is held at the service, and the bundle arrives all the same.
     let extracted = dir.path().join("bundles/bundles/sha256").join(&hex);
-    let deadline = Instant::now() + PATIENCE;
-    while !extracted.is_dir() {
-        assert!(Instant::now() < deadline, "the bundle was not pulled while the lease was BOUND");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the bundle to be pulled while the lease is BOUND", PATIENCE, || async {
+        if extracted.is_dir() { Ok(()) } else { Err(format!("no {}", extracted.display())) }
+    })
+    .await;
     assert_eq!(fake.lease("l-1").phase(), LeasePhase::Bound);
     assert!(!dir.path().join("leases/l-1/ran").exists(), "the workload started before LAUNCHING was taken");
     gate.add_permits(1);
@@ -580,11 +573,10 @@ async fn a_bundle_is_pulled_while_the_lease_is_bound_and_runs_once_launching_is_
     assert_eq!(view.meta.digest, format!("sha256:{hex}"));
     assert_ne!(view.meta.port, 0);
     let ran = dir.path().join("leases/l-1/ran");
-    let deadline = Instant::now() + PATIENCE;
-    while !ran.exists() {
-        assert!(Instant::now() < deadline, "the bundle's program never ran in the lease's directory");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the bundle's program to run in the lease's directory", PATIENCE, || async {
+        if ran.exists() { Ok(()) } else { Err(format!("no {}", ran.display())) }
+    })
+    .await;
     fake.change("l-1", Some(EventKind::Removed), |lease| lease.phase = LeasePhase::Released as i32);
     runner.holding_until(0).await;
     runner.kill().await;
@@ -633,18 +625,16 @@ async fn a_released_lease_is_destroyed_and_held_leases_are_renewed_in_one_batch(
     fake.phase_until("l-2", LeasePhase::Running).await;
     let pid = runner.pid_of("l-1").await;
 
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        let batch = fake.ledger().renewals.last().cloned();
-        if let Some(batch) = batch.filter(|b| b.leases.len() == 2) {
-            assert_eq!(batch.node_id, NODE);
-            let epochs: Vec<(String, u64)> = batch.leases.iter().map(|l| (l.lease_id.clone(), l.epoch)).collect();
-            assert_eq!(epochs, vec![("l-1".to_string(), 1), ("l-2".to_string(), 1)]);
-            break;
+    let batch = eventually("both leases to be renewed in one batch", PATIENCE, || async {
+        match fake.ledger().renewals.last().cloned() {
+            Some(batch) if batch.leases.len() == 2 => Ok(batch),
+            last => Err(last),
         }
-        assert!(Instant::now() < deadline, "both leases never renewed in one batch");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    })
+    .await;
+    assert_eq!(batch.node_id, NODE);
+    let epochs: Vec<(String, u64)> = batch.leases.iter().map(|l| (l.lease_id.clone(), l.epoch)).collect();
+    assert_eq!(epochs, vec![("l-1".to_string(), 1), ("l-2".to_string(), 1)]);
 
     fake.change("l-1", Some(EventKind::Removed), |l| l.phase = LeasePhase::Released as i32);
     gone_until(pid).await;
@@ -684,11 +674,11 @@ async fn a_lease_reported_lost_is_destroyed_and_renewals_go_on_while_a_destroy_w
     // Renewals go on while the destroy waits out the grace: three of them
     // come before the stubborn workload is gone.
     let before = fake.renewals();
-    let deadline = Instant::now() + PATIENCE;
-    while fake.renewals() - before < 3 && alive(stubborn) {
-        assert!(Instant::now() < deadline, "neither three renewals nor the destroy within {PATIENCE:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("three renewals or the destroy to come", PATIENCE, || async {
+        let renewed = fake.renewals() - before;
+        if renewed >= 3 || !alive(stubborn) { Ok(()) } else { Err(format!("{renewed} renewals, the workload alive")) }
+    })
+    .await;
     assert!(
         alive(stubborn),
         "renewals stalled while a destroy waited: {} before the grace ran out",
@@ -737,11 +727,12 @@ async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_
     assert!(kept_record.contains("\"epoch\": 2"), "{kept_record}");
 
     // Renewals carry the new epoch, and the lease's end is reported at it.
-    let deadline = Instant::now() + PATIENCE;
-    while !fake.ledger().renewals.iter().any(|r| r.leases.contains(&LeaseRef { lease_id: "l-kept".into(), epoch: 2 })) {
-        assert!(Instant::now() < deadline, "never renewed at epoch 2");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("l-kept to be renewed at epoch 2", PATIENCE, || async {
+        let renewals = fake.ledger().renewals.clone();
+        let at_2 = LeaseRef { lease_id: "l-kept".into(), epoch: 2 };
+        if renewals.iter().any(|r| r.leases.contains(&at_2)) { Ok(()) } else { Err(renewals) }
+    })
+    .await;
     rustix::process::kill_process_group(
         rustix::process::Pid::from_raw(i32::try_from(kept).unwrap()).unwrap(),
         rustix::process::Signal::KILL,
@@ -769,13 +760,16 @@ async fn a_failed_listing_at_start_reconciles_nothing_until_a_listing_succeeds()
     let second =
         Harness::start_with(&fake, dir.path(), settings(), FlakyInventory::wrapping(2, 0, flaky.clone())).await;
     let wrapped = flaky.lock().unwrap().clone().unwrap();
-    let deadline = Instant::now() + PATIENCE;
-    while wrapped.listings.load(Ordering::SeqCst) < 2 {
-        assert!(Instant::now() < deadline, "the listing was never asked again");
+    eventually("the listing to be asked again", PATIENCE, || async {
+        let listings = wrapped.listings.load(Ordering::SeqCst);
+        if listings >= 2 {
+            return Ok(());
+        }
         assert_eq!(fake.ledger().reconciles.len(), earlier, "nothing is reconciled on a failed listing");
         assert_eq!(*second.handle.standing.borrow(), Standing::Recovering, "not serving meanwhile");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+        Err(format!("{listings} listings"))
+    })
+    .await;
     assert!(alive(kept), "the workload it could not list is left alone");
 
     // Once a listing succeeds it is adopted, not replaced.
@@ -897,11 +891,11 @@ async fn what_a_node_holds_in_custody_is_counted_with_its_age_until_confirmed() 
     let fenced_at = SystemTime::now();
     runner.fence(FenceReason::Fenced);
     runner.standing_until(Standing::Custody).await;
-    let deadline = Instant::now() + PATIENCE;
-    while runner.board.custody().held != 1 {
-        assert!(Instant::now() < deadline, "custody never counted: {:?}", runner.board.custody());
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("custody to be counted", PATIENCE, || async {
+        let custody = runner.board.custody();
+        if custody.held == 1 { Ok(()) } else { Err(custody) }
+    })
+    .await;
     let since = runner.board.custody().since.expect("since when");
     assert!(since <= SystemTime::now() && since + Duration::from_secs(1) >= fenced_at, "{since:?}");
     // Past the warning age the runner keeps running it (and warns each sweep).
@@ -911,11 +905,11 @@ async fn what_a_node_holds_in_custody_is_counted_with_its_age_until_confirmed() 
     // Rejoined and confirmed: nothing in custody any more.
     runner.session.send_replace(session(2));
     runner.standing_until(Standing::Serving).await;
-    let deadline = Instant::now() + PATIENCE;
-    while runner.board.custody() != Custody::default() {
-        assert!(Instant::now() < deadline, "custody never ended: {:?}", runner.board.custody());
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("custody to end", PATIENCE, || async {
+        let custody = runner.board.custody();
+        if custody == Custody::default() { Ok(()) } else { Err(custody) }
+    })
+    .await;
     runner.kill().await;
 }
 
@@ -973,11 +967,11 @@ async fn renewed_once_with_stop_bound(fake: &Arc<FakeLeases>, dir: &Path, bound:
     let runner = Harness::serving(fake, dir, settings).await;
     let pid = run_lease(fake, &runner, "l-1", "exec sleep 1000").await;
     let renewals = fake.renewals();
-    let deadline = Instant::now() + PATIENCE;
-    while fake.renewals() == renewals {
-        assert!(Instant::now() < deadline, "the lease was never renewed");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually("the lease to be renewed", PATIENCE, || async {
+        let now = fake.renewals();
+        if now == renewals { Err(format!("still {now} renewals")) } else { Ok(()) }
+    })
+    .await;
     (runner, pid, stop_grace)
 }
 
@@ -1143,11 +1137,11 @@ async fn a_sweep_that_was_under_way_when_the_session_ended_does_not_end_custody(
     let gate = Arc::new(Semaphore::new(0));
     *fake.reconcile_gate.lock().unwrap() = Some(gate.clone());
     let arrived = fake.reconciles_arrived.load(Ordering::SeqCst);
-    let deadline = Instant::now() + PATIENCE;
-    while fake.reconciles_arrived.load(Ordering::SeqCst) == arrived {
-        assert!(Instant::now() < deadline, "no sweep came");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually("a sweep to come", PATIENCE, || async {
+        let now = fake.reconciles_arrived.load(Ordering::SeqCst);
+        if now == arrived { Err(format!("still {now} reconciles arrived")) } else { Ok(()) }
+    })
+    .await;
     runner.fence(FenceReason::Fenced);
     runner.standing_until(Standing::Custody).await;
     runner.session.send_replace(session(2));

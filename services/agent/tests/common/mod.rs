@@ -23,7 +23,7 @@ use berth_proto::types::v1 as types;
 use berth_rpc::Channel;
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
-use berth_testkit::{Backend, InProcessLeases};
+use berth_testkit::{Backend, InProcessLeases, eventually};
 use tokio_util::sync::CancellationToken;
 
 pub(crate) const SECRET: &str = "0123456789abcdef0123456789abcdef-lease-test";
@@ -32,9 +32,10 @@ pub(crate) const SECRET: &str = "0123456789abcdef0123456789abcdef-lease-test";
 /// agent API verifies when dialled at 127.0.0.1.
 pub(crate) const ADVERTISE: &str = "127.0.0.1:7447";
 
-/// Long enough for anything on a loaded two-core machine; tests that pass
-/// finish far sooner.
-pub(crate) const PATIENCE: Duration = Duration::from_secs(30);
+/// How long these tests wait for the agent: longer than the kit's
+/// `PATIENCE`, since a step may take pulling a bundle and starting a
+/// container (gVisor above all) on a loaded machine.
+pub(crate) const SLOW: Duration = Duration::from_secs(30);
 
 // ---------------------------------------------------------------------------
 // Identity and leases, in process
@@ -164,16 +165,10 @@ impl ControlPlane {
             workload: Some(workload),
             ..Default::default()
         };
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        loop {
-            match self.leases().request_lease(request.clone()).await {
-                Ok(response) => return response.into_inner().lease.unwrap(),
-                Err(status) => {
-                    assert!(tokio::time::Instant::now() < deadline, "the lease was never placed: {status:?}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
+        eventually("the lease to be placed", SLOW, || async {
+            self.leases().request_lease(request.clone()).await.map(|response| response.into_inner().lease.unwrap())
+        })
+        .await
     }
 
     pub(crate) async fn lease(&self, lease_id: &str) -> leases::Lease {
@@ -182,15 +177,11 @@ impl ControlPlane {
     }
 
     pub(crate) async fn phase_until(&self, lease_id: &str, phase: LeasePhase) -> leases::Lease {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        loop {
+        eventually(&format!("lease {lease_id} to be {phase:?}"), SLOW, || async {
             let lease = self.lease(lease_id).await;
-            if lease.phase() == phase {
-                return lease;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "lease {lease_id} never {phase:?}: {lease:?}");
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+            if lease.phase() == phase { Ok(lease) } else { Err(lease) }
+        })
+        .await
     }
 
     pub(crate) async fn release(&self, lease_id: &str) {
@@ -265,7 +256,7 @@ impl RunningAgent {
         let stop = CancellationToken::new();
         let handle = berth_agent::start(config, stop.clone()).await.unwrap();
         let mut status = handle.status();
-        tokio::time::timeout(PATIENCE, status.wait_for(AgentStatus::is_up)).await.unwrap().unwrap();
+        tokio::time::timeout(SLOW, status.wait_for(AgentStatus::is_up)).await.unwrap().unwrap();
         RunningAgent { handle, stop }
     }
 
@@ -287,16 +278,14 @@ impl RunningAgent {
         what: &str,
         pred: impl Fn(&agent::Instance) -> bool,
     ) -> agent::Instance {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        loop {
+        eventually(&format!("the instance of {lease_id} to be {what}"), SLOW, || async {
             let listed = self.api(plane).list_instances(agent::ListInstancesRequest::default()).await.unwrap();
-            let found = listed.into_inner().instances.into_iter().find(|i| i.lease_id == lease_id);
-            if let Some(instance) = found.as_ref().filter(|i| pred(i)) {
-                return instance.clone();
+            match listed.into_inner().instances.into_iter().find(|i| i.lease_id == lease_id) {
+                Some(instance) if pred(&instance) => Ok(instance),
+                found => Err(found),
             }
-            assert!(tokio::time::Instant::now() < deadline, "instance of {lease_id} never {what}: {found:?}");
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        })
+        .await
     }
 }
 
@@ -341,9 +330,11 @@ pub(crate) fn start_ticks(pid: u32) -> Option<u64> {
 }
 
 pub(crate) async fn gone_until(pid: u32) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while start_ticks(pid).is_some() {
-        assert!(tokio::time::Instant::now() < deadline, "process {pid} still runs");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    eventually(&format!("process {pid} to end"), SLOW, || async {
+        match start_ticks(pid) {
+            None => Ok(()),
+            Some(ticks) => Err(format!("process {pid} still runs, started at tick {ticks}")),
+        }
+    })
+    .await;
 }

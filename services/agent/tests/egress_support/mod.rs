@@ -6,14 +6,11 @@
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use berth_proto::egress::v1::{Destination, EgressPlan, ListenerProtocol, NodeEgressState, ServiceEgress};
+use berth_testkit::PATIENCE;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
-
-/// Long enough for anything on a loaded machine.
-pub(crate) const PATIENCE: Duration = Duration::from_secs(20);
 
 /// One destination of a plan.
 pub(crate) fn dest(route: &str, protocol: ListenerProtocol, hostname: &str, ports: &[u16]) -> Destination {

@@ -11,16 +11,15 @@ use std::time::Duration;
 use berth_proto::egress::v1::{
     Destination, EgressEnforcement, EgressPlan, ListenerProtocol, NodeEgressState, ServiceEgress,
 };
+use berth_testkit::{PATIENCE, eventually};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::*;
 use crate::egress::{EgressIsolation, EgressSettings, Enforcement};
 
-const PATIENCE: Duration = Duration::from_secs(10);
-
 /// What the fake service was asked, and the stream it serves now.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Seen {
     /// `Err(code)` answers for the next opens, in order.
     refusals: VecDeque<tonic::Code>,
@@ -45,11 +44,11 @@ impl FakeEgress {
     }
 
     async fn until(&self, what: &str, check: impl Fn(&Seen) -> bool) {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        while !check(&self.seen()) {
-            assert!(tokio::time::Instant::now() < deadline, "never {what}: {:?}", self.seen());
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually(what, PATIENCE, || async {
+            let seen = self.seen();
+            if check(&seen) { Ok(()) } else { Err(seen.clone()) }
+        })
+        .await;
     }
 }
 
@@ -139,11 +138,11 @@ impl Running {
 async fn an_unimplemented_service_is_retried_until_it_answers_then_each_state_is_applied_and_acked() {
     let running = follow(&[tonic::Code::Unimplemented, tonic::Code::Unimplemented, tonic::Code::Unavailable]).await;
     let fake = running.fake.clone();
-    fake.until("the stream opened", |seen| seen.stream.is_some()).await;
+    fake.until("the stream to open", |seen| seen.stream.is_some()).await;
     assert_eq!(fake.seen().opened_as, ["n-1"; 4], "three refusals, then the stream");
 
     fake.push(state(7, "api.example.com"));
-    fake.until("generation 7 acked", |seen| seen.acks.len() == 1).await;
+    fake.until("generation 7 to be acked", |seen| seen.acks.len() == 1).await;
     let ack = fake.seen().acks[0].clone();
     assert_eq!((ack.node_id.as_str(), ack.generation, ack.error.as_str()), ("n-1", 7, ""));
     assert_eq!(ack.enforcement, EgressEnforcement::Advisory as i32, "isolation is off");
@@ -157,10 +156,10 @@ async fn an_unimplemented_service_is_retried_until_it_answers_then_each_state_is
 async fn a_state_that_cannot_be_applied_is_acked_with_the_error_and_the_previous_rules_hold() {
     let running = follow(&[]).await;
     let fake = running.fake.clone();
-    fake.until("the stream opened", |seen| seen.stream.is_some()).await;
+    fake.until("the stream to open", |seen| seen.stream.is_some()).await;
     fake.push(state(1, "api.example.com"));
     fake.push(state(2, "bad host name"));
-    fake.until("both acked", |seen| seen.acks.len() == 2).await;
+    fake.until("both states to be acked", |seen| seen.acks.len() == 2).await;
     let acks = fake.seen().acks.clone();
     assert_eq!(acks[0].error, "");
     assert_eq!(acks[1].generation, 2);
@@ -170,7 +169,7 @@ async fn a_state_that_cannot_be_applied_is_acked_with_the_error_and_the_previous
     assert!(status.error.unwrap().contains("bad host name"));
 
     fake.push(state(3, "ok.example.com"));
-    fake.until("the fix acked", |seen| seen.acks.len() == 3).await;
+    fake.until("the fix to be acked", |seen| seen.acks.len() == 3).await;
     assert_eq!(fake.seen().acks[2].error, "");
     assert_eq!(running.proxies.status().borrow().error, None, "a good state clears the error");
     running.stop().await;
@@ -180,12 +179,15 @@ async fn a_state_that_cannot_be_applied_is_acked_with_the_error_and_the_previous
 async fn a_new_session_reopens_the_stream_as_the_new_node() {
     let running = follow(&[]).await;
     let fake = running.fake.clone();
-    fake.until("the stream opened", |seen| seen.stream.is_some()).await;
+    fake.until("the stream to open", |seen| seen.stream.is_some()).await;
     running.session.send_replace(NodeSession { node_id: "n-2".into(), incarnation: 1 });
-    fake.until("reopened as n-2", |seen| seen.opened_as.last().map(String::as_str) == Some("n-2")).await;
+    fake.until("the stream to reopen as n-2", |seen| seen.opened_as.last().map(String::as_str) == Some("n-2")).await;
     assert!(fake.seen().reconnects >= 1, "the channel is rebuilt for the new certificate");
     fake.push(state(9, "api.example.com"));
-    fake.until("acked as n-2", |seen| seen.acks.iter().any(|a| a.node_id == "n-2" && a.generation == 9)).await;
+    fake.until("generation 9 to be acked as n-2", |seen| {
+        seen.acks.iter().any(|a| a.node_id == "n-2" && a.generation == 9)
+    })
+    .await;
     running.stop().await;
 }
 
@@ -193,11 +195,11 @@ async fn a_new_session_reopens_the_stream_as_the_new_node() {
 async fn a_broken_stream_is_opened_again() {
     let running = follow(&[]).await;
     let fake = running.fake.clone();
-    fake.until("the stream opened", |seen| seen.stream.is_some()).await;
+    fake.until("the stream to open", |seen| seen.stream.is_some()).await;
     // The service goes away: the stream ends.
     fake.seen().stream = None;
-    fake.until("reopened", |seen| seen.opened_as.len() >= 2 && seen.stream.is_some()).await;
+    fake.until("the stream to reopen", |seen| seen.opened_as.len() >= 2 && seen.stream.is_some()).await;
     fake.push(state(4, "api.example.com"));
-    fake.until("acked after the reopen", |seen| seen.acks.iter().any(|a| a.generation == 4)).await;
+    fake.until("generation 4 to be acked after the reopen", |seen| seen.acks.iter().any(|a| a.generation == 4)).await;
     running.stop().await;
 }
