@@ -66,6 +66,11 @@ async fn a_reseal_moves_every_key_under_load_and_the_old_secret_opens_nothing(db
                     Ok(_) => signed.fetch_add(1, Ordering::Relaxed),
                     Err(_) => failed.fetch_add(1, Ordering::Relaxed),
                 };
+                // A cached signing view makes a call that never waits: without
+                // a yield this loop would hold its worker, and a task woken
+                // onto that worker (the pool's, the reseal's) would starve
+                // behind it, as no request handler ever holds one.
+                tokio::task::yield_now().await;
             }
         })
     };
