@@ -575,7 +575,16 @@ impl Suite {
         let seen_before = self.mesh.agents()[agent].log_count(injected);
         self.mesh.agent_mut(agent)?.reconfigure(|spec| spec.env(FAULTS_ENV, faults));
         let mut outcome = self.kill_agent(agent).await?;
-        let seen = self.mesh.agents()[agent].log_count(injected) - seen_before;
+        // The restarted agent may be back before its recovery reached the
+        // call the fault is in (custody is asked lease by lease, and the
+        // load's released leases are refused first): wait for it.
+        let mesh = &self.mesh;
+        let seen = wait_for(SETTLE_TIMEOUT, || async move {
+            let seen = mesh.agents()[agent].log_count(injected) - seen_before;
+            (seen >= times).then_some(seen)
+        })
+        .await
+        .unwrap_or_else(|| self.mesh.agents()[agent].log_count(injected) - seen_before);
         if seen < times {
             outcome.violations.push(format!(
                 "'{faults}' was injected {seen} times, not {times}: the row proves nothing\n{}",
