@@ -283,6 +283,26 @@ impl InProcessLeases {
     }
 }
 
+/// Waits until the leases service at `leases` lists `expected` nodes UP,
+/// asking as `admin`.
+pub async fn await_nodes_up(leases: SocketAddr, admin: TlsCredentials, expected: usize) {
+    use berth_proto::leases::v1 as api;
+    let channel = berth_rpc::connect(&leases.to_string(), admin).unwrap();
+    let capacity = api::capacity_client::CapacityClient::new(channel);
+    eventually(&format!("leases to learn all {expected} nodes"), PATIENCE, || {
+        let mut capacity = capacity.clone();
+        async move {
+            let known = capacity
+                .list_node_capacity(api::ListNodeCapacityRequest::default())
+                .await
+                .map(|r| r.into_inner().nodes.iter().filter(|n| n.state == identity::NodeState::Up as i32).count())
+                .unwrap_or_default();
+            if known == expected { Ok(()) } else { Err(format!("{known} nodes UP")) }
+        }
+    })
+    .await;
+}
+
 /// The binary `name`, of `package`, beside `beside` (a test's
 /// `env!("CARGO_BIN_EXE_…")`).
 ///

@@ -39,8 +39,8 @@ use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;
 use berth_testkit::{
-    InProcessLeases, PATIENCE, ScriptedRegistry, cleanup_bus, credentials, eventually, install_crypto_and_logs,
-    replica_bus, test_bus, test_ca, test_db,
+    InProcessLeases, PATIENCE, ScriptedRegistry, await_nodes_up, cleanup_bus, credentials, eventually,
+    install_crypto_and_logs, replica_bus, test_bus, test_ca, test_db,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -243,20 +243,7 @@ impl Plane {
 
     /// Waits until leases has learned every node of the registry.
     async fn wait_for_nodes(&self) {
-        let expected = self.registry.nodes().len();
-        let capacity = leases::capacity_client::CapacityClient::new(self.leases_channel(self.admin.clone()));
-        eventually(&format!("leases to learn all {expected} nodes"), PATIENCE, || {
-            let mut capacity = capacity.clone();
-            async move {
-                let known = capacity
-                    .list_node_capacity(leases::ListNodeCapacityRequest::default())
-                    .await
-                    .map(|r| r.into_inner().nodes.iter().filter(|n| n.state == NodeState::Up as i32).count())
-                    .unwrap_or_default();
-                if known == expected { Ok(()) } else { Err(format!("{known} nodes UP")) }
-            }
-        })
-        .await;
+        await_nodes_up(self.leases_addr, self.admin.clone(), self.registry.nodes().len()).await;
     }
 
     fn leases_channel(&self, credentials: TlsCredentials) -> Channel {
