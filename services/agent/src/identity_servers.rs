@@ -49,12 +49,10 @@ pub(crate) fn parse(list: &str) -> Result<Vec<String>, String> {
 }
 
 /// The replica, of `count`, that the node `node_id` prefers: the same for
-/// the same node and list, and even across a fleet (FNV-1a of the id).
+/// the same node and list across restarts and releases, and even across a
+/// fleet (FNV-1a of the id, as the agent's other stable names use).
 pub fn preferred_index(node_id: &str, count: usize) -> usize {
-    let hash = node_id
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3));
-    usize::try_from(hash % count.max(1) as u64).unwrap_or(0)
+    usize::try_from(crate::egress::fnv32(node_id.as_bytes())).unwrap_or(0) % count.max(1)
 }
 
 /// The replica a node's heartbeats go to, and where they go next.

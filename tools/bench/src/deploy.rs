@@ -53,11 +53,11 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
-use crate::heartbeats::OutputFormat;
 use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
 use crate::leases::{LeasesBenchError, latency, wait_for_nodes};
 use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
+use crate::output::{OutputFormat, print_report, progress};
 use crate::process::{ScratchDatabase, ServiceProcessError, claim_bus, free_loopback_port};
 use crate::procfs::load_average;
 use crate::report::Target;
@@ -354,18 +354,8 @@ pub(crate) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
     stopped?;
     report.load_average_before = load_average_before;
     report.judge();
-    let text = match args.output {
-        OutputFormat::Table => report.table(),
-        OutputFormat::Json => {
-            serde_json::to_string_pretty(&report).map_err(|e| DeployBenchError::Output(e.to_string()))? + "\n"
-        }
-    };
-    print!("{text}");
+    print_report(args.output, &report, |r| r.table()).map_err(DeployBenchError::Output)?;
     Ok(())
-}
-
-fn progress(message: &str) {
-    eprintln!("bench: {message}");
 }
 
 /// Everything inside the scratch database leases and revisions share.

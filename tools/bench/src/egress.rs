@@ -69,7 +69,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-use crate::heartbeats::OutputFormat;
+use crate::output::{OutputFormat, print_report};
 
 /// The full set must compile in under this, in milliseconds (median).
 const TARGET_FULL_MS: f64 = 100.0;
@@ -304,13 +304,7 @@ pub(crate) async fn run(args: EgressArgs) -> Result<(), EgressBenchError> {
         proxy,
         targets,
     };
-    let text = match args.output {
-        OutputFormat::Table => table(&report),
-        OutputFormat::Json => {
-            serde_json::to_string_pretty(&report).map_err(|e| EgressBenchError::Output(e.to_string()))? + "\n"
-        }
-    };
-    print!("{text}");
+    print_report(args.output, &report, table).map_err(EgressBenchError::Output)?;
     Ok(())
 }
 

@@ -37,7 +37,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
 use crate::egress::{ms, percentile};
-use crate::heartbeats::OutputFormat;
+use crate::output::{OutputFormat, print_report};
 
 /// How often the plan is read while an edit is waited for.
 const POLL_EVERY: Duration = Duration::from_millis(2);
@@ -151,12 +151,7 @@ pub(crate) async fn run(args: EgressPushArgs) -> Result<(), PushBenchError> {
     let outcome = dev.measure(&args, dir.path()).await;
     dev.stop().await;
     let report = outcome?;
-    match args.output {
-        OutputFormat::Table => println!("{}", table(&report)),
-        OutputFormat::Json => {
-            println!("{}", serde_json::to_string_pretty(&report).map_err(|e| PushBenchError::Output(e.to_string()))?)
-        }
-    }
+    print_report(args.output, &report, table).map_err(PushBenchError::Output)?;
     Ok(())
 }
 

@@ -45,6 +45,7 @@ use tonic_health::pb::health_client::HealthClient;
 use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
 use crate::load::{CpuFigures, CpuUse, ErrorTally, Figures, Samples, Window, is_transient, status_message};
 use crate::nodes::{self, JoinedNode, MAX_NODES, NODE_CAPACITY};
+use crate::output::{OutputFormat, print_report, progress};
 use crate::procfs::{MachineCpu, Memory, load_average, read_cpu_time, read_machine_cpu, read_memory};
 use crate::report::{JoinFigures, MemoryFigures, PhasePeaks, ReplicaFigures, Report, human};
 
@@ -72,15 +73,6 @@ const SETUP_BACKOFF: Duration = Duration::from_millis(200);
 
 /// Open files the bench needs beyond one per connection.
 const SPARE_FILES: u64 = 256;
-
-/// Output formats.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum OutputFormat {
-    /// Aligned columns for people.
-    Table,
-    /// Every figure as JSON, for scripts.
-    Json,
-}
 
 /// Flags of `berth-bench heartbeats`.
 #[derive(Debug, Clone, clap::Args)]
@@ -217,19 +209,9 @@ pub(crate) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
     let mut report = outcome?;
     report.load_average_before = load_average_before;
     report.judge();
-    let text = match args.output {
-        OutputFormat::Table => report.table(),
-        OutputFormat::Json => {
-            serde_json::to_string_pretty(&report).map_err(|e| BenchError::Output(e.to_string()))? + "\n"
-        }
-    };
-    print!("{text}");
+    print_report(args.output, &report, Report::table).map_err(BenchError::Output)?;
     stopped?;
     Ok(())
-}
-
-fn progress(message: &str) {
-    eprintln!("bench: {message}");
 }
 
 async fn scenario(

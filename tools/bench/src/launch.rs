@@ -31,12 +31,12 @@ use berth_rpc::Channel;
 use serde::Serialize;
 use tokio::task::JoinSet;
 
-use crate::heartbeats::OutputFormat;
 use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
 use crate::leases::{LeasesBenchError, latency, wait_for_nodes};
 use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
 use crate::nodes::{self, NODE_CAPACITY};
+use crate::output::{OutputFormat, print_report, progress};
 use crate::process::{ChildProcess, ServiceProcessError, free_loopback_port, sibling_binary};
 use crate::procfs::{load_average, read_memory};
 use crate::report::Target;
@@ -270,18 +270,8 @@ pub(crate) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
     report.runtime = Some(crate::runtime_launch::measure(args.runtime, args.compare).await?);
     report.load_average_before = load_average_before;
     report.judge();
-    let text = match args.output {
-        OutputFormat::Table => report.table(),
-        OutputFormat::Json => {
-            serde_json::to_string_pretty(&report).map_err(|e| LaunchBenchError::Output(e.to_string()))? + "\n"
-        }
-    };
-    print!("{text}");
+    print_report(args.output, &report, |r| r.table()).map_err(LaunchBenchError::Output)?;
     Ok(())
-}
-
-fn progress(message: &str) {
-    eprintln!("bench: {message}");
 }
 
 async fn with_identity(args: &LaunchArgs, identity: &IdentityProcess) -> Result<LaunchReport, LaunchBenchError> {

@@ -37,9 +37,9 @@ use serde::Serialize;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::heartbeats::OutputFormat;
 use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, is_transient, status_message};
+use crate::output::{OutputFormat, print_report, progress};
 use crate::process::{ScratchDatabase, ServiceProcessError, claim_bus};
 use crate::procfs::load_average;
 use crate::report::{Target, human};
@@ -252,18 +252,8 @@ pub(crate) async fn run(args: LeasesArgs) -> Result<(), LeasesBenchError> {
     dropped?;
     report.load_average_before = load_average_before;
     report.judge();
-    let text = match args.output {
-        OutputFormat::Table => report.table(),
-        OutputFormat::Json => {
-            serde_json::to_string_pretty(&report).map_err(|e| LeasesBenchError::Output(e.to_string()))? + "\n"
-        }
-    };
-    print!("{text}");
+    print_report(args.output, &report, |r| r.table()).map_err(LeasesBenchError::Output)?;
     Ok(())
-}
-
-fn progress(message: &str) {
-    eprintln!("bench: {message}");
 }
 
 /// Serves a registry of `nodes` UP nodes, each with room for `leases`

@@ -18,6 +18,7 @@ mod leases;
 mod leases_process;
 mod load;
 mod nodes;
+mod output;
 mod procfs;
 mod report;
 mod runtime_launch;

@@ -14,6 +14,14 @@ fn bench(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_berth-bench")).args(args).env("RUST_LOG", "warn").output().unwrap()
 }
 
+/// Runs `args` and asserts it exits `code`, saying `says` on stderr.
+fn refused(args: &[&str], code: i32, says: &str) {
+    let out = bench(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "{stderr}");
+    assert!(stderr.contains(says), "{stderr}");
+}
+
 fn figure<'a>(report: &'a serde_json::Value, row: &str, field: &str) -> &'a serde_json::Value {
     &report[row][field]
 }
@@ -117,10 +125,7 @@ fn three_replicas_on_postgres_and_redis_share_the_fleet_and_each_is_reported() {
 
 #[test]
 fn replicas_without_a_shared_database_and_redis_are_refused() {
-    let out = bench(&["heartbeats", "--nodes", "3", "--replicas", "2"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("--replicas 2 needs --database-url and --redis-url"), "{stderr}");
+    refused(&["heartbeats", "--nodes", "3", "--replicas", "2"], 1, "--replicas 2 needs --database-url and --redis-url");
 }
 
 #[test]
@@ -141,18 +146,13 @@ fn a_missing_identity_binary_says_how_to_build_it() {
 
 #[test]
 fn a_sqlite_database_url_is_refused_before_anything_starts() {
-    let out = bench(&["heartbeats", "--nodes", "1", "--database-url", "sqlite:///tmp/identity.db"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("--database-url must be a postgres:// URL"), "{stderr}");
+    let args = ["heartbeats", "--nodes", "1", "--database-url", "sqlite:///tmp/identity.db"];
+    refused(&args, 1, "--database-url must be a postgres:// URL");
 }
 
 #[test]
 fn durations_without_a_unit_are_usage_errors() {
-    let out = bench(&["heartbeats", "--nodes", "10", "--interval", "1"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("needs a unit: ms, s or m"), "{stderr}");
+    refused(&["heartbeats", "--nodes", "10", "--interval", "1"], 2, "needs a unit: ms, s or m");
 }
 
 #[test]
