@@ -157,12 +157,16 @@ async fn check_acknowledged(mesh: &Mesh, acks: &Acks, violations: &mut Vec<Strin
     for missing in acknowledged.difference(&stored) {
         violations.push(format!("acknowledged revision {} of {} is not stored", missing.1, missing.0));
     }
-    if stored.len() != acknowledged.len() {
+    // A failed apply may have committed before its answer was lost; only
+    // more unacknowledged revisions than failed attempts is a broken promise.
+    let unacknowledged = stored.len().saturating_sub(acknowledged.len());
+    if unacknowledged as u64 > acks.apply_attempts_failed {
         violations.push(format!(
-            "{} load revisions stored for {} acknowledged ({} declarations applied)",
+            "{} load revisions stored for {} acknowledged ({} declarations applied, {} attempts failed)",
             stored.len(),
             acknowledged.len(),
-            acks.revisions.len()
+            acks.revisions.len(),
+            acks.apply_attempts_failed
         ));
     }
     if acknowledged.len() != acks.revisions.len() {

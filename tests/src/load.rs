@@ -126,6 +126,11 @@ pub struct Acks {
     pub refused: u64,
     /// Writes never answered within the deadline, described.
     pub never_acknowledged: Vec<String>,
+    /// Applies answered with an error and tried again: each may have been
+    /// committed before its answer was lost, and so may have minted a
+    /// revision no answer names (when another declaration of the same
+    /// service came between it and its retry).
+    pub apply_attempts_failed: u64,
     /// Synthetic nodes a heartbeat told they were fenced (reaped while beating).
     pub fenced: BTreeSet<String>,
 }
@@ -411,6 +416,7 @@ async fn apply_worker(shared: Arc<Shared>, channel: Channel) {
                 }
                 Err(status) => {
                     shared.stats.failed(Op::Apply, &status);
+                    shared.acks().apply_attempts_failed += 1;
                     if started.elapsed() > options.ack_deadline {
                         shared.acks().never_acknowledged.push(format!(
                             "apply of declaration {declaration} to {service}: {:?} {}",
