@@ -98,13 +98,17 @@ fn build() -> Result<(), BuildError> {
     let access_path = out_dir.join(ACCESS_FILE);
     fs::write(&access_path, access).map_err(|source| BuildError::Io { path: access_path, source })?;
 
+    // Type names (`prost::Name`) let a client find any message's descriptor, so
+    // `berth_proto::json` prints every message by the proto3 JSON mapping.
+    let mut config = prost_build::Config::new();
+    config.enable_type_names();
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
         // An RPC a service has not built yet answers UNIMPLEMENTED instead
         // of being stubbed by hand in every service.
         .generate_default_stubs(true)
-        .compile_fds(compiler.file_descriptor_set())
+        .compile_fds_with_config(compiler.file_descriptor_set(), config)
         .map_err(BuildError::Codegen)
 }
 

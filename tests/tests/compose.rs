@@ -111,7 +111,7 @@ async fn the_compose_walkthrough_works_as_the_readme_says() {
     let listed =
         compose.host_command("berth", &["service", "get", "hello", "--data-dir", ".berth/compose", "-o", "json"]);
     let status: Value = serde_json::from_str(&listed.unwrap()).unwrap();
-    assert_eq!(status["service"]["status"]["replicas_running"], 2, "{status:#}");
+    assert_eq!(status["service"]["status"]["replicasRunning"], 2, "{status:#}");
 
     // "docker compose exec leases berth health" prints ... SERVING.
     let health = compose.exec("leases", &["/usr/local/bin/berth", "health"]).await.unwrap();

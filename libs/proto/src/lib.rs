@@ -140,6 +140,9 @@ pub mod artifact {
 /// Encoded FileDescriptorSet of the whole API, for reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/berth_descriptor.bin"));
 
+#[cfg(feature = "json")]
+pub mod json;
+
 /// Who may call each RPC, as declared by its `(berth.auth.v1.access)` option.
 pub mod access {
     include!(concat!(env!("OUT_DIR"), "/access.rs"));

@@ -297,7 +297,25 @@ fn a_requested_lease_runs_on_the_dev_node_and_reports_its_exit() {
     // Both finished, so the node's capacity is whole again.
     let capacity = grpcurl_admin_call(&dir, &leases, "berth.leases.v1.Capacity/ListNodeCapacity", "{}");
     let node = &capacity["nodes"][0];
-    assert_eq!(node["allocated"].get("cpuMillis").and_then(|v| v.as_u64()).unwrap_or(0), 0, "{capacity}");
+    assert!(node["allocated"].get("cpuMillis").is_none(), "nothing allocated, so no cpuMillis: {capacity}");
+
+    // The CLI's `-o json` is grpcurl's answer, field for field.
+    let cli = |args: &[&str]| -> serde_json::Value {
+        let identity = format!("127.0.0.1:{base}");
+        let flags =
+            ["-o", "json", "--data-dir", dir.to_str().unwrap(), "--server", &identity, "--leases-server", &leases];
+        let all = [args, &flags].concat();
+        let out = berth(&all);
+        assert!(out.status.success(), "berth {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let body = format!("{{\"lease_id\": \"{bad}\"}}");
+    let got = grpcurl_admin_call(&dir, &leases, "berth.leases.v1.Leases/GetLease", &body);
+    assert_eq!(cli(&["lease", "get", &bad]), got);
+    assert_eq!(cli(&["capacity"]), capacity);
+    let listed = grpcurl_admin_call(&dir, &leases, "berth.leases.v1.Leases/ListLeases", "{}");
+    assert_eq!(cli(&["lease", "list"]), listed);
+    assert_eq!(listed["leases"].as_array().map(Vec::len), Some(2), "{listed}");
 }
 
 /// A plain HTTP GET on loopback; the body, or None while nothing answers.

@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use berth_proto::identity::v1;
 use berth_proto::identity::v1::authority_client::AuthorityClient;
 use berth_runtime::StartError;
-use serde_json::json;
 
 use super::output;
 use super::{CliError, ClientArgs, OutputFormat, parse_ttl};
@@ -124,11 +123,7 @@ impl CertArgs {
         }
 
         match self.client.output {
-            OutputFormat::Json => output::print_json(&json!({
-                "certificate_pem": issued.certificate_pem,
-                "ca_bundle_pem": issued.ca_bundle_pem,
-                "expires_at": output::timestamp_json(issued.expires_at.as_ref()),
-            })),
+            OutputFormat::Json => output::print_message(&issued),
             OutputFormat::Table => {
                 let names = berth_mtls::certs_from_pem("certificate", &issued.certificate_pem)
                     .ok()

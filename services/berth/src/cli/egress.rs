@@ -27,7 +27,7 @@ use berth_proto::egress::v1::egress_client::EgressClient;
 use berth_proto::types::v1::{Condition, ConditionStatus};
 use berth_rpc::Channel;
 use berth_runtime::StartError;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::output::{self, Table};
 use super::spec_fields::{Fields, Refusal};
@@ -198,9 +198,10 @@ impl EgressArgs {
             (EgressCommand::Gateway { .. }, Some(Spec::Gateway(apply))) => {
                 let apply = egress.connection.request(apply);
                 let response = egress.client.apply_gateway(apply).await.map_err(|s| egress.status(s))?;
-                let gateway = response.into_inner().gateway.ok_or(CliError::IncompleteResponse("the gateway"))?;
+                let response = response.into_inner();
+                let gateway = response.gateway.as_ref().ok_or(CliError::IncompleteResponse("the gateway"))?;
                 match format {
-                    OutputFormat::Json => output::print_json(&json!({ "gateway": gateway_json(&gateway) })),
+                    OutputFormat::Json => output::print_message(&response),
                     OutputFormat::Table => output::print(&format!(
                         "gateway {} applied (generation {}); its status follows the next egress pass\n",
                         gateway.name, gateway.generation
@@ -210,9 +211,10 @@ impl EgressArgs {
             (EgressCommand::Route { .. }, Some(Spec::Route(apply))) => {
                 let apply = egress.connection.request(apply);
                 let response = egress.client.apply_route(apply).await.map_err(|s| egress.status(s))?;
-                let route = response.into_inner().route.ok_or(CliError::IncompleteResponse("the route"))?;
+                let response = response.into_inner();
+                let route = response.route.as_ref().ok_or(CliError::IncompleteResponse("the route"))?;
                 match format {
-                    OutputFormat::Json => output::print_json(&json!({ "route": route_json(&route) })),
+                    OutputFormat::Json => output::print_message(&response),
                     OutputFormat::Table => output::print(&format!(
                         "route {} applied (generation {}); its status follows the next egress pass\n",
                         route.name, route.generation
@@ -226,13 +228,10 @@ impl EgressArgs {
                 let response =
                     egress.client.get_plan(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
                 let response = response.into_inner();
-                let plan = response.plan.ok_or(CliError::IncompleteResponse("the plan"))?;
-                let passes = response.passes.unwrap_or_default();
+                let plan = response.plan.as_ref().ok_or(CliError::IncompleteResponse("the plan"))?;
                 match format {
-                    OutputFormat::Json => {
-                        output::print_json(&json!({ "plan": plan_json(&plan), "passes": passes_json(&passes) }))
-                    }
-                    OutputFormat::Table => output::print(&plan_details(&plan, &passes)),
+                    OutputFormat::Json => output::print_message(&response),
+                    OutputFormat::Table => output::print(&plan_details(plan, &response.passes.unwrap_or_default())),
                 }
             }
         }
@@ -253,21 +252,22 @@ async fn gateway_command(egress: &mut Egress, command: ObjectCommand, format: Ou
             let message = egress::GetGatewayRequest { project: target.project.unwrap_or_default(), name: target.name };
             let response =
                 egress.client.get_gateway(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
-            let gateway = response.into_inner().gateway.ok_or(CliError::IncompleteResponse("the gateway"))?;
+            let response = response.into_inner();
+            let gateway = response.gateway.as_ref().ok_or(CliError::IncompleteResponse("the gateway"))?;
             match format {
-                OutputFormat::Json => output::print_json(&json!({ "gateway": gateway_json(&gateway) })),
-                OutputFormat::Table => output::print(&gateway_details(&gateway)),
+                OutputFormat::Json => output::print_message(&response),
+                OutputFormat::Table => output::print(&gateway_details(gateway)),
             }
         }
         ObjectCommand::List { project } => {
             let message = egress::ListGatewaysRequest { project: project.unwrap_or_default() };
             let response =
                 egress.client.list_gateways(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
-            let gateways = response.into_inner().gateways;
+            let response = response.into_inner();
             if format == OutputFormat::Json {
-                let gateways: Vec<Value> = gateways.iter().map(gateway_json).collect();
-                return output::print_json(&json!({ "gateways": gateways }));
+                return output::print_message(&response);
             }
+            let gateways = response.gateways;
             if gateways.is_empty() {
                 output::note("No gateways found.");
                 return Ok(());
@@ -291,9 +291,10 @@ async fn gateway_command(egress: &mut Egress, command: ObjectCommand, format: Ou
             let name = target.name.clone();
             let message =
                 egress::DeleteGatewayRequest { project: target.project.unwrap_or_default(), name: target.name };
-            egress.client.delete_gateway(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
+            let response =
+                egress.client.delete_gateway(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
             match format {
-                OutputFormat::Json => output::print_json(&json!({})),
+                OutputFormat::Json => output::print_message(response.get_ref()),
                 OutputFormat::Table => output::print(&format!(
                     "gateway {name} deleted: services that select it send nothing out until it is back\n"
                 )),
@@ -309,21 +310,22 @@ async fn route_command(egress: &mut Egress, command: ObjectCommand, format: Outp
             let message = egress::GetRouteRequest { project: target.project.unwrap_or_default(), name: target.name };
             let response =
                 egress.client.get_route(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
-            let route = response.into_inner().route.ok_or(CliError::IncompleteResponse("the route"))?;
+            let response = response.into_inner();
+            let route = response.route.as_ref().ok_or(CliError::IncompleteResponse("the route"))?;
             match format {
-                OutputFormat::Json => output::print_json(&json!({ "route": route_json(&route) })),
-                OutputFormat::Table => output::print(&route_details(&route)),
+                OutputFormat::Json => output::print_message(&response),
+                OutputFormat::Table => output::print(&route_details(route)),
             }
         }
         ObjectCommand::List { project } => {
             let message = egress::ListRoutesRequest { project: project.unwrap_or_default() };
             let response =
                 egress.client.list_routes(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
-            let routes = response.into_inner().routes;
+            let response = response.into_inner();
             if format == OutputFormat::Json {
-                let routes: Vec<Value> = routes.iter().map(route_json).collect();
-                return output::print_json(&json!({ "routes": routes }));
+                return output::print_message(&response);
             }
+            let routes = response.routes;
             if routes.is_empty() {
                 output::note("No routes found.");
                 return Ok(());
@@ -347,9 +349,10 @@ async fn route_command(egress: &mut Egress, command: ObjectCommand, format: Outp
         ObjectCommand::Delete(target) => {
             let name = target.name.clone();
             let message = egress::DeleteRouteRequest { project: target.project.unwrap_or_default(), name: target.name };
-            egress.client.delete_route(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
+            let response =
+                egress.client.delete_route(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
             match format {
-                OutputFormat::Json => output::print_json(&json!({})),
+                OutputFormat::Json => output::print_message(response.get_ref()),
                 OutputFormat::Table => output::print(&format!("route {name} deleted\n")),
             }
         }
@@ -543,124 +546,6 @@ fn destinations_text(destinations: &[egress::Destination]) -> String {
     parts.join(" ")
 }
 
-fn conditions_json(conditions: &[Condition]) -> Value {
-    Value::Array(conditions.iter().map(condition_json).collect())
-}
-
-fn condition_json(condition: &Condition) -> Value {
-    let status = ConditionStatus::try_from(condition.status).ok().map(|s| s.as_str_name());
-    json!({
-        "type": condition.r#type,
-        "status": status.map_or_else(|| json!(condition.status), |s| json!(s)),
-        "reason": condition.reason,
-        "message": condition.message,
-        "last_transition_time": output::timestamp_json(condition.last_transition_time.as_ref()),
-        "observed_generation": condition.observed_generation,
-    })
-}
-
-fn enum_json(name: Option<&'static str>, value: i32) -> Value {
-    name.map_or_else(|| json!(value), |n| json!(n))
-}
-
-fn gateway_json(gateway: &egress::EgressGateway) -> Value {
-    let status = gateway.status.clone().unwrap_or_default();
-    json!({
-        "project": gateway.project,
-        "name": gateway.name,
-        "listeners": gateway.listeners.iter().map(|l| json!({
-            "name": l.name,
-            "protocol": enum_json(egress::ListenerProtocol::try_from(l.protocol).ok().map(|p| p.as_str_name()), l.protocol),
-            "port": l.port,
-        })).collect::<Vec<_>>(),
-        "status": {
-            "conditions": conditions_json(&status.conditions),
-            "listeners": status.listeners.iter().map(|l| json!({
-                "name": l.name,
-                "attached_routes": l.attached_routes,
-                "conditions": conditions_json(&l.conditions),
-            })).collect::<Vec<_>>(),
-        },
-        "generation": gateway.generation,
-        "created_at": output::timestamp_json(gateway.created_at.as_ref()),
-        "updated_at": output::timestamp_json(gateway.updated_at.as_ref()),
-    })
-}
-
-fn parent_json(parent: &egress::ParentRef) -> Value {
-    json!({ "gateway": parent.gateway, "listener": parent.listener })
-}
-
-fn route_json(route: &egress::EgressRoute) -> Value {
-    let parents = route.status.as_ref().map_or(&[][..], |s| s.parents.as_slice());
-    json!({
-        "project": route.project,
-        "name": route.name,
-        "parent_refs": route.parent_refs.iter().map(parent_json).collect::<Vec<_>>(),
-        "hostnames": route.hostnames,
-        "ports": route.ports,
-        "action": enum_json(egress::RouteAction::try_from(route.action).ok().map(|a| a.as_str_name()), route.action),
-        "status": {
-            "parents": parents.iter().map(|p| json!({
-                "parent_ref": p.parent_ref.as_ref().map_or(Value::Null, parent_json),
-                "conditions": conditions_json(&p.conditions),
-            })).collect::<Vec<_>>(),
-        },
-        "generation": route.generation,
-        "created_at": output::timestamp_json(route.created_at.as_ref()),
-        "updated_at": output::timestamp_json(route.updated_at.as_ref()),
-    })
-}
-
-fn destination_json(destination: &egress::Destination) -> Value {
-    let protocol = egress::ListenerProtocol::try_from(destination.protocol).ok().map(|p| p.as_str_name());
-    json!({
-        "listener": destination.listener,
-        "protocol": enum_json(protocol, destination.protocol),
-        "listener_port": destination.listener_port,
-        "hostname": destination.hostname,
-        "ports": destination.ports,
-        "route": destination.route,
-    })
-}
-
-fn plan_json(plan: &egress::EgressPlan) -> Value {
-    json!({
-        "project": plan.project,
-        "generation": plan.generation,
-        "services": plan.services.iter().map(|s| json!({
-            "service": s.service,
-            "gateway": s.gateway,
-            "allowed": s.allowed.iter().map(destination_json).collect::<Vec<_>>(),
-            "denied": s.denied.iter().map(destination_json).collect::<Vec<_>>(),
-            "condition": s.condition.as_ref().map_or(Value::Null, condition_json),
-        })).collect::<Vec<_>>(),
-        "gateways": plan.gateways.iter().map(gateway_json).collect::<Vec<_>>(),
-        "routes": plan.routes.iter().map(route_json).collect::<Vec<_>>(),
-        "node_acks": plan.node_acks.iter().map(|a| {
-            let enforcement = egress::EgressEnforcement::try_from(a.enforcement).ok().map(|e| e.as_str_name());
-            json!({
-                "node_id": a.node_id,
-                "generation": a.generation,
-                "acked_at": output::timestamp_json(a.acked_at.as_ref()),
-                "error": a.error,
-                "enforcement": enum_json(enforcement, a.enforcement),
-            })
-        }).collect::<Vec<_>>(),
-        "compiled_at": output::timestamp_json(plan.compiled_at.as_ref()),
-    })
-}
-
-fn passes_json(passes: &egress::PassStats) -> Value {
-    json!({
-        "leading": passes.leading,
-        "events": passes.events,
-        "passes": passes.passes,
-        "changes": passes.changes,
-        "last_pass_at": output::timestamp_json(passes.last_pass_at.as_ref()),
-    })
-}
-
 /// The file (or stdin) the apply names, parsed as JSON, with its name for messages.
 fn read_spec(args: &ApplyArgs) -> Result<(String, Value), EgressSpecError> {
     let (file, text) = if args.file == "-" {
@@ -760,6 +645,7 @@ fn key(fields: &Fields<'_>, args: &ApplyArgs) -> Result<(String, String), Refusa
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn args(name: Option<&str>, project: Option<&str>) -> ApplyArgs {
         ApplyArgs { file: "spec.json".into(), name: name.map(str::to_owned), project: project.map(str::to_owned) }

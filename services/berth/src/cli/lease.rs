@@ -23,7 +23,6 @@ use berth_proto::leases::v1::leases_client::LeasesClient;
 use berth_proto::types::v1::Capacity;
 use berth_rpc::Channel;
 use berth_runtime::StartError;
-use serde_json::json;
 
 use super::output::{self, Table};
 use super::{CliError, ClientArgs, Connection, OutputFormat, parse_label, parse_server};
@@ -239,7 +238,7 @@ impl LeaseArgs {
             LeaseCommand::Get { lease_id } => {
                 let lease = get_lease(&mut client, &connection, &lease_id).await?;
                 match format {
-                    OutputFormat::Json => output::print_json(&json!({ "lease": output::lease_json(&lease) })),
+                    OutputFormat::Json => output::print_message(&v1::GetLeaseResponse { lease: Some(lease) }),
                     OutputFormat::Table => output::print(&details(&lease)),
                 }
             }
@@ -250,10 +249,10 @@ impl LeaseArgs {
                     .await
                     .map_err(|s| connection.status_error(s))?
                     .into_inner();
-                let lease = released.lease.ok_or(CliError::IncompleteResponse("the lease"))?;
+                let lease = released.lease.as_ref().ok_or(CliError::IncompleteResponse("the lease"))?;
                 match format {
-                    OutputFormat::Json => output::print_json(&json!({ "lease": output::lease_json(&lease) })),
-                    OutputFormat::Table => output::print(&released_line(&lease)),
+                    OutputFormat::Json => output::print_message(&released),
+                    OutputFormat::Table => output::print(&released_line(lease)),
                 }
             }
         }
@@ -274,8 +273,7 @@ impl CapacityArgs {
             .map_err(|s| connection.status_error(s))?
             .into_inner();
         if self.client.output == OutputFormat::Json {
-            let nodes: Vec<_> = listed.nodes.iter().map(output::node_capacity_json).collect();
-            return output::print_json(&json!({ "nodes": nodes }));
+            return output::print_message(&listed);
         }
         if listed.nodes.is_empty() {
             output::note("No nodes found.");
@@ -358,7 +356,7 @@ async fn request(
     }
     match format {
         OutputFormat::Json => {
-            output::print_json(&json!({ "lease": output::lease_json(&lease), "created": response.created }))
+            output::print_message(&v1::RequestLeaseResponse { lease: Some(lease), created: response.created })
         }
         OutputFormat::Table => {
             let mut table = Table::new(vec!["LEASE", "NODE", "PHASE", "EPOCH", "REASON"]);
@@ -406,8 +404,7 @@ fn random_key() -> String {
 
 fn print_list(listed: &v1::ListLeasesResponse, format: OutputFormat) -> Result<(), CliError> {
     if format == OutputFormat::Json {
-        let leases: Vec<_> = listed.leases.iter().map(output::lease_json).collect();
-        return output::print_json(&json!({ "leases": leases }));
+        return output::print_message(listed);
     }
     if listed.leases.is_empty() {
         output::note("No leases found.");
@@ -458,12 +455,9 @@ async fn watch(
         };
         let kind = event.kind();
         match (format, &event.lease) {
-            (OutputFormat::Json, lease) => {
-                let mut object = json!({ "kind": kind.as_str_name() });
-                if let Some(lease) = lease {
-                    object["lease"] = output::lease_json(lease);
-                }
-                let mut line = serde_json::to_string(&object).map_err(|e| CliError::Output(e.into()))?;
+            (OutputFormat::Json, _) => {
+                let event = output::message_json(&event)?;
+                let mut line = serde_json::to_string(&event).map_err(|e| CliError::Output(e.into()))?;
                 line.push('\n');
                 output::print(&line)?;
             }

@@ -216,6 +216,9 @@ pub(crate) enum CliError {
     /// Standard output could not be written.
     #[error("cannot write output: {0}")]
     Output(#[source] std::io::Error),
+    /// An answer could not be put into JSON.
+    #[error("cannot print the answer as JSON: {0}")]
+    Json(#[source] berth_proto::json::JsonError),
 }
 
 impl From<CliError> for StartError {

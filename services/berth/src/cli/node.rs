@@ -5,7 +5,6 @@ use berth_proto::identity::v1;
 use berth_proto::identity::v1::nodes_client::NodesClient;
 use berth_rpc::Channel;
 use berth_runtime::StartError;
-use serde_json::json;
 use tonic::{Code, Status};
 
 use super::output::{self, Table};
@@ -116,7 +115,7 @@ impl NodeArgs {
                     };
                 let node = got.node.as_ref().ok_or(CliError::IncompleteResponse("the node"))?;
                 match format {
-                    OutputFormat::Json => output::print_json(&json!({ "node": output::node_json(node) })),
+                    OutputFormat::Json => output::print_message(&got),
                     OutputFormat::Table => output::print(&details(node)),
                 }
             }
@@ -170,8 +169,7 @@ async fn node_error(
 
 fn print_list(listed: &v1::ListNodesResponse, format: OutputFormat) -> Result<(), CliError> {
     if format == OutputFormat::Json {
-        let nodes: Vec<_> = listed.nodes.iter().map(output::node_json).collect();
-        return output::print_json(&json!({ "nodes": nodes }));
+        return output::print_message(listed);
     }
     if listed.nodes.is_empty() {
         output::note("No nodes found.");
@@ -196,7 +194,7 @@ fn print_list(listed: &v1::ListNodesResponse, format: OutputFormat) -> Result<()
 /// A drain or revoke as one line: the node, its state now, and what that means.
 fn print_changed(node: &v1::Node, what: &str, format: OutputFormat) -> Result<(), CliError> {
     match format {
-        OutputFormat::Json => output::print_json(&json!({ "node": output::node_json(node) })),
+        OutputFormat::Json => output::print_message(&v1::GetNodeResponse { node: Some(node.clone()) }),
         OutputFormat::Table => {
             output::print(&format!("node {} is {}: {what}\n", node.node_id, output::node_state(node.state)))
         }

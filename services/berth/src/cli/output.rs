@@ -2,21 +2,20 @@
 //! people, and JSON for scripts.
 //!
 //! # The JSON shape
-//! The response message, field for field, under the proto field names; enums
-//! as their proto value names (`NODE_STATE_UP`), timestamps as RFC 3339
-//! strings and `null` when unset, maps as objects. prost types carry no serde,
-//! so each message has its conversion written out here.
+//! The response message in the proto3 JSON mapping, exactly as `grpcurl` prints
+//! it (`berth_proto::json`): lowerCamelCase names, enums by value name, 64-bit
+//! integers as strings, RFC 3339 timestamps, default values left out. The few
+//! commands that print more than one answer print an object whose members are
+//! such messages.
 
 use std::io::Write;
 use std::time::SystemTime;
 
-use berth_proto::agent::v1 as agent;
 use berth_proto::identity::v1;
 use berth_proto::leases::v1 as leases;
-use berth_proto::revisions::v1 as revisions;
-use berth_proto::types::v1::{BundleRef, Capacity, Condition, ConditionStatus, Port};
+use berth_proto::types::v1::{Capacity, Condition, ConditionStatus};
 use prost_types::Timestamp;
-use serde_json::{Map, Value, json};
+use serde_json::Value;
 
 use super::CliError;
 
@@ -83,6 +82,16 @@ pub(super) fn print(text: &str) -> Result<(), CliError> {
         Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         other => other.map_err(CliError::Output),
     }
+}
+
+/// Writes a message the server answered to stdout, as `grpcurl` prints it.
+pub(super) fn print_message<M: prost::Message + prost::Name>(message: &M) -> Result<(), CliError> {
+    print_json(&message_json(message)?)
+}
+
+/// A message in the proto3 JSON mapping, to print or to place in a larger object.
+pub(super) fn message_json<M: prost::Message + prost::Name>(message: &M) -> Result<Value, CliError> {
+    berth_proto::json::to_json(message).map_err(CliError::Json)
 }
 
 /// Writes `value` to stdout as indented JSON.
@@ -270,96 +279,6 @@ pub(super) fn conditions_table(conditions: &[Condition]) -> String {
     table.render()
 }
 
-/// A proto enum value by name, or its number when this CLI does not know it.
-fn enum_name(name: Option<&'static str>, value: i32) -> Value {
-    name.map_or_else(|| json!(value), |n| json!(n))
-}
-
-pub(super) fn timestamp_json(at: Option<&Timestamp>) -> Value {
-    at.map_or(Value::Null, |t| json!(t.to_string()))
-}
-
-fn capacity_json(capacity: Option<&Capacity>) -> Value {
-    capacity.map_or(Value::Null, |c| json!({ "cpu_millis": c.cpu_millis, "memory_bytes": c.memory_bytes }))
-}
-
-fn labels_json(labels: &std::collections::HashMap<String, String>) -> Value {
-    Value::Object(labels.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<Map<_, _>>())
-}
-
-pub(super) fn join_token_json(token: &v1::JoinToken) -> Value {
-    json!({
-        "token_id": token.token_id,
-        "tier": token.tier,
-        "labels": labels_json(&token.labels),
-        "created_at": timestamp_json(token.created_at.as_ref()),
-        "expires_at": timestamp_json(token.expires_at.as_ref()),
-        "max_uses": token.max_uses,
-        "uses": token.uses,
-        "revoked": token.revoked,
-        "description": token.description,
-        "created_by": token.created_by,
-    })
-}
-
-pub(super) fn node_json(node: &v1::Node) -> Value {
-    let state = v1::NodeState::try_from(node.state).ok().map(|s| s.as_str_name());
-    json!({
-        "node_id": node.node_id,
-        "name": node.name,
-        "tier": node.tier,
-        "advertise_addr": node.advertise_addr,
-        "state": enum_name(state, node.state),
-        "incarnation": node.incarnation,
-        "last_heartbeat_at": timestamp_json(node.last_heartbeat_at.as_ref()),
-        "capacity": capacity_json(node.capacity.as_ref()),
-        "version": node.version,
-        "labels": labels_json(&node.labels),
-        "joined_at": timestamp_json(node.joined_at.as_ref()),
-        "usage": capacity_json(node.usage.as_ref()),
-        "state_changed_at": timestamp_json(node.state_changed_at.as_ref()),
-        "certificate_expires_at": timestamp_json(node.certificate_expires_at.as_ref()),
-        "join_token_id": node.join_token_id,
-    })
-}
-
-pub(super) fn lease_json(lease: &leases::Lease) -> Value {
-    let phase = leases::LeasePhase::try_from(lease.phase).ok().map(|p| p.as_str_name());
-    json!({
-        "lease_id": lease.lease_id,
-        "epoch": lease.epoch,
-        "project": lease.project,
-        "owner": lease.owner,
-        "node_id": lease.node_id,
-        "phase": enum_name(phase, lease.phase),
-        "resources": capacity_json(lease.resources.as_ref()),
-        "tier": lease.tier,
-        "spread_group": lease.spread_group,
-        "workload": lease.workload.as_ref().map_or(Value::Null, workload_json),
-        "reason": lease.reason,
-        "exit_code": lease.exit_code,
-        "created_at": timestamp_json(lease.created_at.as_ref()),
-        "expires_at": timestamp_json(lease.expires_at.as_ref()),
-        "idempotency_key": lease.idempotency_key,
-        "phase_changed_at": timestamp_json(lease.phase_changed_at.as_ref()),
-        "message": lease.message,
-    })
-}
-
-fn workload_json(workload: &leases::Workload) -> Value {
-    json!({
-        "bundle": bundle_json(workload.bundle.as_ref()),
-        "image": bundle_json(workload.image.as_ref()),
-        "digest": workload.digest,
-        "command": workload.command,
-        "args": workload.args,
-        "env": labels_json(&workload.env),
-        "ports": ports_json(&workload.ports),
-        "service": workload.service,
-        "revision": workload.revision,
-    })
-}
-
 /// A runtime class by its short name (`sandboxed`), or its number when unknown.
 pub(crate) fn runtime_class_name(value: i32) -> Value {
     match berth_proto::types::v1::RuntimeClass::try_from(value) {
@@ -384,126 +303,6 @@ pub(crate) fn artifact_row(artifact: Option<berth_proto::artifact::Artifact<'_>>
         Some(a) => ("Bundle", a.reference.reference.clone()),
         None => ("Bundle", NONE.to_string()),
     }
-}
-
-fn bundle_json(bundle: Option<&BundleRef>) -> Value {
-    bundle.map_or(Value::Null, |b| json!({ "reference": b.reference, "secret": b.secret, "insecure": b.insecure }))
-}
-
-fn ports_json(ports: &[Port]) -> Value {
-    Value::Array(ports.iter().map(|p| json!({ "name": p.name, "port": p.port })).collect())
-}
-
-fn conditions_json(conditions: &[Condition]) -> Value {
-    let conditions = conditions.iter().map(|c| {
-        let status = ConditionStatus::try_from(c.status).ok().map(|s| s.as_str_name());
-        json!({
-            "type": c.r#type,
-            "status": enum_name(status, c.status),
-            "reason": c.reason,
-            "message": c.message,
-            "last_transition_time": timestamp_json(c.last_transition_time.as_ref()),
-            "observed_generation": c.observed_generation,
-        })
-    });
-    Value::Array(conditions.collect())
-}
-
-fn template_json(template: Option<&revisions::ServiceTemplate>) -> Value {
-    let Some(t) = template else { return Value::Null };
-    let egress = t.egress.as_ref().map_or(Value::Null, |e| json!({ "gateway": e.gateway, "disabled": e.disabled }));
-    json!({
-        "bundle": bundle_json(t.bundle.as_ref()),
-        "image": bundle_json(t.image.as_ref()),
-        "command": t.command,
-        "args": t.args,
-        "env": labels_json(&t.env),
-        "resources": capacity_json(t.resources.as_ref()),
-        "replicas": t.replicas,
-        "ports": ports_json(&t.ports),
-        "egress": egress,
-        "tier": t.tier,
-        "runtime": runtime_class_name(t.runtime),
-    })
-}
-
-fn source_json(source: Option<&revisions::Source>) -> Value {
-    source.map_or(
-        Value::Null,
-        |s| json!({ "repo": s.repo, "commit": s.commit, "ref": s.r#ref, "labels": labels_json(&s.labels) }),
-    )
-}
-
-pub(super) fn service_json(service: &revisions::Service) -> Value {
-    let status = service.status.as_ref().map_or(Value::Null, |s| {
-        json!({
-            "latest_created_revision": s.latest_created_revision,
-            "latest_ready_revision": s.latest_ready_revision,
-            "live_revision": s.live_revision,
-            "replicas_running": s.replicas_running,
-            "replicas_desired": s.replicas_desired,
-            "conditions": conditions_json(&s.conditions),
-            "observed_generation": s.observed_generation,
-        })
-    });
-    json!({
-        "project": service.project,
-        "name": service.name,
-        "template": template_json(service.template.as_ref()),
-        "source": source_json(service.source.as_ref()),
-        "status": status,
-        "generation": service.generation,
-        "pinned_revision": service.pinned_revision,
-        "created_at": timestamp_json(service.created_at.as_ref()),
-        "updated_at": timestamp_json(service.updated_at.as_ref()),
-    })
-}
-
-pub(super) fn revision_json(revision: &revisions::Revision) -> Value {
-    json!({
-        "project": revision.project,
-        "service": revision.service,
-        "name": revision.name,
-        "generation": revision.generation,
-        "digest": revision.digest,
-        "template": template_json(revision.template.as_ref()),
-        "source": source_json(revision.source.as_ref()),
-        "created_at": timestamp_json(revision.created_at.as_ref()),
-        "conditions": conditions_json(&revision.conditions),
-        "replicas_running": revision.replicas_running,
-    })
-}
-
-/// One replica as its node's agent reports it, with the node it is on.
-pub(super) fn instance_json(node: &str, instance: &agent::Instance) -> Value {
-    let phase = leases::LeasePhase::try_from(instance.phase).ok().map(|p| p.as_str_name());
-    json!({
-        "node": node,
-        "lease_id": instance.lease_id,
-        "revision": instance.revision,
-        "phase": enum_name(phase, instance.phase),
-        "pid": instance.pid,
-        "port": instance.port,
-        "digest": instance.digest,
-        "started_at": timestamp_json(instance.started_at.as_ref()),
-        "exit_code": instance.exit_code,
-        "reason": instance.reason,
-    })
-}
-
-pub(super) fn node_capacity_json(node: &leases::NodeCapacity) -> Value {
-    let state = v1::NodeState::try_from(node.state).ok().map(|s| s.as_str_name());
-    json!({
-        "node_id": node.node_id,
-        "tier": node.tier,
-        "state": enum_name(state, node.state),
-        "total": capacity_json(node.total.as_ref()),
-        "allocated": capacity_json(node.allocated.as_ref()),
-        "free": capacity_json(node.free.as_ref()),
-        "leases": node.leases,
-        "runtime": node.runtime,
-        "contained": node.contained,
-    })
 }
 
 #[cfg(test)]
@@ -544,54 +343,19 @@ mod tests {
     }
 
     #[test]
-    fn node_json_uses_proto_names_enum_names_and_rfc3339() {
-        let node = v1::Node {
-            node_id: "n1".into(),
-            state: v1::NodeState::Draining as i32,
-            joined_at: Some(Timestamp { seconds: 1_700_000_000, nanos: 0 }),
-            capacity: Some(Capacity { cpu_millis: 2000, memory_bytes: 1024 }),
-            labels: [("rack".to_string(), "r4".to_string())].into(),
-            ..Default::default()
-        };
-        let value = node_json(&node);
-        assert_eq!(value["node_id"], "n1");
-        assert_eq!(value["state"], "NODE_STATE_DRAINING");
-        assert_eq!(value["joined_at"], "2023-11-14T22:13:20Z");
-        assert_eq!(value["last_heartbeat_at"], Value::Null);
-        assert_eq!(value["capacity"]["cpu_millis"], 2000);
-        assert_eq!(value["labels"]["rack"], "r4");
-        assert_eq!(node_state(node.state), "DRAINING");
-    }
-
-    #[test]
-    fn lease_json_keeps_an_unset_exit_code_apart_from_zero() {
+    fn a_lease_reason_carries_its_exit_status() {
         let mut lease = leases::Lease {
             lease_id: "l1".into(),
-            epoch: 2,
             phase: leases::LeasePhase::Failed as i32,
             reason: "Exited".into(),
             exit_code: Some(3),
-            workload: Some(leases::Workload { command: "sh".into(), args: vec!["-c".into()], ..Default::default() }),
             ..Default::default()
         };
-        let value = lease_json(&lease);
-        assert_eq!(value["phase"], "LEASE_PHASE_FAILED");
-        assert_eq!(value["exit_code"], 3);
-        assert_eq!(value["workload"]["args"][0], "-c");
-        assert_eq!(value["workload"]["bundle"], Value::Null);
         assert_eq!(lease_phase(lease.phase), "FAILED");
         assert_eq!(lease_reason(&lease), "Exited (exit code 3)");
         lease.exit_code = None;
-        assert_eq!(lease_json(&lease)["exit_code"], Value::Null);
         assert_eq!(lease_reason(&lease), "Exited");
         lease.reason.clear();
         assert_eq!(lease_reason(&lease), NONE);
-    }
-
-    #[test]
-    fn token_json_never_has_a_secret_field() {
-        let value = join_token_json(&v1::JoinToken { token_id: "t1".into(), max_uses: 1, ..Default::default() });
-        assert_eq!(value["token_id"], "t1");
-        assert!(value.get("token").is_none());
     }
 }

@@ -415,8 +415,16 @@ impl ServiceArgs {
                 let replicas = replicas(&self.client, credentials, &service).await?;
                 match format {
                     OutputFormat::Json => {
-                        let replicas: Vec<_> = replicas.iter().map(|(n, i)| output::instance_json(n, i)).collect();
-                        output::print_json(&json!({ "service": output::service_json(&service), "replicas": replicas }))
+                        let replicas = replicas
+                            .iter()
+                            .map(|(node, instance)| {
+                                let mut replica = output::message_json(instance)?;
+                                replica["node"] = Value::String(node.clone());
+                                Ok(replica)
+                            })
+                            .collect::<Result<Vec<_>, CliError>>()?;
+                        let service = output::message_json(&service)?;
+                        output::print_json(&json!({ "service": service, "replicas": replicas }))
                     }
                     OutputFormat::Table => output::print(&service_details(&service, &replicas)),
                 }
@@ -432,7 +440,7 @@ impl ServiceArgs {
                     .await
                     .map_err(|s| revisions.connection.status_error(s))?
                     .into_inner();
-                print_services(&listed.services, args.all_projects, format)
+                print_services(&listed, args.all_projects, format)
             }
             ServiceCommand::Delete(target) => {
                 let request =
@@ -443,7 +451,7 @@ impl ServiceArgs {
                     .await
                     .map_err(|s| revisions.connection.status_error(s))?;
                 match format {
-                    OutputFormat::Json => output::print_json(&json!({})),
+                    OutputFormat::Json => output::print_message(&v1::DeleteServiceResponse {}),
                     OutputFormat::Table => output::print(&format!(
                         "service {} deleted: its revisions are gone and its replicas are stopped\n",
                         target.name
@@ -493,12 +501,12 @@ impl RevisionArgs {
                     .await
                     .map_err(|s| revisions.connection.status_error(s))?
                     .into_inner();
-                print_revisions(&listed.revisions, format)
+                print_revisions(&listed, format)
             }
             RevisionCommand::Get { name, project } => {
                 let revision = revisions.get_revision(&project.unwrap_or_default(), &name).await?;
                 match format {
-                    OutputFormat::Json => output::print_json(&json!({ "revision": output::revision_json(&revision) })),
+                    OutputFormat::Json => output::print_message(&v1::GetRevisionResponse { revision: Some(revision) }),
                     OutputFormat::Table => output::print(&revision_details(&revision)),
                 }
             }
@@ -536,11 +544,11 @@ async fn apply(
         }
     }
     match format {
-        OutputFormat::Json => output::print_json(&json!({
-            "service": output::service_json(&service),
-            "revision_created": applied.revision_created,
-            "revision": applied.revision,
-        })),
+        OutputFormat::Json => output::print_message(&v1::ApplyServiceResponse {
+            service: Some(service),
+            revision_created: applied.revision_created,
+            revision: applied.revision,
+        }),
         OutputFormat::Table => Ok(()),
     }
 }
@@ -676,11 +684,11 @@ fn indent(text: &str) -> String {
     text.lines().map(|line| format!("  {line}\n")).collect()
 }
 
-fn print_services(services: &[v1::Service], all_projects: bool, format: OutputFormat) -> Result<(), CliError> {
+fn print_services(listed: &v1::ListServicesResponse, all_projects: bool, format: OutputFormat) -> Result<(), CliError> {
     if format == OutputFormat::Json {
-        let services: Vec<_> = services.iter().map(output::service_json).collect();
-        return output::print_json(&json!({ "services": services }));
+        return output::print_message(listed);
     }
+    let services = &listed.services;
     if services.is_empty() {
         output::note("No services found.");
         return Ok(());
@@ -708,11 +716,11 @@ fn print_services(services: &[v1::Service], all_projects: bool, format: OutputFo
     output::print(&table.render())
 }
 
-fn print_revisions(revisions: &[v1::Revision], format: OutputFormat) -> Result<(), CliError> {
+fn print_revisions(listed: &v1::ListRevisionsResponse, format: OutputFormat) -> Result<(), CliError> {
     if format == OutputFormat::Json {
-        let revisions: Vec<_> = revisions.iter().map(output::revision_json).collect();
-        return output::print_json(&json!({ "revisions": revisions }));
+        return output::print_message(listed);
     }
+    let revisions = &listed.revisions;
     if revisions.is_empty() {
         output::note("No revisions found.");
         return Ok(());
@@ -741,7 +749,7 @@ fn short_digest(digest: &str) -> String {
 
 fn print_traffic(service: &v1::Service, format: OutputFormat) -> Result<(), CliError> {
     if format == OutputFormat::Json {
-        return output::print_json(&json!({ "service": output::service_json(service) }));
+        return output::print_message(&v1::SetTrafficResponse { service: Some(service.clone()) });
     }
     let live = service.status.as_ref().map_or("", |s| s.live_revision.as_str());
     let line = if service.pinned_revision.is_empty() {

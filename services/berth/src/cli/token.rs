@@ -10,7 +10,6 @@ use std::collections::HashMap;
 use berth_proto::identity::v1;
 use berth_proto::identity::v1::join_tokens_client::JoinTokensClient;
 use berth_runtime::StartError;
-use serde_json::json;
 
 use super::output::{self, Table};
 use super::{CliError, ClientArgs, OutputFormat, parse_label, parse_ttl};
@@ -107,7 +106,7 @@ impl TokenArgs {
                     .into_inner();
                 let token = revoked.join_token.as_ref().ok_or(CliError::IncompleteResponse("the revoked token"))?;
                 match format {
-                    OutputFormat::Json => output::print_json(&json!({ "join_token": output::join_token_json(token) })),
+                    OutputFormat::Json => output::print_message(&revoked),
                     OutputFormat::Table => output::print(&format!("join token {} revoked\n", token.token_id)),
                 }
             }
@@ -117,11 +116,7 @@ impl TokenArgs {
 
 fn print_created(created: &v1::CreateJoinTokenResponse, format: OutputFormat) -> Result<(), CliError> {
     match format {
-        OutputFormat::Json => output::print_json(&json!({
-            "token_id": created.token_id,
-            "token": created.token,
-            "expires_at": output::timestamp_json(created.expires_at.as_ref()),
-        })),
+        OutputFormat::Json => output::print_message(created),
         OutputFormat::Table => {
             let expires = created.expires_at.as_ref();
             output::print(&format!(
@@ -140,8 +135,7 @@ fn print_created(created: &v1::CreateJoinTokenResponse, format: OutputFormat) ->
 
 fn print_list(listed: &v1::ListJoinTokensResponse, format: OutputFormat) -> Result<(), CliError> {
     if format == OutputFormat::Json {
-        let tokens: Vec<_> = listed.join_tokens.iter().map(output::join_token_json).collect();
-        return output::print_json(&json!({ "join_tokens": tokens }));
+        return output::print_message(listed);
     }
     if listed.join_tokens.is_empty() {
         output::note("No join tokens found.");
