@@ -5,7 +5,9 @@
 //! one clear line and a non-zero exit.
 
 mod args;
+mod controller;
 mod duration;
+mod elected;
 mod follow;
 mod loops;
 mod reload;
@@ -15,7 +17,9 @@ mod service;
 mod startup;
 
 pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
+pub use controller::{Action, ControllerConfig, DecodeTrigger, Reconciler, Trigger, Triggers, run_controller};
 pub use duration::parse_duration;
+pub use elected::{Election, Leader, spawn_elected};
 pub use follow::{NodeDirectory, NodeSnapshot, follow_nodes};
 pub use loops::{LOOPS_GRACE, spawn_loop};
 pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};

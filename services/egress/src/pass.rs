@@ -32,9 +32,10 @@
 use std::sync::Arc;
 
 use berth_bus::BusMessage;
-use berth_store::{LeaderElector, Term};
-use tokio::sync::watch;
+use berth_runtime::{Election, Leader};
+use berth_store::Term;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::catalog::{CatalogError, Fence};
 use crate::compile::{PlanInputs, compile};
@@ -47,70 +48,57 @@ pub const EGRESS_LOOP: &str = "egress.full-pass";
 
 /// Campaigns for [`EGRESS_LOOP`] and runs passes while leading, until `core.closing`.
 pub(crate) fn spawn(core: Arc<Core>) {
-    berth_runtime::spawn_loop(async move {
-        let elector = LeaderElector::new(core.catalog.store().clone(), EGRESS_LOOP, core.replica_id.clone())
-            .with_timing(core.config.election)
-            .spawn(&core.closing);
-        let mut leadership = elector.subscribe();
-        loop {
-            let term = *leadership.borrow_and_update();
-            match term {
-                Some(term) => {
-                    tracing::info!(%term, holder = %core.replica_id, "leading the egress full pass");
-                    run_term(&core, term, &mut leadership).await;
-                    tracing::info!(%term, "no longer leading the egress full pass");
-                    if *leadership.borrow() == Some(term) {
-                        // Fenced off while the elector still thinks it leads: the
-                        // database says otherwise, so wait for the elector to catch up
-                        // rather than start the same term again at once.
-                        tokio::select! {
-                            () = core.closing.cancelled() => break,
-                            changed = leadership.changed() => if changed.is_err() { break },
-                            () = tokio::time::sleep(core.config.election.renew_every) => {}
-                        }
-                    }
-                }
-                None => {
-                    tokio::select! {
-                        () = core.closing.cancelled() => break,
-                        changed = leadership.changed() => if changed.is_err() { break },
-                    }
-                }
-            }
-            if core.closing.is_cancelled() {
-                break;
-            }
-        }
-        elector.shutdown().await;
-    });
+    let election = Election {
+        store: core.catalog.store().clone(),
+        loop_name: EGRESS_LOOP,
+        holder: core.replica_id.clone(),
+        timing: core.config.election,
+    };
+    let closing = core.closing.clone();
+    berth_runtime::spawn_elected(election, closing, FullPass { core });
+}
+
+/// The full pass of one replica.
+struct FullPass {
+    core: Arc<Core>,
+}
+
+impl Leader for FullPass {
+    /// Follows the world and runs passes while `term` is held; returns when
+    /// a newer term fenced a write off.
+    async fn lead(&mut self, term: Term) {
+        let core = &self.core;
+        let fence = Fence { loop_name: EGRESS_LOOP, holder: core.replica_id.clone(), term };
+        let world = World::new();
+        let leading = Leading::start(core);
+        world::spawn(Arc::clone(core), Arc::clone(&world), leading.stop.clone());
+        lead(core, &fence, &world).await;
+    }
+}
+
+/// What leading sets up and must undo however the term ends: marks taken,
+/// the world followed.
+struct Leading<'a> {
+    core: &'a Core,
+    stop: CancellationToken,
+}
+
+impl<'a> Leading<'a> {
+    fn start(core: &'a Core) -> Self {
+        core.queue.set_leading(true);
+        Self { core, stop: core.closing.child_token() }
+    }
+}
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        self.core.queue.set_leading(false);
+        self.stop.cancel();
+    }
 }
 
 /// Why a term ended early.
 struct Deposed;
-
-async fn run_term(core: &Arc<Core>, term: Term, leadership: &mut watch::Receiver<Option<Term>>) {
-    let fence = Fence { loop_name: EGRESS_LOOP, holder: core.replica_id.clone(), term };
-    let world = World::new();
-    let stop = core.closing.child_token();
-    core.queue.set_leading(true);
-    world::spawn(Arc::clone(core), Arc::clone(&world), stop.clone());
-    tokio::select! {
-        () = core.closing.cancelled() => {}
-        () = lost(leadership, term) => {}
-        () = lead(core, &fence, &world) => tracing::info!(%term, "a newer term fenced off this pass"),
-    }
-    core.queue.set_leading(false);
-    stop.cancel();
-}
-
-/// Resolves when `term` is no longer held.
-async fn lost(leadership: &mut watch::Receiver<Option<Term>>, term: Term) {
-    loop {
-        if leadership.changed().await.is_err() || *leadership.borrow() != Some(term) {
-            return;
-        }
-    }
-}
 
 /// Runs passes until deposed.
 async fn lead(core: &Arc<Core>, fence: &Fence, world: &Arc<World>) {

@@ -29,7 +29,8 @@
 //!   trusted to say when a node was last heard.
 
 use berth_bus::{BusError, Continuity};
-use berth_store::{LeaderElector, StoreError, Term, TxError, expect_one};
+use berth_runtime::{Election, Leader};
+use berth_store::{StoreError, Term, TxError, expect_one};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::millis;
@@ -104,35 +105,20 @@ impl NodeMonitor {
 
     /// Campaigns and runs until `shutdown`, then resigns.
     pub(crate) fn spawn(self, shutdown: &CancellationToken) {
-        let shutdown = shutdown.clone();
-        berth_runtime::spawn_loop(async move { self.run(shutdown).await });
+        let election = Election {
+            store: self.registry.store().clone(),
+            loop_name: MONITOR_LOOP,
+            holder: self.holder.clone(),
+            timing: self.registry.timing().election,
+        };
+        berth_runtime::spawn_elected(election, shutdown.clone(), self);
     }
+}
 
-    async fn run(self, shutdown: CancellationToken) {
-        let timing = self.registry.timing().election;
-        let elector = LeaderElector::new(self.registry.store().clone(), MONITOR_LOOP, self.holder.clone())
-            .with_timing(timing)
-            .spawn(&shutdown);
-        let mut leadership = elector.subscribe();
-        loop {
-            let term = *leadership.borrow_and_update();
-            tokio::select! {
-                () = shutdown.cancelled() => break,
-                changed = leadership.changed() => {
-                    if changed.is_err() {
-                        break;
-                    }
-                }
-                () = self.lead(term), if term.is_some() => {}
-            }
-        }
-        elector.shutdown().await;
-    }
-
-    /// Acts while `term` is held; returns only if it is `None`.
-    async fn lead(&self, term: Option<Term>) {
-        let Some(term) = term else { return };
-        tracing::info!(%term, holder = %self.holder, "node monitor leading");
+impl Leader for NodeMonitor {
+    /// Acts while `term` is held; never returns by itself (a fenced write
+    /// fails one step, which is tried again at the next tick).
+    async fn lead(&mut self, term: Term) {
         let timing = self.registry.timing().clone();
         let reset = match self.registry.bus().continuity().await {
             Ok(continuity) => continuity.needs_rebuild(),
@@ -171,7 +157,9 @@ impl NodeMonitor {
             }
         }
     }
+}
 
+impl NodeMonitor {
     async fn rebuild_logged(&self, reset: bool) {
         if let Err(error) = self.rebuild(reset).await {
             tracing::warn!(%error, reset, "rebuilding node deadlines failed; retrying at the next resync");

@@ -23,7 +23,8 @@
 use std::sync::Arc;
 
 use berth_bus::{BusError, Continuity};
-use berth_store::{LeaderElector, StoreError, Term};
+use berth_runtime::{Election, Leader};
+use berth_store::{StoreError, Term};
 
 use crate::config::millis;
 use crate::ledger::{Expiry, LeaseError, REAPER_LOOP};
@@ -55,26 +56,14 @@ enum ReaperError {
 
 /// Campaigns until the service closes, and reaps while it leads.
 pub(crate) fn spawn(core: Arc<Core>) {
-    berth_runtime::spawn_loop(async move {
-        let elector = LeaderElector::new(core.ledger.store().clone(), REAPER_LOOP, core.replica_id.clone())
-            .with_timing(core.config.election)
-            .spawn(&core.closing);
-        let mut leadership = elector.subscribe();
-        let mut reaper = Reaper { core: Arc::clone(&core), grace_until: 0 };
-        loop {
-            let term = *leadership.borrow_and_update();
-            tokio::select! {
-                () = core.closing.cancelled() => break,
-                changed = leadership.changed() => {
-                    if changed.is_err() {
-                        break;
-                    }
-                }
-                () = reaper.lead(term), if term.is_some() => {}
-            }
-        }
-        elector.shutdown().await;
-    });
+    let election = Election {
+        store: core.ledger.store().clone(),
+        loop_name: REAPER_LOOP,
+        holder: core.replica_id.clone(),
+        timing: core.config.election,
+    };
+    let closing = core.closing.clone();
+    berth_runtime::spawn_elected(election, closing, Reaper { core, grace_until: 0 });
 }
 
 /// The reaper's state while it leads.
@@ -84,11 +73,10 @@ struct Reaper {
     grace_until: i64,
 }
 
-impl Reaper {
-    /// Acts while `term` is held; returns only if it is `None`.
-    async fn lead(&mut self, term: Option<Term>) {
-        let Some(term) = term else { return };
-        tracing::info!(%term, holder = %self.core.replica_id, "lease reaper leading");
+impl Leader for Reaper {
+    /// Acts while `term` is held; never returns by itself (a fenced write
+    /// fails one step, which is tried again at the next tick).
+    async fn lead(&mut self, term: Term) {
         let config = self.core.config.clone();
         let reset = match self.core.bus.continuity().await {
             Ok(continuity) => continuity.needs_rebuild(),
@@ -123,7 +111,9 @@ impl Reaper {
             }
         }
     }
+}
 
+impl Reaper {
     async fn rebuild_logged(&mut self, reset: bool) {
         if let Err(error) = self.rebuild(reset).await {
             tracing::warn!(%error, reset, "rebuilding lease deadlines failed; retrying at the next resync");

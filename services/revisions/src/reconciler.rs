@@ -31,6 +31,7 @@
 //! A deposed leader's late requests are therefore harmless, and its writes
 //! to the catalog are refused.
 
+use berth_runtime::Action;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,25 +48,6 @@ use crate::model::{Observed, READY, ROLLOUT_COMPLETE, ServiceKey, SlotKey, lease
 use crate::records::{RevisionRow, RevisionState, ServiceRow};
 use crate::resolver::{RegistryPolicy, ResolveError, TagResolver};
 use crate::signals::Signals;
-
-/// What to do after a reconcile.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Action {
-    /// Look again after this long, woken or not.
-    Requeue(Duration),
-    /// Nothing to do until something changes.
-    AwaitChange,
-}
-
-impl Action {
-    pub(crate) fn requeue(after: Duration) -> Self {
-        Self::Requeue(after)
-    }
-
-    pub(crate) fn await_change() -> Self {
-        Self::AwaitChange
-    }
-}
 
 /// Why a reconcile stopped before it finished; it runs again later.
 #[derive(Debug, thiserror::Error)]
@@ -202,7 +184,7 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
     let now = ctx.catalog.store().now_ms().await.map_err(CatalogError::from)?;
     let tombstones_settled = release_tombstones(key, ctx).await?;
     let Some((service, mut revisions)) = ctx.catalog.snapshot(key).await? else {
-        return Ok(if tombstones_settled { Action::await_change() } else { Action::requeue(ctx.config.rollout_poll) });
+        return Ok(if tombstones_settled { Action::AwaitChange } else { Action::Requeue(ctx.config.rollout_poll) });
     };
     let mut wake_in: Option<Duration> = (!tombstones_settled).then_some(ctx.config.rollout_poll);
     let mut soonest = |after: Duration| {
@@ -231,7 +213,7 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
             }
             match ctx.catalog.snapshot(key).await? {
                 Some((_, fresh)) => revisions = fresh,
-                None => return Ok(Action::requeue(ctx.config.rollout_poll)),
+                None => return Ok(Action::Requeue(ctx.config.rollout_poll)),
             }
         } else {
             let wait = u64::try_from(newest.next_resolve_at_ms.saturating_sub(now)).unwrap_or_default();
@@ -268,7 +250,7 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
     // Read again as one snapshot: a delete or a new incarnation since is the next pass's.
     let (service, revisions) = match ctx.catalog.snapshot(key).await? {
         Some((fresh, revisions)) if fresh.uid == service.uid => (fresh, revisions),
-        _ => return Ok(Action::requeue(ctx.config.rollout_poll)),
+        _ => return Ok(Action::Requeue(ctx.config.rollout_poll)),
     };
     let live = revisions.iter().find(|r| r.name == service.live_revision && r.resolved());
     let target = self::target(&service, &revisions);
@@ -353,7 +335,7 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
     if !settled {
         soonest(ctx.config.rollout_poll);
     }
-    Ok(Action::requeue(wake_in.unwrap_or(ctx.config.steady_resync)))
+    Ok(Action::Requeue(wake_in.unwrap_or(ctx.config.steady_resync)))
 }
 
 /// Says in the service's status that leases could not be asked, keeping
@@ -832,7 +814,7 @@ mod tests {
 
         *fake.refuse.lock().unwrap() = true;
         let action = reconcile(&key(), &ctx).await.unwrap();
-        assert_eq!(action, Action::requeue(ctx.config.rollout_poll));
+        assert_eq!(action, Action::Requeue(ctx.config.rollout_poll));
         let status = status_of(&ctx).await;
         assert_eq!(reason(&status, READY), "NoCapacity");
         assert_eq!(reason(&status, ROLLOUT_COMPLETE), "NoCapacity");
@@ -849,7 +831,7 @@ mod tests {
         let status = status_of(&ctx).await;
         assert_eq!(status.live_revision, "web-00001");
         assert_eq!((status.replicas_running, status.replicas_desired), (2, 2));
-        assert_eq!(reconcile(&key(), &ctx).await.unwrap(), Action::requeue(ctx.config.steady_resync));
+        assert_eq!(reconcile(&key(), &ctx).await.unwrap(), Action::Requeue(ctx.config.steady_resync));
         db.cleanup().await.unwrap();
     }
 

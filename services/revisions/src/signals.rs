@@ -34,30 +34,25 @@ pub(crate) const LOCAL_WAKE_QUEUE: usize = 1024;
 
 /// A service to reconcile, and the trace of the call that asked for it
 /// (empty when that call was not traced).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Wake {
-    pub(crate) key: ServiceKey,
-    pub(crate) traceparent: String,
+pub(crate) type Wake = berth_runtime::Trigger<ServiceKey>;
+
+/// The bus payload of a wake-up: the key, then `\n` and the traceparent when
+/// there is one.
+pub(crate) fn encode(wake: &Wake) -> Vec<u8> {
+    let mut payload = wake.key.encode();
+    if !wake.traceparent.is_empty() {
+        payload.push('\n');
+        payload.push_str(&wake.traceparent);
+    }
+    payload.into_bytes()
 }
 
-impl Wake {
-    /// The bus payload: the key, then `\n` and the traceparent when there is one.
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut payload = self.key.encode();
-        if !self.traceparent.is_empty() {
-            payload.push('\n');
-            payload.push_str(&self.traceparent);
-        }
-        payload.into_bytes()
-    }
-
-    /// Reads a payload [`Wake::encode`] made (or a bare key); `None` when it
-    /// names no service.
-    pub(crate) fn decode(payload: &[u8]) -> Option<Self> {
-        let text = std::str::from_utf8(payload).ok()?;
-        let (key, traceparent) = text.split_once('\n').unwrap_or((text, ""));
-        Some(Self { key: ServiceKey::decode(key)?, traceparent: traceparent.to_owned() })
-    }
+/// Reads a payload [`encode`] made (or a bare key); `None` when it names no
+/// service.
+pub(crate) fn decode(payload: &[u8]) -> Option<Wake> {
+    let text = std::str::from_utf8(payload).ok()?;
+    let (key, traceparent) = text.split_once('\n').unwrap_or((text, ""));
+    Some(Wake { key: ServiceKey::decode(key)?, traceparent: traceparent.to_owned() })
 }
 
 /// Publishes changes and wake-ups; cheap to clone.
@@ -95,7 +90,7 @@ impl Signals {
     /// Wakes the reconciler (wherever it leads) for `key`, and tells watchers.
     pub(crate) async fn wake(&self, key: &ServiceKey) {
         let wake = Wake { key: key.clone(), traceparent: berth_telemetry::current_traceparent() };
-        let payload = wake.encode();
+        let payload = encode(&wake);
         let _ = self.local.try_send(wake);
         if let Err(error) = self.bus.publish(WAKE_TOPIC, payload).await {
             tracing::debug!(%error, service = %key, "could not wake the reconciler; its next pass acts");
@@ -113,11 +108,11 @@ mod tests {
         let Some(key) = ServiceKey::decode("acme/web") else { panic!("a valid key") };
         let traced =
             Wake { key: key.clone(), traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into() };
-        assert_eq!(Wake::decode(&traced.encode()), Some(traced));
+        assert_eq!(decode(&encode(&traced)), Some(traced));
         let bare = Wake { key, traceparent: String::new() };
-        assert_eq!(bare.encode(), b"acme/web");
-        assert_eq!(Wake::decode(b"acme/web"), Some(bare));
-        assert_eq!(Wake::decode(b"\xff"), None);
-        assert_eq!(Wake::decode(b""), None);
+        assert_eq!(encode(&bare), b"acme/web");
+        assert_eq!(decode(b"acme/web"), Some(bare));
+        assert_eq!(decode(b"\xff"), None);
+        assert_eq!(decode(b""), None);
     }
 }
