@@ -41,6 +41,13 @@ pub struct Election {
     pub timing: ElectionTiming,
 }
 
+impl Election {
+    /// Campaigns for `loop_name` in `store` as `holder`, on `timing`.
+    pub fn new(store: Store, loop_name: &'static str, holder: &str, timing: ElectionTiming) -> Self {
+        Self { store, loop_name, holder: holder.to_owned(), timing }
+    }
+}
+
 /// The work one elected loop does.
 pub trait Leader: Send + 'static {
     /// Acts while `term` is held. Dropped as soon as the term is lost;

@@ -48,12 +48,7 @@ pub const EGRESS_LOOP: &str = "egress.full-pass";
 
 /// Campaigns for [`EGRESS_LOOP`] and runs passes while leading, until `core.closing`.
 pub(crate) fn spawn(core: Arc<Core>) {
-    let election = Election {
-        store: core.catalog.store().clone(),
-        loop_name: EGRESS_LOOP,
-        holder: core.replica_id.clone(),
-        timing: core.config.election,
-    };
+    let election = Election::new(core.catalog.store().clone(), EGRESS_LOOP, &core.replica_id, core.config.election);
     let closing = core.closing.clone();
     berth_runtime::spawn_elected(election, closing, FullPass { core });
 }

@@ -105,12 +105,8 @@ impl NodeMonitor {
 
     /// Campaigns and runs until `shutdown`, then resigns.
     pub(crate) fn spawn(self, shutdown: &CancellationToken) {
-        let election = Election {
-            store: self.registry.store().clone(),
-            loop_name: MONITOR_LOOP,
-            holder: self.holder.clone(),
-            timing: self.registry.timing().election,
-        };
+        let election =
+            Election::new(self.registry.store().clone(), MONITOR_LOOP, &self.holder, self.registry.timing().election);
         berth_runtime::spawn_elected(election, shutdown.clone(), self);
     }
 }

@@ -56,12 +56,7 @@ enum ReaperError {
 
 /// Campaigns until the service closes, and reaps while it leads.
 pub(crate) fn spawn(core: Arc<Core>) {
-    let election = Election {
-        store: core.ledger.store().clone(),
-        loop_name: REAPER_LOOP,
-        holder: core.replica_id.clone(),
-        timing: core.config.election,
-    };
+    let election = Election::new(core.ledger.store().clone(), REAPER_LOOP, &core.replica_id, core.config.election);
     let closing = core.closing.clone();
     berth_runtime::spawn_elected(election, closing, Reaper { core, grace_until: 0 });
 }

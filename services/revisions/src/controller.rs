@@ -37,12 +37,7 @@ pub const DEPLOY_LOOP: &str = "revisions.deployer";
 
 /// Campaigns for [`DEPLOY_LOOP`] and runs the controller while leading, until `core.closing`.
 pub(crate) fn spawn(core: Arc<Core>, wakes: mpsc::Receiver<Wake>) {
-    let election = Election {
-        store: core.catalog.store().clone(),
-        loop_name: DEPLOY_LOOP,
-        holder: core.replica_id.clone(),
-        timing: core.config.election,
-    };
+    let election = Election::new(core.catalog.store().clone(), DEPLOY_LOOP, &core.replica_id, core.config.election);
     let closing = core.closing.clone();
     berth_runtime::spawn_elected(election, closing, Deployer { core, wakes });
 }
