@@ -45,6 +45,7 @@ mod controller;
 mod lease_watch;
 mod leases;
 mod model;
+mod plan;
 mod pull;
 mod reconciler;
 mod records;

@@ -7,7 +7,11 @@
 //! # Expected flow
 //! `reconcile(key, ctx)` is level-triggered: it decides from what it reads,
 //! never from the event that woke it, so a missed wake-up is healed by the
-//! next pass, and it returns when to look again ([`Action`]). The controller
+//! next pass, and it returns when to look again ([`Action`]). Each step
+//! observes (the catalog's snapshot, the service's leases), asks
+//! [`crate::plan`]'s pure functions what to do, and acts; a step whose act
+//! changes what the next one decides from (a revision resolved, made live
+//! or failed) is followed by observing again. The controller
 //! never runs two reconciles of one service at once. Every write it makes to
 //! the catalog is fenced on the leadership term it runs under.
 //!
@@ -31,20 +35,24 @@
 //! A deposed leader's late requests are therefore harmless, and its writes
 //! to the catalog are refused.
 
-use berth_runtime::Action;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use berth_proto::artifact::ArtifactKind;
-use berth_proto::leases::v1::{self as leases, LeasePhase};
+use berth_proto::leases::v1 as leases;
 use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus};
+use berth_runtime::Action;
 use tokio::time::timeout;
 
 use crate::catalog::{Catalog, CatalogError, Fence, RolloutChange, StatusReport};
 use crate::config::{DEFAULT_CPU_MILLIS, DEFAULT_MEMORY_BYTES, RevisionsConfig, millis};
 use crate::leases::{LeaseCallError, LeaseClient};
-use crate::model::{Observed, READY, ROLLOUT_COMPLETE, ServiceKey, SlotKey, lease_owner, replicas};
+use crate::model::{Observed, READY, ServiceKey, SlotKey, lease_owner};
+use crate::plan::{
+    Pass, Rollout, RolloutStep, Slots, Upkeep, collectable, decide_rollout, group, is_open, plan_release, plan_upkeep,
+    rollout_blocked, status_report, target,
+};
 use crate::records::{RevisionRow, RevisionState, ServiceRow};
 use crate::resolver::{RegistryPolicy, ResolveError, TagResolver};
 use crate::signals::Signals;
@@ -80,103 +88,6 @@ pub(crate) struct Context {
     pub(crate) config: RevisionsConfig,
     pub(crate) fence: Fence,
     pub(crate) signals: Signals,
-}
-
-/// Whether the lease holds capacity.
-fn is_open(lease: &leases::Lease) -> bool {
-    lease.phase().is_open()
-}
-
-/// A revision's leases by slot, each slot's attempts highest first.
-#[derive(Debug, Default, Clone)]
-struct Slots {
-    by_slot: BTreeMap<u32, Vec<(u32, leases::Lease)>>,
-}
-
-impl Slots {
-    fn add(&mut self, key: SlotKey, lease: leases::Lease) {
-        let attempts = self.by_slot.entry(key.slot).or_default();
-        attempts.push((key.attempt, lease));
-        attempts.sort_by_key(|(attempt, _)| std::cmp::Reverse(*attempt));
-    }
-
-    /// The slot's current lease and its attempt.
-    fn current(&self, slot: u32) -> Option<&(u32, leases::Lease)> {
-        self.by_slot.get(&slot).and_then(|attempts| attempts.first())
-    }
-
-    /// Current leases of slots below `desired` that run.
-    fn running(&self, desired: u32) -> u32 {
-        let running = (0..desired)
-            .filter(|slot| self.current(*slot).is_some_and(|(_, lease)| lease.phase() == LeasePhase::Running));
-        u32::try_from(running.count()).unwrap_or(u32::MAX)
-    }
-
-    fn open(&self) -> impl Iterator<Item = &leases::Lease> {
-        self.by_slot.values().flatten().map(|(_, lease)| lease).filter(|lease| is_open(lease))
-    }
-
-    fn has_open(&self) -> bool {
-        self.open().next().is_some()
-    }
-}
-
-/// Leases grouped by the revision their key names.
-fn group(leases: Vec<leases::Lease>, uid: &str) -> BTreeMap<String, Slots> {
-    let mut grouped: BTreeMap<String, Slots> = BTreeMap::new();
-    for lease in leases {
-        match SlotKey::decode(&lease.idempotency_key) {
-            Some(key) if key.uid == uid => grouped.entry(key.revision.clone()).or_default().add(key, lease),
-            _ => tracing::debug!(lease_id = %lease.lease_id, key = %lease.idempotency_key,
-                "a lease of this owner with a key not minted here; left alone"),
-        }
-    }
-    grouped
-}
-
-/// What maintaining one revision's leases ran into.
-#[derive(Debug, Default)]
-struct Upkeep {
-    /// A request was refused for want of room; the message says what was short.
-    no_room: Option<String>,
-    /// A current lease of the revision failed, with its reason and message.
-    failed: Option<(String, String)>,
-    /// Something is still on its way (a lease asked for, placed but not running).
-    settling: bool,
-}
-
-/// The revision traffic should go to: the pin, else the newest unless it
-/// failed, else the newest ready one.
-pub(crate) fn target<'a>(service: &ServiceRow, revisions: &'a [RevisionRow]) -> Option<&'a RevisionRow> {
-    if !service.pinned_revision.is_empty() {
-        return revisions.iter().find(|r| r.name == service.pinned_revision);
-    }
-    match revisions.first() {
-        Some(newest) if newest.state != RevisionState::Failed => Some(newest),
-        _ => revisions.iter().find(|r| r.state == RevisionState::Ready),
-    }
-}
-
-/// Revisions GC may delete: the non-live revisions beyond the newest `keep`
-/// of them that are older than `min_age_ms`, except the newest revision and
-/// any in `protected` (pinned, target, holding open leases).
-pub(crate) fn collectable(
-    revisions: &[RevisionRow],
-    live: &str,
-    protected: &HashSet<&str>,
-    keep: usize,
-    min_age_ms: i64,
-    now_ms: i64,
-) -> Vec<String> {
-    let newest = revisions.first().map(|r| r.name.as_str());
-    revisions
-        .iter()
-        .filter(|r| r.name != live)
-        .skip(keep)
-        .filter(|r| Some(r.name.as_str()) != newest && !protected.contains(r.name.as_str()))
-        .filter(|r| now_ms.saturating_sub(r.created_at_ms) >= min_age_ms)
-        .map(|r| r.name.clone())
-        .collect()
 }
 
 /// One pass over the service `key`.
@@ -270,21 +181,13 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
     if matches!(rollout, Rollout::InProgress { .. }) {
         keep.extend(target.map(|r| r.name.as_str()));
     }
-    for (revision, slots) in &by_revision {
-        if keep.contains(revision.as_str()) {
-            continue;
-        }
-        let reason = if failed.is_some_and(|f| f.name == *revision) { "RolloutFailed" } else { "Superseded" };
-        for lease in slots.open() {
-            tracing::info!(service = %key, %revision, lease_id = %lease.lease_id, reason, "releasing lease");
-            ctx.leases.release(&lease.lease_id, reason).await?;
-        }
-        if let Some(row) = revisions.iter().find(|r| r.name == *revision)
-            && row.rollout_started_at_ms.is_some()
-            && row.state == RevisionState::Pending
-        {
-            ctx.catalog.change_rollout(&ctx.fence, &key.project, revision, &RolloutChange::Stop).await?;
-        }
+    let release = plan_release(&by_revision, &revisions, &keep, failed);
+    for (revision, lease_id, reason) in &release.releases {
+        tracing::info!(service = %key, %revision, %lease_id, reason, "releasing lease");
+        ctx.leases.release(lease_id, reason).await?;
+    }
+    for revision in &release.stop_rollouts {
+        ctx.catalog.change_rollout(&ctx.fence, &key.project, revision, &RolloutChange::Stop).await?;
     }
 
     // Revision GC.
@@ -306,30 +209,14 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
     }
 
     // Status.
-    let desired = live.or(target).map_or(0, |r| replicas(&r.template));
-    let running = live.map_or(0, |l| by_revision.get(&l.name).map_or(0, |s| s.running(replicas(&l.template))));
-    let report = StatusReport {
-        uid: service.uid.clone(),
-        latest_created: revisions.first().map(|r| r.name.clone()).unwrap_or_default(),
-        observed_generation: service.generation,
-        replicas_running: running,
-        replicas_desired: desired,
-        conditions: Pass { revisions: &revisions, live, target, failed, rollout: &rollout, live_upkeep: &live_upkeep }
-            .conditions(running, desired),
-        revision_running: revisions
-            .iter()
-            .map(|r| {
-                let count = by_revision.get(&r.name).map_or(0, |s| s.running(replicas(&r.template)));
-                (r.name.clone(), i64::from(count))
-            })
-            .collect(),
-    };
+    let pass = Pass { revisions: &revisions, live, target, failed, rollout: &rollout, live_upkeep: &live_upkeep };
+    let report = status_report(&service, &by_revision, &pass);
     if ctx.catalog.report(&ctx.fence, key, &report).await? {
         ctx.signals.changed(key).await;
     }
 
     let settled = matches!(rollout, Rollout::Settled | Rollout::Failed)
-        && running == desired
+        && report.replicas_running == report.replicas_desired
         && !live_upkeep.settling
         && live_upkeep.no_room.is_none();
     if !settled {
@@ -396,21 +283,8 @@ async fn resolve(ctx: &Context, revision: &RevisionRow) -> Result<String, Resolv
     }
 }
 
-/// Where the rollout of the target stands after this pass.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Rollout {
-    /// The target is live (or there is none).
-    Settled,
-    /// The target's replicas are on their way.
-    InProgress { no_room: Option<String> },
-    /// The target's bundle has not resolved yet.
-    Unresolved,
-    /// The target failed (now or before); the live revision keeps serving.
-    Failed,
-    /// The target became live in this pass.
-    WentLive,
-}
-
+/// Moves the rollout of `next` one step: starts it, keeps its slots
+/// filled, and makes it live or failed as [`decide_rollout`] says.
 async fn roll_out(
     ctx: &Context,
     service: &ServiceRow,
@@ -419,11 +293,8 @@ async fn roll_out(
     now: i64,
 ) -> Result<Rollout, ReconcileError> {
     let key = &service.key;
-    if next.state == RevisionState::Failed {
-        return Ok(Rollout::Failed);
-    }
-    if !next.resolved() {
-        return Ok(Rollout::Unresolved);
+    if let Some(blocked) = rollout_blocked(next) {
+        return Ok(blocked);
     }
     let started = match next.rollout_started_at_ms {
         Some(started) => started,
@@ -434,49 +305,28 @@ async fn roll_out(
         }
     };
     let upkeep = upkeep(ctx, service, next, &slots, false).await?;
-    if let Some((reason, message)) = upkeep.failed {
-        let message = format!("a replica failed to start ({reason}): {message}");
-        return fail(ctx, service, next, "ReplicaFailed", message).await;
-    }
-    let desired = replicas(&next.template);
-    if slots.running(desired) == desired {
-        tracing::info!(service = %key, revision = %next.name, previous = %service.live_revision, "revision is live");
-        if ctx.catalog.go_live(&ctx.fence, key, &next.name, desired).await? {
-            ctx.signals.changed(key).await;
+    match decide_rollout(next, &slots, &upkeep, started, now, ctx.config.progress_deadline) {
+        RolloutStep::Continue { no_room } => Ok(Rollout::InProgress { no_room }),
+        RolloutStep::GoLive { replicas } => {
+            tracing::info!(service = %key, revision = %next.name, previous = %service.live_revision, "revision is live");
+            if ctx.catalog.go_live(&ctx.fence, key, &next.name, replicas).await? {
+                ctx.signals.changed(key).await;
+            }
+            Ok(Rollout::WentLive)
         }
-        return Ok(Rollout::WentLive);
-    }
-    if now.saturating_sub(started) > millis(ctx.config.progress_deadline) {
-        let running = slots.running(desired);
-        let mut message = format!(
-            "{running} of {desired} replicas ran within the progress deadline of {:?}",
-            ctx.config.progress_deadline
-        );
-        if let Some(short) = &upkeep.no_room {
-            message.push_str(&format!("; {short}"));
+        RolloutStep::Fail { reason, message } => {
+            tracing::warn!(service = %key, revision = %next.name, reason, %message,
+                live = %service.live_revision, "rollout failed; the live revision keeps serving");
+            let change = RolloutChange::Fail { reason: reason.to_owned(), message };
+            ctx.catalog.change_rollout(&ctx.fence, &key.project, &next.name, &change).await?;
+            Ok(Rollout::Failed)
         }
-        return fail(ctx, service, next, "ProgressDeadlineExceeded", message).await;
     }
-    Ok(Rollout::InProgress { no_room: upkeep.no_room })
 }
 
-async fn fail(
-    ctx: &Context,
-    service: &ServiceRow,
-    next: &RevisionRow,
-    reason: &str,
-    message: String,
-) -> Result<Rollout, ReconcileError> {
-    tracing::warn!(service = %service.key, revision = %next.name, reason, %message,
-        live = %service.live_revision, "rollout failed; the live revision keeps serving");
-    let change = RolloutChange::Fail { reason: reason.to_owned(), message };
-    ctx.catalog.change_rollout(&ctx.fence, &service.key.project, &next.name, &change).await?;
-    Ok(Rollout::Failed)
-}
-
-/// Keeps one lease per slot of `revision`: asks for missing ones and
-/// replaces ended ones. A failed lease of a revision not yet live is not
-/// replaced but reported, unless `replace_failed`.
+/// Acts on [`plan_upkeep`] for `revision`: asks for the leases it lists
+/// (a refusal for want of room is noted, not an error) and gives back the
+/// stale ones.
 async fn upkeep(
     ctx: &Context,
     service: &ServiceRow,
@@ -484,47 +334,23 @@ async fn upkeep(
     slots: &Slots,
     replace_failed: bool,
 ) -> Result<Upkeep, ReconcileError> {
-    let mut upkeep = Upkeep::default();
-    let desired = replicas(&revision.template);
-    for slot in 0..desired {
-        let attempt = match slots.current(slot) {
-            None => 0,
-            Some((_, lease)) if is_open(lease) => {
-                if lease.phase() != LeasePhase::Running {
-                    upkeep.settling = true;
-                }
-                continue;
-            }
-            Some((_, lease)) if lease.phase() == LeasePhase::Failed && !replace_failed => {
-                upkeep.failed = Some((lease.reason.clone(), lease.message.clone()));
-                continue;
-            }
-            Some((attempt, lease)) => {
-                tracing::info!(service = %service.key, revision = %revision.name, slot, lease_id = %lease.lease_id,
-                    phase = ?lease.phase(), reason = %lease.reason, "replacing a replica whose lease ended");
-                attempt.saturating_add(1)
-            }
-        };
-        upkeep.settling = true;
-        let key = SlotKey { revision: revision.name.clone(), uid: service.uid.clone(), slot, attempt };
-        match ctx.leases.request(lease_request(service, revision, &key, &ctx.policy)).await {
+    let plan = plan_upkeep(&service.uid, revision, slots, replace_failed);
+    let mut upkeep = Upkeep { no_room: None, failed: plan.failed, settling: plan.settling };
+    for key in &plan.requests {
+        if let Some((_, lease)) = slots.current(key.slot) {
+            tracing::info!(service = %service.key, revision = %revision.name, slot = key.slot,
+                lease_id = %lease.lease_id, phase = ?lease.phase(), reason = %lease.reason,
+                "replacing a replica whose lease ended");
+        }
+        match ctx.leases.request(lease_request(service, revision, key, &ctx.policy)).await {
             Ok(lease) => tracing::debug!(lease_id = %lease.lease_id, node_id = %lease.node_id, key = %key.encode(),
                 "replica lease placed"),
             Err(LeaseCallError::NoRoom(short)) => upkeep.no_room = Some(short),
             Err(error) => return Err(error.into()),
         }
     }
-    // Slots past the count (never minted here, as a revision's count never changes) and
-    // older attempts that came back to life are given back once their slot runs.
-    for (slot, attempts) in &slots.by_slot {
-        let slot_runs = attempts.first().is_some_and(|(_, lease)| lease.phase() == LeasePhase::Running);
-        let stale = attempts
-            .iter()
-            .enumerate()
-            .filter(|(n, (_, lease))| is_open(lease) && (*slot >= desired || (*n > 0 && slot_runs)));
-        for (_, (_, lease)) in stale {
-            ctx.leases.release(&lease.lease_id, "Superseded").await?;
-        }
+    for lease_id in &plan.releases {
+        ctx.leases.release(lease_id, "Superseded").await?;
     }
     Ok(upkeep)
 }
@@ -584,82 +410,6 @@ fn lease_request(
     }
 }
 
-/// What one pass saw and did, from which the service's conditions are read.
-#[derive(Debug)]
-struct Pass<'a> {
-    revisions: &'a [RevisionRow],
-    live: Option<&'a RevisionRow>,
-    target: Option<&'a RevisionRow>,
-    /// The revision whose failure traffic fell back from, if any.
-    failed: Option<&'a RevisionRow>,
-    rollout: &'a Rollout,
-    live_upkeep: &'a Upkeep,
-}
-
-impl Pass<'_> {
-    /// The service's conditions as this pass observed them.
-    fn conditions(&self, running: u32, desired: u32) -> Vec<Observed> {
-        let Pass { revisions, live, target, failed, rollout, live_upkeep } = *self;
-        use ConditionStatus::{False, Unknown};
-        let mut observed = Vec::new();
-        if let Some(newest) = revisions.first() {
-            observed.push(newest.resolution());
-        }
-        let target_name = target.map_or("", |t| t.name.as_str());
-        let live_name = live.map_or("", |l| l.name.as_str());
-        let failure =
-            failed.or(target).map(|t| format!("revision {} failed: {}", t.name, t.state_message)).unwrap_or_default();
-        let unresolved = target.map(RevisionRow::resolution);
-        let complete = match rollout {
-            Rollout::Settled | Rollout::WentLive => Observed::holds(ROLLOUT_COMPLETE),
-            Rollout::InProgress { no_room: Some(short) } => Observed::new(ROLLOUT_COMPLETE, False, "NoCapacity", short),
-            Rollout::InProgress { no_room: None } => Observed::new(
-                ROLLOUT_COMPLETE,
-                False,
-                "RollingOut",
-                format!("revision {target_name} is starting its replicas beside {}", or_none(live_name)),
-            ),
-            Rollout::Unresolved => {
-                let message = unresolved.as_ref().map(|u| u.message.clone()).unwrap_or_default();
-                Observed::new(ROLLOUT_COMPLETE, False, "BundleUnresolved", message)
-            }
-            Rollout::Failed => Observed::new(
-                ROLLOUT_COMPLETE,
-                False,
-                "RevisionFailed",
-                format!("{failure}; {} keeps serving", or_none(live_name)),
-            ),
-        };
-        let ready = if live.is_some() && running == desired {
-            Observed::holds(READY)
-        } else if let Some(short) = live.and(live_upkeep.no_room.as_ref()) {
-            Observed::new(READY, False, "NoCapacity", short.clone())
-        } else if live.is_some() {
-            Observed::new(READY, False, "ReplicasNotRunning", format!("{running} of {desired} replicas are running"))
-        } else {
-            match rollout {
-                Rollout::Unresolved => match unresolved {
-                    Some(u) if u.status == False => Observed::new(READY, False, u.reason, u.message),
-                    _ => Observed::new(READY, Unknown, "Resolving", "the bundle tag is being resolved"),
-                },
-                Rollout::Failed => Observed::new(READY, False, "RevisionFailed", failure),
-                Rollout::InProgress { no_room: Some(short) } => {
-                    Observed::new(READY, False, "NoCapacity", short.clone())
-                }
-                _ if target.is_none() => Observed::new(READY, False, "NoRevision", "no revision can serve"),
-                _ => Observed::new(READY, Unknown, "Deploying", format!("revision {target_name} is starting")),
-            }
-        };
-        observed.push(ready);
-        observed.push(complete);
-        observed
-    }
-}
-
-fn or_none(name: &str) -> &str {
-    if name.is_empty() { "no revision" } else { name }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;
@@ -671,8 +421,11 @@ mod tests {
     use super::*;
     use crate::catalog::Resolution;
     use crate::controller::DEPLOY_LOOP;
+    use crate::model::ROLLOUT_COMPLETE;
     use crate::model::fingerprint;
+    use crate::plan::tests::row;
     use crate::validate::ValidApply;
+    use berth_proto::leases::v1::LeasePhase;
 
     const DIGEST: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 
@@ -890,78 +643,6 @@ mod tests {
         assert_eq!(status.live_revision, "web-00001");
         assert_eq!(reason(&status, ROLLOUT_COMPLETE), "RollingOut");
         db.cleanup().await.unwrap();
-    }
-
-    fn row(name: &str, generation: i64, state: RevisionState, created_at_ms: i64) -> RevisionRow {
-        RevisionRow {
-            project: "default".into(),
-            name: name.into(),
-            service: "web".into(),
-            generation,
-            template: v1::ServiceTemplate::default(),
-            source: v1::Source::default(),
-            fingerprint: String::new(),
-            digest: DIGEST.into(),
-            resolve_reason: String::new(),
-            resolve_message: String::new(),
-            resolve_attempts: 1,
-            resolve_changed_at_ms: 0,
-            next_resolve_at_ms: 0,
-            state,
-            state_reason: String::new(),
-            state_message: String::new(),
-            state_changed_at_ms: 0,
-            rollout_started_at_ms: None,
-            replicas_running: 0,
-            created_at_ms,
-        }
-    }
-
-    #[test]
-    fn the_target_is_the_pin_else_the_newest_unless_failed_else_the_newest_ready() {
-        let revisions = [
-            row("web-00004", 4, RevisionState::Failed, 0),
-            row("web-00003", 3, RevisionState::Pending, 0),
-            row("web-00002", 2, RevisionState::Ready, 0),
-            row("web-00001", 1, RevisionState::Ready, 0),
-        ];
-        let service = |pinned: &str| ServiceRow {
-            key: key(),
-            uid: "u".into(),
-            generation: 4,
-            template: v1::ServiceTemplate::default(),
-            source: v1::Source::default(),
-            pinned_revision: pinned.into(),
-            live_revision: "web-00002".into(),
-            status: v1::ServiceStatus::default(),
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            version: 1,
-        };
-        assert_eq!(target(&service(""), &revisions).unwrap().name, "web-00002", "not an older pending one");
-        assert_eq!(target(&service("web-00001"), &revisions).unwrap().name, "web-00001");
-        assert_eq!(target(&service(""), &revisions[1..]).unwrap().name, "web-00003");
-    }
-
-    #[test]
-    fn gc_keeps_the_newest_n_non_live_and_the_young() {
-        let revisions: Vec<RevisionRow> =
-            (1..=8).rev().map(|g| row(&format!("web-{g:05}"), g, RevisionState::Ready, g * 1000)).collect();
-        let none = HashSet::new();
-        // Live is web-00005; the newest two others are 8 and 7.
-        let doomed = collectable(&revisions, "web-00005", &none, 2, 0, 100_000);
-        assert_eq!(doomed, ["web-00006", "web-00004", "web-00003", "web-00002", "web-00001"]);
-        // Younger than the minimum age: kept.
-        let doomed = collectable(&revisions, "web-00005", &none, 2, 96_500, 100_000);
-        assert_eq!(doomed, ["web-00003", "web-00002", "web-00001"]);
-        // Pinned (or holding leases): kept.
-        let protected: HashSet<&str> = ["web-00002"].into();
-        let doomed = collectable(&revisions, "web-00005", &protected, 2, 0, 100_000);
-        assert!(!doomed.contains(&"web-00002".to_owned()));
-        // Keeping none still keeps the newest.
-        let doomed = collectable(&revisions, "web-00005", &none, 0, 0, 100_000);
-        assert!(!doomed.contains(&"web-00008".to_owned()));
-        assert_eq!(doomed.len(), 6);
     }
 
     #[test]

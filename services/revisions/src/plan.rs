@@ -1,0 +1,630 @@
+//! The deploy reconciler's decisions, as pure functions of what one pass
+//! observed: which revision traffic should go to, what each revision's
+//! slots need (leases to ask for, to give back), where a rollout stands and
+//! what it does next, what is released, what GC may delete, and the
+//! status the service reports.
+//!
+//! The reconciler ([`crate::reconciler`]) observes (the catalog's snapshot
+//! and the service's leases), asks these functions what to do, and acts;
+//! nothing here reads or writes anything, so every decision is tested here
+//! by table, without a store or a leases service.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use berth_proto::leases::v1::{self as leases, LeasePhase};
+use berth_proto::types::v1::ConditionStatus;
+
+use crate::catalog::StatusReport;
+use crate::config::millis;
+use crate::model::{Observed, READY, ROLLOUT_COMPLETE, SlotKey, replicas};
+use crate::records::{RevisionRow, RevisionState, ServiceRow};
+
+/// Whether the lease holds capacity.
+pub(crate) fn is_open(lease: &leases::Lease) -> bool {
+    lease.phase().is_open()
+}
+
+/// A revision's leases by slot, each slot's attempts highest first.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Slots {
+    pub(crate) by_slot: BTreeMap<u32, Vec<(u32, leases::Lease)>>,
+}
+
+impl Slots {
+    pub(crate) fn add(&mut self, key: SlotKey, lease: leases::Lease) {
+        let attempts = self.by_slot.entry(key.slot).or_default();
+        attempts.push((key.attempt, lease));
+        attempts.sort_by_key(|(attempt, _)| std::cmp::Reverse(*attempt));
+    }
+
+    /// The slot's current lease and its attempt.
+    pub(crate) fn current(&self, slot: u32) -> Option<&(u32, leases::Lease)> {
+        self.by_slot.get(&slot).and_then(|attempts| attempts.first())
+    }
+
+    /// Current leases of slots below `desired` that run.
+    pub(crate) fn running(&self, desired: u32) -> u32 {
+        let running = (0..desired)
+            .filter(|slot| self.current(*slot).is_some_and(|(_, lease)| lease.phase() == LeasePhase::Running));
+        u32::try_from(running.count()).unwrap_or(u32::MAX)
+    }
+
+    pub(crate) fn open(&self) -> impl Iterator<Item = &leases::Lease> {
+        self.by_slot.values().flatten().map(|(_, lease)| lease).filter(|lease| is_open(lease))
+    }
+
+    pub(crate) fn has_open(&self) -> bool {
+        self.open().next().is_some()
+    }
+}
+
+/// Leases grouped by the revision their key names.
+pub(crate) fn group(leases: Vec<leases::Lease>, uid: &str) -> BTreeMap<String, Slots> {
+    let mut grouped: BTreeMap<String, Slots> = BTreeMap::new();
+    for lease in leases {
+        match SlotKey::decode(&lease.idempotency_key) {
+            Some(key) if key.uid == uid => grouped.entry(key.revision.clone()).or_default().add(key, lease),
+            _ => tracing::debug!(lease_id = %lease.lease_id, key = %lease.idempotency_key,
+                "a lease of this owner with a key not minted here; left alone"),
+        }
+    }
+    grouped
+}
+
+/// What maintaining one revision's leases ran into.
+#[derive(Debug, Default)]
+pub(crate) struct Upkeep {
+    /// A request was refused for want of room; the message says what was short.
+    pub(crate) no_room: Option<String>,
+    /// A current lease of the revision failed, with its reason and message.
+    pub(crate) failed: Option<(String, String)>,
+    /// Something is still on its way (a lease asked for, placed but not running).
+    pub(crate) settling: bool,
+}
+
+/// The revision traffic should go to: the pin, else the newest unless it
+/// failed, else the newest ready one.
+pub(crate) fn target<'a>(service: &ServiceRow, revisions: &'a [RevisionRow]) -> Option<&'a RevisionRow> {
+    if !service.pinned_revision.is_empty() {
+        return revisions.iter().find(|r| r.name == service.pinned_revision);
+    }
+    match revisions.first() {
+        Some(newest) if newest.state != RevisionState::Failed => Some(newest),
+        _ => revisions.iter().find(|r| r.state == RevisionState::Ready),
+    }
+}
+
+/// Revisions GC may delete: the non-live revisions beyond the newest `keep`
+/// of them that are older than `min_age_ms`, except the newest revision and
+/// any in `protected` (pinned, target, holding open leases).
+pub(crate) fn collectable(
+    revisions: &[RevisionRow],
+    live: &str,
+    protected: &HashSet<&str>,
+    keep: usize,
+    min_age_ms: i64,
+    now_ms: i64,
+) -> Vec<String> {
+    let newest = revisions.first().map(|r| r.name.as_str());
+    revisions
+        .iter()
+        .filter(|r| r.name != live)
+        .skip(keep)
+        .filter(|r| Some(r.name.as_str()) != newest && !protected.contains(r.name.as_str()))
+        .filter(|r| now_ms.saturating_sub(r.created_at_ms) >= min_age_ms)
+        .map(|r| r.name.clone())
+        .collect()
+}
+
+/// Where the rollout of the target stands after this pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Rollout {
+    /// The target is live (or there is none).
+    Settled,
+    /// The target's replicas are on their way.
+    InProgress { no_room: Option<String> },
+    /// The target's bundle has not resolved yet.
+    Unresolved,
+    /// The target failed (now or before); the live revision keeps serving.
+    Failed,
+    /// The target became live in this pass.
+    WentLive,
+}
+
+/// What keeping one revision's slots filled asks for.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct UpkeepPlan {
+    /// Slots to ask a lease for, each under the key of its next attempt.
+    pub(crate) requests: Vec<SlotKey>,
+    /// Open leases to give back (by id): slots past the count, and older
+    /// attempts of a slot whose current lease runs.
+    pub(crate) releases: Vec<String>,
+    /// A current lease failed and is not to be replaced: its reason and message.
+    pub(crate) failed: Option<(String, String)>,
+    /// Something is on its way (a lease to ask for, or placed but not running).
+    pub(crate) settling: bool,
+}
+
+/// Keeps one lease per slot of `revision`: asks for missing ones and
+/// replaces ended ones. A failed lease of a revision not yet live is not
+/// replaced but reported, unless `replace_failed`.
+pub(crate) fn plan_upkeep(uid: &str, revision: &RevisionRow, slots: &Slots, replace_failed: bool) -> UpkeepPlan {
+    let mut plan = UpkeepPlan::default();
+    let desired = replicas(&revision.template);
+    for slot in 0..desired {
+        let attempt = match slots.current(slot) {
+            None => 0,
+            Some((_, lease)) if is_open(lease) => {
+                if lease.phase() != LeasePhase::Running {
+                    plan.settling = true;
+                }
+                continue;
+            }
+            Some((_, lease)) if lease.phase() == LeasePhase::Failed && !replace_failed => {
+                plan.failed = Some((lease.reason.clone(), lease.message.clone()));
+                continue;
+            }
+            Some((attempt, _)) => attempt.saturating_add(1),
+        };
+        plan.settling = true;
+        plan.requests.push(SlotKey { revision: revision.name.clone(), uid: uid.to_owned(), slot, attempt });
+    }
+    // Slots past the count (never minted here, as a revision's count never changes) and
+    // older attempts that came back to life are given back once their slot runs.
+    for (slot, attempts) in &slots.by_slot {
+        let slot_runs = attempts.first().is_some_and(|(_, lease)| lease.phase() == LeasePhase::Running);
+        let stale = attempts
+            .iter()
+            .enumerate()
+            .filter(|(n, (_, lease))| is_open(lease) && (*slot >= desired || (*n > 0 && slot_runs)));
+        plan.releases.extend(stale.map(|(_, (_, lease))| lease.lease_id.clone()));
+    }
+    plan
+}
+
+/// Why a rollout cannot start: the revision failed before, or its bundle
+/// has not resolved.
+pub(crate) fn rollout_blocked(next: &RevisionRow) -> Option<Rollout> {
+    if next.state == RevisionState::Failed {
+        Some(Rollout::Failed)
+    } else if !next.resolved() {
+        Some(Rollout::Unresolved)
+    } else {
+        None
+    }
+}
+
+/// What a rollout does next, after this pass's upkeep of its slots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RolloutStep {
+    /// Its replicas are on their way; nothing to write.
+    Continue { no_room: Option<String> },
+    /// Every replica runs: it becomes live with this many.
+    GoLive { replicas: u32 },
+    /// It failed; the live revision keeps serving.
+    Fail { reason: &'static str, message: String },
+}
+
+/// Where the rollout of `next` (begun at `started_ms`) goes, given its slots
+/// and what their upkeep ran into, at `now_ms`.
+pub(crate) fn decide_rollout(
+    next: &RevisionRow,
+    slots: &Slots,
+    upkeep: &Upkeep,
+    started_ms: i64,
+    now_ms: i64,
+    progress_deadline: Duration,
+) -> RolloutStep {
+    if let Some((reason, message)) = &upkeep.failed {
+        let message = format!("a replica failed to start ({reason}): {message}");
+        return RolloutStep::Fail { reason: "ReplicaFailed", message };
+    }
+    let desired = replicas(&next.template);
+    let running = slots.running(desired);
+    if running == desired {
+        return RolloutStep::GoLive { replicas: desired };
+    }
+    if now_ms.saturating_sub(started_ms) > millis(progress_deadline) {
+        let mut message =
+            format!("{running} of {desired} replicas ran within the progress deadline of {progress_deadline:?}");
+        if let Some(short) = &upkeep.no_room {
+            message.push_str(&format!("; {short}"));
+        }
+        return RolloutStep::Fail { reason: "ProgressDeadlineExceeded", message };
+    }
+    RolloutStep::Continue { no_room: upkeep.no_room.clone() }
+}
+
+/// What giving back the revisions no longer needed means.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct ReleasePlan {
+    /// Open leases to release: revision, lease id, and the reason recorded.
+    pub(crate) releases: Vec<(String, String, &'static str)>,
+    /// Revisions whose rollout was under way and stops.
+    pub(crate) stop_rollouts: Vec<String>,
+}
+
+/// Gives back every revision but those in `keep`: its open leases
+/// (`RolloutFailed` for the revision traffic fell back from, else
+/// `Superseded`), and the rollout of one still pending.
+pub(crate) fn plan_release(
+    by_revision: &BTreeMap<String, Slots>,
+    revisions: &[RevisionRow],
+    keep: &HashSet<&str>,
+    failed: Option<&RevisionRow>,
+) -> ReleasePlan {
+    let mut plan = ReleasePlan::default();
+    for (revision, slots) in by_revision {
+        if keep.contains(revision.as_str()) {
+            continue;
+        }
+        let reason = if failed.is_some_and(|f| f.name == *revision) { "RolloutFailed" } else { "Superseded" };
+        plan.releases.extend(slots.open().map(|lease| (revision.clone(), lease.lease_id.clone(), reason)));
+        if let Some(row) = revisions.iter().find(|r| r.name == *revision)
+            && row.rollout_started_at_ms.is_some()
+            && row.state == RevisionState::Pending
+        {
+            plan.stop_rollouts.push(revision.clone());
+        }
+    }
+    plan
+}
+
+/// The status a pass reports: replica counts of the live revision (or the
+/// one on its way when none is live), each revision's running count, and
+/// the conditions.
+pub(crate) fn status_report(
+    service: &ServiceRow,
+    by_revision: &BTreeMap<String, Slots>,
+    pass: &Pass<'_>,
+) -> StatusReport {
+    let revisions = pass.revisions;
+    let desired = pass.live.or(pass.target).map_or(0, |r| replicas(&r.template));
+    let running = pass.live.map_or(0, |l| by_revision.get(&l.name).map_or(0, |s| s.running(replicas(&l.template))));
+    StatusReport {
+        uid: service.uid.clone(),
+        latest_created: revisions.first().map(|r| r.name.clone()).unwrap_or_default(),
+        observed_generation: service.generation,
+        replicas_running: running,
+        replicas_desired: desired,
+        conditions: pass.conditions(running, desired),
+        revision_running: revisions
+            .iter()
+            .map(|r| {
+                let count = by_revision.get(&r.name).map_or(0, |s| s.running(replicas(&r.template)));
+                (r.name.clone(), i64::from(count))
+            })
+            .collect(),
+    }
+}
+
+/// What one pass saw and did, from which the service's conditions are read.
+#[derive(Debug)]
+pub(crate) struct Pass<'a> {
+    pub(crate) revisions: &'a [RevisionRow],
+    pub(crate) live: Option<&'a RevisionRow>,
+    pub(crate) target: Option<&'a RevisionRow>,
+    /// The revision whose failure traffic fell back from, if any.
+    pub(crate) failed: Option<&'a RevisionRow>,
+    pub(crate) rollout: &'a Rollout,
+    pub(crate) live_upkeep: &'a Upkeep,
+}
+
+impl Pass<'_> {
+    /// The service's conditions as this pass observed them.
+    fn conditions(&self, running: u32, desired: u32) -> Vec<Observed> {
+        let Pass { revisions, live, target, failed, rollout, live_upkeep } = *self;
+        use ConditionStatus::{False, Unknown};
+        let mut observed = Vec::new();
+        if let Some(newest) = revisions.first() {
+            observed.push(newest.resolution());
+        }
+        let target_name = target.map_or("", |t| t.name.as_str());
+        let live_name = live.map_or("", |l| l.name.as_str());
+        let failure =
+            failed.or(target).map(|t| format!("revision {} failed: {}", t.name, t.state_message)).unwrap_or_default();
+        let unresolved = target.map(RevisionRow::resolution);
+        let complete = match rollout {
+            Rollout::Settled | Rollout::WentLive => Observed::holds(ROLLOUT_COMPLETE),
+            Rollout::InProgress { no_room: Some(short) } => Observed::new(ROLLOUT_COMPLETE, False, "NoCapacity", short),
+            Rollout::InProgress { no_room: None } => Observed::new(
+                ROLLOUT_COMPLETE,
+                False,
+                "RollingOut",
+                format!("revision {target_name} is starting its replicas beside {}", or_none(live_name)),
+            ),
+            Rollout::Unresolved => {
+                let message = unresolved.as_ref().map(|u| u.message.clone()).unwrap_or_default();
+                Observed::new(ROLLOUT_COMPLETE, False, "BundleUnresolved", message)
+            }
+            Rollout::Failed => Observed::new(
+                ROLLOUT_COMPLETE,
+                False,
+                "RevisionFailed",
+                format!("{failure}; {} keeps serving", or_none(live_name)),
+            ),
+        };
+        let ready = if live.is_some() && running == desired {
+            Observed::holds(READY)
+        } else if let Some(short) = live.and(live_upkeep.no_room.as_ref()) {
+            Observed::new(READY, False, "NoCapacity", short.clone())
+        } else if live.is_some() {
+            Observed::new(READY, False, "ReplicasNotRunning", format!("{running} of {desired} replicas are running"))
+        } else {
+            match rollout {
+                Rollout::Unresolved => match unresolved {
+                    Some(u) if u.status == False => Observed::new(READY, False, u.reason, u.message),
+                    _ => Observed::new(READY, Unknown, "Resolving", "the bundle tag is being resolved"),
+                },
+                Rollout::Failed => Observed::new(READY, False, "RevisionFailed", failure),
+                Rollout::InProgress { no_room: Some(short) } => {
+                    Observed::new(READY, False, "NoCapacity", short.clone())
+                }
+                _ if target.is_none() => Observed::new(READY, False, "NoRevision", "no revision can serve"),
+                _ => Observed::new(READY, Unknown, "Deploying", format!("revision {target_name} is starting")),
+            }
+        };
+        observed.push(ready);
+        observed.push(complete);
+        observed
+    }
+}
+
+fn or_none(name: &str) -> &str {
+    if name.is_empty() { "no revision" } else { name }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use berth_proto::revisions::v1;
+
+    use super::*;
+    use crate::model::ServiceKey;
+
+    pub(crate) const DIGEST: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    fn key() -> ServiceKey {
+        ServiceKey::new("default", "web")
+    }
+
+    /// A resolved revision row of `web`, for tests.
+    pub(crate) fn row(name: &str, generation: i64, state: RevisionState, created_at_ms: i64) -> RevisionRow {
+        RevisionRow {
+            project: "default".into(),
+            name: name.into(),
+            service: "web".into(),
+            generation,
+            template: v1::ServiceTemplate::default(),
+            source: v1::Source::default(),
+            fingerprint: String::new(),
+            digest: DIGEST.into(),
+            resolve_reason: String::new(),
+            resolve_message: String::new(),
+            resolve_attempts: 1,
+            resolve_changed_at_ms: 0,
+            next_resolve_at_ms: 0,
+            state,
+            state_reason: String::new(),
+            state_message: String::new(),
+            state_changed_at_ms: 0,
+            rollout_started_at_ms: None,
+            replicas_running: 0,
+            created_at_ms,
+        }
+    }
+
+    #[test]
+    fn the_target_is_the_pin_else_the_newest_unless_failed_else_the_newest_ready() {
+        let revisions = [
+            row("web-00004", 4, RevisionState::Failed, 0),
+            row("web-00003", 3, RevisionState::Pending, 0),
+            row("web-00002", 2, RevisionState::Ready, 0),
+            row("web-00001", 1, RevisionState::Ready, 0),
+        ];
+        let service = |pinned: &str| ServiceRow {
+            key: key(),
+            uid: "u".into(),
+            generation: 4,
+            template: v1::ServiceTemplate::default(),
+            source: v1::Source::default(),
+            pinned_revision: pinned.into(),
+            live_revision: "web-00002".into(),
+            status: v1::ServiceStatus::default(),
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            version: 1,
+        };
+        assert_eq!(target(&service(""), &revisions).unwrap().name, "web-00002", "not an older pending one");
+        assert_eq!(target(&service("web-00001"), &revisions).unwrap().name, "web-00001");
+        assert_eq!(target(&service(""), &revisions[1..]).unwrap().name, "web-00003");
+    }
+
+    #[test]
+    fn gc_keeps_the_newest_n_non_live_and_the_young() {
+        let revisions: Vec<RevisionRow> =
+            (1..=8).rev().map(|g| row(&format!("web-{g:05}"), g, RevisionState::Ready, g * 1000)).collect();
+        let none = HashSet::new();
+        // Live is web-00005; the newest two others are 8 and 7.
+        let doomed = collectable(&revisions, "web-00005", &none, 2, 0, 100_000);
+        assert_eq!(doomed, ["web-00006", "web-00004", "web-00003", "web-00002", "web-00001"]);
+        // Younger than the minimum age: kept.
+        let doomed = collectable(&revisions, "web-00005", &none, 2, 96_500, 100_000);
+        assert_eq!(doomed, ["web-00003", "web-00002", "web-00001"]);
+        // Pinned (or holding leases): kept.
+        let protected: HashSet<&str> = ["web-00002"].into();
+        let doomed = collectable(&revisions, "web-00005", &protected, 2, 0, 100_000);
+        assert!(!doomed.contains(&"web-00002".to_owned()));
+        // Keeping none still keeps the newest.
+        let doomed = collectable(&revisions, "web-00005", &none, 0, 0, 100_000);
+        assert!(!doomed.contains(&"web-00008".to_owned()));
+        assert_eq!(doomed.len(), 6);
+    }
+
+    /// The slots of `web-00001` (uid `u`) holding leases given as
+    /// `(slot, attempt, phase)`, each with id `l<slot>.<attempt>`.
+    fn slots(leases: &[(u32, u32, LeasePhase)]) -> Slots {
+        let leases = leases
+            .iter()
+            .map(|&(slot, attempt, phase)| {
+                let key = SlotKey { revision: "web-00001".into(), uid: "u".into(), slot, attempt };
+                let mut lease = leases::Lease {
+                    lease_id: format!("l{slot}.{attempt}"),
+                    idempotency_key: key.encode(),
+                    reason: if phase == LeasePhase::Failed { "Exited".into() } else { String::new() },
+                    ..Default::default()
+                };
+                lease.set_phase(phase);
+                lease
+            })
+            .collect();
+        group(leases, "u").remove("web-00001").unwrap_or_default()
+    }
+
+    fn revision(replicas: u32) -> RevisionRow {
+        let mut revision = row("web-00001", 1, RevisionState::Pending, 0);
+        revision.template.replicas = Some(replicas);
+        revision
+    }
+
+    fn requested(plan: &UpkeepPlan) -> Vec<(u32, u32)> {
+        plan.requests.iter().map(|key| (key.slot, key.attempt)).collect()
+    }
+
+    use LeasePhase::{Bound, Done, Expired, Failed, Running};
+
+    #[test]
+    fn upkeep_fills_each_slot_once_and_replaces_only_what_ended() {
+        // (leases held, replace a failed one?) => (slots asked for with their attempt, released, failed?, settling)
+        type Row =
+            (&'static [(u32, u32, LeasePhase)], bool, &'static [(u32, u32)], &'static [&'static str], bool, bool);
+        let table: &[Row] = &[
+            // Nothing yet: every slot asked for at attempt 0.
+            (&[], false, &[(0, 0), (1, 0), (2, 0)], &[], false, true),
+            // Placed but not running: nothing asked, still settling.
+            (&[(0, 0, Bound), (1, 0, Running), (2, 0, Running)], false, &[], &[], false, true),
+            // All running: settled, nothing to do.
+            (&[(0, 0, Running), (1, 0, Running), (2, 0, Running)], false, &[], &[], false, false),
+            // Ended (expired, done): the next attempt of that slot only.
+            (&[(0, 3, Expired), (1, 0, Done), (2, 0, Running)], false, &[(0, 4), (1, 1)], &[], false, true),
+            // A failed lease of a revision not yet live is reported, not replaced.
+            (&[(0, 0, Failed), (1, 0, Running), (2, 0, Running)], false, &[], &[], true, false),
+            // ... and of the live revision, replaced.
+            (&[(0, 0, Failed), (1, 0, Running), (2, 0, Running)], true, &[(0, 1)], &[], false, true),
+            // An older attempt back to life is given back once the slot runs, not before.
+            (
+                &[(0, 0, Running), (0, 1, Running), (1, 0, Running), (2, 0, Running)],
+                false,
+                &[],
+                &["l0.0"],
+                false,
+                false,
+            ),
+            (&[(0, 0, Running), (0, 1, Bound), (1, 0, Running), (2, 0, Running)], false, &[], &[], false, true),
+            // A slot past the count is given back.
+            (
+                &[(0, 0, Running), (1, 0, Running), (2, 0, Running), (3, 0, Running)],
+                false,
+                &[],
+                &["l3.0"],
+                false,
+                false,
+            ),
+        ];
+        for (n, (held, replace_failed, asks, releases, failed, settling)) in table.iter().enumerate() {
+            let plan = plan_upkeep("u", &revision(3), &slots(held), *replace_failed);
+            assert_eq!(requested(&plan), *asks, "row {n}: asked");
+            assert_eq!(plan.releases, *releases, "row {n}: released");
+            assert_eq!(plan.failed.is_some(), *failed, "row {n}: failed");
+            assert_eq!(plan.settling, *settling, "row {n}: settling");
+            assert!(plan.requests.iter().all(|key| key.uid == "u" && key.revision == "web-00001"), "row {n}");
+        }
+    }
+
+    #[test]
+    fn a_rollout_goes_live_when_every_replica_runs_and_fails_on_a_failed_replica_or_the_deadline() {
+        const DEADLINE: Duration = Duration::from_secs(60);
+        let running = slots(&[(0, 0, Running), (1, 0, Running)]);
+        let half = slots(&[(0, 0, Running), (1, 0, Bound)]);
+        let short = Upkeep { no_room: Some("no node has 4 CPUs free".into()), ..Upkeep::default() };
+        let failed = Upkeep { failed: Some(("Exited".into(), "exit code 1".into())), ..Upkeep::default() };
+        let fine = Upkeep::default();
+        let decide = |slots: &Slots, upkeep: &Upkeep, elapsed_ms: i64| {
+            decide_rollout(&revision(2), slots, upkeep, 1_000, 1_000 + elapsed_ms, DEADLINE)
+        };
+        assert_eq!(decide(&running, &fine, 0), RolloutStep::GoLive { replicas: 2 });
+        assert_eq!(decide(&half, &fine, 59_000), RolloutStep::Continue { no_room: None });
+        assert_eq!(decide(&half, &short, 0), RolloutStep::Continue { no_room: short.no_room.clone() });
+        match decide(&half, &short, 61_000) {
+            RolloutStep::Fail { reason: "ProgressDeadlineExceeded", message } => {
+                assert!(
+                    message.starts_with("1 of 2 replicas ran within") && message.ends_with("4 CPUs free"),
+                    "{message}"
+                );
+            }
+            other => panic!("past the deadline: {other:?}"),
+        }
+        match decide(&running, &failed, 0) {
+            RolloutStep::Fail { reason: "ReplicaFailed", message } => {
+                assert_eq!(message, "a replica failed to start (Exited): exit code 1");
+            }
+            other => panic!("a failed replica fails the rollout, even with the rest running: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_rollout_waits_for_its_bundle_and_never_restarts_a_failed_revision() {
+        let mut unresolved = revision(1);
+        unresolved.digest.clear();
+        assert_eq!(rollout_blocked(&unresolved), Some(Rollout::Unresolved));
+        let mut failed = revision(1);
+        failed.state = RevisionState::Failed;
+        assert_eq!(rollout_blocked(&failed), Some(Rollout::Failed));
+        assert_eq!(rollout_blocked(&revision(1)), None);
+    }
+
+    #[test]
+    fn every_revision_not_kept_gives_back_its_open_leases_and_stops_its_rollout() {
+        let mut by_revision = BTreeMap::new();
+        for (revision, phases) in
+            [("web-00001", [Running, Running]), ("web-00002", [Running, Bound]), ("web-00003", [Bound, Done])]
+        {
+            let leases = phases
+                .iter()
+                .enumerate()
+                .map(|(slot, &phase)| {
+                    let slot = u32::try_from(slot).unwrap();
+                    let key = SlotKey { revision: revision.into(), uid: "u".into(), slot, attempt: 0 };
+                    let mut lease = leases::Lease {
+                        lease_id: format!("{revision}.{slot}"),
+                        idempotency_key: key.encode(),
+                        ..Default::default()
+                    };
+                    lease.set_phase(phase);
+                    lease
+                })
+                .collect();
+            by_revision.extend(group(leases, "u"));
+        }
+        let mut rolling = row("web-00003", 3, RevisionState::Pending, 0);
+        rolling.rollout_started_at_ms = Some(5);
+        let mut failed = row("web-00002", 2, RevisionState::Failed, 0);
+        failed.rollout_started_at_ms = Some(4);
+        let revisions = [rolling, failed.clone(), row("web-00001", 1, RevisionState::Ready, 0)];
+        let keep: HashSet<&str> = ["web-00001"].into();
+
+        let plan = plan_release(&by_revision, &revisions, &keep, Some(&failed));
+        let released: Vec<(&str, &str, &str)> =
+            plan.releases.iter().map(|(r, l, why)| (r.as_str(), l.as_str(), *why)).collect();
+        assert_eq!(
+            released,
+            [
+                ("web-00002", "web-00002.0", "RolloutFailed"),
+                ("web-00002", "web-00002.1", "RolloutFailed"),
+                ("web-00003", "web-00003.0", "Superseded"),
+            ],
+            "the kept revision's leases stay; an ended lease is not released again"
+        );
+        assert_eq!(plan.stop_rollouts, ["web-00003"], "a failed revision's rollout is over already");
+    }
+}
