@@ -15,29 +15,13 @@
 //! with backoff until it resolves.
 
 use berth_proto::revisions::v1;
-use tokio::time::timeout;
 use tonic::{Request, Response, Status};
 
 use crate::catalog::{Resolution, Scope};
 use crate::config::millis;
-use crate::resolver::ResolveError;
+use crate::resolver::resolve_template;
 use crate::service::RevisionsService;
 use crate::validate;
-
-impl RevisionsService {
-    async fn resolve_for_apply(&self, valid: &validate::ValidApply) -> Resolution {
-        let Some(artifact) = valid.template.artifact() else { return Resolution::NotTried };
-        let config = &self.core.config;
-        match timeout(config.resolve_timeout, self.core.resolver.resolve(artifact.reference)).await {
-            Ok(Ok(digest)) => Resolution::Resolved(digest.to_string()),
-            Ok(Err(error)) => Resolution::Failed(error),
-            Err(_) => Resolution::Failed(ResolveError::RegistryUnavailable(format!(
-                "the registry did not answer within {:?}",
-                config.resolve_timeout
-            ))),
-        }
-    }
-}
 
 #[tonic::async_trait]
 impl v1::services_server::Services for RevisionsService {
@@ -49,7 +33,15 @@ impl v1::services_server::Services for RevisionsService {
         let valid = validate::apply(request.into_inner(), &self.core.policy)?;
         let catalog = &self.core.catalog;
         let changed = catalog.latest_fingerprint(&valid.key).await?.as_deref() != Some(valid.fingerprint.as_str());
-        let resolution = if changed { self.resolve_for_apply(&valid).await } else { Resolution::NotTried };
+        let resolution = if changed {
+            let limit = self.core.config.resolve_timeout;
+            match resolve_template(self.core.resolver.as_ref(), &valid.template, limit).await {
+                Ok(digest) => Resolution::Resolved(digest),
+                Err(error) => Resolution::Failed(error),
+            }
+        } else {
+            Resolution::NotTried
+        };
         let retry_after = millis(self.core.config.resolve_backoff(1));
         let applied = catalog.apply(&valid, &resolution, retry_after).await?;
         if applied.revision_created {

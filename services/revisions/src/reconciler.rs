@@ -43,7 +43,6 @@ use berth_proto::artifact::ArtifactKind;
 use berth_proto::leases::v1 as leases;
 use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus};
 use berth_runtime::Action;
-use tokio::time::timeout;
 
 use crate::catalog::{Catalog, CatalogError, Fence, RolloutChange, StatusReport};
 use crate::config::{DEFAULT_CPU_MILLIS, DEFAULT_MEMORY_BYTES, RevisionsConfig, millis};
@@ -54,7 +53,7 @@ use crate::plan::{
     rollout_blocked, status_report, target,
 };
 use crate::records::{RevisionRow, RevisionState, ServiceRow};
-use crate::resolver::{RegistryPolicy, ResolveError, TagResolver};
+use crate::resolver::{RegistryPolicy, TagResolver, resolve_template};
 use crate::signals::Signals;
 
 /// Why a reconcile stopped before it finished; it runs again later.
@@ -107,7 +106,7 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
         && newest.state != RevisionState::Failed
     {
         if now >= newest.next_resolve_at_ms {
-            let outcome = resolve(ctx, newest).await;
+            let outcome = resolve_template(ctx.resolver.as_ref(), &newest.template, ctx.config.resolve_timeout).await;
             let attempts = u32::try_from(newest.resolve_attempts).unwrap_or(u32::MAX).saturating_add(1);
             let backoff = ctx.config.resolve_backoff(attempts);
             match &outcome {
@@ -270,19 +269,6 @@ async fn release_tombstones(key: &ServiceKey, ctx: &Context) -> Result<bool, Rec
     Ok(settled)
 }
 
-async fn resolve(ctx: &Context, revision: &RevisionRow) -> Result<String, ResolveError> {
-    let Some(artifact) = revision.template.artifact() else {
-        return Err(ResolveError::InvalidReference("the template names no bundle nor image".to_owned()));
-    };
-    match timeout(ctx.config.resolve_timeout, ctx.resolver.resolve(artifact.reference)).await {
-        Ok(result) => result.map(|digest| digest.to_string()),
-        Err(_) => Err(ResolveError::RegistryUnavailable(format!(
-            "the registry did not answer within {:?}",
-            ctx.config.resolve_timeout
-        ))),
-    }
-}
-
 /// Moves the rollout of `next` one step: starts it, keeps its slots
 /// filled, and makes it live or failed as [`decide_rollout`] says.
 async fn roll_out(
@@ -424,6 +410,7 @@ mod tests {
     use crate::model::ROLLOUT_COMPLETE;
     use crate::model::fingerprint;
     use crate::plan::tests::row;
+    use crate::resolver::ResolveError;
     use crate::validate::ValidApply;
     use berth_proto::leases::v1::LeasePhase;
 

@@ -63,6 +63,24 @@ impl From<RegistryError> for ResolveError {
     }
 }
 
+/// What `template`'s bundle or image names now, `sha256:<hex>`, asking the
+/// registry for at most `limit`. The one place a tag is resolved: at apply,
+/// when a revision is minted, and by the reconciler while a revision's
+/// resolution keeps failing.
+pub(crate) async fn resolve_template(
+    resolver: &dyn TagResolver,
+    template: &berth_proto::revisions::v1::ServiceTemplate,
+    limit: std::time::Duration,
+) -> Result<String, ResolveError> {
+    let Some(artifact) = template.artifact() else {
+        return Err(ResolveError::InvalidReference("the template names no bundle nor image".to_owned()));
+    };
+    match tokio::time::timeout(limit, resolver.resolve(artifact.reference)).await {
+        Ok(result) => result.map(|digest| digest.to_string()),
+        Err(_) => Err(ResolveError::RegistryUnavailable(format!("the registry did not answer within {limit:?}"))),
+    }
+}
+
 /// Turns a template's bundle reference into the digest it names now.
 #[tonic::async_trait]
 pub trait TagResolver: fmt::Debug + Send + Sync + 'static {
