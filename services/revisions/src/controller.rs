@@ -67,6 +67,7 @@ async fn run_term(core: &Arc<Core>, term: Term, wakes: &mut mpsc::Receiver<Wake>
     let ctx = Arc::new(Context {
         catalog: core.catalog.clone(),
         leases: core.leases.clone(),
+        lease_view: Arc::clone(&core.lease_view),
         resolver: core.resolver.clone(),
         policy: core.policy.clone(),
         config: core.config.clone(),

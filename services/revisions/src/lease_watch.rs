@@ -3,9 +3,12 @@
 //! service whenever one of its leases changes: placed, running, ended. A
 //! replica's status then moves as the replica does, not at the next poll.
 //!
+//! It also keeps the replica's [`LeaseView`](crate::lease_view::LeaseView),
+//! from which a reconcile of a steady service reads its open leases.
+//!
 //! # Invariants
-//! - A hint, never the truth: a reconcile reads the service's leases itself.
-//!   A lost event (a stream that broke, a leases replica gone) delays a
+//! - A hint, never the truth: a reconcile with a slot to fill reads the
+//!   service's leases itself, and the view answers only while synced. A lost event (a stream that broke, a leases replica gone) delays a
 //!   status until the controller's own requeue (`rollout_poll` while a
 //!   service settles, `steady_resync` after), never loses it.
 //! - Every replica follows and wakes only its own controller; the one that
@@ -37,6 +40,7 @@ pub(crate) fn spawn(core: Arc<Core>) {
                 () = core.closing.cancelled() => return,
                 opened = core.leases.watch(LEASE_OWNER_PREFIX) => opened,
             };
+            core.lease_view.reset();
             match opened {
                 Ok(mut events) => loop {
                     let event = tokio::select! {
@@ -46,6 +50,7 @@ pub(crate) fn spawn(core: Arc<Core>) {
                     match event {
                         Some(Ok(event)) => {
                             backoff.reset();
+                            core.lease_view.apply(&event);
                             let Some(lease) = event.lease else { continue };
                             if let Some(service) = service_of_owner(&lease.owner) {
                                 core.signals.wake_here(ServiceKey::new(lease.project, service));
@@ -60,6 +65,7 @@ pub(crate) fn spawn(core: Arc<Core>) {
                 },
                 Err(error) => tracing::debug!(%error, "cannot follow leases; the reconciler polls meanwhile"),
             }
+            core.lease_view.reset();
             tokio::select! {
                 () = core.closing.cancelled() => return,
                 () = tokio::time::sleep(backoff.next_delay()) => {}

@@ -42,6 +42,7 @@ mod catalog;
 mod cli;
 mod config;
 mod controller;
+mod lease_view;
 mod lease_watch;
 mod leases;
 mod model;

@@ -132,6 +132,18 @@ pub(crate) enum Rollout {
     WentLive,
 }
 
+/// Whether every slot of each of `needed` has an open lease in
+/// `by_revision`: then nothing is to be asked for, and a view of the open
+/// leases alone is enough to reconcile on.
+pub(crate) fn served_by_open(by_revision: &BTreeMap<String, Slots>, needed: &[&RevisionRow]) -> bool {
+    !needed.is_empty()
+        && needed.iter().all(|revision| {
+            let slots = by_revision.get(&revision.name);
+            (0..replicas(&revision.template))
+                .all(|slot| slots.and_then(|s| s.current(slot)).is_some_and(|(_, lease)| is_open(lease)))
+        })
+}
+
 /// What keeping one revision's slots filled asks for.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct UpkeepPlan {

@@ -46,11 +46,12 @@ use berth_runtime::Action;
 
 use crate::catalog::{Catalog, CatalogError, Fence, RolloutChange, StatusReport};
 use crate::config::{DEFAULT_CPU_MILLIS, DEFAULT_MEMORY_BYTES, RevisionsConfig, millis};
+use crate::lease_view::LeaseView;
 use crate::leases::{LeaseCallError, LeaseClient};
 use crate::model::{Observed, READY, ServiceKey, SlotKey, lease_owner};
 use crate::plan::{
     Pass, Rollout, RolloutStep, Slots, Upkeep, collectable, decide_rollout, group, is_open, plan_release, plan_upkeep,
-    rollout_blocked, status_report, target,
+    rollout_blocked, served_by_open, status_report, target,
 };
 use crate::records::{RevisionRow, RevisionState, ServiceRow};
 use crate::resolver::{RegistryPolicy, TagResolver, resolve_template};
@@ -82,6 +83,7 @@ impl ReconcileError {
 pub(crate) struct Context {
     pub(crate) catalog: Catalog,
     pub(crate) leases: Arc<dyn LeaseClient>,
+    pub(crate) lease_view: Arc<LeaseView>,
     pub(crate) resolver: Arc<dyn TagResolver>,
     pub(crate) policy: RegistryPolicy,
     pub(crate) config: RevisionsConfig,
@@ -132,7 +134,7 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
     }
 
     let owner = lease_owner(&key.name, &service.uid);
-    let listed = match ctx.leases.list(&key.project, &owner).await {
+    let listed = match leases_of(ctx, &service, &revisions).await {
         Ok(listed) => listed,
         Err(error) => {
             unreachable_leases(ctx, &service, &revisions, &error).await?;
@@ -222,6 +224,27 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
         soonest(ctx.config.rollout_poll);
     }
     Ok(Action::Requeue(wake_in.unwrap_or(ctx.config.steady_resync)))
+}
+
+/// The service's leases: from the lease view when it is synced and every
+/// slot of the live revision and of the target holds an open lease there
+/// (a steady service: nothing to ask for, so no final lease is needed),
+/// else listed from the leases service, the truth.
+async fn leases_of(
+    ctx: &Context,
+    service: &ServiceRow,
+    revisions: &[RevisionRow],
+) -> Result<Vec<leases::Lease>, LeaseCallError> {
+    let owner = lease_owner(&service.key.name, &service.uid);
+    if let Some(open) = ctx.lease_view.open(&service.key.project, &owner) {
+        let live = revisions.iter().find(|r| r.name == service.live_revision && r.resolved());
+        let mut needed: Vec<&RevisionRow> = live.into_iter().collect();
+        needed.extend(target(service, revisions).filter(|t| Some(t.name.as_str()) != live.map(|l| l.name.as_str())));
+        if served_by_open(&group(open.clone(), &service.uid), &needed) {
+            return Ok(open);
+        }
+    }
+    ctx.leases.list(&service.key.project, &owner).await
 }
 
 /// Says in the service's status that leases could not be asked, keeping
@@ -413,6 +436,7 @@ mod tests {
     use crate::resolver::ResolveError;
     use crate::validate::ValidApply;
     use berth_proto::leases::v1::LeasePhase;
+    use berth_proto::types::v1::EventKind;
 
     const DIGEST: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 
@@ -423,6 +447,7 @@ mod tests {
         leases: Mutex<Vec<leases::Lease>>,
         refuse: Mutex<bool>,
         asked: Mutex<Vec<String>>,
+        lists: Mutex<u32>,
     }
 
     impl FakeLeases {
@@ -471,6 +496,7 @@ mod tests {
         }
 
         async fn list(&self, project: &str, owner: &str) -> Result<Vec<leases::Lease>, LeaseCallError> {
+            *self.lists.lock().unwrap() += 1;
             let leases = self.leases.lock().unwrap();
             Ok(leases.iter().filter(|l| l.project == project && l.owner == owner).cloned().collect())
         }
@@ -506,6 +532,7 @@ mod tests {
         Context {
             catalog: Catalog::new(store.clone()),
             leases,
+            lease_view: Arc::default(),
             resolver: Arc::new(Unreachable),
             policy: RegistryPolicy::default(),
             config: RevisionsConfig { rollout_poll: Duration::from_millis(10), ..RevisionsConfig::default() },
@@ -629,6 +656,55 @@ mod tests {
         let status = status_of(&ctx).await;
         assert_eq!(status.live_revision, "web-00001");
         assert_eq!(reason(&status, ROLLOUT_COMPLETE), "RollingOut");
+        db.cleanup().await.unwrap();
+    }
+
+    /// Describes every lease `fake` holds to `view`, as a fresh watch stream would.
+    fn sync_view(view: &LeaseView, fake: &FakeLeases) {
+        view.reset();
+        for lease in fake.leases.lock().unwrap().iter() {
+            view.apply(&leases::LeaseEvent { kind: EventKind::Upsert as i32, lease: Some(lease.clone()) });
+        }
+        view.apply(&leases::LeaseEvent { kind: EventKind::Synced as i32, lease: None });
+    }
+
+    #[tokio::test]
+    async fn a_steady_service_is_reconciled_from_the_lease_view_and_a_slot_to_fill_lists_the_truth() {
+        let db = TestDb::sqlite().await.unwrap();
+        db.store().migrate(crate::MIGRATIONS).await.unwrap();
+        let fake = FakeLeases::for_test();
+        let ctx = context(db.store(), fake.clone()).await;
+        mint(&ctx, "1").await;
+        reconcile(&key(), &ctx).await.unwrap();
+        fake.set_phase("web-00001", LeasePhase::Running);
+        reconcile(&key(), &ctx).await.unwrap();
+        assert_eq!(status_of(&ctx).await.live_revision, "web-00001");
+
+        // Synced and every slot open: no call to the leases service.
+        sync_view(&ctx.lease_view, &fake);
+        let lists = *fake.lists.lock().unwrap();
+        assert_eq!(reconcile(&key(), &ctx).await.unwrap(), Action::Requeue(ctx.config.steady_resync));
+        assert_eq!(*fake.lists.lock().unwrap(), lists, "a steady service reads its leases from the view");
+        assert_eq!(status_of(&ctx).await.replicas_running, 2);
+
+        // A replica's lease ends: the view no longer covers the slot, so the
+        // reconcile lists and asks for the slot's next attempt.
+        let ended = {
+            let mut leases = fake.leases.lock().unwrap();
+            leases[0].set_phase(LeasePhase::Expired);
+            leases[0].clone()
+        };
+        ctx.lease_view.apply(&leases::LeaseEvent { kind: EventKind::Removed as i32, lease: Some(ended.clone()) });
+        reconcile(&key(), &ctx).await.unwrap();
+        assert_eq!(*fake.lists.lock().unwrap(), lists + 1);
+        let replacement = fake.asked.lock().unwrap().last().cloned().unwrap();
+        let ended_key = SlotKey::decode(&ended.idempotency_key).unwrap();
+        assert_eq!(replacement, SlotKey { attempt: ended_key.attempt + 1, ..ended_key }.encode());
+
+        // A view not synced answers nothing: every reconcile lists.
+        ctx.lease_view.reset();
+        reconcile(&key(), &ctx).await.unwrap();
+        assert_eq!(*fake.lists.lock().unwrap(), lists + 2);
         db.cleanup().await.unwrap();
     }
 

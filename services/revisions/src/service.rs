@@ -85,6 +85,7 @@ impl RevisionsService {
             catalog: Catalog::new(ctx.store.clone()),
             signals,
             leases: dependencies.leases,
+            lease_view: Arc::default(),
             resolver: dependencies.resolver,
             policy: dependencies.policy,
             secrets: dependencies.secrets,

@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::catalog::Catalog;
 use crate::config::RevisionsConfig;
+use crate::lease_view::LeaseView;
 use crate::leases::LeaseClient;
 use crate::resolver::{RegistryPolicy, TagResolver};
 use crate::secrets::RegistrySecrets;
@@ -22,6 +23,8 @@ pub(crate) struct Core {
     pub(crate) catalog: Catalog,
     pub(crate) signals: Signals,
     pub(crate) leases: Arc<dyn LeaseClient>,
+    /// The open leases as the lease watch describes them.
+    pub(crate) lease_view: Arc<LeaseView>,
     pub(crate) resolver: Arc<dyn TagResolver>,
     pub(crate) policy: RegistryPolicy,
     pub(crate) secrets: RegistrySecrets,

@@ -288,16 +288,17 @@ async fn a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again(backe
     let leases = plane.run("web-00001", 2).await;
     plane.await_live("web", "web-00001").await;
 
-    // The next look at web hangs; a replica then crashes. Its slot is
-    // still replaced and the status follows, once the hung reconcile is
-    // stopped.
+    // A replica crashes, and the reconcile that lists web's leases to fill
+    // its slot hangs on that call. (A steady service is reconciled from the
+    // lease view and asks leases nothing.) The slot is still replaced and
+    // the status follows, once the hung reconcile is stopped.
     armed.store(true, Ordering::SeqCst);
-    eventually("web to be looked at again", PATIENCE, || async {
+    let crashed = &leases[0];
+    crash(&plane, crashed).await;
+    eventually("web's leases to be listed, and that call to hang", PATIENCE, || async {
         if armed.load(Ordering::SeqCst) { Err("not yet") } else { Ok(()) }
     })
     .await;
-    let crashed = &leases[0];
-    crash(&plane, crashed).await;
     let open = plane.await_open_leases("web-00001", 2).await;
     assert!(open.iter().all(|l| l.lease_id != crashed.lease_id));
     plane.report_all("web-00001", LeasePhase::Running).await;
