@@ -637,14 +637,7 @@ mod tests {
 
     #[tokio::test]
     async fn superseded_candidates_are_released_and_the_live_revision_kept() {
-        let db = TestDb::sqlite().await.unwrap();
-        db.store().migrate(crate::MIGRATIONS).await.unwrap();
-        let fake = FakeLeases::for_test();
-        let ctx = context(db.store(), fake.clone()).await;
-        mint(&ctx, "1").await;
-        reconcile(&key(), &ctx).await.unwrap();
-        fake.set_phase("web-00001", LeasePhase::Running);
-        reconcile(&key(), &ctx).await.unwrap();
+        let (db, fake, ctx) = live_web().await;
 
         // Two applies in a row: the first candidate never runs and is given back.
         mint(&ctx, "2").await;
@@ -659,6 +652,20 @@ mod tests {
         db.cleanup().await.unwrap();
     }
 
+    /// A database, the fake leases and a context in which `web-00001` is
+    /// live with both its replicas running.
+    async fn live_web() -> (TestDb, Arc<FakeLeases>, Context) {
+        let db = TestDb::sqlite().await.unwrap();
+        db.store().migrate(crate::MIGRATIONS).await.unwrap();
+        let fake = FakeLeases::for_test();
+        let ctx = context(db.store(), fake.clone()).await;
+        mint(&ctx, "1").await;
+        reconcile(&key(), &ctx).await.unwrap();
+        fake.set_phase("web-00001", LeasePhase::Running);
+        reconcile(&key(), &ctx).await.unwrap();
+        (db, fake, ctx)
+    }
+
     /// Describes every lease `fake` holds to `view`, as a fresh watch stream would.
     fn sync_view(view: &LeaseView, fake: &FakeLeases) {
         view.reset();
@@ -670,14 +677,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_steady_service_is_reconciled_from_the_lease_view_and_a_slot_to_fill_lists_the_truth() {
-        let db = TestDb::sqlite().await.unwrap();
-        db.store().migrate(crate::MIGRATIONS).await.unwrap();
-        let fake = FakeLeases::for_test();
-        let ctx = context(db.store(), fake.clone()).await;
-        mint(&ctx, "1").await;
-        reconcile(&key(), &ctx).await.unwrap();
-        fake.set_phase("web-00001", LeasePhase::Running);
-        reconcile(&key(), &ctx).await.unwrap();
+        let (db, fake, ctx) = live_web().await;
         assert_eq!(status_of(&ctx).await.live_revision, "web-00001");
 
         // Synced and every slot open: no call to the leases service.
