@@ -12,6 +12,11 @@
 //! reconcile says what next: look again after a while, or wait for a
 //! trigger.
 //!
+//! A controller may coalesce triggers ([`Coalesce`]): a triggered key is
+//! then due `debounce` after its last trigger, but no later than
+//! `max_delay` after the first one still pending, so a burst of N triggers
+//! costs about `burst length / max_delay + 1` reconciles, not N.
+//!
 //! # Invariants
 //! - One reconcile per key at a time; a key triggered while it runs is
 //!   reconciled again once it ends.
@@ -72,6 +77,17 @@ pub struct ControllerConfig {
     pub retry_base: Duration,
     /// The longest wait after failed reconciles.
     pub retry_max: Duration,
+    /// How triggers are coalesced; `None` reconciles a triggered key at once.
+    pub coalesce: Option<Coalesce>,
+}
+
+/// How long a triggered key waits for more triggers (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Coalesce {
+    /// Due this long after the last trigger...
+    pub debounce: Duration,
+    /// ...but no later than this long after the first one pending.
+    pub max_delay: Duration,
 }
 
 impl ControllerConfig {
@@ -104,7 +120,6 @@ pub trait Reconciler: Send + Sync + 'static {
 }
 
 /// Where triggers come from besides the controller's own requeues.
-#[derive(Debug)]
 pub struct Triggers<'a, K> {
     /// Triggers sent by this replica.
     pub local: &'a mut mpsc::Receiver<Trigger<K>>,
@@ -114,7 +129,13 @@ pub struct Triggers<'a, K> {
 }
 
 /// Reads a trigger from a bus payload; `None` when it names no key.
-pub type DecodeTrigger<K> = fn(&[u8]) -> Option<Trigger<K>>;
+pub type DecodeTrigger<K> = Box<dyn Fn(&[u8]) -> Option<Trigger<K>> + Send + Sync>;
+
+impl<K> std::fmt::Debug for Triggers<'_, K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Triggers").field("follows_bus", &self.bus.is_some()).finish_non_exhaustive()
+    }
+}
 
 /// A finished reconcile: its key and how it went.
 type Outcome<R> = (<R as Reconciler>::Key, Result<Action, <R as Reconciler>::Error>);
@@ -127,7 +148,7 @@ pub async fn run_controller<R: Reconciler>(
     triggers: Triggers<'_, R::Key>,
 ) {
     let Triggers { local, mut bus } = triggers;
-    let mut queue: Queue<R::Key> = Queue::default();
+    let mut queue: Queue<R::Key> = Queue { coalesce: config.coalesce, ..Queue::default() };
     let mut reconciles: JoinSet<Outcome<R>> = JoinSet::new();
     let mut full_pass = tokio::time::interval(config.full_resync);
     let workers = config.workers.max(1);
@@ -203,7 +224,10 @@ pub async fn run_controller<R: Reconciler>(
 /// times in a row each failed, and the trace each was last triggered in.
 #[derive(Debug)]
 struct Queue<K> {
+    coalesce: Option<Coalesce>,
     due: HashMap<K, Instant>,
+    /// When the first of a key's coalesced triggers came, while it waits.
+    pending_since: HashMap<K, Instant>,
     running: HashSet<K>,
     failures: HashMap<K, u32>,
     traces: HashMap<K, String>,
@@ -211,18 +235,38 @@ struct Queue<K> {
 
 impl<K> Default for Queue<K> {
     fn default() -> Self {
-        Self { due: HashMap::new(), running: HashSet::new(), failures: HashMap::new(), traces: HashMap::new() }
+        Self {
+            coalesce: None,
+            due: HashMap::new(),
+            pending_since: HashMap::new(),
+            running: HashSet::new(),
+            failures: HashMap::new(),
+            traces: HashMap::new(),
+        }
     }
 }
 
 impl<K: Clone + Eq + Hash + Ord> Queue<K> {
-    /// Makes the key due now; its reconciles join the trigger's trace until
-    /// the key settles (or a later trigger's trace replaces it).
+    /// Makes the key due now, or when coalescing says; its reconciles join
+    /// the trigger's trace until the key settles (or a later trigger's trace
+    /// replaces it).
     fn trigger(&mut self, trigger: Trigger<K>) {
         if !trigger.traceparent.is_empty() {
             self.traces.insert(trigger.key.clone(), trigger.traceparent);
         }
-        self.schedule(trigger.key, Instant::now());
+        let now = Instant::now();
+        let Some(Coalesce { debounce, max_delay }) = self.coalesce else {
+            self.schedule(trigger.key, now);
+            return;
+        };
+        let already_pending = self.pending_since.contains_key(&trigger.key);
+        let first = *self.pending_since.entry(trigger.key.clone()).or_insert(now);
+        let at = (now + debounce).min(first + max_delay);
+        match self.due.get_mut(&trigger.key) {
+            // Pending triggers: a later one moves the time on, up to the bound.
+            Some(due) if already_pending => *due = at,
+            _ => self.schedule(trigger.key, at),
+        }
     }
 
     /// Makes `key` due at `at`, or sooner if it already was.
@@ -252,6 +296,7 @@ impl<K: Clone + Eq + Hash + Ord> Queue<K> {
         ready.truncate(room);
         for (_, key) in &ready {
             self.due.remove(key);
+            self.pending_since.remove(key);
             self.running.insert(key.clone());
         }
         ready.into_iter().map(|(_, key)| key).collect()
@@ -284,7 +329,55 @@ mod tests {
         full_resync: Duration::from_secs(3600),
         retry_base: Duration::from_millis(100),
         retry_max: Duration::from_secs(10),
+        coalesce: None,
     };
+
+    const COALESCE: Coalesce = Coalesce { debounce: Duration::from_millis(100), max_delay: Duration::from_secs(1) };
+
+    fn coalescing() -> Queue<&'static str> {
+        Queue { coalesce: Some(COALESCE), ..Queue::default() }
+    }
+
+    fn trigger(key: &'static str) -> Trigger<&'static str> {
+        Trigger { key, traceparent: String::new() }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_coalesced_burst_is_one_reconcile_once_it_goes_quiet() {
+        let mut queue = coalescing();
+        for _ in 0..1000 {
+            queue.trigger(trigger("team"));
+        }
+        assert!(queue.take_ready(5).is_empty(), "nothing before the debounce");
+        tokio::time::advance(COALESCE.debounce).await;
+        assert_eq!(queue.take_ready(5), ["team"]);
+        assert_eq!(queue.next_due(), None, "taking it cleared every trigger of the burst");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn coalesced_triggers_that_never_stop_still_reconcile_every_max_delay() {
+        let mut queue = coalescing();
+        let started = Instant::now();
+        let mut reconciles = 0;
+        while started.elapsed() < Duration::from_secs(5) {
+            queue.trigger(trigger("busy"));
+            tokio::time::advance(Duration::from_millis(10)).await;
+            let ready = queue.take_ready(5);
+            reconciles += ready.len();
+            for key in ready {
+                queue.running.remove(key);
+            }
+        }
+        assert!((4..=6).contains(&reconciles), "{reconciles} reconciles in 5 s of constant triggers");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_requeue_due_sooner_is_not_put_off_by_a_coalesced_trigger() {
+        let mut queue = coalescing();
+        queue.schedule("a", Instant::now());
+        queue.trigger(trigger("a"));
+        assert_eq!(queue.take_ready(5), ["a"], "already due now");
+    }
 
     #[test]
     fn a_failing_key_is_tried_again_sooner_than_the_longest_wait() {

@@ -17,7 +17,9 @@ mod service;
 mod startup;
 
 pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
-pub use controller::{Action, ControllerConfig, DecodeTrigger, Reconciler, Trigger, Triggers, run_controller};
+pub use controller::{
+    Action, Coalesce, ControllerConfig, DecodeTrigger, Reconciler, Trigger, Triggers, run_controller,
+};
 pub use duration::parse_duration;
 pub use elected::{Election, Leader, spawn_elected};
 pub use follow::{NodeDirectory, NodeSnapshot, follow_nodes};

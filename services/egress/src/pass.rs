@@ -6,9 +6,11 @@
 //! Every replica campaigns for [`EGRESS_LOOP`]. While one leads at term `t`:
 //! 1. It follows revisions and leases into a fresh [`World`] and waits (at
 //!    most `sync_timeout`) until both described it once.
-//! 2. It marks every tenant it knows of (declared objects, plans, services,
-//!    workloads) and node placement, then takes what falls due from the
-//!    [`PassQueue`], one tenant at a time.
+//! 2. It runs the pass's controller ([`berth_runtime::run_controller`],
+//!    one key at a time): every tenant it knows of (declared objects, plans,
+//!    services, workloads) and node placement at once and every
+//!    `full_resync`, and each key marked ([`PassQueue`]) when its coalesced
+//!    marks fall due.
 //! 3. A tenant's pass reads its gateways, routes and plan, compiles
 //!    ([`compile`]) against its services' selections, renders, and writes
 //!    what changed in one transaction fenced on `t`
@@ -28,17 +30,25 @@
 //! - One writer: every write is fenced on the term, so a deposed leader's
 //!   late pass changes nothing.
 //! - A pass that compiles what is already written writes nothing.
+//! - A pass that failed (not deposed) is tried again after a wait doubling
+//!   from `debounce` up to `max_delay`.
+//!
+//! [`PassQueue`]: crate::queue::PassQueue
 
 use std::sync::Arc;
 
-use berth_bus::BusMessage;
-use berth_runtime::{Election, Leader};
+use std::time::Duration;
+
+use berth_runtime::{
+    Action, Coalesce, ControllerConfig, DecodeTrigger, Election, Leader, Reconciler, Trigger, Triggers,
+};
 use berth_store::Term;
-use tokio::time::Instant;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::catalog::{CatalogError, Fence};
 use crate::compile::{PlanInputs, compile};
+use crate::queue::PassKey;
 use crate::render::render;
 use crate::shared::{CHANGES_TOPIC, Core};
 use crate::world::{self, World};
@@ -50,12 +60,17 @@ pub const EGRESS_LOOP: &str = "egress.full-pass";
 pub(crate) fn spawn(core: Arc<Core>) {
     let election = Election::new(core.catalog.store().clone(), EGRESS_LOOP, &core.replica_id, core.config.election);
     let closing = core.closing.clone();
-    berth_runtime::spawn_elected(election, closing, FullPass { core });
+    let Some(marks) = core.queue.take_marks() else {
+        tracing::error!("the egress full pass was started twice; this one does not run");
+        return;
+    };
+    berth_runtime::spawn_elected(election, closing, FullPass { core, marks });
 }
 
-/// The full pass of one replica.
+/// The full pass of one replica, with the marks its replica sends it.
 struct FullPass {
     core: Arc<Core>,
+    marks: mpsc::Receiver<Trigger<PassKey>>,
 }
 
 impl Leader for FullPass {
@@ -67,7 +82,14 @@ impl Leader for FullPass {
         let world = World::new();
         let leading = Leading::start(core);
         world::spawn(Arc::clone(core), Arc::clone(&world), leading.stop.clone());
-        lead(core, &fence, &world).await;
+        lead(core, fence, world, &mut self.marks).await;
+    }
+
+    /// Marks are for the leader: while following, drop them.
+    async fn follow(&mut self) {
+        if self.marks.recv().await.is_none() {
+            std::future::pending::<()>().await;
+        }
     }
 }
 
@@ -92,70 +114,111 @@ impl Drop for Leading<'_> {
     }
 }
 
-/// Why a term ended early.
-struct Deposed;
+/// Why a pass did not run to its end.
+#[derive(Debug, thiserror::Error)]
+enum PassError {
+    /// A newer term exists: this replica no longer leads.
+    #[error("deposed")]
+    Deposed,
+    /// The catalog failed; the pass is tried again.
+    #[error(transparent)]
+    Catalog(CatalogError),
+    /// The pass took longer than it may.
+    #[error("the pass took longer than {0:?} and was stopped")]
+    TimedOut(Duration),
+}
 
-/// Runs passes until deposed.
-async fn lead(core: &Arc<Core>, fence: &Fence, world: &Arc<World>) {
+impl From<CatalogError> for PassError {
+    fn from(error: CatalogError) -> Self {
+        match error {
+            CatalogError::Deposed => Self::Deposed,
+            other => Self::Catalog(other),
+        }
+    }
+}
+
+/// What one term's passes work with.
+struct PassTerm {
+    core: Arc<Core>,
+    fence: Fence,
+    world: Arc<World>,
+}
+
+/// Waits for the world, then runs the controller until deposed.
+async fn lead(core: &Arc<Core>, fence: Fence, world: Arc<World>, marks: &mut mpsc::Receiver<Trigger<PassKey>>) {
     let config = &core.config;
     if tokio::time::timeout(config.sync_timeout, world.synced()).await.is_err() {
         tracing::warn!(timeout = ?config.sync_timeout,
             "revisions or leases did not describe the world in time; passing with what is known");
     }
-    let mut subscription = match core.bus.subscribe(CHANGES_TOPIC).await {
-        Ok(subscription) => Some(subscription),
+    let bus = match core.bus.subscribe(CHANGES_TOPIC).await {
+        Ok(subscription) => Some((subscription, remote_marks(Arc::clone(core)))),
         Err(error) => {
             tracing::warn!(%error, "cannot follow egress changes on the bus; acting on local changes and resyncs");
             None
         }
     };
-    let mut resync = tokio::time::interval(config.full_resync);
-    loop {
-        let wake_at = core.queue.next_due();
-        tokio::select! {
-            _ = resync.tick() => mark_everything(core, world).await,
-            () = core.queue.notified() => {}
-            () = sleep_until(wake_at) => {}
-            message = next_message(&mut subscription) => match message {
-                Some(BusMessage::Payload(payload)) => {
-                    let text = String::from_utf8_lossy(&payload);
-                    if let Some((origin, project)) = text.split_once('\n')
-                        && origin != core.replica_id
-                    {
-                        core.queue.mark(project);
-                    }
-                }
-                Some(BusMessage::Gap) => resync.reset_immediately(),
-                None => subscription = None,
-            },
+    let controller = ControllerConfig {
+        workers: 1,
+        reconcile_timeout: PASS_TIMEOUT,
+        full_resync: config.full_resync,
+        retry_base: config.debounce,
+        retry_max: config.max_delay,
+        coalesce: Some(Coalesce { debounce: config.debounce, max_delay: config.max_delay }),
+    };
+    let term = Arc::new(PassTerm { core: Arc::clone(core), fence, world });
+    berth_runtime::run_controller(term, controller, Triggers { local: marks, bus }).await;
+}
+
+/// The longest one pass may take.
+const PASS_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Reads a change another replica announced (`<replica id>\n<project>`),
+/// counting it; its own announcements were marked when made.
+fn remote_marks(core: Arc<Core>) -> DecodeTrigger<PassKey> {
+    Box::new(move |payload| {
+        let text = std::str::from_utf8(payload).ok()?;
+        let (origin, project) = text.split_once('\n')?;
+        (origin != core.replica_id && core.queue.count_event(project))
+            .then(|| Trigger { key: PassKey::Tenant(project.to_owned()), traceparent: String::new() })
+    })
+}
+
+impl Reconciler for PassTerm {
+    type Key = PassKey;
+    type Error = PassError;
+
+    async fn reconcile(self: Arc<Self>, key: PassKey) -> Result<Action, PassError> {
+        match &key {
+            PassKey::Tenant(project) => pass(&self.core, &self.fence, &self.world, project).await?,
+            PassKey::Placement => place(&self.core, &self.fence, &self.world).await?,
         }
-        let due = core.queue.take_due(Instant::now());
-        for project in &due.tenants {
-            if pass(core, fence, world, project).await.is_err() {
-                return;
-            }
+        Ok(Action::AwaitChange)
+    }
+
+    /// Every tenant known anywhere, and placement.
+    async fn keys(&self) -> Result<Vec<PassKey>, PassError> {
+        let mut projects = self.world.projects();
+        match self.core.catalog.projects().await {
+            Ok(stored) => projects.extend(stored),
+            Err(error) => tracing::warn!(%error, "listing projects for a full resync failed"),
         }
-        if due.placement && place(core, fence, world).await.is_err() {
-            return;
-        }
+        let mut keys: Vec<PassKey> = projects.into_iter().map(PassKey::Tenant).collect();
+        keys.push(PassKey::Placement);
+        Ok(keys)
+    }
+
+    fn is_deposed(error: &PassError) -> bool {
+        matches!(error, PassError::Deposed)
+    }
+
+    fn timed_out(limit: Duration) -> PassError {
+        PassError::TimedOut(limit)
     }
 }
 
-/// Marks every tenant known anywhere, and placement.
-async fn mark_everything(core: &Core, world: &World) {
-    let mut projects = world.projects();
-    match core.catalog.projects().await {
-        Ok(stored) => projects.extend(stored),
-        Err(error) => tracing::warn!(%error, "listing projects for a full resync failed"),
-    }
-    for project in &projects {
-        core.queue.mark(project);
-    }
-    core.queue.mark_placement();
-}
-
-/// One tenant's pass; `Err` when deposed.
-async fn pass(core: &Core, fence: &Fence, world: &World, project: &str) -> Result<(), Deposed> {
+/// One tenant's pass.
+async fn pass(core: &Core, fence: &Fence, world: &World, project: &str) -> Result<(), CatalogError> {
     let started = std::time::Instant::now();
     let services = world.services_of(project);
     let written = core
@@ -169,65 +232,32 @@ async fn pass(core: &Core, fence: &Fence, world: &World, project: &str) -> Resul
             let compiled = compile(&inputs);
             render(project, &compiled, gateways, routes, previous.map(|p| &p.content), now)
         })
-        .await;
-    match written {
-        Ok(written) => {
-            core.queue.record_pass(project, written.plan_changed, berth_runtime::wall_clock_ms());
-            let (_, counters) = core.queue.counters(project);
-            let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
-            if written.plan_changed || written.statuses_written > 0 {
-                tracing::info!(%project, pass = counters.passes, events = counters.events,
-                    generation = written.generation, plan_changed = written.plan_changed,
-                    statuses = written.statuses_written, nodes = written.nodes.len(), elapsed_ms, "egress pass");
-            } else {
-                tracing::debug!(%project, pass = counters.passes, events = counters.events,
-                    generation = written.generation, elapsed_ms, "egress pass changed nothing");
-            }
-            if written.plan_changed && written.generation == 1 {
-                // Nodes already hosting a tenant get its plan once it exists.
-                core.queue.mark_placement();
-            }
-            core.nodes.announce(&core.bus, &written.nodes).await;
-            Ok(())
-        }
-        Err(CatalogError::Deposed) => Err(Deposed),
-        Err(error) => {
-            tracing::warn!(%project, %error, "egress pass failed; trying again");
-            core.queue.mark(project);
-            Ok(())
-        }
+        .await?;
+    core.queue.record_pass(project, written.plan_changed, berth_runtime::wall_clock_ms());
+    let (_, counters) = core.queue.counters(project);
+    let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+    if written.plan_changed || written.statuses_written > 0 {
+        tracing::info!(%project, pass = counters.passes, events = counters.events,
+            generation = written.generation, plan_changed = written.plan_changed,
+            statuses = written.statuses_written, nodes = written.nodes.len(), elapsed_ms, "egress pass");
+    } else {
+        tracing::debug!(%project, pass = counters.passes, events = counters.events,
+            generation = written.generation, elapsed_ms, "egress pass changed nothing");
     }
+    if written.plan_changed && written.generation == 1 {
+        // Nodes already hosting a tenant get its plan once it exists.
+        core.queue.mark_placement();
+    }
+    core.nodes.announce(&core.bus, &written.nodes).await;
+    Ok(())
 }
 
-/// The placement pass; `Err` when deposed.
-async fn place(core: &Core, fence: &Fence, world: &World) -> Result<(), Deposed> {
-    match core.catalog.place(fence, &world.hosting()).await {
-        Ok(changed) => {
-            if !changed.is_empty() {
-                tracing::info!(nodes = changed.len(), "egress placement changed");
-            }
-            core.nodes.announce(&core.bus, &changed).await;
-            Ok(())
-        }
-        Err(CatalogError::Deposed) => Err(Deposed),
-        Err(error) => {
-            tracing::warn!(%error, "egress placement pass failed; trying again");
-            core.queue.mark_placement();
-            Ok(())
-        }
+/// The placement pass.
+async fn place(core: &Core, fence: &Fence, world: &World) -> Result<(), CatalogError> {
+    let changed = core.catalog.place(fence, &world.hosting()).await?;
+    if !changed.is_empty() {
+        tracing::info!(nodes = changed.len(), "egress placement changed");
     }
-}
-
-async fn next_message(subscription: &mut Option<berth_bus::Subscription>) -> Option<BusMessage> {
-    match subscription {
-        Some(subscription) => subscription.recv().await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
+    core.nodes.announce(&core.bus, &changed).await;
+    Ok(())
 }

@@ -1,42 +1,45 @@
-//! The coalescing queue in front of the full pass: every egress-relevant event
-//! for a tenant marks one pending pass; events arriving while it is pending
-//! join it.
+//! What marks a pass, and what the passes counted: every egress-relevant
+//! event for a tenant is a trigger for the full pass's controller
+//! ([`berth_runtime::run_controller`]), which coalesces them.
 //!
-//! # When a pending pass runs
+//! # When a marked pass runs
 //! At the earlier of `debounce` after the tenant's last event and
 //! `max_delay` after its first ([`EgressConfig`](crate::EgressConfig)): a
 //! quiet tenant is compiled soon after its last edit, and a tenant edited
-//! without pause is still compiled every `max_delay`. Taking a pass clears
-//! the mark, so events during the pass mark the next one. Node placement
-//! (which tenants each node hosts) is one more pending item, coalesced the
-//! same way.
+//! without pause is still compiled every `max_delay`. Node placement (which
+//! tenants each node hosts) is one more key, coalesced the same way.
 //!
 //! # Counters
 //! Per tenant, while this replica leads: events marked, passes run, passes
-//! that changed the plan. A replica that does not lead records nothing:
-//! its marks would never be taken.
+//! that changed the plan. A replica that does not lead records nothing and
+//! sends no trigger: it runs no pass.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
 
-use tokio::sync::Notify;
-use tokio::time::Instant;
+use berth_runtime::Trigger;
+use tokio::sync::mpsc;
 
-/// A pending pass: when its first and last events arrived.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Pending {
-    first: Instant,
-    last: Instant,
+/// How many marks may wait for the pass before more are dropped (every
+/// `full_resync` passes every tenant all the same).
+const MARKS_WAITING: usize = 4096;
+
+/// What a pass is run for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum PassKey {
+    /// One tenant's plan and statuses.
+    Tenant(String),
+    /// Which tenants each node hosts.
+    Placement,
 }
 
-impl Pending {
-    fn new(now: Instant) -> Self {
-        Self { first: now, last: now }
-    }
-
-    fn due(&self, debounce: Duration, max_delay: Duration) -> Instant {
-        (self.last + debounce).min(self.first + max_delay)
+impl fmt::Display for PassKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Tenant(project) => write!(f, "tenant {project}"),
+            Self::Placement => f.write_str("placement"),
+        }
     }
 }
 
@@ -53,105 +56,66 @@ pub(crate) struct PassCounters {
 #[derive(Debug, Default)]
 struct State {
     leading: bool,
-    tenants: HashMap<String, Pending>,
-    placement: Option<Pending>,
     counters: HashMap<String, PassCounters>,
 }
 
-/// What is due now.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct Due {
-    /// Tenants whose pass is due, by name.
-    pub(crate) tenants: Vec<String>,
-    /// Whether node placement is due.
-    pub(crate) placement: bool,
-}
-
-/// The pending passes of one replica; shared by its handlers and its loop.
+/// The marks and counters of one replica; shared by its handlers, its
+/// followers and its pass.
 #[derive(Debug)]
 pub(crate) struct PassQueue {
     state: Mutex<State>,
-    notify: Notify,
-    debounce: Duration,
-    max_delay: Duration,
+    marks: mpsc::Sender<Trigger<PassKey>>,
+    /// The receiving end, until the pass takes it.
+    receiver: Mutex<Option<mpsc::Receiver<Trigger<PassKey>>>>,
 }
 
 impl PassQueue {
-    pub(crate) fn new(debounce: Duration, max_delay: Duration) -> Self {
-        Self { state: Mutex::default(), notify: Notify::new(), debounce, max_delay: max_delay.max(debounce) }
+    pub(crate) fn new() -> Self {
+        let (marks, receiver) = mpsc::channel(MARKS_WAITING);
+        Self { state: Mutex::default(), marks, receiver: Mutex::new(Some(receiver)) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts or stops taking marks; stopping drops what is pending.
+    /// The marks, for the pass; `None` once taken.
+    pub(crate) fn take_marks(&self) -> Option<mpsc::Receiver<Trigger<PassKey>>> {
+        self.receiver.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    /// Starts or stops taking marks.
     pub(crate) fn set_leading(&self, leading: bool) {
-        let mut state = self.lock();
-        state.leading = leading;
-        if !leading {
-            state.tenants.clear();
-            state.placement = None;
-        }
+        self.lock().leading = leading;
     }
 
-    /// Marks a pass of `project` pending, counting the event.
-    pub(crate) fn mark(&self, project: &str) {
-        let now = Instant::now();
-        {
-            let mut state = self.lock();
-            if !state.leading {
-                return;
-            }
+    /// Counts an event of `project` while leading; whether it leads.
+    pub(crate) fn count_event(&self, project: &str) -> bool {
+        let mut state = self.lock();
+        if state.leading {
             state.counters.entry(project.to_owned()).or_default().events += 1;
-            match state.tenants.get_mut(project) {
-                Some(pending) => pending.last = now,
-                None => {
-                    state.tenants.insert(project.to_owned(), Pending::new(now));
-                }
-            }
         }
-        self.notify.notify_one();
+        state.leading
     }
 
-    /// Marks node placement pending.
+    /// Marks a pass of `project`, counting the event.
+    pub(crate) fn mark(&self, project: &str) {
+        if self.count_event(project) {
+            self.send(PassKey::Tenant(project.to_owned()));
+        }
+    }
+
+    /// Marks node placement.
     pub(crate) fn mark_placement(&self) {
-        let now = Instant::now();
-        {
-            let mut state = self.lock();
-            if !state.leading {
-                return;
-            }
-            match &mut state.placement {
-                Some(pending) => pending.last = now,
-                None => state.placement = Some(Pending::new(now)),
-            }
+        if self.lock().leading {
+            self.send(PassKey::Placement);
         }
-        self.notify.notify_one();
     }
 
-    /// When the next pending item falls due; `None` when nothing is pending.
-    pub(crate) fn next_due(&self) -> Option<Instant> {
-        let state = self.lock();
-        let (debounce, max_delay) = (self.debounce, self.max_delay);
-        state.tenants.values().chain(state.placement.iter()).map(|p| p.due(debounce, max_delay)).min()
-    }
-
-    /// Takes everything due at `now`, clearing its marks.
-    pub(crate) fn take_due(&self, now: Instant) -> Due {
-        let mut state = self.lock();
-        let (debounce, max_delay) = (self.debounce, self.max_delay);
-        let mut tenants: Vec<String> =
-            state.tenants.iter().filter(|(_, p)| p.due(debounce, max_delay) <= now).map(|(t, _)| t.clone()).collect();
-        tenants.sort();
-        for tenant in &tenants {
-            state.tenants.remove(tenant);
+    fn send(&self, key: PassKey) {
+        if let Err(error) = self.marks.try_send(Trigger { key, traceparent: String::new() }) {
+            tracing::debug!(%error, "too many egress marks waiting; the next full resync passes every tenant");
         }
-        let placement = state.placement.is_some_and(|p| p.due(debounce, max_delay) <= now);
-        if placement {
-            state.placement = None;
-        }
-        Due { tenants, placement }
     }
 
     /// Counts a pass of `project` that ran at `now_ms`.
@@ -168,54 +132,29 @@ impl PassQueue {
         let state = self.lock();
         (state.leading, state.counters.get(project).copied().unwrap_or_default())
     }
-
-    /// Resolves when something was marked since the last call.
-    pub(crate) async fn notified(&self) {
-        self.notify.notified().await;
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const DEBOUNCE: Duration = Duration::from_millis(100);
-    const MAX_DELAY: Duration = Duration::from_millis(1000);
-
-    #[tokio::test(start_paused = true)]
-    async fn a_burst_is_one_pass_after_it_goes_quiet() {
-        let queue = PassQueue::new(DEBOUNCE, MAX_DELAY);
-        queue.set_leading(true);
-        for _ in 0..1000 {
-            queue.mark("team");
-        }
-        assert_eq!(queue.take_due(Instant::now()), Due::default(), "nothing before the debounce");
-        tokio::time::advance(DEBOUNCE).await;
-        assert_eq!(queue.take_due(Instant::now()).tenants, ["team"]);
-        assert!(queue.next_due().is_none(), "taking it cleared the mark");
-        assert_eq!(queue.counters("team").1.events, 1000);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn events_that_never_stop_still_pass_every_max_delay() {
-        let queue = PassQueue::new(DEBOUNCE, MAX_DELAY);
-        queue.set_leading(true);
-        let started = Instant::now();
-        let mut passes = 0;
-        while started.elapsed() < Duration::from_secs(5) {
-            queue.mark("busy");
-            tokio::time::advance(Duration::from_millis(10)).await;
-            passes += queue.take_due(Instant::now()).tenants.len();
-        }
-        assert!((4..=6).contains(&passes), "{passes} passes in 5s of constant edits");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_follower_records_nothing() {
-        let queue = PassQueue::new(DEBOUNCE, MAX_DELAY);
+    #[test]
+    fn a_leader_counts_and_sends_each_mark_and_a_follower_neither() {
+        let queue = PassQueue::new();
+        let mut marks = queue.take_marks().unwrap();
         queue.mark("team");
         queue.mark_placement();
-        assert!(queue.next_due().is_none());
+        assert!(marks.try_recv().is_err(), "a follower sends nothing");
         assert_eq!(queue.counters("team"), (false, PassCounters::default()));
+
+        queue.set_leading(true);
+        queue.mark("team");
+        queue.mark("team");
+        queue.mark_placement();
+        let keys: Vec<PassKey> = std::iter::from_fn(|| marks.try_recv().ok()).map(|t| t.key).collect();
+        let team = PassKey::Tenant("team".into());
+        assert_eq!(keys, [team.clone(), team, PassKey::Placement]);
+        assert_eq!(queue.counters("team").1.events, 2);
+        assert!(queue.take_marks().is_none(), "one pass takes the marks");
     }
 }

@@ -39,7 +39,7 @@ impl EgressService {
         let core = Core {
             catalog: Catalog::new(ctx.store.clone()),
             bus: ctx.bus.clone(),
-            queue: PassQueue::new(config.debounce, config.max_delay),
+            queue: PassQueue::new(),
             config,
             nodes: node_signals(),
             sources,

@@ -35,9 +35,9 @@ use berth_proto::types::v1::Capacity;
 use berth_rpc::{CertificateFloor, Revocations};
 use berth_store::{Store, StoreError};
 use sqlx::any::AnyRow;
-use tokio_stream::StreamExt as _;
 use sqlx::{AnyConnection, Row as _};
 use tokio::sync::broadcast;
+use tokio_stream::StreamExt as _;
 use tokio_util::sync::CancellationToken;
 
 use crate::bookkeeping::{Beat, Bookkeeper, BookkeepingError};

@@ -75,7 +75,7 @@ async fn run_term(core: &Arc<Core>, term: Term, wakes: &mut mpsc::Receiver<Wake>
         signals: core.signals.clone(),
     });
     let bus = match core.signals.bus().subscribe(WAKE_TOPIC).await {
-        Ok(subscription) => Some((subscription, signals::decode as DecodeTrigger<ServiceKey>)),
+        Ok(subscription) => Some((subscription, Box::new(signals::decode) as DecodeTrigger<ServiceKey>)),
         Err(error) => {
             tracing::warn!(%error, "cannot follow wake-ups on the bus; acting on local applies and full passes");
             None
@@ -94,6 +94,7 @@ fn controller_config(config: &RevisionsConfig) -> ControllerConfig {
         full_resync: config.full_resync,
         retry_base: config.rollout_poll,
         retry_max: config.steady_resync,
+        coalesce: None,
     }
 }
 
