@@ -1,8 +1,9 @@
 //! What the tests of several service crates need alike, written once:
 //! which backend a test runs on and its store and bus, certificates from a
 //! test CA, a server on a loopback port, the node registry identity would
-//! serve (scripted by the test), an in-process leases service following it,
-//! and the workspace's binaries beside the one under test.
+//! serve (scripted by the test), an in-process leases service following it
+//! (alone, or as the base of a suite's control plane: [`LeasesMesh`]), and
+//! the workspace's binaries beside the one under test.
 //!
 //! # Where it sits
 //! A dev-dependency, and a dependency of `berth-bench`, which no image
@@ -280,6 +281,74 @@ impl InProcessLeases {
     pub async fn cleanup(self, backend: Backend) {
         cleanup_bus(backend, &self.bus).await;
         self.db.cleanup().await.unwrap();
+    }
+}
+
+/// A ledger timed for tests: reaping, index and assignment resyncs in
+/// fractions of a second, and a 900 ms lead.
+pub fn fast_ledger() -> LeasesConfig {
+    LeasesConfig {
+        reap_every: Duration::from_millis(50),
+        assignment_resync: Duration::from_millis(500),
+        index_resync: Duration::from_millis(500),
+        election: berth_store::ElectionTiming::from_ttl(Duration::from_millis(900)),
+        ..LeasesConfig::default()
+    }
+}
+
+/// The base of an in-process control plane: a test CA, a scripted node
+/// registry knowing the suite's nodes, and a leases service following it,
+/// which has seen every node UP. A suite starts the service it tests on top
+/// (with [`LeasesMesh::credentials`]) and stops everything with
+/// [`LeasesMesh::stop`].
+#[derive(Debug)]
+pub struct LeasesMesh {
+    /// The CA every certificate here is signed by.
+    pub ca: CertificateAuthority,
+    /// Cancelled to stop every server and loop of the mesh.
+    pub stop: CancellationToken,
+    /// The node registry leases follows; changed by the test.
+    pub registry: ScriptedRegistry,
+    /// The leases service.
+    pub leases: InProcessLeases,
+    /// An admin's certificate (`alice`).
+    pub admin: TlsCredentials,
+}
+
+impl LeasesMesh {
+    /// Starts it on `backend` with `nodes` and the ledger `config`, naming
+    /// its CA `ca_name`; returns once leases lists every node UP.
+    pub async fn start(
+        backend: Backend,
+        ca_name: &str,
+        nodes: impl IntoIterator<Item = identity::Node>,
+        config: LeasesConfig,
+    ) -> Self {
+        install_crypto_and_logs();
+        let ca = test_ca(ca_name);
+        let stop = CancellationToken::new();
+        let registry = ScriptedRegistry::new(nodes);
+        let registry_addr = registry.serve(&ca, stop.clone()).await;
+        let me = credentials(&ca, &Identity::service("leases").unwrap());
+        let leases = InProcessLeases::start(backend, me, &registry_addr.to_string(), config, &stop).await;
+        let admin = credentials(&ca, &Identity::admin("alice").unwrap());
+        await_nodes_up(leases.addr, admin.clone(), registry.nodes().len()).await;
+        Self { ca, stop, registry, leases, admin }
+    }
+
+    /// A certificate for `identity`, signed by the mesh's CA.
+    pub fn credentials(&self, identity: &Identity) -> TlsCredentials {
+        credentials(&self.ca, identity)
+    }
+
+    /// Where leases serves.
+    pub fn leases_addr(&self) -> SocketAddr {
+        self.leases.addr
+    }
+
+    /// Removes leases' database and bus keys; stop the mesh first.
+    pub async fn cleanup(self, backend: Backend) {
+        self.leases.cleanup(backend).await;
     }
 }
 

@@ -22,7 +22,7 @@ use berth_bus::Bus;
 use berth_core::Identity;
 use berth_egress::{EgressConfig, EgressService, Sources};
 use berth_leases::LeasesConfig;
-use berth_mtls::{CertificateAuthority, TlsCredentials};
+use berth_mtls::TlsCredentials;
 use berth_proto::egress::v1 as egress;
 use berth_proto::identity::v1 as identity;
 use berth_proto::identity::v1::NodeState;
@@ -36,8 +36,7 @@ use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;
 use berth_testkit::{
-    InProcessLeases, PATIENCE, ScriptedRegistry, await_nodes_up, cleanup_bus, credentials, eventually,
-    install_crypto_and_logs, replica_bus, serve, test_bus, test_ca, test_db,
+    LeasesMesh, PATIENCE, cleanup_bus, eventually, fast_ledger, replica_bus, serve, test_bus, test_db,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -86,44 +85,28 @@ pub(crate) struct Mesh {
     pub(crate) backend: Backend,
     dbs: Vec<TestDb>,
     buses: Vec<Bus>,
-    leases: Option<InProcessLeases>,
+    /// The CA, the scripted node registry and leases.
+    base: Option<LeasesMesh>,
     egress_db: usize,
     egress_bus: Bus,
-    ca: CertificateAuthority,
-    stop: CancellationToken,
-    leases_addr: SocketAddr,
     revisions_addr: SocketAddr,
     pub(crate) replicas: Vec<Replica>,
-    admin: TlsCredentials,
     config: EgressConfig,
 }
 
 impl Mesh {
     /// Leases knowing `nodes`, revisions, and one egress replica with `config`.
     pub(crate) async fn start(backend: Backend, config: EgressConfig, nodes: &[&str]) -> Self {
-        install_crypto_and_logs();
-        let ca = test_ca("egress test CA");
-        let stop = CancellationToken::new();
         let (mut dbs, mut buses) = (Vec::new(), Vec::new());
-
-        let registry = ScriptedRegistry::new(nodes.iter().map(|n| node(n)));
-        let registry_addr = registry.serve(&ca, stop.clone()).await;
-        let ledger_config = LeasesConfig {
-            lease_ttl: Duration::from_secs(600),
-            reap_every: Duration::from_millis(50),
-            assignment_resync: Duration::from_millis(500),
-            index_resync: Duration::from_millis(500),
-            election: ElectionTiming::from_ttl(Duration::from_millis(900)),
-            ..LeasesConfig::default()
-        };
-        let me = credentials(&ca, &Identity::service("leases").unwrap());
-        let leases = InProcessLeases::start(backend, me, &registry_addr.to_string(), ledger_config, &stop).await;
-        let leases_addr = leases.addr;
+        // Leases live long: a test's own leases are never renewed.
+        let ledger = LeasesConfig { lease_ttl: Duration::from_secs(600), ..fast_ledger() };
+        let base = LeasesMesh::start(backend, "egress test CA", nodes.iter().map(|n| node(n)), ledger).await;
+        let (leases_addr, stop) = (base.leases_addr(), base.stop.clone());
 
         let revisions_db = test_db(backend).await;
         revisions_db.store().migrate(berth_revisions::MIGRATIONS).await.unwrap();
         let revisions_bus = test_bus(backend).await;
-        let revisions_credentials = credentials(&ca, &Identity::service("revisions").unwrap());
+        let revisions_credentials = base.credentials(&Identity::service("revisions").unwrap());
         let ctx = ServiceContext {
             store: revisions_db.store().clone(),
             bus: revisions_bus.clone(),
@@ -153,23 +136,17 @@ impl Mesh {
         let egress_bus = test_bus(backend).await;
         dbs.push(egress_db);
 
-        let admin = credentials(&ca, &Identity::admin("alice").unwrap());
         let mut mesh = Self {
             backend,
             dbs,
             buses,
-            leases: Some(leases),
+            base: Some(base),
             egress_db: 1,
             egress_bus,
-            ca,
-            stop,
-            leases_addr,
             revisions_addr,
             replicas: Vec::new(),
-            admin,
             config,
         };
-        mesh.wait_for_nodes(nodes.len()).await;
         mesh.add_replica().await;
         mesh
     }
@@ -179,7 +156,7 @@ impl Mesh {
         let db = &self.dbs[self.egress_db];
         let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
         let bus = replica_bus(self.backend, &self.egress_bus).await;
-        let me = credentials(&self.ca, &Identity::service("egress").unwrap());
+        let me = self.base().credentials(&Identity::service("egress").unwrap());
         let ctx = ServiceContext {
             store,
             bus,
@@ -188,9 +165,10 @@ impl Mesh {
             nodes: NodeDirectory::new(),
         };
         let sources =
-            Sources::connect(&me, Some(&self.revisions_addr.to_string()), Some(&self.leases_addr.to_string())).unwrap();
+            Sources::connect(&me, Some(&self.revisions_addr.to_string()), Some(&self.base().leases_addr().to_string()))
+                .unwrap();
         let service = EgressService::new(&ctx, self.config.clone(), sources);
-        let shutdown = self.stop.child_token();
+        let shutdown = self.base().stop.child_token();
         service.spawn_loops(&shutdown);
         let addr = serve(service.server(), me, shutdown.clone()).await;
         self.replicas.push(Replica { service, addr, shutdown });
@@ -207,8 +185,9 @@ impl Mesh {
         self.dbs[self.egress_db].store()
     }
 
-    async fn wait_for_nodes(&self, expected: usize) {
-        await_nodes_up(self.leases_addr, self.admin.clone(), expected).await;
+    /// The CA, the node registry and leases.
+    fn base(&self) -> &LeasesMesh {
+        self.base.as_ref().unwrap()
     }
 
     fn channel(&self, replica: usize, credentials: TlsCredentials) -> Channel {
@@ -222,17 +201,17 @@ impl Mesh {
 
     /// `Egress` as an admin, through `replica`.
     pub(crate) fn egress_on(&self, replica: usize) -> egress::egress_client::EgressClient<Channel> {
-        egress::egress_client::EgressClient::new(self.channel(replica, self.admin.clone()))
+        egress::egress_client::EgressClient::new(self.channel(replica, self.base().admin.clone()))
     }
 
     /// `Egress` with `identity`'s certificate.
     pub(crate) fn egress_as(&self, identity: &Identity) -> egress::egress_client::EgressClient<Channel> {
-        egress::egress_client::EgressClient::new(self.channel(0, credentials(&self.ca, identity)))
+        egress::egress_client::EgressClient::new(self.channel(0, self.base().credentials(identity)))
     }
 
     /// Certificates for `identity`, signed by the mesh's CA.
     pub(crate) fn credentials_for(&self, identity: &Identity) -> TlsCredentials {
-        credentials(&self.ca, identity)
+        self.base().credentials(identity)
     }
 
     /// `NodeEgress` as node `node_id`, with its own certificate, through `replica`.
@@ -241,7 +220,7 @@ impl Mesh {
         replica: usize,
         node_id: &str,
     ) -> egress::node_egress_client::NodeEgressClient<Channel> {
-        let node = credentials(&self.ca, &Identity::node(node_id).unwrap());
+        let node = self.base().credentials(&Identity::node(node_id).unwrap());
         egress::node_egress_client::NodeEgressClient::new(self.channel(replica, node))
     }
 
@@ -252,13 +231,13 @@ impl Mesh {
 
     /// `Services` on revisions, as an admin.
     pub(crate) fn services(&self) -> revisions::services_client::ServicesClient<Channel> {
-        let channel = berth_rpc::connect(&self.revisions_addr.to_string(), self.admin.clone()).unwrap();
+        let channel = berth_rpc::connect(&self.revisions_addr.to_string(), self.base().admin.clone()).unwrap();
         revisions::services_client::ServicesClient::new(channel)
     }
 
     /// `Leases` on leases, as an admin.
     pub(crate) fn leases(&self) -> leases::leases_client::LeasesClient<Channel> {
-        let channel = berth_rpc::connect(&self.leases_addr.to_string(), self.admin.clone()).unwrap();
+        let channel = berth_rpc::connect(&self.base().leases_addr().to_string(), self.base().admin.clone()).unwrap();
         leases::leases_client::LeasesClient::new(channel)
     }
 
@@ -359,7 +338,7 @@ impl Mesh {
 
     /// Stops everything and drops the schemas or files and the bus keys.
     pub(crate) async fn cleanup(mut self) {
-        self.stop.cancel();
+        self.base().stop.cancel();
         // Let the loops resign and the servers drain.
         tokio::time::sleep(Duration::from_millis(200)).await;
         for bus in self.buses.iter().chain(std::iter::once(&self.egress_bus)) {
@@ -368,8 +347,8 @@ impl Mesh {
         for db in self.dbs.drain(..) {
             db.cleanup().await.unwrap();
         }
-        if let Some(leases) = self.leases.take() {
-            leases.cleanup(self.backend).await;
+        if let Some(base) = self.base.take() {
+            base.cleanup(self.backend).await;
         }
     }
 }

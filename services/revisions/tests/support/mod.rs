@@ -21,8 +21,7 @@ use berth_bundle::testing::TestRegistry;
 use berth_bundle::{BundleClient, BundleReference, Digest, PackedBundle, RegistryConfig, RegistryCredentials};
 use berth_bus::Bus;
 use berth_core::Identity;
-use berth_leases::LeasesConfig;
-use berth_mtls::{CertificateAuthority, TlsCredentials};
+use berth_mtls::TlsCredentials;
 use berth_proto::identity::v1 as identity;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1 as leases;
@@ -38,10 +37,7 @@ use berth_runtime::{NodeDirectory, ServiceContext};
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;
-use berth_testkit::{
-    InProcessLeases, PATIENCE, ScriptedRegistry, await_nodes_up, cleanup_bus, credentials, eventually,
-    install_crypto_and_logs, replica_bus, test_bus, test_ca, test_db,
-};
+use berth_testkit::{LeasesMesh, PATIENCE, cleanup_bus, eventually, fast_ledger, replica_bus, test_bus, test_db};
 use tokio_util::sync::CancellationToken;
 
 /// A gibibyte.
@@ -91,14 +87,10 @@ pub(crate) struct Replica {
 pub(crate) struct Plane {
     pub(crate) backend: Backend,
     revisions_db: Option<TestDb>,
-    leases: Option<InProcessLeases>,
+    /// The CA, the scripted node registry and leases.
+    mesh: Option<LeasesMesh>,
     revisions_bus: Bus,
-    ca: CertificateAuthority,
-    registry: ScriptedRegistry,
-    stop: CancellationToken,
-    pub(crate) leases_addr: SocketAddr,
     pub(crate) replicas: Vec<Replica>,
-    admin: TlsCredentials,
     config: RevisionsConfig,
     resolver: Option<Arc<dyn TagResolver>>,
     secrets: RegistrySecrets,
@@ -154,44 +146,21 @@ impl Plane {
         secrets: RegistrySecrets,
         wrap_leases: Option<WrapLeases>,
     ) -> Self {
-        install_crypto_and_logs();
-        let ca = test_ca("revisions test CA");
-        let stop = CancellationToken::new();
-
-        let registry = ScriptedRegistry::new(nodes.iter().map(|n| node(n)));
-        let registry_addr = registry.serve(&ca, stop.clone()).await;
-        let ledger_config = LeasesConfig {
-            reap_every: Duration::from_millis(50),
-            assignment_resync: Duration::from_millis(500),
-            index_resync: Duration::from_millis(500),
-            election: ElectionTiming::from_ttl(Duration::from_millis(900)),
-            ..LeasesConfig::default()
-        };
-        let me = credentials(&ca, &Identity::service("leases").unwrap());
-        let leases = InProcessLeases::start(backend, me, &registry_addr.to_string(), ledger_config, &stop).await;
-        let leases_addr = leases.addr;
-
+        let mesh = LeasesMesh::start(backend, "revisions test CA", nodes.iter().map(|n| node(n)), fast_ledger()).await;
         let revisions_db = test_db(backend).await;
         revisions_db.store().migrate(berth_revisions::MIGRATIONS).await.unwrap();
         let revisions_bus = test_bus(backend).await;
-        let admin = credentials(&ca, &Identity::admin("alice").unwrap());
         let mut plane = Self {
             backend,
             revisions_db: Some(revisions_db),
-            leases: Some(leases),
+            mesh: Some(mesh),
             revisions_bus,
-            ca,
-            registry,
-            stop,
-            leases_addr,
             replicas: Vec::new(),
-            admin,
             config,
             resolver,
             secrets,
             wrap_leases,
         };
-        plane.wait_for_nodes().await;
         plane.add_replica().await;
         plane
     }
@@ -201,7 +170,7 @@ impl Plane {
         let db = self.revisions_db.as_ref().unwrap();
         let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
         let bus = replica_bus(self.backend, &self.revisions_bus).await;
-        let me = credentials(&self.ca, &Identity::service("revisions").unwrap());
+        let me = self.mesh().credentials(&Identity::service("revisions").unwrap());
         let ctx = ServiceContext {
             store,
             bus,
@@ -210,7 +179,7 @@ impl Plane {
             nodes: NodeDirectory::new(),
         };
         let mut leases: Arc<dyn LeaseClient> =
-            Arc::new(GrpcLeases::connect(&self.leases_addr.to_string(), me.clone()).unwrap());
+            Arc::new(GrpcLeases::connect(&self.leases_addr().to_string(), me.clone()).unwrap());
         if let Some(wrap) = &self.wrap_leases {
             leases = wrap(leases);
         }
@@ -220,7 +189,7 @@ impl Plane {
             dependencies.resolver = resolver.clone();
         }
         let service = RevisionsService::new(&ctx, self.config.clone(), dependencies);
-        let shutdown = self.stop.child_token();
+        let shutdown = self.mesh().stop.child_token();
         service.spawn_loops(&shutdown);
         let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), me).await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -241,13 +210,18 @@ impl Plane {
         self.replicas[n].shutdown.cancel();
     }
 
-    /// Waits until leases has learned every node of the registry.
-    async fn wait_for_nodes(&self) {
-        await_nodes_up(self.leases_addr, self.admin.clone(), self.registry.nodes().len()).await;
+    /// The CA, the node registry and leases.
+    fn mesh(&self) -> &LeasesMesh {
+        self.mesh.as_ref().unwrap()
+    }
+
+    /// Where leases serves.
+    pub(crate) fn leases_addr(&self) -> SocketAddr {
+        self.mesh().leases_addr()
     }
 
     fn leases_channel(&self, credentials: TlsCredentials) -> Channel {
-        berth_rpc::connect(&self.leases_addr.to_string(), credentials).unwrap()
+        berth_rpc::connect(&self.leases_addr().to_string(), credentials).unwrap()
     }
 
     fn channel(&self, replica: usize, credentials: TlsCredentials) -> Channel {
@@ -261,34 +235,34 @@ impl Plane {
 
     /// `Services` as an admin, through `replica`.
     pub(crate) fn services_on(&self, replica: usize) -> v1::services_client::ServicesClient<Channel> {
-        v1::services_client::ServicesClient::new(self.channel(replica, self.admin.clone()))
+        v1::services_client::ServicesClient::new(self.channel(replica, self.mesh().admin.clone()))
     }
 
     /// `Revisions` as an admin.
     pub(crate) fn revisions(&self) -> v1::revisions_client::RevisionsClient<Channel> {
-        v1::revisions_client::RevisionsClient::new(self.channel(0, self.admin.clone()))
+        v1::revisions_client::RevisionsClient::new(self.channel(0, self.mesh().admin.clone()))
     }
 
     /// `Services` as node `node_id`, which the access layer should refuse for writes.
     pub(crate) fn services_as_node(&self, node_id: &str) -> v1::services_client::ServicesClient<Channel> {
-        let node = credentials(&self.ca, &Identity::node(node_id).unwrap());
+        let node = self.mesh().credentials(&Identity::node(node_id).unwrap());
         v1::services_client::ServicesClient::new(self.channel(0, node))
     }
 
     /// `Revisions` as node `node_id`, with its own certificate.
     pub(crate) fn revisions_as_node(&self, node_id: &str) -> v1::revisions_client::RevisionsClient<Channel> {
-        let node = credentials(&self.ca, &Identity::node(node_id).unwrap());
+        let node = self.mesh().credentials(&Identity::node(node_id).unwrap());
         v1::revisions_client::RevisionsClient::new(self.channel(0, node))
     }
 
     /// `Leases` as an admin, to look at what revisions asked for.
     pub(crate) fn ledger(&self) -> leases::leases_client::LeasesClient<Channel> {
-        leases::leases_client::LeasesClient::new(self.leases_channel(self.admin.clone()))
+        leases::leases_client::LeasesClient::new(self.leases_channel(self.mesh().admin.clone()))
     }
 
     /// `NodeLeases` as node `node_id`, with its own certificate.
     pub(crate) fn node(&self, node_id: &str) -> leases::node_leases_client::NodeLeasesClient<Channel> {
-        let node = credentials(&self.ca, &Identity::node(node_id).unwrap());
+        let node = self.mesh().credentials(&Identity::node(node_id).unwrap());
         leases::node_leases_client::NodeLeasesClient::new(self.leases_channel(node))
     }
 
@@ -403,15 +377,15 @@ impl Plane {
 
     /// Stops everything and drops the schemas or files and the bus keys.
     pub(crate) async fn cleanup(mut self) {
-        self.stop.cancel();
+        self.mesh().stop.cancel();
         // Let the controllers resign and the servers drain.
         tokio::time::sleep(Duration::from_millis(200)).await;
         cleanup_bus(self.backend, &self.revisions_bus).await;
         if let Some(db) = self.revisions_db.take() {
             db.cleanup().await.unwrap();
         }
-        if let Some(leases) = self.leases.take() {
-            leases.cleanup(self.backend).await;
+        if let Some(mesh) = self.mesh.take() {
+            mesh.cleanup(self.backend).await;
         }
     }
 }
