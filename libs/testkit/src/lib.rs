@@ -284,6 +284,30 @@ impl InProcessLeases {
     }
 }
 
+/// Runs each named test body (an `async fn(Backend)`) on both backends,
+/// each in its own test: `postgres::name` and `sqlite::name`.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::Backend::Postgres).await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::Backend::Sqlite).await;
+                }
+            )*
+        }
+    };
+}
+
 /// A ledger timed for tests: reaping, index and assignment resyncs in
 /// fractions of a second, and a 900 ms lead.
 pub fn fast_ledger() -> LeasesConfig {

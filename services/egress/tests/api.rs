@@ -7,6 +7,8 @@
 
 mod support;
 
+use berth_testkit::on_both_backends;
+
 use berth_core::Identity;
 use berth_proto::egress::v1 as egress;
 use berth_proto::revisions::v1 as revisions;

@@ -8,6 +8,8 @@
 
 mod support;
 
+use berth_testkit::on_both_backends;
+
 use std::time::{Duration, Instant};
 
 use berth_proto::egress::v1 as egress;

@@ -5,6 +5,8 @@
 
 mod support;
 
+use berth_testkit::on_both_backends;
+
 use std::time::{Duration, Instant};
 
 use berth_proto::types::v1::Capacity;

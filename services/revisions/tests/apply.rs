@@ -7,6 +7,8 @@
 
 mod support;
 
+use berth_testkit::on_both_backends;
+
 use berth_bundle::testing::TestRegistry;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::revisions::v1;

@@ -6,6 +6,8 @@
 
 mod support;
 
+use berth_testkit::on_both_backends;
+
 use std::time::Duration;
 
 use berth_proto::revisions::v1;

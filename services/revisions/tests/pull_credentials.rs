@@ -8,6 +8,8 @@
 
 mod support;
 
+use berth_testkit::on_both_backends;
+
 use std::time::SystemTime;
 
 use berth_bundle::RegistryCredentials;

@@ -6,6 +6,8 @@
 
 mod support;
 
+use berth_testkit::on_both_backends;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;

@@ -397,26 +397,3 @@ pub(crate) fn service<'a>(plan: &'a egress::EgressPlan, name: &str) -> Option<&'
 pub(crate) fn egress_reason(plan: &egress::EgressPlan, name: &str) -> Option<String> {
     service(plan, name).and_then(|s| s.condition.as_ref()).map(|c| c.reason.clone())
 }
-
-/// Runs a test body on both backends, each in its own test.
-#[macro_export]
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::support::Backend::Postgres).await;
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::support::Backend::Sqlite).await;
-                }
-            )*
-        }
-    };
-}

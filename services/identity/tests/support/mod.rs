@@ -307,26 +307,3 @@ impl TestNode {
         })
     }
 }
-
-/// Runs a test body on both backends, each in its own test.
-#[macro_export]
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::support::Backend::Postgres).await;
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::support::Backend::Sqlite).await;
-                }
-            )*
-        }
-    };
-}

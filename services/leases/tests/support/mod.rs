@@ -318,26 +318,3 @@ pub(crate) fn ask(key: &str, cpu_millis: u64, memory_bytes: u64) -> v1::RequestL
 
 /// Shared across tasks that issue requests concurrently.
 pub(crate) type SharedLedger = Arc<Ledger>;
-
-/// Runs a test body on both backends, each in its own test.
-#[macro_export]
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::support::Backend::Postgres).await;
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::support::Backend::Sqlite).await;
-                }
-            )*
-        }
-    };
-}

@@ -448,26 +448,3 @@ pub(crate) async fn push_bundle_as(
     let reference = BundleReference::parse(&registry.reference(repository_and_tag)).unwrap();
     client.push(&bundle, &reference, credentials).await.unwrap()
 }
-
-/// Runs a test body on both backends, each in its own test.
-#[macro_export]
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::support::Backend::Postgres).await;
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::support::Backend::Sqlite).await;
-                }
-            )*
-        }
-    };
-}
