@@ -7,11 +7,13 @@
 
 mod common;
 
+use common::{Outcome, berth_command, poll, row, run};
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Child;
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth_core::Identity;
 use berth_proto::identity::v1;
@@ -19,6 +21,9 @@ use serde_json::Value;
 
 /// How long a node may take to join and heartbeat after `berth dev` starts.
 const JOIN_DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long one CLI command may take.
+const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
 
 /// A running `berth dev`, killed on drop.
 struct Dev {
@@ -64,64 +69,9 @@ impl Drop for Dev {
     }
 }
 
-#[derive(Debug)]
-struct Outcome {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Outcome {
-    /// The one `berth: error:` line; fails unless there is exactly one and
-    /// the exit code is 1.
-    fn error_line(&self) -> String {
-        assert_eq!(self.code, Some(1), "{self:?}");
-        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
-        let errors: Vec<&str> = self.stderr.lines().filter(|l| l.starts_with("berth: error:")).collect();
-        assert_eq!(errors.len(), 1, "exactly one error line: {}", self.stderr);
-        errors[0].to_string()
-    }
-}
-
 /// Runs the real binary with no `BERTH_*` settings from the environment.
 fn berth(args: &[&str]) -> Outcome {
-    let out = Command::new(env!("CARGO_BIN_EXE_berth"))
-        .args(args)
-        .env_remove("BERTH_SERVER")
-        .env_remove("BERTH_CA")
-        .env_remove("BERTH_CERT")
-        .env_remove("BERTH_KEY")
-        .env_remove("BERTH_DATA_DIR")
-        .env_remove("BERTH_OUTPUT")
-        .output()
-        .unwrap();
-    Outcome {
-        code: out.status.code(),
-        stdout: String::from_utf8(out.stdout).unwrap(),
-        stderr: String::from_utf8(out.stderr).unwrap(),
-    }
-}
-
-/// Retries `probe` every 200 ms until it yields, or fails after `deadline`
-/// with what it last saw.
-fn poll<T>(deadline: Duration, what: &str, mut probe: impl FnMut() -> Result<T, String>) -> T {
-    let start = Instant::now();
-    loop {
-        match probe() {
-            Ok(value) => return value,
-            Err(last) if start.elapsed() > deadline => panic!("{what} within {deadline:?}; last saw: {last}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(200)),
-        }
-    }
-}
-
-/// The table row whose first column is `id`.
-fn row<'a>(table: &'a str, id: &str) -> Vec<&'a str> {
-    table
-        .lines()
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .find(|cells| cells.first() == Some(&id))
-        .unwrap_or_else(|| panic!("no row for {id} in:\n{table}"))
+    run(berth_command(args), COMMAND_DEADLINE)
 }
 
 fn find_token<'a>(listed: &'a Value, id: &str) -> &'a Value {

@@ -7,11 +7,12 @@
 
 mod common;
 
-use std::io::Read;
+use common::{Outcome, berth_command, poll, row, run};
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Stdio};
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -112,93 +113,6 @@ impl Drop for Dev {
     fn drop(&mut self) {
         common::stop_dev(&mut self.child, &self.dir);
     }
-}
-
-#[derive(Debug)]
-struct Outcome {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-    took: Duration,
-}
-
-impl Outcome {
-    /// The one `berth: error:` line; fails unless there is exactly one and
-    /// the exit code is 1.
-    fn error_line(&self) -> String {
-        assert_eq!(self.code, Some(1), "{self:?}");
-        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
-        let errors: Vec<&str> = self.stderr.lines().filter(|l| l.starts_with("berth: error:")).collect();
-        assert_eq!(errors.len(), 1, "exactly one error line: {}", self.stderr);
-        errors[0].to_string()
-    }
-}
-
-/// The real binary with `args` and no `BERTH_*` settings from the environment.
-fn berth_command(args: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_berth"));
-    command.args(args);
-    for name in
-        ["BERTH_SERVER", "BERTH_LEASES_SERVER", "BERTH_CA", "BERTH_CERT", "BERTH_KEY", "BERTH_DATA_DIR", "BERTH_OUTPUT"]
-    {
-        command.env_remove(name);
-    }
-    command
-}
-
-/// Runs `command` to its end, killing it and failing the test if it takes
-/// longer than `deadline`.
-fn run(mut command: Command, deadline: Duration) -> Outcome {
-    let start = Instant::now();
-    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let drain = |mut pipe: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            pipe.read_to_end(&mut bytes).unwrap();
-            String::from_utf8(bytes).unwrap()
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().unwrap()));
-    let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{command:?} still ran after {deadline:?}; stderr: {}", stderr.join().unwrap());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Outcome {
-        code: status.code(),
-        stdout: stdout.join().unwrap(),
-        stderr: stderr.join().unwrap(),
-        took: start.elapsed(),
-    }
-}
-
-/// Retries `probe` every 200 ms until it yields, or fails after `deadline`
-/// with what it last saw.
-fn poll<T>(deadline: Duration, what: &str, mut probe: impl FnMut() -> Result<T, String>) -> T {
-    let start = Instant::now();
-    loop {
-        match probe() {
-            Ok(value) => return value,
-            Err(last) if start.elapsed() > deadline => panic!("{what} within {deadline:?}; last saw: {last}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(200)),
-        }
-    }
-}
-
-/// The table row whose first column is `id`, split on whitespace.
-fn row<'a>(table: &'a str, id: &str) -> Vec<&'a str> {
-    table
-        .lines()
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .find(|cells| cells.first() == Some(&id))
-        .unwrap_or_else(|| panic!("no row for {id} in:\n{table}"))
 }
 
 /// The value of the `Key:` line of a details view.

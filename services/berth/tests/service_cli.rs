@@ -8,10 +8,12 @@
 
 mod common;
 
+use common::{Outcome, berth_command, poll, run};
+
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use berth_bundle::RegistryCredentials;
@@ -97,85 +99,6 @@ impl Dev {
 impl Drop for Dev {
     fn drop(&mut self) {
         common::stop_dev(&mut self.child, &self.dir);
-    }
-}
-
-#[derive(Debug)]
-struct Outcome {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Outcome {
-    /// The one `berth: error:` line; fails unless there is exactly one and
-    /// the exit code is 1.
-    fn error_line(&self) -> String {
-        assert_eq!(self.code, Some(1), "{self:?}");
-        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
-        let errors: Vec<&str> = self.stderr.lines().filter(|l| l.starts_with("berth: error:")).collect();
-        assert_eq!(errors.len(), 1, "exactly one error line: {}", self.stderr);
-        errors[0].to_string()
-    }
-}
-
-/// The real binary with `args` and no `BERTH_*` settings from the environment.
-fn berth_command(args: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_berth"));
-    command.args(args);
-    for name in [
-        "BERTH_SERVER",
-        "BERTH_REVISIONS_SERVER",
-        "BERTH_LEASES_SERVER",
-        "BERTH_CA",
-        "BERTH_CERT",
-        "BERTH_KEY",
-        "BERTH_DATA_DIR",
-        "BERTH_OUTPUT",
-    ] {
-        command.env_remove(name);
-    }
-    command
-}
-
-/// Runs `command` to its end, killing it and failing the test if it takes
-/// longer than `deadline`.
-fn run(mut command: Command, deadline: Duration) -> Outcome {
-    let start = Instant::now();
-    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let drain = |mut pipe: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            pipe.read_to_end(&mut bytes).unwrap();
-            String::from_utf8(bytes).unwrap()
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().unwrap()));
-    let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{command:?} still ran after {deadline:?}; stderr: {}", stderr.join().unwrap());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Outcome { code: status.code(), stdout: stdout.join().unwrap(), stderr: stderr.join().unwrap() }
-}
-
-/// Retries `probe` every 200 ms until it yields, or fails after `deadline`
-/// with what it last saw.
-fn poll<T>(deadline: Duration, what: &str, mut probe: impl FnMut() -> Result<T, String>) -> T {
-    let start = Instant::now();
-    loop {
-        match probe() {
-            Ok(value) => return value,
-            Err(last) if start.elapsed() > deadline => panic!("{what} within {deadline:?}; last saw: {last}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(200)),
-        }
     }
 }
 
@@ -636,15 +559,19 @@ fn an_image_deploys_and_answers(runtime: &str) {
     assert_eq!(revision["revision"]["digest"], digest.to_string(), "{revision}");
     let shown = dev.json(&["service", "get", "web"]);
     let port = shown["replicas"][0]["port"].as_u64().unwrap();
-    let index = poll(Duration::from_secs(20), "the image's httpd answers", || {
-        http_get(port, "/index.html").ok_or_else(|| "no answer".to_string())
-    });
-    assert_eq!(index, "from the second layer\n");
-    let whoami = http_get(port, "/whoami").unwrap();
+    // Each request is a fresh connection, which a busy sandbox may leave
+    // unanswered: ask until one answers.
+    let get = |path: &str| {
+        poll(Duration::from_secs(20), &format!("the image's httpd answers {path}"), || {
+            http_get(port, path).ok_or_else(|| "no answer".to_string())
+        })
+    };
+    assert_eq!(get("/index.html"), "from the second layer\n");
+    let whoami = get("/whoami");
     let uid: u32 =
         whoami.trim().strip_prefix("template-env from ").unwrap_or_else(|| panic!("{whoami}")).parse().unwrap();
     assert!(uid >= 200_000, "the workload runs as a uid of the lease's own, not {uid}");
-    assert!(http_get(port, "/stale.html").unwrap_or_default().contains("404"), "the whiteout removed it");
+    assert!(get("/stale.html").contains("404"), "the whiteout removed it");
     let described = dev.ok(&["service", "get", "web"]);
     assert!(described.contains("Image:") && described.contains(&reference), "{described}");
 

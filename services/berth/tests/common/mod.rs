@@ -1,12 +1,16 @@
-//! What every end-to-end test of the `berth` binary needs: free ports and a
-//! real `berth dev` started on them.
+//! What every end-to-end test of the `berth` binary needs: free ports, a
+//! real `berth dev` started on them, and the CLI run as a user runs it, its
+//! outcome read back.
 
-use std::io::{BufRead, BufReader};
+#![allow(dead_code, reason = "each test binary uses a different part of it")]
+#![allow(clippy::disallowed_methods, reason = "these helpers drive processes from plain threads, not a runtime")]
+
+use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long `berth dev` may take to print its banner.
 const BANNER_DEADLINE: Duration = Duration::from_secs(60);
@@ -75,4 +79,99 @@ pub(crate) fn spawn_dev_with(dir: &Path, base: u16, extra: &[&str]) -> Child {
     });
     rx.recv_timeout(BANNER_DEADLINE).expect("berth dev printed its banner");
     child
+}
+
+#[derive(Debug)]
+pub(crate) struct Outcome {
+    pub(crate) code: Option<i32>,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
+    /// How long the command ran.
+    pub(crate) took: Duration,
+}
+
+impl Outcome {
+    /// The one `berth: error:` line; fails unless there is exactly one and
+    /// the exit code is 1.
+    pub(crate) fn error_line(&self) -> String {
+        assert_eq!(self.code, Some(1), "{self:?}");
+        assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
+        let errors: Vec<&str> = self.stderr.lines().filter(|l| l.starts_with("berth: error:")).collect();
+        assert_eq!(errors.len(), 1, "exactly one error line: {}", self.stderr);
+        errors[0].to_string()
+    }
+}
+
+/// The real binary with `args` and no `BERTH_*` settings from the environment.
+pub(crate) fn berth_command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_berth"));
+    command.args(args);
+    for name in [
+        "BERTH_SERVER",
+        "BERTH_REVISIONS_SERVER",
+        "BERTH_LEASES_SERVER",
+        "BERTH_CA",
+        "BERTH_CERT",
+        "BERTH_KEY",
+        "BERTH_DATA_DIR",
+        "BERTH_OUTPUT",
+    ] {
+        command.env_remove(name);
+    }
+    command
+}
+
+/// Runs `command` to its end, killing it and failing the test if it takes
+/// longer than `deadline`.
+pub(crate) fn run(mut command: Command, deadline: Duration) -> Outcome {
+    let start = Instant::now();
+    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            pipe.read_to_end(&mut bytes).unwrap();
+            String::from_utf8(bytes).unwrap()
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{command:?} still ran after {deadline:?}; stderr: {}", stderr.join().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Outcome {
+        code: status.code(),
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+        took: start.elapsed(),
+    }
+}
+
+/// Retries `probe` every 200 ms until it yields, or fails after `deadline`
+/// with what it last saw.
+pub(crate) fn poll<T>(deadline: Duration, what: &str, mut probe: impl FnMut() -> Result<T, String>) -> T {
+    let start = Instant::now();
+    loop {
+        match probe() {
+            Ok(value) => return value,
+            Err(last) if start.elapsed() > deadline => panic!("{what} within {deadline:?}; last saw: {last}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
+/// The table row whose first column is `id`, split on whitespace.
+pub(crate) fn row<'a>(table: &'a str, id: &str) -> Vec<&'a str> {
+    table
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|cells| cells.first() == Some(&id))
+        .unwrap_or_else(|| panic!("no row for {id} in:\n{table}"))
 }
