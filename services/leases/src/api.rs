@@ -103,8 +103,10 @@ impl v1::leases_server::Leases for LeasesService {
         &self,
         request: Request<v1::WatchLeasesRequest>,
     ) -> Result<Response<tonic::codegen::BoxStream<v1::LeaseEvent>>, Status> {
-        let scope = validate::watch_scope(request.into_inner())?;
-        Ok(Response::new(crate::watch::open(self.core.clone(), scope)))
+        let request = request.into_inner();
+        let resume = i64::try_from(request.resume_cursor).ok().filter(|&cursor| cursor > 0);
+        let scope = validate::watch_scope(request)?;
+        Ok(Response::new(crate::watch::open(self.core.clone(), scope, resume)))
     }
 }
 

@@ -26,6 +26,12 @@
 //!   phases) moves the node's `assignment_cursor` in the same transaction and
 //!   stamps the lease's `seq` with it, so streams read a node's changes in
 //!   commit order.
+//! - Every change a lease watcher sees (an insert; phase, epoch, node or
+//!   reason moved) stamps the lease's `change_seq`, by a trigger in the
+//!   schema so that no write path can forget it (see migration 3): a
+//!   watch's cursor finds every change made since it read. No node row or
+//!   other shared row is written for it, so writers to different nodes
+//!   still never wait on each other.
 //!
 //! # Reconcile and custody
 //! `ReconcileNode(running)`: a listed `(lease, epoch)` is to be destroyed
@@ -47,7 +53,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use berth_proto::leases::v1;
-use berth_store::{Store, StoreError, Term, TxError, expect_one};
+use berth_store::{Backend, Store, StoreError, Term, TxError, expect_one};
 use prost::Message as _;
 use sqlx::AnyConnection;
 
@@ -235,6 +241,58 @@ pub(crate) struct LeaseFilter {
     pub(crate) open_only: bool,
 }
 
+impl LeaseFilter {
+    /// The `WHERE` conditions selecting these leases, and the text values
+    /// they bind as `$1`, `$2`, ….
+    fn to_sql(&self) -> (String, Vec<String>) {
+        let mut sql = "1 = 1".to_owned();
+        let mut values: Vec<String> = Vec::new();
+        let conditions = [
+            ("project", self.project.clone()),
+            ("node_id", self.node_id.clone()),
+            ("phase", self.phase.map(|phase| phase.as_str().to_owned())),
+            ("owner", self.owner.clone()),
+        ];
+        for (column, value) in conditions {
+            if let Some(value) = value {
+                values.push(value);
+                sql.push_str(&format!(" AND {column} = ${}", values.len()));
+            }
+        }
+        if let Some(prefix) = &self.owner_prefix {
+            values.push(prefix.clone());
+            let n = values.len();
+            // No LIKE: a prefix is matched as it is, `%` and `_` included.
+            sql.push_str(&format!(" AND substr(owner, 1, length(CAST(${n} AS TEXT))) = CAST(${n} AS TEXT)"));
+        }
+        if self.open_only {
+            sql.push_str(&format!(" AND phase IN {OPEN_PHASES_SQL}"));
+        }
+        (sql, values)
+    }
+}
+
+/// The leases `sql` (a `SELECT` of [`lease_columns!`]) finds, binding `values` in order.
+async fn select_leases(conn: &mut AnyConnection, sql: &str, values: &[String]) -> Result<Vec<LeaseRecord>, StoreError> {
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for value in values {
+        query = query.bind(value.as_str());
+    }
+    let rows = query.fetch_all(&mut *conn).await?;
+    rows.iter().map(LeaseRecord::from_row).collect()
+}
+
+/// What a lease watch sends next (see [`Ledger::changes`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Changes {
+    /// The changes since the cursor asked for (resumed), or the open set.
+    pub(crate) leases: Vec<LeaseRecord>,
+    /// Where the next read starts: every change below it is in this read or an earlier one.
+    pub(crate) cursor: i64,
+    /// Whether `leases` are the changes since the cursor asked for rather than the open set.
+    pub(crate) resumed: bool,
+}
+
 /// What a node's assignment stream sends next.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Assignments {
@@ -308,40 +366,61 @@ impl Ledger {
 
     /// Leases matching `filter`, oldest first.
     pub(crate) async fn list(&self, filter: &LeaseFilter) -> Result<Vec<LeaseRecord>, LeaseError> {
-        let mut sql = concat!("SELECT ", lease_columns!(), " FROM leases WHERE 1 = 1").to_owned();
-        let mut values: Vec<String> = Vec::new();
-        let conditions = [
-            ("project", filter.project.clone()),
-            ("node_id", filter.node_id.clone()),
-            ("phase", filter.phase.map(|phase| phase.as_str().to_owned())),
-            ("owner", filter.owner.clone()),
-        ];
-        for (column, value) in conditions {
-            if let Some(value) = value {
-                values.push(value);
-                sql.push_str(&format!(" AND {column} = ${}", values.len()));
-            }
-        }
-        if let Some(prefix) = &filter.owner_prefix {
-            values.push(prefix.clone());
-            let n = values.len();
-            // No LIKE: a prefix is matched as it is, `%` and `_` included.
-            sql.push_str(&format!(" AND substr(owner, 1, length(CAST(${n} AS TEXT))) = CAST(${n} AS TEXT)"));
-        }
-        if filter.open_only {
-            sql.push_str(&format!(" AND phase IN {OPEN_PHASES_SQL}"));
-        }
-        sql.push_str(" ORDER BY created_at_ms, lease_id");
+        let (conditions, values) = filter.to_sql();
+        let sql = format!(
+            concat!("SELECT ", lease_columns!(), " FROM leases WHERE {} ORDER BY created_at_ms, lease_id"),
+            conditions
+        );
         let (sql, values) = (&sql, &values);
         self.store
-            .read("leases.list", |conn| {
+            .read("leases.list", |conn| Box::pin(async move { Ok(select_leases(conn, sql, values).await?) }))
+            .await
+    }
+
+    /// What a lease watch sends next, from one snapshot: with `since` (a
+    /// cursor this ledger can still resume from), every lease `filter`
+    /// selects that changed at or after it, open or final, in change order;
+    /// otherwise (or for `None`) the open leases `filter` selects. Either
+    /// way, the cursor to read from next time.
+    pub(crate) async fn changes(&self, filter: &LeaseFilter, since: Option<i64>) -> Result<Changes, LeaseError> {
+        let position = match self.store.backend() {
+            Backend::Postgres => {
+                "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint, resume_floor FROM lease_changes"
+            }
+            Backend::Sqlite => "SELECT last_seq + 1, resume_floor FROM lease_changes",
+        };
+        let (conditions, values) = &LeaseFilter { open_only: false, ..filter.clone() }.to_sql();
+        let (open_conditions, open_values) = &LeaseFilter { open_only: true, ..filter.clone() }.to_sql();
+        self.store
+            .read("leases.changes", |conn| {
                 Box::pin(async move {
-                    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql.as_str()));
-                    for value in values {
-                        query = query.bind(value.as_str());
-                    }
-                    let rows = query.fetch_all(&mut *conn).await?;
-                    Ok(rows.iter().map(LeaseRecord::from_row).collect::<Result<Vec<_>, _>>()?)
+                    let (cursor, floor): (i64, i64) = sqlx::query_as(position).fetch_one(&mut *conn).await?;
+                    let resumable = since.filter(|&since| since > floor && since <= cursor);
+                    let leases = match resumable {
+                        Some(since) => {
+                            let sql = format!(
+                                concat!(
+                                    "SELECT ",
+                                    lease_columns!(),
+                                    " FROM leases WHERE {} AND change_seq >= {} ORDER BY change_seq, lease_id"
+                                ),
+                                conditions, since
+                            );
+                            select_leases(conn, &sql, values).await?
+                        }
+                        None => {
+                            let sql = format!(
+                                concat!(
+                                    "SELECT ",
+                                    lease_columns!(),
+                                    " FROM leases WHERE {} ORDER BY created_at_ms, lease_id"
+                                ),
+                                open_conditions
+                            );
+                            select_leases(conn, &sql, open_values).await?
+                        }
+                    };
+                    Ok(Changes { leases, cursor, resumed: resumable.is_some() })
                 })
             })
             .await
@@ -643,21 +722,22 @@ impl Ledger {
     }
 
     /// Forgets up to `limit` final leases that reached their phase more than
-    /// `retention_ms` ago, raising their nodes' resume floors; how many.
+    /// `retention_ms` ago, raising their nodes' resume floors and the lease
+    /// watches' one; how many.
     pub(crate) async fn forget_final(&self, retention_ms: i64, limit: usize) -> Result<usize, LeaseError> {
         let now_sql = self.store.now_ms_sql();
         let select = format!(
-            "SELECT lease_id, node_id, seq FROM leases WHERE phase IN {FINAL_PHASES_SQL} \
+            "SELECT lease_id, node_id, seq, change_seq FROM leases WHERE phase IN {FINAL_PHASES_SQL} \
              AND phase_changed_at_ms < {now_sql} - $1 ORDER BY phase_changed_at_ms LIMIT {limit}"
         );
         let select = select.as_str();
         self.store
             .tx("leases.forget_final", |conn| {
                 Box::pin(async move {
-                    let old: Vec<(String, String, i64)> =
+                    let old: Vec<(String, String, i64, i64)> =
                         sqlx::query_as(sqlx::AssertSqlSafe(select)).bind(retention_ms).fetch_all(&mut *conn).await?;
                     let mut floors: BTreeMap<&str, i64> = BTreeMap::new();
-                    for (_, node_id, seq) in &old {
+                    for (_, node_id, seq, _) in &old {
                         let floor = floors.entry(node_id.as_str()).or_default();
                         *floor = (*floor).max(*seq);
                     }
@@ -670,10 +750,16 @@ impl Ledger {
                         .execute(&mut *conn)
                         .await?;
                     }
+                    if let Some(floor) = old.iter().map(|(_, _, _, change_seq)| *change_seq).max() {
+                        sqlx::query("UPDATE lease_changes SET resume_floor = $1 WHERE resume_floor < $1")
+                            .bind(floor)
+                            .execute(&mut *conn)
+                            .await?;
+                    }
                     for chunk in old.chunks(ROWS_PER_STATEMENT) {
                         let sql = format!("DELETE FROM leases WHERE lease_id IN ({})", placeholders(chunk.len(), 0, 1));
                         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-                        for (lease_id, _, _) in chunk {
+                        for (lease_id, _, _, _) in chunk {
                             query = query.bind(lease_id.as_str());
                         }
                         query.execute(&mut *conn).await?;

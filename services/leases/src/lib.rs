@@ -70,6 +70,12 @@ pub static MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0002_traceparent.sql"),
         sqlite: include_str!("../migrations/sqlite/0002_traceparent.sql"),
     },
+    Migration {
+        version: 3,
+        name: "changes",
+        postgres: include_str!("../migrations/postgres/0003_changes.sql"),
+        sqlite: include_str!("../migrations/sqlite/0003_changes.sql"),
+    },
 ];
 
 /// How the runtime starts it: [`server`] with the default timings.

@@ -1,28 +1,39 @@
 //! `WatchLeases`: one task per stream that follows the leases in a scope (a
 //! project or all of them, an owner or an owner prefix), sending what
-//! changed as it changes.
+//! changed as it changes, and resuming a broken stream from its cursor.
 //!
 //! # Expected flow
-//! The task starts observing owner change signals, then reads every open
-//! lease in scope and sends each as `UPSERT`, then `SYNCED`. From then on a
-//! signal names the owners whose leases changed (on any replica); the task
-//! re-reads those owners' open leases (and, one by one, each it sent as
-//! open that no longer is) and sends the difference from what it sent: an
-//! open lease that is new or moved (phase, epoch, node, reason) as
-//! `UPSERT`, one that left the open phases as `REMOVED` with its final
-//! state. Every `assignment_resync`, or when signals were lost (a bus gap, a
-//! stream that fell behind), it re-reads the whole scope the same way.
+//! The task starts observing owner change signals, then reads from the
+//! ledger's change log ([`Ledger::changes`](crate::ledger::Ledger::changes)):
+//! afresh, every open lease in scope, each sent as `UPSERT`; resumed, every
+//! lease in scope changed since the client's cursor, open as `UPSERT`, final
+//! as `REMOVED`. Then `SYNCED` with the read's cursor. From then on a signal
+//! naming an owner in scope (from any replica), a lost signal, or every
+//! `assignment_resync` makes it read the changes since its cursor and send
+//! the difference from what it sent: an open lease new or moved (phase,
+//! epoch, node, reason) as `UPSERT`, one that left the open phases as
+//! `REMOVED` with its final state.
+//!
+//! Signals only wake the task: what it sends comes from the change log, so
+//! every event's cursor is exact. Each event carries the cursor its read
+//! started from, so a client resuming from the last event it applied gets
+//! that event's change again at most, never loses one.
 //!
 //! # Invariants
 //! - The observer is taken before the first read, so no change lands
 //!   between the read and the wait unheard.
-//! - Level-triggered: a lost signal delays a change until the next re-read,
+//! - Level-triggered: a lost signal delays a change until the next read,
 //!   never loses it; a change sent twice is the same state twice.
-//! - A lease sent as open is followed until `REMOVED` is sent for it, even
-//!   once forgotten after its retention (then with the last state sent).
-//! - A renewal alone (a later `expires_at`) is not a change worth a send.
+//! - A lease sent as open is followed until `REMOVED` is sent for it. If
+//!   the log was forgotten under a stream that fell that far behind, the
+//!   stream reads the open set again and sends each lease it sent as open
+//!   that is no longer in it as `REMOVED` (its final state, or the last one
+//!   sent once forgotten past its retention). Final leases are never read
+//!   in bulk, however many an owner has had: only those changed since.
+//! - A renewal alone (a later `expires_at`) is not a change worth a send,
+//!   and does not stamp the change log.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use berth_bus::Signal;
@@ -31,7 +42,7 @@ use berth_proto::types::v1::EventKind;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::ledger::{LeaseError, LeaseFilter};
+use crate::ledger::{Changes, LeaseError, LeaseFilter};
 use crate::model::Phase;
 use crate::records::LeaseRecord;
 use crate::shared::Core;
@@ -62,13 +73,12 @@ impl Scope {
             && self.owner_prefix.as_deref().is_none_or(|prefix| owner.starts_with(prefix))
     }
 
-    /// The open leases in scope.
-    fn open(&self) -> LeaseFilter {
+    /// The leases in scope, open or final.
+    fn filter(&self) -> LeaseFilter {
         LeaseFilter {
             project: self.project.clone(),
             owner: self.owner.clone(),
             owner_prefix: self.owner_prefix.clone(),
-            open_only: true,
             ..LeaseFilter::default()
         }
     }
@@ -79,33 +89,112 @@ fn shown(lease: &LeaseRecord) -> (Phase, i64, &str, &str) {
     (lease.phase, lease.epoch, lease.node_id.as_str(), lease.reason.as_str())
 }
 
-/// Opens a stream of the leases in `scope`.
-pub(crate) fn open(core: Arc<Core>, scope: Scope) -> tonic::codegen::BoxStream<v1::LeaseEvent> {
+/// Opens a stream of the leases in `scope`, resumed from `resume` when the
+/// ledger still can.
+pub(crate) fn open(core: Arc<Core>, scope: Scope, resume: Option<i64>) -> tonic::codegen::BoxStream<v1::LeaseEvent> {
     let (events, stream) = mpsc::channel(STREAM_BUFFER);
     tokio::spawn(async move {
-        if feed(&core, &scope, &events).await.is_err() {
+        if feed(&core, &scope, resume, &events).await.is_err() {
             tracing::debug!(?scope, "lease watch closed by the watcher");
         }
     });
     Box::pin(ReceiverStream::new(stream))
 }
 
-async fn feed(core: &Core, scope: &Scope, events: &Events) -> Result<(), Gone> {
-    let mut signals = core.owners.observe();
-    let mut sent: HashMap<String, LeaseRecord> = HashMap::new();
-    match core.ledger.list(&scope.open()).await {
-        Ok(open) => {
-            for lease in open {
-                send(events, EventKind::Upsert, &lease).await?;
-                sent.insert(lease.lease_id.clone(), lease);
+/// What one stream has told its watcher.
+struct Told<'a> {
+    events: &'a Events,
+    /// Each lease sent as open, as last sent.
+    open: HashMap<String, LeaseRecord>,
+    /// Final leases sent as `REMOVED` that the last read still returned, so
+    /// the next read that returns them again sends nothing.
+    removed: HashSet<String>,
+    /// Whether the watcher may hold leases this stream never sent (it
+    /// resumed): then every final lease read is sent as `REMOVED` once.
+    resumed: bool,
+}
+
+impl Told<'_> {
+    /// Sends what changed in `read` (changes since `from`) from what was told.
+    async fn changes(&mut self, read: &Changes, from: i64) -> Result<(), Gone> {
+        let mut removed = HashSet::new();
+        for lease in &read.leases {
+            if lease.phase.is_open() {
+                self.removed.remove(&lease.lease_id);
+                if self.open.get(&lease.lease_id).is_none_or(|before| shown(before) != shown(lease)) {
+                    self.send(EventKind::Upsert, lease, from).await?;
+                    self.open.insert(lease.lease_id.clone(), lease.clone());
+                }
+            } else {
+                let held = self.open.remove(&lease.lease_id).is_some();
+                if held || (self.resumed && !self.removed.contains(&lease.lease_id)) {
+                    self.send(EventKind::Removed, lease, from).await?;
+                }
+                if held || self.resumed {
+                    removed.insert(lease.lease_id.clone());
+                }
             }
         }
-        Err(error) => return fail(events, error).await,
+        self.removed = removed;
+        Ok(())
     }
-    let synced = v1::LeaseEvent { kind: EventKind::Synced as i32, lease: None };
+
+    /// Sends what changed given `open`, the whole open set: each lease that
+    /// is new or moved as `UPSERT`, and each sent as open that is not in it
+    /// as `REMOVED`, read alone for its final state (its last one sent when
+    /// forgotten past its retention).
+    async fn open_set(&mut self, core: &Core, open: &Changes) -> Result<Result<(), LeaseError>, Gone> {
+        self.changes(open, 0).await?;
+        let still_open: BTreeSet<&str> = open.leases.iter().map(|lease| lease.lease_id.as_str()).collect();
+        let left: Vec<String> = self.open.keys().filter(|id| !still_open.contains(id.as_str())).cloned().collect();
+        for lease_id in left {
+            let lease = match core.ledger.get(&lease_id).await {
+                Ok(lease) if !lease.phase.is_open() => lease,
+                // Open again after the set was read: the next read sends it.
+                Ok(_) => continue,
+                Err(LeaseError::NotFound(_)) => match self.open.get(&lease_id) {
+                    Some(last) => last.clone(),
+                    None => continue,
+                },
+                Err(error) => return Ok(Err(error)),
+            };
+            self.open.remove(&lease_id);
+            self.send(EventKind::Removed, &lease, open.cursor).await?;
+        }
+        Ok(Ok(()))
+    }
+
+    async fn send(&self, kind: EventKind, lease: &LeaseRecord, cursor: i64) -> Result<(), Gone> {
+        let event = v1::LeaseEvent {
+            kind: kind as i32,
+            lease: Some(lease.to_proto()),
+            cursor: u64::try_from(cursor).unwrap_or_default(),
+            resumed: false,
+        };
+        self.events.send(Ok(event)).await.map_err(|_| Gone)
+    }
+}
+
+async fn feed(core: &Core, scope: &Scope, resume: Option<i64>, events: &Events) -> Result<(), Gone> {
+    let mut signals = core.owners.observe();
+    let filter = scope.filter();
+    let first = match core.ledger.changes(&filter, resume).await {
+        Ok(first) => first,
+        Err(error) => return fail(events, error).await,
+    };
+    let mut told = Told { events, open: HashMap::new(), removed: HashSet::new(), resumed: first.resumed };
+    let from = if first.resumed { resume.unwrap_or_default() } else { 0 };
+    told.changes(&first, from).await?;
+    let synced = v1::LeaseEvent {
+        kind: EventKind::Synced as i32,
+        lease: None,
+        cursor: u64::try_from(first.cursor).unwrap_or_default(),
+        resumed: first.resumed,
+    };
     events.send(Ok(synced)).await.map_err(|_| Gone)?;
+    let mut cursor = first.cursor;
     loop {
-        let owners = tokio::select! {
+        tokio::select! {
             () = events.closed() => return Err(Gone),
             () = core.closing.cancelled() => {
                 let status = tonic::Status::unavailable("leases is shutting down; watch again");
@@ -113,114 +202,41 @@ async fn feed(core: &Core, scope: &Scope, events: &Events) -> Result<(), Gone> {
             }
             signal = signals.recv() => match signal {
                 Ok(Signal::Keys(keys)) => {
-                    let owners: BTreeSet<(String, String)> = keys
+                    let in_scope = keys
                         .iter()
                         .filter_map(|key| split_owner_key(key))
-                        .filter(|(project, owner)| scope.covers(project, owner))
-                        .map(|(project, owner)| (project.to_owned(), owner.to_owned()))
-                        .collect();
-                    if owners.is_empty() {
+                        .any(|(project, owner)| scope.covers(project, owner));
+                    if !in_scope {
                         continue;
                     }
-                    Some(owners)
                 }
-                Ok(Signal::All) | Err(broadcast::error::RecvError::Lagged(_)) => None,
+                Ok(Signal::All) | Err(broadcast::error::RecvError::Lagged(_)) => {}
                 Err(broadcast::error::RecvError::Closed) => {
                     let status = tonic::Status::unavailable("leases lost track of this stream; watch again");
                     return events.send(Err(status)).await.map_err(|_| Gone);
                 }
             },
-            () = tokio::time::sleep(core.config.assignment_resync) => None,
-        };
-        let caught_up = match owners {
-            Some(owners) => catch_up_owners(core, &owners, &mut sent, events).await?,
-            None => catch_up(core, &scope.open(), |_| true, &mut sent, events).await?,
-        };
-        if let Err(error) = caught_up {
-            return fail(events, error).await;
+            () = tokio::time::sleep(core.config.assignment_resync) => {}
         }
-    }
-}
-
-/// Sends what changed among the leases of `owners` (each `(project, owner)`).
-async fn catch_up_owners(
-    core: &Core,
-    owners: &BTreeSet<(String, String)>,
-    sent: &mut HashMap<String, LeaseRecord>,
-    events: &Events,
-) -> Result<Result<(), LeaseError>, Gone> {
-    for (project, owner) in owners {
-        let open = LeaseFilter {
-            project: Some(project.clone()),
-            owner: Some(owner.clone()),
-            open_only: true,
-            ..LeaseFilter::default()
+        let read = match core.ledger.changes(&filter, Some(cursor)).await {
+            Ok(read) => read,
+            Err(error) => return fail(events, error).await,
         };
-        let covers = |lease: &LeaseRecord| lease.project == *project && lease.owner == *owner;
-        if let Err(error) = catch_up(core, &open, covers, sent, events).await? {
-            return Ok(Err(error));
-        }
-    }
-    Ok(Ok(()))
-}
-
-/// Sends what changed among the leases `open` selects (open ones only) and
-/// those `covers` of what was sent: a lease sent as open and no longer in
-/// the open set is read alone, to send its final state, or its last one
-/// sent when it was forgotten past its retention. Final leases are never
-/// read in bulk, however many an owner has had.
-async fn catch_up(
-    core: &Core,
-    open: &LeaseFilter,
-    covers: impl Fn(&LeaseRecord) -> bool,
-    sent: &mut HashMap<String, LeaseRecord>,
-    events: &Events,
-) -> Result<Result<(), LeaseError>, Gone> {
-    let open = match core.ledger.list(open).await {
-        Ok(open) => open,
-        Err(error) => return Ok(Err(error)),
-    };
-    let still_open: BTreeSet<&str> = open.iter().map(|lease| lease.lease_id.as_str()).collect();
-    let left: Vec<String> = sent
-        .values()
-        .filter(|lease| covers(lease) && !still_open.contains(lease.lease_id.as_str()))
-        .map(|lease| lease.lease_id.clone())
-        .collect();
-    for lease in &open {
-        differ(lease, sent, events).await?;
-    }
-    for lease_id in left {
-        match core.ledger.get(&lease_id).await {
-            Ok(lease) => differ(&lease, sent, events).await?,
-            Err(LeaseError::NotFound(_)) => {
-                if let Some(last) = sent.remove(&lease_id) {
-                    send(events, EventKind::Removed, &last).await?;
-                }
+        if read.resumed {
+            told.changes(&read, cursor).await?;
+        } else if told.resumed {
+            // The watcher may hold leases this stream never sent, which
+            // ended in the forgotten stretch: only a fresh stream can say so.
+            let status = tonic::Status::aborted("this lease watch fell behind what the ledger keeps; watch again");
+            return events.send(Err(status)).await.map_err(|_| Gone);
+        } else {
+            tracing::info!(?scope, cursor, "a lease watch fell behind the change log; reading the open set again");
+            if let Err(error) = told.open_set(core, &read).await? {
+                return fail(events, error).await;
             }
-            Err(error) => return Ok(Err(error)),
         }
+        cursor = read.cursor;
     }
-    Ok(Ok(()))
-}
-
-/// Sends `lease` if it differs from what was sent of it: `UPSERT` while
-/// open, `REMOVED` (once) when it is final.
-async fn differ(lease: &LeaseRecord, sent: &mut HashMap<String, LeaseRecord>, events: &Events) -> Result<(), Gone> {
-    let before = sent.get(&lease.lease_id);
-    if lease.phase.is_open() {
-        if before.is_none_or(|before| shown(before) != shown(lease)) {
-            send(events, EventKind::Upsert, lease).await?;
-            sent.insert(lease.lease_id.clone(), lease.clone());
-        }
-    } else if sent.remove(&lease.lease_id).is_some() {
-        send(events, EventKind::Removed, lease).await?;
-    }
-    Ok(())
-}
-
-async fn send(events: &Events, kind: EventKind, lease: &LeaseRecord) -> Result<(), Gone> {
-    let event = v1::LeaseEvent { kind: kind as i32, lease: Some(lease.to_proto()) };
-    events.send(Ok(event)).await.map_err(|_| Gone)
 }
 
 async fn fail(events: &Events, error: LeaseError) -> Result<(), Gone> {

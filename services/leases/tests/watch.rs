@@ -1,7 +1,8 @@
 //! `WatchLeases` as a requester (revisions, an operator with grpcurl) sees
 //! it, on both backends: the open set and `SYNCED`, then each change as it
 //! happens wherever it was made (placed, running, released, expired), only
-//! for the scope asked for.
+//! for the scope asked for; and a broken stream resumed from its cursor
+//! hears only what changed while it was away.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
@@ -11,11 +12,12 @@ use berth_testkit::on_both_backends;
 
 use std::time::Duration;
 
+use berth_leases::LeasesConfig;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1::EventKind;
-use berth_testkit::PATIENCE;
+use berth_testkit::{PATIENCE, eventually};
 use support::{Backend, GIB, Ledger, MIB, ask, expiring_config, fast_config, node};
 use tonic::{Code, Streaming};
 
@@ -133,7 +135,136 @@ async fn bad_scopes_and_nodes_are_refused(backend: Backend) {
     ledger.cleanup().await;
 }
 
+/// Reads up to and including the next `SYNCED`, returning the events before it and it.
+async fn until_synced(stream: &mut Streaming<v1::LeaseEvent>) -> (Vec<v1::LeaseEvent>, v1::LeaseEvent) {
+    let mut before = Vec::new();
+    loop {
+        let event = next(stream).await;
+        if event.kind() == EventKind::Synced {
+            return (before, event);
+        }
+        before.push(event);
+    }
+}
+
+fn resume_from(cursor: u64) -> v1::WatchLeasesRequest {
+    v1::WatchLeasesRequest { resume_cursor: cursor, ..v1::WatchLeasesRequest::default() }
+}
+
+async fn a_stream_resumed_from_its_cursor_hears_only_what_changed_while_it_was_away(backend: Backend) {
+    let mut ledger = Ledger::start(backend, fast_config(), vec![node("n-1", "", NodeState::Up, 8000, 8 * GIB)]).await;
+    let steady = ledger.place("steady", 100, MIB).await;
+    let moving = ledger.place("moving", 100, MIB).await;
+    let ending = ledger.place("ending", 100, MIB).await;
+    let mut stream = watch(&ledger, 0, v1::WatchLeasesRequest::default()).await;
+    let (open, synced) = until_synced(&mut stream).await;
+    assert_eq!(open.len(), 3, "{open:?}");
+    assert!(open.iter().all(|event| event.cursor == 0), "the open set cannot be resumed from: {open:?}");
+    assert!(!synced.resumed && synced.cursor > 0, "{synced:?}");
+    let mut applied = synced.cursor;
+    let born = ledger.place("born", 100, MIB).await;
+    let event = next(&mut stream).await;
+    about(&event, EventKind::Upsert, &born.lease_id);
+    assert!(event.cursor >= applied, "{event:?} after {applied}");
+    applied = event.cursor;
+    drop(stream);
+
+    // While the watcher is away: one moves, one ends, one is born and dies,
+    // one is born and stays; `steady` and `born` do not change.
+    ledger.report(&moving, 1, LeasePhase::Running).await.unwrap();
+    ledger.report(&ending, 1, LeasePhase::Failed).await.unwrap();
+    let brief = ledger.place("brief", 100, MIB).await;
+    ledger.report(&brief, 1, LeasePhase::Failed).await.unwrap();
+    let late = ledger.place("late", 100, MIB).await;
+
+    let mut stream = watch(&ledger, 0, resume_from(applied)).await;
+    let (changes, synced) = until_synced(&mut stream).await;
+    assert!(synced.resumed, "{synced:?}");
+    let heard: std::collections::BTreeMap<String, (EventKind, LeasePhase)> = changes
+        .iter()
+        .map(|event| {
+            let lease = event.lease.clone().unwrap();
+            (lease.lease_id.clone(), (event.kind(), lease.phase()))
+        })
+        .collect();
+    assert_eq!(heard.get(&moving.lease_id), Some(&(EventKind::Upsert, LeasePhase::Running)), "{changes:?}");
+    assert_eq!(heard.get(&ending.lease_id), Some(&(EventKind::Removed, LeasePhase::Failed)), "{changes:?}");
+    assert_eq!(heard.get(&late.lease_id), Some(&(EventKind::Upsert, LeasePhase::Bound)), "{changes:?}");
+    assert_eq!(heard.get(&brief.lease_id), Some(&(EventKind::Removed, LeasePhase::Failed)), "{changes:?}");
+    // The cursor of `born`'s event resumes at that change, so it may come
+    // again; `steady` may too on PostgreSQL, whose cursor is the oldest
+    // transaction running anywhere in the cluster when the stream read (a
+    // change is sent again rather than ever missed). Either comes unchanged.
+    for (lease, phase) in [(&born, LeasePhase::Bound), (&steady, LeasePhase::Bound)] {
+        if let Some(again) = heard.get(&lease.lease_id) {
+            assert_eq!(again, &(EventKind::Upsert, phase), "{changes:?}");
+        }
+    }
+    if backend == Backend::Sqlite {
+        assert!(!heard.contains_key(&steady.lease_id), "an unchanged lease is not sent again: {changes:?}");
+    }
+    assert_eq!(changes.len(), heard.len(), "one event a lease: {changes:?}");
+
+    // Live again, from a change made on another replica.
+    let other = ledger.add_replica().await;
+    let request = v1::ReleaseLeaseRequest { lease_id: steady.lease_id.clone(), reason: "Done".into() };
+    ledger.leases(other).release_lease(request).await.unwrap();
+    let removed = next(&mut stream).await;
+    about(&removed, EventKind::Removed, &steady.lease_id);
+    assert!(removed.cursor >= synced.cursor, "{removed:?} after {synced:?}");
+    ledger.cleanup().await;
+}
+
+async fn a_cursor_the_ledger_cannot_resume_from_starts_afresh(backend: Backend) {
+    let config = LeasesConfig {
+        retention: Duration::from_millis(300),
+        index_resync: Duration::from_millis(100),
+        ..fast_config()
+    };
+    let ledger = Ledger::start(backend, config, vec![node("n-1", "", NodeState::Up, 8000, 8 * GIB)]).await;
+    let kept = ledger.place("kept", 100, MIB).await;
+    let gone = ledger.place("gone", 100, MIB).await;
+    let mut stream = watch(&ledger, 0, v1::WatchLeasesRequest::default()).await;
+    let (_, synced) = until_synced(&mut stream).await;
+    drop(stream);
+
+    // A cursor from the future was never given out.
+    let mut stream = watch(&ledger, 0, resume_from(u64::MAX / 2)).await;
+    let (open, fresh) = until_synced(&mut stream).await;
+    assert!(!fresh.resumed, "{fresh:?}");
+    assert_eq!(open.len(), 2, "{open:?}");
+    drop(stream);
+
+    // `gone` ends and is forgotten: its change left the log, so the old
+    // cursor must hear the whole open set instead.
+    ledger.report(&gone, 1, LeasePhase::Failed).await.unwrap();
+    eventually("the ended lease to be forgotten", PATIENCE, || async {
+        match ledger.leases(0).get_lease(v1::GetLeaseRequest { lease_id: gone.lease_id.clone() }).await {
+            Err(status) if status.code() == Code::NotFound => Ok(()),
+            other => Err(other),
+        }
+    })
+    .await;
+    let mut stream = watch(&ledger, 0, resume_from(synced.cursor)).await;
+    let (open, fresh) = until_synced(&mut stream).await;
+    assert!(!fresh.resumed, "{fresh:?}");
+    assert_eq!(open.len(), 1, "{open:?}");
+    about(&open[0], EventKind::Upsert, &kept.lease_id);
+    // Its new cursor resumes, with nothing missed.
+    let mut stream = watch(&ledger, 0, resume_from(fresh.cursor)).await;
+    let (changes, resumed) = until_synced(&mut stream).await;
+    assert!(resumed.resumed, "{resumed:?}");
+    // Nothing changed; PostgreSQL may send `kept` again, unchanged (see above).
+    assert!(changes.iter().all(|event| about(event, EventKind::Upsert, &kept.lease_id).phase() == LeasePhase::Bound));
+    if backend == Backend::Sqlite {
+        assert!(changes.is_empty(), "nothing changed: {changes:?}");
+    }
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
+    a_stream_resumed_from_its_cursor_hears_only_what_changed_while_it_was_away,
+    a_cursor_the_ledger_cannot_resume_from_starts_afresh,
     the_open_set_then_synced_then_every_change_wherever_it_was_made,
     a_watch_follows_only_its_scope,
     an_expired_lease_is_removed_from_the_watch,

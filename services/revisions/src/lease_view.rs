@@ -4,8 +4,14 @@
 //!
 //! # Invariants
 //! - The view answers only while its stream is synced: from the stream's
-//!   `SYNCED` until it breaks. A broken or fresh stream empties it, and every
+//!   `SYNCED` until it breaks. A broken stream stops it answering, and every
 //!   reconcile lists from the leases service meanwhile.
+//! - It keeps what it held, and the cursor of the last event it applied,
+//!   across a break: the next stream resumes from that cursor. A stream's
+//!   events are staged until its `SYNCED`, which says whether they are what
+//!   changed since the cursor (applied over what it held) or the whole open
+//!   set (which replaces it); a stream that breaks before `SYNCED` leaves the
+//!   view as it was.
 //! - It holds only open leases: a `REMOVED` event takes a lease out. A final
 //!   lease (its attempt number, its reason) is never read from here, so a
 //!   reconcile that has a slot to fill lists from the leases service, the
@@ -28,8 +34,30 @@ pub(crate) struct LeaseView {
 #[derive(Debug, Default)]
 struct ViewState {
     synced: bool,
+    /// The current stream's events before its `SYNCED`.
+    staged: Vec<LeaseEvent>,
+    /// Where the next stream resumes: the cursor of the last event applied.
+    cursor: u64,
     /// `(project, owner)` → lease id → lease.
     open: HashMap<(String, String), HashMap<String, Lease>>,
+}
+
+impl ViewState {
+    fn take_in(&mut self, event: &LeaseEvent) {
+        if event.cursor > 0 {
+            self.cursor = event.cursor;
+        }
+        let Some(lease) = &event.lease else { return };
+        let owner = (lease.project.clone(), lease.owner.clone());
+        if event.kind() == EventKind::Upsert && lease.phase().is_open() {
+            self.open.entry(owner).or_default().insert(lease.lease_id.clone(), lease.clone());
+        } else if let Some(leases) = self.open.get_mut(&owner) {
+            leases.remove(&lease.lease_id);
+            if leases.is_empty() {
+                self.open.remove(&owner);
+            }
+        }
+    }
 }
 
 impl LeaseView {
@@ -37,32 +65,35 @@ impl LeaseView {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Forgets everything: a stream opened afresh, or broke.
-    pub(crate) fn reset(&self) {
+    /// Stops answering: the stream broke, or a new one is opening. What the
+    /// view holds stays, for a stream resumed from [`Self::cursor`].
+    pub(crate) fn unsync(&self) {
         let mut state = self.lock();
         state.synced = false;
-        state.open.clear();
+        state.staged.clear();
+    }
+
+    /// Where a new stream should resume from; 0 when it must start afresh.
+    pub(crate) fn cursor(&self) -> u64 {
+        self.lock().cursor
     }
 
     /// Takes one event of the stream in.
     pub(crate) fn apply(&self, event: &LeaseEvent) {
         let mut state = self.lock();
-        match (event.kind(), &event.lease) {
-            (EventKind::Synced, _) => state.synced = true,
-            (EventKind::Upsert, Some(lease)) if lease.phase().is_open() => {
-                let owner = (lease.project.clone(), lease.owner.clone());
-                state.open.entry(owner).or_default().insert(lease.lease_id.clone(), lease.clone());
-            }
-            (EventKind::Upsert | EventKind::Removed, Some(lease)) => {
-                let owner = (lease.project.clone(), lease.owner.clone());
-                if let Some(leases) = state.open.get_mut(&owner) {
-                    leases.remove(&lease.lease_id);
-                    if leases.is_empty() {
-                        state.open.remove(&owner);
-                    }
+        match (state.synced, event.kind()) {
+            (true, _) => state.take_in(event),
+            (false, EventKind::Synced) => {
+                if !event.resumed {
+                    state.open.clear();
                 }
+                for staged in std::mem::take(&mut state.staged) {
+                    state.take_in(&staged);
+                }
+                state.take_in(event);
+                state.synced = true;
             }
-            _ => {}
+            (false, _) => state.staged.push(event.clone()),
         }
     }
 
@@ -92,7 +123,15 @@ mod tests {
             ..Default::default()
         };
         lease.set_phase(phase);
-        LeaseEvent { kind: kind as i32, lease: Some(lease) }
+        LeaseEvent { kind: kind as i32, lease: Some(lease), ..Default::default() }
+    }
+
+    fn synced(cursor: u64, resumed: bool) -> LeaseEvent {
+        LeaseEvent { kind: EventKind::Synced as i32, lease: None, cursor, resumed }
+    }
+
+    fn at(cursor: u64, event: LeaseEvent) -> LeaseEvent {
+        LeaseEvent { cursor, ..event }
     }
 
     fn ids(view: &LeaseView) -> Option<Vec<String>> {
@@ -109,8 +148,9 @@ mod tests {
         view.apply(&event(EventKind::Upsert, "l1", LeasePhase::Running));
         view.apply(&event(EventKind::Upsert, "l2", LeasePhase::Bound));
         assert_eq!(ids(&view), None, "not synced yet");
-        view.apply(&LeaseEvent { kind: EventKind::Synced as i32, lease: None });
+        view.apply(&synced(7, false));
         assert_eq!(ids(&view), Some(vec!["l1".into(), "l2".into()]));
+        assert_eq!(view.cursor(), 7);
 
         view.apply(&event(EventKind::Removed, "l1", LeasePhase::Expired));
         view.apply(&event(EventKind::Upsert, "l2", LeasePhase::Running));
@@ -118,7 +158,33 @@ mod tests {
         assert_eq!(ids(&view), Some(vec!["l2".into()]), "removed and final leases are not open");
         assert_eq!(view.open("default", "revisions/other/u"), Some(Vec::new()), "an owner with none has none");
 
-        view.reset();
+        view.unsync();
         assert_eq!(ids(&view), None, "a broken stream answers nothing");
+    }
+
+    #[test]
+    fn a_resumed_stream_applies_its_changes_over_what_the_view_held_and_a_fresh_one_replaces_it() {
+        let view = LeaseView::default();
+        view.apply(&event(EventKind::Upsert, "l1", LeasePhase::Running));
+        view.apply(&event(EventKind::Upsert, "l2", LeasePhase::Running));
+        view.apply(&synced(10, false));
+        view.apply(&at(10, event(EventKind::Upsert, "l3", LeasePhase::Bound)));
+        assert_eq!(view.cursor(), 10);
+
+        view.unsync();
+        assert_eq!(ids(&view), None, "broken");
+        view.apply(&at(12, event(EventKind::Removed, "l1", LeasePhase::Failed)));
+        assert_eq!(ids(&view), None, "staged until SYNCED");
+        view.apply(&synced(15, true));
+        assert_eq!(ids(&view), Some(vec!["l2".into(), "l3".into()]), "resumed: the change applied over what was held");
+        assert_eq!(view.cursor(), 15);
+
+        view.unsync();
+        view.apply(&event(EventKind::Upsert, "l9", LeasePhase::Running));
+        view.unsync();
+        assert_eq!(view.cursor(), 15, "a stream broken before SYNCED moves nothing");
+        view.apply(&event(EventKind::Upsert, "l4", LeasePhase::Running));
+        view.apply(&synced(20, false));
+        assert_eq!(ids(&view), Some(vec!["l4".into()]), "afresh: the open set replaces what was held");
     }
 }

@@ -13,8 +13,10 @@
 //!   service settles, `steady_resync` after), never loses it.
 //! - Every replica follows and wakes only its own controller; the one that
 //!   leads acts, the others drop the wakes.
-//! - A stream that ends or fails is opened again with jittered backoff; the
-//!   fresh stream's open set wakes every service with an open lease.
+//! - A stream that ends or fails is opened again with jittered backoff,
+//!   resumed from the view's cursor: only the services whose leases changed
+//!   meanwhile are woken. A stream that starts afresh instead wakes every
+//!   service with an open lease.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,9 +40,9 @@ pub(crate) fn spawn(core: Arc<Core>) {
         loop {
             let opened = tokio::select! {
                 () = core.closing.cancelled() => return,
-                opened = core.leases.watch(LEASE_OWNER_PREFIX) => opened,
+                opened = core.leases.watch(LEASE_OWNER_PREFIX, core.lease_view.cursor()) => opened,
             };
-            core.lease_view.reset();
+            core.lease_view.unsync();
             match opened {
                 Ok(mut events) => loop {
                     let event = tokio::select! {
@@ -65,7 +67,7 @@ pub(crate) fn spawn(core: Arc<Core>) {
                 },
                 Err(error) => tracing::debug!(%error, "cannot follow leases; the reconciler polls meanwhile"),
             }
-            core.lease_view.reset();
+            core.lease_view.unsync();
             tokio::select! {
                 () = core.closing.cancelled() => return,
                 () = tokio::time::sleep(backoff.next_delay()) => {}

@@ -5,9 +5,10 @@
 //! service's certificate.
 //!
 //! # Observing phases
-//! Leases offers requesters no watch, so lease phases are observed by
-//! listing a service's leases (one `ListLeases` by owner) on every reconcile,
-//! which the reconciler schedules often while a rollout is under way.
+//! Lease phases are followed through one `WatchLeases` stream
+//! ([`crate::lease_watch`]), resumed from its cursor when it breaks; a
+//! reconcile that must fill a slot, or runs while the stream is not synced,
+//! lists the service's leases (one `ListLeases` by owner) instead.
 
 use std::fmt;
 
@@ -62,10 +63,11 @@ pub trait LeaseClient: fmt::Debug + Send + Sync + 'static {
     /// existed, or forgotten after its retention).
     async fn get(&self, lease_id: &str) -> Result<Option<v1::Lease>, LeaseCallError>;
     /// Follows every lease, in every project, whose owner starts with
-    /// `owner_prefix` (`WatchLeases`): the open set, `SYNCED`, then each change.
+    /// `owner_prefix` (`WatchLeases`), resumed from `resume_cursor` (0:
+    /// afresh): the open set or what changed since, `SYNCED`, then each change.
     /// A client that cannot follow says so, and the reconciler polls alone.
-    async fn watch(&self, owner_prefix: &str) -> Result<LeaseEvents, LeaseCallError> {
-        let _ = owner_prefix;
+    async fn watch(&self, owner_prefix: &str, resume_cursor: u64) -> Result<LeaseEvents, LeaseCallError> {
+        let _ = (owner_prefix, resume_cursor);
         Err(LeaseCallError::Unavailable("this leases client cannot follow leases".to_owned()))
     }
     /// Gives a lease back with `reason`; a lease already final stays as it is.
@@ -111,9 +113,13 @@ impl LeaseClient for GrpcLeases {
         }
     }
 
-    async fn watch(&self, owner_prefix: &str) -> Result<LeaseEvents, LeaseCallError> {
-        let request =
-            v1::WatchLeasesRequest { all_projects: true, owner_prefix: owner_prefix.to_owned(), ..Default::default() };
+    async fn watch(&self, owner_prefix: &str, resume_cursor: u64) -> Result<LeaseEvents, LeaseCallError> {
+        let request = v1::WatchLeasesRequest {
+            all_projects: true,
+            owner_prefix: owner_prefix.to_owned(),
+            resume_cursor,
+            ..Default::default()
+        };
         let stream = self.client.clone().watch_leases(request).await?.into_inner();
         Ok(Box::pin(stream))
     }

@@ -668,11 +668,13 @@ mod tests {
 
     /// Describes every lease `fake` holds to `view`, as a fresh watch stream would.
     fn sync_view(view: &LeaseView, fake: &FakeLeases) {
-        view.reset();
+        view.unsync();
         for lease in fake.leases.lock().unwrap().iter() {
-            view.apply(&leases::LeaseEvent { kind: EventKind::Upsert as i32, lease: Some(lease.clone()) });
+            let upsert =
+                leases::LeaseEvent { kind: EventKind::Upsert as i32, lease: Some(lease.clone()), ..Default::default() };
+            view.apply(&upsert);
         }
-        view.apply(&leases::LeaseEvent { kind: EventKind::Synced as i32, lease: None });
+        view.apply(&leases::LeaseEvent { kind: EventKind::Synced as i32, ..Default::default() });
     }
 
     #[tokio::test]
@@ -694,7 +696,9 @@ mod tests {
             leases[0].set_phase(LeasePhase::Expired);
             leases[0].clone()
         };
-        ctx.lease_view.apply(&leases::LeaseEvent { kind: EventKind::Removed as i32, lease: Some(ended.clone()) });
+        let removed =
+            leases::LeaseEvent { kind: EventKind::Removed as i32, lease: Some(ended.clone()), ..Default::default() };
+        ctx.lease_view.apply(&removed);
         reconcile(&key(), &ctx).await.unwrap();
         assert_eq!(*fake.lists.lock().unwrap(), lists + 1);
         let replacement = fake.asked.lock().unwrap().last().cloned().unwrap();
@@ -702,7 +706,7 @@ mod tests {
         assert_eq!(replacement, SlotKey { attempt: ended_key.attempt + 1, ..ended_key }.encode());
 
         // A view not synced answers nothing: every reconcile lists.
-        ctx.lease_view.reset();
+        ctx.lease_view.unsync();
         reconcile(&key(), &ctx).await.unwrap();
         assert_eq!(*fake.lists.lock().unwrap(), lists + 2);
         db.cleanup().await.unwrap();

@@ -237,8 +237,8 @@ impl LeaseClient for HangsOnce {
         self.inner.release(lease_id, reason).await
     }
 
-    async fn watch(&self, owner_prefix: &str) -> Result<LeaseEvents, LeaseCallError> {
-        self.inner.watch(owner_prefix).await
+    async fn watch(&self, owner_prefix: &str, resume_cursor: u64) -> Result<LeaseEvents, LeaseCallError> {
+        self.inner.watch(owner_prefix, resume_cursor).await
     }
 }
 
@@ -314,6 +314,85 @@ async fn a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again(backe
     plane.cleanup().await;
 }
 
+/// Leases whose watch streams end, dropping the event in transit, each time
+/// `cut` is set; it records every cursor a watch resumed from and every
+/// `SYNCED` it passed on.
+#[derive(Debug)]
+struct CutsWatches {
+    inner: Arc<dyn LeaseClient>,
+    cut: Arc<AtomicBool>,
+    resumed_from: Arc<std::sync::Mutex<Vec<u64>>>,
+    synced: Arc<std::sync::Mutex<Vec<leases::LeaseEvent>>>,
+}
+
+#[tonic::async_trait]
+impl LeaseClient for CutsWatches {
+    async fn request(&self, request: leases::RequestLeaseRequest) -> Result<Lease, LeaseCallError> {
+        self.inner.request(request).await
+    }
+
+    async fn list(&self, project: &str, owner: &str) -> Result<Vec<Lease>, LeaseCallError> {
+        self.inner.list(project, owner).await
+    }
+
+    async fn get(&self, lease_id: &str) -> Result<Option<Lease>, LeaseCallError> {
+        self.inner.get(lease_id).await
+    }
+
+    async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError> {
+        self.inner.release(lease_id, reason).await
+    }
+
+    async fn watch(&self, owner_prefix: &str, resume_cursor: u64) -> Result<LeaseEvents, LeaseCallError> {
+        use tokio_stream::StreamExt as _;
+        self.resumed_from.lock().unwrap().push(resume_cursor);
+        let (cut, synced) = (self.cut.clone(), self.synced.clone());
+        let events = self.inner.watch(owner_prefix, resume_cursor).await?;
+        Ok(Box::pin(events.take_while(move |_| !cut.swap(false, Ordering::SeqCst)).map(move |event| {
+            if let Ok(event) = &event
+                && event.kind() == EventKind::Synced
+            {
+                synced.lock().unwrap().push(event.clone());
+            }
+            event
+        })))
+    }
+}
+
+async fn a_broken_lease_watch_resumes_from_its_cursor_and_loses_no_change(backend: Backend) {
+    let cut = Arc::new(AtomicBool::new(false));
+    let resumed_from = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let synced = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (trigger, cursors, heard) = (cut.clone(), resumed_from.clone(), synced.clone());
+    let wrap: WrapLeases = Arc::new(move |inner| {
+        Arc::new(CutsWatches { inner, cut: trigger.clone(), resumed_from: cursors.clone(), synced: heard.clone() })
+    });
+    let plane = Plane::start_wrapping_leases(backend, polls_hourly(), &["n-1", "n-2"], wrap).await;
+    plane.apply(web("1")).await;
+    let leases = plane.run("web-00001", 2).await;
+    plane
+        .await_service("web", "both running", |s| s.status.as_ref().is_some_and(|status| status.replicas_running == 2))
+        .await;
+
+    // The stream breaks taking the crash's event with it; the follower
+    // resumes from its cursor, and the crash still reaches the status long
+    // before any poll would.
+    cut.store(true, Ordering::SeqCst);
+    crash(&plane, &leases[0]).await;
+    plane
+        .await_service("web", "short a replica", |s| {
+            s.status.as_ref().is_some_and(|status| status.replicas_running == 1)
+        })
+        .await;
+    assert!(!cut.load(Ordering::SeqCst), "the stream was cut");
+    let cursors = resumed_from.lock().unwrap().clone();
+    assert_eq!(cursors.first(), Some(&0), "the first stream starts afresh: {cursors:?}");
+    assert!(cursors.iter().skip(1).any(|&cursor| cursor > 0), "a later one resumes: {cursors:?}");
+    let synced = synced.lock().unwrap().clone();
+    assert!(synced.iter().any(|event| event.resumed), "leases resumed it: {synced:?}");
+    plane.cleanup().await;
+}
+
 async fn deleting_a_service_releases_its_leases_and_watchers_see_it(backend: Backend) {
     let plane = Plane::start(backend, fast_config(), &["n-1", "n-2"]).await;
     let mut watch = plane
@@ -370,4 +449,5 @@ on_both_backends!(
     a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again,
     a_replica_that_runs_or_ends_moves_the_status_at_once_not_at_the_next_poll,
     deleting_a_service_releases_its_leases_and_watchers_see_it,
+    a_broken_lease_watch_resumes_from_its_cursor_and_loses_no_change,
 );

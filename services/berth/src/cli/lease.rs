@@ -443,6 +443,7 @@ async fn watch(
         all_projects: args.all_projects,
         owner: args.owner.unwrap_or_default(),
         owner_prefix: String::new(),
+        resume_cursor: 0,
     };
     let mut events =
         client.watch_leases(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner();
