@@ -35,7 +35,7 @@
 //! A deposed leader's late requests are therefore harmless, and its writes
 //! to the catalog are refused.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -134,14 +134,13 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
     }
 
     let owner = lease_owner(&key.name, &service.uid);
-    let listed = match leases_of(ctx, &service, &revisions).await {
-        Ok(listed) => listed,
+    let mut by_revision = match leases_of(ctx, &service, &revisions).await {
+        Ok(by_revision) => by_revision,
         Err(error) => {
             unreachable_leases(ctx, &service, &revisions, &error).await?;
             return Err(error.into());
         }
     };
-    let mut by_revision = group(listed, &service.uid);
     let live = revisions.iter().find(|r| r.name == service.live_revision && r.resolved());
     let target = target(&service, &revisions);
 
@@ -226,7 +225,7 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
     Ok(Action::Requeue(wake_in.unwrap_or(ctx.config.steady_resync)))
 }
 
-/// The service's leases: from the lease view when it is synced and every
+/// The service's leases by revision: from the lease view when it is synced and every
 /// slot of the live revision and of the target holds an open lease there
 /// (a steady service: nothing to ask for, so no final lease is needed),
 /// else listed from the leases service, the truth.
@@ -234,17 +233,18 @@ async fn leases_of(
     ctx: &Context,
     service: &ServiceRow,
     revisions: &[RevisionRow],
-) -> Result<Vec<leases::Lease>, LeaseCallError> {
+) -> Result<BTreeMap<String, Slots>, LeaseCallError> {
     let owner = lease_owner(&service.key.name, &service.uid);
     if let Some(open) = ctx.lease_view.open(&service.key.project, &owner) {
         let live = revisions.iter().find(|r| r.name == service.live_revision && r.resolved());
         let mut needed: Vec<&RevisionRow> = live.into_iter().collect();
         needed.extend(target(service, revisions).filter(|t| Some(t.name.as_str()) != live.map(|l| l.name.as_str())));
-        if served_by_open(&group(open.clone(), &service.uid), &needed) {
-            return Ok(open);
+        let by_revision = group(open, &service.uid);
+        if served_by_open(&by_revision, &needed) {
+            return Ok(by_revision);
         }
     }
-    ctx.leases.list(&service.key.project, &owner).await
+    Ok(group(ctx.leases.list(&service.key.project, &owner).await?, &service.uid))
 }
 
 /// Says in the service's status that leases could not be asked, keeping
