@@ -70,8 +70,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::instances::{
-    Instances, PortBook, StoredRecord, Tracked, assign_ports, blocking, from_unix_ms, io, load_records, prepare,
-    remove_path, unix_ms, validate_lease_id,
+    Instances, PortBook, StoredRecord, Tracked, blocking, from_unix_ms, io, load_records, prepare, remove_path,
+    unix_ms, validate_lease_id,
 };
 use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
@@ -893,16 +893,8 @@ impl Provider for ContainerProvider {
         validate_lease_id(&spec.lease_id)?;
         let bundle = spec.root.bundle_dir().map(Path::to_path_buf);
         let program = spec.program_path(bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)))?;
-        if let Ok(stored) = self.inner.instances.stored(&spec.lease_id)
-            && stored.exit.is_none()
-            && stored.pid.is_some()
-        {
-            return Err(ProviderError::AlreadyRunning(spec.lease_id));
-        }
         let mut spec = spec;
-        let taken = self.inner.instances.ports_taken();
-        let (ports, _claim) = self.inner.ports.allocate(&spec.lease_id, &spec.ports, taken)?;
-        assign_ports(&mut spec.meta, &spec.ports, &ports);
+        let _claim = self.inner.instances.prepare_launch(&mut spec, &self.inner.ports)?;
         let uid = self.allocate_uid(&spec.lease_id)?;
         let launched = self.start(spec, program, bundle, uid).await;
         self.release_uid(uid);

@@ -110,6 +110,25 @@ fn stdout_of(provider: &dyn Provider, lease_id: &str) -> String {
     std::fs::read_to_string(provider.log_files(lease_id).unwrap().stdout).unwrap_or_default()
 }
 
+/// Waits until the stdout of `lease_id` holds `text`; `what` names the wait.
+async fn printed(what: &str, provider: &dyn Provider, lease_id: &str, text: &str) {
+    eventually(what, SLOW, || async {
+        let stdout = stdout_of(provider, lease_id);
+        if stdout.contains(text) { Ok(()) } else { Err(stdout) }
+    })
+    .await;
+}
+
+/// Waits until no process on the host has `needle` in its command line;
+/// `what` names the wait.
+async fn none_left(what: &str, needle: &str) {
+    eventually(what, SLOW, || async {
+        let left = host_processes(needle);
+        if left.is_empty() { Ok(()) } else { Err(left) }
+    })
+    .await;
+}
+
 /// Every process on the host whose command line contains `needle`.
 fn host_processes(needle: &str) -> Vec<u32> {
     let mut found = Vec::new();
@@ -266,11 +285,7 @@ async fn image_root_on(kind: Kind) {
     long.program = Program::Command("sh".into());
     long.env.insert("PATH".into(), "/bin".into());
     let running = first.launch(long).await.unwrap();
-    eventually("the image workload to be up", SLOW, || async {
-        let stdout = stdout_of(first.as_ref(), "lease-long");
-        if stdout.contains("up") { Ok(()) } else { Err(stdout) }
-    })
-    .await;
+    printed("the image workload to be up", first.as_ref(), "lease-long", "up").await;
     stopped.cancel();
     drop(first);
     let Some(second) = self::provider(kind, tmp.path()) else { return };
@@ -319,27 +334,26 @@ fn needle(kind: Kind, marker: &str, dir: &Path) -> String {
     }
 }
 
-async fn destroy_reaches_everything_on(kind: Kind) {
+/// Launches `script` as `lease_id` under `kind`: it starts processes that
+/// run `marker`, then prints `ready`. Once they run, a destroy must leave
+/// none of them, and the workload must have ended.
+async fn destroy_leaves_nothing(kind: Kind, lease_id: &str, marker: &str, script: &str, ready: &str) {
     let tmp = TestDir::new();
     let Some(provider) = provider(kind, tmp.path()) else { return };
-    let marker = format!("sleep 31{}", std::process::id() % 1000);
-    let script = format!("{marker} & {marker} & sh -c '{marker}' & echo spawned; wait");
-    let launched = provider.launch(spec("lease-d", &script)).await.unwrap();
-    eventually("the workload's children to run", SLOW, || async {
-        let stdout = stdout_of(provider.as_ref(), "lease-d");
-        if stdout.contains("spawned") { Ok(()) } else { Err(stdout) }
-    })
-    .await;
-    let needle = needle(kind, &marker, tmp.path());
+    let launched = provider.launch(spec(lease_id, script)).await.unwrap();
+    printed("the workload's processes to run", provider.as_ref(), lease_id, ready).await;
+    let needle = needle(kind, marker, tmp.path());
     assert!(!host_processes(&needle).is_empty());
-    provider.destroy("lease-d").await.unwrap();
-    eventually("every process of the workload to be gone", SLOW, || async {
-        let left = host_processes(&needle);
-        if left.is_empty() { Ok(()) } else { Err(left) }
-    })
-    .await;
+    provider.destroy(lease_id).await.unwrap();
+    none_left("every process of the workload to be gone", &needle).await;
     let mut exit = launched.exit;
     ended(&mut exit).await;
+}
+
+async fn destroy_reaches_everything_on(kind: Kind) {
+    let marker = format!("sleep 31{}", std::process::id() % 1000);
+    let script = format!("{marker} & {marker} & sh -c '{marker}' & echo spawned; wait");
+    destroy_leaves_nothing(kind, "lease-d", &marker, &script, "spawned").await;
 }
 
 async fn ignores_sigterm_on(kind: Kind) {
@@ -347,11 +361,7 @@ async fn ignores_sigterm_on(kind: Kind) {
     let Some(provider) = provider(kind, tmp.path()) else { return };
     let mut launched =
         provider.launch(spec("lease-t", "trap '' TERM; echo ready; while :; do sleep 1; done")).await.unwrap();
-    eventually("the workload to be ready", SLOW, || async {
-        let stdout = stdout_of(provider.as_ref(), "lease-t");
-        if stdout.contains("ready") { Ok(()) } else { Err(stdout) }
-    })
-    .await;
+    printed("the workload to be ready", provider.as_ref(), "lease-t", "ready").await;
     let started = std::time::Instant::now();
     provider.destroy("lease-t").await.unwrap();
     assert!(started.elapsed() >= timing().stop_grace, "SIGKILL only after the grace");
@@ -366,11 +376,7 @@ async fn adopts_on(kind: Kind) {
     let running = first.launch(spec("lease-r", "echo up; exec sleep 1000")).await.unwrap();
     let mut quick = first.launch(spec("lease-q", "exit 0")).await.unwrap();
     ended(&mut quick.exit).await;
-    eventually("the workload to be up", SLOW, || async {
-        let stdout = stdout_of(first.as_ref(), "lease-r");
-        if stdout.contains("up") { Ok(()) } else { Err(stdout) }
-    })
-    .await;
+    printed("the workload to be up", first.as_ref(), "lease-r", "up").await;
     stopped.cancel();
     drop(first);
 
@@ -392,11 +398,7 @@ async fn signals_and_stats_on(kind: Kind) {
     let Some(provider) = provider(kind, tmp.path()) else { return };
     let script = "trap 'echo got-usr1; exit 7' USR1; echo ready; while :; do sleep 0.1; done";
     let mut launched = provider.launch(spec("lease-s", script)).await.unwrap();
-    eventually("the workload to be ready", SLOW, || async {
-        let stdout = stdout_of(provider.as_ref(), "lease-s");
-        if stdout.contains("ready") { Ok(()) } else { Err(stdout) }
-    })
-    .await;
+    printed("the workload to be ready", provider.as_ref(), "lease-s", "ready").await;
     let stats = provider.stats("lease-s").await.unwrap();
     assert!(stats.memory_bytes > 0, "{stats:?}");
     provider.signal("lease-s", WorkloadSignal::Usr1).await.unwrap();
@@ -611,34 +613,13 @@ async fn fork_bomb_on(runtime: OciRuntime) {
     let running = host_processes(&marker).len();
     assert!(running <= DEFAULT_PIDS_LIMIT as usize, "{running} processes past a limit of {DEFAULT_PIDS_LIMIT}");
     provider.destroy("lease-bomb").await.unwrap();
-    eventually("the bomb to be cleared", SLOW, || async {
-        let left = host_processes(&marker);
-        if left.is_empty() { Ok(()) } else { Err(left) }
-    })
-    .await;
+    none_left("the bomb to be cleared", &marker).await;
 }
 
 async fn setsid_on(runtime: OciRuntime) {
-    let tmp = TestDir::new();
-    let Some(provider) = provider(Kind::Oci(runtime), tmp.path()) else { return };
     let marker = format!("sleep 33{}", std::process::id() % 1000);
     let script = format!("setsid sh -c '{marker} & {marker}' & sleep 0.2; echo left; exec sleep 1000");
-    let launched = provider.launch(spec("lease-escape", &script)).await.unwrap();
-    eventually("the escapee to run", SLOW, || async {
-        let stdout = stdout_of(provider.as_ref(), "lease-escape");
-        if stdout.contains("left") { Ok(()) } else { Err(stdout) }
-    })
-    .await;
-    let needle = needle(Kind::Oci(runtime), &marker, tmp.path());
-    assert!(!host_processes(&needle).is_empty());
-    provider.destroy("lease-escape").await.unwrap();
-    eventually("nothing to be left after destroy", SLOW, || async {
-        let left = host_processes(&needle);
-        if left.is_empty() { Ok(()) } else { Err(left) }
-    })
-    .await;
-    let mut exit = launched.exit;
-    ended(&mut exit).await;
+    destroy_leaves_nothing(Kind::Oci(runtime), "lease-escape", &marker, &script, "left").await;
 }
 
 async fn unprivileged_on(runtime: OciRuntime) {
@@ -674,11 +655,7 @@ async fn orphans_reaped_on(runtime: OciRuntime) {
     let script = "i=0; while [ $i -lt 20 ]; do (sh -c 'sleep 0.1' &); i=$((i+1)); done; sleep 1; \
                   echo zombies=$(grep -l '^State:.Z' /proc/[0-9]*/status 2>/dev/null | wc -l); exec sleep 1000";
     let launched = provider.launch(spec("lease-orphans", script)).await.unwrap();
-    eventually("the workload to count its zombies", SLOW, || async {
-        let stdout = stdout_of(provider.as_ref(), "lease-orphans");
-        if stdout.contains("zombies=") { Ok(()) } else { Err(stdout) }
-    })
-    .await;
+    printed("the workload to count its zombies", provider.as_ref(), "lease-orphans", "zombies=").await;
     let out = stdout_of(provider.as_ref(), "lease-orphans");
     assert!(out.contains("zombies=0"), "orphans were left unreaped: {out}");
     provider.destroy("lease-orphans").await.unwrap();

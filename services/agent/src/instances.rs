@@ -350,7 +350,7 @@ pub(crate) fn host_ports(meta: &InstanceMeta) -> impl Iterator<Item = u16> + '_ 
 }
 
 /// Gives the spec's meta the host ports a launch was given.
-pub(crate) fn assign_ports(meta: &mut InstanceMeta, names: &[String], ports: &[u16]) {
+fn assign_ports(meta: &mut InstanceMeta, names: &[String], ports: &[u16]) {
     meta.port = ports.first().copied().map(u32::from).unwrap_or_default();
     meta.ports = names.iter().cloned().zip(ports.iter().map(|port| u32::from(*port))).collect();
 }
@@ -409,8 +409,28 @@ impl Instances {
         .await
     }
 
+    /// Readies `spec` to launch: refuses it while the workload of its lease
+    /// still runs, then gives it host ports from `book`. The claim keeps the
+    /// ports from other launches; hold it until the instance is tracked or
+    /// the launch failed.
+    pub(crate) fn prepare_launch(
+        &self,
+        spec: &mut LaunchSpec,
+        book: &Arc<PortBook>,
+    ) -> Result<PortClaim, ProviderError> {
+        if let Ok(stored) = self.stored(&spec.lease_id)
+            && stored.exit.is_none()
+            && stored.pid.is_some()
+        {
+            return Err(ProviderError::AlreadyRunning(spec.lease_id.clone()));
+        }
+        let (ports, claim) = book.allocate(&spec.lease_id, &spec.ports, self.ports_taken())?;
+        assign_ports(&mut spec.meta, &spec.ports, &ports);
+        Ok(claim)
+    }
+
     /// The host ports running instances hold.
-    pub(crate) fn ports_taken(&self) -> BTreeSet<u16> {
+    fn ports_taken(&self) -> BTreeSet<u16> {
         self.lock().values().filter(|t| t.stored.exit.is_none()).flat_map(|t| host_ports(&t.stored.meta)).collect()
     }
 

@@ -15,8 +15,10 @@ use berth_proto::leases::v1::{
     AssignmentEvent, AssumeCustodyRequest, Lease, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest,
     RenewLeasesResponse, ReportPhaseRequest, WatchAssignmentsRequest, node_leases_client::NodeLeasesClient,
 };
-use berth_rpc::{Channel, FollowingChannel};
+use berth_rpc::Channel;
 use tokio_stream::Stream;
+
+use crate::node_channel::NodeChannel;
 
 /// The node's assignments, as the leases service streams them.
 pub(crate) type AssignmentStream = Pin<Box<dyn Stream<Item = Result<AssignmentEvent, tonic::Status>> + Send>>;
@@ -47,18 +49,9 @@ pub(crate) fn is_transient(status: &tonic::Status) -> bool {
 }
 
 /// The leases service over mTLS gRPC, presenting the node certificate.
+#[derive(Debug)]
 pub(crate) struct GrpcNodeLeases {
-    channel: FollowingChannel,
-    timeout: Duration,
-}
-
-impl std::fmt::Debug for GrpcNodeLeases {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrpcNodeLeases")
-            .field("addr", &self.channel.addr())
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
+    channel: NodeChannel,
 }
 
 impl GrpcNodeLeases {
@@ -68,32 +61,11 @@ impl GrpcNodeLeases {
         credentials: TlsCredentials,
         timeout: Duration,
     ) -> Result<Self, berth_rpc::ClientError> {
-        Ok(Self { channel: FollowingChannel::new(addr, credentials)?, timeout })
+        Ok(Self { channel: NodeChannel::new("leases", addr, credentials, timeout)? })
     }
 
     fn client(&self) -> NodeLeasesClient<Channel> {
         NodeLeasesClient::new(self.channel.channel())
-    }
-
-    /// Runs one unary call under the timeout.
-    async fn call<T, F>(&self, request: F) -> Result<T, tonic::Status>
-    where
-        F: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    {
-        match tokio::time::timeout(self.timeout, request).await {
-            Ok(result) => result.map(tonic::Response::into_inner),
-            Err(_) => Err(tonic::Status::deadline_exceeded(format!(
-                "leases at {} did not answer within {:?}",
-                self.channel.addr(),
-                self.timeout
-            ))),
-        }
-    }
-
-    fn request<T>(&self, message: T) -> tonic::Request<T> {
-        let mut request = tonic::Request::new(message);
-        request.set_timeout(self.timeout);
-        request
     }
 }
 
@@ -103,27 +75,27 @@ impl NodeLeasesApi for GrpcNodeLeases {
         let request = WatchAssignmentsRequest { node_id: node_id.to_string(), resume_cursor };
         // The stream lives as long as the node's session: no deadline on
         // it, only on opening it.
-        let stream = self.call(self.client().watch_assignments(request)).await?;
+        let stream = self.channel.call(self.client().watch_assignments(request)).await?;
         Ok(Box::pin(stream))
     }
 
     async fn report_phase(&self, request: ReportPhaseRequest) -> Result<Lease, tonic::Status> {
-        let response = self.call(self.client().report_phase(self.request(request))).await?;
+        let response = self.channel.call(self.client().report_phase(self.channel.request(request))).await?;
         response
             .lease
             .ok_or_else(|| tonic::Status::internal("the leases service answered ReportPhase without the lease"))
     }
 
     async fn renew_leases(&self, request: RenewLeasesRequest) -> Result<RenewLeasesResponse, tonic::Status> {
-        self.call(self.client().renew_leases(self.request(request))).await
+        self.channel.call(self.client().renew_leases(self.channel.request(request))).await
     }
 
     async fn reconcile_node(&self, request: ReconcileNodeRequest) -> Result<ReconcileNodeResponse, tonic::Status> {
-        self.call(self.client().reconcile_node(self.request(request))).await
+        self.channel.call(self.client().reconcile_node(self.channel.request(request))).await
     }
 
     async fn assume_custody(&self, request: AssumeCustodyRequest) -> Result<Lease, tonic::Status> {
-        let response = self.call(self.client().assume_custody(self.request(request))).await?;
+        let response = self.channel.call(self.client().assume_custody(self.channel.request(request))).await?;
         response
             .lease
             .ok_or_else(|| tonic::Status::internal("the leases service answered AssumeCustody without the lease"))

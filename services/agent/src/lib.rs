@@ -53,6 +53,7 @@ mod keepalive;
 mod leases_client;
 mod log_rotation;
 mod logs;
+mod node_channel;
 mod process;
 mod procfs;
 mod provider;

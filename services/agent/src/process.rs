@@ -60,8 +60,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::instances::{
-    Instances, PortBook, StoredExit, StoredRecord, Tracked, assign_ports, blocking, from_unix_ms, load_records,
-    prepare, unix_ms, validate_lease_id, write_record,
+    Instances, PortBook, StoredExit, StoredRecord, Tracked, blocking, from_unix_ms, load_records, prepare, unix_ms,
+    validate_lease_id, write_record,
 };
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
@@ -223,16 +223,8 @@ impl Provider for ProcessProvider {
         }
         let bundle = spec.root.bundle_dir().map(Path::to_path_buf);
         let program = spec.program_path(bundle.as_deref())?;
-        if let Ok(stored) = self.inner.instances.stored(&spec.lease_id)
-            && stored.exit.is_none()
-            && stored.pid.is_some()
-        {
-            return Err(ProviderError::AlreadyRunning(spec.lease_id));
-        }
         let mut spec = spec;
-        let taken = self.inner.instances.ports_taken();
-        let (ports, _claim) = self.inner.ports.allocate(&spec.lease_id, &spec.ports, taken)?;
-        assign_ports(&mut spec.meta, &spec.ports, &ports);
+        let _claim = self.inner.instances.prepare_launch(&mut spec, &self.inner.ports)?;
 
         let layout = self.inner.instances.layout.clone();
         let first = StoredRecord::starting(&spec);
@@ -466,6 +458,16 @@ mod tests {
         Path::new(PROC_ROOT)
     }
 
+    /// Waits until the number of processes in group `pgid` is as `count`
+    /// wants it; `what` names the wait.
+    async fn group_until(what: &str, pgid: i32, count: impl Fn(usize) -> bool) {
+        eventually(what, PATIENCE, || async {
+            let members = procfs::group_members(proc_root(), pgid);
+            if count(members.len()) { Ok(()) } else { Err(members) }
+        })
+        .await;
+    }
+
     #[tokio::test]
     async fn a_command_runs_in_its_own_directory_with_its_own_environment_and_its_exit_code_is_kept() {
         let tmp = TestDir::new();
@@ -500,11 +502,7 @@ mod tests {
         let provider = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
         let mut launched = provider.launch(spec("lease-b", "sleep 1000 & sleep 1000")).await.unwrap();
         let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
-        eventually("three processes to be in the group", PATIENCE, || async {
-            let members = procfs::group_members(proc_root(), pgid);
-            if members.len() == 3 { Ok(()) } else { Err(members) }
-        })
-        .await;
+        group_until("three processes to be in the group", pgid, |n| n == 3).await;
 
         provider.destroy("lease-b").await.unwrap();
         assert!(procfs::group_members(proc_root(), pgid).is_empty(), "the backgrounded sleep survived");
@@ -523,11 +521,7 @@ mod tests {
         // An ignored signal stays ignored across exec: the sleep ignores it too.
         let mut launched = provider.launch(spec("lease-c", "trap '' TERM; sleep 1000")).await.unwrap();
         let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
-        eventually("the sleep to start", PATIENCE, || async {
-            let members = procfs::group_members(proc_root(), pgid);
-            if members.len() == 2 { Ok(()) } else { Err(members) }
-        })
-        .await;
+        group_until("the sleep to start", pgid, |n| n == 2).await;
         let started = tokio::time::Instant::now();
         provider.destroy("lease-c").await.unwrap();
         assert!(started.elapsed() >= Duration::from_millis(300), "SIGKILL came before the grace ran out");
@@ -630,11 +624,7 @@ mod tests {
         let first = ProcessProvider::new(tmp.path(), timing(), first_stop.clone());
         let launched = first.launch(spec("lease-j", "sleep 1000 & sleep 0.3")).await.unwrap();
         let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
-        eventually("the background sleep to start", PATIENCE, || async {
-            let members = procfs::group_members(proc_root(), pgid);
-            if members.len() >= 2 { Ok(()) } else { Err(members) }
-        })
-        .await;
+        group_until("the background sleep to start", pgid, |n| n >= 2).await;
         first_stop.cancel();
         drop(first);
         // The leader exits with no agent watching; its background sleep stays.
@@ -649,11 +639,7 @@ mod tests {
         let second = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
         let recovered = second.recover().await.unwrap();
         assert_eq!(recovered[0].exit.borrow().map(|e| e.status), Some(ExitStatus::Unknown));
-        eventually("the leftover to be killed", PATIENCE, || async {
-            let members = procfs::group_members(proc_root(), pgid);
-            if members.is_empty() { Ok(()) } else { Err(members) }
-        })
-        .await;
+        group_until("the leftover to be killed", pgid, |n| n == 0).await;
     }
 
     #[tokio::test]
@@ -664,11 +650,7 @@ mod tests {
         let mut launched = provider.launch(spec("lease-f", script)).await.unwrap();
         let logs = provider.log_files("lease-f").unwrap();
         let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
-        eventually("the traps to be set", PATIENCE, || async {
-            let members = procfs::group_members(proc_root(), pgid);
-            if members.len() >= 2 { Ok(()) } else { Err(members) }
-        })
-        .await;
+        group_until("the traps to be set", pgid, |n| n >= 2).await;
         provider.signal("lease-f", WorkloadSignal::Hup).await.unwrap();
         eventually("the workload to echo reloaded", PATIENCE, || async {
             let stdout = std::fs::read_to_string(&logs.stdout).unwrap_or_default();

@@ -33,6 +33,13 @@ async fn push_hello(reference: &str) -> Digest {
     client.push(&packed, &reference, &RegistryCredentials::Anonymous).await.unwrap()
 }
 
+/// Pushes `examples/hello` into the OCI layout `layout`; its digest, and
+/// the repository (`oci:DIR`) that holds it.
+async fn push_hello_to_layout(layout: &Path) -> (Digest, String) {
+    let digest = push_hello(&format!("oci:{}:hello", layout.display())).await;
+    (digest, format!("oci:{}", layout.display()))
+}
+
 /// A replica of revision `revision` of the hello service, running the
 /// bundle `digest` of `repository` (`host:port/repo` or `oci:DIR`).
 fn hello(repository: &str, digest: &Digest, revision: &str) -> leases::Workload {
@@ -91,13 +98,10 @@ async fn a_bundle_from_a_registry_answers_on_its_port_and_later_leases_of_it_run
     let mut registry = TestRegistry::start().await.unwrap();
     let digest = push_hello(&registry.reference("hello:v1")).await;
     let repository = registry.reference("hello");
-    let plane = ControlPlane::start(Duration::from_secs(5)).await;
-    let dir = TestDir::new();
-    let agent = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let (plane, _dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
 
     let lease = plane.request_workload("hello-1", hello(&repository, &digest, "hello-00001")).await;
-    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
-    let instance = agent.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await;
+    let instance = agent.started(&plane, &lease.lease_id).await;
     assert_eq!(instance.digest, digest.to_string());
     assert_eq!((instance.service.as_str(), instance.revision.as_str()), ("hello", "hello-00001"));
     assert_ne!(instance.port, 0, "{instance:?}");
@@ -118,8 +122,7 @@ async fn a_bundle_from_a_registry_answers_on_its_port_and_later_leases_of_it_run
     }
     let mut ports = Vec::new();
     for lease_id in &replicas {
-        plane.phase_until(lease_id, LeasePhase::Running).await;
-        let instance = agent.instance_until(&plane, lease_id, "running", |i| i.pid != 0).await;
+        let instance = agent.started(&plane, lease_id).await;
         assert_eq!(answer(instance.port, "/").await, (200, "hello from hello-00002\n".to_string()));
         ports.push((instance.port, instance.pid));
     }
@@ -139,9 +142,7 @@ async fn a_bundle_from_a_registry_answers_on_its_port_and_later_leases_of_it_run
 async fn a_lease_of_a_digest_the_registry_does_not_have_fails_naming_it_and_runs_nothing() {
     let registry = TestRegistry::start().await.unwrap();
     push_hello(&registry.reference("hello:v1")).await;
-    let plane = ControlPlane::start(Duration::from_secs(5)).await;
-    let dir = TestDir::new();
-    let agent = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let (plane, dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
     let node_id = agent.handle.node_id();
 
     let missing = Digest::of(b"a manifest no one pushed");
@@ -161,15 +162,11 @@ async fn a_lease_of_a_digest_the_registry_does_not_have_fails_naming_it_and_runs
 #[tokio::test]
 async fn a_bundle_from_an_oci_layout_runs_with_no_registry_in_its_own_directory() {
     let layout = TestDir::new();
-    let digest = push_hello(&format!("oci:{}:hello", layout.path().display())).await;
-    let plane = ControlPlane::start(Duration::from_secs(5)).await;
-    let dir = TestDir::new();
-    let agent = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let (digest, repository) = push_hello_to_layout(layout.path()).await;
+    let (plane, dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
 
-    let repository = format!("oci:{}", layout.path().display());
     let lease = plane.request_workload("layout", hello(&repository, &digest, "hello-00007")).await;
-    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
-    let instance = agent.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await;
+    let instance = agent.started(&plane, &lease.lease_id).await;
     assert_eq!(answer(instance.port, "/").await, (200, "hello from hello-00007\n".to_string()));
 
     // The workload works in its lease's own directory, which is all it sees
@@ -199,15 +196,11 @@ async fn a_bundle_from_an_oci_layout_runs_with_no_registry_in_its_own_directory(
 #[tokio::test]
 async fn an_adopted_bundle_workload_keeps_its_port_across_an_agent_restart() {
     let layout = TestDir::new();
-    let digest = push_hello(&format!("oci:{}:hello", layout.path().display())).await;
-    let repository = format!("oci:{}", layout.path().display());
-    let plane = ControlPlane::start(Duration::from_secs(5)).await;
-    let dir = TestDir::new();
-    let first = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let (digest, repository) = push_hello_to_layout(layout.path()).await;
+    let (plane, dir, first) = plane_with_agent(Duration::from_secs(5)).await;
 
     let lease = plane.request_workload("kept", hello(&repository, &digest, "hello-00001")).await;
-    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
-    let before = first.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await;
+    let before = first.started(&plane, &lease.lease_id).await;
     assert_eq!(answer(before.port, "/").await.0, 200);
     first.kill().await;
 
@@ -219,8 +212,7 @@ async fn an_adopted_bundle_workload_keeps_its_port_across_an_agent_restart() {
 
     // A replica started after the restart gets a port of its own.
     let next = plane.request_workload("next", hello(&repository, &digest, "hello-00001")).await;
-    plane.phase_until(&next.lease_id, LeasePhase::Running).await;
-    let started = second.instance_until(&plane, &next.lease_id, "running", |i| i.pid != 0).await;
+    let started = second.started(&plane, &next.lease_id).await;
     assert_ne!(started.port, adopted.port);
     assert_eq!(answer(started.port, "/").await.0, 200);
 

@@ -23,6 +23,28 @@ fn agent(args: &[&str], data_dir: &Path) -> Output {
     command.arg("--data-dir").arg(data_dir).args(args).output().unwrap()
 }
 
+/// What the agent printed to stderr; fails unless it exited with `code`.
+fn stderr_of_exit(out: &Output, code: i32) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(code), "{stderr}");
+    stderr
+}
+
+/// A join with a token and `ca_file` as its `--ca-file`.
+fn join_with_ca_file(ca_file: &Path, data_dir: &Path) -> Output {
+    let args = [
+        "--server",
+        "127.0.0.1:1",
+        "--advertise-addr",
+        "a:1",
+        "--join-token",
+        "t",
+        "--ca-file",
+        ca_file.to_str().unwrap(),
+    ];
+    agent(&args, data_dir)
+}
+
 fn error_lines(stderr: &str) -> Vec<&str> {
     stderr.lines().filter(|l| l.starts_with("berth-agent: error:")).collect()
 }
@@ -65,8 +87,7 @@ fn a_host_with_no_identity_and_no_token_is_told_to_pass_one() {
         &["--server", "127.0.0.1:1", "--advertise-addr", "127.0.0.1:7447", "--listen", "127.0.0.1:0"],
         tmp.path(),
     );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let stderr = stderr_of_exit(&out, 1);
     let errors = error_lines(&stderr);
     assert_eq!(errors.len(), 1, "{stderr}");
     assert!(errors[0].contains("no node identity") && errors[0].contains("--join-token"), "{stderr}");
@@ -79,8 +100,7 @@ fn joining_without_a_ca_file_names_the_flag() {
     let tmp = tempfile::tempdir().unwrap();
     let args = ["--server", "127.0.0.1:1", "--advertise-addr", "127.0.0.1:7447", "--join-token", "berth-join.a.b"];
     let out = agent(&args, tmp.path());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let stderr = stderr_of_exit(&out, 1);
     let errors = error_lines(&stderr);
     assert!(errors.len() == 1 && errors[0].contains("--ca-file"), "{stderr}");
 }
@@ -89,19 +109,8 @@ fn joining_without_a_ca_file_names_the_flag() {
 fn a_missing_ca_file_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let missing = tmp.path().join("nope.pem");
-    let args = [
-        "--server",
-        "127.0.0.1:1",
-        "--advertise-addr",
-        "a:1",
-        "--join-token",
-        "t",
-        "--ca-file",
-        missing.to_str().unwrap(),
-    ];
-    let out = agent(&args, tmp.path());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let out = join_with_ca_file(&missing, tmp.path());
+    let stderr = stderr_of_exit(&out, 1);
     assert!(error_lines(&stderr).first().is_some_and(|l| l.contains("nope.pem")), "{stderr}");
 }
 
@@ -110,19 +119,8 @@ fn a_ca_file_without_certificates_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let garbage = tmp.path().join("ca.pem");
     std::fs::write(&garbage, "not a certificate").unwrap();
-    let args = [
-        "--server",
-        "127.0.0.1:1",
-        "--advertise-addr",
-        "a:1",
-        "--join-token",
-        "t",
-        "--ca-file",
-        garbage.to_str().unwrap(),
-    ];
-    let out = agent(&args, tmp.path());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let out = join_with_ca_file(&garbage, tmp.path());
+    let stderr = stderr_of_exit(&out, 1);
     let errors = error_lines(&stderr);
     assert!(errors.len() == 1 && errors[0].contains("--ca-file") && errors[0].contains("ca.pem"), "{stderr}");
 }
@@ -131,7 +129,6 @@ fn a_ca_file_without_certificates_is_named() {
 fn a_malformed_label_is_a_usage_error() {
     let tmp = tempfile::tempdir().unwrap();
     let out = agent(&["--server", "s:1", "--advertise-addr", "a:1", "--label", "novalue"], tmp.path());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let stderr = stderr_of_exit(&out, 2);
     assert!(stderr.contains("KEY=VALUE"), "{stderr}");
 }

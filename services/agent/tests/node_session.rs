@@ -209,6 +209,11 @@ impl IdentityUnderTest {
         }
     }
 
+    /// An agent on `dir` joining with a token good for one use.
+    async fn join_agent(&self, dir: &Path) -> RunningAgent {
+        RunningAgent::start(agent_config(self, dir, Some(self.token(1).await))).await
+    }
+
     /// A join token created the way an operator does, through JoinTokens.
     async fn token(&self, max_uses: u32) -> String {
         let request = v1::CreateJoinTokenRequest { max_uses, ttl_seconds: 600, ..Default::default() };
@@ -272,8 +277,10 @@ impl IdentityUnderTest {
         bundle
     }
 
-    /// Polls GetNode until identity no longer knows the node.
-    async fn node_forgotten(&self, node_id: &str) {
+    /// Cuts the node off from identity until identity no longer knows it
+    /// (polling GetNode), then lets it through again.
+    async fn forget_while_cut_off(&self, node_id: &str) {
+        self.relay.go_down();
         eventually(&format!("node {node_id} to be forgotten"), PATIENCE, || async {
             let request = v1::GetNodeRequest { node_id: node_id.into() };
             match NodesClient::new(self.admin_channel.clone()).get_node(request).await {
@@ -282,6 +289,7 @@ impl IdentityUnderTest {
             }
         })
         .await;
+        self.relay.come_back();
     }
 
     /// Polls GetNode until `pred` holds.
@@ -363,6 +371,22 @@ impl RunningAgent {
         self.stop.cancel();
         self.handle.wait().await
     }
+
+    /// Collects every status until the agent stops that says its session
+    /// was disturbed: retrying, or fenced.
+    fn trouble_seen(&self) -> tokio::task::JoinHandle<Vec<AgentStatus>> {
+        let mut status = self.handle.status();
+        tokio::spawn(async move {
+            let mut trouble = Vec::new();
+            while status.changed().await.is_ok() {
+                let now = status.borrow_and_update().clone();
+                if matches!(now, AgentStatus::Retrying { .. } | AgentStatus::Fenced { .. }) {
+                    trouble.push(now);
+                }
+            }
+            trouble
+        })
+    }
 }
 
 /// The SHA-256 of the certificate the agent API serves right now.
@@ -386,7 +410,7 @@ fn pem_fingerprint(pem: &str) -> String {
 async fn a_host_joins_heartbeats_and_is_up_with_its_key_kept_private() {
     let identity = IdentityUnderTest::start(Duration::from_secs(600), node_timing()).await;
     let dir = tempfile::tempdir().unwrap();
-    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let agent = identity.join_agent(dir.path()).await;
     let (node_id, incarnation) = agent.up().await;
     assert_eq!(agent.handle.node_id(), node_id);
     assert_eq!(incarnation, 1);
@@ -417,7 +441,7 @@ async fn a_host_joins_heartbeats_and_is_up_with_its_key_kept_private() {
 async fn a_restarted_agent_resumes_the_same_node_without_a_token() {
     let identity = IdentityUnderTest::start(Duration::from_secs(600), node_timing()).await;
     let dir = tempfile::tempdir().unwrap();
-    let first = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let first = identity.join_agent(dir.path()).await;
     let (node_id, _) = first.up().await;
     first.stop().await.unwrap();
     let stopped_at = SystemTime::now();
@@ -451,19 +475,12 @@ async fn the_certificate_renews_again_and_again_and_the_api_serves_each_renewal(
     let ttl = Duration::from_secs(3);
     let identity = IdentityUnderTest::start(ttl, node_timing()).await;
     let dir = tempfile::tempdir().unwrap();
-    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let agent = identity.join_agent(dir.path()).await;
     let (node_id, _) = agent.up().await;
     let first_expiry = agent.handle.credentials().not_after();
 
-    // Record every status change: a renewal must never cost a failed beat.
-    let mut status = agent.handle.status();
-    let watcher = tokio::spawn(async move {
-        let mut seen = Vec::new();
-        while status.changed().await.is_ok() {
-            seen.push(status.borrow_and_update().clone());
-        }
-        seen
-    });
+    // A renewal must never cost a failed beat.
+    let watcher = agent.trouble_seen();
 
     let served = RefCell::new(vec![served_fingerprint(agent.handle.local_addr(), &identity.admin).await]);
     eventually("the agent API to serve four certificates in turn", PATIENCE, || async {
@@ -495,9 +512,7 @@ async fn the_certificate_renews_again_and_again_and_the_api_serves_each_renewal(
     assert_eq!(node.state, up());
     assert_eq!(node.incarnation, 1, "renewal is not a rejoin");
     agent.stop().await.unwrap();
-    let seen = watcher.await.unwrap();
-    let trouble: Vec<_> =
-        seen.iter().filter(|s| matches!(s, AgentStatus::Retrying { .. } | AgentStatus::Fenced { .. })).collect();
+    let trouble = watcher.await.unwrap();
     assert!(trouble.is_empty(), "renewals disturbed the session: {trouble:?}");
     identity.cleanup().await;
 }
@@ -507,7 +522,7 @@ async fn a_node_reaped_while_partitioned_is_fenced_and_rejoins_under_a_new_incar
     let timing = NodeTiming { reap_after: Duration::from_millis(500), ..node_timing() };
     let identity = IdentityUnderTest::start(Duration::from_secs(600), timing).await;
     let dir = tempfile::tempdir().unwrap();
-    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let agent = identity.join_agent(dir.path()).await;
     let (node_id, incarnation) = agent.up().await;
     let mut fences = agent.handle.fences();
     assert!(fences.borrow_and_update().is_none());
@@ -542,7 +557,7 @@ async fn an_identity_outage_is_retried_with_backoff_and_the_node_recovers() {
         NodeTiming { down_after: Duration::from_secs(30), reset_grace: Duration::from_secs(30), ..node_timing() };
     let identity = IdentityUnderTest::start(Duration::from_secs(600), timing).await;
     let dir = tempfile::tempdir().unwrap();
-    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let agent = identity.join_agent(dir.path()).await;
     let (node_id, incarnation) = agent.up().await;
 
     let outage = Duration::from_millis(2500);
@@ -775,9 +790,7 @@ async fn a_token_rotated_in_its_file_is_the_one_a_forgotten_node_rejoins_with() 
 
     // The operator rotates the token: the Secret's file is rewritten in place.
     std::fs::write(&token_file, identity.token(1).await).unwrap();
-    identity.relay.go_down();
-    identity.node_forgotten(&old_node).await;
-    identity.relay.come_back();
+    identity.forget_while_cut_off(&old_node).await;
 
     let status =
         agent.status_until("up as a new node", |s| s.is_up() && s.session().unwrap().node_id != old_node).await;
@@ -797,9 +810,7 @@ async fn a_forgotten_node_discards_its_identity_and_rejoins_with_its_token() {
     let (old_node, _) = agent.up().await;
     let fences = agent.handle.fences();
 
-    identity.relay.go_down();
-    identity.node_forgotten(&old_node).await;
-    identity.relay.come_back();
+    identity.forget_while_cut_off(&old_node).await;
 
     let status =
         agent.status_until("up as a new node", |s| s.is_up() && s.session().unwrap().node_id != old_node).await;
@@ -824,19 +835,9 @@ async fn a_rotated_ca_reaches_the_agent_before_it_signs_and_renewals_follow_it()
     // certificate (whose notAfter is in whole seconds) runs out.
     let identity = IdentityUnderTest::start_with(Duration::from_secs(6), node_timing(), authority).await;
     let dir = tempfile::tempdir().unwrap();
-    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let agent = identity.join_agent(dir.path()).await;
     agent.up().await;
-    let mut status = agent.handle.status();
-    let watcher = tokio::spawn(async move {
-        let mut trouble = Vec::new();
-        while status.changed().await.is_ok() {
-            let now = status.borrow_and_update().clone();
-            if matches!(now, AgentStatus::Retrying { .. } | AgentStatus::Fenced { .. }) {
-                trouble.push(now);
-            }
-        }
-        trouble
-    });
+    let watcher = agent.trouble_seen();
 
     let prepared = identity.rotate_ca(false).await;
     assert_eq!(certs_from_pem("bundle", &prepared).unwrap().len(), 2);
@@ -880,7 +881,7 @@ async fn a_node_away_through_a_forced_ca_activation_is_told_how_to_recover_and_d
     let authority = AuthorityTiming { min_prepared: Duration::ZERO, ..AuthorityTiming::default() };
     let identity = IdentityUnderTest::start_with(Duration::from_secs(3600), node_timing(), authority).await;
     let dir = tempfile::tempdir().unwrap();
-    let agent = RunningAgent::start(agent_config(&identity, dir.path(), Some(identity.token(1).await))).await;
+    let agent = identity.join_agent(dir.path()).await;
     agent.up().await;
     agent.stop().await.unwrap();
 

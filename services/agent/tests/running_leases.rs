@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use berth_agent::FenceReason;
+use berth_agent::{AgentConfig, FenceReason};
 use berth_identity::NodeTiming;
 use berth_proto::agent::v1 as agent;
 use berth_proto::identity::v1 as identity;
@@ -82,15 +82,24 @@ impl Drop for Relay {
     }
 }
 
+/// A control plane whose nodes follow `nodes` and whose leases live `ttl`,
+/// and the config of an agent on `dir` that reaches identity only through a
+/// [`Relay`].
+async fn behind_relay(ttl: Duration, nodes: NodeTiming, dir: &TestDir) -> (ControlPlane, Relay, AgentConfig) {
+    let plane = ControlPlane::start_with(ttl, nodes).await;
+    let relay = Relay::start(&plane.identity_addr).await;
+    let mut config = agent_config(&plane, dir.path());
+    config.server = relay.addr.clone();
+    (plane, relay, config)
+}
+
 // ---------------------------------------------------------------------------
 // Tests
 // ---------------------------------------------------------------------------
 
 #[tokio::test]
 async fn a_lease_runs_to_done_and_a_failing_one_is_failed_with_its_exit_code() {
-    let plane = ControlPlane::start(Duration::from_secs(5)).await;
-    let dir = TestDir::new();
-    let agent = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let (plane, dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
     let node_id = agent.handle.node_id();
 
     let lease = plane.request("ok", "sleep 1; exit 0").await;
@@ -134,12 +143,9 @@ async fn a_lease_runs_to_done_and_a_failing_one_is_failed_with_its_exit_code() {
 
 #[tokio::test]
 async fn a_killed_agent_leaves_its_workload_running_and_the_next_one_adopts_it() {
-    let plane = ControlPlane::start(Duration::from_secs(3)).await;
-    let dir = TestDir::new();
-    let first = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let (plane, dir, first) = plane_with_agent(Duration::from_secs(3)).await;
     let lease = plane.request("adopt", "exec sleep 1000").await;
-    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
-    let pid = first.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await.pid;
+    let pid = first.started(&plane, &lease.lease_id).await.pid;
     let started = start_ticks(pid).unwrap();
     first.kill().await;
     assert_eq!(start_ticks(pid), Some(started), "killing the agent left the workload alone");
@@ -165,12 +171,9 @@ async fn a_killed_agent_leaves_its_workload_running_and_the_next_one_adopts_it()
 #[tokio::test]
 async fn a_workload_whose_lease_expired_while_the_agent_was_away_is_destroyed() {
     let ttl = Duration::from_secs(1);
-    let plane = ControlPlane::start(ttl).await;
-    let dir = TestDir::new();
-    let first = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let (plane, dir, first) = plane_with_agent(ttl).await;
     let lease = plane.request("orphan", "sleep 1000 & exec sleep 1000").await;
-    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
-    let pid = first.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await.pid;
+    let pid = first.started(&plane, &lease.lease_id).await.pid;
     first.kill().await;
 
     plane.phase_until(&lease.lease_id, LeasePhase::Expired).await;
@@ -189,14 +192,11 @@ async fn a_workload_whose_lease_expired_while_the_agent_was_away_is_destroyed() 
 
 #[tokio::test]
 async fn the_agent_api_shows_the_logs_and_a_term_signal_ends_the_workload() {
-    let plane = ControlPlane::start(Duration::from_secs(5)).await;
-    let dir = TestDir::new();
-    let agent = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let (plane, _dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
     let script = "echo $GREETING from $BERTH_LEASE_ID; echo oops >&2; \
                   trap 'echo bye; exit 0' TERM; while true; do sleep 0.05; done";
     let lease = plane.request("logs", script).await;
-    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
-    agent.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await;
+    agent.started(&plane, &lease.lease_id).await;
 
     let logs = |follow| agent::GetLogsRequest { lease_id: lease.lease_id.clone(), follow, tail_lines: 0 };
     let expected = format!("hello from {}\n", lease.lease_id);
@@ -250,8 +250,7 @@ async fn the_agent_api_shows_the_logs_and_a_term_signal_ends_the_workload() {
 
     // A workload that does not catch TERM is killed by it: FAILED.
     let lease = plane.request("killed", "exec sleep 1000").await;
-    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
-    let pid = agent.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await.pid;
+    let pid = agent.started(&plane, &lease.lease_id).await.pid;
     let signal = agent::SignalInstanceRequest { lease_id: lease.lease_id.clone(), signal: agent::Signal::Term as i32 };
     agent.api(&plane).signal_instance(signal).await.unwrap();
     let failed = plane.phase_until(&lease.lease_id, LeasePhase::Failed).await;
@@ -283,11 +282,8 @@ async fn a_fenced_node_holds_its_workload_in_custody_and_takes_it_back_after_rej
         reset_grace: Duration::from_millis(600),
         ..node_timing()
     };
-    let plane = ControlPlane::start_with(Duration::from_secs(3), nodes).await;
-    let relay = Relay::start(&plane.identity_addr).await;
     let dir = TestDir::new();
-    let mut config = agent_config(&plane, dir.path());
-    config.server = relay.addr.clone();
+    let (plane, relay, config) = behind_relay(Duration::from_secs(3), nodes, &dir).await;
     let agent = RunningAgent::start(config).await;
     let node_id = agent.handle.node_id();
     let lease = plane.request("fenced", "exec sleep 1000").await;
@@ -324,12 +320,9 @@ async fn a_fenced_node_holds_its_workload_in_custody_and_takes_it_back_after_rej
 
 #[tokio::test]
 async fn a_revoked_node_destroys_its_workloads_before_the_agent_exits() {
-    let plane = ControlPlane::start(Duration::from_secs(5)).await;
-    let dir = TestDir::new();
-    let agent = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    let (plane, _dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
     let lease = plane.request("revoked", "sleep 1000 & exec sleep 1000").await;
-    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
-    let pid = agent.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await.pid;
+    let pid = agent.started(&plane, &lease.lease_id).await.pid;
 
     let request = identity::RevokeNodeRequest { node_id: agent.handle.node_id(), reason: "decommissioned".into() };
     identity::nodes_client::NodesClient::new(plane.channel(&plane.identity_addr)).revoke_node(request).await.unwrap();
@@ -348,11 +341,8 @@ async fn a_node_that_cannot_rejoin_holds_its_workload_for_the_stop_grace_and_onl
         reset_grace: Duration::from_millis(600),
         ..node_timing()
     };
-    let plane = ControlPlane::start_with(Duration::from_secs(30), nodes).await;
-    let relay = Relay::start(&plane.identity_addr).await;
     let dir = TestDir::new();
-    let mut config = agent_config(&plane, dir.path());
-    config.server = relay.addr.clone();
+    let (plane, relay, mut config) = behind_relay(Duration::from_secs(30), nodes, &dir).await;
     RunningAgent::start(config.clone()).await.kill().await;
     // Resumed without a token: once identity forgets the node, nothing can
     // bring it back.
@@ -364,8 +354,7 @@ async fn a_node_that_cannot_rejoin_holds_its_workload_for_the_stop_grace_and_onl
     let agent = RunningAgent::start(config).await;
     let node_id = agent.handle.node_id();
     let lease = plane.request("stranded", "exec sleep 1000").await;
-    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
-    let pid = agent.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await.pid;
+    let pid = agent.started(&plane, &lease.lease_id).await.pid;
     let mut fences = agent.handle.fences();
 
     relay.go_down();

@@ -25,12 +25,13 @@ use berth_mtls::TlsCredentials;
 use berth_proto::egress::v1::{
     AckEgressRequest, NodeEgressState, WatchEgressRequest, node_egress_client::NodeEgressClient,
 };
-use berth_rpc::{Channel, FollowingChannel};
+use berth_rpc::Channel;
 use tokio::sync::watch;
 use tokio_stream::{Stream, StreamExt as _};
 use tokio_util::sync::CancellationToken;
 
 use super::proxies::EgressProxies;
+use crate::node_channel::NodeChannel;
 use crate::rpc_status::{is_transient_code, status_text};
 use crate::status::NodeSession;
 use berth_core::backoff::Backoff;
@@ -61,18 +62,9 @@ pub(crate) trait NodeEgressApi: Send + Sync + std::fmt::Debug {
 }
 
 /// The egress service over mTLS gRPC, presenting the node certificate.
+#[derive(Debug)]
 pub(crate) struct GrpcNodeEgress {
-    channel: FollowingChannel,
-    timeout: Duration,
-}
-
-impl std::fmt::Debug for GrpcNodeEgress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrpcNodeEgress")
-            .field("addr", &self.channel.addr())
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
+    channel: NodeChannel,
 }
 
 impl GrpcNodeEgress {
@@ -82,19 +74,11 @@ impl GrpcNodeEgress {
         credentials: TlsCredentials,
         timeout: Duration,
     ) -> Result<Self, berth_rpc::ClientError> {
-        Ok(Self { channel: FollowingChannel::new(addr, credentials)?, timeout })
+        Ok(Self { channel: NodeChannel::new("egress", addr, credentials, timeout)? })
     }
 
     fn client(&self) -> NodeEgressClient<Channel> {
         NodeEgressClient::new(self.channel.channel()).max_decoding_message_size(MAX_NODE_STATE_BYTES)
-    }
-
-    fn late(&self) -> tonic::Status {
-        tonic::Status::deadline_exceeded(format!(
-            "egress at {} did not answer within {:?}",
-            self.channel.addr(),
-            self.timeout
-        ))
     }
 }
 
@@ -103,16 +87,12 @@ impl NodeEgressApi for GrpcNodeEgress {
     async fn watch_egress(&self, node_id: &str) -> Result<EgressStream, tonic::Status> {
         let request = WatchEgressRequest { node_id: node_id.to_string() };
         // The stream lives as long as the node's session: only opening it has a deadline.
-        let opened = tokio::time::timeout(self.timeout, self.client().watch_egress(request)).await;
-        let stream = opened.map_err(|_| self.late())??.into_inner();
+        let stream = self.channel.call(self.client().watch_egress(request)).await?;
         Ok(Box::pin(stream))
     }
 
     async fn ack_egress(&self, request: AckEgressRequest) -> Result<(), tonic::Status> {
-        let mut request = tonic::Request::new(request);
-        request.set_timeout(self.timeout);
-        let acked = tokio::time::timeout(self.timeout, self.client().ack_egress(request)).await;
-        acked.map_err(|_| self.late())?.map(|_| ())
+        self.channel.call(self.client().ack_egress(self.channel.request(request))).await.map(|_| ())
     }
 
     fn reconnect(&self) {

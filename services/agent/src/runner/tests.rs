@@ -287,6 +287,20 @@ fn settings() -> RunnerSettings {
     }
 }
 
+/// [`settings`] with a sweep every `interval`.
+fn with_sweep_interval(interval: Duration) -> RunnerSettings {
+    let mut settings = settings();
+    settings.timing.sweep_interval = interval;
+    settings
+}
+
+/// [`settings`] with a stop grace of `grace`.
+fn with_stop_grace(grace: Duration) -> RunnerSettings {
+    let mut settings = settings();
+    settings.timing.stop_grace = grace;
+    settings
+}
+
 fn session(incarnation: u64) -> NodeSession {
     NodeSession { node_id: NODE.into(), incarnation }
 }
@@ -462,6 +476,18 @@ impl Harness {
     }
 }
 
+/// A fresh directory and an empty fake ledger.
+fn fresh() -> (TestDir, Arc<FakeLeases>) {
+    (TestDir::new(), Arc::new(FakeLeases::default()))
+}
+
+/// A fresh directory and fake ledger, and a runner serving over them.
+async fn serving_runner(settings: RunnerSettings) -> (TestDir, Arc<FakeLeases>, Harness) {
+    let (dir, fake) = fresh();
+    let runner = Harness::serving(&fake, dir.path(), settings).await;
+    (dir, fake, runner)
+}
+
 /// Places `lease_id` on the fake ledger running `command`; its pid once it
 /// runs.
 async fn run_lease(fake: &FakeLeases, runner: &Harness, lease_id: &str, command: &str) -> u32 {
@@ -499,8 +525,7 @@ fn alive(pid: u32) -> bool {
 
 #[tokio::test]
 async fn launching_is_reported_before_the_workload_starts_then_running_then_done() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
+    let (dir, fake) = fresh();
     let gate = Arc::new(Semaphore::new(0));
     *fake.launch_gate.lock().unwrap() = Some(gate.clone());
     let runner = Harness::serving(&fake, dir.path(), settings()).await;
@@ -584,9 +609,7 @@ async fn a_bundle_is_pulled_while_the_lease_is_bound_and_runs_once_launching_is_
 
 #[tokio::test]
 async fn a_failing_workload_is_failed_with_its_exit_code() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::serving(&fake, dir.path(), settings()).await;
+    let (_dir, fake, runner) = serving_runner(settings()).await;
     fake.place("l-1", "exit 3");
     let failed = fake.phase_until("l-1", LeasePhase::Failed).await;
     assert_eq!(failed.exit_code, Some(3));
@@ -616,9 +639,7 @@ async fn a_failing_workload_is_failed_with_its_exit_code() {
 
 #[tokio::test]
 async fn a_released_lease_is_destroyed_and_held_leases_are_renewed_in_one_batch() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::serving(&fake, dir.path(), settings()).await;
+    let (dir, fake, runner) = serving_runner(settings()).await;
     fake.place("l-1", "sleep 1000 & sleep 1000");
     fake.place("l-2", "exec sleep 1000");
     fake.phase_until("l-1", LeasePhase::Running).await;
@@ -655,11 +676,7 @@ async fn a_released_lease_is_destroyed_and_held_leases_are_renewed_in_one_batch(
 
 #[tokio::test]
 async fn a_lease_reported_lost_is_destroyed_and_renewals_go_on_while_a_destroy_waits() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let mut settings = settings();
-    settings.timing.stop_grace = Duration::from_millis(1500);
-    let runner = Harness::serving(&fake, dir.path(), settings).await;
+    let (dir, fake, runner) = serving_runner(with_stop_grace(Duration::from_millis(1500))).await;
     // Ignores SIGTERM: destroying it takes the whole grace.
     fake.place("l-stubborn", "trap '' TERM; sleep 1000");
     fake.place("l-other", "exec sleep 1000");
@@ -692,10 +709,8 @@ async fn a_lease_reported_lost_is_destroyed_and_renewals_go_on_while_a_destroy_w
 
 #[tokio::test]
 async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_rest() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let first = Harness::start(&fake, dir.path(), settings()).await;
-    first.standing_until(Standing::Serving).await;
+    let (dir, fake) = fresh();
+    let first = Harness::serving(&fake, dir.path(), settings()).await;
     fake.place("l-kept", "exec sleep 1000");
     fake.place("l-gone", "exec sleep 1000");
     fake.phase_until("l-kept", LeasePhase::Running).await;
@@ -707,8 +722,7 @@ async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_
     // While no agent watched, one lease was released.
     fake.change("l-gone", None, |l| l.phase = LeasePhase::Released as i32);
     let earlier = fake.ledger().reconciles.len();
-    let second = Harness::start(&fake, dir.path(), settings()).await;
-    second.standing_until(Standing::Serving).await;
+    let second = Harness::serving(&fake, dir.path(), settings()).await;
     gone_until(gone).await;
     assert!(alive(kept));
     let view = second.view_until("l-kept", "taken into custody", |v| v.epoch == 2).await;
@@ -746,12 +760,9 @@ async fn a_restarted_runner_adopts_what_its_leases_still_cover_and_destroys_the_
 
 #[tokio::test]
 async fn a_failed_listing_at_start_reconciles_nothing_until_a_listing_succeeds() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
+    let (dir, fake) = fresh();
     let first = Harness::serving(&fake, dir.path(), settings()).await;
-    fake.place("l-kept", "exec sleep 1000");
-    fake.phase_until("l-kept", LeasePhase::Running).await;
-    let kept = first.pid_of("l-kept").await;
+    let kept = run_lease(&fake, &first, "l-kept", "exec sleep 1000").await;
     first.kill().await;
 
     // The restarted agent cannot read what it runs, twice.
@@ -787,16 +798,13 @@ async fn a_failed_listing_at_start_reconciles_nothing_until_a_listing_succeeds()
 
 #[tokio::test]
 async fn a_destroy_that_fails_is_tried_again_visibly_until_the_workload_is_gone() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
+    let (dir, fake) = fresh();
     let flaky = Arc::new(Mutex::new(None));
     let runner =
         Harness::start_with(&fake, dir.path(), settings(), FlakyInventory::wrapping(0, 2, flaky.clone())).await;
     runner.standing_until(Standing::Serving).await;
     let wrapped = flaky.lock().unwrap().clone().unwrap();
-    fake.place("l-stuck", "exec sleep 1000");
-    fake.phase_until("l-stuck", LeasePhase::Running).await;
-    let pid = runner.pid_of("l-stuck").await;
+    let pid = run_lease(&fake, &runner, "l-stuck", "exec sleep 1000").await;
 
     fake.change("l-stuck", Some(EventKind::Upsert), |l| l.phase = LeasePhase::Released as i32);
     runner.view_until("l-stuck", "shown as failing to be destroyed", |v| v.reason == "DestroyFailing").await;
@@ -811,11 +819,9 @@ async fn a_destroy_that_fails_is_tried_again_visibly_until_the_workload_is_gone(
 
 #[tokio::test]
 async fn a_sweep_finds_and_destroys_a_workload_no_held_lease_covers() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
+    let (dir, fake) = fresh();
     let flaky = Arc::new(Mutex::new(None));
-    let mut quick = settings();
-    quick.timing.sweep_interval = Duration::from_millis(100);
+    let quick = with_sweep_interval(Duration::from_millis(100));
     let runner = Harness::start_with(&fake, dir.path(), quick, FlakyInventory::wrapping(0, 0, flaky.clone())).await;
     runner.standing_until(Standing::Serving).await;
     let wrapped = flaky.lock().unwrap().clone().unwrap();
@@ -832,9 +838,7 @@ async fn a_sweep_finds_and_destroys_a_workload_no_held_lease_covers() {
 
 #[tokio::test]
 async fn a_fenced_node_holds_its_compute_in_custody_and_reconciles_after_it_rejoins() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::serving(&fake, dir.path(), settings()).await;
+    let (dir, fake, runner) = serving_runner(settings()).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     runner.fence(FenceReason::Fenced);
@@ -860,10 +864,8 @@ async fn a_fenced_node_holds_its_compute_in_custody_and_reconciles_after_it_rejo
 
 #[tokio::test]
 async fn compute_held_in_custody_past_the_bound_is_destroyed() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
     let settings = RunnerSettings { max_custody: Some(Duration::from_millis(300)), ..settings() };
-    let runner = Harness::serving(&fake, dir.path(), settings).await;
+    let (_dir, fake, runner) = serving_runner(settings).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     let fenced_at = Instant::now();
@@ -878,14 +880,9 @@ async fn compute_held_in_custody_past_the_bound_is_destroyed() {
 
 #[tokio::test]
 async fn what_a_node_holds_in_custody_is_counted_with_its_age_until_confirmed() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let mut quick = settings();
-    quick.custody_warning = Duration::from_millis(50);
-    let runner = Harness::serving(&fake, dir.path(), quick).await;
-    fake.place("l-1", "exec sleep 1000");
-    fake.phase_until("l-1", LeasePhase::Running).await;
-    let pid = runner.pid_of("l-1").await;
+    let quick = RunnerSettings { custody_warning: Duration::from_millis(50), ..settings() };
+    let (_dir, fake, runner) = serving_runner(quick).await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
     assert_eq!(runner.board.custody(), Custody::default(), "serving: nothing in custody");
 
     let fenced_at = SystemTime::now();
@@ -915,14 +912,8 @@ async fn what_a_node_holds_in_custody_is_counted_with_its_age_until_confirmed() 
 
 #[tokio::test]
 async fn a_node_that_can_never_rejoin_destroys_its_custody_after_the_stop_grace() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let mut short = settings();
-    short.timing.stop_grace = Duration::from_millis(300);
-    let runner = Harness::serving(&fake, dir.path(), short).await;
-    fake.place("l-1", "exec sleep 1000");
-    fake.phase_until("l-1", LeasePhase::Running).await;
-    let pid = runner.pid_of("l-1").await;
+    let (_dir, fake, runner) = serving_runner(with_stop_grace(Duration::from_millis(300))).await;
+    let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     // Fenced, it may still rejoin: custody keeps the work, with no bound set.
     runner.fence(FenceReason::Forgotten);
@@ -943,9 +934,7 @@ async fn a_node_that_can_never_rejoin_destroys_its_custody_after_the_stop_grace(
 
 #[tokio::test]
 async fn a_node_cut_off_from_leases_keeps_its_work_without_a_stop_bound() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::serving(&fake, dir.path(), settings()).await;
+    let (dir, fake, runner) = serving_runner(settings()).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     fake.set_down(true);
@@ -977,8 +966,7 @@ async fn renewed_once_with_stop_bound(fake: &Arc<FakeLeases>, dir: &Path, bound:
 
 #[tokio::test]
 async fn a_node_cut_off_from_leases_past_the_stop_bound_stops_its_work() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
+    let (dir, fake) = fresh();
     let bound = Duration::from_millis(400);
     let (runner, pid, _) = renewed_once_with_stop_bound(&fake, dir.path(), bound).await;
 
@@ -994,8 +982,7 @@ async fn a_node_cut_off_from_leases_past_the_stop_bound_stops_its_work() {
 
 #[tokio::test]
 async fn a_node_whose_renewals_hang_stops_its_work_at_the_bound_not_when_tcp_gives_up() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
+    let (dir, fake) = fresh();
     let bound = Duration::from_millis(400);
     let (runner, pid, stop_grace) = renewed_once_with_stop_bound(&fake, dir.path(), bound).await;
 
@@ -1023,8 +1010,7 @@ async fn cut_until_stopped(fake: &FakeLeases, runner: &Harness, pid: u32, bound:
 /// not from one a (long) guessed interval later.
 #[tokio::test]
 async fn a_node_cut_off_before_its_first_regular_renewal_stops_its_work_at_the_bound() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
+    let (dir, fake) = fresh();
     let bound = Duration::from_millis(400);
     let mut settings = RunnerSettings { stop_after_disconnect: Some(bound), ..settings() };
     // The interval guessed until the service says its TTL: far past the bound.
@@ -1043,8 +1029,7 @@ async fn a_node_cut_off_before_its_first_regular_renewal_stops_its_work_at_the_b
 /// been renewed since the last lease went.
 #[tokio::test]
 async fn a_lease_placed_after_an_idle_stretch_survives_one_failed_renewal() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
+    let (dir, fake) = fresh();
     let bound = Duration::from_secs(1);
     let (runner, pid, _) = renewed_once_with_stop_bound(&fake, dir.path(), bound).await;
     fake.change("l-1", Some(EventKind::Removed), |l| l.phase = LeasePhase::Released as i32);
@@ -1066,9 +1051,7 @@ async fn a_lease_placed_after_an_idle_stretch_survives_one_failed_renewal() {
 
 #[tokio::test]
 async fn a_revoked_node_destroys_what_it_runs() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::serving(&fake, dir.path(), settings()).await;
+    let (_dir, fake, runner) = serving_runner(settings()).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
     runner.fence(FenceReason::Revoked);
     gone_until(pid).await;
@@ -1079,11 +1062,7 @@ async fn a_revoked_node_destroys_what_it_runs() {
 
 #[tokio::test]
 async fn the_sweep_destroys_what_no_open_lease_covers() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let mut settings = settings();
-    settings.timing.sweep_interval = Duration::from_millis(200);
-    let runner = Harness::serving(&fake, dir.path(), settings).await;
+    let (_dir, fake, runner) = serving_runner(with_sweep_interval(Duration::from_millis(200))).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
     // Neither the stream nor the renewals say: only the sweep can find out.
     fake.ledger().renew_blindly = true;
@@ -1095,9 +1074,7 @@ async fn the_sweep_destroys_what_no_open_lease_covers() {
 
 #[tokio::test]
 async fn reports_wait_out_a_leases_outage() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let runner = Harness::serving(&fake, dir.path(), settings()).await;
+    let (_dir, fake, runner) = serving_runner(settings()).await;
     fake.place("l-1", "exec sleep 0.3");
     fake.phase_until("l-1", LeasePhase::Running).await;
     fake.set_down(true);
@@ -1112,8 +1089,7 @@ async fn reports_wait_out_a_leases_outage() {
 
 #[tokio::test]
 async fn a_start_during_an_outage_recovers_once_leases_answers() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
+    let (dir, fake) = fresh();
     fake.set_down(true);
     let runner = Harness::start(&fake, dir.path(), settings()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -1126,11 +1102,7 @@ async fn a_start_during_an_outage_recovers_once_leases_answers() {
 
 #[tokio::test]
 async fn a_sweep_that_was_under_way_when_the_session_ended_does_not_end_custody() {
-    let dir = TestDir::new();
-    let fake = Arc::new(FakeLeases::default());
-    let mut settings = settings();
-    settings.timing.sweep_interval = Duration::from_millis(100);
-    let runner = Harness::serving(&fake, dir.path(), settings).await;
+    let (dir, fake, runner) = serving_runner(with_sweep_interval(Duration::from_millis(100))).await;
     let pid = run_lease(&fake, &runner, "l-1", "exec sleep 1000").await;
 
     // A sweep is held at the service while the session ends and a new one begins.

@@ -246,6 +246,15 @@ pub(crate) fn agent_config(plane: &ControlPlane, dir: &Path) -> AgentConfig {
     config
 }
 
+/// A control plane whose leases live `ttl`, and an agent on a fresh data
+/// directory joined to it, once it is up.
+pub(crate) async fn plane_with_agent(ttl: Duration) -> (ControlPlane, TestDir, RunningAgent) {
+    let plane = ControlPlane::start(ttl).await;
+    let dir = TestDir::new();
+    let agent = RunningAgent::start(agent_config(&plane, dir.path())).await;
+    (plane, dir, agent)
+}
+
 pub(crate) struct RunningAgent {
     pub(crate) handle: AgentHandle,
     pub(crate) stop: CancellationToken,
@@ -269,6 +278,13 @@ impl RunningAgent {
 
     pub(crate) fn api(&self, plane: &ControlPlane) -> AgentClient<Channel> {
         AgentClient::new(plane.channel(&self.handle.local_addr().to_string()))
+    }
+
+    /// Waits for lease `lease_id` to be RUNNING and for this agent to show
+    /// its workload started; the instance then.
+    pub(crate) async fn started(&self, plane: &ControlPlane, lease_id: &str) -> agent::Instance {
+        plane.phase_until(lease_id, LeasePhase::Running).await;
+        self.instance_until(plane, lease_id, "running", |i| i.pid != 0).await
     }
 
     pub(crate) async fn instance_until(

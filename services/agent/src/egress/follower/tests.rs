@@ -126,6 +126,14 @@ async fn follow(refusals: &[tonic::Code]) -> Running {
     Running { fake, proxies, session, stop, task, _dir: dir }
 }
 
+/// [`follow`], once the stream is open; the fake service too.
+async fn following(refusals: &[tonic::Code]) -> (Running, Arc<FakeEgress>) {
+    let running = follow(refusals).await;
+    let fake = running.fake.clone();
+    fake.until("the stream to open", |seen| seen.stream.is_some()).await;
+    (running, fake)
+}
+
 impl Running {
     async fn stop(self) {
         self.stop.cancel();
@@ -136,9 +144,8 @@ impl Running {
 
 #[tokio::test]
 async fn an_unimplemented_service_is_retried_until_it_answers_then_each_state_is_applied_and_acked() {
-    let running = follow(&[tonic::Code::Unimplemented, tonic::Code::Unimplemented, tonic::Code::Unavailable]).await;
-    let fake = running.fake.clone();
-    fake.until("the stream to open", |seen| seen.stream.is_some()).await;
+    let (running, fake) =
+        following(&[tonic::Code::Unimplemented, tonic::Code::Unimplemented, tonic::Code::Unavailable]).await;
     assert_eq!(fake.seen().opened_as, ["n-1"; 4], "three refusals, then the stream");
 
     fake.push(state(7, "api.example.com"));
@@ -154,9 +161,7 @@ async fn an_unimplemented_service_is_retried_until_it_answers_then_each_state_is
 
 #[tokio::test]
 async fn a_state_that_cannot_be_applied_is_acked_with_the_error_and_the_previous_rules_hold() {
-    let running = follow(&[]).await;
-    let fake = running.fake.clone();
-    fake.until("the stream to open", |seen| seen.stream.is_some()).await;
+    let (running, fake) = following(&[]).await;
     fake.push(state(1, "api.example.com"));
     fake.push(state(2, "bad host name"));
     fake.until("both states to be acked", |seen| seen.acks.len() == 2).await;
@@ -177,9 +182,7 @@ async fn a_state_that_cannot_be_applied_is_acked_with_the_error_and_the_previous
 
 #[tokio::test]
 async fn a_new_session_reopens_the_stream_as_the_new_node() {
-    let running = follow(&[]).await;
-    let fake = running.fake.clone();
-    fake.until("the stream to open", |seen| seen.stream.is_some()).await;
+    let (running, fake) = following(&[]).await;
     running.session.send_replace(NodeSession { node_id: "n-2".into(), incarnation: 1 });
     fake.until("the stream to reopen as n-2", |seen| seen.opened_as.last().map(String::as_str) == Some("n-2")).await;
     assert!(fake.seen().reconnects >= 1, "the channel is rebuilt for the new certificate");
@@ -193,9 +196,7 @@ async fn a_new_session_reopens_the_stream_as_the_new_node() {
 
 #[tokio::test]
 async fn a_broken_stream_is_opened_again() {
-    let running = follow(&[]).await;
-    let fake = running.fake.clone();
-    fake.until("the stream to open", |seen| seen.stream.is_some()).await;
+    let (running, fake) = following(&[]).await;
     // The service goes away: the stream ends.
     fake.seen().stream = None;
     fake.until("the stream to reopen", |seen| seen.opened_as.len() >= 2 && seen.stream.is_some()).await;
