@@ -7,11 +7,10 @@
 
 mod common;
 
-use common::{Outcome, berth_command, poll, row, run};
+use common::{DevProcess, Outcome, berth_command, parse_json, poll, row, run};
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -25,20 +24,10 @@ const JOIN_DEADLINE: Duration = Duration::from_secs(60);
 /// How long one CLI command may take.
 const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
 
-/// A running `berth dev`, killed on drop.
-struct Dev {
-    child: Child,
-    dir: PathBuf,
-    server: String,
-}
+/// The `berth dev` these tests drive, named to each command by flags.
+type Dev = DevProcess;
 
 impl Dev {
-    fn start(dir: &Path) -> Dev {
-        let base = common::free_port_base();
-        let child = common::spawn_dev(dir, base);
-        Dev { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}") }
-    }
-
     /// Runs `berth ARGS` as the dev admin against this mesh.
     fn berth(&self, args: &[&str]) -> Outcome {
         let mut all = args.to_vec();
@@ -48,24 +37,14 @@ impl Dev {
 
     /// Like [`Dev::berth`], and the command must succeed.
     fn ok(&self, args: &[&str]) -> String {
-        let out = self.berth(args);
-        assert_eq!(out.code, Some(0), "berth {args:?} failed: {}{}", out.stdout, out.stderr);
-        out.stdout
+        self.berth(args).succeeded(args)
     }
 
     /// Like [`Dev::ok`] with `-o json`, parsed.
     fn json(&self, args: &[&str]) -> Value {
         let mut all = args.to_vec();
         all.extend_from_slice(&["-o", "json"]);
-        let stdout = self.ok(&all);
-        serde_json::from_str(&stdout)
-            .unwrap_or_else(|e| panic!("berth {args:?} -o json printed no JSON ({e}): {stdout}"))
-    }
-}
-
-impl Drop for Dev {
-    fn drop(&mut self) {
-        common::stop_dev(&mut self.child, &self.dir);
+        parse_json(args, &self.ok(&all))
     }
 }
 

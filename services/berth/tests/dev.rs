@@ -48,6 +48,17 @@ impl Dev {
         Dev { child, dir: dir.to_path_buf(), leave_workloads: false }
     }
 
+    /// Starts `berth dev` on a data directory of its own and free ports;
+    /// the temp directory that holds it, the data directory and the port
+    /// base too.
+    fn start_fresh() -> (tempfile::TempDir, PathBuf, u16, Dev) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("data");
+        let base = common::free_port_base();
+        let dev = Dev::start(&dir, base);
+        (tmp, dir, base, dev)
+    }
+
     /// Starts `berth dev` with `extra` flags.
     fn start_with(dir: &Path, base: u16, extra: &[&str]) -> Dev {
         let child = common::spawn_dev_with(dir, base, extra);
@@ -101,6 +112,11 @@ const ADMIN: (&str, &str) = ("admin.pem", "admin-key.pem");
 /// The dev node's own identity, as its agent keeps it.
 const NODE: (&str, &str) = ("agent/identity/node.pem", "agent/identity/node.key");
 
+/// What a command printed, stderr then stdout.
+fn printed(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout)
+}
+
 fn grpcurl_admin(dir: &Path, addr: &str, args: &[&str]) -> String {
     let out = grpcurl_with(dir, ADMIN, None, addr, args);
     assert!(
@@ -114,10 +130,7 @@ fn grpcurl_admin(dir: &Path, addr: &str, args: &[&str]) -> String {
 
 #[test]
 fn grpcurl_lists_every_service_and_health_serves_and_restart_keeps_the_ca() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("data");
-    let base = common::free_port_base();
-    let dev = Dev::start(&dir, base);
+    let (_tmp, dir, base, dev) = Dev::start_fresh();
 
     for (offset, expected) in SERVICES {
         let addr = format!("127.0.0.1:{}", base + offset);
@@ -145,21 +158,25 @@ fn grpcurl_lists_every_service_and_health_serves_and_restart_keeps_the_ca() {
     assert!(dev.stop().success());
 }
 
-#[test]
-fn the_dev_node_joins_and_comes_up() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("data");
-    let base = common::free_port_base();
-    let dev = Dev::start(&dir, base);
-    let addr = format!("127.0.0.1:{base}");
+/// ListNodes as the admin, asked up to 100 times 100 ms apart until `done`
+/// holds of what it printed; the last answer.
+fn list_nodes_until(dir: &Path, addr: &str, done: impl Fn(&str) -> bool) -> String {
     let mut last = String::new();
     for _ in 0..100 {
-        last = grpcurl_admin(&dir, &addr, &["berth.identity.v1.Nodes/ListNodes"]);
-        if last.contains("\"name\": \"dev\"") && last.contains("NODE_STATE_UP") {
+        last = grpcurl_admin(dir, addr, &["berth.identity.v1.Nodes/ListNodes"]);
+        if done(&last) {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    last
+}
+
+#[test]
+fn the_dev_node_joins_and_comes_up() {
+    let (_tmp, dir, base, dev) = Dev::start_fresh();
+    let addr = format!("127.0.0.1:{base}");
+    let last = list_nodes_until(&dir, &addr, |l| l.contains("\"name\": \"dev\"") && l.contains("NODE_STATE_UP"));
     assert!(last.contains("\"name\": \"dev\"") && last.contains("NODE_STATE_UP"), "{last}");
     let first: serde_json::Value = serde_json::from_str(&last).unwrap();
     let node_id = first["nodes"][0]["nodeId"].as_str().unwrap().to_string();
@@ -167,13 +184,7 @@ fn the_dev_node_joins_and_comes_up() {
 
     // A restart resumes the same node rather than joining a second one.
     let dev = Dev::start(&dir, base);
-    for _ in 0..100 {
-        last = grpcurl_admin(&dir, &addr, &["berth.identity.v1.Nodes/ListNodes"]);
-        if last.contains("NODE_STATE_UP") {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let last = list_nodes_until(&dir, &addr, |l| l.contains("NODE_STATE_UP"));
     let again: serde_json::Value = serde_json::from_str(&last).unwrap();
     assert_eq!(again["nodes"].as_array().unwrap().len(), 1, "{last}");
     assert_eq!(again["nodes"][0]["nodeId"].as_str().unwrap(), node_id);
@@ -187,19 +198,9 @@ fn grpcurl_node(dir: &Path, addr: &str, method: &str) -> std::process::Output {
 
 #[test]
 fn a_revoked_node_is_refused_by_every_service_within_seconds() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("data");
-    let base = common::free_port_base();
-    let _dev = Dev::start(&dir, base);
+    let (_tmp, dir, base, _dev) = Dev::start_fresh();
     let identity = format!("127.0.0.1:{base}");
-    let mut listed = String::new();
-    for _ in 0..100 {
-        listed = grpcurl_admin(&dir, &identity, &["berth.identity.v1.Nodes/ListNodes"]);
-        if listed.contains("NODE_STATE_UP") {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let listed = list_nodes_until(&dir, &identity, |l| l.contains("NODE_STATE_UP"));
     let nodes: serde_json::Value = serde_json::from_str(&listed).unwrap();
     let node_id = nodes["nodes"][0]["nodeId"].as_str().expect("the dev node joined").to_string();
     for offset in 0..4 {
@@ -278,10 +279,7 @@ fn wait_final(dir: &Path, leases: &str, lease_id: &str) -> serde_json::Value {
 
 #[test]
 fn a_requested_lease_runs_on_the_dev_node_and_reports_its_exit() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("data");
-    let base = common::free_port_base();
-    let _dev = Dev::start(&dir, base);
+    let (_tmp, dir, base, _dev) = Dev::start_fresh();
     let leases = format!("127.0.0.1:{}", base + 2);
     let request = |key: &str, script: &str| request_lease(&dir, &leases, key, &[script]);
 
@@ -497,10 +495,7 @@ fn pid_with(marker: &str) -> Option<u32> {
 
 #[test]
 fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("data");
-    let base = common::free_port_base();
-    let mut dev = Dev::start(&dir, base);
+    let (_tmp, dir, base, mut dev) = Dev::start_fresh();
     let leases = format!("127.0.0.1:{}", base + 2);
     let marker = format!("berth-kill9-{base}-{}", std::process::id());
     let script = format!("sleep 600; echo {marker}");
@@ -567,22 +562,19 @@ fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts
 
 #[test]
 fn node_rpcs_refuse_the_admin_and_egress_serves_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("data");
-    let base = common::free_port_base();
-    let dev = Dev::start(&dir, base);
+    let (_tmp, dir, base, dev) = Dev::start_fresh();
     let run = |addr: String, method: &str| grpcurl_with(&dir, ADMIN, Some("{}"), &addr, &[method]);
     let out = run(format!("127.0.0.1:{base}"), "berth.identity.v1.NodeSession/Heartbeat");
-    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    let text = printed(&out);
     assert!(!out.status.success());
     assert!(text.contains("PermissionDenied"), "{text}");
     assert!(text.contains("admin 'dev'"), "{text}");
 
     let out = run(format!("127.0.0.1:{}", base + 3), "berth.egress.v1.Egress/ListGateways");
-    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    let text = printed(&out);
     assert!(out.status.success(), "{text}");
     let out = run(format!("127.0.0.1:{}", base + 3), "berth.egress.v1.NodeEgress/WatchEgress");
-    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    let text = printed(&out);
     assert!(!out.status.success());
     assert!(text.contains("PermissionDenied"), "{text}");
     drop(dev);
@@ -635,10 +627,7 @@ fn port_in_use_is_one_clear_error() {
 
 #[test]
 fn stopping_berth_dev_stops_its_nodes_workloads_first() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("data");
-    let base = common::free_port_base();
-    let dev = Dev::start(&dir, base);
+    let (_tmp, dir, base, dev) = Dev::start_fresh();
     let leases = format!("127.0.0.1:{}", base + 2);
     let marker = format!("berth-dev-stop-{base}-{}", std::process::id());
     let script = format!("sleep 600; echo {marker}");

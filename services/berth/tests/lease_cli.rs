@@ -7,11 +7,11 @@
 
 mod common;
 
-use common::{Outcome, berth_command, poll, row, run};
+use common::{DevProcess, Outcome, berth_command, parse_json, poll, row, run};
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::path::Path;
+use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -25,12 +25,9 @@ const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
 /// How long a lease may take to reach the phase a test waits for.
 const PHASE_DEADLINE: Duration = Duration::from_secs(30);
 
-/// A running `berth dev`, killed on drop.
+/// A running `berth dev` and its node.
 struct Dev {
-    child: Child,
-    dir: PathBuf,
-    /// Identity's address; leases is two ports above it.
-    server: String,
+    process: DevProcess,
     /// The dev node's id, once it is offered to leases.
     node_id: String,
 }
@@ -39,37 +36,22 @@ impl Dev {
     /// Starts `berth dev` and waits until its node is UP in the ledger, so
     /// leases can be placed on it.
     fn start(dir: &Path) -> Dev {
-        let base = common::free_port_base();
-        let child = common::spawn_dev(dir, base);
-        let mut dev =
-            Dev { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}"), node_id: String::new() };
-        dev.node_id = poll(READY_DEADLINE, "the dev node is UP in the ledger", || {
-            let listed = dev.berth(&["capacity", "-o", "json"]);
-            let parsed: Value = serde_json::from_str(&listed.stdout).map_err(|_| format!("{listed:?}"))?;
-            parsed["nodes"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|n| n["state"] == "NODE_STATE_UP" && n["total"].get("cpuMillis").is_some())
-                .map(|n| n["nodeId"].as_str().unwrap().to_string())
-                .ok_or_else(|| parsed.to_string())
+        let process = DevProcess::start(dir);
+        let node_id = process.node_up(READY_DEADLINE, COMMAND_DEADLINE, |n| {
+            n["total"].get("cpuMillis").is_some().then(|| n["nodeId"].as_str().unwrap().to_string())
         });
-        dev
+        Dev { process, node_id }
     }
 
     /// Runs `berth ARGS` as the dev admin against this mesh, finding it
     /// through the environment so ARGS may end in `-- COMMAND`.
     fn berth(&self, args: &[&str]) -> Outcome {
-        let mut command = berth_command(args);
-        command.env("BERTH_SERVER", &self.server).env("BERTH_DATA_DIR", &self.dir);
-        run(command, COMMAND_DEADLINE)
+        run(self.process.admin_command(args), COMMAND_DEADLINE)
     }
 
     /// Like [`Dev::berth`], and the command must succeed.
     fn ok(&self, args: &[&str]) -> String {
-        let out = self.berth(args);
-        assert_eq!(out.code, Some(0), "berth {args:?} failed: {}{}", out.stdout, out.stderr);
-        out.stdout
+        self.berth(args).succeeded(args)
     }
 
     /// Like [`Dev::ok`] with `-o json` in front, parsed.
@@ -81,9 +63,7 @@ impl Dev {
         let mut full = words.to_vec();
         full.append(&mut all);
         full.extend_from_slice(rest);
-        let stdout = self.ok(&full);
-        serde_json::from_str(&stdout)
-            .unwrap_or_else(|e| panic!("berth {args:?} -o json printed no JSON ({e}): {stdout}"))
+        parse_json(args, &self.ok(&full))
     }
 
     /// Requests a lease for `command` with `flags`, as JSON; returns its id.
@@ -106,12 +86,6 @@ impl Dev {
             let lease = self.lease(id);
             if lease["phase"] == phase { Ok(lease) } else { Err(lease.to_string()) }
         })
-    }
-}
-
-impl Drop for Dev {
-    fn drop(&mut self) {
-        common::stop_dev(&mut self.child, &self.dir);
     }
 }
 
@@ -215,8 +189,7 @@ fn a_watch_prints_each_change_of_a_lease_as_it_happens() {
     let tmp = tempfile::tempdir().unwrap();
     let dev = Dev::start(&tmp.path().join("data"));
     let owner = format!("t-watch-{}", unique());
-    let mut watcher = berth_command(&["lease", "list", "--watch", "-o", "json", "--owner", &owner]);
-    watcher.env("BERTH_SERVER", &dev.server).env("BERTH_DATA_DIR", &dev.dir);
+    let mut watcher = dev.process.admin_command(&["lease", "list", "--watch", "-o", "json", "--owner", &owner]);
     let mut child = watcher.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let (lines, heard) = std::sync::mpsc::channel::<Value>();
     let stdout = child.stdout.take().unwrap();

@@ -8,12 +8,11 @@
 
 mod common;
 
-use common::{Outcome, berth_command, poll, run};
+use common::{DevProcess, Outcome, berth_command, parse_json, poll, run};
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use berth_bundle::RegistryCredentials;
@@ -31,13 +30,8 @@ const COMMAND_DEADLINE: Duration = Duration::from_secs(120);
 /// How long traffic may take to move after a pin or unpin.
 const TRAFFIC_DEADLINE: Duration = Duration::from_secs(60);
 
-/// A running `berth dev`, killed on drop.
-struct Dev {
-    child: Child,
-    dir: PathBuf,
-    /// Identity's address; revisions is one port above it.
-    server: String,
-}
+/// A running `berth dev` whose node is UP.
+struct Dev(DevProcess);
 
 impl Dev {
     /// Starts `berth dev` and waits until its node is UP in the ledger, so
@@ -48,38 +42,24 @@ impl Dev {
 
     /// Like [`Dev::start`], with `extra` flags for `berth dev`.
     fn start_with(dir: &Path, extra: &[&str]) -> Dev {
-        let base = common::free_port_base();
-        let child =
-            if extra.is_empty() { common::spawn_dev(dir, base) } else { common::spawn_dev_with(dir, base, extra) };
-        let dev = Dev { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}") };
-        poll(READY_DEADLINE, "the dev node is UP in the ledger", || {
-            let listed = dev.berth(&["capacity", "-o", "json"]);
-            let parsed: Value = serde_json::from_str(&listed.stdout).map_err(|_| format!("{listed:?}"))?;
-            let up = parsed["nodes"].as_array().into_iter().flatten().any(|n| n["state"] == "NODE_STATE_UP");
-            if up { Ok(()) } else { Err(parsed.to_string()) }
-        });
-        dev
+        let process = DevProcess::start_with(dir, extra);
+        process.node_up(READY_DEADLINE, COMMAND_DEADLINE, |_| Some(()));
+        Dev(process)
     }
 
     /// Runs `berth ARGS` as the dev admin against this mesh.
     fn berth(&self, args: &[&str]) -> Outcome {
-        let mut command = berth_command(args);
-        command.env("BERTH_SERVER", &self.server).env("BERTH_DATA_DIR", &self.dir);
-        run(command, COMMAND_DEADLINE)
+        run(self.0.admin_command(args), COMMAND_DEADLINE)
     }
 
     /// Like [`Dev::berth`], and the command must succeed.
     fn ok(&self, args: &[&str]) -> String {
-        let out = self.berth(args);
-        assert_eq!(out.code, Some(0), "berth {args:?} failed: {}{}", out.stdout, out.stderr);
-        out.stdout
+        self.berth(args).succeeded(args)
     }
 
     /// Like [`Dev::ok`] with `-o json`, parsed.
     fn json(&self, args: &[&str]) -> Value {
-        let stdout = self.ok(&[args, &["-o", "json"]].concat());
-        serde_json::from_str(&stdout)
-            .unwrap_or_else(|e| panic!("berth {args:?} -o json printed no JSON ({e}): {stdout}"))
+        parse_json(args, &self.ok(&[args, &["-o", "json"]].concat()))
     }
 
     /// The service's live revision, as `service get -o json` shows it.
@@ -93,12 +73,6 @@ impl Dev {
             let live = self.live(name);
             if live == revision { Ok(()) } else { Err(live) }
         });
-    }
-}
-
-impl Drop for Dev {
-    fn drop(&mut self) {
-        common::stop_dev(&mut self.child, &self.dir);
     }
 }
 
@@ -478,7 +452,7 @@ fn a_replica_reaches_only_what_its_egress_routes_allow_and_an_edit_applies_witho
     assert_eq!(service["condition"]["reason"], "Accepted", "{plan}");
 
     // An edit reaches the running replica's proxy: no restart, a new ack.
-    let pid_before = processes_in(&dev.dir);
+    let pid_before = processes_in(&dev.0.dir);
     let both = write("route.json", route(&[allowed, other]));
     dev.ok(&["egress", "route", "apply", "-f", &both]);
     let edited = Instant::now();
@@ -489,7 +463,7 @@ fn a_replica_reaches_only_what_its_egress_routes_allow_and_an_edit_applies_witho
     assert_eq!(now_allowed, "200 other origin");
     // Reported, not asserted: a shared CI machine is no clock.
     eprintln!("the edit was in force on the node {:?} after the apply returned", edited.elapsed());
-    assert_eq!(processes_in(&dev.dir), pid_before, "the replica was not restarted");
+    assert_eq!(processes_in(&dev.0.dir), pid_before, "the replica was not restarted");
     poll(Duration::from_secs(10), "the node acknowledges the edit", || {
         let plan = dev.json(&["egress", "plan"]);
         if generation(&plan["plan"]["nodeAcks"][0]) > acked { Ok(()) } else { Err(plan.to_string()) }

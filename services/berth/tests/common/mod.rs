@@ -7,10 +7,12 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use serde_json::Value;
 
 /// How long `berth dev` may take to print its banner.
 const BANNER_DEADLINE: Duration = Duration::from_secs(60);
@@ -81,6 +83,67 @@ pub(crate) fn spawn_dev_with(dir: &Path, base: u16, extra: &[&str]) -> Child {
     child
 }
 
+/// A running `berth dev` on its own data directory and free ports, stopped
+/// with [`stop_dev`] on drop. Each test binary adds the ways it drives it.
+#[derive(Debug)]
+pub(crate) struct DevProcess {
+    child: Child,
+    /// Its data directory, which holds the admin credentials.
+    pub(crate) dir: PathBuf,
+    /// Identity's address; revisions is one port above it, leases two.
+    pub(crate) server: String,
+}
+
+impl DevProcess {
+    /// Starts `berth dev` on `dir` and waits for its banner.
+    pub(crate) fn start(dir: &Path) -> DevProcess {
+        DevProcess::start_with(dir, &[])
+    }
+
+    /// Like [`DevProcess::start`], with `extra` flags for `berth dev`.
+    pub(crate) fn start_with(dir: &Path, extra: &[&str]) -> DevProcess {
+        let base = free_port_base();
+        let child = spawn_dev_with(dir, base, extra);
+        DevProcess { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}") }
+    }
+
+    /// `berth ARGS` as the dev admin against this mesh, finding it through
+    /// the environment so ARGS may end in `-- COMMAND`.
+    pub(crate) fn admin_command(&self, args: &[&str]) -> Command {
+        let mut command = berth_command(args);
+        command.env("BERTH_SERVER", &self.server).env("BERTH_DATA_DIR", &self.dir);
+        command
+    }
+
+    /// Waits up to `deadline` until `berth capacity -o json` (each run
+    /// allowed `command_deadline`) lists an UP node that `pick` takes; what
+    /// it took.
+    pub(crate) fn node_up<T>(
+        &self,
+        deadline: Duration,
+        command_deadline: Duration,
+        pick: impl Fn(&Value) -> Option<T>,
+    ) -> T {
+        poll(deadline, "the dev node is UP in the ledger", || {
+            let listed = run(self.admin_command(&["capacity", "-o", "json"]), command_deadline);
+            let parsed: Value = serde_json::from_str(&listed.stdout).map_err(|_| format!("{listed:?}"))?;
+            parsed["nodes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|n| n["state"] == "NODE_STATE_UP")
+                .find_map(&pick)
+                .ok_or_else(|| parsed.to_string())
+        })
+    }
+}
+
+impl Drop for DevProcess {
+    fn drop(&mut self) {
+        stop_dev(&mut self.child, &self.dir);
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Outcome {
     pub(crate) code: Option<i32>,
@@ -100,6 +163,17 @@ impl Outcome {
         assert_eq!(errors.len(), 1, "exactly one error line: {}", self.stderr);
         errors[0].to_string()
     }
+
+    /// What `berth ARGS` printed; fails unless it succeeded.
+    pub(crate) fn succeeded(self, args: &[&str]) -> String {
+        assert_eq!(self.code, Some(0), "berth {args:?} failed: {}{}", self.stdout, self.stderr);
+        self.stdout
+    }
+}
+
+/// What `berth ARGS` printed with `-o json`, parsed; fails unless it is JSON.
+pub(crate) fn parse_json(args: &[&str], stdout: &str) -> Value {
+    serde_json::from_str(stdout).unwrap_or_else(|e| panic!("berth {args:?} -o json printed no JSON ({e}): {stdout}"))
 }
 
 /// The real binary with `args` and no `BERTH_*` settings from the environment.
