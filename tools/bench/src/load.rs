@@ -221,7 +221,8 @@ pub(crate) fn status_message(status: &tonic::Status) -> String {
 
 /// Whether a call failing with `code` is worth repeating as it was: the
 /// server asked for a retry (contention, overload, a rate limit), or the
-/// answer did not come.
+/// answer did not come (the deadline passed, or the client's transport gave
+/// up waiting: `Cancelled: Timeout expired`).
 pub(crate) fn is_transient(code: tonic::Code) -> bool {
     matches!(
         code,
@@ -229,6 +230,7 @@ pub(crate) fn is_transient(code: tonic::Code) -> bool {
             | tonic::Code::Unavailable
             | tonic::Code::ResourceExhausted
             | tonic::Code::DeadlineExceeded
+            | tonic::Code::Cancelled
     )
 }
 
