@@ -142,7 +142,8 @@ impl Told<'_> {
     /// Sends what changed given `open`, the whole open set: each lease that
     /// is new or moved as `UPSERT`, and each sent as open that is not in it
     /// as `REMOVED`, read alone for its final state (its last one sent when
-    /// forgotten past its retention).
+    /// forgotten past its retention). Every event carries cursor 0: the
+    /// stream's next read's events carry the set's cursor.
     async fn open_set(&mut self, core: &Core, open: &Changes) -> Result<Result<(), LeaseError>, Gone> {
         self.changes(open, 0).await?;
         let still_open: BTreeSet<&str> = open.leases.iter().map(|lease| lease.lease_id.as_str()).collect();
@@ -159,7 +160,9 @@ impl Told<'_> {
                 Err(error) => return Ok(Err(error)),
             };
             self.open.remove(&lease_id);
-            self.send(EventKind::Removed, &lease, open.cursor).await?;
+            // Cursor 0, as the open set's events: a watcher cut off among
+            // them cannot resume, since these changes predate any cursor.
+            self.send(EventKind::Removed, &lease, 0).await?;
         }
         Ok(Ok(()))
     }
