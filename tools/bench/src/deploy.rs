@@ -83,6 +83,10 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long one call may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How many times an apply is sent when the catalog aborts it on a
+/// collision with the controller's own writes (`ABORTED`, "retry it").
+const APPLY_ATTEMPTS: u32 = 5;
+
 /// How often revisions looks at a rollout: how soon a revision whose
 /// replicas run goes live and the old replicas are released. It decides
 /// when the next sample starts, not what a sample measures.
@@ -574,13 +578,24 @@ struct Clients {
 }
 
 impl Clients {
+    /// Applies `request`, sending it again (an apply is idempotent) when
+    /// the catalog aborted it on a collision, as its status asks; the
+    /// latency a caller measures includes those attempts.
     async fn apply(&self, request: v1::ApplyServiceRequest) -> Result<v1::ApplyServiceResponse, String> {
-        let mut client = self.services.clone();
-        let call = client.apply_service(request);
-        match tokio::time::timeout(CALL_TIMEOUT, call).await {
-            Ok(Ok(response)) => Ok(response.into_inner()),
-            Ok(Err(status)) => Err(format!("apply: {}", status_message(&status))),
-            Err(_) => Err(format!("apply: no answer within {CALL_TIMEOUT:?}")),
+        let mut attempt = 1;
+        loop {
+            let mut client = self.services.clone();
+            let call = client.apply_service(request.clone());
+            match tokio::time::timeout(CALL_TIMEOUT, call).await {
+                Ok(Ok(response)) => return Ok(response.into_inner()),
+                Ok(Err(status)) if status.code() == tonic::Code::Aborted && attempt < APPLY_ATTEMPTS => {
+                    let cap = Duration::from_millis(20).saturating_mul(1 << attempt);
+                    tokio::time::sleep(cap.mul_f64(rand::random::<f64>())).await;
+                    attempt += 1;
+                }
+                Ok(Err(status)) => return Err(format!("apply: {}", status_message(&status))),
+                Err(_) => return Err(format!("apply: no answer within {CALL_TIMEOUT:?}")),
+            }
         }
     }
 
