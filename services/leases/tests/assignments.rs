@@ -15,9 +15,9 @@ use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1::EventKind;
-use berth_testkit::{PATIENCE, eventually};
+use berth_testkit::PATIENCE;
 use support::{Backend, GIB, Ledger, MIB, ask, fast_config, node};
-use tonic::{Code, Streaming};
+use tonic::Streaming;
 
 /// The next event, failing the test if none comes in time.
 async fn next(stream: &mut Streaming<v1::AssignmentEvent>) -> v1::AssignmentEvent {
@@ -123,13 +123,7 @@ async fn a_reconnect_from_before_forgotten_changes_starts_afresh(backend: Backen
     drop(stream);
     release(&ledger, &a).await;
 
-    eventually("the released lease to be forgotten", PATIENCE, || async {
-        match ledger.leases(0).get_lease(v1::GetLeaseRequest { lease_id: a.lease_id.clone() }).await {
-            Err(status) if status.code() == Code::NotFound => Ok(()),
-            other => Err(other),
-        }
-    })
-    .await;
+    ledger.await_forgotten(&a.lease_id).await;
     // The release of `a` is gone from the log, so the node must hear the whole open set instead.
     let mut stream = watch(&ledger, applied).await;
     about(&next(&mut stream).await, EventKind::Upsert, &b.lease_id);

@@ -17,7 +17,7 @@ use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1::EventKind;
-use berth_testkit::{PATIENCE, eventually};
+use berth_testkit::PATIENCE;
 use support::{Backend, GIB, Ledger, MIB, ask, expiring_config, fast_config, node};
 use tonic::{Code, Streaming};
 
@@ -238,13 +238,7 @@ async fn a_cursor_the_ledger_cannot_resume_from_starts_afresh(backend: Backend) 
     // `gone` ends and is forgotten: its change left the log, so the old
     // cursor must hear the whole open set instead.
     ledger.report(&gone, 1, LeasePhase::Failed).await.unwrap();
-    eventually("the ended lease to be forgotten", PATIENCE, || async {
-        match ledger.leases(0).get_lease(v1::GetLeaseRequest { lease_id: gone.lease_id.clone() }).await {
-            Err(status) if status.code() == Code::NotFound => Ok(()),
-            other => Err(other),
-        }
-    })
-    .await;
+    ledger.await_forgotten(&gone.lease_id).await;
     let mut stream = watch(&ledger, 0, resume_from(synced.cursor)).await;
     let (open, fresh) = until_synced(&mut stream).await;
     assert!(!fresh.resumed, "{fresh:?}");

@@ -267,6 +267,17 @@ impl Ledger {
         self.leases(0).get_lease(request).await.unwrap().into_inner().lease.unwrap()
     }
 
+    /// Waits until the ledger has forgotten `lease_id` (its retention passed).
+    pub(crate) async fn await_forgotten(&self, lease_id: &str) {
+        eventually("the ended lease to be forgotten", PATIENCE, || async {
+            match self.leases(0).get_lease(v1::GetLeaseRequest { lease_id: lease_id.to_owned() }).await {
+                Err(status) if status.code() == tonic::Code::NotFound => Ok(()),
+                other => Err(other),
+            }
+        })
+        .await;
+    }
+
     /// One node's capacity entry as replica 0 reports it.
     pub(crate) async fn node_capacity(&self, node_id: &str) -> v1::NodeCapacity {
         let nodes = self.capacity(0).list_node_capacity(v1::ListNodeCapacityRequest::default()).await.unwrap();
