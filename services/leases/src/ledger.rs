@@ -272,6 +272,11 @@ impl LeaseFilter {
     }
 }
 
+/// A `SELECT` of [`lease_columns!`] of the leases `conditions` select, oldest first.
+fn oldest_first(conditions: &str) -> String {
+    format!(concat!("SELECT ", lease_columns!(), " FROM leases WHERE {} ORDER BY created_at_ms, lease_id"), conditions)
+}
+
 /// The leases `sql` (a `SELECT` of [`lease_columns!`]) finds, binding `values` in order.
 async fn select_leases(conn: &mut AnyConnection, sql: &str, values: &[String]) -> Result<Vec<LeaseRecord>, StoreError> {
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
@@ -367,10 +372,7 @@ impl Ledger {
     /// Leases matching `filter`, oldest first.
     pub(crate) async fn list(&self, filter: &LeaseFilter) -> Result<Vec<LeaseRecord>, LeaseError> {
         let (conditions, values) = filter.to_sql();
-        let sql = format!(
-            concat!("SELECT ", lease_columns!(), " FROM leases WHERE {} ORDER BY created_at_ms, lease_id"),
-            conditions
-        );
+        let sql = oldest_first(&conditions);
         let (sql, values) = (&sql, &values);
         self.store
             .read("leases.list", |conn| Box::pin(async move { Ok(select_leases(conn, sql, values).await?) }))
@@ -408,17 +410,7 @@ impl Ledger {
                             );
                             select_leases(conn, &sql, values).await?
                         }
-                        None => {
-                            let sql = format!(
-                                concat!(
-                                    "SELECT ",
-                                    lease_columns!(),
-                                    " FROM leases WHERE {} ORDER BY created_at_ms, lease_id"
-                                ),
-                                open_conditions
-                            );
-                            select_leases(conn, &sql, open_values).await?
-                        }
+                        None => select_leases(conn, &oldest_first(open_conditions), open_values).await?,
                     };
                     Ok(Changes { leases, cursor, resumed: resumable.is_some() })
                 })

@@ -8,15 +8,12 @@ mod support;
 
 use berth_testkit::on_both_backends;
 
-use std::time::Duration;
-
-use berth_leases::LeasesConfig;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1::EventKind;
 use berth_testkit::PATIENCE;
-use support::{Backend, GIB, Ledger, MIB, ask, fast_config, node};
+use support::{Backend, GIB, Ledger, MIB, ask, fast_config, forgetting_config, node};
 use tonic::Streaming;
 
 /// The next event, failing the test if none comes in time.
@@ -110,12 +107,7 @@ async fn a_node_with_nothing_assigned_is_told_so_at_once(backend: Backend) {
 }
 
 async fn a_reconnect_from_before_forgotten_changes_starts_afresh(backend: Backend) {
-    let config = LeasesConfig {
-        retention: Duration::from_millis(300),
-        index_resync: Duration::from_millis(100),
-        ..fast_config()
-    };
-    let ledger = Ledger::start(backend, config, vec![node("n-1", "", NodeState::Up, 8000, 8 * GIB)]).await;
+    let ledger = Ledger::start(backend, forgetting_config(), vec![node("n-1", "", NodeState::Up, 8000, 8 * GIB)]).await;
     let a = ledger.place("a", 100, MIB).await;
     let b = ledger.place("b", 100, MIB).await;
     let mut stream = watch(&ledger, 0).await;

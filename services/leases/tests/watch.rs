@@ -12,13 +12,12 @@ use berth_testkit::on_both_backends;
 
 use std::time::Duration;
 
-use berth_leases::LeasesConfig;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::LeasePhase;
 use berth_proto::types::v1::EventKind;
 use berth_testkit::PATIENCE;
-use support::{Backend, GIB, Ledger, MIB, ask, expiring_config, fast_config, node};
+use support::{Backend, GIB, Ledger, MIB, ask, expiring_config, fast_config, forgetting_config, node};
 use tonic::{Code, Streaming};
 
 /// The next event, failing the test if none comes in time.
@@ -216,12 +215,7 @@ async fn a_stream_resumed_from_its_cursor_hears_only_what_changed_while_it_was_a
 }
 
 async fn a_cursor_the_ledger_cannot_resume_from_starts_afresh(backend: Backend) {
-    let config = LeasesConfig {
-        retention: Duration::from_millis(300),
-        index_resync: Duration::from_millis(100),
-        ..fast_config()
-    };
-    let ledger = Ledger::start(backend, config, vec![node("n-1", "", NodeState::Up, 8000, 8 * GIB)]).await;
+    let ledger = Ledger::start(backend, forgetting_config(), vec![node("n-1", "", NodeState::Up, 8000, 8 * GIB)]).await;
     let kept = ledger.place("kept", 100, MIB).await;
     let gone = ledger.place("gone", 100, MIB).await;
     let mut stream = watch(&ledger, 0, v1::WatchLeasesRequest::default()).await;

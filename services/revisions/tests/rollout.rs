@@ -208,22 +208,44 @@ async fn a_replica_whose_lease_ends_is_replaced(backend: Backend) {
     plane.cleanup().await;
 }
 
-/// Leases that never answer the first listing of `web`'s leases after
-/// `armed` is set: a call on a connection cut without a reset.
+/// The faults a test arms in the leases its revisions replicas reach, and
+/// what the watches through them did.
+#[derive(Debug, Default)]
+struct Faults {
+    /// The next listing of `web`'s leases never answers: a call on a
+    /// connection cut without a reset.
+    hang_web_list: AtomicBool,
+    /// The watch stream ends at its next event, dropping that event.
+    cut_watch: AtomicBool,
+    /// The cursor each watch resumed from, in order.
+    resumed_from: std::sync::Mutex<Vec<u64>>,
+    /// Every `SYNCED` a watch passed on.
+    synced: std::sync::Mutex<Vec<leases::LeaseEvent>>,
+}
+
+impl Faults {
+    /// Each replica's leases through these faults.
+    fn wrapping(self: &Arc<Self>) -> WrapLeases {
+        let faults = self.clone();
+        Arc::new(move |inner| Arc::new(Faulty { inner, faults: faults.clone() }))
+    }
+}
+
+/// Leases with [`Faults`] in the way.
 #[derive(Debug)]
-struct HangsOnce {
+struct Faulty {
     inner: Arc<dyn LeaseClient>,
-    armed: Arc<AtomicBool>,
+    faults: Arc<Faults>,
 }
 
 #[tonic::async_trait]
-impl LeaseClient for HangsOnce {
+impl LeaseClient for Faulty {
     async fn request(&self, request: leases::RequestLeaseRequest) -> Result<Lease, LeaseCallError> {
         self.inner.request(request).await
     }
 
     async fn list(&self, project: &str, owner: &str) -> Result<Vec<Lease>, LeaseCallError> {
-        if owner.starts_with("revisions/web@") && self.armed.swap(false, Ordering::SeqCst) {
+        if owner.starts_with("revisions/web@") && self.faults.hang_web_list.swap(false, Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
         self.inner.list(project, owner).await
@@ -238,7 +260,18 @@ impl LeaseClient for HangsOnce {
     }
 
     async fn watch(&self, owner_prefix: &str, resume_cursor: u64) -> Result<LeaseEvents, LeaseCallError> {
-        self.inner.watch(owner_prefix, resume_cursor).await
+        use tokio_stream::StreamExt as _;
+        self.faults.resumed_from.lock().unwrap().push(resume_cursor);
+        let (cut, seen) = (self.faults.clone(), self.faults.clone());
+        let events = self.inner.watch(owner_prefix, resume_cursor).await?;
+        Ok(Box::pin(events.take_while(move |_| !cut.cut_watch.swap(false, Ordering::SeqCst)).map(move |event| {
+            if let Ok(event) = &event
+                && event.kind() == EventKind::Synced
+            {
+                seen.synced.lock().unwrap().push(event.clone());
+            }
+            event
+        })))
     }
 }
 
@@ -281,11 +314,9 @@ async fn a_replica_that_runs_or_ends_moves_the_status_at_once_not_at_the_next_po
 }
 
 async fn a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again(backend: Backend) {
-    let armed = Arc::new(AtomicBool::new(false));
-    let trigger = armed.clone();
-    let wrap: WrapLeases = Arc::new(move |inner| Arc::new(HangsOnce { inner, armed: trigger.clone() }));
+    let faults = Arc::new(Faults::default());
     let config = RevisionsConfig { reconcile_timeout: Duration::from_millis(500), ..fast_config() };
-    let plane = Plane::start_wrapping_leases(backend, config, &["n-1", "n-2"], wrap).await;
+    let plane = Plane::start_wrapping_leases(backend, config, &["n-1", "n-2"], faults.wrapping()).await;
     plane.apply(web("1")).await;
     let leases = plane.run("web-00001", 2).await;
     plane.await_live("web", "web-00001").await;
@@ -294,11 +325,11 @@ async fn a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again(backe
     // its slot hangs on that call. (A steady service is reconciled from the
     // lease view and asks leases nothing.) The slot is still replaced and
     // the status follows, once the hung reconcile is stopped.
-    armed.store(true, Ordering::SeqCst);
+    faults.hang_web_list.store(true, Ordering::SeqCst);
     let crashed = &leases[0];
     crash(&plane, crashed).await;
     eventually("web's leases to be listed, and that call to hang", PATIENCE, || async {
-        if armed.load(Ordering::SeqCst) { Err("not yet") } else { Ok(()) }
+        if faults.hang_web_list.load(Ordering::SeqCst) { Err("not yet") } else { Ok(()) }
     })
     .await;
     let open = plane.await_open_leases("web-00001", 2).await;
@@ -314,60 +345,9 @@ async fn a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again(backe
     plane.cleanup().await;
 }
 
-/// Leases whose watch streams end, dropping the event in transit, each time
-/// `cut` is set; it records every cursor a watch resumed from and every
-/// `SYNCED` it passed on.
-#[derive(Debug)]
-struct CutsWatches {
-    inner: Arc<dyn LeaseClient>,
-    cut: Arc<AtomicBool>,
-    resumed_from: Arc<std::sync::Mutex<Vec<u64>>>,
-    synced: Arc<std::sync::Mutex<Vec<leases::LeaseEvent>>>,
-}
-
-#[tonic::async_trait]
-impl LeaseClient for CutsWatches {
-    async fn request(&self, request: leases::RequestLeaseRequest) -> Result<Lease, LeaseCallError> {
-        self.inner.request(request).await
-    }
-
-    async fn list(&self, project: &str, owner: &str) -> Result<Vec<Lease>, LeaseCallError> {
-        self.inner.list(project, owner).await
-    }
-
-    async fn get(&self, lease_id: &str) -> Result<Option<Lease>, LeaseCallError> {
-        self.inner.get(lease_id).await
-    }
-
-    async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError> {
-        self.inner.release(lease_id, reason).await
-    }
-
-    async fn watch(&self, owner_prefix: &str, resume_cursor: u64) -> Result<LeaseEvents, LeaseCallError> {
-        use tokio_stream::StreamExt as _;
-        self.resumed_from.lock().unwrap().push(resume_cursor);
-        let (cut, synced) = (self.cut.clone(), self.synced.clone());
-        let events = self.inner.watch(owner_prefix, resume_cursor).await?;
-        Ok(Box::pin(events.take_while(move |_| !cut.swap(false, Ordering::SeqCst)).map(move |event| {
-            if let Ok(event) = &event
-                && event.kind() == EventKind::Synced
-            {
-                synced.lock().unwrap().push(event.clone());
-            }
-            event
-        })))
-    }
-}
-
 async fn a_broken_lease_watch_resumes_from_its_cursor_and_loses_no_change(backend: Backend) {
-    let cut = Arc::new(AtomicBool::new(false));
-    let resumed_from = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let synced = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (trigger, cursors, heard) = (cut.clone(), resumed_from.clone(), synced.clone());
-    let wrap: WrapLeases = Arc::new(move |inner| {
-        Arc::new(CutsWatches { inner, cut: trigger.clone(), resumed_from: cursors.clone(), synced: heard.clone() })
-    });
-    let plane = Plane::start_wrapping_leases(backend, polls_hourly(), &["n-1", "n-2"], wrap).await;
+    let faults = Arc::new(Faults::default());
+    let plane = Plane::start_wrapping_leases(backend, polls_hourly(), &["n-1", "n-2"], faults.wrapping()).await;
     plane.apply(web("1")).await;
     let leases = plane.run("web-00001", 2).await;
     plane
@@ -377,18 +357,18 @@ async fn a_broken_lease_watch_resumes_from_its_cursor_and_loses_no_change(backen
     // The stream breaks taking the crash's event with it; the follower
     // resumes from its cursor, and the crash still reaches the status long
     // before any poll would.
-    cut.store(true, Ordering::SeqCst);
+    faults.cut_watch.store(true, Ordering::SeqCst);
     crash(&plane, &leases[0]).await;
     plane
         .await_service("web", "short a replica", |s| {
             s.status.as_ref().is_some_and(|status| status.replicas_running == 1)
         })
         .await;
-    assert!(!cut.load(Ordering::SeqCst), "the stream was cut");
-    let cursors = resumed_from.lock().unwrap().clone();
+    assert!(!faults.cut_watch.load(Ordering::SeqCst), "the stream was cut");
+    let cursors = faults.resumed_from.lock().unwrap().clone();
     assert_eq!(cursors.first(), Some(&0), "the first stream starts afresh: {cursors:?}");
     assert!(cursors.iter().skip(1).any(|&cursor| cursor > 0), "a later one resumes: {cursors:?}");
-    let synced = synced.lock().unwrap().clone();
+    let synced = faults.synced.lock().unwrap().clone();
     assert!(synced.iter().any(|event| event.resumed), "leases resumed it: {synced:?}");
     plane.cleanup().await;
 }

@@ -56,6 +56,11 @@ pub(crate) fn fast_config() -> LeasesConfig {
     }
 }
 
+/// Like [`fast_config`], forgetting final leases 300 ms after they end.
+pub(crate) fn forgetting_config() -> LeasesConfig {
+    LeasesConfig { retention: Duration::from_millis(300), index_resync: Duration::from_millis(100), ..fast_config() }
+}
+
 /// Like [`fast_config`] with leases that live `ttl`.
 pub(crate) fn expiring_config(ttl: Duration) -> LeasesConfig {
     LeasesConfig { lease_ttl: ttl, reset_grace: ttl, custody_window: Duration::from_secs(30), ..fast_config() }
