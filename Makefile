@@ -32,7 +32,7 @@ test: lint deny check-manifests
 test-faults:
 	grpcurl="$$(scripts/test-deps.sh)"; \
 	$(CARGO) build --bins -p berth -p berth-identity -p berth-revisions -p berth-leases -p berth-egress \
-	  -p berth-agent --features berth-agent/fault-injection; \
+	  -p berth-router -p berth-agent --features berth-agent/fault-injection; \
 	BERTH_GRPCURL="$$grpcurl" $(CARGO) test -p berth-e2e --test faults --test traces --test compose \
 	  -- --ignored --nocapture --test-threads 1
 
@@ -69,7 +69,8 @@ test-deps:
 ## 10,000 nodes heartbeating every second; lease placement and launch; and
 ## deploys (apply to RUNNING, warm and cold from a loopback registry, and the
 ## mint rate); the egress compile, the node proxy's overhead, and how long
-## a route edit takes to be in force on a real node.
+## a route edit takes to be in force on a real node; and requests through
+## the router beside direct ones, route changes, and the router's memory.
 ## BENCHMARKS.md records the figures.
 bench:
 	$(CARGO) build --release --bins
@@ -92,12 +93,13 @@ bench:
 	"$$bench" deploy --warm 30 --cold 10 --bundle-mib 10 --mints 200 \
 	  --database-url "$$database" --redis-url "$$redis"; \
 	"$$bench" egress; \
-	"$$bench" egress-push
+	"$$bench" egress-push; \
+	"$$bench" router
 
 ## Container images, where a Docker engine runs: one per binary, tagged
 ## <binary>:dev, from one build of the workspace (docker/Dockerfile).
 images:
-	for target in berth berth-identity berth-revisions berth-leases berth-egress; do \
+	for target in berth berth-identity berth-revisions berth-leases berth-egress berth-router; do \
 	  docker build -f docker/Dockerfile --target "$$target" -t "$$target:dev" .; \
 	done
 	# As compose builds it: examples/hello runs python3 in the agent's container.

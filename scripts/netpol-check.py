@@ -52,7 +52,11 @@ CALLS = {
     "berth-leases": ["BERTH_IDENTITY_ADDR"],
     "berth-egress": ["BERTH_IDENTITY_ADDR", "BERTH_REVISIONS_ADDR", "BERTH_LEASES_ADDR"],
     "berth-identity": [],
+    "berth-router": ["BERTH_IDENTITY_ADDR", "BERTH_REVISIONS_ADDR", "BERTH_LEASES_ADDR"],
 }
+# Pods whose listed ports anyone may reach (the router's HTTP: the users' way
+# in), by container port name.
+PUBLIC_PORTS = {"berth-router": ["http"]}
 CONTROL_PLANE = ["berth-identity", "berth-revisions", "berth-leases", "berth-egress"]
 # Outside the cluster: a managed service, a registry, a node-local DNS cache.
 EXTERNAL_IP = "203.0.113.10"
@@ -248,6 +252,9 @@ def main():
         for caller in CONTROL_PLANE:
             destination, target = cluster.resolve(host, port)
             flows.append((cluster.pods[caller], destination, target, "TCP", f"{caller} -> {variable} {host}:{port}"))
+    # The router reaches every agent's data plane at its pod address.
+    agent = cluster.pods["berth-agent"]
+    flows.append((cluster.pods["berth-router"], agent, agent.ports["grpc"], "TCP", "berth-router -> an agent's data plane"))
     registry = Pod("registry", "", {}, {}, ip=EXTERNAL_IP)
     for port in (443, 5000):
         flows.append((cluster.pods["berth-revisions"], registry, port, "TCP", f"berth-revisions -> registry :{port}"))
@@ -274,10 +281,18 @@ def main():
     }
     admin = Pod("toolbox", "admins", dict(ADMIN_LABEL), {})
     checked = 0
+    public = 0
     for pod in cluster.pods.values():
         if pod.name not in CALLS:
             continue
-        for port in set(pod.ports.values()):
+        open_to_all = {pod.ports[name] for name in PUBLIC_PORTS.get(pod.name, [])}
+        for port in sorted(open_to_all):
+            public += 1
+            for outsider in [*outsiders.values(), Pod("user", "", {}, {}, ip=EXTERNAL_IP)]:
+                ok, why = cluster.allowed(outsider, pod, port)
+                if not ok:
+                    failures.append(f"{outsider} cannot reach the public {pod.name}:{port}: {why}")
+        for port in set(pod.ports.values()) - open_to_all:
             checked += 1
             for what, outsider in outsiders.items():
                 if cluster.allowed(outsider, pod, port)[0]:
@@ -286,6 +301,7 @@ def main():
             if not ok:
                 failures.append(f"an admin pod cannot reach {pod.name}:{port}: {why}")
     print(f"netpol-check: {checked} berth ports refused from outside the namespace, open to admins")
+    print(f"netpol-check: {public} public ports open to everyone")
 
     probes = 0
     for doc in docs:

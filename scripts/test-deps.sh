@@ -2,7 +2,8 @@
 # Brings up what the test suite talks to, on a fresh machine with Rust:
 # the real grpcurl, cargo-nextest, PostgreSQL on 127.0.0.1:5432, Redis on
 # 127.0.0.1:6379, the docker-registry binary the bundle tests start on
-# loopback ports of their own, and the OCI runtimes (runc, crun, runsc) and
+# loopback ports of their own, gRPC for the system python3 (a test
+# workload), h2load (load on the router), and the OCI runtimes (runc, crun, runsc) and
 # init (tini) that contained workloads run through. Installs only what is missing (as root), starts
 # only what is not running, and prints the grpcurl path for the Makefile.
 set -euo pipefail
@@ -52,6 +53,19 @@ fi
 if ! command -v docker-registry >/dev/null && [ ! -x /usr/bin/docker-registry ]; then
   log "installing docker-registry"
   apt_install docker-registry
+fi
+
+# gRPC for Python in the system's python3: the router tests' gRPC workload
+# runs on it, under the node's /usr.
+if ! /usr/bin/python3 -c 'import grpc' >/dev/null 2>&1; then
+  log "installing python3-grpcio"
+  apt_install python3-grpcio
+fi
+
+# h2load, the load the router tests put on it.
+if ! command -v h2load >/dev/null; then
+  log "installing nghttp2-client (h2load)"
+  apt_install nghttp2-client
 fi
 
 # cargo-deny, which holds the dependency tree to deny.toml.

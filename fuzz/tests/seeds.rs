@@ -182,6 +182,11 @@ fn declaration() -> revisions::ApplyServiceRequest {
             tier: "frontend".into(),
             image: None,
             runtime: 0,
+            readiness: Some(berth_proto::types::v1::Readiness {
+                http_path: "/healthz".into(),
+                port: "admin".into(),
+                period_millis: 500,
+            }),
         }),
         source: Some(revisions::Source {
             repo: "https://git.example.com/acme/web".into(),

@@ -219,6 +219,7 @@ fn caller_kind(number: i32) -> Option<(i32, &'static str)> {
         2 => "Node",
         3 => "Service",
         4 => "Admin",
+        5 => "Router",
         _ => return None,
     };
     Some((number, name))

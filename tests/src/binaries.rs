@@ -34,7 +34,7 @@ pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
     if !path.is_file() {
         bail!(
             "{} not found: build the binaries first (cargo build --bins -p berth-identity -p berth-revisions \
-             -p berth-leases -p berth-egress -p berth-agent), or set {BIN_DIR_ENV}",
+             -p berth-leases -p berth-egress -p berth-router -p berth-agent), or set {BIN_DIR_ENV}",
             path.display()
         );
     }

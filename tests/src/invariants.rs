@@ -97,13 +97,17 @@ pub async fn wait_settled(
 type NodeLoad = (String, i64, i64, i64, Option<i64>, Option<i64>);
 
 async fn check_capacity(mesh: &Mesh, violations: &mut Vec<String>) -> anyhow::Result<()> {
+    // The leases and the books are read in one snapshot: under load, a lease
+    // ending between two separate reads would look like a ledger out of step.
+    let mut snapshot = mesh.pool().begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ").execute(&mut *snapshot).await?;
     let rows: Vec<NodeLoad> = sqlx::query_as(
         "SELECT l.node_id, CAST(SUM(l.cpu_millis) AS BIGINT), CAST(SUM(l.memory_bytes) AS BIGINT), COUNT(*), \
                 MAX(n.capacity_cpu_millis), MAX(n.capacity_memory_bytes) \
          FROM leases.leases l LEFT JOIN identity.nodes n ON n.node_id = l.node_id \
          WHERE l.phase IN ('pending', 'bound', 'launching', 'running') GROUP BY l.node_id ORDER BY l.node_id",
     )
-    .fetch_all(mesh.pool())
+    .fetch_all(&mut *snapshot)
     .await?;
     for (node_id, cpu, memory, _, capacity_cpu, capacity_memory) in &rows {
         match (capacity_cpu, capacity_memory) {
@@ -120,11 +124,12 @@ async fn check_capacity(mesh: &Mesh, violations: &mut Vec<String>) -> anyhow::Re
     let ledger: BTreeMap<String, (i64, i64, i64)> = sqlx::query_as::<_, (String, i64, i64, i64)>(
         "SELECT node_id, cpu_allocated, memory_allocated, open_leases FROM leases.node_ledger",
     )
-    .fetch_all(mesh.pool())
+    .fetch_all(&mut *snapshot)
     .await?
     .into_iter()
     .map(|(node, cpu, memory, count)| (node, (cpu, memory, count)))
     .collect();
+    snapshot.commit().await?;
     let summed: BTreeMap<&String, (i64, i64, i64)> =
         rows.iter().map(|(node, cpu, memory, count, _, _)| (node, (*cpu, *memory, *count))).collect();
     for (node_id, booked) in &ledger {

@@ -33,7 +33,7 @@
 //!
 //! It needs root (the agent contains its workloads through runc, as in its
 //! image), the binaries built, the ports the file publishes (7443-7447,
-//! 5000) free, and PostgreSQL's and Redis's ports (5432, 6379) free on
+//! 8080, 5000) free, and PostgreSQL's and Redis's ports (5432, 6379) free on
 //! loopback addresses other than 127.0.0.1 (a host server bound to
 //! `0.0.0.0` takes them), so it runs with the fault suite:
 //! `make test-faults`.
@@ -112,6 +112,17 @@ async fn the_compose_walkthrough_works_as_the_readme_says() {
         compose.host_command("berth", &["service", "get", "hello", "--data-dir", ".berth/compose", "-o", "json"]);
     let status: Value = serde_json::from_str(&listed.unwrap()).unwrap();
     assert_eq!(status["service"]["status"]["replicasRunning"], 2, "{status:#}");
+    // From the host, outside the compose network, the replicas are listed
+    // too: from leases, with the node port each was given, no agent dialled.
+    let replicas = status["replicas"].as_array().cloned().unwrap_or_default();
+    let running: Vec<&Value> = replicas.iter().filter(|r| r["phase"] == "LEASE_PHASE_RUNNING").collect();
+    assert_eq!(running.len(), 2, "{status:#}");
+    assert!(running.iter().all(|r| r["node"] == "compose-agent" && r["port"].as_u64() > Some(0)), "{status:#}");
+    // And their output: streamed through leases, which reaches the agent
+    // at `agent:7447` on the compose network, a name the host cannot resolve.
+    let lease_id = running[0]["leaseId"].as_str().unwrap_or_default().to_string();
+    let logs = compose.host_command("berth", &["logs", &lease_id, "--data-dir", ".berth/compose"]).unwrap();
+    assert!(logs.contains("hello: listening on port"), "`berth logs {lease_id}` from the host:\n{logs}");
 
     // "docker compose exec leases berth health" prints ... SERVING.
     let health = compose.exec("leases", &["/usr/local/bin/berth", "health"]).await.unwrap();

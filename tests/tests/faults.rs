@@ -294,7 +294,7 @@ impl Suite {
         if !unsettled.is_empty() {
             eprintln!("faults: {fault} did not settle; what the control plane was doing:\n{}", self.explain().await);
         }
-        violations.extend(unsettled.into_iter().map(|v| format!("not settled after {SETTLE_TIMEOUT:?}: {v}")));
+        violations.extend(unsettled.into_iter().map(|v| format!("{fault}: not settled after {SETTLE_TIMEOUT:?}: {v}")));
         self.load.pause().await;
         let hard = invariants::check_hard(&self.mesh, &self.load.acks()).await;
         self.load.resume();
@@ -346,6 +346,13 @@ impl Suite {
                 lines.push(format!("  {kind}-{index}, last lines about {WEB}:"));
                 lines.extend(web[web.len().saturating_sub(10)..].iter().map(|line| format!("    {line}")));
             }
+        }
+        for agent in self.mesh.agents() {
+            let text = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
+            let warnings: Vec<&str> =
+                text.lines().filter(|line| line.contains(" WARN ") || line.contains(" ERROR ")).collect();
+            lines.push(format!("  agent {} (running: {}), last warnings:", agent.name(), agent.is_running()));
+            lines.extend(warnings[warnings.len().saturating_sub(15)..].iter().map(|line| format!("    {line}")));
         }
         lines.join("\n")
     }

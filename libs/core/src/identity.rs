@@ -15,6 +15,8 @@ pub enum CallerKind {
     Service,
     /// An operator.
     Admin,
+    /// A data-plane router: reaches replicas through the agents.
+    Router,
 }
 
 impl CallerKind {
@@ -25,6 +27,7 @@ impl CallerKind {
             CallerKind::Node => "node",
             CallerKind::Service => "service",
             CallerKind::Admin => "admin",
+            CallerKind::Router => "router",
         }
     }
 }
@@ -44,13 +47,15 @@ pub enum Identity {
     Service(String),
     /// `<name>.admin.berth.internal`
     Admin(String),
+    /// `<name>.router.berth.internal`
+    Router(String),
 }
 
 /// Why a name could not be turned into an [`Identity`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdentityError {
     /// The name is not under the berth trust domain.
-    #[error("'{0}' is not a berth identity (expected <name>.<node|svc|admin>.{TRUST_DOMAIN})")]
+    #[error("'{0}' is not a berth identity (expected <name>.<node|svc|admin|router>.{TRUST_DOMAIN})")]
     NotBerth(String),
     /// The label before the kind is not a DNS label.
     #[error(
@@ -75,6 +80,11 @@ impl Identity {
         Self::checked(name.into(), Identity::Admin)
     }
 
+    /// Builds a router identity, checking the name is a DNS label.
+    pub fn router(name: impl Into<String>) -> Result<Self, IdentityError> {
+        Self::checked(name.into(), Identity::Router)
+    }
+
     fn checked(name: String, make: fn(String) -> Identity) -> Result<Self, IdentityError> {
         if is_dns_label(&name) { Ok(make(name)) } else { Err(IdentityError::BadName(name)) }
     }
@@ -85,13 +95,14 @@ impl Identity {
             Identity::Node(_) => CallerKind::Node,
             Identity::Service(_) => CallerKind::Service,
             Identity::Admin(_) => CallerKind::Admin,
+            Identity::Router(_) => CallerKind::Router,
         }
     }
 
     /// The name within its kind: the node id, service name or admin name.
     pub fn name(&self) -> &str {
         match self {
-            Identity::Node(n) | Identity::Service(n) | Identity::Admin(n) => n,
+            Identity::Node(n) | Identity::Service(n) | Identity::Admin(n) | Identity::Router(n) => n,
         }
     }
 
@@ -109,6 +120,7 @@ impl Identity {
             Identity::Node(_) => "node",
             Identity::Service(_) => "svc",
             Identity::Admin(_) => "admin",
+            Identity::Router(_) => "router",
         };
         format!("{}.{kind}.{TRUST_DOMAIN}", self.name())
     }
@@ -123,6 +135,7 @@ impl Identity {
             "node" => Identity::node(name),
             "svc" => Identity::service(name),
             "admin" => Identity::admin(name),
+            "router" => Identity::router(name),
             _ => Err(not_berth()),
         }
     }
@@ -150,9 +163,12 @@ mod tests {
 
     #[test]
     fn san_round_trips_for_every_kind() {
-        for id in
-            [Identity::node("n-0123").unwrap(), Identity::service("leases").unwrap(), Identity::admin("alice").unwrap()]
-        {
+        for id in [
+            Identity::node("n-0123").unwrap(),
+            Identity::service("leases").unwrap(),
+            Identity::admin("alice").unwrap(),
+            Identity::router("edge-1").unwrap(),
+        ] {
             assert_eq!(Identity::from_san(&id.to_san()).unwrap(), id);
         }
         assert_eq!(Identity::service("identity").unwrap().to_san(), "identity.svc.berth.internal");

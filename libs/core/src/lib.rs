@@ -10,6 +10,7 @@
 //! | node    | `<node-id>.node.berth.internal`   |
 //! | service | `<service>.svc.berth.internal`    |
 //! | admin   | `<name>.admin.berth.internal`     |
+//! | router  | `<name>.router.berth.internal`    |
 //!
 //! Other SANs (`localhost`, an IP, a public host name) may stand beside it so
 //! that clients can verify the server by the address they dialled; they carry

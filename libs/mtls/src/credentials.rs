@@ -193,6 +193,26 @@ fn load(material: TlsMaterial) -> Result<Loaded, MtlsError> {
     })
 }
 
+/// A server configuration for a public listener: it presents
+/// `cert_chain_pem` (leaf first) with `key_pem`, asks no client for a
+/// certificate, and offers `alpn` (e.g. `h2`, `http/1.1`) in that order.
+pub fn public_server_config(
+    cert_chain_pem: &str,
+    key_pem: &str,
+    alpn: &[&[u8]],
+) -> Result<Arc<ServerConfig>, MtlsError> {
+    let chain = crate::pem::certs_from_pem("certificate", cert_chain_pem)?;
+    let key = crate::pem::key_from_pem(key_pem)?;
+    let mut server = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(MtlsError::Tls)?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(MtlsError::Tls)?;
+    server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(server))
+}
+
 /// A client configuration that verifies servers against `ca_bundle_pem` and
 /// presents no certificate: what a host uses to `Join` before it has one.
 pub fn anonymous_client_config(ca_bundle_pem: &str) -> Result<Arc<ClientConfig>, MtlsError> {

@@ -19,7 +19,7 @@ mod peer;
 mod pem;
 
 pub use authority::{BACKDATE, CertificateAuthority, IssuedCertificate, generate_csr};
-pub use credentials::{TlsCredentials, TlsMaterial, anonymous_client_config, verify_chain};
+pub use credentials::{TlsCredentials, TlsMaterial, anonymous_client_config, public_server_config, verify_chain};
 pub use peer::identity_from_cert;
 pub use pem::{cert_host_names, cert_not_after, cert_validity, certs_from_pem, fingerprint};
 

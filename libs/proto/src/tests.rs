@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use berth_core::CallerKind::{self, Admin, Anonymous, Node, Service};
+use berth_core::CallerKind::{self, Admin, Anonymous, Node, Router, Service};
 use prost::Message;
 use prost_types::{DescriptorProto, EnumDescriptorProto, FileDescriptorProto, FileDescriptorSet};
 
@@ -103,7 +103,7 @@ fn spot_checks_of_the_admission_table() {
     assert_eq!(access::allowed("/berth.identity.v1.NodeSession/Heartbeat"), Some(&[Node][..]));
     assert_eq!(access::allowed("/berth.identity.v1.Join/Join"), Some(&[Anonymous, Node][..]));
     assert_eq!(access::allowed("/berth.identity.v1.JoinTokens/CreateJoinToken"), Some(&[Admin][..]));
-    assert_eq!(access::allowed("/berth.identity.v1.Authority/GetCABundle"), Some(&[Node, Service, Admin][..]));
+    assert_eq!(access::allowed("/berth.identity.v1.Authority/GetCABundle"), Some(&[Node, Service, Admin, Router][..]));
 }
 
 /// The admission contract, written out by hand: a change to any rpc's access option
@@ -113,21 +113,30 @@ fn admission_table_matches_the_contract() {
     const ADMIN: &[CallerKind] = &[Admin];
     const NODE: &[CallerKind] = &[Node];
     const READERS: &[CallerKind] = &[Service, Admin];
+    // What a router follows to build its routes.
+    const WATCHERS: &[CallerKind] = &[Service, Admin, Router];
     let contract: &[(&str, &[&str], &[CallerKind])] = &[
         ("berth.identity.v1.JoinTokens", &["CreateJoinToken", "ListJoinTokens", "RevokeJoinToken"], ADMIN),
         ("berth.identity.v1.Join", &["Join"], &[Anonymous, Node]),
         ("berth.identity.v1.NodeSession", &["Heartbeat"], NODE),
-        ("berth.identity.v1.Nodes", &["ListNodes", "GetNode", "WatchNodes"], READERS),
+        ("berth.identity.v1.Nodes", &["ListNodes", "GetNode"], READERS),
+        ("berth.identity.v1.Nodes", &["WatchNodes"], WATCHERS),
         ("berth.identity.v1.Nodes", &["RevokeNode", "DrainNode"], ADMIN),
-        ("berth.identity.v1.Authority", &["GetCABundle"], &[Node, Service, Admin]),
+        ("berth.identity.v1.Authority", &["GetCABundle"], &[Node, Service, Admin, Router]),
         ("berth.identity.v1.Authority", &["RotateCA"], ADMIN),
-        // A service renews only its own certificate (the handler holds it to that).
-        ("berth.identity.v1.Authority", &["IssueCertificate"], READERS),
+        ("berth.identity.v1.Mesh", &["GetEndpoints"], &[Node, Service, Admin, Router]),
+        // A service or router renews only its own certificate (the handler holds it to that).
+        ("berth.identity.v1.Authority", &["IssueCertificate"], &[Service, Admin, Router]),
         ("berth.revisions.v1.Services", &["ApplyService", "DeleteService", "SetTraffic"], ADMIN),
-        ("berth.revisions.v1.Services", &["GetService", "ListServices", "WatchServices"], READERS),
+        ("berth.revisions.v1.Services", &["GetService", "ListServices"], READERS),
+        ("berth.revisions.v1.Services", &["WatchServices"], WATCHERS),
+        // A router acknowledges only as itself (its name is read from its certificate).
+        ("berth.revisions.v1.Services", &["AckRoutes"], &[Router]),
         ("berth.revisions.v1.Revisions", &["ListRevisions", "GetRevision"], READERS),
         ("berth.revisions.v1.Revisions", &["GetPullCredentials"], NODE),
-        ("berth.leases.v1.Leases", &["RequestLease", "GetLease", "ListLeases", "ReleaseLease", "WatchLeases"], READERS),
+        ("berth.leases.v1.Leases", &["RequestLease", "GetLease", "ListLeases", "ReleaseLease"], READERS),
+        ("berth.leases.v1.Leases", &["GetLeaseLogs"], READERS),
+        ("berth.leases.v1.Leases", &["WatchLeases"], WATCHERS),
         ("berth.leases.v1.Capacity", &["ListNodeCapacity"], READERS),
         (
             "berth.leases.v1.NodeLeases",
@@ -138,6 +147,7 @@ fn admission_table_matches_the_contract() {
         ("berth.egress.v1.Egress", &["GetGateway", "ListGateways", "GetRoute", "ListRoutes", "GetPlan"], READERS),
         ("berth.egress.v1.NodeEgress", &["WatchEgress", "AckEgress"], NODE),
         ("berth.agent.v1.Agent", &["ListInstances", "GetLogs", "GetStats", "SignalInstance"], READERS),
+        ("berth.agent.v1.DataPlane", &["Tunnel"], &[Router]),
     ];
     let mut expected = BTreeMap::new();
     for (service, methods, kinds) in contract {
@@ -195,6 +205,7 @@ fn enum_values_scripts_rely_on_exist() {
         "CALLER_KIND_NODE",
         "CALLER_KIND_SERVICE",
         "CALLER_KIND_ADMIN",
+        "CALLER_KIND_ROUTER",
         "LISTENER_PROTOCOL_HTTP",
         "LISTENER_PROTOCOL_HTTPS_CONNECT",
         "LISTENER_PROTOCOL_TCP",
@@ -353,7 +364,8 @@ fn fields_scripts_rely_on_exist() {
         ("berth.agent.v1.Instance", &["lease_id", "epoch", "project", "service", "phase", "pid", "started_at", "port"]),
         ("berth.agent.v1.ListInstancesResponse", &["instances"]),
         ("berth.agent.v1.GetLogsRequest", &["lease_id", "follow", "tail_lines"]),
-        ("berth.agent.v1.LogChunk", &["data", "stream"]),
+        ("berth.types.v1.LogChunk", &["data", "stream"]),
+        ("berth.leases.v1.GetLeaseLogsRequest", &["lease_id", "follow", "tail_lines"]),
         ("berth.agent.v1.GetStatsRequest", &["lease_id"]),
         ("berth.agent.v1.GetStatsResponse", &["cpu_millis_used", "memory_bytes", "uptime_seconds"]),
         ("berth.agent.v1.SignalInstanceRequest", &["lease_id", "signal"]),

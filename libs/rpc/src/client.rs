@@ -31,6 +31,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often an idle connection is pinged.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 
+/// How many streams this side reset h2 remembers at once (for a second
+/// each). A frame the server sent before it saw a reset is ignored while
+/// its stream is remembered; on a forgotten one it counts toward the 1024
+/// after which h2 closes the connection with every call on it. h2's own 50
+/// is a burst a router dropping tunnels reaches.
+const RESETS_REMEMBERED: usize = 4096;
+
 /// Request headers never entered into HPACK's dynamic tables: their value
 /// changes on every call (W3C trace context, the gRPC deadline).
 pub const PER_CALL_HEADERS: [&str; 3] = ["traceparent", "tracestate", "grpc-timeout"];
@@ -170,7 +177,8 @@ fn channel(addr: &str, connector: TlsConnector) -> Result<Channel, ClientError> 
         .map_err(|e| bad(e.to_string()))?
         .connect_timeout(CONNECT_TIMEOUT)
         .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
-        .keep_alive_while_idle(true);
+        .keep_alive_while_idle(true)
+        .http2_max_concurrent_reset_streams(RESETS_REMEMBERED);
     let host = endpoint.uri().host().unwrap_or_default();
     if host.is_empty() || endpoint.uri().port_u16().is_none() {
         return Err(bad("expected host:port".into()));

@@ -1,7 +1,8 @@
 //! The gRPC plumbing every berth process shares: an mTLS listener whose
 //! credentials can be swapped live, the access layer that admits each RPC
 //! only to the caller kinds its proto declares, health and reflection, the
-//! server bootstrap with graceful shutdown, and the mTLS client connector.
+//! server bootstrap with graceful shutdown, the mTLS client connector, and
+//! the caller's side of an agent's data plane ([`tunnel`]).
 //!
 //! # Expected flow
 //! A service binds a [`Listener`], adds its tonic services to a
@@ -17,6 +18,7 @@ pub mod invalid;
 mod listener;
 mod revocations;
 mod server;
+pub mod tunnel;
 
 pub use access::{AccessLayer, AccessPolicy, caller, require_own_node};
 pub use client::{

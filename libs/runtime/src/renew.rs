@@ -73,9 +73,11 @@ pub async fn renew_if_due(
     }
     let identity =
         credentials.identity().ok_or_else(|| RenewError::NotRenewable("it names no berth identity".into()))?;
-    if identity.kind() != CallerKind::Service {
-        return Err(RenewError::NotRenewable(format!("{identity} is not a service")));
-    }
+    let kind = match identity.kind() {
+        CallerKind::Service => v1::CertificateKind::Service,
+        CallerKind::Router => v1::CertificateKind::Router,
+        _ => return Err(RenewError::NotRenewable(format!("{identity} is neither a service nor a router"))),
+    };
     let chain =
         certs_from_pem("certificate", &material.cert_chain_pem).map_err(|e| RenewError::NotRenewable(e.to_string()))?;
     let hosts = cert_host_names(&chain[0]).map_err(|e| RenewError::NotRenewable(e.to_string()))?;
@@ -84,7 +86,7 @@ pub async fn renew_if_due(
         berth_rpc::connect(identity_addr, credentials.clone()).map_err(|e| RenewError::Identity(e.to_string()))?;
     let lifetime = u32::try_from(lifetime).unwrap_or(0);
     let request = v1::IssueCertificateRequest {
-        kind: v1::CertificateKind::Service as i32,
+        kind: kind as i32,
         name: identity.name().to_owned(),
         csr_pem,
         ttl_seconds: lifetime,

@@ -52,6 +52,8 @@ use crate::bundles::{BundleStore, GrpcPullCredentials, PullCredentials};
 use crate::config::AgentConfig;
 use crate::config::{Containment, WorkloadRuntime};
 use crate::container::{ContainerProvider, ContainerSettings, OciRuntime};
+use crate::data_plane::DataPlane;
+use crate::dial::Dialer;
 use crate::egress::{EgressFollower, EgressProvider, EgressProxies, EgressSettings, EgressStatus, GrpcNodeEgress};
 use crate::error::AgentError;
 use crate::heartbeat::{Heartbeater, Watches, trust_union};
@@ -423,6 +425,8 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         }
     };
     let workloads = runner.as_ref().map(|(provider, ..)| provider.clone());
+    let dialer = Dialer { egress: egress.as_ref().map(|(proxies, _)| proxies.clone()) };
+    let data_plane = DataPlane { board: board.clone(), dialer: dialer.clone(), shutdown: stop.clone() };
     let api = AgentApi {
         board: board.clone(),
         provider: workloads.clone(),
@@ -435,6 +439,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
             provider,
             bundles,
             board,
+            dialer,
             session: session_rx.clone(),
             fences: fences.clone(),
             settings,
@@ -453,7 +458,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     });
     let egress = egress.map(|(proxies, _)| proxies);
     let heartbeater = Heartbeater::new(config, dir, identity, credentials.clone(), watches, stop.clone())?;
-    let server = tokio::spawn(crate::api::serve(listener, credentials.clone(), api, stop.clone()));
+    let server = tokio::spawn(crate::api::serve(listener, credentials.clone(), api, data_plane, stop.clone()));
     let heartbeater = tokio::spawn(heartbeater.run());
     Ok(AgentHandle {
         credentials,

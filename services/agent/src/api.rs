@@ -19,6 +19,7 @@ use tonic::codegen::BoxStream;
 use tonic::{Request, Response, Status};
 
 use crate::board::{InstanceBoard, InstanceView};
+use crate::data_plane::DataPlane;
 use crate::logs::{LogRequest, stream_logs};
 use crate::provider::{Provider, ProviderError, WorkloadSignal};
 
@@ -128,7 +129,7 @@ impl v1::agent_server::Agent for AgentApi {
     async fn get_logs(
         &self,
         request: Request<v1::GetLogsRequest>,
-    ) -> Result<Response<BoxStream<v1::LogChunk>>, Status> {
+    ) -> Result<Response<BoxStream<berth_proto::types::v1::LogChunk>>, Status> {
         let request = request.into_inner();
         let lease_id = lease_id(&request.lease_id)?;
         let files = self.provider(&lease_id)?.log_files(&lease_id).map_err(provider_status)?;
@@ -162,17 +163,21 @@ impl v1::agent_server::Agent for AgentApi {
     }
 }
 
-/// Serves the agent API on `listener` until `shutdown`. The listener reads
+/// Serves the agent API and the data plane on `listener` until `shutdown`. The listener reads
 /// `credentials` on every handshake, so renewals are served at once.
 pub(crate) async fn serve(
     listener: Listener,
     credentials: TlsCredentials,
     api: AgentApi,
+    data_plane: DataPlane,
     shutdown: CancellationToken,
 ) -> Result<(), RpcError> {
     tracing::info!(addr = ?listener.local_addr().ok(), identity = ?credentials.identity(), "agent api serving");
     ServerBuilder::new()
         .add_service(v1::agent_server::AgentServer::new(api).max_decoding_message_size(MAX_REQUEST_BYTES))
+        .add_service(
+            v1::data_plane_server::DataPlaneServer::new(data_plane).max_decoding_message_size(MAX_REQUEST_BYTES),
+        )
         .serve(listener, shutdown)
         .await
 }

@@ -4,7 +4,8 @@
 //! when its session is fenced, runs the leases assigned to the node through
 //! a [`Provider`] (pulling their bundles by digest into a verified cache, and
 //! giving each workload a port of its own), and serves `berth.agent.v1.Agent`
-//! on the node certificate. With an egress service configured, every
+//! and the data plane routers reach replicas through
+//! (`berth.agent.v1.DataPlane`) on the node certificate. With an egress service configured, every
 //! replica reaches the network only through its tenant's egress proxy (see
 //! [`EgressProxies`]), which follows the plans the egress service pushes.
 //!
@@ -33,6 +34,8 @@ mod config;
 mod container;
 #[cfg(test)]
 mod contract;
+mod data_plane;
+mod dial;
 mod egress;
 mod error;
 #[cfg_attr(
@@ -77,7 +80,7 @@ pub use container::{
 };
 pub use egress::{
     Attachment, DEFAULT_PROXY_CONNECT_TIMEOUT, DEFAULT_PROXY_HEAD_TIMEOUT, EgressError, EgressIsolation, EgressProxies,
-    EgressSettings, EgressStatus, Enforcement, NamespaceError, ProxyTiming, RulesError,
+    EgressSettings, EgressStatus, Enforcement, NamespaceError, ProxyTiming, RulesError, connect_in_namespace,
 };
 pub use error::AgentError;
 pub use faults::FAULTS_ENV;

@@ -16,7 +16,7 @@ use std::io::{Read as _, Seek as _, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use berth_proto::agent::v1::{LogChunk, LogStream};
+use berth_proto::types::v1::{LogChunk, LogStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 

@@ -44,7 +44,7 @@ use std::time::{Duration, SystemTime};
 
 use berth_bundle::ReadyBundle;
 use berth_proto::leases::v1::{AssignmentEvent, Lease, LeasePhase, LeaseRef, ReportPhaseRequest};
-use berth_proto::types::v1::{EventKind, RuntimeClass};
+use berth_proto::types::v1::{EventKind, Readiness, RuntimeClass};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
@@ -55,6 +55,7 @@ use tokio_util::task::AbortOnDropHandle;
 use crate::board::{Custody, InstanceBoard, InstanceView};
 use crate::bundles::{BundleAsk, BundleError, BundleStore, bundle_spec};
 use crate::config::LeaseTiming;
+use crate::dial::Dialer;
 use crate::keepalive::{KeepAlive, Lost, RenewSet};
 use crate::leases_client::{NodeLeasesApi, is_transient};
 use crate::provider::{
@@ -139,6 +140,8 @@ struct Shared {
     provider: Arc<dyn Provider>,
     bundles: BundleStore,
     board: InstanceBoard,
+    /// Reaches replicas' ports, for readiness checks.
+    dialer: Dialer,
     settings: RunnerSettings,
     shutdown: CancellationToken,
 }
@@ -192,6 +195,7 @@ pub(crate) struct RunnerParts {
     pub(crate) provider: Arc<dyn Provider>,
     pub(crate) bundles: BundleStore,
     pub(crate) board: InstanceBoard,
+    pub(crate) dialer: Dialer,
     pub(crate) session: watch::Receiver<NodeSession>,
     pub(crate) fences: watch::Receiver<Option<Fence>>,
     pub(crate) settings: RunnerSettings,
@@ -200,7 +204,7 @@ pub(crate) struct RunnerParts {
 
 /// Spawns the runner and its keep-alive task.
 pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
-    let RunnerParts { leases, provider, bundles, board, mut session, mut fences, settings, shutdown } = parts;
+    let RunnerParts { leases, provider, bundles, board, dialer, mut session, mut fences, settings, shutdown } = parts;
     let current = session.borrow_and_update().clone();
     fences.borrow_and_update();
     let (inbox_tx, inbox) = mpsc::unbounded_channel();
@@ -219,7 +223,7 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         backoff: settings.backoff(),
         shutdown: shutdown.clone(),
     };
-    let shared = Arc::new(Shared { leases, provider, bundles, board, settings, shutdown });
+    let shared = Arc::new(Shared { leases, provider, bundles, board, dialer, settings, shutdown });
     let runner = Runner {
         shared,
         session_rx: session,
@@ -536,10 +540,11 @@ impl Runner {
         let bundle = BundleAsk::of(&lease);
         let traceparent = lease.traceparent.clone();
         let runtime = workload.runtime;
+        let readiness = workload.readiness;
         self.spawn_worker(
             &lease.lease_id,
             held,
-            Start::Launch(Box::new(Launch { spec, bundle, traceparent, runtime })),
+            Start::Launch(Box::new(Launch { spec, bundle, traceparent, runtime, readiness })),
         );
     }
 
@@ -1048,6 +1053,14 @@ enum Start {
     },
 }
 
+/// How a readiness gate opened.
+enum Gate {
+    /// A check passed.
+    Ready,
+    /// The workload ended before one did.
+    Ended,
+}
+
 /// What a BOUND lease asks the node to start.
 struct Launch {
     /// What the lease says to run; for a bundle, its overrides.
@@ -1058,6 +1071,8 @@ struct Launch {
     traceparent: String,
     /// The [`RuntimeClass`] the lease needs.
     runtime: i32,
+    /// When the workload is ready: it is RUNNING only then.
+    readiness: Option<Readiness>,
 }
 
 /// The phase and reason a settled instance shows after a restart: what it
@@ -1123,12 +1138,22 @@ struct Detail {
     reason: String,
     message: String,
     exit_code: Option<i32>,
+    /// With RUNNING: where the replica listens on the node, the port
+    /// `PORT` names first.
+    ports: Vec<berth_proto::types::v1::Port>,
 }
 
 impl Detail {
+    /// A RUNNING report of the node ports `meta` says the replica has.
+    fn running(meta: &InstanceMeta) -> Self {
+        let named = |(name, port): (&String, &u32)| berth_proto::types::v1::Port { name: name.clone(), port: *port };
+        let (first, rest): (Vec<_>, Vec<_>) = meta.ports.iter().partition(|(_, port)| **port == meta.port);
+        Self { ports: first.into_iter().chain(rest).map(named).collect(), ..Self::default() }
+    }
+
     /// A workload that could not be started, and why.
     fn failed(reason: &str, message: String) -> Self {
-        Self { reason: reason.to_string(), message, exit_code: None }
+        Self { reason: reason.to_string(), message, ..Self::default() }
     }
 
     /// A bundle that could not be made ready to run.
@@ -1175,7 +1200,7 @@ impl Worker {
     }
 
     async fn launch(&mut self, launch: Launch) -> Result<(ExitWatch, Option<ReadyBundle>), WorkerEnd> {
-        let Launch { mut spec, bundle, runtime, .. } = launch;
+        let Launch { mut spec, bundle, runtime, readiness, .. } = launch;
         let refusal = runtime_refusal(runtime, &self.shared.provider.runtime());
         // The pull starts while the lease is still BOUND and goes on while
         // LAUNCHING is reported; dropping the handle abandons it.
@@ -1212,7 +1237,7 @@ impl Worker {
             _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
             launched = self.shared.provider.launch(spec) => launched,
         };
-        let exit = match launched {
+        let (mut exit, meta) = match launched {
             Ok(launched) => {
                 self.started.store(true, Ordering::SeqCst);
                 self.shared.board.update(&self.lease_id, |view| {
@@ -1220,7 +1245,7 @@ impl Worker {
                     view.started_at = launched.record.started_at;
                     view.meta = launched.record.meta.clone();
                 });
-                launched.exit
+                (launched.exit, launched.record.meta)
             }
             Err(error) => {
                 tracing::warn!(lease_id = %self.lease_id, %error, "cannot start the workload");
@@ -1228,13 +1253,59 @@ impl Worker {
                 return Err(self.report_end(LeasePhase::Failed, detail).await);
             }
         };
-        match self.report(LeasePhase::Running, Detail::default()).await {
+        if let Some(readiness) = readiness {
+            match self.until_ready(&readiness, &meta, &mut exit).await {
+                Ok(Gate::Ready) => {}
+                // The workload ended first: its end is what is reported.
+                Ok(Gate::Ended) => return Ok((exit, bundle)),
+                Err(end) => return Err(end),
+            }
+        }
+        match self.report(LeasePhase::Running, Detail::running(&meta)).await {
             Ok(()) => Ok((exit, bundle)),
             Err(Interrupt::Stopped) => Err(WorkerEnd::Stopped),
             Err(Interrupt::Removed(removal)) => Err(self.destroyed(removal).await),
             Err(Interrupt::Refused(status)) => {
                 tracing::warn!(lease_id = %self.lease_id, error = %status.message(), "RUNNING refused; destroying the workload");
                 Err(self.destroyed(Removal::new(None, "RunningRefused")).await)
+            }
+        }
+    }
+
+    /// Checks the started workload against `readiness` until it passes, it
+    /// ends, or the lease is taken away (what is then returned).
+    async fn until_ready(
+        &mut self,
+        readiness: &Readiness,
+        meta: &InstanceMeta,
+        exit: &mut ExitWatch,
+    ) -> Result<Gate, WorkerEnd> {
+        let port =
+            if readiness.port.is_empty() { meta.port } else { meta.ports.get(&readiness.port).copied().unwrap_or(0) };
+        let Ok(port) = u16::try_from(port) else { return Ok(Gate::Ready) };
+        if port == 0 {
+            tracing::warn!(lease_id = %self.lease_id, port = %readiness.port, "no port to check readiness on; taking it as ready");
+            return Ok(Gate::Ready);
+        }
+        let period = crate::dial::period(readiness);
+        let mut last = String::new();
+        loop {
+            match self.shared.dialer.ready(&self.lease_id, port, readiness).await {
+                Ok(()) => {
+                    tracing::info!(lease_id = %self.lease_id, port, "the workload is ready");
+                    return Ok(Gate::Ready);
+                }
+                Err(why) if why != last => {
+                    tracing::debug!(lease_id = %self.lease_id, port, %why, "the workload is not ready yet");
+                    last = why;
+                }
+                Err(_) => {}
+            }
+            tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
+                removal = removed(&mut self.removal) => return Err(self.destroyed(removal).await),
+                _ = async { exit.wait_for(Option::is_some).await.map(|_| ()) } => return Ok(Gate::Ended),
+                () = tokio::time::sleep(period) => {}
             }
         }
     }
@@ -1281,8 +1352,12 @@ impl Worker {
         };
         self.shared.board.update(&self.lease_id, |view| view.exit = Some(ended.status));
         let (phase, reason) = ended_as(ended.status);
-        let detail =
-            Detail { reason: reason.to_string(), message: ended.status.to_string(), exit_code: ended.status.code() };
+        let detail = Detail {
+            reason: reason.to_string(),
+            message: ended.status.to_string(),
+            exit_code: ended.status.code(),
+            ..Detail::default()
+        };
         self.report_end(phase, detail).await
     }
 
@@ -1375,6 +1450,7 @@ impl Worker {
                 reason: detail.reason.clone(),
                 exit_code: detail.exit_code,
                 message: detail.message.clone(),
+                ports: detail.ports.clone(),
             };
             let outcome = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Err(Interrupt::Stopped),

@@ -206,9 +206,9 @@ async fn the_agent_api_shows_the_logs_and_a_term_signal_ends_the_workload() {
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.unwrap();
             match chunk.stream() {
-                agent::LogStream::Stdout => stdout.extend(chunk.data),
-                agent::LogStream::Stderr => stderr.extend(chunk.data),
-                agent::LogStream::Unspecified => panic!("a chunk from no stream"),
+                berth_proto::types::v1::LogStream::Stdout => stdout.extend(chunk.data),
+                berth_proto::types::v1::LogStream::Stderr => stderr.extend(chunk.data),
+                berth_proto::types::v1::LogStream::Unspecified => panic!("a chunk from no stream"),
             }
         }
         if stdout == expected.as_bytes() && stderr == b"oops\n" {
@@ -237,7 +237,7 @@ async fn the_agent_api_shows_the_logs_and_a_term_signal_ends_the_workload() {
     let ended = tokio::time::timeout(SLOW, async {
         while let Some(chunk) = followed.next().await {
             let chunk = chunk.unwrap();
-            if chunk.stream() == agent::LogStream::Stdout {
+            if chunk.stream() == berth_proto::types::v1::LogStream::Stdout {
                 seen.extend(chunk.data);
             }
         }

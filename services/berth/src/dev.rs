@@ -1,7 +1,9 @@
 //! `berth dev`: the whole mesh in one process, for a first try.
 //!
 //! Every service still serves mTLS gRPC on its own port (identity on the
-//! port base, then revisions, leases, egress, and the dev node's agent), on
+//! port base, then revisions, leases, egress, and the dev node's agent), and
+//! the router serves services by name over HTTP and HTTPS on the two ports
+//! after those, on
 //! SQLite files and one in-process bus in the data directory: nothing else
 //! to install.
 //!
@@ -38,6 +40,10 @@ const ADMIN_RENEW_BEFORE: Duration = Duration::from_secs(7 * 24 * 3600);
 /// renews them at half of it.
 const LEAF_VALIDITY: Duration = Duration::from_secs(24 * 3600);
 
+/// How long the router's public HTTPS certificate is valid; a new one is
+/// issued at every start.
+const PUBLIC_CERT_VALIDITY: Duration = Duration::from_secs(30 * 24 * 3600);
+
 /// The control-plane services after identity, in port order.
 const SERVICES: [ServiceSpec; 3] = [berth_revisions::SPEC, berth_leases::SPEC, berth_egress::SPEC];
 
@@ -54,9 +60,9 @@ pub(crate) struct DevArgs {
     #[arg(long, env = "BERTH_DATA_DIR", default_value = ".berth/dev", value_name = "DIR")]
     data_dir: PathBuf,
     /// First port: identity on P, revisions P+1, leases P+2, egress P+3, the
-    /// dev node's agent P+4.
+    /// dev node's agent P+4, the router's HTTP P+5 and HTTPS P+6.
     #[arg(long, env = "BERTH_PORT_BASE", default_value_t = 7443, value_name = "P",
-          value_parser = clap::value_parser!(u16).range(1..=65531))]
+          value_parser = clap::value_parser!(u16).range(1..=65529))]
     port_base: u16,
     /// Address every port is bound on.
     #[arg(long, env = "BERTH_DEV_HOST", default_value = "127.0.0.1", value_name = "IP")]
@@ -122,7 +128,15 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         node_cert_ttl: Duration::from_secs(3600),
     };
     let identity_readiness = berth_runtime::store_readiness(&identity_store);
-    let identity = IdentityService::open(identity_store, identity_bus, config).await.map_err(authority_error)?;
+    // Every service at the host a client reached identity by, at its port.
+    let mut endpoints = berth_identity::Endpoints::default();
+    for (name, offset) in [("revisions", 1), ("leases", 2), ("egress", 3), ("router", 5)] {
+        endpoints.insert(name, &format!(":{}", args.port_base + offset)).map_err(StartError::Invalid)?;
+    }
+    let identity = IdentityService::open(identity_store, identity_bus, config)
+        .await
+        .map_err(authority_error)?
+        .with_endpoints(endpoints);
     let authority = identity.authority().clone();
     let bundle = authority.bundle_pem().await.map_err(authority_error)?;
     let ca_path = dir.join("ca.pem");
@@ -239,6 +253,46 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         Ok(())
     });
 
+    // The router reaches replicas through the agent, as a router identity;
+    // its public HTTP port is five above identity.
+    let router = KeptIdentity::issue(&authority, router_identity()?, sans.clone(), LEAF_VALIDITY)
+        .await
+        .map_err(authority_error)?;
+    let bind_public = |offset: u16| {
+        let addr = SocketAddr::new(args.host, args.port_base + offset);
+        async move { tokio::net::TcpListener::bind(addr).await.map_err(|source| StartError::Bind { addr, source }) }
+    };
+    // HTTPS with a certificate from the dev CA for the default project's
+    // names (a wildcard covers one label: other projects' names need their own).
+    let public_names: Vec<String> =
+        [format!("*.default.{}", berth_router::DEFAULT_DOMAIN), berth_router::DEFAULT_DOMAIN.to_string()]
+            .into_iter()
+            .chain(sans.iter().cloned())
+            .collect();
+    let public_cert = authority
+        .issue_material(&router_identity()?, &public_names, PUBLIC_CERT_VALIDITY)
+        .await
+        .map_err(authority_error)?;
+    let tls = berth_router::public_tls(&public_cert.cert_chain_pem, &public_cert.key_pem).map_err(StartError::Tls)?;
+    let public =
+        berth_router::PublicListeners { http: Some(bind_public(5).await?), https: Some((bind_public(6).await?, tls)) };
+    let config = berth_router::RouterConfig {
+        domain: berth_router::DEFAULT_DOMAIN.to_string(),
+        identity_addr: identity_addr.clone(),
+        revisions_addr: SocketAddr::new(dial_host, args.port_base + 1).to_string(),
+        leases_addr: SocketAddr::new(dial_host, args.port_base + 2).to_string(),
+        credentials: router.credentials.clone(),
+        instance: berth_router::host_instance(),
+    };
+    let serving =
+        berth_router::start(config, public, &shutdown).map_err(|e| StartError::Invalid(format!("router: {e}")))?;
+    // Requests under way finish before `berth dev` exits.
+    servers.spawn(async move {
+        serving.stopped().await;
+        Ok(())
+    });
+    kept.push(router);
+
     spawn_keeper(authority, kept, LEAF_VALIDITY, Some(ca_path), shutdown.clone());
     print_banner(&args, contained);
 
@@ -279,6 +333,10 @@ fn sqlite_url(dir: &Path, name: &str) -> String {
 
 fn service_identity(name: &str) -> Result<Identity, StartError> {
     Identity::service(name).map_err(|e| StartError::Invalid(e.to_string()))
+}
+
+fn router_identity() -> Result<Identity, StartError> {
+    Identity::router(DEV_NODE).map_err(|e| StartError::Invalid(e.to_string()))
 }
 
 fn authority_error(error: berth_identity::AuthorityError) -> StartError {
@@ -364,6 +422,17 @@ fn print_banner(args: &DevArgs, contained: bool) {
     for (offset, name) in (0u16..).zip(["identity", "revisions", "leases", "egress", "agent (node 'dev')"]) {
         lines.push(format!("  {name:<20} {host}:{}", p + offset));
     }
+    lines.push(format!(
+        "  {:<20} http://{host}:{} (a service answers at <service>.<project>.{})",
+        "router (HTTP)",
+        p + 5,
+        berth_router::DEFAULT_DOMAIN
+    ));
+    lines.push(format!(
+        "  {:<20} https://{host}:{} (trusting {dir}/ca.pem; names in the default project)",
+        "router (HTTPS)",
+        p + 6
+    ));
     lines.push(String::new());
     lines.push("Try it:".into());
     lines

@@ -157,6 +157,27 @@ fn server_failure(code: Code) -> bool {
     matches!(code, Code::Unknown | Code::Internal | Code::Unavailable | Code::Cancelled | Code::DataLoss)
 }
 
+/// A router identity, issued by identity at `identity_addr` at the admin's
+/// request, as `berth cert issue --kind router` would.
+async fn router_credentials(dir: &Path, identity_addr: &str, admin: &TlsCredentials) -> TlsCredentials {
+    use berth_proto::identity::v1 as identity;
+    let (csr_pem, key_pem) = berth_mtls::generate_csr("bad-input").unwrap();
+    let request = identity::IssueCertificateRequest {
+        kind: identity::CertificateKind::Router as i32,
+        name: "bad-input".into(),
+        csr_pem,
+        ..Default::default()
+    };
+    let channel = berth_rpc::connect(identity_addr, admin.clone()).unwrap();
+    let issued = identity::authority_client::AuthorityClient::new(channel)
+        .issue_certificate(request)
+        .await
+        .unwrap()
+        .into_inner();
+    let ca_bundle_pem = std::fs::read_to_string(dir.join("ca.pem")).unwrap();
+    TlsCredentials::new(TlsMaterial { cert_chain_pem: issued.certificate_pem, key_pem, ca_bundle_pem }).unwrap()
+}
+
 fn credentials(dir: &Path, cert: &str, key: &str) -> TlsCredentials {
     TlsCredentials::new(TlsMaterial::from_files(dir.join(cert), dir.join(key), dir.join("ca.pem")).unwrap()).unwrap()
 }
@@ -246,6 +267,8 @@ fn every_public_rpc_refuses_malformed_requests_cleanly_and_keeps_serving() {
         runtime.block_on(async {
             let admin_credentials = credentials(dir.path(), "admin.pem", "admin-key.pem");
             let node_credentials = credentials(dir.path(), "agent/identity/node.pem", "agent/identity/node.key");
+            let router_credentials =
+                router_credentials(dir.path(), &format!("127.0.0.1:{base}"), &admin_credentials).await;
             let methods = every_method();
             assert!(methods.len() >= 40, "only {} RPCs found in the descriptor set", methods.len());
 
@@ -253,13 +276,21 @@ fn every_public_rpc_refuses_malformed_requests_cleanly_and_keeps_serving() {
             let mut channels = std::collections::HashMap::new();
             for (path, method) in &methods {
                 let kinds = berth_proto::access::allowed(path).unwrap_or_else(|| panic!("{path} declares no callers"));
-                let as_admin = kinds.contains(&berth_core::CallerKind::Admin);
+                // Each RPC is called as a kind it admits: admin, else router, else node.
+                let caller = [berth_core::CallerKind::Admin, berth_core::CallerKind::Router]
+                    .into_iter()
+                    .find(|kind| kinds.contains(kind))
+                    .unwrap_or(berth_core::CallerKind::Node);
                 let offset = port_offset(method);
                 let channel = channels
-                    .entry((offset, as_admin))
+                    .entry((offset, caller))
                     .or_insert_with(|| {
                         let addr = format!("127.0.0.1:{}", base + offset);
-                        let creds = if as_admin { admin_credentials.clone() } else { node_credentials.clone() };
+                        let creds = match caller {
+                            berth_core::CallerKind::Admin => admin_credentials.clone(),
+                            berth_core::CallerKind::Router => router_credentials.clone(),
+                            _ => node_credentials.clone(),
+                        };
                         berth_rpc::connect(&addr, creds).unwrap()
                     })
                     .clone();
@@ -285,7 +316,7 @@ fn every_public_rpc_refuses_malformed_requests_cleanly_and_keeps_serving() {
                 }
             }
             assert!(failures.is_empty(), "unclean answers:\n{}", failures.join("\n"));
-            still_serving(base, &admin_credentials, channels[&(0, true)].clone()).await;
+            still_serving(base, &admin_credentials, channels[&(0, berth_core::CallerKind::Admin)].clone()).await;
         });
     }));
     common::stop_dev(&mut dev, dir.path());

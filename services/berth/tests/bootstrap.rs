@@ -186,6 +186,8 @@ fn bootstrap_writes_a_ca_identity_serves_from_and_certificates_it_accepts() {
         "leases=leases,leases.berth.svc",
         "--service",
         "revisions",
+        "--router",
+        "router=router",
         "--join-token-out",
         &token_arg,
         "--join-token-uses",
@@ -206,6 +208,8 @@ fn bootstrap_writes_a_ca_identity_serves_from_and_certificates_it_accepts() {
     assert_eq!(mode(&out), 0o700, "the directory bootstrap made holds keys");
     assert_eq!(identity_of(&out.join("admin.pem")).to_san(), "admin.admin.berth.internal");
     assert_eq!(identity_of(&out.join("leases.pem")).to_san(), "leases.svc.berth.internal");
+    assert_eq!(identity_of(&out.join("router.pem")).to_san(), "router.router.berth.internal");
+    assert_eq!(mode(&out.join("router-key.pem")), 0o600);
     berth_mtls::verify_chain(&read(&out.join("leases.pem")), &read(&out.join("ca.pem"))).unwrap();
     let token = read(&token_file);
     assert!(token.starts_with("berth-join.jt-"), "{token}");
@@ -228,6 +232,17 @@ fn bootstrap_writes_a_ca_identity_serves_from_and_certificates_it_accepts() {
     assert_eq!(made["maxUses"].as_u64(), Some(3), "{made}");
     assert!(made.get("uses").is_none(), "no use yet, so no uses field, as grpcurl prints it: {made}");
     assert_eq!(made["createdBy"], "admin", "{made}");
+
+    // This identity was told of no other service: a command that needs
+    // leases says so, and how to name it, rather than guessing a port.
+    let unnamed = berth(&["lease", "list", "--server", &identity.server, "--data-dir", out.to_str().unwrap()]);
+    assert_eq!(unnamed.status.code(), Some(1));
+    let refusal = text(&unnamed.stderr);
+    let expected = format!(
+        "identity at {} names no leases endpoint (identity's --endpoint leases=HOST:PORT); pass --leases-server HOST:PORT",
+        identity.server
+    );
+    assert!(refusal.contains(&expected), "{refusal}");
 
     // The service certificate is a service to identity: it may list nodes,
     // and may not touch join tokens.
@@ -271,10 +286,11 @@ fn bootstrap_refuses_bad_flags_before_touching_the_database() {
     let out = dir.path().join("pki");
     // Nothing listens here: a flag error must come first.
     let unreachable = "postgres://postgres@127.0.0.1:1/none";
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
         (&["--cert-ttl", "365d"], "--cert-ttl: must be between 1h and 90d"),
         (&["--join-token-ttl", "60d"], "--join-token-ttl: at most 30d"),
         (&["--service", "leases", "--service", "leases=leases"], "--service: 'leases' is given twice"),
+        (&["--service", "router", "--router", "router"], "--router: 'router' is given twice"),
         (&["--admin", "Not A Name"], "--admin: 'Not A Name' is not a valid identity name"),
     ];
     for (flags, expected) in cases {

@@ -150,6 +150,8 @@ fn grpcurl_lists_every_service_and_health_serves_and_restart_keeps_the_ca() {
     let admin_before = std::fs::read(dir.join("admin.pem")).unwrap();
     assert!(dev.stop().success(), "berth dev exits cleanly on SIGTERM");
 
+    // Fresh ports: another test may have taken the old ones since.
+    let base = common::free_port_base();
     let dev = Dev::start(&dir, base);
     assert_eq!(std::fs::read(dir.join("ca.pem")).unwrap(), ca_before, "restart keeps ca.pem byte for byte");
     assert_eq!(std::fs::read(dir.join("admin.pem")).unwrap(), admin_before, "a current admin cert is kept");
@@ -182,7 +184,10 @@ fn the_dev_node_joins_and_comes_up() {
     let node_id = first["nodes"][0]["nodeId"].as_str().unwrap().to_string();
     assert!(dev.stop().success());
 
-    // A restart resumes the same node rather than joining a second one.
+    // A restart resumes the same node rather than joining a second one
+    // (on fresh ports: another test may have taken the old ones since).
+    let base = common::free_port_base();
+    let addr = format!("127.0.0.1:{base}");
     let dev = Dev::start(&dir, base);
     let last = list_nodes_until(&dir, &addr, |l| l.contains("NODE_STATE_UP"));
     let again: serde_json::Value = serde_json::from_str(&last).unwrap();
@@ -314,6 +319,22 @@ fn a_requested_lease_runs_on_the_dev_node_and_reports_its_exit() {
     let listed = grpcurl_admin_call(&dir, &leases, "berth.leases.v1.Leases/ListLeases", "{}");
     assert_eq!(cli(&["lease", "list"]), listed);
     assert_eq!(listed["leases"].as_array().map(Vec::len), Some(2), "{listed}");
+
+    // Identity tells where the rest of the mesh is, at the host a client
+    // reached it by; the CLI needs nothing more.
+    let identity = format!("127.0.0.1:{base}");
+    let endpoints = grpcurl_admin_call(&dir, &identity, "berth.identity.v1.Mesh/GetEndpoints", "{}");
+    let at = |offset: u16| format!(":{}", base + offset);
+    let expected = serde_json::json!({ "endpoints": [
+        { "service": "egress", "address": at(3) },
+        { "service": "leases", "address": at(2) },
+        { "service": "revisions", "address": at(1) },
+        { "service": "router", "address": at(5) },
+    ]});
+    assert_eq!(endpoints, expected);
+    let out = berth(&["lease", "list", "-o", "json", "--data-dir", dir.to_str().unwrap(), "--server", &identity]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap(), listed);
 }
 
 /// A plain HTTP GET on loopback; the body, or None while nothing answers.

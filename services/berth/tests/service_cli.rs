@@ -86,6 +86,27 @@ fn http_get(port: u64, path: &str) -> Option<String> {
     response.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
 }
 
+/// A GET of `/` through the dev router for `host`; the status line and
+/// the body, or None while nothing answers.
+fn via_router(dev: &Dev, host: &str) -> Option<(String, String)> {
+    let base: u16 = dev.0.server.rsplit(':').next()?.parse().ok()?;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", base + 5)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    Some((head.lines().next()?.to_string(), body.to_string()))
+}
+
+/// Waits until the router answers `host` with `body`.
+fn router_serves(dev: &Dev, host: &str, body: &str) {
+    poll(TRAFFIC_DEADLINE, &format!("the router answers {host} with {body:?}"), || match via_router(dev, host) {
+        Some((status, answer)) if status.starts_with("HTTP/1.1 200") && answer == body => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
+}
+
 fn example() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/hello")
 }
@@ -154,6 +175,12 @@ fn the_example_deploys_in_one_apply_and_rolls_forward_and_back() {
         });
         assert_eq!(answer, "hello from hello-00001\n", "replica on port {port}");
     }
+    // The router serves it by name, through the node's agent.
+    let host = "hello.default.berth.localhost";
+    router_serves(&dev, host, "hello from hello-00001\n");
+    let (status, body) = via_router(&dev, "nope.default.berth.localhost").unwrap();
+    assert!(status.starts_with("HTTP/1.1 404"), "{status}");
+    assert!(body.contains("looked for service nope in project default"), "{body}");
     let table = dev.ok(&["service", "get", "hello"]);
     for line in ["Live revision:", "Latest created:", "Latest ready:", "TYPE", "Ready", "NODE"] {
         assert!(table.contains(line), "no {line} in:\n{table}");
@@ -173,6 +200,7 @@ fn the_example_deploys_in_one_apply_and_rolls_forward_and_back() {
     let revisions = dev.ok(&["revision", "list", "hello"]);
     assert_eq!(revisions.lines().count(), 3, "a header and two revisions:\n{revisions}");
     assert!(revisions.lines().next().unwrap().starts_with("NAME"), "{revisions}");
+    router_serves(&dev, host, "hello from hello-00002\n");
     let listed = dev.ok(&["service", "list"]);
     let row: Vec<&str> = listed.lines().find(|l| l.starts_with("hello ")).unwrap().split_whitespace().collect();
     assert_eq!(row[..5], ["hello", "hello-00002", "hello-00002", "True", "2/2"], "{listed}");
@@ -182,6 +210,7 @@ fn the_example_deploys_in_one_apply_and_rolls_forward_and_back() {
     let pinned = dev.ok(&["service", "pin", "hello", "hello-00001"]);
     assert!(pinned.contains("pinned to hello-00001"), "{pinned}");
     dev.await_live("hello", "hello-00001");
+    router_serves(&dev, host, "hello from hello-00001\n");
     let unpinned = dev.ok(&["service", "unpin", "hello"]);
     assert!(unpinned.contains("follows the latest ready revision"), "{unpinned}");
     dev.await_live("hello", "hello-00002");
@@ -202,6 +231,10 @@ fn the_example_deploys_in_one_apply_and_rolls_forward_and_back() {
     assert!(deleted.contains("service hello deleted"), "{deleted}");
     let gone = dev.berth(&["service", "get", "hello"]).error_line();
     assert!(gone.contains("not found"), "{gone}");
+    poll(TRAFFIC_DEADLINE, "the router forgets the deleted service", || match via_router(&dev, host) {
+        Some((status, _)) if status.starts_with("HTTP/1.1 404") => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
 }
 
 #[test]
@@ -534,10 +567,10 @@ fn an_image_deploys_and_answers(runtime: &str) {
     let shown = dev.json(&["service", "get", "web"]);
     let port = shown["replicas"][0]["port"].as_u64().unwrap();
     // Each request is a fresh connection, which a busy sandbox may leave
-    // unanswered: ask until one answers.
+    // unanswered, or close before the body: ask until one answers whole.
     let get = |path: &str| {
         poll(Duration::from_secs(20), &format!("the image's httpd answers {path}"), || {
-            http_get(port, path).ok_or_else(|| "no answer".to_string())
+            http_get(port, path).filter(|body| !body.is_empty()).ok_or_else(|| "no answer".to_string())
         })
     };
     assert_eq!(get("/index.html"), "from the second layer\n");

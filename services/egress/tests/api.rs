@@ -242,6 +242,7 @@ async fn the_live_revisions_selection_wins_over_the_template(backend: Backend) {
         project: "team".into(),
         name: "web".into(),
         pinned_revision: "web-00001".into(),
+        ..Default::default()
     };
     mesh.services().set_traffic(pin).await.unwrap();
     let second = mesh.apply_service("team", "web", Some(revisions::EgressSelection::default())).await;
@@ -252,8 +253,7 @@ async fn the_live_revisions_selection_wins_over_the_template(backend: Backend) {
     assert_eq!(gateway_of(&plan).as_deref(), Some("corp"), "the live revision's selection, not the template's");
 
     // Unpinned, the new revision serves and its selection takes over.
-    let unpin =
-        revisions::SetTrafficRequest { project: "team".into(), name: "web".into(), pinned_revision: String::new() };
+    let unpin = revisions::SetTrafficRequest { project: "team".into(), name: "web".into(), ..Default::default() };
     mesh.services().set_traffic(unpin).await.unwrap();
     await_live(&mesh, "web", "web-00002").await;
     mesh.await_plan("team", "sent web through default", |p| gateway_of(p).as_deref() == Some("default")).await;

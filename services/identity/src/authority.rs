@@ -846,14 +846,16 @@ impl v1::authority_server::Authority for Authority {
         let (identity, default_ttl) = match v1::CertificateKind::try_from(req.kind) {
             Ok(v1::CertificateKind::Admin) => (Identity::admin(&req.name), timing.admin_cert_ttl),
             Ok(v1::CertificateKind::Service) => (Identity::service(&req.name), timing.service_cert_ttl),
+            Ok(v1::CertificateKind::Router) => (Identity::router(&req.name), timing.service_cert_ttl),
             _ => {
                 return Err(Status::invalid_argument(
-                    "kind must be CERTIFICATE_KIND_ADMIN or CERTIFICATE_KIND_SERVICE (node certificates come from Join)",
+                    "kind must be CERTIFICATE_KIND_ADMIN, CERTIFICATE_KIND_SERVICE or CERTIFICATE_KIND_ROUTER \
+                     (node certificates come from Join)",
                 ));
             }
         };
         let identity = identity.map_err(|e| Status::invalid_argument(format!("name: {e}")))?;
-        if caller.kind() == berth_core::CallerKind::Service && identity != caller {
+        if caller.kind() != berth_core::CallerKind::Admin && identity != caller {
             return Err(Status::permission_denied(format!(
                 "{caller} may renew only its own certificate, not issue one for {identity}"
             )));
@@ -869,7 +871,7 @@ impl v1::authority_server::Authority for Authority {
             )));
         }
         if identity.kind() == berth_core::CallerKind::Admin && !req.dns_names.is_empty() {
-            return Err(Status::invalid_argument("dns_names: only service certificates carry host names"));
+            return Err(Status::invalid_argument("dns_names: only service and router certificates carry host names"));
         }
         if let Some(bad) =
             req.dns_names.iter().find(|n| n.is_empty() || n.len() > 253 || n.ends_with(".berth.internal"))

@@ -18,7 +18,7 @@ use clap::Parser;
 
 use crate::authority::{AUTH_SECRET_MIN_LEN, AuthorityTiming};
 use crate::keeper::{KeptIdentity, spawn_keeper};
-use crate::{IdentityConfig, IdentityService, MIGRATIONS, NAME, NodeTiming};
+use crate::{Endpoints, IdentityConfig, IdentityService, MIGRATIONS, NAME, NodeTiming};
 
 /// How long identity's own serving certificate lives; renewed at half.
 const SERVING_CERT_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -54,6 +54,13 @@ struct Args {
     /// certificate identity issues itself (comma separated).
     #[arg(long, env = "BERTH_ADVERTISE_NAMES", value_delimiter = ',', default_value = "localhost,127.0.0.1")]
     advertise_names: Vec<String>,
+    /// Where a service of the mesh is reached, as `NAME=HOST:PORT`, told to
+    /// every client that asks (`Mesh/GetEndpoints`), so the CLI needs only
+    /// identity's address; `NAME=:PORT` is at the host the client reached
+    /// identity by (repeat, or comma separate: revisions, leases, egress,
+    /// router).
+    #[arg(long = "endpoint", env = "BERTH_ENDPOINTS", value_delimiter = ',', value_name = "NAME=HOST:PORT")]
+    endpoints: Vec<String>,
     /// Write the CA bundle here on start and whenever it changes (for agents
     /// and clients to pin).
     #[arg(long, env = "BERTH_CA_BUNDLE_OUT", value_name = "FILE")]
@@ -140,6 +147,7 @@ async fn run(args: Args) -> Result<(), StartError> {
         return Err(StartError::Invalid(format!("--auth-secret must be at least {AUTH_SECRET_MIN_LEN} characters")));
     }
     check_timing(args.heartbeat_interval, args.down_after, args.reap_after).map_err(StartError::Invalid)?;
+    let endpoints = Endpoints::parse(&args.endpoints).map_err(|e| StartError::Invalid(format!("--endpoint: {e}")))?;
     let timing = NodeTiming {
         heartbeat_interval: args.heartbeat_interval,
         down_after: args.down_after,
@@ -162,7 +170,8 @@ async fn run(args: Args) -> Result<(), StartError> {
         None => IdentityService::open(store, bus, config).await,
     }
     .map_err(|e| StartError::Invalid(e.to_string()))?
-    .with_node_timing(timing);
+    .with_node_timing(timing)
+    .with_endpoints(endpoints);
     let me = Identity::service(NAME).map_err(|e| StartError::Invalid(e.to_string()))?;
     let kept = KeptIdentity::issue(service.authority(), me, args.advertise_names, SERVING_CERT_TTL)
         .await

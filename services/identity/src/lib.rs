@@ -16,6 +16,7 @@ mod config;
 mod deadlines;
 mod join;
 mod keeper;
+mod mesh;
 mod monitor;
 mod nodes_api;
 mod offline;
@@ -36,6 +37,7 @@ pub use authority::{AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTim
 pub use config::{DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL, MAX_TOKEN_USES, NodeTiming};
 pub use join::RETRY_AFTER_MS_HEADER;
 pub use keeper::{KEEPER_POLL, KeptIdentity, spawn_keeper, write_bundle};
+pub use mesh::Endpoints;
 pub use monitor::MONITOR_LOOP;
 pub use offline::{OfflineIssueError, issue_from_state};
 
@@ -102,6 +104,8 @@ pub struct IdentityService {
     config: Arc<IdentityConfig>,
     /// The node registry with its index, timing and replica id.
     nodes: registry::NodeRegistry,
+    /// Where the rest of the mesh is (`Mesh/GetEndpoints`).
+    endpoints: Arc<Endpoints>,
 }
 
 impl IdentityService {
@@ -126,7 +130,7 @@ impl IdentityService {
 
     fn with_authority(store: Store, bus: Bus, config: IdentityConfig, authority: Authority) -> Self {
         let nodes = registry::NodeRegistry::new(store.clone(), bus.clone(), NodeTiming::default());
-        Self { store, bus, authority, config: Arc::new(config), nodes }
+        Self { store, bus, authority, config: Arc::new(config), nodes, endpoints: Arc::default() }
     }
 
     /// Replaces the node timings (heartbeat, grace, reap, election, join
@@ -134,6 +138,17 @@ impl IdentityService {
     pub fn with_node_timing(mut self, timing: NodeTiming) -> Self {
         self.nodes = registry::NodeRegistry::new(self.store.clone(), self.bus.clone(), timing);
         self
+    }
+
+    /// Tells clients where the rest of the mesh is (`Mesh/GetEndpoints`).
+    pub fn with_endpoints(mut self, endpoints: Endpoints) -> Self {
+        self.endpoints = Arc::new(endpoints);
+        self
+    }
+
+    /// Where the rest of the mesh is.
+    pub(crate) fn endpoints(&self) -> &Endpoints {
+        &self.endpoints
     }
 
     /// This replica's name among identity's replicas, as it campaigns for
@@ -165,6 +180,7 @@ impl IdentityService {
                 v1::authority_server::AuthorityServer::new(self.authority.clone())
                     .max_decoding_message_size(MAX_REQUEST_BYTES),
             )
+            .add_service(v1::mesh_server::MeshServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
     }
 
     /// Starts the background loops (the registry follower, the heartbeat

@@ -196,6 +196,30 @@ async fn issue_certificate_over_mtls_admits_admins_only(db: TestDb) {
     let status = as_admin.issue_certificate(bad).await.unwrap_err();
     assert!(status.code() == Code::InvalidArgument && status.message().contains("csr_pem"), "{status:?}");
 
+    // A router certificate, which its holder may renew and nothing more.
+    let (router_csr, router_key) = generate_csr("edge").unwrap();
+    let router_request = v1::IssueCertificateRequest {
+        kind: v1::CertificateKind::Router as i32,
+        name: "edge".into(),
+        csr_pem: router_csr,
+        ttl_seconds: 120,
+        dns_names: vec!["router".into()],
+    };
+    let issued = as_admin.issue_certificate(router_request.clone()).await.unwrap().into_inner();
+    let material = TlsMaterial {
+        cert_chain_pem: issued.certificate_pem,
+        key_pem: router_key,
+        ca_bundle_pem: issued.ca_bundle_pem,
+    };
+    let router = TlsCredentials::new(material).unwrap();
+    assert_eq!(router.identity(), Some(Identity::router("edge").unwrap()));
+    let mut as_router = AuthorityClient::new(berth_rpc::connect(&addr, router).unwrap());
+    assert!(as_router.issue_certificate(router_request.clone()).await.is_ok(), "a router renews itself");
+    let status = as_router.issue_certificate(request.clone()).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "a router mints nothing else: {status:?}");
+    let other = v1::IssueCertificateRequest { name: "other-edge".into(), ..router_request };
+    assert_eq!(as_router.issue_certificate(other).await.unwrap_err().code(), Code::PermissionDenied);
+
     let mut as_node = AuthorityClient::new(berth_rpc::connect(&addr, node).unwrap());
     assert_eq!(as_node.issue_certificate(request).await.unwrap_err().code(), Code::PermissionDenied);
     assert!(as_node.get_ca_bundle(v1::GetCaBundleRequest {}).await.is_ok(), "nodes may read the bundle");

@@ -108,6 +108,13 @@ impl v1::leases_server::Leases for LeasesService {
         let scope = validate::watch_scope(request)?;
         Ok(Response::new(crate::watch::open(self.core.clone(), scope, resume)))
     }
+
+    async fn get_lease_logs(
+        &self,
+        request: Request<v1::GetLeaseLogsRequest>,
+    ) -> Result<Response<tonic::codegen::BoxStream<berth_proto::types::v1::LogChunk>>, Status> {
+        Ok(Response::new(crate::logs::open(&self.core, request.into_inner()).await?))
+    }
 }
 
 #[tonic::async_trait]
@@ -186,6 +193,7 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
             reason: request.reason,
             message: request.message,
             exit_code: request.exit_code,
+            ports: validate::reported_ports(&request.ports)?,
         };
         validate::reason(&report.reason)?;
         validate::message(&report.message)?;

@@ -60,7 +60,7 @@ use sqlx::AnyConnection;
 use crate::config::{LeasesConfig, millis};
 use crate::model::{OPEN_PHASES_SQL, Phase, Resources};
 use crate::placement::{Placement, PlacementNode, PlacementRequest, RuntimeNeed, Shortage, place};
-use crate::records::{LeaseRecord, NodeLedgerRow, lease_columns, to_column};
+use crate::records::{LeaseRecord, NodeLedgerRow, format_ports, lease_columns, to_column};
 
 /// The name the reaper's leadership is held under.
 pub const REAPER_LOOP: &str = "leases.reaper";
@@ -226,6 +226,8 @@ pub(crate) struct PhaseReport {
     pub(crate) reason: String,
     pub(crate) message: String,
     pub(crate) exit_code: Option<i32>,
+    /// With RUNNING: where the replica listens on the node, by port name.
+    pub(crate) ports: Vec<(String, u32)>,
 }
 
 /// Which leases `ListLeases` (and `WatchLeases`) wants; every set field must match.
@@ -469,7 +471,16 @@ impl Ledger {
                         .reason(&report.reason)
                         .message(&report.message)
                         .exit_code(report.exit_code);
-                    Ok((apply(conn, &lease, change, now, None).await?, true))
+                    let mut record = apply(conn, &lease, change, now, None).await?;
+                    if report.phase == Phase::Running && !report.ports.is_empty() {
+                        sqlx::query("UPDATE leases SET ports = $2 WHERE lease_id = $1")
+                            .bind(&record.lease_id)
+                            .bind(format_ports(&report.ports))
+                            .execute(&mut *conn)
+                            .await?;
+                        record.ports.clone_from(&report.ports);
+                    }
+                    Ok((record, true))
                 })
             })
             .await
@@ -964,7 +975,8 @@ async fn apply(
     let phase_changed_at_ms = if change.to == lease.phase { lease.phase_changed_at_ms } else { now };
     let done = sqlx::query(
         "UPDATE leases SET phase = $4, epoch = $5, reason = $6, message = $7, exit_code = $8, \
-         phase_changed_at_ms = $9, expires_at_ms = $10, seq = $11 \
+         phase_changed_at_ms = $9, expires_at_ms = $10, seq = $11, \
+         ports = CASE WHEN $4 = 'running' THEN ports ELSE '' END \
          WHERE lease_id = $1 AND epoch = $2 AND phase = $3",
     )
     .bind(&lease.lease_id)
@@ -990,6 +1002,8 @@ async fn apply(
         phase_changed_at_ms,
         expires_at_ms: change.expires_at_ms,
         seq,
+        // Where a replica listens holds only while it runs.
+        ports: if change.to == Phase::Running { lease.ports.clone() } else { Vec::new() },
         ..lease.clone()
     })
 }
@@ -1114,6 +1128,7 @@ async fn place_in_tx(
                 expires_at_ms: Some(now.saturating_add(ttl_ms)),
                 seq: seqs[position],
                 traceparent: ask.traceparent.clone(),
+                ports: Vec::new(),
             });
         }
     }

@@ -35,6 +35,7 @@ mod assignments;
 mod cli;
 mod config;
 mod ledger;
+mod logs;
 mod model;
 mod placement;
 mod placer;
@@ -75,6 +76,12 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "changes",
         postgres: include_str!("../migrations/postgres/0003_changes.sql"),
         sqlite: include_str!("../migrations/sqlite/0003_changes.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "ports",
+        postgres: include_str!("../migrations/postgres/0004_ports.sql"),
+        sqlite: include_str!("../migrations/sqlite/0004_ports.sql"),
     },
 ];
 

@@ -8,6 +8,7 @@
 //! reserve and its assignment cursor (see the migration for the columns).
 
 use berth_proto::leases::v1;
+use berth_proto::types::v1::Port;
 use berth_store::StoreError;
 use prost::Message as _;
 use sqlx::Row as _;
@@ -20,7 +21,7 @@ macro_rules! lease_columns {
     () => {
         "lease_id, project, idempotency_key, owner, node_id, phase, epoch, cpu_millis, memory_bytes, tier, \
          spread_group, workload, reason, message, exit_code, created_at_ms, phase_changed_at_ms, expires_at_ms, seq, \
-         traceparent"
+         traceparent, ports"
     };
 }
 
@@ -50,6 +51,9 @@ pub(crate) struct LeaseRecord {
     pub(crate) seq: i64,
     /// The trace of the request that created it (see `Lease.traceparent`).
     pub(crate) traceparent: String,
+    /// Where the replica listens on its node, by port name, as reported
+    /// RUNNING (see `Lease.ports`).
+    pub(crate) ports: Vec<(String, u32)>,
 }
 
 impl LeaseRecord {
@@ -87,6 +91,7 @@ impl LeaseRecord {
             expires_at_ms: row.try_get("expires_at_ms")?,
             seq: row.try_get("seq")?,
             traceparent: row.try_get("traceparent")?,
+            ports: parse_ports(&row.try_get::<String, _>("ports")?),
         })
     }
 
@@ -116,6 +121,7 @@ impl LeaseRecord {
             phase_changed_at: Some(timestamp(self.phase_changed_at_ms)),
             message: self.message.clone(),
             traceparent: self.traceparent.clone(),
+            ports: self.ports.iter().map(|(name, port)| Port { name: name.clone(), port: *port }).collect(),
         }
     }
 
@@ -123,6 +129,20 @@ impl LeaseRecord {
     pub(crate) fn lease_ref(&self) -> v1::LeaseRef {
         v1::LeaseRef { lease_id: self.lease_id.clone(), epoch: self.epoch() }
     }
+}
+
+/// Ports as the `ports` column holds them: `name=port` pairs joined by
+/// commas (names are DNS labels, so neither character is in one).
+pub(crate) fn format_ports(ports: &[(String, u32)]) -> String {
+    ports.iter().map(|(name, port)| format!("{name}={port}")).collect::<Vec<_>>().join(",")
+}
+
+/// The `ports` column read back; a pair that does not parse is left out.
+fn parse_ports(text: &str) -> Vec<(String, u32)> {
+    text.split(',')
+        .filter_map(|pair| pair.split_once('='))
+        .filter_map(|(name, port)| Some((name.to_string(), port.parse().ok()?)))
+        .collect()
 }
 
 /// One node's row of the ledger: what its open leases reserve.

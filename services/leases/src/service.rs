@@ -38,6 +38,7 @@ impl LeasesService {
             ledger: Ledger::new(ctx.store.clone(), &config),
             bus: ctx.bus.clone(),
             nodes: ctx.nodes.clone(),
+            credentials: ctx.credentials.clone(),
             signals: node_signals(),
             owners: owner_signals(),
             config,

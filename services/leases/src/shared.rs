@@ -26,6 +26,8 @@ pub(crate) struct Core {
     pub(crate) bus: Bus,
     /// Identity's node registry, as this replica follows it.
     pub(crate) nodes: NodeDirectory,
+    /// What it dials agents with (`GetLeaseLogs`).
+    pub(crate) credentials: berth_mtls::TlsCredentials,
     pub(crate) signals: NodeSignals,
     /// Which owners' leases changed, for `WatchLeases` streams.
     pub(crate) owners: berth_bus::KeySignals,

@@ -102,6 +102,30 @@ pub(crate) fn message(value: &str) -> Result<(), LeaseError> {
     }
 }
 
+/// Most ports a phase report names.
+const MAX_REPORTED_PORTS: usize = 32;
+
+/// The ports a RUNNING report names: at most 32, each a DNS-label name and
+/// a port from 1 to 65535, no name twice.
+pub(crate) fn reported_ports(ports: &[berth_proto::types::v1::Port]) -> Result<Vec<(String, u32)>, LeaseError> {
+    if ports.len() > MAX_REPORTED_PORTS {
+        return Err(invalid("ports", format!("{} ports; at most {MAX_REPORTED_PORTS}", ports.len())));
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut checked = Vec::with_capacity(ports.len());
+    for (n, port) in ports.iter().enumerate() {
+        if !berth_core::is_dns_label(&port.name) || !seen.insert(port.name.as_str()) {
+            let reason = format!("ports[{n}].name: '{}' is not a port name used once", port.name);
+            return Err(invalid("ports", reason));
+        }
+        if !(1..=65_535).contains(&port.port) {
+            return Err(invalid("ports", format!("ports[{n}].port: {} is not a port from 1 to 65535", port.port)));
+        }
+        checked.push((port.name.clone(), port.port));
+    }
+    Ok(checked)
+}
+
 /// The phase filter of `ListLeases`: unspecified means any.
 pub(crate) fn phase_filter(value: i32) -> Result<Option<Phase>, LeaseError> {
     if value == v1::LeasePhase::Unspecified as i32 {

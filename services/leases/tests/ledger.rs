@@ -136,8 +136,30 @@ async fn phase_reports_move_forward_and_stale_epochs_change_nothing(backend: Bac
     let ledger = Ledger::start(backend, fast_config(), three_nodes()).await;
     let lease = ledger.place("job", 1000, GIB).await;
     assert_eq!(ledger.report(&lease, 1, LeasePhase::Launching).await.unwrap().phase(), LeasePhase::Launching);
-    let running = ledger.report(&lease, 1, LeasePhase::Running).await.unwrap();
+    // RUNNING records where the replica listens on its node; bad ports are
+    // named and change nothing.
+    let port = |name: &str, port: u32| berth_proto::types::v1::Port { name: name.into(), port };
+    let report = |ports: Vec<berth_proto::types::v1::Port>| v1::ReportPhaseRequest {
+        node_id: lease.node_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        epoch: 1,
+        phase: LeasePhase::Running as i32,
+        ports,
+        ..Default::default()
+    };
+    let bad = ledger.node(&lease.node_id).report_phase(report(vec![port("http", 0)])).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    assert!(bad.message().contains("ports[0].port: 0 is not a port from 1 to 65535"), "{bad:?}");
+    let twice = report(vec![port("http", 30001), port("http", 30002)]);
+    let bad = ledger.node(&lease.node_id).report_phase(twice).await.unwrap_err();
+    assert!(bad.message().contains("ports[1].name: 'http' is not a port name used once"), "{bad:?}");
+    assert_eq!(ledger.get(&lease.lease_id).await.phase(), LeasePhase::Launching);
+    let ports = vec![port("http", 30001), port("admin", 30002)];
+    let running = ledger.node(&lease.node_id).report_phase(report(ports.clone())).await.unwrap().into_inner();
+    let running = running.lease.unwrap();
     assert_eq!(running.phase(), LeasePhase::Running);
+    assert_eq!(running.ports, ports, "the ports as reported, the first first");
+    assert_eq!(ledger.get(&lease.lease_id).await.ports, ports, "and as stored");
     // A retried report of the same phase is harmless.
     assert_eq!(ledger.report(&lease, 1, LeasePhase::Running).await.unwrap(), running);
 
@@ -157,9 +179,12 @@ async fn phase_reports_move_forward_and_stale_epochs_change_nothing(backend: Bac
         reason: "Exited".into(),
         exit_code: Some(0),
         message: "exited on its own".into(),
+        ports: Vec::new(),
     };
     let done = ledger.node(&lease.node_id).report_phase(done).await.unwrap().into_inner().lease.unwrap();
     assert_eq!((done.phase(), done.reason.as_str(), done.exit_code), (LeasePhase::Done, "Exited", Some(0)));
+    assert!(done.ports.is_empty(), "where a replica listened holds only while it runs");
+    assert!(ledger.get(&lease.lease_id).await.ports.is_empty());
     assert!(done.expires_at.is_none());
     let capacity = ledger.node_capacity(&lease.node_id).await;
     assert_eq!((capacity.leases, capacity.allocated.unwrap().cpu_millis), (0, 0), "a done lease returns its capacity");

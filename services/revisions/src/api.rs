@@ -4,7 +4,8 @@
 //! # Who may call what
 //! The access layer admits each RPC only to the caller kinds its proto
 //! declares: admins change services; admins and services read them; nodes
-//! ask for the pull credentials of their own leases (see [`crate::pull`]).
+//! ask for the pull credentials of their own leases (see [`crate::pull`]);
+//! routers acknowledge the routes they serve (see [`crate::route_acks`]).
 //!
 //! # Minting
 //! `ApplyService` resolves the bundle reference before its transaction, and
@@ -14,14 +15,30 @@
 //! unresolved, `BundleResolved=False` says why, and the reconciler retries
 //! with backoff until it resolves.
 
+use berth_core::CallerKind;
 use berth_proto::revisions::v1;
 use tonic::{Request, Response, Status};
 
-use crate::catalog::{Resolution, Scope};
+use crate::catalog::{CatalogError, Resolution, Scope};
 use crate::config::millis;
+use crate::model::timestamp;
 use crate::resolver::resolve_template;
+use crate::route_acks::RouterAck;
 use crate::service::RevisionsService;
 use crate::validate;
+
+/// Most services one acknowledgement wakes the deploy reconciler for.
+const WAKE_ON_ACK: usize = 64;
+
+/// A router's acknowledgement as `GetService` shows it.
+fn router_ack(ack: &RouterAck) -> v1::RouterAck {
+    v1::RouterAck {
+        router: ack.router.clone(),
+        instance: ack.instance.clone(),
+        generation: u64::try_from(ack.generation).unwrap_or_default(),
+        acked_at: (ack.generation > 0).then(|| timestamp(ack.acked_at_ms)),
+    }
+}
 
 #[tonic::async_trait]
 impl v1::services_server::Services for RevisionsService {
@@ -67,7 +84,11 @@ impl v1::services_server::Services for RevisionsService {
         let key = validate::service_key(&request.project, &request.name, "name")?;
         let service = self.core.catalog.service(&key).await?;
         let service = service.ok_or_else(|| Status::not_found(format!("service {key} not found")))?;
-        Ok(Response::new(v1::GetServiceResponse { service: Some(service.to_proto()) }))
+        let mut shown = service.to_proto();
+        if let Some(status) = shown.status.as_mut() {
+            status.routers = self.core.catalog.route_acks(&key).await?.iter().map(router_ack).collect();
+        }
+        Ok(Response::new(v1::GetServiceResponse { service: Some(shown) }))
     }
 
     async fn list_services(
@@ -102,10 +123,40 @@ impl v1::services_server::Services for RevisionsService {
         let request = request.into_inner();
         let key = validate::service_key(&request.project, &request.name, "name")?;
         validate::revision_name("pinned_revision", &request.pinned_revision, true)?;
-        let service = self.core.catalog.set_traffic(&key, &request.pinned_revision).await?;
-        tracing::info!(service = %key, pinned = %request.pinned_revision, %by, "traffic set");
+        let targets = crate::traffic::requested(&key.name, &request.pinned_revision, &request.targets)?;
+        let affinity = crate::traffic::affinity(request.affinity.as_ref())?;
+        let service =
+            self.core.catalog.set_traffic(&key, &targets, affinity.as_ref()).await.map_err(|error| match error {
+                CatalogError::NotOfService { .. } if !request.targets.is_empty() => {
+                    Status::invalid_argument(format!("targets: {error}"))
+                }
+                error => error.into(),
+            })?;
+        tracing::info!(service = %key, targets = ?service.traffic, %by, "traffic set");
         self.core.signals.wake(&key).await;
         Ok(Response::new(v1::SetTrafficResponse { service: Some(service.to_proto()) }))
+    }
+
+    async fn ack_routes(
+        &self,
+        request: Request<v1::AckRoutesRequest>,
+    ) -> Result<Response<v1::AckRoutesResponse>, Status> {
+        let caller = berth_rpc::caller(&request)?;
+        if caller.kind() != CallerKind::Router {
+            return Err(Status::permission_denied("only a router acknowledges routes"));
+        }
+        let router = caller.name().to_owned();
+        let request = request.into_inner();
+        let acks = validate::route_acks(&request)?;
+        let advanced = self.core.catalog.ack_routes(&router, &request.instance, &acks).await?;
+        // A router catching up on every service wakes none: the passes
+        // waiting on it look again within a second anyway.
+        if advanced.len() <= WAKE_ON_ACK {
+            for key in &advanced {
+                self.core.signals.wake(key).await;
+            }
+        }
+        Ok(Response::new(v1::AckRoutesResponse {}))
     }
 
     async fn watch_services(

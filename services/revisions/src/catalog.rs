@@ -22,6 +22,7 @@
 //!   `GetService` shows, so watchers skip repeats.
 
 use berth_proto::revisions::v1;
+use berth_proto::revisions::v1::{SessionAffinity, TrafficTarget};
 use berth_store::{Store, StoreError, Term, TxError};
 use prost::Message as _;
 use sqlx::AnyConnection;
@@ -31,6 +32,7 @@ use crate::model::{
 };
 use crate::records::{RevisionRow, RevisionState, ServiceRow, Tombstone, revision_columns, service_columns};
 use crate::resolver::ResolveError;
+use crate::traffic::StoredTraffic;
 use crate::validate::ValidApply;
 
 /// How many times an apply runs when it keeps colliding with concurrent
@@ -301,6 +303,11 @@ impl Catalog {
                     let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let service =
                         fetch_service(conn, key).await?.ok_or_else(|| CatalogError::ServiceNotFound(key.clone()))?;
+                    sqlx::query("DELETE FROM route_acks WHERE project = $1 AND service = $2")
+                        .bind(key.project.as_str())
+                        .bind(key.name.as_str())
+                        .execute(&mut *conn)
+                        .await?;
                     sqlx::query("DELETE FROM revisions WHERE project = $1 AND service = $2")
                         .bind(key.project.as_str())
                         .bind(key.name.as_str())
@@ -326,9 +333,16 @@ impl Catalog {
             .await
     }
 
-    /// Pins traffic to `pinned` (a revision of the service), or unpins when
-    /// empty. Pinning a failed revision asks for it to be rolled out again.
-    pub(crate) async fn set_traffic(&self, key: &ServiceKey, pinned: &str) -> Result<ServiceRow, CatalogError> {
+    /// Splits the service's traffic as `targets` say (checked by
+    /// [`crate::traffic::requested`]; empty follows the latest ready
+    /// revision). Every revision named must be one of the service's; naming
+    /// a failed one again asks for it to be rolled out again.
+    pub(crate) async fn set_traffic(
+        &self,
+        key: &ServiceKey,
+        targets: &[TrafficTarget],
+        affinity: Option<&SessionAffinity>,
+    ) -> Result<ServiceRow, CatalogError> {
         let now_sql = self.store.now_ms_sql();
         self.store
             .tx("revisions.set_traffic", |conn| {
@@ -336,41 +350,54 @@ impl Catalog {
                     let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let service =
                         fetch_service(conn, key).await?.ok_or_else(|| CatalogError::ServiceNotFound(key.clone()))?;
-                    if !pinned.is_empty() {
-                        let revision = fetch_revision(conn, &key.project, pinned).await?.ok_or_else(|| {
-                            CatalogError::RevisionNotFound { project: key.project.clone(), name: pinned.to_owned() }
+                    let before = crate::traffic::named(&service.traffic);
+                    for name in crate::traffic::named(targets) {
+                        let revision = fetch_revision(conn, &key.project, name).await?.ok_or_else(|| {
+                            CatalogError::RevisionNotFound { project: key.project.clone(), name: name.to_owned() }
                         })?;
                         if revision.service != key.name {
                             return Err(CatalogError::NotOfService {
-                                revision: pinned.to_owned(),
+                                revision: name.to_owned(),
                                 owner: revision.service,
                                 service: key.name.clone(),
                             });
                         }
-                        if revision.state == RevisionState::Failed && service.pinned_revision != pinned {
+                        if revision.state == RevisionState::Failed && !before.contains(&name) {
                             sqlx::query(
                                 "UPDATE revisions SET state = 'pending', state_reason = 'Pinned', \
-                                 state_message = 'pinned again after it failed', state_changed_at_ms = $3, \
-                                 rollout_started_at_ms = NULL WHERE project = $1 AND name = $2",
+                                 state_message = 'named for traffic again after it failed', \
+                                 state_changed_at_ms = $3, rollout_started_at_ms = NULL \
+                                 WHERE project = $1 AND name = $2",
                             )
                             .bind(key.project.as_str())
-                            .bind(pinned)
+                            .bind(name)
                             .bind(now)
                             .execute(&mut *conn)
                             .await?;
                         }
                     }
-                    if service.pinned_revision == pinned {
+                    if service.traffic == targets && service.affinity.as_ref() == affinity {
                         return Ok(service);
                     }
+                    // What the split no longer names drains (the live revision
+                    // does when a new one takes over, not now).
+                    let after = crate::traffic::named(targets);
+                    let routes = service.route_generation + 1;
+                    for dropped in before.iter().filter(|name| !after.contains(name)) {
+                        if **dropped != service.live_revision {
+                            mark_unrouted(conn, &key.project, dropped, now, routes).await?;
+                        }
+                    }
                     sqlx::query(
-                        "UPDATE services SET pinned_revision = $3, updated_at_ms = $4, version = version + 1 \
-                         WHERE project = $1 AND name = $2",
+                        "UPDATE services SET pinned_revision = $3, traffic = $4, updated_at_ms = $5, \
+                         route_generation = $6, version = version + 1 WHERE project = $1 AND name = $2",
                     )
                     .bind(key.project.as_str())
                     .bind(key.name.as_str())
-                    .bind(pinned)
+                    .bind(crate::traffic::pinned(targets))
+                    .bind(StoredTraffic::encode(targets, affinity))
                     .bind(now)
+                    .bind(routes)
                     .execute(&mut *conn)
                     .await?;
                     fetch_service(conn, key).await?.ok_or_else(|| CatalogError::ServiceNotFound(key.clone()))
@@ -512,12 +539,26 @@ impl Catalog {
                     .bind(now)
                     .execute(&mut *conn)
                     .await?;
-                    sqlx::query("UPDATE services SET live_revision = $3 WHERE project = $1 AND name = $2")
-                        .bind(key.project.as_str())
-                        .bind(key.name.as_str())
-                        .bind(revision)
-                        .execute(&mut *conn)
-                        .await?;
+                    let previous = service.live_revision.as_str();
+                    let routes = service.route_generation + i64::from(previous != revision);
+                    sqlx::query(
+                        "UPDATE services SET live_revision = $3, route_generation = $4 \
+                         WHERE project = $1 AND name = $2",
+                    )
+                    .bind(key.project.as_str())
+                    .bind(key.name.as_str())
+                    .bind(revision)
+                    .bind(routes)
+                    .execute(&mut *conn)
+                    .await?;
+                    // The revision that took the traffic until now drains,
+                    // unless a split still names it.
+                    if !previous.is_empty()
+                        && previous != revision
+                        && !crate::traffic::named(&service.traffic).contains(&previous)
+                    {
+                        mark_unrouted(conn, &key.project, previous, now, routes).await?;
+                    }
                     let mut status = service.status.clone();
                     status.latest_ready_revision = latest_ready(conn, key).await?;
                     status.replicas_running = desired;
@@ -593,6 +634,7 @@ impl Catalog {
                     for name in names {
                         if *name == service.live_revision
                             || *name == service.pinned_revision
+                            || crate::traffic::named(&service.traffic).contains(&name.as_str())
                             || *name == service.status.latest_created_revision
                         {
                             continue;
@@ -753,6 +795,25 @@ async fn apply_in_tx(
     }
     let service = fetch_service(conn, key).await?.ok_or_else(|| CatalogError::ServiceNotFound(key.clone()))?;
     Ok(Applied { service, revision_created: true, revision })
+}
+
+/// Records that `revision` stopped taking traffic at `now`, under route
+/// generation `routes`.
+async fn mark_unrouted(
+    conn: &mut AnyConnection,
+    project: &str,
+    revision: &str,
+    now: i64,
+    routes: i64,
+) -> Result<(), CatalogError> {
+    sqlx::query("UPDATE revisions SET unrouted_at_ms = $3, unrouted_generation = $4 WHERE project = $1 AND name = $2")
+        .bind(project)
+        .bind(revision)
+        .bind(now)
+        .bind(routes)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }
 
 /// Writes `status` if it differs from what is stored (or `live` moved);

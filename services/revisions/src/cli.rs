@@ -56,6 +56,11 @@ struct Args {
     #[arg(long, env = "BERTH_PROGRESS_DEADLINE", default_value = "5m", value_name = "DURATION",
           value_parser = parse_duration)]
     progress_deadline: Duration,
+    /// The longest a revision that stopped taking traffic keeps its replicas
+    /// waiting for every live router to stop sending to it and the requests
+    /// it sent to finish (e.g. 30s).
+    #[arg(long, env = "BERTH_DRAIN", default_value = "30s", value_name = "DURATION", value_parser = parse_duration)]
+    drain: Duration,
     /// How many non-live revisions of each service are kept.
     #[arg(long, env = "BERTH_REVISIONS_KEEP", default_value_t = crate::DEFAULT_GC_KEEP, value_name = "N")]
     revisions_keep: usize,
@@ -77,6 +82,7 @@ impl Args {
     fn config(&self) -> RevisionsConfig {
         RevisionsConfig {
             progress_deadline: self.progress_deadline,
+            drain: self.drain,
             gc_keep: self.revisions_keep,
             gc_min_age: self.revisions_min_age,
             election: self.state.election(),

@@ -76,7 +76,17 @@ pub struct RevisionsConfig {
     /// How long a node may use registry credentials handed to it by
     /// `GetPullCredentials`: the `expires_at` it is told.
     pub pull_credentials_ttl: Duration,
+    /// The longest a revision that stopped taking traffic (a rollout moved
+    /// on, a split dropped it) keeps its replicas waiting for every live
+    /// router to acknowledge routes without it, requests they already sent
+    /// finished: what a router that never answers holds a rollout back by.
+    pub drain: Duration,
 }
+
+/// The longest a revision that stopped taking traffic waits for routers
+/// before its replicas stop, by default: as long as a router lets requests
+/// under way finish when it stops.
+pub const DEFAULT_DRAIN: Duration = Duration::from_secs(30);
 
 impl Default for RevisionsConfig {
     fn default() -> Self {
@@ -95,6 +105,7 @@ impl Default for RevisionsConfig {
             watch_resync: Duration::from_secs(30),
             election: ElectionTiming::default(),
             pull_credentials_ttl: DEFAULT_PULL_CREDENTIALS_TTL,
+            drain: DEFAULT_DRAIN,
         }
     }
 }

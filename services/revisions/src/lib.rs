@@ -27,8 +27,8 @@
 
 pub use cli::binary_main;
 pub use config::{
-    DEFAULT_CPU_MILLIS, DEFAULT_GC_KEEP, DEFAULT_GC_MIN_AGE, DEFAULT_MEMORY_BYTES, DEFAULT_PROGRESS_DEADLINE,
-    DEFAULT_PULL_CREDENTIALS_TTL, RevisionsConfig,
+    DEFAULT_CPU_MILLIS, DEFAULT_DRAIN, DEFAULT_GC_KEEP, DEFAULT_GC_MIN_AGE, DEFAULT_MEMORY_BYTES,
+    DEFAULT_PROGRESS_DEADLINE, DEFAULT_PULL_CREDENTIALS_TTL, RevisionsConfig,
 };
 pub use controller::DEPLOY_LOOP;
 pub use leases::{GrpcLeases, LeaseCallError, LeaseClient, LeaseEvents, NoLeases};
@@ -51,10 +51,12 @@ mod pull;
 mod reconciler;
 mod records;
 mod resolver;
+mod route_acks;
 mod secrets;
 mod service;
 mod shared;
 mod signals;
+mod traffic;
 mod validate;
 mod watch;
 
@@ -69,12 +71,32 @@ pub const NAME: &str = "revisions";
 pub const DEFAULT_PORT: u16 = 7444;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "catalog",
-    postgres: include_str!("../migrations/postgres/0001_catalog.sql"),
-    sqlite: include_str!("../migrations/sqlite/0001_catalog.sql"),
-}];
+pub static MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "catalog",
+        postgres: include_str!("../migrations/postgres/0001_catalog.sql"),
+        sqlite: include_str!("../migrations/sqlite/0001_catalog.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "traffic",
+        postgres: include_str!("../migrations/postgres/0002_traffic.sql"),
+        sqlite: include_str!("../migrations/sqlite/0002_traffic.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "drain",
+        postgres: include_str!("../migrations/postgres/0003_drain.sql"),
+        sqlite: include_str!("../migrations/sqlite/0003_drain.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "route_acks",
+        postgres: include_str!("../migrations/postgres/0004_route_acks.sql"),
+        sqlite: include_str!("../migrations/sqlite/0004_route_acks.sql"),
+    },
+];
 
 /// How the runtime starts it: [`server`] with the default timings and no leases client.
 pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, build: server };

@@ -19,6 +19,7 @@ use crate::catalog::StatusReport;
 use crate::config::millis;
 use crate::model::{Observed, READY, ROLLOUT_COMPLETE, SlotKey, replicas};
 use crate::records::{RevisionRow, RevisionState, ServiceRow};
+use crate::route_acks::{RouterAck, all_serve};
 
 /// Whether the lease holds capacity.
 pub(crate) fn is_open(lease: &leases::Lease) -> bool {
@@ -257,6 +258,75 @@ pub(crate) struct ReleasePlan {
     pub(crate) stop_rollouts: Vec<String>,
 }
 
+/// The revisions the traffic split names beside the live one and the
+/// rollout's target, that can run (resolved, not failed).
+pub(crate) fn split_revisions<'a>(
+    service: &ServiceRow,
+    revisions: &'a [RevisionRow],
+    live: Option<&RevisionRow>,
+    target: Option<&RevisionRow>,
+) -> Vec<&'a RevisionRow> {
+    let others = [live, target].map(|r| r.map(|r| r.name.as_str()));
+    crate::traffic::named(&service.traffic)
+        .into_iter()
+        .filter(|name| !others.contains(&Some(*name)))
+        .filter_map(|name| revisions.iter().find(|r| r.name == name))
+        .filter(|r| r.resolved() && r.state != RevisionState::Failed)
+        .collect()
+}
+
+/// How long a revision traffic left keeps its replicas: until every live
+/// router serves a route generation without it, for at most `drain_ms`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Drain<'a> {
+    pub(crate) now_ms: i64,
+    pub(crate) drain_ms: i64,
+    /// The live routers' acknowledgements of this service's routes.
+    pub(crate) routers: &'a [RouterAck],
+}
+
+/// How soon a pass waiting on routers' acknowledgements looks again when
+/// none wakes it: what notices a router that died holding a drain.
+pub(crate) const ACK_RECHECK_MS: i64 = 1_000;
+
+/// The revisions whose leases this pass keeps: the live one, every one the
+/// traffic split names, the target while it rolls out, and any that stopped
+/// taking traffic, still holds open leases, and is not yet out of every
+/// router's routes while its drain lasts; and, when one is draining, how
+/// many milliseconds until this pass should look again.
+pub(crate) fn kept<'a>(
+    service: &'a ServiceRow,
+    revisions: &'a [RevisionRow],
+    live: Option<&'a RevisionRow>,
+    target: Option<&'a RevisionRow>,
+    rollout: &Rollout,
+    by_revision: &BTreeMap<String, Slots>,
+    drain: Drain<'_>,
+) -> (HashSet<&'a str>, Option<i64>) {
+    let mut keep: HashSet<&str> = HashSet::new();
+    keep.extend(live.map(|r| r.name.as_str()));
+    keep.extend(crate::traffic::named(&service.traffic));
+    if matches!(rollout, Rollout::InProgress { .. }) {
+        keep.extend(target.map(|r| r.name.as_str()));
+    }
+    let mut drained_in: Option<i64> = None;
+    for draining in revisions {
+        let holds = by_revision.get(&draining.name).is_some_and(Slots::has_open);
+        let unrouted = draining.unrouted_generation.is_some_and(|g| all_serve(drain.routers, g));
+        if holds && !unrouted && draining.draining(drain.now_ms, drain.drain_ms) && keep.insert(draining.name.as_str())
+        {
+            let left = draining
+                .unrouted_at_ms
+                .unwrap_or(drain.now_ms)
+                .saturating_add(drain.drain_ms)
+                .saturating_sub(drain.now_ms)
+                .min(ACK_RECHECK_MS);
+            drained_in = Some(drained_in.map_or(left, |d| d.min(left)));
+        }
+    }
+    (keep, drained_in)
+}
+
 /// Gives back every revision but those in `keep`: its open leases
 /// (`RolloutFailed` for the revision traffic fell back from, else
 /// `Superseded`), and the rollout of one still pending.
@@ -423,6 +493,8 @@ pub(crate) mod tests {
             rollout_started_at_ms: None,
             replicas_running: 0,
             created_at_ms,
+            unrouted_at_ms: None,
+            unrouted_generation: None,
         }
     }
 
@@ -434,19 +506,7 @@ pub(crate) mod tests {
             row("web-00002", 2, RevisionState::Ready, 0),
             row("web-00001", 1, RevisionState::Ready, 0),
         ];
-        let service = |pinned: &str| ServiceRow {
-            key: key(),
-            uid: "u".into(),
-            generation: 4,
-            template: v1::ServiceTemplate::default(),
-            source: v1::Source::default(),
-            pinned_revision: pinned.into(),
-            live_revision: "web-00002".into(),
-            status: v1::ServiceStatus::default(),
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            version: 1,
-        };
+        let service = |pinned: &str| ServiceRow { pinned_revision: pinned.into(), ..service_row("web-00002") };
         assert_eq!(target(&service(""), &revisions).unwrap().name, "web-00002", "not an older pending one");
         assert_eq!(target(&service("web-00001"), &revisions).unwrap().name, "web-00001");
         assert_eq!(target(&service(""), &revisions[1..]).unwrap().name, "web-00003");
@@ -471,6 +531,112 @@ pub(crate) mod tests {
         let doomed = collectable(&revisions, "web-00005", &none, 0, 0, 100_000);
         assert!(!doomed.contains(&"web-00008".to_owned()));
         assert_eq!(doomed.len(), 6);
+    }
+
+    #[test]
+    fn a_pass_keeps_the_live_revision_the_split_the_rollout_and_what_drains_until_its_drain_ends() {
+        let mut revisions = vec![
+            row("web-00004", 4, RevisionState::Pending, 0),
+            row("web-00003", 3, RevisionState::Ready, 0),
+            row("web-00002", 2, RevisionState::Ready, 0),
+            row("web-00001", 1, RevisionState::Ready, 0),
+        ];
+        // web-00002 stopped taking traffic at 1,000 and web-00001 at 500.
+        revisions[2].unrouted_at_ms = Some(1_000);
+        revisions[3].unrouted_at_ms = Some(500);
+        let split = |names: &[&str]| ServiceRow {
+            traffic: names
+                .iter()
+                .map(|n| v1::TrafficTarget { revision: (*n).into(), percent: 0, ..Default::default() })
+                .collect(),
+            ..service_row("web-00003")
+        };
+        let open = slots(&[(0, 0, Running)]);
+        let every: BTreeMap<String, Slots> = revisions.iter().map(|r| (r.name.clone(), open.clone())).collect();
+        let live = Some(&revisions[1]);
+        let target = Some(&revisions[0]);
+        let rolling = Rollout::InProgress { no_room: None };
+        let sorted = |held: HashSet<&str>| {
+            let mut held: Vec<String> = held.into_iter().map(str::to_owned).collect();
+            held.sort_unstable();
+            held
+        };
+
+        // (split, rollout, leases held, now) => (kept, next look in)
+        let at = |now_ms: i64| Drain { now_ms, drain_ms: 1_000, routers: &[] };
+        let service = split(&[]);
+        let (held, drained_in) = kept(&service, &revisions, live, target, &rolling, &every, at(1_200));
+        assert_eq!(sorted(held), ["web-00001", "web-00002", "web-00003", "web-00004"]);
+        assert_eq!(drained_in, Some(300), "web-00001's drain ends first, at 1,500");
+        let (held, drained_in) = kept(&service, &revisions, live, target, &Rollout::Settled, &every, at(1_600));
+        assert_eq!(sorted(held), ["web-00002", "web-00003"], "drained and not rolling out: given back");
+        assert_eq!(drained_in, Some(400));
+        let (held, drained_in) = kept(&service, &revisions, live, target, &Rollout::Settled, &every, at(2_000));
+        assert_eq!(sorted(held), ["web-00003"]);
+        assert_eq!(drained_in, None);
+        // A split keeps what it names, drained or not; a revision holding no
+        // open lease has nothing to drain.
+        let service = split(&["web-00001"]);
+        let none: BTreeMap<String, Slots> = BTreeMap::new();
+        let (held, drained_in) = kept(&service, &revisions, live, target, &Rollout::Settled, &none, at(1_200));
+        assert_eq!(sorted(held), ["web-00001", "web-00003"]);
+        assert_eq!(drained_in, None);
+    }
+
+    #[test]
+    fn a_revision_traffic_left_drains_until_every_live_router_serves_routes_without_it() {
+        let mut revisions =
+            vec![row("web-00002", 2, RevisionState::Ready, 0), row("web-00001", 1, RevisionState::Ready, 0)];
+        // web-00001 left the routes at generation 5, at 1,000 on a 30,000 drain.
+        revisions[1].unrouted_at_ms = Some(1_000);
+        revisions[1].unrouted_generation = Some(5);
+        let service = ServiceRow { route_generation: 5, ..service_row("web-00002") };
+        let open = slots(&[(0, 0, Running)]);
+        let every: BTreeMap<String, Slots> = revisions.iter().map(|r| (r.name.clone(), open.clone())).collect();
+        let router = |name: &str, generation: i64| RouterAck {
+            router: name.into(),
+            instance: String::new(),
+            generation,
+            acked_at_ms: 1_000,
+        };
+        let live = Some(&revisions[0]);
+        let pass = |routers: &[RouterAck], now_ms: i64| {
+            let drain = Drain { now_ms, drain_ms: 30_000, routers };
+            let (held, next) = kept(&service, &revisions, live, live, &Rollout::Settled, &every, drain);
+            (held.contains("web-00001"), next)
+        };
+
+        // (routers and what they serve, now) => (web-00001 kept, next look in)
+        assert_eq!(
+            pass(&[router("a", 5), router("b", 4)], 1_200),
+            (true, Some(ACK_RECHECK_MS)),
+            "b still routes to it"
+        );
+        assert_eq!(pass(&[router("a", 5), router("b", 0)], 1_200), (true, Some(ACK_RECHECK_MS)), "b acked nothing yet");
+        assert_eq!(pass(&[router("a", 5), router("b", 6)], 1_200), (false, None), "every router moved past it");
+        assert_eq!(pass(&[], 1_200), (false, None), "no router alive: nothing routes to it");
+        assert_eq!(pass(&[router("b", 4)], 30_500), (true, Some(500)), "the drain bounds the wait");
+        assert_eq!(pass(&[router("b", 4)], 31_000), (false, None), "and ends it");
+    }
+
+    /// Service `web` (uid `u`) with `live` live, and nothing else set.
+    pub(crate) fn service_row(live: &str) -> ServiceRow {
+        ServiceRow {
+            key: key(),
+            uid: "u".into(),
+            generation: 1,
+            template: v1::ServiceTemplate::default(),
+            source: v1::Source::default(),
+            pinned_revision: String::new(),
+            traffic: Vec::new(),
+            affinity: None,
+            live_revision: live.into(),
+            status: v1::ServiceStatus::default(),
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            version: 1,
+            route_generation: 0,
+        }
     }
 
     /// The slots of `web-00001` (uid `u`) holding leases given as

@@ -26,6 +26,17 @@
 //! is marked failed and its leases released; the live revision keeps
 //! serving (automatic rollback).
 //!
+//! # Traffic splits and drain
+//! Every revision a traffic split names keeps its replicas as the live one
+//! does (see [`crate::traffic`]). A revision that stops taking traffic (the
+//! rollout moved past it, a split dropped it) is recorded with the route
+//! generation that left it out, and keeps its replicas until every live
+//! router acknowledged that generation or a later one (see
+//! [`crate::route_acks`]: a router acknowledges only once nothing it sent
+//! there is still answering), or for `RevisionsConfig::drain` after that
+//! moment, whichever comes first; then they are released, and stop with
+//! their grace. An acknowledgement that moves a service on wakes its pass.
+//!
 //! # Leases
 //! Replica `slot` of a revision is asked for with idempotency key
 //! `<revision>/<uid>/<slot>/<attempt>`; the slot's current lease is its
@@ -41,7 +52,7 @@ use std::time::Duration;
 
 use berth_proto::artifact::ArtifactKind;
 use berth_proto::leases::v1 as leases;
-use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus};
+use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus, Readiness};
 use berth_runtime::Action;
 
 use crate::catalog::{Catalog, CatalogError, Fence, RolloutChange, StatusReport};
@@ -50,8 +61,8 @@ use crate::lease_view::LeaseView;
 use crate::leases::{LeaseCallError, LeaseClient};
 use crate::model::{Observed, READY, ServiceKey, SlotKey, lease_owner};
 use crate::plan::{
-    Pass, Rollout, RolloutStep, Slots, Upkeep, collectable, decide_rollout, group, is_open, plan_release, plan_upkeep,
-    rollout_blocked, served_by_open, status_report, target,
+    Drain, Pass, Rollout, RolloutStep, Slots, Upkeep, collectable, decide_rollout, group, is_open, kept, plan_release,
+    plan_upkeep, rollout_blocked, served_by_open, split_revisions, status_report, target,
 };
 use crate::records::{RevisionRow, RevisionState, ServiceRow};
 use crate::resolver::{RegistryPolicy, TagResolver, resolve_template};
@@ -150,6 +161,11 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
         let slots = by_revision.get(&live.name).cloned().unwrap_or_default();
         live_upkeep = upkeep(ctx, &service, live, &slots, true).await?;
     }
+    // So does every other revision the traffic split names.
+    for split in split_revisions(&service, &revisions, live, target) {
+        let slots = by_revision.get(&split.name).cloned().unwrap_or_default();
+        upkeep(ctx, &service, split, &slots, true).await?;
+    }
 
     let mut rollout = Rollout::Settled;
     if let Some(next) = target.filter(|t| Some(t.name.as_str()) != live.map(|l| l.name.as_str())) {
@@ -175,11 +191,18 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
         rollout = Rollout::Failed;
     }
 
-    // Give back what neither the live revision nor the one rolling out needs.
-    let mut keep: HashSet<&str> = HashSet::new();
-    keep.extend(live.map(|r| r.name.as_str()));
-    if matches!(rollout, Rollout::InProgress { .. }) {
-        keep.extend(target.map(|r| r.name.as_str()));
+    // Give back what neither the live revision, the one rolling out, the
+    // traffic split nor a drain needs.
+    let drain_ms = millis(ctx.config.drain);
+    let routers = if revisions.iter().any(|r| r.draining(now, drain_ms)) {
+        ctx.catalog.route_acks(key).await?
+    } else {
+        Vec::new()
+    };
+    let drain = Drain { now_ms: now, drain_ms, routers: &routers };
+    let (keep, drained_in) = kept(&service, &revisions, live, target, &rollout, &by_revision, drain);
+    if let Some(left) = drained_in {
+        soonest(Duration::from_millis(u64::try_from(left).unwrap_or_default()));
     }
     let release = plan_release(&by_revision, &revisions, &keep, failed);
     for (revision, lease_id, reason) in &release.releases {
@@ -238,7 +261,9 @@ async fn leases_of(
     if let Some(open) = ctx.lease_view.open(&service.key.project, &owner) {
         let live = revisions.iter().find(|r| r.name == service.live_revision && r.resolved());
         let mut needed: Vec<&RevisionRow> = live.into_iter().collect();
-        needed.extend(target(service, revisions).filter(|t| Some(t.name.as_str()) != live.map(|l| l.name.as_str())));
+        let target = target(service, revisions);
+        needed.extend(target.filter(|t| Some(t.name.as_str()) != live.map(|l| l.name.as_str())));
+        needed.extend(split_revisions(service, revisions, live, target));
         let by_revision = group(open, &service.uid);
         if served_by_open(&by_revision, &needed) {
             return Ok(by_revision);
@@ -415,6 +440,8 @@ fn lease_request(
             ports: template.ports.clone(),
             service: service.key.name.clone(),
             revision: revision.name.clone(),
+            // A replica with ports takes traffic once its first port accepts, unless told otherwise.
+            readiness: template.readiness.clone().or_else(|| (!template.ports.is_empty()).then(Readiness::default)),
         }),
     }
 }
@@ -718,19 +745,7 @@ mod tests {
         revision.template.image =
             Some(BundleRef { reference: "127.0.0.1:5000/team/web:v1".into(), ..Default::default() });
         revision.template.runtime = berth_proto::types::v1::RuntimeClass::Sandboxed as i32;
-        let service = ServiceRow {
-            key: key(),
-            uid: "u".into(),
-            generation: 1,
-            template: revision.template.clone(),
-            source: v1::Source::default(),
-            pinned_revision: String::new(),
-            live_revision: String::new(),
-            status: v1::ServiceStatus::default(),
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            version: 1,
-        };
+        let service = ServiceRow { template: revision.template.clone(), ..crate::plan::tests::service_row("") };
         let slot = SlotKey { revision: revision.name.clone(), uid: "u".into(), slot: 0, attempt: 0 };
         let request = lease_request(&service, &revision, &slot, &RegistryPolicy::default());
         let workload = request.workload.unwrap();
@@ -740,5 +755,16 @@ mod tests {
         assert!(image.insecure, "a loopback registry is spoken to over plain HTTP");
         assert_eq!(workload.digest, DIGEST);
         assert_eq!(workload.runtime(), berth_proto::types::v1::RuntimeClass::Sandboxed);
+        assert_eq!(workload.readiness, None, "a template without ports is ready when it starts");
+
+        // With ports, a replica is ready once its first port accepts, unless
+        // the template says how else.
+        revision.template.ports = vec![berth_proto::types::v1::Port { name: "http".into(), port: 8080 }];
+        let request = lease_request(&service, &revision, &slot, &RegistryPolicy::default());
+        assert_eq!(request.workload.unwrap().readiness, Some(Readiness::default()));
+        let declared = Readiness { http_path: "/healthz".into(), port: "http".into(), period_millis: 500 };
+        revision.template.readiness = Some(declared.clone());
+        let request = lease_request(&service, &revision, &slot, &RegistryPolicy::default());
+        assert_eq!(request.workload.unwrap().readiness, Some(declared));
     }
 }

@@ -15,12 +15,13 @@ use sqlx::Row as _;
 use sqlx::any::AnyRow;
 
 use crate::model::{BUNDLE_RESOLVED, Observed, READY, ServiceKey, set_condition, timestamp};
+use crate::traffic::{StoredTraffic, routed};
 
 /// The columns [`ServiceRow::from_row`] reads, for `concat!` into a `SELECT`.
 macro_rules! service_columns {
     () => {
         "project, name, uid, generation, template, source, pinned_revision, live_revision, status, \
-         created_at_ms, updated_at_ms, version"
+         created_at_ms, updated_at_ms, version, traffic, route_generation"
     };
 }
 
@@ -29,7 +30,8 @@ macro_rules! revision_columns {
     () => {
         "project, name, service, generation, template, source, fingerprint, digest, resolve_reason, \
          resolve_message, resolve_attempts, resolve_changed_at_ms, next_resolve_at_ms, state, state_reason, \
-         state_message, state_changed_at_ms, rollout_started_at_ms, replicas_running, created_at_ms"
+         state_message, state_changed_at_ms, rollout_started_at_ms, replicas_running, created_at_ms, unrouted_at_ms, \
+         unrouted_generation"
     };
 }
 
@@ -74,16 +76,23 @@ pub(crate) struct ServiceRow {
     pub(crate) template: v1::ServiceTemplate,
     pub(crate) source: v1::Source,
     pub(crate) pinned_revision: String,
+    /// The split `SetTraffic` declared; empty sends all to the latest ready revision.
+    pub(crate) traffic: Vec<v1::TrafficTarget>,
+    /// How a client's requests keep to one replica, as `SetTraffic` declared it.
+    pub(crate) affinity: Option<v1::SessionAffinity>,
     pub(crate) live_revision: String,
     pub(crate) status: v1::ServiceStatus,
     pub(crate) created_at_ms: i64,
     pub(crate) updated_at_ms: i64,
     pub(crate) version: i64,
+    /// Grows with each change to what routers send its requests to.
+    pub(crate) route_generation: i64,
 }
 
 impl ServiceRow {
     /// Decodes a row selected with [`service_columns!`].
     pub(crate) fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
+        let stored = decode::<StoredTraffic>(row, "traffic")?;
         Ok(Self {
             key: ServiceKey::new(row.try_get::<String, _>("project")?, row.try_get::<String, _>("name")?),
             uid: row.try_get("uid")?,
@@ -91,11 +100,14 @@ impl ServiceRow {
             template: decode(row, "template")?,
             source: decode(row, "source")?,
             pinned_revision: row.try_get("pinned_revision")?,
+            traffic: stored.targets,
+            affinity: stored.affinity,
             live_revision: row.try_get("live_revision")?,
             status: decode(row, "status")?,
             created_at_ms: row.try_get("created_at_ms")?,
             updated_at_ms: row.try_get("updated_at_ms")?,
             version: row.try_get("version")?,
+            route_generation: row.try_get("route_generation")?,
         })
     }
 
@@ -103,6 +115,9 @@ impl ServiceRow {
     pub(crate) fn to_proto(&self) -> v1::Service {
         let mut status = self.status.clone();
         status.live_revision.clone_from(&self.live_revision);
+        status.traffic = routed(&self.traffic, &self.live_revision);
+        status.route_generation = u64::try_from(self.route_generation).unwrap_or_default();
+        status.affinity.clone_from(&self.affinity);
         v1::Service {
             project: self.key.project.clone(),
             name: self.key.name.clone(),
@@ -111,6 +126,7 @@ impl ServiceRow {
             status: Some(status),
             generation: u64::try_from(self.generation).unwrap_or_default(),
             pinned_revision: self.pinned_revision.clone(),
+            traffic: self.traffic.clone(),
             created_at: Some(timestamp(self.created_at_ms)),
             updated_at: Some(timestamp(self.updated_at_ms)),
         }
@@ -143,6 +159,11 @@ pub(crate) struct RevisionRow {
     pub(crate) rollout_started_at_ms: Option<i64>,
     pub(crate) replicas_running: i64,
     pub(crate) created_at_ms: i64,
+    /// When it last stopped taking traffic; its replicas drain for a while after.
+    pub(crate) unrouted_at_ms: Option<i64>,
+    /// The route generation that left it out then: once every router serves
+    /// it, nothing is sent to it any more.
+    pub(crate) unrouted_generation: Option<i64>,
 }
 
 impl RevisionRow {
@@ -171,7 +192,15 @@ impl RevisionRow {
             rollout_started_at_ms: row.try_get("rollout_started_at_ms")?,
             replicas_running: row.try_get("replicas_running")?,
             created_at_ms: row.try_get("created_at_ms")?,
+            unrouted_at_ms: row.try_get("unrouted_at_ms")?,
+            unrouted_generation: row.try_get("unrouted_generation")?,
         })
+    }
+
+    /// Whether it stopped taking traffic less than `drain_ms` before `now_ms`:
+    /// its replicas are kept until then.
+    pub(crate) fn draining(&self, now_ms: i64, drain_ms: i64) -> bool {
+        self.unrouted_at_ms.is_some_and(|at| now_ms < at.saturating_add(drain_ms))
     }
 
     /// Whether its bundle reference has resolved to a digest.

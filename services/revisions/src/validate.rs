@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 
 use berth_bundle::BundleReference;
-use berth_proto::revisions::v1::{ApplyServiceRequest, ServiceTemplate, Source};
+use berth_proto::revisions::v1::{AckRoutesRequest, ApplyServiceRequest, ServiceTemplate, Source};
 use berth_proto::types::v1::BundleRef;
 use berth_rpc::invalid::{Checker, Invalid, shown};
 
@@ -39,8 +39,15 @@ const MAX_SOURCE_TEXT: usize = 2048;
 const MAX_LABELS: usize = 64;
 /// The longest source label name.
 const MAX_LABEL_NAME: usize = 253;
+/// The longest wait between readiness checks.
+const MAX_READINESS_PERIOD_MILLIS: u32 = 60_000;
 /// The longest revision name a caller may name.
 const MAX_REVISION_NAME: usize = 128;
+
+/// Most acknowledgements one `AckRoutes` carries.
+pub(crate) const MAX_ROUTE_ACKS: usize = 10_000;
+/// The longest router instance name (a host name).
+const MAX_INSTANCE: usize = 253;
 
 /// A checked `ApplyService`.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,6 +87,39 @@ fn service_name(check: &mut Checker, field: &str, name: &str) {
     } else {
         check.dns_label(field, name, "a service name");
     }
+}
+
+/// A checked `AckRoutes`: the instance, and each service's generation.
+pub(crate) fn route_acks(request: &AckRoutesRequest) -> Result<Vec<(ServiceKey, i64)>, Invalid> {
+    let mut check = Checker::default();
+    if request.instance.len() > MAX_INSTANCE
+        || !request.instance.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+    {
+        check.bad(
+            "instance",
+            format!(
+                "'{}' is not a host name (at most {MAX_INSTANCE} of a-z, 0-9, '-', '.', '_')",
+                shown(&request.instance)
+            ),
+        );
+    }
+    if request.acks.len() > MAX_ROUTE_ACKS {
+        check.bad("acks", format!("{} acknowledgements; at most {MAX_ROUTE_ACKS} at once", request.acks.len()));
+        return check.finish().map(|()| Vec::new());
+    }
+    let mut acks = Vec::with_capacity(request.acks.len());
+    for (n, ack) in request.acks.iter().enumerate() {
+        let project = if ack.project.is_empty() { DEFAULT_PROJECT } else { ack.project.as_str() };
+        if !ack.project.is_empty() {
+            check.dns_label(&format!("acks[{n}].project"), &ack.project, "a project name");
+        }
+        service_name(&mut check, &format!("acks[{n}].service"), &ack.service);
+        match i64::try_from(ack.generation) {
+            Ok(generation) => acks.push((ServiceKey::new(project, &ack.service), generation)),
+            Err(_) => check.bad(format!("acks[{n}].generation"), "is larger than any route generation"),
+        }
+    }
+    check.finish().map(|()| acks)
 }
 
 /// A revision name a caller gives: empty allowed when `optional`.
@@ -215,6 +255,28 @@ fn template(check: &mut Checker, template: &ServiceTemplate, policy: &RegistryPo
             check.bad(format!("template.ports[{n}].port"), format!("{} is listed twice", port.port));
         }
     }
+    if let Some(readiness) = &template.readiness {
+        if template.ports.is_empty() {
+            check.bad("template.readiness", "needs a port to check: the template has none");
+        } else if !readiness.port.is_empty() && !port_names.contains(readiness.port.as_str()) {
+            check.bad(
+                "template.readiness.port",
+                format!("'{}' names none of the template's ports", shown(&readiness.port)),
+            );
+        }
+        let path = &readiness.http_path;
+        if !path.is_empty()
+            && (!path.starts_with('/') || path.len() > MAX_SOURCE_TEXT || path.bytes().any(|b| b <= b' ' || b == 0x7f))
+        {
+            check.bad("template.readiness.http_path", "must be a path starting with '/', with no spaces");
+        }
+        if readiness.period_millis > MAX_READINESS_PERIOD_MILLIS {
+            check.bad(
+                "template.readiness.period_millis",
+                format!("must be at most {MAX_READINESS_PERIOD_MILLIS} (a minute)"),
+            );
+        }
+    }
     if let Some(egress) = &template.egress
         && !egress.gateway.is_empty()
     {
@@ -249,7 +311,7 @@ fn source(check: &mut Checker, source: &Source) {
 #[cfg(test)]
 mod tests {
     use berth_proto::revisions::v1::EgressSelection;
-    use berth_proto::types::v1::{BundleRef, Capacity, Port};
+    use berth_proto::types::v1::{BundleRef, Capacity, Port, Readiness};
 
     use super::*;
 
@@ -317,6 +379,27 @@ mod tests {
                 }),
             ),
             ("template.tier", Box::new(|r| template(r).tier = "GPU".into())),
+            (
+                "template.readiness.port",
+                Box::new(|r| template(r).readiness = Some(Readiness { port: "admin".into(), ..Default::default() })),
+            ),
+            (
+                "template.readiness.http_path",
+                Box::new(|r| {
+                    template(r).readiness = Some(Readiness { http_path: "healthz".into(), ..Default::default() });
+                }),
+            ),
+            (
+                "template.readiness.period_millis",
+                Box::new(|r| template(r).readiness = Some(Readiness { period_millis: 600_000, ..Default::default() })),
+            ),
+            (
+                "template.readiness",
+                Box::new(|r| {
+                    template(r).ports.clear();
+                    template(r).readiness = Some(Readiness::default());
+                }),
+            ),
             ("source.repo", Box::new(|r| r.source = Some(Source { repo: "a\nb".into(), ..Default::default() }))),
         ];
         for (field, spoil) in cases {

@@ -154,7 +154,7 @@ async fn bad_fields_are_named_and_nodes_may_not_apply() {
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("project"), "{}", status.message());
 
-    let pin = v1::SetTrafficRequest { project: String::new(), name: "web".into(), pinned_revision: "web/1".into() };
+    let pin = v1::SetTrafficRequest { name: "web".into(), pinned_revision: "web/1".into(), ..Default::default() };
     let status = services.set_traffic(pin).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("pinned_revision"), "{}", status.message());

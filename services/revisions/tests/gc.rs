@@ -59,7 +59,7 @@ async fn gc_keeps_exactly_the_live_the_pinned_and_the_newest_n(backend: Backend)
     await_revisions(&plane, &["web-00010", "web-00009", "web-00008", "web-00007"]).await;
 
     // Pin an old one: it is live, and kept while three newer ones are minted.
-    let pin = v1::SetTrafficRequest { project: String::new(), name: "web".into(), pinned_revision: "web-00007".into() };
+    let pin = v1::SetTrafficRequest { name: "web".into(), pinned_revision: "web-00007".into(), ..Default::default() };
     plane.services().set_traffic(pin).await.unwrap();
     plane.await_live("web", "web-00007").await;
     let applies: Vec<_> = (10..13).map(|n| tokio::spawn(apply(plane.services_on(n % 2), format!("v{n}")))).collect();

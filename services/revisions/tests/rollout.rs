@@ -49,7 +49,7 @@ async fn all_leases(plane: &Plane, revision: &str) -> Vec<Lease> {
 }
 
 async fn set_traffic(plane: &Plane, pinned: &str) -> v1::Service {
-    let request = v1::SetTrafficRequest { project: String::new(), name: "web".into(), pinned_revision: pinned.into() };
+    let request = v1::SetTrafficRequest { name: "web".into(), pinned_revision: pinned.into(), ..Default::default() };
     plane.services().set_traffic(request).await.unwrap().into_inner().service.unwrap()
 }
 
@@ -365,7 +365,14 @@ async fn a_broken_lease_watch_resumes_from_its_cursor_and_loses_no_change(backen
         })
         .await;
     assert!(!faults.cut_watch.load(Ordering::SeqCst), "the stream was cut");
-    let cursors = faults.resumed_from.lock().unwrap().clone();
+    // The status may move first (a pass may list the leases itself); the
+    // follower's new stream comes after its backoff.
+    let cursors = eventually("the follower opens a new stream", PATIENCE, || async {
+        let cursors = faults.resumed_from.lock().unwrap().clone();
+        let synced = faults.synced.lock().unwrap().len();
+        if cursors.len() >= 2 && synced >= 2 { Ok(cursors) } else { Err((cursors, synced)) }
+    })
+    .await;
     assert_eq!(cursors.first(), Some(&0), "the first stream starts afresh: {cursors:?}");
     assert!(cursors.iter().skip(1).any(|&cursor| cursor > 0), "a later one resumes: {cursors:?}");
     let synced = faults.synced.lock().unwrap().clone();
@@ -422,7 +429,176 @@ async fn deleting_a_service_releases_its_leases_and_watchers_see_it(backend: Bac
     plane.cleanup().await;
 }
 
+/// Makes web-00001 live with its two replicas running, then rolls out web-00002 the same way.
+async fn roll_to_second(plane: &Plane) {
+    for (edition, revision) in [("1", "web-00001"), ("2", "web-00002")] {
+        plane.apply(web(edition)).await;
+        plane.run(revision, 2).await;
+        plane.await_live("web", revision).await;
+    }
+}
+
+fn share(revision: &str, percent: u32, tag: &str) -> v1::TrafficTarget {
+    v1::TrafficTarget { revision: revision.into(), latest: false, percent, tag: tag.into() }
+}
+
+async fn split(plane: &Plane, targets: Vec<v1::TrafficTarget>) -> Result<v1::Service, tonic::Status> {
+    let request = v1::SetTrafficRequest { name: "web".into(), targets, ..Default::default() };
+    plane.services().set_traffic(request).await.map(|response| response.into_inner().service.unwrap())
+}
+
+async fn a_traffic_split_keeps_every_revision_it_names_running_and_gives_them_back_when_unnamed(backend: Backend) {
+    let plane = Plane::start(backend, fast_config(), &["n-1", "n-2", "n-3"]).await;
+    roll_to_second(&plane).await;
+    plane.await_open_leases("web-00001", 0).await;
+
+    // 90/10 between the old and the new, the new one also tagged: the old
+    // revision's replicas come back, and the new one stays live.
+    let targets = vec![share("web-00001", 90, ""), share("web-00002", 10, "canary")];
+    let service = split(&plane, targets.clone()).await.unwrap();
+    assert_eq!(service.traffic, targets);
+    assert_eq!(service.pinned_revision, "web-00001", "no latest target: pinned to the largest share");
+    plane.run("web-00001", 2).await;
+    let service = plane.await_live("web", "web-00001").await;
+    assert_eq!(service.status.as_ref().unwrap().traffic, targets, "the split as routed names both revisions");
+    assert_eq!(plane.open_leases("web-00002").await.len(), 2, "the tagged 10% keeps its replicas");
+
+    // A latest target follows the rollout; every lease of a revision no
+    // target names any more is given back.
+    let latest = v1::TrafficTarget { latest: true, percent: 100, ..Default::default() };
+    let service = split(&plane, vec![latest.clone()]).await.unwrap();
+    assert_eq!(service.pinned_revision, "");
+    let service = plane.await_live("web", "web-00002").await;
+    assert_eq!(service.status.unwrap().traffic, [v1::TrafficTarget { revision: "web-00002".into(), ..latest }]);
+    plane.await_open_leases("web-00001", 0).await;
+
+    // What a caller gets wrong is named, and nothing changes.
+    let status = split(&plane, vec![share("web-00001", 90, "")]).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("targets: the percents sum to 90, not 100"), "{status:?}");
+    let status = split(&plane, vec![share("web-00009", 100, "")]).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    let both = v1::SetTrafficRequest {
+        name: "web".into(),
+        pinned_revision: "web-00001".into(),
+        targets: vec![share("web-00001", 100, "")],
+        ..Default::default()
+    };
+    let status = plane.services().set_traffic(both).await.unwrap_err();
+    assert!(status.message().contains("either pinned_revision or targets"), "{status:?}");
+    assert_eq!(plane.get("web").await.pinned_revision, "");
+
+    // A session affinity is part of the routes: routers are told (a new
+    // generation), the header name as routers match it, until a call
+    // without one clears it.
+    let before = route_generation(&plane.get("web").await);
+    let latest = v1::TrafficTarget { latest: true, percent: 100, ..Default::default() };
+    let sticky = |header: &str, cookie: &str| v1::SetTrafficRequest {
+        name: "web".into(),
+        targets: vec![latest.clone()],
+        affinity: Some(v1::SessionAffinity { header: header.into(), cookie: cookie.into() }),
+        ..Default::default()
+    };
+    let service = plane.services().set_traffic(sticky("X-User", "")).await.unwrap().into_inner().service.unwrap();
+    let status = service.status.unwrap();
+    assert_eq!(status.affinity, Some(v1::SessionAffinity { header: "x-user".into(), cookie: String::new() }));
+    assert!(status.route_generation > before, "{} then {}", before, status.route_generation);
+    let service = plane.services().set_traffic(sticky("x-user", "")).await.unwrap().into_inner().service.unwrap();
+    assert_eq!(route_generation(&service), status.route_generation, "the same routes again change nothing");
+    let status = plane.services().set_traffic(sticky("x-user", "session")).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("affinity: give either a header or a cookie"), "{status:?}");
+    assert!(plane.get("web").await.status.unwrap().affinity.is_some(), "a refused call changes nothing");
+    let service = split(&plane, vec![latest]).await.unwrap();
+    assert_eq!(service.status.unwrap().affinity, None, "a split without an affinity clears it");
+    plane.cleanup().await;
+}
+
+/// Acknowledges generation `generation` of web's routes as router `name`
+/// (generation 0: only says it is alive).
+async fn ack(plane: &Plane, name: &str, generation: u64) {
+    let acks = if generation == 0 {
+        Vec::new()
+    } else {
+        vec![v1::RouteAck { project: String::new(), service: "web".into(), generation }]
+    };
+    let request = v1::AckRoutesRequest { acks, instance: "router-0".into() };
+    plane.services_as_router(name).ack_routes(request).await.unwrap();
+}
+
+fn route_generation(service: &v1::Service) -> u64 {
+    service.status.as_ref().unwrap().route_generation
+}
+
+async fn a_revision_traffic_left_keeps_its_replicas_until_every_router_moved_off_it(backend: Backend) {
+    // A drain far longer than the test's patience: only the routers end it.
+    let config = RevisionsConfig { drain: Duration::from_secs(600), ..fast_config() };
+    let plane = Plane::start(backend, config, &["n-1", "n-2", "n-3"]).await;
+
+    // No router alive: nothing routes to the old revision, it is given back.
+    roll_to_second(&plane).await;
+    plane.await_open_leases("web-00001", 0).await;
+
+    // A router alive: dropped from a split, the revision keeps its replicas
+    // until the router acknowledged the generation that dropped it.
+    let both = || vec![share("web-00001", 60, ""), share("web-00002", 40, "")];
+    split(&plane, both()).await.unwrap();
+    plane.run("web-00001", 2).await;
+    let before = route_generation(&plane.await_live("web", "web-00001").await);
+    ack(&plane, "edge", before).await;
+    let latest = v1::TrafficTarget { latest: true, percent: 100, ..Default::default() };
+    split(&plane, vec![latest.clone()]).await.unwrap();
+    let dropped = route_generation(&plane.await_live("web", "web-00002").await);
+    assert!(dropped > before, "dropping a revision is a new route generation: {before} then {dropped}");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ack(&plane, "edge", 0).await;
+    assert_eq!(plane.open_leases("web-00001").await.len(), 2, "the router still sends to it");
+    let routers = plane.get("web").await.status.unwrap().routers;
+    assert_eq!(routers.len(), 1, "{routers:?}");
+    assert_eq!((routers[0].router.as_str(), routers[0].instance.as_str()), ("edge", "router-0"));
+    assert_eq!(routers[0].generation, before, "GetService shows what the router serves");
+    ack(&plane, "edge", dropped).await;
+    plane.await_open_leases("web-00001", 0).await;
+    let routers = plane.get("web").await.status.unwrap().routers;
+    assert_eq!(routers[0].generation, dropped);
+    assert!(routers[0].acked_at.is_some());
+
+    // A late acknowledgement of an older generation takes nothing back,
+    // and what a router gets wrong is named.
+    ack(&plane, "edge", before).await;
+    let silent = std::time::Instant::now();
+    assert_eq!(plane.get("web").await.status.unwrap().routers[0].generation, dropped);
+    let bad = v1::AckRoutesRequest {
+        acks: vec![v1::RouteAck { project: "Not A Project".into(), service: String::new(), generation: 1 }],
+        instance: "router 0".into(),
+    };
+    let status = plane.services_as_router("edge").ack_routes(bad).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    for field in ["instance", "acks[0].project", "acks[0].service"] {
+        assert!(status.message().contains(field), "{field} is named: {status:?}");
+    }
+    let status = plane.services().ack_routes(v1::AckRoutesRequest::default()).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "only routers acknowledge routes: {status:?}");
+
+    // A router that stops calling stops holding a drain once it counts as
+    // gone, 15s after its last call.
+    split(&plane, both()).await.unwrap();
+    plane.run("web-00001", 2).await;
+    plane.await_live("web", "web-00001").await;
+    split(&plane, vec![latest]).await.unwrap();
+    eventually("web-00001's replicas given back once the router is gone", Duration::from_secs(40), || async {
+        let open = plane.open_leases("web-00001").await;
+        if open.is_empty() { Ok(()) } else { Err(open.len()) }
+    })
+    .await;
+    assert!(silent.elapsed() >= Duration::from_secs(14), "the router counted as alive until then");
+    assert!(plane.get("web").await.status.unwrap().routers.is_empty(), "a gone router is not shown");
+    plane.cleanup().await;
+}
+
 on_both_backends!(
+    a_revision_traffic_left_keeps_its_replicas_until_every_router_moved_off_it,
+    a_traffic_split_keeps_every_revision_it_names_running_and_gives_them_back_when_unnamed,
     a_new_revision_takes_over_only_once_all_its_replicas_run,
     a_revision_whose_replicas_fail_is_rolled_back,
     a_replica_whose_lease_ends_is_replaced,

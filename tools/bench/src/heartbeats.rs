@@ -814,7 +814,7 @@ fn raise_open_files_limit(nodes: u32, join_concurrency: u32) -> Result<(), Bench
 }
 
 /// Accepts `500ms`, `1s`, `1.5s`, `2m`, and `0s`.
-fn parse_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let (number, unit) = if let Some(n) = text.strip_suffix("ms") {
         (n, 0.001)
@@ -833,7 +833,7 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 /// Like [`parse_duration`], but zero is refused.
-fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_positive_duration(text: &str) -> Result<Duration, String> {
     let duration = parse_duration(text)?;
     if duration < Duration::from_millis(1) {
         return Err(format!("'{text}' must be at least 1ms"));

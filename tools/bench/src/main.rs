@@ -9,6 +9,7 @@
 //! every figure is reported whether or not it meets its target.
 
 mod deploy;
+mod dev;
 mod egress;
 mod egress_push;
 mod heartbeats;
@@ -21,6 +22,7 @@ mod nodes;
 mod output;
 mod procfs;
 mod report;
+mod router;
 mod runtime_launch;
 
 mod process;
@@ -67,6 +69,14 @@ enum Scenario {
     /// Route edits on a real `berth dev` whose node hosts the tenant: how
     /// long until the node has each edit in force, beside an empty mTLS RPC.
     EgressPush(egress_push::EgressPushArgs),
+    /// Requests through a `berth-router` process and the node's agent to a
+    /// replica on a real `berth dev`, beside the same requests straight to
+    /// the replica, in HTTP/1.1 and HTTP/2; how long a route change takes
+    /// to be served by every router; the router's memory.
+    Router(router::RouterArgs),
+    /// The HTTP server the router scenario deploys (run by the node).
+    #[command(hide = true)]
+    EchoServer,
 }
 
 fn main() -> ExitCode {
@@ -91,6 +101,8 @@ impl Scenario {
             Scenario::Deploy(args) => deploy::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Egress(args) => egress::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::EgressPush(args) => egress_push::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::Router(args) => router::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::EchoServer => router::echo_server().await,
         };
         outcome.map_err(StartError::Invalid)
     }

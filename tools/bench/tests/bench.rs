@@ -169,3 +169,26 @@ fn egress_push_measures_edits_on_a_real_dev_node() {
     let enforcement = report["enforcement"].as_str().unwrap();
     assert!(enforcement.starts_with("EGRESS_ENFORCEMENT_"), "the node says how it enforces: {report}");
 }
+
+#[test]
+fn router_measures_requests_through_the_data_plane_beside_direct_ones() {
+    sibling("berth", "berth");
+    sibling("berth-router", "berth-router");
+    let args =
+        ["router", "--connections", "2", "--duration", "1s", "--warmup", "200ms", "--changes", "3", "--services", "5"];
+    let out = bench(&[&args[..], &["-o", "json"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for protocol in ["http1", "http2"] {
+        for path in ["direct", "routed"] {
+            let figures = &report[protocol][path];
+            assert!(figures["calls"].as_u64().unwrap() > 0, "{protocol} {path} answered: {report}");
+            assert_eq!(figures["errors"], 0, "{protocol} {path}: {report}");
+        }
+        assert!(report[protocol]["rate_share"].as_f64().unwrap() > 0.0, "{report}");
+    }
+    assert_eq!(report["route_change"]["count"], 3, "{report}");
+    assert_eq!(report["missed_changes"], 0, "{report}");
+    assert_eq!(report["routers"], 2, "the bench's router and berth dev's own acknowledged: {report}");
+    assert!(report["rss_many_mib"].as_f64().unwrap() > 0.0, "{report}");
+}

@@ -28,8 +28,8 @@ mod rules;
 
 pub(crate) use follower::{EgressFollower, GrpcNodeEgress};
 pub(crate) use launch::EgressProvider;
-pub use netns::NamespaceError;
 pub(crate) use netns::fnv32;
+pub use netns::{NamespaceError, connect_in_namespace};
 pub use proxies::{Attachment, EgressError, EgressIsolation, EgressProxies, EgressSettings, EgressStatus, Enforcement};
 pub use proxy::{DEFAULT_PROXY_CONNECT_TIMEOUT, DEFAULT_PROXY_HEAD_TIMEOUT, ProxyTiming};
 pub use rules::RulesError;

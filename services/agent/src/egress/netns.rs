@@ -279,11 +279,7 @@ impl Namespaces {
     /// Connects to `127.0.0.1:port` inside the namespace.
     pub(crate) async fn connect(&self, name: &str, port: u16) -> io::Result<TcpStream> {
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-        let stream =
-            in_namespace(self.path(name), move || std::net::TcpStream::connect_timeout(&addr, INBOUND_CONNECT_TIMEOUT))
-                .await?;
-        stream.set_nonblocking(true)?;
-        TcpStream::from_std(stream)
+        connect_in_namespace(self.path(name), addr, INBOUND_CONNECT_TIMEOUT).await
     }
 
     async fn run(&self, args: &[&str]) -> Result<(), NamespaceError> {
@@ -320,6 +316,15 @@ fn in_use(path: &Path) -> io::Result<bool> {
 
 /// Runs `work` on a thread of its own that first enters the namespace at
 /// `path`; the thread ends afterwards, and its namespace with it.
+/// Connects to `addr` from inside the network namespace at `path` (a
+/// namespace's bind mount, or `/proc/<pid>/ns/net`), within `timeout`; the
+/// socket stays in that namespace whichever thread uses it.
+pub async fn connect_in_namespace(path: PathBuf, addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    let stream = in_namespace(path, move || std::net::TcpStream::connect_timeout(&addr, timeout)).await?;
+    stream.set_nonblocking(true)?;
+    TcpStream::from_std(stream)
+}
+
 async fn in_namespace<T: Send + 'static>(
     path: PathBuf,
     work: impl FnOnce() -> io::Result<T> + Send + 'static,

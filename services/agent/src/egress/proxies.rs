@@ -583,6 +583,18 @@ impl EgressProxies {
         Ok(())
     }
 
+    /// Connects to `port` of the replica of `lease_id` where it listens:
+    /// `127.0.0.1` inside its tenant's namespace when the node isolates
+    /// egress, else `None` (the host's loopback is the caller's to dial).
+    pub async fn connect_inside(&self, lease_id: &str, port: u16) -> Option<std::io::Result<tokio::net::TcpStream>> {
+        let namespaces = self.inner.namespaces.as_ref()?;
+        let namespace = {
+            let state = self.inner.state.lock().await;
+            state.tenants.values().find(|tenant| tenant.leases.contains_key(lease_id))?.namespace.clone()?
+        };
+        Some(namespaces.connect(&namespace, port).await)
+    }
+
     /// Lets go of what `lease_id` held; its tenant is stopped once it has
     /// neither replicas nor a plan on the node.
     pub async fn detach(&self, lease_id: &str) {

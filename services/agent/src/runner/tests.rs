@@ -423,6 +423,7 @@ impl Harness {
             provider,
             bundles,
             board: board.clone(),
+            dialer: crate::dial::Dialer::default(),
             session: session_rx,
             fences: fences_rx,
             settings,

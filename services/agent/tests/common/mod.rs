@@ -65,6 +65,8 @@ pub(crate) struct ControlPlane {
     pub(crate) leases_addr: String,
     pub(crate) bundle: String,
     pub(crate) admin: TlsCredentials,
+    /// A data-plane router's credentials.
+    pub(crate) router: TlsCredentials,
     pub(crate) token: String,
     pub(crate) stop: CancellationToken,
 }
@@ -108,6 +110,7 @@ impl ControlPlane {
         service.spawn_loops(&stop);
         tokio::spawn(service.server().serve(listener, stop.clone()));
         let admin = issue(Identity::admin("ops").unwrap()).await;
+        let router = issue(Identity::router("edge").unwrap()).await;
 
         let leases_creds = issue(Identity::service("leases").unwrap()).await;
         let config = LeasesConfig {
@@ -121,8 +124,17 @@ impl ControlPlane {
         let leases_addr = leases.addr.to_string();
 
         let bundle = authority.bundle_pem().await.unwrap();
-        let mut plane =
-            ControlPlane { identity_db, leases, identity_addr, leases_addr, bundle, admin, token: String::new(), stop };
+        let mut plane = ControlPlane {
+            identity_db,
+            leases,
+            identity_addr,
+            leases_addr,
+            bundle,
+            admin,
+            router,
+            token: String::new(),
+            stop,
+        };
         let request = identity::CreateJoinTokenRequest { max_uses: 1, ttl_seconds: 600, ..Default::default() };
         plane.token = identity::join_tokens_client::JoinTokensClient::new(plane.channel(&plane.identity_addr))
             .create_join_token(request)

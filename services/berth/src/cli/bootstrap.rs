@@ -72,6 +72,11 @@ pub(crate) struct BootstrapArgs {
     #[arg(long = "service", value_name = "NAME[=HOST,...]", value_parser = parse_service,
           default_values = ["revisions", "leases", "egress"])]
     services: Vec<ServiceCert>,
+    /// A data-plane router's identity to write as NAME.pem and NAME-key.pem
+    /// (`<NAME>.router.berth.internal`), with the host names it is dialled
+    /// by, as for --service. Repeat for each; none by default.
+    #[arg(long = "router", value_name = "NAME[=HOST,...]", value_parser = parse_router)]
+    routers: Vec<ServiceCert>,
     /// How long the admin and service certificates live (at most 90d).
     #[arg(long, env = "BERTH_BOOTSTRAP_CERT_TTL", default_value = "30d", value_name = "DURATION",
           value_parser = parse_duration)]
@@ -147,8 +152,20 @@ impl From<BootstrapError> for StartError {
 /// `NAME` or `NAME=HOST[,HOST...]`, NAME a valid service name and each HOST
 /// a name a client can dial.
 fn parse_service(value: &str) -> Result<ServiceCert, String> {
+    parse_cert(value, Identity::service)
+}
+
+/// `NAME` or `NAME=HOST[,HOST...]` for a router.
+fn parse_router(value: &str) -> Result<ServiceCert, String> {
+    parse_cert(value, Identity::router)
+}
+
+fn parse_cert(
+    value: &str,
+    identity: fn(String) -> Result<Identity, berth_core::IdentityError>,
+) -> Result<ServiceCert, String> {
     let (name, hosts) = value.split_once('=').unwrap_or((value, ""));
-    let identity = Identity::service(name.trim()).map_err(|e| e.to_string())?;
+    let identity = identity(name.trim().to_string()).map_err(|e| e.to_string())?;
     let mut names = Vec::new();
     for host in hosts.split(',').map(str::trim).filter(|h| !h.is_empty()) {
         check_host(host)?;
@@ -208,9 +225,9 @@ impl BootstrapArgs {
             });
         }
         let mut seen = std::collections::BTreeSet::new();
-        if let Some(twice) = self.services.iter().find(|s| !seen.insert(s.identity.name())) {
+        if let Some(twice) = self.services.iter().chain(&self.routers).find(|s| !seen.insert(s.identity.name())) {
             return Err(BootstrapError::Flag {
-                flag: "--service",
+                flag: if twice.identity.kind() == berth_core::CallerKind::Router { "--router" } else { "--service" },
                 reason: format!("'{}' is given twice", twice.identity.name()),
             });
         }
@@ -256,7 +273,7 @@ impl BootstrapArgs {
             authority.issue_material(admin, &[], self.cert_ttl).await.map_err(BootstrapError::Authority)?;
         write_pair(&self.out, "admin", &admin_material)?;
         written.push(format!("{admin} ({}): {}", admin.to_san(), self.out.join("admin.pem").display()));
-        for service in &self.services {
+        for service in self.services.iter().chain(&self.routers) {
             let mut hosts = service.hosts.clone();
             hosts.extend(LOOPBACK_NAMES.iter().map(|n| n.to_string()).filter(|n| !service.hosts.contains(n)));
             let material = authority
@@ -350,6 +367,9 @@ mod tests {
         assert!(plain.hosts.is_empty());
         let named = parse_service("leases=leases, leases.berth.svc,10.0.0.7").unwrap();
         assert_eq!(named.hosts, ["leases", "leases.berth.svc", "10.0.0.7"]);
+        let router = parse_router("router=router").unwrap();
+        assert_eq!(router.identity.to_san(), "router.router.berth.internal");
+        assert_eq!(router.hosts, ["router"]);
     }
 
     #[test]

@@ -84,6 +84,8 @@ enum CertKind {
     Admin,
     /// A control-plane service: `<name>.svc.berth.internal`.
     Service,
+    /// A data-plane router: `<name>.router.berth.internal`.
+    Router,
 }
 
 impl CertArgs {
@@ -99,6 +101,7 @@ impl CertArgs {
         let kind = match args.kind {
             CertKind::Admin => v1::CertificateKind::Admin,
             CertKind::Service => v1::CertificateKind::Service,
+            CertKind::Router => v1::CertificateKind::Router,
         };
         let request = v1::IssueCertificateRequest {
             kind: kind as i32,
@@ -107,7 +110,7 @@ impl CertArgs {
             ttl_seconds: args.ttl.unwrap_or(0),
             dns_names: match args.kind {
                 CertKind::Admin => args.dns_names.clone(),
-                CertKind::Service => with_loopback(&args.dns_names),
+                CertKind::Service | CertKind::Router => with_loopback(&args.dns_names),
             },
         };
         let issued = AuthorityClient::new(connection.channel.clone())

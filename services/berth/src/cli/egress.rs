@@ -2,9 +2,8 @@
 //! each tenant's egress policy, spoken to the egress service.
 //!
 //! # Where egress is
-//! `--egress-server` (or `BERTH_EGRESS_SERVER`); without it, identity's host
-//! with the port three above identity's, which is where `berth dev` serves
-//! egress.
+//! `--egress-server` (or `BERTH_EGRESS_SERVER`); without it, where identity
+//! says (`Mesh/GetEndpoints`).
 //!
 //! # What a spec file holds
 //! JSON: a gateway `{project?, name?, listeners: [{name, protocol, port}]}`,
@@ -31,16 +30,13 @@ use serde_json::Value;
 
 use super::output::{self, Table};
 use super::spec_fields::{Fields, Refusal};
-use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server, port_above};
+use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server};
 
 /// The project an empty project field means.
 const DEFAULT_PROJECT: &str = "default";
 
 /// The largest answer read from egress (`GetPlan` of a large tenant).
 const MAX_PLAN_BYTES: usize = 64 * 1024 * 1024;
-
-/// How far above identity's port `berth dev` serves egress.
-const EGRESS_PORT_OFFSET: u16 = 3;
 
 /// Why an egress spec file was refused. Each message names the file and,
 /// when one field is at fault, that field's path.
@@ -81,8 +77,7 @@ pub(crate) enum EgressSpecError {
 pub(crate) struct EgressArgs {
     #[command(flatten)]
     client: ClientArgs,
-    /// The egress service to talk to [default: --server's host, port + 3,
-    /// where `berth dev` serves it].
+    /// The egress service to talk to [default: where identity says it is].
     #[arg(long = "egress-server", env = "BERTH_EGRESS_SERVER", value_name = "HOST:PORT",
           value_parser = parse_server, global = true)]
     egress_server: Option<String>,
@@ -168,12 +163,9 @@ impl EgressArgs {
         Ok(self.execute().await?)
     }
 
-    fn connect(&self, credentials: TlsCredentials) -> Result<Egress, CliError> {
-        let address = match &self.egress_server {
-            Some(address) => address.clone(),
-            None => port_above(&self.client.server, EGRESS_PORT_OFFSET)
-                .ok_or_else(|| CliError::NoEgressServer { server: self.client.server.clone() })?,
-        };
+    async fn connect(&self, credentials: TlsCredentials) -> Result<Egress, CliError> {
+        let address =
+            self.client.endpoint("egress", self.egress_server.as_ref(), "--egress-server", &credentials).await?;
         let connection = Connection::open("egress", &address, credentials)?;
         // A whole tenant's plan outgrows gRPC's 4 MiB default long before
         // anything else the CLI reads.
@@ -193,7 +185,7 @@ impl EgressArgs {
             }
             _ => None,
         };
-        let mut egress = self.connect(self.client.credentials()?)?;
+        let mut egress = self.connect(self.client.credentials()?).await?;
         match (self.command, spec) {
             (EgressCommand::Gateway { .. }, Some(Spec::Gateway(apply))) => {
                 let apply = egress.connection.request(apply);
@@ -714,10 +706,5 @@ mod tests {
         assert_eq!(route(json!({"action": "MAYBE"})).0, "action");
         let missing = refusal(route_request(&spec(json!({})), &args(None, None)).unwrap_err());
         assert!(missing.0 == "name" && missing.1.contains("--name"), "{missing:?}");
-    }
-
-    #[test]
-    fn egress_sits_three_ports_above_identity() {
-        assert_eq!(port_above("127.0.0.1:7443", EGRESS_PORT_OFFSET).as_deref(), Some("127.0.0.1:7446"));
     }
 }

@@ -2,9 +2,8 @@
 //! capacity ledger as an operator reads it and asks it for compute.
 //!
 //! # Where leases is
-//! `--leases-server` (or `BERTH_LEASES_SERVER`); without it, identity's host
-//! with the port two above identity's, which is where `berth dev` serves
-//! leases. Credentials are the same admin files every command uses.
+//! `--leases-server` (or `BERTH_LEASES_SERVER`); without it, where identity
+//! says (`Mesh/GetEndpoints`). Credentials are the same admin files every command uses.
 //!
 //! # Invariants
 //! - A request always carries an idempotency key (random unless
@@ -34,31 +33,23 @@ const WAIT_POLL: Duration = Duration::from_millis(250);
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Global options")]
 pub(super) struct LeasesServerArgs {
-    /// The leases service to talk to [default: --server's host, port + 2,
-    /// where `berth dev` serves it].
-    #[arg(long = "leases-server", env = "BERTH_LEASES_SERVER", value_name = "HOST:PORT",
+    /// The leases service to talk to [default: where identity says it is].
+    #[arg(id = "leases_server", long = "leases-server", env = "BERTH_LEASES_SERVER", value_name = "HOST:PORT",
           value_parser = parse_server, global = true)]
     address: Option<String>,
 }
 
 impl LeasesServerArgs {
-    /// A channel to leases with `credentials`; nothing is dialled until the
-    /// first call.
-    pub(super) fn connect(&self, client: &ClientArgs, credentials: TlsCredentials) -> Result<Connection, CliError> {
-        let address = match &self.address {
-            Some(address) => address.clone(),
-            None => beside_identity(&client.server)
-                .ok_or_else(|| CliError::NoLeasesServer { server: client.server.clone() })?,
-        };
+    /// A channel to leases with `credentials`, at `--leases-server` or where
+    /// identity says; nothing is dialled until the first call.
+    pub(super) async fn connect(
+        &self,
+        client: &ClientArgs,
+        credentials: TlsCredentials,
+    ) -> Result<Connection, CliError> {
+        let address = client.endpoint("leases", self.address.as_ref(), "--leases-server", &credentials).await?;
         Connection::open("leases", &address, credentials)
     }
-}
-
-/// Identity's address with its port raised by two: `berth dev`'s layout.
-fn beside_identity(server: &str) -> Option<String> {
-    let (host, port) = server.rsplit_once(':')?;
-    let port = port.parse::<u16>().ok()?.checked_add(2)?;
-    Some(format!("{host}:{port}"))
 }
 
 /// Flags of `berth lease`.
@@ -214,7 +205,7 @@ impl LeaseArgs {
     }
 
     async fn execute(self) -> Result<(), CliError> {
-        let connection = self.leases.connect(&self.client, self.client.credentials()?)?;
+        let connection = self.leases.connect(&self.client, self.client.credentials()?).await?;
         let mut client = LeasesClient::new(connection.channel.clone());
         let format = self.client.output;
         match self.command {
@@ -265,7 +256,7 @@ impl CapacityArgs {
     }
 
     async fn execute(self) -> Result<(), CliError> {
-        let connection = self.leases.connect(&self.client, self.client.credentials()?)?;
+        let connection = self.leases.connect(&self.client, self.client.credentials()?).await?;
         let request = v1::ListNodeCapacityRequest { tier: self.tier.unwrap_or_default() };
         let listed = CapacityClient::new(connection.channel.clone())
             .list_node_capacity(connection.request(request))
@@ -711,14 +702,6 @@ mod tests {
         }
         assert!(parse_memory("0Mi").unwrap_err().contains("is zero"));
         assert!(parse_memory("100Ei").unwrap_err().contains("more memory"));
-    }
-
-    #[test]
-    fn leases_sits_two_ports_above_identity_unless_named() {
-        assert_eq!(beside_identity("127.0.0.1:7443").as_deref(), Some("127.0.0.1:7445"));
-        assert_eq!(beside_identity("https://id.example:9000").as_deref(), Some("https://id.example:9002"));
-        assert_eq!(beside_identity("[::1]:7443").as_deref(), Some("[::1]:7445"));
-        assert_eq!(beside_identity("127.0.0.1:65535"), None);
     }
 
     #[test]

@@ -1,9 +1,9 @@
-//! `berth logs LEASE [-f]`: a lease's output, fetched from the agent of the
-//! node it is placed on.
+//! `berth logs LEASE [-f]`: a lease's output, streamed through the leases
+//! service from the agent of the node it is placed on: the command reaches
+//! the control plane only, never a node.
 //!
 //! # Expected flow
-//! leases says which node holds the lease, identity says where that node's
-//! agent listens, and the agent streams the output: the tail first, then,
+//! leases streams the output (`Leases/GetLeaseLogs`): the tail first, then,
 //! with `-f`, what is written after, until the workload ends. A followed
 //! lease that has not started yet is waited for.
 //!
@@ -14,17 +14,15 @@
 use std::io::Write;
 use std::time::Duration;
 
-use berth_proto::agent::v1::agent_client::AgentClient;
-use berth_proto::agent::v1::{GetLogsRequest, LogStream};
-use berth_proto::identity::v1::GetNodeRequest;
-use berth_proto::identity::v1::nodes_client::NodesClient;
+use berth_proto::leases::v1::GetLeaseLogsRequest;
 use berth_proto::leases::v1::leases_client::LeasesClient;
+use berth_proto::types::v1::LogStream;
 use berth_runtime::StartError;
 use tonic::Code;
 
 use super::lease::{LeasesServerArgs, get_lease, is_starting};
 use super::output;
-use super::{CliError, ClientArgs, Connection};
+use super::{CliError, ClientArgs};
 
 /// How often a followed lease that has not started yet is looked at again.
 const START_POLL: Duration = Duration::from_millis(250);
@@ -63,45 +61,31 @@ impl LogsArgs {
 
     async fn execute(self) -> Result<(), CliError> {
         let credentials = self.client.credentials()?;
-        let leases = self.leases.connect(&self.client, credentials.clone())?;
+        let leases = self.leases.connect(&self.client, credentials.clone()).await?;
         let mut leases_client = LeasesClient::new(leases.channel.clone());
         let mut lease = get_lease(&mut leases_client, &leases, &self.lease_id).await?;
         if lease.node_id.is_empty() {
             return Err(CliError::Unplaced { lease_id: lease.lease_id, phase: output::lease_phase(lease.phase) });
         }
 
-        let identity = Connection::open("identity", &self.client.server, credentials.clone())?;
-        let node = NodesClient::new(identity.channel.clone())
-            .get_node(identity.request(GetNodeRequest { node_id: lease.node_id.clone() }))
-            .await
-            .map_err(|s| identity.status_error(s))?
-            .into_inner()
-            .node
-            .ok_or(CliError::IncompleteResponse("the node"))?;
-        if node.advertise_addr.is_empty() {
-            return Err(CliError::NoAgentAddress { node_id: node.node_id });
-        }
-        let agent = Connection::open(format!("the agent of node {}", node.node_id), &node.advertise_addr, credentials)?;
-        let mut agent_client = AgentClient::new(agent.channel.clone());
-
-        let request = GetLogsRequest {
+        let request = GetLeaseLogsRequest {
             lease_id: lease.lease_id.clone(),
             follow: self.follow,
             tail_lines: self.tail.unwrap_or(0),
         };
         // No deadline: a followed stream lasts as long as the workload does.
         let mut stream = loop {
-            match agent_client.get_logs(request.clone()).await {
+            match leases_client.get_lease_logs(request.clone()).await {
                 Ok(stream) => break stream.into_inner(),
                 Err(status) if self.follow && status.code() == Code::NotFound && is_starting(lease.phase) => {
                     tokio::time::sleep(START_POLL).await;
                     lease = get_lease(&mut leases_client, &leases, &lease.lease_id).await?;
                 }
-                Err(status) => return Err(agent.status_error(status)),
+                Err(status) => return Err(leases.status_error(status)),
             }
         };
         let sink = Sink { stdout: !self.stderr_only, stderr: !self.stdout_only };
-        while let Some(chunk) = stream.message().await.map_err(|s| agent.status_error(s))? {
+        while let Some(chunk) = stream.message().await.map_err(|s| leases.status_error(s))? {
             if !sink.write(LogStream::try_from(chunk.stream).unwrap_or(LogStream::Stdout), &chunk.data)? {
                 break;
             }

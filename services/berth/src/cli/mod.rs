@@ -141,27 +141,21 @@ pub(crate) enum CliError {
     /// The service answered, but without a field the call promises.
     #[error("the server answered without {0}")]
     IncompleteResponse(&'static str),
-    /// No leases address was given and none follows from identity's.
-    #[error("--server {server} leaves no port two above it for leases; pass --leases-server HOST:PORT")]
-    NoLeasesServer {
+    /// No address was given for a service and identity names none.
+    #[error(
+        "identity at {server} names no {service} endpoint (identity's --endpoint {service}=HOST:PORT); pass {flag} HOST:PORT"
+    )]
+    NoEndpoint {
+        /// The service looked for.
+        service: &'static str,
         /// Identity's address.
         server: String,
-    },
-    /// No egress address was given and none follows from identity's.
-    #[error("--server {server} leaves no port three above it for egress; pass --egress-server HOST:PORT")]
-    NoEgressServer {
-        /// Identity's address.
-        server: String,
+        /// The flag that names it.
+        flag: &'static str,
     },
     /// An egress spec file was refused before anything was sent.
     #[error(transparent)]
     EgressSpec(#[from] egress::EgressSpecError),
-    /// No revisions address was given and none follows from identity's.
-    #[error("--server {server} leaves no port one above it for revisions; pass --revisions-server HOST:PORT")]
-    NoRevisionsServer {
-        /// Identity's address.
-        server: String,
-    },
     /// A service spec file was refused before anything was sent.
     #[error(transparent)]
     Spec(#[from] service::SpecError),
@@ -194,12 +188,6 @@ pub(crate) enum CliError {
         lease_id: String,
         /// Its phase, as people read it.
         phase: String,
-    },
-    /// The lease's node does not say where its agent listens.
-    #[error("node {node_id} has no advertise address, so its agent cannot be asked for lease output")]
-    NoAgentAddress {
-        /// The node.
-        node_id: String,
     },
     /// A key or CSR could not be generated locally.
     #[error("cannot generate a key: {0}")]
@@ -245,6 +233,32 @@ impl ClientArgs {
     /// is dialled until the first call.
     fn connect(&self) -> Result<IdentityConnection, CliError> {
         Connection::open("identity", &self.server, self.credentials()?)
+    }
+
+    /// Where the mesh's `service` is: `given` (its flag, `flag`) when the
+    /// user named it, else where identity says (`Mesh/GetEndpoints`).
+    async fn endpoint(
+        &self,
+        service: &'static str,
+        given: Option<&String>,
+        flag: &'static str,
+        credentials: &TlsCredentials,
+    ) -> Result<String, CliError> {
+        if let Some(address) = given {
+            return Ok(address.clone());
+        }
+        let identity = Connection::open("identity", &self.server, credentials.clone())?;
+        let endpoints = berth_proto::identity::v1::mesh_client::MeshClient::new(identity.channel.clone())
+            .get_endpoints(identity.request(berth_proto::identity::v1::GetEndpointsRequest {}))
+            .await
+            .map_err(|status| identity.status_error(status))?
+            .into_inner()
+            .endpoints;
+        endpoints
+            .into_iter()
+            .find(|endpoint| endpoint.service == service && !endpoint.address.is_empty())
+            .map(|endpoint| at_identity_host(&self.server, &endpoint.address))
+            .ok_or_else(|| CliError::NoEndpoint { service, server: self.server.clone(), flag })
     }
 
     /// The admin credentials from --cert, --key and --ca, read once so one
@@ -366,12 +380,15 @@ fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// `server` with its port raised by `offset`: where `berth dev` serves the
-/// service that many ports above identity.
-fn port_above(server: &str, offset: u16) -> Option<String> {
-    let (host, port) = server.rsplit_once(':')?;
-    let port = port.parse::<u16>().ok()?.checked_add(offset)?;
-    Some(format!("{host}:{port}"))
+/// `address` as identity at `server` gave it: one with no host (`:7444`)
+/// is at the host `server` names.
+fn at_identity_host(server: &str, address: &str) -> String {
+    if !address.starts_with(':') {
+        return address.to_string();
+    }
+    let server = server.strip_prefix("https://").unwrap_or(server);
+    let host = server.rsplit_once(':').map_or(server, |(host, _)| host);
+    format!("{host}{address}")
 }
 
 /// `host:port`, `[v6]:port` or `https://host:port`.
@@ -427,6 +444,13 @@ mod tests {
         for bad in ["", "0s", "500ms", "h", "1x", "1.5h", "-5m", "99999999999999999999s", "50000d"] {
             assert!(parse_ttl(bad).is_err(), "{bad} should be refused");
         }
+    }
+
+    #[test]
+    fn an_endpoint_without_a_host_is_at_the_host_identity_was_reached_by() {
+        assert_eq!(at_identity_host("127.0.0.1:7443", ":7445"), "127.0.0.1:7445");
+        assert_eq!(at_identity_host("https://[::1]:7443", ":7444"), "[::1]:7444");
+        assert_eq!(at_identity_host("identity:7443", "leases.berth.svc:7445"), "leases.berth.svc:7445");
     }
 
     #[test]

@@ -3,10 +3,13 @@
 //! minted from them, spoken to revisions.
 //!
 //! # Where revisions is
-//! `--revisions-server` (or `BERTH_REVISIONS_SERVER`); without it, identity's
-//! host with the port one above identity's, which is where `berth dev` serves
-//! revisions. `service get` also asks every node's agent, found through
-//! identity, which replicas it runs and on which port.
+//! `--revisions-server` (or `BERTH_REVISIONS_SERVER`); without it, where
+//! identity says (`Mesh/GetEndpoints`). `service get` also lists the
+//! service's replicas from leases (found the same way): each open lease, its node
+//! (named by identity), and the node port its first port was given, as the
+//! node reported it running. No agent is dialled, so an operator who
+//! reaches only the control plane (from outside a compose network, say)
+//! sees them all.
 //!
 //! # What a spec file holds
 //! JSON or YAML, one schema: either a whole declaration, `{project?, name,
@@ -32,10 +35,10 @@ use std::io::Read;
 use std::time::{Duration, Instant, SystemTime};
 
 use berth_mtls::TlsCredentials;
-use berth_proto::agent::v1::agent_client::AgentClient;
-use berth_proto::agent::v1::{Instance, ListInstancesRequest};
 use berth_proto::identity::v1::ListNodesRequest;
 use berth_proto::identity::v1::nodes_client::NodesClient;
+use berth_proto::leases::v1::leases_client::LeasesClient;
+use berth_proto::leases::v1::{Lease, LeasePhase, ListLeasesRequest};
 use berth_proto::revisions::v1;
 use berth_proto::revisions::v1::revisions_client::RevisionsClient;
 use berth_proto::revisions::v1::services_client::ServicesClient;
@@ -44,9 +47,10 @@ use berth_rpc::Channel;
 use berth_runtime::StartError;
 use serde_json::{Value, json};
 
+use super::lease::LeasesServerArgs;
 use super::output::{self, Table};
 use super::spec_fields::{Fields, Refusal};
-use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server, port_above};
+use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server};
 
 /// How often `--wait` asks how the rollout is doing.
 const WAIT_POLL: Duration = Duration::from_millis(500);
@@ -111,8 +115,7 @@ pub(crate) enum SpecError {
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Global options")]
 struct RevisionsServerArgs {
-    /// The revisions service to talk to [default: --server's host, port + 1,
-    /// where `berth dev` serves it].
+    /// The revisions service to talk to [default: where identity says it is].
     #[arg(long = "revisions-server", env = "BERTH_REVISIONS_SERVER", value_name = "HOST:PORT",
           value_parser = parse_server, global = true)]
     address: Option<String>,
@@ -121,12 +124,8 @@ struct RevisionsServerArgs {
 impl RevisionsServerArgs {
     /// A channel to revisions with `credentials`; nothing is dialled until
     /// the first call.
-    fn connect(&self, client: &ClientArgs, credentials: TlsCredentials) -> Result<Revisions, CliError> {
-        let address = match &self.address {
-            Some(address) => address.clone(),
-            None => port_above(&client.server, 1)
-                .ok_or_else(|| CliError::NoRevisionsServer { server: client.server.clone() })?,
-        };
+    async fn connect(&self, client: &ClientArgs, credentials: TlsCredentials) -> Result<Revisions, CliError> {
+        let address = client.endpoint("revisions", self.address.as_ref(), "--revisions-server", &credentials).await?;
         let connection = Connection::open("revisions", &address, credentials)?;
         Ok(Revisions {
             services: ServicesClient::new(connection.channel.clone()),
@@ -143,6 +142,8 @@ pub(crate) struct ServiceArgs {
     client: ClientArgs,
     #[command(flatten)]
     revisions: RevisionsServerArgs,
+    #[command(flatten)]
+    leases: LeasesServerArgs,
     #[command(subcommand)]
     command: ServiceCommand,
 }
@@ -170,6 +171,10 @@ enum ServiceCommand {
     },
     /// Return the service's traffic to its latest ready revision.
     Unpin(ServiceName),
+    /// Split the service's traffic among its revisions, e.g. `berth service
+    /// traffic hello --to hello-00003=90,hello-00004=10 --tag
+    /// canary=hello-00004`. Every revision named keeps its replicas running.
+    Traffic(TrafficArgs),
     /// Mint a new revision of the current template, replacing every replica,
     /// by setting the source label `berth.redeploy` to the time now.
     Redeploy {
@@ -189,6 +194,86 @@ struct ServiceName {
     /// The service's project [default: default].
     #[arg(long, value_name = "PROJECT")]
     project: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+struct TrafficArgs {
+    #[command(flatten)]
+    service: ServiceName,
+    /// Shares of the traffic, `REVISION=PERCENT` (or `latest=PERCENT` for the
+    /// latest ready revision), summing to 100.
+    #[arg(long = "to", value_name = "REVISION=PERCENT", value_delimiter = ',', required = true,
+          value_parser = parse_share)]
+    to: Vec<(String, u32)>,
+    /// Names a share: `TAG=REVISION` reaches REVISION at
+    /// `TAG--<service>.<project>.<domain>` (a revision no `--to` names is
+    /// added at 0 percent).
+    #[arg(long = "tag", value_name = "TAG=REVISION", value_delimiter = ',', value_parser = parse_tag)]
+    tags: Vec<(String, String)>,
+    /// Keep each client on one revision and replica by the value of this
+    /// request header (e.g. x-user-id).
+    #[arg(long = "sticky-header", value_name = "HEADER", conflicts_with = "sticky_cookie")]
+    sticky_header: Option<String>,
+    /// Keep each client on one revision and replica by this cookie, which
+    /// the router gives a client that comes without it.
+    #[arg(long = "sticky-cookie", value_name = "NAME")]
+    sticky_cookie: Option<String>,
+}
+
+impl TrafficArgs {
+    /// The session affinity the flags ask for, if any.
+    fn affinity(&self) -> Option<v1::SessionAffinity> {
+        match (&self.sticky_header, &self.sticky_cookie) {
+            (None, None) => None,
+            (header, cookie) => Some(v1::SessionAffinity {
+                header: header.clone().unwrap_or_default(),
+                cookie: cookie.clone().unwrap_or_default(),
+            }),
+        }
+    }
+}
+
+/// `REVISION=PERCENT`.
+fn parse_share(text: &str) -> Result<(String, u32), String> {
+    let bad = || format!("'{text}' is not REVISION=PERCENT, e.g. hello-00003=90 or latest=10");
+    let (revision, percent) = text.split_once('=').ok_or_else(bad)?;
+    let percent = percent.trim().parse::<u32>().map_err(|_| bad())?;
+    if revision.trim().is_empty() {
+        return Err(bad());
+    }
+    Ok((revision.trim().to_string(), percent))
+}
+
+/// `TAG=REVISION`.
+fn parse_tag(text: &str) -> Result<(String, String), String> {
+    let bad = || format!("'{text}' is not TAG=REVISION, e.g. canary=hello-00004");
+    let (tag, revision) = text.split_once('=').ok_or_else(bad)?;
+    if tag.trim().is_empty() || revision.trim().is_empty() {
+        return Err(bad());
+    }
+    Ok((tag.trim().to_string(), revision.trim().to_string()))
+}
+
+/// The targets `--to` and `--tag` make: one per share, tagged where a tag
+/// names its revision, then one at 0 percent per tag of a revision no share names.
+fn traffic_targets(args: &TrafficArgs) -> Vec<v1::TrafficTarget> {
+    let target = |revision: &str, percent: u32, tag: &str| {
+        let latest = revision == "latest";
+        v1::TrafficTarget {
+            revision: if latest { String::new() } else { revision.to_string() },
+            latest,
+            percent,
+            tag: tag.to_string(),
+        }
+    };
+    let mut tags: Vec<&(String, String)> = args.tags.iter().collect();
+    let mut targets = Vec::new();
+    for (revision, percent) in &args.to {
+        let tag = tags.iter().position(|(_, r)| r == revision).map(|i| tags.remove(i).0.clone()).unwrap_or_default();
+        targets.push(target(revision, *percent, &tag));
+    }
+    targets.extend(tags.into_iter().map(|(tag, revision)| target(revision, 0, tag)));
+    targets
 }
 
 #[derive(Debug, clap::Args)]
@@ -304,11 +389,26 @@ impl Revisions {
             .into_inner())
     }
 
-    async fn set_traffic(&mut self, target: &ServiceName, pinned: &str) -> Result<v1::Service, CliError> {
+    /// The session affinity `target` has now.
+    async fn affinity(&mut self, target: &ServiceName) -> Result<Option<v1::SessionAffinity>, CliError> {
+        let project = target.project.clone().unwrap_or_default();
+        let service = self.get_service(&project, &target.name).await?;
+        Ok(service.status.and_then(|status| status.affinity))
+    }
+
+    async fn set_traffic(
+        &mut self,
+        target: &ServiceName,
+        pinned: &str,
+        targets: Vec<v1::TrafficTarget>,
+        affinity: Option<v1::SessionAffinity>,
+    ) -> Result<v1::Service, CliError> {
         let request = v1::SetTrafficRequest {
             project: target.project.clone().unwrap_or_default(),
             name: target.name.clone(),
             pinned_revision: pinned.to_string(),
+            targets,
+            affinity,
         };
         self.services
             .set_traffic(self.connection.request(request))
@@ -400,7 +500,7 @@ impl ServiceArgs {
             _ => None,
         };
         let credentials = self.client.credentials()?;
-        let mut revisions = self.revisions.connect(&self.client, credentials.clone())?;
+        let mut revisions = self.revisions.connect(&self.client, credentials.clone()).await?;
         match self.command {
             ServiceCommand::Apply(args) => {
                 let request = match spec {
@@ -412,14 +512,16 @@ impl ServiceArgs {
             ServiceCommand::Get(target) => {
                 let project = target.project.unwrap_or_default();
                 let service = revisions.get_service(&project, &target.name).await?;
-                let replicas = replicas(&self.client, credentials, &service).await?;
+                let replicas = replicas(&self.client, &self.leases, credentials, &service).await?;
                 match format {
                     OutputFormat::Json => {
                         let replicas = replicas
                             .iter()
-                            .map(|(node, instance)| {
-                                let mut replica = output::message_json(instance)?;
+                            .map(|(node, lease)| {
+                                let mut replica = output::message_json(lease)?;
                                 replica["node"] = Value::String(node.clone());
+                                replica["revision"] = Value::String(revision_of(lease).to_string());
+                                replica["port"] = Value::from(port_of(lease));
                                 Ok(replica)
                             })
                             .collect::<Result<Vec<_>, CliError>>()?;
@@ -458,12 +560,20 @@ impl ServiceArgs {
                     )),
                 }
             }
+            // A pin moves the traffic and keeps the session affinity.
             ServiceCommand::Pin { service: target, revision } => {
-                let service = revisions.set_traffic(&target, &revision).await?;
+                let affinity = revisions.affinity(&target).await?;
+                let service = revisions.set_traffic(&target, &revision, Vec::new(), affinity).await?;
                 print_traffic(&service, format)
             }
             ServiceCommand::Unpin(target) => {
-                let service = revisions.set_traffic(&target, "").await?;
+                let affinity = revisions.affinity(&target).await?;
+                let service = revisions.set_traffic(&target, "", Vec::new(), affinity).await?;
+                print_traffic(&service, format)
+            }
+            ServiceCommand::Traffic(args) => {
+                let targets = traffic_targets(&args);
+                let service = revisions.set_traffic(&args.service, "", targets, args.affinity()).await?;
                 print_traffic(&service, format)
             }
             ServiceCommand::Redeploy { service: target, wait } => {
@@ -491,7 +601,7 @@ impl RevisionArgs {
 
     async fn execute(self) -> Result<(), CliError> {
         let format = self.client.output;
-        let mut revisions = self.revisions.connect(&self.client, self.client.credentials()?)?;
+        let mut revisions = self.revisions.connect(&self.client, self.client.credentials()?).await?;
         match self.command {
             RevisionCommand::List { service, project } => {
                 let request = v1::ListRevisionsRequest { project: project.unwrap_or_default(), service };
@@ -553,41 +663,80 @@ async fn apply(
     }
 }
 
-/// The replicas of `service`, each with the name of the node whose agent
-/// runs it. A node whose agent does not answer is noted and skipped.
+/// The open leases of `service` (its replicas, starting or running), each
+/// with the name of its node. Read from leases and identity alone, so they
+/// show wherever the control plane is reachable, agents or not.
 async fn replicas(
     client: &ClientArgs,
+    leases: &LeasesServerArgs,
     credentials: TlsCredentials,
     service: &v1::Service,
-) -> Result<Vec<(String, Instance)>, CliError> {
+) -> Result<Vec<(String, Lease)>, CliError> {
     let identity = Connection::open("identity", &client.server, credentials.clone())?;
-    let nodes = NodesClient::new(identity.channel.clone())
+    let names: std::collections::HashMap<String, String> = NodesClient::new(identity.channel.clone())
         .list_nodes(identity.request(ListNodesRequest::default()))
         .await
         .map_err(|s| identity.status_error(s))?
         .into_inner()
-        .nodes;
-    let project = project_name(&service.project);
+        .nodes
+        .into_iter()
+        .map(|node| {
+            let label = if node.name.is_empty() { node.node_id.clone() } else { node.name };
+            (node.node_id, label)
+        })
+        .collect();
+    let connection = leases.connect(client, credentials).await?;
+    let mut ledger = LeasesClient::new(connection.channel.clone());
     let mut found = Vec::new();
-    for node in nodes.into_iter().filter(|n| !n.advertise_addr.is_empty()) {
-        let label = if node.name.is_empty() { node.node_id.clone() } else { node.name.clone() };
-        let agent = Connection::open(format!("the agent of node {label}"), &node.advertise_addr, credentials.clone())?;
-        let listed = AgentClient::new(agent.channel.clone())
-            .list_instances(agent.request(ListInstancesRequest { project: String::new() }))
-            .await;
-        match listed {
-            Ok(listed) => found.extend(
-                listed
-                    .into_inner()
-                    .instances
-                    .into_iter()
-                    .filter(|i| i.service == service.name && project_name(&i.project) == project)
-                    .map(|i| (label.clone(), i)),
-            ),
-            Err(status) => output::note(&format!("berth: note: {}", agent.status_error(status))),
+    for phase in [LeasePhase::Bound, LeasePhase::Launching, LeasePhase::Running] {
+        let request = ListLeasesRequest { project: service.project.clone(), phase: phase as i32, ..Default::default() };
+        let listed = ledger
+            .list_leases(connection.request(request))
+            .await
+            .map_err(|s| connection.status_error(s))?
+            .into_inner()
+            .leases;
+        found.extend(
+            listed
+                .into_iter()
+                .filter(|lease| lease.workload.as_ref().is_some_and(|w| w.service == service.name))
+                .map(|lease| (names.get(&lease.node_id).cloned().unwrap_or_else(|| lease.node_id.clone()), lease)),
+        );
+    }
+    found.sort_by(|a, b| (&a.0, &a.1.lease_id).cmp(&(&b.0, &b.1.lease_id)));
+    Ok(found)
+}
+
+/// The revision a replica's lease runs.
+fn revision_of(lease: &Lease) -> &str {
+    lease.workload.as_ref().map_or("", |w| w.revision.as_str())
+}
+
+/// The node port a replica's first port was given; 0 when it has none yet.
+fn port_of(lease: &Lease) -> u32 {
+    lease.ports.first().map_or(0, |p| p.port)
+}
+
+/// The route generation and which routers serve it:
+/// `generation 4; served by edge/router-0, edge/router-1 at 3`.
+fn routes(status: &v1::ServiceStatus) -> String {
+    let current = status.route_generation;
+    let mut behind: Vec<String> = Vec::new();
+    let mut serving = 0;
+    for ack in &status.routers {
+        let name =
+            if ack.instance.is_empty() { ack.router.clone() } else { format!("{}/{}", ack.router, ack.instance) };
+        if ack.generation >= current {
+            serving += 1;
+        } else {
+            behind.push(format!("{name} at {}", ack.generation));
         }
     }
-    Ok(found)
+    let mut text = format!("generation {current}; {serving} of {} routers serve it", status.routers.len());
+    if !behind.is_empty() {
+        text.push_str(&format!(" ({} behind)", behind.join(", ")));
+    }
+    text
 }
 
 fn project_name(project: &str) -> &str {
@@ -596,7 +745,7 @@ fn project_name(project: &str) -> &str {
 
 /// Every field of a service, its conditions and its replicas, like
 /// `kubectl describe`.
-fn service_details(service: &v1::Service, replicas: &[(String, Instance)]) -> String {
+fn service_details(service: &v1::Service, replicas: &[(String, Lease)]) -> String {
     let ago = |at: Option<&prost_types::Timestamp>| output::when(at, &format!("{} ago", output::age(at)));
     let status = service.status.clone().unwrap_or_default();
     let template = service.template.clone().unwrap_or_default();
@@ -610,6 +759,9 @@ fn service_details(service: &v1::Service, replicas: &[(String, Instance)]) -> St
         ("Latest created", output::or_none(&status.latest_created_revision)),
         ("Latest ready", output::or_none(&status.latest_ready_revision)),
         ("Pinned", output::or_none(&service.pinned_revision)),
+        ("Traffic", if status.traffic.is_empty() { output::NONE.to_string() } else { shares(&status.traffic, "") }),
+        ("Sticky", status.affinity.as_ref().map_or_else(|| output::NONE.to_string(), affinity_text)),
+        ("Routes", routes(&status)),
         ("Replicas", format!("{} running, {} desired", status.replicas_running, status.replicas_desired)),
         ("Created", ago(service.created_at.as_ref())),
         ("Updated", ago(service.updated_at.as_ref())),
@@ -622,14 +774,15 @@ fn service_details(service: &v1::Service, replicas: &[(String, Instance)]) -> St
         text.push_str("  <none>\n");
     } else {
         let mut table = Table::new(vec!["NODE", "LEASE", "REVISION", "PHASE", "PORT", "AGE"]);
-        for (node, instance) in replicas {
+        for (node, lease) in replicas {
+            let port = port_of(lease);
             table.row(vec![
                 node.clone(),
-                instance.lease_id.clone(),
-                output::or_none(&instance.revision),
-                output::lease_phase(instance.phase),
-                if instance.port == 0 { output::NONE.to_string() } else { instance.port.to_string() },
-                output::age(instance.started_at.as_ref()),
+                lease.lease_id.clone(),
+                output::or_none(revision_of(lease)),
+                output::lease_phase(lease.phase),
+                if port == 0 { output::NONE.to_string() } else { port.to_string() },
+                output::age(lease.phase_changed_at.as_ref()),
             ]);
         }
         text.push_str(&indent(&table.render()));
@@ -747,12 +900,33 @@ fn short_digest(digest: &str) -> String {
     }
 }
 
+/// A split as one line: `hello-00001 90%, latest (hello-00002) 10% as canary`;
+/// a latest target names `live` when it is given, else the revision it routes to.
+fn shares(targets: &[v1::TrafficTarget], live: &str) -> String {
+    let shares: Vec<String> = targets
+        .iter()
+        .map(|t| {
+            let revision = match (t.latest, live.is_empty()) {
+                (true, false) => format!("latest ({live})"),
+                (true, true) => format!("latest ({})", output::or_none(&t.revision)),
+                (false, _) => t.revision.clone(),
+            };
+            let tag = if t.tag.is_empty() { String::new() } else { format!(" as {}", t.tag) };
+            format!("{revision} {}%{tag}", t.percent)
+        })
+        .collect();
+    shares.join(", ")
+}
+
 fn print_traffic(service: &v1::Service, format: OutputFormat) -> Result<(), CliError> {
     if format == OutputFormat::Json {
         return output::print_message(&v1::SetTrafficResponse { service: Some(service.clone()) });
     }
     let live = service.status.as_ref().map_or("", |s| s.live_revision.as_str());
-    let line = if service.pinned_revision.is_empty() {
+    let split = service.traffic.len() > 1 || service.traffic.iter().any(|t| !t.tag.is_empty() || t.latest);
+    let line = if split {
+        format!("service {}: traffic split {}\n", service.name, shares(&service.traffic, live))
+    } else if service.pinned_revision.is_empty() {
         format!(
             "service {}: traffic follows the latest ready revision (live now: {})\n",
             service.name,
@@ -766,7 +940,20 @@ fn print_traffic(service: &v1::Service, format: OutputFormat) -> Result<(), CliE
             output::or_none(live)
         )
     };
-    output::print(&line)
+    let sticky = service.status.as_ref().and_then(|s| s.affinity.as_ref()).map(affinity_text);
+    match sticky {
+        Some(sticky) => output::print(&format!("{}; each client keeps to one replica {sticky}\n", line.trim_end())),
+        None => output::print(&line),
+    }
+}
+
+/// How a session affinity reads: `by header x-user`, `by cookie session`.
+fn affinity_text(affinity: &v1::SessionAffinity) -> String {
+    if affinity.header.is_empty() {
+        format!("by cookie {}", affinity.cookie)
+    } else {
+        format!("by header {}", affinity.header)
+    }
 }
 
 /// The apply request the spec file and flags make.
@@ -895,12 +1082,25 @@ fn parse_spec(file: &str, text: &str) -> Result<Value, SpecError> {
 
 /// The fields of a declaration, in the proto's snake_case.
 const SPEC_FIELDS: [&str; 4] = ["project", "name", "template", "source"];
-const TEMPLATE_FIELDS: [&str; 11] =
-    ["bundle", "image", "command", "args", "env", "resources", "replicas", "ports", "egress", "tier", "runtime"];
+const TEMPLATE_FIELDS: [&str; 12] = [
+    "bundle",
+    "image",
+    "command",
+    "args",
+    "env",
+    "resources",
+    "replicas",
+    "ports",
+    "egress",
+    "tier",
+    "runtime",
+    "readiness",
+];
 const BUNDLE_FIELDS: [&str; 3] = ["reference", "secret", "insecure"];
 const CAPACITY_FIELDS: [&str; 2] = ["cpu_millis", "memory_bytes"];
 const PORT_FIELDS: [&str; 2] = ["name", "port"];
 const EGRESS_FIELDS: [&str; 2] = ["gateway", "disabled"];
+const READINESS_FIELDS: [&str; 3] = ["http_path", "port", "period_millis"];
 const SOURCE_FIELDS: [&str; 4] = ["repo", "commit", "ref", "labels"];
 
 /// Converts a parsed spec into the apply request: a whole declaration when it
@@ -995,6 +1195,16 @@ fn template(fields: &Fields<'_>) -> Result<v1::ServiceTemplate, Refusal> {
         runtime: fields.enumeration("runtime", "RUNTIME_CLASS_", |n| {
             berth_proto::types::v1::RuntimeClass::from_str_name(n).map(|c| c as i32)
         })?,
+        readiness: fields
+            .object("readiness", &READINESS_FIELDS)?
+            .map(|r| -> Result<berth_proto::types::v1::Readiness, Refusal> {
+                Ok(berth_proto::types::v1::Readiness {
+                    http_path: r.string("http_path")?,
+                    port: r.string("port")?,
+                    period_millis: r.number("period_millis")?.unwrap_or_default(),
+                })
+            })
+            .transpose()?,
     })
 }
 
@@ -1172,11 +1382,5 @@ mod tests {
     fn digests_are_shortened_to_twelve_hex_digits() {
         assert_eq!(short_digest("sha256:0123456789abcdef0123"), "sha256:0123456789ab");
         assert_eq!(short_digest(""), output::NONE);
-    }
-
-    #[test]
-    fn revisions_sit_one_port_above_identity() {
-        assert_eq!(port_above("127.0.0.1:7443", 1).as_deref(), Some("127.0.0.1:7444"));
-        assert_eq!(port_above("127.0.0.1:65535", 1), None);
     }
 }

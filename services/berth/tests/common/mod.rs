@@ -17,7 +17,7 @@ use serde_json::Value;
 /// How long `berth dev` may take to print its banner.
 const BANNER_DEADLINE: Duration = Duration::from_secs(60);
 
-/// A port base whose five ports are free right now.
+/// A port base whose seven ports are free right now.
 pub(crate) fn free_port_base() -> u16 {
     for _ in 0..50 {
         let probe = TcpListener::bind("127.0.0.1:0").expect("a free port");
@@ -26,11 +26,11 @@ pub(crate) fn free_port_base() -> u16 {
         if base > 65000 {
             continue;
         }
-        if (0..5).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+        if (0..7).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
             return base;
         }
     }
-    panic!("no five consecutive free ports");
+    panic!("no seven consecutive free ports");
 }
 
 /// Stops a `berth dev` on `dir` as Ctrl-C does (SIGTERM: it stops its node's

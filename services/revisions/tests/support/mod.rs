@@ -63,6 +63,7 @@ pub(crate) fn fast_config() -> RevisionsConfig {
         watch_resync: Duration::from_secs(1),
         election: ElectionTiming::from_ttl(Duration::from_millis(900)),
         pull_credentials_ttl: Duration::from_secs(60),
+        drain: Duration::from_millis(200),
     }
 }
 
@@ -249,6 +250,12 @@ impl Plane {
         v1::services_client::ServicesClient::new(self.channel(0, node))
     }
 
+    /// `Services` as router `name`, with its own certificate.
+    pub(crate) fn services_as_router(&self, name: &str) -> v1::services_client::ServicesClient<Channel> {
+        let router = self.mesh().credentials(&Identity::router(name).unwrap());
+        v1::services_client::ServicesClient::new(self.channel(0, router))
+    }
+
     /// `Revisions` as node `node_id`, with its own certificate.
     pub(crate) fn revisions_as_node(&self, node_id: &str) -> v1::revisions_client::RevisionsClient<Channel> {
         let node = self.mesh().credentials(&Identity::node(node_id).unwrap());
@@ -312,6 +319,7 @@ impl Plane {
                 reason: if phase == LeasePhase::Failed { "Exited".into() } else { String::new() },
                 exit_code: (phase == LeasePhase::Failed).then_some(3),
                 message: if phase == LeasePhase::Failed { "exited with status 3".into() } else { String::new() },
+                ports: Vec::new(),
             };
             self.node(&lease.node_id).report_phase(request).await.unwrap();
             moved += 1;

@@ -1,0 +1,190 @@
+//! The node's data plane (`berth.agent.v1.DataPlane`): a router reaches a
+//! replica's port through the agent, over the node's mTLS port, never by
+//! dialling the replica itself.
+//!
+//! Each `Tunnel` stream carries one connection. Its first frame names the
+//! lease and one of its ports by name; the agent checks that the lease runs
+//! on this node, finds the node port it gave that port, connects, and only then
+//! answers with the response headers, so a caller that gets an error knows
+//! no byte reached the replica (and may try another). After that the bytes
+//! flow both ways until either side closes.
+//!
+//! # Invariants
+//! - Only routers call it: the access layer admits no other caller kind.
+//! - A tunnel reaches only a port the agent gave a lease that is running on
+//!   this node, as the runner's board says at the moment it opens; a tunnel
+//!   already open ends when the replica closes its side or the agent stops.
+//! - A tunnel's ordinary end closes its stream, never resets it: once the
+//!   replica is done, the caller's side is still read until the caller
+//!   ends it (within [`CLOSE_GRACE`]). A router's tunnels share one
+//!   connection, and h2 ends a connection whose peer made it reset 1024
+//!   streams, with every tunnel on it.
+//! - Where the node isolates egress, the replica is dialled on the loopback
+//!   of its tenant's network namespace (so it may listen there only);
+//!   otherwise on the host's loopback (see [`crate::dial`]).
+
+use std::time::Duration;
+
+use berth_proto::agent::v1;
+use berth_proto::leases::v1::LeasePhase;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt as _;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::codegen::BoxStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::board::InstanceBoard;
+use crate::dial::Dialer;
+
+/// How long a caller may take to send a tunnel's first frame.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most bytes one frame from the replica carries.
+const CHUNK_BYTES: usize = 64 * 1024;
+
+/// How many frames may wait for a slow caller before reading the replica pauses.
+const BACKLOG: usize = 8;
+
+/// How long a caller may take to end its side once the replica's is done.
+/// Reading the caller's frames to their end closes the stream both ways;
+/// dropping them would reset it, and resets a peer keeps sending on count
+/// against the one connection every tunnel from that router shares (h2
+/// closes it after 1024).
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// What the data plane reads.
+#[derive(Debug, Clone)]
+pub(crate) struct DataPlane {
+    /// Which leases run here, on which ports.
+    pub(crate) board: InstanceBoard,
+    /// Reaches replicas where they listen.
+    pub(crate) dialer: Dialer,
+    /// Ends every tunnel when the agent stops.
+    pub(crate) shutdown: CancellationToken,
+}
+
+impl DataPlane {
+    /// The node port of the lease and port `open` names, once it is sure
+    /// the lease runs here.
+    fn admit(&self, open: &v1::TunnelOpen) -> Result<(String, u16), Status> {
+        let lease_id = open.lease_id.trim();
+        if lease_id.is_empty() {
+            return Err(Status::invalid_argument("open.lease_id: the lease to reach is required"));
+        }
+        let view =
+            self.board.get(lease_id).ok_or_else(|| Status::not_found(format!("no lease {lease_id} on this node")))?;
+        if view.is_over() || view.phase != LeasePhase::Running {
+            return Err(Status::failed_precondition(format!(
+                "lease {lease_id} is not running on this node (it is {})",
+                view.phase.as_str_name()
+            )));
+        }
+        let name = open.port.trim();
+        let given = if name.is_empty() { view.meta.port } else { view.meta.ports.get(name).copied().unwrap_or(0) };
+        let Some(port) = u16::try_from(given).ok().filter(|port| *port != 0) else {
+            let names: Vec<&str> = view.meta.ports.keys().map(String::as_str).collect();
+            let names = if names.is_empty() { "none".to_string() } else { names.join(", ") };
+            return Err(Status::not_found(if name.is_empty() {
+                format!("lease {lease_id} was given no port")
+            } else {
+                format!("lease {lease_id} has no port named '{name}' (its ports: {names})")
+            }));
+        };
+        Ok((lease_id.to_string(), port))
+    }
+
+    /// Connects to the replica's port where it listens.
+    async fn connect(&self, lease_id: &str, port: u16) -> Result<TcpStream, Status> {
+        self.dialer.connect(lease_id, port).await.map_err(|error| {
+            Status::unavailable(format!("nothing accepts on port {port} of lease {lease_id}: {error}"))
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl v1::data_plane_server::DataPlane for DataPlane {
+    async fn tunnel(
+        &self,
+        request: Request<Streaming<v1::TunnelFrame>>,
+    ) -> Result<Response<BoxStream<v1::TunnelFrame>>, Status> {
+        let mut incoming = request.into_inner();
+        let first = match tokio::time::timeout(OPEN_TIMEOUT, incoming.message()).await {
+            Ok(first) => first?,
+            Err(_) => return Err(Status::deadline_exceeded(format!("no first frame within {OPEN_TIMEOUT:?}"))),
+        };
+        let open = first
+            .and_then(|frame| frame.open)
+            .ok_or_else(|| Status::invalid_argument("open: the first frame must name the lease and the port"))?;
+        let (lease_id, port) = self.admit(&open)?;
+        let upstream = self.connect(&lease_id, port).await?;
+        let _ = upstream.set_nodelay(true);
+        tracing::debug!(%lease_id, port, "tunnel open");
+        let (mut reading, mut writing) = upstream.into_split();
+        let (tx, rx) = mpsc::channel(BACKLOG);
+        let shutdown = self.shutdown.clone();
+        // Cancelled once the replica's side is done, or the caller gone.
+        let done = shutdown.child_token();
+
+        // The caller's bytes to the replica; the caller's end closes the
+        // replica's reading side, the way a TCP half-close would.
+        let (inbound_done, stopping) = (done.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            loop {
+                let frame = tokio::select! {
+                    () = inbound_done.cancelled() => break,
+                    frame = incoming.next() => frame,
+                };
+                match frame {
+                    Some(Ok(frame)) if frame.data.is_empty() => {}
+                    Some(Ok(frame)) => {
+                        if writing.write_all(&frame.data).await.is_err() {
+                            break;
+                        }
+                    }
+                    Some(Err(_)) => return,
+                    None => {
+                        let _ = writing.shutdown().await;
+                        return;
+                    }
+                }
+            }
+            drop(writing);
+            // The replica is done while the caller still sends: its frames
+            // are read to their end, so the stream closes rather than being
+            // reset.
+            tokio::select! {
+                () = stopping.cancelled() => {}
+                _ = tokio::time::timeout(CLOSE_GRACE, async { while let Some(Ok(_)) = incoming.next().await {} }) => {}
+            }
+        });
+
+        // The replica's bytes to the caller, until it closes.
+        tokio::spawn(async move {
+            let _done = done.drop_guard();
+            let mut buffer = vec![0u8; CHUNK_BYTES];
+            loop {
+                let read = tokio::select! {
+                    () = shutdown.cancelled() => {
+                        let _ = tx.send(Err(Status::unavailable("the node agent is stopping"))).await;
+                        return;
+                    }
+                    () = tx.closed() => return,
+                    read = reading.read(&mut buffer) => read,
+                };
+                let frame = match read {
+                    Ok(0) => return,
+                    Ok(n) => Ok(v1::TunnelFrame { open: None, data: buffer[..n].to_vec() }),
+                    Err(error) => Err(Status::unavailable(format!("the replica's connection broke: {error}"))),
+                };
+                let failed = frame.is_err();
+                if tx.send(frame).await.is_err() || failed {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}

@@ -1,0 +1,237 @@
+//! Tells revisions which route generation of each service this router
+//! serves (`Services/AckRoutes`), so a revision traffic left is stopped only
+//! once no router sends it requests any more.
+//!
+//! # What an acknowledgement means
+//! Generation `g` of a service is acknowledged once the table requests read
+//! was built from `g`, and no request this router sent to a revision `g`
+//! does not route to is still being answered. Requests register what they
+//! were sent to ([`InFlight::enter`]) under the same lock the acknowledger
+//! reads the table under, so no request can pick a revision from a table
+//! older than the one acknowledged without being counted first.
+//!
+//! # Expected flow
+//! A task wakes when the table changes, when the last request to a revision
+//! the table no longer routes to ends, and every [`KEEP_ALIVE`]; it sends
+//! every generation not yet acknowledged that may be, or an empty list as a
+//! keep-alive (revisions counts a router alive while it calls). A failed
+//! call is tried again with backoff; what it carried is sent again.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use berth_core::backoff::Backoff;
+use berth_proto::revisions::v1::{AckRoutesRequest, RouteAck, services_client::ServicesClient};
+use berth_rpc::Channel;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::routes::{Endpoint, RouteTable, ServiceKey};
+
+/// How often a router says it is alive when nothing else needs saying:
+/// revisions forgets one silent for 15s.
+pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(5);
+
+/// Most acknowledgements sent in one call.
+const BATCH: usize = 10_000;
+
+/// A revision of a service: the service, and the revision's name.
+type RevisionKey = (ServiceKey, String);
+
+/// The requests under way, by the revision they were sent to.
+#[derive(Debug)]
+pub(crate) struct InFlight {
+    table: watch::Receiver<Arc<RouteTable>>,
+    counts: Mutex<HashMap<RevisionKey, usize>>,
+    /// Woken when the last request to a revision the table no longer
+    /// routes to ends.
+    drained: Notify,
+}
+
+/// Held while a request is under way; dropping it ends the request.
+#[derive(Debug)]
+pub(crate) struct InFlightGuard {
+    inflight: Arc<InFlight>,
+    key: RevisionKey,
+}
+
+/// The counts, locked: what a request reads the table under.
+pub(crate) struct Locked<'a> {
+    inflight: &'a Arc<InFlight>,
+    counts: MutexGuard<'a, HashMap<RevisionKey, usize>>,
+}
+
+impl InFlight {
+    pub(crate) fn new(table: watch::Receiver<Arc<RouteTable>>) -> Arc<InFlight> {
+        Arc::new(InFlight { table, counts: Mutex::new(HashMap::new()), drained: Notify::new() })
+    }
+
+    fn counts(&self) -> MutexGuard<'_, HashMap<RevisionKey, usize>> {
+        self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Locks the counts: the table read while they are held, and the
+    /// request entered before they are let go, are seen together.
+    pub(crate) fn lock(self: &Arc<Self>) -> Locked<'_> {
+        Locked { inflight: self, counts: self.counts() }
+    }
+
+    /// Whether no request to `service` is being answered from a revision
+    /// `table` does not route it to.
+    fn drained_for(counts: &HashMap<RevisionKey, usize>, table: &RouteTable, service: &ServiceKey) -> bool {
+        counts.keys().filter(|(of, _)| of == service).all(|(_, revision)| table.routes_to(service, revision))
+    }
+}
+
+impl Locked<'_> {
+    /// Counts a request sent to `endpoint`'s revision until the guard drops.
+    pub(crate) fn enter(&mut self, endpoint: &Endpoint) -> InFlightGuard {
+        let key = (endpoint.service.clone(), endpoint.revision.clone());
+        *self.counts.entry(key.clone()).or_default() += 1;
+        InFlightGuard { inflight: self.inflight.clone(), key }
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        let mut counts = self.inflight.counts();
+        let Some(count) = counts.get_mut(&self.key) else { return };
+        *count -= 1;
+        if *count == 0 {
+            counts.remove(&self.key);
+            let (service, revision) = &self.key;
+            let routed = self.inflight.table.borrow().routes_to(service, revision);
+            if !routed {
+                self.inflight.drained.notify_one();
+            }
+        }
+    }
+}
+
+/// Acknowledges what this router serves to revisions over `revisions`, as
+/// replica `instance`, until `shutdown`.
+pub(crate) async fn acknowledge(
+    inflight: Arc<InFlight>,
+    revisions: Channel,
+    instance: String,
+    shutdown: CancellationToken,
+) {
+    let mut client = ServicesClient::new(revisions);
+    let mut table = inflight.table.clone();
+    let mut acked: HashMap<ServiceKey, u64> = HashMap::new();
+    let mut backoff = Backoff::new(Duration::from_millis(100), KEEP_ALIVE);
+    let mut last_sent: Option<tokio::time::Instant> = None;
+    loop {
+        let current = table.borrow_and_update().clone();
+        let due: Vec<RouteAck> = {
+            let counts = inflight.counts();
+            current
+                .generations()
+                .filter(|(key, generation)| acked.get(*key).is_none_or(|done| done < generation))
+                .filter(|(key, _)| InFlight::drained_for(&counts, &current, key))
+                .map(|(key, generation)| RouteAck { project: key.0.clone(), service: key.1.clone(), generation })
+                .collect()
+        };
+        let mut failed = false;
+        // With nothing due, a call now and then says the router is alive.
+        let alive = (due.is_empty() && last_sent.is_none_or(|at| at.elapsed() >= KEEP_ALIVE)).then(Vec::new);
+        for batch in due.chunks(BATCH).map(<[RouteAck]>::to_vec).chain(alive) {
+            last_sent = Some(tokio::time::Instant::now());
+            let request = AckRoutesRequest { acks: batch.clone(), instance: instance.clone() };
+            let sent = tokio::select! {
+                () = shutdown.cancelled() => return,
+                sent = client.ack_routes(request) => sent,
+            };
+            match sent {
+                Ok(_) => {
+                    for ack in batch {
+                        acked.insert((ack.project, ack.service), ack.generation);
+                    }
+                }
+                Err(status) => {
+                    tracing::warn!(code = ?status.code(), error = %status.message(), "cannot acknowledge routes");
+                    failed = true;
+                    break;
+                }
+            }
+        }
+        // What the table no longer names needs no acknowledgement.
+        acked.retain(|key, _| current.generation(key).is_some());
+        let wait = if failed {
+            backoff.next_delay()
+        } else {
+            backoff.reset();
+            last_sent.map_or(Duration::ZERO, |at| KEEP_ALIVE.saturating_sub(at.elapsed()))
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = table.changed(), if !failed => if changed.is_err() { return },
+            () = inflight.drained.notified(), if !failed => {}
+            () = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// This replica's name among the router's: its host name.
+pub fn host_instance() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_string())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "router".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use berth_proto::identity::v1::{Node, NodeState};
+    use berth_proto::leases::v1::{Lease, LeasePhase, Workload};
+    use berth_proto::revisions::v1::{Service, ServiceStatus};
+
+    use super::*;
+    use crate::routes::{Resolution, Sources};
+
+    fn table(live: &str, generation: u64) -> RouteTable {
+        let mut sources = Sources::default();
+        let status = ServiceStatus { live_revision: live.into(), route_generation: generation, ..Default::default() };
+        let service = Service { name: "web".into(), status: Some(status), ..Default::default() };
+        sources.services.insert("default/web".into(), service);
+        for revision in ["web-00001", "web-00002"] {
+            let workload = Workload { service: "web".into(), revision: revision.into(), ..Default::default() };
+            let lease = Lease {
+                lease_id: format!("l-{revision}"),
+                node_id: "n-1".into(),
+                phase: LeasePhase::Running as i32,
+                workload: Some(workload),
+                ..Default::default()
+            };
+            sources.leases.insert(lease.lease_id.clone(), lease);
+        }
+        let node = Node {
+            node_id: "n-1".into(),
+            advertise_addr: "127.0.0.1:7447".into(),
+            state: NodeState::Up as i32,
+            ..Default::default()
+        };
+        sources.nodes.insert("n-1".into(), node);
+        RouteTable::build("berth.localhost", &sources)
+    }
+
+    #[test]
+    fn a_generation_is_not_drained_while_a_request_to_a_revision_it_dropped_is_answering() {
+        let web: ServiceKey = ("default".into(), "web".into());
+        let (publish, follower) = watch::channel(Arc::new(table("web-00001", 1)));
+        let inflight = InFlight::new(follower);
+        let old = table("web-00001", 1);
+        let Resolution::Endpoints(endpoints) = old.resolve("web.default.berth.localhost", 0.5) else { panic!() };
+        let guard = inflight.lock().enter(&endpoints[0]);
+
+        let new = table("web-00002", 2);
+        publish.send_replace(Arc::new(new.clone()));
+        assert!(!InFlight::drained_for(&inflight.counts(), &new, &web), "a request to web-00001 is answering");
+        assert!(InFlight::drained_for(&inflight.counts(), &old, &web), "which generation 1 still routes to");
+        drop(guard);
+        assert!(InFlight::drained_for(&inflight.counts(), &new, &web));
+        assert!(inflight.counts().is_empty(), "an ended request leaves nothing behind");
+    }
+}

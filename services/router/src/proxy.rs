@@ -1,0 +1,767 @@
+//! The public side: an HTTP server (HTTP/1.1 and HTTP/2: with prior
+//! knowledge in cleartext, by ALPN over TLS) that sends each request to a
+//! replica of the service its host names, through that replica's agent.
+//!
+//! # Expected flow
+//! A request's host is resolved in the current [`RouteTable`]. An unknown
+//! host is answered 404 naming what was looked for; a service with no
+//! replica to send to, 503 with `Retry-After`. Otherwise a replica is
+//! picked at random and the request is sent to it in the protocol it
+//! speaks (see [`crate::routes`]): over a connection kept from an earlier
+//! request (an idle HTTP/1.1 one, or the replica's one HTTP/2 connection),
+//! else over a new `Tunnel`, opened through the one HTTP/2 connection kept
+//! per agent. The replica's answer is streamed back as it comes, in the
+//! client's version; the request counts as under way until its answer's
+//! body ends (see [`crate::acks`]). An HTTP/1.1 request to switch protocols
+//! (`Upgrade`, as a WebSocket asks) goes over a tunnel of its own, and once
+//! the replica answers 101 the two connections are joined byte for byte.
+//!
+//! # Invariants
+//! - No replica port is ever dialled: every byte goes through an agent's
+//!   data plane, over mTLS, as this router's identity.
+//! - A request is sent again only when no byte of it reached a replica: a
+//!   tunnel refused, or a kept connection found closed before it was
+//!   written; nothing else is retried.
+//! - A tunnel's ordinary end closes its stream and never resets it (see
+//!   [`berth_rpc::tunnel`]): thousands of replica connections that each close after
+//!   one answer leave the one connection to their agent as it was.
+//! - The connection to an agent, and those to a replica, no route names
+//!   any more are dropped with the table that stopped naming them (a
+//!   revoked or removed node, a replica out of the routes).
+
+use std::collections::{HashMap, HashSet};
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use berth_mtls::TlsCredentials;
+use berth_rpc::Channel;
+use berth_rpc::tunnel::{self, Tunnel};
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode, Version};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rand::Rng as _;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::acks::{InFlight, InFlightGuard};
+use crate::routes::{self, Endpoint, Resolution, RouteTable};
+
+/// How long a client may take to finish its TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long opening a tunnel may take (its agent connects to the replica
+/// within 5s of its own), before the replica counts as unreachable.
+const OPEN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long requests under way may take to finish once the router stops.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What a client is told to wait before trying a service with no replica.
+const RETRY_AFTER_SECONDS: &str = "1";
+
+/// A response body of either kind: the replica's, or the router's own.
+type Body = BoxBody<Bytes, hyper::Error>;
+
+/// What every request reads: the routes, and one channel per agent.
+#[derive(Debug)]
+pub(crate) struct Proxy {
+    table: watch::Receiver<Arc<RouteTable>>,
+    inflight: Arc<InFlight>,
+    credentials: TlsCredentials,
+    /// By agent address: the channel, and how many times it was replaced.
+    agents: Mutex<HashMap<String, (u64, Channel)>>,
+    pool: Arc<Pool>,
+}
+
+impl Proxy {
+    pub(crate) fn new(
+        table: watch::Receiver<Arc<RouteTable>>,
+        inflight: Arc<InFlight>,
+        credentials: TlsCredentials,
+    ) -> Arc<Proxy> {
+        Arc::new(Proxy { table, inflight, credentials, agents: Mutex::new(HashMap::new()), pool: Arc::default() })
+    }
+
+    /// Serves `listener` until `shutdown`: in TLS first when `tls` is given.
+    /// Each connection is a task of `connections`, which outlives the
+    /// listener while its requests finish.
+    pub(crate) async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        tls: Option<TlsAcceptor>,
+        connections: TaskTracker,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            let accepted = tokio::select! {
+                () = shutdown.cancelled() => return,
+                accepted = listener.accept() => accepted,
+            };
+            let (stream, client) = match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot accept a connection");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let (proxy, shutdown, tls) = (self.clone(), shutdown.clone(), tls.clone());
+            connections.spawn(async move {
+                match tls {
+                    None => proxy.serve_connection(stream, Client { addr: client, tls: false }, shutdown).await,
+                    Some(tls) => match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            proxy.serve_connection(stream, Client { addr: client, tls: true }, shutdown).await;
+                        }
+                        Ok(Err(error)) => tracing::debug!(%error, "a client's TLS handshake failed"),
+                        Err(_) => tracing::debug!("a client's TLS handshake took too long"),
+                    },
+                }
+            });
+        }
+    }
+
+    /// Serves one client connection, HTTP/1.1 or HTTP/2, until it ends.
+    /// When the router stops, the connection takes no new request and those
+    /// under way get [`SHUTDOWN_GRACE`] to finish.
+    async fn serve_connection<S>(self: Arc<Self>, stream: S, client: Client, shutdown: CancellationToken)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let service = hyper::service::service_fn(move |request| {
+            let proxy = self.clone();
+            async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
+        });
+        let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        tokio::pin!(connection);
+        let served = tokio::select! {
+            served = connection.as_mut() => served,
+            () = shutdown.cancelled() => {
+                connection.as_mut().graceful_shutdown();
+                match tokio::time::timeout(SHUTDOWN_GRACE, connection.as_mut()).await {
+                    Ok(served) => served,
+                    Err(_) => return,
+                }
+            }
+        };
+        if let Err(error) = served {
+            tracing::debug!(%error, "a client connection ended with an error");
+        }
+    }
+
+    /// Drops the channel of every agent, and the connections to every
+    /// replica, the table no longer names.
+    pub(crate) async fn forget_gone_agents(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut table = self.table.clone();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                changed = table.changed() => if changed.is_err() { return },
+            }
+            let current = table.borrow_and_update().clone();
+            let agents: HashSet<&str> = current.endpoints().map(|e| e.agent_addr.as_str()).collect();
+            self.agents().retain(|addr, _| agents.contains(addr.as_str()));
+            let leases: HashSet<&str> = current.endpoints().map(|e| e.lease_id.as_str()).collect();
+            self.pool.retain(&leases);
+        }
+    }
+
+    fn agents(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, Channel)>> {
+        self.agents.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The one channel to the agent at `addr`, made on first use, with the
+    /// generation it was made at.
+    fn agent(&self, addr: &str) -> Result<(u64, Channel), String> {
+        let mut agents = self.agents();
+        if let Some(kept) = agents.get(addr) {
+            return Ok(kept.clone());
+        }
+        let channel = berth_rpc::connect(addr, self.credentials.clone()).map_err(|e| e.to_string())?;
+        agents.insert(addr.to_string(), (0, channel.clone()));
+        Ok((0, channel))
+    }
+
+    /// A fresh channel to the agent at `addr` in place of the one of
+    /// `generation`, whose connection broke; one already made in its place
+    /// by a request before is used as is.
+    fn reconnect(&self, addr: &str, generation: u64) -> Result<Channel, String> {
+        let mut agents = self.agents();
+        if let Some((current, channel)) = agents.get(addr)
+            && *current != generation
+        {
+            return Ok(channel.clone());
+        }
+        let channel = berth_rpc::connect(addr, self.credentials.clone()).map_err(|e| e.to_string())?;
+        agents.insert(addr.to_string(), (generation + 1, channel.clone()));
+        Ok(channel)
+    }
+
+    async fn handle(&self, request: Request<Incoming>, client: Client) -> Response<Body> {
+        let host = request
+            .uri()
+            .authority()
+            .map(|authority| authority.as_str().to_string())
+            .or_else(|| request.headers().get(hyper::header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string))
+            .unwrap_or_default();
+        let Picked { endpoints, guard, set_cookie } = match self.pick(&host, request.headers()) {
+            Ok(picked) => picked,
+            Err(answer) => return *answer,
+        };
+        let mut response = self.forward(request, client, &host, endpoints, guard).await;
+        if let Some(cookie) = set_cookie {
+            response.headers_mut().append(hyper::header::SET_COOKIE, cookie);
+        }
+        response
+    }
+
+    /// Sends `request` to the first of `endpoints` (the next only when the
+    /// first refused before any byte reached it): the replica's answer, or
+    /// the router's own.
+    async fn forward(
+        &self,
+        mut request: Request<Incoming>,
+        client: Client,
+        host: &str,
+        endpoints: Vec<Endpoint>,
+        guard: InFlightGuard,
+    ) -> Response<Body> {
+        forwarded_headers(&mut request, host, client);
+        let version = request.version();
+        // Every endpoint of a share runs one revision, so speaks one protocol.
+        let h2c = endpoints[0].h2c;
+        if !h2c && version == Version::HTTP_11 && request.headers().contains_key(hyper::header::UPGRADE) {
+            return self.upgrade(request, &endpoints, guard).await;
+        }
+        let mut request = upstream_request(request, h2c);
+        let mut tried = Vec::new();
+        // The second replica only when the first refused before any byte reached it.
+        for endpoint in &endpoints {
+            match self.send(endpoint, request).await {
+                Sent::Answered(response, kept) => {
+                    let mut response = response.map(|body| Guarded::new(body, kept, guard).boxed());
+                    // The client is answered in its own version, whatever the replica spoke.
+                    *response.version_mut() = version;
+                    return response;
+                }
+                Sent::Failed(error) => {
+                    return plain(StatusCode::BAD_GATEWAY, format!("the replica did not answer: {error}"));
+                }
+                Sent::Refused(unsent, error) => {
+                    tracing::debug!(lease_id = %endpoint.lease_id, node_id = %endpoint.node_id, %error, "a replica could not be reached");
+                    tried.push(format!("{} on node {}: {error}", endpoint.lease_id, endpoint.node_id));
+                    request = *unsent;
+                }
+            }
+        }
+        plain(StatusCode::BAD_GATEWAY, format!("no replica could be reached: {}", tried.join("; ")))
+    }
+
+    /// An HTTP/1.1 request to switch protocols (a WebSocket, say): sent over
+    /// a tunnel of its own, and when the replica agrees (101), the client's
+    /// connection and the tunnel are joined byte for byte until either side
+    /// closes; the request counts as under way until then.
+    async fn upgrade(
+        &self,
+        mut request: Request<Incoming>,
+        endpoints: &[Endpoint],
+        guard: InFlightGuard,
+    ) -> Response<Body> {
+        let client_side = hyper::upgrade::on(&mut request);
+        let request = upstream_request(request, false);
+        let endpoint = &endpoints[0];
+        let tunnel = match self.open(endpoint).await {
+            Ok(tunnel) => tunnel,
+            Err(error) => return plain(StatusCode::BAD_GATEWAY, format!("no replica could be reached: {error}")),
+        };
+        let answered = async {
+            let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tunnel)).await?;
+            tokio::spawn(connection.with_upgrades());
+            sender.send_request(request).await
+        }
+        .await;
+        let mut response = match answered {
+            Ok(response) => response,
+            Err(error) => return plain(StatusCode::BAD_GATEWAY, format!("the replica did not answer: {error}")),
+        };
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+            let replica_side = hyper::upgrade::on(&mut response);
+            tokio::spawn(async move {
+                let _inflight = guard;
+                match tokio::try_join!(client_side, replica_side) {
+                    Ok((client, replica)) => {
+                        let (mut client, mut replica) = (TokioIo::new(client), TokioIo::new(replica));
+                        if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut replica).await {
+                            tracing::debug!(%error, "an upgraded connection ended with an error");
+                        }
+                    }
+                    Err(error) => tracing::debug!(%error, "a connection could not switch protocols"),
+                }
+            });
+            return response.map(|body| body.boxed());
+        }
+        response.map(|body| Guarded::new(body, None, guard).boxed())
+    }
+
+    /// Sends `request` to `endpoint`: over a connection kept from an earlier
+    /// request when one is idle, else over a new tunnel.
+    async fn send(&self, endpoint: &Endpoint, mut request: Request<Incoming>) -> Sent {
+        while let Some(mut upstream) = self.pool.take(&endpoint.lease_id, endpoint.h2c) {
+            match upstream.send(request).await {
+                Ok(response) => return Sent::Answered(response, self.pool.keep(&endpoint.lease_id, upstream)),
+                // A kept connection that closed while idle, or after the
+                // answer it gave last: the request is whole, so it goes on
+                // the next one.
+                Err(mut error) => match error.take_message() {
+                    Some(unsent) => request = unsent,
+                    None => return Sent::Failed(error.into_error().to_string()),
+                },
+            }
+        }
+        let tunnel = match self.open(endpoint).await {
+            Ok(tunnel) => tunnel,
+            Err(error) => return Sent::Refused(Box::new(request), error),
+        };
+        let mut upstream = match Upstream::handshake(tunnel, endpoint.h2c).await {
+            Ok(upstream) => upstream,
+            Err(error) => return Sent::Refused(Box::new(request), error.to_string()),
+        };
+        match upstream.send(request).await {
+            Ok(response) => Sent::Answered(response, self.pool.keep(&endpoint.lease_id, upstream)),
+            Err(mut error) => match error.take_message() {
+                Some(unsent) => Sent::Refused(Box::new(unsent), error.into_error().to_string()),
+                None => Sent::Failed(error.into_error().to_string()),
+            },
+        }
+    }
+
+    /// The replicas of the share `host` resolves to that a request may try,
+    /// in order (one picked at random, then the next, if any), with the
+    /// request counted against their revision; or the router's own answer. The
+    /// table is read and the request counted as one step, under the lock
+    /// the acknowledger reads the table under (see `crate::acks`).
+    fn pick(&self, host: &str, headers: &hyper::HeaderMap) -> Result<Picked, Box<Response<Body>>> {
+        let mut inflight = self.inflight.lock();
+        let table = self.table.borrow().clone();
+        // A session keeps to the share and replica its key picks.
+        let (mut session, mut set_cookie) = (None, None);
+        let resolved = table.resolve_by(host, |affinity| {
+            (session, set_cookie) = affinity.map_or((None, None), |affinity| session_key(affinity, headers));
+            session.as_deref().map_or_else(|| rand::rng().random::<f64>(), routes::session_roll)
+        });
+        match resolved {
+            Resolution::Unknown { looked_for } => Err(Box::new(plain(
+                StatusCode::NOT_FOUND,
+                format!("no service answers at '{host}': looked for {looked_for}"),
+            ))),
+            Resolution::NoReplica { service } => {
+                let mut response =
+                    plain(StatusCode::SERVICE_UNAVAILABLE, format!("{service} has no replica ready to answer"));
+                let retry_after = hyper::header::HeaderValue::from_static(RETRY_AFTER_SECONDS);
+                response.headers_mut().insert(hyper::header::RETRY_AFTER, retry_after);
+                Err(Box::new(response))
+            }
+            // Every endpoint of a share runs one revision.
+            Resolution::Endpoints(endpoints) => {
+                let first = match session.as_deref() {
+                    Some(key) => routes::session_replica(endpoints, key),
+                    None => rand::rng().random_range(0..endpoints.len()),
+                };
+                let candidates = endpoints.iter().cycle().skip(first).take(endpoints.len().min(2)).cloned().collect();
+                Ok(Picked { endpoints: candidates, guard: inflight.enter(&endpoints[0]), set_cookie })
+            }
+        }
+    }
+
+    /// Opens a tunnel to `endpoint`'s first port. When the connection to
+    /// its agent broke under the call (the agent restarted, or closed it),
+    /// nothing reached the replica: a fresh connection gets one more try.
+    async fn open(&self, endpoint: &Endpoint) -> Result<Tunnel, String> {
+        let describe = |status: tonic::Status| format!("{}: {}", status.code(), status.message());
+        let (generation, channel) = self.agent(&endpoint.agent_addr)?;
+        match tunnel::open(channel, &endpoint.lease_id, "", OPEN_TIMEOUT).await {
+            Ok(tunnel) => Ok(tunnel),
+            Err(status) if connection_broke(&status) => {
+                tracing::debug!(agent = %endpoint.agent_addr, %status, "the connection to an agent broke; reconnecting");
+                let channel = self.reconnect(&endpoint.agent_addr, generation)?;
+                tunnel::open(channel, &endpoint.lease_id, "", OPEN_TIMEOUT).await.map_err(describe)
+            }
+            Err(status) => Err(describe(status)),
+        }
+    }
+}
+
+/// Whether a call failed because the connection it went on broke (an h2
+/// error behind it, or the call cancelled with its connection), not by its
+/// agent's answer or a connection that could not be made.
+fn connection_broke(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(error) = source {
+        if error.downcast_ref::<h2::Error>().is_some() {
+            return true;
+        }
+        source = error.source();
+    }
+    status.code() == tonic::Code::Cancelled
+}
+
+/// The replicas a request may try, in order, with the request counted
+/// against their revision, and the affinity cookie to give its client.
+struct Picked {
+    endpoints: Vec<Endpoint>,
+    guard: InFlightGuard,
+    set_cookie: Option<hyper::header::HeaderValue>,
+}
+
+/// The session key a request carries under `affinity`; for a cookie
+/// affinity and a client with no such cookie, a fresh key and the
+/// `Set-Cookie` that gives it to the client.
+fn session_key(
+    affinity: &routes::Affinity,
+    headers: &hyper::HeaderMap,
+) -> (Option<String>, Option<hyper::header::HeaderValue>) {
+    match affinity {
+        routes::Affinity::Header(name) => {
+            let value = headers.get(name.as_str()).and_then(|v| v.to_str().ok()).map(str::trim);
+            (value.filter(|v| !v.is_empty()).map(str::to_string), None)
+        }
+        routes::Affinity::Cookie(name) => {
+            if let Some(value) = cookie(headers, name) {
+                return (Some(value), None);
+            }
+            let value = format!("{:032x}", rand::rng().random::<u128>());
+            let set = format!("{name}={value}; Path=/; HttpOnly; SameSite=Lax");
+            (Some(value), hyper::header::HeaderValue::from_str(&set).ok())
+        }
+    }
+}
+
+/// The value of cookie `name` among the request's `Cookie` headers.
+fn cookie(headers: &hyper::HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get_all(hyper::header::COOKIE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(key, _)| *key == name)
+        .map(|(_, value)| value.trim().trim_matches('"').to_string())
+        .filter(|value| !value.is_empty())
+}
+
+/// `request` as the replica is sent it: in HTTP/2 with prior knowledge
+/// when it speaks it (the host in the URI), else in HTTP/1.1 (the path in
+/// the request line, the host in a header).
+fn upstream_request(mut request: Request<Incoming>, h2c: bool) -> Request<Incoming> {
+    let authority = request
+        .uri()
+        .authority()
+        .map(|a| a.as_str().to_string())
+        .or_else(|| request.headers().get(hyper::header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string));
+    let path = request.uri().path_and_query().map_or_else(|| "/".to_string(), |p| p.as_str().to_string());
+    if h2c {
+        if let Some(uri) = authority.and_then(|a| format!("http://{a}{path}").parse().ok()) {
+            *request.uri_mut() = uri;
+        }
+        *request.version_mut() = Version::HTTP_2;
+        return request;
+    }
+    if let Ok(uri) = path.parse() {
+        *request.uri_mut() = uri;
+    }
+    if let Some(host) = authority.and_then(|a| hyper::header::HeaderValue::from_str(&a).ok()) {
+        request.headers_mut().entry(hyper::header::HOST).or_insert(host);
+    }
+    *request.version_mut() = Version::HTTP_11;
+    request
+}
+
+/// What sending a request to one replica came to.
+enum Sent {
+    /// The replica answered (any status); its HTTP/1.1 connection goes back
+    /// to the pool once the answer's body ended.
+    Answered(Response<Incoming>, Option<Returning>),
+    /// Nothing of the request reached the replica: it may go to another.
+    Refused(Box<Request<Incoming>>, String),
+    /// The request was under way when it failed: it is not sent again.
+    Failed(String),
+}
+
+/// One connection to a replica, through a tunnel.
+enum Upstream {
+    Http1(hyper::client::conn::http1::SendRequest<Incoming>),
+    Http2(hyper::client::conn::http2::SendRequest<Incoming>),
+}
+
+type TrySendError = hyper::client::conn::TrySendError<Request<Incoming>>;
+
+impl Upstream {
+    /// Speaks HTTP/2 with prior knowledge over `tunnel` when `h2c`, else
+    /// HTTP/1.1; the connection runs as a task of its own until it closes.
+    async fn handshake(tunnel: Tunnel, h2c: bool) -> Result<Upstream, hyper::Error> {
+        let io = TokioIo::new(tunnel);
+        if h2c {
+            let (sender, connection) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await?;
+            tokio::spawn(connection);
+            return Ok(Upstream::Http2(sender));
+        }
+        let (sender, connection) = hyper::client::conn::http1::handshake(io).await?;
+        tokio::spawn(connection);
+        Ok(Upstream::Http1(sender))
+    }
+
+    /// Sends `request` once the connection takes one (a kept HTTP/1.1
+    /// connection once it has read the end of the answer before, an HTTP/2
+    /// one once it has a free stream); a request that never left, as on a
+    /// connection that closed, is given back in the error.
+    async fn send(&mut self, request: Request<Incoming>) -> Result<Response<Incoming>, TrySendError> {
+        match self {
+            Upstream::Http1(sender) => {
+                let _ = sender.ready().await;
+                sender.try_send_request(request).await
+            }
+            Upstream::Http2(sender) => {
+                let _ = sender.ready().await;
+                sender.try_send_request(request).await
+            }
+        }
+    }
+}
+
+/// The most idle HTTP/1.1 connections kept per replica.
+const IDLE_PER_REPLICA: usize = 64;
+
+/// How long an idle HTTP/1.1 connection is kept for the next request: what
+/// a replica no request reaches any more holds open through its agent.
+const IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(90);
+
+/// An HTTP/1.1 connection waiting for its next request, and since when.
+type Idle = (std::time::Instant, hyper::client::conn::http1::SendRequest<Incoming>);
+
+/// Connections to replicas kept for the next request, by lease: idle
+/// HTTP/1.1 connections, or the one HTTP/2 connection every request shares.
+/// A connection is dropped with the route table that stopped naming its
+/// replica.
+#[derive(Debug, Default)]
+struct Pool {
+    /// Idle since when, by lease, the most recent last.
+    http1: Mutex<HashMap<String, Vec<Idle>>>,
+    http2: Mutex<HashMap<String, hyper::client::conn::http2::SendRequest<Incoming>>>,
+}
+
+impl Pool {
+    fn lock<T>(map: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        map.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A kept connection to the replica of `lease_id` that is not closed.
+    fn take(&self, lease_id: &str, h2c: bool) -> Option<Upstream> {
+        if h2c {
+            let mut http2 = Self::lock(&self.http2);
+            let sender = http2.get(lease_id)?;
+            if sender.is_closed() {
+                http2.remove(lease_id);
+                return None;
+            }
+            return Some(Upstream::Http2(sender.clone()));
+        }
+        let mut http1 = Self::lock(&self.http1);
+        let idle = http1.get_mut(lease_id)?;
+        idle.retain(|(since, sender)| since.elapsed() < IDLE_FOR && !sender.is_closed());
+        idle.pop().map(|(_, sender)| Upstream::Http1(sender))
+    }
+
+    /// Keeps `upstream` for the next request to `lease_id`: the one HTTP/2
+    /// connection at once; an HTTP/1.1 one is handed back, to be returned
+    /// once the answer it carries ended.
+    fn keep(self: &Arc<Self>, lease_id: &str, upstream: Upstream) -> Option<Returning> {
+        match upstream {
+            Upstream::Http2(sender) => {
+                Self::lock(&self.http2).insert(lease_id.to_string(), sender);
+                None
+            }
+            Upstream::Http1(sender) => Some(Returning { pool: self.clone(), lease_id: lease_id.to_string(), sender }),
+        }
+    }
+
+    /// An HTTP/1.1 connection whose answer ended, idle from now on.
+    fn put_back(&self, lease_id: String, sender: hyper::client::conn::http1::SendRequest<Incoming>) {
+        let mut http1 = Self::lock(&self.http1);
+        let idle = http1.entry(lease_id).or_default();
+        idle.retain(|(since, _)| since.elapsed() < IDLE_FOR);
+        if idle.len() < IDLE_PER_REPLICA {
+            idle.push((std::time::Instant::now(), sender));
+        }
+    }
+
+    /// Drops the connections of every lease not in `leases`.
+    fn retain(&self, leases: &HashSet<&str>) {
+        Self::lock(&self.http1).retain(|lease, _| leases.contains(lease.as_str()));
+        Self::lock(&self.http2).retain(|lease, _| leases.contains(lease.as_str()));
+    }
+}
+
+/// An HTTP/1.1 connection to a replica carrying an answer: back to the
+/// pool once the answer's body ended, closed if it is dropped before.
+struct Returning {
+    pool: Arc<Pool>,
+    lease_id: String,
+    sender: hyper::client::conn::http1::SendRequest<Incoming>,
+}
+
+/// A replica's answer body, counting its request as under way until it
+/// ends or is dropped (see `crate::acks`). Its connection goes back to the
+/// pool as its last byte is read, before the client has it: a client's
+/// next request finds the connection idle, not one more tunnel opened.
+struct Guarded {
+    body: Incoming,
+    kept: Option<Returning>,
+    _inflight: InFlightGuard,
+}
+
+impl Guarded {
+    fn new(body: Incoming, kept: Option<Returning>, inflight: InFlightGuard) -> Guarded {
+        let mut guarded = Guarded { body, kept, _inflight: inflight };
+        // An empty body may never be read.
+        if hyper::body::Body::is_end_stream(&guarded.body) {
+            guarded.ended();
+        }
+        guarded
+    }
+
+    fn ended(&mut self) {
+        if let Some(Returning { pool, lease_id, sender }) = self.kept.take() {
+            pool.put_back(lease_id, sender);
+        }
+    }
+}
+
+impl hyper::body::Body for Guarded {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => self.ended(),
+            Poll::Ready(Some(Ok(_))) if self.body.is_end_stream() => self.ended(),
+            // A body that broke leaves its connection to close.
+            Poll::Ready(Some(Err(_))) => self.kept = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Who sent a request, as the replica is told.
+#[derive(Debug, Clone, Copy)]
+struct Client {
+    addr: std::net::SocketAddr,
+    tls: bool,
+}
+
+/// Tells the replica who asked and how, as proxies do: `X-Forwarded-For`
+/// (the client's address after any the client sent), `-Proto` and `-Host`.
+fn forwarded_headers<B>(request: &mut Request<B>, host: &str, client: Client) {
+    use hyper::header::HeaderValue;
+    let headers = request.headers_mut();
+    let ip = client.addr.ip().to_string();
+    let chain = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        Some(earlier) if !earlier.is_empty() => format!("{earlier}, {ip}"),
+        _ => ip,
+    };
+    if let Ok(chain) = HeaderValue::from_str(&chain) {
+        headers.insert("x-forwarded-for", chain);
+    }
+    headers.insert("x-forwarded-proto", HeaderValue::from_static(if client.tls { "https" } else { "http" }));
+    if let Ok(host) = HeaderValue::from_str(host) {
+        headers.insert("x-forwarded-host", host);
+    }
+}
+
+/// The router's own answer.
+fn plain(status: StatusCode, text: String) -> Response<Body> {
+    let mut response =
+        Response::new(Full::new(Bytes::from(format!("{text}\n"))).map_err(|never| match never {}).boxed());
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_key_is_the_header_or_cookie_and_a_client_without_the_cookie_is_given_one() {
+        let mut headers = hyper::HeaderMap::new();
+        headers.insert("x-user", " alice ".parse().unwrap());
+        headers.append(hyper::header::COOKIE, "theme=dark; session=abc".parse().unwrap());
+        headers.append(hyper::header::COOKIE, "other=\"quoted\"".parse().unwrap());
+        let header = routes::Affinity::Header("x-user".into());
+        assert_eq!(session_key(&header, &headers), (Some("alice".into()), None));
+        let cookie = |name: &str| session_key(&routes::Affinity::Cookie(name.into()), &headers);
+        assert_eq!(cookie("session"), (Some("abc".into()), None));
+        assert_eq!(cookie("other"), (Some("quoted".into()), None));
+        assert_eq!(session_key(&routes::Affinity::Header("x-none".into()), &headers), (None, None));
+
+        let (key, set) = cookie("berth-session");
+        let key = key.unwrap();
+        assert_eq!(key.len(), 32, "{key}");
+        let set = set.unwrap();
+        assert_eq!(set.to_str().unwrap(), format!("berth-session={key}; Path=/; HttpOnly; SameSite=Lax"));
+        assert_ne!(cookie("berth-session").0.unwrap(), key, "each client without one gets its own");
+    }
+
+    #[test]
+    fn a_tunnel_is_opened_again_only_when_its_connection_broke_under_it() {
+        let goaway = tonic::Status::from_error(Box::new(h2::Error::from(h2::Reason::ENHANCE_YOUR_CALM)));
+        assert!(connection_broke(&goaway), "{goaway:?}");
+        assert!(connection_broke(&tonic::Status::cancelled("operation was canceled")));
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let unreachable = tonic::Status::from_error(Box::new(refused));
+        assert!(!connection_broke(&unreachable), "a connection never made is not retried: {unreachable:?}");
+        assert!(!connection_broke(&tonic::Status::not_found("no lease l-1 on this node")));
+        assert!(!connection_broke(&tonic::Status::unavailable("nothing accepts on port 9 of lease l-1")));
+    }
+
+    #[test]
+    fn a_replica_is_told_who_asked_after_any_proxy_before_and_how() {
+        let client = Client { addr: "192.0.2.7:40000".parse().unwrap(), tls: true };
+        let mut request = Request::builder().header("x-forwarded-for", "198.51.100.1").body(()).unwrap();
+        forwarded_headers(&mut request, "hello.default.berth.localhost", client);
+        let header = |name: &str| request.headers().get(name).unwrap().to_str().unwrap().to_string();
+        assert_eq!(header("x-forwarded-for"), "198.51.100.1, 192.0.2.7");
+        assert_eq!(header("x-forwarded-proto"), "https");
+        assert_eq!(header("x-forwarded-host"), "hello.default.berth.localhost");
+
+        let mut request = Request::builder().body(()).unwrap();
+        forwarded_headers(&mut request, "h", Client { tls: false, ..client });
+        assert_eq!(request.headers().get("x-forwarded-for").unwrap(), "192.0.2.7");
+        assert_eq!(request.headers().get("x-forwarded-proto").unwrap(), "http");
+    }
+}
