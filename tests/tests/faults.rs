@@ -294,7 +294,10 @@ impl Suite {
         if !unsettled.is_empty() {
             eprintln!("faults: {fault} did not settle; what the control plane was doing:\n{}", self.explain().await);
         }
-        violations.extend(unsettled.into_iter().map(|v| format!("{fault}: not settled after {SETTLE_TIMEOUT:?}: {v}")));
+        violations.extend(unsettled.into_iter().map(|v| {
+            let trail = self.trail(&v);
+            format!("{fault}: not settled after {SETTLE_TIMEOUT:?}: {v}{trail}")
+        }));
         self.load.pause().await;
         let hard = invariants::check_hard(&self.mesh, &self.load.acks()).await;
         self.load.resume();
@@ -355,6 +358,27 @@ impl Suite {
             lines.extend(warnings[warnings.len().saturating_sub(15)..].iter().map(|line| format!("    {line}")));
         }
         lines.join("\n")
+    }
+
+    /// What the agents' logs say about each lease `violation` names (its
+    /// last lines in each), so a broken promise shows what the node did.
+    fn trail(&self, violation: &str) -> String {
+        let leases: BTreeSet<&str> = violation
+            .match_indices("l-")
+            .filter_map(|(at, _)| violation.get(at..at + 22))
+            .filter(|id| id[2..].bytes().all(|b| b.is_ascii_hexdigit()))
+            .collect();
+        let mut lines = Vec::new();
+        for lease in leases {
+            for agent in self.mesh.agents() {
+                let text = std::fs::read_to_string(agent.log_path()).unwrap_or_default();
+                let about: Vec<&str> = text.lines().filter(|line| line.contains(lease)).collect();
+                lines.extend(
+                    about[about.len().saturating_sub(8)..].iter().map(|line| format!("\n    {}: {line}", agent.name())),
+                );
+            }
+        }
+        lines.concat()
     }
 
     /// The replicas of `kind` in the order they are killed: those leading
