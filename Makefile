@@ -29,18 +29,26 @@ test: lint deny check-manifests
 ## trace followed across every hop into an in-test OTLP collector, and the
 ## README's compose walkthrough, line by line, with compose.yaml's services
 ## run as processes.
+##
+## It runs on the workspace test build (whose agent has error injection, see
+## tests/Cargo.toml), so after `make test` nothing is built again.
 test-faults:
 	grpcurl="$$(scripts/test-deps.sh)"; \
-	$(CARGO) build --bins -p berth -p berth-identity -p berth-revisions -p berth-leases -p berth-egress \
-	  -p berth-router -p berth-agent --features berth-agent/fault-injection; \
-	BERTH_GRPCURL="$$grpcurl" $(CARGO) test -p berth-e2e --test faults --test traces --test compose \
-	  -- --ignored --nocapture --test-threads 1
+	if $(CARGO) nextest --version >/dev/null 2>&1; then \
+	  BERTH_GRPCURL="$$grpcurl" $(CARGO) nextest run --workspace --run-ignored only --no-capture \
+	    -E 'package(berth-e2e) & (binary(faults) | binary(traces) | binary(compose))'; \
+	else \
+	  $(CARGO) build --bins -p berth -p berth-identity -p berth-revisions -p berth-leases -p berth-egress \
+	    -p berth-router -p berth-agent --features berth-agent/fault-injection; \
+	  BERTH_GRPCURL="$$grpcurl" $(CARGO) test -p berth-e2e --test faults --test traces --test compose \
+	    -- --ignored --nocapture --test-threads 1; \
+	fi
 
 ## Formatting and clippy, as CI runs them.
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy -p berth-agent --all-targets --features fault-injection -- -D warnings
+	$(CARGO) clippy -p berth-agent --lib --bins -- -D warnings
 
 ## The dependency tree held to deny.toml: only the licenses it lists, no
 ## second version of a crate it does not list, crates.io as the only source.

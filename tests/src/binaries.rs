@@ -1,10 +1,11 @@
 //! Where the berth binaries under test are: the target directory the test
 //! itself was built into, so a suite runs the binaries of the same build.
 //!
-//! `cargo test` and `cargo nextest` do not build the binaries of other
-//! packages for an integration test, so they must be built first
-//! (`make test-faults` does: `cargo build --bins -p berth-identity ...`).
-//! `BERTH_E2E_BIN_DIR` points elsewhere, e.g. at a release build.
+//! `cargo test` and `cargo nextest` build a package's binaries only for its
+//! own integration tests, so they must be built first: a `--workspace`
+//! test build has them all (`make test-faults` runs on it), or
+//! `cargo build --bins -p berth-identity ...`. `BERTH_E2E_BIN_DIR` points
+//! elsewhere, e.g. at a release build.
 
 use std::path::{Path, PathBuf};
 

@@ -2,8 +2,9 @@
 //! provider, for the fault suite: faults that no network cut or `kill -9`
 //! can make happen on cue.
 //!
-//! Built only with the `fault-injection` feature (`make test-faults` builds
-//! the agent with it); a shipped agent has no such code. With the feature,
+//! Wired in only with the `fault-injection` feature, which the workspace's
+//! test build turns on (the fault suite's crate asks for it) and no
+//! release or shipped build does; unset, it breaks nothing. With the feature,
 //! `BERTH_AGENT_FAULTS` names what to break, comma-separated:
 //!
 //! - `custody-reply-lost=N`: the first N `AssumeCustody` calls are made and
