@@ -23,7 +23,9 @@
 //! - The observer is taken before the first read, so no change lands
 //!   between the read and the wait unheard.
 //! - Level-triggered: a lost signal delays a change until the next read,
-//!   never loses it; a change sent twice is the same state twice.
+//!   never loses it; a change sent twice is the same state twice. The next
+//!   read is at most `assignment_resync` after the last one, however many
+//!   signals for other scopes wake the task meanwhile.
 //! - A lease sent as open is followed until `REMOVED` is sent for it. If
 //!   the log was forgotten under a stream that fell that far behind, the
 //!   stream reads the open set again and sends each lease it sent as open
@@ -40,6 +42,7 @@ use berth_bus::Signal;
 use berth_proto::leases::v1;
 use berth_proto::types::v1::EventKind;
 use tokio::sync::{broadcast, mpsc};
+use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::ledger::{Changes, LeaseError, LeaseFilter};
@@ -196,6 +199,10 @@ async fn feed(core: &Core, scope: &Scope, resume: Option<i64>, events: &Events) 
     };
     events.send(Ok(synced)).await.map_err(|_| Gone)?;
     let mut cursor = first.cursor;
+    // A deadline, not a fresh sleep per wait: signals for owners out of
+    // scope come many times a second under load, and must not put off the
+    // read that heals a lost signal.
+    let mut resync_at = Instant::now() + core.config.assignment_resync;
     loop {
         tokio::select! {
             () = events.closed() => return Err(Gone),
@@ -219,8 +226,9 @@ async fn feed(core: &Core, scope: &Scope, resume: Option<i64>, events: &Events) 
                     return events.send(Err(status)).await.map_err(|_| Gone);
                 }
             },
-            () = tokio::time::sleep(core.config.assignment_resync) => {}
+            () = tokio::time::sleep_until(resync_at) => {}
         }
+        resync_at = Instant::now() + core.config.assignment_resync;
         let read = match core.ledger.changes(&filter, Some(cursor)).await {
             Ok(read) => read,
             Err(error) => return fail(events, error).await,

@@ -106,6 +106,44 @@ async fn a_watch_follows_only_its_scope(backend: Backend) {
     ledger.cleanup().await;
 }
 
+async fn a_change_no_signal_told_of_is_read_by_the_resync_however_busy_other_owners_are(backend: Backend) {
+    let config = fast_config();
+    let resync = config.assignment_resync;
+    let ledger = Ledger::start(backend, config, vec![node("n-1", "", NodeState::Up, 8000, 8 * GIB)]).await;
+    let owner = "revisions/quiet@u-1";
+    let quiet = ledger.leases(0).request_lease(owned_by("quiet", owner)).await.unwrap().into_inner().lease.unwrap();
+    let mut stream =
+        watch(&ledger, 0, v1::WatchLeasesRequest { owner: owner.into(), ..v1::WatchLeasesRequest::default() }).await;
+    about(&next(&mut stream).await, EventKind::Upsert, &quiet.lease_id);
+    assert_eq!(next(&mut stream).await.kind(), EventKind::Synced);
+
+    // Another owner's leases come and go many times a resync: signals the
+    // stream wakes for and finds out of its scope.
+    let mut busy_leases = ledger.leases(0);
+    let busy = tokio::spawn(async move {
+        for round in 0.. {
+            let placed = busy_leases.request_lease(owned_by(&format!("busy-{round}"), "load")).await.unwrap();
+            let lease_id = placed.into_inner().lease.unwrap().lease_id;
+            let release = v1::ReleaseLeaseRequest { lease_id, reason: "Done".into() };
+            busy_leases.release_lease(release).await.unwrap();
+            tokio::time::sleep(resync / 10).await;
+        }
+    });
+    // A change of the watched lease that no signal announces (as when one
+    // is lost on the bus): only the periodic read can find it.
+    tokio::time::sleep(resync / 2).await;
+    let quiet_id = &quiet.lease_id;
+    sqlx::query(sqlx::AssertSqlSafe(format!("UPDATE leases SET reason = 'Quiet' WHERE lease_id = '{quiet_id}'")))
+        .execute(ledger.store().pool())
+        .await
+        .unwrap();
+    let heard = tokio::time::timeout(resync * 4, stream.message()).await;
+    busy.abort();
+    let event = heard.expect("the change was never read while other owners' signals kept coming").unwrap().unwrap();
+    assert_eq!(about(&event, EventKind::Upsert, quiet_id).reason, "Quiet");
+    ledger.cleanup().await;
+}
+
 async fn an_expired_lease_is_removed_from_the_watch(backend: Backend) {
     let ttl = Duration::from_millis(600);
     let ledger =
@@ -256,5 +294,6 @@ on_both_backends!(
     the_open_set_then_synced_then_every_change_wherever_it_was_made,
     a_watch_follows_only_its_scope,
     an_expired_lease_is_removed_from_the_watch,
+    a_change_no_signal_told_of_is_read_by_the_resync_however_busy_other_owners_are,
     bad_scopes_and_nodes_are_refused,
 );
