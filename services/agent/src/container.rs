@@ -404,20 +404,7 @@ impl Inner {
         }
         tracing::warn!(%lease_id, monitors = ?found.iter().map(|m| m.pid).collect::<Vec<_>>(),
             "stopping what an interrupted launch left starting the container");
-        for monitor in &found {
-            let Some(pid) = i32::try_from(monitor.pid).ok().and_then(rustix::process::Pid::from_raw) else { continue };
-            let _ = if monitor.pgrp == pid.as_raw_nonzero().get() {
-                rustix::process::kill_process_group(pid, rustix::process::Signal::KILL)
-            } else {
-                rustix::process::kill_process(pid, rustix::process::Signal::KILL)
-            };
-        }
-        let deadline = tokio::time::Instant::now() + KILL_WAIT;
-        while found.iter().any(|m| procfs::is_running(Path::new(PROC_ROOT), m.pid, m.start_ticks))
-            && tokio::time::Instant::now() < deadline
-        {
-            tokio::time::sleep(STOP_POLL).await;
-        }
+        crate::process::kill_found(&found).await;
     }
 
     /// Deletes the container and its root; a container already gone is

@@ -65,8 +65,8 @@ use crate::instances::{
 };
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, Settlement,
-    WorkloadRoot, WorkloadSignal,
+    ExitStatus, InstanceStats, LEASE_ID_ENV, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime,
+    Settlement, WorkloadRoot, WorkloadSignal,
 };
 
 /// How long a workload has to stop after SIGTERM before it gets SIGKILL.
@@ -210,6 +210,44 @@ impl ProcessProvider {
     }
 }
 
+impl ProcessProvider {
+    /// Kills a workload of `lease_id` that runs with no pid recorded: an
+    /// agent stopped (or killed) between starting it and recording it left
+    /// it running, and once its lease is settled nothing would ever stop
+    /// it. It is found by the lease id its environment carries.
+    async fn stop_unrecorded(&self, lease_id: &str) {
+        let (proc_root, entry) = (self.inner.proc_root.clone(), format!("{LEASE_ID_ENV}={lease_id}"));
+        let found = blocking(move || Ok(procfs::with_env(&proc_root, &entry))).await.unwrap_or_default();
+        if found.is_empty() {
+            return;
+        }
+        tracing::warn!(%lease_id, pids = ?found.iter().map(|p| p.pid).collect::<Vec<_>>(),
+            "stopping a workload an interrupted launch left running unrecorded");
+        kill_found(&found).await;
+    }
+}
+
+/// Kills each of `found` (a group leader with its whole group, any other
+/// process alone) and waits up to [`KILL_WAIT`] for all to be gone: what
+/// an interrupted launch left running where no record names it.
+pub(crate) async fn kill_found(found: &[procfs::ProcStat]) {
+    let own_group = rustix::process::getpgrp().as_raw_nonzero().get();
+    for process in found.iter().filter(|p| p.pid != std::process::id() && p.pgrp != own_group) {
+        let Some(pid) = i32::try_from(process.pid).ok().and_then(Pid::from_raw) else { continue };
+        let _ = if process.pgrp == pid.as_raw_nonzero().get() {
+            kill_process_group(pid, Signal::KILL)
+        } else {
+            rustix::process::kill_process(pid, Signal::KILL)
+        };
+    }
+    let deadline = tokio::time::Instant::now() + KILL_WAIT;
+    while found.iter().any(|p| procfs::is_running(Path::new(PROC_ROOT), p.pid, p.start_ticks))
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(STOP_POLL).await;
+    }
+}
+
 #[async_trait::async_trait]
 impl Provider for ProcessProvider {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
@@ -288,6 +326,9 @@ impl Provider for ProcessProvider {
             let running = stored.pid.zip(stored.start_ticks).filter(|(pid, ticks)| {
                 stored.exit.is_none() && procfs::is_running(&self.inner.proc_root, *pid, *ticks)
             });
+            if stored.pid.is_none() && stored.exit.is_none() {
+                self.stop_unrecorded(&lease_id).await;
+            }
             let mut stored = stored;
             if running.is_none() && stored.exit.is_none() {
                 // Ended (or never started) while no agent watched it.
@@ -640,6 +681,28 @@ mod tests {
         let recovered = second.recover().await.unwrap();
         assert_eq!(recovered[0].exit.borrow().map(|e| e.status), Some(ExitStatus::Unknown));
         group_until("the leftover to be killed", pgid, |n| n == 0).await;
+    }
+
+    #[tokio::test]
+    async fn a_workload_started_but_never_recorded_is_killed_at_recovery() {
+        let tmp = TestDir::new();
+        let first_stop = CancellationToken::new();
+        let first = ProcessProvider::new(tmp.path(), timing(), first_stop.clone());
+        let launched = first.launch(spec("lease-unrecorded", "sleep 1000 & sleep 1000")).await.unwrap();
+        let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
+        group_until("both sleeps to start", pgid, |n| n >= 2).await;
+        // The record as it is when an agent stops between starting the
+        // workload and recording its pid.
+        let mut unrecorded = record_on_disk(tmp.path(), "lease-unrecorded");
+        (unrecorded.pid, unrecorded.start_ticks, unrecorded.started_at_ms) = (None, None, None);
+        write_record(&first.inner.instances.layout, &unrecorded).unwrap();
+        first_stop.cancel();
+        drop(first);
+
+        let second = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        let recovered = second.recover().await.unwrap();
+        assert_eq!(recovered[0].exit.borrow().map(|e| e.status), Some(ExitStatus::Unknown));
+        group_until("the unrecorded workload to be killed", pgid, |n| n == 0).await;
     }
 
     #[tokio::test]

@@ -111,14 +111,27 @@ pub(crate) fn owns_group(proc_root: &Path, pgid: i32, start_ticks: u64) -> bool 
 /// argument, with its `/proc` stat: how a monitor is found by the
 /// container it was started for, when no record kept its pid.
 pub(crate) fn with_args(proc_root: &Path, args: &[&str]) -> Vec<ProcStat> {
+    live_whose(proc_root, "cmdline", |words| args.iter().all(|arg| words.contains(&arg.as_bytes())))
+}
+
+/// Every live process whose environment holds `entry` (`NAME=value`)
+/// exactly, with its `/proc` stat: how a workload is found by its lease
+/// (`BERTH_LEASE_ID`), when no record kept its pid.
+pub(crate) fn with_env(proc_root: &Path, entry: &str) -> Vec<ProcStat> {
+    live_whose(proc_root, "environ", |words| words.contains(&entry.as_bytes()))
+}
+
+/// Every live process whose `/proc/<pid>/<file>`, a list of NUL-ended
+/// words, passes `keep`.
+fn live_whose(proc_root: &Path, file: &str, keep: impl Fn(&[&[u8]]) -> bool) -> Vec<ProcStat> {
     let Ok(entries) = std::fs::read_dir(proc_root) else { return Vec::new() };
     entries
         .filter_map(Result::ok)
         .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
-            let Ok(line) = std::fs::read(proc_root.join(pid.to_string()).join("cmdline")) else { return false };
-            let words: Vec<&[u8]> = line.split(|b| *b == 0).collect();
-            args.iter().all(|arg| words.contains(&arg.as_bytes()))
+            let Ok(text) = std::fs::read(proc_root.join(pid.to_string()).join(file)) else { return false };
+            let words: Vec<&[u8]> = text.split(|b| *b == 0).collect();
+            keep(&words)
         })
         .filter_map(|pid| read_stat(proc_root, pid))
         .filter(ProcStat::is_live)

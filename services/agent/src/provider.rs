@@ -144,6 +144,9 @@ pub struct NetworkAttachment {
     pub enter: Vec<String>,
 }
 
+/// The variable naming a workload's lease in its environment.
+pub(crate) const LEASE_ID_ENV: &str = "BERTH_LEASE_ID";
+
 impl LaunchSpec {
     /// The program as the workload sees it, with its bundle at
     /// `bundle_seen_at`.
@@ -170,7 +173,7 @@ impl LaunchSpec {
             ("HOME".to_string(), home.display().to_string()),
         ]);
         env.extend(self.env.clone());
-        env.insert("BERTH_LEASE_ID".into(), self.lease_id.clone());
+        env.insert(LEASE_ID_ENV.into(), self.lease_id.clone());
         env.insert("BERTH_NODE_ID".into(), self.node_id.clone());
         for (variable, value) in [("BERTH_SERVICE", &self.meta.service), ("BERTH_REVISION", &self.meta.revision)] {
             if !value.is_empty() {
