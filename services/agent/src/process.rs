@@ -208,9 +208,7 @@ impl ProcessProvider {
             tokio::time::sleep(STOP_POLL).await;
         }
     }
-}
 
-impl ProcessProvider {
     /// Kills a workload of `lease_id` that runs with no pid recorded: an
     /// agent stopped (or killed) between starting it and recording it left
     /// it running, and once its lease is settled nothing would ever stop
