@@ -18,8 +18,11 @@
 //! # What is kept
 //! Files, directories, symlinks (absolute ones too: the runtime resolves them
 //! inside the root) and hardlinks, with their permission bits, less set-uid
-//! and set-gid. Owners are not kept: everything belongs to the unpacking
-//! user, and workloads run as users of their own.
+//! and set-gid. Owners are not kept in the tree: everything belongs to the
+//! unpacking user, and workloads run as users of their own. Who the layers
+//! say owns an entry, where that is not root, is recorded in an
+//! [`ImageOwners`] instead, so that an image's `User` can be given what the
+//! image meant to be its own (see [`crate::ImageUser`]).
 //!
 //! # Expected flow
 //! The caller unpacks every layer into a fresh private directory and, on any
@@ -36,6 +39,7 @@ use crate::extract::{
     io_error, prepare_parents, relative_path, write_file_entry,
 };
 use crate::format::LAYER_TAR_GZIP_MEDIA_TYPE;
+use crate::image_user::ImageOwners;
 
 /// The prefix that makes an entry a whiteout.
 const WHITEOUT_PREFIX: &str = ".wh.";
@@ -47,24 +51,32 @@ const OPAQUE_MARKER: &str = ".wh..wh..opq";
 const KEPT_MODE: u32 = 0o1777;
 
 /// Unpacks the layer in `archive` (gzip'd when `media_type` says so) onto
-/// `root`, above the layers already there.
+/// `root`, above the layers already there, noting in `owners` who owns what
+/// it writes.
 pub fn unpack_image_layer(
     archive: &Path,
     media_type: &str,
     root: &Path,
     limits: &BundleLimits,
+    owners: &mut ImageOwners,
 ) -> Result<ExtractStats, ExtractError> {
     let file = fs::File::open(archive).map_err(ExtractError::Archive)?;
     let reader = io::BufReader::new(file);
     if media_type == LAYER_TAR_GZIP_MEDIA_TYPE || media_type.ends_with("tar+gzip") || media_type.ends_with(".gzip") {
-        unpack_image_tar(flate2::read::MultiGzDecoder::new(reader), root, limits)
+        unpack_image_tar(flate2::read::MultiGzDecoder::new(reader), root, limits, owners)
     } else {
-        unpack_image_tar(reader, root, limits)
+        unpack_image_tar(reader, root, limits, owners)
     }
 }
 
-/// Unpacks one plain tar layer onto `root`.
-pub fn unpack_image_tar(reader: impl Read, root: &Path, limits: &BundleLimits) -> Result<ExtractStats, ExtractError> {
+/// Unpacks one plain tar layer onto `root`, noting in `owners` who owns
+/// what it writes.
+pub fn unpack_image_tar(
+    reader: impl Read,
+    root: &Path,
+    limits: &BundleLimits,
+    owners: &mut ImageOwners,
+) -> Result<ExtractStats, ExtractError> {
     let bounded = BoundedReader::new(reader, limits.max_stream_bytes());
     let mut archive = tar::Archive::new(bounded);
     let mut stats = ExtractStats::default();
@@ -92,7 +104,7 @@ pub fn unpack_image_tar(reader: impl Read, root: &Path, limits: &BundleLimits) -
         if file_name == OPAQUE_MARKER {
             prepare_parents(root, &rel).map_err(|r| r.into_error(&name))?;
             let dir = rel.parent().map(Path::to_path_buf).unwrap_or_default();
-            hide_lower(root, &dir, &written)?;
+            hide_lower(root, &dir, &written, owners)?;
             continue;
         }
         if let Some(hidden) = file_name.strip_prefix(WHITEOUT_PREFIX) {
@@ -100,12 +112,18 @@ pub fn unpack_image_tar(reader: impl Read, root: &Path, limits: &BundleLimits) -
                 return Err(refuse(UnsafeEntry::BadWhiteout(hidden.to_string())));
             }
             prepare_parents(root, &rel).map_err(|r| r.into_error(&name))?;
-            remove_any(&root.join(rel.with_file_name(hidden)))?;
+            let hidden = rel.with_file_name(hidden);
+            remove_any(&root.join(&hidden))?;
+            owners.forget(&hidden);
             continue;
         }
         prepare_parents(root, &rel).map_err(|r: ParentRefusal| r.into_error(&name))?;
         let target = root.join(&rel);
         let mode = entry.header().mode().unwrap_or(0o644) & KEPT_MODE;
+        if !kind.is_dir() {
+            // Whatever was at the path goes, with all it held.
+            owners.forget(&rel);
+        }
         if kind.is_dir() {
             match fs::symlink_metadata(&target) {
                 Ok(meta) if meta.is_dir() => {}
@@ -146,6 +164,8 @@ pub fn unpack_image_tar(reader: impl Read, root: &Path, limits: &BundleLimits) -
         } else {
             return Err(refuse(UnsafeEntry::UnsupportedType(char::from(kind.as_byte()))));
         }
+        let header = entry.header();
+        owners.note(&rel, header.uid().unwrap_or(0), header.gid().unwrap_or(0));
         written.insert(rel);
     }
     Ok(stats)
@@ -164,7 +184,12 @@ fn remove_any(path: &Path) -> Result<(), ExtractError> {
 }
 
 /// Removes what the layers below put in `dir`, keeping what this layer wrote.
-fn hide_lower(root: &Path, dir: &Path, written: &HashSet<PathBuf>) -> Result<(), ExtractError> {
+fn hide_lower(
+    root: &Path,
+    dir: &Path,
+    written: &HashSet<PathBuf>,
+    owners: &mut ImageOwners,
+) -> Result<(), ExtractError> {
     let here = root.join(dir);
     let entries = match fs::read_dir(&here) {
         Ok(entries) => entries,
@@ -176,6 +201,7 @@ fn hide_lower(root: &Path, dir: &Path, written: &HashSet<PathBuf>) -> Result<(),
         let rel = dir.join(entry.file_name());
         if !written.contains(&rel) {
             remove_any(&root.join(&rel))?;
+            owners.forget(&rel);
         }
     }
     Ok(())
@@ -239,7 +265,7 @@ mod tests {
     }
 
     fn unpack(root: &Path, layer: Layer) -> Result<ExtractStats, ExtractError> {
-        unpack_image_tar(layer.bytes().as_slice(), root, &BundleLimits::default())
+        unpack_image_tar(layer.bytes().as_slice(), root, &BundleLimits::default(), &mut ImageOwners::default())
     }
 
     fn refused_entry(result: Result<ExtractStats, ExtractError>) -> (String, UnsafeEntry) {
@@ -333,7 +359,9 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let mut bytes = Layer::new().file("big", &"x".repeat(10_000), 0o644).bytes();
         bytes.truncate(3_000);
-        let error = unpack_image_tar(bytes.as_slice(), root.path(), &BundleLimits::default()).unwrap_err();
+        let error =
+            unpack_image_tar(bytes.as_slice(), root.path(), &BundleLimits::default(), &mut ImageOwners::default())
+                .unwrap_err();
         assert!(matches!(error, ExtractError::Archive(_)), "{error}");
     }
 }

@@ -20,6 +20,7 @@ mod digest;
 mod extract;
 mod format;
 mod image;
+mod image_user;
 mod layout;
 mod oci_image;
 mod pack;
@@ -49,6 +50,7 @@ pub use format::{
     OCI_INDEX_MEDIA_TYPE, OCI_MANIFEST_MEDIA_TYPE, REF_NAME_ANNOTATION,
 };
 pub use image::{unpack_image_layer, unpack_image_tar};
+pub use image_user::{ImageOwners, ImageUser, OwnedPath};
 pub use oci_image::{
     DOCKER_LAYER_GZIP_MEDIA_TYPE, DOCKER_LAYER_TAR_MEDIA_TYPE, DOCKER_MANIFEST_LIST_MEDIA_TYPE,
     DOCKER_MANIFEST_MEDIA_TYPE, ImageRun,

@@ -176,6 +176,10 @@ pub struct ImageRun {
     pub working_dir: String,
     /// `User`, as the image gives it (`name`, `uid`, `uid:gid`); empty means root.
     pub user: String,
+    /// `user` as found in the image's unpacked root: what the image gives
+    /// it. `None` for root, and until the image is unpacked.
+    #[serde(skip)]
+    pub account: Option<std::sync::Arc<crate::ImageUser>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -226,6 +230,7 @@ impl ImageRun {
             env,
             working_dir: config.working_dir.unwrap_or_default(),
             user: config.user.unwrap_or_default(),
+            account: None,
         };
         if run.entrypoint.iter().chain(&run.cmd).chain([&run.working_dir, &run.user]).any(|s| s.contains('\0')) {
             return Err(not_an_image("the config holds a NUL byte"));

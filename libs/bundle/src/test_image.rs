@@ -21,6 +21,8 @@ const IMAGE_CONFIG_MEDIA_TYPE: &str = "application/vnd.oci.image.config.v1+json"
 /// One layer, built entry by entry.
 pub struct Layer {
     builder: tar::Builder<Vec<u8>>,
+    /// The uid and gid of the entries added next.
+    owner: (u64, u64),
 }
 
 impl std::fmt::Debug for Layer {
@@ -38,7 +40,13 @@ impl Default for Layer {
 impl Layer {
     /// An empty layer.
     pub fn new() -> Self {
-        Self { builder: tar::Builder::new(Vec::new()) }
+        Self { builder: tar::Builder::new(Vec::new()), owner: (0, 0) }
+    }
+
+    /// The entries added from now on belong to `uid`:`gid` (root's until this).
+    pub fn owned_by(mut self, uid: u64, gid: u64) -> Self {
+        self.owner = (uid, gid);
+        self
     }
 
     /// A layer holding `/bin/busybox` from the host and `/bin/NAME` links to
@@ -52,14 +60,14 @@ impl Layer {
         Ok(layer)
     }
 
-    fn header(kind: tar::EntryType, path: &str, size: u64, mode: u32) -> tar::Header {
+    fn header(&self, kind: tar::EntryType, path: &str, size: u64, mode: u32) -> tar::Header {
         let mut header = tar::Header::new_gnu();
         header.set_entry_type(kind);
         header.set_size(size);
         header.set_mode(mode);
         header.set_mtime(0);
-        header.set_uid(0);
-        header.set_gid(0);
+        header.set_uid(self.owner.0);
+        header.set_gid(self.owner.1);
         // Names are set raw so a test can write what a hostile image would.
         let name = path.as_bytes();
         let field = &mut header.as_old_mut().name;
@@ -71,21 +79,21 @@ impl Layer {
 
     /// A directory.
     pub fn dir(mut self, path: &str, mode: u32) -> Self {
-        let header = Self::header(tar::EntryType::Directory, path, 0, mode);
+        let header = self.header(tar::EntryType::Directory, path, 0, mode);
         self.builder.append(&header, io::empty()).unwrap_or_default();
         self
     }
 
     /// A regular file.
     pub fn file(mut self, path: &str, body: &[u8], mode: u32) -> Self {
-        let header = Self::header(tar::EntryType::Regular, path, body.len() as u64, mode);
+        let header = self.header(tar::EntryType::Regular, path, body.len() as u64, mode);
         self.builder.append(&header, body).unwrap_or_default();
         self
     }
 
     /// A symbolic link to `target`.
     pub fn symlink(mut self, path: &str, target: &str) -> Self {
-        let mut header = Self::header(tar::EntryType::Symlink, path, 0, 0o777);
+        let mut header = self.header(tar::EntryType::Symlink, path, 0, 0o777);
         header.set_link_name(target).unwrap_or_default();
         header.set_cksum();
         self.builder.append(&header, io::empty()).unwrap_or_default();
@@ -119,6 +127,11 @@ impl TestImage {
     /// An image for linux/this machine running `entrypoint` then `cmd`,
     /// with `env` (`NAME=value`) and `working_dir`.
     pub fn new(entrypoint: &[&str], cmd: &[&str], env: &[&str], working_dir: &str) -> Self {
+        Self::as_user(entrypoint, cmd, env, working_dir, "")
+    }
+
+    /// [`Self::new`], whose config's `User` is `user`.
+    pub fn as_user(entrypoint: &[&str], cmd: &[&str], env: &[&str], working_dir: &str, user: &str) -> Self {
         let architecture = match std::env::consts::ARCH {
             "x86_64" => "amd64",
             "aarch64" => "arm64",
@@ -127,7 +140,7 @@ impl TestImage {
         let config = serde_json::json!({
             "architecture": architecture,
             "os": "linux",
-            "config": {"Entrypoint": entrypoint, "Cmd": cmd, "Env": env, "WorkingDir": working_dir},
+            "config": {"Entrypoint": entrypoint, "Cmd": cmd, "Env": env, "WorkingDir": working_dir, "User": user},
             "rootfs": {"type": "layers", "diff_ids": []},
         });
         Self { config: config.to_string().into_bytes(), layers: Vec::new() }

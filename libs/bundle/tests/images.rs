@@ -78,6 +78,93 @@ async fn an_image_is_pulled_by_digest_unpacked_in_order_and_kept_across_a_reopen
 }
 
 #[tokio::test]
+async fn an_images_user_is_found_in_its_root_with_what_its_layers_gave_it_and_kept_across_a_reopen() {
+    assert!(busybox_present(), "the tests build images from busybox-static (make test installs it)");
+    let mut registry = TestRegistry::start().await.unwrap();
+    let passwd = b"root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:App:/home/app:/bin/sh\n";
+    let image = TestImage::as_user(&["/bin/sh"], &[], &["PATH=/bin"], "/home/app", "app")
+        .layer(
+            Layer::busybox(&["sh"])
+                .unwrap()
+                .dir("etc", 0o755)
+                .file("etc/passwd", passwd, 0o644)
+                .file("etc/group", b"root:x:0:\napp:x:1000:\n", 0o644)
+                .dir("home", 0o755)
+                .owned_by(1000, 1000)
+                .dir("home/app", 0o755)
+                .file("home/app/.profile", b"", 0o644)
+                .file("home/app/old", b"removed by the second layer\n", 0o644)
+                .dir("srv", 0o755),
+        )
+        .unwrap()
+        .layer(Layer::new().whiteout("home/app/old").owned_by(0, 0).dir("srv", 0o755).owned_by(1000, 0).file(
+            "home/app/notes",
+            b"",
+            0o600,
+        ))
+        .unwrap();
+    let reference = registry.reference("team/app:v1");
+    let digest = image.push(&client(), &reference, &RegistryCredentials::Anonymous).await.unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path()).await;
+    let ready = cache.pull(&client(), &pinned(&registry, "team/app", &digest), &RegistryCredentials::Anonymous).await;
+    let ready = ready.unwrap();
+    let account = ready.definition().image.as_ref().unwrap().account.clone().expect("app is not root");
+    assert_eq!((account.name.as_deref(), account.uid, account.gid), (Some("app"), 1000, 1000));
+    assert_eq!(account.home.as_deref(), Some("/home/app"));
+    let owned: Vec<(String, bool, bool)> =
+        account.owned.iter().map(|o| (o.path.display().to_string(), o.owner, o.group)).collect();
+    assert_eq!(
+        owned,
+        [
+            ("home/app".to_owned(), true, true),
+            ("home/app/.profile".to_owned(), true, true),
+            ("home/app/notes".to_owned(), true, false),
+        ],
+        "later layers replace owners and a whiteout forgets"
+    );
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(ready.definition().root.join("home/app")).unwrap();
+    assert_eq!((meta.uid(), meta.gid()), unpacking_ids(), "the shared root keeps no owner of the image's");
+    drop(ready);
+
+    registry.stop();
+    drop(cache);
+    let reopened = BundleCache::open(dir.path(), CacheOptions::default()).await.unwrap();
+    let again = reopened.get(&digest).await.unwrap().expect("kept across a reopen");
+    assert_eq!(again.definition().image.as_ref().unwrap().account.as_deref(), Some(&*account));
+}
+
+/// The ids this test unpacks as, who own every unpacked entry: those of a
+/// file it makes.
+fn unpacking_ids() -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt as _;
+    let probe = tempfile::NamedTempFile::new().unwrap();
+    let meta = probe.as_file().metadata().unwrap();
+    (meta.uid(), meta.gid())
+}
+
+#[tokio::test]
+async fn an_image_whose_user_it_does_not_have_is_refused_naming_the_user() {
+    let registry = TestRegistry::start().await.unwrap();
+    let image = TestImage::as_user(&["/bin/sh"], &[], &[], "", "ghost")
+        .layer(Layer::new().dir("etc", 0o755).file("etc/passwd", b"root:x:0:0::/root:/bin/sh\n", 0o644))
+        .unwrap();
+    let reference = registry.reference("team/ghost:v1");
+    let digest = image.push(&client(), &reference, &RegistryCredentials::Anonymous).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path()).await;
+    let error = cache
+        .pull(&client(), &pinned(&registry, "team/ghost", &digest), &RegistryCredentials::Anonymous)
+        .await
+        .unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("`ghost`") && message.contains("/etc/passwd"), "{message}");
+    assert_eq!(cache.usage().bundles, 0, "nothing is kept of it");
+}
+
+#[tokio::test]
 async fn hostile_images_are_refused_naming_the_entry_and_nothing_lands_outside() {
     let registry = TestRegistry::start().await.unwrap();
     let outside = tempfile::tempdir().unwrap();

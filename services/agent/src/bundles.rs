@@ -613,6 +613,7 @@ fn image_spec(definition: &BundleDefinition, run: &ImageRun, mut spec: LaunchSpe
         dir: definition.root.clone(),
         digest: definition.digest.to_string(),
         working_dir: run.working_dir.clone(),
+        account: run.account.clone(),
     };
     spec.program = Program::Command(program);
     spec.args = argv;

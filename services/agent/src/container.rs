@@ -50,6 +50,8 @@
 //!   unmounts before the directory is removed (on delete, on a relaunch of
 //!   the same lease, and in [`destroy_containers`]). An adopted container
 //!   keeps its mount: nothing unmounts it until the container is deleted.
+//!   An image's `User` is given, in that overlay and before the runtime
+//!   starts, what the image gave it (see [`account`]); `HOME` is its home.
 //!
 //! # Invariants
 //! - The shared root of an image is never a container's root itself, only
@@ -80,6 +82,7 @@ use crate::provider::{
     WorkloadRoot, WorkloadSignal,
 };
 
+mod account;
 mod own;
 mod spec;
 
@@ -590,8 +593,12 @@ impl ContainerProvider {
         remove_path(&dir)?;
         let rootfs = dir.join("rootfs");
         if let (Some(lower), Some(image)) = (lower, plan.image.as_mut()) {
-            mount_image_root(&dir, lower)?;
+            let owned = image.account.as_ref().is_some_and(|account| !account.owned.is_empty());
+            mount_image_root(&dir, lower, owned)?;
             shadow_runtime_links(&rootfs)?;
+            if let Some(account) = &image.account {
+                account::give(&rootfs, account, plan.uid)?;
+            }
             image.etc = image_etc(&dir, &plan.hostname)?;
             return self.write_spec(&dir, plan);
         }
@@ -646,8 +653,11 @@ impl ContainerProvider {
 }
 
 /// Mounts `dir/rootfs` as an overlay of an image's shared root `lower`, its
-/// writes going to `dir/upper`: the lease's own copy-on-write view.
-fn mount_image_root(dir: &Path, lower: &Path) -> Result<(), ProviderError> {
+/// writes going to `dir/upper`: the lease's own copy-on-write view. With
+/// `owned` (the lease is given entries of the image), a change of owner
+/// copies up metadata alone where the kernel can (`metacopy=on`), not
+/// whole files.
+fn mount_image_root(dir: &Path, lower: &Path, owned: bool) -> Result<(), ProviderError> {
     let (rootfs, upper, scratch) = (dir.join("rootfs"), dir.join("upper"), dir.join("overlay"));
     for path in [&rootfs, &upper, &scratch] {
         std::fs::DirBuilder::new()
@@ -665,16 +675,26 @@ fn mount_image_root(dir: &Path, lower: &Path) -> Result<(), ProviderError> {
         }
     }
     let options = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), scratch.display());
-    let options = std::ffi::CString::new(options)
-        .map_err(|_| ProviderError::Unsupported("an overlay layer's path holds a NUL byte".to_owned()))?;
-    rustix::mount::mount(
-        "overlay",
-        &rootfs,
-        "overlay",
-        rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
-        Some(options.as_c_str()),
-    )
-    .map_err(|e| io("mount the image overlay on", &rootfs, e.into()))
+    let mount = |options: String| {
+        let options = std::ffi::CString::new(options)
+            .map_err(|_| ProviderError::Unsupported("an overlay layer's path holds a NUL byte".to_owned()))?;
+        rustix::mount::mount(
+            "overlay",
+            &rootfs,
+            "overlay",
+            rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
+            Some(options.as_c_str()),
+        )
+        .map_err(|e| io("mount the image overlay on", &rootfs, e.into()))
+    };
+    if owned {
+        match mount(format!("{options},metacopy=on")) {
+            Ok(()) => return Ok(()),
+            // A kernel without it copies whole files up instead.
+            Err(error) => tracing::debug!(%error, "the image overlay without metacopy"),
+        }
+    }
+    mount(options)
 }
 
 /// The directories of a root the runtime itself fills (`/dev` with its
@@ -1057,7 +1077,12 @@ impl ContainerProvider {
             })
             .await?
         };
-        let env = spec.environment(Path::new(WORK_MOUNT), bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)));
+        let account = match &spec.root {
+            WorkloadRoot::Image { account, .. } => account.clone(),
+            _ => None,
+        };
+        let home = account.as_ref().and_then(|account| account.home.as_deref()).unwrap_or(WORK_MOUNT);
+        let env = spec.environment(Path::new(home), bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)));
         let path_var = env.get("PATH").cloned().unwrap_or_default();
         let found = match &spec.root {
             WorkloadRoot::Image { dir, working_dir, .. } => findable_in_image(&program, &path_var, dir, working_dir),
@@ -1072,7 +1097,12 @@ impl ContainerProvider {
         let image = match &spec.root {
             WorkloadRoot::Image { dir, working_dir, .. } => Some((
                 dir.clone(),
-                ImagePlan { working_dir: working_dir.clone(), init: init.map(Path::to_path_buf), etc: Vec::new() },
+                ImagePlan {
+                    working_dir: working_dir.clone(),
+                    init: init.map(Path::to_path_buf),
+                    etc: Vec::new(),
+                    account: account.clone(),
+                },
             )),
             _ => None,
         };

@@ -193,6 +193,11 @@ macro_rules! contract {
             async fn an_image_root_runs_copy_on_write_is_adopted_after_a_restart_or_is_refused() {
                 image_root_on($kind).await
             }
+
+            #[tokio::test]
+            async fn an_image_user_is_the_workloads_own_ids_given_what_the_image_gave_it() {
+                image_user_on($kind).await
+            }
         }
     )*};
 }
@@ -235,6 +240,73 @@ fn image_root(dir: &Path) {
     std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
 }
 
+async fn image_user_on(kind: Kind) {
+    use berth_bundle::{ImageUser, OwnedPath};
+    use std::os::unix::fs::MetadataExt as _;
+    if matches!(kind, Kind::Uncontained) {
+        return; // Runs no image at all (see `image_root_on`).
+    }
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    let root = tmp.path().join("image-root");
+    image_root(&root);
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:App:/home/app:/bin/sh\n")
+        .unwrap();
+    std::fs::write(root.join("etc/group"), "root:x:0:\napp:x:1000:\n").unwrap();
+    std::fs::create_dir_all(root.join("home/app")).unwrap();
+    std::fs::write(root.join("home/app/data.txt"), "from the image\n").unwrap();
+    // A hostile image: an owned path through a link to a host directory.
+    let host = tmp.path().join("host-dir");
+    std::fs::create_dir_all(&host).unwrap();
+    std::fs::write(host.join("victim"), "host\n").unwrap();
+    std::os::unix::fs::symlink(&host, root.join("escape")).unwrap();
+    let owned = |path: &str| OwnedPath { path: path.into(), owner: true, group: true };
+    let account = ImageUser {
+        name: Some("app".into()),
+        uid: 1000,
+        gid: 1000,
+        group: Some("app".into()),
+        home: Some("/home/app".into()),
+        owned: vec![owned("home/app"), owned("home/app/data.txt"), owned("escape/victim"), owned("escape")],
+    };
+    let script = "id -u; id -un; id -gn; echo \"$HOME\"; echo more >> data.txt && cat data.txt; \
+                  touch /home/app/new && echo created; echo x > /etc/passwd 2>/dev/null || echo refused";
+    let mut spec = spec("lease-user", script);
+    spec.root = WorkloadRoot::Image {
+        dir: root.clone(),
+        digest: "sha256:test".into(),
+        working_dir: "/home/app".into(),
+        account: Some(Arc::new(account)),
+    };
+    spec.program = Program::Command("sh".into());
+    spec.env.insert("PATH".into(), "/bin".into());
+    let mut launched = provider.launch(spec).await.unwrap();
+    let status = ended(&mut launched.exit).await.status;
+    let errors = std::fs::read_to_string(provider.log_files("lease-user").unwrap().stderr).unwrap_or_default();
+    assert!(status.success(), "{status:?}: {errors}");
+    let out = stdout_of(provider.as_ref(), "lease-user");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines.get(1..),
+        Some(&["app", "app", "/home/app", "from the image", "more", "created", "refused"][..]),
+        "the workload is the image's account, owns its home and nothing of root's: {errors}"
+    );
+    let uid: u32 = lines[0].parse().unwrap();
+    assert!(uid >= 200_000, "its own uid on the host, never the image's 1000: {uid}");
+
+    let shared = std::fs::metadata(root.join("home/app/data.txt")).unwrap();
+    assert_eq!(
+        (shared.uid(), std::fs::read_to_string(root.join("home/app/data.txt")).unwrap()),
+        (0, "from the image\n".into())
+    );
+    let victim = std::fs::symlink_metadata(host.join("victim")).unwrap();
+    assert_eq!(victim.uid(), 0, "nothing outside the root is given away");
+    assert_eq!(std::fs::symlink_metadata(root.join("escape")).unwrap().uid(), 0);
+    provider.settle("lease-user", Settlement::default()).await.unwrap();
+    provider.remove("lease-user").await.unwrap();
+}
+
 async fn image_root_on(kind: Kind) {
     let tmp = TestDir::new();
     let Some(provider) = provider(kind, tmp.path()) else { return };
@@ -243,7 +315,12 @@ async fn image_root_on(kind: Kind) {
     let script = "pwd; echo written > new.html; cat new.html; ls /usr 2>&1 | head -1; \
                   echo root > /etc-owned 2>/dev/null || echo refused";
     let mut spec = spec("lease-image", script);
-    spec.root = WorkloadRoot::Image { dir: root.clone(), digest: "sha256:test".into(), working_dir: "/www".into() };
+    spec.root = WorkloadRoot::Image {
+        dir: root.clone(),
+        digest: "sha256:test".into(),
+        working_dir: "/www".into(),
+        account: None,
+    };
     spec.program = Program::Command("sh".into());
     spec.env.insert("PATH".into(), "/bin".into());
     if matches!(kind, Kind::Uncontained) {
@@ -281,7 +358,12 @@ async fn image_root_on(kind: Kind) {
     let stopped = CancellationToken::new();
     let Some(first) = provider_until(kind, tmp.path(), stopped.clone()) else { return };
     let mut long = self::spec("lease-long", "echo up; exec sleep 1000");
-    long.root = WorkloadRoot::Image { dir: root.clone(), digest: "sha256:test".into(), working_dir: String::new() };
+    long.root = WorkloadRoot::Image {
+        dir: root.clone(),
+        digest: "sha256:test".into(),
+        working_dir: String::new(),
+        account: None,
+    };
     long.program = Program::Command("sh".into());
     long.env.insert("PATH".into(), "/bin".into());
     let running = first.launch(long).await.unwrap();
@@ -679,7 +761,8 @@ async fn image_links_on(runtime: OciRuntime) {
     }
     let mut spec =
         spec("lease-links", "echo inside > /tmp/written && cat /tmp/written && echo x > /dev/null && echo ran");
-    spec.root = WorkloadRoot::Image { dir: root, digest: "sha256:links".into(), working_dir: "/".into() };
+    spec.root =
+        WorkloadRoot::Image { dir: root, digest: "sha256:links".into(), working_dir: "/".into(), account: None };
     spec.program = Program::Command("sh".into());
     spec.env.insert("PATH".into(), "/bin".into());
     let mut launched = provider.launch(spec).await.unwrap();

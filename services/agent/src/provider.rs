@@ -11,7 +11,10 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
+
+use berth_bundle::ImageUser;
 
 use tokio::sync::watch;
 
@@ -75,6 +78,9 @@ pub enum WorkloadRoot {
         digest: String,
         /// The working directory inside it; empty means `/`.
         working_dir: String,
+        /// The image's `User`, when not root: what the image gives it, which
+        /// the provider gives the workload's own ids in the lease's view.
+        account: Option<Arc<ImageUser>>,
     },
 }
 

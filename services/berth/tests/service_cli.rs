@@ -520,7 +520,8 @@ fn contained_here(test: &str) -> bool {
 /// under the dev node's OCI runtime `runtime`: it answers from the image's
 /// working directory, with the lower layer's file replaced and another
 /// removed by a whiteout, the template's env over the image's, and runs as
-/// the lease's own user, not root.
+/// the image's `User` (its account, owning what the image gave it) on the
+/// lease's own uid, never root.
 fn an_image_deploys_and_answers(runtime: &str) {
     if !contained_here(&format!("an image under {runtime}")) {
         return;
@@ -528,14 +529,19 @@ fn an_image_deploys_and_answers(runtime: &str) {
     let tokio = tokio::runtime::Runtime::new().unwrap();
     let registry = tokio.block_on(TestRegistry::start()).unwrap();
     let reference = registry.reference("team/httpd:v1");
-    // From the image's working directory, which the image makes writable:
+    // From the image's working directory, which the image gives its user:
     // what the workload writes lands in its own overlay.
-    let serve = "echo \"$GREETING from $(id -u)\" > whoami && exec httpd -f -p \"$PORT\" -h .";
-    let image = TestImage::new(&["/bin/sh", "-c"], &[serve], &["PATH=/bin", "GREETING=image-env"], "/www")
+    let serve = "echo \"$GREETING from $(id -un) $(id -u)\" > whoami && exec httpd -f -p \"$PORT\" -h .";
+    let env = ["PATH=/bin", "GREETING=image-env"];
+    let image = TestImage::as_user(&["/bin/sh", "-c"], &[serve], &env, "/www", "www")
         .layer(
             Layer::busybox(&["sh", "httpd", "id"])
                 .unwrap()
-                .dir("www", 0o777)
+                .dir("etc", 0o755)
+                .file("etc/passwd", b"root:x:0:0::/root:/bin/sh\nwww:x:33:33::/www:/bin/sh\n", 0o644)
+                .file("etc/group", b"root:x:0:\nwww:x:33:\n", 0o644)
+                .owned_by(33, 33)
+                .dir("www", 0o755)
                 .file("www/index.html", b"from the first layer\n", 0o644)
                 .file("www/stale.html", b"whited out\n", 0o644),
         )
@@ -576,7 +582,7 @@ fn an_image_deploys_and_answers(runtime: &str) {
     assert_eq!(get("/index.html"), "from the second layer\n");
     let whoami = get("/whoami");
     let uid: u32 =
-        whoami.trim().strip_prefix("template-env from ").unwrap_or_else(|| panic!("{whoami}")).parse().unwrap();
+        whoami.trim().strip_prefix("template-env from www ").unwrap_or_else(|| panic!("{whoami}")).parse().unwrap();
     assert!(uid >= 200_000, "the workload runs as a uid of the lease's own, not {uid}");
     assert!(get("/stale.html").contains("404"), "the whiteout removed it");
     let described = dev.ok(&["service", "get", "web"]);

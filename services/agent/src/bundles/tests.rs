@@ -366,6 +366,7 @@ fn an_image_runs_its_entrypoint_and_cmd_under_the_lease_command_args_and_env_as_
         env: BTreeMap::from([("PATH".into(), "/bin".into()), ("MODE".into(), "image".into())]),
         working_dir: "/www".into(),
         user: String::new(),
+        account: None,
     };
     let definition = BundleDefinition {
         image: Some(std::sync::Arc::new(run)),
@@ -387,7 +388,8 @@ fn an_image_runs_its_entrypoint_and_cmd_under_the_lease_command_args_and_env_as_
         WorkloadRoot::Image {
             dir: "/cache/bundles/sha256/abc".into(),
             digest: definition.digest.to_string(),
-            working_dir: "/www".into()
+            working_dir: "/www".into(),
+            account: None,
         }
     );
     assert_eq!(plain.env["MODE"], "image");

@@ -96,6 +96,8 @@ pub(crate) struct ImagePlan {
     pub(crate) init: Option<PathBuf>,
     /// Host files bound read-only over the image's: (host, inside).
     pub(crate) etc: Vec<(PathBuf, PathBuf)>,
+    /// The image's `User`, when not root: what the lease's ids are given.
+    pub(crate) account: Option<std::sync::Arc<berth_bundle::ImageUser>>,
 }
 
 /// The runtime spec for `plan`, with `rootfs` as the root: read-only for a
