@@ -182,6 +182,8 @@ fn declaration() -> revisions::ApplyServiceRequest {
             tier: "frontend".into(),
             image: None,
             runtime: 0,
+            working_dir: String::new(),
+            user: String::new(),
             readiness: Some(berth_proto::types::v1::Readiness {
                 http_path: "/healthz".into(),
                 port: "admin".into(),

@@ -7,7 +7,7 @@
 //! ROOT/blobs/sha256/<hex>       manifests, configs and bundle layers, each verified
 //! ROOT/bundles/sha256/<hex>/    the extracted bundle, or the unpacked image root, of <hex>
 //! ROOT/used/<hex>               empty; its mtime is the bundle's last use
-//! ROOT/users/<hex>              an image's `User` as found in its root (JSON), when not root
+//! ROOT/owners/<hex>             who an image's layers say owns what, where not root (JSON)
 //! ROOT/tmp/                     downloads and extractions in flight, emptied on open
 //! ```
 //! A container image is kept as its root filesystem alone: its layers are unpacked in
@@ -52,9 +52,9 @@ use crate::reference::BundleReference;
 use crate::registry_error::RegistryError;
 use crate::spec::BundlePort;
 
-/// The most of an image's kept `User` read back: a path of every entry within
+/// The most of an image's kept owners read back: a path of every entry within
 /// the entry limit fits.
-const MAX_USER_BYTES: u64 = 64 << 20;
+const MAX_OWNERS_BYTES: u64 = 64 << 20;
 
 /// How much disk the cache may use by default before evicting, 20 GiB.
 pub const DEFAULT_CACHE_BUDGET_BYTES: u64 = 20 << 30;
@@ -269,8 +269,8 @@ impl Inner {
         self.root.join("used")
     }
 
-    fn users(&self) -> PathBuf {
-        self.root.join("users")
+    fn owners(&self) -> PathBuf {
+        self.root.join("owners")
     }
 
     fn tmp(&self) -> PathBuf {
@@ -430,7 +430,7 @@ impl BundleCache {
             Err(e) => return Err(io_error(&tree, e)),
         }
         let _ = fs::rename(self.inner.used().join(digest.hex()), place.join("used"));
-        let _ = fs::rename(self.inner.users().join(digest.hex()), place.join("user"));
+        let _ = fs::rename(self.inner.owners().join(digest.hex()), place.join("owners"));
         let still_needed: HashSet<&Digest> = state
             .bundles
             .iter()
@@ -585,18 +585,18 @@ impl BundleCache {
         let inner = Arc::clone(&self.inner);
         let (digest_owned, config_digest) = (digest.clone(), image.config.digest.clone());
         let user = run.user.clone();
-        let (size, account) = tokio::task::spawn_blocking(move || {
+        let (size, account, owners) = tokio::task::spawn_blocking(move || {
             let account = ImageUser::resolve(&user, staging.path(), &owners).map_err(|reason| {
                 CacheError::NotAnImage { digest: digest_owned.clone(), source: FormatError::NotAnImage(reason) }
             })?;
             let mut stored = kept;
             stored.push((config_digest, config_bytes));
-            let size = install_image(&inner, &digest_owned, &stored, account.as_ref(), staging)?;
-            Ok::<_, CacheError>((size, account))
+            let size = install_image(&inner, &digest_owned, &stored, &owners, staging)?;
+            Ok::<_, CacheError>((size, account, owners))
         })
         .await
         .map_err(|e| io_error(&self.inner.tmp(), io::Error::other(e.to_string())))??;
-        let run = ImageRun { account: account.map(Arc::new), ..run };
+        let run = ImageRun { account: account.map(Arc::new), owners: Arc::new(owners), ..run };
 
         let ready = {
             let mut state = self.inner.lock();
@@ -708,13 +708,13 @@ fn place_tree(inner: &Inner, digest: &Digest, staging: tempfile::TempDir) -> Res
     Ok(())
 }
 
-/// Stores an image's manifests, config and resolved `User`, and renames its
-/// unpacked root into place; the image's size on disk.
+/// Stores an image's manifests, config and owners, and renames its unpacked
+/// root into place; the image's size on disk.
 fn install_image(
     inner: &Inner,
     digest: &Digest,
     stored: &[(Digest, Vec<u8>)],
-    account: Option<&ImageUser>,
+    owners: &ImageOwners,
     staging: tempfile::TempDir,
 ) -> Result<u64, CacheError> {
     let blobs = inner.blobs();
@@ -723,11 +723,11 @@ fn install_image(
         let path = blobs.join(blob.hex());
         write_atomically(&path, bytes).map_err(|e| io_error(&path, e))?;
     }
-    if let Some(account) = account {
-        let users = inner.users();
-        fs::create_dir_all(&users).map_err(|e| io_error(&users, e))?;
-        let path = users.join(digest.hex());
-        let json = serde_json::to_vec(account).map_err(|e| io_error(&path, io::Error::other(e)))?;
+    if !owners.is_empty() {
+        let dir = inner.owners();
+        fs::create_dir_all(&dir).map_err(|e| io_error(&dir, e))?;
+        let path = dir.join(digest.hex());
+        let json = serde_json::to_vec(owners).map_err(|e| io_error(&path, io::Error::other(e)))?;
         write_atomically(&path, &json).map_err(|e| io_error(&path, e))?;
     }
     let size = tree_size(staging.path()).map_err(|e| io_error(staging.path(), e))?
@@ -816,8 +816,12 @@ fn touch(path: &Path) -> io::Result<()> {
 /// Reads what a previous run left: clears `tmp/`, drops bundles without their blobs and
 /// blobs of no bundle, and sizes what remains.
 fn scan(root: &Path) -> Result<HashMap<Digest, Entry>, CacheError> {
-    let inner_dirs =
-        [root.join("blobs").join("sha256"), root.join("bundles").join("sha256"), root.join("used"), root.join("users")];
+    let inner_dirs = [
+        root.join("blobs").join("sha256"),
+        root.join("bundles").join("sha256"),
+        root.join("used"),
+        root.join("owners"),
+    ];
     for dir in &inner_dirs {
         fs::create_dir_all(dir).map_err(|e| io_error(dir, e))?;
     }
@@ -826,14 +830,14 @@ fn scan(root: &Path) -> Result<HashMap<Digest, Entry>, CacheError> {
         fs::remove_dir_all(&tmp).map_err(|e| io_error(&tmp, e))?;
     }
     fs::create_dir_all(&tmp).map_err(|e| io_error(&tmp, e))?;
-    let [blobs, bundles, used, users] = inner_dirs;
+    let [blobs, bundles, used, owners] = inner_dirs;
 
     let mut found = HashMap::new();
     for entry in fs::read_dir(&bundles).map_err(|e| io_error(&bundles, e))? {
         let entry = entry.map_err(|e| io_error(&bundles, e))?;
         let path = entry.path();
         let loaded = entry.file_name().to_str().and_then(|name| Digest::from_hex(name).ok()).and_then(|digest| {
-            let entry = load_entry(&blobs, &used, &users, &path, &digest)?;
+            let entry = load_entry(&blobs, &used, &owners, &path, &digest)?;
             Some((digest, entry))
         });
         match loaded {
@@ -848,7 +852,7 @@ fn scan(root: &Path) -> Result<HashMap<Digest, Entry>, CacheError> {
     }
     let referenced: HashSet<String> =
         found.iter().flat_map(|(d, e)| std::iter::once(d).chain(e.blobs.iter())).map(|d| d.hex().to_owned()).collect();
-    for dir in [&blobs, &used, &users] {
+    for dir in [&blobs, &used, &owners] {
         for entry in fs::read_dir(dir).map_err(|e| io_error(dir, e))? {
             let entry = entry.map_err(|e| io_error(dir, e))?;
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -865,7 +869,7 @@ fn scan(root: &Path) -> Result<HashMap<Digest, Entry>, CacheError> {
     Ok(found)
 }
 
-fn load_entry(blobs: &Path, used: &Path, users: &Path, dir: &Path, digest: &Digest) -> Option<Entry> {
+fn load_entry(blobs: &Path, used: &Path, owners: &Path, dir: &Path, digest: &Digest) -> Option<Entry> {
     if !fs::symlink_metadata(dir).ok()?.is_dir() {
         return None;
     }
@@ -891,13 +895,14 @@ fn load_entry(blobs: &Path, used: &Path, users: &Path, dir: &Path, digest: &Dige
     if let Some((image, mut kept, manifests_size)) = image {
         let config_bytes = read_bounded(&blobs.join(image.config.digest.hex()), MAX_CONFIG_BYTES).ok()?;
         let mut run = ImageRun::parse(&config_bytes).ok()?;
-        // Kept when the image was unpacked; an image whose user is not root
-        // but has none kept is pulled again.
-        run.account = match read_bounded(&users.join(digest.hex()), MAX_USER_BYTES) {
-            Ok(json) => Some(Arc::new(serde_json::from_slice::<ImageUser>(&json).ok()?)),
-            Err(_) if ImageUser::resolve(&run.user, dir, &ImageOwners::default()).ok()?.is_some() => return None,
-            Err(_) => None,
+        // Kept when the image was unpacked, where any entry is not root's.
+        let kept_owners = match read_bounded(&owners.join(digest.hex()), MAX_OWNERS_BYTES) {
+            Ok(json) => serde_json::from_slice::<ImageOwners>(&json).ok()?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => ImageOwners::default(),
+            Err(_) => return None,
         };
+        run.account = ImageUser::resolve(&run.user, dir, &kept_owners).ok()?.map(Arc::new);
+        run.owners = Arc::new(kept_owners);
         kept.push(image.config.digest);
         return Some(Entry {
             run: Run::Image(Arc::new(run)),

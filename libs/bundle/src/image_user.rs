@@ -17,7 +17,9 @@
 //! owners are noted entry by entry ([`ImageOwners`]: later layers replace,
 //! whiteouts and opaque directories forget), and once every layer is in,
 //! `User` is looked up in the root's `/etc/passwd` and `/etc/group`
-//! ([`ImageUser::resolve`]). The cache keeps the result beside the root.
+//! ([`ImageUser::resolve`]). The cache keeps the owners beside the root, so
+//! a lease that names another user than the config's is resolved the same
+//! way at launch.
 //!
 //! # What `User` may be
 //! `user`, `uid`, `user:group` or `uid:gid`, as Docker reads it. A name the
@@ -47,17 +49,32 @@ use serde::{Deserialize, Serialize};
 const MAX_ACCOUNTS_FILE_BYTES: u64 = 1 << 20;
 
 /// Who the layers of an image say owns each entry, where that is not root.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Kept as a list of `[path, uid, gid]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "Vec<(PathBuf, u32, u32)>", into = "Vec<(PathBuf, u32, u32)>")]
 pub struct ImageOwners {
     owners: BTreeMap<PathBuf, (u32, u32)>,
 }
 
+impl From<Vec<(PathBuf, u32, u32)>> for ImageOwners {
+    fn from(list: Vec<(PathBuf, u32, u32)>) -> Self {
+        Self { owners: list.into_iter().map(|(path, uid, gid)| (path, (uid, gid))).collect() }
+    }
+}
+
+impl From<ImageOwners> for Vec<(PathBuf, u32, u32)> {
+    fn from(owners: ImageOwners) -> Self {
+        owners.owners.into_iter().map(|(path, (uid, gid))| (path, uid, gid)).collect()
+    }
+}
+
 impl ImageOwners {
     /// A layer wrote `rel` owned by `uid`:`gid`; ids past 32 bits are taken
-    /// as root.
+    /// as root, and so is an entry whose path is not UTF-8 (it cannot be
+    /// kept, so no user is given it).
     pub(crate) fn note(&mut self, rel: &Path, uid: u64, gid: u64) {
         let (uid, gid) = (u32::try_from(uid).unwrap_or(0), u32::try_from(gid).unwrap_or(0));
-        if (uid, gid) == (0, 0) {
+        if (uid, gid) == (0, 0) || rel.to_str().is_none() {
             self.owners.remove(rel);
         } else {
             self.owners.insert(rel.to_path_buf(), (uid, gid));
@@ -139,8 +156,8 @@ impl ImageUser {
             Some((user_part, group_part)) => (user_part, Some(group_part)),
             None => (user, None),
         };
-        if user_part.is_empty() || group_part.is_some_and(str::is_empty) {
-            return Err(format!("User `{user}` is not user, uid, user:group or uid:gid"));
+        if let Some(problem) = berth_core::image_user_problem(user) {
+            return Err(format!("User {problem}"));
         }
         let passwd = read_in_root(root, "etc/passwd").map_err(|e| format!("User `{user}`: {e}"))?;
         let accounts: Vec<Account<'_>> = passwd.as_deref().map(|text| parse_accounts(text, true)).unwrap_or_default();

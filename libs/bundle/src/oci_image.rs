@@ -180,6 +180,10 @@ pub struct ImageRun {
     /// it. `None` for root, and until the image is unpacked.
     #[serde(skip)]
     pub account: Option<std::sync::Arc<crate::ImageUser>>,
+    /// Who the image's layers say owns what, where not root: what another
+    /// user than `user` is resolved against. Empty until unpacked.
+    #[serde(skip)]
+    pub owners: std::sync::Arc<crate::ImageOwners>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -231,6 +235,7 @@ impl ImageRun {
             working_dir: config.working_dir.unwrap_or_default(),
             user: config.user.unwrap_or_default(),
             account: None,
+            owners: Default::default(),
         };
         if run.entrypoint.iter().chain(&run.cmd).chain([&run.working_dir, &run.user]).any(|s| s.contains('\0')) {
             return Err(not_an_image("the config holds a NUL byte"));

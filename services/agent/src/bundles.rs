@@ -64,7 +64,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::SystemTime;
 
 use berth_bundle::{
-    BundleCache, BundleClient, BundleDefinition, BundleReference, CacheError, Digest, ImageRun, ReadyBundle,
+    BundleCache, BundleClient, BundleDefinition, BundleReference, CacheError, Digest, ImageRun, ImageUser, ReadyBundle,
     RegistryCredentials, RegistryError,
 };
 use berth_proto::artifact::ArtifactKind;
@@ -562,6 +562,16 @@ pub(crate) fn bundle_spec(definition: &BundleDefinition, mut spec: LaunchSpec) -
     if let Some(run) = &definition.image {
         return image_spec(definition, run, spec);
     }
+    for (field, value) in [("working_dir", &spec.image.working_dir), ("user", &spec.image.user)] {
+        if !value.is_empty() {
+            return Err(BundleError::Program {
+                digest: definition.digest.clone(),
+                field,
+                path: value.clone(),
+                reason: "applies only to a container image, and this is a bundle".into(),
+            });
+        }
+    }
     let program = match &spec.program {
         Program::Command(command) => lease_command(definition, command)?,
         Program::Entrypoint | Program::Bundled(_) => {
@@ -586,8 +596,9 @@ pub(crate) fn bundle_spec(definition: &BundleDefinition, mut spec: LaunchSpec) -
 /// `spec` made into what runs the container image of `definition`: the
 /// lease's `command` replaces the image's Entrypoint and its `args` the
 /// image's Cmd (a `command` alone runs without the Cmd), as Kubernetes
-/// does; the lease's env is laid over the image's; the image's working
-/// directory applies.
+/// does; the lease's env is laid over the image's; the lease's working
+/// directory and user, where it gives them, replace the image's (a user is
+/// looked up in the image as the image's own is, see [`ImageUser`]).
 fn image_spec(definition: &BundleDefinition, run: &ImageRun, mut spec: LaunchSpec) -> Result<LaunchSpec, BundleError> {
     let args = std::mem::take(&mut spec.args);
     let mut argv: Vec<String> = match &spec.program {
@@ -609,11 +620,25 @@ fn image_spec(definition: &BundleDefinition, run: &ImageRun, mut spec: LaunchSpe
     let mut env = run.env.clone();
     env.extend(std::mem::take(&mut spec.env));
     env.insert(BUNDLE_DIGEST_VAR.to_string(), definition.digest.to_string());
+    let overrides = std::mem::take(&mut spec.image);
+    let account = if overrides.user.is_empty() {
+        run.account.clone()
+    } else {
+        ImageUser::resolve(&overrides.user, &definition.root, &run.owners)
+            .map_err(|reason| BundleError::Program {
+                digest: definition.digest.clone(),
+                field: "user",
+                path: overrides.user.clone(),
+                reason: format!("cannot be used: {reason}"),
+            })?
+            .map(Arc::new)
+    };
+    let working_dir = if overrides.working_dir.is_empty() { run.working_dir.clone() } else { overrides.working_dir };
     spec.root = WorkloadRoot::Image {
         dir: definition.root.clone(),
         digest: definition.digest.to_string(),
-        working_dir: run.working_dir.clone(),
-        account: run.account.clone(),
+        working_dir,
+        account,
     };
     spec.program = Program::Command(program);
     spec.args = argv;

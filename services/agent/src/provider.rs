@@ -53,6 +53,18 @@ pub struct LaunchSpec {
     pub network: Option<NetworkAttachment>,
     /// What the agent API shows about it.
     pub meta: InstanceMeta,
+    /// For a container image, what the lease sets in place of its config.
+    pub image: ImageOverrides,
+}
+
+/// What a lease sets in place of its container image's config; empty keeps
+/// the image's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ImageOverrides {
+    /// An absolute directory inside the image, for its `WorkingDir`.
+    pub working_dir: String,
+    /// An account of the image, for its `User`.
+    pub user: String,
 }
 
 /// The files a workload runs from.
@@ -548,6 +560,7 @@ impl LaunchSpec {
             resources: Resources::default(),
             network: None,
             meta: InstanceMeta::default(),
+            image: ImageOverrides::default(),
         }
     }
 }

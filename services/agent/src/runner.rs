@@ -59,8 +59,8 @@ use crate::dial::Dialer;
 use crate::keepalive::{KeepAlive, Lost, RenewSet};
 use crate::leases_client::{NodeLeasesApi, is_transient};
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, InstanceMeta, LaunchSpec, Launched, Program, Provider, Resources, Runtime, Settlement,
-    WorkloadRoot,
+    Exit, ExitStatus, ExitWatch, ImageOverrides, InstanceMeta, LaunchSpec, Launched, Program, Provider, Resources,
+    Runtime, Settlement, WorkloadRoot,
 };
 use crate::recovery::{PassPlan, PassReport, run_pass};
 use crate::status::{Fence, FenceReason, NodeSession};
@@ -533,6 +533,7 @@ impl Runner {
                 .unwrap_or_default(),
             network: None,
             meta: meta.clone(),
+            image: ImageOverrides { working_dir: workload.working_dir, user: workload.user },
         };
         self.shared.board.put(InstanceView::new(&lease.lease_id, lease.epoch, meta, LeasePhase::Bound));
         let held = self.hold(&lease.lease_id, lease.epoch, false, false);

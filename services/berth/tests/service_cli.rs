@@ -519,9 +519,9 @@ fn contained_here(test: &str) -> bool {
 /// in it), deployed with the same `service apply` as the README's hello,
 /// under the dev node's OCI runtime `runtime`: it answers from the image's
 /// working directory, with the lower layer's file replaced and another
-/// removed by a whiteout, the template's env over the image's, and runs as
-/// the image's `User` (its account, owning what the image gave it) on the
-/// lease's own uid, never root.
+/// removed by a whiteout, the template's env, working directory and user
+/// over the image's, and runs as that user (the image's account, owning
+/// what the image gave it) on the lease's own uid, never root.
 fn an_image_deploys_and_answers(runtime: &str) {
     if !contained_here(&format!("an image under {runtime}")) {
         return;
@@ -533,12 +533,16 @@ fn an_image_deploys_and_answers(runtime: &str) {
     // what the workload writes lands in its own overlay.
     let serve = "echo \"$GREETING from $(id -un) $(id -u)\" > whoami && exec httpd -f -p \"$PORT\" -h .";
     let env = ["PATH=/bin", "GREETING=image-env"];
-    let image = TestImage::as_user(&["/bin/sh", "-c"], &[serve], &env, "/www", "www")
+    let image = TestImage::as_user(&["/bin/sh", "-c"], &[serve], &env, "/", "nobody")
         .layer(
             Layer::busybox(&["sh", "httpd", "id"])
                 .unwrap()
                 .dir("etc", 0o755)
-                .file("etc/passwd", b"root:x:0:0::/root:/bin/sh\nwww:x:33:33::/www:/bin/sh\n", 0o644)
+                .file(
+                    "etc/passwd",
+                    b"root:x:0:0::/root:/bin/sh\nwww:x:33:33::/www:/bin/sh\nnobody:x:65534:65534::/:\n",
+                    0o644,
+                )
                 .file("etc/group", b"root:x:0:\nwww:x:33:\n", 0o644)
                 .owned_by(33, 33)
                 .dir("www", 0o755)
@@ -560,6 +564,8 @@ fn an_image_deploys_and_answers(runtime: &str) {
         "replicas": 1,
         "ports": [{"name": "http", "port": 8080}],
         "env": {"GREETING": "template-env"},
+        "working_dir": "/www",
+        "user": "www",
         "resources": {"cpu_millis": 100, "memory_bytes": 64 << 20},
         // The dev node's labels say what runs its workloads; placement reads them.
         "runtime": if runtime == "runsc" { "sandboxed" } else { "contained" },

@@ -220,6 +220,20 @@ fn workload(workload: &v1::Workload) -> Result<(), LeaseError> {
     if berth_proto::types::v1::RuntimeClass::try_from(workload.runtime).is_err() {
         return Err(invalid("workload.runtime", format!("{} is not a RuntimeClass value", workload.runtime)));
     }
+    for (field, value, check) in [
+        ("workload.working_dir", &workload.working_dir, berth_core::working_dir_problem as fn(&str) -> Option<String>),
+        ("workload.user", &workload.user, berth_core::image_user_problem),
+    ] {
+        if value.is_empty() {
+            continue;
+        }
+        if let Some(problem) = check(value) {
+            return Err(invalid(field, problem));
+        }
+        if workload.image.is_none() {
+            return Err(invalid(field, "applies only to a container image (workload.image)"));
+        }
+    }
     if workload.env.keys().any(|key| key.is_empty() || key.contains('=') || key.contains('\0')) {
         return Err(invalid("workload.env", "names must be non-empty and hold no '=' or NUL"));
     }
@@ -284,6 +298,10 @@ mod tests {
             ("spread_group", Box::new(|r| r.spread_group = "a\nb".into())),
             ("workload", Box::new(|r| r.workload = None)),
             ("workload", Box::new(|r| r.workload = Some(v1::Workload::default()))),
+            ("workload.user", Box::new(|r| r.workload.as_mut().unwrap().user = "app".into())),
+            ("workload.working_dir", Box::new(|r| r.workload.as_mut().unwrap().working_dir = "/srv".into())),
+            ("workload.working_dir", Box::new(|r| r.workload.as_mut().unwrap().working_dir = "srv".into())),
+            ("workload.user", Box::new(|r| r.workload.as_mut().unwrap().user = "a b".into())),
         ];
         for (field, spoil) in cases {
             let mut bad = request();

@@ -442,6 +442,8 @@ fn lease_request(
             revision: revision.name.clone(),
             // A replica with ports takes traffic once its first port accepts, unless told otherwise.
             readiness: template.readiness.clone().or_else(|| (!template.ports.is_empty()).then(Readiness::default)),
+            working_dir: template.working_dir.clone(),
+            user: template.user.clone(),
         }),
     }
 }

@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 
 use berth_bundle::BundleReference;
+use berth_core::{image_user_problem, working_dir_problem};
 use berth_proto::revisions::v1::{AckRoutesRequest, ApplyServiceRequest, ServiceTemplate, Source};
 use berth_proto::types::v1::BundleRef;
 use berth_rpc::invalid::{Checker, Invalid, shown};
@@ -197,6 +198,21 @@ fn template(check: &mut Checker, template: &ServiceTemplate, policy: &RegistryPo
     if berth_proto::types::v1::RuntimeClass::try_from(template.runtime).is_err() {
         check.bad("template.runtime", format!("{} is not a RuntimeClass value", template.runtime));
     }
+    for (field, problem) in [
+        (
+            "template.working_dir",
+            (!template.working_dir.is_empty()).then(|| working_dir_problem(&template.working_dir)),
+        ),
+        ("template.user", (!template.user.is_empty()).then(|| image_user_problem(&template.user))),
+    ] {
+        match problem {
+            Some(Some(problem)) => check.bad(field, problem),
+            Some(None) if template.image.is_none() => {
+                check.bad(field, "applies only to a container image (template.image)")
+            }
+            _ => {}
+        }
+    }
     if template.command.contains('\0') || template.command.len() > MAX_ARG_BYTES {
         check.bad("template.command", format!("must be at most {MAX_ARG_BYTES} bytes without NUL"));
     }
@@ -379,6 +395,22 @@ mod tests {
                 }),
             ),
             ("template.tier", Box::new(|r| template(r).tier = "GPU".into())),
+            ("template.working_dir", Box::new(|r| template(r).working_dir = "/srv".into())),
+            ("template.user", Box::new(|r| template(r).user = "app".into())),
+            (
+                "template.user",
+                Box::new(|r| {
+                    let t = template(r);
+                    (t.image, t.user) = (t.bundle.take(), "app:".into());
+                }),
+            ),
+            (
+                "template.working_dir",
+                Box::new(|r| {
+                    let t = template(r);
+                    (t.image, t.working_dir) = (t.bundle.take(), "srv".into());
+                }),
+            ),
             (
                 "template.readiness.port",
                 Box::new(|r| template(r).readiness = Some(Readiness { port: "admin".into(), ..Default::default() })),

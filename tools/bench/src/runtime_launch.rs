@@ -270,6 +270,7 @@ async fn provider_launches(runtime: BenchRuntime, binary: Option<PathBuf>, count
             resources: Resources { cpu_millis: 1000, memory_bytes: MEMORY },
             network: None,
             meta: InstanceMeta::default(),
+            image: Default::default(),
         };
         let sent = Instant::now();
         match tokio::time::timeout(START_TIMEOUT, provider.launch(spec)).await {

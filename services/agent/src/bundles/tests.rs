@@ -9,6 +9,7 @@ use berth_bundle::{BundlePort, CacheOptions, PackedBundle, RegistryConfig};
 
 use super::credentials::IssuedCredentials;
 use super::*;
+use crate::provider::ImageOverrides;
 use crate::testdir::TestDir;
 
 /// A bundle directory whose program prints `word`.
@@ -367,6 +368,7 @@ fn an_image_runs_its_entrypoint_and_cmd_under_the_lease_command_args_and_env_as_
         working_dir: "/www".into(),
         user: String::new(),
         account: None,
+        owners: Default::default(),
     };
     let definition = BundleDefinition {
         image: Some(std::sync::Arc::new(run)),
@@ -410,4 +412,64 @@ fn an_image_runs_its_entrypoint_and_cmd_under_the_lease_command_args_and_env_as_
     let refused = bundle_spec(&empty, lease_spec()).unwrap_err();
     assert_eq!(refused.reason(), "BundleInvalid");
     assert!(refused.to_string().contains("no Entrypoint nor Cmd"), "{refused}");
+}
+
+#[test]
+fn a_lease_sets_the_images_working_directory_and_user_in_place_of_its_configs() {
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(root.path().join("etc")).unwrap();
+    std::fs::create_dir_all(root.path().join("srv/data")).unwrap();
+    std::fs::write(
+        root.path().join("etc/passwd"),
+        "root:x:0:0::/root:/bin/sh\napp:x:1000:1000::/home/app:\nweb:x:33:33::/srv:\n",
+    )
+    .unwrap();
+    let owners: berth_bundle::ImageOwners = serde_json::from_str(r#"[["srv/data", 33, 33]]"#).unwrap();
+    let run = ImageRun {
+        entrypoint: vec!["/bin/sh".into()],
+        working_dir: "/home/app".into(),
+        user: "app".into(),
+        account: berth_bundle::ImageUser::resolve("app", root.path(), &owners).unwrap().map(std::sync::Arc::new),
+        owners: std::sync::Arc::new(owners),
+        ..ImageRun::default()
+    };
+    let definition = BundleDefinition { image: Some(std::sync::Arc::new(run)), ..definition(root.path()) };
+    let account_of = |spec: &LaunchSpec| match &spec.root {
+        WorkloadRoot::Image { working_dir, account, .. } => (
+            working_dir.clone(),
+            account.as_ref().and_then(|a| a.name.clone()),
+            account.as_ref().map(|a| a.owned.len()),
+        ),
+        other => panic!("{other:?}"),
+    };
+    let plain = bundle_spec(&definition, lease_spec()).unwrap();
+    assert_eq!(account_of(&plain), ("/home/app".into(), Some("app".into()), Some(0)), "the image's own");
+
+    let mut overridden = lease_spec();
+    overridden.image = ImageOverrides { working_dir: "/srv".into(), user: "web".into() };
+    let overridden = bundle_spec(&definition, overridden).unwrap();
+    assert_eq!(
+        account_of(&overridden),
+        ("/srv".into(), Some("web".into()), Some(1)),
+        "the lease's, with what web owns"
+    );
+
+    let mut as_root = lease_spec();
+    as_root.image.user = "0".into();
+    assert_eq!(account_of(&bundle_spec(&definition, as_root).unwrap()).1, None, "root is given nothing");
+
+    let mut ghost = lease_spec();
+    ghost.image.user = "ghost".into();
+    let refused = bundle_spec(&definition, ghost).unwrap_err();
+    assert_eq!(refused.reason(), "BundleInvalid");
+    assert!(
+        refused.to_string().contains("user `ghost` cannot be used") && refused.to_string().contains("/etc/passwd"),
+        "{refused}"
+    );
+
+    let dir = bundle_dir("plain");
+    let mut on_a_bundle = lease_spec();
+    on_a_bundle.image.user = "app".into();
+    let refused = bundle_spec(&self::definition(dir.path()), on_a_bundle).unwrap_err();
+    assert!(refused.to_string().contains("applies only to a container image"), "{refused}");
 }

@@ -1082,7 +1082,7 @@ fn parse_spec(file: &str, text: &str) -> Result<Value, SpecError> {
 
 /// The fields of a declaration, in the proto's snake_case.
 const SPEC_FIELDS: [&str; 4] = ["project", "name", "template", "source"];
-const TEMPLATE_FIELDS: [&str; 12] = [
+const TEMPLATE_FIELDS: [&str; 14] = [
     "bundle",
     "image",
     "command",
@@ -1095,6 +1095,8 @@ const TEMPLATE_FIELDS: [&str; 12] = [
     "tier",
     "runtime",
     "readiness",
+    "working_dir",
+    "user",
 ];
 const BUNDLE_FIELDS: [&str; 3] = ["reference", "secret", "insecure"];
 const CAPACITY_FIELDS: [&str; 2] = ["cpu_millis", "memory_bytes"];
@@ -1205,6 +1207,8 @@ fn template(fields: &Fields<'_>) -> Result<v1::ServiceTemplate, Refusal> {
                 })
             })
             .transpose()?,
+        working_dir: fields.string("working_dir")?,
+        user: fields.string("user")?,
     })
 }
 
