@@ -12,13 +12,18 @@
 //! The agent's own executable, invoked as [`ARG0`] (both `berth-agent` and
 //! `berth` dispatch on that name before anything else runs, so the process
 //! is single-threaded, as `unshare` and `setns` need):
-//! 1. **The monitor** unshares a PID namespace and spawns the init, then,
-//!    while the init sets up, creates the lease's cgroup with its limits
-//!    (v1 per controller on hybrid hosts, the unified tree on v2) and moves
-//!    the init into it; the monitor itself stays outside. It writes the
-//!    init's host pid and lets it go on (a byte on a pipe), then waits for
-//!    it and exits with its status (128 + the signal for a signal), as runc
-//!    does.
+//! 1. **The monitor** unshares a PID namespace and creates the lease's
+//!    cgroup with its limits (v1 per controller on hybrid hosts, the unified
+//!    tree on v2). On v1 it steps into the cgroup itself, spawns the init
+//!    there and steps back out: a single thread moving itself through a
+//!    hierarchy's `tasks` file takes none of the kernel-wide lock that
+//!    moving another process takes, whose writer waits out an RCU grace
+//!    period (5 to 25 ms each launch, unless the host's cgroup2 mount has
+//!    `favordynmods`). On v2 it spawns the init first and moves it in while
+//!    the init sets up. Either way the monitor itself ends outside the
+//!    cgroup. It writes the init's host pid and lets it go on (a byte on a
+//!    pipe), then waits for it and exits with its status (128 + the signal
+//!    for a signal), as runc does.
 //! 2. **The init** is the PID namespace's first process. It enters the
 //!    tenant's network namespace, unshares mount, IPC and UTS namespaces,
 //!    makes every mount private, mounts what the spec lists into the root
@@ -407,6 +412,39 @@ impl Cgroup {
         Ok(())
     }
 
+    /// Where the calling process is now, in each of this cgroup's v1
+    /// hierarchies (as `/proc/self/cgroup` says).
+    fn current_v1(&self) -> Result<Vec<PathBuf>, String> {
+        let text =
+            std::fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("cannot read /proc/self/cgroup: {e}"))?;
+        let root = Path::new(CGROUP_ROOT);
+        (0..self.dirs.len())
+            .map(|index| {
+                let (controller, _) = self.controllers.iter().find(|(_, at)| *at == index).ok_or("no controller")?;
+                text.lines()
+                    .filter_map(|line| {
+                        let mut fields = line.splitn(3, ':').skip(1);
+                        fields.next().zip(fields.next())
+                    })
+                    .find(|(controllers, _)| controllers.split(',').any(|c| c == *controller))
+                    .map(|(_, path)| root.join(controller).join(path.trim_start_matches('/')))
+                    .ok_or_else(|| format!("/proc/self/cgroup names no {controller} cgroup"))
+            })
+            .collect()
+    }
+
+    /// Moves the calling thread into each of `dirs` (v1). A thread moving
+    /// itself through `tasks` takes none of the kernel-wide lock a move
+    /// through `cgroup.procs` takes, whose writer waits out an RCU grace
+    /// period (5 to 25 ms) on hosts without `favordynmods`.
+    fn move_self(dirs: &[PathBuf]) -> Result<(), String> {
+        for dir in dirs {
+            let tasks = dir.join("tasks");
+            std::fs::write(&tasks, "0").map_err(|e| format!("cannot move into {}: {e}", tasks.display()))?;
+        }
+        Ok(())
+    }
+
     /// Moves `pid` (and so everything it will start) into the cgroup.
     fn join(&self, pid: u32) -> Result<(), String> {
         for dir in &self.dirs {
@@ -538,8 +576,45 @@ fn start(root: &Path, bundle: &Path, pid_file: &Path, id: &str) -> Result<std::p
     let cgroup = Cgroup::new(&cgroup_path);
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID)
         .map_err(|e| format!("cannot make a PID namespace: {e}"))?;
-    // The init sets up the workload's root while its cgroup is made.
-    let mut init = std::process::Command::new(SELF_EXE)
+    // On v1 the init is born in its cgroup: this (single-threaded) monitor
+    // steps into it to spawn the init and back out, each step a thread's
+    // move of itself. On v2 the init sets up the workload's root while its
+    // cgroup is made, and is moved into it.
+    let born_inside = !cgroup.unified;
+    if born_inside {
+        let home = cgroup.current_v1()?;
+        cgroup.create(&spec)?;
+        if let Err(error) = Cgroup::move_self(&cgroup.dirs) {
+            let _ = Cgroup::move_self(&home);
+            cgroup.remove();
+            return Err(error);
+        }
+        let spawned = spawn_init(root, bundle);
+        let back = Cgroup::move_self(&home);
+        let init = match (spawned, back) {
+            (Ok(init), Ok(())) => init,
+            (spawned, back) => {
+                if let Ok(mut init) = spawned {
+                    let _ = init.kill();
+                    let _ = init.wait();
+                }
+                cgroup.remove();
+                return Err(back.err().unwrap_or_else(|| "cannot start the workload's init".into()));
+            }
+        };
+        return place(init, &cgroup, &cgroup_path, &dir, pid_file, |_| Ok(()));
+    }
+    let init = spawn_init(root, bundle)?;
+    place(init, &cgroup, &cgroup_path, &dir, pid_file, |init| {
+        cgroup.create(&spec)?;
+        cgroup.join(init)
+    })
+}
+
+/// Starts the init, which waits for a byte on its stdin before it execs the
+/// workload.
+fn spawn_init(root: &Path, bundle: &Path) -> Result<std::process::Child, String> {
+    std::process::Command::new(SELF_EXE)
         .arg0(ARG0)
         .arg("--root")
         .arg(root)
@@ -548,15 +623,26 @@ fn start(root: &Path, bundle: &Path, pid_file: &Path, id: &str) -> Result<std::p
         .arg(bundle)
         .stdin(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot start the workload's init: {e}"))?;
+        .map_err(|e| format!("cannot start the workload's init: {e}"))
+}
+
+/// Puts `init` in its cgroup (`contain`, given its pid), records it, and lets
+/// it go on; on any failure kills it and removes the cgroup.
+fn place(
+    mut init: std::process::Child,
+    cgroup: &Cgroup,
+    cgroup_path: &str,
+    dir: &Path,
+    pid_file: &Path,
+    contain: impl FnOnce(u32) -> Result<(), String>,
+) -> Result<std::process::Child, String> {
     let go = init.stdin.take();
     let placed = (|| {
-        cgroup.create(&spec)?;
-        cgroup.join(init.id())?;
+        contain(init.id())?;
         let start_ticks = procfs::read_stat(Path::new(PROC_ROOT), init.id())
             .map(|stat| stat.start_ticks)
             .ok_or_else(|| "the workload's init ended before it started".to_string())?;
-        let state = State { pid: init.id(), start_ticks, cgroup: cgroup_path.clone() };
+        let state = State { pid: init.id(), start_ticks, cgroup: cgroup_path.to_owned() };
         write_atomically(&dir.join(STATE_FILE), &serde_json::to_vec(&state).unwrap_or_default())?;
         write_atomically(pid_file, init.id().to_string().as_bytes())
     })();
