@@ -106,6 +106,17 @@ async fn ended(watch: &mut ExitWatch) -> Exit {
     exit.unwrap().unwrap()
 }
 
+/// Launches `spec` and waits for it to end well; its stderr (for the
+/// assertions that follow).
+async fn ran_to_success(provider: &dyn Provider, spec: LaunchSpec) -> String {
+    let lease_id = spec.lease_id.clone();
+    let mut launched = provider.launch(spec).await.unwrap();
+    let status = ended(&mut launched.exit).await.status;
+    let errors = std::fs::read_to_string(provider.log_files(&lease_id).unwrap().stderr).unwrap_or_default();
+    assert!(status.success(), "{status:?}: {errors}");
+    errors
+}
+
 fn stdout_of(provider: &dyn Provider, lease_id: &str) -> String {
     std::fs::read_to_string(provider.log_files(lease_id).unwrap().stdout).unwrap_or_default()
 }
@@ -281,10 +292,7 @@ async fn image_user_on(kind: Kind) {
     };
     spec.program = Program::Command("sh".into());
     spec.env.insert("PATH".into(), "/bin".into());
-    let mut launched = provider.launch(spec).await.unwrap();
-    let status = ended(&mut launched.exit).await.status;
-    let errors = std::fs::read_to_string(provider.log_files("lease-user").unwrap().stderr).unwrap_or_default();
-    assert!(status.success(), "{status:?}: {errors}");
+    let errors = ran_to_success(provider.as_ref(), spec).await;
     let out = stdout_of(provider.as_ref(), "lease-user");
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(
@@ -328,10 +336,7 @@ async fn image_root_on(kind: Kind) {
         assert!(refused.to_string().contains("nodes that contain their workloads"), "{refused}");
         return;
     }
-    let mut launched = provider.launch(spec).await.unwrap();
-    let status = ended(&mut launched.exit).await.status;
-    let errors = std::fs::read_to_string(provider.log_files("lease-image").unwrap().stderr).unwrap_or_default();
-    assert!(status.success(), "{status:?}: {errors}");
+    ran_to_success(provider.as_ref(), spec).await;
     let out = stdout_of(provider.as_ref(), "lease-image");
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.first(), Some(&"/www"), "the image's working directory: {out}");
@@ -765,10 +770,7 @@ async fn image_links_on(runtime: OciRuntime) {
         WorkloadRoot::Image { dir: root, digest: "sha256:links".into(), working_dir: "/".into(), account: None };
     spec.program = Program::Command("sh".into());
     spec.env.insert("PATH".into(), "/bin".into());
-    let mut launched = provider.launch(spec).await.unwrap();
-    let status = ended(&mut launched.exit).await.status;
-    let errors = std::fs::read_to_string(provider.log_files("lease-links").unwrap().stderr).unwrap_or_default();
-    assert!(status.success(), "{status:?}: {errors}");
+    ran_to_success(provider.as_ref(), spec).await;
     assert_eq!(stdout_of(provider.as_ref(), "lease-links"), "inside\nran\n");
     for dir in ["tmp", "dev"] {
         let entries: Vec<_> =
