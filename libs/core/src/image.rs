@@ -36,6 +36,25 @@ pub fn working_dir_problem(dir: &str) -> Option<String> {
     None
 }
 
+/// What is wrong with the `working_dir` and `user` a template or lease sets
+/// in place of its image's: each field named (`working_dir`, `user`) with
+/// its problem. Empty values are fine; a set one needs `image` (the
+/// template or lease runs a container image).
+pub fn image_settings_problems(working_dir: &str, user: &str, image: bool) -> Vec<(&'static str, String)> {
+    [
+        ("working_dir", working_dir, working_dir_problem as fn(&str) -> Option<String>),
+        ("user", user, image_user_problem),
+    ]
+    .into_iter()
+    .filter(|(_, value, _)| !value.is_empty())
+    .filter_map(|(field, value, check)| {
+        check(value)
+            .or_else(|| (!image).then(|| "applies only to a container image".to_owned()))
+            .map(|problem| (field, problem))
+    })
+    .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,6 +67,15 @@ mod tests {
         for bad in ["", ":", "app:", ":staff", "a:b:c", "two words", "a\0b", "../x", &"u".repeat(300)] {
             assert!(image_user_problem(bad).is_some(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn settings_are_checked_only_when_set_and_only_for_an_image() {
+        assert!(image_settings_problems("", "", false).is_empty());
+        assert!(image_settings_problems("/srv", "app", true).is_empty());
+        let fields: Vec<&str> = image_settings_problems("srv", "app", false).into_iter().map(|(f, _)| f).collect();
+        assert_eq!(fields, ["working_dir", "user"]);
+        assert!(image_settings_problems("", "app", false)[0].1.contains("only to a container image"));
     }
 
     #[test]

@@ -220,19 +220,12 @@ fn workload(workload: &v1::Workload) -> Result<(), LeaseError> {
     if berth_proto::types::v1::RuntimeClass::try_from(workload.runtime).is_err() {
         return Err(invalid("workload.runtime", format!("{} is not a RuntimeClass value", workload.runtime)));
     }
-    for (field, value, check) in [
-        ("workload.working_dir", &workload.working_dir, berth_core::working_dir_problem as fn(&str) -> Option<String>),
-        ("workload.user", &workload.user, berth_core::image_user_problem),
-    ] {
-        if value.is_empty() {
-            continue;
-        }
-        if let Some(problem) = check(value) {
-            return Err(invalid(field, problem));
-        }
-        if workload.image.is_none() {
-            return Err(invalid(field, "applies only to a container image (workload.image)"));
-        }
+    let image = workload.image.is_some();
+    if let Some((field, problem)) =
+        berth_core::image_settings_problems(&workload.working_dir, &workload.user, image).into_iter().next()
+    {
+        let field = if field == "user" { "workload.user" } else { "workload.working_dir" };
+        return Err(invalid(field, problem));
     }
     if workload.env.keys().any(|key| key.is_empty() || key.contains('=') || key.contains('\0')) {
         return Err(invalid("workload.env", "names must be non-empty and hold no '=' or NUL"));

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 
 use berth_bundle::BundleReference;
-use berth_core::{image_user_problem, working_dir_problem};
+use berth_core::image_settings_problems;
 use berth_proto::revisions::v1::{AckRoutesRequest, ApplyServiceRequest, ServiceTemplate, Source};
 use berth_proto::types::v1::BundleRef;
 use berth_rpc::invalid::{Checker, Invalid, shown};
@@ -198,20 +198,9 @@ fn template(check: &mut Checker, template: &ServiceTemplate, policy: &RegistryPo
     if berth_proto::types::v1::RuntimeClass::try_from(template.runtime).is_err() {
         check.bad("template.runtime", format!("{} is not a RuntimeClass value", template.runtime));
     }
-    for (field, problem) in [
-        (
-            "template.working_dir",
-            (!template.working_dir.is_empty()).then(|| working_dir_problem(&template.working_dir)),
-        ),
-        ("template.user", (!template.user.is_empty()).then(|| image_user_problem(&template.user))),
-    ] {
-        match problem {
-            Some(Some(problem)) => check.bad(field, problem),
-            Some(None) if template.image.is_none() => {
-                check.bad(field, "applies only to a container image (template.image)")
-            }
-            _ => {}
-        }
+    let image = template.image.is_some();
+    for (field, problem) in image_settings_problems(&template.working_dir, &template.user, image) {
+        check.bad(format!("template.{field}"), problem);
     }
     if template.command.contains('\0') || template.command.len() > MAX_ARG_BYTES {
         check.bad("template.command", format!("must be at most {MAX_ARG_BYTES} bytes without NUL"));
