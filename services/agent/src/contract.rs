@@ -607,8 +607,11 @@ done
         let script = format!("echo up; exec {marker}");
         tokio::spawn(async move { first.launch(spec("lease-x", &script)).await })
     };
+    // This test's own script, by its whole path: the same test of another
+    // runtime may run beside this one with a script of the same name.
+    let slow_path = slow.display().to_string();
     eventually("the runtime to be starting the container", SLOW, || async {
-        if host_processes("slow-runtime").is_empty() { Err("no slow-runtime process") } else { Ok(()) }
+        if host_processes(&slow_path).is_empty() { Err("no slow-runtime process") } else { Ok(()) }
     })
     .await;
     launching.abort();
@@ -623,7 +626,7 @@ done
     tokio::time::sleep(Duration::from_secs(5)).await;
     let needle = needle(Kind::Oci(runtime), &marker, tmp.path());
     assert_eq!(host_processes(&needle), Vec::<u32>::new(), "the container came up after the recovery");
-    assert!(host_processes("slow-runtime").is_empty(), "the runtime that was starting it still runs");
+    assert!(host_processes(&slow_path).is_empty(), "the runtime that was starting it still runs");
 }
 
 hostile! {
