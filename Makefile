@@ -9,8 +9,11 @@ CARGO ?= cargo
 ## Run the whole mesh in one process on .berth/dev (Ctrl-C stops it, and
 ## the dev node's workloads with it). As root, the dev node contains its
 ## workloads through runc, which this installs first where it is missing.
+## berth-runtime, the process runtime's launcher, is built beside berth
+## for `berth dev --runtime process`.
 dev:
 	@if [ "$$(id -u)" = 0 ]; then scripts/runtime-deps.sh; fi
+	$(CARGO) build -p berth-agent --bin berth-runtime
 	$(CARGO) run --bin berth -- dev
 
 ## Lint, then every test against real PostgreSQL, Redis and grpcurl.

@@ -280,9 +280,10 @@ pub struct AgentConfig {
     pub proxy_timing: ProxyTiming,
     /// What runs workloads, and how they are contained.
     pub containment: Containment,
-    /// The executable that acts as the process runtime (`berth-agent` or
-    /// `berth`); `None` is the running one. Set where the agent runs inside
-    /// another program, as a test's.
+    /// The executable that acts as the process runtime (`berth-runtime`,
+    /// `berth-agent` or `berth`); `None` is `berth-runtime` beside the
+    /// running one, else the running one itself. Set where the agent runs
+    /// inside another program, as a test's.
     pub process_runtime_exe: Option<PathBuf>,
 }
 

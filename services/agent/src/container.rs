@@ -88,7 +88,7 @@ mod spec;
 
 #[cfg(test)]
 pub(crate) use self::own::ARG0 as OWN_ARG0;
-pub use self::own::{favor_cgroup_migrations, main_if_invoked as runtime_main_if_invoked};
+pub use self::own::{favor_cgroup_migrations, main as runtime_main, main_if_invoked as runtime_main_if_invoked};
 
 pub(crate) use self::spec::{BUNDLE_MOUNT, WORK_MOUNT};
 use self::spec::{ContainerPlan, INIT_MOUNT, ImagePlan, runtime_spec};
@@ -167,11 +167,17 @@ impl OciRuntime {
     }
 
     /// Where its binary is on this host, if it is installed. The process
-    /// runtime is the running executable itself (`berth-agent` or `berth`,
-    /// both of which act as it when invoked by its name).
+    /// runtime is `berth-runtime` where it is installed beside the running
+    /// executable (it starts faster than the whole agent), else the running
+    /// executable itself (`berth-agent` and `berth` both act as it when
+    /// invoked by its name).
     pub fn binary(self) -> Option<PathBuf> {
         if self == OciRuntime::Own {
-            return Some(PathBuf::from("/proc/self/exe"));
+            let beside = std::env::current_exe()
+                .ok()
+                .and_then(|exe| Some(exe.parent()?.join(own::ARG0)))
+                .filter(|path| path.is_file());
+            return Some(beside.unwrap_or_else(|| PathBuf::from("/proc/self/exe")));
         }
         BINARY_DIRS.iter().map(|dir| Path::new(dir).join(self.name())).find(|path| path.is_file())
     }

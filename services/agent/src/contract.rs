@@ -41,13 +41,15 @@ enum Kind {
     Oci(OciRuntime),
 }
 
-/// The executable that acts as the process runtime: the agent's, which the
-/// workspace's test run builds beside this test binary.
+/// The executable that acts as the process runtime: `berth-runtime`, as it
+/// ships beside the agent, which the workspace's test run builds beside
+/// this test binary. (The agent's own executable acting as the runtime is
+/// what the egress runner's tests run.)
 fn own_runtime_binary() -> Option<std::path::PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?;
     let dir = if dir.ends_with("deps") { dir.parent()? } else { dir };
-    Some(dir.join("berth-agent")).filter(|path| path.is_file())
+    Some(dir.join(crate::container::OWN_ARG0)).filter(|path| path.is_file())
 }
 
 /// A provider of `kind` on `dir`, or `None` when this machine cannot run it
@@ -75,7 +77,7 @@ fn runtime_binary(runtime: OciRuntime) -> Option<std::path::PathBuf> {
     }
     let binary = if runtime == OciRuntime::Own { own_runtime_binary() } else { runtime.binary() };
     if binary.is_none() {
-        assert!(!ci, "{runtime} is not installed: `make test` installs it (and builds berth-agent)");
+        assert!(!ci, "{runtime} is not installed: `make test` installs it (and builds berth-runtime)");
         eprintln!("skipping: {runtime} is not installed");
     }
     binary

@@ -76,7 +76,7 @@ pub use config::{
 };
 pub use container::{
     ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange, containers_left,
-    destroy_containers, favor_cgroup_migrations, runtime_main_if_invoked,
+    destroy_containers, favor_cgroup_migrations, runtime_main, runtime_main_if_invoked,
 };
 pub use egress::{
     Attachment, DEFAULT_PROXY_CONNECT_TIMEOUT, DEFAULT_PROXY_HEAD_TIMEOUT, EgressError, EgressIsolation, EgressProxies,

@@ -109,6 +109,8 @@ async fn replica_held_to_its_proxy(runtime: OciRuntime) {
     if rustix::process::geteuid().is_root() {
         config.containment.runtime =
             if runtime == OciRuntime::Own { WorkloadRuntime::Process } else { WorkloadRuntime::Oci(runtime) };
+        // The whole agent acting as the runtime, as where no
+        // `berth-runtime` is installed beside it.
         config.process_runtime_exe = Some(env!("CARGO_BIN_EXE_berth-agent").into());
     }
     // Nothing listens there: the agent keeps retrying, quietly.

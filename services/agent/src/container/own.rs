@@ -90,13 +90,19 @@ const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
 /// exit code to end with, or `None` for any other name. Call it first in
 /// `main`, before any thread or async runtime starts.
 pub fn main_if_invoked() -> Option<i32> {
-    let mut args = std::env::args_os();
-    let arg0 = args.next()?;
+    let arg0 = std::env::args_os().next()?;
     if Path::new(&arg0).file_name() != Some(OsStr::new(ARG0)) {
         return None;
     }
-    let args: Vec<String> = args.map(|arg| arg.to_string_lossy().into_owned()).collect();
-    Some(dispatch(&args))
+    Some(main())
+}
+
+/// Runs this runtime whatever the process was invoked as (the
+/// `berth-runtime` executable): returns the exit code to end with. Call it
+/// first in `main`, before any thread or async runtime starts.
+pub fn main() -> i32 {
+    let args: Vec<String> = std::env::args_os().skip(1).map(|arg| arg.to_string_lossy().into_owned()).collect();
+    dispatch(&args)
 }
 
 fn dispatch(args: &[String]) -> i32 {
