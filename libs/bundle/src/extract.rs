@@ -190,6 +190,33 @@ pub fn extract_layer(
     }
 }
 
+/// An archive entry's name (for errors), kind and path relative to the
+/// root, once it is counted against the entry limit; `None` for an entry
+/// that carries nothing to write (a pax global header, the archive's own
+/// root `./`). Refuses a path that leaves the root.
+pub(crate) fn admit_entry<R: Read>(
+    entry: &tar::Entry<'_, R>,
+    stats: &mut ExtractStats,
+    limits: &BundleLimits,
+) -> Result<Option<(String, tar::EntryType, PathBuf)>, ExtractError> {
+    let name = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+    let refuse = |reason: UnsafeEntry| ExtractError::Refused { entry: name.clone(), reason };
+    stats.entries += 1;
+    if stats.entries > limits.max_entries {
+        return Err(refuse(UnsafeEntry::TooManyEntries { limit: limits.max_entries }));
+    }
+    let kind = entry.header().entry_type();
+    if kind.is_pax_global_extensions() {
+        return Ok(None);
+    }
+    let raw_path = entry.path().map_err(ExtractError::Archive)?.into_owned();
+    match relative_path(&raw_path) {
+        Ok(rel) => Ok(Some((name, kind, rel))),
+        Err(UnsafeEntry::EmptyPath) if kind.is_dir() => Ok(None),
+        Err(reason) => Err(refuse(reason)),
+    }
+}
+
 /// Extracts a plain tar stream into `dest`, an existing empty directory.
 pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Result<ExtractStats, ExtractError> {
     let bounded = BoundedReader::new(reader, limits.max_stream_bytes());
@@ -198,23 +225,8 @@ pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Res
     let mut symlinks: Vec<(String, PathBuf)> = Vec::new();
     for entry in archive.entries().map_err(ExtractError::Archive)? {
         let mut entry = entry.map_err(ExtractError::Archive)?;
-        let name = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+        let Some((name, kind, rel)) = admit_entry(&entry, &mut stats, limits)? else { continue };
         let refuse = |reason: UnsafeEntry| ExtractError::Refused { entry: name.clone(), reason };
-        stats.entries += 1;
-        if stats.entries > limits.max_entries {
-            return Err(refuse(UnsafeEntry::TooManyEntries { limit: limits.max_entries }));
-        }
-        let kind = entry.header().entry_type();
-        if kind.is_pax_global_extensions() {
-            continue;
-        }
-        let raw_path = entry.path().map_err(ExtractError::Archive)?.into_owned();
-        let rel = match relative_path(&raw_path) {
-            Ok(rel) => rel,
-            // The archive's own root (`./`) carries nothing to extract.
-            Err(UnsafeEntry::EmptyPath) if kind.is_dir() => continue,
-            Err(reason) => return Err(refuse(reason)),
-        };
         let target = dest.join(&rel);
         if kind.is_dir() {
             prepare_parents(dest, &rel).map_err(|r| r.into_error(&name))?;

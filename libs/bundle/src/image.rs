@@ -35,8 +35,8 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 
 use crate::extract::{
-    BoundedReader, BundleLimits, ExtractError, ExtractStats, ParentRefusal, UnsafeEntry, create_dir, hardlink_source,
-    io_error, prepare_parents, relative_path, write_file_entry,
+    BoundedReader, BundleLimits, ExtractError, ExtractStats, ParentRefusal, UnsafeEntry, admit_entry, create_dir,
+    hardlink_source, io_error, prepare_parents, write_file_entry,
 };
 use crate::format::LAYER_TAR_GZIP_MEDIA_TYPE;
 use crate::image_user::ImageOwners;
@@ -84,22 +84,8 @@ pub fn unpack_image_tar(
     let mut written: HashSet<PathBuf> = HashSet::new();
     for entry in archive.entries().map_err(ExtractError::Archive)? {
         let mut entry = entry.map_err(ExtractError::Archive)?;
-        let name = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+        let Some((name, kind, rel)) = admit_entry(&entry, &mut stats, limits)? else { continue };
         let refuse = |reason: UnsafeEntry| ExtractError::Refused { entry: name.clone(), reason };
-        stats.entries += 1;
-        if stats.entries > limits.max_entries {
-            return Err(refuse(UnsafeEntry::TooManyEntries { limit: limits.max_entries }));
-        }
-        let kind = entry.header().entry_type();
-        if kind.is_pax_global_extensions() {
-            continue;
-        }
-        let raw_path = entry.path().map_err(ExtractError::Archive)?.into_owned();
-        let rel = match relative_path(&raw_path) {
-            Ok(rel) => rel,
-            Err(UnsafeEntry::EmptyPath) if kind.is_dir() => continue,
-            Err(reason) => return Err(refuse(reason)),
-        };
         let file_name = rel.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         if file_name == OPAQUE_MARKER {
             prepare_parents(root, &rel).map_err(|r| r.into_error(&name))?;

@@ -261,6 +261,30 @@ impl TxError for StoreError {
     }
 }
 
+/// Makes a service's error enum, whose `Store(StoreError)` variant carries
+/// the storage failures, a [`TxError`], and lets `?` turn a `sqlx::Error`
+/// into that variant: `berth_store::store_errors!(LeaseError);`.
+#[macro_export]
+macro_rules! store_errors {
+    ($error:ty) => {
+        impl $crate::TxError for $error {
+            fn store_error(&self) -> Option<&$crate::StoreError> {
+                #[allow(unreachable_patterns)]
+                match self {
+                    Self::Store(error) => Some(error),
+                    _ => None,
+                }
+            }
+        }
+
+        impl From<$crate::sqlx::Error> for $error {
+            fn from(error: $crate::sqlx::Error) -> Self {
+                Self::Store(error.into())
+            }
+        }
+    };
+}
+
 /// Renders an error with its whole `source()` chain, for logs.
 pub(crate) struct Chain<'a>(pub(crate) &'a (dyn StdError + 'static));
 

@@ -16,6 +16,8 @@ pub use crate::error::{BoxError, StoreError, TxError, expect_one};
 pub use crate::leader::{ElectionTiming, LeaderElector, LeaderHandle, Term};
 pub use crate::migrate::Migration;
 pub use crate::store::{Backend, Store, StoreOptions, TxFuture, TxRetry, TxScope, now_ms_in};
+#[doc(hidden)]
+pub use sqlx;
 
 mod error;
 mod leader;

@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use berth_proto::egress::v1 as proto;
-use berth_store::{Store, StoreError, Term, TxError};
+use berth_store::{Store, StoreError, Term};
 use prost::Message as _;
 use sqlx::AnyConnection;
 use sqlx::Row as _;
@@ -66,20 +66,7 @@ pub(crate) enum CatalogError {
     Store(#[from] StoreError),
 }
 
-impl TxError for CatalogError {
-    fn store_error(&self) -> Option<&StoreError> {
-        match self {
-            Self::Store(error) => Some(error),
-            _ => None,
-        }
-    }
-}
-
-impl From<sqlx::Error> for CatalogError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Store(error.into())
-    }
-}
+berth_store::store_errors!(CatalogError);
 
 impl From<CatalogError> for tonic::Status {
     fn from(error: CatalogError) -> Self {

@@ -15,7 +15,7 @@ use sqlx::any::AnyRow;
 use crate::compile::{GatewaySpec, ListenerSpec, ParentSpec, RouteSpec};
 use crate::model::{HostPattern, Protocol, RouteAction};
 
-/// The columns [`GatewayRow::from_row`] and [`RouteRow::from_row`] read.
+/// The columns [`ObjectRow::from_row`] reads.
 macro_rules! object_columns {
     () => {
         "project, name, spec, status, generation, created_at_ms, updated_at_ms"
@@ -45,19 +45,20 @@ pub(crate) fn unsigned(value: i64) -> u64 {
     u64::try_from(value).unwrap_or_default()
 }
 
-/// One gateway, as stored.
+/// One declared object (a gateway or a route), as stored: its declaration
+/// `S` and status `T` as the API's messages.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct GatewayRow {
+pub(crate) struct ObjectRow<S, T> {
     pub(crate) project: String,
     pub(crate) name: String,
-    pub(crate) spec: proto::ApplyGatewayRequest,
-    pub(crate) status: proto::GatewayStatus,
+    pub(crate) spec: S,
+    pub(crate) status: T,
     pub(crate) generation: i64,
     pub(crate) created_at_ms: i64,
     pub(crate) updated_at_ms: i64,
 }
 
-impl GatewayRow {
+impl<S: Message + Default, T: Message + Default> ObjectRow<S, T> {
     /// Decodes a row selected with [`object_columns!`].
     pub(crate) fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
         Ok(Self {
@@ -70,7 +71,15 @@ impl GatewayRow {
             updated_at_ms: row.try_get("updated_at_ms")?,
         })
     }
+}
 
+/// One gateway, as stored.
+pub(crate) type GatewayRow = ObjectRow<proto::ApplyGatewayRequest, proto::GatewayStatus>;
+
+/// One route, as stored.
+pub(crate) type RouteRow = ObjectRow<proto::ApplyRouteRequest, proto::RouteStatus>;
+
+impl GatewayRow {
     /// The gateway as the API shows it, with `status`.
     pub(crate) fn to_proto_with(&self, status: proto::GatewayStatus) -> proto::EgressGateway {
         proto::EgressGateway {
@@ -111,32 +120,7 @@ impl GatewayRow {
     }
 }
 
-/// One route, as stored.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct RouteRow {
-    pub(crate) project: String,
-    pub(crate) name: String,
-    pub(crate) spec: proto::ApplyRouteRequest,
-    pub(crate) status: proto::RouteStatus,
-    pub(crate) generation: i64,
-    pub(crate) created_at_ms: i64,
-    pub(crate) updated_at_ms: i64,
-}
-
 impl RouteRow {
-    /// Decodes a row selected with [`object_columns!`].
-    pub(crate) fn from_row(row: &AnyRow) -> Result<Self, StoreError> {
-        Ok(Self {
-            project: row.try_get("project")?,
-            name: row.try_get("name")?,
-            spec: decode(row, "spec")?,
-            status: decode(row, "status")?,
-            generation: row.try_get("generation")?,
-            created_at_ms: row.try_get("created_at_ms")?,
-            updated_at_ms: row.try_get("updated_at_ms")?,
-        })
-    }
-
     /// The route as the API shows it, with `status`.
     pub(crate) fn to_proto_with(&self, status: proto::RouteStatus) -> proto::EgressRoute {
         proto::EgressRoute {

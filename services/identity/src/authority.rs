@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use berth_core::Identity;
 use berth_mtls::{CertificateAuthority, IssuedCertificate, MtlsError, TlsMaterial, cert_not_after, certs_from_pem};
 use berth_proto::identity::v1;
-use berth_store::{Store, StoreError, TxError};
+use berth_store::{Store, StoreError};
 use ring::aead::{self, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use ring::hkdf;
 use ring::rand::{SecureRandom, SystemRandom};
@@ -126,20 +126,7 @@ pub enum AuthorityError {
     Store(#[from] StoreError),
 }
 
-impl TxError for AuthorityError {
-    fn store_error(&self) -> Option<&StoreError> {
-        match self {
-            AuthorityError::Store(e) => Some(e),
-            _ => None,
-        }
-    }
-}
-
-impl From<sqlx::Error> for AuthorityError {
-    fn from(error: sqlx::Error) -> Self {
-        AuthorityError::Store(error.into())
-    }
-}
+berth_store::store_errors!(AuthorityError);
 
 impl From<MtlsError> for AuthorityError {
     fn from(error: MtlsError) -> Self {

@@ -33,7 +33,7 @@
 use std::time::Duration;
 
 use berth_proto::types::v1::Capacity;
-use berth_store::{StoreError, TxError};
+use berth_store::StoreError;
 use tokio_util::sync::CancellationToken;
 
 use crate::batches;
@@ -68,19 +68,7 @@ pub(crate) enum BookkeepingError {
     Store(#[from] StoreError),
 }
 
-impl TxError for BookkeepingError {
-    fn store_error(&self) -> Option<&StoreError> {
-        match self {
-            Self::Store(error) => Some(error),
-        }
-    }
-}
-
-impl From<sqlx::Error> for BookkeepingError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Store(error.into())
-    }
-}
+berth_store::store_errors!(BookkeepingError);
 
 /// The queue of beats waiting to be written, and its writer.
 #[derive(Debug)]

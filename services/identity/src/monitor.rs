@@ -30,7 +30,7 @@
 
 use berth_bus::{BusError, Continuity};
 use berth_runtime::{Election, Leader};
-use berth_store::{StoreError, Term, TxError, expect_one};
+use berth_store::{StoreError, Term, expect_one};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::millis;
@@ -54,20 +54,7 @@ pub(crate) enum MonitorError {
     Bus(#[from] BusError),
 }
 
-impl TxError for MonitorError {
-    fn store_error(&self) -> Option<&StoreError> {
-        match self {
-            Self::Store(error) => Some(error),
-            Self::Bus(_) => None,
-        }
-    }
-}
-
-impl From<sqlx::Error> for MonitorError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Store(error.into())
-    }
-}
+berth_store::store_errors!(MonitorError);
 
 /// When the monitor next needs to look at a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

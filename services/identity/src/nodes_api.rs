@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use berth_proto::identity::v1;
 use berth_proto::types::v1::EventKind;
-use berth_store::{StoreError, TxError, expect_one};
+use berth_store::{StoreError, expect_one};
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -57,20 +57,7 @@ pub(crate) enum NodesApiError {
     Store(#[from] StoreError),
 }
 
-impl TxError for NodesApiError {
-    fn store_error(&self) -> Option<&StoreError> {
-        match self {
-            Self::Store(error) => Some(error),
-            _ => None,
-        }
-    }
-}
-
-impl From<sqlx::Error> for NodesApiError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Store(error.into())
-    }
-}
+berth_store::store_errors!(NodesApiError);
 
 impl From<NodesApiError> for tonic::Status {
     fn from(error: NodesApiError) -> Self {

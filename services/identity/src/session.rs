@@ -33,7 +33,7 @@ use std::sync::Arc;
 
 use berth_mtls::IssuedCertificate;
 use berth_proto::identity::v1;
-use berth_store::{StoreError, TxError, expect_one};
+use berth_store::{StoreError, expect_one};
 
 use crate::bookkeeping::Beat;
 use crate::config::millis;
@@ -80,20 +80,7 @@ pub(crate) enum HeartbeatError {
     Store(#[from] StoreError),
 }
 
-impl TxError for HeartbeatError {
-    fn store_error(&self) -> Option<&StoreError> {
-        match self {
-            Self::Store(error) => Some(error),
-            _ => None,
-        }
-    }
-}
-
-impl From<sqlx::Error> for HeartbeatError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Store(error.into())
-    }
-}
+berth_store::store_errors!(HeartbeatError);
 
 impl From<HeartbeatError> for tonic::Status {
     fn from(error: HeartbeatError) -> Self {

@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use berth_proto::identity::v1;
-use berth_store::{StoreError, TxError};
+use berth_store::StoreError;
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row as _};
 use subtle::ConstantTimeEq as _;
@@ -98,20 +98,7 @@ pub(crate) enum TokenError {
     Store(#[from] StoreError),
 }
 
-impl TxError for TokenError {
-    fn store_error(&self) -> Option<&StoreError> {
-        match self {
-            Self::Store(error) => Some(error),
-            _ => None,
-        }
-    }
-}
-
-impl From<sqlx::Error> for TokenError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Store(error.into())
-    }
-}
+berth_store::store_errors!(TokenError);
 
 impl From<TokenError> for tonic::Status {
     fn from(error: TokenError) -> Self {

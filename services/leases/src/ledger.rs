@@ -53,7 +53,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use berth_proto::leases::v1;
-use berth_store::{Backend, Store, StoreError, Term, TxError, expect_one};
+use berth_store::{Backend, Store, StoreError, Term, expect_one};
 use prost::Message as _;
 use sqlx::AnyConnection;
 
@@ -133,20 +133,7 @@ pub(crate) enum LeaseError {
     Store(#[from] StoreError),
 }
 
-impl TxError for LeaseError {
-    fn store_error(&self) -> Option<&StoreError> {
-        match self {
-            Self::Store(error) => Some(error),
-            _ => None,
-        }
-    }
-}
-
-impl From<sqlx::Error> for LeaseError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Store(error.into())
-    }
-}
+berth_store::store_errors!(LeaseError);
 
 impl From<LeaseError> for tonic::Status {
     fn from(error: LeaseError) -> Self {

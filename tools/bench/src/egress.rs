@@ -504,15 +504,7 @@ fn table(report: &Report) -> String {
             let _ = writeln!(out, "proxy overhead: not measured (--proxy-requests 0)");
         }
     }
-    let verdicts: Vec<String> = report
-        .targets
-        .iter()
-        .map(|t| {
-            let value = t.value.map_or_else(|| "no figure".to_string(), |v| format!("{v:.2}"));
-            format!("{} {} ({value})", t.name, if t.met { "OK" } else { "MISSED" })
-        })
-        .collect();
-    let _ = writeln!(out, "targets: {}", verdicts.join("; "));
+    let _ = writeln!(out, "{}", crate::report::verdicts_line(&report.targets, 2));
     out
 }
 

@@ -776,18 +776,8 @@ impl LaunchReport {
             self.cpus,
             self.load_average_before.map_or_else(|| "unknown".to_string(), |v| format!("{v:.2}"))
         );
-        let verdicts: Vec<String> = self
-            .targets
-            .iter()
-            .map(|t| {
-                let value = t.value.map_or_else(|| "no figure".to_string(), |v| format!("{v:.1}"));
-                format!("{} {} ({value})", t.name, if t.met { "OK" } else { "MISSED" })
-            })
-            .collect();
-        let _ = writeln!(out, "targets: {}", verdicts.join("; "));
-        for error in self.errors.iter().take(5) {
-            let _ = writeln!(out, "  {:>8} x {}", error.count, error.message);
-        }
+        let _ = writeln!(out, "{}", crate::report::verdicts_line(&self.targets, 1));
+        crate::report::write_errors(&mut out, &self.errors, 5);
         out
     }
 }

@@ -152,6 +152,27 @@ pub(crate) struct Target {
     pub(crate) met: bool,
 }
 
+/// `targets: NAME OK (VALUE); ...`: each target's verdict, its figure with
+/// `decimals` places.
+pub(crate) fn verdicts_line(targets: &[Target], decimals: usize) -> String {
+    let verdicts: Vec<String> = targets
+        .iter()
+        .map(|t| {
+            let value = t.value.map_or_else(|| "no figure".to_string(), |v| format!("{v:.decimals$}"));
+            format!("{} {} ({value})", t.name, if t.met { "OK" } else { "MISSED" })
+        })
+        .collect();
+    format!("targets: {}", verdicts.join("; "))
+}
+
+/// The `shown` commonest errors, a line each.
+pub(crate) fn write_errors(out: &mut String, errors: &[crate::load::ErrorCount], shown: usize) {
+    use std::fmt::Write as _;
+    for error in errors.iter().take(shown) {
+        let _ = writeln!(out, "  {:>8} x {}", error.count, error.message);
+    }
+}
+
 impl Report {
     /// Judges the figures against the targets and stores the verdicts.
     pub(crate) fn judge(&mut self) {
@@ -309,20 +330,10 @@ impl Report {
                 );
             }
         }
-        let verdicts: Vec<String> = self
-            .targets
-            .iter()
-            .map(|t| {
-                let value = t.value.map_or_else(|| "no figure".to_string(), |v| format!("{v:.2}"));
-                format!("{} {} ({value})", t.name, if t.met { "OK" } else { "MISSED" })
-            })
-            .collect();
-        let _ = writeln!(out, "targets: {}", verdicts.join("; "));
+        let _ = writeln!(out, "{}", crate::report::verdicts_line(&self.targets, 2));
         if !self.errors.is_empty() {
             let _ = writeln!(out, "errors (joins and warm-ups included):");
-            for error in self.errors.iter().take(ERRORS_SHOWN) {
-                let _ = writeln!(out, "  {:>8} x {}", error.count, error.message);
-            }
+            write_errors(&mut out, &self.errors, ERRORS_SHOWN);
             if self.errors.len() > ERRORS_SHOWN {
                 let _ = writeln!(out, "  ... and {} more kinds", self.errors.len() - ERRORS_SHOWN);
             }
