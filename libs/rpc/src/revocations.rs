@@ -60,7 +60,7 @@ impl CertificateFloor {
         if issued_s <= self.newest() {
             return None;
         }
-        let overlap_ms = i64::try_from(overlap.as_millis()).unwrap_or(i64::MAX);
+        let overlap_ms = berth_core::millis(overlap);
         Some(Self { floor_s: self.in_force(now_ms), next_s: issued_s, moves_at_ms: now_ms.saturating_add(overlap_ms) })
     }
 }
@@ -123,10 +123,7 @@ impl Revocations {
     /// was issued before the node's floor. `None` when it is the node's.
     pub fn superseded(&self, node_id: &str, issued_s: i64) -> Option<String> {
         let floor = *self.floors.read().unwrap_or_else(|e| e.into_inner()).get(node_id)?;
-        let now_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-            .unwrap_or_default();
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(berth_core::millis).unwrap_or_default();
         let in_force = floor.in_force(now_ms);
         (issued_s < in_force).then(|| {
             format!(

@@ -15,9 +15,7 @@ pub fn replica_id(service: &str) -> String {
 /// and deadlines compare against the database's clock instead
 /// (`berth_store::Store::now_ms`); this is for what only this host sees.
 pub fn wall_clock_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, berth_core::millis)
 }
 
 #[cfg(test)]

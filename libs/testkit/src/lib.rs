@@ -415,3 +415,10 @@ pub fn sibling(beside: &str, name: &str, package: &str) -> PathBuf {
     );
     binary
 }
+
+/// The command line of control-plane service `binary` with only the flags
+/// every such binary requires (its TLS material and a database), for the
+/// tests of its flags to add theirs to.
+pub fn service_command_line(binary: &'static str) -> Vec<&'static str> {
+    vec![binary, "--tls-cert", "c", "--tls-key", "k", "--ca-file", "a", "--database-url", "sqlite://x"]
+}

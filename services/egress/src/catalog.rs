@@ -28,7 +28,7 @@ use sqlx::AnyConnection;
 use sqlx::Row as _;
 use sqlx::any::AnyRow;
 
-use crate::records::{GatewayRow, PlanRow, RouteRow, object_columns, timestamp, unsigned};
+use crate::records::{GatewayRow, ObjectRow, PlanRow, RouteRow, object_columns, timestamp, unsigned};
 use crate::render::Rendered;
 use crate::validate::{ObjectKey, ValidGateway, ValidRoute};
 
@@ -220,33 +220,37 @@ impl Catalog {
 
     /// One gateway.
     pub(crate) async fn gateway(&self, key: &ObjectKey) -> Result<Option<GatewayRow>, CatalogError> {
-        self.store
-            .read("egress.get_gateway", |conn| {
-                Box::pin(async move {
-                    let sql = concat!("SELECT ", object_columns!(), " FROM gateways WHERE project = $1 AND name = $2");
-                    let row = sqlx::query(sql)
-                        .bind(key.project.as_str())
-                        .bind(key.name.as_str())
-                        .fetch_optional(&mut *conn)
-                        .await?;
-                    Ok(row.as_ref().map(GatewayRow::from_row).transpose()?)
-                })
-            })
-            .await
+        let sql = concat!("SELECT ", object_columns!(), " FROM gateways WHERE project = $1 AND name = $2");
+        self.object("egress.get_gateway", sql, key).await
     }
 
     /// One route.
     pub(crate) async fn route(&self, key: &ObjectKey) -> Result<Option<RouteRow>, CatalogError> {
+        let sql = concat!("SELECT ", object_columns!(), " FROM routes WHERE project = $1 AND name = $2");
+        self.object("egress.get_route", sql, key).await
+    }
+
+    /// One gateway or route, read as `op` by `sql` (which selects
+    /// [`object_columns!`] by project and name).
+    async fn object<S, T>(
+        &self,
+        op: &'static str,
+        sql: &'static str,
+        key: &ObjectKey,
+    ) -> Result<Option<ObjectRow<S, T>>, CatalogError>
+    where
+        S: prost::Message + Default + Send,
+        T: prost::Message + Default + Send,
+    {
         self.store
-            .read("egress.get_route", |conn| {
+            .read(op, |conn| {
                 Box::pin(async move {
-                    let sql = concat!("SELECT ", object_columns!(), " FROM routes WHERE project = $1 AND name = $2");
                     let row = sqlx::query(sql)
                         .bind(key.project.as_str())
                         .bind(key.name.as_str())
                         .fetch_optional(&mut *conn)
                         .await?;
-                    Ok(row.as_ref().map(RouteRow::from_row).transpose()?)
+                    Ok(row.as_ref().map(ObjectRow::from_row).transpose()?)
                 })
             })
             .await

@@ -103,24 +103,9 @@ mod tests {
 
     #[test]
     fn addresses_and_durations_parse() {
-        let args = Args::try_parse_from([
-            "berth-egress",
-            "--tls-cert",
-            "c",
-            "--tls-key",
-            "k",
-            "--ca-file",
-            "a",
-            "--database-url",
-            "sqlite://x",
-            "--revisions-addr",
-            "127.0.0.1:7444",
-            "--leases-addr",
-            "127.0.0.1:7445",
-            "--debounce",
-            "50ms",
-        ])
-        .unwrap();
+        let flags = ["--revisions-addr", "127.0.0.1:7444", "--leases-addr", "127.0.0.1:7445", "--debounce", "50ms"];
+        let args =
+            Args::try_parse_from(berth_testkit::service_command_line("berth-egress").into_iter().chain(flags)).unwrap();
         assert_eq!(args.revisions_addr.as_deref(), Some("127.0.0.1:7444"));
         assert_eq!(args.config().debounce, Duration::from_millis(50));
         assert_eq!(args.config().max_delay, crate::DEFAULT_MAX_DELAY);

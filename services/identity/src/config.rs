@@ -123,10 +123,7 @@ impl NodeTiming {
     }
 }
 
-/// Whole milliseconds of `duration`, saturating, as the database and the bus count time.
-pub(crate) fn millis(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
-}
+pub(crate) use berth_core::millis;
 
 #[cfg(test)]
 mod tests {

@@ -74,8 +74,7 @@ mod tests {
 
     #[test]
     fn a_lease_ttl_too_short_to_renew_in_is_refused() {
-        let base =
-            ["berth-leases", "--tls-cert", "c", "--tls-key", "k", "--ca-file", "a", "--database-url", "sqlite://x"];
+        let base = berth_testkit::service_command_line("berth-leases");
         assert!(Args::try_parse_from(base.iter().chain(&["--lease-ttl", "1"])).is_err());
         let args = Args::try_parse_from(base.iter().chain(&["--lease-ttl", "60"])).unwrap();
         assert_eq!(args.lease_ttl, 60);

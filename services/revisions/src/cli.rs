@@ -154,16 +154,7 @@ mod tests {
 
     #[test]
     fn insecure_registries_repeat_and_durations_parse() {
-        let args = Args::try_parse_from([
-            "berth-revisions",
-            "--tls-cert",
-            "c",
-            "--tls-key",
-            "k",
-            "--ca-file",
-            "a",
-            "--database-url",
-            "sqlite://x",
+        let flags = [
             "--leases-addr",
             "127.0.0.1:7445",
             "--insecure-registry",
@@ -172,8 +163,10 @@ mod tests {
             "cache.lan:5000",
             "--progress-deadline",
             "90s",
-        ])
-        .unwrap();
+        ];
+        let args =
+            Args::try_parse_from(berth_testkit::service_command_line("berth-revisions").into_iter().chain(flags))
+                .unwrap();
         assert_eq!(args.insecure_registries, ["registry.lan", "cache.lan:5000"]);
         assert_eq!(args.config().progress_deadline, Duration::from_secs(90));
         assert_eq!(args.config().gc_keep, crate::DEFAULT_GC_KEEP);

@@ -118,10 +118,7 @@ impl RevisionsConfig {
     }
 }
 
-/// Whole milliseconds of `duration`, saturating, as the database counts time.
-pub(crate) fn millis(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
-}
+pub(crate) use berth_core::millis;
 
 #[cfg(test)]
 mod tests {
