@@ -888,7 +888,10 @@ fn findable(program: &str, path_var: &str, bundle: Option<&Path>, work_dir: &Pat
 async fn started_pid(pid_file: &Path, monitor: &mut tokio::process::Child) -> Option<u32> {
     let deadline = tokio::time::Instant::now() + START_TIMEOUT;
     loop {
-        if let Ok(text) = tokio::fs::read_to_string(pid_file).await
+        // A few bytes of a local file, read on this task: a hop to the
+        // blocking pool every poll would wake a second thread beside a
+        // runtime busy starting the container.
+        if let Ok(text) = std::fs::read_to_string(pid_file)
             && let Ok(pid) = text.trim().parse::<u32>()
         {
             return Some(pid);
