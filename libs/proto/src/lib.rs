@@ -137,6 +137,14 @@ pub mod artifact {
     }
 }
 
+/// Epoch milliseconds (as the stores keep time) as a protobuf timestamp.
+pub fn timestamp_from_ms(ms: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: ms.div_euclid(1000),
+        nanos: i32::try_from(ms.rem_euclid(1000) * 1_000_000).unwrap_or_default(),
+    }
+}
+
 /// Encoded FileDescriptorSet of the whole API, for reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/berth_descriptor.bin"));
 

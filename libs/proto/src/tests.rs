@@ -540,3 +540,11 @@ fn reflection_serves_the_descriptor_set() {
         .build_v1alpha()
         .expect("reflection v1alpha accepts the descriptor set");
 }
+
+#[test]
+fn timestamps_split_milliseconds_exactly() {
+    let ts = crate::timestamp_from_ms(1_700_000_000_123);
+    assert_eq!((ts.seconds, ts.nanos), (1_700_000_000, 123_000_000));
+    let before_epoch = crate::timestamp_from_ms(-1);
+    assert_eq!((before_epoch.seconds, before_epoch.nanos), (-1, 999_000_000));
+}

@@ -32,13 +32,7 @@ pub(crate) fn decode<M: Message + Default>(row: &AnyRow, column: &str) -> Result
     })
 }
 
-/// Epoch milliseconds as a protobuf timestamp.
-pub(crate) fn timestamp(ms: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: ms.div_euclid(1000),
-        nanos: i32::try_from(ms.rem_euclid(1000) * 1_000_000).unwrap_or_default(),
-    }
-}
+pub(crate) use berth_proto::timestamp_from_ms as timestamp;
 
 /// A stored count as the API counts it.
 pub(crate) fn unsigned(value: i64) -> u64 {
@@ -193,16 +187,5 @@ impl PlanRow {
         plan.compiled_at = Some(timestamp(self.compiled_at_ms));
         plan.node_acks = node_acks;
         plan
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn timestamps_split_milliseconds_exactly() {
-        let ts = timestamp(1_700_000_000_123);
-        assert_eq!((ts.seconds, ts.nanos), (1_700_000_000, 123_000_000));
     }
 }

@@ -295,9 +295,7 @@ pub struct Resealed {
     pub already: usize,
 }
 
-fn timestamp(ms: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp { seconds: ms.div_euclid(1000), nanos: (ms.rem_euclid(1000) * 1_000_000) as i32 }
-}
+use berth_proto::timestamp_from_ms as timestamp;
 
 impl Authority {
     /// Loads the authorities, creating the first CA if there is none, and

@@ -263,13 +263,7 @@ fn from_column(value: i64) -> u64 {
     u64::try_from(value).unwrap_or_default()
 }
 
-/// Epoch milliseconds as a protobuf timestamp.
-pub(crate) fn timestamp(ms: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: ms.div_euclid(1000),
-        nanos: i32::try_from(ms.rem_euclid(1000) * 1_000_000).unwrap_or_default(),
-    }
-}
+pub(crate) use berth_proto::timestamp_from_ms as timestamp;
 
 /// Labels as stored.
 pub(crate) fn labels_json(labels: &BTreeMap<String, String>) -> Result<String, StoreError> {
@@ -831,13 +825,5 @@ mod tests {
         assert_eq!(advertise_host("10.0.0.7:7450"), "10.0.0.7");
         assert_eq!(advertise_host("host-a.example:7450"), "host-a.example");
         assert_eq!(advertise_host("[::1]:7450"), "::1");
-    }
-
-    #[test]
-    fn timestamps_split_milliseconds_exactly() {
-        let ts = timestamp(1_700_000_000_123);
-        assert_eq!((ts.seconds, ts.nanos), (1_700_000_000, 123_000_000));
-        let before_epoch = timestamp(-1);
-        assert_eq!((before_epoch.seconds, before_epoch.nanos), (-1, 999_000_000));
     }
 }

@@ -177,25 +177,11 @@ pub(crate) fn from_column(value: i64) -> u64 {
     u64::try_from(value).unwrap_or_default()
 }
 
-/// Epoch milliseconds as a protobuf timestamp.
-pub(crate) fn timestamp(ms: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: ms.div_euclid(1000),
-        nanos: i32::try_from(ms.rem_euclid(1000) * 1_000_000).unwrap_or_default(),
-    }
-}
+pub(crate) use berth_proto::timestamp_from_ms as timestamp;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn timestamps_split_milliseconds_exactly() {
-        let ts = timestamp(1_700_000_000_123);
-        assert_eq!((ts.seconds, ts.nanos), (1_700_000_000, 123_000_000));
-        let before_epoch = timestamp(-1);
-        assert_eq!((before_epoch.seconds, before_epoch.nanos), (-1, 999_000_000));
-    }
 
     #[test]
     fn amounts_beyond_a_bigint_are_stored_saturated() {

@@ -148,13 +148,7 @@ pub(crate) fn fingerprint(template: &ServiceTemplate, source: &Source) -> String
     hex::encode(hasher.finalize())
 }
 
-/// Epoch milliseconds as a protobuf timestamp.
-pub(crate) fn timestamp(ms: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: ms.div_euclid(1000),
-        nanos: i32::try_from(ms.rem_euclid(1000) * 1_000_000).unwrap_or_default(),
-    }
-}
+pub(crate) use berth_proto::timestamp_from_ms as timestamp;
 
 /// A condition as it should read now, before its transition time is settled.
 #[derive(Debug, Clone, PartialEq, Eq)]
