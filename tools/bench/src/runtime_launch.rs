@@ -9,9 +9,10 @@
 //! (its root, mounts, masked paths and init). The second is what berth's
 //! own overhead is measured against: the first also counts what the
 //! container berth asks for costs the runtime to build.
-//! The process runtime is this executable itself (see
-//! `berth_agent::runtime_main_if_invoked`), so it has no bare run of its own:
-//! the raw spawn is its baseline.
+//! The process runtime (`berth-runtime` where it is built beside this
+//! executable, else this executable itself, see
+//! `berth_agent::runtime_main_if_invoked`) has no bare run of its own: the
+//! raw spawn is its baseline.
 //!
 //! # Expected flow
 //! The provider and the bare bundles live in a directory of the run's own,
