@@ -657,14 +657,7 @@ async fn postgres_cleanup_drops_the_schema() {
     let db = TestPg::new().await.unwrap();
     let schema = db.schema().to_owned();
     db.cleanup().await.unwrap();
-    let observer = TestPg::new().await.unwrap();
-    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.schemata WHERE schema_name = $1")
-        .bind(schema)
-        .fetch_one(observer.store().pool())
-        .await
-        .unwrap();
-    assert_eq!(left, 0);
-    observer.cleanup().await.unwrap();
+    assert!(!schema_exists(&schema).await.unwrap(), "{schema} is still there");
 }
 
 #[tokio::test]
@@ -672,14 +665,18 @@ async fn postgres_fixture_dropped_without_cleanup_still_drops_its_schema() {
     let db = TestPg::new().await.unwrap();
     let schema = db.schema().to_owned();
     drop(db);
-    let observer = TestPg::new().await.unwrap();
-    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.schemata WHERE schema_name = $1")
+    assert!(!schema_exists(&schema).await.unwrap(), "{schema} is still there");
+}
+
+/// Whether PostgreSQL still has `schema`, asked through a fixture of its own.
+async fn schema_exists(schema: &str) -> Result<bool, StoreError> {
+    let observer = TestPg::new().await?;
+    let found: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.schemata WHERE schema_name = $1")
         .bind(schema)
         .fetch_one(observer.store().pool())
-        .await
-        .unwrap();
-    assert_eq!(left, 0);
-    observer.cleanup().await.unwrap();
+        .await?;
+    observer.cleanup().await?;
+    Ok(found > 0)
 }
 
 #[tokio::test]
