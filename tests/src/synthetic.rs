@@ -9,11 +9,7 @@
 //! [`Front`](crate::Front) passes on; each also advertises that address as
 //! its agent's, keeping every node's (tier, address) its own.
 
-use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -21,12 +17,7 @@ use berth_mtls::{TlsCredentials, TlsMaterial, generate_csr};
 use berth_proto::identity::v1;
 use berth_proto::types::v1::Capacity;
 use berth_rpc::Channel;
-use hyper_util::rt::TokioIo;
-use rustls::ClientConfig;
-use rustls_pki_types::ServerName;
-use tokio::net::{TcpSocket, TcpStream};
-use tokio_rustls::client::TlsStream;
-use tonic::transport::{Endpoint, Uri};
+use tonic::transport::Endpoint;
 
 /// The address synthetic node 0 dials from; node `i` adds `i`.
 const FIRST_SOURCE: Ipv4Addr = Ipv4Addr::new(127, 77, 0, 1);
@@ -64,7 +55,7 @@ impl SyntheticNode {
         let channel = Endpoint::from_shared(format!("https://{identity}"))?
             .connect_timeout(JOIN_TIMEOUT)
             .timeout(JOIN_TIMEOUT)
-            .connect_with_connector(FromSource { source, config })
+            .connect_with_connector(berth_testkit::FromAddress::new(IpAddr::V4(source), config))
             .await
             .with_context(|| format!("{name} cannot reach identity at {identity}"))?;
         let answer = v1::join_client::JoinClient::new(channel)
@@ -109,39 +100,5 @@ impl SyntheticNode {
             .heartbeat(request)
             .await
             .map(tonic::Response::into_inner)
-    }
-}
-
-/// Dials from one source address and speaks TLS without a client
-/// certificate: what a joining host does.
-#[derive(Clone)]
-struct FromSource {
-    source: Ipv4Addr,
-    config: Arc<ClientConfig>,
-}
-
-impl tower_service::Service<Uri> for FromSource {
-    type Response = TokioIo<TlsStream<TcpStream>>;
-    type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let (source, config) = (self.source, self.config.clone());
-        Box::pin(async move {
-            let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_string());
-            let host = uri.host().ok_or_else(|| invalid("identity's address has no host"))?;
-            let port = uri.port_u16().ok_or_else(|| invalid("identity's address has no port"))?;
-            let ip: IpAddr = host.parse().map_err(|_| invalid("identity's address is not an IP"))?;
-            let socket = TcpSocket::new_v4()?;
-            socket.bind(SocketAddr::from((source, 0)))?;
-            let tcp = socket.connect(SocketAddr::new(ip, port)).await?;
-            let _ = tcp.set_nodelay(true);
-            let tls = tokio_rustls::TlsConnector::from(config).connect(ServerName::from(ip), tcp).await?;
-            Ok(TokioIo::new(tls))
-        })
     }
 }

@@ -2,8 +2,9 @@
 //! which backend a test runs on and its store and bus, certificates from a
 //! test CA, a server on a loopback port, the node registry identity would
 //! serve (scripted by the test), an in-process leases service following it
-//! (alone, or as the base of a suite's control plane: [`LeasesMesh`]), and
-//! the workspace's binaries beside the one under test.
+//! (alone, or as the base of a suite's control plane: [`LeasesMesh`]), the
+//! workspace's binaries beside the one under test, and a host's join from
+//! an address of its own ([`FromAddress`]).
 //!
 //! # Where it sits
 //! A dev-dependency, and a dependency of `berth-bench`, which no image
@@ -19,6 +20,8 @@
 //!   `REMOVED`, so a service follows it on its production path.
 
 #![allow(clippy::unwrap_used, reason = "a fixture that cannot be set up is a failed test, with its line")]
+
+mod dial;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -37,6 +40,8 @@ use berth_store::testing::TestDb;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+
+pub use crate::dial::FromAddress;
 
 /// How long test certificates live.
 pub const CERT_TTL: Duration = Duration::from_secs(3600);

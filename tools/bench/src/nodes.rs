@@ -8,22 +8,13 @@
 //! and advertises that address as its agent's, which also keeps every node's
 //! (tier, advertise address) its own as identity requires.
 
-use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use berth_mtls::{TlsCredentials, TlsMaterial, generate_csr};
 use berth_proto::identity::v1;
 use berth_proto::types::v1::Capacity;
-use hyper_util::rt::TokioIo;
-use rustls::ClientConfig;
-use rustls_pki_types::ServerName;
-use tokio::net::{TcpSocket, TcpStream};
-use tokio_rustls::client::TlsStream;
-use tonic::transport::{Endpoint, Uri};
+use tonic::transport::Endpoint;
 
 /// The first simulated node's address; node `i` is this plus `i`.
 const FIRST_NODE_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 1, 0, 1);
@@ -113,7 +104,7 @@ pub(crate) async fn join(
         .connect_timeout(JOIN_TIMEOUT)
         .timeout(JOIN_TIMEOUT);
     let channel = endpoint
-        .connect_with_connector(FromAddress { source: IpAddr::V4(source), config })
+        .connect_with_connector(berth_testkit::FromAddress::new(IpAddr::V4(source), config))
         .await
         .map_err(|e| unreachable(berth_runtime::chain(&e)))?;
     let request = v1::JoinRequest {
@@ -144,41 +135,6 @@ pub(crate) async fn join(
     })
     .map_err(JoinError::Tls)?;
     Ok(JoinedNode { node_id: answer.node_id, incarnation: answer.incarnation, credentials })
-}
-
-/// Dials identity from one source address and speaks TLS without a client
-/// certificate: what a joining host does, from where the host is.
-#[derive(Clone)]
-struct FromAddress {
-    source: IpAddr,
-    config: Arc<ClientConfig>,
-}
-
-impl tower_service::Service<Uri> for FromAddress {
-    type Response = TokioIo<TlsStream<TcpStream>>;
-    type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let (source, config) = (self.source, self.config.clone());
-        Box::pin(async move {
-            let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_string());
-            let host = uri.host().ok_or_else(|| invalid("identity's address has no host"))?;
-            let port = uri.port_u16().ok_or_else(|| invalid("identity's address has no port"))?;
-            let ip: IpAddr = host.parse().map_err(|_| invalid("identity's address is not an IP"))?;
-            let socket = TcpSocket::new_v4()?;
-            socket.bind(SocketAddr::new(source, 0))?;
-            let tcp = socket.connect(SocketAddr::new(ip, port)).await?;
-            let _ = tcp.set_nodelay(true);
-            let name = ServerName::from(ip);
-            let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
-            Ok(TokioIo::new(tls))
-        })
-    }
 }
 
 #[cfg(test)]
