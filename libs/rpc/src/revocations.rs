@@ -22,7 +22,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Which of a node's certificates are still its own: those issued at or
 /// after the floor in force.
@@ -123,7 +123,7 @@ impl Revocations {
     /// was issued before the node's floor. `None` when it is the node's.
     pub fn superseded(&self, node_id: &str, issued_s: i64) -> Option<String> {
         let floor = *self.floors.read().unwrap_or_else(|e| e.into_inner()).get(node_id)?;
-        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(berth_core::millis).unwrap_or_default();
+        let now_ms = berth_core::wall_clock_ms();
         let in_force = floor.in_force(now_ms);
         (issued_s < in_force).then(|| {
             format!(

@@ -1,6 +1,6 @@
-//! Who a replica is and what its host's clock says: the name it campaigns
-//! under for its service's elected loops, and the wall clock in the epoch
-//! milliseconds berth stores time in.
+//! Who a replica is: the name it campaigns under for its service's elected
+//! loops. (Its host's wall clock, in the epoch milliseconds berth stores
+//! time in, is `berth_core::wall_clock_ms`, re-exported here.)
 
 /// `<host>-<random>`: the pod or host name when the environment names one
 /// (`HOSTNAME`, else `service`), so operators can tell which replica leads,
@@ -11,12 +11,7 @@ pub fn replica_id(service: &str) -> String {
     format!("{}-{suffix}", host.as_deref().unwrap_or(service))
 }
 
-/// This host's wall clock in epoch milliseconds (0 before 1970). Fencing
-/// and deadlines compare against the database's clock instead
-/// (`berth_store::Store::now_ms`); this is for what only this host sees.
-pub fn wall_clock_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, berth_core::millis)
-}
+pub use berth_core::wall_clock_ms;
 
 #[cfg(test)]
 mod tests {

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use berth_core::Identity;
 use berth_mtls::{CertificateAuthority, IssuedCertificate, MtlsError, TlsMaterial, cert_not_after, certs_from_pem};
 use berth_proto::identity::v1;
+use berth_proto::timestamp_from_ms as timestamp;
 use berth_store::{Store, StoreError};
 use ring::aead::{self, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use ring::hkdf;
@@ -294,8 +295,6 @@ pub struct Resealed {
     /// Keys already under the new secret (a reseal run again).
     pub already: usize,
 }
-
-use berth_proto::timestamp_from_ms as timestamp;
 
 impl Authority {
     /// Loads the authorities, creating the first CA if there is none, and
