@@ -23,16 +23,18 @@
 //!   of its tenant's network namespace (so it may listen there only);
 //!   otherwise on the host's loopback (see [`crate::dial`]).
 
+use std::future::Future as _;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use berth_proto::agent::v1;
 use berth_proto::leases::v1::LeasePhase;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncRead as _, AsyncWriteExt as _, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
-use tokio_stream::StreamExt as _;
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_util::sync::CancellationToken;
+use tokio::net::tcp::OwnedReadHalf;
+use tokio_stream::{Stream, StreamExt as _};
+use tokio_util::sync::{CancellationToken, DropGuard, WaitForCancellationFutureOwned};
 use tonic::codegen::BoxStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -44,9 +46,6 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The most bytes one frame from the replica carries.
 const CHUNK_BYTES: usize = 64 * 1024;
-
-/// How many frames may wait for a slow caller before reading the replica pauses.
-const BACKLOG: usize = 8;
 
 /// How long a caller may take to end its side once the replica's is done.
 /// Reading the caller's frames to their end closes the stream both ways;
@@ -122,8 +121,7 @@ impl v1::data_plane_server::DataPlane for DataPlane {
         let upstream = self.connect(&lease_id, port).await?;
         let _ = upstream.set_nodelay(true);
         tracing::debug!(%lease_id, port, "tunnel open");
-        let (mut reading, mut writing) = upstream.into_split();
-        let (tx, rx) = mpsc::channel(BACKLOG);
+        let (reading, mut writing) = upstream.into_split();
         let shutdown = self.shutdown.clone();
         // Cancelled once the replica's side is done, or the caller gone.
         let done = shutdown.child_token();
@@ -161,30 +159,55 @@ impl v1::data_plane_server::DataPlane for DataPlane {
             }
         });
 
-        // The replica's bytes to the caller, until it closes.
-        tokio::spawn(async move {
-            let _done = done.drop_guard();
-            let mut buffer = vec![0u8; CHUNK_BYTES];
-            loop {
-                let read = tokio::select! {
-                    () = shutdown.cancelled() => {
-                        let _ = tx.send(Err(Status::unavailable("the node agent is stopping"))).await;
-                        return;
-                    }
-                    () = tx.closed() => return,
-                    read = reading.read(&mut buffer) => read,
-                };
-                let frame = match read {
-                    Ok(0) => return,
-                    Ok(n) => Ok(v1::TunnelFrame { open: None, data: buffer[..n].to_vec() }),
-                    Err(error) => Err(Status::unavailable(format!("the replica's connection broke: {error}"))),
-                };
-                let failed = frame.is_err();
-                if tx.send(frame).await.is_err() || failed {
-                    return;
-                }
+        // The replica's bytes to the caller, read as the caller's stream is
+        // polled for them: no task between the replica and the connection.
+        let replica = FromReplica {
+            reading,
+            buffer: vec![0u8; CHUNK_BYTES],
+            stopping: Box::pin(shutdown.cancelled_owned()),
+            done: Some(done.drop_guard()),
+        };
+        Ok(Response::new(Box::pin(replica)))
+    }
+}
+
+/// The replica's side of a tunnel as the stream of frames the caller
+/// reads: each poll reads the replica's connection itself. It ends when the
+/// replica closes (or its connection breaks, or the agent stops, each with
+/// a status); ended or dropped, it tells the caller's side that the
+/// replica is done.
+struct FromReplica {
+    reading: OwnedReadHalf,
+    buffer: Vec<u8>,
+    stopping: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// Cancels the tunnel's `done` when the stream ends or is dropped.
+    done: Option<DropGuard>,
+}
+
+impl Stream for FromReplica {
+    type Item = Result<v1::TunnelFrame, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.done.is_none() {
+            return Poll::Ready(None);
+        }
+        if this.stopping.as_mut().poll(cx).is_ready() {
+            this.done = None;
+            return Poll::Ready(Some(Err(Status::unavailable("the node agent is stopping"))));
+        }
+        let mut buffer = ReadBuf::new(&mut this.buffer);
+        let frame = match Pin::new(&mut this.reading).poll_read(cx, &mut buffer) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Ok(())) if buffer.filled().is_empty() => None,
+            Poll::Ready(Ok(())) => {
+                return Poll::Ready(Some(Ok(v1::TunnelFrame { open: None, data: buffer.filled().to_vec() })));
             }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+            Poll::Ready(Err(error)) => {
+                Some(Err(Status::unavailable(format!("the replica's connection broke: {error}"))))
+            }
+        };
+        this.done = None;
+        Poll::Ready(frame)
     }
 }

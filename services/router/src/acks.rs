@@ -36,14 +36,16 @@ pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(5);
 /// Most acknowledgements sent in one call.
 const BATCH: usize = 10_000;
 
-/// A revision of a service: the service, and the revision's name.
-type RevisionKey = (ServiceKey, String);
+/// How many requests are under way, by service, then by revision name:
+/// a request looks its count up by the names its endpoint holds, copying
+/// none.
+type Counts = HashMap<ServiceKey, HashMap<String, usize>>;
 
 /// The requests under way, by the revision they were sent to.
 #[derive(Debug)]
 pub(crate) struct InFlight {
     table: watch::Receiver<Arc<RouteTable>>,
-    counts: Mutex<HashMap<RevisionKey, usize>>,
+    counts: Mutex<Counts>,
     /// Woken when the last request to a revision the table no longer
     /// routes to ends.
     drained: Notify,
@@ -53,13 +55,13 @@ pub(crate) struct InFlight {
 #[derive(Debug)]
 pub(crate) struct InFlightGuard {
     inflight: Arc<InFlight>,
-    key: RevisionKey,
+    endpoint: Arc<Endpoint>,
 }
 
 /// The counts, locked: what a request reads the table under.
 pub(crate) struct Locked<'a> {
     inflight: &'a Arc<InFlight>,
-    counts: MutexGuard<'a, HashMap<RevisionKey, usize>>,
+    counts: MutexGuard<'a, Counts>,
 }
 
 impl InFlight {
@@ -67,7 +69,7 @@ impl InFlight {
         Arc::new(InFlight { table, counts: Mutex::new(HashMap::new()), drained: Notify::new() })
     }
 
-    fn counts(&self) -> MutexGuard<'_, HashMap<RevisionKey, usize>> {
+    fn counts(&self) -> MutexGuard<'_, Counts> {
         self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -79,28 +81,40 @@ impl InFlight {
 
     /// Whether no request to `service` is being answered from a revision
     /// `table` does not route it to.
-    fn drained_for(counts: &HashMap<RevisionKey, usize>, table: &RouteTable, service: &ServiceKey) -> bool {
-        counts.keys().filter(|(of, _)| of == service).all(|(_, revision)| table.routes_to(service, revision))
+    fn drained_for(counts: &Counts, table: &RouteTable, service: &ServiceKey) -> bool {
+        counts.get(service).is_none_or(|revisions| revisions.keys().all(|revision| table.routes_to(service, revision)))
     }
 }
 
 impl Locked<'_> {
     /// Counts a request sent to `endpoint`'s revision until the guard drops.
-    pub(crate) fn enter(&mut self, endpoint: &Endpoint) -> InFlightGuard {
-        let key = (endpoint.service.clone(), endpoint.revision.clone());
-        *self.counts.entry(key.clone()).or_default() += 1;
-        InFlightGuard { inflight: self.inflight.clone(), key }
+    pub(crate) fn enter(&mut self, endpoint: &Arc<Endpoint>) -> InFlightGuard {
+        let revisions = match self.counts.get_mut(&endpoint.service) {
+            Some(revisions) => revisions,
+            None => self.counts.entry(endpoint.service.clone()).or_default(),
+        };
+        match revisions.get_mut(endpoint.revision.as_str()) {
+            Some(count) => *count += 1,
+            None => {
+                revisions.insert(endpoint.revision.clone(), 1);
+            }
+        }
+        InFlightGuard { inflight: self.inflight.clone(), endpoint: endpoint.clone() }
     }
 }
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
+        let (service, revision) = (&self.endpoint.service, self.endpoint.revision.as_str());
         let mut counts = self.inflight.counts();
-        let Some(count) = counts.get_mut(&self.key) else { return };
+        let Some(revisions) = counts.get_mut(service) else { return };
+        let Some(count) = revisions.get_mut(revision) else { return };
         *count -= 1;
         if *count == 0 {
-            counts.remove(&self.key);
-            let (service, revision) = &self.key;
+            revisions.remove(revision);
+            if revisions.is_empty() {
+                counts.remove(service);
+            }
             let routed = self.inflight.table.borrow().routes_to(service, revision);
             if !routed {
                 self.inflight.drained.notify_one();

@@ -234,7 +234,7 @@ impl Proxy {
         mut request: Request<Incoming>,
         client: Client,
         host: &str,
-        endpoints: Vec<Endpoint>,
+        endpoints: Vec<Arc<Endpoint>>,
         guard: InFlightGuard,
     ) -> Response<Body> {
         forwarded_headers(&mut request, host, client);
@@ -275,7 +275,7 @@ impl Proxy {
     async fn upgrade(
         &self,
         mut request: Request<Incoming>,
-        endpoints: &[Endpoint],
+        endpoints: &[Arc<Endpoint>],
         guard: InFlightGuard,
     ) -> Response<Body> {
         let client_side = hyper::upgrade::on(&mut request);
@@ -419,7 +419,7 @@ fn connection_broke(status: &tonic::Status) -> bool {
 /// The replicas a request may try, in order, with the request counted
 /// against their revision, and the affinity cookie to give its client.
 struct Picked {
-    endpoints: Vec<Endpoint>,
+    endpoints: Vec<Arc<Endpoint>>,
     guard: InFlightGuard,
     set_cookie: Option<hyper::header::HeaderValue>,
 }
@@ -464,26 +464,32 @@ fn cookie(headers: &hyper::HeaderMap, name: &str) -> Option<String> {
 /// when it speaks it (the host in the URI), else in HTTP/1.1 (the path in
 /// the request line, the host in a header).
 fn upstream_request(mut request: Request<Incoming>, h2c: bool) -> Request<Incoming> {
-    let authority = request
-        .uri()
-        .authority()
-        .map(|a| a.as_str().to_string())
-        .or_else(|| request.headers().get(hyper::header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string));
-    let path = request.uri().path_and_query().map_or_else(|| "/".to_string(), |p| p.as_str().to_string());
-    if h2c {
-        if let Some(uri) = authority.and_then(|a| format!("http://{a}{path}").parse().ok()) {
-            *request.uri_mut() = uri;
+    // A URI in the form the replica is sent is kept as it is: most are.
+    let keep = if h2c {
+        request.uri().scheme() == Some(&hyper::http::uri::Scheme::HTTP) && request.uri().authority().is_some()
+    } else {
+        request.uri().authority().is_none()
+    };
+    if !keep {
+        let authority =
+            request.uri().authority().map(|a| a.as_str().to_string()).or_else(|| {
+                request.headers().get(hyper::header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string)
+            });
+        let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
+        if h2c {
+            if let Some(uri) = authority.and_then(|a| format!("http://{a}{path}").parse().ok()) {
+                *request.uri_mut() = uri;
+            }
+        } else {
+            if let Ok(uri) = path.parse() {
+                *request.uri_mut() = uri;
+            }
+            if let Some(host) = authority.and_then(|a| hyper::header::HeaderValue::from_str(&a).ok()) {
+                request.headers_mut().entry(hyper::header::HOST).or_insert(host);
+            }
         }
-        *request.version_mut() = Version::HTTP_2;
-        return request;
     }
-    if let Ok(uri) = path.parse() {
-        *request.uri_mut() = uri;
-    }
-    if let Some(host) = authority.and_then(|a| hyper::header::HeaderValue::from_str(&a).ok()) {
-        request.headers_mut().entry(hyper::header::HOST).or_insert(host);
-    }
-    *request.version_mut() = Version::HTTP_11;
+    *request.version_mut() = if h2c { Version::HTTP_2 } else { Version::HTTP_11 };
     request
 }
 

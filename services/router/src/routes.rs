@@ -33,6 +33,7 @@
 //!   with no such endpoint to [`Resolution::NoReplica`]: never a wait.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use berth_proto::identity::v1::{Node, NodeState};
 use berth_proto::leases::v1::{Lease, LeasePhase};
@@ -80,7 +81,7 @@ pub enum Resolution<'a> {
         service: String,
     },
     /// The replicas to choose from; never empty.
-    Endpoints(&'a [Endpoint]),
+    Endpoints(&'a [Arc<Endpoint>]),
 }
 
 /// How a service keeps a client's requests on one replica.
@@ -111,7 +112,7 @@ pub fn session_roll(key: &str) -> f64 {
 
 /// Which of `endpoints` session `key` keeps to: the one whose lease hashes
 /// highest with it.
-pub fn session_replica(endpoints: &[Endpoint], key: &str) -> usize {
+pub fn session_replica(endpoints: &[Arc<Endpoint>], key: &str) -> usize {
     let mut best = (0, 0);
     for (i, endpoint) in endpoints.iter().enumerate() {
         let score = session_hash(key, &endpoint.lease_id);
@@ -128,7 +129,8 @@ struct Share {
     revision: String,
     percent: u32,
     tag: String,
-    endpoints: Vec<Endpoint>,
+    /// Shared with the requests sent to them: picking one copies no name.
+    endpoints: Vec<Arc<Endpoint>>,
 }
 
 /// Every service's shares, by (project, service).
@@ -162,7 +164,7 @@ impl RouteTable {
     /// The table `sources` describe, serving names under `domain`.
     pub fn build(domain: &str, sources: &Sources) -> RouteTable {
         // Every replica that may take traffic, by (project, service, revision).
-        let mut ready: HashMap<(String, String, String), Vec<Endpoint>> = HashMap::new();
+        let mut ready: HashMap<(String, String, String), Vec<Arc<Endpoint>>> = HashMap::new();
         for lease in sources.leases.values() {
             let Some(workload) = &lease.workload else { continue };
             if lease.phase() != LeasePhase::Running || workload.service.is_empty() {
@@ -174,14 +176,14 @@ impl RouteTable {
                 continue;
             }
             let key = (project_of(&lease.project).to_string(), workload.service.clone(), workload.revision.clone());
-            ready.entry(key).or_default().push(Endpoint {
+            ready.entry(key).or_default().push(Arc::new(Endpoint {
                 service: (project_of(&lease.project).to_string(), workload.service.clone()),
                 node_id: node.node_id.clone(),
                 agent_addr: node.advertise_addr.clone(),
                 lease_id: lease.lease_id.clone(),
                 revision: workload.revision.clone(),
                 h2c: workload.ports.first().is_some_and(|port| H2C_PORT_NAMES.contains(&port.name.as_str())),
-            });
+            }));
         }
         for endpoints in ready.values_mut() {
             endpoints.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
@@ -248,8 +250,7 @@ impl RouteTable {
     /// looked for as.
     fn read_host(&self, host: &str) -> Result<(String, String), String> {
         let name = strip_port(host).trim_end_matches('.').to_ascii_lowercase();
-        let suffix = format!(".{}", self.domain);
-        let Some(rest) = name.strip_suffix(&suffix) else {
+        let Some(rest) = name.strip_suffix(self.domain.as_str()).and_then(|rest| rest.strip_suffix('.')) else {
             return Err(format!("a name under {}", self.domain));
         };
         match rest.split_once('.').filter(|(s, p)| !s.is_empty() && !p.contains('.')) {
@@ -287,44 +288,47 @@ impl RouteTable {
             Ok(read) => read,
             Err(looked_for) => return Resolution::Unknown { looked_for },
         };
-        let (label, project) = (label.as_str(), project.as_str());
-        let roll = roll(self.affinity_of(label, project));
-        let shares_of = |service: &str| self.services.get(&(project.to_string(), service.to_string()));
         // `<tag>--<service>` names one tagged share, when the service has that tag.
-        if let Some((tag, service)) = label.split_once("--")
-            && let Some(share) = shares_of(service).and_then(|shares| shares.iter().find(|s| s.tag == tag))
+        let tagged =
+            label.split_once("--").map(|(tag, service)| (tag.to_string(), (project.clone(), service.to_string())));
+        let key: ServiceKey = (project, label);
+        let roll = roll(self.affinities.get(tagged.as_ref().map_or(&key, |(_, service)| service)));
+        if let Some((tag, service)) = &tagged
+            && let Some(share) = self.services.get(service).and_then(|shares| shares.iter().find(|s| &s.tag == tag))
         {
             if share.endpoints.is_empty() {
+                let (project, service) = service;
                 return Resolution::NoReplica {
                     service: format!("tag {tag} of service {service} in project {project}"),
                 };
             }
             return Resolution::Endpoints(&share.endpoints);
         }
-        let described = format!("service {label} in project {project}");
-        let Some(shares) = shares_of(label) else {
-            return Resolution::Unknown { looked_for: described };
+        let described = || format!("service {} in project {}", key.1, key.0);
+        let Some(shares) = self.services.get(&key) else {
+            return Resolution::Unknown { looked_for: described() };
         };
         // The split among the shares that have replicas, as their percents say.
-        let live: Vec<&Share> = shares.iter().filter(|s| s.percent > 0 && !s.endpoints.is_empty()).collect();
-        let total: u32 = live.iter().map(|s| s.percent).sum();
-        if total == 0 {
-            return Resolution::NoReplica { service: described };
-        }
+        let live = || shares.iter().filter(|s| s.percent > 0 && !s.endpoints.is_empty());
+        let total: u32 = live().map(|s| s.percent).sum();
         let mut point = roll.clamp(0.0, 1.0) * f64::from(total);
-        for share in &live {
+        let mut last = None;
+        for share in live() {
             point -= f64::from(share.percent);
             if point < 0.0 {
                 return Resolution::Endpoints(&share.endpoints);
             }
+            last = Some(share);
         }
-        live.last()
-            .map_or(Resolution::NoReplica { service: described }, |share| Resolution::Endpoints(&share.endpoints))
+        last.map_or_else(
+            || Resolution::NoReplica { service: described() },
+            |share| Resolution::Endpoints(&share.endpoints),
+        )
     }
 
     /// Every endpoint of every service.
     pub fn endpoints(&self) -> impl Iterator<Item = &Endpoint> {
-        self.services.values().flatten().flat_map(|share| &share.endpoints)
+        self.services.values().flatten().flat_map(|share| share.endpoints.iter().map(|endpoint| &**endpoint))
     }
 }
 
@@ -440,7 +444,7 @@ mod tests {
 
         // A third replica takes only keys from the two: none moves between them.
         let mut three = endpoints.to_vec();
-        three.push(Endpoint { lease_id: "l-9".into(), ..endpoints[0].clone() });
+        three.push(Arc::new(Endpoint { lease_id: "l-9".into(), ..(*endpoints[0]).clone() }));
         for (key, before) in keys.iter().zip(&chosen) {
             let now = session_replica(&three, key);
             assert!(now == *before || now == 2, "{key} moved from {before} to {now}");
