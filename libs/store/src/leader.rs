@@ -29,6 +29,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use sqlx::AnyConnection;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -49,6 +50,33 @@ pub struct Term(pub i64);
 impl fmt::Display for Term {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.0)
+    }
+}
+
+/// The leadership a loop's writes are fenced on: its name, the holder and
+/// the term it was elected at. Checked inside the write's own transaction,
+/// so a write commits only while its writer still leads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    pub loop_name: &'static str,
+    pub holder: String,
+    pub term: Term,
+}
+
+impl Fence {
+    /// Whether the fence still holds the lead on the database clock, read on
+    /// `conn` (inside a transaction body); `now_sql` is [`Store::now_ms_sql`].
+    pub async fn holds(&self, conn: &mut AnyConnection, now_sql: &str) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "SELECT term FROM _berth_leaders WHERE loop_name = $1 AND holder = $2 AND term = $3 AND expires_at_ms > {now_sql}"
+        );
+        let held: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(self.loop_name)
+            .bind(self.holder.as_str())
+            .bind(self.term.0)
+            .fetch_optional(&mut *conn)
+            .await?;
+        Ok(held.is_some())
     }
 }
 

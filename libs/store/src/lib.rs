@@ -13,7 +13,7 @@
 //!   ([`Store::now_ms`], [`Store::now_ms_sql`]).
 
 pub use crate::error::{BoxError, StoreError, TxError, expect_one};
-pub use crate::leader::{ElectionTiming, LeaderElector, LeaderHandle, Term};
+pub use crate::leader::{ElectionTiming, Fence, LeaderElector, LeaderHandle, Term};
 pub use crate::migrate::Migration;
 pub use crate::store::{Backend, Store, StoreOptions, TxFuture, TxRetry, TxScope, now_ms_in};
 #[doc(hidden)]

@@ -88,6 +88,10 @@ const DEFAULT_TX_BACKOFF: Duration = Duration::from_millis(10);
 /// No retry waits longer than this.
 const DEFAULT_TX_MAX_BACKOFF: Duration = Duration::from_millis(500);
 
+/// How many times [`Store::upsert`] runs a body that keeps racing other
+/// writers for the same keys, in rounds of the store's transaction attempts.
+const UPSERT_ROUNDS: u32 = 4;
+
 /// Longest PostgreSQL identifier.
 const MAX_SCHEMA_LEN: usize = 63;
 
@@ -302,6 +306,23 @@ impl Store {
         self.run(op, Access::ReadWrite, body).await
     }
 
+    /// Runs `body` as [`Store::tx`] does, for a write of keys that
+    /// concurrent writers race to create (an apply of a declaration). Two
+    /// that both read "no such row" insert the same key, and PostgreSQL
+    /// reports the loser as a unique violation ([`StoreError::AlreadyExists`]),
+    /// not a serialization failure; and a key hot enough to outlast `tx`'s
+    /// own retries is worth more. Either runs the body again, with the
+    /// transaction's own backoff, up to four times the store's transaction
+    /// attempts in all: run again, it reads what the winner committed.
+    pub async fn upsert<'env, T, E, F>(&self, op: &'static str, body: F) -> Result<T, E>
+    where
+        F: for<'c> FnMut(&'c mut AnyConnection) -> TxFuture<'env, 'c, Result<T, E>> + Send + 'env,
+        T: Send,
+        E: TxError + Send,
+    {
+        self.run(op, Access::Upsert, body).await
+    }
+
     /// Runs `body` in a read-only transaction named `op`: one consistent
     /// snapshot of what was committed when it began, and a write in it is
     /// refused. On PostgreSQL it is `REPEATABLE READ READ ONLY`, which never
@@ -333,15 +354,24 @@ impl Store {
             attempts = tracing::field::Empty,
         );
         let retry = self.shared.tx_retry;
+        let max_attempts = match access {
+            Access::Upsert => retry.max_attempts.saturating_mul(UPSERT_ROUNDS),
+            Access::ReadWrite | Access::ReadOnly => retry.max_attempts,
+        };
         async move {
             let mut attempt = 1;
             loop {
                 let result = self.tx_once(access, &mut body).await;
-                let contended = match &result {
-                    Err(error) => error.store_error().is_some_and(StoreError::is_retryable),
-                    Ok(_) => false,
-                };
-                if contended && attempt < retry.max_attempts {
+                let store_error = result.as_ref().err().and_then(TxError::store_error);
+                let raced = access == Access::Upsert && matches!(store_error, Some(StoreError::AlreadyExists { .. }));
+                if raced && attempt < max_attempts {
+                    tracing::debug!(attempt, "an upsert raced another for the same key, running it again");
+                    tokio::time::sleep(retry.backoff(attempt)).await;
+                    attempt += 1;
+                    continue;
+                }
+                let contended = store_error.is_some_and(StoreError::is_retryable);
+                if contended && attempt < max_attempts {
                     let wait = retry.backoff(attempt);
                     tracing::debug!(attempt, ?wait, "transaction contended, running it again");
                     tokio::time::sleep(wait).await;
@@ -369,9 +399,9 @@ impl Store {
         E: TxError,
     {
         let (begin, read_only) = match (self.backend(), access) {
-            (Backend::Postgres, Access::ReadWrite) => ("BEGIN ISOLATION LEVEL SERIALIZABLE", None),
+            (Backend::Postgres, Access::ReadWrite | Access::Upsert) => ("BEGIN ISOLATION LEVEL SERIALIZABLE", None),
             (Backend::Postgres, Access::ReadOnly) => ("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", None),
-            (Backend::Sqlite, Access::ReadWrite) => ("BEGIN IMMEDIATE", None),
+            (Backend::Sqlite, Access::ReadWrite | Access::Upsert) => ("BEGIN IMMEDIATE", None),
             // SQLite has no read-only transaction; the connection is made
             // read-only for its length (a setting of the connection, which
             // a cancelled read leaves behind on a connection that is closed).
@@ -432,12 +462,14 @@ pub async fn now_ms_in(conn: &mut AnyConnection, now_sql: &str) -> Result<i64, s
 enum Access {
     ReadWrite,
     ReadOnly,
+    /// Read-write, and a unique violation runs it again ([`Store::upsert`]).
+    Upsert,
 }
 
 impl Access {
     fn as_str(self) -> &'static str {
         match self {
-            Self::ReadWrite => "read-write",
+            Self::ReadWrite | Self::Upsert => "read-write",
             Self::ReadOnly => "read-only",
         }
     }

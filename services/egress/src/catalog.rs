@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use berth_proto::egress::v1 as proto;
-use berth_store::{Store, StoreError, Term};
+use berth_store::{Fence, Store, StoreError};
 use prost::Message as _;
 use sqlx::AnyConnection;
 use sqlx::Row as _;
@@ -31,10 +31,6 @@ use sqlx::any::AnyRow;
 use crate::records::{GatewayRow, ObjectRow, PlanRow, RouteRow, object_columns, timestamp, unsigned};
 use crate::render::Rendered;
 use crate::validate::{ObjectKey, ValidGateway, ValidRoute};
-
-/// How many times an apply runs in all when it keeps colliding with
-/// concurrent applies of the same object (each run retried by the store too).
-const APPLY_ATTEMPTS: u32 = 4;
 
 /// Why a catalog operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -79,14 +75,6 @@ impl From<CatalogError> for tonic::Status {
             CatalogError::Store(error) => error.into(),
         }
     }
-}
-
-/// The leadership a full-pass write is fenced on.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Fence {
-    pub(crate) loop_name: &'static str,
-    pub(crate) holder: String,
-    pub(crate) term: Term,
 }
 
 /// What one full pass of a project wrote.
@@ -186,36 +174,25 @@ impl Catalog {
         let read = format!("SELECT {} FROM {table} WHERE project = $1 AND name = $2", object_columns!());
         let (spec, status, write, read) = (&spec, &status, &write, &read);
         let op = if matches!(kind, Kind::Gateway) { "egress.apply_gateway" } else { "egress.apply_route" };
-        let mut attempt = 1;
-        loop {
-            let applied = self
-                .store
-                .tx(op, |conn| {
-                    Box::pin(async move {
-                        let done = sqlx::query(sqlx::AssertSqlSafe(write.as_str()))
-                            .bind(key.project.as_str())
-                            .bind(key.name.as_str())
-                            .bind(spec.as_slice())
-                            .bind(status.as_slice())
-                            .execute(&mut *conn)
-                            .await?;
-                        let row = sqlx::query(sqlx::AssertSqlSafe(read.as_str()))
-                            .bind(key.project.as_str())
-                            .bind(key.name.as_str())
-                            .fetch_one(&mut *conn)
-                            .await?;
-                        Ok::<_, CatalogError>((row, done.rows_affected() > 0))
-                    })
+        self.store
+            .upsert(op, |conn| {
+                Box::pin(async move {
+                    let done = sqlx::query(sqlx::AssertSqlSafe(write.as_str()))
+                        .bind(key.project.as_str())
+                        .bind(key.name.as_str())
+                        .bind(spec.as_slice())
+                        .bind(status.as_slice())
+                        .execute(&mut *conn)
+                        .await?;
+                    let row = sqlx::query(sqlx::AssertSqlSafe(read.as_str()))
+                        .bind(key.project.as_str())
+                        .bind(key.name.as_str())
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    Ok::<_, CatalogError>((row, done.rows_affected() > 0))
                 })
-                .await;
-            match applied {
-                Err(CatalogError::Store(StoreError::Contended { .. })) if attempt < APPLY_ATTEMPTS => {
-                    attempt += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(rand::random_range(1..50))).await;
-                }
-                other => return other,
-            }
-        }
+            })
+            .await
     }
 
     /// One gateway.
@@ -642,14 +619,5 @@ async fn fetch_plan(conn: &mut AnyConnection, project: &str) -> Result<Option<Pl
 
 /// Refuses the write unless `fence` still holds the lead on the database clock.
 async fn check_fence(conn: &mut AnyConnection, fence: &Fence, now_sql: &str) -> Result<(), CatalogError> {
-    let sql = format!(
-        "SELECT term FROM _berth_leaders WHERE loop_name = $1 AND holder = $2 AND term = $3 AND expires_at_ms > {now_sql}"
-    );
-    let held: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-        .bind(fence.loop_name)
-        .bind(fence.holder.as_str())
-        .bind(fence.term.0)
-        .fetch_optional(&mut *conn)
-        .await?;
-    held.map(drop).ok_or(CatalogError::Deposed)
+    fence.holds(conn, now_sql).await?.then_some(()).ok_or(CatalogError::Deposed)
 }

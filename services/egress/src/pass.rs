@@ -42,11 +42,11 @@ use std::time::Duration;
 use berth_runtime::{
     Action, Coalesce, ControllerConfig, DecodeTrigger, Election, Leader, Reconciler, Trigger, Triggers,
 };
-use berth_store::Term;
+use berth_store::{Fence, Term};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::catalog::{CatalogError, Fence};
+use crate::catalog::CatalogError;
 use crate::compile::{PlanInputs, compile};
 use crate::queue::PassKey;
 use crate::render::render;

@@ -23,7 +23,7 @@
 
 use berth_proto::revisions::v1;
 use berth_proto::revisions::v1::{SessionAffinity, TrafficTarget};
-use berth_store::{Store, StoreError, Term};
+use berth_store::{Fence, Store, StoreError};
 use prost::Message as _;
 use sqlx::AnyConnection;
 
@@ -34,10 +34,6 @@ use crate::records::{RevisionRow, RevisionState, ServiceRow, Tombstone, revision
 use crate::resolver::ResolveError;
 use crate::traffic::StoredTraffic;
 use crate::validate::ValidApply;
-
-/// How many times an apply runs when it keeps colliding with concurrent
-/// applies that insert the same keys.
-const APPLY_ATTEMPTS: u32 = 8;
 
 /// Why a catalog operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -84,14 +80,6 @@ impl From<CatalogError> for tonic::Status {
             CatalogError::Store(error) => error.into(),
         }
     }
-}
-
-/// The leadership a reconciler write is fenced on.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Fence {
-    pub(crate) loop_name: &'static str,
-    pub(crate) holder: String,
-    pub(crate) term: Term,
 }
 
 /// What resolving a new revision's bundle reference gave, before it was minted.
@@ -183,23 +171,9 @@ impl Catalog {
         retry_after_ms: i64,
     ) -> Result<Applied, CatalogError> {
         let now_sql = self.store.now_ms_sql();
-        let mut attempt = 1;
-        loop {
-            let applied = self
-                .store
-                .tx("revisions.apply", |conn| Box::pin(apply_in_tx(conn, now_sql, valid, resolution, retry_after_ms)))
-                .await;
-            match applied {
-                // Two applies that both read "no such row" insert the same key: PostgreSQL
-                // reports the loser as a unique violation, not a serialization failure. Run
-                // again, it reads what the winner committed.
-                Err(CatalogError::Store(StoreError::AlreadyExists { .. })) if attempt < APPLY_ATTEMPTS => {
-                    attempt += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(rand::random_range(1..20))).await;
-                }
-                other => return other,
-            }
-        }
+        self.store
+            .upsert("revisions.apply", |conn| Box::pin(apply_in_tx(conn, now_sql, valid, resolution, retry_after_ms)))
+            .await
     }
 
     /// One service.
@@ -826,16 +800,7 @@ async fn write_service_status(
 
 /// Refuses the write unless `fence` still holds the lead on the database clock.
 async fn check_fence(conn: &mut AnyConnection, fence: &Fence, now_sql: &str) -> Result<(), CatalogError> {
-    let sql = format!(
-        "SELECT term FROM _berth_leaders WHERE loop_name = $1 AND holder = $2 AND term = $3 AND expires_at_ms > {now_sql}"
-    );
-    let held: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-        .bind(fence.loop_name)
-        .bind(fence.holder.as_str())
-        .bind(fence.term.0)
-        .fetch_optional(&mut *conn)
-        .await?;
-    held.map(drop).ok_or(CatalogError::Deposed)
+    fence.holds(conn, now_sql).await?.then_some(()).ok_or(CatalogError::Deposed)
 }
 
 async fn fetch_service(conn: &mut AnyConnection, key: &ServiceKey) -> Result<Option<ServiceRow>, CatalogError> {

@@ -22,10 +22,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_runtime::{Action, ControllerConfig, DecodeTrigger, Election, Leader, Reconciler, Triggers};
-use berth_store::Term;
+use berth_store::{Fence, Term};
 use tokio::sync::mpsc;
 
-use crate::catalog::Fence;
 use crate::config::RevisionsConfig;
 use crate::model::ServiceKey;
 use crate::reconciler::{Context, ReconcileError, reconcile};

@@ -54,8 +54,9 @@ use berth_proto::artifact::ArtifactKind;
 use berth_proto::leases::v1 as leases;
 use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus, Readiness};
 use berth_runtime::Action;
+use berth_store::Fence;
 
-use crate::catalog::{Catalog, CatalogError, Fence, RolloutChange, StatusReport};
+use crate::catalog::{Catalog, CatalogError, RolloutChange, StatusReport};
 use crate::config::{DEFAULT_CPU_MILLIS, DEFAULT_MEMORY_BYTES, RevisionsConfig, millis};
 use crate::lease_view::LeaseView;
 use crate::leases::{LeaseCallError, LeaseClient};
