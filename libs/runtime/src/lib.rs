@@ -23,11 +23,12 @@ pub use controller::{
 pub use duration::parse_duration;
 pub use elected::{Election, Leader, spawn_elected};
 pub use follow::{NodeDirectory, NodeSnapshot, follow_nodes};
-pub use loops::{LOOPS_GRACE, spawn_loop};
+pub use loops::{LOOPS_GRACE, close_with, spawn_loop};
 pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};
 pub use renew::{RENEW_CHECK_INTERVAL, RenewError, renew_if_due, renew_service_certificate};
 pub use replica::{replica_id, wall_clock_ms};
 pub use service::{
-    ServiceContext, ServiceSpec, Started, bind, run_service, service_main, start_service, store_readiness,
+    ServiceContext, ServiceFlags, ServiceReplica, ServiceSpec, Started, bind, serve_replica, start_service,
+    store_readiness,
 };
 pub use startup::{StartError, chain, open_bus, open_store, run_main, wait_for_bus, wait_for_store, with_causes};

@@ -22,6 +22,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// How long a stopping process waits for its loops to end.
@@ -44,4 +45,17 @@ where
 pub(crate) async fn wait_for_loops(grace: Duration) -> bool {
     LOOPS.close();
     tokio::time::timeout(grace, LOOPS.wait()).await.is_ok()
+}
+
+/// Cancels `closing` once `shutdown` is: a replica's own token, which its
+/// loops and open streams end on, follows the process's. Cancelled first,
+/// `closing` lets the watch go.
+pub fn close_with(shutdown: &CancellationToken, closing: &CancellationToken) {
+    let (shutdown, closing) = (shutdown.clone(), closing.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            () = shutdown.cancelled() => closing.cancel(),
+            () = closing.cancelled() => {}
+        }
+    });
 }

@@ -105,6 +105,22 @@ pub struct Started {
     pub credentials: TlsCredentials,
 }
 
+/// The flags every control-plane service binary takes beside `--listen`
+/// (whose default is the binary's own port): its certificate files, its
+/// state, the mesh it follows and its telemetry. A binary flattens them into
+/// its own flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServiceFlags {
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    #[command(flatten)]
+    pub state: StateArgs,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+    #[command(flatten)]
+    pub telemetry: crate::TelemetryArgs,
+}
+
 /// Everything a service binary does before it serves: loads the certificate
 /// files (and watches them for changes), opens the state, follows identity's
 /// node registry and renews its own certificate through identity when
@@ -112,11 +128,10 @@ pub struct Started {
 pub async fn start_service(
     spec: ServiceSpec,
     listen: SocketAddr,
-    tls: &TlsArgs,
-    state: &StateArgs,
-    mesh: &MeshArgs,
+    flags: &ServiceFlags,
     shutdown: &CancellationToken,
 ) -> Result<Started, StartError> {
+    let ServiceFlags { tls, state, mesh, .. } = flags;
     let credentials = tls.load()?;
     let ctx = spec.open(state, credentials.clone(), shutdown).await?;
     if let Some(identity) = &mesh.identity_addr {
@@ -143,64 +158,34 @@ pub async fn start_service(
     Ok(Started { ctx, listener, credentials })
 }
 
-/// Runs a service binary whose spec builds its whole server: [`start_service`],
-/// then serves until `shutdown`.
-pub async fn run_service(
+/// One replica of a control-plane service, as its binary runs it.
+pub trait ServiceReplica {
+    /// Its name among the service's replicas, as it campaigns for its loops.
+    fn replica_id(&self) -> &str;
+    /// Every gRPC service it serves, refusing revoked nodes.
+    fn server(&self) -> ServerBuilder;
+    /// Starts its loops until `shutdown`; only the first call starts anything.
+    fn spawn_loops(&self, shutdown: &CancellationToken);
+}
+
+/// The rest of a service binary once its replica is built: starts the
+/// replica's loops and serves it on `started`'s listener, ready while its
+/// store answers, until `shutdown`.
+pub async fn serve_replica(
     spec: ServiceSpec,
-    listen: SocketAddr,
-    tls: &TlsArgs,
-    state: &StateArgs,
-    mesh: &MeshArgs,
+    replica: &impl ServiceReplica,
+    started: Started,
     shutdown: CancellationToken,
 ) -> Result<(), StartError> {
-    let started = start_service(spec, listen, tls, state, mesh, &shutdown).await?;
-    spec.serve(&started.ctx, started.listener, shutdown).await
+    replica.spawn_loops(&shutdown);
+    let addr = started.listener.local_addr().ok();
+    tracing::info!(service = spec.name, ?addr, replica = replica.replica_id(), "serving");
+    replica.server().with_readiness(started.ctx.readiness()).serve(started.listener, shutdown).await?;
+    Ok(())
 }
 
 impl std::fmt::Display for ServiceSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name)
     }
-}
-
-/// The flags of a control-plane service binary.
-#[derive(Debug, clap::Parser)]
-struct ServiceArgs {
-    /// Address to serve mTLS gRPC on.
-    #[arg(long, env = "BERTH_LISTEN", value_name = "ADDR")]
-    listen: SocketAddr,
-    #[command(flatten)]
-    tls: TlsArgs,
-    #[command(flatten)]
-    state: StateArgs,
-    #[command(flatten)]
-    mesh: MeshArgs,
-    #[command(flatten)]
-    telemetry: crate::TelemetryArgs,
-}
-
-/// The whole `main` of a control-plane service binary: its flags (with
-/// `default_listen` as `--listen`'s default), then [`run_service`] until
-/// SIGTERM or Ctrl-C.
-pub fn service_main(
-    binary: &'static str,
-    about: &'static str,
-    default_listen: &'static str,
-    spec: ServiceSpec,
-) -> std::process::ExitCode {
-    use clap::{CommandFactory, FromArgMatches};
-    let command = ServiceArgs::command()
-        .name(binary)
-        .bin_name(binary)
-        .about(about)
-        .version(env!("CARGO_PKG_VERSION"))
-        .mut_arg("listen", |arg| arg.default_value(default_listen).required(false));
-    let args = match ServiceArgs::from_arg_matches(&command.get_matches()) {
-        Ok(args) => args,
-        Err(error) => error.exit(),
-    };
-    crate::run_main(binary, &args.telemetry, || async {
-        let shutdown = berth_rpc::shutdown_signal();
-        run_service(spec, args.listen, &args.tls, &args.state, &args.mesh, shutdown).await
-    })
 }

@@ -35,7 +35,7 @@ use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
 use berth_proto::identity::v1 as identity;
 use berth_proto::types::v1::EventKind;
 use berth_rpc::{Listener, Revocations, ServerBuilder};
-use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _, follow_nodes};
 use berth_store::testing::TestDb;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;

@@ -7,9 +7,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use berth_runtime::{
-    MeshArgs, StartError, Started, StateArgs, TelemetryArgs, TlsArgs, parse_duration, run_main, start_service,
-};
+use berth_runtime::{ServiceFlags, StartError, parse_duration, run_main, serve_replica, start_service};
 use clap::Parser;
 
 use crate::{DEFAULT_PORT, EgressConfig, EgressService, SPEC, Sources};
@@ -43,13 +41,7 @@ struct Args {
           value_parser = parse_duration)]
     full_resync: Duration,
     #[command(flatten)]
-    tls: TlsArgs,
-    #[command(flatten)]
-    state: StateArgs,
-    #[command(flatten)]
-    mesh: MeshArgs,
-    #[command(flatten)]
-    telemetry: TelemetryArgs,
+    service: ServiceFlags,
 }
 
 impl Args {
@@ -58,7 +50,7 @@ impl Args {
             debounce: self.debounce,
             max_delay: self.max_delay.max(self.debounce),
             full_resync: self.full_resync,
-            election: self.state.election(),
+            election: self.service.state.election(),
             ..EgressConfig::default()
         }
     }
@@ -67,27 +59,23 @@ impl Args {
 /// Parses the flags and serves until SIGTERM or Ctrl-C.
 pub fn binary_main() -> ExitCode {
     let args = Args::parse();
-    let telemetry = args.telemetry.clone();
+    let telemetry = args.service.telemetry.clone();
     run_main("berth-egress", &telemetry, || run(args))
 }
 
 async fn run(args: Args) -> Result<(), StartError> {
     let shutdown = berth_rpc::shutdown_signal();
-    let Started { ctx, listener, credentials } =
-        start_service(SPEC, args.listen, &args.tls, &args.state, &args.mesh, &shutdown).await?;
+    let started = start_service(SPEC, args.listen, &args.service, &shutdown).await?;
     if args.revisions_addr.is_none() {
         tracing::warn!("no --revisions-addr: plans list no services");
     }
     if args.leases_addr.is_none() {
         tracing::warn!("no --leases-addr: no node is sent any plan");
     }
-    let sources = Sources::connect(&credentials, args.revisions_addr.as_deref(), args.leases_addr.as_deref())
+    let sources = Sources::connect(&started.credentials, args.revisions_addr.as_deref(), args.leases_addr.as_deref())
         .map_err(|e| StartError::Invalid(format!("egress: {e}")))?;
-    let service = EgressService::new(&ctx, args.config(), sources);
-    service.spawn_loops(&shutdown);
-    tracing::info!(addr = %args.listen, replica = service.replica_id(), "egress serving");
-    service.server().with_readiness(ctx.readiness()).serve(listener, shutdown).await?;
-    Ok(())
+    let service = EgressService::new(&started.ctx, args.config(), sources);
+    serve_replica(SPEC, &service, started, shutdown).await
 }
 
 #[cfg(test)]

@@ -63,7 +63,7 @@ mod validate;
 mod world;
 
 use berth_rpc::ServerBuilder;
-use berth_runtime::{ServiceContext, ServiceSpec, StartError};
+use berth_runtime::{ServiceContext, ServiceReplica as _, ServiceSpec, StartError};
 use berth_store::Migration;
 
 /// The service's name: its Postgres schema, bus prefix and `svc` SAN.

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use berth_proto::egress::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
-use berth_runtime::ServiceContext;
+use berth_runtime::{ServiceContext, ServiceReplica};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::catalog::Catalog;
@@ -50,19 +50,31 @@ impl EgressService {
         Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: None }
     }
 
-    /// This replica's name among the service's replicas, as it campaigns for
-    /// the full pass ([`EGRESS_LOOP`](crate::EGRESS_LOOP)).
-    pub fn replica_id(&self) -> &str {
-        &self.core.replica_id
-    }
-
     /// The timings it runs with.
     pub fn config(&self) -> &EgressConfig {
         &self.core.config
     }
 
+    /// This replica with its loops running until every handle on it (the
+    /// server's included) is dropped: for callers that only hand out a
+    /// [`ServerBuilder`].
+    pub fn with_loops_for_its_lifetime(mut self) -> Self {
+        let token = CancellationToken::new();
+        self.spawn_loops(&token);
+        self.lifetime = Some(Arc::new(token.drop_guard()));
+        self
+    }
+}
+
+impl ServiceReplica for EgressService {
+    /// This replica's name among the service's replicas, as it campaigns for
+    /// the full pass ([`EGRESS_LOOP`](crate::EGRESS_LOOP)).
+    fn replica_id(&self) -> &str {
+        &self.core.replica_id
+    }
+
     /// Every gRPC service of egress, ready to serve, refusing revoked nodes.
-    pub fn server(&self) -> ServerBuilder {
+    fn server(&self) -> ServerBuilder {
         ServerBuilder::new()
             .with_revocations(self.revocations.clone())
             .add_service(
@@ -77,7 +89,7 @@ impl EgressService {
     /// Starts the stream waker and the campaign for the full pass until
     /// `shutdown` (which also ends open watch streams). Only the first call
     /// starts anything.
-    pub fn spawn_loops(&self, shutdown: &CancellationToken) {
+    fn spawn_loops(&self, shutdown: &CancellationToken) {
         {
             let mut started = self.core.started.lock().unwrap_or_else(PoisonError::into_inner);
             if *started {
@@ -86,24 +98,8 @@ impl EgressService {
             }
             *started = true;
         }
-        let (shutdown, closing) = (shutdown.clone(), self.core.closing.clone());
-        tokio::spawn(async move {
-            tokio::select! {
-                () = shutdown.cancelled() => closing.cancel(),
-                () = closing.cancelled() => {}
-            }
-        });
+        berth_runtime::close_with(shutdown, &self.core.closing);
         self.core.nodes.spawn_follower(self.core.bus.clone(), self.core.closing.clone());
         crate::pass::spawn(Arc::clone(&self.core));
-    }
-
-    /// This replica with its loops running until every handle on it (the
-    /// server's included) is dropped: for callers that only hand out a
-    /// [`ServerBuilder`].
-    pub fn with_loops_for_its_lifetime(mut self) -> Self {
-        let token = CancellationToken::new();
-        self.spawn_loops(&token);
-        self.lifetime = Some(Arc::new(token.drop_guard()));
-        self
     }
 }

@@ -10,6 +10,7 @@ mod support;
 
 use berth_egress::EGRESS_LOOP;
 use berth_proto::egress::v1 as egress;
+use berth_runtime::ServiceReplica as _;
 use berth_store::Term;
 use berth_testkit::{PATIENCE, eventually};
 use support::{Backend, Mesh, fast_config, gateway, route};

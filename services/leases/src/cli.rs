@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use berth_runtime::{MeshArgs, StartError, Started, StateArgs, TelemetryArgs, TlsArgs, run_main, start_service};
+use berth_runtime::{ServiceFlags, StartError, run_main, serve_replica, start_service};
 use clap::Parser;
 
 use crate::{DEFAULT_PORT, LeasesConfig, LeasesService, SPEC};
@@ -25,40 +25,30 @@ struct Args {
           value_parser = clap::value_parser!(u64).range(3..=3600))]
     lease_ttl: u64,
     #[command(flatten)]
-    tls: TlsArgs,
-    #[command(flatten)]
-    state: StateArgs,
-    #[command(flatten)]
-    mesh: MeshArgs,
-    #[command(flatten)]
-    telemetry: TelemetryArgs,
+    service: ServiceFlags,
 }
 
 /// Parses the flags and runs the ledger until SIGTERM or Ctrl-C.
 pub fn binary_main() -> ExitCode {
     let args = Args::parse();
-    let telemetry = args.telemetry.clone();
+    let telemetry = args.service.telemetry.clone();
     run_main("berth-leases", &telemetry, || run(args))
 }
 
 async fn run(args: Args) -> Result<(), StartError> {
     let shutdown = berth_rpc::shutdown_signal();
-    if args.mesh.identity_addr.is_none() {
+    if args.service.mesh.identity_addr.is_none() {
         tracing::warn!("no --identity-addr: the ledger learns of no node, so it places no lease");
     }
-    let Started { ctx, listener, .. } =
-        start_service(SPEC, args.listen, &args.tls, &args.state, &args.mesh, &shutdown).await?;
+    let started = start_service(SPEC, args.listen, &args.service, &shutdown).await?;
     let service = LeasesService::new(
-        &ctx,
+        &started.ctx,
         LeasesConfig {
-            election: args.state.election(),
+            election: args.service.state.election(),
             ..LeasesConfig::with_lease_ttl(Duration::from_secs(args.lease_ttl))
         },
     );
-    service.spawn_loops(&shutdown);
-    tracing::info!(addr = %args.listen, replica = service.replica_id(), "leases serving");
-    service.server().with_readiness(ctx.readiness()).serve(listener, shutdown).await?;
-    Ok(())
+    serve_replica(SPEC, &service, started, shutdown).await
 }
 
 #[cfg(test)]

@@ -48,7 +48,7 @@ mod validate;
 mod watch;
 
 use berth_rpc::ServerBuilder;
-use berth_runtime::{ServiceContext, ServiceSpec};
+use berth_runtime::{ServiceContext, ServiceReplica as _, ServiceSpec};
 use berth_store::Migration;
 
 /// The service's name: its Postgres schema, bus prefix and `svc` SAN.

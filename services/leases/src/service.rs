@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use berth_proto::leases::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
-use berth_runtime::ServiceContext;
+use berth_runtime::{ServiceContext, ServiceReplica};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::config::LeasesConfig;
@@ -50,19 +50,31 @@ impl LeasesService {
         Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: None }
     }
 
-    /// This replica's name among the ledger's replicas, as it campaigns for
-    /// the reaper ([`REAPER_LOOP`](crate::REAPER_LOOP)).
-    pub fn replica_id(&self) -> &str {
-        &self.core.replica_id
-    }
-
     /// The timings it runs with.
     pub fn config(&self) -> &LeasesConfig {
         &self.core.config
     }
 
+    /// This replica with its loops running until every handle on it (the
+    /// server's included) is dropped: for callers that only hand out a
+    /// [`ServerBuilder`].
+    pub(crate) fn with_loops_for_its_lifetime(mut self) -> Self {
+        let token = CancellationToken::new();
+        self.spawn_loops(&token);
+        self.lifetime = Some(Arc::new(token.drop_guard()));
+        self
+    }
+}
+
+impl ServiceReplica for LeasesService {
+    /// This replica's name among the ledger's replicas, as it campaigns for
+    /// the reaper ([`REAPER_LOOP`](crate::REAPER_LOOP)).
+    fn replica_id(&self) -> &str {
+        &self.core.replica_id
+    }
+
     /// Every gRPC service of leases, ready to serve, refusing revoked nodes.
-    pub fn server(&self) -> ServerBuilder {
+    fn server(&self) -> ServerBuilder {
         ServerBuilder::new()
             .with_revocations(self.revocations.clone())
             .add_service(
@@ -80,32 +92,16 @@ impl LeasesService {
     /// Starts the placer, the change follower and the reaper's campaign,
     /// until `shutdown` (which also ends open assignment streams). Only the
     /// first call starts anything.
-    pub fn spawn_loops(&self, shutdown: &CancellationToken) {
+    fn spawn_loops(&self, shutdown: &CancellationToken) {
         let queue = self.core.queue.lock().unwrap_or_else(PoisonError::into_inner).take();
         let Some(queue) = queue else {
             tracing::warn!("the ledger's loops are already running");
             return;
         };
-        let (shutdown, closing) = (shutdown.clone(), self.core.closing.clone());
-        tokio::spawn(async move {
-            tokio::select! {
-                () = shutdown.cancelled() => closing.cancel(),
-                () = closing.cancelled() => {}
-            }
-        });
+        berth_runtime::close_with(shutdown, &self.core.closing);
         crate::placer::spawn(Arc::clone(&self.core), queue);
         self.core.signals.spawn_follower(self.core.bus.clone(), self.core.closing.clone());
         self.core.owners.spawn_follower(self.core.bus.clone(), self.core.closing.clone());
         crate::reaper::spawn(Arc::clone(&self.core));
-    }
-
-    /// This replica with its loops running until every handle on it (the
-    /// server's included) is dropped: for callers that only hand out a
-    /// [`ServerBuilder`].
-    pub(crate) fn with_loops_for_its_lifetime(mut self) -> Self {
-        let token = CancellationToken::new();
-        self.spawn_loops(&token);
-        self.lifetime = Some(Arc::new(token.drop_guard()));
-        self
     }
 }

@@ -14,6 +14,7 @@ use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::LeasePhase;
 use berth_rpc::Channel;
+use berth_runtime::ServiceReplica as _;
 use berth_testkit::{PATIENCE, eventually};
 use support::{Backend, GIB, Ledger, MIB, ask, fast_config, node};
 use tonic::Code;

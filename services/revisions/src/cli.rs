@@ -10,9 +10,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth_runtime::{
-    MeshArgs, StartError, Started, StateArgs, TelemetryArgs, TlsArgs, parse_duration, run_main, start_service,
-};
+use berth_runtime::{ServiceFlags, StartError, parse_duration, run_main, serve_replica, start_service};
 use clap::Parser;
 
 use crate::{
@@ -69,13 +67,7 @@ struct Args {
           value_parser = parse_duration)]
     revisions_min_age: Duration,
     #[command(flatten)]
-    tls: TlsArgs,
-    #[command(flatten)]
-    state: StateArgs,
-    #[command(flatten)]
-    mesh: MeshArgs,
-    #[command(flatten)]
-    telemetry: TelemetryArgs,
+    service: ServiceFlags,
 }
 
 impl Args {
@@ -85,7 +77,7 @@ impl Args {
             drain: self.drain,
             gc_keep: self.revisions_keep,
             gc_min_age: self.revisions_min_age,
-            election: self.state.election(),
+            election: self.service.state.election(),
             ..RevisionsConfig::default()
         }
     }
@@ -94,17 +86,16 @@ impl Args {
 /// Parses the flags and serves until SIGTERM or Ctrl-C.
 pub fn binary_main() -> ExitCode {
     let args = Args::parse();
-    let telemetry = args.telemetry.clone();
+    let telemetry = args.service.telemetry.clone();
     run_main("berth-revisions", &telemetry, || run(args))
 }
 
 async fn run(args: Args) -> Result<(), StartError> {
     let shutdown = berth_rpc::shutdown_signal();
-    let Started { ctx, listener, credentials } =
-        start_service(SPEC, args.listen, &args.tls, &args.state, &args.mesh, &shutdown).await?;
+    let started = start_service(SPEC, args.listen, &args.service, &shutdown).await?;
     let leases: Arc<dyn LeaseClient> = match &args.leases_addr {
         Some(addr) => Arc::new(
-            GrpcLeases::connect(addr, credentials.clone())
+            GrpcLeases::connect(addr, started.credentials.clone())
                 .map_err(|e| StartError::Invalid(format!("--leases-addr: {e}")))?,
         ),
         None => {
@@ -134,11 +125,8 @@ async fn run(args: Args) -> Result<(), StartError> {
     tracing::info!(names = ?secrets.names(), "registry credentials loaded");
     let dependencies = Dependencies::with_secrets(leases, policy, secrets, &config)
         .map_err(|e| StartError::Invalid(format!("registry client: {e}")))?;
-    let service = RevisionsService::new(&ctx, config, dependencies);
-    service.spawn_loops(&shutdown);
-    tracing::info!(addr = %args.listen, replica = service.replica_id(), leases = ?args.leases_addr, "revisions serving");
-    service.server().with_readiness(ctx.readiness()).serve(listener, shutdown).await?;
-    Ok(())
+    let service = RevisionsService::new(&started.ctx, config, dependencies);
+    serve_replica(SPEC, &service, started, shutdown).await
 }
 
 #[cfg(test)]

@@ -61,7 +61,7 @@ mod validate;
 mod watch;
 
 use berth_rpc::ServerBuilder;
-use berth_runtime::{ServiceContext, ServiceSpec, StartError};
+use berth_runtime::{ServiceContext, ServiceReplica as _, ServiceSpec, StartError};
 use berth_store::Migration;
 
 /// The service's name: its Postgres schema, bus prefix and `svc` SAN.

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use berth_proto::revisions::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
-use berth_runtime::ServiceContext;
+use berth_runtime::{ServiceContext, ServiceReplica};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::catalog::Catalog;
@@ -97,19 +97,30 @@ impl RevisionsService {
         Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: None }
     }
 
-    /// This replica's name among the service's replicas, as it campaigns for
-    /// the deploy reconciler ([`DEPLOY_LOOP`](crate::DEPLOY_LOOP)).
-    pub fn replica_id(&self) -> &str {
-        &self.core.replica_id
-    }
-
     /// The timings it runs with.
     pub fn config(&self) -> &RevisionsConfig {
         &self.core.config
     }
 
+    /// This replica with its controller running until every handle on it
+    /// (the server's included) is dropped.
+    pub(crate) fn with_loops_for_its_lifetime(mut self) -> Self {
+        let token = CancellationToken::new();
+        self.spawn_loops(&token);
+        self.lifetime = Some(Arc::new(token.drop_guard()));
+        self
+    }
+}
+
+impl ServiceReplica for RevisionsService {
+    /// This replica's name among the service's replicas, as it campaigns for
+    /// the deploy reconciler ([`DEPLOY_LOOP`](crate::DEPLOY_LOOP)).
+    fn replica_id(&self) -> &str {
+        &self.core.replica_id
+    }
+
     /// Every gRPC service of revisions, ready to serve, refusing revoked nodes.
-    pub fn server(&self) -> ServerBuilder {
+    fn server(&self) -> ServerBuilder {
         ServerBuilder::new()
             .with_revocations(self.revocations.clone())
             .add_service(
@@ -122,29 +133,14 @@ impl RevisionsService {
 
     /// Starts the campaign for the deploy reconciler until `shutdown` (which
     /// also ends open watch streams). Only the first call starts anything.
-    pub fn spawn_loops(&self, shutdown: &CancellationToken) {
+    fn spawn_loops(&self, shutdown: &CancellationToken) {
         let wakes = self.core.wakes.lock().unwrap_or_else(PoisonError::into_inner).take();
         let Some(wakes) = wakes else {
             tracing::warn!("the revisions controller is already running");
             return;
         };
-        let (shutdown, closing) = (shutdown.clone(), self.core.closing.clone());
-        tokio::spawn(async move {
-            tokio::select! {
-                () = shutdown.cancelled() => closing.cancel(),
-                () = closing.cancelled() => {}
-            }
-        });
+        berth_runtime::close_with(shutdown, &self.core.closing);
         crate::controller::spawn(Arc::clone(&self.core), wakes);
         crate::lease_watch::spawn(Arc::clone(&self.core));
-    }
-
-    /// This replica with its controller running until every handle on it
-    /// (the server's included) is dropped.
-    pub(crate) fn with_loops_for_its_lifetime(mut self) -> Self {
-        let token = CancellationToken::new();
-        self.spawn_loops(&token);
-        self.lifetime = Some(Arc::new(token.drop_guard()));
-        self
     }
 }

@@ -7,6 +7,7 @@
 mod support;
 
 use berth_revisions::DEPLOY_LOOP;
+use berth_runtime::ServiceReplica as _;
 use berth_store::Term;
 use berth_testkit::{PATIENCE, eventually};
 use support::{Backend, Plane, apply_request, fast_config, pinned_reference};

@@ -47,7 +47,7 @@ use berth_proto::revisions::v1;
 use berth_proto::types::v1::{BundleRef, Capacity};
 use berth_revisions::{Dependencies, GrpcLeases, RegistryPolicy, RevisionsConfig, RevisionsService};
 use berth_rpc::{Channel, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext, StartError};
+use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _, StartError};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tonic_health::pb::HealthCheckRequest;

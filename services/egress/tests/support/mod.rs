@@ -31,7 +31,7 @@ use berth_proto::revisions::v1 as revisions;
 use berth_proto::types::v1::{BundleRef, Capacity};
 use berth_revisions::{Dependencies, GrpcLeases, RegistryPolicy, RevisionsConfig, RevisionsService};
 use berth_rpc::{Channel, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext};
+use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _};
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;

@@ -28,7 +28,7 @@ use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::types::v1::Capacity;
 use berth_rpc::{Channel, Listener, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext, follow_nodes};
+use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _, follow_nodes};
 use berth_store::testing::TestDb;
 use berth_store::{ElectionTiming, Store};
 pub(crate) use berth_testkit::Backend;

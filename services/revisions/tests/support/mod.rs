@@ -33,7 +33,7 @@ use berth_revisions::{
     TagResolver,
 };
 use berth_rpc::{Channel, Listener, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext};
+use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _};
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;
