@@ -184,7 +184,7 @@ fn channel(addr: &str, connector: TlsConnector) -> Result<Channel, ClientError> 
         return Err(bad("expected host:port".into()));
     }
     let channel = UnindexedPerCallHeaders { inner: endpoint.connect_with_connector_lazy(connector) };
-    Ok(tower_layer::Layer::layer(&berth_telemetry::ClientTraceLayer, channel))
+    Ok(tower_layer::Layer::layer(&berth_telemetry::ClientTraceLayer::default(), channel))
 }
 
 #[derive(Clone)]

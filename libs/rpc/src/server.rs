@@ -220,7 +220,7 @@ impl ServerBuilder {
         routes.add_service(self.health_service).add_service(v1).add_service(v1alpha);
 
         let service = tower::ServiceBuilder::new()
-            .layer(berth_telemetry::ServerTraceLayer)
+            .layer(berth_telemetry::ServerTraceLayer::default())
             .layer(AccessLayer::new(self.policy, self.revocations.clone()))
             .layer(DeadlineLayer)
             .service(routes.routes());

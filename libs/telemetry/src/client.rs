@@ -2,54 +2,34 @@
 //! current span, whose context travels to the server in the `traceparent` header.
 //!
 //! # Expected use
-//! `tower::ServiceBuilder::new().layer(ClientTraceLayer).service(channel)`, then hand the result
+//! `tower::ServiceBuilder::new().layer(ClientTraceLayer::default()).service(channel)`, then hand the result
 //! to a generated client's `new`.
 
-use std::task::{Context, Poll};
-
 use opentelemetry::{global, trace::TraceContextExt};
-use tower_layer::Layer;
-use tower_service::Service;
-use tracing::{Span, field::Empty};
+use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::{
     propagation::{HeaderInjector, current_context},
-    traced::{RpcName, RpcSide, TracedBody, TracedResponseFuture},
+    traced::{RpcSide, TraceLayer, TraceService, TraceSide, rpc_span},
 };
 
-/// Traces every call made through a gRPC channel and tells the server which span made it.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ClientTraceLayer;
-
-impl<S> Layer<S> for ClientTraceLayer {
-    type Service = ClientTraceService<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        ClientTraceService { inner }
-    }
-}
+/// Traces every call made through a gRPC channel and tells the server which span made it:
+/// `ClientTraceLayer::default()`.
+pub type ClientTraceLayer = TraceLayer<Client>;
 
 /// A channel wrapped by [`ClientTraceLayer`].
-#[derive(Debug, Clone)]
-pub struct ClientTraceService<S> {
-    inner: S,
-}
+pub type ClientTraceService<S> = TraceService<S, Client>;
 
-impl<S, ReqBody, ResBody> Service<http::Request<ReqBody>> for ClientTraceService<S>
-where
-    S: Service<http::Request<ReqBody>, Response = http::Response<ResBody>>,
-{
-    type Response = http::Response<TracedBody<ResBody>>;
-    type Error = S::Error;
-    type Future = TracedResponseFuture<S::Future>;
+/// The calling end of a gRPC call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Client;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
+impl TraceSide for Client {
+    const SIDE: RpcSide = RpcSide::Client;
 
-    fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
-        let span = client_span(request.uri().path());
+    fn open<B>(request: &mut http::Request<B>) -> Span {
+        let span = rpc_span!("grpc.client", "client", request.uri().path());
         let cx = span.context();
         // An untraced client span (filtered out) must not cut the trace: the caller's own
         // context still goes to the server.
@@ -57,21 +37,6 @@ where
         global::get_text_map_propagator(|propagator| {
             propagator.inject_context(&cx, &mut HeaderInjector(request.headers_mut()));
         });
-        let response = span.in_scope(|| self.inner.call(request));
-        TracedResponseFuture::new(response, span, RpcSide::Client)
+        span
     }
-}
-
-fn client_span(path: &str) -> Span {
-    let name = RpcName::from_path(path);
-    tracing::info_span!(
-        "grpc.client",
-        otel.name = name.full,
-        otel.kind = "client",
-        rpc.system = "grpc",
-        rpc.service = name.service,
-        rpc.method = name.method,
-        rpc.grpc.status_code = Empty,
-        otel.status_code = Empty,
-    )
 }

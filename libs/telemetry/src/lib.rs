@@ -23,11 +23,11 @@ mod server;
 mod traced;
 
 pub use crate::{
-    client::{ClientTraceLayer, ClientTraceService},
+    client::{Client, ClientTraceLayer, ClientTraceService},
     config::{LogFormat, TelemetryConfig},
     error::TelemetryError,
     install::{TelemetryGuard, init, otel_layer},
     propagation::{adopt_traceparent, current_trace_id, current_traceparent, extract_context, inject_context},
-    server::{ServerTraceLayer, ServerTraceService},
-    traced::{TracedBody, TracedResponseFuture},
+    server::{Server, ServerTraceLayer, ServerTraceService},
+    traced::{RpcSide, TraceLayer, TraceService, TraceSide, TracedBody, TracedResponseFuture},
 };

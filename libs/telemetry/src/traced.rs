@@ -1,5 +1,7 @@
-//! The span of one gRPC call, on either side: how it is named, and the response future and body
-//! that record the call's gRPC status on it and end it.
+//! The span of one gRPC call, on either side: the layer that opens it around each call, how it
+//! is named, and the response future and body that record the call's gRPC status on it and end
+//! it. What differs between the sides (where the span's parent comes from, which way the trace
+//! context travels) is each side's [`TraceSide`], in `client` and `server`.
 //!
 //! # Where the status comes from
 //! A gRPC status travels either in the response head (a trailers-only response, which is how
@@ -12,6 +14,7 @@
 
 use std::{
     future::Future,
+    marker::PhantomData,
     pin::Pin,
     task::{Context, Poll, ready},
 };
@@ -19,6 +22,8 @@ use std::{
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use tower_layer::Layer;
+use tower_service::Service;
 use tracing::Span;
 
 /// The response header or trailer that carries the gRPC status code.
@@ -27,9 +32,78 @@ const GRPC_STATUS: &str = "grpc-status";
 /// `UNKNOWN`: what a caller sees when the status is missing its number.
 const GRPC_UNKNOWN: i64 = 2;
 
+/// The span of one call on the path `$path`, named `$name` for tracing and by its method for
+/// OpenTelemetry, of kind `$kind`, with the status fields [`TracedResponseFuture`] fills in.
+macro_rules! rpc_span {
+    ($name:literal, $kind:literal, $path:expr) => {{
+        let name = $crate::traced::RpcName::from_path($path);
+        tracing::info_span!(
+            $name,
+            otel.name = name.full,
+            otel.kind = $kind,
+            rpc.system = "grpc",
+            rpc.service = name.service,
+            rpc.method = name.method,
+            rpc.grpc.status_code = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        )
+    }};
+}
+pub(crate) use rpc_span;
+
+/// One end of a gRPC call, as a [`TraceLayer`] traces it.
+pub trait TraceSide {
+    /// Which end this is.
+    const SIDE: RpcSide;
+
+    /// Opens the call's span for `request` (and, on a client, writes the trace context into it).
+    fn open<B>(request: &mut http::Request<B>) -> Span;
+}
+
+/// Traces every call through the service it wraps, on the end `Side` names: a client channel
+/// ([`ClientTraceLayer`](crate::ClientTraceLayer)) or a server stack
+/// ([`ServerTraceLayer`](crate::ServerTraceLayer)).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TraceLayer<Side>(PhantomData<Side>);
+
+impl<S, Side> Layer<S> for TraceLayer<Side> {
+    type Service = TraceService<S, Side>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        TraceService { inner, side: PhantomData }
+    }
+}
+
+/// A service wrapped by a [`TraceLayer`].
+#[derive(Debug, Clone)]
+pub struct TraceService<S, Side> {
+    inner: S,
+    side: PhantomData<Side>,
+}
+
+impl<S, Side, ReqBody, ResBody> Service<http::Request<ReqBody>> for TraceService<S, Side>
+where
+    S: Service<http::Request<ReqBody>, Response = http::Response<ResBody>>,
+    Side: TraceSide,
+{
+    type Response = http::Response<TracedBody<ResBody>>;
+    type Error = S::Error;
+    type Future = TracedResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
+        let span = Side::open(&mut request);
+        let response = span.in_scope(|| self.inner.call(request));
+        TracedResponseFuture::new(response, span, Side::SIDE)
+    }
+}
+
 /// Which end of the call a span describes; the two ends disagree on which codes are errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RpcSide {
+pub enum RpcSide {
     /// The span of the handler that answered.
     Server,
     /// The span of the caller.

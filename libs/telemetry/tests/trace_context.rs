@@ -84,13 +84,14 @@ impl HealthServer {
         let addr = listener.local_addr().expect("bound address");
         let (_reporter, health) = tonic_health::server::health_reporter();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task =
-            tokio::spawn(Server::builder().layer(ServerTraceLayer).add_service(health).serve_with_incoming_shutdown(
+        let task = tokio::spawn(
+            Server::builder().layer(ServerTraceLayer::default()).add_service(health).serve_with_incoming_shutdown(
                 TcpIncoming::from(listener),
                 async {
                     let _ = stopped.await;
                 },
-            ));
+            ),
+        );
         Self { addr, stop, task }
     }
 
@@ -120,7 +121,7 @@ fn attribute(span: &SpanData, key: &str) -> Option<Value> {
 async fn client_span_is_the_parent_of_the_server_span() {
     let captured = Captured::start();
     let server = HealthServer::start().await;
-    let traced = tower::ServiceBuilder::new().layer(ClientTraceLayer).service(server.channel().await);
+    let traced = tower::ServiceBuilder::new().layer(ClientTraceLayer::default()).service(server.channel().await);
     let mut client = HealthClient::new(traced);
 
     let root = tracing::info_span!("test.root");
@@ -157,7 +158,7 @@ async fn client_span_is_the_parent_of_the_server_span() {
 async fn error_status_from_a_trailers_only_response_is_recorded_on_both_sides() {
     let captured = Captured::start();
     let server = HealthServer::start().await;
-    let traced = tower::ServiceBuilder::new().layer(ClientTraceLayer).service(server.channel().await);
+    let traced = tower::ServiceBuilder::new().layer(ClientTraceLayer::default()).service(server.channel().await);
     let mut client = HealthClient::new(traced);
 
     let status = client.check(check("no.such.Service")).instrument(tracing::info_span!("test.root")).await.unwrap_err();
