@@ -20,9 +20,11 @@ mod addr;
 pub mod backoff;
 mod identity;
 mod image;
+mod json_file;
 mod time;
 
 pub use addr::bracket_ipv6;
 pub use identity::{CallerKind, Identity, IdentityError, TRUST_DOMAIN, is_dns_label};
 pub use image::{MAX_IMAGE_USER, MAX_WORKING_DIR, image_settings_problems, image_user_problem, working_dir_problem};
+pub use json_file::JsonFileError;
 pub use time::{millis, wall_clock_ms};

@@ -32,39 +32,8 @@ use std::sync::Arc;
 use berth_bundle::RegistryCredentials;
 use serde_json::Value;
 
-/// Why the credentials file was refused; each message names the file and,
-/// when one field is at fault, its path.
-#[derive(Debug, thiserror::Error)]
-pub enum SecretsError {
-    /// The file could not be read.
-    #[error("cannot read {file}: {source}")]
-    Read {
-        /// The file.
-        file: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The file is not JSON.
-    #[error("{file} is not JSON: {source}")]
-    Syntax {
-        /// The file.
-        file: String,
-        /// Where the parser stopped.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// An entry is not one the file may hold.
-    #[error("{file}: {path}: {problem}")]
-    Field {
-        /// The file.
-        file: String,
-        /// The field, e.g. `team-registry.password`.
-        path: String,
-        /// What is wrong with it.
-        problem: String,
-    },
-}
+/// Why the credentials file was refused.
+pub type SecretsError = berth_core::JsonFileError;
 
 /// Why named credentials cannot be used for a registry.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -147,8 +116,7 @@ impl RegistrySecrets {
 
     /// The credentials file `file` holding `text`.
     pub fn parse(file: &str, text: &str) -> Result<Self, SecretsError> {
-        let value: Value =
-            serde_json::from_str(text).map_err(|source| SecretsError::Syntax { file: file.to_owned(), source })?;
+        let value = SecretsError::parse(file, text)?;
         let refuse = |path: &str, problem: &str| SecretsError::Field {
             file: file.to_owned(),
             path: if path.is_empty() { "the file".to_owned() } else { path.to_owned() },

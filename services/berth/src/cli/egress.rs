@@ -38,39 +38,8 @@ const DEFAULT_PROJECT: &str = "default";
 /// The largest answer read from egress (`GetPlan` of a large tenant).
 const MAX_PLAN_BYTES: usize = 64 * 1024 * 1024;
 
-/// Why an egress spec file was refused. Each message names the file and,
-/// when one field is at fault, that field's path.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum EgressSpecError {
-    /// The file (or stdin) could not be read.
-    #[error("cannot read {file}: {source}")]
-    Read {
-        /// The file, or "stdin".
-        file: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The file is not JSON.
-    #[error("{file} is not JSON: {source}")]
-    Syntax {
-        /// The file, or "stdin".
-        file: String,
-        /// Where the parser stopped.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// A field is unknown, missing or holds a value of the wrong type.
-    #[error("{file}: {path}: {problem}")]
-    Field {
-        /// The file, or "stdin".
-        file: String,
-        /// The field's path, e.g. `listeners[1].port`.
-        path: String,
-        /// What is wrong with it.
-        problem: String,
-    },
-}
+/// Why an egress spec file was refused.
+pub(crate) type EgressSpecError = berth_core::JsonFileError;
 
 /// Flags of `berth egress`.
 #[derive(Debug, clap::Args)]
@@ -551,7 +520,7 @@ fn read_spec(args: &ApplyArgs) -> Result<(String, Value), EgressSpecError> {
             .map_err(|source| EgressSpecError::Read { file: args.file.clone(), source })?;
         (args.file.clone(), text)
     };
-    let value = serde_json::from_str(&text).map_err(|source| EgressSpecError::Syntax { file: file.clone(), source })?;
+    let value = EgressSpecError::parse(&file, &text)?;
     Ok((file, value))
 }
 
