@@ -6,7 +6,7 @@
 //! says (`Mesh/GetEndpoints`).
 //!
 //! # What a spec file holds
-//! JSON: a gateway `{project?, name?, listeners: [{name, protocol, port}]}`,
+//! JSON or YAML (read as [`spec_file`] says): a gateway `{project?, name?, listeners: [{name, protocol, port}]}`,
 //! or a route `{project?, name?, parent_refs: [{gateway, listener?}],
 //! hostnames: [...], ports?: [...], action?}`, with the field names of
 //! `proto/berth/egress/v1/egress.proto` in snake_case or lowerCamel. A
@@ -18,8 +18,6 @@
 //! e.g. `listeners[1].port`; the server checks the rest (names, ports, host
 //! names) and names the field it refuses.
 
-use std::io::Read as _;
-
 use berth_mtls::TlsCredentials;
 use berth_proto::egress::v1 as egress;
 use berth_proto::egress::v1::egress_client::EgressClient;
@@ -30,16 +28,11 @@ use serde_json::Value;
 
 use super::output::{self, Table};
 use super::spec_fields::{Fields, Refusal};
+use super::spec_file::{self, SpecError, SpecFileArgs};
 use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server};
-
-/// The project an empty project field means.
-const DEFAULT_PROJECT: &str = "default";
 
 /// The largest answer read from egress (`GetPlan` of a large tenant).
 const MAX_PLAN_BYTES: usize = 64 * 1024 * 1024;
-
-/// Why an egress spec file was refused.
-pub(crate) type EgressSpecError = berth_core::JsonFileError;
 
 /// Flags of `berth egress`.
 #[derive(Debug, clap::Args)]
@@ -101,18 +94,7 @@ struct ObjectName {
     project: Option<String>,
 }
 
-#[derive(Debug, clap::Args)]
-struct ApplyArgs {
-    /// The spec: a JSON file, or `-` for stdin.
-    #[arg(short = 'f', long = "filename", value_name = "FILE")]
-    file: String,
-    /// Its name, when the file does not say (or to check the file's name).
-    #[arg(long, value_name = "NAME")]
-    name: Option<String>,
-    /// Its project, when the file does not say [default: default].
-    #[arg(long, value_name = "PROJECT")]
-    project: Option<String>,
-}
+type ApplyArgs = SpecFileArgs;
 
 /// The egress client and the connection under it.
 #[derive(Debug)]
@@ -147,10 +129,10 @@ impl EgressArgs {
         // A bad spec is refused before any credential is read or server dialled.
         let spec = match &self.command {
             EgressCommand::Gateway { command: ObjectCommand::Apply(args) } => {
-                Some(Spec::Gateway(gateway_request(&read_spec(args)?, args)?))
+                Some(Spec::Gateway(gateway_request(&spec_file::read(&args.file)?, args)?))
             }
             EgressCommand::Route { command: ObjectCommand::Apply(args) } => {
-                Some(Spec::Route(route_request(&read_spec(args)?, args)?))
+                Some(Spec::Route(route_request(&spec_file::read(&args.file)?, args)?))
             }
             _ => None,
         };
@@ -320,10 +302,6 @@ async fn route_command(egress: &mut Egress, command: ObjectCommand, format: Outp
     }
 }
 
-fn project_name(project: &str) -> &str {
-    if project.is_empty() { DEFAULT_PROJECT } else { project }
-}
-
 fn holds(conditions: &[Condition], kind: &str) -> bool {
     conditions.iter().any(|c| c.r#type == kind && c.status == ConditionStatus::True as i32)
 }
@@ -357,15 +335,11 @@ fn ports_text(ports: &[u32]) -> String {
     if ports.is_empty() { "any".to_string() } else { ports.iter().map(u32::to_string).collect::<Vec<_>>().join(",") }
 }
 
-fn indent(text: &str) -> String {
-    text.lines().map(|line| format!("  {line}\n")).collect()
-}
-
 fn gateway_details(gateway: &egress::EgressGateway) -> String {
     let status = gateway.status.clone().unwrap_or_default();
     let rows: Vec<(&str, String)> = vec![
         ("Name", gateway.name.clone()),
-        ("Project", project_name(&gateway.project).to_string()),
+        ("Project", output::project_name(&gateway.project).to_string()),
         ("Generation", gateway.generation.to_string()),
         ("Created", output::age(gateway.created_at.as_ref())),
         ("Updated", output::age(gateway.updated_at.as_ref())),
@@ -383,7 +357,7 @@ fn gateway_details(gateway: &egress::EgressGateway) -> String {
             observed.map_or_else(|| "Unknown".to_string(), |l| output::condition_of(&l.conditions, "Accepted")),
         ]);
     }
-    text.push_str(&indent(&table.render()));
+    text.push_str(&output::indent(&table.render()));
     text.push_str("\nConditions:\n");
     let mut conditions = status.conditions.clone();
     for listener in &status.listeners {
@@ -395,14 +369,14 @@ fn gateway_details(gateway: &egress::EgressGateway) -> String {
                 .map(|c| Condition { r#type: format!("{} ({})", c.r#type, listener.name), ..c.clone() }),
         );
     }
-    text.push_str(&indent(&output::conditions_table(&conditions)));
+    text.push_str(&output::indent(&output::conditions_table(&conditions)));
     text
 }
 
 fn route_details(route: &egress::EgressRoute) -> String {
     let rows: Vec<(&str, String)> = vec![
         ("Name", route.name.clone()),
-        ("Project", project_name(&route.project).to_string()),
+        ("Project", output::project_name(&route.project).to_string()),
         ("Action", action_text(route.action)),
         ("Hostnames", route.hostnames.join(", ")),
         ("Ports", ports_text(&route.ports)),
@@ -425,13 +399,13 @@ fn route_details(route: &egress::EgressRoute) -> String {
             accepted.map_or_else(|| "not compiled yet".to_string(), |c| output::or_none(&c.message)),
         ]);
     }
-    text.push_str(&indent(&table.render()));
+    text.push_str(&output::indent(&table.render()));
     text
 }
 
 fn plan_details(plan: &egress::EgressPlan, passes: &egress::PassStats) -> String {
     let rows: Vec<(&str, String)> = vec![
-        ("Project", project_name(&plan.project).to_string()),
+        ("Project", output::project_name(&plan.project).to_string()),
         ("Generation", plan.generation.to_string()),
         (
             "Compiled",
@@ -449,41 +423,31 @@ fn plan_details(plan: &egress::EgressPlan, passes: &egress::PassStats) -> String
         ),
     ];
     let mut text = output::fields(&rows);
-    text.push_str("\nServices:\n");
-    if plan.services.is_empty() {
-        text.push_str("  <none>\n");
-    } else {
-        let mut table = Table::new(vec!["SERVICE", "GATEWAY", "READY", "REASON", "ALLOWED", "DENIED"]);
-        for service in &plan.services {
-            let condition = service.condition.clone().unwrap_or_default();
-            table.row(vec![
-                service.service.clone(),
-                output::or_none(&service.gateway),
-                output::condition_status(condition.status),
-                output::or_none(&condition.reason),
-                destinations_text(&service.allowed),
-                destinations_text(&service.denied),
-            ]);
-        }
-        text.push_str(&indent(&table.render()));
+    let mut services = Table::new(vec!["SERVICE", "GATEWAY", "READY", "REASON", "ALLOWED", "DENIED"]);
+    for service in &plan.services {
+        let condition = service.condition.clone().unwrap_or_default();
+        services.row(vec![
+            service.service.clone(),
+            output::or_none(&service.gateway),
+            output::condition_status(condition.status),
+            output::or_none(&condition.reason),
+            destinations_text(&service.allowed),
+            destinations_text(&service.denied),
+        ]);
     }
-    text.push_str("\nNodes:\n");
-    if plan.node_acks.is_empty() {
-        text.push_str("  <none: no node hosts the project>\n");
-    } else {
-        let mut table = Table::new(vec!["NODE", "APPLIED", "STATUS", "ACKED", "ERROR"]);
-        for ack in &plan.node_acks {
-            let state = if ack.generation >= plan.generation { "current" } else { "lagging" };
-            table.row(vec![
-                ack.node_id.clone(),
-                ack.generation.to_string(),
-                state.to_string(),
-                output::when(ack.acked_at.as_ref(), &format!("{} ago", output::age(ack.acked_at.as_ref()))),
-                output::or_none(&ack.error),
-            ]);
-        }
-        text.push_str(&indent(&table.render()));
+    text.push_str(&services.section("Services", "<none>"));
+    let mut nodes = Table::new(vec!["NODE", "APPLIED", "STATUS", "ACKED", "ERROR"]);
+    for ack in &plan.node_acks {
+        let state = if ack.generation >= plan.generation { "current" } else { "lagging" };
+        nodes.row(vec![
+            ack.node_id.clone(),
+            ack.generation.to_string(),
+            state.to_string(),
+            output::when(ack.acked_at.as_ref(), &format!("{} ago", output::age(ack.acked_at.as_ref()))),
+            output::or_none(&ack.error),
+        ]);
     }
+    text.push_str(&nodes.section("Nodes", "<none: no node hosts the project>"));
     text
 }
 
@@ -507,31 +471,14 @@ fn destinations_text(destinations: &[egress::Destination]) -> String {
     parts.join(" ")
 }
 
-/// The file (or stdin) the apply names, parsed as JSON, with its name for messages.
-fn read_spec(args: &ApplyArgs) -> Result<(String, Value), EgressSpecError> {
-    let (file, text) = if args.file == "-" {
-        let mut text = String::new();
-        std::io::stdin()
-            .read_to_string(&mut text)
-            .map_err(|source| EgressSpecError::Read { file: "stdin".to_string(), source })?;
-        ("stdin".to_string(), text)
-    } else {
-        let text = std::fs::read_to_string(&args.file)
-            .map_err(|source| EgressSpecError::Read { file: args.file.clone(), source })?;
-        (args.file.clone(), text)
-    };
-    let value = EgressSpecError::parse(&file, &text)?;
-    Ok((file, value))
-}
-
 const GATEWAY_FIELDS: [&str; 3] = ["project", "name", "listeners"];
 const LISTENER_FIELDS: [&str; 3] = ["name", "protocol", "port"];
 const ROUTE_FIELDS: [&str; 6] = ["project", "name", "parent_refs", "hostnames", "ports", "action"];
 const PARENT_FIELDS: [&str; 2] = ["gateway", "listener"];
 
-fn gateway_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::ApplyGatewayRequest, EgressSpecError> {
+fn gateway_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::ApplyGatewayRequest, SpecError> {
     let (file, value) = spec;
-    let refused = |(path, problem): Refusal| EgressSpecError::Field { file: file.clone(), path, problem };
+    let refused = |(path, problem): Refusal| SpecError::Field { file: file.clone(), path, problem };
     let fields = Fields::of(value, "", &GATEWAY_FIELDS).map_err(refused)?;
     let (project, name) = key(&fields, args).map_err(refused)?;
     let listeners = fields
@@ -554,9 +501,9 @@ fn gateway_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::A
     Ok(egress::ApplyGatewayRequest { project, name, listeners })
 }
 
-fn route_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::ApplyRouteRequest, EgressSpecError> {
+fn route_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::ApplyRouteRequest, SpecError> {
     let (file, value) = spec;
-    let refused = |(path, problem): Refusal| EgressSpecError::Field { file: file.clone(), path, problem };
+    let refused = |(path, problem): Refusal| SpecError::Field { file: file.clone(), path, problem };
     let fields = Fields::of(value, "", &ROUTE_FIELDS).map_err(refused)?;
     let (project, name) = key(&fields, args).map_err(refused)?;
     let parent_refs = fields
@@ -616,9 +563,9 @@ mod tests {
         ("spec.json".to_string(), value)
     }
 
-    fn refusal(error: EgressSpecError) -> (String, String) {
+    fn refusal(error: SpecError) -> (String, String) {
         match error {
-            EgressSpecError::Field { path, problem, .. } => (path, problem),
+            SpecError::Field { path, problem, .. } => (path, problem),
             other => panic!("not a field refusal: {other}"),
         }
     }
@@ -644,6 +591,16 @@ mod tests {
                 egress::ListenerProtocol::Tcp as i32
             ]
         );
+    }
+
+    #[test]
+    fn a_yaml_gateway_reads_as_its_json_twin() {
+        let yaml = "name: default\nlisteners:\n  - {name: http, protocol: HTTP, port: 3128}\n";
+        let value = spec_file::parse("gateway.yaml", yaml).unwrap();
+        let from_yaml = gateway_request(&("gateway.yaml".into(), value), &args(None, None)).unwrap();
+        let json = json!({"name": "default", "listeners": [{"name": "http", "protocol": "HTTP", "port": 3128}]});
+        assert_eq!(from_yaml, gateway_request(&spec(json), &args(None, None)).unwrap());
+        assert_eq!(from_yaml.listeners[0].port, 3128);
     }
 
     #[test]

@@ -25,6 +25,7 @@ mod node;
 mod output;
 mod service;
 mod spec_fields;
+mod spec_file;
 mod token;
 
 use std::path::{Path, PathBuf};
@@ -153,12 +154,9 @@ pub(crate) enum CliError {
         /// The flag that names it.
         flag: &'static str,
     },
-    /// An egress spec file was refused before anything was sent.
+    /// A spec file was refused before anything was sent.
     #[error(transparent)]
-    EgressSpec(#[from] egress::EgressSpecError),
-    /// A service spec file was refused before anything was sent.
-    #[error(transparent)]
-    Spec(#[from] service::SpecError),
+    Spec(#[from] spec_file::SpecError),
     /// The revision `--wait` waited for failed; the one before it keeps serving.
     #[error("revision {revision} failed: {condition} {reason}: {message}")]
     RolloutFailed {

@@ -39,6 +39,16 @@ impl Table {
         self.rows.push(cells);
     }
 
+    /// The table as a section under `heading`, indented; `when_empty` in
+    /// its place when it has no rows.
+    pub(super) fn section(&self, heading: &str, when_empty: &str) -> String {
+        if self.rows.is_empty() {
+            format!("\n{heading}:\n  {when_empty}\n")
+        } else {
+            format!("\n{heading}:\n{}", indent(&self.render()))
+        }
+    }
+
     pub(super) fn render(&self) -> String {
         let header: Vec<String> = self.headers.iter().map(|h| h.to_string()).collect();
         let lines: Vec<&Vec<String>> = std::iter::once(&header).chain(&self.rows).collect();
@@ -65,6 +75,19 @@ impl Table {
         }
         out
     }
+}
+
+/// The project an empty project field means.
+const DEFAULT_PROJECT: &str = "default";
+
+/// A project as printed: an empty one is the default project.
+pub(super) fn project_name(project: &str) -> &str {
+    if project.is_empty() { DEFAULT_PROJECT } else { project }
+}
+
+/// `text` indented by two spaces, a section under a heading.
+pub(super) fn indent(text: &str) -> String {
+    text.lines().map(|line| format!("  {line}\n")).collect()
 }
 
 /// `key: value` lines with the values in one column, like `kubectl

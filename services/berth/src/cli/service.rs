@@ -12,18 +12,14 @@
 //! sees them all.
 //!
 //! # What a spec file holds
-//! JSON or YAML, one schema: either a whole declaration, `{project?, name,
-//! template, source?}`, or just the template (the fields of
-//! `ServiceTemplate`) with `--name` on the command line. Field names are the
-//! proto's, in snake_case or lowerCamel. A `.yaml` or `.yml` file is read as
-//! YAML, a `.json` file as JSON, and anything else (stdin too) as JSON when
-//! it starts with `{` and as YAML otherwise. Both are parsed into the same
-//! JSON value and converted field by field, before anything is dialled: a
-//! syntax error names its line and column, a key given twice names the key,
-//! an unknown field or a value of the wrong type its path, e.g.
-//! `template.replicas`. YAML values keep their
-//! YAML types: `replicas: 2` is a number, and `env: {PORT: 8080}` is refused
-//! like its JSON twin, since environment values are strings.
+//! JSON or YAML, read as [`spec_file`] says, one schema: either a whole
+//! declaration, `{project?, name, template, source?}`, or just the template
+//! (the fields of `ServiceTemplate`) with `--name` on the command line.
+//! Field names are the proto's, in snake_case or lowerCamel. It is converted
+//! field by field before anything is dialled: an unknown field or a value of
+//! the wrong type is named by its path, e.g. `template.replicas`, and
+//! `env: {PORT: 8080}` is refused like its JSON twin, since environment
+//! values are strings.
 //!
 //! # How redeploy mints a revision
 //! Applying an unchanged declaration mints nothing. `redeploy` applies the
@@ -31,7 +27,6 @@
 //! time now; a source change mints a revision, so the replicas are replaced
 //! while what runs stays the same.
 
-use std::io::Read;
 use std::time::{Duration, Instant, SystemTime};
 
 use berth_mtls::TlsCredentials;
@@ -50,6 +45,7 @@ use serde_json::{Value, json};
 use super::lease::LeasesServerArgs;
 use super::output::{self, Table};
 use super::spec_fields::{Fields, Refusal};
+use super::spec_file::{self, SpecError, SpecFileArgs};
 use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server};
 
 /// How often `--wait` asks how the rollout is doing.
@@ -59,57 +55,9 @@ const WAIT_POLL: Duration = Duration::from_millis(500);
 /// template.
 const REDEPLOY_LABEL: &str = "berth.redeploy";
 
-/// The project an empty project field means.
-const DEFAULT_PROJECT: &str = "default";
-
 /// A bundle resolution that failed for this reason is tried again by
 /// revisions, so `--wait` keeps waiting through it.
 const TRANSIENT_RESOLVE_REASON: &str = "RegistryUnavailable";
-
-/// Why a service spec file was refused. Each message names the file and,
-/// when one field is at fault, that field's path.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum SpecError {
-    /// The file (or stdin) could not be read.
-    #[error("cannot read {file}: {source}")]
-    Read {
-        /// The file, or "stdin".
-        file: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The file is read as JSON and is not JSON.
-    #[error("{file} is not JSON: {source}{hint}")]
-    Syntax {
-        /// The file, or "stdin".
-        file: String,
-        /// Where the parser stopped.
-        #[source]
-        source: serde_json::Error,
-        /// A hint when the file looks like YAML.
-        hint: &'static str,
-    },
-    /// The file is read as YAML and is not YAML that holds a spec.
-    #[error("{file} is not a YAML spec: {source}")]
-    YamlSyntax {
-        /// The file, or "stdin".
-        file: String,
-        /// Where the parser stopped; its message names the line and column.
-        #[source]
-        source: serde_yaml_ng::Error,
-    },
-    /// A field is unknown, missing or holds a value of the wrong type.
-    #[error("{file}: {path}: {problem}")]
-    Field {
-        /// The file, or "stdin".
-        file: String,
-        /// The field's path, e.g. `template.replicas`.
-        path: String,
-        /// What is wrong with it.
-        problem: String,
-    },
-}
 
 /// Where the revisions service is, for every command that talks to it.
 #[derive(Debug, Clone, clap::Args)]
@@ -278,18 +226,8 @@ fn traffic_targets(args: &TrafficArgs) -> Vec<v1::TrafficTarget> {
 
 #[derive(Debug, clap::Args)]
 struct ApplyArgs {
-    /// The spec: a JSON or YAML file (`.json`, `.yaml`, `.yml`), or `-` for
-    /// stdin.
-    #[arg(short = 'f', long = "filename", value_name = "FILE")]
-    file: String,
-    /// The service's name, when the file holds only a template (or to check
-    /// the file's name).
-    #[arg(long, value_name = "NAME")]
-    name: Option<String>,
-    /// The service's project, when the file does not name one [default:
-    /// default].
-    #[arg(long, value_name = "PROJECT")]
-    project: Option<String>,
+    #[command(flatten)]
+    spec: SpecFileArgs,
     #[command(flatten)]
     wait: WaitArgs,
 }
@@ -739,10 +677,6 @@ fn routes(status: &v1::ServiceStatus) -> String {
     text
 }
 
-fn project_name(project: &str) -> &str {
-    if project.is_empty() { DEFAULT_PROJECT } else { project }
-}
-
 /// Every field of a service, its conditions and its replicas, like
 /// `kubectl describe`.
 fn service_details(service: &v1::Service, replicas: &[(String, Lease)]) -> String {
@@ -751,7 +685,7 @@ fn service_details(service: &v1::Service, replicas: &[(String, Lease)]) -> Strin
     let template = service.template.clone().unwrap_or_default();
     let rows: Vec<(&str, String)> = vec![
         ("Name", service.name.clone()),
-        ("Project", project_name(&service.project).to_string()),
+        ("Project", output::project_name(&service.project).to_string()),
         ("Generation", service.generation.to_string()),
         output::artifact_row(template.artifact()),
         ("Runtime", output::runtime_class_text(template.runtime)),
@@ -768,25 +702,20 @@ fn service_details(service: &v1::Service, replicas: &[(String, Lease)]) -> Strin
     ];
     let mut text = output::fields(&rows);
     text.push_str("\nConditions:\n");
-    text.push_str(&indent(&output::conditions_table(&status.conditions)));
-    text.push_str("\nReplicas:\n");
-    if replicas.is_empty() {
-        text.push_str("  <none>\n");
-    } else {
-        let mut table = Table::new(vec!["NODE", "LEASE", "REVISION", "PHASE", "PORT", "AGE"]);
-        for (node, lease) in replicas {
-            let port = port_of(lease);
-            table.row(vec![
-                node.clone(),
-                lease.lease_id.clone(),
-                output::or_none(revision_of(lease)),
-                output::lease_phase(lease.phase),
-                if port == 0 { output::NONE.to_string() } else { port.to_string() },
-                output::age(lease.phase_changed_at.as_ref()),
-            ]);
-        }
-        text.push_str(&indent(&table.render()));
+    text.push_str(&output::indent(&output::conditions_table(&status.conditions)));
+    let mut table = Table::new(vec!["NODE", "LEASE", "REVISION", "PHASE", "PORT", "AGE"]);
+    for (node, lease) in replicas {
+        let port = port_of(lease);
+        table.row(vec![
+            node.clone(),
+            lease.lease_id.clone(),
+            output::or_none(revision_of(lease)),
+            output::lease_phase(lease.phase),
+            if port == 0 { output::NONE.to_string() } else { port.to_string() },
+            output::age(lease.phase_changed_at.as_ref()),
+        ]);
     }
+    text.push_str(&table.section("Replicas", "<none>"));
     text
 }
 
@@ -812,7 +741,7 @@ fn revision_details(revision: &v1::Revision) -> String {
     let rows: Vec<(&str, String)> = vec![
         ("Name", revision.name.clone()),
         ("Service", revision.service.clone()),
-        ("Project", project_name(&revision.project).to_string()),
+        ("Project", output::project_name(&revision.project).to_string()),
         ("Generation", revision.generation.to_string()),
         ("Digest", output::or_none(&revision.digest)),
         output::artifact_row(template.artifact()),
@@ -829,12 +758,8 @@ fn revision_details(revision: &v1::Revision) -> String {
     ];
     let mut text = output::fields(&rows);
     text.push_str("\nConditions:\n");
-    text.push_str(&indent(&output::conditions_table(&revision.conditions)));
+    text.push_str(&output::indent(&output::conditions_table(&revision.conditions)));
     text
-}
-
-fn indent(text: &str) -> String {
-    text.lines().map(|line| format!("  {line}\n")).collect()
 }
 
 fn print_services(listed: &v1::ListServicesResponse, all_projects: bool, format: OutputFormat) -> Result<(), CliError> {
@@ -862,7 +787,7 @@ fn print_services(listed: &v1::ListServicesResponse, all_projects: bool, format:
             output::age(service.created_at.as_ref()),
         ];
         if all_projects {
-            row.insert(0, project_name(&service.project).to_string());
+            row.insert(0, output::project_name(&service.project).to_string());
         }
         table.row(row);
     }
@@ -958,126 +883,9 @@ fn affinity_text(affinity: &v1::SessionAffinity) -> String {
 
 /// The apply request the spec file and flags make.
 fn read_spec(args: &ApplyArgs) -> Result<v1::ApplyServiceRequest, SpecError> {
-    let (file, text) = if args.file == "-" {
-        let mut text = String::new();
-        std::io::stdin()
-            .read_to_string(&mut text)
-            .map_err(|source| SpecError::Read { file: "stdin".to_string(), source })?;
-        ("stdin".to_string(), text)
-    } else {
-        let text = std::fs::read_to_string(&args.file)
-            .map_err(|source| SpecError::Read { file: args.file.clone(), source })?;
-        (args.file.clone(), text)
-    };
-    let value = parse_spec(&file, &text)?;
-    spec_request(&value, args.name.as_deref(), args.project.as_deref()).map_err(|(path, problem)| SpecError::Field {
-        file,
-        path,
-        problem,
-    })
-}
-
-/// How a spec file is written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SpecSyntax {
-    Json,
-    Yaml,
-}
-
-impl SpecSyntax {
-    /// By the file's extension, else by its first character (see the module docs).
-    fn of(file: &str, text: &str) -> Self {
-        let lower = file.to_ascii_lowercase();
-        if lower.ends_with(".yaml") || lower.ends_with(".yml") {
-            Self::Yaml
-        } else if lower.ends_with(".json") || text.trim_start().starts_with('{') {
-            Self::Json
-        } else {
-            Self::Yaml
-        }
-    }
-}
-
-/// The deepest nesting of YAML flow collections in `text`, counting `{`
-/// and `[` outside quoted scalars and comments. A quote opens a quoted
-/// scalar only where a scalar may start (after whitespace, `[`, `{` or
-/// `,`), so an apostrophe inside a plain word does not.
-fn flow_depth(text: &str) -> usize {
-    let (mut depth, mut deepest) = (0usize, 0usize);
-    let mut quote: Option<char> = None;
-    let mut prev = '\n';
-    let mut chars = text.chars().peekable();
-    while let Some(c) = chars.next() {
-        match quote {
-            Some('"') if c == '\\' => {
-                chars.next();
-            }
-            Some('\'') if c == '\'' && chars.peek() == Some(&'\'') => {
-                chars.next();
-            }
-            Some(open) if c == open => quote = None,
-            Some(_) => {}
-            None => match c {
-                '"' | '\'' if prev.is_whitespace() || matches!(prev, '[' | '{' | ',') => quote = Some(c),
-                '#' if prev.is_whitespace() => {
-                    for skipped in chars.by_ref() {
-                        if skipped == '\n' {
-                            break;
-                        }
-                    }
-                }
-                '[' | '{' => {
-                    depth += 1;
-                    deepest = deepest.max(depth);
-                }
-                ']' | '}' => depth = depth.saturating_sub(1),
-                _ => {}
-            },
-        }
-        prev = c;
-    }
-    deepest
-}
-
-/// The largest spec file read: far above any real declaration, and at the
-/// size of the largest request the server takes.
-const MAX_SPEC_BYTES: usize = berth_rpc::MAX_REQUEST_BYTES;
-
-/// How deep YAML flow collections (`{…}`, `[…]`) may nest. The YAML parser
-/// takes time quadratic in that depth, so a file nesting them thousands deep
-/// is refused before it is parsed; real specs nest a few levels.
-const MAX_FLOW_DEPTH: usize = 64;
-
-/// `text` parsed as the syntax its name or contents say, into one JSON value.
-fn parse_spec(file: &str, text: &str) -> Result<Value, SpecError> {
-    let refused = |problem: String| SpecError::Field { file: file.to_string(), path: "the file".to_string(), problem };
-    if text.len() > MAX_SPEC_BYTES {
-        return Err(refused(format!("is {} bytes; a spec may be at most {MAX_SPEC_BYTES}", text.len())));
-    }
-    let syntax = SpecSyntax::of(file, text);
-    if syntax == SpecSyntax::Yaml && flow_depth(text) > MAX_FLOW_DEPTH {
-        return Err(refused(format!("nests {{ and [ collections more than {MAX_FLOW_DEPTH} levels deep")));
-    }
-    match syntax {
-        SpecSyntax::Json => serde_json::from_str(text).map_err(|source| {
-            let hint = if text.trim_start().starts_with('{') {
-                ""
-            } else {
-                " (a .json file is read as JSON; name a YAML spec .yaml or .yml)"
-            };
-            SpecError::Syntax { file: file.to_string(), source, hint }
-        }),
-        SpecSyntax::Yaml => {
-            // Through YAML's own value first, which refuses a key given twice.
-            let yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(text)
-                .map_err(|source| SpecError::YamlSyntax { file: file.to_string(), source })?;
-            serde_json::to_value(yaml).map_err(|error| SpecError::Field {
-                file: file.to_string(),
-                path: "the file".to_string(),
-                problem: format!("holds what a JSON spec cannot: {error}"),
-            })
-        }
-    }
+    let (file, value) = spec_file::read(&args.spec.file)?;
+    spec_request(&value, args.spec.name.as_deref(), args.spec.project.as_deref())
+        .map_err(|(path, problem)| SpecError::Field { file, path, problem })
 }
 
 /// The fields of a declaration, in the proto's snake_case.
@@ -1247,7 +1055,7 @@ mod tests {
     #[test]
     fn the_yaml_example_reads_as_the_json_one() {
         let json: Value = serde_json::from_str(include_str!("../../../../examples/hello/service.json")).unwrap();
-        let yaml = parse_spec("service.yaml", include_str!("../../../../examples/hello/service.yaml")).unwrap();
+        let yaml = spec_file::parse("service.yaml", include_str!("../../../../examples/hello/service.yaml")).unwrap();
         assert_eq!(
             spec_request(&yaml, Some("hello"), None).unwrap(),
             spec_request(&json, Some("hello"), None).unwrap()
@@ -1255,50 +1063,13 @@ mod tests {
     }
 
     #[test]
-    fn the_syntax_follows_the_extension_then_the_first_character() {
-        assert_eq!(SpecSyntax::of("s.yaml", "{}"), SpecSyntax::Yaml);
-        assert_eq!(SpecSyntax::of("s.YML", ""), SpecSyntax::Yaml);
-        assert_eq!(SpecSyntax::of("s.json", "replicas: 2"), SpecSyntax::Json);
-        assert_eq!(SpecSyntax::of("stdin", "  {\"replicas\": 2}"), SpecSyntax::Json);
-        assert_eq!(SpecSyntax::of("stdin", "replicas: 2"), SpecSyntax::Yaml);
-    }
-
-    #[test]
-    fn deep_flow_nesting_is_refused_before_the_yaml_parser_sees_it() {
-        let deep = format!("{}{}", "{a: ".repeat(40_000), "}".repeat(40_000));
-        // Our refusal, not the parser's: it never reached the parser.
-        let Err(SpecError::Field { path, problem, .. }) = parse_spec("deep.yaml", &deep) else {
-            panic!("a 40,000-deep spec is refused")
-        };
-        assert_eq!(path, "the file");
-        assert!(problem.contains("more than 64 levels deep"), "{problem}");
-
-        assert_eq!(flow_depth("args: [a, {b: \"{{{\"}, '[[it''s]]']\nenv: {A: \"}\"} # [[[[\nname: it's{"), 2);
-        let fine = "args: [a, {b: [c]}]\nenv:\n  A: \"{{{{\"\n";
-        assert!(parse_spec("fine.yaml", fine).is_ok(), "quoted braces and shallow nesting are fine");
-        let big = " ".repeat(MAX_SPEC_BYTES + 1);
-        assert!(matches!(parse_spec("big.yaml", &big), Err(SpecError::Field { .. })));
-    }
-
-    #[test]
-    fn a_yaml_syntax_error_names_its_line() {
-        let error = parse_spec("s.yaml", "name: web\ntemplate:\n  replicas: [1\n").unwrap_err().to_string();
-        assert!(error.starts_with("s.yaml is not a YAML spec: "), "{error}");
-        assert!(error.contains("line 4"), "{error}");
-        let error = parse_spec("s.yaml", "name: a\nname: b\n").unwrap_err().to_string();
-        assert_eq!(error, "s.yaml is not a YAML spec: duplicate entry with key \"name\"");
-        let error = parse_spec("s.yaml", "name: a\n[1]: b\n").unwrap_err().to_string();
-        assert!(error.starts_with("s.yaml: the file: holds what a JSON spec cannot"), "{error}");
-    }
-
-    #[test]
     fn a_yaml_field_of_the_wrong_type_is_named_like_a_json_one() {
-        let value = parse_spec("s.yaml", "name: web\ntemplate:\n  env:\n    PORT: 8080\n").unwrap();
+        let value = spec_file::parse("s.yaml", "name: web\ntemplate:\n  env:\n    PORT: 8080\n").unwrap();
         assert_eq!(
             spec_request(&value, None, None).unwrap_err(),
             ("template.env.PORT".to_string(), "must be a string, not the number 8080".to_string())
         );
-        let value = parse_spec("s.yml", "replicas: two\n").unwrap();
+        let value = spec_file::parse("s.yml", "replicas: two\n").unwrap();
         assert_eq!(spec_request(&value, Some("x"), None).unwrap_err().0, "replicas");
     }
 
