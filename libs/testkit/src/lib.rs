@@ -421,9 +421,11 @@ pub fn sibling(beside: &str, name: &str, package: &str) -> PathBuf {
     binary
 }
 
-/// The command line of control-plane service `binary` with only the flags
-/// every such binary requires (its TLS material and a database), for the
-/// tests of its flags to add theirs to.
-pub fn service_command_line(binary: &'static str) -> Vec<&'static str> {
-    vec![binary, "--tls-cert", "c", "--tls-key", "k", "--ca-file", "a", "--database-url", "sqlite://x"]
+/// Service binary `binary`'s flags `A`, checked for consistency, parsed
+/// from the flags every such binary requires (its TLS material and a
+/// database) followed by `flags`.
+pub fn parse_service_flags<A: clap::Parser>(binary: &'static str, flags: &[&str]) -> Result<A, clap::Error> {
+    A::command().debug_assert();
+    let required = [binary, "--tls-cert", "c", "--tls-key", "k", "--ca-file", "a", "--database-url", "sqlite://x"];
+    A::try_parse_from(required.into_iter().chain(flags.iter().copied()))
 }

@@ -80,20 +80,14 @@ async fn run(args: Args) -> Result<(), StartError> {
 
 #[cfg(test)]
 mod tests {
-    use clap::CommandFactory as _;
+    use berth_testkit::parse_service_flags;
 
     use super::*;
 
     #[test]
-    fn flags_are_consistent() {
-        Args::command().debug_assert();
-    }
-
-    #[test]
     fn addresses_and_durations_parse() {
         let flags = ["--revisions-addr", "127.0.0.1:7444", "--leases-addr", "127.0.0.1:7445", "--debounce", "50ms"];
-        let args =
-            Args::try_parse_from(berth_testkit::service_command_line("berth-egress").into_iter().chain(flags)).unwrap();
+        let args: Args = parse_service_flags("berth-egress", &flags).unwrap();
         assert_eq!(args.revisions_addr.as_deref(), Some("127.0.0.1:7444"));
         assert_eq!(args.config().debounce, Duration::from_millis(50));
         assert_eq!(args.config().max_delay, crate::DEFAULT_MAX_DELAY);

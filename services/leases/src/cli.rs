@@ -53,20 +53,14 @@ async fn run(args: Args) -> Result<(), StartError> {
 
 #[cfg(test)]
 mod tests {
-    use clap::CommandFactory as _;
+    use berth_testkit::parse_service_flags;
 
     use super::*;
 
     #[test]
-    fn flags_are_consistent() {
-        Args::command().debug_assert();
-    }
-
-    #[test]
     fn a_lease_ttl_too_short_to_renew_in_is_refused() {
-        let base = berth_testkit::service_command_line("berth-leases");
-        assert!(Args::try_parse_from(base.iter().chain(&["--lease-ttl", "1"])).is_err());
-        let args = Args::try_parse_from(base.iter().chain(&["--lease-ttl", "60"])).unwrap();
+        assert!(parse_service_flags::<Args>("berth-leases", &["--lease-ttl", "1"]).is_err());
+        let args: Args = parse_service_flags("berth-leases", &["--lease-ttl", "60"]).unwrap();
         assert_eq!(args.lease_ttl, 60);
         assert_eq!(args.listen.port(), DEFAULT_PORT);
     }

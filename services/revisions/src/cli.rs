@@ -131,14 +131,9 @@ async fn run(args: Args) -> Result<(), StartError> {
 
 #[cfg(test)]
 mod tests {
-    use clap::CommandFactory as _;
+    use berth_testkit::parse_service_flags;
 
     use super::*;
-
-    #[test]
-    fn flags_are_consistent() {
-        Args::command().debug_assert();
-    }
 
     #[test]
     fn insecure_registries_repeat_and_durations_parse() {
@@ -152,9 +147,7 @@ mod tests {
             "--progress-deadline",
             "90s",
         ];
-        let args =
-            Args::try_parse_from(berth_testkit::service_command_line("berth-revisions").into_iter().chain(flags))
-                .unwrap();
+        let args: Args = parse_service_flags("berth-revisions", &flags).unwrap();
         assert_eq!(args.insecure_registries, ["registry.lan", "cache.lan:5000"]);
         assert_eq!(args.config().progress_deadline, Duration::from_secs(90));
         assert_eq!(args.config().gc_keep, crate::DEFAULT_GC_KEEP);
