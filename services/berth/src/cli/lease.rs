@@ -136,9 +136,10 @@ struct ListArgs {
     /// Only leases placed on this node.
     #[arg(long, value_name = "NODE_ID")]
     node: Option<String>,
-    /// Only leases in this phase.
-    #[arg(long, value_enum, value_name = "PHASE")]
-    phase: Option<PhaseFilter>,
+    /// Only leases in this phase: pending, bound, launching, running, done,
+    /// failed, released or expired.
+    #[arg(long, value_name = "PHASE", value_parser = parse_phase)]
+    phase: Option<v1::LeasePhase>,
     /// Only leases with this owner.
     #[arg(long, value_name = "OWNER")]
     owner: Option<String>,
@@ -149,40 +150,14 @@ struct ListArgs {
     watch: bool,
 }
 
-/// The phases `lease list --phase` filters on.
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-enum PhaseFilter {
-    /// Asked for, on no node yet.
-    Pending,
-    /// Placed on a node that has not started it yet.
-    Bound,
-    /// Its node is fetching and starting the workload.
-    Launching,
-    /// The workload runs.
-    Running,
-    /// The workload exited with status 0.
-    Done,
-    /// The workload could not start, exited non-zero, or its node lost it.
-    Failed,
-    /// Given back by its requester.
-    Released,
-    /// Not renewed in time by its node.
-    Expired,
-}
-
-impl From<PhaseFilter> for v1::LeasePhase {
-    fn from(filter: PhaseFilter) -> Self {
-        match filter {
-            PhaseFilter::Pending => v1::LeasePhase::Pending,
-            PhaseFilter::Bound => v1::LeasePhase::Bound,
-            PhaseFilter::Launching => v1::LeasePhase::Launching,
-            PhaseFilter::Running => v1::LeasePhase::Running,
-            PhaseFilter::Done => v1::LeasePhase::Done,
-            PhaseFilter::Failed => v1::LeasePhase::Failed,
-            PhaseFilter::Released => v1::LeasePhase::Released,
-            PhaseFilter::Expired => v1::LeasePhase::Expired,
-        }
-    }
+/// A lease phase by the name the proto gives it after `LEASE_PHASE_`, in
+/// any case (`running`).
+fn parse_phase(text: &str) -> Result<v1::LeasePhase, String> {
+    v1::LeasePhase::from_str_name(&format!("LEASE_PHASE_{}", text.to_ascii_uppercase()))
+        .filter(|phase| *phase != v1::LeasePhase::Unspecified)
+        .ok_or_else(|| {
+            "not a lease phase: pending, bound, launching, running, done, failed, released or expired".to_string()
+        })
 }
 
 /// Flags of `berth capacity`.
@@ -215,7 +190,7 @@ impl LeaseArgs {
                 let request = v1::ListLeasesRequest {
                     project: args.project.unwrap_or_default(),
                     node_id: args.node.unwrap_or_default(),
-                    phase: args.phase.map_or(v1::LeasePhase::Unspecified, v1::LeasePhase::from) as i32,
+                    phase: args.phase.unwrap_or(v1::LeasePhase::Unspecified) as i32,
                     owner: args.owner.unwrap_or_default(),
                     all_projects: args.all_projects,
                 };
