@@ -1,8 +1,10 @@
 //! [`AgentError`]: why the agent could not start, or stopped. A leaf the
 //! agent's start-up and its heartbeat (which ends the agent when identity
-//! revokes the node) both answer with.
+//! revokes the node) both answer with; and [`FileError`], the one way every
+//! part of the agent names a file of its state it could not use.
 
 use std::net::SocketAddr;
+use std::path::Path;
 
 use crate::egress::EgressError;
 use crate::identity_dir::IdentityDirError;
@@ -101,4 +103,24 @@ pub enum AgentError {
     /// them uncontained.
     #[error("{0}; workloads would run uncontained (pass --allow-uncontained to run them so anyway)")]
     Uncontained(String),
+}
+
+/// A file or directory of the agent's state that could not be created,
+/// read or written: what was being done, to which path, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot {action} {path}: {source}")]
+pub struct FileError {
+    /// What was being done ("read", "create").
+    pub action: &'static str,
+    /// The path, as shown.
+    pub path: String,
+    /// Why.
+    #[source]
+    pub source: std::io::Error,
+}
+
+impl FileError {
+    pub(crate) fn new(action: &'static str, path: &Path, source: std::io::Error) -> Self {
+        Self { action, path: path.display().to_string(), source }
+    }
 }

@@ -35,6 +35,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use berth_core::Identity;
 use berth_mtls::{TlsMaterial, cert_not_after, certs_from_pem, identity_from_cert};
 
+use crate::error::FileError;
+
 /// The symlink naming the current generation.
 const CURRENT: &str = "identity";
 /// Generation directories are `identity.<n>`.
@@ -52,16 +54,8 @@ const LOCK_FILE: &str = "agent.lock";
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityDirError {
     /// A file or directory could not be created, read or written.
-    #[error("cannot {action} {path}: {source}")]
-    Io {
-        /// What was being done.
-        action: &'static str,
-        /// The path.
-        path: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::error::FileError),
     /// Another agent is running on the same data directory.
     #[error("data directory {path} is in use by another berth-agent")]
     Locked {
@@ -363,7 +357,7 @@ fn generation_of(name: &str) -> Option<u64> {
 }
 
 fn io(action: &'static str, path: &Path, source: std::io::Error) -> IdentityDirError {
-    IdentityDirError::Io { action, path: path.display().to_string(), source }
+    IdentityDirError::Io(FileError::new(action, path, source))
 }
 
 fn read(path: &Path) -> Result<String, IdentityDirError> {

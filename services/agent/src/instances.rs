@@ -32,6 +32,7 @@ use std::collections::BTreeMap;
 
 use tokio::sync::watch;
 
+use crate::error::FileError;
 use crate::provider::{Exit, ExitStatus, InstanceMeta, InstanceRecord, LaunchSpec, LogFiles, ProviderError};
 
 /// How many ports the kernel is asked for before a launch gives up on
@@ -156,7 +157,11 @@ pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ProviderError> + Send + 'static,
 ) -> Result<T, ProviderError> {
     tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
-        Err(ProviderError::Io { action: "finish", path: String::new(), source: std::io::Error::other(e.to_string()) })
+        Err(ProviderError::Io(FileError {
+            action: "finish",
+            path: String::new(),
+            source: std::io::Error::other(e.to_string()),
+        }))
     })
 }
 
@@ -183,7 +188,7 @@ pub(crate) fn prepare(layout: &Layout, record: &StoredRecord) -> Result<(PathBuf
             .open(path)
             .map_err(|source| io("create", path, source))?;
         file.set_len(0).map_err(|source| io("empty", path, source))?;
-        Ok(file)
+        Ok::<_, ProviderError>(file)
     };
     Ok((work_dir, open(&logs.stdout)?, open(&logs.stderr)?))
 }
@@ -233,7 +238,7 @@ pub(crate) fn validate_lease_id(lease_id: &str) -> Result<(), ProviderError> {
 }
 
 pub(crate) fn io(action: &'static str, path: &Path, source: std::io::Error) -> ProviderError {
-    ProviderError::Io { action, path: path.display().to_string(), source }
+    ProviderError::Io(FileError::new(action, path, source))
 }
 
 pub(crate) fn unix_ms(at: SystemTime) -> u64 {

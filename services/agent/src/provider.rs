@@ -453,16 +453,8 @@ pub enum ProviderError {
         source: std::io::Error,
     },
     /// A file of the provider's state could not be read or written.
-    #[error("cannot {action} {path}: {source}")]
-    Io {
-        /// What was being done.
-        action: &'static str,
-        /// The path.
-        path: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::error::FileError),
     /// A record on disk does not parse.
     #[error("instance record {path} is unreadable: {detail}")]
     Corrupt {

@@ -51,6 +51,8 @@ use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::error::FileError;
+
 /// Where `ip netns` keeps named namespaces.
 const NETNS_DIR: &str = "/run/netns";
 
@@ -93,16 +95,8 @@ pub enum NamespaceError {
         detail: String,
     },
     /// A file could not be read or written.
-    #[error("cannot {action} {path}: {source}")]
-    Io {
-        /// What was being done.
-        action: &'static str,
-        /// The path.
-        path: String,
-        /// Why.
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::error::FileError),
 }
 
 /// The namespaces of one agent.
@@ -146,7 +140,7 @@ impl Namespaces {
     }
 
     fn record_owner(&self) -> Result<(), NamespaceError> {
-        let io = |action, path: &Path, source| NamespaceError::Io { action, path: path.display().to_string(), source };
+        let io = |action, path: &Path, source| NamespaceError::Io(FileError::new(action, path, source));
         std::fs::create_dir_all(&self.owner_dir).map_err(|e| io("create", &self.owner_dir, e))?;
         let owner = self.owner_dir.join(format!("{}.owner", self.node));
         std::fs::write(&owner, self.data_dir.as_os_str().as_encoded_bytes()).map_err(|e| io("write", &owner, e))
@@ -192,9 +186,7 @@ impl Namespaces {
             Ok(true) => Ok(false),
             Ok(false) => self.run(&["netns", "delete", name]).await.map(|()| true),
             Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(true),
-            Err(source) => {
-                Err(NamespaceError::Io { action: "look at", path: self.path(name).display().to_string(), source })
-            }
+            Err(source) => Err(NamespaceError::Io(FileError::new("look at", &self.path(name), source))),
         }
     }
 

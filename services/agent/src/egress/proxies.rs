@@ -54,6 +54,7 @@ use tokio_util::task::TaskTracker;
 use super::netns::{NamespaceError, Namespaces};
 use super::proxy::{ProxyTiming, ServiceProxy};
 use super::rules::{RulesError, TenantRules, tenant_name};
+use crate::error::FileError;
 use crate::provider::NetworkAttachment;
 
 /// Where the proxies keep their record, in the data directory.
@@ -206,16 +207,8 @@ pub enum EgressError {
         source: std::io::Error,
     },
     /// The record of the listener ports could not be written or read.
-    #[error("cannot {action} {path}: {source}")]
-    Record {
-        /// What was being done.
-        action: &'static str,
-        /// The file.
-        path: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Record(#[from] crate::error::FileError),
     /// The proxies were closed.
     #[error("the egress proxies are shut down")]
     Closed,
@@ -357,7 +350,7 @@ impl EgressProxies {
     /// unused, and reads the record; everything stops on `shutdown`.
     pub async fn start(settings: EgressSettings, shutdown: CancellationToken) -> Result<Self, EgressError> {
         let dir = settings.data_dir.join(EGRESS_DIR);
-        let record = |action, source| EgressError::Record { action, path: dir.display().to_string(), source };
+        let record = |action, source| EgressError::Record(FileError::new(action, &dir, source));
         tokio::fs::create_dir_all(&dir).await.map_err(|e| record("create", e))?;
         let (namespaces, enforcement) = match settings.isolation {
             EgressIsolation::Off => {
@@ -768,7 +761,7 @@ async fn write_record(
     path: &std::path::Path,
     recorded: &BTreeMap<String, BTreeMap<String, u16>>,
 ) -> Result<(), EgressError> {
-    let failed = |action, source| EgressError::Record { action, path: path.display().to_string(), source };
+    let failed = |action, source| EgressError::Record(FileError::new(action, path, source));
     let bytes = serde_json::to_vec_pretty(recorded).map_err(|e| failed("encode", std::io::Error::other(e)))?;
     let tmp = path.with_extension("json.tmp");
     tokio::fs::write(&tmp, bytes).await.map_err(|e| failed("write", e))?;
