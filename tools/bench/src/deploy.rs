@@ -59,8 +59,7 @@ use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
 use crate::output::{OutputFormat, print_report, progress};
 use crate::process::{ScratchDatabase, ServiceProcessError, claim_bus, free_loopback_port};
-use crate::procfs::load_average;
-use crate::report::Target;
+use crate::report::{Machine, Target};
 
 /// Apply → RUNNING p50 with the bundle on the node must stay under this.
 const TARGET_WARM_P50_MS: f64 = 150.0;
@@ -246,10 +245,9 @@ struct DeployReport {
     errors: Vec<ErrorCount>,
     /// The targets, judged.
     targets: Vec<Target>,
-    /// CPUs on this machine.
-    cpus: usize,
-    /// One-minute load average before the run.
-    load_average_before: Option<f64>,
+    /// The machine it ran on.
+    #[serde(flatten)]
+    machine: Machine,
 }
 
 impl DeployReport {
@@ -314,22 +312,19 @@ impl DeployReport {
                 figures.errors
             );
         }
-        let _ = writeln!(
-            out,
-            "machine: {} CPUs shared by identity, leases, revisions, the node, the registry, PostgreSQL, Redis and the \
-             bench; load average {} before the run",
-            self.cpus,
-            self.load_average_before.map_or_else(|| "unknown".to_string(), |l| format!("{l:.2}"))
+        self.machine.write_footer(
+            &mut out,
+            "shared by identity, leases, revisions, the node, the registry, PostgreSQL, Redis and the bench",
+            &self.targets,
+            &self.errors,
         );
-        let _ = writeln!(out, "{}", crate::report::verdicts_line(&self.targets, 1));
-        crate::report::write_errors(&mut out, &self.errors, 5);
         out
     }
 }
 
 /// Runs the scenario and prints its report.
 pub(crate) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
-    let load_average_before = load_average();
+    let machine = Machine::before_run();
     let shutdown = berth_rpc::shutdown_signal();
     progress("starting berth-identity on postgres with a redis bus");
     let state = StateOptions { database_url: Some(args.database_url.clone()), redis_url: Some(args.redis_url.clone()) };
@@ -346,7 +341,7 @@ pub(crate) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
     let stopped = identity.stop().await;
     let mut report = outcome?;
     stopped?;
-    report.load_average_before = load_average_before;
+    report.machine = machine;
     report.judge();
     print_report(args.output, &report, |r| r.table()).map_err(DeployBenchError::Output)?;
     Ok(())
@@ -771,8 +766,7 @@ async fn measure(args: &DeployArgs, clients: &Clients, dir: &Path) -> Result<Dep
         mint_changed,
         errors: errors.summary(),
         targets: Vec::new(),
-        cpus: std::thread::available_parallelism().map_or(0, usize::from),
-        load_average_before: None,
+        machine: Machine::default(),
     })
 }
 

@@ -46,8 +46,8 @@ use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
 use crate::load::{CpuFigures, CpuUse, ErrorTally, Figures, Samples, Window, is_transient, status_message};
 use crate::nodes::{self, JoinedNode, MAX_NODES, NODE_CAPACITY};
 use crate::output::{OutputFormat, print_report, progress};
-use crate::procfs::{MachineCpu, Memory, load_average, read_cpu_time, read_machine_cpu, read_memory};
-use crate::report::{JoinFigures, MemoryFigures, PhasePeaks, ReplicaFigures, Report, human};
+use crate::procfs::{MachineCpu, Memory, read_cpu_time, read_machine_cpu, read_memory};
+use crate::report::{JoinFigures, Machine, MemoryFigures, PhasePeaks, ReplicaFigures, Report, human};
 
 /// How long one call may take before it counts as failed.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -190,7 +190,7 @@ pub(crate) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
         return Err(BenchError::ReplicasNeedSharedState(args.replicas));
     }
     raise_open_files_limit(args.nodes, args.join_concurrency)?;
-    let load_average_before = load_average();
+    let machine = Machine::before_run();
     let state = StateOptions { database_url: args.database_url.clone(), redis_url: args.redis_url.clone() };
     let shutdown = berth_rpc::shutdown_signal();
     let (store, bus) = state.describe();
@@ -207,7 +207,7 @@ pub(crate) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
     progress("stopping berth-identity and removing its state");
     let stopped = identity.stop().await;
     let mut report = outcome?;
-    report.load_average_before = load_average_before;
+    report.machine = machine;
     report.judge();
     print_report(args.output, &report, Report::table).map_err(BenchError::Output)?;
     stopped?;
@@ -314,8 +314,7 @@ async fn scenario(
         replicas,
         errors: errors.summary(),
         targets: Vec::new(),
-        cpus: std::thread::available_parallelism().map_or(0, usize::from),
-        load_average_before: None,
+        machine: Machine::default(),
     })
 }
 

@@ -38,8 +38,8 @@ use crate::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
 use crate::nodes::{self, NODE_CAPACITY};
 use crate::output::{OutputFormat, print_report, progress};
 use crate::process::{ChildProcess, ServiceProcessError, free_loopback_port, sibling_binary};
-use crate::procfs::{load_average, read_memory};
-use crate::report::Target;
+use crate::procfs::read_memory;
+use crate::report::{Machine, Target};
 use crate::runtime_launch::{BenchRuntime, RuntimeLaunch, RuntimeLaunchError};
 use berth_agent::OciRuntime;
 
@@ -206,10 +206,9 @@ struct LaunchReport {
     errors: Vec<ErrorCount>,
     /// The targets, judged.
     targets: Vec<Target>,
-    /// CPUs on this machine.
-    cpus: usize,
-    /// One-minute load average before the run.
-    load_average_before: Option<f64>,
+    /// The machine it ran on.
+    #[serde(flatten)]
+    machine: Machine,
 }
 
 /// The agent's resident memory, MiB.
@@ -245,7 +244,7 @@ pub(crate) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
             .map_err(|message| LaunchBenchError::Refused { what: "--cgroup-favordynmods", message })?;
         progress(&format!("favordynmods is on at {}", mount.display()));
     }
-    let load_average_before = load_average();
+    let machine = Machine::before_run();
     let shutdown = berth_rpc::shutdown_signal();
     progress("starting berth-identity on sqlite with a memory bus");
     let state = StateOptions::default();
@@ -268,7 +267,7 @@ pub(crate) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
         args.runtime.name()
     ));
     report.runtime = Some(crate::runtime_launch::measure(args.runtime, args.compare).await?);
-    report.load_average_before = load_average_before;
+    report.machine = machine;
     report.judge();
     print_report(args.output, &report, |r| r.table()).map_err(LaunchBenchError::Output)?;
     Ok(())
@@ -491,8 +490,7 @@ async fn with_agent(
         },
         errors: errors.summary(),
         targets: Vec::new(),
-        cpus: std::thread::available_parallelism().map_or(0, usize::from),
-        load_average_before: None,
+        machine: Machine::default(),
     })
 }
 
@@ -770,14 +768,12 @@ impl LaunchReport {
             self.leases_memory.records_placed + l.calls,
             self.leases_memory.with_records_mib
         );
-        let _ = writeln!(
-            out,
-            "machine: {} CPUs; load average {} before the run",
-            self.cpus,
-            self.load_average_before.map_or_else(|| "unknown".to_string(), |v| format!("{v:.2}"))
+        self.machine.write_footer(
+            &mut out,
+            "shared by identity, leases, the node and the bench",
+            &self.targets,
+            &self.errors,
         );
-        let _ = writeln!(out, "{}", crate::report::verdicts_line(&self.targets, 1));
-        crate::report::write_errors(&mut out, &self.errors, 5);
         out
     }
 }

@@ -41,8 +41,7 @@ use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, is_transient, status_message};
 use crate::output::{OutputFormat, print_report, progress};
 use crate::process::{ScratchDatabase, ServiceProcessError, claim_bus};
-use crate::procfs::load_average;
-use crate::report::{Target, human};
+use crate::report::{Machine, Target, human};
 
 /// Placements per second the replica must reach.
 const TARGET_PLACEMENTS_PER_S: f64 = 1500.0;
@@ -157,10 +156,9 @@ pub(crate) struct LeasesReport {
     errors: Vec<ErrorCount>,
     /// The targets, judged.
     targets: Vec<Target>,
-    /// CPUs on this machine.
-    cpus: usize,
-    /// One-minute load average before the run.
-    load_average_before: Option<f64>,
+    /// The machine it ran on.
+    #[serde(flatten)]
+    machine: Machine,
 }
 
 /// The replica's resident memory, MiB.
@@ -231,7 +229,7 @@ fn identity_of(result: Result<Identity, berth_core::IdentityError>) -> Result<Id
 
 /// Runs the scenario and prints its report.
 pub(crate) async fn run(args: LeasesArgs) -> Result<(), LeasesBenchError> {
-    let load_average_before = load_average();
+    let machine = Machine::before_run();
     let shutdown = berth_rpc::shutdown_signal();
     let certificates = RunCertificates::new()?;
     let admin = certificates.credentials(&identity_of(Identity::admin("bench"))?)?;
@@ -250,7 +248,7 @@ pub(crate) async fn run(args: LeasesArgs) -> Result<(), LeasesBenchError> {
     let dropped = database.drop_database().await;
     let mut report = outcome?;
     dropped?;
-    report.load_average_before = load_average_before;
+    report.machine = machine;
     report.judge();
     print_report(args.output, &report, |r| r.table()).map_err(LeasesBenchError::Output)?;
     Ok(())
@@ -370,8 +368,7 @@ async fn measure(
         },
         errors: errors.summary(),
         targets: Vec::new(),
-        cpus: std::thread::available_parallelism().map_or(0, usize::from),
-        load_average_before: None,
+        machine: Machine::default(),
     })
 }
 
@@ -661,14 +658,12 @@ impl LeasesReport {
             self.leases_memory.with_leases_mib,
             self.leases_memory.peak_mib
         );
-        let _ = writeln!(
-            out,
-            "machine: {} CPUs shared by leases, PostgreSQL, Redis and the bench; load average {} before the run",
-            self.cpus,
-            self.load_average_before.map_or_else(|| "unknown".to_string(), |l| format!("{l:.2}"))
+        self.machine.write_footer(
+            &mut out,
+            "shared by leases, PostgreSQL, Redis and the bench",
+            &self.targets,
+            &self.errors,
         );
-        let _ = writeln!(out, "{}", crate::report::verdicts_line(&self.targets, 1));
-        crate::report::write_errors(&mut out, &self.errors, 5);
         out
     }
 }

@@ -72,10 +72,9 @@ pub(crate) struct Report {
     pub(crate) errors: Vec<ErrorCount>,
     /// The targets, judged.
     pub(crate) targets: Vec<Target>,
-    /// CPUs this machine offers the clients and identity together.
-    pub(crate) cpus: usize,
-    /// The one-minute load average before the run: other work sharing the machine.
-    pub(crate) load_average_before: Option<f64>,
+    /// The machine it ran on.
+    #[serde(flatten)]
+    pub(crate) machine: Machine,
 }
 
 /// The join phase: every node's Join and first heartbeat.
@@ -150,6 +149,41 @@ pub(crate) struct Target {
     pub(crate) value: Option<f64>,
     /// Whether it was met.
     pub(crate) met: bool,
+}
+
+/// The machine a run was measured on: how many CPUs it offers and how busy
+/// other work kept it just before (reports print both beside every figure).
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct Machine {
+    /// CPUs this machine offers the bench and what it measures together.
+    pub(crate) cpus: usize,
+    /// The one-minute load average before the run: other work sharing the machine.
+    pub(crate) load_average_before: Option<f64>,
+}
+
+impl Machine {
+    /// This machine, as it is now: taken before a run starts.
+    pub(crate) fn before_run() -> Self {
+        Self {
+            cpus: std::thread::available_parallelism().map_or(0, usize::from),
+            load_average_before: crate::procfs::load_average(),
+        }
+    }
+
+    /// `machine: N CPUs {shared}; load average L over the minute before the run`.
+    pub(crate) fn line(&self, shared: &str) -> String {
+        let load = self.load_average_before.map_or_else(|| "unknown".to_string(), |l| format!("{l:.2}"));
+        format!("machine: {} CPUs {shared}; load average {load} over the minute before the run", self.cpus)
+    }
+
+    /// The end of a report's table: the machine, the targets' verdicts and
+    /// the commonest errors.
+    pub(crate) fn write_footer(&self, out: &mut String, shared: &str, targets: &[Target], errors: &[ErrorCount]) {
+        use std::fmt::Write as _;
+        let _ = writeln!(out, "{}", self.line(shared));
+        let _ = writeln!(out, "{}", verdicts_line(targets, 1));
+        write_errors(out, errors, ERRORS_SHOWN);
+    }
 }
 
 /// `targets: NAME OK (VALUE); ...`: each target's verdict, its figure with
@@ -294,10 +328,10 @@ impl Report {
         out.push('\n');
         let _ = writeln!(
             out,
-            "machine: {} CPUs shared by identity, the bench and all else (other CPU: PostgreSQL, Redis, the kernel, \
-             other work); load average {} over the minute before the run",
-            self.cpus,
-            self.load_average_before.map_or_else(|| "unknown".to_string(), |l| format!("{l:.2}")),
+            "{}",
+            self.machine.line(
+                "shared by identity, the bench and all else (other CPU: PostgreSQL, Redis, the kernel, other work)"
+            )
         );
         let memory = &self.identity_memory;
         let peaks = &memory.phase_peaks_mib;
@@ -415,8 +449,7 @@ mod tests {
             }],
             errors: Vec::new(),
             targets: Vec::new(),
-            cpus: 2,
-            load_average_before: Some(0.25),
+            machine: Machine { cpus: 2, load_average_before: Some(0.25) },
         };
         report.judge();
         report
