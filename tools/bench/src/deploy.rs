@@ -57,8 +57,8 @@ use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
 use crate::leases::{LeasesBenchError, latency, wait_for_nodes};
 use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
-use crate::output::{OutputFormat, print_report, progress};
-use crate::process::{ScratchDatabase, ServiceProcessError, claim_bus, free_loopback_port};
+use crate::output::{print_report, progress};
+use crate::process::{ScratchDatabase, ServiceProcessError, SharedStateArgs, claim_bus, free_loopback_port};
 use crate::report::{Machine, Target};
 
 /// Apply → RUNNING p50 with the bundle on the node must stay under this.
@@ -128,17 +128,8 @@ pub(crate) struct DeployArgs {
     /// Applies in each mint-rate run (unchanged, then changed).
     #[arg(long, default_value_t = 200, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100_000))]
     mints: u32,
-    /// The PostgreSQL server; the bench creates scratch databases there and
-    /// drops them at the end.
-    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres", value_name = "URL")]
-    database_url: String,
-    /// The Redis for every service's bus. The 'identity:', 'leases:' and
-    /// 'revisions:' prefixes must be empty there; they are cleared at the end.
-    #[arg(long, default_value = "redis://127.0.0.1:6379/15", value_name = "URL")]
-    redis_url: String,
-    /// Output format.
-    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table, value_name = "FORMAT")]
-    output: OutputFormat,
+    #[command(flatten)]
+    state: SharedStateArgs,
 }
 
 /// Why the deploy benchmark could not run to the end.
@@ -327,7 +318,10 @@ pub(crate) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
     let machine = Machine::before_run();
     let shutdown = berth_rpc::shutdown_signal();
     progress("starting berth-identity on postgres with a redis bus");
-    let state = StateOptions { database_url: Some(args.database_url.clone()), redis_url: Some(args.redis_url.clone()) };
+    let state = StateOptions {
+        database_url: Some(args.state.database_url.clone()),
+        redis_url: Some(args.state.redis_url.clone()),
+    };
     let identity = tokio::select! {
         started = IdentityProcess::start(&state) => started?,
         () = shutdown.cancelled() => return Err(DeployBenchError::Interrupted),
@@ -343,7 +337,7 @@ pub(crate) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
     stopped?;
     report.machine = machine;
     report.judge();
-    print_report(args.output, &report, |r| r.table()).map_err(DeployBenchError::Output)?;
+    print_report(args.state.output, &report, |r| r.table()).map_err(DeployBenchError::Output)?;
     Ok(())
 }
 
@@ -354,15 +348,20 @@ async fn with_identity(
     shutdown: &CancellationToken,
 ) -> Result<DeployReport, DeployBenchError> {
     progress("creating a scratch database for leases and revisions");
-    let database = ScratchDatabase::create(&args.database_url).await?;
-    let buses =
-        (claim_bus(&args.redis_url, berth_leases::NAME).await, claim_bus(&args.redis_url, berth_revisions::NAME).await);
+    let database = ScratchDatabase::create(&args.state.database_url).await?;
+    let buses = (
+        claim_bus(&args.state.redis_url, berth_leases::NAME).await,
+        claim_bus(&args.state.redis_url, berth_revisions::NAME).await,
+    );
     let outcome = match buses {
         (Ok(leases_bus), Ok(revisions_bus)) => {
             let outcome = with_database(args, identity, &database, revisions_bus.clone(), shutdown).await;
             for (prefix, bus) in [("leases", leases_bus), ("revisions", revisions_bus)] {
                 if let Err(error) = bus.clear().await {
-                    progress(&format!("warning: cannot clear the {prefix}: prefix on {}: {error}", args.redis_url));
+                    progress(&format!(
+                        "warning: cannot clear the {prefix}: prefix on {}: {error}",
+                        args.state.redis_url
+                    ));
                 }
             }
             outcome
@@ -413,7 +412,7 @@ async fn with_database(
         material: service_material(&admin_channel, berth_leases::NAME).await?,
         probe: &admin,
         database_url: database.url().to_string(),
-        redis_url: args.redis_url.clone(),
+        redis_url: args.state.redis_url.clone(),
         identity_addr: identity.addr(),
         lease_ttl_seconds: LEASE_TTL_SECONDS,
     })

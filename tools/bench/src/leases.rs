@@ -39,8 +39,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, is_transient, status_message};
-use crate::output::{OutputFormat, print_report, progress};
-use crate::process::{ScratchDatabase, ServiceProcessError, claim_bus};
+use crate::output::{print_report, progress};
+use crate::process::{ScratchDatabase, ServiceProcessError, SharedStateArgs, claim_bus};
 use crate::report::{Machine, Target, human};
 
 /// Placements per second the replica must reach.
@@ -80,17 +80,8 @@ pub(crate) struct LeasesArgs {
     /// How long pgbench claims rows.
     #[arg(long, default_value = "10s", value_name = "DURATION", value_parser = berth_runtime::parse_duration)]
     duration: Duration,
-    /// The PostgreSQL server; the bench creates a scratch database there for
-    /// the replica and the pgbench table, and drops it at the end.
-    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres", value_name = "URL")]
-    database_url: String,
-    /// The Redis for the replica's bus. Its 'leases:' prefix must be empty
-    /// there; it is cleared at the end. `memory://` runs the in-process bus.
-    #[arg(long, default_value = "redis://127.0.0.1:6379/15", value_name = "URL")]
-    redis_url: String,
-    /// Output format.
-    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table, value_name = "FORMAT")]
-    output: OutputFormat,
+    #[command(flatten)]
+    state: SharedStateArgs,
 }
 
 /// Why the leases benchmark could not run to the end.
@@ -238,7 +229,7 @@ pub(crate) async fn run(args: LeasesArgs) -> Result<(), LeasesBenchError> {
     let registry_addr = serve_registry(&certificates, args.nodes, args.leases, &registry_stop).await;
 
     progress("creating a scratch database");
-    let database = ScratchDatabase::create(&args.database_url).await?;
+    let database = ScratchDatabase::create(&args.state.database_url).await?;
     let outcome = tokio::select! {
         outcome = with_database(&args, &certificates, &admin, registry_addr, &database) => outcome,
         () = shutdown.cancelled() => Err(LeasesBenchError::Interrupted),
@@ -250,7 +241,7 @@ pub(crate) async fn run(args: LeasesArgs) -> Result<(), LeasesBenchError> {
     dropped?;
     report.machine = machine;
     report.judge();
-    print_report(args.output, &report, |r| r.table()).map_err(LeasesBenchError::Output)?;
+    print_report(args.state.output, &report, |r| r.table()).map_err(LeasesBenchError::Output)?;
     Ok(())
 }
 
@@ -284,16 +275,16 @@ async fn with_database(
     registry_addr: SocketAddr,
     database: &ScratchDatabase,
 ) -> Result<LeasesReport, LeasesBenchError> {
-    let bus = if args.redis_url.starts_with("memory:") {
+    let bus = if args.state.redis_url.starts_with("memory:") {
         None
     } else {
-        Some(claim_bus(&args.redis_url, berth_leases::NAME).await?)
+        Some(claim_bus(&args.state.redis_url, berth_leases::NAME).await?)
     };
     let outcome = with_bus(args, certificates, admin, registry_addr, database).await;
     if let Some(bus) = bus
         && let Err(error) = bus.clear().await
     {
-        progress(&format!("warning: cannot clear the leases: prefix on {}: {error}", args.redis_url));
+        progress(&format!("warning: cannot clear the leases: prefix on {}: {error}", args.state.redis_url));
     }
     outcome
 }
@@ -305,13 +296,13 @@ async fn with_bus(
     registry_addr: SocketAddr,
     database: &ScratchDatabase,
 ) -> Result<LeasesReport, LeasesBenchError> {
-    let bus = if args.redis_url.starts_with("memory:") { "memory" } else { "redis" };
+    let bus = if args.state.redis_url.starts_with("memory:") { "memory" } else { "redis" };
     progress(&format!("starting berth-leases on postgres with a {bus} bus, following {} nodes", args.nodes));
     let leases = LeasesProcess::start(LeasesLaunch {
         material: certificates.material(&identity_of(Identity::service(berth_leases::NAME))?)?,
         probe: admin,
         database_url: database.url().to_string(),
-        redis_url: args.redis_url.clone(),
+        redis_url: args.state.redis_url.clone(),
         identity_addr: registry_addr,
         lease_ttl_seconds: LEASE_TTL_SECONDS,
     })

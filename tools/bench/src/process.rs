@@ -278,6 +278,24 @@ pub(crate) async fn claim_bus(url: &str, prefix: &'static str) -> Result<Bus, Se
     Ok(bus)
 }
 
+/// Where a bench that runs services on shared state keeps it, and how it
+/// reports.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct SharedStateArgs {
+    /// The PostgreSQL server; the bench creates scratch databases there and
+    /// drops them at the end.
+    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres", value_name = "URL")]
+    pub(crate) database_url: String,
+    /// The Redis for the services' buses. The prefixes of the services the
+    /// bench runs must be empty there; they are cleared at the end. The
+    /// leases bench also takes `memory://`: an in-process bus.
+    #[arg(long, default_value = "redis://127.0.0.1:6379/15", value_name = "URL")]
+    pub(crate) redis_url: String,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = crate::output::OutputFormat::Table, value_name = "FORMAT")]
+    pub(crate) output: crate::output::OutputFormat,
+}
+
 /// A database of the run's own on the PostgreSQL server it was given.
 #[derive(Debug)]
 pub(crate) struct ScratchDatabase {
