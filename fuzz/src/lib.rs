@@ -63,8 +63,8 @@ use berth_proto::revisions::v1::services_server::Services as _;
 use berth_proto::types::v1::BundleRef;
 use berth_revisions::{Dependencies, NoLeases, RegistryPolicy, RegistrySecrets, ResolveError, RevisionsConfig};
 use berth_revisions::{RevisionsService, TagResolver};
-use berth_rpc::{PeerInfo, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext};
+use berth_rpc::PeerInfo;
+use berth_runtime::ServiceContext;
 use berth_store::{Store, StoreOptions};
 use prost::Message as _;
 
@@ -397,12 +397,12 @@ impl Harness {
         let admin = Identity::admin("fuzz").unwrap_or_else(|e| fail("an admin identity", &e));
         let credentials = credentials().unwrap_or_else(|e| fail("credentials", &e));
         let (revisions_strict, revisions_dev, egress) = runtime.block_on(async {
-            let context = |store: Store| ServiceContext {
-                store,
-                bus: berth_bus::Bus::new(berth_bus::MemoryBus::new(), "fuzz").unwrap_or_else(|e| fail("a bus", &e)),
-                credentials: credentials.clone(),
-                revocations: Revocations::new(),
-                nodes: NodeDirectory::new(),
+            let context = |store: Store| {
+                ServiceContext::new(
+                    store,
+                    berth_bus::Bus::new(berth_bus::MemoryBus::new(), "fuzz").unwrap_or_else(|e| fail("a bus", &e)),
+                    credentials.clone(),
+                )
             };
             let revisions_store = store(dir.path(), "revisions", berth_revisions::MIGRATIONS).await;
             let egress_store = store(dir.path(), "egress", berth_egress::MIGRATIONS).await;

@@ -41,6 +41,13 @@ pub struct ServiceContext {
 }
 
 impl ServiceContext {
+    /// A context over `store` and `bus` that dials with `credentials`, refusing
+    /// no node yet and knowing none of identity's (a service that follows
+    /// identity fills both in as it learns them).
+    pub fn new(store: Store, bus: Bus, credentials: TlsCredentials) -> Self {
+        Self { store, bus, credentials, revocations: Revocations::new(), nodes: NodeDirectory::new() }
+    }
+
     /// Readiness for the service's server (see [`store_readiness`]).
     pub fn readiness(&self) -> ReadinessProbe {
         store_readiness(&self.store)
@@ -69,7 +76,7 @@ impl ServiceSpec {
     ) -> Result<ServiceContext, StartError> {
         let store = wait_for_store(&state.database_url, self.name, self.migrations, stop).await?;
         let bus = wait_for_bus(&state.redis_url, self.name, stop).await?;
-        Ok(ServiceContext { store, bus, credentials, revocations: Revocations::new(), nodes: NodeDirectory::new() })
+        Ok(ServiceContext::new(store, bus, credentials))
     }
 
     /// Serves the service on `listener` until `shutdown`.

@@ -34,8 +34,8 @@ use berth_leases::{LeasesConfig, LeasesService};
 use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
 use berth_proto::identity::v1 as identity;
 use berth_proto::types::v1::EventKind;
-use berth_rpc::{Listener, Revocations, ServerBuilder};
-use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _, follow_nodes};
+use berth_rpc::{Listener, ServerBuilder};
+use berth_runtime::{ServiceContext, ServiceReplica as _, follow_nodes};
 use berth_store::testing::TestDb;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -258,13 +258,7 @@ impl InProcessLeases {
         let db = test_db(backend).await;
         db.store().migrate(berth_leases::MIGRATIONS).await.unwrap();
         let bus = test_bus(backend).await;
-        let ctx = ServiceContext {
-            store: db.store().clone(),
-            bus: bus.clone(),
-            credentials: me.clone(),
-            revocations: Revocations::new(),
-            nodes: NodeDirectory::new(),
-        };
+        let ctx = ServiceContext::new(db.store().clone(), bus.clone(), me.clone());
         follow_nodes(registry.to_owned(), me.clone(), ctx.nodes.clone(), ctx.revocations.clone(), stop.clone());
         let service = LeasesService::new(&ctx, config);
         service.spawn_loops(stop);

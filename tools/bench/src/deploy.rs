@@ -46,8 +46,8 @@ use berth_proto::leases::v1::{self as leases, LeasePhase};
 use berth_proto::revisions::v1;
 use berth_proto::types::v1::{BundleRef, Capacity};
 use berth_revisions::{Dependencies, GrpcLeases, RegistryPolicy, RevisionsConfig, RevisionsService};
-use berth_rpc::{Channel, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _, StartError};
+use berth_rpc::Channel;
+use berth_runtime::{ServiceContext, ServiceReplica as _, StartError};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tonic_health::pb::HealthCheckRequest;
@@ -450,13 +450,7 @@ async fn start_revisions(
     let store = berth_runtime::open_store(database.url(), berth_revisions::NAME, berth_revisions::MIGRATIONS)
         .await
         .map_err(revisions_error)?;
-    let ctx = ServiceContext {
-        store,
-        bus,
-        credentials: credentials.clone(),
-        revocations: Revocations::new(),
-        nodes: NodeDirectory::new(),
-    };
+    let ctx = ServiceContext::new(store, bus, credentials.clone());
     let config = RevisionsConfig { rollout_poll: ROLLOUT_POLL, ..RevisionsConfig::default() };
     let leases = GrpcLeases::connect(&leases_addr.to_string(), credentials.clone())
         .map_err(|e| DeployBenchError::Refused { what: "a connection to leases", message: e.to_string() })?;

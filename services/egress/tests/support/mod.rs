@@ -30,8 +30,8 @@ use berth_proto::leases::v1 as leases;
 use berth_proto::revisions::v1 as revisions;
 use berth_proto::types::v1::{BundleRef, Capacity};
 use berth_revisions::{Dependencies, GrpcLeases, RegistryPolicy, RevisionsConfig, RevisionsService};
-use berth_rpc::{Channel, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _};
+use berth_rpc::Channel;
+use berth_runtime::{ServiceContext, ServiceReplica as _};
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;
@@ -107,13 +107,8 @@ impl Mesh {
         revisions_db.store().migrate(berth_revisions::MIGRATIONS).await.unwrap();
         let revisions_bus = test_bus(backend).await;
         let revisions_credentials = base.credentials(&Identity::service("revisions").unwrap());
-        let ctx = ServiceContext {
-            store: revisions_db.store().clone(),
-            bus: revisions_bus.clone(),
-            credentials: revisions_credentials.clone(),
-            revocations: Revocations::new(),
-            nodes: NodeDirectory::new(),
-        };
+        let ctx =
+            ServiceContext::new(revisions_db.store().clone(), revisions_bus.clone(), revisions_credentials.clone());
         let revisions_config = RevisionsConfig {
             rollout_poll: Duration::from_millis(50),
             steady_resync: Duration::from_millis(300),
@@ -157,13 +152,7 @@ impl Mesh {
         let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
         let bus = replica_bus(self.backend, &self.egress_bus).await;
         let me = self.base().credentials(&Identity::service("egress").unwrap());
-        let ctx = ServiceContext {
-            store,
-            bus,
-            credentials: me.clone(),
-            revocations: Revocations::new(),
-            nodes: NodeDirectory::new(),
-        };
+        let ctx = ServiceContext::new(store, bus, me.clone());
         let sources =
             Sources::connect(&me, Some(&self.revisions_addr.to_string()), Some(&self.base().leases_addr().to_string()))
                 .unwrap();

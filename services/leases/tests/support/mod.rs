@@ -27,8 +27,8 @@ use berth_proto::identity::v1 as identity;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::types::v1::Capacity;
-use berth_rpc::{Channel, Listener, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _, follow_nodes};
+use berth_rpc::{Channel, Listener};
+use berth_runtime::{ServiceContext, ServiceReplica as _, follow_nodes};
 use berth_store::testing::TestDb;
 use berth_store::{ElectionTiming, Store};
 pub(crate) use berth_testkit::Backend;
@@ -144,13 +144,7 @@ impl Ledger {
         let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
         let bus = replica_bus(self.backend, &self.bus).await;
         let credentials = credentials(&self.ca, &Identity::service("leases").unwrap());
-        let ctx = ServiceContext {
-            store,
-            bus,
-            credentials: credentials.clone(),
-            revocations: Revocations::new(),
-            nodes: NodeDirectory::new(),
-        };
+        let ctx = ServiceContext::new(store, bus, credentials.clone());
         let shutdown = CancellationToken::new();
         follow_nodes(
             self.registry_addr.to_string(),

@@ -32,8 +32,8 @@ use berth_revisions::{
     Dependencies, GrpcLeases, LeaseClient, RegistryPolicy, RegistrySecrets, RevisionsConfig, RevisionsService,
     TagResolver,
 };
-use berth_rpc::{Channel, Listener, Revocations};
-use berth_runtime::{NodeDirectory, ServiceContext, ServiceReplica as _};
+use berth_rpc::{Channel, Listener};
+use berth_runtime::{ServiceContext, ServiceReplica as _};
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;
@@ -172,13 +172,7 @@ impl Plane {
         let store = if self.replicas.is_empty() { db.store().clone() } else { db.connect().await.unwrap() };
         let bus = replica_bus(self.backend, &self.revisions_bus).await;
         let me = self.mesh().credentials(&Identity::service("revisions").unwrap());
-        let ctx = ServiceContext {
-            store,
-            bus,
-            credentials: me.clone(),
-            revocations: Revocations::new(),
-            nodes: NodeDirectory::new(),
-        };
+        let ctx = ServiceContext::new(store, bus, me.clone());
         let mut leases: Arc<dyn LeaseClient> =
             Arc::new(GrpcLeases::connect(&self.leases_addr().to_string(), me.clone()).unwrap());
         if let Some(wrap) = &self.wrap_leases {
