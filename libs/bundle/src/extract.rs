@@ -217,6 +217,25 @@ pub(crate) fn admit_entry<R: Read>(
     }
 }
 
+/// The target link entry `name` names; refused when it names none.
+pub(crate) fn link_target<R: Read>(entry: &tar::Entry<'_, R>, name: &str) -> Result<PathBuf, ExtractError> {
+    match entry.link_name().map_err(ExtractError::Archive)? {
+        Some(link) if !link.as_os_str().is_empty() => Ok(link.into_owned()),
+        _ => Err(ExtractError::Refused { entry: name.to_owned(), reason: UnsafeEntry::MissingLinkTarget }),
+    }
+}
+
+/// Why an entry that is neither a directory, a file nor a link is refused.
+pub(crate) fn unsupported(kind: tar::EntryType) -> UnsafeEntry {
+    if kind.is_character_special() || kind.is_block_special() {
+        UnsafeEntry::DeviceFile
+    } else if kind.is_fifo() {
+        UnsafeEntry::Fifo
+    } else {
+        UnsafeEntry::UnsupportedType(char::from(kind.as_byte()))
+    }
+}
+
 /// Extracts a plain tar stream into `dest`, an existing empty directory.
 pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Result<ExtractStats, ExtractError> {
     let bounded = BoundedReader::new(reader, limits.max_stream_bytes());
@@ -244,16 +263,10 @@ pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Res
             let mode = if executable { 0o755 } else { 0o644 };
             write_file_entry(&mut entry, &name, &target, mode, limits, &mut stats)?;
         } else if kind.is_symlink() {
-            let link = entry
-                .link_name()
-                .map_err(ExtractError::Archive)?
-                .ok_or_else(|| refuse(UnsafeEntry::MissingLinkTarget))?;
+            let link = link_target(&entry, &name)?;
             let shown = link.display().to_string();
             if link.is_absolute() {
                 return Err(refuse(UnsafeEntry::AbsoluteSymlink(shown)));
-            }
-            if link.as_os_str().is_empty() {
-                return Err(refuse(UnsafeEntry::MissingLinkTarget));
             }
             let start = rel.parent().map(components).unwrap_or_default();
             if lexically_escapes(start, &link) {
@@ -266,23 +279,15 @@ pub fn extract_tar(reader: impl Read, dest: &Path, limits: &BundleLimits) -> Res
                 Err(source) => return Err(io_error(&target, source)),
             }
         } else if kind.is_hard_link() {
-            let link = entry
-                .link_name()
-                .map_err(ExtractError::Archive)?
-                .ok_or_else(|| refuse(UnsafeEntry::MissingLinkTarget))?;
-            let source = hardlink_source(dest, &link).map_err(refuse)?;
+            let source = hardlink_source(dest, &link_target(&entry, &name)?).map_err(refuse)?;
             prepare_parents(dest, &rel).map_err(|r| r.into_error(&name))?;
             match fs::hard_link(&source, &target) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Err(refuse(UnsafeEntry::Duplicate)),
                 Err(source) => return Err(io_error(&target, source)),
             }
-        } else if kind.is_character_special() || kind.is_block_special() {
-            return Err(refuse(UnsafeEntry::DeviceFile));
-        } else if kind.is_fifo() {
-            return Err(refuse(UnsafeEntry::Fifo));
         } else {
-            return Err(refuse(UnsafeEntry::UnsupportedType(char::from(kind.as_byte()))));
+            return Err(refuse(unsupported(kind)));
         }
     }
     // Links may point at links that came later in the archive: only now can each chain be

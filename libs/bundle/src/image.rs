@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 
 use crate::extract::{
     BoundedReader, BundleLimits, ExtractError, ExtractStats, ParentRefusal, UnsafeEntry, admit_entry, create_dir,
-    hardlink_source, io_error, prepare_parents, write_file_entry,
+    hardlink_source, io_error, link_target, prepare_parents, unsupported, write_file_entry,
 };
 use crate::format::LAYER_TAR_GZIP_MEDIA_TYPE;
 use crate::image_user::ImageOwners;
@@ -124,31 +124,17 @@ pub fn unpack_image_tar(
             remove_any(&target)?;
             write_file_entry(&mut entry, &name, &target, mode, limits, &mut stats)?;
         } else if kind.is_symlink() {
-            let link = entry
-                .link_name()
-                .map_err(ExtractError::Archive)?
-                .ok_or_else(|| refuse(UnsafeEntry::MissingLinkTarget))?;
-            if link.as_os_str().is_empty() {
-                return Err(refuse(UnsafeEntry::MissingLinkTarget));
-            }
+            let link = link_target(&entry, &name)?;
             remove_any(&target)?;
             std::os::unix::fs::symlink(&link, &target).map_err(|e| io_error(&target, e))?;
         } else if kind.is_hard_link() {
-            let link = entry
-                .link_name()
-                .map_err(ExtractError::Archive)?
-                .ok_or_else(|| refuse(UnsafeEntry::MissingLinkTarget))?;
-            let source = hardlink_source(root, &link).map_err(refuse)?;
+            let source = hardlink_source(root, &link_target(&entry, &name)?).map_err(refuse)?;
             if source != target {
                 remove_any(&target)?;
                 fs::hard_link(&source, &target).map_err(|e| io_error(&target, e))?;
             }
-        } else if kind.is_character_special() || kind.is_block_special() {
-            return Err(refuse(UnsafeEntry::DeviceFile));
-        } else if kind.is_fifo() {
-            return Err(refuse(UnsafeEntry::Fifo));
         } else {
-            return Err(refuse(UnsafeEntry::UnsupportedType(char::from(kind.as_byte()))));
+            return Err(refuse(unsupported(kind)));
         }
         let header = entry.header();
         owners.note(&rel, header.uid().unwrap_or(0), header.gid().unwrap_or(0));
