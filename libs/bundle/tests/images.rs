@@ -6,18 +6,15 @@
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
+mod common;
+
 use std::path::Path;
 
 use berth_bundle::test_image::{Layer, TestImage, busybox_present};
 use berth_bundle::testing::TestRegistry;
-use berth_bundle::{
-    BundleCache, BundleClient, BundleReference, CacheError, CacheOptions, ExtractError, RegistryConfig,
-    RegistryCredentials,
-};
+use berth_bundle::{BundleCache, BundleReference, CacheError, CacheOptions, ExtractError, RegistryCredentials};
 
-fn client() -> BundleClient {
-    BundleClient::new(RegistryConfig::default()).unwrap()
-}
+use common::client;
 
 async fn cache(dir: &Path) -> BundleCache {
     BundleCache::open(dir, CacheOptions::default()).await.unwrap()

@@ -9,16 +9,10 @@ use std::path::Path;
 
 use berth_bundle::{
     BundleCache, BundleClient, BundleReference, CacheError, CacheOptions, Digest, PackedBundle, REF_NAME_ANNOTATION,
-    RegistryConfig, RegistryCredentials, RegistryError, UnsafeEntry,
+    RegistryError, UnsafeEntry,
 };
 
-fn client() -> BundleClient {
-    BundleClient::new(RegistryConfig::default()).unwrap()
-}
-
-fn anonymous() -> RegistryCredentials {
-    RegistryCredentials::Anonymous
-}
+use common::{anonymous, client};
 
 fn layout_ref(dir: &Path, tag: &str) -> BundleReference {
     BundleReference::parse(&format!("oci:{}:{tag}", dir.display())).unwrap()
@@ -86,13 +80,7 @@ async fn a_tampered_layout_blob_is_refused_and_leaves_nothing() {
     bytes[last] ^= 1;
     std::fs::write(&layer, &bytes).unwrap();
 
-    let cache_dir = tempfile::tempdir().unwrap();
-    let cache = BundleCache::open(cache_dir.path(), CacheOptions::default()).await.unwrap();
-    let pulled = cache.pull(&client, &reference.pinned(&digest), &anonymous()).await;
-    assert!(matches!(pulled, Err(CacheError::Fetch(RegistryError::DigestMismatch { .. }))), "{pulled:?}");
-    assert!(common::names(&cache_dir.path().join("bundles/sha256")).is_empty());
-    assert!(common::names(&cache_dir.path().join("blobs/sha256")).is_empty());
-    assert!(common::names(&cache_dir.path().join("tmp")).is_empty());
+    let (cache, cache_dir) = common::pull_refused_as_tampered(&client, &reference, &digest).await;
 
     // A manifest that does not hash to the digest asked for is refused the same way.
     let manifest = layout.path().join("blobs/sha256").join(digest.hex());

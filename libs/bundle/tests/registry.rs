@@ -13,13 +13,7 @@ use berth_bundle::{
     RegistryCredentials, RegistryError,
 };
 
-fn client() -> BundleClient {
-    BundleClient::new(RegistryConfig::default()).unwrap()
-}
-
-fn anonymous() -> RegistryCredentials {
-    RegistryCredentials::Anonymous
-}
+use common::{anonymous, client};
 
 async fn push(client: &BundleClient, dir: &std::path::Path, reference: &BundleReference) -> Digest {
     let bundle = PackedBundle::from_dir(dir).unwrap();
@@ -204,13 +198,7 @@ async fn a_blob_served_with_other_content_is_refused_and_leaves_nothing() {
     }
     std::fs::write(&stored, &bytes).unwrap();
 
-    let cache_dir = tempfile::tempdir().unwrap();
-    let cache = BundleCache::open(cache_dir.path(), CacheOptions::default()).await.unwrap();
-    let pulled = cache.pull(&client, &reference.pinned(&digest), &anonymous()).await;
-    assert!(matches!(pulled, Err(CacheError::Fetch(RegistryError::DigestMismatch { .. }))), "{pulled:?}");
-    assert!(common::names(&cache_dir.path().join("bundles/sha256")).is_empty());
-    assert!(common::names(&cache_dir.path().join("blobs/sha256")).is_empty());
-    assert!(common::names(&cache_dir.path().join("tmp")).is_empty());
+    let (cache, _cache_dir) = common::pull_refused_as_tampered(&client, &reference, &digest).await;
     assert_eq!(cache.usage().bundles, 0);
 }
 

@@ -6,6 +6,39 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use berth_bundle::{
+    BundleCache, BundleClient, BundleReference, CacheError, CacheOptions, Digest, RegistryConfig, RegistryCredentials,
+    RegistryError,
+};
+
+/// A client with the default registry settings.
+pub fn client() -> BundleClient {
+    BundleClient::new(RegistryConfig::default()).unwrap()
+}
+
+/// No credentials.
+pub fn anonymous() -> RegistryCredentials {
+    RegistryCredentials::Anonymous
+}
+
+/// Pulls `reference` at `digest`, whose stored bytes were tampered with,
+/// into a fresh cache: the pull is refused as a digest mismatch and the
+/// cache keeps nothing of it. The cache and its directory, for more pulls.
+pub async fn pull_refused_as_tampered(
+    client: &BundleClient,
+    reference: &BundleReference,
+    digest: &Digest,
+) -> (BundleCache, tempfile::TempDir) {
+    let cache_dir = tempfile::tempdir().unwrap();
+    let cache = BundleCache::open(cache_dir.path(), CacheOptions::default()).await.unwrap();
+    let pulled = cache.pull(client, &reference.pinned(digest), &anonymous()).await;
+    assert!(matches!(pulled, Err(CacheError::Fetch(RegistryError::DigestMismatch { .. }))), "{pulled:?}");
+    for kept in ["bundles/sha256", "blobs/sha256", "tmp"] {
+        assert!(names(&cache_dir.path().join(kept)).is_empty(), "{kept} holds what was refused");
+    }
+    (cache, cache_dir)
+}
+
 /// A bundle directory with a `berth.toml`, an executable entrypoint, a nested data file
 /// and an internal symlink; `marker` goes into the data file so bundles differ.
 pub fn bundle_dir(marker: &str) -> tempfile::TempDir {
