@@ -441,7 +441,7 @@ impl ContainerProvider {
     /// on `shutdown` (the workloads keep running).
     pub fn new(data_dir: &Path, settings: ContainerSettings, shutdown: CancellationToken) -> Self {
         let state_root = data_dir.join(RUNTIME_DIR).join(settings.runtime.name());
-        let cgroup_parent = format!("berth-{:08x}", crate::egress::fnv32(data_dir.as_os_str().as_encoded_bytes()));
+        let cgroup_parent = cgroup_parent(data_dir);
         Self {
             inner: Arc::new(Inner {
                 instances: Arc::new(Instances::new(data_dir)),
@@ -833,7 +833,15 @@ pub fn destroy_containers(data_dir: &Path) -> usize {
             unmount_root(&entry.path());
         }
     }
+    remove_empty_cgroups(&cgroup_parent(data_dir));
     destroyed
+}
+
+/// The cgroup directory, in every hierarchy, holding the containers of the
+/// agent on `data_dir`: one per data directory, so two agents on one host
+/// never share one.
+fn cgroup_parent(data_dir: &Path) -> String {
+    format!("berth-{:08x}", crate::egress::fnv32(data_dir.as_os_str().as_encoded_bytes()))
 }
 
 /// Removes this agent's cgroup directory `name` from every hierarchy where
