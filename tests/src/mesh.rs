@@ -711,6 +711,10 @@ impl Mesh {
             agent.stop(STOP_GRACE).await?;
         }
         workloads::kill_all(&self.run_id);
+        for index in 0..self.agents.len() {
+            // Containers and their cgroups: runc's state outlives the kill.
+            berth_agent::destroy_containers(&self.dir().join(format!("agents/{index}")));
+        }
         crate::netns::remove_agent_namespaces(self.dir());
         for group in self.groups.values_mut() {
             for replica in &mut group.replicas {
@@ -839,6 +843,10 @@ impl Drop for Mesh {
         }
         self.agents.clear();
         workloads::kill_all(&self.run_id);
+        for index in 0..self.agents.len() {
+            // Containers and their cgroups: runc's state outlives the kill.
+            berth_agent::destroy_containers(&self.dir().join(format!("agents/{index}")));
+        }
         crate::netns::remove_agent_namespaces(self.dir());
         self.groups.clear();
         if std::env::var_os(KEEP_ENV).is_some_and(|v| v == "1")

@@ -833,7 +833,17 @@ pub fn destroy_containers(data_dir: &Path) -> usize {
             unmount_root(&entry.path());
         }
     }
-    remove_empty_cgroups(&cgroup_parent(data_dir));
+    // No agent runs here to launch into them: a container's own cgroup its
+    // runtime left behind goes too (one that still holds a process stays).
+    let parent = cgroup_parent(data_dir);
+    for hierarchy in std::fs::read_dir("/sys/fs/cgroup").into_iter().flatten().filter_map(Result::ok) {
+        for child in std::fs::read_dir(hierarchy.path().join(&parent)).into_iter().flatten().filter_map(Result::ok) {
+            if child.file_type().is_ok_and(|kind| kind.is_dir()) {
+                let _ = std::fs::remove_dir(child.path());
+            }
+        }
+    }
+    remove_empty_cgroups(&parent);
     destroyed
 }
 
