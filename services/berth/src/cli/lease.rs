@@ -24,7 +24,7 @@ use berth_rpc::Channel;
 use berth_runtime::StartError;
 
 use super::output::{self, Table};
-use super::{CliError, ClientArgs, Connection, OutputFormat, parse_label, parse_server};
+use super::{CliError, ClientArgs, Connection, OutputFormat, ProjectScopeArgs, parse_label, parse_server};
 
 /// How often `request --wait` asks how the lease is doing.
 const WAIT_POLL: Duration = Duration::from_millis(250);
@@ -127,12 +127,8 @@ struct RequestArgs {
 
 #[derive(Debug, clap::Args)]
 struct ListArgs {
-    /// Only leases of this tenant [default: default].
-    #[arg(long, value_name = "PROJECT", conflicts_with = "all_projects")]
-    project: Option<String>,
-    /// Leases of every tenant.
-    #[arg(long)]
-    all_projects: bool,
+    #[command(flatten)]
+    scope: ProjectScopeArgs,
     /// Only leases placed on this node.
     #[arg(long, value_name = "NODE_ID")]
     node: Option<String>,
@@ -188,11 +184,11 @@ impl LeaseArgs {
             LeaseCommand::List(args) if args.watch => watch(&mut client, &connection, args, format).await,
             LeaseCommand::List(args) => {
                 let request = v1::ListLeasesRequest {
-                    project: args.project.unwrap_or_default(),
+                    project: args.scope.project.unwrap_or_default(),
                     node_id: args.node.unwrap_or_default(),
                     phase: args.phase.unwrap_or(v1::LeasePhase::Unspecified) as i32,
                     owner: args.owner.unwrap_or_default(),
-                    all_projects: args.all_projects,
+                    all_projects: args.scope.all_projects,
                 };
                 let listed = client
                     .list_leases(connection.request(request))
@@ -405,8 +401,8 @@ async fn watch(
     format: OutputFormat,
 ) -> Result<(), CliError> {
     let request = v1::WatchLeasesRequest {
-        project: args.project.unwrap_or_default(),
-        all_projects: args.all_projects,
+        project: args.scope.project.unwrap_or_default(),
+        all_projects: args.scope.all_projects,
         owner: args.owner.unwrap_or_default(),
         owner_prefix: String::new(),
         resume_cursor: 0,

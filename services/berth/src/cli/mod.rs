@@ -59,6 +59,18 @@ pub(crate) enum OutputFormat {
     Json,
 }
 
+/// Which projects a list covers: one (the default one unless named), or
+/// every project.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct ProjectScopeArgs {
+    /// Only those of this project [default: default].
+    #[arg(long, value_name = "PROJECT", conflicts_with = "all_projects")]
+    pub(crate) project: Option<String>,
+    /// Those of every project.
+    #[arg(long)]
+    pub(crate) all_projects: bool,
+}
+
 /// Where identity is and who we are to it; shared by every admin command.
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Global options")]

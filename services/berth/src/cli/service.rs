@@ -46,7 +46,7 @@ use super::lease::LeasesServerArgs;
 use super::output::{self, Table};
 use super::spec_fields::{Fields, Refusal};
 use super::spec_file::{self, SpecError, SpecFileArgs};
-use super::{CliError, ClientArgs, Connection, OutputFormat, parse_server};
+use super::{CliError, ClientArgs, Connection, OutputFormat, ProjectScopeArgs, parse_server};
 
 /// How often `--wait` asks how the rollout is doing.
 const WAIT_POLL: Duration = Duration::from_millis(500);
@@ -246,12 +246,8 @@ struct WaitArgs {
 
 #[derive(Debug, clap::Args)]
 struct ListArgs {
-    /// Only services of this project [default: default].
-    #[arg(long, value_name = "PROJECT", conflicts_with = "all_projects")]
-    project: Option<String>,
-    /// Services of every project.
-    #[arg(long)]
-    all_projects: bool,
+    #[command(flatten)]
+    scope: ProjectScopeArgs,
 }
 
 /// Flags of `berth revision`.
@@ -471,8 +467,8 @@ impl ServiceArgs {
             }
             ServiceCommand::List(args) => {
                 let request = v1::ListServicesRequest {
-                    project: args.project.unwrap_or_default(),
-                    all_projects: args.all_projects,
+                    project: args.scope.project.unwrap_or_default(),
+                    all_projects: args.scope.all_projects,
                 };
                 let listed = revisions
                     .services
@@ -480,7 +476,7 @@ impl ServiceArgs {
                     .await
                     .map_err(|s| revisions.connection.status_error(s))?
                     .into_inner();
-                print_services(&listed, args.all_projects, format)
+                print_services(&listed, args.scope.all_projects, format)
             }
             ServiceCommand::Delete(target) => {
                 let request =
