@@ -263,9 +263,20 @@ impl TxError for StoreError {
 
 /// Makes a service's error enum, whose `Store(StoreError)` variant carries
 /// the storage failures, a [`TxError`], and lets `?` turn a `sqlx::Error`
-/// into that variant: `berth_store::store_errors!(LeaseError);`.
+/// into that variant: `berth_store::store_errors!(LeaseError);`. Given a
+/// closure too, the status an RPC answers with is what it makes of the
+/// error: `store_errors!(LeaseError, |error| match error { ... })`.
 #[macro_export]
 macro_rules! store_errors {
+    ($error:ty, |$status_of:ident| $status:expr) => {
+        $crate::store_errors!($error);
+
+        impl From<$error> for ::tonic::Status {
+            fn from($status_of: $error) -> Self {
+                $status
+            }
+        }
+    };
     ($error:ty) => {
         impl $crate::TxError for $error {
             fn store_error(&self) -> Option<&$crate::StoreError> {

@@ -62,20 +62,14 @@ pub(crate) enum CatalogError {
     Store(#[from] StoreError),
 }
 
-berth_store::store_errors!(CatalogError);
-
-impl From<CatalogError> for tonic::Status {
-    fn from(error: CatalogError) -> Self {
-        match error {
-            CatalogError::GatewayNotFound(_) | CatalogError::RouteNotFound(_) | CatalogError::PlanNotFound(_) => {
-                tonic::Status::not_found(error.to_string())
-            }
-            CatalogError::AckFromTheFuture { .. } => tonic::Status::failed_precondition(format!("generation: {error}")),
-            CatalogError::Deposed => tonic::Status::unavailable(error.to_string()),
-            CatalogError::Store(error) => error.into(),
-        }
+berth_store::store_errors!(CatalogError, |error| match error {
+    CatalogError::GatewayNotFound(_) | CatalogError::RouteNotFound(_) | CatalogError::PlanNotFound(_) => {
+        tonic::Status::not_found(error.to_string())
     }
-}
+    CatalogError::AckFromTheFuture { .. } => tonic::Status::failed_precondition(format!("generation: {error}")),
+    CatalogError::Deposed => tonic::Status::unavailable(error.to_string()),
+    CatalogError::Store(error) => error.into(),
+});
 
 /// What one full pass of a project wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]

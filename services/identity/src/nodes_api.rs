@@ -57,18 +57,12 @@ pub(crate) enum NodesApiError {
     Store(#[from] StoreError),
 }
 
-berth_store::store_errors!(NodesApiError);
-
-impl From<NodesApiError> for tonic::Status {
-    fn from(error: NodesApiError) -> Self {
-        match error {
-            NodesApiError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
-            NodesApiError::NotFound(_) => tonic::Status::not_found(error.to_string()),
-            NodesApiError::Revoked(_) => tonic::Status::failed_precondition(error.to_string()),
-            NodesApiError::Store(error) => error.into(),
-        }
-    }
-}
+berth_store::store_errors!(NodesApiError, |error| match error {
+    NodesApiError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
+    NodesApiError::NotFound(_) => tonic::Status::not_found(error.to_string()),
+    NodesApiError::Revoked(_) => tonic::Status::failed_precondition(error.to_string()),
+    NodesApiError::Store(error) => error.into(),
+});
 
 fn require_node_id(node_id: &str) -> Result<(), NodesApiError> {
     if berth_core::is_dns_label(node_id) {

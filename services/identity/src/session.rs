@@ -80,20 +80,14 @@ pub(crate) enum HeartbeatError {
     Store(#[from] StoreError),
 }
 
-berth_store::store_errors!(HeartbeatError);
-
-impl From<HeartbeatError> for tonic::Status {
-    fn from(error: HeartbeatError) -> Self {
-        match error {
-            HeartbeatError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
-            HeartbeatError::NotFound(_) => tonic::Status::not_found(error.to_string()),
-            HeartbeatError::Revoked => tonic::Status::permission_denied(error.to_string()),
-            HeartbeatError::AddressTaken { .. } => tonic::Status::failed_precondition(error.to_string()),
-            HeartbeatError::Authority(error) => error.into(),
-            HeartbeatError::Store(error) => error.into(),
-        }
-    }
-}
+berth_store::store_errors!(HeartbeatError, |error| match error {
+    HeartbeatError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
+    HeartbeatError::NotFound(_) => tonic::Status::not_found(error.to_string()),
+    HeartbeatError::Revoked => tonic::Status::permission_denied(error.to_string()),
+    HeartbeatError::AddressTaken { .. } => tonic::Status::failed_precondition(error.to_string()),
+    HeartbeatError::Authority(error) => error.into(),
+    HeartbeatError::Store(error) => error.into(),
+});
 
 /// Whether a heartbeat carrying `reported` comes from an agent the registry
 /// no longer recognises at `stored`.

@@ -98,20 +98,14 @@ pub(crate) enum TokenError {
     Store(#[from] StoreError),
 }
 
-berth_store::store_errors!(TokenError);
-
-impl From<TokenError> for tonic::Status {
-    fn from(error: TokenError) -> Self {
-        match error {
-            TokenError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
-            TokenError::NotFound(_) => tonic::Status::not_found(error.to_string()),
-            TokenError::Invalid | TokenError::Expired | TokenError::UsedUp | TokenError::Revoked => {
-                tonic::Status::unauthenticated(error.to_string())
-            }
-            TokenError::Store(error) => error.into(),
-        }
+berth_store::store_errors!(TokenError, |error| match error {
+    TokenError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
+    TokenError::NotFound(_) => tonic::Status::not_found(error.to_string()),
+    TokenError::Invalid | TokenError::Expired | TokenError::UsedUp | TokenError::Revoked => {
+        tonic::Status::unauthenticated(error.to_string())
     }
-}
+    TokenError::Store(error) => error.into(),
+});
 
 /// A token as a joining host presents it.
 #[derive(Clone)]

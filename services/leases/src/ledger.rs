@@ -133,23 +133,16 @@ pub(crate) enum LeaseError {
     Store(#[from] StoreError),
 }
 
-berth_store::store_errors!(LeaseError);
-
-impl From<LeaseError> for tonic::Status {
-    fn from(error: LeaseError) -> Self {
-        match error {
-            LeaseError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
-            LeaseError::NotFound(_) => tonic::Status::not_found(error.to_string()),
-            LeaseError::NotOnNode { .. } => tonic::Status::permission_denied(error.to_string()),
-            LeaseError::StaleEpoch { .. }
-            | LeaseError::IllegalTransition { .. }
-            | LeaseError::CustodyRefused { .. } => tonic::Status::failed_precondition(error.to_string()),
-            LeaseError::NoRoom(_) => tonic::Status::resource_exhausted(error.to_string()),
-            LeaseError::Unavailable(_) => tonic::Status::unavailable(error.to_string()),
-            LeaseError::Store(error) => error.into(),
-        }
-    }
-}
+berth_store::store_errors!(LeaseError, |error| match error {
+    LeaseError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
+    LeaseError::NotFound(_) => tonic::Status::not_found(error.to_string()),
+    LeaseError::NotOnNode { .. } => tonic::Status::permission_denied(error.to_string()),
+    LeaseError::StaleEpoch { .. } | LeaseError::IllegalTransition { .. } | LeaseError::CustodyRefused { .. } =>
+        tonic::Status::failed_precondition(error.to_string()),
+    LeaseError::NoRoom(_) => tonic::Status::resource_exhausted(error.to_string()),
+    LeaseError::Unavailable(_) => tonic::Status::unavailable(error.to_string()),
+    LeaseError::Store(error) => error.into(),
+});
 
 impl LeaseError {
     /// Whether placing the whole batch again may succeed: a collision with a

@@ -67,20 +67,14 @@ pub(crate) enum CatalogError {
     Store(#[from] StoreError),
 }
 
-berth_store::store_errors!(CatalogError);
-
-impl From<CatalogError> for tonic::Status {
-    fn from(error: CatalogError) -> Self {
-        match error {
-            CatalogError::ServiceNotFound(_) | CatalogError::RevisionNotFound { .. } => {
-                tonic::Status::not_found(error.to_string())
-            }
-            CatalogError::NotOfService { .. } => tonic::Status::invalid_argument(format!("pinned_revision: {error}")),
-            CatalogError::Deposed => tonic::Status::unavailable(error.to_string()),
-            CatalogError::Store(error) => error.into(),
-        }
+berth_store::store_errors!(CatalogError, |error| match error {
+    CatalogError::ServiceNotFound(_) | CatalogError::RevisionNotFound { .. } => {
+        tonic::Status::not_found(error.to_string())
     }
-}
+    CatalogError::NotOfService { .. } => tonic::Status::invalid_argument(format!("pinned_revision: {error}")),
+    CatalogError::Deposed => tonic::Status::unavailable(error.to_string()),
+    CatalogError::Store(error) => error.into(),
+});
 
 /// What resolving a new revision's bundle reference gave, before it was minted.
 #[derive(Debug, Clone, PartialEq, Eq)]
