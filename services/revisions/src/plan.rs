@@ -99,19 +99,29 @@ pub(crate) fn target<'a>(service: &ServiceRow, revisions: &'a [RevisionRow]) -> 
 /// Revisions GC may delete: the non-live revisions beyond the newest `keep`
 /// of them that are older than `min_age_ms`, except the newest revision and
 /// any in `protected` (pinned, target, holding open leases).
+///
+/// While a rollout toward `target` is in flight, every revision newer than
+/// the live one is kept as well: which of them ends live is not settled, and
+/// counting from a live revision about to be replaced would collect one the
+/// settled service keeps. So what survives a burst of applies is the same
+/// whatever moment each pass happened to see.
 pub(crate) fn collectable(
     revisions: &[RevisionRow],
     live: &str,
+    target: Option<&str>,
     protected: &HashSet<&str>,
     keep: usize,
     min_age_ms: i64,
     now_ms: i64,
 ) -> Vec<String> {
     let newest = revisions.first().map(|r| r.name.as_str());
+    let rolling_out = target.is_some_and(|target| target != live);
+    let unsettled = if rolling_out { revisions.iter().take_while(|r| r.name != live).count() } else { 0 };
     revisions
         .iter()
+        .skip(unsettled)
         .filter(|r| r.name != live)
-        .skip(keep)
+        .skip(keep.saturating_sub(unsettled))
         .filter(|r| Some(r.name.as_str()) != newest && !protected.contains(r.name.as_str()))
         .filter(|r| now_ms.saturating_sub(r.created_at_ms) >= min_age_ms)
         .map(|r| r.name.clone())
@@ -518,19 +528,26 @@ pub(crate) mod tests {
             (1..=8).rev().map(|g| row(&format!("web-{g:05}"), g, RevisionState::Ready, g * 1000)).collect();
         let none = HashSet::new();
         // Live is web-00005; the newest two others are 8 and 7.
-        let doomed = collectable(&revisions, "web-00005", &none, 2, 0, 100_000);
+        let doomed = collectable(&revisions, "web-00005", Some("web-00005"), &none, 2, 0, 100_000);
         assert_eq!(doomed, ["web-00006", "web-00004", "web-00003", "web-00002", "web-00001"]);
         // Younger than the minimum age: kept.
-        let doomed = collectable(&revisions, "web-00005", &none, 2, 96_500, 100_000);
+        let doomed = collectable(&revisions, "web-00005", Some("web-00005"), &none, 2, 96_500, 100_000);
         assert_eq!(doomed, ["web-00003", "web-00002", "web-00001"]);
         // Pinned (or holding leases): kept.
         let protected: HashSet<&str> = ["web-00002"].into();
-        let doomed = collectable(&revisions, "web-00005", &protected, 2, 0, 100_000);
+        let doomed = collectable(&revisions, "web-00005", Some("web-00005"), &protected, 2, 0, 100_000);
         assert!(!doomed.contains(&"web-00002".to_owned()));
         // Keeping none still keeps the newest.
-        let doomed = collectable(&revisions, "web-00005", &none, 0, 0, 100_000);
+        let doomed = collectable(&revisions, "web-00005", Some("web-00005"), &none, 0, 0, 100_000);
         assert!(!doomed.contains(&"web-00008".to_owned()));
         assert_eq!(doomed.len(), 6);
+        // Rolling out from web-00005 to web-00008: nothing newer than live is
+        // collected, and those newer ones count towards the newest two.
+        let doomed = collectable(&revisions, "web-00005", Some("web-00008"), &none, 2, 0, 100_000);
+        assert_eq!(doomed, ["web-00004", "web-00003", "web-00002", "web-00001"]);
+        // Nothing live yet: every revision is still on its way.
+        let doomed = collectable(&revisions, "", Some("web-00008"), &none, 2, 0, 100_000);
+        assert!(doomed.is_empty(), "{doomed:?}");
     }
 
     #[test]

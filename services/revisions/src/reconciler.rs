@@ -222,6 +222,7 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
     let doomed = collectable(
         &revisions,
         &service.live_revision,
+        target.map(|r| r.name.as_str()),
         &protected,
         ctx.config.gc_keep,
         millis(ctx.config.gc_min_age),
