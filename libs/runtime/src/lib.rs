@@ -17,6 +17,8 @@ mod service;
 mod startup;
 
 pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
+/// For [`replica_server!`]: the builder it starts from.
+pub use berth_rpc::ServerBuilder;
 pub use controller::{
     Action, Coalesce, ControllerConfig, DecodeTrigger, Reconciler, Trigger, Triggers, run_controller,
 };
@@ -28,7 +30,7 @@ pub use reload::{CERT_POLL_INTERVAL, watch_cert_files};
 pub use renew::{RENEW_CHECK_INTERVAL, RenewError, renew_if_due, renew_service_certificate};
 pub use replica::{replica_id, wall_clock_ms};
 pub use service::{
-    ServiceContext, ServiceFlags, ServiceReplica, ServiceSpec, Started, bind, serve_replica, start_service,
+    HeldLoops, ServiceContext, ServiceFlags, ServiceReplica, ServiceSpec, Started, bind, serve_replica, start_service,
     store_readiness,
 };
 pub use startup::{StartError, chain, open_bus, open_store, run_main, wait_for_bus, wait_for_store, with_causes};

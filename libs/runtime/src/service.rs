@@ -173,6 +173,41 @@ pub trait ServiceReplica {
     fn server(&self) -> ServerBuilder;
     /// Starts its loops until `shutdown`; only the first call starts anything.
     fn spawn_loops(&self, shutdown: &CancellationToken);
+    /// Where it holds its loops when nothing else stops them: a field its
+    /// clones share.
+    fn held_loops(&mut self) -> &mut HeldLoops;
+
+    /// Its server, with its loops running until every handle on the replica
+    /// (the server's included) is dropped: for callers that only hand out a
+    /// [`ServerBuilder`].
+    fn server_holding_its_loops(mut self) -> ServerBuilder
+    where
+        Self: Sized,
+    {
+        let token = CancellationToken::new();
+        self.spawn_loops(&token);
+        *self.held_loops() = HeldLoops { _guard: Some(Arc::new(token.drop_guard())) };
+        self.server()
+    }
+}
+
+/// A replica's loops held for as long as any clone of the replica lives;
+/// none by default (its binary stops them through its shutdown token).
+#[derive(Debug, Clone, Default)]
+pub struct HeldLoops {
+    /// Dropped with the last clone, which stops the loops.
+    _guard: Option<Arc<tokio_util::sync::DropGuard>>,
+}
+
+/// A replica's gRPC services over `$replica` (cloned into each), every
+/// request bounded to `$limit` bytes, refusing the nodes in `$revocations`.
+#[macro_export]
+macro_rules! replica_server {
+    ($replica:expr, $revocations:expr, $limit:expr, [$($server:ty),+ $(,)?]) => {
+        $crate::ServerBuilder::new()
+            .with_revocations($revocations.clone())
+            $(.add_service(<$server>::new($replica.clone()).max_decoding_message_size($limit)))+
+    };
 }
 
 /// The rest of a service binary once its replica is built: starts the

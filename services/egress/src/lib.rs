@@ -86,7 +86,7 @@ pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, 
 /// Every gRPC service of egress over `ctx` with the default timings and no
 /// sources, its loops running until the server is dropped.
 pub fn server(ctx: &ServiceContext) -> ServerBuilder {
-    EgressService::new(ctx, EgressConfig::default(), Sources::none()).with_loops_for_its_lifetime().server()
+    EgressService::new(ctx, EgressConfig::default(), Sources::none()).server_holding_its_loops()
 }
 
 /// Every gRPC service of egress over `ctx`, following revisions at
@@ -100,5 +100,5 @@ pub fn server_with_sources(
 ) -> Result<ServerBuilder, StartError> {
     let sources = Sources::connect(&ctx.credentials, Some(revisions_addr), Some(leases_addr))
         .map_err(|e| StartError::Invalid(format!("egress: {e}")))?;
-    Ok(EgressService::new(ctx, EgressConfig::default(), sources).with_loops_for_its_lifetime().server())
+    Ok(EgressService::new(ctx, EgressConfig::default(), sources).server_holding_its_loops())
 }

@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use berth_proto::egress::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
-use berth_runtime::{ServiceContext, ServiceReplica};
-use tokio_util::sync::{CancellationToken, DropGuard};
+use berth_runtime::{HeldLoops, ServiceContext, ServiceReplica};
+use tokio_util::sync::CancellationToken;
 
 use crate::catalog::Catalog;
 use crate::config::EgressConfig;
@@ -29,7 +29,7 @@ pub struct EgressService {
     pub(crate) core: Arc<Core>,
     revocations: Revocations,
     /// Set when the loops live exactly as long as the handlers (see [`crate::server`]).
-    lifetime: Option<Arc<DropGuard>>,
+    lifetime: HeldLoops,
 }
 
 impl EgressService {
@@ -47,22 +47,12 @@ impl EgressService {
             closing: CancellationToken::new(),
             started: Mutex::new(false),
         };
-        Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: None }
+        Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: HeldLoops::default() }
     }
 
     /// The timings it runs with.
     pub fn config(&self) -> &EgressConfig {
         &self.core.config
-    }
-
-    /// This replica with its loops running until every handle on it (the
-    /// server's included) is dropped: for callers that only hand out a
-    /// [`ServerBuilder`].
-    pub fn with_loops_for_its_lifetime(mut self) -> Self {
-        let token = CancellationToken::new();
-        self.spawn_loops(&token);
-        self.lifetime = Some(Arc::new(token.drop_guard()));
-        self
     }
 }
 
@@ -75,15 +65,14 @@ impl ServiceReplica for EgressService {
 
     /// Every gRPC service of egress, ready to serve, refusing revoked nodes.
     fn server(&self) -> ServerBuilder {
-        ServerBuilder::new()
-            .with_revocations(self.revocations.clone())
-            .add_service(
-                v1::egress_server::EgressServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
-            .add_service(
-                v1::node_egress_server::NodeEgressServer::new(self.clone())
-                    .max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
+        berth_runtime::replica_server!(self, self.revocations, MAX_REQUEST_BYTES, [
+            v1::egress_server::EgressServer<Self>,
+            v1::node_egress_server::NodeEgressServer<Self>,
+        ])
+    }
+
+    fn held_loops(&mut self) -> &mut HeldLoops {
+        &mut self.lifetime
     }
 
     /// Starts the stream waker and the campaign for the full pass until

@@ -164,23 +164,17 @@ impl IdentityService {
 
     /// Every gRPC service of identity, ready to serve.
     pub fn server(&self) -> ServerBuilder {
-        ServerBuilder::new()
-            .with_revocations(self.nodes.revocations().clone())
-            .add_service(
-                v1::join_tokens_server::JoinTokensServer::new(self.clone())
-                    .max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
-            .add_service(v1::join_server::JoinServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
-            .add_service(
-                v1::node_session_server::NodeSessionServer::new(self.clone())
-                    .max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
-            .add_service(v1::nodes_server::NodesServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
-            .add_service(
-                v1::authority_server::AuthorityServer::new(self.authority.clone())
-                    .max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
-            .add_service(v1::mesh_server::MeshServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES))
+        berth_runtime::replica_server!(self, self.nodes.revocations(), MAX_REQUEST_BYTES, [
+            v1::join_tokens_server::JoinTokensServer<Self>,
+            v1::join_server::JoinServer<Self>,
+            v1::node_session_server::NodeSessionServer<Self>,
+            v1::nodes_server::NodesServer<Self>,
+            v1::mesh_server::MeshServer<Self>,
+        ])
+        .add_service(
+            v1::authority_server::AuthorityServer::new(self.authority.clone())
+                .max_decoding_message_size(MAX_REQUEST_BYTES),
+        )
     }
 
     /// Starts the background loops (the registry follower, the heartbeat

@@ -91,5 +91,5 @@ pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, 
 /// Every gRPC service of leases over `ctx`, with its loops running (default
 /// timings) until the server built from it is dropped.
 pub fn server(ctx: &ServiceContext) -> ServerBuilder {
-    LeasesService::new(ctx, LeasesConfig::default()).with_loops_for_its_lifetime().server()
+    LeasesService::new(ctx, LeasesConfig::default()).server_holding_its_loops()
 }

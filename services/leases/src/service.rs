@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use berth_proto::leases::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
-use berth_runtime::{ServiceContext, ServiceReplica};
-use tokio_util::sync::{CancellationToken, DropGuard};
+use berth_runtime::{HeldLoops, ServiceContext, ServiceReplica};
+use tokio_util::sync::CancellationToken;
 
 use crate::config::LeasesConfig;
 use crate::ledger::Ledger;
@@ -26,7 +26,7 @@ pub struct LeasesService {
     pub(crate) core: Arc<Core>,
     revocations: Revocations,
     /// Set when the loops live exactly as long as the handlers (see [`crate::server`]).
-    lifetime: Option<Arc<DropGuard>>,
+    lifetime: HeldLoops,
 }
 
 impl LeasesService {
@@ -47,22 +47,12 @@ impl LeasesService {
             placer,
             queue: Mutex::new(Some(queue)),
         };
-        Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: None }
+        Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: HeldLoops::default() }
     }
 
     /// The timings it runs with.
     pub fn config(&self) -> &LeasesConfig {
         &self.core.config
-    }
-
-    /// This replica with its loops running until every handle on it (the
-    /// server's included) is dropped: for callers that only hand out a
-    /// [`ServerBuilder`].
-    pub(crate) fn with_loops_for_its_lifetime(mut self) -> Self {
-        let token = CancellationToken::new();
-        self.spawn_loops(&token);
-        self.lifetime = Some(Arc::new(token.drop_guard()));
-        self
     }
 }
 
@@ -75,18 +65,15 @@ impl ServiceReplica for LeasesService {
 
     /// Every gRPC service of leases, ready to serve, refusing revoked nodes.
     fn server(&self) -> ServerBuilder {
-        ServerBuilder::new()
-            .with_revocations(self.revocations.clone())
-            .add_service(
-                v1::leases_server::LeasesServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
-            .add_service(
-                v1::capacity_server::CapacityServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
-            .add_service(
-                v1::node_leases_server::NodeLeasesServer::new(self.clone())
-                    .max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
+        berth_runtime::replica_server!(self, self.revocations, MAX_REQUEST_BYTES, [
+            v1::leases_server::LeasesServer<Self>,
+            v1::capacity_server::CapacityServer<Self>,
+            v1::node_leases_server::NodeLeasesServer<Self>,
+        ])
+    }
+
+    fn held_loops(&mut self) -> &mut HeldLoops {
+        &mut self.lifetime
     }
 
     /// Starts the placer, the change follower and the reaper's campaign,

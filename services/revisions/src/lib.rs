@@ -117,7 +117,7 @@ pub fn server_with_leases(
         .map_err(|e| StartError::Invalid(format!("revisions: leases address: {e}")))?;
     let dependencies = Dependencies::with_secrets(std::sync::Arc::new(leases), policy, secrets, &config)
         .map_err(|e| StartError::Invalid(format!("revisions: registry client: {e}")))?;
-    Ok(RevisionsService::new(ctx, config, dependencies).with_loops_for_its_lifetime().server())
+    Ok(RevisionsService::new(ctx, config, dependencies).server_holding_its_loops())
 }
 
 /// Every gRPC service of revisions over `ctx`, with no leases client (see
@@ -125,7 +125,7 @@ pub fn server_with_leases(
 pub fn server(ctx: &ServiceContext) -> ServerBuilder {
     let config = RevisionsConfig::default();
     match Dependencies::without_leases(&config) {
-        Ok(dependencies) => RevisionsService::new(ctx, config, dependencies).with_loops_for_its_lifetime().server(),
+        Ok(dependencies) => RevisionsService::new(ctx, config, dependencies).server_holding_its_loops(),
         Err(error) => {
             tracing::error!(%error, "cannot build the registry client; revisions serves nothing");
             ServerBuilder::new()

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use berth_proto::revisions::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, Revocations, ServerBuilder};
-use berth_runtime::{ServiceContext, ServiceReplica};
-use tokio_util::sync::{CancellationToken, DropGuard};
+use berth_runtime::{HeldLoops, ServiceContext, ServiceReplica};
+use tokio_util::sync::CancellationToken;
 
 use crate::catalog::Catalog;
 use crate::config::RevisionsConfig;
@@ -74,7 +74,7 @@ pub struct RevisionsService {
     pub(crate) core: Arc<Core>,
     revocations: Revocations,
     /// Set when the controller lives exactly as long as the handlers (see [`crate::server`]).
-    lifetime: Option<Arc<DropGuard>>,
+    lifetime: HeldLoops,
 }
 
 impl RevisionsService {
@@ -94,21 +94,12 @@ impl RevisionsService {
             closing: CancellationToken::new(),
             wakes: Mutex::new(Some(wakes)),
         };
-        Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: None }
+        Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: HeldLoops::default() }
     }
 
     /// The timings it runs with.
     pub fn config(&self) -> &RevisionsConfig {
         &self.core.config
-    }
-
-    /// This replica with its controller running until every handle on it
-    /// (the server's included) is dropped.
-    pub(crate) fn with_loops_for_its_lifetime(mut self) -> Self {
-        let token = CancellationToken::new();
-        self.spawn_loops(&token);
-        self.lifetime = Some(Arc::new(token.drop_guard()));
-        self
     }
 }
 
@@ -121,14 +112,14 @@ impl ServiceReplica for RevisionsService {
 
     /// Every gRPC service of revisions, ready to serve, refusing revoked nodes.
     fn server(&self) -> ServerBuilder {
-        ServerBuilder::new()
-            .with_revocations(self.revocations.clone())
-            .add_service(
-                v1::services_server::ServicesServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
-            .add_service(
-                v1::revisions_server::RevisionsServer::new(self.clone()).max_decoding_message_size(MAX_REQUEST_BYTES),
-            )
+        berth_runtime::replica_server!(self, self.revocations, MAX_REQUEST_BYTES, [
+            v1::services_server::ServicesServer<Self>,
+            v1::revisions_server::RevisionsServer<Self>,
+        ])
+    }
+
+    fn held_loops(&mut self) -> &mut HeldLoops {
+        &mut self.lifetime
     }
 
     /// Starts the campaign for the deploy reconciler until `shutdown` (which
