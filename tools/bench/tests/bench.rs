@@ -14,6 +14,17 @@ fn bench(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_berth-bench")).args(args).env("RUST_LOG", "warn").output().unwrap()
 }
 
+/// Runs `args`, asserts it succeeds, and reads the JSON report it prints,
+/// with what it said on stderr.
+fn run_for_report(args: &[&str]) -> (serde_json::Value, String) {
+    let out = bench(args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let report = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\nstderr:\n{stderr}"));
+    (report, stderr.into_owned())
+}
+
 /// Runs `args` and asserts it exits `code`, saying `says` on stderr.
 fn refused(args: &[&str], code: i32, says: &str) {
     let out = bench(args);
@@ -29,7 +40,7 @@ fn figure<'a>(report: &'a serde_json::Value, row: &str, field: &str) -> &'a serd
 #[test]
 fn a_small_run_reports_every_figure_as_json() {
     sibling("berth-identity", "berth-identity");
-    let out = bench(&[
+    let (report, stderr) = run_for_report(&[
         "heartbeats",
         "--nodes",
         "20",
@@ -42,42 +53,38 @@ fn a_small_run_reports_every_figure_as_json() {
         "--output",
         "json",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
 
     assert_eq!(report["nodes"], 20);
     assert_eq!((report["store"].as_str(), report["bus"].as_str()), (Some("sqlite"), Some("memory")));
     for row in ["heartbeat", "heartbeat_saturated", "empty_rpc"] {
         let rate = figure(&report, row, "rate_per_s").as_f64().unwrap();
-        assert!(rate > 0.0, "{row}: {stdout}");
-        assert_eq!(figure(&report, row, "errors"), 0, "{row}: {stdout}");
-        assert_eq!(figure(&report, row, "connections"), 20, "{row}: {stdout}");
+        assert!(rate > 0.0, "{row}: {report}");
+        assert_eq!(figure(&report, row, "errors"), 0, "{row}: {report}");
+        assert_eq!(figure(&report, row, "connections"), 20, "{row}: {report}");
         let p50 = figure(&report, row, "p50_ms").as_f64().unwrap();
         let p99 = figure(&report, row, "p99_ms").as_f64().unwrap();
-        assert!(0.0 < p50 && p50 <= p99, "{row}: {stdout}");
+        assert!(0.0 < p50 && p50 <= p99, "{row}: {report}");
     }
     // 20 nodes every 200ms offer 100 heartbeats a second; 2s measured.
     assert_eq!(report["heartbeat_offered_per_s"], 100.0);
     let paced = figure(&report, "heartbeat", "calls").as_u64().unwrap();
-    assert!((150..=250).contains(&paced), "{paced} paced heartbeats in 2s: {stdout}");
-    assert_eq!(report["errors"], serde_json::json!([]), "{stdout}");
+    assert!((150..=250).contains(&paced), "{paced} paced heartbeats in 2s: {report}");
+    assert_eq!(report["errors"], serde_json::json!([]), "{report}");
     assert_eq!(report["join"]["nodes"], 20);
-    assert_eq!(report["join"]["first_heartbeat_failed"], 0, "{stdout}");
+    assert_eq!(report["join"]["first_heartbeat_failed"], 0, "{report}");
 
     let memory = &report["identity_memory"];
     let idle = memory["idle_mib"].as_f64().unwrap();
     let at_load = memory["at_load_mib"].as_f64().unwrap();
-    assert!(0.0 < idle && idle <= at_load, "{stdout}");
-    assert_eq!(report["targets"].as_array().unwrap().len(), 5, "{stdout}");
+    assert!(0.0 < idle && idle <= at_load, "{report}");
+    assert_eq!(report["targets"].as_array().unwrap().len(), 5, "{report}");
     assert!(stderr.contains("bench: stopping berth-identity"), "{stderr}");
 }
 
 #[test]
 fn three_replicas_on_postgres_and_redis_share_the_fleet_and_each_is_reported() {
     sibling("berth-identity", "berth-identity");
-    let out = bench(&[
+    let (report, _) = run_for_report(&[
         "heartbeats",
         "--nodes",
         "30",
@@ -97,30 +104,26 @@ fn three_replicas_on_postgres_and_redis_share_the_fleet_and_each_is_reported() {
         "-o",
         "json",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
 
     assert_eq!((report["store"].as_str(), report["bus"].as_str()), (Some("postgres"), Some("redis")));
     let replicas = report["replicas"].as_array().unwrap();
-    assert_eq!(replicas.len(), 3, "{stdout}");
+    assert_eq!(replicas.len(), 3, "{report}");
     let mut pids: Vec<u64> = replicas.iter().map(|r| r["pid"].as_u64().unwrap()).collect();
     pids.sort_unstable();
     pids.dedup();
-    assert_eq!(pids.len(), 3, "three processes: {stdout}");
+    assert_eq!(pids.len(), 3, "three processes: {report}");
     let nodes: Vec<u64> = replicas.iter().map(|r| r["nodes"].as_u64().unwrap()).collect();
-    assert_eq!(nodes.iter().sum::<u64>(), 30, "{stdout}");
+    assert_eq!(nodes.iter().sum::<u64>(), 30, "{report}");
     assert!(nodes.iter().all(|&n| n > 0), "every replica holds part of the fleet: {nodes:?}");
     for replica in replicas {
         let idle = replica["idle_mib"].as_f64().unwrap();
-        assert!(0.0 < idle && idle <= replica["at_load_mib"].as_f64().unwrap(), "{stdout}");
-        assert!(replica["per_node_kib"].is_number(), "{stdout}");
+        assert!(0.0 < idle && idle <= replica["at_load_mib"].as_f64().unwrap(), "{report}");
+        assert!(replica["per_node_kib"].is_number(), "{report}");
     }
-    assert_eq!(figure(&report, "heartbeat", "errors"), 0, "{stdout}");
-    assert_eq!(report["join"]["first_heartbeat_failed"], 0, "{stdout}");
+    assert_eq!(figure(&report, "heartbeat", "errors"), 0, "{report}");
+    assert_eq!(report["join"]["first_heartbeat_failed"], 0, "{report}");
     let targets = report["targets"].as_array().unwrap();
-    assert!(targets.iter().any(|t| t["name"] == "RSS at load < 200 MiB per replica"), "{stdout}");
+    assert!(targets.iter().any(|t| t["name"] == "RSS at load < 200 MiB per replica"), "{report}");
 }
 
 #[test]
@@ -158,9 +161,7 @@ fn durations_without_a_unit_are_usage_errors() {
 #[test]
 fn egress_push_measures_edits_on_a_real_dev_node() {
     sibling("berth", "berth");
-    let out = bench(&["egress-push", "--edits", "3", "--baseline", "5", "-o", "json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (report, _) = run_for_report(&["egress-push", "--edits", "3", "--baseline", "5", "-o", "json"]);
     assert_eq!(report["edits"], 3, "{report}");
     assert_eq!(report["missed"], 0, "every edit reached the node: {report}");
     assert_eq!(report["in_force"]["count"], 3, "{report}");
@@ -176,9 +177,7 @@ fn router_measures_requests_through_the_data_plane_beside_direct_ones() {
     sibling("berth-router", "berth-router");
     let args =
         ["router", "--connections", "2", "--duration", "1s", "--warmup", "200ms", "--changes", "3", "--services", "5"];
-    let out = bench(&[&args[..], &["-o", "json"]].concat());
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (report, _) = run_for_report(&[&args[..], &["-o", "json"]].concat());
     for protocol in ["http1", "http2"] {
         for path in ["direct", "routed"] {
             let figures = &report[protocol][path];
