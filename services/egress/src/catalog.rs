@@ -507,6 +507,31 @@ impl Catalog {
     }
 }
 
+/// Writes each of `rendered`'s statuses that differs from its stored row's
+/// into `kind`'s table; returns how many it wrote.
+async fn write_statuses<S, T: PartialEq + prost::Message>(
+    conn: &mut AnyConnection,
+    kind: Kind,
+    project: &str,
+    rows: &[ObjectRow<S, T>],
+    rendered: &[(String, T)],
+) -> Result<usize, CatalogError> {
+    let sql = format!("UPDATE {} SET status = $3 WHERE project = $1 AND name = $2", kind.table());
+    let mut written = 0;
+    for (name, status) in rendered {
+        if rows.iter().any(|row| &row.name == name && &row.status != status) {
+            sqlx::query(sqlx::AssertSqlSafe(sql.as_str()))
+                .bind(project)
+                .bind(name.as_str())
+                .bind(status.encode_to_vec())
+                .execute(&mut *conn)
+                .await?;
+            written += 1;
+        }
+    }
+    Ok(written)
+}
+
 /// Writes what changed in `rendered`: statuses, the plan, and the state of
 /// every node hosting the project when the plan changed.
 async fn write_rendered(
@@ -518,29 +543,8 @@ async fn write_rendered(
     rendered: Rendered,
     now: i64,
 ) -> Result<PassWrite, CatalogError> {
-    let mut statuses_written = 0;
-    for (name, status) in &rendered.gateways {
-        if gateways.iter().any(|g| &g.name == name && &g.status != status) {
-            sqlx::query("UPDATE gateways SET status = $3 WHERE project = $1 AND name = $2")
-                .bind(project)
-                .bind(name.as_str())
-                .bind(status.encode_to_vec())
-                .execute(&mut *conn)
-                .await?;
-            statuses_written += 1;
-        }
-    }
-    for (name, status) in &rendered.routes {
-        if routes.iter().any(|r| &r.name == name && &r.status != status) {
-            sqlx::query("UPDATE routes SET status = $3 WHERE project = $1 AND name = $2")
-                .bind(project)
-                .bind(name.as_str())
-                .bind(status.encode_to_vec())
-                .execute(&mut *conn)
-                .await?;
-            statuses_written += 1;
-        }
-    }
+    let statuses_written = write_statuses(conn, Kind::Gateway, project, gateways, &rendered.gateways).await?
+        + write_statuses(conn, Kind::Route, project, routes, &rendered.routes).await?;
     if let Some(previous) = previous
         && previous.content == rendered.content
     {
