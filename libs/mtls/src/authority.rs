@@ -107,14 +107,23 @@ impl CertificateAuthority {
         extra_sans: &[String],
         ttl: Duration,
     ) -> Result<IssuedCertificate, MtlsError> {
-        check_csr_key(csr_pem)?;
-        let csr = CertificateSigningRequestParams::from_pem(csr_pem).map_err(|e| MtlsError::Csr(e.to_string()))?;
-        let alg = csr.public_key.algorithm();
-        if alg != &PKCS_ECDSA_P256_SHA256 && alg != &PKCS_ECDSA_P384_SHA384 && alg != &PKCS_ED25519 {
-            return Err(MtlsError::WeakKey("unsupported signature algorithm".into()));
-        }
+        let csr = checked_csr(csr_pem)?;
         let now = OffsetDateTime::now_utc();
         self.sign(&csr.public_key, identity, extra_sans, now - BACKDATE, now + ttl)
+    }
+
+    /// Signs the public key of a CSR as an X.509-SVID: its only name is the
+    /// URI SAN `spiffe_id` (`spiffe://<trust-domain>/<path>`), no DNS name,
+    /// so no berth endpoint takes it for a mesh identity. The CSR is checked
+    /// as [`Self::sign_csr`] checks it.
+    pub fn sign_svid_csr(&self, csr_pem: &str, spiffe_id: &str, ttl: Duration) -> Result<IssuedCertificate, MtlsError> {
+        if !spiffe_id.starts_with("spiffe://") {
+            return Err(MtlsError::Csr(format!("'{spiffe_id}' is not a SPIFFE ID")));
+        }
+        let csr = checked_csr(csr_pem)?;
+        let uri = spiffe_id.to_owned().try_into().map_err(MtlsError::Generate)?;
+        let now = OffsetDateTime::now_utc();
+        self.sign_leaf(&csr.public_key, String::new(), vec![SanType::URI(uri)], now - BACKDATE, now + ttl)
     }
 
     /// Generates a key and a certificate for `identity` in one step, for the
@@ -152,14 +161,10 @@ impl CertificateAuthority {
         not_before: OffsetDateTime,
         not_after: OffsetDateTime,
     ) -> Result<IssuedCertificate, MtlsError> {
-        let mut params = CertificateParams::default();
-        let mut dn = DistinguishedName::new();
-        dn.push(DnType::CommonName, identity.to_san());
-        params.distinguished_name = dn;
         let mut sans = vec![identity.to_san()];
         sans.extend(extra_sans.iter().filter(|s| !s.is_empty()).cloned());
         sans.dedup();
-        params.subject_alt_names = sans
+        let sans = sans
             .into_iter()
             .map(|s| match s.parse() {
                 Ok(ip) => Ok(SanType::IpAddress(ip)),
@@ -167,6 +172,26 @@ impl CertificateAuthority {
             })
             .collect::<Result<_, _>>()
             .map_err(MtlsError::Generate)?;
+        self.sign_leaf(public_key, identity.to_san(), sans, not_before, not_after)
+    }
+
+    /// Signs a leaf for `public_key` named `sans`, with `common_name` as its
+    /// subject (none when empty).
+    fn sign_leaf(
+        &self,
+        public_key: &impl rcgen::PublicKeyData,
+        common_name: String,
+        sans: Vec<SanType>,
+        not_before: OffsetDateTime,
+        not_after: OffsetDateTime,
+    ) -> Result<IssuedCertificate, MtlsError> {
+        let mut params = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        if !common_name.is_empty() {
+            dn.push(DnType::CommonName, common_name);
+        }
+        params.distinguished_name = dn;
+        params.subject_alt_names = sans;
         params.is_ca = IsCa::ExplicitNoCa;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
@@ -194,6 +219,17 @@ pub fn generate_csr(common_name: &str) -> Result<(String, String), MtlsError> {
     params.distinguished_name = dn;
     let csr = params.serialize_request(&key).map_err(MtlsError::Generate)?;
     Ok((csr.pem().map_err(MtlsError::Generate)?, key.serialize_pem()))
+}
+
+/// A CSR whose signature verifies and whose key is one berth signs.
+fn checked_csr(csr_pem: &str) -> Result<CertificateSigningRequestParams, MtlsError> {
+    check_csr_key(csr_pem)?;
+    let csr = CertificateSigningRequestParams::from_pem(csr_pem).map_err(|e| MtlsError::Csr(e.to_string()))?;
+    let alg = csr.public_key.algorithm();
+    if alg != &PKCS_ECDSA_P256_SHA256 && alg != &PKCS_ECDSA_P384_SHA384 && alg != &PKCS_ED25519 {
+        return Err(MtlsError::WeakKey("unsupported signature algorithm".into()));
+    }
+    Ok(csr)
 }
 
 /// Refuses a CSR whose key is not one berth signs, before its signature is
@@ -242,6 +278,21 @@ mod tests {
         let cert = ca.sign_csr(&csr, &node, &["10.0.0.7".into(), "host-a".into()], Duration::from_secs(60)).unwrap();
         let der = certs_from_pem("certificate", &cert.cert_pem).unwrap().remove(0);
         assert_eq!(identity_from_cert(&der), Some(node));
+    }
+
+    #[test]
+    fn an_svid_names_only_its_spiffe_id_and_no_mesh_identity() {
+        let ca = CertificateAuthority::generate("workload CA", Duration::from_secs(3600)).unwrap();
+        let (csr, _key) = generate_csr("web.svc.berth.internal").unwrap();
+        let id = "spiffe://berth.internal/ns/default/svc/web/rev/web-00001/lease/l-1";
+        let cert = ca.sign_svid_csr(&csr, id, Duration::from_secs(60)).unwrap();
+        let der = certs_from_pem("certificate", &cert.cert_pem).unwrap().remove(0);
+        assert_eq!(identity_from_cert(&der), None, "not a mesh identity, whatever the CSR asked for");
+        let (_, parsed) = x509_parser::parse_x509_certificate(der.as_ref()).unwrap();
+        let sans = parsed.subject_alternative_name().unwrap().unwrap();
+        let names: Vec<String> = sans.value.general_names.iter().map(|n| format!("{n:?}")).collect();
+        assert_eq!(names, [format!("URI({id:?})")]);
+        assert!(ca.sign_svid_csr(&csr, "https://example.com", Duration::from_secs(60)).is_err());
     }
 
     #[test]

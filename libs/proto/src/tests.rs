@@ -127,6 +127,9 @@ fn admission_table_matches_the_contract() {
         ("berth.identity.v1.Mesh", &["GetEndpoints"], &[Node, Service, Admin, Router]),
         // A service or router renews only its own certificate (the handler holds it to that).
         ("berth.identity.v1.Authority", &["IssueCertificate"], &[Service, Admin, Router]),
+        // A node asks for its own workloads' certificates (the handler holds it to its node id).
+        ("berth.identity.v1.Workloads", &["SignWorkloadCertificate", "RenewWorkloadCertificate"], NODE),
+        ("berth.identity.v1.Workloads", &["GetWorkloadBundle"], &[Node, Service, Admin, Router]),
         ("berth.revisions.v1.Services", &["ApplyService", "DeleteService", "SetTraffic"], ADMIN),
         ("berth.revisions.v1.Services", &["GetService", "ListServices"], READERS),
         ("berth.revisions.v1.Services", &["WatchServices"], WATCHERS),
@@ -137,10 +140,12 @@ fn admission_table_matches_the_contract() {
         ("berth.leases.v1.Leases", &["RequestLease", "GetLease", "ListLeases", "ReleaseLease"], READERS),
         ("berth.leases.v1.Leases", &["GetLeaseLogs"], READERS),
         ("berth.leases.v1.Leases", &["WatchLeases"], WATCHERS),
+        // Only identity spends launch registrations (the handler holds a service to that).
+        ("berth.leases.v1.Leases", &["RedeemLaunchRegistration"], &[Service]),
         ("berth.leases.v1.Capacity", &["ListNodeCapacity"], READERS),
         (
             "berth.leases.v1.NodeLeases",
-            &["WatchAssignments", "ReportPhase", "RenewLeases", "ReconcileNode", "AssumeCustody"],
+            &["WatchAssignments", "ReportPhase", "RenewLeases", "ReconcileNode", "AssumeCustody", "RegisterLaunch"],
             NODE,
         ),
         ("berth.egress.v1.Egress", &["ApplyGateway", "DeleteGateway", "ApplyRoute", "DeleteRoute"], ADMIN),

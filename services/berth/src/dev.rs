@@ -150,13 +150,23 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         .await
         .map_err(authority_error)?;
     let listener = bind(SocketAddr::new(args.host, args.port_base), me.credentials.clone()).await?;
+    let dial_host = if args.host.is_unspecified() { IpAddr::from([127, 0, 0, 1]) } else { args.host };
+    // Identity asks leases, two ports up, before it signs a workload's certificate.
+    let launches = berth_identity::GrpcLaunchLedger::connect(
+        &SocketAddr::new(dial_host, args.port_base + 2).to_string(),
+        me.credentials.clone(),
+    )
+    .map_err(|e| StartError::Invalid(format!("identity's leases client: {e}")))?;
+    let identity = identity.with_workload_settings(berth_identity::WorkloadSettings {
+        ledger: Some(std::sync::Arc::new(launches)),
+        ..Default::default()
+    });
     identity.spawn_loops(&shutdown);
     let stop = shutdown.clone();
     let server = identity.server().with_readiness(identity_readiness);
     servers.spawn(async move { Ok(server.serve(listener, stop).await?) });
     kept.push(me);
 
-    let dial_host = if args.host.is_unspecified() { IpAddr::from([127, 0, 0, 1]) } else { args.host };
     let identity_addr = SocketAddr::new(dial_host, args.port_base).to_string();
     for (offset, spec) in (1u16..).zip(SERVICES) {
         let me = KeptIdentity::issue(&authority, service_identity(spec.name)?, sans.clone(), LEAF_VALIDITY)

@@ -14,6 +14,7 @@ use std::str::FromStr as _;
 use std::time::Duration;
 
 use berth_mtls::{TlsCredentials, TlsMaterial};
+use berth_proto::identity::v1::CertificateKind;
 use berth_rpc::Channel;
 use bytes::{Buf as _, BufMut as _, Bytes};
 use prost_reflect::{DescriptorPool, Kind, MethodDescriptor};
@@ -159,15 +160,17 @@ fn server_failure(code: Code) -> bool {
 
 /// A router identity, issued by identity at `identity_addr` at the admin's
 /// request, as `berth cert issue --kind router` would.
-async fn router_credentials(dir: &Path, identity_addr: &str, admin: &TlsCredentials) -> TlsCredentials {
+async fn issued_credentials(
+    dir: &Path,
+    identity_addr: &str,
+    admin: &TlsCredentials,
+    kind: berth_proto::identity::v1::CertificateKind,
+    name: &str,
+) -> TlsCredentials {
     use berth_proto::identity::v1 as identity;
-    let (csr_pem, key_pem) = berth_mtls::generate_csr("bad-input").unwrap();
-    let request = identity::IssueCertificateRequest {
-        kind: identity::CertificateKind::Router as i32,
-        name: "bad-input".into(),
-        csr_pem,
-        ..Default::default()
-    };
+    let (csr_pem, key_pem) = berth_mtls::generate_csr(name).unwrap();
+    let request =
+        identity::IssueCertificateRequest { kind: kind as i32, name: name.into(), csr_pem, ..Default::default() };
     let channel = berth_rpc::connect(identity_addr, admin.clone()).unwrap();
     let issued = identity::authority_client::AuthorityClient::new(channel)
         .issue_certificate(request)
@@ -267,8 +270,12 @@ fn every_public_rpc_refuses_malformed_requests_cleanly_and_keeps_serving() {
         runtime.block_on(async {
             let admin_credentials = credentials(dir.path(), "admin.pem", "admin-key.pem");
             let node_credentials = credentials(dir.path(), "agent/identity/node.pem", "agent/identity/node.key");
-            let router_credentials =
-                router_credentials(dir.path(), &format!("127.0.0.1:{base}"), &admin_credentials).await;
+            let identity_addr = format!("127.0.0.1:{base}");
+            let issue = |kind, name| issued_credentials(dir.path(), &identity_addr, &admin_credentials, kind, name);
+            let router_credentials = issue(CertificateKind::Router, "bad-input").await;
+            // What only a service may call is called as identity, the one
+            // service some of those RPCs serve.
+            let service_credentials = issue(CertificateKind::Service, "identity").await;
             let methods = every_method();
             assert!(methods.len() >= 40, "only {} RPCs found in the descriptor set", methods.len());
 
@@ -276,11 +283,13 @@ fn every_public_rpc_refuses_malformed_requests_cleanly_and_keeps_serving() {
             let mut channels = std::collections::HashMap::new();
             for (path, method) in &methods {
                 let kinds = berth_proto::access::allowed(path).unwrap_or_else(|| panic!("{path} declares no callers"));
-                // Each RPC is called as a kind it admits: admin, else router, else node.
-                let caller = [berth_core::CallerKind::Admin, berth_core::CallerKind::Router]
-                    .into_iter()
-                    .find(|kind| kinds.contains(kind))
-                    .unwrap_or(berth_core::CallerKind::Node);
+                // Each RPC is called as a kind it admits: admin, else router,
+                // else service, else node.
+                let caller =
+                    [berth_core::CallerKind::Admin, berth_core::CallerKind::Router, berth_core::CallerKind::Service]
+                        .into_iter()
+                        .find(|kind| kinds.contains(kind))
+                        .unwrap_or(berth_core::CallerKind::Node);
                 let offset = port_offset(method);
                 let channel = channels
                     .entry((offset, caller))
@@ -289,6 +298,7 @@ fn every_public_rpc_refuses_malformed_requests_cleanly_and_keeps_serving() {
                         let creds = match caller {
                             berth_core::CallerKind::Admin => admin_credentials.clone(),
                             berth_core::CallerKind::Router => router_credentials.clone(),
+                            berth_core::CallerKind::Service => service_credentials.clone(),
                             _ => node_credentials.clone(),
                         };
                         berth_rpc::connect(&addr, creds).unwrap()

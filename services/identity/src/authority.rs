@@ -20,6 +20,11 @@
 //!   heartbeating agent has it before it signs.
 //! - The plain CA key never leaves this module except as the in-memory
 //!   signer; it is never logged or returned.
+//! - Every authority serves one [`Purpose`]: the mesh's, or workloads'
+//!   (X.509-SVIDs). Each purpose has its own active authority and bundle, so
+//!   a workload's certificate never chains to a root a mesh endpoint trusts:
+//!   one signed under the mesh's root would pass every mesh server's TLS
+//!   verification and lean on admission alone to be refused.
 
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -190,6 +195,31 @@ impl State {
     }
 }
 
+/// What an authority signs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// The mesh's certificates: nodes, services, operators, routers.
+    Mesh,
+    /// Workloads' X.509-SVIDs, under a root the mesh does not trust.
+    Workload,
+}
+
+impl Purpose {
+    fn as_str(self) -> &'static str {
+        match self {
+            Purpose::Mesh => "mesh",
+            Purpose::Workload => "workload",
+        }
+    }
+
+    fn ca_name(self) -> &'static str {
+        match self {
+            Purpose::Mesh => "berth CA",
+            Purpose::Workload => "berth workload CA",
+        }
+    }
+}
+
 /// One stored authority.
 #[derive(Debug, Clone)]
 struct Row0 {
@@ -214,6 +244,7 @@ struct View {
 
 struct Inner {
     store: Store,
+    purpose: Purpose,
     /// The key CA keys are sealed under, from the auth secret.
     seal: std::sync::RwLock<Arc<LessSafeKey>>,
     /// Where the secret is read from, when it is a file: read again when
@@ -321,10 +352,21 @@ impl Authority {
         secret_file: Option<std::path::PathBuf>,
         timing: AuthorityTiming,
     ) -> Result<Self, AuthorityError> {
+        Self::open_for(Purpose::Mesh, store, Arc::new(seal), secret_file, timing).await
+    }
+
+    async fn open_for(
+        purpose: Purpose,
+        store: Store,
+        seal: Arc<LessSafeKey>,
+        secret_file: Option<std::path::PathBuf>,
+        timing: AuthorityTiming,
+    ) -> Result<Self, AuthorityError> {
         let authority = Authority {
             inner: Arc::new(Inner {
                 store,
-                seal: std::sync::RwLock::new(Arc::new(seal)),
+                purpose,
+                seal: std::sync::RwLock::new(seal),
                 secret_file,
                 timing,
                 view: RwLock::new(None),
@@ -337,6 +379,25 @@ impl Authority {
         }
         authority.refresh().await?;
         Ok(authority)
+    }
+
+    /// The workloads' authority beside this (mesh) one: the same store,
+    /// secret and timing, its own root, created on first use.
+    pub async fn workloads(&self) -> Result<Authority, AuthorityError> {
+        let inner = &self.inner;
+        Self::open_for(
+            Purpose::Workload,
+            inner.store.clone(),
+            self.sealing(),
+            inner.secret_file.clone(),
+            inner.timing.clone(),
+        )
+        .await
+    }
+
+    /// What it signs.
+    pub fn purpose(&self) -> Purpose {
+        self.inner.purpose
     }
 
     /// Re-seals every stored CA key from `old_secret` to `new_secret` in
@@ -403,22 +464,24 @@ impl Authority {
     }
 
     async fn create_first(&self) -> Result<(), AuthorityError> {
-        let (fingerprint, cert_pem, sealed, not_after_ms) = self.generate("berth CA")?;
+        let purpose = self.inner.purpose;
+        let (fingerprint, cert_pem, sealed, not_after_ms) = self.generate(purpose.ca_name())?;
         let now = berth_runtime::wall_clock_ms();
-        // Insert-if-absent on the active slot: of two replicas racing here,
-        // one row wins and the other insert does nothing.
+        // Insert-if-absent on the purpose's active slot: of two replicas
+        // racing here, one row wins and the other insert does nothing.
         sqlx::query(
-            "INSERT INTO authorities (fingerprint, cert_pem, sealed_key, state, active_slot, created_at_ms, \
-             activated_at_ms, not_after_ms) VALUES ($1, $2, $3, 'active', 1, $4, $4, $5) ON CONFLICT DO NOTHING",
+            "INSERT INTO authorities (fingerprint, purpose, cert_pem, sealed_key, state, active_slot, created_at_ms, \
+             activated_at_ms, not_after_ms) VALUES ($1, $6, $2, $3, 'active', 1, $4, $4, $5) ON CONFLICT DO NOTHING",
         )
         .bind(&fingerprint)
         .bind(&cert_pem)
         .bind(sealed)
         .bind(now)
         .bind(not_after_ms)
+        .bind(purpose.as_str())
         .execute(self.inner.store.pool())
         .await?;
-        tracing::info!(%fingerprint, "certificate authority ready");
+        tracing::info!(%fingerprint, purpose = purpose.as_str(), "certificate authority ready");
         Ok(())
     }
 
@@ -435,8 +498,9 @@ impl Authority {
     async fn load_rows(&self) -> Result<Vec<Row0>, AuthorityError> {
         let rows = sqlx::query(
             "SELECT fingerprint, cert_pem, sealed_key, state, created_at_ms, not_after_ms, last_signed_not_after_ms \
-             FROM authorities ORDER BY created_at_ms",
+             FROM authorities WHERE purpose = $1 ORDER BY created_at_ms",
         )
+        .bind(self.inner.purpose.as_str())
         .fetch_all(self.inner.store.pool())
         .await?;
         rows.iter()
@@ -532,6 +596,35 @@ impl Authority {
         self.sign(csr_pem, &identity, extra_sans, ttl).await
     }
 
+    /// Signs `csr_pem` as the X.509-SVID `spiffe_id`, valid for `ttl`, with
+    /// the bundle that verifies it. Only a workloads' authority signs SVIDs,
+    /// and it signs nothing else.
+    pub async fn sign_svid(
+        &self,
+        csr_pem: &str,
+        spiffe_id: &str,
+        ttl: Duration,
+    ) -> Result<(IssuedCertificate, String), AuthorityError> {
+        self.serves(Purpose::Workload)?;
+        let view = self.view().await?;
+        let cert = view.active.sign_svid_csr(csr_pem, spiffe_id, ttl)?;
+        self.mark(&view, cert.not_after * 1000).await?;
+        Ok((cert, view.bundle_pem.clone()))
+    }
+
+    /// Refuses to sign what another purpose's authority signs.
+    fn serves(&self, purpose: Purpose) -> Result<(), AuthorityError> {
+        if self.inner.purpose == purpose {
+            Ok(())
+        } else {
+            Err(AuthorityError::InvalidArgument(format!(
+                "the {} authority does not sign {} certificates",
+                self.inner.purpose.as_str(),
+                purpose.as_str()
+            )))
+        }
+    }
+
     /// Signs `csr_pem` for any identity.
     pub async fn sign(
         &self,
@@ -540,6 +633,7 @@ impl Authority {
         extra_sans: &[String],
         ttl: Duration,
     ) -> Result<IssuedCertificate, AuthorityError> {
+        self.serves(Purpose::Mesh)?;
         let view = self.view().await?;
         let cert = view.active.sign_csr(csr_pem, identity, extra_sans, ttl)?;
         self.mark(&view, cert.not_after * 1000).await?;
@@ -555,6 +649,7 @@ impl Authority {
         extra_sans: &[String],
         ttl: Duration,
     ) -> Result<TlsMaterial, AuthorityError> {
+        self.serves(Purpose::Mesh)?;
         let view = self.view().await?;
         let (cert, key_pem) = view.active.issue(identity, extra_sans, ttl).map_err(AuthorityError::Mtls)?;
         self.mark(&view, cert.not_after * 1000).await?;
@@ -595,23 +690,28 @@ impl Authority {
                     .into(),
             ));
         }
-        let (fingerprint, cert_pem, sealed, not_after_ms) = self.generate("berth CA")?;
+        let purpose = self.inner.purpose.as_str();
+        let (fingerprint, cert_pem, sealed, not_after_ms) = self.generate(self.inner.purpose.ca_name())?;
         let now = berth_runtime::wall_clock_ms();
         self.inner
             .store
             .tx("authority.prepare", |conn| {
                 let (fingerprint, cert_pem, sealed) = (fingerprint.clone(), cert_pem.clone(), sealed.clone());
                 Box::pin(async move {
-                    sqlx::query("DELETE FROM authorities WHERE state = 'prepared'").execute(&mut *conn).await?;
+                    sqlx::query("DELETE FROM authorities WHERE state = 'prepared' AND purpose = $1")
+                        .bind(purpose)
+                        .execute(&mut *conn)
+                        .await?;
                     sqlx::query(
-                        "INSERT INTO authorities (fingerprint, cert_pem, sealed_key, state, created_at_ms, not_after_ms) \
-                         VALUES ($1, $2, $3, 'prepared', $4, $5)",
+                        "INSERT INTO authorities (fingerprint, purpose, cert_pem, sealed_key, state, created_at_ms, \
+                         not_after_ms) VALUES ($1, $6, $2, $3, 'prepared', $4, $5)",
                     )
                     .bind(fingerprint)
                     .bind(cert_pem)
                     .bind(sealed)
                     .bind(now)
                     .bind(not_after_ms)
+                    .bind(purpose)
                     .execute(&mut *conn)
                     .await?;
                     Ok::<_, AuthorityError>(())
@@ -699,15 +799,21 @@ impl Authority {
         let view = self.refresh().await?;
         let expected = bundle_digest(&view.bundle_pem);
         let expected = expected.as_str();
+        let purpose = self.inner.purpose.as_str();
+        // Nodes acknowledge the mesh's bundle; the workloads' is handed out
+        // with every SVID.
+        let check_acks = !force && self.inner.purpose == Purpose::Mesh;
         let fingerprint = self
             .inner
             .store
             .tx("authority.activate", |conn| {
                 Box::pin(async move {
-                    let prepared =
-                        sqlx::query("SELECT fingerprint, created_at_ms FROM authorities WHERE state = 'prepared'")
-                            .fetch_optional(&mut *conn)
-                            .await?;
+                    let prepared = sqlx::query(
+                        "SELECT fingerprint, created_at_ms FROM authorities WHERE state = 'prepared' AND purpose = $1",
+                    )
+                    .bind(purpose)
+                    .fetch_optional(&mut *conn)
+                    .await?;
                     let Some(prepared) = prepared else {
                         return Err(AuthorityError::Rotation(
                             "no prepared CA to activate; call RotateCA with activate=false first".into(),
@@ -723,7 +829,7 @@ impl Authority {
                             (ready_at - now + 999) / 1000
                         )));
                     }
-                    if !force {
+                    if check_acks {
                         let lagging = sqlx::query(
                             "SELECT n.node_id FROM nodes n LEFT JOIN node_ca_acks a ON a.node_id = n.node_id \
                              WHERE n.state = 'up' AND (a.bundle_sha256 IS NULL OR a.bundle_sha256 <> $1) \
@@ -747,9 +853,13 @@ impl Authority {
                             )));
                         }
                     }
-                    sqlx::query("UPDATE authorities SET state = 'retired', active_slot = NULL WHERE state = 'active'")
-                        .execute(&mut *conn)
-                        .await?;
+                    sqlx::query(
+                        "UPDATE authorities SET state = 'retired', active_slot = NULL \
+                         WHERE state = 'active' AND purpose = $1",
+                    )
+                    .bind(purpose)
+                    .execute(&mut *conn)
+                    .await?;
                     let done = sqlx::query(
                         "UPDATE authorities SET state = 'active', active_slot = 1, activated_at_ms = $2 \
                          WHERE fingerprint = $1 AND state = 'prepared'",

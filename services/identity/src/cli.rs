@@ -8,6 +8,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use berth_core::Identity;
@@ -18,7 +19,10 @@ use clap::Parser;
 
 use crate::authority::{AUTH_SECRET_MIN_LEN, AuthorityTiming};
 use crate::keeper::{KeptIdentity, spawn_keeper};
-use crate::{Endpoints, IdentityConfig, IdentityService, MIGRATIONS, NAME, NodeTiming};
+use crate::{
+    Endpoints, GrpcLaunchLedger, IdentityConfig, IdentityService, LaunchLedger, MIGRATIONS, NAME, NodeTiming,
+    WORKLOAD_CERT_TTL_RANGE, WorkloadSettings, parse_trust_domain,
+};
 
 /// How long identity's own serving certificate lives; renewed at half.
 const SERVING_CERT_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -61,6 +65,18 @@ struct Args {
     /// router).
     #[arg(long = "endpoint", env = "BERTH_ENDPOINTS", value_delimiter = ',', value_name = "NAME=HOST:PORT")]
     endpoints: Vec<String>,
+    /// The leases service (`host:port`), asked whether a lease is open on a
+    /// node before identity signs its workload's certificate. Unset, no
+    /// workload certificate is signed.
+    #[arg(long, env = "BERTH_LEASES_ADDR", value_name = "HOST:PORT")]
+    leases_addr: Option<String>,
+    /// The SPIFFE trust domain workload certificates name
+    /// (`spiffe://<trust-domain>/ns/<project>/...`).
+    #[arg(long, env = "BERTH_TRUST_DOMAIN", default_value = berth_core::TRUST_DOMAIN, value_parser = parse_trust_domain)]
+    trust_domain: String,
+    /// How long a workload certificate lives; nodes renew it at half.
+    #[arg(long, env = "BERTH_WORKLOAD_CERT_TTL", default_value = "15m", value_parser = parse_workload_cert_ttl)]
+    workload_cert_ttl: Duration,
     /// Write the CA bundle here on start and whenever it changes (for agents
     /// and clients to pin).
     #[arg(long, env = "BERTH_CA_BUNDLE_OUT", value_name = "FILE")]
@@ -176,12 +192,37 @@ async fn run(args: Args) -> Result<(), StartError> {
     let kept = KeptIdentity::issue(service.authority(), me, args.advertise_names, SERVING_CERT_TTL)
         .await
         .map_err(|e| StartError::Invalid(e.to_string()))?;
+    let ledger = match &args.leases_addr {
+        Some(addr) => Some(Arc::new(
+            GrpcLaunchLedger::connect(addr, kept.credentials.clone())
+                .map_err(|e| StartError::Invalid(format!("--leases-addr: {e}")))?,
+        ) as Arc<dyn LaunchLedger>),
+        None => {
+            tracing::warn!("no --leases-addr: identity signs no workload certificate");
+            None
+        }
+    };
+    let service = service.with_workload_settings(WorkloadSettings {
+        trust_domain: args.trust_domain,
+        cert_ttl: args.workload_cert_ttl,
+        ledger,
+    });
     let listener = bind(args.listen, kept.credentials.clone()).await?;
     spawn_keeper(service.authority().clone(), vec![kept], SERVING_CERT_TTL, args.ca_bundle_out, shutdown.clone());
     service.spawn_loops(&shutdown);
     tracing::info!(addr = %args.listen, "identity serving");
     service.server().with_readiness(readiness).serve(listener, shutdown).await?;
     Ok(())
+}
+
+/// A workload certificate lifetime within [`WORKLOAD_CERT_TTL_RANGE`].
+fn parse_workload_cert_ttl(value: &str) -> Result<Duration, String> {
+    let ttl = parse_duration(value)?;
+    let (shortest, longest) = WORKLOAD_CERT_TTL_RANGE;
+    if ttl < shortest || ttl > longest {
+        return Err(format!("{value} is outside {shortest:?} to {longest:?}"));
+    }
+    Ok(ttl)
 }
 
 /// The node timings make sense together: a node is marked DOWN only after

@@ -23,6 +23,7 @@ mod offline;
 mod registry;
 mod session;
 mod tokens;
+mod workloads;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,13 +34,19 @@ use berth_rpc::{MAX_REQUEST_BYTES, ServerBuilder};
 use berth_store::{Migration, Store};
 use tokio_util::sync::CancellationToken;
 
-pub use authority::{AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTiming, Resealed, bundle_digest};
+pub use authority::{
+    AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTiming, Purpose, Resealed, bundle_digest,
+};
 pub use config::{DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL, MAX_TOKEN_USES, NodeTiming};
 pub use join::RETRY_AFTER_MS_HEADER;
 pub use keeper::{KEEPER_POLL, KeptIdentity, spawn_keeper, write_bundle};
 pub use mesh::Endpoints;
 pub use monitor::MONITOR_LOOP;
 pub use offline::{OfflineIssueError, issue_from_state};
+pub use workloads::{
+    DEFAULT_WORKLOAD_CERT_TTL, GrpcLaunchLedger, LaunchLedger, WORKLOAD_CERT_TTL_RANGE, WorkloadSettings,
+    parse_trust_domain, spiffe_id,
+};
 
 /// The service's name: its Postgres schema, bus prefix and `svc` SAN.
 pub const NAME: &str = "identity";
@@ -73,6 +80,12 @@ pub static MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0004_certificate_floor.sql"),
         sqlite: include_str!("../migrations/sqlite/0004_certificate_floor.sql"),
     },
+    Migration {
+        version: 5,
+        name: "workload_authority",
+        postgres: include_str!("../migrations/postgres/0005_workload_authority.sql"),
+        sqlite: include_str!("../migrations/sqlite/0005_workload_authority.sql"),
+    },
 ];
 
 /// How identity is configured beyond its state.
@@ -101,6 +114,10 @@ pub struct IdentityService {
     store: Store,
     bus: Bus,
     authority: Authority,
+    /// The workloads' authority: SVIDs, under a root of its own.
+    workload_authority: Authority,
+    /// How workload certificates are signed, and the leases they are checked with.
+    workloads: Arc<WorkloadSettings>,
     config: Arc<IdentityConfig>,
     /// The node registry with its index, timing and replica id.
     nodes: registry::NodeRegistry,
@@ -113,7 +130,7 @@ impl IdentityService {
     /// creates it on first start.
     pub async fn open(store: Store, bus: Bus, config: IdentityConfig) -> Result<Self, AuthorityError> {
         let authority = Authority::open(store.clone(), &config.auth_secret, config.authority.clone()).await?;
-        Ok(Self::with_authority(store, bus, config, authority))
+        Self::with_authority(store, bus, config, authority).await
     }
 
     /// [`IdentityService::open`], with the auth secret read from `path`
@@ -125,12 +142,44 @@ impl IdentityService {
         path: &std::path::Path,
     ) -> Result<Self, AuthorityError> {
         let authority = Authority::open_with_secret_file(store.clone(), path, config.authority.clone()).await?;
-        Ok(Self::with_authority(store, bus, config, authority))
+        Self::with_authority(store, bus, config, authority).await
     }
 
-    fn with_authority(store: Store, bus: Bus, config: IdentityConfig, authority: Authority) -> Self {
+    async fn with_authority(
+        store: Store,
+        bus: Bus,
+        config: IdentityConfig,
+        authority: Authority,
+    ) -> Result<Self, AuthorityError> {
+        let workload_authority = authority.workloads().await?;
         let nodes = registry::NodeRegistry::new(store.clone(), bus.clone(), NodeTiming::default());
-        Self { store, bus, authority, config: Arc::new(config), nodes, endpoints: Arc::default() }
+        Ok(Self {
+            store,
+            bus,
+            authority,
+            workload_authority,
+            workloads: Arc::default(),
+            config: Arc::new(config),
+            nodes,
+            endpoints: Arc::default(),
+        })
+    }
+
+    /// Signs workload certificates as `settings` say, checking leases with
+    /// its ledger; call before serving.
+    pub fn with_workload_settings(mut self, settings: WorkloadSettings) -> Self {
+        self.workloads = Arc::new(settings);
+        self
+    }
+
+    /// How workload certificates are signed.
+    pub(crate) fn workload_settings(&self) -> &WorkloadSettings {
+        &self.workloads
+    }
+
+    /// The workloads' authority.
+    pub fn workload_authority(&self) -> &Authority {
+        &self.workload_authority
     }
 
     /// Replaces the node timings (heartbeat, grace, reap, election, join
@@ -170,6 +219,7 @@ impl IdentityService {
             v1::node_session_server::NodeSessionServer<Self>,
             v1::nodes_server::NodesServer<Self>,
             v1::mesh_server::MeshServer<Self>,
+            v1::workloads_server::WorkloadsServer<Self>,
         ])
         .add_service(
             v1::authority_server::AuthorityServer::new(self.authority.clone())

@@ -115,6 +115,29 @@ impl v1::leases_server::Leases for LeasesService {
     ) -> Result<Response<tonic::codegen::BoxStream<berth_proto::types::v1::LogChunk>>, Status> {
         Ok(Response::new(crate::logs::open(&self.core, request.into_inner()).await?))
     }
+
+    async fn redeem_launch_registration(
+        &self,
+        request: Request<v1::RedeemLaunchRegistrationRequest>,
+    ) -> Result<Response<v1::RedeemLaunchRegistrationResponse>, Status> {
+        let caller = berth_rpc::caller(&request)?.clone();
+        if caller != berth_core::Identity::Service("identity".to_owned()) {
+            return Err(Status::permission_denied(format!(
+                "{caller} may not redeem launch registrations: only identity signs workload certificates"
+            )));
+        }
+        let v1::RedeemLaunchRegistrationRequest { registration, node_id } = request.into_inner();
+        validate::registration(&registration)?;
+        validate::node_id(&node_id)?;
+        let lease = self
+            .core
+            .ledger
+            .redeem_launch(&registration, &node_id, &caller.to_string())
+            .await
+            .inspect_err(|error| tracing::warn!(%node_id, %caller, %error, "launch registration refused"))?;
+        tracing::info!(lease_id = %lease.lease_id, epoch = lease.epoch, %node_id, "launch registration redeemed");
+        Ok(Response::new(v1::RedeemLaunchRegistrationResponse { lease: Some(lease.to_proto()) }))
+    }
 }
 
 #[tonic::async_trait]
@@ -274,5 +297,21 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
         tracing::info!(%lease_id, %node_id, epoch = lease.epoch, "lease taken back into its node's custody");
         self.changed(&lease).await;
         Ok(Response::new(v1::AssumeCustodyResponse { lease: Some(lease.to_proto()) }))
+    }
+
+    async fn register_launch(
+        &self,
+        request: Request<v1::RegisterLaunchRequest>,
+    ) -> Result<Response<v1::RegisterLaunchResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let v1::RegisterLaunchRequest { lease_id, epoch, .. } = request.into_inner();
+        validate::lease_id(&lease_id)?;
+        let (registration, expires_at) = self.core.ledger.register_launch(&node_id, &lease_id, epoch).await?;
+        tracing::debug!(%lease_id, epoch, %node_id, "launch registered");
+        Ok(Response::new(v1::RegisterLaunchResponse {
+            registration,
+            expires_at: Some(berth_proto::timestamp_from_ms(expires_at)),
+        }))
     }
 }

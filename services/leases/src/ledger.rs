@@ -71,6 +71,10 @@ const FINAL_PHASES_SQL: &str = "('done', 'failed', 'released', 'expired')";
 /// Rows one multi-row statement carries, well under both backends' parameter limits.
 const ROWS_PER_STATEMENT: usize = 200;
 
+/// How long a launch registration can be spent: a launch signs its first
+/// workload certificate within seconds of registering.
+pub(crate) const LAUNCH_REGISTRATION_TTL: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// Why a lease operation failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum LeaseError {
@@ -121,6 +125,9 @@ pub(crate) enum LeaseError {
         /// Why, in a few words.
         reason: String,
     },
+    /// A launch registration cannot be taken or spent; the message says why.
+    #[error("{0}")]
+    LaunchRefused(String),
     /// No node has room for the request.
     #[error("{0}")]
     NoRoom(Shortage),
@@ -137,8 +144,10 @@ berth_store::store_errors!(LeaseError, |error| match error {
     LeaseError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
     LeaseError::NotFound(_) => tonic::Status::not_found(error.to_string()),
     LeaseError::NotOnNode { .. } => tonic::Status::permission_denied(error.to_string()),
-    LeaseError::StaleEpoch { .. } | LeaseError::IllegalTransition { .. } | LeaseError::CustodyRefused { .. } =>
-        tonic::Status::failed_precondition(error.to_string()),
+    LeaseError::StaleEpoch { .. }
+    | LeaseError::IllegalTransition { .. }
+    | LeaseError::CustodyRefused { .. }
+    | LeaseError::LaunchRefused(_) => tonic::Status::failed_precondition(error.to_string()),
     LeaseError::NoRoom(_) => tonic::Status::resource_exhausted(error.to_string()),
     LeaseError::Unavailable(_) => tonic::Status::unavailable(error.to_string()),
     LeaseError::Store(error) => error.into(),
@@ -452,6 +461,9 @@ impl Ledger {
                         .message(&report.message)
                         .exit_code(report.exit_code);
                     let mut record = apply(conn, &lease, change, now, None).await?;
+                    if !report.phase.is_open() {
+                        revoke_registrations(conn, &record, now).await?;
+                    }
                     if report.phase == Phase::Running && !report.ports.is_empty() {
                         sqlx::query("UPDATE leases SET ports = $2 WHERE lease_id = $1")
                             .bind(&record.lease_id)
@@ -704,6 +716,107 @@ impl Ledger {
             .await
     }
 
+    /// A new single-use launch registration for `lease_id`, which `node_id`
+    /// must hold open at `epoch`: its secret and when it expires (ms).
+    pub(crate) async fn register_launch(
+        &self,
+        node_id: &str,
+        lease_id: &str,
+        epoch: u64,
+    ) -> Result<(String, i64), LeaseError> {
+        let now_sql = self.store.now_ms_sql();
+        let secret = hex::encode(rand::random::<[u8; 32]>());
+        let (digest, ttl_ms) = (secret_sha256(&secret), millis(LAUNCH_REGISTRATION_TTL));
+        let digest = digest.as_str();
+        let expires_at = self
+            .store
+            .tx("leases.register_launch", |conn| {
+                Box::pin(async move {
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
+                    let lease = held_by(conn, node_id, lease_id, epoch).await?;
+                    if !lease.phase.is_open() {
+                        return Err(LeaseError::LaunchRefused(format!(
+                            "lease {lease_id} is {}, so it has no launch to register",
+                            lease.phase
+                        )));
+                    }
+                    let expires_at = now.saturating_add(ttl_ms);
+                    sqlx::query(
+                        "INSERT INTO launch_registrations \
+                         (secret_sha256, lease_id, epoch, node_id, created_at_ms, expires_at_ms) \
+                         VALUES ($1, $2, $3, $4, $5, $6)",
+                    )
+                    .bind(digest)
+                    .bind(lease_id)
+                    .bind(lease.epoch)
+                    .bind(node_id)
+                    .bind(now)
+                    .bind(expires_at)
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok(expires_at)
+                })
+            })
+            .await?;
+        Ok((secret, expires_at))
+    }
+
+    /// Spends the launch registration whose secret is `secret`, presented by
+    /// `node_id` through `by`: its lease, if that lease is still open on the
+    /// node at the registration's epoch. Refused, nothing changes.
+    pub(crate) async fn redeem_launch(&self, secret: &str, node_id: &str, by: &str) -> Result<LeaseRecord, LeaseError> {
+        let now_sql = self.store.now_ms_sql();
+        let digest = secret_sha256(secret);
+        let digest = digest.as_str();
+        self.store
+            .tx("leases.redeem_launch", |conn| {
+                Box::pin(async move {
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
+                    let row: Option<(String, i64, String, i64, Option<i64>, String)> = sqlx::query_as(
+                        "SELECT lease_id, epoch, node_id, expires_at_ms, spent_at_ms, spent_by \
+                         FROM launch_registrations WHERE secret_sha256 = $1",
+                    )
+                    .bind(digest)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                    let Some((lease_id, epoch, registered_to, expires_at, spent_at, spent_by)) = row else {
+                        return Err(LeaseError::LaunchRefused("no such launch registration".to_owned()));
+                    };
+                    let refused = |why: String| Err(LeaseError::LaunchRefused(why));
+                    if spent_at.is_some() {
+                        return refused(format!(
+                            "the launch registration of lease {lease_id} at epoch {epoch} was already spent ({spent_by})"
+                        ));
+                    }
+                    if expires_at <= now {
+                        return refused(format!(
+                            "the launch registration of lease {lease_id} at epoch {epoch} has expired"
+                        ));
+                    }
+                    if registered_to != node_id {
+                        return refused(format!(
+                            "the launch registration of lease {lease_id} was issued to another node than {node_id}"
+                        ));
+                    }
+                    let epoch = u64::try_from(epoch).unwrap_or_default();
+                    let lease = held_by(conn, node_id, &lease_id, epoch).await?;
+                    if !lease.phase.is_open() {
+                        return refused(format!("lease {lease_id} is {}, so its launch is over", lease.phase));
+                    }
+                    sqlx::query(
+                        "UPDATE launch_registrations SET spent_at_ms = $2, spent_by = $3 WHERE secret_sha256 = $1",
+                    )
+                    .bind(digest)
+                    .bind(now)
+                    .bind(format!("redeemed by {by}"))
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok(lease)
+                })
+            })
+            .await
+    }
+
     /// Forgets up to `limit` final leases that reached their phase more than
     /// `retention_ms` ago, raising their nodes' resume floors and the lease
     /// watches' one; how many.
@@ -739,6 +852,8 @@ impl Ledger {
                             .execute(&mut *conn)
                             .await?;
                     }
+                    let forget = format!("DELETE FROM launch_registrations WHERE expires_at_ms < {now_sql} - $1");
+                    sqlx::query(sqlx::AssertSqlSafe(forget)).bind(retention_ms).execute(&mut *conn).await?;
                     for chunk in old.chunks(ROWS_PER_STATEMENT) {
                         let sql = format!("DELETE FROM leases WHERE lease_id IN ({})", placeholders(chunk.len(), 0, 1));
                         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
@@ -826,6 +941,27 @@ async fn held_by(
         return Err(LeaseError::StaleEpoch { lease_id: lease_id.to_owned(), held: epoch, current: lease.epoch() });
     }
     Ok(lease)
+}
+
+/// Revokes what is left unspent of the launch registrations of `lease` at
+/// its epoch, as it leaves the open phases.
+async fn revoke_registrations(conn: &mut AnyConnection, lease: &LeaseRecord, now: i64) -> Result<(), LeaseError> {
+    sqlx::query(
+        "UPDATE launch_registrations SET spent_at_ms = $3, spent_by = $4 \
+         WHERE lease_id = $1 AND epoch = $2 AND spent_at_ms IS NULL",
+    )
+    .bind(&lease.lease_id)
+    .bind(lease.epoch)
+    .bind(now)
+    .bind(format!("revoked: the lease is {}", lease.phase))
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// What a launch registration is stored under: never the secret itself.
+fn secret_sha256(secret: &str) -> String {
+    hex::encode(ring::digest::digest(&ring::digest::SHA256, secret.as_bytes()))
 }
 
 async fn node_rows(conn: &mut AnyConnection) -> Result<HashMap<String, NodeLedgerRow>, LeaseError> {

@@ -83,6 +83,12 @@ pub static MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0004_ports.sql"),
         sqlite: include_str!("../migrations/sqlite/0004_ports.sql"),
     },
+    Migration {
+        version: 5,
+        name: "launch_registrations",
+        postgres: include_str!("../migrations/postgres/0005_launch_registrations.sql"),
+        sqlite: include_str!("../migrations/sqlite/0005_launch_registrations.sql"),
+    },
 ];
 
 /// How the runtime starts it: [`server`] with the default timings.

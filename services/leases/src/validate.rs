@@ -72,6 +72,24 @@ pub(crate) fn lease_id(value: &str) -> Result<(), LeaseError> {
     name("lease_id", value)
 }
 
+/// A launch registration's secret as RegisterLaunch hands it out: 64 hex digits.
+pub(crate) fn registration(value: &str) -> Result<(), LeaseError> {
+    if value.len() == 64 && value.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(())
+    } else {
+        Err(invalid("registration", "not a launch registration: 64 hex digits, as RegisterLaunch answers"))
+    }
+}
+
+/// A node id: a DNS label, as identity names nodes.
+pub(crate) fn node_id(node_id: &str) -> Result<(), LeaseError> {
+    if berth_core::is_dns_label(node_id) {
+        Ok(())
+    } else {
+        Err(invalid("node_id", format!("'{node_id}' is not a node id: use 1-63 lowercase letters, digits or '-'")))
+    }
+}
+
 /// A tier: empty (any) or a DNS label, as identity names tiers.
 pub(crate) fn tier(tier: &str) -> Result<(), LeaseError> {
     if tier.is_empty() || berth_core::is_dns_label(tier) {

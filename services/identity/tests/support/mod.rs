@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use berth_bus::Bus;
 use berth_core::Identity;
-use berth_identity::{AuthorityTiming, IdentityConfig, IdentityService, MIGRATIONS, NodeTiming};
+use berth_identity::{AuthorityTiming, IdentityConfig, IdentityService, MIGRATIONS, NodeTiming, WorkloadSettings};
 use berth_mtls::{TlsCredentials, TlsMaterial, generate_csr};
 use berth_proto::identity::v1;
 use berth_proto::identity::v1::NodeState;
@@ -81,7 +81,7 @@ impl Cluster {
         let db = test_db(backend).await;
         let bus = test_bus(backend).await;
         db.store().migrate(MIGRATIONS).await.unwrap();
-        let first = start_replica(db.store().clone(), bus.clone(), timing.clone()).await;
+        let first = start_replica(db.store().clone(), bus.clone(), timing.clone(), WorkloadSettings::default()).await;
         let admin_material = first
             .service
             .authority()
@@ -99,7 +99,16 @@ impl Cluster {
         let db = self.db.as_ref().unwrap();
         let store = db.connect().await.unwrap();
         let bus = replica_bus(self.backend, &self.bus).await;
-        self.replicas.push(start_replica(store, bus, self.timing.clone()).await);
+        self.replicas.push(start_replica(store, bus, self.timing.clone(), WorkloadSettings::default()).await);
+        self.replicas.len() - 1
+    }
+
+    /// [`Cluster::add_replica`], signing workload certificates as `settings` say.
+    pub(crate) async fn add_replica_with(&mut self, settings: WorkloadSettings) -> usize {
+        let db = self.db.as_ref().unwrap();
+        let store = db.connect().await.unwrap();
+        let bus = replica_bus(self.backend, &self.bus).await;
+        self.replicas.push(start_replica(store, bus, self.timing.clone(), settings).await);
         self.replicas.len() - 1
     }
 
@@ -187,14 +196,18 @@ impl Cluster {
     }
 }
 
-async fn start_replica(store: Store, bus: Bus, timing: NodeTiming) -> Replica {
+async fn start_replica(store: Store, bus: Bus, timing: NodeTiming, workloads: WorkloadSettings) -> Replica {
     let config = IdentityConfig {
         auth_secret: AUTH_SECRET.to_owned(),
         // No wait after preparing a CA: the tests drive rotations step by step.
         authority: AuthorityTiming { min_prepared: Duration::ZERO, ..AuthorityTiming::default() },
         node_cert_ttl: NODE_CERT_TTL,
     };
-    let service = IdentityService::open(store, bus, config).await.unwrap().with_node_timing(timing);
+    let service = IdentityService::open(store, bus, config)
+        .await
+        .unwrap()
+        .with_node_timing(timing)
+        .with_workload_settings(workloads);
     let material = service
         .authority()
         .issue_material(

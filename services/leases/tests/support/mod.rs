@@ -247,6 +247,12 @@ impl Ledger {
         v1::node_leases_client::NodeLeasesClient::new(channel)
     }
 
+    /// `Leases` as `identity` (a service, say), through replica 0.
+    pub(crate) fn leases_as(&self, identity: &Identity) -> v1::leases_client::LeasesClient<Channel> {
+        let channel = berth_rpc::connect(&self.replicas[0].addr.to_string(), credentials(&self.ca, identity)).unwrap();
+        v1::leases_client::LeasesClient::new(channel)
+    }
+
     /// `Leases` as node `node_id`, which the access layer should refuse.
     pub(crate) fn leases_as_node(&self, node_id: &str) -> v1::leases_client::LeasesClient<Channel> {
         let channel = berth_rpc::connect(&self.replicas[0].addr.to_string(), self.node_credentials(node_id)).unwrap();

@@ -1,0 +1,120 @@
+//! Launch registrations as nodes and identity use them, on both backends:
+//! a node takes one for a lease it holds open, identity (and no other
+//! caller) spends it once, and an ended launch's registration is worthless.
+
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
+mod support;
+
+use berth_core::Identity;
+use berth_proto::identity::v1::NodeState;
+use berth_proto::leases::v1;
+use berth_proto::leases::v1::LeasePhase;
+use berth_testkit::on_both_backends;
+use support::{Backend, GIB, Ledger, fast_config, node};
+use tonic::Code;
+
+fn two_nodes() -> Vec<berth_proto::identity::v1::Node> {
+    vec![node("n-1", "", NodeState::Up, 4000, 8 * GIB), node("n-2", "", NodeState::Up, 4000, 8 * GIB)]
+}
+
+fn register(lease: &v1::Lease, node_id: &str, epoch: u64) -> v1::RegisterLaunchRequest {
+    v1::RegisterLaunchRequest { node_id: node_id.into(), lease_id: lease.lease_id.clone(), epoch }
+}
+
+fn redeem(registration: &str, node_id: &str) -> v1::RedeemLaunchRegistrationRequest {
+    v1::RedeemLaunchRegistrationRequest { registration: registration.into(), node_id: node_id.into() }
+}
+
+fn identity() -> Identity {
+    Identity::service("identity").unwrap()
+}
+
+async fn a_registration_is_spent_once_by_identity_for_the_node_holding_the_lease(backend: Backend) {
+    let ledger = Ledger::start(backend, fast_config(), two_nodes()).await;
+    let lease = ledger.place("job", 1000, GIB).await;
+    assert_eq!(lease.node_id, "n-1");
+
+    // Only the node holding the lease, at its epoch, gets a registration.
+    let elsewhere = ledger.node("n-2").register_launch(register(&lease, "n-2", 1)).await.unwrap_err();
+    assert_eq!(elsewhere.code(), Code::PermissionDenied, "{elsewhere:?}");
+    let stale = ledger.node("n-1").register_launch(register(&lease, "n-1", 2)).await.unwrap_err();
+    assert_eq!(stale.code(), Code::FailedPrecondition, "{stale:?}");
+    let impostor = ledger.node("n-2").register_launch(register(&lease, "n-1", 1)).await.unwrap_err();
+    assert_eq!(impostor.code(), Code::PermissionDenied, "a node acts only for itself: {impostor:?}");
+    let taken = ledger.node("n-1").register_launch(register(&lease, "n-1", 1)).await.unwrap().into_inner();
+    assert_eq!(taken.registration.len(), 64, "{taken:?}");
+    assert!(taken.registration.bytes().all(|b| b.is_ascii_hexdigit()));
+    let expires = taken.expires_at.unwrap().seconds;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let now = i64::try_from(now).unwrap();
+    assert!((now + 60..=now + 180).contains(&expires), "good for a couple of minutes: {expires} at {now}");
+    let again = ledger.node("n-1").register_launch(register(&lease, "n-1", 1)).await.unwrap().into_inner();
+    assert_ne!(again.registration, taken.registration, "every registration is a fresh secret");
+
+    // Only identity spends one: another service is refused by the handler,
+    // a node by the access layer.
+    let revisions = Identity::service("revisions").unwrap();
+    let refused = ledger.leases_as(&revisions).redeem_launch_registration(redeem(&taken.registration, "n-1")).await;
+    let refused = refused.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("only identity"), "{refused:?}");
+    let node = ledger.leases_as_node("n-1").redeem_launch_registration(redeem(&taken.registration, "n-1")).await;
+    assert_eq!(node.unwrap_err().code(), Code::PermissionDenied);
+
+    // Presented for the wrong node: refused, and still good for the right one.
+    let mut identity = ledger.leases_as(&identity());
+    let wrong = identity.redeem_launch_registration(redeem(&taken.registration, "n-2")).await.unwrap_err();
+    assert_eq!(wrong.code(), Code::FailedPrecondition, "{wrong:?}");
+    assert!(wrong.message().contains("issued to another node than n-2"), "{wrong:?}");
+    let spent = identity.redeem_launch_registration(redeem(&taken.registration, "n-1")).await.unwrap();
+    let spent = spent.into_inner().lease.unwrap();
+    assert_eq!((spent.lease_id.as_str(), spent.epoch, spent.node_id.as_str()), (lease.lease_id.as_str(), 1, "n-1"));
+
+    // A replay is refused, naming the lease and who spent it.
+    let replay = identity.redeem_launch_registration(redeem(&taken.registration, "n-1")).await.unwrap_err();
+    assert_eq!(replay.code(), Code::FailedPrecondition, "{replay:?}");
+    let said = replay.message();
+    assert!(said.contains(&lease.lease_id) && said.contains("already spent"), "{said}");
+    assert!(said.contains("redeemed by service 'identity'"), "{said}");
+
+    let unknown = identity.redeem_launch_registration(redeem(&"0".repeat(64), "n-1")).await.unwrap_err();
+    assert_eq!((unknown.code(), unknown.message()), (Code::FailedPrecondition, "no such launch registration"));
+    let malformed = identity.redeem_launch_registration(redeem("abc", "n-1")).await.unwrap_err();
+    assert_eq!(malformed.code(), Code::InvalidArgument);
+    assert!(malformed.message().starts_with("invalid registration"), "{malformed:?}");
+    ledger.cleanup().await;
+}
+
+async fn an_ended_launch_leaves_no_registration_to_spend(backend: Backend) {
+    let ledger = Ledger::start(backend, fast_config(), two_nodes()).await;
+    let mut identity = ledger.leases_as(&identity());
+
+    // A launch that failed: its unspent registration is revoked with the report.
+    let failed = ledger.place("failed", 1000, GIB).await;
+    let node_id = failed.node_id.clone();
+    let taken = ledger.node(&node_id).register_launch(register(&failed, &node_id, 1)).await.unwrap().into_inner();
+    ledger.report(&failed, 1, LeasePhase::Failed).await.unwrap();
+    let revoked = identity.redeem_launch_registration(redeem(&taken.registration, &node_id)).await.unwrap_err();
+    assert_eq!(revoked.code(), Code::FailedPrecondition, "{revoked:?}");
+    assert!(revoked.message().contains("already spent (revoked: the lease is"), "{revoked:?}");
+    let late = ledger.node(&node_id).register_launch(register(&failed, &node_id, 1)).await.unwrap_err();
+    assert_eq!(late.code(), Code::FailedPrecondition, "{late:?}");
+    assert!(late.message().contains("has no launch to register"), "{late:?}");
+
+    // A lease released after its registration was taken: nothing to sign.
+    let released = ledger.place("released", 1000, GIB).await;
+    let node_id = released.node_id.clone();
+    let taken = ledger.node(&node_id).register_launch(register(&released, &node_id, 1)).await.unwrap().into_inner();
+    let release = v1::ReleaseLeaseRequest { lease_id: released.lease_id.clone(), ..Default::default() };
+    ledger.leases(0).release_lease(release).await.unwrap();
+    let over = identity.redeem_launch_registration(redeem(&taken.registration, &node_id)).await.unwrap_err();
+    assert_eq!(over.code(), Code::FailedPrecondition, "{over:?}");
+    assert!(over.message().contains("so its launch is over"), "{over:?}");
+    ledger.cleanup().await;
+}
+
+on_both_backends!(
+    a_registration_is_spent_once_by_identity_for_the_node_holding_the_lease,
+    an_ended_launch_leaves_no_registration_to_spend,
+);
