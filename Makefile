@@ -105,7 +105,8 @@ bench:
 	  --database-url "$$database" --redis-url "$$redis"; \
 	"$$bench" egress; \
 	"$$bench" egress-push; \
-	"$$bench" router
+	"$$bench" router; \
+	"$$bench" svids
 
 ## Container images, where a Docker engine runs: one per binary, tagged
 ## <binary>:dev, from one build of the workspace (docker/Dockerfile).

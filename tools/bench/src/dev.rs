@@ -86,7 +86,9 @@ impl Series {
 /// Which port of `berth dev` a channel dials.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Port {
+    Identity = 0,
     Revisions = 1,
+    Leases = 2,
     Egress = 3,
     Agent = 4,
 }
@@ -138,6 +140,11 @@ impl Dev {
         let dev = Self { exe, data, base, child, services: Vec::new() };
         dev.node_up().await?;
         Ok(dev)
+    }
+
+    /// Its data directory (the admin's and the node's identities, the CA).
+    pub(crate) fn data(&self) -> &Path {
+        &self.data
     }
 
     /// Identity's port; revisions is one above, leases two.

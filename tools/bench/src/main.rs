@@ -24,6 +24,7 @@ mod procfs;
 mod report;
 mod router;
 mod runtime_launch;
+mod svids;
 
 mod process;
 
@@ -74,6 +75,10 @@ enum Scenario {
     /// the replica, in HTTP/1.1 and HTTP/2; how long a route change takes
     /// to be served by every router; the router's memory.
     Router(router::RouterArgs),
+    /// Workload certificates signed on a real `berth dev`, each against a
+    /// fresh launch registration as a node gets a launch's first, beside an
+    /// empty mTLS RPC; reports signings/s and latencies.
+    Svids(svids::SvidArgs),
     /// The HTTP server the router scenario deploys (run by the node).
     #[command(hide = true)]
     EchoServer,
@@ -102,6 +107,7 @@ impl Scenario {
             Scenario::Egress(args) => egress::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::EgressPush(args) => egress_push::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Router(args) => router::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::Svids(args) => svids::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::EchoServer => router::echo_server().await,
         };
         outcome.map_err(StartError::Invalid)

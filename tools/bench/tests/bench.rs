@@ -191,3 +191,19 @@ fn router_measures_requests_through_the_data_plane_beside_direct_ones() {
     assert_eq!(report["routers"], 2, "the bench's router and berth dev's own acknowledged: {report}");
     assert!(report["rss_many_mib"].as_f64().unwrap() > 0.0, "{report}");
 }
+
+#[test]
+fn svids_signs_workload_certificates_against_fresh_registrations_on_a_real_dev_node() {
+    sibling("berth", "berth");
+    let args = ["svids", "--signings", "20", "--concurrency", "4", "--baseline", "5", "-o", "json"];
+    let (report, _) = run_for_report(&args);
+    assert_eq!(report["register_and_sign"]["count"], 20, "every signing answered: {report}");
+    assert_eq!(report["sign"]["count"], 20, "{report}");
+    assert_eq!(report["baseline"]["count"], 5, "{report}");
+    let rate = report["rate_per_s"].as_f64().unwrap();
+    assert!(rate > 0.0, "{report}");
+    assert_eq!(report["met"], rate >= 1000.0, "the verdict follows the rate: {report}");
+    let (sign, both) =
+        (report["sign"]["p50_ms"].as_f64().unwrap(), report["register_and_sign"]["p50_ms"].as_f64().unwrap());
+    assert!(0.0 < sign && sign <= both, "the signing is part of the whole: {report}");
+}
