@@ -101,6 +101,8 @@ pub(crate) struct Dev {
     child: tokio::process::Child,
     /// The services applied, deleted before `berth dev` stops.
     services: Vec<String>,
+    /// Whether its node ran a workload, which `stop` waits out.
+    ran_workloads: bool,
 }
 
 impl Dev {
@@ -137,7 +139,7 @@ impl Dev {
         }
         // Keep reading so the process never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        let dev = Self { exe, data, base, child, services: Vec::new() };
+        let dev = Self { exe, data, base, child, services: Vec::new(), ran_workloads: false };
         dev.node_up().await?;
         Ok(dev)
     }
@@ -229,8 +231,16 @@ impl Dev {
         Ok(())
     }
 
+    /// Says the node runs workloads of leases the scenario asked for itself
+    /// (and releases before stopping): `stop` waits until the node has
+    /// destroyed them, so none outlives the run, nor its cgroup.
+    pub(crate) fn ran_workloads(&mut self) {
+        self.ran_workloads = true;
+    }
+
     /// Deletes every service applied and waits for the node to have stopped
-    /// their replicas, so none outlives the run, then stops `berth dev`.
+    /// their replicas (and any other workload it ran), so none outlives the
+    /// run, then stops `berth dev`.
     pub(crate) async fn stop(mut self) {
         for service in &self.services {
             if let Err(error) = self.cli(&["service", "delete", service]).await {
@@ -238,7 +248,7 @@ impl Dev {
             }
         }
         // The leases end at once; the node then stops the replicas.
-        if !self.services.is_empty()
+        if (self.ran_workloads || !self.services.is_empty())
             && let Ok(channel) = self.channel(Port::Agent)
         {
             let mut agent = agent::agent_client::AgentClient::new(channel);

@@ -75,7 +75,8 @@ struct Report {
 /// Runs the scenario and prints its report.
 pub(crate) async fn run(args: SvidArgs) -> Result<(), DevBenchError> {
     let dir = tempfile::tempdir().map_err(|e| setup("a scratch directory")(e.to_string()))?;
-    let dev = Dev::start(dir.path(), &[]).await?;
+    let mut dev = Dev::start(dir.path(), &[]).await?;
+    dev.ran_workloads();
     let outcome = measure(&dev, &args).await;
     dev.stop().await;
     let report = outcome?;
