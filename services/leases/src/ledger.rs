@@ -51,10 +51,12 @@
 //! incarnation still had in flight.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 
 use berth_proto::leases::v1;
 use berth_store::{Backend, Store, StoreError, Term, expect_one};
 use prost::Message as _;
+use ring::hmac;
 use sqlx::AnyConnection;
 
 use crate::config::{LeasesConfig, millis};
@@ -326,11 +328,18 @@ pub(crate) struct Ledger {
     store: Store,
     ttl_ms: i64,
     custody_window_ms: i64,
+    /// The key launch registrations are signed with, once read.
+    launch_key: Arc<tokio::sync::OnceCell<hmac::Key>>,
 }
 
 impl Ledger {
     pub(crate) fn new(store: Store, config: &LeasesConfig) -> Self {
-        Self { store, ttl_ms: millis(config.lease_ttl), custody_window_ms: millis(config.custody_window) }
+        Self {
+            store,
+            ttl_ms: millis(config.lease_ttl),
+            custody_window_ms: millis(config.custody_window),
+            launch_key: Arc::default(),
+        }
     }
 
     pub(crate) fn store(&self) -> &Store {
@@ -461,9 +470,6 @@ impl Ledger {
                         .message(&report.message)
                         .exit_code(report.exit_code);
                     let mut record = apply(conn, &lease, change, now, None).await?;
-                    if !report.phase.is_open() {
-                        revoke_registrations(conn, &record, now).await?;
-                    }
                     if report.phase == Phase::Running && !report.ports.is_empty() {
                         sqlx::query("UPDATE leases SET ports = $2 WHERE lease_id = $1")
                             .bind(&record.lease_id)
@@ -716,21 +722,53 @@ impl Ledger {
             .await
     }
 
+    /// The key launch registrations are signed with: made by the first
+    /// replica that needs it, kept in the store, shared by every replica.
+    async fn launch_key(&self) -> Result<hmac::Key, LeaseError> {
+        let key = self
+            .launch_key
+            .get_or_try_init(|| async {
+                let fresh = rand::random::<[u8; 32]>();
+                let fresh = fresh.as_slice();
+                let stored: Vec<u8> = self
+                    .store
+                    .tx("leases.launch_key", |conn| {
+                        Box::pin(async move {
+                            sqlx::query(
+                                "INSERT INTO launch_registration_key (id, key) VALUES (1, $1) ON CONFLICT DO NOTHING",
+                            )
+                            .bind(fresh)
+                            .execute(&mut *conn)
+                            .await?;
+                            let (key,): (Vec<u8>,) =
+                                sqlx::query_as("SELECT key FROM launch_registration_key WHERE id = 1")
+                                    .fetch_one(&mut *conn)
+                                    .await?;
+                            Ok::<_, LeaseError>(key)
+                        })
+                    })
+                    .await?;
+                Ok::<_, LeaseError>(hmac::Key::new(hmac::HMAC_SHA256, &stored))
+            })
+            .await?;
+        Ok(key.clone())
+    }
+
     /// A new single-use launch registration for `lease_id`, which `node_id`
-    /// must hold open at `epoch`: its secret and when it expires (ms).
+    /// must hold open at `epoch`, and when it expires (ms). Nothing is
+    /// written: the registration carries its lease, epoch, node and expiry,
+    /// signed with [`Ledger::launch_key`]; only its spending is recorded.
     pub(crate) async fn register_launch(
         &self,
         node_id: &str,
         lease_id: &str,
         epoch: u64,
     ) -> Result<(String, i64), LeaseError> {
+        let key = self.launch_key().await?;
         let now_sql = self.store.now_ms_sql();
-        let secret = hex::encode(rand::random::<[u8; 32]>());
-        let (digest, ttl_ms) = (secret_sha256(&secret), millis(LAUNCH_REGISTRATION_TTL));
-        let digest = digest.as_str();
-        let expires_at = self
+        let now = self
             .store
-            .tx("leases.register_launch", |conn| {
+            .read("leases.register_launch", |conn| {
                 Box::pin(async move {
                     let now = berth_store::now_ms_in(conn, now_sql).await?;
                     let lease = held_by(conn, node_id, lease_id, epoch).await?;
@@ -740,55 +778,55 @@ impl Ledger {
                             lease.phase
                         )));
                     }
-                    let expires_at = now.saturating_add(ttl_ms);
-                    sqlx::query(
-                        "INSERT INTO launch_registrations \
-                         (secret_sha256, lease_id, epoch, node_id, created_at_ms, expires_at_ms) \
-                         VALUES ($1, $2, $3, $4, $5, $6)",
-                    )
-                    .bind(digest)
-                    .bind(lease_id)
-                    .bind(lease.epoch)
-                    .bind(node_id)
-                    .bind(now)
-                    .bind(expires_at)
-                    .execute(&mut *conn)
-                    .await?;
-                    Ok(expires_at)
+                    Ok(now)
                 })
             })
             .await?;
-        Ok((secret, expires_at))
+        let expires_at = now.saturating_add(millis(LAUNCH_REGISTRATION_TTL));
+        let registration = LaunchRegistration {
+            lease_id: lease_id.to_owned(),
+            epoch,
+            node_id: node_id.to_owned(),
+            expires_at,
+            nonce: hex::encode(rand::random::<[u8; 16]>()),
+        };
+        Ok((registration.sign(&key), expires_at))
     }
 
-    /// Spends the launch registration whose secret is `secret`, presented by
-    /// `node_id` through `by`: its lease, if that lease is still open on the
-    /// node at the registration's epoch. Refused, nothing changes.
-    pub(crate) async fn redeem_launch(&self, secret: &str, node_id: &str, by: &str) -> Result<LeaseRecord, LeaseError> {
+    /// Spends the launch registration `presented` by `node_id` through `by`:
+    /// its lease, if that lease is still open on the node at the
+    /// registration's epoch. Refused, nothing changes.
+    pub(crate) async fn redeem_launch(
+        &self,
+        presented: &str,
+        node_id: &str,
+        by: &str,
+    ) -> Result<LeaseRecord, LeaseError> {
+        let key = self.launch_key().await?;
+        let Some(registration) = LaunchRegistration::verify(&key, presented) else {
+            return Err(LeaseError::LaunchRefused("no such launch registration".to_owned()));
+        };
         let now_sql = self.store.now_ms_sql();
-        let digest = secret_sha256(secret);
-        let digest = digest.as_str();
+        let digest = secret_sha256(presented);
+        let (digest, registration, spent_by) = (digest.as_str(), &registration, format!("redeemed by {by}"));
+        let spent_by = spent_by.as_str();
         self.store
             .tx("leases.redeem_launch", |conn| {
                 Box::pin(async move {
                     let now = berth_store::now_ms_in(conn, now_sql).await?;
-                    let row: Option<(String, i64, String, i64, Option<i64>, String)> = sqlx::query_as(
-                        "SELECT lease_id, epoch, node_id, expires_at_ms, spent_at_ms, spent_by \
-                         FROM launch_registrations WHERE secret_sha256 = $1",
-                    )
-                    .bind(digest)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                    let Some((lease_id, epoch, registered_to, expires_at, spent_at, spent_by)) = row else {
-                        return Err(LeaseError::LaunchRefused("no such launch registration".to_owned()));
-                    };
+                    let LaunchRegistration { lease_id, epoch, node_id: registered_to, expires_at, .. } = registration;
                     let refused = |why: String| Err(LeaseError::LaunchRefused(why));
-                    if spent_at.is_some() {
+                    let spent: Option<(String,)> =
+                        sqlx::query_as("SELECT spent_by FROM launch_registrations WHERE secret_sha256 = $1")
+                            .bind(digest)
+                            .fetch_optional(&mut *conn)
+                            .await?;
+                    if let Some((spent,)) = spent {
                         return refused(format!(
-                            "the launch registration of lease {lease_id} at epoch {epoch} was already spent ({spent_by})"
+                            "the launch registration of lease {lease_id} at epoch {epoch} was already spent ({spent})"
                         ));
                     }
-                    if expires_at <= now {
+                    if *expires_at <= now {
                         return refused(format!(
                             "the launch registration of lease {lease_id} at epoch {epoch} has expired"
                         ));
@@ -798,17 +836,22 @@ impl Ledger {
                             "the launch registration of lease {lease_id} was issued to another node than {node_id}"
                         ));
                     }
-                    let epoch = u64::try_from(epoch).unwrap_or_default();
-                    let lease = held_by(conn, node_id, &lease_id, epoch).await?;
+                    let lease = held_by(conn, node_id, lease_id, *epoch).await?;
                     if !lease.phase.is_open() {
                         return refused(format!("lease {lease_id} is {}, so its launch is over", lease.phase));
                     }
                     sqlx::query(
-                        "UPDATE launch_registrations SET spent_at_ms = $2, spent_by = $3 WHERE secret_sha256 = $1",
+                        "INSERT INTO launch_registrations \
+                         (secret_sha256, lease_id, epoch, node_id, created_at_ms, expires_at_ms, spent_at_ms, spent_by) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $5, $7)",
                     )
                     .bind(digest)
+                    .bind(lease_id.as_str())
+                    .bind(lease.epoch)
+                    .bind(node_id)
                     .bind(now)
-                    .bind(format!("redeemed by {by}"))
+                    .bind(*expires_at)
+                    .bind(spent_by)
                     .execute(&mut *conn)
                     .await?;
                     Ok(lease)
@@ -943,25 +986,48 @@ async fn held_by(
     Ok(lease)
 }
 
-/// Revokes what is left unspent of the launch registrations of `lease` at
-/// its epoch, as it leaves the open phases.
-async fn revoke_registrations(conn: &mut AnyConnection, lease: &LeaseRecord, now: i64) -> Result<(), LeaseError> {
-    sqlx::query(
-        "UPDATE launch_registrations SET spent_at_ms = $3, spent_by = $4 \
-         WHERE lease_id = $1 AND epoch = $2 AND spent_at_ms IS NULL",
-    )
-    .bind(&lease.lease_id)
-    .bind(lease.epoch)
-    .bind(now)
-    .bind(format!("revoked: the lease is {}", lease.phase))
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
-}
-
-/// What a launch registration is stored under: never the secret itself.
+/// What a spent launch registration is recorded under.
 fn secret_sha256(secret: &str) -> String {
     hex::encode(ring::digest::digest(&ring::digest::SHA256, secret.as_bytes()))
+}
+
+/// What a launch registration says, signed by leases:
+/// `<lease>/<epoch>/<node>/<expires ms>/<nonce>/<HMAC-SHA256, hex>`. No part
+/// holds a `/` (lease ids, node ids and numbers never do).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LaunchRegistration {
+    lease_id: String,
+    epoch: u64,
+    node_id: String,
+    expires_at: i64,
+    nonce: String,
+}
+
+impl LaunchRegistration {
+    fn payload(&self) -> String {
+        format!("{}/{}/{}/{}/{}", self.lease_id, self.epoch, self.node_id, self.expires_at, self.nonce)
+    }
+
+    fn sign(&self, key: &hmac::Key) -> String {
+        let payload = self.payload();
+        let tag = hmac::sign(key, payload.as_bytes());
+        format!("{payload}/{}", hex::encode(tag.as_ref()))
+    }
+
+    /// What `presented` says, if `key` signed it.
+    fn verify(key: &hmac::Key, presented: &str) -> Option<Self> {
+        let (payload, tag) = presented.rsplit_once('/')?;
+        hmac::verify(key, payload.as_bytes(), &hex::decode(tag).ok()?).ok()?;
+        let mut parts = payload.split('/');
+        let registration = Self {
+            lease_id: parts.next()?.to_owned(),
+            epoch: parts.next()?.parse().ok()?,
+            node_id: parts.next()?.to_owned(),
+            expires_at: parts.next()?.parse().ok()?,
+            nonce: parts.next()?.to_owned(),
+        };
+        parts.next().is_none().then_some(registration)
+    }
 }
 
 async fn node_rows(conn: &mut AnyConnection) -> Result<HashMap<String, NodeLedgerRow>, LeaseError> {

@@ -72,13 +72,16 @@ pub(crate) fn lease_id(value: &str) -> Result<(), LeaseError> {
     name("lease_id", value)
 }
 
-/// A launch registration's secret as RegisterLaunch hands it out: 64 hex digits.
+/// A launch registration as RegisterLaunch hands it out: six `/`-separated
+/// parts of printable ASCII, the last 64 hex digits.
 pub(crate) fn registration(value: &str) -> Result<(), LeaseError> {
-    if value.len() == 64 && value.bytes().all(|b| b.is_ascii_hexdigit()) {
-        Ok(())
-    } else {
-        Err(invalid("registration", "not a launch registration: 64 hex digits, as RegisterLaunch answers"))
-    }
+    let tag = value.rsplit('/').next().unwrap_or_default();
+    let formed = value.len() <= MAX_NAME_LEN
+        && value.bytes().all(|b| b.is_ascii_graphic())
+        && value.split('/').count() == 6
+        && tag.len() == 64
+        && tag.bytes().all(|b| b.is_ascii_hexdigit());
+    if formed { Ok(()) } else { Err(invalid("registration", "not a launch registration as RegisterLaunch answers it")) }
 }
 
 /// A node id: a DNS label, as identity names nodes.

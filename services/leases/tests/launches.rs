@@ -1,6 +1,7 @@
 //! Launch registrations as nodes and identity use them, on both backends:
 //! a node takes one for a lease it holds open, identity (and no other
-//! caller) spends it once, and an ended launch's registration is worthless.
+//! caller) spends it once, a forged one is refused, and an ended launch's
+//! registration is worthless.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
@@ -43,8 +44,7 @@ async fn a_registration_is_spent_once_by_identity_for_the_node_holding_the_lease
     let impostor = ledger.node("n-2").register_launch(register(&lease, "n-1", 1)).await.unwrap_err();
     assert_eq!(impostor.code(), Code::PermissionDenied, "a node acts only for itself: {impostor:?}");
     let taken = ledger.node("n-1").register_launch(register(&lease, "n-1", 1)).await.unwrap().into_inner();
-    assert_eq!(taken.registration.len(), 64, "{taken:?}");
-    assert!(taken.registration.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert!(taken.registration.starts_with(&format!("{}/1/n-1/", lease.lease_id)), "{taken:?}");
     let expires = taken.expires_at.unwrap().seconds;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
     let now = i64::try_from(now).unwrap();
@@ -78,8 +78,15 @@ async fn a_registration_is_spent_once_by_identity_for_the_node_holding_the_lease
     assert!(said.contains(&lease.lease_id) && said.contains("already spent"), "{said}");
     assert!(said.contains("redeemed by service 'identity'"), "{said}");
 
-    let unknown = identity.redeem_launch_registration(redeem(&"0".repeat(64), "n-1")).await.unwrap_err();
-    assert_eq!((unknown.code(), unknown.message()), (Code::FailedPrecondition, "no such launch registration"));
+    // A forged one (its epoch changed, or its signature) was never issued.
+    let forged = again.registration.replacen("/1/n-1/", "/2/n-1/", 1);
+    let forged = identity.redeem_launch_registration(redeem(&forged, "n-1")).await.unwrap_err();
+    assert_eq!((forged.code(), forged.message()), (Code::FailedPrecondition, "no such launch registration"));
+    let mut tampered = again.registration.clone();
+    let last = if tampered.ends_with('0') { "1" } else { "0" };
+    tampered.replace_range(tampered.len() - 1.., last);
+    let tampered = identity.redeem_launch_registration(redeem(&tampered, "n-1")).await.unwrap_err();
+    assert_eq!(tampered.message(), "no such launch registration");
     let malformed = identity.redeem_launch_registration(redeem("abc", "n-1")).await.unwrap_err();
     assert_eq!(malformed.code(), Code::InvalidArgument);
     assert!(malformed.message().starts_with("invalid registration"), "{malformed:?}");
@@ -90,14 +97,14 @@ async fn an_ended_launch_leaves_no_registration_to_spend(backend: Backend) {
     let ledger = Ledger::start(backend, fast_config(), two_nodes()).await;
     let mut identity = ledger.leases_as(&identity());
 
-    // A launch that failed: its unspent registration is revoked with the report.
+    // A launch that failed: its unspent registration is worth nothing.
     let failed = ledger.place("failed", 1000, GIB).await;
     let node_id = failed.node_id.clone();
     let taken = ledger.node(&node_id).register_launch(register(&failed, &node_id, 1)).await.unwrap().into_inner();
     ledger.report(&failed, 1, LeasePhase::Failed).await.unwrap();
     let revoked = identity.redeem_launch_registration(redeem(&taken.registration, &node_id)).await.unwrap_err();
     assert_eq!(revoked.code(), Code::FailedPrecondition, "{revoked:?}");
-    assert!(revoked.message().contains("already spent (revoked: the lease is"), "{revoked:?}");
+    assert!(revoked.message().contains("so its launch is over"), "{revoked:?}");
     let late = ledger.node(&node_id).register_launch(register(&failed, &node_id, 1)).await.unwrap_err();
     assert_eq!(late.code(), Code::FailedPrecondition, "{late:?}");
     assert!(late.message().contains("has no launch to register"), "{late:?}");
