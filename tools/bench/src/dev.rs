@@ -81,6 +81,23 @@ impl Series {
             max_ms: samples.last().copied(),
         }
     }
+
+    /// A table of `rows` (label, series) under a `count p50 p99 max`
+    /// header, labels padded to `label_width`.
+    pub(crate) fn table(label_width: usize, rows: &[(&str, &Series)]) -> String {
+        let latency = crate::leases::latency;
+        let mut out = format!("{:<label_width$}{:>8}{:>12}{:>12}{:>12}\n", "", "count", "p50", "p99", "max");
+        for (label, series) in rows {
+            out.push_str(&format!(
+                "{label:<label_width$}{:>8}{:>12}{:>12}{:>12}\n",
+                series.count,
+                latency(series.p50_ms),
+                latency(series.p99_ms),
+                latency(series.max_ms)
+            ));
+        }
+        out
+    }
 }
 
 /// Which port of `berth dev` a channel dials.
@@ -254,8 +271,10 @@ impl Dev {
             let mut agent = agent::agent_client::AgentClient::new(channel);
             let deadline = Instant::now() + Duration::from_secs(60);
             while Instant::now() < deadline {
+                // The node lists an ended instance a while (its logs); it is
+                // done with one once it is final and runs nothing.
                 let listed = agent.list_instances(agent::ListInstancesRequest::default()).await;
-                if listed.is_ok_and(|r| r.into_inner().instances.is_empty()) {
+                if listed.is_ok_and(|r| r.into_inner().instances.iter().all(|i| !i.phase().is_open() && i.pid == 0)) {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;

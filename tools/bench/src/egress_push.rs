@@ -210,23 +210,18 @@ async fn node_ack(client: &mut egress::egress_client::EgressClient<Channel>) -> 
 
 fn table(report: &Report) -> String {
     let latency = crate::leases::latency;
-    let row = |name: &str, series: &Series| {
-        format!(
-            "{name:<28}{:>8}{:>12}{:>12}{:>12}\n",
-            series.count,
-            latency(series.p50_ms),
-            latency(series.p99_ms),
-            latency(series.max_ms)
-        )
-    };
     let mut out = format!(
         "berth-bench egress-push: {} route edits, one at a time, on berth dev's node ({})\n",
         report.edits, report.enforcement
     );
-    out.push_str(&format!("{:<28}{:>8}{:>12}{:>12}{:>12}\n", "", "count", "p50", "p99", "max"));
-    out.push_str(&row("edit in force on the node", &report.in_force));
-    out.push_str(&row("ApplyRoute answered", &report.apply));
-    out.push_str(&row("empty mTLS RPC (baseline)", &report.baseline));
+    out.push_str(&Series::table(
+        28,
+        &[
+            ("edit in force on the node", &report.in_force),
+            ("ApplyRoute answered", &report.apply),
+            ("empty mTLS RPC (baseline)", &report.baseline),
+        ],
+    ));
     out.push_str(&format!(
         "target: every edit acknowledged by the node, p99 < {:.0}ms {} ({} missed, p99 {})",
         report.target_p99_ms,

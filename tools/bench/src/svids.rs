@@ -196,24 +196,18 @@ async fn signings(dev: &Dev, args: &SvidArgs, lease: &Arc<leases::Lease>) -> Res
 }
 
 fn table(report: &Report) -> String {
-    let latency = crate::leases::latency;
-    let row = |name: &str, series: &Series| {
-        format!(
-            "{name:<34}{:>8}{:>12}{:>12}{:>12}\n",
-            series.count,
-            latency(series.p50_ms),
-            latency(series.p99_ms),
-            latency(series.max_ms)
-        )
-    };
     let mut out = format!(
         "berth-bench svids: {} workload certificates, {} at once, on berth dev (embedded store)\n",
         report.signings, report.concurrency
     );
-    out.push_str(&format!("{:<34}{:>8}{:>12}{:>12}{:>12}\n", "", "count", "p50", "p99", "max"));
-    out.push_str(&row("register + sign (a launch's first)", &report.register_and_sign));
-    out.push_str(&row("sign (spends the registration)", &report.sign));
-    out.push_str(&row("empty mTLS RPC (baseline)", &report.baseline));
+    out.push_str(&Series::table(
+        34,
+        &[
+            ("register + sign (a launch's first)", &report.register_and_sign),
+            ("sign (spends the registration)", &report.sign),
+            ("empty mTLS RPC (baseline)", &report.baseline),
+        ],
+    ));
     out.push_str(&format!(
         "target: ≥ {:.0} signed/s {} ({:.0}/s)",
         report.target_per_s,
