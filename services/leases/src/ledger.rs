@@ -842,8 +842,8 @@ impl Ledger {
                     }
                     sqlx::query(
                         "INSERT INTO launch_registrations \
-                         (secret_sha256, lease_id, epoch, node_id, created_at_ms, expires_at_ms, spent_at_ms, spent_by) \
-                         VALUES ($1, $2, $3, $4, $5, $6, $5, $7)",
+                         (secret_sha256, lease_id, epoch, node_id, spent_at_ms, expires_at_ms, spent_by) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $7)",
                     )
                     .bind(digest)
                     .bind(lease_id.as_str())

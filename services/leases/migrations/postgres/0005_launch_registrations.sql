@@ -14,9 +14,8 @@ CREATE TABLE launch_registrations (
     lease_id      TEXT NOT NULL,
     epoch         BIGINT NOT NULL,
     node_id       TEXT NOT NULL,
-    created_at_ms BIGINT NOT NULL,
     expires_at_ms BIGINT NOT NULL,
-    spent_at_ms   BIGINT,
-    spent_by      TEXT NOT NULL DEFAULT ''
+    spent_at_ms   BIGINT NOT NULL,
+    spent_by      TEXT NOT NULL
 );
 CREATE INDEX launch_registrations_by_expiry ON launch_registrations (expires_at_ms);
