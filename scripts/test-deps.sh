@@ -3,7 +3,8 @@
 # the real grpcurl, cargo-nextest, PostgreSQL on 127.0.0.1:5432, Redis on
 # 127.0.0.1:6379, the docker-registry binary the bundle tests start on
 # loopback ports of their own, gRPC for the system python3 (a test
-# workload), h2load (load on the router), and the OCI runtimes (runc, crun, runsc) and
+# workload), the SPIFFE Python library (a Workload API client), h2load
+# (load on the router), and the OCI runtimes (runc, crun, runsc) and
 # init (tini) that contained workloads run through. Installs only what is missing (as root), starts
 # only what is not running, and prints the grpcurl path for the Makefile.
 set -euo pipefail
@@ -60,6 +61,19 @@ fi
 if ! /usr/bin/python3 -c 'import grpc' >/dev/null 2>&1; then
   log "installing python3-grpcio"
   apt_install python3-grpcio
+fi
+
+# The SPIFFE Python library (py-spiffe), a standard Workload API client a
+# test workload runs on the system's python3 under the node's /usr. Kept
+# apart from the system's packages (run with `python3 -S`): Debian's own
+# pyOpenSSL does not load beside the cryptography it needs.
+SPIFFE_PY=/usr/local/lib/berth-spiffe-py
+if ! PYTHONPATH="$SPIFFE_PY" /usr/bin/python3 -S -c 'import spiffe' >/dev/null 2>&1; then
+  log "installing the SPIFFE Python library (pip spiffe) into $SPIFFE_PY"
+  # Wheels for the system's python3, whichever python3 runs pip.
+  py=$(/usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  as_root python3 -m pip install -q --disable-pip-version-check --target "$SPIFFE_PY" \
+    --python-version "$py" --only-binary=:all: spiffe==0.3.2 >&2
 fi
 
 # h2load, the load the router tests put on it.

@@ -1,6 +1,9 @@
 //! Compiles the berth API under `proto/` into Rust, writes its descriptor set for
 //! reflection, and turns each rpc's `(berth.auth.v1.access)` option into the
-//! admission table `access.rs`.
+//! admission table `access.rs`. The SPIFFE Workload API (`proto/spiffe`) is
+//! compiled on its own: the node agent serves it to workloads over a Unix
+//! socket, outside the mesh, so it has no admission rule and no place in the
+//! descriptor set the mesh's services reflect.
 //!
 //! # Invariants
 //! Every rpc admits at least one known caller kind. The build fails, naming each rpc
@@ -21,6 +24,9 @@ const ACCESS_EXTENSION: &str = "berth.auth.v1.access";
 
 /// The file reflection serves, written beside the generated code.
 const DESCRIPTOR_FILE: &str = "berth_descriptor.bin";
+
+/// The SPIFFE Workload API, under `proto/`.
+const SPIFFE_WORKLOAD_API: &str = "spiffe/workload/workload.proto";
 
 /// The generated admission table, included by `lib.rs`.
 const ACCESS_FILE: &str = "access.rs";
@@ -81,7 +87,7 @@ fn build() -> Result<(), BuildError> {
     println!("cargo:rerun-if-changed={}", proto_dir.display());
 
     let mut files = Vec::new();
-    collect_protos(&proto_dir, &mut files)?;
+    collect_protos(&proto_dir.join("berth"), &mut files)?;
     files.sort();
 
     let mut compiler = protox::Compiler::new([&proto_dir]).map_err(BuildError::Compile)?;
@@ -109,6 +115,15 @@ fn build() -> Result<(), BuildError> {
         // of being stubbed by hand in every service.
         .generate_default_stubs(true)
         .compile_fds_with_config(compiler.file_descriptor_set(), config)
+        .map_err(BuildError::Codegen)?;
+
+    let mut spiffe = protox::Compiler::new([&proto_dir]).map_err(BuildError::Compile)?;
+    spiffe.include_imports(true);
+    spiffe.open_files([proto_dir.join(SPIFFE_WORKLOAD_API)]).map_err(BuildError::Compile)?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(spiffe.file_descriptor_set())
         .map_err(BuildError::Codegen)
 }
 

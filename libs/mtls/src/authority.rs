@@ -213,12 +213,23 @@ impl CertificateAuthority {
 /// The CSR names `common_name` only: the authority decides the SANs.
 pub fn generate_csr(common_name: &str) -> Result<(String, String), MtlsError> {
     let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(MtlsError::Generate)?;
+    Ok((csr_for(common_name, &key)?, key.serialize_pem()))
+}
+
+/// A CSR naming `common_name` for the key in `key_pem` (PKCS#8 PEM): how a
+/// key kept across renewals asks for its next certificate.
+pub fn csr_for_key(common_name: &str, key_pem: &str) -> Result<String, MtlsError> {
+    let key = KeyPair::from_pem(key_pem).map_err(MtlsError::Generate)?;
+    csr_for(common_name, &key)
+}
+
+fn csr_for(common_name: &str, key: &KeyPair) -> Result<String, MtlsError> {
     let mut params = CertificateParams::default();
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, common_name);
     params.distinguished_name = dn;
-    let csr = params.serialize_request(&key).map_err(MtlsError::Generate)?;
-    Ok((csr.pem().map_err(MtlsError::Generate)?, key.serialize_pem()))
+    let csr = params.serialize_request(key).map_err(MtlsError::Generate)?;
+    csr.pem().map_err(MtlsError::Generate)
 }
 
 /// A CSR whose signature verifies and whose key is one berth signs.

@@ -18,10 +18,12 @@ mod credentials;
 mod peer;
 mod pem;
 
-pub use authority::{BACKDATE, CertificateAuthority, IssuedCertificate, generate_csr};
+pub use authority::{BACKDATE, CertificateAuthority, IssuedCertificate, csr_for_key, generate_csr};
 pub use credentials::{TlsCredentials, TlsMaterial, anonymous_client_config, public_server_config, verify_chain};
 pub use peer::identity_from_cert;
-pub use pem::{cert_host_names, cert_not_after, cert_validity, certs_from_pem, fingerprint};
+pub use pem::{
+    cert_host_names, cert_not_after, cert_uris, cert_validity, certs_from_pem, fingerprint, private_key_der,
+};
 
 /// Why a certificate operation failed.
 #[derive(Debug, thiserror::Error)]

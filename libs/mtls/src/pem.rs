@@ -67,3 +67,27 @@ pub fn cert_not_after(cert: &CertificateDer<'_>) -> Result<i64, MtlsError> {
         .map_err(|e| MtlsError::Pem { what: "certificate", detail: e.to_string() })?;
     Ok(parsed.validity().not_after.timestamp())
 }
+
+/// The DER (PKCS#8 for a key berth made) of the private key in a PEM
+/// document: what the SPIFFE Workload API hands a workload.
+pub fn private_key_der(pem: &str) -> Result<Vec<u8>, MtlsError> {
+    Ok(key_from_pem(pem)?.secret_der().to_vec())
+}
+
+/// The URIs a certificate names as subject alternative names: a SPIFFE ID
+/// is one.
+pub fn cert_uris(cert: &CertificateDer<'_>) -> Result<Vec<String>, MtlsError> {
+    use x509_parser::extensions::GeneralName;
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| MtlsError::Pem { what: "certificate", detail: e.to_string() })?;
+    let Ok(Some(san)) = parsed.subject_alternative_name() else { return Ok(Vec::new()) };
+    Ok(san
+        .value
+        .general_names
+        .iter()
+        .filter_map(|name| match name {
+            GeneralName::URI(uri) => Some((*uri).to_owned()),
+            _ => None,
+        })
+        .collect())
+}

@@ -64,6 +64,7 @@ use crate::process::{ProcessProvider, ProcessTiming};
 use crate::provider::Provider;
 use crate::runner::{RunnerHandle, RunnerParts, RunnerSettings};
 use crate::status::{AgentStatus, Fence, NodeSession};
+use crate::svids::{GrpcWorkloads, Svids};
 use berth_core::backoff::Backoff;
 
 /// Where the bundle cache lives in the data directory.
@@ -411,10 +412,20 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
             let bundles = open_bundles(&config, dir.root(), &credentials).await?;
             crate::log_rotation::spawn(dir.root(), config.log_max_bytes, stop.clone());
             let leases: Arc<dyn NodeLeasesApi> = Arc::new(leases);
+            let svids = if config.workload_identity {
+                let replicas = crate::identity_servers::parse(&config.server).map_err(AgentError::Config)?;
+                let replica = &replicas[crate::identity_servers::preferred_index(&identity.node_id, replicas.len())];
+                let api = GrpcWorkloads::new(addr, replica, credentials.clone(), config.timing.rpc_timeout)
+                    .map_err(AgentError::Client)?;
+                let retry = (config.timing.retry_initial, config.timing.retry_max);
+                Some(Svids::new(dir.root(), Arc::new(api), retry, stop.clone()))
+            } else {
+                None
+            };
             #[cfg(feature = "fault-injection")]
             let (leases, provider) =
                 crate::faults::Faults::from_env().map_err(AgentError::Config)?.wrap(leases, provider);
-            Some((provider, leases, bundles, settings))
+            Some((provider, leases, bundles, svids, settings))
         }
         None => {
             if let Some((proxies, _)) = &egress {
@@ -433,13 +444,14 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         log_poll: config.lease_timing.log_poll,
         shutdown: stop.clone(),
     };
-    let runner = runner.map(|(provider, leases, bundles, settings)| {
+    let runner = runner.map(|(provider, leases, bundles, svids, settings)| {
         crate::runner::spawn(RunnerParts {
             leases,
             provider,
             bundles,
             board,
             dialer,
+            svids,
             session: session_rx.clone(),
             fences: fences.clone(),
             settings,

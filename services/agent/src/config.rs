@@ -285,6 +285,10 @@ pub struct AgentConfig {
     /// running one, else the running one itself. Set where the agent runs
     /// inside another program, as a test's.
     pub process_runtime_exe: Option<PathBuf>,
+    /// Whether every workload gets a credential of its own (an X.509-SVID
+    /// naming its lease, and the SPIFFE Workload API) before it starts; a
+    /// launch whose credential cannot be minted fails.
+    pub workload_identity: bool,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -314,6 +318,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("egress_isolation", &self.egress_isolation)
             .field("proxy_timing", &self.proxy_timing)
             .field("containment", &self.containment)
+            .field("workload_identity", &self.workload_identity)
             .finish_non_exhaustive()
     }
 }
@@ -358,6 +363,7 @@ impl AgentConfig {
             proxy_timing: ProxyTiming::default(),
             containment: Containment::default(),
             process_runtime_exe: None,
+            workload_identity: true,
         }
     }
 

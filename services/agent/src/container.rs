@@ -78,8 +78,8 @@ use crate::instances::{
 use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, Settlement,
-    WorkloadRoot, WorkloadSignal,
+    ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime,
+    Settlement, WorkloadRoot, WorkloadSignal,
 };
 
 mod account;
@@ -91,7 +91,7 @@ pub(crate) use self::own::ARG0 as OWN_ARG0;
 pub use self::own::{favor_cgroup_migrations, main as runtime_main, main_if_invoked as runtime_main_if_invoked};
 
 pub(crate) use self::spec::{BUNDLE_MOUNT, WORK_MOUNT};
-use self::spec::{ContainerPlan, INIT_MOUNT, ImagePlan, runtime_spec};
+use self::spec::{ContainerPlan, IDENTITY_MOUNT, INIT_MOUNT, ImagePlan, WORKLOAD_API_LINK, runtime_spec};
 
 /// How long a runtime may take to start a workload before the launch fails.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -329,6 +329,10 @@ impl Inner {
                 // (`--network=sandbox`) refuses to start on kernels where it
                 // takes the tenant's namespace for the root one.
                 command.arg("--network=host");
+                // The workload dials its Workload API, a host socket in its
+                // identity directory: only opening host sockets is allowed,
+                // never creating one.
+                command.arg("--host-uds=open");
                 // runsc keeps no stopped container to read afterwards.
                 command.arg("run");
             }
@@ -606,6 +610,7 @@ impl ContainerProvider {
                 account::give(&rootfs, account, plan.uid)?;
             }
             image.etc = image_etc(&dir, &plan.hostname)?;
+            link_workload_api(&rootfs, plan)?;
             return self.write_spec(&dir, plan);
         }
         let create = |path: &Path| {
@@ -640,6 +645,7 @@ impl ContainerProvider {
             let path = etc.join(name);
             std::fs::write(&path, text).map_err(|source| io("write", &path, source))?;
         }
+        link_workload_api(&rootfs, plan)?;
         self.write_spec(&dir, plan)
     }
 
@@ -656,6 +662,41 @@ impl ContainerProvider {
         std::fs::write(&config, text).map_err(|source| io("write", &config, source))?;
         Ok(dir.to_path_buf())
     }
+}
+
+/// Links [`WORKLOAD_API_LINK`] at the top of the workload's root to the
+/// Workload API socket in its identity directory, when it has one.
+///
+/// Standard gRPC clients built on gRPC's C core (Python, C++, Ruby) send a
+/// Unix socket's path, percent-encoded, as the request's `:authority`, and
+/// the HTTP/2 server refuses an authority holding `%` as malformed. A path
+/// of one component encodes to itself, so clients dial the link; the link
+/// names the socket through the directory mount, so a socket made again
+/// (after an agent restart) is the one reached.
+fn link_workload_api(rootfs: &Path, plan: &ContainerPlan) -> Result<(), ProviderError> {
+    if plan.identity.is_none() {
+        return Ok(());
+    }
+    let link = rootfs.join(WORKLOAD_API_LINK.trim_start_matches('/'));
+    let _ = std::fs::remove_file(&link);
+    let target = Path::new(IDENTITY_MOUNT).join(crate::svids::SOCKET_FILE);
+    std::os::unix::fs::symlink(&target, &link).map_err(|source| io("link", &link, source))
+}
+
+/// Gives `root` and everything under it (symlinks themselves, not what
+/// they name) to the workload's user `uid`: its identity directory, which
+/// no other user may enter.
+fn give_tree(root: &Path, uid: u32) -> Result<(), ProviderError> {
+    let give = |path: &Path| {
+        std::os::unix::fs::lchown(path, Some(uid), Some(uid)).map_err(|source| io("give the workload", path, source))
+    };
+    give(root)?;
+    for entry in std::fs::read_dir(root).map_err(|source| io("read", root, source))? {
+        let path = entry.map_err(|source| io("read", root, source))?.path();
+        let meta = std::fs::symlink_metadata(&path).map_err(|source| io("read", &path, source))?;
+        if meta.is_dir() { give_tree(&path, uid)? } else { give(&path)? }
+    }
+    Ok(())
 }
 
 /// Mounts `dir/rootfs` as an overlay of an image's shared root `lower`, its
@@ -1095,11 +1136,15 @@ impl ContainerProvider {
         let layout = self.inner.instances.layout.clone();
         let (work_dir, stdout, stderr) = {
             let first = first.clone();
+            let identity = spec.identity.clone();
             blocking(move || {
                 let prepared = prepare(&layout, &first)?;
                 let work_dir = &prepared.0;
                 rustix::fs::chown(work_dir, Some(rustix::fs::Uid::from_raw(uid)), Some(rustix::fs::Gid::from_raw(uid)))
                     .map_err(|e| io("give the workload", work_dir, e.into()))?;
+                if let Some(identity) = &identity {
+                    give_tree(identity, uid)?;
+                }
                 Ok(prepared)
             })
             .await?
@@ -1109,7 +1154,8 @@ impl ContainerProvider {
             _ => None,
         };
         let home = account.as_ref().and_then(|account| account.home.as_deref()).unwrap_or(WORK_MOUNT);
-        let env = spec.environment(Path::new(home), bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)));
+        let identity = IdentitySeen { dir: Path::new(IDENTITY_MOUNT), socket: Path::new(WORKLOAD_API_LINK) };
+        let env = spec.environment(Path::new(home), bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)), Some(identity));
         let path_var = env.get("PATH").cloned().unwrap_or_default();
         let found = match &spec.root {
             WorkloadRoot::Image { dir, working_dir, .. } => findable_in_image(&program, &path_var, dir, working_dir),
@@ -1148,6 +1194,7 @@ impl ContainerProvider {
             shared_files: if image.is_some() { Vec::new() } else { shared_files() },
             bundle: bundle.clone(),
             work_dir: work_dir.clone(),
+            identity: spec.identity.clone(),
             network: spec.network.as_ref().map(|network| network.namespace.clone()),
             cgroup: self.inner.cgroup(&lease_id),
             memory_bytes: memory_limit(self.inner.settings.runtime, spec.resources.memory_bytes),

@@ -27,7 +27,6 @@
 //! is refused at start.
 
 use std::fs::{File, OpenOptions};
-use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -36,13 +35,12 @@ use berth_core::Identity;
 use berth_mtls::{TlsMaterial, cert_not_after, certs_from_pem, identity_from_cert};
 
 use crate::error::FileError;
+use crate::generations::{Generations, TMP_SUFFIX, sync_dir, write_synced};
 
 /// The symlink naming the current generation.
 const CURRENT: &str = "identity";
 /// Generation directories are `identity.<n>`.
 const GENERATION_PREFIX: &str = "identity.";
-/// Half-written generations and symlinks end in this.
-const TMP_SUFFIX: &str = ".tmp";
 const KEY_FILE: &str = "node.key";
 const CERT_FILE: &str = "node.pem";
 const CA_FILE: &str = "ca.pem";
@@ -254,14 +252,6 @@ impl IdentityDir {
     /// Writes `identity` as the new current generation; see the module docs
     /// for why a crash never leaves half of it.
     pub(crate) fn save(&self, identity: &NodeIdentity) -> Result<(), IdentityDirError> {
-        let generation = self.next_generation()?;
-        let name = format!("{GENERATION_PREFIX}{generation}");
-        let staging = self.root.join(format!("{name}{TMP_SUFFIX}"));
-        let target = self.root.join(&name);
-        if staging.exists() {
-            std::fs::remove_dir_all(&staging).map_err(|source| io("remove", &staging, source))?;
-        }
-        std::fs::DirBuilder::new().mode(0o700).create(&staging).map_err(|source| io("create", &staging, source))?;
         let record = NodeRecord {
             node_id: identity.node_id.clone(),
             incarnation: identity.incarnation,
@@ -269,22 +259,18 @@ impl IdentityDir {
             cert_received_at_ms: unix_ms(identity.cert_received_at),
         };
         let record = serde_json::to_string_pretty(&record).map_err(|e| IdentityDirError::Corrupt {
-            path: staging.display().to_string(),
+            path: self.root.display().to_string(),
             detail: format!("cannot encode {RECORD_FILE}: {e}"),
         })?;
-        write_synced(&staging.join(KEY_FILE), identity.key_pem.as_bytes(), 0o600)?;
-        write_synced(&staging.join(CERT_FILE), identity.cert_pem.as_bytes(), 0o644)?;
-        write_synced(&staging.join(CA_FILE), identity.ca_bundle_pem.as_bytes(), 0o644)?;
-        write_synced(&staging.join(RECORD_FILE), record.as_bytes(), 0o644)?;
-        sync_dir(&staging)?;
-        std::fs::rename(&staging, &target).map_err(|source| io("rename", &staging, source))?;
-
-        let link_staging = self.root.join(format!("{CURRENT}{TMP_SUFFIX}"));
-        let _ = std::fs::remove_file(&link_staging);
-        std::os::unix::fs::symlink(&name, &link_staging).map_err(|source| io("create", &link_staging, source))?;
-        std::fs::rename(&link_staging, self.root.join(CURRENT))
-            .map_err(|source| io("rename", &link_staging, source))?;
-        sync_dir(&self.root)?;
+        self.generations().publish(
+            &[
+                (KEY_FILE, identity.key_pem.as_bytes(), 0o600),
+                (CERT_FILE, identity.cert_pem.as_bytes(), 0o644),
+                (CA_FILE, identity.ca_bundle_pem.as_bytes(), 0o644),
+                (RECORD_FILE, record.as_bytes(), 0o644),
+            ],
+            None,
+        )?;
         self.remove_stale()
     }
 
@@ -312,48 +298,17 @@ impl IdentityDir {
         write_synced(&staging, text.as_bytes(), 0o644)?;
         let path = self.root.join(REVOKED_FILE);
         std::fs::rename(&staging, &path).map_err(|source| io("rename", &staging, source))?;
-        sync_dir(&self.root)
+        Ok(sync_dir(&self.root)?)
     }
 
-    /// The generation the current symlink names.
-    fn current_generation(&self) -> Option<u64> {
-        let target = std::fs::read_link(self.root.join(CURRENT)).ok()?;
-        generation_of(target.file_name()?.to_str()?)
-    }
-
-    fn next_generation(&self) -> Result<u64, IdentityDirError> {
-        let mut highest = self.current_generation().unwrap_or(0);
-        for entry in std::fs::read_dir(&self.root).map_err(|source| io("read", &self.root, source))? {
-            let entry = entry.map_err(|source| io("read", &self.root, source))?;
-            if let Some(n) = entry.file_name().to_str().and_then(generation_of) {
-                highest = highest.max(n);
-            }
-        }
-        Ok(highest + 1)
+    fn generations(&self) -> Generations<'_> {
+        Generations { root: &self.root, current: CURRENT, prefix: GENERATION_PREFIX }
     }
 
     /// Removes every generation but the current one, and staging leftovers.
     fn remove_stale(&self) -> Result<(), IdentityDirError> {
-        let current = self.current_generation();
-        for entry in std::fs::read_dir(&self.root).map_err(|source| io("read", &self.root, source))? {
-            let entry = entry.map_err(|source| io("read", &self.root, source))?;
-            let Some(name) = entry.file_name().to_str().map(str::to_string) else { continue };
-            let path = entry.path();
-            let stale_generation = name.starts_with(GENERATION_PREFIX)
-                && (name.ends_with(TMP_SUFFIX) || generation_of(&name).is_some_and(|n| Some(n) != current));
-            if stale_generation {
-                std::fs::remove_dir_all(&path).map_err(|source| io("remove", &path, source))?;
-            } else if name == format!("{CURRENT}{TMP_SUFFIX}") || name == format!("{REVOKED_FILE}{TMP_SUFFIX}") {
-                std::fs::remove_file(&path).map_err(|source| io("remove", &path, source))?;
-            }
-        }
-        Ok(())
+        Ok(self.generations().remove_stale(&[REVOKED_FILE])?)
     }
-}
-
-/// `identity.<n>` → `n`; anything else (staging names included) → `None`.
-fn generation_of(name: &str) -> Option<u64> {
-    name.strip_prefix(GENERATION_PREFIX)?.parse().ok()
 }
 
 fn io(action: &'static str, path: &Path, source: std::io::Error) -> IdentityDirError {
@@ -362,22 +317,6 @@ fn io(action: &'static str, path: &Path, source: std::io::Error) -> IdentityDirE
 
 fn read(path: &Path) -> Result<String, IdentityDirError> {
     std::fs::read_to_string(path).map_err(|source| io("read", path, source))
-}
-
-fn write_synced(path: &Path, contents: &[u8], mode: u32) -> Result<(), IdentityDirError> {
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(path)
-        .map_err(|source| io("write", path, source))?;
-    file.write_all(contents).map_err(|source| io("write", path, source))?;
-    file.sync_all().map_err(|source| io("flush", path, source))
-}
-
-fn sync_dir(path: &Path) -> Result<(), IdentityDirError> {
-    File::open(path).and_then(|dir| dir.sync_all()).map_err(|source| io("flush", path, source))
 }
 
 pub(crate) fn unix_ms(at: SystemTime) -> u64 {
@@ -435,7 +374,7 @@ mod tests {
         assert_eq!(dir.load().unwrap().unwrap().node_id, "n-2");
         let generations: Vec<_> = std::fs::read_dir(tmp.path())
             .unwrap()
-            .filter_map(|e| e.unwrap().file_name().to_str().and_then(generation_of))
+            .filter_map(|e| e.unwrap().file_name().to_str()?.strip_prefix(GENERATION_PREFIX)?.parse::<u64>().ok())
             .collect();
         assert_eq!(generations, vec![2], "old generations are removed");
     }

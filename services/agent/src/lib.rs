@@ -46,6 +46,7 @@ mod error;
     )
 )]
 mod faults;
+mod generations;
 mod heartbeat;
 mod host;
 mod identity_dir;
@@ -64,6 +65,7 @@ mod recovery;
 mod rpc_status;
 mod runner;
 mod status;
+mod svids;
 #[cfg(test)]
 mod testdir;
 

@@ -97,6 +97,14 @@ struct Args {
     #[arg(long, env = "BERTH_EGRESS_ISOLATION", value_name = "MODE", default_value = "auto",
         value_parser = str::parse::<EgressIsolation>)]
     egress_isolation: EgressIsolation,
+    /// Whether every workload gets a credential of its own before it starts:
+    /// an X.509-SVID naming its lease, signed by identity's workload
+    /// authority, as files at $BERTH_IDENTITY_DIR and over the SPIFFE
+    /// Workload API at $SPIFFE_ENDPOINT_SOCKET. A launch whose credential
+    /// cannot be minted fails with reason IdentityUnavailable.
+    #[arg(long, env = "BERTH_WORKLOAD_IDENTITY", value_name = "BOOL", default_value_t = true,
+        action = clap::ArgAction::Set)]
+    workload_identity: bool,
     /// How long a workload may run in custody (after the node's session
     /// ended, or after a restart, until the leases service confirms it)
     /// before it is destroyed, e.g. 10m. Unset holds it until the leases
@@ -249,6 +257,7 @@ impl Args {
         config.revisions = self.revisions_addr.filter(|addr| !addr.trim().is_empty());
         config.egress = self.egress_addr.filter(|addr| !addr.trim().is_empty());
         config.egress_isolation = self.egress_isolation;
+        config.workload_identity = self.workload_identity;
         config.max_custody = self.max_custody;
         config.custody_warning = self.custody_warning;
         config.stop_after_disconnect = self.stop_after_disconnect;

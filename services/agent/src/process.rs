@@ -268,7 +268,13 @@ impl Provider for ProcessProvider {
             let first = first.clone();
             blocking(move || prepare(&layout, &first)).await?
         };
-        let env = spec.environment(&work_dir, bundle.as_deref());
+        let socket = spec.identity.as_ref().map(|dir| dir.join(crate::svids::SOCKET_FILE));
+        let identity = spec
+            .identity
+            .as_deref()
+            .zip(socket.as_deref())
+            .map(|(dir, socket)| crate::provider::IdentitySeen { dir, socket });
+        let env = spec.environment(&work_dir, bundle.as_deref(), identity);
         let mut line = spec.network.as_ref().map(|network| network.enter.clone()).unwrap_or_default();
         if !line.is_empty() {
             // The namespace's tool would start and then fail to find the

@@ -24,6 +24,12 @@ pub(crate) const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:
 /// The variable naming where the workload sees its bundle.
 pub(crate) const BUNDLE_DIR_VAR: &str = "BERTH_BUNDLE_DIR";
 
+/// The variable naming where the workload sees its identity directory.
+pub(crate) const IDENTITY_DIR_VAR: &str = "BERTH_IDENTITY_DIR";
+
+/// The variable standard SPIFFE clients find the Workload API by.
+pub(crate) const SPIFFE_SOCKET_VAR: &str = "SPIFFE_ENDPOINT_SOCKET";
+
 /// What to start for a lease: a program in a root, with the lease's
 /// resources and its tenant's network. The provider decides how the root is
 /// shown to the workload (the host's own paths, or a container's mounts).
@@ -55,6 +61,10 @@ pub struct LaunchSpec {
     pub meta: InstanceMeta,
     /// For a container image, what the lease sets in place of its config.
     pub image: ImageOverrides,
+    /// The workload's identity directory on the host (its SVID, key, trust
+    /// bundle and Workload API socket; see `svids`), when it has one: the
+    /// provider shows it to the workload read-only, and only to it.
+    pub identity: Option<PathBuf>,
 }
 
 /// What a lease sets in place of its container image's config; empty keeps
@@ -183,9 +193,16 @@ impl LaunchSpec {
     /// own variables, then what names it and which the lease cannot
     /// override: `BERTH_LEASE_ID`, `BERTH_NODE_ID`, `BERTH_SERVICE` and
     /// `BERTH_REVISION` (when it has them), `BERTH_BUNDLE_DIR` (with a
-    /// bundle), `PORT` and `BERTH_PORT_<NAME>`. Nothing of the agent's own
-    /// environment (a join token, for one) is in it.
-    pub(crate) fn environment(&self, home: &Path, bundle_seen_at: Option<&Path>) -> BTreeMap<String, String> {
+    /// bundle), `BERTH_IDENTITY_DIR` and `SPIFFE_ENDPOINT_SOCKET` (with an
+    /// identity, seen at `identity_seen_at`), `PORT` and `BERTH_PORT_<NAME>`.
+    /// Nothing of the agent's own environment (a join token, for one) is in
+    /// it.
+    pub(crate) fn environment(
+        &self,
+        home: &Path,
+        bundle_seen_at: Option<&Path>,
+        identity_seen_at: Option<IdentitySeen<'_>>,
+    ) -> BTreeMap<String, String> {
         let mut env = BTreeMap::from([
             ("PATH".to_string(), DEFAULT_PATH.to_string()),
             ("HOME".to_string(), home.display().to_string()),
@@ -201,10 +218,24 @@ impl LaunchSpec {
         if let Some(bundle) = bundle_seen_at {
             env.insert(BUNDLE_DIR_VAR.into(), bundle.display().to_string());
         }
+        if let Some(identity) = identity_seen_at.filter(|_| self.identity.is_some()) {
+            env.insert(IDENTITY_DIR_VAR.into(), identity.dir.display().to_string());
+            env.insert(SPIFFE_SOCKET_VAR.into(), format!("unix:{}", identity.socket.display()));
+        }
         env.insert("PORT".into(), self.meta.port.to_string());
         env.extend(self.meta.ports.iter().map(|(name, port)| (port_variable(name), port.to_string())));
         env
     }
+}
+
+/// Where a workload sees its identity directory and its Workload API
+/// socket.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IdentitySeen<'a> {
+    /// The directory (`$BERTH_IDENTITY_DIR`).
+    pub(crate) dir: &'a Path,
+    /// The socket (`$SPIFFE_ENDPOINT_SOCKET`).
+    pub(crate) socket: &'a Path,
 }
 
 /// `BERTH_PORT_<NAME>` for a port's name: upper case, anything but a letter
@@ -553,6 +584,7 @@ impl LaunchSpec {
             network: None,
             meta: InstanceMeta::default(),
             image: ImageOverrides::default(),
+            identity: None,
         }
     }
 }

@@ -64,6 +64,7 @@ use crate::provider::{
 };
 use crate::recovery::{PassPlan, PassReport, run_pass};
 use crate::status::{Fence, FenceReason, NodeSession};
+use crate::svids::{IDENTITY_UNAVAILABLE, LeaseWatch, SvidError, Svids};
 use berth_core::backoff::Backoff;
 
 /// The runner's settings: its timings, the agent's retry bounds, and the
@@ -142,6 +143,9 @@ struct Shared {
     board: InstanceBoard,
     /// Reaches replicas' ports, for readiness checks.
     dialer: Dialer,
+    /// Mints, renews and hands out each workload's credential; `None` on a
+    /// node that gives its workloads none.
+    svids: Option<Svids>,
     settings: RunnerSettings,
     shutdown: CancellationToken,
 }
@@ -196,6 +200,7 @@ pub(crate) struct RunnerParts {
     pub(crate) bundles: BundleStore,
     pub(crate) board: InstanceBoard,
     pub(crate) dialer: Dialer,
+    pub(crate) svids: Option<Svids>,
     pub(crate) session: watch::Receiver<NodeSession>,
     pub(crate) fences: watch::Receiver<Option<Fence>>,
     pub(crate) settings: RunnerSettings,
@@ -204,7 +209,8 @@ pub(crate) struct RunnerParts {
 
 /// Spawns the runner and its keep-alive task.
 pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
-    let RunnerParts { leases, provider, bundles, board, dialer, mut session, mut fences, settings, shutdown } = parts;
+    let RunnerParts { leases, provider, bundles, board, dialer, svids, mut session, mut fences, settings, shutdown } =
+        parts;
     let current = session.borrow_and_update().clone();
     fences.borrow_and_update();
     let (inbox_tx, inbox) = mpsc::unbounded_channel();
@@ -223,7 +229,7 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         backoff: settings.backoff(),
         shutdown: shutdown.clone(),
     };
-    let shared = Arc::new(Shared { leases, provider, bundles, board, dialer, settings, shutdown });
+    let shared = Arc::new(Shared { leases, provider, bundles, board, dialer, svids, settings, shutdown });
     let runner = Runner {
         shared,
         session_rx: session,
@@ -534,6 +540,7 @@ impl Runner {
             network: None,
             meta: meta.clone(),
             image: ImageOverrides { working_dir: workload.working_dir, user: workload.user },
+            identity: None,
         };
         self.shared.board.put(InstanceView::new(&lease.lease_id, lease.epoch, meta, LeasePhase::Bound));
         let held = self.hold(&lease.lease_id, lease.epoch, false, false);
@@ -834,6 +841,10 @@ impl Runner {
         }
         let bundles = self.shared.bundles.clone();
         tokio::spawn(async move { bundles.evict().await });
+        if let Some(svids) = self.shared.svids.clone() {
+            let held: BTreeSet<String> = self.held.keys().cloned().collect();
+            tokio::spawn(async move { svids.retain(&held).await });
+        }
     }
 
     // -- assignments --------------------------------------------------------
@@ -1175,19 +1186,63 @@ struct Worker {
 
 impl Worker {
     async fn run(mut self, start: Start) -> WorkerEnd {
+        let end = self.run_to_end(start).await;
+        if end == WorkerEnd::Settled
+            && let Some(svids) = &self.shared.svids
+        {
+            svids.forget(&self.lease_id).await;
+        }
+        end
+    }
+
+    async fn run_to_end(&mut self, start: Start) -> WorkerEnd {
         // The bundle stays pinned until the worker is done with the lease.
         let (exit, _bundle) = match start {
             Start::Stray => {
                 self.started.store(true, Ordering::SeqCst);
                 return self.destroyed(Removal::new(Some(LeasePhase::Released), "Stray")).await;
             }
-            Start::Adopt { exit, bundle } => (exit, bundle),
+            Start::Adopt { exit, bundle } => {
+                if let Some(svids) = &self.shared.svids {
+                    svids.adopt(self.lease_watch()).await;
+                }
+                (exit, bundle)
+            }
             Start::Launch(launch) => match self.traced_launch(*launch).await {
                 Ok(started) => started,
                 Err(end) => return end,
             },
         };
         self.supervise(exit).await
+    }
+
+    /// The lease as its credential follows it: its epoch and the node id
+    /// it is reported under.
+    fn lease_watch(&self) -> LeaseWatch {
+        LeaseWatch { lease_id: self.lease_id.clone(), epoch: self.epoch.clone(), node: self.reporting.clone() }
+    }
+
+    /// Mints the workload's credential into `spec`; a credential that
+    /// cannot be minted fails the lease, with the reason.
+    async fn with_identity(&mut self, mut spec: LaunchSpec) -> Result<LaunchSpec, WorkerEnd> {
+        let Some(svids) = self.shared.svids.clone() else { return Ok(spec) };
+        let lease = self.lease_watch();
+        let minted = tokio::select! {
+            _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
+            removal = removed(&mut self.removal) => return Err(self.destroyed(removal).await),
+            minted = svids.mint(lease) => minted,
+        };
+        match minted {
+            Ok(dir) => {
+                spec.identity = Some(dir);
+                Ok(spec)
+            }
+            Err(SvidError::Stopped) => Err(WorkerEnd::Stopped),
+            Err(error) => {
+                tracing::warn!(lease_id = %self.lease_id, %error, "cannot mint the workload's credential; failing the launch");
+                Err(self.report_end(LeasePhase::Failed, Detail::failed(IDENTITY_UNAVAILABLE, error.to_string())).await)
+            }
+        }
     }
 
     /// [`Worker::launch`] in a span of its own, a child of the lease
@@ -1234,6 +1289,7 @@ impl Worker {
         if let Some(node_id) = self.reporting.borrow().clone() {
             spec.node_id = node_id;
         }
+        let spec = self.with_identity(spec).await?;
         let launched = tokio::select! {
             _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
             launched = self.shared.provider.launch(spec) => launched,

@@ -500,6 +500,9 @@ async fn with_revisions(
     config.name = "bench-deploy".to_string();
     config.leases = Some(leases.addr().to_string());
     config.revisions = Some(revisions_addr.to_string());
+    // Identity here is not wired to leases, so it signs no workload
+    // certificate: the deploy is measured without one.
+    config.workload_identity = false;
     config.lease_timing.stop_grace = Duration::from_secs(1);
     let agent_stop = stop.child_token();
     let agent =

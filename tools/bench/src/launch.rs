@@ -385,6 +385,9 @@ fn start_agent(
         .arg(leases_addr.to_string())
         .args(["--cpu-millis", "64000", "--memory-bytes", &(64u64 << 30).to_string(), "--name", "bench-agent"])
         .args(["--stop-grace", "2s"])
+        // Identity here is not wired to leases, so it signs no workload
+        // certificate: launches are measured without one.
+        .args(["--workload-identity", "false"])
         .args(match runtime.oci() {
             Some(OciRuntime::Own) => vec!["--runtime".to_string(), "process".into()],
             Some(oci) => vec!["--runtime".to_string(), "oci".into(), "--oci-runtime".into(), oci.name().into()],

@@ -354,6 +354,7 @@ async fn provider_launches(
             network: None,
             meta: InstanceMeta::default(),
             image: Default::default(),
+            identity: None,
         };
         let sent = Instant::now();
         match tokio::time::timeout(START_TIMEOUT, provider.launch(spec)).await {

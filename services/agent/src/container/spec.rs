@@ -7,7 +7,8 @@
 //!   (`/usr`, `/bin`, `/sbin`, `/lib*`) read-only, its bundle read-only at
 //!   [`BUNDLE_MOUNT`], a writable working directory at [`WORK_MOUNT`] (its
 //!   `HOME`), a private `/tmp`, and an `/etc` written for it (its user, the
-//!   host's resolver settings and CA certificates). Nothing else of the host:
+//!   host's resolver settings and CA certificates), and its identity
+//!   directory read-only at [`IDENTITY_MOUNT`]. Nothing else of the host:
 //!   not the agent's data directory, not other leases' files.
 //! - Running a container image instead, its root is the image's own root
 //!   filesystem, through an overlay private to the lease (so what it writes
@@ -44,6 +45,13 @@ pub(crate) const BUNDLE_MOUNT: &str = "/berth/bundle";
 /// Where a workload sees its working directory.
 pub(crate) const WORK_MOUNT: &str = "/berth/work";
 
+/// Where a workload sees its identity directory (read-only).
+pub(crate) const IDENTITY_MOUNT: &str = "/berth/identity";
+
+/// Where a workload dials its Workload API: a link, at the top of its root,
+/// to the socket in its identity directory (see `link_workload_api`).
+pub(crate) const WORKLOAD_API_LINK: &str = "/berth-workload-api.sock";
+
 /// Where an image's workload sees the node's init.
 pub(crate) const INIT_MOUNT: &str = "/berth/init";
 
@@ -71,6 +79,8 @@ pub(crate) struct ContainerPlan {
     pub(crate) bundle: Option<PathBuf>,
     /// The working directory on the host.
     pub(crate) work_dir: PathBuf,
+    /// Its identity directory on the host (its SVID and Workload API).
+    pub(crate) identity: Option<PathBuf>,
     /// The tenant's network namespace; `None` shares the host's network.
     pub(crate) network: Option<PathBuf>,
     /// The cgroup, relative to the hierarchy's root.
@@ -238,6 +248,9 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>, OciSpecError> {
             mounts.push(bind(host, inside, false)?);
         }
     }
+    if let Some(identity) = &plan.identity {
+        mounts.push(bind(identity, Path::new(IDENTITY_MOUNT), false)?);
+    }
     mounts.push(bind(&plan.work_dir, Path::new(WORK_MOUNT), true)?);
     Ok(mounts)
 }
@@ -255,6 +268,7 @@ mod tests {
             shared_files: vec!["/etc/ssl/certs".into()],
             bundle: Some("/var/lib/berth/bundles/abc".into()),
             work_dir: "/var/lib/berth/leases/l-1".into(),
+            identity: Some("/var/lib/berth/svids/l-1".into()),
             network: Some("/run/netns/berth-x".into()),
             cgroup: "/berth-1234/l-1".into(),
             memory_bytes: 64 << 20,
@@ -294,7 +308,7 @@ mod tests {
     }
 
     #[test]
-    fn only_the_bundle_the_system_directories_and_the_work_directory_are_shown_and_only_work_is_writable() {
+    fn only_the_bundle_the_system_directories_identity_and_work_are_shown_and_only_work_is_writable() {
         let spec = runtime_spec(&plan(), Path::new("/rootfs")).unwrap();
         let json = serde_json::to_value(&spec).unwrap();
         let binds: Vec<(String, String, bool)> = json["mounts"]
@@ -317,6 +331,7 @@ mod tests {
                 ("/usr".into(), "/usr".into(), false),
                 ("/etc/ssl/certs".into(), "/etc/ssl/certs".into(), false),
                 ("/var/lib/berth/bundles/abc".into(), BUNDLE_MOUNT.into(), false),
+                ("/var/lib/berth/svids/l-1".into(), IDENTITY_MOUNT.into(), false),
                 ("/var/lib/berth/leases/l-1".into(), WORK_MOUNT.into(), true),
             ]
         );

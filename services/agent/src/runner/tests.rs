@@ -424,6 +424,7 @@ impl Harness {
             bundles,
             board: board.clone(),
             dialer: crate::dial::Dialer::default(),
+            svids: None,
             session: session_rx,
             fences: fences_rx,
             settings,

@@ -5,11 +5,15 @@
 #![allow(dead_code, reason = "each test binary uses a part of the harness")]
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use berth_agent::{AgentConfig, AgentHandle, AgentStatus, AgentTiming, Capacity, LeaseTiming};
 use berth_core::Identity;
-use berth_identity::{IdentityConfig, IdentityService, KeptIdentity, NodeTiming};
+use berth_identity::{
+    GrpcLaunchLedger, IdentityConfig, IdentityService, KeptIdentity, LaunchLedger, NodeTiming, WorkloadSettings,
+};
 use berth_leases::LeasesConfig;
 use berth_mtls::TlsCredentials;
 use berth_proto::agent::v1 as agent;
@@ -69,6 +73,8 @@ pub(crate) struct ControlPlane {
     pub(crate) router: TlsCredentials,
     pub(crate) token: String,
     pub(crate) stop: CancellationToken,
+    /// What identity checks workloads' leases with.
+    pub(crate) workload_ledger: Arc<LateLedger>,
 }
 
 impl ControlPlane {
@@ -79,6 +85,11 @@ impl ControlPlane {
     }
 
     pub(crate) async fn start_with(ttl: Duration, nodes: NodeTiming) -> ControlPlane {
+        Self::start_signing(ttl, nodes, berth_identity::DEFAULT_WORKLOAD_CERT_TTL).await
+    }
+
+    /// [`Self::start_with`], with workload certificates that live `cert_ttl`.
+    pub(crate) async fn start_signing(ttl: Duration, nodes: NodeTiming, cert_ttl: Duration) -> ControlPlane {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let stop = CancellationToken::new();
 
@@ -89,11 +100,19 @@ impl ControlPlane {
             authority: Default::default(),
             node_cert_ttl: Duration::from_secs(600),
         };
+        // Identity checks workloads' leases with leases, which starts after
+        // it (it follows identity's nodes): the ledger is connected then.
+        let ledger = Arc::new(LateLedger::default());
         let service =
             IdentityService::open(identity_db.store().clone(), berth_bus::testing::memory_bus().unwrap(), config)
                 .await
                 .unwrap()
-                .with_node_timing(nodes);
+                .with_node_timing(nodes)
+                .with_workload_settings(WorkloadSettings {
+                    ledger: Some(ledger.clone() as Arc<dyn LaunchLedger>),
+                    cert_ttl,
+                    ..WorkloadSettings::default()
+                });
         let authority = service.authority().clone();
         let issue = |identity: Identity| {
             let authority = authority.clone();
@@ -122,6 +141,8 @@ impl ControlPlane {
         };
         let leases = InProcessLeases::start(Backend::Sqlite, leases_creds, &identity_addr, config, &stop).await;
         let leases_addr = leases.addr.to_string();
+        let identity_me = issue(Identity::service("identity").unwrap()).await;
+        ledger.ledger.set(GrpcLaunchLedger::connect(&leases_addr, identity_me).unwrap()).unwrap();
 
         let bundle = authority.bundle_pem().await.unwrap();
         let mut plane = ControlPlane {
@@ -134,6 +155,7 @@ impl ControlPlane {
             router,
             token: String::new(),
             stop,
+            workload_ledger: ledger,
         };
         let request = identity::CreateJoinTokenRequest { max_uses: 1, ttl_seconds: 600, ..Default::default() };
         plane.token = identity::join_tokens_client::JoinTokensClient::new(plane.channel(&plane.identity_addr))
@@ -225,6 +247,42 @@ impl ControlPlane {
         self.stop.cancel();
         self.identity_db.cleanup().await.unwrap();
         self.leases.cleanup(Backend::Sqlite).await;
+    }
+}
+
+/// The leases ledger identity checks workloads with, connected once leases
+/// serves; a test may have it refuse, as identity does when it was started
+/// without leases' address.
+#[derive(Debug, Default)]
+pub(crate) struct LateLedger {
+    ledger: OnceLock<GrpcLaunchLedger>,
+    refusing: AtomicBool,
+}
+
+impl LateLedger {
+    fn ledger(&self) -> Result<&GrpcLaunchLedger, tonic::Status> {
+        if self.refusing.load(Ordering::SeqCst) {
+            return Err(tonic::Status::failed_precondition(
+                "identity cannot check a lease and signs no workload certificate",
+            ));
+        }
+        self.ledger.get().ok_or_else(|| tonic::Status::unavailable("leases has not started yet"))
+    }
+
+    /// From now on, every workload certificate is refused.
+    pub(crate) fn refuse(&self) {
+        self.refusing.store(true, Ordering::SeqCst);
+    }
+}
+
+#[tonic::async_trait]
+impl LaunchLedger for LateLedger {
+    async fn redeem(&self, registration: &str, node_id: &str) -> Result<leases::Lease, tonic::Status> {
+        self.ledger()?.redeem(registration, node_id).await
+    }
+
+    async fn lease(&self, lease_id: &str) -> Result<leases::Lease, tonic::Status> {
+        self.ledger()?.lease(lease_id).await
     }
 }
 
