@@ -211,6 +211,11 @@ macro_rules! contract {
             async fn an_image_user_is_the_workloads_own_ids_given_what_the_image_gave_it() {
                 image_user_on($kind).await
             }
+
+            #[tokio::test]
+            async fn the_identity_directory_is_the_workloads_alone_read_only_with_its_socket() {
+                identity_on($kind).await
+            }
         }
     )*};
 }
@@ -411,6 +416,44 @@ async fn gives_the_workload_its_own_environment_on(kind: Kind) {
         assert!(out.lines().any(|line| line == expected), "{expected} in {out}");
     }
     assert!(!out.contains("CARGO"), "nothing of the agent's environment: {out}");
+}
+
+/// A workload is shown its identity directory (`svids`): it reads the
+/// files, dials the Workload API socket through `$SPIFFE_ENDPOINT_SOCKET`,
+/// and, contained, can change nothing in it.
+async fn identity_on(kind: Kind) {
+    use std::io::Write as _;
+    use std::os::unix::fs::DirBuilderExt as _;
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    let dir = tmp.path().join("svids").join("lease-id");
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).unwrap();
+    std::fs::write(dir.join("svid.pem"), "the certificate\n").unwrap();
+    let listener = std::os::unix::net::UnixListener::bind(dir.join(crate::svids::SOCKET_FILE)).unwrap();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().map_while(Result::ok) {
+            let _ = stream.write_all(b"the workload api\n");
+        }
+    });
+    let script = r#"cat "$BERTH_IDENTITY_DIR/svid.pem"
+if touch "$BERTH_IDENTITY_DIR/svid.pem" 2>/dev/null || touch "$BERTH_IDENTITY_DIR/planted" 2>/dev/null; then echo writable; fi
+/usr/bin/python3 -S -c 'import os, socket
+s = socket.socket(socket.AF_UNIX)
+s.connect(os.environ["SPIFFE_ENDPOINT_SOCKET"].removeprefix("unix:"))
+print(s.recv(64).decode(), end="")'"#;
+    let mut with_identity = spec("lease-id", script);
+    with_identity.identity = Some(dir.clone());
+    ran_to_success(provider.as_ref(), with_identity).await;
+    let out = stdout_of(provider.as_ref(), "lease-id");
+    assert!(out.starts_with("the certificate\n"), "{out}");
+    assert!(out.ends_with("the workload api\n"), "{out}");
+    if provider.runtime().contained {
+        assert!(!out.contains("writable"), "a contained workload changes nothing of its identity: {out}");
+        use std::os::unix::fs::MetadataExt as _;
+        let owner = std::fs::metadata(&dir).unwrap().uid();
+        assert_ne!(owner, 0, "the directory is given to the workload's own user");
+        assert_eq!(std::fs::metadata(dir.join(crate::svids::SOCKET_FILE)).unwrap().uid(), owner);
+    }
 }
 
 /// What shows a workload's processes on the host: their command line, or,
