@@ -126,6 +126,23 @@ impl CertificateAuthority {
         self.sign_leaf(&csr.public_key, String::new(), vec![SanType::URI(uri)], now - BACKDATE, now + ttl)
     }
 
+    /// A JWT-SVID naming `spiffe_id` for `audience`, issued now and living
+    /// `ttl`, signed with this authority's (P-256) key and naming it by the
+    /// authority's fingerprint: the token, and what it claims.
+    pub fn sign_jwt_svid(
+        &self,
+        spiffe_id: &str,
+        audience: &[String],
+        ttl: Duration,
+    ) -> Result<(String, crate::JwtSvidClaims), MtlsError> {
+        if self.key.algorithm() != &PKCS_ECDSA_P256_SHA256 {
+            return Err(MtlsError::Jwt("this authority's key is not P-256, so it signs no JWT-SVID".into()));
+        }
+        let claims = crate::jwt::claims(spiffe_id, audience, ttl)?;
+        let token = crate::jwt::sign(&claims, &self.key.serialize_der(), &self.fingerprint())?;
+        Ok((token, claims))
+    }
+
     /// Generates a key and a certificate for `identity` in one step, for the
     /// callers that hold the CA themselves (bootstrap, tests). Returns the
     /// certificate and the PKCS#8 key, both PEM.

@@ -15,11 +15,13 @@
 
 mod authority;
 mod credentials;
+mod jwt;
 mod peer;
 mod pem;
 
 pub use authority::{BACKDATE, CertificateAuthority, IssuedCertificate, csr_for_key, generate_csr};
 pub use credentials::{TlsCredentials, TlsMaterial, anonymous_client_config, public_server_config, verify_chain};
+pub use jwt::{JwtSvidClaims, jwks, verify_jwt_svid};
 pub use peer::identity_from_cert;
 pub use pem::{
     cert_host_names, cert_not_after, cert_uris, cert_validity, certs_from_pem, fingerprint, private_key_der,
@@ -51,6 +53,9 @@ pub enum MtlsError {
     /// The trust bundle could not build a client verifier.
     #[error("trust bundle refused: {0}")]
     Verifier(String),
+    /// A JWT-SVID could not be signed, or does not verify.
+    #[error("{0}")]
+    Jwt(String),
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]
     Io {

@@ -11,6 +11,7 @@
 //!         svid.pem                    its certificate, PEM
 //!         svid-key.pem  (0400)        its private key, PKCS#8 PEM, made here
 //!         bundle.pem                  the workload authority's bundle, PEM
+//!         jwt-bundle.json             its JWK set, what verifies JWT-SVIDs
 //!     ..data -> ..svid.<n>            the current generation
 //!     svid.pem -> ..data/svid.pem     (and the same for the other two files)
 //!     agent.sock                      the Workload API ($SPIFFE_ENDPOINT_SOCKET)
@@ -57,7 +58,7 @@ use berth_core::backoff::Backoff;
 use berth_mtls::TlsCredentials;
 use berth_proto::identity::v1::{
     RenewWorkloadCertificateRequest, SignWorkloadCertificateRequest, SignWorkloadCertificateResponse,
-    workloads_client::WorkloadsClient,
+    SignWorkloadJwtRequest, SignWorkloadJwtResponse, workloads_client::WorkloadsClient,
 };
 use berth_proto::leases::v1::{RegisterLaunchRequest, node_leases_client::NodeLeasesClient};
 use tokio::sync::watch;
@@ -76,8 +77,12 @@ pub(crate) const SVID_FILE: &str = "svid.pem";
 pub(crate) const KEY_FILE: &str = "svid-key.pem";
 /// The trust bundle's file.
 pub(crate) const BUNDLE_FILE: &str = "bundle.pem";
+/// The JWK set's file.
+pub(crate) const JWKS_FILE: &str = "jwt-bundle.json";
 /// The Workload API's socket.
 pub(crate) const SOCKET_FILE: &str = "agent.sock";
+/// The files the workload reads, each a link into the current generation.
+const SHOWN_FILES: [&str; 4] = [SVID_FILE, KEY_FILE, BUNDLE_FILE, JWKS_FILE];
 /// The symlink naming the current generation.
 const CURRENT: &str = "..data";
 /// Generation directories are `..svid.<n>`.
@@ -131,6 +136,8 @@ pub(crate) trait WorkloadsApi: Send + Sync + std::fmt::Debug {
         &self,
         request: SignWorkloadCertificateRequest,
     ) -> Result<SignWorkloadCertificateResponse, tonic::Status>;
+    /// A JWT-SVID for a launched workload.
+    async fn sign_jwt(&self, request: SignWorkloadJwtRequest) -> Result<SignWorkloadJwtResponse, tonic::Status>;
     /// A fresh certificate for a launched workload.
     async fn renew(
         &self,
@@ -179,6 +186,11 @@ impl WorkloadsApi for GrpcWorkloads {
         self.identity.call(client.sign_workload_certificate(self.identity.request(request))).await
     }
 
+    async fn sign_jwt(&self, request: SignWorkloadJwtRequest) -> Result<SignWorkloadJwtResponse, tonic::Status> {
+        let mut client = WorkloadsClient::new(self.identity.channel());
+        self.identity.call(client.sign_workload_jwt(self.identity.request(request))).await
+    }
+
     async fn renew(
         &self,
         request: RenewWorkloadCertificateRequest,
@@ -204,6 +216,8 @@ pub(crate) struct Svid {
     pub(crate) key_pem: String,
     /// The workload authority's bundle, PEM.
     pub(crate) bundle_pem: String,
+    /// The bundle's JWK set, JSON: what verifies JWT-SVIDs.
+    pub(crate) jwks_json: String,
     /// When it became valid, seconds since the Unix epoch.
     pub(crate) not_before: i64,
     /// When it expires, seconds since the Unix epoch.
@@ -235,6 +249,7 @@ impl Svid {
             std::fs::read_to_string(&path).map_err(|source| FileError::new("read", &path, source))
         };
         let (cert_pem, key_pem, bundle_pem) = (read(SVID_FILE)?, read(KEY_FILE)?, read(BUNDLE_FILE)?);
+        let jwks_json = read(JWKS_FILE).unwrap_or_default();
         let cert = berth_mtls::certs_from_pem("workload certificate", &cert_pem)
             .map_err(|e| SvidError::Answer(e.to_string()))?;
         let leaf = &cert[0];
@@ -244,7 +259,16 @@ impl Svid {
             .into_iter()
             .find(|uri| uri.starts_with("spiffe://"))
             .ok_or_else(|| SvidError::Answer("the certificate names no SPIFFE ID".into()))?;
-        Ok(Self { spiffe_id, cert_pem, key_pem, bundle_pem, not_before, not_after, received: SystemTime::now() })
+        Ok(Self {
+            spiffe_id,
+            cert_pem,
+            key_pem,
+            bundle_pem,
+            jwks_json,
+            not_before,
+            not_after,
+            received: SystemTime::now(),
+        })
     }
 
     fn signed(answer: SignWorkloadCertificateResponse, key_pem: String) -> Self {
@@ -253,6 +277,7 @@ impl Svid {
             cert_pem: answer.certificate_pem,
             key_pem,
             bundle_pem: answer.bundle_pem,
+            jwks_json: answer.jwks_json,
             not_before: answer.not_before.map_or(0, |t| t.seconds),
             not_after: answer.not_after.map_or(0, |t| t.seconds),
             received: SystemTime::now(),
@@ -381,7 +406,8 @@ impl Svids {
     async fn start(&self, lease: LeaseWatch, svid: Svid) -> Result<(), SvidError> {
         let dir = self.dir(&lease.lease_id);
         let (current, seen) = watch::channel(Arc::new(svid));
-        let api = workload_api::serve(&dir.join(SOCKET_FILE), seen, self.inner.shutdown.child_token())
+        let signer = workload_api::JwtSigner { api: self.inner.api.clone(), lease: lease.clone() };
+        let api = workload_api::serve(&dir.join(SOCKET_FILE), seen, signer, self.inner.shutdown.child_token())
             .await
             .map_err(|source| FileError::new("listen on", &dir.join(SOCKET_FILE), source))?;
         let lease_id = lease.lease_id.clone();
@@ -564,15 +590,16 @@ fn publish_svid(dir: &Path, svid: &Svid) -> Result<(), SvidError> {
             (SVID_FILE, svid.cert_pem.as_bytes(), 0o444),
             (KEY_FILE, svid.key_pem.as_bytes(), 0o400),
             (BUNDLE_FILE, svid.bundle_pem.as_bytes(), 0o444),
+            (JWKS_FILE, svid.jwks_json.as_bytes(), 0o444),
         ],
         Some((meta.uid(), meta.gid())),
     )?;
-    for file in [SVID_FILE, KEY_FILE, BUNDLE_FILE] {
+    for file in SHOWN_FILES {
         if std::fs::symlink_metadata(dir.join(file)).is_err() {
             generations.link(file, &format!("{CURRENT}/{file}"))?;
         }
     }
-    generations.remove_stale(&[SVID_FILE, KEY_FILE, BUNDLE_FILE])?;
+    generations.remove_stale(&SHOWN_FILES)?;
     Ok(())
 }
 

@@ -1,7 +1,8 @@
 //! Every workload's own credential, through the real identity and leases
 //! services and a contained runtime: minted before the workload starts,
 //! readable by it alone, served to a standard SPIFFE client (the official
-//! Python library) over the Workload API, renewed at half its life, never
+//! Python library) over the Workload API with JWT-SVIDs signed by identity,
+//! renewed at half its life, never
 //! renewed for a released lease, and a launch without one fails.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
@@ -132,6 +133,9 @@ with WorkloadApiClient() as client:
     bundles = client.fetch_x509_bundles()
     bundle = bundles.get_bundle_for_trust_domain(TrustDomain("berth.internal"))
     print("bundle", len(bundle.x509_authorities))
+    token = client.fetch_jwt_svid(audience={"db"})
+    print("jwt", token.spiffe_id, sorted(token.audience))
+    print("valid", client.validate_jwt_svid(token.token, "db").spiffe_id)
 "#;
     let workload = leases::Workload {
         command: "/usr/bin/python3".into(),
@@ -152,6 +156,8 @@ with WorkloadApiClient() as client:
     assert_eq!((ended.phase(), ended.exit_code), (LeasePhase::Done, Some(0)), "{ended:?}\n{out}\n{errors}");
     assert!(out.contains(&format!("svid {} 1\n", expected_id(&lease.lease_id))), "{out}");
     assert!(out.contains("bundle 1\n"), "{out}");
+    let id = expected_id(&lease.lease_id);
+    assert!(out.contains(&format!("jwt {id} ['db']\nvalid {id}\n")), "{out}");
     agent.kill().await;
     plane.cleanup().await;
 }

@@ -612,6 +612,22 @@ impl Authority {
         Ok((cert, view.bundle_pem.clone()))
     }
 
+    /// A JWT-SVID for `spiffe_id` and `audience`, living `ttl`, signed by
+    /// the active workload authority; the token, its claims and the JWK set
+    /// of the bundle (what verifies it).
+    pub async fn sign_jwt_svid(
+        &self,
+        spiffe_id: &str,
+        audience: &[String],
+        ttl: Duration,
+    ) -> Result<(String, berth_mtls::JwtSvidClaims, String), AuthorityError> {
+        self.serves(Purpose::Workload)?;
+        let view = self.view().await?;
+        let (token, claims) = view.active.sign_jwt_svid(spiffe_id, audience, ttl)?;
+        self.mark(&view, claims.exp * 1000).await?;
+        Ok((token, claims, berth_mtls::jwks(&view.bundle_pem)?))
+    }
+
     /// Refuses to sign what another purpose's authority signs.
     fn serves(&self, purpose: Purpose) -> Result<(), AuthorityError> {
         if self.inner.purpose == purpose {

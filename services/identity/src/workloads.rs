@@ -34,6 +34,16 @@ use crate::IdentityService;
 /// How long a workload certificate lives unless configured otherwise.
 pub const DEFAULT_WORKLOAD_CERT_TTL: Duration = Duration::from_secs(15 * 60);
 
+/// How long a JWT-SVID lives: the most the SPIFFE profile's short-lived
+/// tokens should, since nothing revokes one.
+pub(crate) const WORKLOAD_JWT_TTL: Duration = Duration::from_secs(5 * 60);
+
+/// The JWK set of `bundle_pem`.
+fn jwks(bundle_pem: &str) -> Result<String, Status> {
+    berth_mtls::jwks(bundle_pem)
+        .map_err(|e| Status::internal(format!("cannot publish the workload bundle's keys: {e}")))
+}
+
 /// The shortest and longest lifetime a workload certificate may be given.
 pub const WORKLOAD_CERT_TTL_RANGE: (Duration, Duration) = (Duration::from_secs(60), Duration::from_secs(24 * 3600));
 
@@ -148,6 +158,39 @@ impl IdentityService {
         })
     }
 
+    /// The lease `lease_id` when it is open and placed on `node_id` at
+    /// `epoch`: what a launched workload's credential is signed against.
+    /// `refused` says what is not done otherwise.
+    async fn launched_lease(
+        &self,
+        node_id: &str,
+        lease_id: &str,
+        epoch: u64,
+        refused: &str,
+    ) -> Result<leases::Lease, Status> {
+        if lease_id.is_empty() {
+            return Err(Status::invalid_argument("lease_id is required"));
+        }
+        let lease = self.launch_ledger()?.lease(lease_id).await?;
+        if lease.node_id != node_id {
+            return Err(Status::permission_denied(format!("lease {lease_id} is not placed on node {node_id}")));
+        }
+        if !lease.phase().is_open() {
+            tracing::info!(%lease_id, %node_id, "refused: the lease is over");
+            return Err(Status::failed_precondition(format!(
+                "lease {lease_id} is {}, so its workload's {refused}",
+                lease.phase().as_str_name()
+            )));
+        }
+        if lease.epoch != epoch {
+            return Err(Status::failed_precondition(format!(
+                "lease {lease_id} is at epoch {}; epoch {epoch} is stale",
+                lease.epoch
+            )));
+        }
+        Ok(lease)
+    }
+
     /// Signs `csr_pem` for `lease`'s workload.
     async fn sign_workload(
         &self,
@@ -158,6 +201,7 @@ impl IdentityService {
         let spiffe_id = spiffe_id(&settings.trust_domain, lease);
         let (cert, bundle_pem): (IssuedCertificate, String) =
             self.workload_authority().sign_svid(csr_pem, &spiffe_id, settings.cert_ttl).await?;
+        let jwks_json = jwks(&bundle_pem)?;
         Ok(v1::SignWorkloadCertificateResponse {
             spiffe_id,
             certificate_pem: cert.cert_pem,
@@ -166,6 +210,7 @@ impl IdentityService {
             not_after: Some(prost_types::Timestamp { seconds: cert.not_after, nanos: 0 }),
             lease_id: lease.lease_id.clone(),
             epoch: lease.epoch,
+            jwks_json,
         })
     }
 }
@@ -198,36 +243,41 @@ impl v1::workloads_server::Workloads for IdentityService {
         let node_id = request.get_ref().node_id.clone();
         berth_rpc::require_own_node(&request, &node_id)?;
         let request = request.into_inner();
-        if request.lease_id.is_empty() {
-            return Err(Status::invalid_argument("lease_id is required"));
-        }
-        let lease = self.launch_ledger()?.lease(&request.lease_id).await?;
-        let lease_id = &lease.lease_id;
-        if lease.node_id != node_id {
-            return Err(Status::permission_denied(format!("lease {lease_id} is not placed on node {node_id}")));
-        }
-        if !lease.phase().is_open() {
-            tracing::info!(%lease_id, %node_id, "renewal refused: the lease is over");
-            return Err(Status::failed_precondition(format!(
-                "lease {lease_id} is {}, so its workload's certificate is not renewed",
-                lease.phase().as_str_name()
-            )));
-        }
-        if lease.epoch != request.epoch {
-            return Err(Status::failed_precondition(format!(
-                "lease {lease_id} is at epoch {}; epoch {} is stale",
-                lease.epoch, request.epoch
-            )));
-        }
+        let lease =
+            self.launched_lease(&node_id, &request.lease_id, request.epoch, "certificate is not renewed").await?;
         Ok(Response::new(self.sign_workload(&lease, &request.csr_pem).await?))
+    }
+
+    async fn sign_workload_jwt(
+        &self,
+        request: Request<v1::SignWorkloadJwtRequest>,
+    ) -> Result<Response<v1::SignWorkloadJwtResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let request = request.into_inner();
+        if request.audience.is_empty() || request.audience.iter().any(|a| a.trim().is_empty()) {
+            return Err(Status::invalid_argument("audience: at least one, and no empty one, is required"));
+        }
+        let lease = self.launched_lease(&node_id, &request.lease_id, request.epoch, "JWT-SVID is not signed").await?;
+        let spiffe_id = spiffe_id(&self.workload_settings().trust_domain, &lease);
+        let (token, claims, jwks_json) =
+            self.workload_authority().sign_jwt_svid(&spiffe_id, &request.audience, WORKLOAD_JWT_TTL).await?;
+        Ok(Response::new(v1::SignWorkloadJwtResponse {
+            spiffe_id,
+            token,
+            expires_at: Some(prost_types::Timestamp { seconds: claims.exp, nanos: 0 }),
+            jwks_json,
+        }))
     }
 
     async fn get_workload_bundle(
         &self,
         _request: Request<v1::GetWorkloadBundleRequest>,
     ) -> Result<Response<v1::GetWorkloadBundleResponse>, Status> {
+        let bundle_pem = self.workload_authority().bundle_pem().await?;
         Ok(Response::new(v1::GetWorkloadBundleResponse {
-            bundle_pem: self.workload_authority().bundle_pem().await?,
+            jwks_json: jwks(&bundle_pem)?,
+            bundle_pem,
             trust_domain: self.workload_settings().trust_domain.clone(),
         }))
     }

@@ -167,12 +167,38 @@ async fn an_svid_is_signed_once_per_launch_and_renewed_only_while_its_lease_is_o
     assert_eq!(stale.unwrap_err().code(), Code::FailedPrecondition);
     let elsewhere = workloads(&signer, other).renew_workload_certificate(renew(&other.node_id, &lease, 1)).await;
     assert_eq!(elsewhere.unwrap_err().code(), Code::PermissionDenied);
+
+    // JWT-SVIDs: for the holder at the lease's epoch, for an audience, and
+    // verified by the JWK set the bundle publishes.
+    let jwt = |node: &TestNode, epoch: u64, audience: &[&str]| v1::SignWorkloadJwtRequest {
+        node_id: node.node_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        epoch,
+        audience: audience.iter().map(|a| a.to_string()).collect(),
+    };
+    let token = workloads(&signer, holder).sign_workload_jwt(jwt(holder, 1, &["db"])).await.unwrap().into_inner();
+    assert_eq!(token.spiffe_id, spiffe_id);
+    let bundle = workloads(&signer, holder).get_workload_bundle(v1::GetWorkloadBundleRequest {}).await.unwrap();
+    assert_eq!(bundle.get_ref().jwks_json, token.jwks_json, "the bundle publishes the key that signed it");
+    let claims = berth_mtls::verify_jwt_svid(&token.token, &bundle.get_ref().jwks_json, "db").unwrap();
+    assert_eq!(claims.sub, spiffe_id);
+    assert!(claims.exp - claims.iat <= 300, "a JWT-SVID lives at most 5 minutes: {claims:?}");
+    assert!(berth_mtls::verify_jwt_svid(&token.token, &bundle.get_ref().jwks_json, "web").is_err());
+    let no_audience = workloads(&signer, holder).sign_workload_jwt(jwt(holder, 1, &[])).await.unwrap_err();
+    assert_eq!(no_audience.code(), Code::InvalidArgument, "{no_audience:?}");
+    let stale = workloads(&signer, holder).sign_workload_jwt(jwt(holder, 2, &["db"])).await.unwrap_err();
+    assert_eq!(stale.code(), Code::FailedPrecondition, "{stale:?}");
+    let elsewhere = workloads(&signer, other).sign_workload_jwt(jwt(other, 1, &["db"])).await.unwrap_err();
+    assert_eq!(elsewhere.code(), Code::PermissionDenied, "{elsewhere:?}");
+
     let release = leases::ReleaseLeaseRequest { lease_id: lease.lease_id.clone(), ..Default::default() };
     requester.release_lease(release).await.unwrap();
     let over = workloads(&signer, holder).renew_workload_certificate(renew(&holder.node_id, &lease, 1)).await;
     let over = over.unwrap_err();
     assert_eq!(over.code(), Code::FailedPrecondition, "{over:?}");
     assert!(over.message().contains("is not renewed"), "{over:?}");
+    let over = workloads(&signer, holder).sign_workload_jwt(jwt(holder, 1, &["db"])).await.unwrap_err();
+    assert_eq!(over.code(), Code::FailedPrecondition, "a released lease's workload gets no token: {over:?}");
 
     // A replica not told where leases is signs nothing.
     let blind = workloads(&cluster.addr(0), holder).renew_workload_certificate(renew(&holder.node_id, &lease, 1)).await;

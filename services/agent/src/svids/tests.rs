@@ -7,6 +7,7 @@ use std::time::Duration;
 use berth_mtls::CertificateAuthority;
 use berth_proto::identity::v1::{
     RenewWorkloadCertificateRequest, SignWorkloadCertificateRequest, SignWorkloadCertificateResponse,
+    SignWorkloadJwtRequest, SignWorkloadJwtResponse,
 };
 use berth_proto::leases::v1::RegisterLaunchRequest;
 
@@ -46,6 +47,7 @@ impl FakeWorkloads {
             not_after: Some(prost_types::Timestamp { seconds: cert.not_after, nanos: 0 }),
             lease_id: "l-1".into(),
             epoch: 1,
+            jwks_json: berth_mtls::jwks(self.ca.cert_pem()).unwrap(),
         }
     }
 }
@@ -64,6 +66,17 @@ impl WorkloadsApi for FakeWorkloads {
     ) -> Result<SignWorkloadCertificateResponse, tonic::Status> {
         assert!(request.registration.starts_with("registration-"));
         Ok(self.signed(&request.csr_pem))
+    }
+
+    async fn sign_jwt(&self, request: SignWorkloadJwtRequest) -> Result<SignWorkloadJwtResponse, tonic::Status> {
+        assert_eq!((request.lease_id.as_str(), request.epoch, request.node_id.as_str()), ("l-1", 1, "n-1"));
+        let (token, claims) = self.ca.sign_jwt_svid(SPIFFE_ID, &request.audience, Duration::from_secs(300)).unwrap();
+        Ok(SignWorkloadJwtResponse {
+            spiffe_id: SPIFFE_ID.into(),
+            token,
+            expires_at: Some(prost_types::Timestamp { seconds: claims.exp, nanos: 0 }),
+            jwks_json: berth_mtls::jwks(self.ca.cert_pem()).unwrap(),
+        })
     }
 
     async fn renew(
@@ -193,6 +206,16 @@ with WorkloadApiClient() as client:
     print("svid", svid.spiffe_id, len(svid.cert_chain))
     bundle = client.fetch_x509_bundles().get_bundle_for_trust_domain(TrustDomain("berth.internal"))
     print("bundle", len(bundle.x509_authorities))
+    token = client.fetch_jwt_svid(audience={"db"})
+    print("jwt", token.spiffe_id, sorted(token.audience))
+    print("valid", client.validate_jwt_svid(token.token, "db").spiffe_id)
+    jwt_bundle = client.fetch_jwt_bundles().get_bundle_for_trust_domain(TrustDomain("berth.internal"))
+    print("jwt keys", len(jwt_bundle.jwt_authorities))
+    try:
+        client.validate_jwt_svid(token.token, "web")
+        print("accepted for another audience")
+    except Exception:
+        print("refused for another audience")
 "#;
     let output = tokio::process::Command::new("/usr/bin/python3")
         .args(["-S", "-c", client])
@@ -206,6 +229,12 @@ with WorkloadApiClient() as client:
         .unwrap();
     let (out, errors) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "{out}\n{errors}");
-    assert_eq!(out, format!("svid {SPIFFE_ID} 1\nbundle 1\n"));
+    assert_eq!(
+        out,
+        format!(
+            "svid {SPIFFE_ID} 1\nbundle 1\njwt {SPIFFE_ID} ['db']\nvalid {SPIFFE_ID}\njwt keys 1\n\
+             refused for another audience\n"
+        )
+    );
     svids.forget("l-1").await;
 }
