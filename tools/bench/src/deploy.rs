@@ -321,6 +321,7 @@ pub(crate) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
     let state = StateOptions {
         database_url: Some(args.state.database_url.clone()),
         redis_url: Some(args.state.redis_url.clone()),
+        leases_addr: None,
     };
     let identity = tokio::select! {
         started = IdentityProcess::start(&state) => started?,
@@ -415,6 +416,7 @@ async fn with_database(
         redis_url: args.state.redis_url.clone(),
         identity_addr: identity.addr(),
         lease_ttl_seconds: LEASE_TTL_SECONDS,
+        listen: None,
     })
     .await?;
 

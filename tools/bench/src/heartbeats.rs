@@ -191,7 +191,8 @@ pub(crate) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
     }
     raise_open_files_limit(args.nodes, args.join_concurrency)?;
     let machine = Machine::before_run();
-    let state = StateOptions { database_url: args.database_url.clone(), redis_url: args.redis_url.clone() };
+    let state =
+        StateOptions { database_url: args.database_url.clone(), redis_url: args.redis_url.clone(), leases_addr: None };
     let shutdown = berth_rpc::shutdown_signal();
     let (store, bus) = state.describe();
     progress(&format!("starting {} berth-identity replica(s) on {store} with a {bus} bus", args.replicas));

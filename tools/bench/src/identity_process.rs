@@ -63,6 +63,9 @@ pub(crate) struct StateOptions {
     pub(crate) database_url: Option<String>,
     /// A Redis for identity's bus; `None` for the in-process one.
     pub(crate) redis_url: Option<String>,
+    /// Where leases will serve, so identity signs workload certificates
+    /// (checking their leases there); `None` signs none.
+    pub(crate) leases_addr: Option<SocketAddr>,
 }
 
 impl StateOptions {
@@ -222,6 +225,9 @@ async fn launch(
             .arg(&redis_url)
             // Through the environment, so the secret never shows in `ps`.
             .env("BERTH_AUTH_SECRET", &secret);
+        if let Some(leases) = options.leases_addr {
+            command.arg("--leases-addr").arg(leases.to_string());
+        }
         let log = scratch.dir.path().join(format!("identity-{replica}.log"));
         let child = ChildProcess::spawn("berth-identity", binary, command, log)?;
         child.wait_until_serving(addr, &admin).await?;

@@ -2,14 +2,19 @@
 //! RUNNING on a real agent, with the agent's and the ledger's memory.
 //!
 //! # Expected flow
-//! 1. `berth-identity`, `berth-leases` and `berth-agent` start as processes
-//!    of their own on state made for the run; leases follows identity, the
-//!    agent joins with a one-use token and takes its assignments from leases.
-//!    The agent's idle memory is read once leases lists its node UP.
-//! 2. `--leases` leases of `/bin/sleep`, one at a time: each counts from the
-//!    request to the first answer of `GetLease` saying RUNNING (polled every
-//!    [`POLL_EVERY`]); they are left running, and the agent's memory is read
-//!    with all of them up.
+//! 1. `berth-identity`, `berth-leases` and two `berth-agent`s start as
+//!    processes of their own on state made for the run; leases follows
+//!    identity (which checks workloads' leases with it), each agent joins
+//!    with a one-use token into a tier of its own and takes its assignments
+//!    from leases: one mints every workload's credential before starting
+//!    it, the other gives none. The first agent's idle memory is read once
+//!    leases lists both nodes UP.
+//! 2. `--leases` leases of `/bin/sleep` on each agent, one at a time and
+//!    alternating between them: each counts from the request to the first
+//!    answer of `GetLease` saying RUNNING (polled every [`POLL_EVERY`]); they
+//!    are left running, and the first agent's memory is read with all of
+//!    its leases up. What a credential adds to a launch is the difference
+//!    of the two agents' figures, measured side by side.
 //! 3. A simulated node joins in a tier of its own and `--records` leases are
 //!    placed on it (never launched): leases' memory with that many on record.
 //! 4. The running leases are released, so the agent stops its processes
@@ -85,6 +90,14 @@ const SLEEP_SECONDS: &str = "600";
 
 /// The tier the node holding the records joins, so no launched lease lands there.
 const RECORDS_TIER: &str = "bench-records";
+
+/// The tiers of the agent that mints workload credentials and of the one
+/// that does not.
+const IDENTIFIED_TIER: &str = "bench-identified";
+const PLAIN_TIER: &str = "bench-plain";
+
+/// What minting a workload's credential may add to a launch's p99.
+const TARGET_IDENTITY_P99_MS: f64 = 20.0;
 
 /// What each launched lease asks for: a quarter core, since a container
 /// runtime's own start-up runs inside the lease's CPU quota (and gVisor's
@@ -194,8 +207,11 @@ struct LaunchReport {
     records: u32,
     /// What the agent ran workloads through.
     provider: &'static str,
-    /// RequestLease → RUNNING, one lease at a time.
+    /// RequestLease → RUNNING, one lease at a time, each workload given its
+    /// credential before it starts.
     launch: Figures,
+    /// The same, on an agent that gives workloads no credential.
+    launch_without_identity: Figures,
     /// The runtime at the provider, beside its baselines.
     runtime: Option<RuntimeLaunch>,
     /// The agent's resident memory, MiB.
@@ -247,13 +263,14 @@ pub(crate) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
     let machine = Machine::before_run();
     let shutdown = berth_rpc::shutdown_signal();
     progress("starting berth-identity on sqlite with a memory bus");
-    let state = StateOptions::default();
+    let leases_addr = free_loopback_port()?;
+    let state = StateOptions { leases_addr: Some(leases_addr), ..StateOptions::default() };
     let identity = tokio::select! {
         started = IdentityProcess::start(&state) => started?,
         () = shutdown.cancelled() => return Err(LaunchBenchError::Interrupted),
     };
     let outcome = tokio::select! {
-        outcome = with_identity(&args, &identity) => outcome,
+        outcome = with_identity(&args, &identity, leases_addr) => outcome,
         died = identity.exited() => Err(LaunchBenchError::Identity(died)),
         () = shutdown.cancelled() => Err(LaunchBenchError::Interrupted),
     };
@@ -273,7 +290,11 @@ pub(crate) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
     Ok(())
 }
 
-async fn with_identity(args: &LaunchArgs, identity: &IdentityProcess) -> Result<LaunchReport, LaunchBenchError> {
+async fn with_identity(
+    args: &LaunchArgs,
+    identity: &IdentityProcess,
+    leases_addr: SocketAddr,
+) -> Result<LaunchReport, LaunchBenchError> {
     let dir = tempfile::Builder::new()
         .prefix("berth-bench-launch-")
         .tempdir()
@@ -289,6 +310,7 @@ async fn with_identity(args: &LaunchArgs, identity: &IdentityProcess) -> Result<
         redis_url: "memory://".to_string(),
         identity_addr: identity.addr(),
         lease_ttl_seconds: 3600,
+        listen: Some(leases_addr),
     })
     .await?;
     let outcome = tokio::select! {
@@ -345,16 +367,41 @@ async fn with_leases(
     tokio::time::sleep(SETTLE).await;
     let leases_idle_kib = leases.memory().map_or(0, |m| m.rss_kib);
 
-    progress(&format!("starting berth-agent with the {} runtime", args.runtime.name()));
-    let token = join_token(admin_channel, "", 1).await?;
-    let agent = start_agent(args.runtime, identity, leases.addr(), &token, dir)?;
-    let outcome = tokio::select! {
-        outcome = with_agent(args, identity, admin_channel, leases, &leases_channel, &agent, dir, leases_idle_kib) => outcome,
-        died = agent.exited() => Err(LaunchBenchError::Process(died)),
+    progress(&format!(
+        "starting two berth-agents with the {} runtime, with and without workload identity",
+        args.runtime.name()
+    ));
+    let agents = Agents { identified: dir.join("identified"), plain: dir.join("plain") };
+    for dir in [&agents.identified, &agents.plain] {
+        std::fs::create_dir_all(dir)
+            .map_err(|source| LaunchBenchError::Io { what: "cannot create an agent's directory", source })?;
+    }
+    let token = join_token(admin_channel, IDENTIFIED_TIER, 1).await?;
+    let agent = start_agent(args.runtime, identity, leases.addr(), &token, &agents.identified, true)?;
+    let token = join_token(admin_channel, PLAIN_TIER, 1).await?;
+    let plain = match start_agent(args.runtime, identity, leases.addr(), &token, &agents.plain, false) {
+        Ok(plain) => plain,
+        Err(error) => {
+            agent.stop().await;
+            return Err(error);
+        }
     };
-    progress("stopping berth-agent");
+    let outcome = tokio::select! {
+        outcome = with_agent(args, identity, admin_channel, leases, &leases_channel, [&agent, &plain], &agents, leases_idle_kib) => outcome,
+        died = agent.exited() => Err(LaunchBenchError::Process(died)),
+        died = plain.exited() => Err(LaunchBenchError::Process(died)),
+    };
+    progress("stopping the berth-agents");
     agent.stop().await;
+    plain.stop().await;
     outcome
+}
+
+/// The two agents' directories: the one that mints workload credentials,
+/// and the one that does not.
+struct Agents {
+    identified: std::path::PathBuf,
+    plain: std::path::PathBuf,
 }
 
 fn start_agent(
@@ -363,6 +410,7 @@ fn start_agent(
     leases_addr: SocketAddr,
     token: &str,
     dir: &std::path::Path,
+    workload_identity: bool,
 ) -> Result<ChildProcess, LaunchBenchError> {
     let binary = sibling_binary("berth-agent")?;
     let ca_file = dir.join("ca.pem");
@@ -385,9 +433,7 @@ fn start_agent(
         .arg(leases_addr.to_string())
         .args(["--cpu-millis", "64000", "--memory-bytes", &(64u64 << 30).to_string(), "--name", "bench-agent"])
         .args(["--stop-grace", "2s"])
-        // Identity here is not wired to leases, so it signs no workload
-        // certificate: launches are measured without one.
-        .args(["--workload-identity", "false"])
+        .args(["--workload-identity", if workload_identity { "true" } else { "false" }])
         .args(match runtime.oci() {
             Some(OciRuntime::Own) => vec!["--runtime".to_string(), "process".into()],
             Some(oci) => vec!["--runtime".to_string(), "oci".into(), "--oci-runtime".into(), oci.name().into()],
@@ -407,14 +453,14 @@ async fn with_agent(
     admin_channel: &Channel,
     leases: &LeasesProcess,
     leases_channel: &Channel,
-    agent: &ChildProcess,
-    dir: &std::path::Path,
+    [agent, plain]: [&ChildProcess; 2],
+    agents: &Agents,
     leases_idle_kib: u64,
 ) -> Result<LaunchReport, LaunchBenchError> {
-    match tokio::time::timeout(JOIN_TIMEOUT, wait_for_nodes(leases_channel, 1)).await {
+    match tokio::time::timeout(JOIN_TIMEOUT, wait_for_nodes(leases_channel, 2)).await {
         Ok(Ok(())) => {}
         Ok(Err(_)) | Err(_) => {
-            let log_tail = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+            let log_tail = std::fs::read_to_string(agents.identified.join("agent.log")).unwrap_or_default();
             let tail: Vec<&str> = log_tail.lines().rev().take(15).collect();
             return Err(LaunchBenchError::AgentNotUp {
                 log_tail: tail.into_iter().rev().map(|l| format!("  {l}")).collect::<Vec<_>>().join("\n"),
@@ -424,15 +470,17 @@ async fn with_agent(
     tokio::time::sleep(SETTLE).await;
     let agent_idle_kib = read_memory(agent.pid()).map_or(0, |m| m.rss_kib);
 
-    progress(&format!("launching {} leases one at a time", args.leases));
+    progress(&format!("launching {} leases on each agent, one at a time, alternating", args.leases));
     let errors = ErrorTally::default();
     let mut client = v1::leases_client::LeasesClient::new(leases_channel.clone());
-    let mut samples = Samples::default();
-    let mut launched = Vec::with_capacity(args.leases as usize);
+    let (mut with_identity, mut without_identity) = (Samples::default(), Samples::default());
+    let mut launched = Vec::with_capacity(2 * args.leases as usize);
     let started = Instant::now();
-    for index in 0..args.leases {
+    for index in 0..2 * args.leases {
+        let (tier, samples) =
+            if index % 2 == 0 { (IDENTIFIED_TIER, &mut with_identity) } else { (PLAIN_TIER, &mut without_identity) };
         let sent = Instant::now();
-        match launch_one(&mut client, index).await {
+        match launch_one(&mut client, index, tier).await {
             Ok(lease_id) => {
                 samples.ok(sent.elapsed());
                 launched.push(lease_id);
@@ -444,7 +492,8 @@ async fn with_agent(
             }
         }
     }
-    let launch = samples.figures(started.elapsed(), 1);
+    let launch = with_identity.figures(started.elapsed(), 1);
+    let launch_without_identity = without_identity.figures(started.elapsed(), 1);
     tokio::time::sleep(SETTLE).await;
     let agent_loaded_kib = read_memory(agent.pid()).map_or(0, |m| m.rss_kib);
 
@@ -457,7 +506,7 @@ async fn with_agent(
     let leases_records_kib = leases.memory().map_or(0, |m| m.rss_kib);
 
     progress(&format!("releasing the {} launched leases", launched.len()));
-    let workloads = child_pids(agent.pid());
+    let workloads: Vec<u32> = child_pids(agent.pid()).into_iter().chain(child_pids(plain.pid())).collect();
     for lease_id in launched {
         let request = v1::ReleaseLeaseRequest { lease_id, reason: String::new() };
         if let Err(status) = client.release_lease(request).await {
@@ -468,12 +517,14 @@ async fn with_agent(
     // The agent deletes a container's state just after its process is
     // gone: give it the same time to finish.
     let deadline = Instant::now() + RELEASE_TIMEOUT;
-    while berth_agent::containers_left(&dir.join("agent")) > 0 && Instant::now() < deadline {
+    let data_dirs = [agents.identified.join("agent"), agents.plain.join("agent")];
+    while data_dirs.iter().map(|dir| berth_agent::containers_left(dir)).sum::<usize>() > 0 && Instant::now() < deadline
+    {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // A container the agent still had (its monitor killed above) is
+    // A container an agent still had (its monitor killed above) is
     // destroyed through its runtime, so no run leaves one behind.
-    let left = berth_agent::destroy_containers(&dir.join("agent"));
+    let left: usize = data_dirs.iter().map(|dir| berth_agent::destroy_containers(dir)).sum();
     if left > 0 {
         errors.add(&format!("{left} containers were still there after the release; destroyed"));
     }
@@ -484,6 +535,7 @@ async fn with_agent(
         records: args.records,
         provider: args.runtime.name(),
         launch,
+        launch_without_identity,
         runtime: None,
         agent_memory: AgentMemory { idle_mib: mib(agent_idle_kib), with_leases_mib: mib(agent_loaded_kib) },
         leases_memory: RecordsMemory {
@@ -536,13 +588,14 @@ fn is_zombie(pid: u32) -> bool {
 async fn launch_one(
     client: &mut v1::leases_client::LeasesClient<Channel>,
     index: u32,
+    tier: &str,
 ) -> Result<String, (String, Option<String>)> {
     let mut request = tonic::Request::new(v1::RequestLeaseRequest {
         project: String::new(),
         owner: "bench/launch".to_string(),
         idempotency_key: format!("launch-{index}"),
         resources: Some(LAUNCH_ASK),
-        tier: String::new(),
+        tier: tier.to_string(),
         spread_group: String::new(),
         workload: Some(v1::Workload {
             command: "/bin/sleep".to_string(),
@@ -690,6 +743,15 @@ impl LaunchReport {
                 value: Some(agent.with_leases_mib),
                 met: agent.with_leases_mib > 0.0 && agent.with_leases_mib < TARGET_AGENT_LOADED_MIB,
             },
+            Target {
+                name: format!("workload identity adds <= {TARGET_IDENTITY_P99_MS:.0}ms to launch p99"),
+                value: launch.p99_ms.zip(self.launch_without_identity.p99_ms).map(|(with, without)| with - without),
+                met: launch
+                    .p99_ms
+                    .zip(self.launch_without_identity.p99_ms)
+                    .is_some_and(|(with, without)| with - without <= TARGET_IDENTITY_P99_MS)
+                    && self.launch_without_identity.errors == 0,
+            },
         ];
         let Some(runtime) = &self.runtime else { return };
         let over = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a - b);
@@ -729,15 +791,19 @@ impl LaunchReport {
         let l = &self.launch;
         let _ = writeln!(out, "berth-bench launch: {} leases one at a time, {} provider", self.leases, self.provider);
         let _ = writeln!(out, "{:<30}{:>10}{:>10}{:>10}{:>8}", "", "p50", "p99", "max", "errors");
-        let _ = writeln!(
-            out,
-            "{:<30}{:>10}{:>10}{:>10}{:>8}",
-            "RequestLease -> RUNNING",
-            latency(l.p50_ms),
-            latency(l.p99_ms),
-            latency(l.max_ms),
-            l.errors
-        );
+        for (name, l) in
+            [("RequestLease -> RUNNING", l), ("  without workload identity", &self.launch_without_identity)]
+        {
+            let _ = writeln!(
+                out,
+                "{:<30}{:>10}{:>10}{:>10}{:>8}",
+                name,
+                latency(l.p50_ms),
+                latency(l.p99_ms),
+                latency(l.max_ms),
+                l.errors
+            );
+        }
         if let Some(runtime) = &self.runtime {
             let mut row = |name: &str, f: &Figures| {
                 let _ = writeln!(

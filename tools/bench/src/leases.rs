@@ -305,6 +305,7 @@ async fn with_bus(
         redis_url: args.state.redis_url.clone(),
         identity_addr: registry_addr,
         lease_ttl_seconds: LEASE_TTL_SECONDS,
+        listen: None,
     })
     .await?;
     let outcome = tokio::select! {

@@ -30,6 +30,8 @@ pub(crate) struct LeasesLaunch<'a> {
     pub(crate) identity_addr: SocketAddr,
     /// Its lease TTL in seconds.
     pub(crate) lease_ttl_seconds: u64,
+    /// Where it listens; `None` picks a free loopback port.
+    pub(crate) listen: Option<SocketAddr>,
 }
 
 /// A running `berth-leases`.
@@ -58,7 +60,10 @@ impl LeasesProcess {
         let cert = write("leases.crt", &launch.material.cert_chain_pem)?;
         let key = write("leases.key", &launch.material.key_pem)?;
         let ca = write("ca.crt", &launch.material.ca_bundle_pem)?;
-        let addr = free_loopback_port()?;
+        let addr = match launch.listen {
+            Some(addr) => addr,
+            None => free_loopback_port()?,
+        };
         let mut command = tokio::process::Command::new(&binary);
         command
             .arg("--listen")

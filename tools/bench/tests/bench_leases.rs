@@ -78,18 +78,28 @@ fn a_tiny_launch_run_reports_latency_and_memory() {
     let out = bench(&["launch", "--leases", "3", "--records", "100", "--compare", "5", "--output", "json"]);
     let report = json(&out);
     let text = report.to_string();
-    let launch = &report["launch"];
-    assert_eq!(launch["calls"], 3, "{text}");
-    assert_eq!(launch["errors"], 0, "{text}");
-    assert!(launch["rate_per_s"].as_f64().unwrap() > 0.0, "{text}");
-    let (p50, p99) = (launch["p50_ms"].as_f64().unwrap(), launch["p99_ms"].as_f64().unwrap());
-    assert!(0.0 < p50 && p50 <= p99, "{text}");
+    // Side by side: launches whose workloads get their credential first,
+    // and launches on an agent that gives none.
+    for kind in ["launch", "launch_without_identity"] {
+        let launch = &report[kind];
+        assert_eq!(launch["calls"], 3, "{kind}: {text}");
+        assert_eq!(launch["errors"], 0, "{kind}: {text}");
+        assert!(launch["rate_per_s"].as_f64().unwrap() > 0.0, "{kind}: {text}");
+        let (p50, p99) = (launch["p50_ms"].as_f64().unwrap(), launch["p99_ms"].as_f64().unwrap());
+        assert!(0.0 < p50 && p50 <= p99, "{kind}: {text}");
+    }
+    let identity_target = report["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"].as_str().is_some_and(|name| name.starts_with("workload identity adds")));
+    assert!(identity_target.is_some_and(|t| t["value"].is_number()), "{text}");
     assert_eq!(report["errors"], serde_json::json!([]), "{text}");
     let agent = &report["agent_memory"];
     assert!(agent["idle_mib"].as_f64().unwrap() > 0.0, "{text}");
     assert!(agent["with_leases_mib"].as_f64().unwrap() > 0.0, "{text}");
     assert_eq!(report["leases_memory"]["records_placed"], 100, "{text}");
-    assert_eq!(report["targets"].as_array().unwrap().len(), 4, "{text}");
+    assert_eq!(report["targets"].as_array().unwrap().len(), 5, "{text}");
     // What the runtime adds at the provider, beside a raw fork+exec in the
     // same run (the process runtime has no bare-runtime baseline).
     let runtime = &report["runtime"];
