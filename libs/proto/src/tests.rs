@@ -128,7 +128,11 @@ fn admission_table_matches_the_contract() {
         // A service or router renews only its own certificate (the handler holds it to that).
         ("berth.identity.v1.Authority", &["IssueCertificate"], &[Service, Admin, Router]),
         // A node asks for its own workloads' certificates (the handler holds it to its node id).
-        ("berth.identity.v1.Workloads", &["SignWorkloadCertificate", "RenewWorkloadCertificate"], NODE),
+        (
+            "berth.identity.v1.Workloads",
+            &["SignWorkloadCertificate", "RenewWorkloadCertificate", "SignWorkloadJwt"],
+            NODE,
+        ),
         ("berth.identity.v1.Workloads", &["GetWorkloadBundle"], &[Node, Service, Admin, Router]),
         ("berth.revisions.v1.Services", &["ApplyService", "DeleteService", "SetTraffic"], ADMIN),
         ("berth.revisions.v1.Services", &["GetService", "ListServices"], READERS),

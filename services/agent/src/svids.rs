@@ -418,9 +418,35 @@ impl Svids {
     }
 }
 
+/// How a call that was refused goes on.
+enum Retry {
+    /// At once: the connections were dropped for a stale session.
+    Now,
+    /// After a backoff: the service could not answer.
+    Later,
+    /// Never: the service answered no.
+    Never,
+}
+
 impl Inner {
     fn backoff(&self) -> Backoff {
         Backoff::new(self.retry.0, self.retry.1)
+    }
+
+    /// How a call refused with `status` goes on. A refusal of who the node
+    /// is reconnects once first: after a rejoin the open connections still
+    /// present the node's old certificate.
+    fn next_try(&self, status: &tonic::Status, reconnected: &mut bool) -> Retry {
+        let stale_session = matches!(status.code(), tonic::Code::PermissionDenied | tonic::Code::Unauthenticated);
+        if stale_session && !*reconnected {
+            self.api.reconnect();
+            *reconnected = true;
+            Retry::Now
+        } else if crate::leases_client::is_transient(status) {
+            Retry::Later
+        } else {
+            Retry::Never
+        }
     }
 
     /// Registers the launch and has identity sign against it, trying again
@@ -449,16 +475,10 @@ impl Inner {
                 Err(refusal) => refusal,
             };
             let refused = || SvidError::Refused { service, message: status.message().to_string() };
-            let stale_session = matches!(status.code(), tonic::Code::PermissionDenied | tonic::Code::Unauthenticated);
-            if stale_session && !reconnected {
-                // After a rejoin the open connections still present the
-                // node's old certificate.
-                self.api.reconnect();
-                reconnected = true;
-                continue;
-            }
-            if !crate::leases_client::is_transient(&status) {
-                return Err(refused());
+            match self.next_try(&status, &mut reconnected) {
+                Retry::Now => continue,
+                Retry::Never => return Err(refused()),
+                Retry::Later => {}
             }
             let delay = backoff.next_delay();
             if tokio::time::Instant::now() + delay > deadline {
@@ -536,16 +556,14 @@ impl Inner {
                 Ok(answer) => return Some(Svid::signed(answer, key_pem.to_string())),
                 Err(status) => status,
             };
-            let stale_session = matches!(status.code(), tonic::Code::PermissionDenied | tonic::Code::Unauthenticated);
-            if stale_session && !reconnected {
-                self.api.reconnect();
-                reconnected = true;
-                continue;
-            }
-            if !crate::leases_client::is_transient(&status) {
-                tracing::info!(%lease_id, code = ?status.code(), reason = %status.message(),
-                    "the workload's credential is not renewed");
-                return None;
+            match self.next_try(&status, &mut reconnected) {
+                Retry::Now => continue,
+                Retry::Never => {
+                    tracing::info!(%lease_id, code = ?status.code(), reason = %status.message(),
+                        "the workload's credential is not renewed");
+                    return None;
+                }
+                Retry::Later => {}
             }
             tracing::debug!(%lease_id, error = %status.message(), "cannot renew the workload's credential yet");
             tokio::select! {

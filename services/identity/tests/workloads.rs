@@ -206,6 +206,20 @@ async fn an_svid_is_signed_once_per_launch_and_renewed_only_while_its_lease_is_o
     assert_eq!(blind.code(), Code::FailedPrecondition);
     assert!(blind.message().contains("--leases-addr"), "{blind:?}");
 
+    // A revoked node's workloads renew nothing, whatever their leases: it is
+    // refused at the door.
+    let revoke = v1::RevokeNodeRequest { node_id: holder.node_id.clone(), reason: "disk stolen".into() };
+    cluster.nodes(0).revoke_node(revoke).await.unwrap();
+    let revoked = berth_testkit::eventually("the revocation to reach the signer", berth_testkit::PATIENCE, || async {
+        let renewed = workloads(&signer, holder).renew_workload_certificate(renew(&holder.node_id, &lease, 1)).await;
+        match renewed {
+            Err(status) if status.code() == Code::PermissionDenied => Ok(status),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert!(revoked.message().contains("revoked"), "{revoked:?}");
+
     stop.cancel();
     ledger.cleanup(backend).await;
     cluster.cleanup().await;

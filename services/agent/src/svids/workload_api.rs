@@ -172,9 +172,15 @@ fn x509_bundles(svid: &Svid) -> Result<api::X509BundlesResponse, Status> {
 }
 
 impl WorkloadApi {
-    /// `answer` of the credential now and after every renewal.
-    fn follow<T: Send + 'static>(&self, answer: fn(&Svid) -> Result<T, Status>) -> Answers<T> {
-        Box::pin(WatchStream::new(self.current.clone()).map(move |svid| answer(&svid)))
+    /// For a request that carries the security header, `answer` of the
+    /// credential now and after every renewal.
+    fn follow<T: Send + 'static, R>(
+        &self,
+        request: &Request<R>,
+        answer: fn(&Svid) -> Result<T, Status>,
+    ) -> Result<Response<Answers<T>>, Status> {
+        check(request)?;
+        Ok(Response::new(Box::pin(WatchStream::new(self.current.clone()).map(move |svid| answer(&svid)))))
     }
 }
 
@@ -188,16 +194,14 @@ impl SpiffeWorkloadApi for WorkloadApi {
         &self,
         request: Request<api::X509svidRequest>,
     ) -> Result<Response<Self::FetchX509SVIDStream>, Status> {
-        check(&request)?;
-        Ok(Response::new(self.follow(x509_svid)))
+        self.follow(&request, x509_svid)
     }
 
     async fn fetch_x509_bundles(
         &self,
         request: Request<api::X509BundlesRequest>,
     ) -> Result<Response<Self::FetchX509BundlesStream>, Status> {
-        check(&request)?;
-        Ok(Response::new(self.follow(x509_bundles)))
+        self.follow(&request, x509_bundles)
     }
 
     async fn fetch_jwtsvid(
@@ -223,8 +227,7 @@ impl SpiffeWorkloadApi for WorkloadApi {
         &self,
         request: Request<api::JwtBundlesRequest>,
     ) -> Result<Response<Self::FetchJWTBundlesStream>, Status> {
-        check(&request)?;
-        Ok(Response::new(self.follow(jwt_bundles)))
+        self.follow(&request, jwt_bundles)
     }
 
     async fn validate_jwtsvid(
