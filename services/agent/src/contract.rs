@@ -453,6 +453,22 @@ print(s.recv(64).decode(), end="")'"#;
         let owner = std::fs::metadata(&dir).unwrap().uid();
         assert_ne!(owner, 0, "the directory is given to the workload's own user");
         assert_eq!(std::fs::metadata(dir.join(crate::svids::SOCKET_FILE)).unwrap().uid(), owner);
+
+        // A container image's workload finds the same, the socket linked
+        // at the top of the image's own root.
+        let root = tmp.path().join("image-root");
+        image_root(&root);
+        let script = r#"cat "$BERTH_IDENTITY_DIR/svid.pem"; echo "$SPIFFE_ENDPOINT_SOCKET"
+test -S /berth-workload-api.sock && echo "a socket""#;
+        let mut image = spec("lease-id-image", script);
+        image.root =
+            WorkloadRoot::Image { dir: root, digest: "sha256:test".into(), working_dir: String::new(), account: None };
+        image.program = Program::Command("sh".into());
+        image.env.insert("PATH".into(), "/bin".into());
+        image.identity = Some(dir);
+        ran_to_success(provider.as_ref(), image).await;
+        let out = stdout_of(provider.as_ref(), "lease-id-image");
+        assert_eq!(out, "the certificate\nunix:/berth-workload-api.sock\na socket\n");
     }
 }
 
