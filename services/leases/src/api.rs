@@ -129,10 +129,11 @@ impl v1::leases_server::Leases for LeasesService {
         let v1::RedeemLaunchRegistrationRequest { registration, node_id } = request.into_inner();
         validate::registration(&registration)?;
         validate::node_id(&node_id)?;
-        let lease = self
-            .core
-            .ledger
-            .redeem_launch(&registration, &node_id, &caller.to_string())
+        let spent = async {
+            let redeem = self.core.ledger.verify_launch(&registration, &node_id, &caller.to_string()).await?;
+            self.core.redeemer.request(redeem).await
+        };
+        let lease = spent
             .await
             .inspect_err(|error| tracing::warn!(%node_id, %caller, %error, "launch registration refused"))?;
         tracing::info!(lease_id = %lease.lease_id, epoch = lease.epoch, %node_id, "launch registration redeemed");

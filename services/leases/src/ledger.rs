@@ -793,68 +793,40 @@ impl Ledger {
         Ok((registration.sign(&key), expires_at))
     }
 
-    /// Spends the launch registration `presented` by `node_id` through `by`:
-    /// its lease, if that lease is still open on the node at the
-    /// registration's epoch. Refused, nothing changes.
-    pub(crate) async fn redeem_launch(
-        &self,
-        presented: &str,
-        node_id: &str,
-        by: &str,
-    ) -> Result<LeaseRecord, LeaseError> {
+    /// The registration `presented` by `node_id`, to be spent by `by`, if
+    /// leases signed it; nothing is read or written.
+    pub(crate) async fn verify_launch(&self, presented: &str, node_id: &str, by: &str) -> Result<Redeem, LeaseError> {
         let key = self.launch_key().await?;
         let Some(registration) = LaunchRegistration::verify(&key, presented) else {
             return Err(LeaseError::LaunchRefused("no such launch registration".to_owned()));
         };
+        Ok(Redeem {
+            registration,
+            digest: secret_sha256(presented),
+            node_id: node_id.to_owned(),
+            spent_by: format!("redeemed by {by}"),
+        })
+    }
+
+    /// Spends every registration of `batch` that can be in one transaction:
+    /// for each, its lease if that lease is still open on the presenting
+    /// node at the registration's epoch, else why not (and that one changes
+    /// nothing). Two of the batch presenting the same registration spend it
+    /// once.
+    pub(crate) async fn redeem_launches(
+        &self,
+        batch: &[&Redeem],
+    ) -> Result<Vec<Result<LeaseRecord, LeaseError>>, LeaseError> {
         let now_sql = self.store.now_ms_sql();
-        let digest = secret_sha256(presented);
-        let (digest, registration, spent_by) = (digest.as_str(), &registration, format!("redeemed by {by}"));
-        let spent_by = spent_by.as_str();
         self.store
-            .tx("leases.redeem_launch", |conn| {
+            .tx("leases.redeem_launches", |conn| {
                 Box::pin(async move {
                     let now = berth_store::now_ms_in(conn, now_sql).await?;
-                    let LaunchRegistration { lease_id, epoch, node_id: registered_to, expires_at, .. } = registration;
-                    let refused = |why: String| Err(LeaseError::LaunchRefused(why));
-                    let spent: Option<(String,)> =
-                        sqlx::query_as("SELECT spent_by FROM launch_registrations WHERE secret_sha256 = $1")
-                            .bind(digest)
-                            .fetch_optional(&mut *conn)
-                            .await?;
-                    if let Some((spent,)) = spent {
-                        return refused(format!(
-                            "the launch registration of lease {lease_id} at epoch {epoch} was already spent ({spent})"
-                        ));
+                    let mut answers = Vec::with_capacity(batch.len());
+                    for redeem in batch {
+                        answers.push(redeem_one(conn, redeem, now).await?);
                     }
-                    if *expires_at <= now {
-                        return refused(format!(
-                            "the launch registration of lease {lease_id} at epoch {epoch} has expired"
-                        ));
-                    }
-                    if registered_to != node_id {
-                        return refused(format!(
-                            "the launch registration of lease {lease_id} was issued to another node than {node_id}"
-                        ));
-                    }
-                    let lease = held_by(conn, node_id, lease_id, *epoch).await?;
-                    if !lease.phase.is_open() {
-                        return refused(format!("lease {lease_id} is {}, so its launch is over", lease.phase));
-                    }
-                    sqlx::query(
-                        "INSERT INTO launch_registrations \
-                         (secret_sha256, lease_id, epoch, node_id, spent_at_ms, expires_at_ms, spent_by) \
-                         VALUES ($1, $2, $3, $4, $5, $6, $7)",
-                    )
-                    .bind(digest)
-                    .bind(lease_id.as_str())
-                    .bind(lease.epoch)
-                    .bind(node_id)
-                    .bind(now)
-                    .bind(*expires_at)
-                    .bind(spent_by)
-                    .execute(&mut *conn)
-                    .await?;
-                    Ok(lease)
+                    Ok(answers)
                 })
             })
             .await
@@ -986,6 +958,74 @@ async fn held_by(
     Ok(lease)
 }
 
+/// Spends one registration in an open transaction at `now`: its lease, or
+/// why not (an `Err` inside `Ok`, which changes nothing); an `Err` outside is
+/// the store's and fails the transaction.
+async fn redeem_one(
+    conn: &mut AnyConnection,
+    redeem: &Redeem,
+    now: i64,
+) -> Result<Result<LeaseRecord, LeaseError>, LeaseError> {
+    let Redeem { registration, digest, node_id, spent_by } = redeem;
+    let LaunchRegistration { lease_id, epoch, node_id: registered_to, expires_at, .. } = registration;
+    let refused = |why: String| Ok(Err(LeaseError::LaunchRefused(why)));
+    let spent: Option<(String,)> = sqlx::query_as("SELECT spent_by FROM launch_registrations WHERE secret_sha256 = $1")
+        .bind(digest.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+    if let Some((spent,)) = spent {
+        return refused(format!(
+            "the launch registration of lease {lease_id} at epoch {epoch} was already spent ({spent})"
+        ));
+    }
+    if *expires_at <= now {
+        return refused(format!("the launch registration of lease {lease_id} at epoch {epoch} has expired"));
+    }
+    if registered_to != node_id {
+        return refused(format!(
+            "the launch registration of lease {lease_id} was issued to another node than {node_id}"
+        ));
+    }
+    let lease = match held_by(conn, node_id, lease_id, *epoch).await {
+        Ok(lease) => lease,
+        Err(error @ LeaseError::Store(_)) => return Err(error),
+        Err(error) => return Ok(Err(error)),
+    };
+    if !lease.phase.is_open() {
+        return refused(format!("lease {lease_id} is {}, so its launch is over", lease.phase));
+    }
+    let inserted = sqlx::query(
+        "INSERT INTO launch_registrations \
+         (secret_sha256, lease_id, epoch, node_id, spent_at_ms, expires_at_ms, spent_by) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (secret_sha256) DO NOTHING",
+    )
+    .bind(digest.as_str())
+    .bind(lease_id.as_str())
+    .bind(lease.epoch)
+    .bind(node_id.as_str())
+    .bind(now)
+    .bind(*expires_at)
+    .bind(spent_by.as_str())
+    .execute(&mut *conn)
+    .await?;
+    if inserted.rows_affected() == 0 {
+        return refused(format!("the launch registration of lease {lease_id} at epoch {epoch} was already spent"));
+    }
+    Ok(Ok(lease))
+}
+
+/// A launch registration to spend: already verified as leases' own.
+#[derive(Debug)]
+pub(crate) struct Redeem {
+    pub(crate) registration: LaunchRegistration,
+    /// The registration's digest, as a spent one is recorded.
+    pub(crate) digest: String,
+    /// The node presenting it.
+    pub(crate) node_id: String,
+    /// Who spends it, as recorded.
+    pub(crate) spent_by: String,
+}
+
 /// What a spent launch registration is recorded under.
 fn secret_sha256(secret: &str) -> String {
     hex::encode(ring::digest::digest(&ring::digest::SHA256, secret.as_bytes()))
@@ -995,7 +1035,7 @@ fn secret_sha256(secret: &str) -> String {
 /// `<lease>/<epoch>/<node>/<expires ms>/<nonce>/<HMAC-SHA256, hex>`. No part
 /// holds a `/` (lease ids, node ids and numbers never do).
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct LaunchRegistration {
+pub(crate) struct LaunchRegistration {
     lease_id: String,
     epoch: u64,
     node_id: String,

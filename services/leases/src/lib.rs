@@ -41,6 +41,7 @@ mod placement;
 mod placer;
 mod reaper;
 mod records;
+mod redeemer;
 mod service;
 mod shared;
 mod signals;

@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 use crate::ledger::{LeaseAsk, LeaseError};
 use crate::model::Resources;
 use crate::placement::{NodeRuntime, PlacementNode};
-use crate::shared::{Core, EXPIRY_INDEX, Queued};
+use crate::shared::{Core, EXPIRY_INDEX, Queued, drain_batches};
 
 /// How many times a batch is placed before its callers are told it collided.
 const PLACE_ATTEMPTS: u32 = 8;
@@ -38,29 +38,11 @@ const RETRY_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_RETRY_BACKOFF: Duration = Duration::from_millis(200);
 
 /// Drains `queue` until the service closes.
-pub(crate) fn spawn(core: Arc<Core>, mut queue: mpsc::Receiver<Queued>) {
-    tokio::spawn(async move {
-        loop {
-            let first = tokio::select! {
-                () = core.closing.cancelled() => break,
-                next = queue.recv() => match next {
-                    Some(queued) => queued,
-                    None => break,
-                },
-            };
-            let mut batch = vec![first];
-            while batch.len() < core.config.max_batch {
-                match queue.try_recv() {
-                    Ok(queued) => batch.push(queued),
-                    Err(_) => break,
-                }
-            }
-            place(&core, batch).await;
-        }
-        queue.close();
-        while let Ok(queued) = queue.try_recv() {
-            let _ = queued.reply.send(Err(LeaseError::Unavailable("the ledger is shutting down".to_owned())));
-        }
+pub(crate) fn spawn(core: Arc<Core>, queue: mpsc::Receiver<Queued>) {
+    let (closing, max_batch) = (core.closing.clone(), core.config.max_batch);
+    drain_batches(closing, queue, max_batch, move |batch| {
+        let core = Arc::clone(&core);
+        async move { place(&core, batch).await }
     });
 }
 

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::LeasesConfig;
 use crate::ledger::Ledger;
-use crate::shared::{Core, PlacerHandle};
+use crate::shared::{BatchHandle, Core, PlacerHandle};
 use crate::signals::{node_signals, owner_signals};
 
 /// One replica of the ledger: its gRPC handlers and its loops.
@@ -33,7 +33,8 @@ impl LeasesService {
     /// A replica over `ctx`'s store (already migrated), bus and view of
     /// identity's node registry.
     pub fn new(ctx: &ServiceContext, config: LeasesConfig) -> Self {
-        let (placer, queue) = PlacerHandle::new(config.placer_queue);
+        let (placer, queue) = PlacerHandle::new(config.placer_queue, "placing the lease");
+        let (redeemer, redeems) = BatchHandle::new(config.placer_queue, "spending the launch registration");
         let core = Core {
             ledger: Ledger::new(ctx.store.clone(), &config),
             bus: ctx.bus.clone(),
@@ -46,6 +47,8 @@ impl LeasesService {
             closing: CancellationToken::new(),
             placer,
             queue: Mutex::new(Some(queue)),
+            redeemer,
+            redeems: Mutex::new(Some(redeems)),
         };
         Self { core: Arc::new(core), revocations: ctx.revocations.clone(), lifetime: HeldLoops::default() }
     }
@@ -87,6 +90,9 @@ impl ServiceReplica for LeasesService {
         };
         berth_runtime::close_with(shutdown, &self.core.closing);
         crate::placer::spawn(Arc::clone(&self.core), queue);
+        if let Some(redeems) = self.core.redeems.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            crate::redeemer::spawn(Arc::clone(&self.core), redeems);
+        }
         self.core.signals.spawn_follower(self.core.bus.clone(), self.core.closing.clone());
         self.core.owners.spawn_follower(self.core.bus.clone(), self.core.closing.clone());
         crate::reaper::spawn(Arc::clone(&self.core));

@@ -121,7 +121,44 @@ async fn an_ended_launch_leaves_no_registration_to_spend(backend: Backend) {
     ledger.cleanup().await;
 }
 
+async fn registrations_spent_at_once_are_each_spent_exactly_once(backend: Backend) {
+    let ledger = Ledger::start(backend, fast_config(), two_nodes()).await;
+    let lease = ledger.place("burst", 1000, GIB).await;
+    let node = lease.node_id.clone();
+    let mut registrations = Vec::new();
+    for _ in 0..8 {
+        let taken = ledger.node(&node).register_launch(register(&lease, &node, 1)).await.unwrap().into_inner();
+        registrations.push(taken.registration);
+    }
+    // Each registration presented three times, all at once: the redeemer
+    // spends many per commit, and never one twice.
+    let mut presented = tokio::task::JoinSet::new();
+    for registration in registrations.iter().flat_map(|r| [r.clone(), r.clone(), r.clone()]) {
+        let mut identity = ledger.leases_as(&identity());
+        let node = node.clone();
+        presented.spawn(async move {
+            let answer = identity.redeem_launch_registration(redeem(&registration, &node)).await;
+            (registration, answer.map(|_| ()).map_err(|status| (status.code(), status.message().to_owned())))
+        });
+    }
+    let mut spent = std::collections::BTreeMap::<String, u32>::new();
+    while let Some(joined) = presented.join_next().await {
+        let (registration, answer) = joined.unwrap();
+        match answer {
+            Ok(()) => *spent.entry(registration).or_default() += 1,
+            Err((code, message)) => {
+                assert_eq!(code, Code::FailedPrecondition, "{message}");
+                assert!(message.contains("already spent"), "{message}");
+            }
+        }
+    }
+    assert_eq!(spent.len(), registrations.len(), "every registration was spent: {spent:?}");
+    assert!(spent.values().all(|n| *n == 1), "none twice: {spent:?}");
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
     a_registration_is_spent_once_by_identity_for_the_node_holding_the_lease,
     an_ended_launch_leaves_no_registration_to_spend,
+    registrations_spent_at_once_are_each_spent_exactly_once,
 );
