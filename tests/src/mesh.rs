@@ -413,7 +413,10 @@ impl Mesh {
                         .arg("--down-after")
                         .arg(duration_flag(timings.down_after))
                         .arg("--reap-after")
-                        .arg(duration_flag(timings.reap_after)),
+                        .arg(duration_flag(timings.reap_after))
+                        // Workloads' credentials are signed against leases.
+                        .arg("--leases-addr")
+                        .arg(&leases_front),
                     ServiceKind::Leases => spec.arg("--lease-ttl").arg(timings.lease_ttl_secs.to_string()),
                     ServiceKind::Revisions => spec
                         .arg("--leases-addr")
