@@ -124,3 +124,15 @@ impl FileError {
         Self { action, path: path.display().to_string(), source }
     }
 }
+
+/// Runs `f`, file work that may block, on the blocking pool; a task that
+/// could not finish (it panicked) is a [`FileError`] like any other.
+pub(crate) async fn on_blocking_pool<T, E>(f: impl FnOnce() -> Result<T, E> + Send + 'static) -> Result<T, E>
+where
+    T: Send + 'static,
+    E: From<FileError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(FileError { action: "finish", path: String::new(), source: std::io::Error::other(e.to_string()) }.into())
+    })
+}

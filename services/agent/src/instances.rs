@@ -156,13 +156,7 @@ impl Layout {
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ProviderError> + Send + 'static,
 ) -> Result<T, ProviderError> {
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
-        Err(ProviderError::Io(FileError {
-            action: "finish",
-            path: String::new(),
-            source: std::io::Error::other(e.to_string()),
-        }))
-    })
+    crate::error::on_blocking_pool(f).await
 }
 
 /// Creates the working and log directories, writes the record that says a

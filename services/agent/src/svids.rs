@@ -65,7 +65,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::error::FileError;
+use crate::error::{FileError, on_blocking_pool};
 use crate::generations::Generations;
 use crate::node_channel::NodeChannel;
 
@@ -345,12 +345,12 @@ impl Svids {
         }
         let dir = self.dir(&lease_id);
         let fresh = dir.clone();
-        blocking(move || fresh_dir(&fresh)).await?;
+        on_blocking_pool(move || fresh_dir(&fresh)).await?;
         let (csr_pem, key_pem) = berth_mtls::generate_csr(&lease_id).map_err(|e| SvidError::Key(e.to_string()))?;
         let answer = self.inner.first_certificate(&lease, &csr_pem).await?;
         let svid = Svid::signed(answer, key_pem);
         let (written, publish) = (svid.clone(), dir.clone());
-        blocking(move || publish_svid(&publish, &written)).await?;
+        on_blocking_pool(move || publish_svid(&publish, &written)).await?;
         self.start(lease, svid).await?;
         tracing::info!(%lease_id, "minted the workload's credential");
         Ok(dir)
@@ -361,7 +361,7 @@ impl Svids {
     /// before credentials were minted) is left without.
     pub(crate) async fn adopt(&self, lease: LeaseWatch) {
         let dir = self.dir(&lease.lease_id);
-        let loaded = blocking(move || Svid::load(&dir)).await;
+        let loaded = on_blocking_pool(move || Svid::load(&dir)).await;
         match loaded {
             Ok(svid) => {
                 let lease_id = lease.lease_id.clone();
@@ -508,7 +508,7 @@ impl Inner {
             let key_pem = current.borrow().key_pem.clone();
             let Some(svid) = self.renewed(&mut lease, &key_pem).await else { return };
             let (written, publish) = (svid.clone(), dir.clone());
-            match blocking(move || publish_svid(&publish, &written)).await {
+            match on_blocking_pool(move || publish_svid(&publish, &written)).await {
                 Ok(()) => {
                     tracing::info!(%lease_id, not_after = svid.not_after, "renewed the workload's credential");
                     current.send_replace(Arc::new(svid));
@@ -572,13 +572,6 @@ impl Inner {
             }
         }
     }
-}
-
-/// Runs file work on the blocking pool.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, SvidError> + Send + 'static,
-) -> Result<T, SvidError> {
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(SvidError::Key(e.to_string())))
 }
 
 /// An empty identity directory for a launch (a relaunch's is replaced).
