@@ -235,6 +235,7 @@ fn caller_kind(number: i32) -> Option<(i32, &'static str)> {
         3 => "Service",
         4 => "Admin",
         5 => "Router",
+        6 => "Workload",
         _ => return None,
     };
     Some((number, name))

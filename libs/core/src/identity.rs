@@ -1,5 +1,7 @@
 use std::fmt;
 
+use crate::WorkloadId;
+
 /// The trust domain every berth identity lives under.
 pub const TRUST_DOMAIN: &str = "berth.internal";
 
@@ -17,6 +19,9 @@ pub enum CallerKind {
     Admin,
     /// A data-plane router: reaches replicas through the agents.
     Router,
+    /// A workload presenting its own X.509-SVID; acts only on what its
+    /// SPIFFE ID names (its project, service and lease).
+    Workload,
 }
 
 impl CallerKind {
@@ -28,6 +33,7 @@ impl CallerKind {
             CallerKind::Service => "service",
             CallerKind::Admin => "admin",
             CallerKind::Router => "router",
+            CallerKind::Workload => "workload",
         }
     }
 }
@@ -49,6 +55,9 @@ pub enum Identity {
     Admin(String),
     /// `<name>.router.berth.internal`
     Router(String),
+    /// A workload's SPIFFE ID, from the URI SAN of its X.509-SVID (signed by
+    /// the workload authority, never by the mesh CA).
+    Workload(WorkloadId),
 }
 
 /// Why a name could not be turned into an [`Identity`].
@@ -96,13 +105,24 @@ impl Identity {
             Identity::Service(_) => CallerKind::Service,
             Identity::Admin(_) => CallerKind::Admin,
             Identity::Router(_) => CallerKind::Router,
+            Identity::Workload(_) => CallerKind::Workload,
         }
     }
 
-    /// The name within its kind: the node id, service name or admin name.
+    /// The name within its kind: the node id, service name or admin name;
+    /// a workload's whole SPIFFE ID.
     pub fn name(&self) -> &str {
         match self {
             Identity::Node(n) | Identity::Service(n) | Identity::Admin(n) | Identity::Router(n) => n,
+            Identity::Workload(id) => id.uri(),
+        }
+    }
+
+    /// The workload's SPIFFE ID, when this is a workload.
+    pub fn workload(&self) -> Option<&WorkloadId> {
+        match self {
+            Identity::Workload(id) => Some(id),
+            _ => None,
         }
     }
 
@@ -114,15 +134,23 @@ impl Identity {
         }
     }
 
-    /// The DNS SAN that carries this identity in a certificate.
-    pub fn to_san(&self) -> String {
+    /// The DNS SAN that carries this identity in a certificate; `None` for
+    /// a workload, which a URI SAN names.
+    pub fn dns_san(&self) -> Option<String> {
         let kind = match self {
             Identity::Node(_) => "node",
             Identity::Service(_) => "svc",
             Identity::Admin(_) => "admin",
             Identity::Router(_) => "router",
+            Identity::Workload(_) => return None,
         };
-        format!("{}.{kind}.{TRUST_DOMAIN}", self.name())
+        Some(format!("{}.{kind}.{TRUST_DOMAIN}", self.name()))
+    }
+
+    /// The subject alternative name that carries this identity in a
+    /// certificate: a DNS name, or a workload's SPIFFE ID.
+    pub fn to_san(&self) -> String {
+        self.dns_san().unwrap_or_else(|| self.name().to_owned())
     }
 
     /// Reads an identity from a DNS SAN; `Err(NotBerth)` for names outside the

@@ -12,6 +12,9 @@
 //! | admin   | `<name>.admin.berth.internal`     |
 //! | router  | `<name>.router.berth.internal`    |
 //!
+//! A workload's certificate (its X.509-SVID, signed by the workload
+//! authority) names it instead by one SPIFFE URI SAN; see [`WorkloadId`].
+//!
 //! Other SANs (`localhost`, an IP, a public host name) may stand beside it so
 //! that clients can verify the server by the address they dialled; they carry
 //! no identity.
@@ -22,9 +25,11 @@ mod identity;
 mod image;
 mod json_file;
 mod time;
+mod workload_id;
 
 pub use addr::bracket_ipv6;
 pub use identity::{CallerKind, Identity, IdentityError, TRUST_DOMAIN, is_dns_label};
 pub use image::{MAX_IMAGE_USER, MAX_WORKING_DIR, image_settings_problems, image_user_problem, working_dir_problem};
 pub use json_file::JsonFileError;
 pub use time::{millis, wall_clock_ms};
+pub use workload_id::{WorkloadId, WorkloadIdError, is_trust_domain};

@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use berth_core::Identity;
+use berth_core::{Identity, WorkloadId};
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName, DnType,
     ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, PKCS_ECDSA_P256_SHA256, PKCS_ECDSA_P384_SHA384,
@@ -113,15 +113,16 @@ impl CertificateAuthority {
     }
 
     /// Signs the public key of a CSR as an X.509-SVID: its only name is the
-    /// URI SAN `spiffe_id` (`spiffe://<trust-domain>/<path>`), no DNS name,
-    /// so no berth endpoint takes it for a mesh identity. The CSR is checked
-    /// as [`Self::sign_csr`] checks it.
-    pub fn sign_svid_csr(&self, csr_pem: &str, spiffe_id: &str, ttl: Duration) -> Result<IssuedCertificate, MtlsError> {
-        if !spiffe_id.starts_with("spiffe://") {
-            return Err(MtlsError::Csr(format!("'{spiffe_id}' is not a SPIFFE ID")));
-        }
+    /// URI SAN `spiffe_id`, no DNS name, so no berth endpoint takes it for a
+    /// mesh identity. The CSR is checked as [`Self::sign_csr`] checks it.
+    pub fn sign_svid_csr(
+        &self,
+        csr_pem: &str,
+        spiffe_id: &WorkloadId,
+        ttl: Duration,
+    ) -> Result<IssuedCertificate, MtlsError> {
         let csr = checked_csr(csr_pem)?;
-        let uri = spiffe_id.to_owned().try_into().map_err(MtlsError::Generate)?;
+        let uri = spiffe_id.uri().to_owned().try_into().map_err(MtlsError::Generate)?;
         let now = OffsetDateTime::now_utc();
         self.sign_leaf(&csr.public_key, String::new(), vec![SanType::URI(uri)], now - BACKDATE, now + ttl)
     }
@@ -178,7 +179,10 @@ impl CertificateAuthority {
         not_before: OffsetDateTime,
         not_after: OffsetDateTime,
     ) -> Result<IssuedCertificate, MtlsError> {
-        let mut sans = vec![identity.to_san()];
+        let name = identity.dns_san().ok_or_else(|| {
+            MtlsError::Csr(format!("{identity} is named by a SPIFFE ID: its certificate is an SVID, not a mesh one"))
+        })?;
+        let mut sans = vec![name.clone()];
         sans.extend(extra_sans.iter().filter(|s| !s.is_empty()).cloned());
         sans.dedup();
         let sans = sans
@@ -189,7 +193,7 @@ impl CertificateAuthority {
             })
             .collect::<Result<_, _>>()
             .map_err(MtlsError::Generate)?;
-        self.sign_leaf(public_key, identity.to_san(), sans, not_before, not_after)
+        self.sign_leaf(public_key, name, sans, not_before, not_after)
     }
 
     /// Signs a leaf for `public_key` named `sans`, with `common_name` as its
@@ -313,14 +317,19 @@ mod tests {
         let ca = CertificateAuthority::generate("workload CA", Duration::from_secs(3600)).unwrap();
         let (csr, _key) = generate_csr("web.svc.berth.internal").unwrap();
         let id = "spiffe://berth.internal/ns/default/svc/web/rev/web-00001/lease/l-1";
-        let cert = ca.sign_svid_csr(&csr, id, Duration::from_secs(60)).unwrap();
+        let workload = WorkloadId::parse(id).unwrap();
+        let cert = ca.sign_svid_csr(&csr, &workload, Duration::from_secs(60)).unwrap();
         let der = certs_from_pem("certificate", &cert.cert_pem).unwrap().remove(0);
-        assert_eq!(identity_from_cert(&der), None, "not a mesh identity, whatever the CSR asked for");
+        assert_eq!(
+            identity_from_cert(&der),
+            Some(Identity::Workload(workload)),
+            "a workload, and no mesh identity, whatever the CSR asked for"
+        );
         let (_, parsed) = x509_parser::parse_x509_certificate(der.as_ref()).unwrap();
         let sans = parsed.subject_alternative_name().unwrap().unwrap();
         let names: Vec<String> = sans.value.general_names.iter().map(|n| format!("{n:?}")).collect();
         assert_eq!(names, [format!("URI({id:?})")]);
-        assert!(ca.sign_svid_csr(&csr, "https://example.com", Duration::from_secs(60)).is_err());
+        assert!(ca.issue(&Identity::Workload(WorkloadId::parse(id).unwrap()), &[], Duration::from_secs(60)).is_err());
     }
 
     #[test]

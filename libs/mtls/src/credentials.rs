@@ -20,6 +20,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use crate::MtlsError;
 use crate::peer::identity_from_cert;
 use crate::pem::{cert_not_after, certs_from_pem, key_from_pem};
+use crate::verifier::MeshOrWorkload;
 
 /// ALPN protocol for gRPC over HTTP/2; gRPC clients insist on it.
 const ALPN_H2: &[u8] = b"h2";
@@ -63,6 +64,8 @@ fn read(path: &std::path::Path) -> Result<String, MtlsError> {
 
 struct Loaded {
     server: Arc<ServerConfig>,
+    /// The workload bundle client SVIDs are checked against; `None` admits no workload.
+    workload_bundle_pem: Option<String>,
     client: Arc<ClientConfig>,
     identity: Option<Identity>,
     not_after: i64,
@@ -91,16 +94,35 @@ impl std::fmt::Debug for TlsCredentials {
 impl TlsCredentials {
     /// Builds server and client configurations from `material`.
     pub fn new(material: TlsMaterial) -> Result<Self, MtlsError> {
-        Ok(Self { current: Arc::new(RwLock::new(Arc::new(load(material)?))), generation: Arc::default() })
+        Ok(Self { current: Arc::new(RwLock::new(Arc::new(load(material, None)?))), generation: Arc::default() })
     }
 
     /// Swaps in new material; the next handshake uses it. On error the old
-    /// material stays in force.
+    /// material stays in force. The workload bundle trusted stays as it was.
     pub fn reload(&self, material: TlsMaterial) -> Result<(), MtlsError> {
-        let loaded = Arc::new(load(material)?);
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = loaded;
+        let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
+        *current = Arc::new(load(material, current.workload_bundle_pem.clone())?);
         self.generation.fetch_add(1, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Admits client certificates carrying a SPIFFE ID (workload SVIDs) that
+    /// chain to `bundle_pem`, the workload authority's bundle, from the next
+    /// handshake; `None` admits none again. Our own certificate, and so the
+    /// [`generation`](Self::generation), stays as it is. On error the bundle
+    /// in force stays.
+    pub fn trust_workloads(&self, bundle_pem: Option<String>) -> Result<(), MtlsError> {
+        let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
+        if current.workload_bundle_pem == bundle_pem {
+            return Ok(());
+        }
+        *current = Arc::new(load(current.material.clone(), bundle_pem)?);
+        Ok(())
+    }
+
+    /// The workload bundle client SVIDs are checked against, if any.
+    pub fn workload_bundle(&self) -> Option<String> {
+        self.loaded().workload_bundle_pem.clone()
     }
 
     /// Counts the reloads: a client that made its connection at another
@@ -148,23 +170,34 @@ fn provider() -> Arc<CryptoProvider> {
 }
 
 fn roots(ca_bundle_pem: &str) -> Result<Arc<RootCertStore>, MtlsError> {
+    roots_named("CA bundle", ca_bundle_pem)
+}
+
+fn roots_named(what: &'static str, bundle_pem: &str) -> Result<Arc<RootCertStore>, MtlsError> {
     let mut roots = RootCertStore::empty();
-    for cert in certs_from_pem("CA bundle", ca_bundle_pem)? {
+    for cert in certs_from_pem(what, bundle_pem)? {
         roots.add(cert).map_err(MtlsError::Tls)?;
     }
     Ok(Arc::new(roots))
 }
 
-fn load(material: TlsMaterial) -> Result<Loaded, MtlsError> {
+fn load(material: TlsMaterial, workload_bundle_pem: Option<String>) -> Result<Loaded, MtlsError> {
     let chain: Vec<CertificateDer<'static>> = certs_from_pem("certificate", &material.cert_chain_pem)?;
     let key: PrivateKeyDer<'static> = key_from_pem(&material.key_pem)?;
     let roots = roots(&material.ca_bundle_pem)?;
     let provider = provider();
 
-    let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
-        .allow_unauthenticated()
-        .build()
-        .map_err(|e| MtlsError::Verifier(e.to_string()))?;
+    let client_verifier = |roots| {
+        WebPkiClientVerifier::builder_with_provider(roots, provider.clone())
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| MtlsError::Verifier(e.to_string()))
+    };
+    let workloads = match &workload_bundle_pem {
+        Some(bundle) => Some(client_verifier(roots_named("workload bundle", bundle)?)?),
+        None => None,
+    };
+    let verifier = Arc::new(MeshOrWorkload::new(client_verifier(roots.clone())?, workloads));
     let mut server = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(MtlsError::Tls)?
@@ -186,6 +219,7 @@ fn load(material: TlsMaterial) -> Result<Loaded, MtlsError> {
 
     Ok(Loaded {
         server: Arc::new(server),
+        workload_bundle_pem,
         client: Arc::new(client),
         identity: identity_from_cert(&chain[0]),
         not_after: cert_not_after(&chain[0])?,

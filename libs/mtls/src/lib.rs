@@ -18,6 +18,7 @@ mod credentials;
 mod jwt;
 mod peer;
 mod pem;
+mod verifier;
 
 pub use authority::{BACKDATE, CertificateAuthority, IssuedCertificate, csr_for_key, generate_csr};
 pub use credentials::{TlsCredentials, TlsMaterial, anonymous_client_config, public_server_config, verify_chain};

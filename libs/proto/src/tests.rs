@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use berth_core::CallerKind::{self, Admin, Anonymous, Node, Router, Service};
+use berth_core::CallerKind::{self, Admin, Anonymous, Node, Router, Service, Workload};
 use prost::Message;
 use prost_types::{DescriptorProto, EnumDescriptorProto, FileDescriptorProto, FileDescriptorSet};
 
@@ -113,6 +113,8 @@ fn admission_table_matches_the_contract() {
     const ADMIN: &[CallerKind] = &[Admin];
     const NODE: &[CallerKind] = &[Node];
     const READERS: &[CallerKind] = &[Service, Admin];
+    // A workload reads what its SPIFFE ID names, nothing else (the handler holds it to that).
+    const OWN_READERS: &[CallerKind] = &[Service, Admin, Workload];
     // What a router follows to build its routes.
     const WATCHERS: &[CallerKind] = &[Service, Admin, Router];
     let contract: &[(&str, &[&str], &[CallerKind])] = &[
@@ -135,13 +137,16 @@ fn admission_table_matches_the_contract() {
         ),
         ("berth.identity.v1.Workloads", &["GetWorkloadBundle"], &[Node, Service, Admin, Router]),
         ("berth.revisions.v1.Services", &["ApplyService", "DeleteService", "SetTraffic"], ADMIN),
-        ("berth.revisions.v1.Services", &["GetService", "ListServices"], READERS),
+        ("berth.revisions.v1.Services", &["GetService"], OWN_READERS),
+        ("berth.revisions.v1.Services", &["ListServices"], READERS),
         ("berth.revisions.v1.Services", &["WatchServices"], WATCHERS),
         // A router acknowledges only as itself (its name is read from its certificate).
         ("berth.revisions.v1.Services", &["AckRoutes"], &[Router]),
-        ("berth.revisions.v1.Revisions", &["ListRevisions", "GetRevision"], READERS),
+        ("berth.revisions.v1.Revisions", &["ListRevisions"], READERS),
+        ("berth.revisions.v1.Revisions", &["GetRevision"], OWN_READERS),
         ("berth.revisions.v1.Revisions", &["GetPullCredentials"], NODE),
-        ("berth.leases.v1.Leases", &["RequestLease", "GetLease", "ListLeases", "ReleaseLease"], READERS),
+        ("berth.leases.v1.Leases", &["RequestLease", "ListLeases", "ReleaseLease"], READERS),
+        ("berth.leases.v1.Leases", &["GetLease"], OWN_READERS),
         ("berth.leases.v1.Leases", &["GetLeaseLogs"], READERS),
         ("berth.leases.v1.Leases", &["WatchLeases"], WATCHERS),
         // Only identity spends launch registrations (the handler holds a service to that).

@@ -16,12 +16,16 @@
 //! - Node RPCs additionally act only on the caller's own node id; the
 //!   handler checks that with [`require_own_node`], since the id lives in
 //!   the request body.
+//! - Workload callers (an X.509-SVID's SPIFFE ID) act only on what their
+//!   ID names; a handler admitting them checks the request against it with
+//!   [`require_own_workload`] before it looks anything up, so a workload
+//!   cannot tell another tenant's names from missing ones.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use berth_core::{CallerKind, Identity};
+use berth_core::{CallerKind, Identity, WorkloadId};
 use tonic::Status;
 
 use crate::listener::PeerInfo;
@@ -181,6 +185,25 @@ pub fn require_own_node<'a, T>(req: &'a tonic::Request<T>, node_id: &str) -> Res
             Err(Status::permission_denied(format!("node '{own}' may act only on its own node id, not '{node_id}'")))
         }
         None => Err(Status::permission_denied(format!("{id} is not a node"))),
+    }
+}
+
+/// Holds a workload caller to what its SPIFFE ID names. Any other caller
+/// passes (the access layer already admitted its kind); a workload passes
+/// when `owns` holds for its ID, and otherwise gets `PERMISSION_DENIED`
+/// naming it and `what` it asked for.
+pub fn require_own_workload<T>(
+    req: &tonic::Request<T>,
+    what: impl FnOnce() -> String,
+    owns: impl FnOnce(&WorkloadId) -> bool,
+) -> Result<(), Status> {
+    let workload = req.extensions().get::<PeerInfo>().and_then(|p| p.identity.as_ref()).and_then(Identity::workload);
+    match workload {
+        Some(id) if !owns(id) => Err(Status::permission_denied(format!(
+            "workload '{id}' may read only what its SPIFFE ID names, not {}",
+            what()
+        ))),
+        _ => Ok(()),
     }
 }
 

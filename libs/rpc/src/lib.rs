@@ -20,7 +20,7 @@ mod revocations;
 mod server;
 pub mod tunnel;
 
-pub use access::{AccessLayer, AccessPolicy, caller, require_own_node};
+pub use access::{AccessLayer, AccessPolicy, caller, require_own_node, require_own_workload};
 pub use client::{
     Channel, ClientError, FollowingChannel, PER_CALL_HEADERS, UnindexedPerCallHeaders, connect, connect_anonymous,
 };

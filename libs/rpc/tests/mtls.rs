@@ -207,3 +207,46 @@ async fn revoked_node_is_refused_on_its_open_connection() {
     assert!(status.message().contains("node 'n7' is revoked"), "{}", status.message());
     assert_eq!(health(other).await.unwrap(), ServingStatus::Serving as i32, "other nodes are unaffected");
 }
+
+const WORKLOAD: &str = "spiffe://berth.internal/ns/shop/svc/web/rev/web-00001/lease/l-1";
+
+/// Credentials presenting an X.509-SVID for [`WORKLOAD`] signed by
+/// `signer`, trusting `mesh` for the server.
+fn svid_creds(signer: &CertificateAuthority, mesh: &CertificateAuthority) -> TlsCredentials {
+    let (csr, key_pem) = berth_mtls::generate_csr("l-1").unwrap();
+    let id = berth_core::WorkloadId::parse(WORKLOAD).unwrap();
+    let cert = signer.sign_svid_csr(&csr, &id, TTL).unwrap();
+    let material = TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem, ca_bundle_pem: mesh.cert_pem().to_string() };
+    let creds = TlsCredentials::new(material).unwrap();
+    assert_eq!(creds.identity(), Some(Identity::Workload(id)));
+    creds
+}
+
+#[tokio::test]
+async fn a_workload_svid_is_admitted_once_the_server_trusts_the_workload_bundle_and_only_as_a_workload() {
+    let mesh = ca();
+    let workloads = CertificateAuthority::generate("workload CA", Duration::from_secs(3600)).unwrap();
+    let server = serve(&mesh).await;
+    let dial = || berth_rpc::connect(&server.addr.to_string(), svid_creds(&workloads, &mesh)).unwrap();
+    let status = health(dial()).await.unwrap_err();
+    assert!(format!("{status:?}").contains("UnknownCA"), "no workload is trusted yet: {status:?}");
+
+    server.server_creds.trust_workloads(Some(workloads.cert_pem().to_string())).unwrap();
+    assert_eq!(health(dial()).await.unwrap(), ServingStatus::Serving as i32);
+    let denied = create_token(dial()).await.unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    assert!(denied.message().contains(&format!("workload '{WORKLOAD}' may not call")), "{}", denied.message());
+
+    // The mesh CA's signature on an SVID, or the workload authority's on a
+    // mesh identity, is worth nothing.
+    let status = health(berth_rpc::connect(&server.addr.to_string(), svid_creds(&mesh, &mesh)).unwrap()).await;
+    assert!(format!("{:?}", status.unwrap_err()).contains("UnknownCA"));
+    let mut forged = material(&workloads, &Identity::admin("ops").unwrap());
+    forged.ca_bundle_pem = mesh.cert_pem().to_string();
+    let forged = berth_rpc::connect(&server.addr.to_string(), TlsCredentials::new(forged).unwrap()).unwrap();
+    assert!(format!("{:?}", create_token(forged).await.unwrap_err()).contains("UnknownCA"));
+
+    // Trust withdrawn: refused again from the next handshake.
+    server.server_creds.trust_workloads(None).unwrap();
+    assert!(format!("{:?}", health(dial()).await.unwrap_err()).contains("UnknownCA"));
+}

@@ -15,6 +15,7 @@ mod renew;
 mod replica;
 mod service;
 mod startup;
+mod workload_trust;
 
 pub use args::{MeshArgs, StateArgs, TelemetryArgs, TlsArgs};
 /// For [`replica_server!`]: the builder it starts from.
@@ -34,3 +35,4 @@ pub use service::{
     store_readiness,
 };
 pub use startup::{StartError, chain, open_bus, open_store, run_main, wait_for_bus, wait_for_store, with_causes};
+pub use workload_trust::follow_workload_bundle;

@@ -130,7 +130,7 @@ pub struct ServiceFlags {
 
 /// Everything a service binary does before it serves: loads the certificate
 /// files (and watches them for changes), opens the state, follows identity's
-/// node registry and renews its own certificate through identity when
+/// node registry and workload bundle and renews its own certificate through identity when
 /// `--identity-addr` is given, and binds `listen`.
 pub async fn start_service(
     spec: ServiceSpec,
@@ -149,6 +149,8 @@ pub async fn start_service(
             ctx.revocations.clone(),
             shutdown.clone(),
         );
+        // Workloads holding their SVIDs are callers too (caller kind WORKLOAD).
+        crate::follow_workload_bundle(identity.clone(), credentials.clone(), shutdown.clone());
     }
     let listener = bind(listen, credentials.clone()).await?;
     watch_cert_files(tls.clone(), credentials.clone(), CERT_POLL_INTERVAL, shutdown.clone());

@@ -12,8 +12,11 @@
 //!         svid-key.pem  (0400)        its private key, PKCS#8 PEM, made here
 //!         bundle.pem                  the workload authority's bundle, PEM
 //!         jwt-bundle.json             its JWK set, what verifies JWT-SVIDs
+//!         berth-ca.pem                the mesh CA bundle: what berth's own APIs
+//!                                     present, for a workload calling them with
+//!                                     its SVID (caller kind WORKLOAD)
 //!     ..data -> ..svid.<n>            the current generation
-//!     svid.pem -> ..data/svid.pem     (and the same for the other two files)
+//!     svid.pem -> ..data/svid.pem     (and the same for the other files)
 //!     agent.sock                      the Workload API ($SPIFFE_ENDPOINT_SOCKET)
 //! ```
 //!
@@ -43,7 +46,7 @@
 //! - A workload sees only its own directory; under a contained runtime the
 //!   directory and its files belong to the workload's own user (0700, so no
 //!   other tenant's user can read them nor reach the socket).
-//! - The three files always belong together: readers follow `..data`,
+//! - The files always belong together: readers follow `..data`,
 //!   which is swapped in one rename (see [`crate::generations`]).
 //! - Nothing renews a credential of a lease the worker is done with.
 
@@ -79,10 +82,12 @@ pub(crate) const KEY_FILE: &str = "svid-key.pem";
 pub(crate) const BUNDLE_FILE: &str = "bundle.pem";
 /// The JWK set's file.
 pub(crate) const JWKS_FILE: &str = "jwt-bundle.json";
+/// The mesh CA bundle, to verify berth's APIs with.
+pub(crate) const MESH_CA_FILE: &str = "berth-ca.pem";
 /// The Workload API's socket.
 pub(crate) const SOCKET_FILE: &str = "agent.sock";
 /// The files the workload reads, each a link into the current generation.
-const SHOWN_FILES: [&str; 4] = [SVID_FILE, KEY_FILE, BUNDLE_FILE, JWKS_FILE];
+const SHOWN_FILES: [&str; 5] = [SVID_FILE, KEY_FILE, BUNDLE_FILE, JWKS_FILE, MESH_CA_FILE];
 /// The symlink naming the current generation.
 const CURRENT: &str = "..data";
 /// Generation directories are `..svid.<n>`.
@@ -146,6 +151,8 @@ pub(crate) trait WorkloadsApi: Send + Sync + std::fmt::Debug {
     /// Drops the open connections, so the next call presents the node's
     /// current certificate.
     fn reconnect(&self);
+    /// The mesh CA bundle the node trusts now: what berth's APIs present.
+    fn mesh_bundle(&self) -> String;
 }
 
 /// [`WorkloadsApi`] over gRPC: leases and one identity replica, presenting
@@ -154,6 +161,7 @@ pub(crate) trait WorkloadsApi: Send + Sync + std::fmt::Debug {
 pub(crate) struct GrpcWorkloads {
     leases: NodeChannel,
     identity: NodeChannel,
+    credentials: TlsCredentials,
 }
 
 impl GrpcWorkloads {
@@ -166,7 +174,8 @@ impl GrpcWorkloads {
     ) -> Result<Self, berth_rpc::ClientError> {
         Ok(Self {
             leases: NodeChannel::new("leases", leases, credentials.clone(), timeout)?,
-            identity: NodeChannel::new("identity", identity, credentials, timeout)?,
+            identity: NodeChannel::new("identity", identity, credentials.clone(), timeout)?,
+            credentials,
         })
     }
 }
@@ -203,6 +212,10 @@ impl WorkloadsApi for GrpcWorkloads {
         self.leases.reconnect();
         self.identity.reconnect();
     }
+
+    fn mesh_bundle(&self) -> String {
+        self.credentials.material().ca_bundle_pem
+    }
 }
 
 /// A workload's credential as it stands now.
@@ -218,6 +231,8 @@ pub(crate) struct Svid {
     pub(crate) bundle_pem: String,
     /// The bundle's JWK set, JSON: what verifies JWT-SVIDs.
     pub(crate) jwks_json: String,
+    /// The mesh CA bundle, PEM: what berth's APIs present.
+    pub(crate) mesh_bundle_pem: String,
     /// When it became valid, seconds since the Unix epoch.
     pub(crate) not_before: i64,
     /// When it expires, seconds since the Unix epoch.
@@ -250,6 +265,7 @@ impl Svid {
         };
         let (cert_pem, key_pem, bundle_pem) = (read(SVID_FILE)?, read(KEY_FILE)?, read(BUNDLE_FILE)?);
         let jwks_json = read(JWKS_FILE).unwrap_or_default();
+        let mesh_bundle_pem = read(MESH_CA_FILE).unwrap_or_default();
         let cert = berth_mtls::certs_from_pem("workload certificate", &cert_pem)
             .map_err(|e| SvidError::Answer(e.to_string()))?;
         let leaf = &cert[0];
@@ -265,19 +281,21 @@ impl Svid {
             key_pem,
             bundle_pem,
             jwks_json,
+            mesh_bundle_pem,
             not_before,
             not_after,
             received: SystemTime::now(),
         })
     }
 
-    fn signed(answer: SignWorkloadCertificateResponse, key_pem: String) -> Self {
+    fn signed(answer: SignWorkloadCertificateResponse, key_pem: String, mesh_bundle_pem: String) -> Self {
         Self {
             spiffe_id: answer.spiffe_id,
             cert_pem: answer.certificate_pem,
             key_pem,
             bundle_pem: answer.bundle_pem,
             jwks_json: answer.jwks_json,
+            mesh_bundle_pem,
             not_before: answer.not_before.map_or(0, |t| t.seconds),
             not_after: answer.not_after.map_or(0, |t| t.seconds),
             received: SystemTime::now(),
@@ -348,7 +366,7 @@ impl Svids {
         on_blocking_pool(move || fresh_dir(&fresh)).await?;
         let (csr_pem, key_pem) = berth_mtls::generate_csr(&lease_id).map_err(|e| SvidError::Key(e.to_string()))?;
         let answer = self.inner.first_certificate(&lease, &csr_pem).await?;
-        let svid = Svid::signed(answer, key_pem);
+        let svid = Svid::signed(answer, key_pem, self.inner.api.mesh_bundle());
         let (written, publish) = (svid.clone(), dir.clone());
         on_blocking_pool(move || publish_svid(&publish, &written)).await?;
         self.start(lease, svid).await?;
@@ -553,7 +571,7 @@ impl Inner {
                 csr_pem: csr_pem.clone(),
             };
             let status = match self.api.renew(request).await {
-                Ok(answer) => return Some(Svid::signed(answer, key_pem.to_string())),
+                Ok(answer) => return Some(Svid::signed(answer, key_pem.to_string(), self.api.mesh_bundle())),
                 Err(status) => status,
             };
             match self.next_try(&status, &mut reconnected) {
@@ -602,6 +620,7 @@ fn publish_svid(dir: &Path, svid: &Svid) -> Result<(), SvidError> {
             (KEY_FILE, svid.key_pem.as_bytes(), 0o400),
             (BUNDLE_FILE, svid.bundle_pem.as_bytes(), 0o444),
             (JWKS_FILE, svid.jwks_json.as_bytes(), 0o444),
+            (MESH_CA_FILE, svid.mesh_bundle_pem.as_bytes(), 0o444),
         ],
         Some((meta.uid(), meta.gid())),
     )?;

@@ -27,7 +27,10 @@ use berth_core::Identity;
 use berth_identity::{Authority, IdentityConfig, IdentityService, KeptIdentity, spawn_keeper, write_bundle};
 use berth_mtls::{TlsMaterial, cert_not_after, certs_from_pem, generate_csr, verify_chain};
 use berth_rpc::Revocations;
-use berth_runtime::{NodeDirectory, ServiceContext, ServiceSpec, StartError, bind, follow_nodes, open_bus, open_store};
+use berth_runtime::{
+    NodeDirectory, ServiceContext, ServiceSpec, StartError, bind, follow_nodes, follow_workload_bundle, open_bus,
+    open_store,
+};
 use tokio::task::JoinSet;
 
 /// How long the admin certificate written to the data directory is valid.
@@ -182,6 +185,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
             revocations.clone(),
             shutdown.clone(),
         );
+        follow_workload_bundle(identity_addr.clone(), me.credentials.clone(), shutdown.clone());
         let ctx = ServiceContext { store, bus, credentials: me.credentials.clone(), revocations, nodes };
         let listener = bind(SocketAddr::new(args.host, args.port_base + offset), me.credentials.clone()).await?;
         let stop = shutdown.clone();

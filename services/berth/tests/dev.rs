@@ -98,12 +98,18 @@ impl Drop for Dev {
 /// Runs grpcurl with the certificate and key in `cert` (relative to `dir`),
 /// an optional JSON body, then `addr` and `rest` (a method, or `list` ...).
 fn grpcurl_with(dir: &Path, cert: (&str, &str), body: Option<&str>, addr: &str, rest: &[&str]) -> std::process::Output {
-    let mut command = Command::new(grpcurl());
-    command.arg("-cacert").arg(dir.join("ca.pem")).arg("-cert").arg(dir.join(cert.0)).arg("-key").arg(dir.join(cert.1));
+    let mut command = grpcurl_presenting(&dir.join("ca.pem"), &dir.join(cert.0), &dir.join(cert.1));
     if let Some(body) = body {
         command.args(["-d", body]);
     }
     command.arg(addr).args(rest).output().expect("grpcurl runs (make test installs it; or set BERTH_GRPCURL)")
+}
+
+/// grpcurl trusting `ca` and presenting `cert` with `key`.
+fn grpcurl_presenting(ca: &Path, cert: &Path, key: &Path) -> Command {
+    let mut command = Command::new(grpcurl());
+    command.arg("-cacert").arg(ca).arg("-cert").arg(cert).arg("-key").arg(key);
+    command
 }
 
 /// The admin identity `berth dev` writes.
@@ -410,13 +416,7 @@ fn the_example_deploys_with(flags: &[&str]) {
 
     // The README's watch of the replicas: the open set, then SYNCED, until grpcurl's deadline.
     let leases = format!("127.0.0.1:{}", base + 2);
-    let watched = Command::new(grpcurl())
-        .arg("-cacert")
-        .arg(dir.join("ca.pem"))
-        .arg("-cert")
-        .arg(dir.join("admin.pem"))
-        .arg("-key")
-        .arg(dir.join("admin-key.pem"))
+    let watched = grpcurl_presenting(&dir.join("ca.pem"), &dir.join("admin.pem"), &dir.join("admin-key.pem"))
         .args(["-max-time", "3", "-d", r#"{"owner_prefix": "revisions/hello@"}"#, &leases])
         .arg("berth.leases.v1.Leases/WatchLeases")
         .output()
@@ -439,6 +439,14 @@ fn the_example_deploys_with(flags: &[&str]) {
     for port in ports {
         assert_eq!(answer_of(port).as_deref(), Some(format!("hello from {live}\n").as_str()), "replica on port {port}");
     }
+    let replicas: Vec<String> = instances["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["revision"] == live.as_str())
+        .map(|i| i["leaseId"].as_str().unwrap().to_owned())
+        .collect();
+    a_replica_reads_only_its_own_with_its_own_certificate(&dir, base, &replicas, &live);
 
     // A changed template mints the next revision and rolls it out with never
     // fewer than two replicas running on the node, watched as it happens.
@@ -503,6 +511,53 @@ fn the_example_deploys_with(flags: &[&str]) {
         std::thread::sleep(Duration::from_millis(100));
     }
     panic!("the deleted service's replicas are still running");
+}
+
+/// A replica of `hello` calls berth's APIs with the certificate its node
+/// minted for it (caller kind WORKLOAD): it reads its own service, revision
+/// and lease, and nothing else, whatever it asks for.
+fn a_replica_reads_only_its_own_with_its_own_certificate(dir: &Path, base: u16, replicas: &[String], live: &str) {
+    let (me, sibling) = (&replicas[0], &replicas[1]);
+    let identity = dir.join("agent/svids").join(me);
+    let (revisions, leases) = (format!("127.0.0.1:{}", base + 1), format!("127.0.0.1:{}", base + 2));
+    let call = |addr: &str, method: &str, body: &str| {
+        let out = grpcurl_presenting(
+            &identity.join("berth-ca.pem"),
+            &identity.join("svid.pem"),
+            &identity.join("svid-key.pem"),
+        )
+        .args(["-d", body, addr, method])
+        .output()
+        .unwrap();
+        (out.status.success(), printed(&out))
+    };
+    let (ok, got) = call(&revisions, "berth.revisions.v1.Services/GetService", r#"{"name": "hello"}"#);
+    assert!(ok && got.contains(r#""name": "hello""#), "its own service: {got}");
+    let (ok, got) = call(&revisions, "berth.revisions.v1.Revisions/GetRevision", &format!(r#"{{"name": "{live}"}}"#));
+    assert!(ok && got.contains(live), "its own revision: {got}");
+    let (ok, got) = call(&leases, "berth.leases.v1.Leases/GetLease", &format!(r#"{{"lease_id": "{me}"}}"#));
+    assert!(ok && got.contains(me.as_str()), "its own lease: {got}");
+
+    let spiffe_id = format!("spiffe://berth.internal/ns/default/svc/hello/rev/{live}/lease/{me}");
+    for (addr, method, body) in [
+        (&revisions, "berth.revisions.v1.Services/GetService", r#"{"name": "other"}"#.to_owned()),
+        (&revisions, "berth.revisions.v1.Services/GetService", r#"{"project": "team-b", "name": "hello"}"#.to_owned()),
+        (&leases, "berth.leases.v1.Leases/GetLease", format!(r#"{{"lease_id": "{sibling}"}}"#)),
+    ] {
+        let (ok, got) = call(addr, method, &body);
+        assert!(!ok && got.contains("PermissionDenied"), "{method} {body}: {got}");
+        assert!(got.contains(&format!("workload '{spiffe_id}' may read only what its SPIFFE ID names")), "{got}");
+    }
+    for (addr, method) in [
+        (&revisions, "berth.revisions.v1.Services/ListServices"),
+        (&revisions, "berth.revisions.v1.Services/ApplyService"),
+        (&leases, "berth.leases.v1.Leases/ListLeases"),
+        (&leases, "berth.leases.v1.Leases/ReleaseLease"),
+    ] {
+        let (ok, got) = call(addr, method, "{}");
+        assert!(!ok && got.contains("PermissionDenied"), "{method}: {got}");
+        assert!(got.contains(&format!("workload '{spiffe_id}' may not call")), "{method}: {got}");
+    }
 }
 
 /// The pid of the process whose command line holds `marker`, if one runs.

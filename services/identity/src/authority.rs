@@ -602,7 +602,7 @@ impl Authority {
     pub async fn sign_svid(
         &self,
         csr_pem: &str,
-        spiffe_id: &str,
+        spiffe_id: &berth_core::WorkloadId,
         ttl: Duration,
     ) -> Result<(IssuedCertificate, String), AuthorityError> {
         self.serves(Purpose::Workload)?;

@@ -23,6 +23,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use berth_core::WorkloadId;
 use berth_mtls::{IssuedCertificate, TlsCredentials};
 use berth_proto::identity::v1;
 use berth_proto::leases::v1 as leases;
@@ -122,10 +123,7 @@ impl Default for WorkloadSettings {
 /// Checks a SPIFFE trust domain name: lowercase letters, digits, `.`, `-`
 /// and `_`, at most 255 bytes.
 pub fn parse_trust_domain(name: &str) -> Result<String, String> {
-    let valid = !name.is_empty()
-        && name.len() <= 255
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'_'));
-    if valid {
+    if berth_core::is_trust_domain(name) {
         Ok(name.to_owned())
     } else {
         Err(format!("'{name}' is not a trust domain: use lowercase letters, digits, '.', '-' and '_'"))
@@ -133,19 +131,13 @@ pub fn parse_trust_domain(name: &str) -> Result<String, String> {
 }
 
 /// The SPIFFE ID of `lease`'s workload under `trust_domain`.
-pub fn spiffe_id(trust_domain: &str, lease: &leases::Lease) -> String {
+pub fn spiffe_id(trust_domain: &str, lease: &leases::Lease) -> Result<WorkloadId, Status> {
     let project = if lease.project.is_empty() { DEFAULT_PROJECT } else { lease.project.as_str() };
     let workload = lease.workload.as_ref();
     let service = workload.map(|w| w.service.as_str()).unwrap_or_default();
     let revision = workload.map(|w| w.revision.as_str()).unwrap_or_default();
-    let lease_id = &lease.lease_id;
-    match (service, revision) {
-        ("", _) => format!("spiffe://{trust_domain}/ns/{project}/lease/{lease_id}"),
-        (service, "") => format!("spiffe://{trust_domain}/ns/{project}/svc/{service}/lease/{lease_id}"),
-        (service, revision) => {
-            format!("spiffe://{trust_domain}/ns/{project}/svc/{service}/rev/{revision}/lease/{lease_id}")
-        }
-    }
+    WorkloadId::new(trust_domain, project, service, revision, &lease.lease_id)
+        .map_err(|e| Status::failed_precondition(format!("lease {} names no workload: {e}", lease.lease_id)))
 }
 
 impl IdentityService {
@@ -198,12 +190,12 @@ impl IdentityService {
         csr_pem: &str,
     ) -> Result<v1::SignWorkloadCertificateResponse, Status> {
         let settings = self.workload_settings();
-        let spiffe_id = spiffe_id(&settings.trust_domain, lease);
+        let spiffe_id = spiffe_id(&settings.trust_domain, lease)?;
         let (cert, bundle_pem): (IssuedCertificate, String) =
             self.workload_authority().sign_svid(csr_pem, &spiffe_id, settings.cert_ttl).await?;
         let jwks_json = jwks(&bundle_pem)?;
         Ok(v1::SignWorkloadCertificateResponse {
-            spiffe_id,
+            spiffe_id: spiffe_id.uri().to_owned(),
             certificate_pem: cert.cert_pem,
             bundle_pem,
             not_before: Some(prost_types::Timestamp { seconds: cert.not_before, nanos: 0 }),
@@ -259,11 +251,11 @@ impl v1::workloads_server::Workloads for IdentityService {
             return Err(Status::invalid_argument("audience: at least one, and no empty one, is required"));
         }
         let lease = self.launched_lease(&node_id, &request.lease_id, request.epoch, "JWT-SVID is not signed").await?;
-        let spiffe_id = spiffe_id(&self.workload_settings().trust_domain, &lease);
+        let spiffe_id = spiffe_id(&self.workload_settings().trust_domain, &lease)?;
         let (token, claims, jwks_json) =
-            self.workload_authority().sign_jwt_svid(&spiffe_id, &request.audience, WORKLOAD_JWT_TTL).await?;
+            self.workload_authority().sign_jwt_svid(spiffe_id.uri(), &request.audience, WORKLOAD_JWT_TTL).await?;
         Ok(Response::new(v1::SignWorkloadJwtResponse {
-            spiffe_id,
+            spiffe_id: spiffe_id.uri().to_owned(),
             token,
             expires_at: Some(prost_types::Timestamp { seconds: claims.exp, nanos: 0 }),
             jwks_json,
@@ -303,12 +295,13 @@ mod tests {
     #[test]
     fn a_spiffe_id_names_the_project_service_revision_and_lease_it_has() {
         let td = "example.org";
+        let id = |lease| spiffe_id(td, &lease).unwrap().uri().to_owned();
         assert_eq!(
-            spiffe_id(td, &lease("shop", "web", "web-00003")),
+            id(lease("shop", "web", "web-00003")),
             "spiffe://example.org/ns/shop/svc/web/rev/web-00003/lease/l-7"
         );
-        assert_eq!(spiffe_id(td, &lease("", "", "")), "spiffe://example.org/ns/default/lease/l-7");
-        assert_eq!(spiffe_id(td, &lease("shop", "web", "")), "spiffe://example.org/ns/shop/svc/web/lease/l-7");
+        assert_eq!(id(lease("", "", "")), "spiffe://example.org/ns/default/lease/l-7");
+        assert_eq!(id(lease("shop", "web", "")), "spiffe://example.org/ns/shop/svc/web/lease/l-7");
     }
 
     #[test]

@@ -60,8 +60,13 @@ impl v1::leases_server::Leases for LeasesService {
     }
 
     async fn get_lease(&self, request: Request<v1::GetLeaseRequest>) -> Result<Response<v1::GetLeaseResponse>, Status> {
+        validate::lease_id(&request.get_ref().lease_id)?;
+        berth_rpc::require_own_workload(
+            &request,
+            || format!("lease {}", request.get_ref().lease_id),
+            |id| id.lease() == request.get_ref().lease_id,
+        )?;
         let lease_id = request.into_inner().lease_id;
-        validate::lease_id(&lease_id)?;
         let lease = self.core.ledger.get(&lease_id).await?;
         Ok(Response::new(v1::GetLeaseResponse { lease: Some(lease.to_proto()) }))
     }

@@ -80,8 +80,12 @@ impl v1::services_server::Services for RevisionsService {
         &self,
         request: Request<v1::GetServiceRequest>,
     ) -> Result<Response<v1::GetServiceResponse>, Status> {
-        let request = request.into_inner();
-        let key = validate::service_key(&request.project, &request.name, "name")?;
+        let key = validate::service_key(&request.get_ref().project, &request.get_ref().name, "name")?;
+        berth_rpc::require_own_workload(
+            &request,
+            || format!("service {key}"),
+            |id| id.project() == key.project && id.service() == Some(key.name.as_str()),
+        )?;
         let service = self.core.catalog.service(&key).await?;
         let service = service.ok_or_else(|| Status::not_found(format!("service {key} not found")))?;
         let mut shown = service.to_proto();
@@ -189,9 +193,14 @@ impl v1::revisions_server::Revisions for RevisionsService {
         &self,
         request: Request<v1::GetRevisionRequest>,
     ) -> Result<Response<v1::GetRevisionResponse>, Status> {
+        let project = validate::project(&request.get_ref().project)?;
+        validate::revision_name("name", &request.get_ref().name, false)?;
+        berth_rpc::require_own_workload(
+            &request,
+            || format!("revision {} in project {project}", request.get_ref().name),
+            |id| id.project() == project && id.revision() == Some(request.get_ref().name.as_str()),
+        )?;
         let request = request.into_inner();
-        let project = validate::project(&request.project)?;
-        validate::revision_name("name", &request.name, false)?;
         let revision = self.core.catalog.revision(&project, &request.name).await?;
         Ok(Response::new(v1::GetRevisionResponse { revision: Some(revision.to_proto()) }))
     }

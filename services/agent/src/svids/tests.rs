@@ -15,6 +15,9 @@ use super::*;
 
 const SPIFFE_ID: &str = "spiffe://berth.internal/ns/shop/svc/web/lease/l-1";
 
+/// What the fake node trusts as the mesh CA.
+const MESH_CA: &str = "-----BEGIN CERTIFICATE-----\nmesh\n-----END CERTIFICATE-----\n";
+
 /// Identity and leases as the node sees them, signing with a CA of its
 /// own: certificates live `ttl`; renewals are refused once `refuse_renewals`.
 #[derive(Debug)]
@@ -38,7 +41,8 @@ impl FakeWorkloads {
     }
 
     fn signed(&self, csr_pem: &str) -> SignWorkloadCertificateResponse {
-        let cert = self.ca.sign_svid_csr(csr_pem, SPIFFE_ID, self.ttl).unwrap();
+        let cert =
+            self.ca.sign_svid_csr(csr_pem, &berth_core::WorkloadId::parse(SPIFFE_ID).unwrap(), self.ttl).unwrap();
         SignWorkloadCertificateResponse {
             spiffe_id: SPIFFE_ID.into(),
             certificate_pem: cert.cert_pem,
@@ -91,6 +95,10 @@ impl WorkloadsApi for FakeWorkloads {
     }
 
     fn reconnect(&self) {}
+
+    fn mesh_bundle(&self) -> String {
+        MESH_CA.into()
+    }
 }
 
 fn lease() -> (LeaseWatch, watch::Sender<u64>, watch::Sender<Option<String>>) {
@@ -104,20 +112,21 @@ fn svids(dir: &Path, api: Arc<FakeWorkloads>) -> Svids {
 }
 
 #[tokio::test]
-async fn a_minted_credential_is_three_files_behind_one_link_and_reads_back_the_same() {
+async fn a_minted_credential_is_files_behind_one_link_and_reads_back_the_same() {
     let tmp = tempfile::tempdir().unwrap();
     let api = FakeWorkloads::new(Duration::from_secs(600));
     let svids = svids(tmp.path(), api.clone());
     let (lease, _epoch, _node) = lease();
     let dir = svids.mint(lease).await.unwrap();
     assert_eq!(dir, tmp.path().join(SVIDS_DIR).join("l-1"));
-    for file in [SVID_FILE, KEY_FILE, BUNDLE_FILE] {
+    for file in SHOWN_FILES {
         let link = std::fs::read_link(dir.join(file)).unwrap();
         assert_eq!(link, Path::new(CURRENT).join(file), "{file} follows the current generation");
     }
     let loaded = Svid::load(&dir).unwrap();
     assert_eq!(loaded.spiffe_id, SPIFFE_ID);
     assert_eq!(loaded.bundle_pem, api.ca.cert_pem());
+    assert_eq!(loaded.mesh_bundle_pem, MESH_CA, "berth's own CA, to call its APIs with");
     assert!(berth_mtls::verify_chain(&loaded.cert_pem, &loaded.bundle_pem).is_ok());
     assert_eq!(loaded.trust_domain(), "spiffe://berth.internal");
     use std::os::unix::fs::PermissionsExt as _;
