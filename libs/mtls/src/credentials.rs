@@ -187,17 +187,7 @@ fn load(material: TlsMaterial, workload_bundle_pem: Option<String>) -> Result<Lo
     let roots = roots(&material.ca_bundle_pem)?;
     let provider = provider();
 
-    let client_verifier = |roots| {
-        WebPkiClientVerifier::builder_with_provider(roots, provider.clone())
-            .allow_unauthenticated()
-            .build()
-            .map_err(|e| MtlsError::Verifier(e.to_string()))
-    };
-    let workloads = match &workload_bundle_pem {
-        Some(bundle) => Some(client_verifier(roots_named("workload bundle", bundle)?)?),
-        None => None,
-    };
-    let verifier = Arc::new(MeshOrWorkload::new(client_verifier(roots.clone())?, workloads));
+    let verifier = client_verifier(Some(roots.clone()), workload_bundle_pem.as_deref(), &provider)?;
     let mut server = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(MtlsError::Tls)?
@@ -227,22 +217,53 @@ fn load(material: TlsMaterial, workload_bundle_pem: Option<String>) -> Result<Lo
     })
 }
 
+/// The client verifier of a listener: mesh certificates against `mesh`
+/// roots, SVIDs against `workload_bundle_pem`, each kind refused without
+/// its roots, a certificate optional (see [`MeshOrWorkload`]).
+fn client_verifier(
+    mesh: Option<Arc<RootCertStore>>,
+    workload_bundle_pem: Option<&str>,
+    provider: &Arc<CryptoProvider>,
+) -> Result<Arc<MeshOrWorkload>, MtlsError> {
+    let webpki = |roots| {
+        WebPkiClientVerifier::builder_with_provider(roots, provider.clone())
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| MtlsError::Verifier(e.to_string()))
+    };
+    let workloads = match workload_bundle_pem {
+        Some(bundle) => Some(webpki(roots_named("workload bundle", bundle)?)?),
+        None => None,
+    };
+    let mesh = match mesh {
+        Some(roots) => Some(webpki(roots)?),
+        None => None,
+    };
+    Ok(Arc::new(MeshOrWorkload::new(mesh, workloads, provider.signature_verification_algorithms)))
+}
+
 /// A server configuration for a public listener: it presents
-/// `cert_chain_pem` (leaf first) with `key_pem`, asks no client for a
-/// certificate, and offers `alpn` (e.g. `h2`, `http/1.1`) in that order.
+/// `cert_chain_pem` (leaf first) with `key_pem` and offers `alpn` (e.g.
+/// `h2`, `http/1.1`) in that order. With `workload_bundle_pem` it asks for,
+/// but does not require, a client certificate, and admits only a workload's
+/// SVID chaining to that bundle; without, it asks none.
 pub fn public_server_config(
     cert_chain_pem: &str,
     key_pem: &str,
     alpn: &[&[u8]],
+    workload_bundle_pem: Option<&str>,
 ) -> Result<Arc<ServerConfig>, MtlsError> {
     let chain = crate::pem::certs_from_pem("certificate", cert_chain_pem)?;
     let key = crate::pem::key_from_pem(key_pem)?;
-    let mut server = ServerConfig::builder_with_provider(provider())
+    let provider = provider();
+    let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .map_err(MtlsError::Tls)?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)
         .map_err(MtlsError::Tls)?;
+    let builder = match workload_bundle_pem {
+        Some(bundle) => builder.with_client_cert_verifier(client_verifier(None, Some(bundle), &provider)?),
+        None => builder.with_no_client_auth(),
+    };
+    let mut server = builder.with_single_cert(chain, key).map_err(MtlsError::Tls)?;
     server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(server))
 }

@@ -10,10 +10,13 @@
 //!   [`crate::identity_from_cert`] reads an SVID as a workload only.
 //! - A client certificate stays optional: the access layer refuses anonymous
 //!   callers per RPC.
+//! - A public listener (the router's) has no mesh side: there, only a
+//!   workload's SVID is a client certificate worth presenting.
 
 use std::sync::Arc;
 
 use rustls::client::danger::HandshakeSignatureValid;
+use rustls::crypto::{WebPkiSupportedAlgorithms, verify_tls12_signature, verify_tls13_signature};
 use rustls::pki_types::{CertificateDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
@@ -23,26 +26,29 @@ use crate::peer::names_spiffe_id;
 /// Dispatches each client certificate to the verifier of its authority.
 #[derive(Debug)]
 pub(crate) struct MeshOrWorkload {
-    mesh: Arc<dyn ClientCertVerifier>,
+    mesh: Option<Arc<dyn ClientCertVerifier>>,
     workloads: Option<Arc<dyn ClientCertVerifier>>,
     hints: Vec<DistinguishedName>,
+    algorithms: WebPkiSupportedAlgorithms,
 }
 
 impl MeshOrWorkload {
-    /// Mesh certificates through `mesh`, SVIDs through `workloads` (none
-    /// admitted without it).
-    pub(crate) fn new(mesh: Arc<dyn ClientCertVerifier>, workloads: Option<Arc<dyn ClientCertVerifier>>) -> Self {
-        let mut hints = mesh.root_hint_subjects().to_vec();
-        if let Some(workloads) = &workloads {
-            hints.extend(workloads.root_hint_subjects().iter().cloned());
-        }
-        Self { mesh, workloads, hints }
+    /// Mesh certificates through `mesh`, SVIDs through `workloads`; a kind
+    /// without its verifier is refused. Handshake signatures are checked with
+    /// `algorithms`.
+    pub(crate) fn new(
+        mesh: Option<Arc<dyn ClientCertVerifier>>,
+        workloads: Option<Arc<dyn ClientCertVerifier>>,
+        algorithms: WebPkiSupportedAlgorithms,
+    ) -> Self {
+        let hints = mesh.iter().chain(&workloads).flat_map(|v| v.root_hint_subjects().iter().cloned()).collect();
+        Self { mesh, workloads, hints, algorithms }
     }
 }
 
 impl ClientCertVerifier for MeshOrWorkload {
     fn offer_client_auth(&self) -> bool {
-        true
+        self.mesh.is_some() || self.workloads.is_some()
     }
 
     fn client_auth_mandatory(&self) -> bool {
@@ -59,12 +65,10 @@ impl ClientCertVerifier for MeshOrWorkload {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        if !names_spiffe_id(end_entity) {
-            return self.mesh.verify_client_cert(end_entity, intermediates, now);
-        }
-        match &self.workloads {
-            Some(workloads) => workloads.verify_client_cert(end_entity, intermediates, now),
-            // No workload authority is trusted: its issuer is unknown here.
+        let verifier = if names_spiffe_id(end_entity) { &self.workloads } else { &self.mesh };
+        match verifier {
+            Some(verifier) => verifier.verify_client_cert(end_entity, intermediates, now),
+            // No authority of its kind is trusted here: its issuer is unknown.
             None => Err(rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer)),
         }
     }
@@ -75,7 +79,7 @@ impl ClientCertVerifier for MeshOrWorkload {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.mesh.verify_tls12_signature(message, cert, dss)
+        verify_tls12_signature(message, cert, dss, &self.algorithms)
     }
 
     fn verify_tls13_signature(
@@ -84,10 +88,10 @@ impl ClientCertVerifier for MeshOrWorkload {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.mesh.verify_tls13_signature(message, cert, dss)
+        verify_tls13_signature(message, cert, dss, &self.algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.mesh.supported_verify_schemes()
+        self.algorithms.supported_schemes()
     }
 }

@@ -758,3 +758,63 @@ fn a_connection_that_switches_protocols_is_joined_to_the_replica_byte_for_byte()
         assert_eq!(String::from_utf8_lossy(&echoed), word.to_uppercase(), "the replica's own answer");
     }
 }
+
+/// Answers every GET with the `X-Forwarded-Client-Cert` it was given, or `none`.
+const CALLER_SERVER: &str = r#"#!/usr/bin/python3
+"""Answers with the X-Forwarded-Client-Cert header the router passed, or none."""
+import http.server
+import os
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        body = (self.headers.get("X-Forwarded-Client-Cert", "none") + "\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.ThreadingHTTPServer(("0.0.0.0", int(os.environ.get("PORT", "8080"))), Handler).serve_forever()
+"#;
+
+#[test]
+fn a_workload_presenting_its_svid_to_the_router_is_named_to_the_callee_and_a_claimed_name_is_dropped() {
+    if !Path::new(CURL).exists() {
+        assert!(std::env::var("CI").is_err(), "{CURL} is missing, and CI must run this test");
+        eprintln!("SKIPPED: no {CURL}; it checked nothing");
+        return;
+    }
+    let mesh = Mesh::start();
+    deploy_program(&mesh, "whoami", CALLER_SERVER, "http");
+    let host = "whoami.default.berth.localhost";
+    let claim = "X-Forwarded-Client-Cert: URI=spiffe://berth.internal/ns/bank/lease/l-1";
+    poll(ROUTE_DEADLINE, "the router serves whoami", || {
+        curl(mesh.base + 5, host, &["-H", claim])
+            .and_then(|a| if a.body == "none\n" { Ok(()) } else { Err(format!("{a:?}")) })
+    });
+
+    // The replica's own SVID, as the node minted it, presented over TLS.
+    let instance = agent_instances(&mesh).into_iter().find(|i| i["service"] == "whoami").unwrap();
+    let lease = instance["leaseId"].as_str().unwrap();
+    let svids = mesh.dev.dir.join("agent/svids").join(lease);
+    let file = |name: &str| svids.join(name).display().to_string();
+    let https = format!("https://{host}:{}/", mesh.base + 6);
+    let resolve = format!("{host}:{}:127.0.0.1", mesh.base + 6);
+    let ca = mesh.dev.dir.join("ca.pem").display().to_string();
+    let tls = ["--cacert", ca.as_str(), "--resolve", resolve.as_str()];
+    let presented = [tls.as_slice(), &["--cert", &file("svid.pem"), "--key", &file("svid-key.pem"), "-H", claim]];
+    let named = curl_url(&https, &presented.concat()).unwrap();
+    assert!(named.status.contains(" 200"), "{named:?}");
+    let spiffe_id = format!("spiffe://berth.internal/ns/default/svc/whoami/rev/whoami-00001/lease/{lease}");
+    assert!(named.body.starts_with("Hash=") && named.body.ends_with(&format!(";URI={spiffe_id}\n")), "{named:?}");
+
+    // Without a certificate, over TLS or not, a claimed name never reaches it.
+    let anonymous = curl_url(&https, &[tls.as_slice(), &["-H", claim]].concat()).unwrap();
+    assert_eq!(anonymous.body, "none\n", "{anonymous:?}");
+}

@@ -23,6 +23,12 @@
 //! - No request waits for a route: until the sources have synced, every
 //!   host is unknown (404) or has no replica (503, with `Retry-After`).
 //! - Every byte to a replica passes through its agent over mTLS.
+//! - A replica learns who called only from the router: a workload that
+//!   presented its X.509-SVID over TLS (verified against the workload bundle
+//!   the router follows from identity) is named to the callee in
+//!   `X-Forwarded-Client-Cert` (`Hash=<sha-256 of its certificate>;URI=<its
+//!   SPIFFE ID>`, as Envoy writes it); whatever a client sent in that header
+//!   itself is dropped.
 
 mod acks;
 mod follow;
@@ -38,7 +44,9 @@ use std::time::Duration;
 
 use berth_mtls::TlsCredentials;
 use berth_rpc::{Listener, Revocations, ServerBuilder};
-use berth_runtime::{NodeDirectory, StartError, TelemetryArgs, TlsArgs, follow_nodes, renew_service_certificate};
+use berth_runtime::{
+    NodeDirectory, StartError, TelemetryArgs, TlsArgs, follow_nodes, follow_workload_bundle, renew_service_certificate,
+};
 use clap::Parser;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -98,14 +106,61 @@ pub struct PublicListeners {
     pub http: Option<TcpListener>,
     /// TLS, offering HTTP/2 and HTTP/1.1 by ALPN, with this configuration
     /// (see [`public_tls`]).
-    pub https: Option<(TcpListener, Arc<rustls::ServerConfig>)>,
+    pub https: Option<(TcpListener, PublicTls)>,
 }
 
 /// The TLS configuration of a public listener presenting `cert_chain_pem`
-/// with `key_pem`: no client certificate asked for, HTTP/2 then HTTP/1.1
-/// offered.
-pub fn public_tls(cert_chain_pem: &str, key_pem: &str) -> Result<Arc<rustls::ServerConfig>, berth_mtls::MtlsError> {
-    berth_mtls::public_server_config(cert_chain_pem, key_pem, &[b"h2", b"http/1.1"])
+/// with `key_pem`: HTTP/2 then HTTP/1.1 offered, and a client certificate
+/// asked for (never required) once the router trusts a workload bundle.
+pub fn public_tls(cert_chain_pem: &str, key_pem: &str) -> Result<PublicTls, berth_mtls::MtlsError> {
+    PublicTls::new(cert_chain_pem, key_pem)
+}
+
+/// What the public TLS listener presents, and the configuration built for
+/// the workload bundle last seen; rebuilt when the bundle changes.
+#[derive(Clone)]
+pub struct PublicTls {
+    cert_chain_pem: Arc<str>,
+    key_pem: Arc<str>,
+    built: Arc<std::sync::Mutex<(Option<String>, Arc<rustls::ServerConfig>)>>,
+}
+
+impl std::fmt::Debug for PublicTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PublicTls").finish_non_exhaustive()
+    }
+}
+
+/// What the public listener offers by ALPN, preferred first.
+const PUBLIC_ALPN: [&[u8]; 2] = [b"h2", b"http/1.1"];
+
+impl PublicTls {
+    fn new(cert_chain_pem: &str, key_pem: &str) -> Result<Self, berth_mtls::MtlsError> {
+        let config = berth_mtls::public_server_config(cert_chain_pem, key_pem, &PUBLIC_ALPN, None)?;
+        Ok(Self {
+            cert_chain_pem: cert_chain_pem.into(),
+            key_pem: key_pem.into(),
+            built: Arc::new(std::sync::Mutex::new((None, config))),
+        })
+    }
+
+    /// The acceptor for the next handshake, admitting SVIDs of
+    /// `workload_bundle`; a bundle that cannot be used keeps the last one.
+    pub(crate) fn acceptor(&self, workload_bundle: Option<String>) -> tokio_rustls::TlsAcceptor {
+        let mut built = self.built.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if built.0 != workload_bundle {
+            match berth_mtls::public_server_config(
+                &self.cert_chain_pem,
+                &self.key_pem,
+                &PUBLIC_ALPN,
+                workload_bundle.as_deref(),
+            ) {
+                Ok(config) => *built = (workload_bundle, config),
+                Err(error) => tracing::warn!(%error, "cannot admit workload certificates from the new bundle"),
+            }
+        }
+        tokio_rustls::TlsAcceptor::from(built.1.clone())
+    }
 }
 
 /// A started router: what to wait for once it is told to stop.
@@ -144,6 +199,8 @@ pub fn start(
         Revocations::new(),
         shutdown.clone(),
     );
+    // Workloads calling through the public TLS listener present SVIDs.
+    follow_workload_bundle(config.identity_addr.clone(), config.credentials.clone(), shutdown.clone());
     let shared = follow::Shared::new(&config.domain);
     follow::spawn(&shared, revisions.clone(), leases, nodes, shutdown);
     let inflight = acks::InFlight::new(shared.table());
@@ -157,8 +214,7 @@ pub fn start(
     }
     if let Some((https, tls)) = public.https {
         tracing::info!(addr = ?https.local_addr().ok(), domain = %config.domain, "router serving HTTPS");
-        let tls = Some(tokio_rustls::TlsAcceptor::from(tls));
-        tokio::spawn(proxy.serve(https, tls, connections.clone(), shutdown.clone()));
+        tokio::spawn(proxy.serve(https, Some(tls), connections.clone(), shutdown.clone()));
     }
     Ok(RouterHandle { connections, shutdown: shutdown.clone() })
 }

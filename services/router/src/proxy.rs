@@ -48,7 +48,6 @@ use rand::Rng as _;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -97,7 +96,7 @@ impl Proxy {
     pub(crate) async fn serve(
         self: Arc<Self>,
         listener: TcpListener,
-        tls: Option<TlsAcceptor>,
+        tls: Option<crate::PublicTls>,
         connections: TaskTracker,
         shutdown: CancellationToken,
     ) {
@@ -115,13 +114,20 @@ impl Proxy {
                 }
             };
             let _ = stream.set_nodelay(true);
-            let (proxy, shutdown, tls) = (self.clone(), shutdown.clone(), tls.clone());
+            let tls = tls.as_ref().map(|tls| tls.acceptor(self.credentials.workload_bundle()));
+            let (proxy, shutdown) = (self.clone(), shutdown.clone());
             connections.spawn(async move {
                 match tls {
-                    None => proxy.serve_connection(stream, Client { addr: client, tls: false }, shutdown).await,
+                    None => {
+                        let client = Client { addr: client, tls: false, workload: None };
+                        proxy.serve_connection(stream, client, shutdown).await;
+                    }
                     Some(tls) => match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
                         Ok(Ok(stream)) => {
-                            proxy.serve_connection(stream, Client { addr: client, tls: true }, shutdown).await;
+                            let workload =
+                                stream.get_ref().1.peer_certificates().and_then(|c| c.first()).and_then(xfcc);
+                            let client = Client { addr: client, tls: true, workload };
+                            proxy.serve_connection(stream, client, shutdown).await;
                         }
                         Ok(Err(error)) => tracing::debug!(%error, "a client's TLS handshake failed"),
                         Err(_) => tracing::debug!("a client's TLS handshake took too long"),
@@ -139,7 +145,7 @@ impl Proxy {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let service = hyper::service::service_fn(move |request| {
-            let proxy = self.clone();
+            let (proxy, client) = (self.clone(), client.clone());
             async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
         });
         let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
@@ -237,7 +243,7 @@ impl Proxy {
         endpoints: Vec<Arc<Endpoint>>,
         guard: InFlightGuard,
     ) -> Response<Body> {
-        forwarded_headers(&mut request, host, client);
+        forwarded_headers(&mut request, host, &client);
         let version = request.version();
         // Every endpoint of a share runs one revision, so speaks one protocol.
         let h2c = endpoints[0].h2c;
@@ -682,17 +688,39 @@ impl hyper::body::Body for Guarded {
 }
 
 /// Who sent a request, as the replica is told.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Client {
     addr: std::net::SocketAddr,
     tls: bool,
+    /// The `X-Forwarded-Client-Cert` naming the workload that presented its
+    /// SVID, if one did.
+    workload: Option<hyper::header::HeaderValue>,
+}
+
+/// The header that names the calling workload to the callee.
+const XFCC: &str = "x-forwarded-client-cert";
+
+/// The `X-Forwarded-Client-Cert` value for a client certificate the
+/// handshake verified: `Hash=<sha-256 hex>;URI=<SPIFFE ID>` for a workload's
+/// SVID, nothing for anything else.
+fn xfcc(leaf: &rustls::pki_types::CertificateDer<'_>) -> Option<hyper::header::HeaderValue> {
+    let id = berth_mtls::identity_from_cert(leaf)?;
+    let workload = id.workload()?;
+    let value = format!("Hash={};URI={}", berth_mtls::fingerprint(leaf), workload.uri());
+    hyper::header::HeaderValue::from_str(&value).ok()
 }
 
 /// Tells the replica who asked and how, as proxies do: `X-Forwarded-For`
-/// (the client's address after any the client sent), `-Proto` and `-Host`.
-fn forwarded_headers<B>(request: &mut Request<B>, host: &str, client: Client) {
+/// (the client's address after any the client sent), `-Proto` and `-Host`,
+/// and `X-Forwarded-Client-Cert` for a workload that proved who it is (a
+/// client's own is never passed on).
+fn forwarded_headers<B>(request: &mut Request<B>, host: &str, client: &Client) {
     use hyper::header::HeaderValue;
     let headers = request.headers_mut();
+    headers.remove(XFCC);
+    if let Some(workload) = &client.workload {
+        headers.insert(XFCC, workload.clone());
+    }
     let ip = client.addr.ip().to_string();
     let chain = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
         Some(earlier) if !earlier.is_empty() => format!("{earlier}, {ip}"),
@@ -757,17 +785,43 @@ mod tests {
 
     #[test]
     fn a_replica_is_told_who_asked_after_any_proxy_before_and_how() {
-        let client = Client { addr: "192.0.2.7:40000".parse().unwrap(), tls: true };
+        let client = Client { addr: "192.0.2.7:40000".parse().unwrap(), tls: true, workload: None };
         let mut request = Request::builder().header("x-forwarded-for", "198.51.100.1").body(()).unwrap();
-        forwarded_headers(&mut request, "hello.default.berth.localhost", client);
+        forwarded_headers(&mut request, "hello.default.berth.localhost", &client);
         let header = |name: &str| request.headers().get(name).unwrap().to_str().unwrap().to_string();
         assert_eq!(header("x-forwarded-for"), "198.51.100.1, 192.0.2.7");
         assert_eq!(header("x-forwarded-proto"), "https");
         assert_eq!(header("x-forwarded-host"), "hello.default.berth.localhost");
 
         let mut request = Request::builder().body(()).unwrap();
-        forwarded_headers(&mut request, "h", Client { tls: false, ..client });
+        forwarded_headers(&mut request, "h", &Client { tls: false, ..client.clone() });
         assert_eq!(request.headers().get("x-forwarded-for").unwrap(), "192.0.2.7");
         assert_eq!(request.headers().get("x-forwarded-proto").unwrap(), "http");
+    }
+
+    #[test]
+    fn only_a_workload_that_proved_who_it_is_is_named_to_the_callee() {
+        let ca = berth_mtls::CertificateAuthority::generate("workloads", std::time::Duration::from_secs(600)).unwrap();
+        let (csr, _key) = berth_mtls::generate_csr("l-1").unwrap();
+        let id = berth_core::WorkloadId::parse("spiffe://berth.internal/ns/shop/svc/web/lease/l-1").unwrap();
+        let svid = ca.sign_svid_csr(&csr, &id, std::time::Duration::from_secs(60)).unwrap();
+        let leaf = berth_mtls::certs_from_pem("svid", &svid.cert_pem).unwrap().remove(0);
+        let named = xfcc(&leaf).unwrap();
+        let expected = format!("Hash={};URI={}", berth_mtls::fingerprint(&leaf), id.uri());
+        assert_eq!(named.to_str().unwrap(), expected);
+        let (mesh, _) =
+            ca.issue(&berth_core::Identity::admin("ops").unwrap(), &[], std::time::Duration::from_secs(60)).unwrap();
+        let mesh = berth_mtls::certs_from_pem("mesh", &mesh.cert_pem).unwrap().remove(0);
+        assert_eq!(xfcc(&mesh), None, "a mesh identity is no workload");
+
+        let forged =
+            || Request::builder().header(XFCC, "URI=spiffe://berth.internal/ns/bank/lease/l-9").body(()).unwrap();
+        let anonymous = Client { addr: "192.0.2.7:40000".parse().unwrap(), tls: true, workload: None };
+        let mut request = forged();
+        forwarded_headers(&mut request, "h", &anonymous);
+        assert_eq!(request.headers().get(XFCC), None, "a client's own claim is dropped");
+        let mut request = forged();
+        forwarded_headers(&mut request, "h", &Client { workload: Some(named), ..anonymous });
+        assert_eq!(request.headers().get_all(XFCC).iter().map(|v| v.to_str().unwrap()).collect::<Vec<_>>(), [expected]);
     }
 }
