@@ -157,8 +157,16 @@ fn admission_table_matches_the_contract() {
             &["WatchAssignments", "ReportPhase", "RenewLeases", "ReconcileNode", "AssumeCustody", "RegisterLaunch"],
             NODE,
         ),
-        ("berth.egress.v1.Egress", &["ApplyGateway", "DeleteGateway", "ApplyRoute", "DeleteRoute"], ADMIN),
-        ("berth.egress.v1.Egress", &["GetGateway", "ListGateways", "GetRoute", "ListRoutes", "GetPlan"], READERS),
+        (
+            "berth.egress.v1.Egress",
+            &["ApplyGateway", "DeleteGateway", "ApplyRoute", "DeleteRoute", "ApplyDnsConfig"],
+            ADMIN,
+        ),
+        (
+            "berth.egress.v1.Egress",
+            &["GetGateway", "ListGateways", "GetRoute", "ListRoutes", "GetPlan", "GetDnsConfig"],
+            READERS,
+        ),
         ("berth.egress.v1.NodeEgress", &["WatchEgress", "AckEgress"], NODE),
         ("berth.agent.v1.Agent", &["ListInstances", "GetLogs", "GetStats", "SignalInstance"], READERS),
         ("berth.agent.v1.DataPlane", &["Tunnel"], &[Router]),

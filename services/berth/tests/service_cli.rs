@@ -501,6 +501,20 @@ fn a_replica_reaches_only_what_its_egress_routes_allow_and_an_edit_applies_witho
         let plan = dev.json(&["egress", "plan"]);
         if generation(&plan["plan"]["nodeAcks"][0]) > acked { Ok(()) } else { Err(plan.to_string()) }
     });
+
+    // A DNS config is stored canonical and pushed with the plan: the node
+    // acknowledges it, and nothing restarts.
+    let acked = generation(&dev.json(&["egress", "plan"])["plan"]["nodeAcks"][0]);
+    let dns = serde_json::json!({"upstreams": ["127.0.0.53"], "search": ["corp.example."], "ndots": 2});
+    dev.ok(&["egress", "dns", "apply", "-f", &write("dns.json", dns)]);
+    let canonical = serde_json::json!({"upstreams": ["127.0.0.53:53"], "search": ["corp.example"], "ndots": 2});
+    assert_eq!(dev.json(&["egress", "dns", "get"])["dnsConfig"]["spec"], canonical);
+    poll(Duration::from_secs(10), "the node acknowledges the DNS config", || {
+        let plan = dev.json(&["egress", "plan"]);
+        let pushed = plan["plan"]["dns"] == canonical && generation(&plan["plan"]["nodeAcks"][0]) > acked;
+        if pushed { Ok(()) } else { Err(plan.to_string()) }
+    });
+    assert_eq!(processes_in(&dev.0.dir), pid_before, "the replica was not restarted");
     dev.ok(&["service", "delete", "fetch"]);
 }
 

@@ -1,4 +1,4 @@
-//! The gRPC handlers: gateways and routes for admins, the compiled plan for
+//! The gRPC handlers: gateways, routes and DNS configs for admins, the compiled plan for
 //! admins and services, and each node's egress state for that node alone.
 //!
 //! # What a handler writes
@@ -74,6 +74,29 @@ impl proto::egress_server::Egress for EgressService {
         tracing::info!(gateway = %key, %by, "gateway deleted");
         self.core.changed(&key.project).await;
         Ok(Response::new(proto::DeleteGatewayResponse {}))
+    }
+
+    async fn apply_dns_config(
+        &self,
+        request: Request<proto::ApplyDnsConfigRequest>,
+    ) -> Result<Response<proto::ApplyDnsConfigResponse>, Status> {
+        let by = berth_rpc::caller(&request)?.to_string();
+        let (project, spec) = validate::dns(request.into_inner())?;
+        let (row, changed) = self.core.catalog.apply_dns(&project, &spec).await?;
+        if changed {
+            tracing::info!(%project, generation = row.generation, %by, "DNS config applied");
+            self.core.changed(&project).await;
+        }
+        Ok(Response::new(proto::ApplyDnsConfigResponse { dns_config: Some(row.to_proto()) }))
+    }
+
+    async fn get_dns_config(
+        &self,
+        request: Request<proto::GetDnsConfigRequest>,
+    ) -> Result<Response<proto::GetDnsConfigResponse>, Status> {
+        let project = validate::project(&request.into_inner().project)?;
+        let row = self.core.catalog.dns(&project).await?;
+        Ok(Response::new(proto::GetDnsConfigResponse { dns_config: Some(row.to_proto()) }))
     }
 
     async fn apply_route(

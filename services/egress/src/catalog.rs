@@ -28,7 +28,7 @@ use sqlx::AnyConnection;
 use sqlx::Row as _;
 use sqlx::any::AnyRow;
 
-use crate::records::{GatewayRow, ObjectRow, PlanRow, RouteRow, object_columns, timestamp, unsigned};
+use crate::records::{DnsRow, GatewayRow, ObjectRow, PlanRow, RouteRow, object_columns, timestamp, unsigned};
 use crate::render::Rendered;
 use crate::validate::{ObjectKey, ValidGateway, ValidRoute};
 
@@ -41,6 +41,9 @@ pub(crate) enum CatalogError {
     /// No route has this name in this project.
     #[error("route {0} not found")]
     RouteNotFound(ObjectKey),
+    /// No DNS config was applied to this project.
+    #[error("no DNS config was applied to project {0}: its workloads resolve with the default (no upstream, ndots 1)")]
+    DnsNotFound(String),
     /// No plan has been compiled for this project yet.
     #[error("no plan has been compiled for project {0} yet")]
     PlanNotFound(String),
@@ -63,7 +66,10 @@ pub(crate) enum CatalogError {
 }
 
 berth_store::store_errors!(CatalogError, |error| match error {
-    CatalogError::GatewayNotFound(_) | CatalogError::RouteNotFound(_) | CatalogError::PlanNotFound(_) => {
+    CatalogError::GatewayNotFound(_)
+    | CatalogError::RouteNotFound(_)
+    | CatalogError::DnsNotFound(_)
+    | CatalogError::PlanNotFound(_) => {
         tonic::Status::not_found(error.to_string())
     }
     CatalogError::AckFromTheFuture { .. } => tonic::Status::failed_precondition(format!("generation: {error}")),
@@ -84,6 +90,14 @@ pub(crate) struct PassWrite {
     pub(crate) nodes: Vec<String>,
 }
 
+/// What a project declares, as one pass reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Declared {
+    pub(crate) gateways: Vec<GatewayRow>,
+    pub(crate) routes: Vec<RouteRow>,
+    pub(crate) dns: Option<DnsRow>,
+}
+
 /// A node's whole state: its generation and the plans it hosts, by project.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct NodeState {
@@ -97,18 +111,32 @@ pub(crate) struct Catalog {
     store: Store,
 }
 
-/// A gateway or a route: the table and the words for it.
+/// A declared object: the table and the words for it.
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     Gateway,
     Route,
+    /// A project's DNS config, stored under the one name [`DNS_NAME`].
+    Dns,
 }
+
+/// The name a project's DNS config is stored under.
+const DNS_NAME: &str = "dns";
 
 impl Kind {
     fn table(self) -> &'static str {
         match self {
             Self::Gateway => "gateways",
             Self::Route => "routes",
+            Self::Dns => "dns_configs",
+        }
+    }
+
+    fn apply_op(self) -> &'static str {
+        match self {
+            Self::Gateway => "egress.apply_gateway",
+            Self::Route => "egress.apply_route",
+            Self::Dns => "egress.apply_dns_config",
         }
     }
 
@@ -116,8 +144,14 @@ impl Kind {
         match self {
             Self::Gateway => CatalogError::GatewayNotFound(key.clone()),
             Self::Route => CatalogError::RouteNotFound(key.clone()),
+            Self::Dns => CatalogError::DnsNotFound(key.project.clone()),
         }
     }
+}
+
+/// The key a project's DNS config is stored under.
+fn dns_key(project: &str) -> ObjectKey {
+    ObjectKey { project: project.to_owned(), name: DNS_NAME.to_owned() }
 }
 
 impl Catalog {
@@ -145,6 +179,23 @@ impl Catalog {
         Ok((RouteRow::from_row(&row)?, changed))
     }
 
+    /// Sets `project`'s DNS config (canonical); the config as stored, and whether it changed.
+    pub(crate) async fn apply_dns(
+        &self,
+        project: &str,
+        spec: &proto::DnsConfig,
+    ) -> Result<(DnsRow, bool), CatalogError> {
+        let (row, changed) = self.upsert(Kind::Dns, &dns_key(project), spec.encode_to_vec(), Vec::new()).await?;
+        Ok((DnsRow::from_row(&row)?, changed))
+    }
+
+    /// `project`'s DNS config, as applied.
+    pub(crate) async fn dns(&self, project: &str) -> Result<DnsRow, CatalogError> {
+        let sql = concat!("SELECT ", object_columns!(), " FROM dns_configs WHERE project = $1 AND name = $2");
+        let key = dns_key(project);
+        self.object("egress.get_dns_config", sql, &key).await?.ok_or_else(|| Kind::Dns.not_found(&key))
+    }
+
     /// Writes a declaration unless it is unchanged, and reads the row back,
     /// in one transaction. Applies of one object from many clients at once
     /// collide on PostgreSQL; beyond the store's own retries, the whole apply
@@ -167,7 +218,7 @@ impl Catalog {
         );
         let read = format!("SELECT {} FROM {table} WHERE project = $1 AND name = $2", object_columns!());
         let (spec, status, write, read) = (&spec, &status, &write, &read);
-        let op = if matches!(kind, Kind::Gateway) { "egress.apply_gateway" } else { "egress.apply_route" };
+        let op = kind.apply_op();
         self.store
             .upsert(op, |conn| {
                 Box::pin(async move {
@@ -306,7 +357,8 @@ impl Catalog {
             .read("egress.projects", |conn| {
                 Box::pin(async move {
                     let rows: Vec<(String,)> = sqlx::query_as(
-                        "SELECT project FROM gateways UNION SELECT project FROM routes UNION SELECT project FROM plans",
+                        "SELECT project FROM gateways UNION SELECT project FROM routes \
+                         UNION SELECT project FROM dns_configs UNION SELECT project FROM plans",
                     )
                     .fetch_all(&mut *conn)
                     .await?;
@@ -316,12 +368,12 @@ impl Catalog {
             .await
     }
 
-    /// One full pass of `project`: reads its gateways, routes and plan,
-    /// renders them through `build` (the compile), and writes what changed,
-    /// fenced on `fence`, all in one transaction.
+    /// One full pass of `project`: reads its gateways, routes, DNS config
+    /// and plan, renders them through `build` (the compile), and writes what
+    /// changed, fenced on `fence`, all in one transaction.
     pub(crate) async fn write_pass<F>(&self, fence: &Fence, project: &str, build: F) -> Result<PassWrite, CatalogError>
     where
-        F: Fn(&[GatewayRow], &[RouteRow], Option<&PlanRow>, i64) -> Rendered + Send + Sync,
+        F: Fn(&Declared, Option<&PlanRow>, i64) -> Rendered + Send + Sync,
     {
         let now_sql = self.store.now_ms_sql();
         let build = &build;
@@ -330,11 +382,15 @@ impl Catalog {
                 Box::pin(async move {
                     check_fence(conn, fence, now_sql).await?;
                     let now = berth_store::now_ms_in(conn, now_sql).await?;
-                    let gateways = fetch_gateways(conn, project).await?;
-                    let routes = fetch_routes(conn, project).await?;
+                    let declared = Declared {
+                        gateways: fetch_gateways(conn, project).await?,
+                        routes: fetch_routes(conn, project).await?,
+                        dns: fetch_dns(conn, project).await?,
+                    };
                     let previous = fetch_plan(conn, project).await?;
-                    let rendered = build(&gateways, &routes, previous.as_ref(), now);
-                    write_rendered(conn, project, &gateways, &routes, previous.as_ref(), rendered, now).await
+                    let rendered = build(&declared, previous.as_ref(), now);
+                    let Declared { gateways, routes, .. } = &declared;
+                    write_rendered(conn, project, gateways, routes, previous.as_ref(), rendered, now).await
                 })
             })
             .await
@@ -605,6 +661,12 @@ async fn fetch_routes(conn: &mut AnyConnection, project: &str) -> Result<Vec<Rou
     let sql = concat!("SELECT ", object_columns!(), " FROM routes WHERE project = $1 ORDER BY name");
     let rows = sqlx::query(sql).bind(project).fetch_all(&mut *conn).await?;
     Ok(rows.iter().map(RouteRow::from_row).collect::<Result<Vec<_>, _>>()?)
+}
+
+async fn fetch_dns(conn: &mut AnyConnection, project: &str) -> Result<Option<DnsRow>, CatalogError> {
+    let sql = concat!("SELECT ", object_columns!(), " FROM dns_configs WHERE project = $1 AND name = $2");
+    let row = sqlx::query(sql).bind(project).bind(DNS_NAME).fetch_optional(&mut *conn).await?;
+    Ok(row.as_ref().map(DnsRow::from_row).transpose()?)
 }
 
 async fn fetch_plan(conn: &mut AnyConnection, project: &str) -> Result<Option<PlanRow>, CatalogError> {

@@ -37,13 +37,13 @@ pub use compile::{
 };
 pub use config::{DEFAULT_DEBOUNCE, DEFAULT_FULL_RESYNC, DEFAULT_MAX_DELAY, DEFAULT_PLACEMENT_POLL, EgressConfig};
 pub use model::{
-    ACCEPTED, CONFLICTED, DEFAULT_GATEWAY, DEFAULT_PROJECT, EGRESS_READY, HostPattern, HostPatternError, Protocol,
-    READY, RouteAction, Selection, reason,
+    ACCEPTED, CONFLICTED, DEFAULT_GATEWAY, DEFAULT_NDOTS, DEFAULT_PROJECT, EGRESS_READY, HostPattern, HostPatternError,
+    Protocol, READY, RouteAction, Selection, reason,
 };
 pub use pass::EGRESS_LOOP;
 pub use service::EgressService;
 pub use sources::{SourceError, Sources};
-pub use validate::{MAX_HOSTNAMES, MAX_LISTENERS, MAX_PARENT_REFS, MAX_PORTS};
+pub use validate::{MAX_HOSTNAMES, MAX_LISTENERS, MAX_NDOTS, MAX_PARENT_REFS, MAX_PORTS, MAX_SEARCH, MAX_UPSTREAMS};
 
 mod api;
 mod catalog;
@@ -73,12 +73,20 @@ pub const NAME: &str = "egress";
 pub const DEFAULT_PORT: u16 = 7446;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "policy",
-    postgres: include_str!("../migrations/postgres/0001_policy.sql"),
-    sqlite: include_str!("../migrations/sqlite/0001_policy.sql"),
-}];
+pub static MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "policy",
+        postgres: include_str!("../migrations/postgres/0001_policy.sql"),
+        sqlite: include_str!("../migrations/sqlite/0001_policy.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "dns",
+        postgres: include_str!("../migrations/postgres/0002_dns.sql"),
+        sqlite: include_str!("../migrations/sqlite/0002_dns.sql"),
+    },
+];
 
 /// How the runtime starts it: [`server`], with no sources.
 pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, build: server };

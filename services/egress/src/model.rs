@@ -16,6 +16,9 @@ use berth_proto::egress::v1 as proto;
 /// The project an empty project field means.
 pub const DEFAULT_PROJECT: &str = "default";
 
+/// resolv.conf's `ndots` when a project's DNS config sets none.
+pub const DEFAULT_NDOTS: u32 = 1;
+
 /// The gateway a service takes when its template names none.
 pub const DEFAULT_GATEWAY: &str = "default";
 

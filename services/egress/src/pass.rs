@@ -223,14 +223,14 @@ async fn pass(core: &Core, fence: &Fence, world: &World, project: &str) -> Resul
     let services = world.services_of(project);
     let written = core
         .catalog
-        .write_pass(fence, project, |gateways, routes, previous, now| {
+        .write_pass(fence, project, |declared, previous, now| {
             let inputs = PlanInputs {
                 services: services.clone(),
-                gateways: gateways.iter().map(|g| g.to_spec()).collect(),
-                routes: routes.iter().map(|r| r.to_spec()).collect(),
+                gateways: declared.gateways.iter().map(|g| g.to_spec()).collect(),
+                routes: declared.routes.iter().map(|r| r.to_spec()).collect(),
             };
             let compiled = compile(&inputs);
-            render(project, &compiled, gateways, routes, previous.map(|p| &p.content), now)
+            render(project, &compiled, declared, previous.map(|p| &p.content), now)
         })
         .await?;
     core.queue.record_pass(project, written.plan_changed, berth_runtime::wall_clock_ms());

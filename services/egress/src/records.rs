@@ -73,6 +73,22 @@ pub(crate) type GatewayRow = ObjectRow<proto::ApplyGatewayRequest, proto::Gatewa
 /// One route, as stored.
 pub(crate) type RouteRow = ObjectRow<proto::ApplyRouteRequest, proto::RouteStatus>;
 
+/// A project's DNS config, as stored (it has no status).
+pub(crate) type DnsRow = ObjectRow<proto::DnsConfig, ()>;
+
+impl DnsRow {
+    /// The config as the API shows it.
+    pub(crate) fn to_proto(&self) -> proto::EgressDnsConfig {
+        proto::EgressDnsConfig {
+            project: self.project.clone(),
+            spec: Some(self.spec.clone()),
+            generation: unsigned(self.generation),
+            created_at: Some(timestamp(self.created_at_ms)),
+            updated_at: Some(timestamp(self.updated_at_ms)),
+        }
+    }
+}
+
 impl GatewayRow {
     /// The gateway as the API shows it, with `status`.
     pub(crate) fn to_proto_with(&self, status: proto::GatewayStatus) -> proto::EgressGateway {

@@ -13,7 +13,9 @@ use std::collections::HashMap;
 use berth_proto::egress::v1 as proto;
 use berth_proto::types::v1::{Condition, ConditionStatus};
 
+use crate::catalog::Declared;
 use crate::compile::{CompiledPlan, Destination, GatewayOutcome, RouteOutcome};
+use crate::model::DEFAULT_NDOTS;
 use crate::model::{ACCEPTED, CONFLICTED, EGRESS_READY, READY, reason};
 use crate::records::{GatewayRow, RouteRow, timestamp};
 
@@ -33,11 +35,11 @@ pub(crate) struct Rendered {
 pub(crate) fn render(
     project: &str,
     compiled: &CompiledPlan,
-    gateways: &[GatewayRow],
-    routes: &[RouteRow],
+    declared: &Declared,
     previous: Option<&proto::EgressPlan>,
     now_ms: i64,
 ) -> Rendered {
+    let Declared { gateways, routes, dns } = declared;
     let previous_services: HashMap<&str, &proto::ServiceEgress> =
         previous.map(|p| p.services.iter().map(|s| (s.service.as_str(), s)).collect()).unwrap_or_default();
     let services = compiled
@@ -92,10 +94,19 @@ pub(crate) fn render(
             routes: route_objects,
             node_acks: Vec::new(),
             compiled_at: None,
+            dns: Some(dns_in_force(dns.as_ref().map(|row| &row.spec))),
         },
         gateways: gateway_statuses,
         routes: route_statuses,
     }
+}
+
+/// The DNS config a project's workloads resolve with: `applied`, or the
+/// default (no upstream, no search domain), with ndots always set.
+pub(crate) fn dns_in_force(applied: Option<&proto::DnsConfig>) -> proto::DnsConfig {
+    let mut dns = applied.cloned().unwrap_or_default();
+    dns.ndots = Some(dns.ndots.unwrap_or(DEFAULT_NDOTS));
+    dns
 }
 
 fn destination(d: &Destination) -> proto::Destination {
@@ -208,19 +219,21 @@ mod tests {
             services: vec![ServiceInput { service: "web".into(), selection: Selection::Gateway("default".into()) }],
             ..Default::default()
         };
-        let first = render("team", &compile(&inputs), &[], &[], None, 1_000);
+        let none = Declared { gateways: Vec::new(), routes: Vec::new(), dns: None };
+        let first = render("team", &compile(&inputs), &none, None, 1_000);
+        assert_eq!(first.content.dns, Some(proto::DnsConfig { ndots: Some(1), ..Default::default() }), "the default");
         let condition = first.content.services[0].condition.clone().unwrap();
         assert_eq!(condition.reason, reason::GATEWAY_NOT_FOUND);
         assert_eq!(condition.last_transition_time, Some(timestamp(1_000)));
 
-        let again = render("team", &compile(&inputs), &[], &[], Some(&first.content), 5_000);
+        let again = render("team", &compile(&inputs), &none, Some(&first.content), 5_000);
         assert_eq!(again, first, "a repeat renders identically, so nothing is written");
 
         let disabled = PlanInputs {
             services: vec![ServiceInput { service: "web".into(), selection: Selection::Disabled }],
             ..Default::default()
         };
-        let flipped = render("team", &compile(&disabled), &[], &[], Some(&first.content), 9_000);
+        let flipped = render("team", &compile(&disabled), &none, Some(&first.content), 9_000);
         let condition = flipped.content.services[0].condition.clone().unwrap();
         assert_eq!(condition.status, ConditionStatus::True as i32);
         assert_eq!(condition.last_transition_time, Some(timestamp(9_000)));

@@ -12,6 +12,12 @@
 //!   host names (exact or `*.suffix`, lowercase), up to [`MAX_PORTS`] distinct
 //!   ports in 1..=65535, and an action (unset means ALLOW).
 //!
+//! - A DNS config has up to [`MAX_UPSTREAMS`] distinct upstreams (an IP
+//!   address, or `IP:port` with a port in 1..=65535; port 53 when none),
+//!   up to [`MAX_SEARCH`] distinct search domains (lowercase DNS names of
+//!   DNS labels, at most 253 bytes) and `ndots` up to [`MAX_NDOTS`]. It is
+//!   stored canonical: upstreams as `IP:port`.
+//!
 //! Whether a route fits the listeners it names (a TCP listener and a
 //! wildcard, say) is not refused here: it is the compile's to report in the
 //! route's status, because the listener may change after the route is applied.
@@ -32,6 +38,12 @@ pub const MAX_PARENT_REFS: usize = 16;
 pub const MAX_HOSTNAMES: usize = 128;
 /// Most ports one route may match.
 pub const MAX_PORTS: usize = 64;
+/// Most upstream resolvers a DNS config may name (resolv.conf's limit).
+pub const MAX_UPSTREAMS: usize = 3;
+/// Most search domains a DNS config may name.
+pub const MAX_SEARCH: usize = 6;
+/// The largest `ndots` resolvers honour.
+pub const MAX_NDOTS: u32 = 15;
 
 /// An object's project and name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -67,6 +79,53 @@ pub(crate) fn key(project: &str, name: &str, what: &str) -> Result<ObjectKey, In
     let project = check_project(&mut check, project);
     check.dns_label("name", name, what);
     check.finish().map(|()| ObjectKey { project, name: name.to_owned() })
+}
+
+/// Checks a whole `ApplyDnsConfig`: the project, and the config in its
+/// canonical form.
+pub(crate) fn dns(request: proto::ApplyDnsConfigRequest) -> Result<(String, proto::DnsConfig), Invalid> {
+    let mut check = Checker::default();
+    let project = check_project(&mut check, &request.project);
+    let spec = request.spec.unwrap_or_default();
+    if spec.upstreams.len() > MAX_UPSTREAMS {
+        check.bad("spec.upstreams", format!("at most {MAX_UPSTREAMS} upstreams, as resolv.conf allows"));
+    }
+    let mut upstreams = Vec::with_capacity(spec.upstreams.len());
+    for (n, upstream) in spec.upstreams.iter().enumerate() {
+        let field = format!("spec.upstreams[{n}]");
+        let parsed = upstream
+            .parse::<std::net::SocketAddr>()
+            .ok()
+            .or_else(|| upstream.parse::<std::net::IpAddr>().ok().map(|ip| std::net::SocketAddr::new(ip, 53)));
+        match parsed {
+            Some(addr) if addr.port() == 0 => check.bad(field, "the port must be 1..=65535"),
+            Some(addr) if upstreams.contains(&addr.to_string()) => {
+                check.bad(field, format!("{addr} is named twice"));
+            }
+            Some(addr) => upstreams.push(addr.to_string()),
+            None => check.bad(field, format!("{} is not an IP address or IP:port", shown(upstream))),
+        }
+    }
+    if spec.search.len() > MAX_SEARCH {
+        check.bad("spec.search", format!("at most {MAX_SEARCH} search domains"));
+    }
+    for (n, domain) in spec.search.iter().enumerate() {
+        let field = format!("spec.search[{n}]");
+        let name = domain.strip_suffix('.').unwrap_or(domain);
+        if name.is_empty() || name.len() > 253 || !name.split('.').all(berth_core::is_dns_label) {
+            check.bad(field, format!("{} is not a lowercase DNS name", shown(domain)));
+        } else if spec.search[..n].iter().any(|d| d.strip_suffix('.').unwrap_or(d) == name) {
+            check.bad(field, format!("'{name}' is named twice"));
+        }
+    }
+    if let Some(ndots) = spec.ndots
+        && ndots > MAX_NDOTS
+    {
+        check.bad("spec.ndots", format!("{ndots} is more than {MAX_NDOTS}"));
+    }
+    check.finish()?;
+    let search = spec.search.iter().map(|d| d.strip_suffix('.').unwrap_or(d).to_owned()).collect();
+    Ok((project, proto::DnsConfig { upstreams, search, ndots: spec.ndots }))
 }
 
 /// A checked `ApplyGateway`: its key, its listeners, and the canonical

@@ -226,7 +226,80 @@ fn admin_credentials(mesh: &Mesh) -> berth_mtls::TlsCredentials {
     mesh.credentials_for(&berth_core::Identity::admin("alice").unwrap())
 }
 
+fn dns_of<'a>(state: &'a egress::NodeEgressState, project: &str) -> Option<&'a egress::DnsConfig> {
+    state.plans.iter().find(|p| p.project == project)?.dns.as_ref()
+}
+
+async fn a_dns_config_is_stored_canonical_and_pushed_with_the_plan_of_its_project(backend: Backend) {
+    let mesh = Mesh::start(backend, fast_config(), &["n-1"]).await;
+    let mut api = mesh.egress();
+    let missing = api.get_dns_config(egress::GetDnsConfigRequest { project: "team".into() }).await.unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+    assert!(missing.message().contains("no DNS config was applied to project team"), "{}", missing.message());
+
+    mesh.apply_gateway(gateway("team", "default")).await;
+    mesh.apply_service("team", "web", None).await;
+    mesh.await_plan("team", "listed web", |p| p.services.len() == 1).await;
+    let mut node = Watch::open(&mesh, "n-1").await;
+    mesh.place("team", "web", "n-1").await;
+    let state = node.until("holds team's plan", |s| projects(s) == ["team"]).await;
+    let default = egress::DnsConfig { ndots: Some(1), ..Default::default() };
+    assert_eq!(dns_of(&state, "team"), Some(&default), "the default until one is applied");
+
+    let spec = egress::DnsConfig {
+        upstreams: vec!["10.0.0.53".into(), "[fd00::53]:5353".into()],
+        search: vec!["corp.example.".into(), "svc.corp.example".into()],
+        ndots: Some(2),
+    };
+    let apply = || egress::ApplyDnsConfigRequest { project: "team".into(), spec: Some(spec.clone()) };
+    let applied = api.apply_dns_config(apply()).await.unwrap().into_inner().dns_config.unwrap();
+    let canonical = egress::DnsConfig {
+        upstreams: vec!["10.0.0.53:53".into(), "[fd00::53]:5353".into()],
+        search: vec!["corp.example".into(), "svc.corp.example".into()],
+        ndots: Some(2),
+    };
+    assert_eq!((applied.project.as_str(), applied.generation), ("team", 1));
+    assert_eq!(applied.spec.as_ref(), Some(&canonical));
+    let again = api.apply_dns_config(apply()).await.unwrap().into_inner().dns_config.unwrap();
+    assert_eq!(again.generation, 1, "the same config again changes nothing");
+    let got = api.get_dns_config(egress::GetDnsConfigRequest { project: "team".into() }).await.unwrap();
+    assert_eq!(got.into_inner().dns_config.unwrap(), applied);
+
+    // Pushed whole with the project's plan, to the node hosting it.
+    let before = plan_generation_of(&state, "team").unwrap();
+    let pushed = node.until("carries team's DNS config", |s| dns_of(s, "team") == Some(&canonical)).await;
+    assert!(plan_generation_of(&pushed, "team").unwrap() > before && pushed.generation > state.generation);
+    let (plan, _) = mesh.await_plan("team", "the DNS config", |p| p.dns.as_ref() == Some(&canonical)).await;
+    assert_eq!(plan.services.len(), 1, "the rest of the plan is as it was");
+
+    // A bad config names every bad field and changes nothing stored.
+    let bad = egress::DnsConfig {
+        upstreams: vec!["resolver.example".into(), "10.0.0.1:0".into(), "1.1.1.1".into(), "1.1.1.1:53".into()],
+        search: vec!["Corp_Example".into()],
+        ndots: Some(16),
+    };
+    let request = egress::ApplyDnsConfigRequest { project: "team".into(), spec: Some(bad) };
+    let refused = api.apply_dns_config(request).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    for field in [
+        "spec.upstreams:",
+        "spec.upstreams[0]:",
+        "spec.upstreams[1]:",
+        "spec.upstreams[3]:",
+        "spec.search[0]:",
+        "spec.ndots:",
+    ] {
+        assert!(refused.message().contains(field), "{field} not named in {}", refused.message());
+    }
+    let kept = api.get_dns_config(egress::GetDnsConfigRequest { project: "team".into() }).await.unwrap();
+    assert_eq!(kept.into_inner().dns_config.unwrap(), applied);
+    let as_node = mesh.egress_as(&berth_core::Identity::node("n-1").unwrap()).apply_dns_config(apply()).await;
+    assert_eq!(as_node.unwrap_err().code(), Code::PermissionDenied);
+    mesh.cleanup().await;
+}
+
 on_both_backends!(
+    a_dns_config_is_stored_canonical_and_pushed_with_the_plan_of_its_project,
     each_node_gets_only_the_plans_of_the_tenants_it_hosts,
     a_reconnecting_node_gets_the_current_state_first_and_acks_show_in_the_plan,
     a_node_acts_only_on_its_own_id,

@@ -1,5 +1,6 @@
-//! `berth egress gateway|route apply|get|list|delete` and `berth egress plan`:
-//! each tenant's egress policy, spoken to the egress service.
+//! `berth egress gateway|route apply|get|list|delete`, `berth egress dns
+//! apply|get` and `berth egress plan`: each tenant's egress policy and DNS
+//! config, spoken to the egress service.
 //!
 //! # Where egress is
 //! `--egress-server` (or `BERTH_EGRESS_SERVER`); without it, where identity
@@ -11,7 +12,8 @@
 //! hostnames: [...], ports?: [...], action?}`, with the field names of
 //! `proto/berth/egress/v1/egress.proto` in snake_case or lowerCamel. A
 //! protocol is `HTTP`, `HTTPS_CONNECT` or `TCP`; an action `ALLOW` (the
-//! default) or `DENY` (the proto's full enum names are taken too). `--name`
+//! default) or `DENY` (the proto's full enum names are taken too). A DNS
+//! config is `{project?, upstreams?: [...], search?: [...], ndots?}`. `--name`
 //! and `--project` fill in what the file leaves out and must agree with what
 //! it says. The file is converted field by field before anything is dialled:
 //! an unknown field or a value of the wrong type is refused with its path,
@@ -59,8 +61,14 @@ enum EgressCommand {
         #[command(subcommand)]
         command: ObjectCommand,
     },
-    /// Show a project's compiled plan: what each service may reach, and which
-    /// nodes applied it.
+    /// A project's DNS config: where its workloads' names outside berth are
+    /// resolved, search domains and ndots.
+    Dns {
+        #[command(subcommand)]
+        command: DnsCommand,
+    },
+    /// Show a project's compiled plan: what each service may reach, its DNS
+    /// config, and which nodes applied it.
     Plan {
         /// The project [default: default].
         #[arg(value_name = "PROJECT")]
@@ -82,6 +90,27 @@ enum ObjectCommand {
     },
     /// Delete one.
     Delete(ObjectName),
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum DnsCommand {
+    /// Set it from a JSON or YAML spec (`-f FILE`, or `-f -` for stdin);
+    /// pushed to the project's nodes with its plan, no workload restarts.
+    Apply {
+        /// The spec: a JSON or YAML file (`.json`, `.yaml`, `.yml`), or `-`
+        /// for stdin.
+        #[arg(short = 'f', long = "filename", value_name = "FILE")]
+        file: String,
+        /// The project, when the file does not name one [default: default].
+        #[arg(long, value_name = "PROJECT")]
+        project: Option<String>,
+    },
+    /// Show it as applied.
+    Get {
+        /// The project [default: default].
+        #[arg(value_name = "PROJECT")]
+        project: Option<String>,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -134,6 +163,9 @@ impl EgressArgs {
             EgressCommand::Route { command: ObjectCommand::Apply(args) } => {
                 Some(Spec::Route(route_request(&spec_file::read(&args.file)?, args)?))
             }
+            EgressCommand::Dns { command: DnsCommand::Apply { file, project } } => {
+                Some(Spec::Dns(dns_request(&spec_file::read(file)?, project.as_ref())?))
+            }
             _ => None,
         };
         let mut egress = self.connect(self.client.credentials()?).await?;
@@ -164,6 +196,35 @@ impl EgressArgs {
                     )),
                 }
             }
+            (EgressCommand::Dns { .. }, Some(Spec::Dns(apply))) => {
+                let apply = egress.connection.request(apply);
+                let response = egress.client.apply_dns_config(apply).await.map_err(|s| egress.status(s))?;
+                let response = response.into_inner();
+                let dns = response.dns_config.as_ref().ok_or(CliError::IncompleteResponse("the DNS config"))?;
+                match format {
+                    OutputFormat::Json => output::print_message(&response),
+                    OutputFormat::Table => output::print(&format!(
+                        "DNS config of {} applied (generation {}); it reaches the project's nodes with its plan\n",
+                        output::project_name(&dns.project),
+                        dns.generation
+                    )),
+                }
+            }
+            (EgressCommand::Dns { command: DnsCommand::Get { project } }, _) => {
+                let message = egress::GetDnsConfigRequest { project: project.unwrap_or_default() };
+                let response = egress
+                    .client
+                    .get_dns_config(egress.connection.request(message))
+                    .await
+                    .map_err(|s| egress.status(s))?;
+                let response = response.into_inner();
+                let dns = response.dns_config.as_ref().ok_or(CliError::IncompleteResponse("the DNS config"))?;
+                match format {
+                    OutputFormat::Json => output::print_message(&response),
+                    OutputFormat::Table => output::print(&dns_details(dns)),
+                }
+            }
+            (EgressCommand::Dns { .. }, _) => Ok(()),
             (EgressCommand::Gateway { command }, _) => gateway_command(&mut egress, command, format).await,
             (EgressCommand::Route { command }, _) => route_command(&mut egress, command, format).await,
             (EgressCommand::Plan { project }, _) => {
@@ -186,6 +247,7 @@ impl EgressArgs {
 enum Spec {
     Gateway(egress::ApplyGatewayRequest),
     Route(egress::ApplyRouteRequest),
+    Dns(egress::ApplyDnsConfigRequest),
 }
 
 async fn gateway_command(egress: &mut Egress, command: ObjectCommand, format: OutputFormat) -> Result<(), CliError> {
@@ -403,6 +465,26 @@ fn route_details(route: &egress::EgressRoute) -> String {
     text
 }
 
+/// A DNS config on one line: `upstreams 10.0.0.53:53; search corp.example; ndots 1`.
+fn dns_text(dns: &egress::DnsConfig) -> String {
+    let list = |items: &[String]| if items.is_empty() { "<none>".to_string() } else { items.join(",") };
+    format!("upstreams {}; search {}; ndots {}", list(&dns.upstreams), list(&dns.search), dns.ndots.unwrap_or(1))
+}
+
+fn dns_details(dns: &egress::EgressDnsConfig) -> String {
+    let spec = dns.spec.clone().unwrap_or_default();
+    let list = |items: &[String]| if items.is_empty() { "<none>".to_string() } else { items.join(", ") };
+    output::fields(&[
+        ("Project", output::project_name(&dns.project).to_string()),
+        ("Generation", dns.generation.to_string()),
+        ("Created", output::age(dns.created_at.as_ref())),
+        ("Updated", output::age(dns.updated_at.as_ref())),
+        ("Upstreams", list(&spec.upstreams)),
+        ("Search", list(&spec.search)),
+        ("Ndots", spec.ndots.unwrap_or(1).to_string()),
+    ])
+}
+
 fn plan_details(plan: &egress::EgressPlan, passes: &egress::PassStats) -> String {
     let rows: Vec<(&str, String)> = vec![
         ("Project", output::project_name(&plan.project).to_string()),
@@ -413,6 +495,7 @@ fn plan_details(plan: &egress::EgressPlan, passes: &egress::PassStats) -> String
         ),
         ("Gateways", plan.gateways.len().to_string()),
         ("Routes", plan.routes.len().to_string()),
+        ("DNS", plan.dns.as_ref().map_or_else(|| "<none>".to_string(), dns_text)),
         (
             "Passes",
             if passes.leading {
@@ -475,6 +558,20 @@ const GATEWAY_FIELDS: [&str; 3] = ["project", "name", "listeners"];
 const LISTENER_FIELDS: [&str; 3] = ["name", "protocol", "port"];
 const ROUTE_FIELDS: [&str; 6] = ["project", "name", "parent_refs", "hostnames", "ports", "action"];
 const PARENT_FIELDS: [&str; 2] = ["gateway", "listener"];
+const DNS_FIELDS: [&str; 4] = ["project", "upstreams", "search", "ndots"];
+
+fn dns_request(spec: &(String, Value), project: Option<&String>) -> Result<egress::ApplyDnsConfigRequest, SpecError> {
+    let (file, value) = spec;
+    let refused = |(path, problem): Refusal| SpecError::Field { file: file.clone(), path, problem };
+    let fields = Fields::of(value, "", &DNS_FIELDS).map_err(refused)?;
+    let project = fields.string("project").and_then(|in_file| pick("project", in_file, project)).map_err(refused)?;
+    let spec = egress::DnsConfig {
+        upstreams: fields.strings("upstreams").map_err(refused)?,
+        search: fields.strings("search").map_err(refused)?,
+        ndots: fields.number("ndots").map_err(refused)?,
+    };
+    Ok(egress::ApplyDnsConfigRequest { project, spec: Some(spec) })
+}
 
 fn gateway_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::ApplyGatewayRequest, SpecError> {
     let (file, value) = spec;
@@ -535,7 +632,15 @@ fn route_request(spec: &(String, Value), args: &ApplyArgs) -> Result<egress::App
 /// The object's project and name: from the file, else from the flags; both
 /// given must agree.
 fn key(fields: &Fields<'_>, args: &ApplyArgs) -> Result<(String, String), Refusal> {
-    let pick = |field: &str, file: String, flag: Option<&String>| match (file.as_str(), flag) {
+    let project = pick("project", fields.string("project")?, args.project.as_ref())?;
+    let name = pick("name", fields.string("name")?, args.name.as_ref())?;
+    Ok((project, name))
+}
+
+/// `field` as the file gives it, or as its flag does when the file leaves it
+/// out; both must agree when both give it. Only a name must be given.
+fn pick(field: &str, file: String, flag: Option<&String>) -> Result<String, Refusal> {
+    match (file.as_str(), flag) {
         ("", None) if field == "name" => {
             Err((field.to_string(), "missing; give `name` in the file or pass --name NAME".to_string()))
         }
@@ -544,10 +649,7 @@ fn key(fields: &Fields<'_>, args: &ApplyArgs) -> Result<(String, String), Refusa
             Err((field.to_string(), format!("is {file:?} but --{field} says {flag:?}")))
         }
         (file, _) => Ok(file.to_string()),
-    };
-    let project = pick("project", fields.string("project")?, args.project.as_ref())?;
-    let name = pick("name", fields.string("name")?, args.name.as_ref())?;
-    Ok((project, name))
+    }
 }
 
 #[cfg(test)]
