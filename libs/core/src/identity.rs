@@ -5,6 +5,11 @@ use crate::WorkloadId;
 /// The trust domain every berth identity lives under.
 pub const TRUST_DOMAIN: &str = "berth.internal";
 
+/// The zone services are named in inside the mesh: a workload reaches
+/// `<service>.<project>.berth.internal` through its tenant's resolver and
+/// the router, whatever public domain the router also serves.
+pub const SERVICE_ZONE: &str = TRUST_DOMAIN;
+
 /// What kind of caller an RPC may admit. `Anonymous` is a caller that
 /// presented no client certificate (only `Join` and health admit it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -28,7 +28,7 @@ mod time;
 mod workload_id;
 
 pub use addr::bracket_ipv6;
-pub use identity::{CallerKind, Identity, IdentityError, TRUST_DOMAIN, is_dns_label};
+pub use identity::{CallerKind, Identity, IdentityError, SERVICE_ZONE, TRUST_DOMAIN, is_dns_label};
 pub use image::{MAX_IMAGE_USER, MAX_WORKING_DIR, image_settings_problems, image_user_problem, working_dir_problem};
 pub use json_file::JsonFileError;
 pub use time::{millis, wall_clock_ms};

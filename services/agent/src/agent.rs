@@ -364,6 +364,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
                 data_dir: dir.root().to_path_buf(),
                 isolation: config.egress_isolation,
                 timing: config.proxy_timing,
+                router: config.router.clone(),
             };
             let proxies = EgressProxies::start(settings, stop.clone()).await.map_err(AgentError::Egress)?;
             let api = GrpcNodeEgress::new(addr, credentials.clone(), config.timing.rpc_timeout)

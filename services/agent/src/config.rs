@@ -276,6 +276,11 @@ pub struct AgentConfig {
     /// Whether replicas run in their tenant's network namespace (with an
     /// egress service configured).
     pub egress_isolation: EgressIsolation,
+    /// The router's cleartext HTTP listener, `host:port`, as the node
+    /// reaches it: with it an isolated replica resolves
+    /// `<service>.<project>.berth.internal` and reaches the service through
+    /// the router; with none those names are refused.
+    pub router: Option<String>,
     /// The egress proxy's timings.
     pub proxy_timing: ProxyTiming,
     /// What runs workloads, and how they are contained.
@@ -316,6 +321,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("insecure_registries", &self.insecure_registries)
             .field("egress", &self.egress)
             .field("egress_isolation", &self.egress_isolation)
+            .field("router", &self.router)
             .field("proxy_timing", &self.proxy_timing)
             .field("containment", &self.containment)
             .field("workload_identity", &self.workload_identity)
@@ -360,6 +366,7 @@ impl AgentConfig {
             registry_ca_pem: None,
             egress: None,
             egress_isolation: EgressIsolation::default(),
+            router: None,
             proxy_timing: ProxyTiming::default(),
             containment: Containment::default(),
             process_runtime_exe: None,

@@ -1196,6 +1196,7 @@ impl ContainerProvider {
             work_dir: work_dir.clone(),
             identity: spec.identity.clone(),
             network: spec.network.as_ref().map(|network| network.namespace.clone()),
+            resolv_conf: spec.network.as_ref().and_then(|network| network.resolv_conf.clone()),
             cgroup: self.inner.cgroup(&lease_id),
             memory_bytes: memory_limit(self.inner.settings.runtime, spec.resources.memory_bytes),
             cpu_millis: spec.resources.cpu_millis,

@@ -97,6 +97,12 @@ struct Args {
     #[arg(long, env = "BERTH_EGRESS_ISOLATION", value_name = "MODE", default_value = "auto",
         value_parser = str::parse::<EgressIsolation>)]
     egress_isolation: EgressIsolation,
+    /// The router's cleartext HTTP listener as this node reaches it: with
+    /// it, an isolated replica resolves `<service>.<project>.berth.internal`
+    /// (through its tenant's resolver) and reaches the service through the
+    /// router; without it those names are refused.
+    #[arg(long, env = "BERTH_ROUTER_ADDR", value_name = "HOST:PORT")]
+    router_addr: Option<String>,
     /// Whether every workload gets a credential of its own before it starts:
     /// an X.509-SVID naming its lease, signed by identity's workload
     /// authority, as files at $BERTH_IDENTITY_DIR and over the SPIFFE
@@ -257,6 +263,7 @@ impl Args {
         config.revisions = self.revisions_addr.filter(|addr| !addr.trim().is_empty());
         config.egress = self.egress_addr.filter(|addr| !addr.trim().is_empty());
         config.egress_isolation = self.egress_isolation;
+        config.router = self.router_addr.filter(|addr| !addr.trim().is_empty());
         config.workload_identity = self.workload_identity;
         config.max_custody = self.max_custody;
         config.custody_warning = self.custody_warning;

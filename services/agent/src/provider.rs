@@ -170,6 +170,9 @@ pub struct NetworkAttachment {
     /// A command line prefix that runs a host program inside it (for a
     /// provider that starts host processes), e.g. `ip netns exec <name>`.
     pub enter: Vec<String>,
+    /// The tenant's `resolv.conf` on the host, naming its resolver inside
+    /// the namespace: what a contained workload sees at `/etc/resolv.conf`.
+    pub resolv_conf: Option<PathBuf>,
 }
 
 /// The variable naming a workload's lease in its environment.

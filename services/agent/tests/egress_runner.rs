@@ -130,6 +130,8 @@ async fn replica_held_to_its_proxy(runtime: OciRuntime) {
          {CURL} -s --noproxy '*' --max-time 3 -o /dev/null -w 'direct=%{{http_code}}\\n' \
            http://127.0.0.1:{host_port}/; \
          {CURL} -s -o /dev/null -w 'status=%{{http_code}}\\n' http://example.invalid/; \
+         echo \"resolv=$(grep '^nameserver' /etc/resolv.conf)\"; \
+         echo \"dns=$(busybox nslookup api.example.com 2>&1 | grep -o -e REFUSED -e 'timed out' | head -n 1)\"; \
          exec {PYTHON} -m http.server \"$PORT\" --bind 127.0.0.1"
     );
     let workload = leases::Workload {
@@ -145,7 +147,7 @@ async fn replica_held_to_its_proxy(runtime: OciRuntime) {
     plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
 
     let stdout = dir.path().join("logs").join(&lease.lease_id).join("stdout.log");
-    let output = output_until(&stdout, "status=").await;
+    let output = output_until(&stdout, "dns=").await;
     let proxy_line = output.lines().find(|line| line.starts_with("proxy=")).unwrap();
     let urls: Vec<&str> = proxy_line["proxy=".len()..].split(' ').collect();
     assert_eq!(urls.len(), 6, "{proxy_line}");
@@ -155,6 +157,10 @@ async fn replica_held_to_its_proxy(runtime: OciRuntime) {
     assert!(output.contains("status=403"), "no plan has arrived, so the proxy refuses: {output}");
     if isolated {
         assert!(output.contains("direct=000"), "nothing is reached around the proxy: {output}");
+        // Names go to the tenant's resolver in its namespace, which, with
+        // no plan yet, resolves nothing.
+        assert!(output.contains("resolv=nameserver 127.0.0.53"), "{output}");
+        assert!(output.contains("dns=REFUSED"), "{output}");
     }
 
     let instance =

@@ -241,6 +241,9 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     // Every replica reaches out only through its tenant's egress proxy,
     // held to the plan the egress service (three above identity) sends.
     agent.egress = Some(SocketAddr::new(dial_host, args.port_base + 3).to_string());
+    // A replica reaches `<service>.<project>.berth.internal` through the
+    // router's HTTP listener (five above identity).
+    agent.router = Some(SocketAddr::new(dial_host, args.port_base + 5).to_string());
     let contained = rustix::process::geteuid().is_root();
     agent.containment = if contained {
         berth_agent::Containment {

@@ -359,11 +359,19 @@ fn a_private_bundle_runs_with_the_credentials_revisions_holds_and_fails_unauthor
 /// honours the proxy variables the node sets) and answers with the status
 /// and body it got, so the test sees what the replica saw.
 const FETCHER: &str = r#"#!/usr/bin/env python3
-import http.server, os, urllib.error, urllib.parse, urllib.request
+import http.server, os, socket, urllib.error, urllib.parse, urllib.request
 
 class Fetch(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        if "resolve" in query:
+            # ?resolve=NAME looks a name up as any program does (getaddrinfo).
+            try:
+                found = socket.getaddrinfo(query["resolve"][0], 80, socket.AF_INET, socket.SOCK_STREAM)
+                status, body = 200, " ".join(sorted({info[4][0] for info in found})).encode()
+            except OSError as failed:
+                status, body = 599, str(failed).encode()
+            return self.answer(status, body)
         url = query["url"][0]
         # ?direct=1 ignores the proxy variables, as a careless program would.
         handlers = [urllib.request.ProxyHandler({})] if "direct" in query else []
@@ -374,6 +382,9 @@ class Fetch(http.server.BaseHTTPRequestHandler):
             status, body = refused.code, refused.read()
         except Exception as failed:
             status, body = 599, str(failed).encode()
+        self.answer(status, body)
+
+    def answer(self, status, body):
         out = b"%d " % status + body
         self.send_response(200)
         self.send_header("Content-Length", str(len(out)))
@@ -382,6 +393,35 @@ class Fetch(http.server.BaseHTTPRequestHandler):
 
 http.server.ThreadingHTTPServer(("", int(os.environ["PORT"])), Fetch).serve_forever()
 "#;
+
+/// A DNS resolver on the host's loopback answering every A query with
+/// 192.0.2.10 (and every other with no record): a project's upstream.
+/// Returns its address and the names it was asked, as asked.
+fn upstream_resolver() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use hickory_proto::op::{Message, OpCode};
+    use hickory_proto::rr::{RData, Record, RecordType, rdata::A};
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let addr = socket.local_addr().unwrap();
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let names = asked.clone();
+    std::thread::spawn(move || {
+        let mut buffer = [0u8; 4096];
+        while let Ok((len, client)) = socket.recv_from(&mut buffer) {
+            let Ok(query) = Message::from_vec(&buffer[..len]) else { continue };
+            let mut response = Message::response(query.metadata.id, OpCode::Query);
+            response.add_queries(query.queries.iter().cloned());
+            if let Some(question) = query.queries.first() {
+                names.lock().unwrap().push(question.name().to_ascii().trim_end_matches('.').to_string());
+                if question.query_type() == RecordType::A {
+                    let ip = std::net::Ipv4Addr::new(192, 0, 2, 10);
+                    response.add_answer(Record::from_rdata(question.name().clone(), 60, RData::A(A(ip))));
+                }
+            }
+            let _ = socket.send_to(&response.to_vec().unwrap(), client);
+        }
+    });
+    (addr, asked)
+}
 
 /// An HTTP origin on `127.0.0.2` (a loopback address the proxy variables do
 /// not exempt) answering every request with `body`; returns its port.
@@ -502,17 +542,50 @@ fn a_replica_reaches_only_what_its_egress_routes_allow_and_an_edit_applies_witho
         if generation(&plan["plan"]["nodeAcks"][0]) > acked { Ok(()) } else { Err(plan.to_string()) }
     });
 
-    // A DNS config is stored canonical and pushed with the plan: the node
-    // acknowledges it, and nothing restarts.
-    let acked = generation(&dev.json(&["egress", "plan"])["plan"]["nodeAcks"][0]);
-    let dns = serde_json::json!({"upstreams": ["127.0.0.53"], "search": ["corp.example."], "ndots": 2});
+    // Names: the replica's resolv.conf names its tenant's resolver, which
+    // forwards what the routes let the project reach to the project's
+    // upstream, with its search domains, and refuses the rest.
+    let (upstream, asked) = upstream_resolver();
+    let names = serde_json::json!({
+        "name": "names", "parent_refs": [{"gateway": "default", "listener": "http"}], "hostnames": ["api.example.com"],
+    });
+    dev.ok(&["egress", "route", "apply", "-f", &write("names.json", names)]);
+    let dns = serde_json::json!({"upstreams": [upstream.to_string()], "search": ["example.com."], "ndots": 1});
     dev.ok(&["egress", "dns", "apply", "-f", &write("dns.json", dns)]);
-    let canonical = serde_json::json!({"upstreams": ["127.0.0.53:53"], "search": ["corp.example"], "ndots": 2});
+    let canonical = serde_json::json!({"upstreams": [upstream.to_string()], "search": ["example.com"], "ndots": 1});
     assert_eq!(dev.json(&["egress", "dns", "get"])["dnsConfig"]["spec"], canonical);
-    poll(Duration::from_secs(10), "the node acknowledges the DNS config", || {
-        let plan = dev.json(&["egress", "plan"]);
-        let pushed = plan["plan"]["dns"] == canonical && generation(&plan["plan"]["nodeAcks"][0]) > acked;
-        if pushed { Ok(()) } else { Err(plan.to_string()) }
+    let resolve = |name: &str| http_get(port, &format!("/fetch?resolve={name}")).unwrap_or_default();
+    let resolved = poll(Duration::from_secs(10), "the replica resolves through the project's upstream", || {
+        let got = resolve("api.example.com");
+        if got == "200 192.0.2.10" { Ok(got) } else { Err(got) }
+    });
+    assert_eq!(resolved, "200 192.0.2.10");
+    assert_eq!(resolve("api"), "200 192.0.2.10", "a short name is tried with the search domain");
+    // A service's internal name leads, through the router, to a replica of
+    // it (here the fetcher itself, asked to look that name up), never
+    // through the egress proxy.
+    assert_eq!(resolve("fetch.default.berth.internal"), "200 127.0.0.54");
+    let inner = "http://fetch.default.berth.internal/fetch?resolve=fetch.default.berth.internal";
+    let through_router = poll(Duration::from_secs(10), "the replica reaches its service by name", || {
+        let got = http_get(port, &format!("/fetch?url={inner}")).unwrap_or_default();
+        if got == "200 200 127.0.0.54" { Ok(got) } else { Err(got) }
+    });
+    assert_eq!(through_router, "200 200 127.0.0.54");
+    let refused = resolve("evil.example.net");
+    assert!(refused.starts_with("599 "), "no route reaches it, so it does not resolve: {refused}");
+    let asked_names = asked.lock().unwrap().clone();
+    assert!(
+        asked_names.iter().all(|name| name == "api.example.com"),
+        "only allowed names left the node: {asked_names:?}"
+    );
+    let plan = dev.json(&["egress", "plan"]);
+    assert_eq!(plan["plan"]["dns"], canonical, "{plan}");
+
+    // An edit applies to the next lookup, with nothing restarted.
+    dev.ok(&["egress", "dns", "apply", "-f", &write("dns.json", serde_json::json!({"upstreams": []}))]);
+    poll(Duration::from_secs(10), "the edited DNS config in force", || {
+        let got = resolve("api.example.com");
+        if got.starts_with("599 ") { Ok(got) } else { Err(got) }
     });
     assert_eq!(processes_in(&dev.0.dir), pid_before, "the replica was not restarted");
     dev.ok(&["service", "delete", "fetch"]);

@@ -10,7 +10,9 @@
 //! percent gives among the shares that have a replica.
 //! `<tag>--<service>.<project>.<domain>` reaches the share tagged so,
 //! whatever its percent. Names are matched without case and without the
-//! port.
+//! port. The same names under `berth.internal` ([`SERVICE_ZONE`]) reach the
+//! same services: what a workload's tenant resolver answers them with leads
+//! here, whatever public domain the router serves.
 //!
 //! # Session affinity
 //! A service whose status names an affinity (a header, or a cookie) keeps
@@ -35,6 +37,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use berth_core::SERVICE_ZONE;
 use berth_proto::identity::v1::{Node, NodeState};
 use berth_proto::leases::v1::{Lease, LeasePhase};
 use berth_proto::revisions::v1::{Service, TrafficTarget};
@@ -250,8 +253,9 @@ impl RouteTable {
     /// looked for as.
     fn read_host(&self, host: &str) -> Result<(String, String), String> {
         let name = strip_port(host).trim_end_matches('.').to_ascii_lowercase();
-        let Some(rest) = name.strip_suffix(self.domain.as_str()).and_then(|rest| rest.strip_suffix('.')) else {
-            return Err(format!("a name under {}", self.domain));
+        let under = |domain: &str| name.strip_suffix(domain).and_then(|rest| rest.strip_suffix('.'));
+        let Some(rest) = under(self.domain.as_str()).or_else(|| under(SERVICE_ZONE)) else {
+            return Err(format!("a name under {} or {SERVICE_ZONE}", self.domain));
         };
         match rest.split_once('.').filter(|(s, p)| !s.is_empty() && !p.contains('.')) {
             Some((label, project)) => Ok((label.to_string(), project.to_string())),
@@ -463,6 +467,7 @@ mod tests {
         assert_eq!(leases(table.resolve("HELLO.Default.berth.localhost:8080", 0.0)), ["l-1", "l-2"]);
         assert_eq!(leases(table.resolve("hello.default.berth.localhost.", 0.0)), ["l-1", "l-2"]);
         assert_eq!(leases(table.resolve("api.team.berth.localhost", 0.0)), ["l-7"]);
+        assert_eq!(leases(table.resolve("api.team.berth.internal:80", 0.0)), ["l-7"]);
         let Resolution::Endpoints(endpoints) = table.resolve("api.team.berth.localhost", 0.0) else { unreachable!() };
         assert_eq!(endpoints[0].agent_addr, "n-2:7447");
         assert_eq!(endpoints[0].revision, "api-00001");
@@ -476,7 +481,7 @@ mod tests {
             other => panic!("{host}: {other:?}"),
         };
         assert_eq!(unknown("nope.default.berth.localhost"), "service nope in project default");
-        assert_eq!(unknown("hello.default.example.com"), "a name under berth.localhost");
+        assert_eq!(unknown("hello.default.example.com"), "a name under berth.localhost or berth.internal");
         assert!(unknown("a.b.c.berth.localhost").contains("'a.b.c' is not <service>.<project>"));
         assert!(unknown("berth.localhost").contains("a name under"));
         assert_eq!(
@@ -485,7 +490,7 @@ mod tests {
         );
         assert_eq!(
             table.resolve("[::1]:80", 0.0),
-            Resolution::Unknown { looked_for: "a name under berth.localhost".into() }
+            Resolution::Unknown { looked_for: "a name under berth.localhost or berth.internal".into() }
         );
     }
 

@@ -58,6 +58,9 @@ pub(crate) const INIT_MOUNT: &str = "/berth/init";
 /// The CPU quota period: 100 ms, the kernel's default.
 const CPU_PERIOD_US: u64 = 100_000;
 
+/// Where a workload's resolver configuration is.
+const RESOLV_CONF: &str = "/etc/resolv.conf";
+
 /// How large a workload's `/tmp` and `/dev/shm` may grow; what it writes
 /// there counts against its memory limit too.
 const TMPFS_SIZE: &str = "size=262144k";
@@ -83,6 +86,9 @@ pub(crate) struct ContainerPlan {
     pub(crate) identity: Option<PathBuf>,
     /// The tenant's network namespace; `None` shares the host's network.
     pub(crate) network: Option<PathBuf>,
+    /// The tenant's `resolv.conf` (its resolver in that namespace), shown
+    /// at `/etc/resolv.conf` in place of the host's or the image's.
+    pub(crate) resolv_conf: Option<PathBuf>,
     /// The cgroup, relative to the hierarchy's root.
     pub(crate) cgroup: String,
     /// The memory limit in bytes; 0 is none.
@@ -234,7 +240,9 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>, OciSpecError> {
     for dir in &plan.system_dirs {
         mounts.push(bind(dir, dir, false)?);
     }
-    for file in &plan.shared_files {
+    let resolv = Path::new(RESOLV_CONF);
+    let replaced = |inside: &Path| plan.resolv_conf.is_some() && inside == resolv;
+    for file in plan.shared_files.iter().filter(|file| !replaced(file)) {
         mounts.push(bind(file, file, false)?);
     }
     if let Some(bundle) = &plan.bundle {
@@ -244,9 +252,12 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>, OciSpecError> {
         if let Some(init) = &image.init {
             mounts.push(bind(init, Path::new(INIT_MOUNT), false)?);
         }
-        for (host, inside) in &image.etc {
+        for (host, inside) in image.etc.iter().filter(|(_, inside)| !replaced(inside)) {
             mounts.push(bind(host, inside, false)?);
         }
+    }
+    if let Some(tenant) = &plan.resolv_conf {
+        mounts.push(bind(tenant, resolv, false)?);
     }
     if let Some(identity) = &plan.identity {
         mounts.push(bind(identity, Path::new(IDENTITY_MOUNT), false)?);
@@ -265,11 +276,12 @@ mod tests {
             env: vec!["PORT=8080".into()],
             uid: 200_007,
             system_dirs: vec!["/usr".into()],
-            shared_files: vec!["/etc/ssl/certs".into()],
+            shared_files: vec!["/etc/ssl/certs".into(), "/etc/resolv.conf".into()],
             bundle: Some("/var/lib/berth/bundles/abc".into()),
             work_dir: "/var/lib/berth/leases/l-1".into(),
             identity: Some("/var/lib/berth/svids/l-1".into()),
             network: Some("/run/netns/berth-x".into()),
+            resolv_conf: Some("/var/lib/berth/egress/resolv/acme.conf".into()),
             cgroup: "/berth-1234/l-1".into(),
             memory_bytes: 64 << 20,
             cpu_millis: 250,
@@ -309,31 +321,41 @@ mod tests {
 
     #[test]
     fn only_the_bundle_the_system_directories_identity_and_work_are_shown_and_only_work_is_writable() {
-        let spec = runtime_spec(&plan(), Path::new("/rootfs")).unwrap();
-        let json = serde_json::to_value(&spec).unwrap();
-        let binds: Vec<(String, String, bool)> = json["mounts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|m| m["type"] == "bind")
-            .map(|m| {
-                let options: Vec<&str> = m["options"].as_array().unwrap().iter().map(|o| o.as_str().unwrap()).collect();
-                (
-                    m["source"].as_str().unwrap().into(),
-                    m["destination"].as_str().unwrap().into(),
-                    options.contains(&"rw"),
-                )
-            })
-            .collect();
+        let binds = |plan: &ContainerPlan| -> Vec<(String, String, bool)> {
+            let spec = runtime_spec(plan, Path::new("/rootfs")).unwrap();
+            let json = serde_json::to_value(&spec).unwrap();
+            json["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| m["type"] == "bind")
+                .map(|m| {
+                    let options: Vec<&str> =
+                        m["options"].as_array().unwrap().iter().map(|o| o.as_str().unwrap()).collect();
+                    (
+                        m["source"].as_str().unwrap().into(),
+                        m["destination"].as_str().unwrap().into(),
+                        options.contains(&"rw"),
+                    )
+                })
+                .collect()
+        };
         assert_eq!(
-            binds,
+            binds(&plan()),
             [
                 ("/usr".into(), "/usr".into(), false),
                 ("/etc/ssl/certs".into(), "/etc/ssl/certs".into(), false),
                 ("/var/lib/berth/bundles/abc".into(), BUNDLE_MOUNT.into(), false),
+                ("/var/lib/berth/egress/resolv/acme.conf".into(), RESOLV_CONF.into(), false),
                 ("/var/lib/berth/svids/l-1".into(), IDENTITY_MOUNT.into(), false),
                 ("/var/lib/berth/leases/l-1".into(), WORK_MOUNT.into(), true),
-            ]
+            ],
+            "the tenant's resolv.conf in place of the host's"
+        );
+        let shared = ContainerPlan { network: None, resolv_conf: None, ..plan() };
+        assert!(
+            binds(&shared).contains(&(RESOLV_CONF.into(), RESOLV_CONF.into(), false)),
+            "the host's without a namespace"
         );
     }
 

@@ -19,6 +19,7 @@
 //! one does, its proxy refuses everything); each state that arrives swaps the
 //! rules of every tenant at once, without restarting a listener.
 
+mod dns;
 mod follower;
 mod launch;
 mod netns;

@@ -268,6 +268,29 @@ impl Namespaces {
         TcpListener::from_std(listener)
     }
 
+    /// Opens a listener on `addr` (a loopback address) inside the namespace.
+    pub(crate) async fn listen_at(&self, name: &str, addr: SocketAddr) -> io::Result<TcpListener> {
+        let listener = in_namespace(self.path(name), move || std::net::TcpListener::bind(addr)).await?;
+        listener.set_nonblocking(true)?;
+        TcpListener::from_std(listener)
+    }
+
+    /// Opens the tenant resolver's UDP socket and TCP listener at `addr`
+    /// inside the namespace.
+    pub(crate) async fn resolver_sockets(
+        &self,
+        name: &str,
+        addr: SocketAddr,
+    ) -> io::Result<(tokio::net::UdpSocket, TcpListener)> {
+        let (udp, tcp) = in_namespace(self.path(name), move || {
+            Ok((std::net::UdpSocket::bind(addr)?, std::net::TcpListener::bind(addr)?))
+        })
+        .await?;
+        udp.set_nonblocking(true)?;
+        tcp.set_nonblocking(true)?;
+        Ok((tokio::net::UdpSocket::from_std(udp)?, TcpListener::from_std(tcp)?))
+    }
+
     /// Connects to `127.0.0.1:port` inside the namespace.
     pub(crate) async fn connect(&self, name: &str, port: u16) -> io::Result<TcpStream> {
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));

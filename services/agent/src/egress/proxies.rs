@@ -51,6 +51,7 @@ use tokio::sync::{Mutex, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::dns;
 use super::netns::{NamespaceError, Namespaces};
 use super::proxy::{ProxyTiming, ServiceProxy};
 use super::rules::{RulesError, TenantRules, tenant_name};
@@ -60,9 +61,11 @@ use crate::provider::NetworkAttachment;
 /// Where the proxies keep their record, in the data directory.
 const EGRESS_DIR: &str = "egress";
 const RECORD_FILE: &str = "proxies.json";
+/// Where each tenant's `resolv.conf` is kept, under [`EGRESS_DIR`].
+const RESOLV_DIR: &str = "resolv";
 
 /// The addresses a replica reaches directly, never through the proxy.
-const NO_PROXY: &str = "localhost,127.0.0.1,::1";
+const NO_PROXY: &str = "localhost,127.0.0.1,::1,.berth.internal";
 
 /// Whether the agent runs replicas in network namespaces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -154,12 +157,21 @@ pub struct EgressSettings {
     pub isolation: EgressIsolation,
     /// The proxy's timings.
     pub timing: ProxyTiming,
+    /// The router's cleartext listener, `host:port`: with it an isolated
+    /// tenant's resolver answers `<service>.<project>.berth.internal` and
+    /// its replicas reach those services through the router.
+    pub router: Option<String>,
 }
 
 impl EgressSettings {
-    /// Settings with the default isolation and timings.
+    /// Settings with the default isolation and timings, and no router.
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
-        Self { data_dir: data_dir.into(), isolation: EgressIsolation::default(), timing: ProxyTiming::default() }
+        Self {
+            data_dir: data_dir.into(),
+            isolation: EgressIsolation::default(),
+            timing: ProxyTiming::default(),
+            router: None,
+        }
     }
 }
 
@@ -252,7 +264,8 @@ impl Attachment {
     }
 
     /// The variables every replica gets: `HTTP_PROXY`, `HTTPS_PROXY` and
-    /// `ALL_PROXY` (and lower-case), `NO_PROXY` for loopback, and
+    /// `ALL_PROXY` (and lower-case), `NO_PROXY` for loopback and services'
+    /// internal names (reached directly, see [`dns`]), and
     /// `BERTH_EGRESS_PROXY`.
     pub fn env(&self) -> BTreeMap<String, String> {
         let url = self.proxy_url();
@@ -297,8 +310,11 @@ pub struct EgressProxies {
 #[derive(Debug)]
 struct Inner {
     timing: ProxyTiming,
+    router: Option<Arc<str>>,
     namespaces: Option<Namespaces>,
     record_path: PathBuf,
+    /// Each tenant's `resolv.conf`, as `<tenant>.conf`.
+    resolv_dir: PathBuf,
     state: Mutex<State>,
     status: watch::Sender<EgressStatus>,
     stop: CancellationToken,
@@ -321,6 +337,10 @@ struct State {
 #[derive(Debug)]
 struct Tenant {
     rules: watch::Sender<Arc<TenantRules>>,
+    /// The upstream resolvers of its DNS config, as its plan names them.
+    upstreams: watch::Sender<Arc<Vec<SocketAddr>>>,
+    /// Its `resolv.conf` as last written (or to be written with its namespace).
+    resolv_conf: String,
     /// Whether the last applied state lists the tenant.
     planned: bool,
     namespace: Option<String>,
@@ -336,6 +356,8 @@ impl Tenant {
     fn new(rules: TenantRules, parent: &CancellationToken) -> Self {
         Self {
             rules: watch::channel(Arc::new(rules)).0,
+            upstreams: watch::channel(Arc::new(Vec::new())).0,
+            resolv_conf: dns::resolv_conf(None),
             planned: false,
             namespace: None,
             services: BTreeMap::new(),
@@ -383,8 +405,10 @@ impl EgressProxies {
         Ok(Self {
             inner: Arc::new(Inner {
                 timing: settings.timing,
+                router: settings.router.map(Into::into),
                 namespaces,
                 record_path,
+                resolv_dir: dir.join(RESOLV_DIR),
                 state: Mutex::new(State { recorded, ..State::default() }),
                 status: watch::channel(status).0,
                 stop: shutdown.child_token(),
@@ -421,7 +445,8 @@ impl EgressProxies {
         for plan in &node_state.plans {
             let rules = TenantRules::compile(plan)?;
             let tenant = rules.tenant().to_string();
-            if compiled.insert(tenant.clone(), rules).is_some() {
+            let dns = (dns::upstreams(plan.dns.as_ref()), dns::resolv_conf(plan.dns.as_ref()));
+            if compiled.insert(tenant.clone(), (rules, dns)).is_some() {
                 return Err(EgressError::DuplicateTenant(tenant));
             }
         }
@@ -434,17 +459,34 @@ impl EgressProxies {
             if !compiled.contains_key(name) {
                 tenant.planned = false;
                 tenant.rules.send_replace(Arc::new(TenantRules::withdrawn(name)));
+                tenant.upstreams.send_replace(Arc::default());
                 if tenant.leases.is_empty() {
                     leaving.push(name.clone());
                 }
             }
         }
-        for (name, rules) in compiled {
+        for (name, (rules, (upstreams, resolv_conf))) in compiled {
             let stop = &self.inner.stop;
+            let path = self.resolv_path(&name);
             let tenant =
                 state.tenants.entry(name).or_insert_with_key(|name| Tenant::new(TenantRules::no_plan_yet(name), stop));
+            if tenant.resolv_conf != resolv_conf {
+                if tenant.namespace.is_some() {
+                    dns::write_in_place(&path, &resolv_conf)
+                        .await
+                        .map_err(|source| EgressError::Record(FileError::new("write", &path, source)))?;
+                }
+                tenant.resolv_conf = resolv_conf;
+            }
             tenant.planned = true;
             tenant.rules.send_replace(Arc::new(rules));
+            tenant.upstreams.send_if_modified(|current| {
+                let changed = **current != upstreams;
+                if changed {
+                    *current = Arc::new(upstreams);
+                }
+                changed
+            });
         }
         if state.recovered {
             for name in leaving {
@@ -473,6 +515,43 @@ impl EgressProxies {
                 .ensure(&namespace)
                 .await
                 .map_err(|source| EgressError::Namespace { project: name.clone(), source })?;
+            // The tenant's resolver, at the address its replicas' resolv.conf names.
+            let path = self.resolv_path(&name);
+            dns::write_in_place(&path, &tenant.resolv_conf)
+                .await
+                .map_err(|source| EgressError::Record(FileError::new("write", &path, source)))?;
+            // Where services' internal names lead: the router, by way of the agent.
+            let services = match &self.inner.router {
+                Some(router) => {
+                    let addr = SocketAddr::from((dns::SERVICES_ADDR, dns::SERVICES_PORT));
+                    match namespaces.listen_at(&namespace, addr).await {
+                        Ok(listener) => {
+                            let to = ForwardTo::Router(router.clone());
+                            self.inner.listeners.spawn(Forward { to }.serve(listener, tenant.stop.child_token()));
+                            true
+                        }
+                        Err(error) => {
+                            tracing::warn!(project = %name, %namespace, %error,
+                                "cannot open the way to the router; its replicas reach no service by name");
+                            false
+                        }
+                    }
+                }
+                None => false,
+            };
+            match namespaces.resolver_sockets(&namespace, dns::RESOLVER_ADDR).await {
+                Ok((udp, tcp)) => {
+                    let tenant_dns = dns::TenantDns {
+                        rules: tenant.rules.subscribe(),
+                        upstreams: tenant.upstreams.subscribe(),
+                        services,
+                    };
+                    dns::serve(name.clone(), tenant_dns, udp, tcp, &self.inner.listeners, tenant.stop.child_token());
+                    tracing::info!(project = %name, addr = %dns::RESOLVER_ADDR, %namespace, "tenant resolver listening");
+                }
+                Err(error) => tracing::warn!(project = %name, %namespace, %error,
+                    "cannot open the tenant's resolver; its replicas resolve no name"),
+            }
             tenant.namespace = Some(namespace);
         }
         let port = match tenant.services.get(service) {
@@ -493,6 +572,7 @@ impl EgressProxies {
             (Some(namespaces), Some(namespace)) => Some(NetworkAttachment {
                 namespace: namespaces.path(namespace),
                 enter: namespaces.exec_prefix(namespace),
+                resolv_conf: Some(self.resolv_path(&name)),
             }),
             _ => None,
         };
@@ -503,6 +583,11 @@ impl EgressProxies {
             namespace,
             network,
         })
+    }
+
+    /// Where `tenant`'s `resolv.conf` is kept.
+    fn resolv_path(&self, tenant: &str) -> PathBuf {
+        self.inner.resolv_dir.join(format!("{tenant}.conf"))
     }
 
     /// Opens the listener of `service` (on its recorded port when it has
@@ -570,8 +655,8 @@ impl EgressProxies {
         for port in ports {
             let forward = |source| EgressError::Forward { lease_id: lease_id.to_string(), port, source };
             let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).await.map_err(forward)?;
-            let inbound = Inbound { namespaces: namespaces.clone(), namespace: namespace.clone(), port };
-            tokio::spawn(inbound.serve(listener, stop.clone()));
+            let to = ForwardTo::Replica { namespaces: namespaces.clone(), namespace: namespace.clone(), port };
+            tokio::spawn(Forward { to }.serve(listener, stop.clone()));
         }
         Ok(())
     }
@@ -709,14 +794,30 @@ impl EgressProxies {
     }
 }
 
-/// Forwards one host port into a tenant's namespace.
-struct Inbound {
-    namespaces: Namespaces,
-    namespace: String,
-    port: u16,
+/// Where a [`Forward`] sends each connection it accepts.
+enum ForwardTo {
+    /// `127.0.0.1:port` inside a tenant's namespace: a replica's port.
+    Replica { namespaces: Namespaces, namespace: String, port: u16 },
+    /// The router's cleartext listener, `host:port` (looked up at each
+    /// connection): services' internal names.
+    Router(Arc<str>),
 }
 
-impl Inbound {
+/// Forwards the connections a listener accepts, byte for byte: from a host
+/// port into a tenant's namespace, or from [`dns::SERVICES_ADDR`] inside
+/// one to the router.
+struct Forward {
+    to: ForwardTo,
+}
+
+impl Forward {
+    async fn connect(&self) -> std::io::Result<tokio::net::TcpStream> {
+        match &self.to {
+            ForwardTo::Replica { namespaces, namespace, port } => namespaces.connect(namespace, *port).await,
+            ForwardTo::Router(router) => tokio::net::TcpStream::connect(&**router).await,
+        }
+    }
+
     async fn serve(self, listener: TcpListener, stop: CancellationToken) {
         let inbound = Arc::new(self);
         loop {
@@ -730,11 +831,15 @@ impl Inbound {
             };
             let (inbound, stop) = (inbound.clone(), stop.clone());
             tokio::spawn(async move {
-                let mut workload = match inbound.namespaces.connect(&inbound.namespace, inbound.port).await {
+                let mut workload = match inbound.connect().await {
                     Ok(workload) => workload,
                     Err(error) => {
-                        tracing::debug!(namespace = %inbound.namespace, port = inbound.port, %error,
-                            "nothing answers on the replica's port inside its namespace");
+                        match &inbound.to {
+                            ForwardTo::Replica { namespace, port, .. } => tracing::debug!(%namespace, port, %error,
+                                "nothing answers on the replica's port inside its namespace"),
+                            ForwardTo::Router(router) => tracing::warn!(%router, %error,
+                                "cannot reach the router for a workload's connection to a service"),
+                        }
                         return;
                     }
                 };

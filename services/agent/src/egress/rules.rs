@@ -282,6 +282,37 @@ impl TenantRules {
     }
 }
 
+impl TenantRules {
+    /// The verdict on resolving `host` for the tenant: a resolver serves
+    /// the whole namespace and cannot tell which service asks, so a name
+    /// resolves when some service of the tenant may reach it through its
+    /// proxy (an HTTP or HTTPS_CONNECT allowance on some port, the name not
+    /// denied to that service on every port). Nothing resolves before a plan.
+    pub(crate) fn decide_name(&self, host: &str) -> Verdict {
+        let Some(host) = normalize_host(host) else {
+            return refused(format!("'{host}' is not a host name"));
+        };
+        if !matches!(self.source, RulesSource::Plan { .. }) {
+            return refused(format!(
+                "no egress plan of project {} is on this node, so {host} does not resolve",
+                self.tenant
+            ));
+        }
+        let proxied = [ListenerProtocol::Http, ListenerProtocol::HttpsConnect];
+        for rules in self.services.values() {
+            let ServiceRules::Routed { allowed, denied } = rules else { continue };
+            if denied.iter().any(|rule| rule.ports.is_empty() && rule.host.matches(&host)) {
+                continue;
+            }
+            if let Some(rule) = allowed.iter().find(|rule| proxied.contains(&rule.protocol) && rule.host.matches(&host))
+            {
+                return Verdict::Allowed { route: rule.route.clone() };
+            }
+        }
+        refused(format!("no route of project {} lets any of its services reach {host}", self.tenant))
+    }
+}
+
 fn refused(reason: String) -> Verdict {
     Verdict::Refused { reason }
 }
@@ -415,6 +446,38 @@ mod tests {
         assert!(reason(http("xcdn.example.com", 80)).starts_with("no route allows"), "not a subdomain");
         assert!(reason(http("a.cdn.example.com", 443)).starts_with("no route allows"), "port not listed");
         assert!(reason(http("other.example.com", 80)).starts_with("no route allows"));
+    }
+
+    #[test]
+    fn a_name_resolves_when_some_service_may_reach_it_through_the_proxy() {
+        let rules = TenantRules::compile(&plan(vec![
+            routed(
+                "web",
+                vec![
+                    destination("api", ListenerProtocol::HttpsConnect, "*.example.com", &[443]),
+                    destination("db", ListenerProtocol::Tcp, "db.internal", &[5432]),
+                ],
+                vec![
+                    destination("no-admin", ListenerProtocol::Http, "admin.example.com", &[]),
+                    destination("no-8443", ListenerProtocol::Http, "pay.example.com", &[8443]),
+                ],
+            ),
+            routed("batch", vec![destination("mirror", ListenerProtocol::Http, "mirror.example.org", &[])], vec![]),
+        ]))
+        .unwrap();
+        assert_eq!(rules.decide_name("API.example.com."), Verdict::Allowed { route: "api".into() });
+        assert_eq!(rules.decide_name("mirror.example.org"), Verdict::Allowed { route: "mirror".into() });
+        assert_eq!(
+            rules.decide_name("pay.example.com"),
+            Verdict::Allowed { route: "api".into() },
+            "denied on one port only"
+        );
+        for refused in ["admin.example.com", "db.internal", "example.com", "evil.example.net"] {
+            let why = reason(rules.decide_name(refused));
+            assert_eq!(why, format!("no route of project acme lets any of its services reach {refused}"));
+        }
+        let why = reason(TenantRules::no_plan_yet("acme").decide_name("api.example.com"));
+        assert!(why.contains("no egress plan of project acme"), "{why}");
     }
 
     #[test]
