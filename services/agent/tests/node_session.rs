@@ -251,7 +251,7 @@ impl IdentityUnderTest {
 
     /// [`Self::rotate_ca`], refusals included.
     async fn try_rotate_ca(&self, activate: bool) -> Result<String, tonic::Status> {
-        let request = v1::RotateCaRequest { activate, force: false };
+        let request = v1::RotateCaRequest { activate, ..Default::default() };
         Ok(AuthorityClient::new(self.admin_channel.clone()).rotate_ca(request).await?.into_inner().ca_bundle_pem)
     }
 
@@ -260,7 +260,7 @@ impl IdentityUnderTest {
     /// certificate of the new CA as its keeper does, and has the operator's
     /// client trust the new bundle; returns it.
     async fn force_activate(&self) -> String {
-        let request = v1::RotateCaRequest { activate: true, force: true };
+        let request = v1::RotateCaRequest { activate: true, force: true, ..Default::default() };
         let bundle = AuthorityClient::new(self.admin_channel.clone())
             .rotate_ca(request)
             .await

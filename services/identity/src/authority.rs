@@ -808,8 +808,18 @@ impl Authority {
     /// Activates the prepared CA; the active one retires. Refused while an
     /// UP node has not acknowledged the bundle holding it, unless `force`.
     pub async fn activate(&self, force: bool) -> Result<(), AuthorityError> {
+        self.activate_after(force, self.inner.timing.min_prepared).await
+    }
+
+    /// [`Authority::activate`], refused until the prepared CA has been in
+    /// the bundle for `min_prepared`.
+    pub async fn activate_after(&self, force: bool, min_prepared: Duration) -> Result<(), AuthorityError> {
         let now = berth_runtime::wall_clock_ms();
-        let min_prepared_ms = self.inner.timing.min_prepared.as_millis() as i64;
+        let min_prepared_ms = min_prepared.as_millis() as i64;
+        let who = match self.inner.purpose {
+            Purpose::Mesh => "every node has it",
+            Purpose::Workload => "every workload has renewed with it",
+        };
         // The bundle every node must have before the prepared CA signs: the
         // one distributed now, which holds it.
         let view = self.refresh().await?;
@@ -840,7 +850,7 @@ impl Authority {
                     let ready_at = created + min_prepared_ms;
                     if now < ready_at {
                         return Err(AuthorityError::Rotation(format!(
-                            "the prepared CA has been in the bundle for {}s; wait {}s more so every node has it",
+                            "the prepared CA has been in the bundle for {}s; wait {}s more so {who}",
                             (now - created) / 1000,
                             (ready_at - now + 999) / 1000
                         )));
@@ -889,7 +899,7 @@ impl Authority {
                 })
             })
             .await?;
-        tracing::info!(%fingerprint, "activated the prepared certificate authority");
+        tracing::info!(%fingerprint, purpose = purpose, "activated the prepared certificate authority");
         self.refresh().await?;
         Ok(())
     }
@@ -926,26 +936,76 @@ impl Authority {
     }
 }
 
+/// `berth.identity.v1.Authority`: the mesh's authority, and the
+/// workloads' where a request names [`v1::CaPurpose::Workload`].
+///
+/// # Rotating the workloads' authority
+/// Workloads learn a new root with their SVIDs (every signing and renewal
+/// answers the whole bundle, prepared roots included), and berth's servers
+/// that admit workloads follow the bundle on their own. So the prepared
+/// workload CA may sign only once it has been in the bundle for a whole
+/// workload certificate lifetime: every SVID alive then was renewed, at
+/// half its life, with a bundle holding it. `force` skips that wait.
+#[derive(Debug, Clone)]
+pub struct AuthorityApi {
+    mesh: Authority,
+    workloads: Authority,
+    workload_cert_ttl: Duration,
+}
+
+impl AuthorityApi {
+    /// The API over `mesh` and `workloads`, whose SVIDs live `workload_cert_ttl`.
+    pub fn new(mesh: Authority, workloads: Authority, workload_cert_ttl: Duration) -> Self {
+        Self { mesh, workloads, workload_cert_ttl }
+    }
+
+    fn authority(&self, purpose: i32) -> Result<&Authority, Status> {
+        match v1::CaPurpose::try_from(purpose) {
+            Ok(v1::CaPurpose::Unspecified | v1::CaPurpose::Mesh) => Ok(&self.mesh),
+            Ok(v1::CaPurpose::Workload) => Ok(&self.workloads),
+            Err(_) => Err(Status::invalid_argument(format!(
+                "purpose: {purpose} is none of CA_PURPOSE_MESH, CA_PURPOSE_WORKLOAD"
+            ))),
+        }
+    }
+}
+
 #[tonic::async_trait]
-impl v1::authority_server::Authority for Authority {
+impl v1::authority_server::Authority for AuthorityApi {
     async fn get_ca_bundle(
         &self,
-        _request: Request<v1::GetCaBundleRequest>,
+        request: Request<v1::GetCaBundleRequest>,
     ) -> Result<Response<v1::GetCaBundleResponse>, Status> {
-        let (ca_bundle_pem, authorities) = self.describe().await?;
+        let (ca_bundle_pem, authorities) = self.authority(request.get_ref().purpose)?.describe().await?;
         Ok(Response::new(v1::GetCaBundleResponse { ca_bundle_pem, authorities }))
     }
 
     async fn rotate_ca(&self, request: Request<v1::RotateCaRequest>) -> Result<Response<v1::RotateCaResponse>, Status> {
-        if request.get_ref().activate {
-            self.activate(request.get_ref().force).await?;
-        } else {
-            self.prepare().await?;
+        let request = request.get_ref();
+        let authority = self.authority(request.purpose)?;
+        match (request.activate, authority.purpose()) {
+            (false, _) => authority.prepare().await?,
+            (true, Purpose::Mesh) => authority.activate(request.force).await?,
+            (true, Purpose::Workload) => {
+                let min_prepared = authority.inner.timing.min_prepared;
+                let wait = if request.force { min_prepared } else { min_prepared.max(self.workload_cert_ttl) };
+                authority.activate_after(request.force, wait).await?;
+            }
         }
-        let (ca_bundle_pem, authorities) = self.describe().await?;
+        let (ca_bundle_pem, authorities) = authority.describe().await?;
         Ok(Response::new(v1::RotateCaResponse { ca_bundle_pem, authorities }))
     }
 
+    async fn issue_certificate(
+        &self,
+        request: Request<v1::IssueCertificateRequest>,
+    ) -> Result<Response<v1::IssueCertificateResponse>, Status> {
+        self.mesh.issue_certificate(request).await
+    }
+}
+
+impl Authority {
+    /// `Authority/IssueCertificate`, with the mesh's authority.
     async fn issue_certificate(
         &self,
         request: Request<v1::IssueCertificateRequest>,

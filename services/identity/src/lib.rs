@@ -35,7 +35,7 @@ use berth_store::{Migration, Store};
 use tokio_util::sync::CancellationToken;
 
 pub use authority::{
-    AUTH_SECRET_MIN_LEN, Authority, AuthorityError, AuthorityTiming, Purpose, Resealed, bundle_digest,
+    AUTH_SECRET_MIN_LEN, Authority, AuthorityApi, AuthorityError, AuthorityTiming, Purpose, Resealed, bundle_digest,
 };
 pub use config::{DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL, MAX_TOKEN_USES, NodeTiming};
 pub use join::RETRY_AFTER_MS_HEADER;
@@ -222,8 +222,12 @@ impl IdentityService {
             v1::workloads_server::WorkloadsServer<Self>,
         ])
         .add_service(
-            v1::authority_server::AuthorityServer::new(self.authority.clone())
-                .max_decoding_message_size(MAX_REQUEST_BYTES),
+            v1::authority_server::AuthorityServer::new(AuthorityApi::new(
+                self.authority.clone(),
+                self.workload_authority.clone(),
+                self.workloads.cert_ttl,
+            ))
+            .max_decoding_message_size(MAX_REQUEST_BYTES),
         )
     }
 

@@ -179,7 +179,7 @@ async fn issue_certificate_over_mtls_admits_admins_only(db: TestDb) {
     };
     let leases = TlsCredentials::new(material).unwrap();
     assert_eq!(leases.identity(), Some(Identity::service("leases").unwrap()));
-    let bundle = as_admin.get_ca_bundle(v1::GetCaBundleRequest {}).await.unwrap().into_inner();
+    let bundle = as_admin.get_ca_bundle(v1::GetCaBundleRequest::default()).await.unwrap().into_inner();
     assert_eq!(bundle.authorities.len(), 1);
     assert_eq!(bundle.authorities[0].state, v1::AuthorityState::Active as i32);
     assert!(verify_chain(&issued.certificate_pem, &bundle.ca_bundle_pem).is_ok());
@@ -222,8 +222,8 @@ async fn issue_certificate_over_mtls_admits_admins_only(db: TestDb) {
 
     let mut as_node = AuthorityClient::new(berth_rpc::connect(&addr, node).unwrap());
     assert_eq!(as_node.issue_certificate(request).await.unwrap_err().code(), Code::PermissionDenied);
-    assert!(as_node.get_ca_bundle(v1::GetCaBundleRequest {}).await.is_ok(), "nodes may read the bundle");
-    let rotate = as_node.rotate_ca(v1::RotateCaRequest { activate: false, force: false }).await.unwrap_err();
+    assert!(as_node.get_ca_bundle(v1::GetCaBundleRequest::default()).await.is_ok(), "nodes may read the bundle");
+    let rotate = as_node.rotate_ca(v1::RotateCaRequest::default()).await.unwrap_err();
     assert_eq!(rotate.code(), Code::PermissionDenied);
 
     stop.cancel();

@@ -666,7 +666,7 @@ async fn a_new_ca_is_activated_only_once_every_up_node_has_acknowledged_it(backe
     let first = node.heartbeat(&cluster.addr(0)).await.unwrap();
     assert_eq!(first.state(), NodeState::Up);
     let mut authority = v1::authority_client::AuthorityClient::new(cluster.admin_channel(0));
-    let step = |activate, force| v1::RotateCaRequest { activate, force };
+    let step = |activate, force| v1::RotateCaRequest { activate, force, ..Default::default() };
     let prepared = authority.rotate_ca(step(false, false)).await.unwrap().into_inner().ca_bundle_pem;
 
     // The node has not said it trusts the bundle holding the new CA.

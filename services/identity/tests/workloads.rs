@@ -1,7 +1,8 @@
 //! Workload certificates as a node gets them, on both backends, with a real
 //! leases service judging every lease: the first against a launch
 //! registration spent once, renewals only while the lease is open on the
-//! node at its epoch, every one an SVID under a root the mesh does not trust.
+//! node at its epoch, every one an SVID under a root the mesh does not
+//! trust, which rotates apart from the mesh's.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
@@ -190,6 +191,51 @@ async fn an_svid_is_signed_once_per_launch_and_renewed_only_while_its_lease_is_o
     assert_eq!(stale.code(), Code::FailedPrecondition, "{stale:?}");
     let elsewhere = workloads(&signer, other).sign_workload_jwt(jwt(other, 1, &["db"])).await.unwrap_err();
     assert_eq!(elsewhere.code(), Code::PermissionDenied, "{elsewhere:?}");
+
+    // The workloads' authority rotates apart from the mesh's: a prepared
+    // root reaches workloads with their next renewal, and signs only once
+    // every SVID alive has been renewed with it (a whole lifetime), or when
+    // forced.
+    let mut authority = v1::authority_client::AuthorityClient::new(cluster.admin_channel(0));
+    let workload_step =
+        |activate, force| v1::RotateCaRequest { activate, force, purpose: v1::CaPurpose::Workload as i32 };
+    let prepared = authority.rotate_ca(workload_step(false, false)).await.unwrap().into_inner();
+    let states: Vec<_> = prepared.authorities.iter().map(|a| a.state()).collect();
+    assert_eq!(states, [v1::AuthorityState::Active, v1::AuthorityState::Prepared]);
+    let old_root = signed.bundle_pem.clone();
+    let mesh = authority.get_ca_bundle(v1::GetCaBundleRequest::default()).await.unwrap().into_inner();
+    assert_eq!(mesh.ca_bundle_pem, cluster.bundle, "the mesh's authority is untouched");
+    assert_eq!(mesh.authorities.len(), 1);
+    let renewed = berth_testkit::eventually("renewals to carry the prepared root", berth_testkit::PATIENCE, || async {
+        let renewed = workloads(&signer, holder).renew_workload_certificate(renew(&holder.node_id, &lease, 1)).await;
+        let renewed = renewed.map_err(|e| format!("{e:?}"))?.into_inner();
+        if renewed.bundle_pem == prepared.ca_bundle_pem { Ok(renewed) } else { Err(renewed.bundle_pem) }
+    })
+    .await;
+    verify_chain(&renewed.certificate_pem, &old_root).expect("still signed by the active root");
+    let early = authority.rotate_ca(workload_step(true, false)).await.unwrap_err();
+    assert_eq!(early.code(), Code::FailedPrecondition, "{early:?}");
+    assert!(early.message().contains("every workload has renewed with it"), "{early:?}");
+    let activated = authority.rotate_ca(workload_step(true, true)).await.unwrap().into_inner();
+    let new_root = activated.authorities[0].certificate_pem.clone();
+    assert_eq!(activated.authorities[0].fingerprint, prepared.authorities[1].fingerprint, "the prepared root signs");
+    let renewed = berth_testkit::eventually("renewals under the new root", berth_testkit::PATIENCE, || async {
+        let renewed = workloads(&signer, holder).renew_workload_certificate(renew(&holder.node_id, &lease, 1)).await;
+        let renewed = renewed.map_err(|e| format!("{e:?}"))?.into_inner();
+        verify_chain(&renewed.certificate_pem, &new_root).map_err(|e| e.to_string())?;
+        Ok::<_, String>(renewed)
+    })
+    .await;
+    assert!(verify_chain(&renewed.certificate_pem, &old_root).is_err(), "no longer under the old root");
+    verify_chain(&signed.certificate_pem, &renewed.bundle_pem).expect("the retired root stays in the bundle");
+    let token = workloads(&signer, holder).sign_workload_jwt(jwt(holder, 1, &["db"])).await.unwrap().into_inner();
+    berth_mtls::verify_jwt_svid(&token.token, &token.jwks_json, "db").expect("tokens follow the new key");
+    let mesh_after = authority.get_ca_bundle(v1::GetCaBundleRequest::default()).await.unwrap().into_inner();
+    assert_eq!(mesh_after.ca_bundle_pem, cluster.bundle, "still untouched");
+    let bad = v1::RotateCaRequest { purpose: 9, ..Default::default() };
+    let bad = authority.rotate_ca(bad).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    assert!(bad.message().contains("purpose"), "{bad:?}");
 
     let release = leases::ReleaseLeaseRequest { lease_id: lease.lease_id.clone(), ..Default::default() };
     requester.release_lease(release).await.unwrap();
