@@ -81,7 +81,8 @@ test-deps:
 ## deploys (apply to RUNNING, warm and cold from a loopback registry, and the
 ## mint rate); the egress compile, the node proxy's overhead, and how long
 ## a route edit takes to be in force on a real node; and requests through
-## the router beside direct ones, route changes, and the router's memory.
+## the router beside direct ones, route changes, and the router's memory;
+## a tenant's resolver beside a direct query (needs root, as a node does).
 ## BENCHMARKS.md records the figures.
 bench:
 	$(CARGO) build --release --bins
@@ -106,7 +107,8 @@ bench:
 	"$$bench" egress; \
 	"$$bench" egress-push; \
 	"$$bench" router; \
-	"$$bench" svids
+	"$$bench" svids; \
+	"$$bench" dns
 
 ## Container images, where a Docker engine runs: one per binary, tagged
 ## <binary>:dev, from one build of the workspace (docker/Dockerfile).

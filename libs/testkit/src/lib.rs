@@ -4,7 +4,8 @@
 //! serve (scripted by the test), an in-process leases service following it
 //! (alone, or as the base of a suite's control plane: [`LeasesMesh`]), the
 //! workspace's binaries beside the one under test, and a host's join from
-//! an address of its own ([`FromAddress`]).
+//! an address of its own ([`FromAddress`]), and a project's upstream DNS
+//! resolver ([`Resolver`]).
 //!
 //! # Where it sits
 //! A dev-dependency, and a dependency of `berth-bench`, which no image
@@ -22,6 +23,7 @@
 #![allow(clippy::unwrap_used, reason = "a fixture that cannot be set up is a failed test, with its line")]
 
 mod dial;
+mod resolver;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -42,6 +44,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 pub use crate::dial::FromAddress;
+pub use crate::resolver::{RESOLVER_ANSWER, Resolver};
 
 /// How long test certificates live.
 pub const CERT_TTL: Duration = Duration::from_secs(3600);

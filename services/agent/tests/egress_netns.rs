@@ -233,40 +233,13 @@ async fn a_namespace_a_process_still_uses_survives_a_restart_and_an_unused_one_i
     second.close().await;
 }
 
-/// A resolver on the host's loopback that answers every A query with
-/// 192.0.2.10, counting the queries: the project's upstream.
-async fn upstream_resolver() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-    use hickory_proto::op::{Message, OpCode};
-    use hickory_proto::rr::{RData, Record, rdata::A};
-    let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
-    let addr = socket.local_addr().unwrap();
-    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = asked.clone();
-    tokio::spawn(async move {
-        let mut buffer = vec![0u8; 4096];
-        while let Ok((len, client)) = socket.recv_from(&mut buffer).await {
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let Ok(query) = Message::from_vec(&buffer[..len]) else { continue };
-            let mut response = Message::response(query.metadata.id, OpCode::Query);
-            response.add_queries(query.queries.iter().cloned());
-            if let Some(question) = query.queries.first()
-                && question.query_type() == hickory_proto::rr::RecordType::A
-            {
-                let ip = std::net::Ipv4Addr::new(192, 0, 2, 10);
-                response.add_answer(Record::from_rdata(question.name().clone(), 60, RData::A(A(ip))));
-            }
-            let _ = socket.send_to(&response.to_vec().unwrap(), client).await;
-        }
-    });
-    (addr, asked)
-}
-
 #[tokio::test]
 async fn a_replica_resolves_what_its_routes_allow_through_its_projects_upstream_and_nothing_else() {
     if !isolation_possible() {
         return;
     }
-    let (upstream, asked) = upstream_resolver().await;
+    let resolver = berth_testkit::Resolver::start();
+    let (upstream, asked) = (resolver.addr, || resolver.asked().len());
     let dir = tempfile::tempdir().unwrap();
     let proxies = isolated(dir.path()).await;
     let replica = proxies.attach("lease-1", "acme", "web").await.unwrap();
@@ -285,12 +258,12 @@ async fn a_replica_resolves_what_its_routes_allow_through_its_projects_upstream_
 
     let resolved = nslookup("api.example.com").await;
     assert!(resolved.contains("192.0.2.10"), "resolved through the project's upstream: {resolved}");
-    let forwarded = asked.load(std::sync::atomic::Ordering::SeqCst);
+    let forwarded = asked();
     assert!(forwarded >= 1, "the upstream was asked");
 
     let refused = nslookup("evil.example.net").await;
     assert!(refused.contains("REFUSED"), "no route reaches it, so it does not resolve: {refused}");
-    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), forwarded, "a refused name never left the node");
+    assert_eq!(asked(), forwarded, "a refused name never left the node");
 
     // An edit applies to the next query, with nothing restarted.
     proxies.apply(&with_upstreams(2, Vec::new())).await.unwrap();

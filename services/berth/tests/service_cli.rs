@@ -394,35 +394,6 @@ class Fetch(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer(("", int(os.environ["PORT"])), Fetch).serve_forever()
 "#;
 
-/// A DNS resolver on the host's loopback answering every A query with
-/// 192.0.2.10 (and every other with no record): a project's upstream.
-/// Returns its address and the names it was asked, as asked.
-fn upstream_resolver() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
-    use hickory_proto::op::{Message, OpCode};
-    use hickory_proto::rr::{RData, Record, RecordType, rdata::A};
-    let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    let addr = socket.local_addr().unwrap();
-    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let names = asked.clone();
-    std::thread::spawn(move || {
-        let mut buffer = [0u8; 4096];
-        while let Ok((len, client)) = socket.recv_from(&mut buffer) {
-            let Ok(query) = Message::from_vec(&buffer[..len]) else { continue };
-            let mut response = Message::response(query.metadata.id, OpCode::Query);
-            response.add_queries(query.queries.iter().cloned());
-            if let Some(question) = query.queries.first() {
-                names.lock().unwrap().push(question.name().to_ascii().trim_end_matches('.').to_string());
-                if question.query_type() == RecordType::A {
-                    let ip = std::net::Ipv4Addr::new(192, 0, 2, 10);
-                    response.add_answer(Record::from_rdata(question.name().clone(), 60, RData::A(A(ip))));
-                }
-            }
-            let _ = socket.send_to(&response.to_vec().unwrap(), client);
-        }
-    });
-    (addr, asked)
-}
-
 /// An HTTP origin on `127.0.0.2` (a loopback address the proxy variables do
 /// not exempt) answering every request with `body`; returns its port.
 fn origin(body: &'static str) -> u16 {
@@ -545,7 +516,8 @@ fn a_replica_reaches_only_what_its_egress_routes_allow_and_an_edit_applies_witho
     // Names: the replica's resolv.conf names its tenant's resolver, which
     // forwards what the routes let the project reach to the project's
     // upstream, with its search domains, and refuses the rest.
-    let (upstream, asked) = upstream_resolver();
+    let resolver = berth_testkit::Resolver::start();
+    let upstream = resolver.addr;
     let names = serde_json::json!({
         "name": "names", "parent_refs": [{"gateway": "default", "listener": "http"}], "hostnames": ["api.example.com"],
     });
@@ -573,7 +545,7 @@ fn a_replica_reaches_only_what_its_egress_routes_allow_and_an_edit_applies_witho
     assert_eq!(through_router, "200 200 127.0.0.54");
     let refused = resolve("evil.example.net");
     assert!(refused.starts_with("599 "), "no route reaches it, so it does not resolve: {refused}");
-    let asked_names = asked.lock().unwrap().clone();
+    let asked_names = resolver.asked();
     assert!(
         asked_names.iter().all(|name| name == "api.example.com"),
         "only allowed names left the node: {asked_names:?}"

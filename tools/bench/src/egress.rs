@@ -197,38 +197,38 @@ struct ProxyFigures {
 
 /// One path's timed requests.
 #[derive(Debug, Clone, Serialize)]
-struct PathFigures {
+pub(crate) struct PathFigures {
     /// "direct", "proxy (HTTP)" or "proxy (CONNECT)".
-    path: &'static str,
+    pub(crate) path: &'static str,
     /// Requests timed.
-    requests: u32,
+    pub(crate) requests: u32,
     /// Answered 200 with the origin's body.
-    ok: u32,
+    pub(crate) ok: u32,
     /// Anything else (refused, failed, timed out, another body).
-    errors: u32,
+    pub(crate) errors: u32,
     /// The first error, as a sample of what went wrong.
-    first_error: Option<String>,
+    pub(crate) first_error: Option<String>,
     /// Latencies of the successful requests, microseconds.
-    p50_us: Option<f64>,
-    p99_us: Option<f64>,
-    mean_us: Option<f64>,
-    max_us: Option<f64>,
+    pub(crate) p50_us: Option<f64>,
+    pub(crate) p99_us: Option<f64>,
+    pub(crate) mean_us: Option<f64>,
+    pub(crate) max_us: Option<f64>,
     /// Successful requests per second, one at a time: `ok` over the time
     /// they took.
-    per_s: f64,
+    pub(crate) per_s: f64,
 }
 
-/// What the proxy adds over the direct path.
+/// What a path adds over the direct one.
 #[derive(Debug, Clone, Serialize)]
-struct Overhead {
+pub(crate) struct Overhead {
     /// The path's p50 minus the direct p50, microseconds.
-    added_p50_us: Option<f64>,
+    pub(crate) added_p50_us: Option<f64>,
     /// The path's p99 minus the direct p99, microseconds.
-    added_p99_us: Option<f64>,
+    pub(crate) added_p99_us: Option<f64>,
     /// The path's mean minus the direct mean, microseconds.
-    added_mean_us: Option<f64>,
+    pub(crate) added_mean_us: Option<f64>,
     /// The path's requests per second over the direct path's.
-    throughput_ratio: Option<f64>,
+    pub(crate) throughput_ratio: Option<f64>,
 }
 
 /// Everything one run measured.
@@ -518,12 +518,23 @@ fn proxy_table(out: &mut String, proxy: &ProxyFigures) {
         proxy.requests, proxy.warmup, proxy.body_bytes
     );
     let _ = writeln!(out, "the agent's egress proxy in this process, enforcement: {}", proxy.enforcement);
+    paths_table(
+        out,
+        &[&proxy.direct, &proxy.http, &proxy.connect],
+        &[("the proxy, HTTP", &proxy.http_overhead), ("the proxy, CONNECT", &proxy.connect_overhead)],
+    );
+}
+
+/// A row per path (latencies and rate), a line per overhead (what `by`
+/// adds over the direct path), then each path's first error.
+pub(crate) fn paths_table(out: &mut String, paths: &[&PathFigures], overheads: &[(&str, &Overhead)]) {
+    use std::fmt::Write as _;
     let _ = writeln!(
         out,
         "{:<18}{:>9}{:>9}{:>8}{:>12}{:>12}{:>12}{:>12}{:>10}",
         "path", "requests", "ok", "errors", "p50", "p99", "mean", "max", "req/s"
     );
-    for path in [&proxy.direct, &proxy.http, &proxy.connect] {
+    for path in paths {
         let _ = writeln!(
             out,
             "{:<18}{:>9}{:>9}{:>8}{:>12}{:>12}{:>12}{:>12}{:>10.0}",
@@ -538,17 +549,17 @@ fn proxy_table(out: &mut String, proxy: &ProxyFigures) {
             path.per_s,
         );
     }
-    for (name, overhead) in [("HTTP", &proxy.http_overhead), ("CONNECT", &proxy.connect_overhead)] {
+    for (by, overhead) in overheads {
         let _ = writeln!(
             out,
-            "added by the proxy, {name}: p50 {}, p99 {}, mean {}; throughput {} of direct",
+            "added by {by}: p50 {}, p99 {}, mean {}; throughput {} of direct",
             signed_micros(overhead.added_p50_us),
             signed_micros(overhead.added_p99_us),
             signed_micros(overhead.added_mean_us),
             overhead.throughput_ratio.map_or_else(|| "unknown".to_string(), |r| format!("x{r:.2}")),
         );
     }
-    for path in [&proxy.direct, &proxy.http, &proxy.connect] {
+    for path in paths {
         if let Some(error) = &path.first_error {
             let _ = writeln!(out, "first error, {}: {error}", path.path);
         }
@@ -906,7 +917,7 @@ fn excerpt(bytes: &[u8]) -> String {
 }
 
 /// One path's figures from the latencies of its successful requests.
-fn path_figures(
+pub(crate) fn path_figures(
     path: &'static str,
     requests: u32,
     mut samples_us: Vec<f64>,
@@ -940,7 +951,7 @@ pub(crate) fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
 }
 
 /// What `path` adds over `direct`.
-fn overhead(direct: &PathFigures, path: &PathFigures) -> Overhead {
+pub(crate) fn overhead(direct: &PathFigures, path: &PathFigures) -> Overhead {
     let minus = |a: Option<f64>, b: Option<f64>| Some(a? - b?);
     Overhead {
         added_p50_us: minus(path.p50_us, direct.p50_us),

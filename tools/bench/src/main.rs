@@ -10,6 +10,7 @@
 
 mod deploy;
 mod dev;
+mod dns;
 mod egress;
 mod egress_push;
 mod heartbeats;
@@ -79,6 +80,10 @@ enum Scenario {
     /// fresh launch registration as a node gets a launch's first, beside an
     /// empty mTLS RPC; reports signings/s and latencies.
     Svids(svids::SvidArgs),
+    /// A tenant's resolver inside its network namespace (needs root): an
+    /// internal service name and a forwarded name from the workload's side,
+    /// beside the same query straight to the upstream.
+    Dns(dns::DnsArgs),
     /// The HTTP server the router scenario deploys (run by the node).
     #[command(hide = true)]
     EchoServer,
@@ -108,6 +113,7 @@ impl Scenario {
             Scenario::EgressPush(args) => egress_push::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Router(args) => router::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Svids(args) => svids::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::Dns(args) => dns::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::EchoServer => router::echo_server().await,
         };
         outcome.map_err(StartError::Invalid)

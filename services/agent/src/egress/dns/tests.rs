@@ -1,63 +1,14 @@
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
 
 use std::net::Ipv4Addr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use berth_proto::egress::v1::{Destination, EgressPlan, ListenerProtocol, ServiceEgress};
+use berth_testkit::{RESOLVER_ANSWER as ANSWER, Resolver};
 use hickory_proto::op::Query;
 use hickory_proto::rr::rdata::A;
-use hickory_proto::rr::{Name, RData, Record, RecordType};
+use hickory_proto::rr::{Name, RData, RecordType};
 
 use super::*;
-
-/// What the test's upstream answers for every name.
-const ANSWER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
-
-/// A resolver on loopback that answers every query with [`ANSWER`], over
-/// UDP and TCP on the same port, counting what it was asked.
-struct Upstream {
-    addr: SocketAddr,
-    asked: Arc<AtomicUsize>,
-}
-
-fn answer_to(query: &[u8]) -> Vec<u8> {
-    let query = Message::from_vec(query).unwrap();
-    let mut response = Message::response(query.metadata.id, OpCode::Query);
-    let name = query.queries[0].name().clone();
-    response.add_queries(query.queries.iter().cloned());
-    response.add_answer(Record::from_rdata(name, 60, RData::A(A(ANSWER))));
-    response.to_vec().unwrap()
-}
-
-impl Upstream {
-    async fn start() -> Self {
-        let udp = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-        let addr = udp.local_addr().unwrap();
-        let tcp = TcpListener::bind(addr).await.unwrap();
-        let asked = Arc::new(AtomicUsize::new(0));
-        let counted = asked.clone();
-        tokio::spawn(async move {
-            let mut buffer = vec![0u8; MAX_UDP];
-            while let Ok((len, client)) = udp.recv_from(&mut buffer).await {
-                counted.fetch_add(1, Ordering::SeqCst);
-                udp.send_to(&answer_to(&buffer[..len]), client).await.unwrap();
-            }
-        });
-        let counted = asked.clone();
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = tcp.accept().await {
-                counted.fetch_add(1, Ordering::SeqCst);
-                let query = read_framed(&mut stream).await.unwrap();
-                write_framed(&mut stream, &answer_to(&query)).await.unwrap();
-            }
-        });
-        Self { addr, asked }
-    }
-
-    fn asked(&self) -> usize {
-        self.asked.load(Ordering::SeqCst)
-    }
-}
 
 /// The tenant `acme`, whose service may reach `*.example.com` through its
 /// proxy, resolving through `upstreams` on a node told of no router; and
@@ -108,19 +59,19 @@ fn addresses(reply: &Message) -> Vec<Ipv4Addr> {
 
 #[tokio::test]
 async fn a_name_the_routes_allow_is_answered_by_the_upstream_over_udp_and_tcp() {
-    let upstream = Upstream::start().await;
+    let upstream = Resolver::start();
     let (dns, _) = tenant(vec![upstream.addr]);
     for transport in [Transport::Udp, Transport::Tcp] {
         let reply = ask(&dns, "api.example.com.", transport).await;
         assert_eq!(reply.metadata.response_code, ResponseCode::NoError, "{transport:?}");
         assert_eq!(addresses(&reply), [ANSWER], "{transport:?}");
     }
-    assert_eq!(upstream.asked(), 2);
+    assert_eq!(upstream.asked().len(), 2);
 }
 
 #[tokio::test]
 async fn a_refused_name_and_a_berth_name_never_leave_the_node() {
-    let upstream = Upstream::start().await;
+    let upstream = Resolver::start();
     let (dns, _) = tenant(vec![upstream.addr]);
     for name in ["evil.example.net.", "example.com.", "hello.default.berth.internal."] {
         let reply = ask(&dns, name, Transport::Udp).await;
@@ -128,12 +79,12 @@ async fn a_refused_name_and_a_berth_name_never_leave_the_node() {
         assert_eq!(reply.queries.len(), 1, "the question is echoed");
         assert!(reply.answers.is_empty());
     }
-    assert_eq!(upstream.asked(), 0, "nothing was forwarded");
+    assert_eq!(upstream.asked().len(), 0, "nothing was forwarded");
 }
 
 #[tokio::test]
 async fn upstreams_are_tried_in_order_and_an_edit_applies_to_the_next_query() {
-    let upstream = Upstream::start().await;
+    let upstream = Resolver::start();
     // A port nothing listens on: refused at once on loopback.
     let dead = UdpSocket::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
     let (dns, upstreams) = tenant(vec![]);
@@ -143,7 +94,7 @@ async fn upstreams_are_tried_in_order_and_an_edit_applies_to_the_next_query() {
     upstreams.send_replace(Arc::new(vec![dead, upstream.addr]));
     let reply = ask(&dns, "api.example.com.", Transport::Udp).await;
     assert_eq!(addresses(&reply), [ANSWER], "the second upstream answered");
-    assert_eq!(upstream.asked(), 1);
+    assert_eq!(upstream.asked().len(), 1);
 
     upstreams.send_replace(Arc::new(vec![dead]));
     let reply = ask(&dns, "api.example.com.", Transport::Udp).await;
@@ -166,7 +117,7 @@ async fn what_is_no_query_is_answered_as_such_or_dropped() {
 
 #[tokio::test]
 async fn a_service_name_is_answered_on_the_node_with_the_way_to_the_router() {
-    let upstream = Upstream::start().await;
+    let upstream = Resolver::start();
     let (mut dns, _) = tenant(vec![upstream.addr]);
     dns.services = true;
     for transport in [Transport::Udp, Transport::Tcp] {
@@ -186,5 +137,5 @@ async fn a_service_name_is_answered_on_the_node_with_the_way_to_the_router() {
         let reply = ask(&dns, &name.to_ascii(), Transport::Udp).await;
         assert_eq!(reply.metadata.response_code, ResponseCode::NXDomain, "{name}");
     }
-    assert_eq!(upstream.asked(), 0, "berth's names never leave the node");
+    assert_eq!(upstream.asked().len(), 0, "berth's names never leave the node");
 }
