@@ -417,6 +417,7 @@ impl Harness {
                 insecure_registries: vec!["registry.internal:5000".into()],
                 ca_pem: None,
                 allow_layouts: true,
+                mirrors: Vec::new(),
             };
             let revisions_context = context(revisions_store);
             (

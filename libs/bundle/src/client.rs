@@ -17,8 +17,10 @@
 //! [`RegistryError::InvalidReference`] are the kinds a tag resolver maps; an OCI layout
 //! directory answers with the same kinds.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
@@ -96,6 +98,8 @@ pub struct RegistryConfig {
     pub connect_timeout: Duration,
     /// How long a registry may go silent mid-response.
     pub read_timeout: Duration,
+    /// Mirrors tried, in order, before the registry they mirror.
+    pub mirrors: Vec<RegistryMirror>,
 }
 
 impl Default for RegistryConfig {
@@ -106,9 +110,69 @@ impl Default for RegistryConfig {
             plain_http_loopback: true,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             read_timeout: DEFAULT_READ_TIMEOUT,
+            mirrors: Vec::new(),
         }
     }
 }
+
+/// A mirror of a registry (containerd's `hosts.toml` `[host]` entries): tags
+/// are resolved and content pulled from it first, with a connect timeout of
+/// at most [`MIRROR_CONNECT_TIMEOUT`] and a read timeout of at most
+/// [`MIRROR_READ_TIMEOUT`], and from the registry itself when it fails (a
+/// mirror that failed is skipped for the rest of that pull, and left out of
+/// every operation for [`MIRROR_RETRY_AFTER`]). Whatever a mirror serves is
+/// verified against the digest asked for. Written `ORIGIN=MIRROR`, or `ORIGIN=MIRROR,credentials` to send
+/// the mirror the credentials meant for the origin too; without it the
+/// mirror is spoken to anonymously.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegistryMirror {
+    /// The registry mirrored, `host[:port]` as references name it
+    /// (`docker.io` also matches `index.docker.io`).
+    pub origin: String,
+    /// The mirror, `host[:port]`.
+    pub mirror: String,
+    /// Whether the origin's credentials are sent to the mirror.
+    pub send_credentials: bool,
+}
+
+impl std::str::FromStr for RegistryMirror {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let usage = || format!("'{text}' is not ORIGIN=MIRROR[,credentials] (e.g. docker.io=mirror.internal:5000)");
+        let (origin, rest) = text.split_once('=').ok_or_else(usage)?;
+        let (mirror, send_credentials) = match rest.split_once(',') {
+            Some((mirror, "credentials")) => (mirror, true),
+            Some(_) => return Err(usage()),
+            None => (rest, false),
+        };
+        let host = |name: &str| !name.is_empty() && !name.contains(['/', ' ', '=', ',', '@']);
+        let (origin, mirror) = (origin.trim(), mirror.trim());
+        if !host(origin) || !host(mirror) || origin == mirror {
+            return Err(usage());
+        }
+        Ok(Self { origin: origin.to_owned(), mirror: mirror.to_owned(), send_credentials })
+    }
+}
+
+impl std::fmt::Display for RegistryMirror {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}{}", self.origin, self.mirror, if self.send_credentials { ",credentials" } else { "" })
+    }
+}
+
+/// The longest a mirror may take to accept a connection before the next
+/// one, or the origin, is tried.
+pub const MIRROR_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long a mirror that failed is left out of every operation of the
+/// client before it is asked again.
+pub const MIRROR_RETRY_AFTER: Duration = Duration::from_secs(30);
+
+/// The longest a mirror may go silent mid-response before the next one, or
+/// the origin, is tried: a mirror that accepts and never answers costs this
+/// once per pull, not the origin's read timeout.
+pub const MIRROR_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What `inspect` found.
 #[derive(Debug, Clone)]
@@ -130,6 +194,10 @@ pub struct BundleInfo {
 pub struct BundleClient {
     config: RegistryConfig,
     certificates: Vec<Certificate>,
+    /// When each mirror last failed: one that failed within
+    /// [`MIRROR_RETRY_AFTER`] is not asked, so a mirror that is down costs
+    /// its timeouts once, not on every pull. Shared by the client's clones.
+    failed_mirrors: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
 }
 
 impl BundleClient {
@@ -139,7 +207,7 @@ impl BundleClient {
             Some(pem) => split_pem(pem)?,
             None => Vec::new(),
         };
-        let client = Self { config, certificates };
+        let client = Self { config, certificates, failed_mirrors: Arc::default() };
         // Building one now surfaces a bad CA here, not on the first pull.
         client.oci_client("registry.invalid")?;
         Ok(client)
@@ -164,15 +232,14 @@ impl BundleClient {
         }
         match reference {
             BundleReference::Registry(r) => {
-                let client = self.oci_client(r.registry())?;
-                let text = client
-                    .fetch_manifest_digest(r.oci(), &credentials.auth())
-                    .await
-                    .map_err(|e| from_oci(e, Target::Tag(r)))?;
-                text.parse().map_err(|e| RegistryError::Refused {
-                    registry: r.registry().to_owned(),
-                    detail: format!("it answered with an unusable digest: {e}"),
-                })
+                let endpoints = self.endpoints(r, credentials)?;
+                for (i, endpoint) in endpoints.live() {
+                    match resolve_at(endpoint).await {
+                        Ok(digest) => return Ok(digest),
+                        Err(error) => endpoints.failed(i, error)?,
+                    }
+                }
+                Err(Endpoints::exhausted())
             }
             BundleReference::Layout(l) => {
                 let dir = l.dir().to_path_buf();
@@ -295,17 +362,56 @@ impl BundleClient {
         credentials: &RegistryCredentials,
     ) -> Result<Fetcher, RegistryError> {
         let source = match reference {
-            BundleReference::Registry(r) => Source::Registry {
-                client: Box::new(self.oci_client(r.registry())?),
-                reference: r.clone(),
-                auth: credentials.auth(),
-            },
+            BundleReference::Registry(r) => Source::Registry(self.endpoints(r, credentials)?),
             BundleReference::Layout(l) => Source::Layout { dir: l.dir().to_path_buf() },
         };
         Ok(Fetcher { source, shown: reference.to_string() })
     }
 
+    /// Where `reference` is asked for, in order: its registry's mirrors,
+    /// then the registry.
+    fn endpoints(
+        &self,
+        reference: &RegistryReference,
+        credentials: &RegistryCredentials,
+    ) -> Result<Endpoints, RegistryError> {
+        let mut list = Vec::new();
+        let resting = |mirror: &RegistryMirror| {
+            let failed = self.failed_mirrors.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            failed.get(&mirror.mirror).is_some_and(|at| at.elapsed() < MIRROR_RETRY_AFTER)
+        };
+        for mirror in self.config.mirrors.iter().filter(|m| reference.is_on(&m.origin) && !resting(m)) {
+            list.push(Endpoint {
+                client: Box::new(self.oci_client_with(
+                    &mirror.mirror,
+                    self.config.connect_timeout.min(MIRROR_CONNECT_TIMEOUT),
+                    self.config.read_timeout.min(MIRROR_READ_TIMEOUT),
+                )?),
+                reference: reference.on_registry(&mirror.mirror),
+                auth: if mirror.send_credentials { credentials.auth() } else { RegistryAuth::Anonymous },
+                mirror_of: Some(reference.registry().to_owned()),
+            });
+        }
+        list.push(Endpoint {
+            client: Box::new(self.oci_client(reference.registry())?),
+            reference: reference.clone(),
+            auth: credentials.auth(),
+            mirror_of: None,
+        });
+        let skipped = std::sync::Mutex::new(vec![false; list.len()]);
+        Ok(Endpoints { list, skipped, failed_mirrors: Arc::clone(&self.failed_mirrors) })
+    }
+
     fn oci_client(&self, registry: &str) -> Result<oci_client::Client, RegistryError> {
+        self.oci_client_with(registry, self.config.connect_timeout, self.config.read_timeout)
+    }
+
+    fn oci_client_with(
+        &self,
+        registry: &str,
+        connect_timeout: Duration,
+        read_timeout: Duration,
+    ) -> Result<oci_client::Client, RegistryError> {
         // reqwest takes the process's rustls provider and panics without one; ring is the
         // only one in this tree, and installing fails harmlessly when one is there.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -313,8 +419,8 @@ impl BundleClient {
         let config = ClientConfig {
             protocol,
             extra_root_certificates: self.certificates.clone(),
-            connect_timeout: Some(self.config.connect_timeout),
-            read_timeout: Some(self.config.read_timeout),
+            connect_timeout: Some(connect_timeout),
+            read_timeout: Some(read_timeout),
             // One PUT per blob: every registry takes it, and bundles are pushed whole.
             use_monolithic_push: true,
             platform_resolver: None,
@@ -377,16 +483,156 @@ pub(crate) struct Fetcher {
 }
 
 enum Source {
-    Registry { client: Box<oci_client::Client>, reference: RegistryReference, auth: RegistryAuth },
+    Registry(Endpoints),
     Layout { dir: PathBuf },
 }
 
 impl std::fmt::Debug for Source {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Registry { reference, .. } => write!(f, "Registry({reference})"),
+            Self::Registry(endpoints) => {
+                let shown: Vec<String> = endpoints.list.iter().map(|e| e.reference.to_string()).collect();
+                write!(f, "Registry({})", shown.join(", then "))
+            }
             Self::Layout { dir } => write!(f, "Layout({})", dir.display()),
         }
+    }
+}
+
+/// One place a reference is asked for: a mirror, or its own registry.
+struct Endpoint {
+    client: Box<oci_client::Client>,
+    /// The reference as this endpoint serves it.
+    reference: RegistryReference,
+    auth: RegistryAuth,
+    /// The registry this one mirrors; `None` for the registry itself.
+    mirror_of: Option<String>,
+}
+
+/// The mirrors of one operation's registry, then the registry; a mirror
+/// that failed once is skipped for the rest of the operation (a whole
+/// pull, for a [`Fetcher`]).
+struct Endpoints {
+    list: Vec<Endpoint>,
+    skipped: std::sync::Mutex<Vec<bool>>,
+    /// The client's record of failed mirrors, to add to.
+    failed_mirrors: Arc<std::sync::Mutex<HashMap<String, Instant>>>,
+}
+
+impl Endpoints {
+    /// The endpoints to ask, in order, leaving out mirrors that failed.
+    fn live(&self) -> impl Iterator<Item = (usize, &Endpoint)> {
+        let skipped = self.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        self.list.iter().enumerate().filter(move |(i, _)| !skipped[*i])
+    }
+
+    /// After endpoint `i` failed with `error`: a mirror is logged and
+    /// skipped from then on, so the next is asked; the registry's own
+    /// failure is the answer.
+    fn failed(&self, i: usize, error: RegistryError) -> Result<(), RegistryError> {
+        let endpoint = &self.list[i];
+        let Some(origin) = &endpoint.mirror_of else { return Err(error) };
+        let mirror = endpoint.reference.registry();
+        tracing::warn!(%mirror, %origin, %error, retry_after = ?MIRROR_RETRY_AFTER,
+            "a registry mirror failed; the origin is asked instead");
+        self.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[i] = true;
+        self.failed_mirrors
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(mirror.to_owned(), Instant::now());
+        Ok(())
+    }
+
+    /// What is answered if every endpoint was passed over, which cannot be:
+    /// the registry itself comes last and is never skipped.
+    fn exhausted() -> RegistryError {
+        RegistryError::Config("no registry left to ask".to_owned())
+    }
+}
+
+/// The digest `endpoint` says its reference's tag names.
+async fn resolve_at(endpoint: &Endpoint) -> Result<Digest, RegistryError> {
+    let reference = &endpoint.reference;
+    let text = endpoint
+        .client
+        .fetch_manifest_digest(reference.oci(), &endpoint.auth)
+        .await
+        .map_err(|e| from_oci(e, Target::Tag(reference)))?;
+    text.parse().map_err(|e| RegistryError::Refused {
+        registry: reference.registry().to_owned(),
+        detail: format!("it answered with an unusable digest: {e}"),
+    })
+}
+
+/// The manifest `digest` from `endpoint`, checked against it.
+async fn manifest_at(endpoint: &Endpoint, digest: &Digest) -> Result<Vec<u8>, RegistryError> {
+    let reference = &endpoint.reference;
+    let pinned = reference_pinned(reference, digest);
+    let (bytes, _) = endpoint
+        .client
+        .pull_manifest_raw(pinned.oci(), &endpoint.auth, &crate::oci_image::ACCEPTED_MANIFESTS)
+        .await
+        .map_err(|e| from_oci(e, Target::Manifest(reference, digest)))?;
+    checked_manifest(bytes.to_vec(), digest)
+}
+
+/// Streams the blob `descriptor` names from `endpoint` into `out` (emptied
+/// first), checking it against the descriptor.
+async fn blob_at(endpoint: &Endpoint, descriptor: &Descriptor, out: &mut impl BlobSink) -> Result<(), RegistryError> {
+    let what = format!("blob {}", descriptor.digest);
+    let reference = &endpoint.reference;
+    out.restart().await.map_err(download_error)?;
+    let mut hasher = Hasher::default();
+    let digest = descriptor.digest.to_string();
+    let mut stream = endpoint
+        .client
+        .pull_blob_stream(reference.oci(), digest.as_str())
+        .await
+        .map_err(|e| from_oci(e, Target::Blob(reference, &descriptor.digest)))?;
+    while let Some(chunk) = stream.stream.next().await {
+        let chunk = chunk.map_err(|e| from_stream_error(e, reference, &what, &descriptor.digest))?;
+        hasher.update(&chunk);
+        if hasher.len() > descriptor.size {
+            return Err(overflow(&hasher, descriptor, &what));
+        }
+        out.write_all(&chunk).await.map_err(download_error)?;
+    }
+    out.flush().await.map_err(download_error)?;
+    checked_blob(hasher, descriptor, &what)
+}
+
+fn download_error(source: std::io::Error) -> RegistryError {
+    RegistryError::Layout { path: "the download".to_owned(), source }
+}
+
+/// More bytes came than the descriptor says the blob has.
+fn overflow(hasher: &Hasher, descriptor: &Descriptor, what: &str) -> RegistryError {
+    RegistryError::DigestMismatch {
+        what: what.to_owned(),
+        expected: format!("{} ({} bytes)", descriptor.digest, descriptor.size),
+        actual: format!("more than {} bytes", hasher.len()),
+    }
+}
+
+/// Where a blob is streamed: what a failed try wrote can be thrown away
+/// before the next endpoint is asked.
+pub(crate) trait BlobSink: tokio::io::AsyncWrite + Unpin + Send {
+    /// Empties it, for another try.
+    fn restart(&mut self) -> impl std::future::Future<Output = std::io::Result<()>> + Send;
+}
+
+impl BlobSink for Vec<u8> {
+    async fn restart(&mut self) -> std::io::Result<()> {
+        self.clear();
+        Ok(())
+    }
+}
+
+impl BlobSink for tokio::fs::File {
+    async fn restart(&mut self) -> std::io::Result<()> {
+        use tokio::io::AsyncSeekExt as _;
+        self.set_len(0).await?;
+        self.seek(std::io::SeekFrom::Start(0)).await.map(|_| ())
     }
 }
 
@@ -394,13 +640,14 @@ impl Fetcher {
     /// The manifest with `digest`, checked against it.
     pub(crate) async fn manifest(&self, digest: &Digest) -> Result<Vec<u8>, RegistryError> {
         let bytes = match &self.source {
-            Source::Registry { client, reference, auth } => {
-                let pinned = reference_pinned(reference, digest);
-                let (bytes, _) = client
-                    .pull_manifest_raw(pinned.oci(), auth, &crate::oci_image::ACCEPTED_MANIFESTS)
-                    .await
-                    .map_err(|e| from_oci(e, Target::Manifest(reference, digest)))?;
-                bytes.to_vec()
+            Source::Registry(endpoints) => {
+                for (i, endpoint) in endpoints.live() {
+                    match manifest_at(endpoint, digest).await {
+                        Ok(bytes) => return Ok(bytes),
+                        Err(error) => endpoints.failed(i, error)?,
+                    }
+                }
+                return Err(Endpoints::exhausted());
             }
             Source::Layout { dir } => {
                 let path = layout::blob_path(dir, digest);
@@ -421,23 +668,7 @@ impl Fetcher {
                 .await?
             }
         };
-        let size = bytes.len() as u64;
-        if size > MAX_MANIFEST_BYTES {
-            return Err(RegistryError::TooLarge {
-                what: format!("manifest {digest}"),
-                size,
-                limit: MAX_MANIFEST_BYTES,
-            });
-        }
-        let actual = Digest::of(&bytes);
-        if actual != *digest {
-            return Err(RegistryError::DigestMismatch {
-                what: "manifest".to_owned(),
-                expected: digest.to_string(),
-                actual: actual.to_string(),
-            });
-        }
-        Ok(bytes)
+        checked_manifest(bytes, digest)
     }
 
     /// A blob of at most `limit` bytes, in memory, checked against its descriptor.
@@ -448,39 +679,28 @@ impl Fetcher {
     }
 
     /// Streams a blob of at most `limit` bytes into `out`, hashing as it goes; fails,
-    /// having written part of it, when the content does not match the descriptor.
+    /// having written part of it, when the content does not match the descriptor. What
+    /// a failed mirror wrote is thrown away before the next endpoint is asked.
     pub(crate) async fn blob(
         &self,
         descriptor: &Descriptor,
         limit: u64,
-        out: &mut (impl tokio::io::AsyncWrite + Unpin),
+        out: &mut impl BlobSink,
     ) -> Result<(), RegistryError> {
         let what = format!("blob {}", descriptor.digest);
         if descriptor.size > limit {
             return Err(RegistryError::TooLarge { what, size: descriptor.size, limit });
         }
-        let write_error = |source: std::io::Error| RegistryError::Layout { path: "the download".to_owned(), source };
         let mut hasher = Hasher::default();
-        let overflow = |hasher: &Hasher| RegistryError::DigestMismatch {
-            what: what.clone(),
-            expected: format!("{} ({} bytes)", descriptor.digest, descriptor.size),
-            actual: format!("more than {} bytes", hasher.len()),
-        };
         match &self.source {
-            Source::Registry { client, reference, .. } => {
-                let digest = descriptor.digest.to_string();
-                let mut stream = client
-                    .pull_blob_stream(reference.oci(), digest.as_str())
-                    .await
-                    .map_err(|e| from_oci(e, Target::Blob(reference, &descriptor.digest)))?;
-                while let Some(chunk) = stream.stream.next().await {
-                    let chunk = chunk.map_err(|e| from_stream_error(e, reference, &what, &descriptor.digest))?;
-                    hasher.update(&chunk);
-                    if hasher.len() > descriptor.size {
-                        return Err(overflow(&hasher));
+            Source::Registry(endpoints) => {
+                for (i, endpoint) in endpoints.live() {
+                    match blob_at(endpoint, descriptor, out).await {
+                        Ok(()) => return Ok(()),
+                        Err(error) => endpoints.failed(i, error)?,
                     }
-                    out.write_all(&chunk).await.map_err(write_error)?;
                 }
+                return Err(Endpoints::exhausted());
             }
             Source::Layout { dir } => {
                 let path = layout::blob_path(dir, &descriptor.digest);
@@ -501,24 +721,46 @@ impl Fetcher {
                     }
                     hasher.update(&buffer[..n]);
                     if hasher.len() > descriptor.size {
-                        return Err(overflow(&hasher));
+                        return Err(overflow(&hasher, descriptor, &what));
                     }
-                    out.write_all(&buffer[..n]).await.map_err(write_error)?;
+                    out.write_all(&buffer[..n]).await.map_err(download_error)?;
                 }
             }
         }
-        out.flush().await.map_err(write_error)?;
-        let size = hasher.len();
-        let actual = hasher.finish();
-        if size != descriptor.size || actual != descriptor.digest {
-            return Err(RegistryError::DigestMismatch {
-                what,
-                expected: format!("{} ({} bytes)", descriptor.digest, descriptor.size),
-                actual: format!("{actual} ({size} bytes)"),
-            });
-        }
-        Ok(())
+        out.flush().await.map_err(download_error)?;
+        checked_blob(hasher, descriptor, &what)
     }
+}
+
+/// `bytes` when they are the manifest `digest` names, within the size limit.
+fn checked_manifest(bytes: Vec<u8>, digest: &Digest) -> Result<Vec<u8>, RegistryError> {
+    let size = bytes.len() as u64;
+    if size > MAX_MANIFEST_BYTES {
+        return Err(RegistryError::TooLarge { what: format!("manifest {digest}"), size, limit: MAX_MANIFEST_BYTES });
+    }
+    let actual = Digest::of(&bytes);
+    if actual != *digest {
+        return Err(RegistryError::DigestMismatch {
+            what: "manifest".to_owned(),
+            expected: digest.to_string(),
+            actual: actual.to_string(),
+        });
+    }
+    Ok(bytes)
+}
+
+/// Whether what `hasher` took is the blob `descriptor` names.
+fn checked_blob(hasher: Hasher, descriptor: &Descriptor, what: &str) -> Result<(), RegistryError> {
+    let size = hasher.len();
+    let actual = hasher.finish();
+    if size != descriptor.size || actual != descriptor.digest {
+        return Err(RegistryError::DigestMismatch {
+            what: what.to_owned(),
+            expected: format!("{} ({} bytes)", descriptor.digest, descriptor.size),
+            actual: format!("{actual} ({size} bytes)"),
+        });
+    }
+    Ok(())
 }
 
 fn reference_pinned(reference: &RegistryReference, digest: &Digest) -> RegistryReference {

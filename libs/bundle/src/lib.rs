@@ -37,7 +37,8 @@ pub use cache::{
     EvictionReport, ReadyBundle,
 };
 pub use client::{
-    BundleClient, BundleInfo, DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RegistryConfig, RegistryCredentials,
+    BundleClient, BundleInfo, DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MIRROR_CONNECT_TIMEOUT,
+    MIRROR_READ_TIMEOUT, MIRROR_RETRY_AFTER, RegistryConfig, RegistryCredentials, RegistryMirror,
 };
 pub use digest::{Digest, DigestError, SHA256_PREFIX};
 pub use extract::{

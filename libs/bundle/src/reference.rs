@@ -98,6 +98,26 @@ impl RegistryReference {
         &self.inner
     }
 
+    /// The same repository, tag and digest at `registry`: where a mirror of
+    /// this reference's registry serves it.
+    pub(crate) fn on_registry(&self, registry: &str) -> Self {
+        let (registry, repository) = (registry.to_owned(), self.inner.repository().to_owned());
+        let inner = match (self.inner.tag(), self.inner.digest()) {
+            (Some(tag), Some(digest)) => {
+                oci_client::Reference::with_tag_and_digest(registry, repository, tag.to_owned(), digest.to_owned())
+            }
+            (None, Some(digest)) => oci_client::Reference::with_digest(registry, repository, digest.to_owned()),
+            (tag, None) => oci_client::Reference::with_tag(registry, repository, tag.unwrap_or(DEFAULT_TAG).to_owned()),
+        };
+        Self { inner, digest: self.digest.clone() }
+    }
+
+    /// Whether `registry` names this reference's registry, as written or as
+    /// resolved (`docker.io` is `index.docker.io`).
+    pub(crate) fn is_on(&self, registry: &str) -> bool {
+        registry == self.inner.registry() || registry == self.inner.resolve_registry()
+    }
+
     /// The same repository pinned to `digest`, without a tag.
     fn pinned(&self, digest: &Digest) -> Self {
         let inner = oci_client::Reference::with_digest(

@@ -500,6 +500,7 @@ async fn open_bundles(
     let registries = RegistryConfig {
         insecure_registries: config.insecure_registries.clone(),
         ca_pem: config.registry_ca_pem.clone(),
+        mirrors: config.registry_mirrors.clone(),
         ..RegistryConfig::default()
     };
     let client = BundleClient::new(registries).map_err(|e| AgentError::Config(format!("registry_ca_pem: {e}")))?;

@@ -266,6 +266,8 @@ pub struct AgentConfig {
     /// Registries bundles are pulled from over plain HTTP, `host` or
     /// `host:port`; loopback registries always are.
     pub insecure_registries: Vec<String>,
+    /// Mirrors asked, in order, before the registries they mirror.
+    pub registry_mirrors: Vec<berth_bundle::RegistryMirror>,
     /// PEM certificates of a private registry's CA, trusted beside the
     /// system roots.
     pub registry_ca_pem: Option<String>,
@@ -319,6 +321,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("bundle_cache_budget", &self.bundle_cache_budget)
             .field("log_max_bytes", &self.log_max_bytes)
             .field("insecure_registries", &self.insecure_registries)
+            .field("registry_mirrors", &self.registry_mirrors)
             .field("egress", &self.egress)
             .field("egress_isolation", &self.egress_isolation)
             .field("router", &self.router)
@@ -363,6 +366,7 @@ impl AgentConfig {
             bundle_cache_budget: DEFAULT_BUNDLE_CACHE_BUDGET,
             log_max_bytes: crate::log_rotation::DEFAULT_LOG_MAX_BYTES,
             insecure_registries: Vec::new(),
+            registry_mirrors: Vec::new(),
             registry_ca_pem: None,
             egress: None,
             egress_isolation: EgressIsolation::default(),

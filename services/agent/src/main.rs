@@ -151,6 +151,14 @@ struct Args {
     /// `host:port` (repeat, or comma separated). Loopback registries always are.
     #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
     insecure_registries: Vec<String>,
+    /// A mirror asked before the registry it mirrors, `ORIGIN=MIRROR`
+    /// (e.g. `docker.io=mirror.internal:5000`; repeat for more, tried in
+    /// order, or separate with spaces): tags and content come from it first,
+    /// verified by digest, and from the origin when it fails. It gets the
+    /// origin's credentials only when written `ORIGIN=MIRROR,credentials`.
+    #[arg(long = "registry-mirror", env = "BERTH_REGISTRY_MIRRORS", value_name = "ORIGIN=MIRROR",
+        value_delimiter = ' ', value_parser = str::parse::<berth_bundle::RegistryMirror>)]
+    registry_mirrors: Vec<berth_bundle::RegistryMirror>,
     /// PEM file of the CA that signed a private registry's certificate,
     /// trusted beside the system roots.
     #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
@@ -281,6 +289,7 @@ impl Args {
         };
         config.insecure_registries =
             self.insecure_registries.into_iter().map(|r| r.trim().to_string()).filter(|r| !r.is_empty()).collect();
+        config.registry_mirrors = self.registry_mirrors;
         config.registry_ca_pem = match &self.registry_ca {
             Some(path) => Some(std::fs::read_to_string(path).map_err(|source| StartError::Io {
                 what: "cannot read the registry CA file",

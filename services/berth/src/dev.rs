@@ -198,6 +198,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
                 insecure_registries: Vec::new(),
                 ca_pem: registry_ca.clone(),
                 allow_layouts: true,
+                mirrors: Vec::new(),
             };
             let server = berth_revisions::server_with_leases(&ctx, &leases, policy, registry_secrets.clone())?
                 .with_revocations(ctx.revocations.clone())

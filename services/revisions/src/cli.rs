@@ -34,6 +34,13 @@ struct Args {
     /// repeated. Loopback registries always are.
     #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
     insecure_registries: Vec<String>,
+    /// A mirror asked before the registry it mirrors when resolving tags,
+    /// `ORIGIN=MIRROR` (repeat, or separate with spaces; `,credentials`
+    /// sends it the origin's credentials too). Give nodes the same mirrors
+    /// with berth-agent --registry-mirror.
+    #[arg(long = "registry-mirror", env = "BERTH_REGISTRY_MIRRORS", value_name = "ORIGIN=MIRROR",
+        value_delimiter = ' ', value_parser = str::parse::<berth_bundle::RegistryMirror>)]
+    registry_mirrors: Vec<berth_bundle::RegistryMirror>,
     /// PEM file of the CA that signed a private registry's certificate,
     /// trusted beside the system roots when resolving tags (give nodes the
     /// same file with berth-agent --registry-ca).
@@ -115,6 +122,7 @@ async fn run(args: Args) -> Result<(), StartError> {
         insecure_registries: args.insecure_registries.clone(),
         ca_pem,
         allow_layouts: args.allow_oci_layouts,
+        mirrors: args.registry_mirrors.clone(),
     };
     let secrets = match &args.registry_credentials {
         Some(path) => {
@@ -153,5 +161,24 @@ mod tests {
         assert_eq!(args.config().gc_keep, crate::DEFAULT_GC_KEEP);
         assert_eq!(args.leases_addr.as_deref(), Some("127.0.0.1:7445"));
         assert_eq!(args.listen.port(), DEFAULT_PORT);
+    }
+
+    #[test]
+    fn registry_mirrors_repeat_in_order_and_a_bad_one_names_the_form() {
+        let flags = [
+            "--registry-mirror",
+            "docker.io=mirror.lan:5000",
+            "--registry-mirror",
+            "docker.io=backup.lan:5000,credentials ghcr.io=mirror.lan:5000",
+        ];
+        let args: Args = parse_service_flags("berth-revisions", &flags).unwrap();
+        let shown: Vec<String> = args.registry_mirrors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            shown,
+            ["docker.io=mirror.lan:5000", "docker.io=backup.lan:5000,credentials", "ghcr.io=mirror.lan:5000"]
+        );
+        let bad =
+            parse_service_flags::<Args>("berth-revisions", &["--registry-mirror", "mirror.lan:5000"]).unwrap_err();
+        assert!(bad.to_string().contains("ORIGIN=MIRROR"), "{bad}");
     }
 }

@@ -101,6 +101,8 @@ pub struct RegistryPolicy {
     /// exists on one machine only, so this is for meshes whose control plane
     /// and nodes share that machine (`berth dev`).
     pub allow_layouts: bool,
+    /// Mirrors asked, in order, before the registries they mirror.
+    pub mirrors: Vec<berth_bundle::RegistryMirror>,
 }
 
 impl RegistryPolicy {
@@ -118,6 +120,7 @@ fn client_config(policy: &RegistryPolicy, timeout: Duration) -> RegistryConfig {
         ca_pem: policy.ca_pem.clone(),
         connect_timeout: timeout,
         read_timeout: timeout,
+        mirrors: policy.mirrors.clone(),
         ..RegistryConfig::default()
     }
 }

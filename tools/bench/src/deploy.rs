@@ -641,22 +641,22 @@ impl Clients {
 
 /// The bundles of the run in the registry, by tag.
 #[derive(Debug)]
-struct Bundles {
-    registry: TestRegistry,
+pub(crate) struct Bundles {
+    pub(crate) registry: TestRegistry,
     /// The compressed size of one bundle.
-    bytes: u64,
+    pub(crate) bytes: u64,
 }
 
 impl Bundles {
     /// `registry/bench/app:tag`.
-    fn reference(&self, tag: &str) -> String {
+    pub(crate) fn reference(&self, tag: &str) -> String {
         self.registry.reference(&format!("{REPOSITORY}:{tag}"))
     }
 }
 
 /// Starts the registry and pushes `count` bundles of `mib` random MiB each,
 /// tagged `b0`, `b1`, ….
-async fn push_bundles(dir: &Path, count: u32, mib: u32) -> Result<Bundles, DeployBenchError> {
+pub(crate) async fn push_bundles(dir: &Path, count: u32, mib: u32) -> Result<Bundles, DeployBenchError> {
     let registry = TestRegistry::start().await?;
     let client = BundleClient::new(RegistryConfig::default()).map_err(|e| DeployBenchError::Bundle(e.to_string()))?;
     let mut bytes = 0;

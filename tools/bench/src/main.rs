@@ -19,6 +19,7 @@ mod launch;
 mod leases;
 mod leases_process;
 mod load;
+mod mirror;
 mod nodes;
 mod output;
 mod procfs;
@@ -84,6 +85,10 @@ enum Scenario {
     /// internal service name and a forwarded name from the workload's side,
     /// beside the same query straight to the upstream.
     Dns(dns::DnsArgs),
+    /// A tag resolved and a bundle pulled from a real registry through a
+    /// mirror that refuses connections and one that never answers, beside
+    /// the same pull with no mirror.
+    Mirror(mirror::MirrorArgs),
     /// The HTTP server the router scenario deploys (run by the node).
     #[command(hide = true)]
     EchoServer,
@@ -114,6 +119,7 @@ impl Scenario {
             Scenario::Router(args) => router::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Svids(args) => svids::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Dns(args) => dns::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::Mirror(args) => mirror::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::EchoServer => router::echo_server().await,
         };
         outcome.map_err(StartError::Invalid)
