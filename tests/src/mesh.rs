@@ -776,13 +776,22 @@ impl Mesh {
     fn start_agents(&mut self, ca_file: &Path) -> anyhow::Result<()> {
         let agent_binary = binary("berth-agent")?;
         let dir = self.dir().to_path_buf();
+        // Every node's namespace (and its port on the bridge) first, so no
+        // port joins the bridge while an agent is already talking over it.
+        let mut namespaces = Vec::new();
+        if let Some(network) = &self.network {
+            for index in 0..self.options.agents {
+                namespaces.push(network.add_namespace(u8::try_from(index)?)?);
+            }
+        }
+        let mut namespaces = namespaces.into_iter();
         for index in 0..self.options.agents {
             let name = format!("e2e-agent-{index}");
             let data_dir = dir.join(format!("agents/{index}"));
             let log = dir.join(format!("logs/agent-{index}.log"));
             let (namespace, listen, api_addr, server_ip) = match &self.network {
                 Some(network) => {
-                    let namespace = network.add_namespace(u8::try_from(index)?)?;
+                    let namespace = namespaces.next().context("a node namespace for every agent")?;
                     let api = SocketAddr::from((namespace.ip(), NAMESPACED_AGENT_PORT));
                     let listen = SocketAddr::from((Ipv4Addr::UNSPECIFIED, NAMESPACED_AGENT_PORT));
                     (Some(namespace), listen, api, network.host_ip())

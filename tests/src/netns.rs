@@ -72,6 +72,12 @@ impl NodeNetwork {
             .context("no free 10.x.y.0/24 for the node network")?;
         let network = Self { bridge: format!("bte{tag}"), prefix, tag };
         ip(&["link", "add", &network.bridge, "type", "bridge"])?;
+        // A fixed address: otherwise the bridge takes the lowest of its
+        // ports' and changes it as ports join, under namespaces that have
+        // already learnt the old one.
+        let tag = &network.tag;
+        let mac = format!("02:be:{}:{}:{}:01", &tag[0..2], &tag[2..4], &tag[4..6]);
+        ip(&["link", "set", "dev", &network.bridge, "address", &mac])?;
         ip(&["addr", "add", &format!("{}/24", network.host_ip()), "dev", &network.bridge])?;
         ip(&["link", "set", &network.bridge, "up"])?;
         Ok(network)
