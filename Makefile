@@ -82,7 +82,8 @@ test-deps:
 ## mint rate); the egress compile, the node proxy's overhead, and how long
 ## a route edit takes to be in force on a real node; and requests through
 ## the router beside direct ones, route changes, and the router's memory;
-## a tenant's resolver beside a direct query (needs root, as a node does).
+## a tenant's resolver beside a direct query (needs root, as a node does);
+## a pull through a failing registry mirror beside a direct one.
 ## BENCHMARKS.md records the figures.
 bench:
 	$(CARGO) build --release --bins
@@ -108,7 +109,8 @@ bench:
 	"$$bench" egress-push; \
 	"$$bench" router; \
 	"$$bench" svids; \
-	"$$bench" dns
+	"$$bench" dns; \
+	"$$bench" mirror
 
 ## Container images, where a Docker engine runs: one per binary, tagged
 ## <binary>:dev, from one build of the workspace (docker/Dockerfile).
