@@ -88,18 +88,7 @@ async fn a_mirror_that_refuses_connections_or_serves_other_content_is_passed_ove
     let reference = BundleReference::parse(&origin.reference("team/app:v1")).unwrap();
 
     // The mirror's copy of the layer, flipped where it stores it, size kept.
-    let layer = &bundle.manifest().layers[0].digest;
-    let stored = tampered
-        .storage_dir()
-        .join("docker/registry/v2/blobs/sha256")
-        .join(&layer.hex()[..2])
-        .join(layer.hex())
-        .join("data");
-    let mut bytes = std::fs::read(&stored).unwrap();
-    for byte in bytes.iter_mut().skip(20) {
-        *byte ^= 0x5a;
-    }
-    std::fs::write(&stored, &bytes).unwrap();
+    common::tamper_layer(&tampered, &bundle);
     let alone = mirrored(&[]);
     let tampered_reference = BundleReference::parse(&tampered.reference("team/app:v1")).unwrap();
     common::pull_refused_as_tampered(&alone, &tampered_reference, &digest).await;

@@ -185,18 +185,7 @@ async fn a_blob_served_with_other_content_is_refused_and_leaves_nothing() {
     let digest = client.push(&bundle, &reference, &anonymous()).await.unwrap();
 
     // Flip the layer's bytes where the registry stores them, keeping the size.
-    let layer = &bundle.manifest().layers[0].digest;
-    let stored = registry
-        .storage_dir()
-        .join("docker/registry/v2/blobs/sha256")
-        .join(&layer.hex()[..2])
-        .join(layer.hex())
-        .join("data");
-    let mut bytes = std::fs::read(&stored).unwrap();
-    for byte in bytes.iter_mut().skip(20) {
-        *byte ^= 0x5a;
-    }
-    std::fs::write(&stored, &bytes).unwrap();
+    common::tamper_layer(&registry, &bundle);
 
     let (cache, _cache_dir) = common::pull_refused_as_tampered(&client, &reference, &digest).await;
     assert_eq!(cache.usage().bundles, 0);

@@ -11,6 +11,23 @@ use berth_bundle::{
     RegistryError,
 };
 
+/// Flips the bytes of `bundle`'s layer where `registry` stores it, keeping
+/// its size: the registry then serves other content under the layer's digest.
+pub fn tamper_layer(registry: &berth_bundle::testing::TestRegistry, bundle: &berth_bundle::PackedBundle) {
+    let layer = &bundle.manifest().layers[0].digest;
+    let stored = registry
+        .storage_dir()
+        .join("docker/registry/v2/blobs/sha256")
+        .join(&layer.hex()[..2])
+        .join(layer.hex())
+        .join("data");
+    let mut bytes = std::fs::read(&stored).unwrap();
+    for byte in bytes.iter_mut().skip(20) {
+        *byte ^= 0x5a;
+    }
+    std::fs::write(&stored, &bytes).unwrap();
+}
+
 /// A client with the default registry settings.
 pub fn client() -> BundleClient {
     BundleClient::new(RegistryConfig::default()).unwrap()
