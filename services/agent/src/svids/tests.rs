@@ -161,12 +161,17 @@ async fn renewal_at_half_life_replaces_the_files_whole_and_stops_once_refused() 
         berth_mtls::private_key_der(&std::fs::read_to_string(dir.join(KEY_FILE)).unwrap()).unwrap(),
         "the key stays; only the certificate is new"
     );
-    let generations: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .filter_map(|e| e.unwrap().file_name().into_string().ok())
-        .filter(|name| name.starts_with(GENERATION_PREFIX))
-        .collect();
-    assert_eq!(generations.len(), 1, "old generations are removed: {generations:?}");
+    // The old generation goes once the new one is in place (just after the
+    // swap a reader may still find it).
+    berth_testkit::eventually("old generations removed", berth_testkit::PATIENCE, || async {
+        let generations: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.unwrap().file_name().into_string().ok())
+            .filter(|name| name.starts_with(GENERATION_PREFIX))
+            .collect();
+        if generations.len() == 1 { Ok(()) } else { Err(generations) }
+    })
+    .await;
 
     api.refuse_renewals.store(true, Ordering::SeqCst);
     let refused_at = api.renewals.load(Ordering::SeqCst);
