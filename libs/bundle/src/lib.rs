@@ -36,6 +36,8 @@ pub use cache::{
     BundleCache, BundleDefinition, BundlePin, CacheError, CacheOptions, CacheUsage, DEFAULT_CACHE_BUDGET_BYTES,
     EvictionReport, ReadyBundle,
 };
+#[cfg(feature = "cli")]
+mod flags;
 pub use client::{
     BundleClient, BundleInfo, DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MIRROR_CONNECT_TIMEOUT,
     MIRROR_READ_TIMEOUT, MIRROR_RETRY_AFTER, RegistryConfig, RegistryCredentials, RegistryMirror,
@@ -45,6 +47,8 @@ pub use extract::{
     BundleLimits, ExtractError, ExtractStats, MAX_BUNDLE_BYTES, MAX_ENTRIES, MAX_FILE_BYTES, MAX_SYMLINK_HOPS,
     UnsafeEntry, extract_layer, extract_tar,
 };
+#[cfg(feature = "cli")]
+pub use flags::RegistryArgs;
 pub use format::{
     BUNDLE_ARTIFACT_TYPE, BUNDLE_CONFIG_MEDIA_TYPE, BundleConfig, BundleManifest, BundleModule, Descriptor,
     FormatError, LAYER_TAR_GZIP_MEDIA_TYPE, LAYER_TAR_MEDIA_TYPE, MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES,

@@ -147,22 +147,8 @@ struct Args {
     /// past it the file is rotated, one earlier generation kept beside it.
     #[arg(long, env = "BERTH_LOG_MAX_BYTES", value_name = "SIZE", value_parser = parse_size, default_value = "16MiB")]
     log_max_bytes: u64,
-    /// A registry to pull bundles from over plain HTTP, `host` or
-    /// `host:port` (repeat, or comma separated). Loopback registries always are.
-    #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
-    insecure_registries: Vec<String>,
-    /// A mirror asked before the registry it mirrors, `ORIGIN=MIRROR`
-    /// (e.g. `docker.io=mirror.internal:5000`; repeat for more, tried in
-    /// order, or separate with spaces): tags and content come from it first,
-    /// verified by digest, and from the origin when it fails. It gets the
-    /// origin's credentials only when written `ORIGIN=MIRROR,credentials`.
-    #[arg(long = "registry-mirror", env = "BERTH_REGISTRY_MIRRORS", value_name = "ORIGIN=MIRROR",
-        value_delimiter = ' ', value_parser = str::parse::<berth_bundle::RegistryMirror>)]
-    registry_mirrors: Vec<berth_bundle::RegistryMirror>,
-    /// PEM file of the CA that signed a private registry's certificate,
-    /// trusted beside the system roots.
-    #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
-    registry_ca: Option<PathBuf>,
+    #[command(flatten)]
+    registries: berth_bundle::RegistryArgs,
     /// What runs workloads, each contained (its own user, no capabilities,
     /// its own PID and mount namespaces on a read-only root, the lease's
     /// memory and CPU as cgroup limits): `oci`, through the --oci-runtime
@@ -287,17 +273,13 @@ impl Args {
             allow_uncontained: self.allow_uncontained,
             favor_cgroup_migrations: self.cgroup_favordynmods,
         };
-        config.insecure_registries =
-            self.insecure_registries.into_iter().map(|r| r.trim().to_string()).filter(|r| !r.is_empty()).collect();
-        config.registry_mirrors = self.registry_mirrors;
-        config.registry_ca_pem = match &self.registry_ca {
-            Some(path) => Some(std::fs::read_to_string(path).map_err(|source| StartError::Io {
-                what: "cannot read the registry CA file",
-                path: path.display().to_string(),
-                source,
-            })?),
-            None => None,
-        };
+        config.insecure_registries = self.registries.insecure_registries();
+        config.registry_mirrors = self.registries.registry_mirrors.clone();
+        config.registry_ca_pem = self.registries.ca_pem().map_err(|source| StartError::Io {
+            what: "cannot read the registry CA file",
+            path: self.registries.registry_ca.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+            source,
+        })?;
         Ok(config)
     }
 }

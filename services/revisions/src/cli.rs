@@ -30,22 +30,8 @@ struct Args {
     /// services are accepted and revisions minted but nothing runs.
     #[arg(long, env = "BERTH_LEASES_ADDR", value_name = "HOST:PORT")]
     leases_addr: Option<String>,
-    /// A registry spoken to over plain HTTP (`host` or `host:port`); may be
-    /// repeated. Loopback registries always are.
-    #[arg(long = "insecure-registry", env = "BERTH_INSECURE_REGISTRIES", value_name = "HOST", value_delimiter = ',')]
-    insecure_registries: Vec<String>,
-    /// A mirror asked before the registry it mirrors when resolving tags,
-    /// `ORIGIN=MIRROR` (repeat, or separate with spaces; `,credentials`
-    /// sends it the origin's credentials too). Give nodes the same mirrors
-    /// with berth-agent --registry-mirror.
-    #[arg(long = "registry-mirror", env = "BERTH_REGISTRY_MIRRORS", value_name = "ORIGIN=MIRROR",
-        value_delimiter = ' ', value_parser = str::parse::<berth_bundle::RegistryMirror>)]
-    registry_mirrors: Vec<berth_bundle::RegistryMirror>,
-    /// PEM file of the CA that signed a private registry's certificate,
-    /// trusted beside the system roots when resolving tags (give nodes the
-    /// same file with berth-agent --registry-ca).
-    #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
-    registry_ca: Option<PathBuf>,
+    #[command(flatten)]
+    registries: berth_bundle::RegistryArgs,
     /// A JSON file of named registry credentials, which templates name with
     /// `bundle.secret`: `{"NAME": {"registry": "HOST", "username": "U",
     /// "password": "P"}}` or `{"NAME": {"token": "T"}}`. Revisions resolves
@@ -111,18 +97,15 @@ async fn run(args: Args) -> Result<(), StartError> {
         }
     };
     let config = args.config();
-    let ca_pem = match &args.registry_ca {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .map_err(|e| StartError::Invalid(format!("--registry-ca: cannot read {}: {e}", path.display())))?,
-        ),
-        None => None,
-    };
+    let ca_pem = args.registries.ca_pem().map_err(|e| {
+        let path = args.registries.registry_ca.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+        StartError::Invalid(format!("--registry-ca: cannot read {path}: {e}"))
+    })?;
     let policy = RegistryPolicy {
-        insecure_registries: args.insecure_registries.clone(),
+        insecure_registries: args.registries.insecure_registries(),
         ca_pem,
         allow_layouts: args.allow_oci_layouts,
-        mirrors: args.registry_mirrors.clone(),
+        mirrors: args.registries.registry_mirrors.clone(),
     };
     let secrets = match &args.registry_credentials {
         Some(path) => {
@@ -156,7 +139,7 @@ mod tests {
             "90s",
         ];
         let args: Args = parse_service_flags("berth-revisions", &flags).unwrap();
-        assert_eq!(args.insecure_registries, ["registry.lan", "cache.lan:5000"]);
+        assert_eq!(args.registries.insecure_registries(), ["registry.lan", "cache.lan:5000"]);
         assert_eq!(args.config().progress_deadline, Duration::from_secs(90));
         assert_eq!(args.config().gc_keep, crate::DEFAULT_GC_KEEP);
         assert_eq!(args.leases_addr.as_deref(), Some("127.0.0.1:7445"));
@@ -172,7 +155,7 @@ mod tests {
             "docker.io=backup.lan:5000,credentials ghcr.io=mirror.lan:5000",
         ];
         let args: Args = parse_service_flags("berth-revisions", &flags).unwrap();
-        let shown: Vec<String> = args.registry_mirrors.iter().map(ToString::to_string).collect();
+        let shown: Vec<String> = args.registries.registry_mirrors.iter().map(ToString::to_string).collect();
         assert_eq!(
             shown,
             ["docker.io=mirror.lan:5000", "docker.io=backup.lan:5000,credentials", "ghcr.io=mirror.lan:5000"]
