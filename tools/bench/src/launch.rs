@@ -91,6 +91,10 @@ const SLEEP_SECONDS: &str = "600";
 /// The tier the node holding the records joins, so no launched lease lands there.
 const RECORDS_TIER: &str = "bench-records";
 
+/// How long a record may be refused for want of an UP node in its tier
+/// once the node is listed UP, before the refusal counts as an error.
+const RECORDS_PLACEABLE_WITHIN: Duration = Duration::from_secs(5);
+
 /// The tiers of the agent that mints workload credentials and of the one
 /// that does not.
 const IDENTIFIED_TIER: &str = "bench-identified";
@@ -708,9 +712,19 @@ async fn place_records(leases_channel: &Channel, records: u32, errors: &ErrorTal
                     spread_group: String::new(),
                     workload: Some(v1::Workload { command: "/bin/true".to_string(), ..Default::default() }),
                 };
-                match client.request_lease(request).await {
-                    Ok(_) => placed += 1,
-                    Err(status) => errors.add(&format!("record: {}", status_message(&status))),
+                // The node is UP in the capacity listing; the placer's own
+                // view of the tier may follow a moment later.
+                let deadline = Instant::now() + RECORDS_PLACEABLE_WITHIN;
+                loop {
+                    match client.request_lease(request.clone()).await {
+                        Ok(_) => placed += 1,
+                        Err(status) if status.code() == tonic::Code::ResourceExhausted && Instant::now() < deadline => {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                        Err(status) => errors.add(&format!("record: {}", status_message(&status))),
+                    }
+                    break;
                 }
             }
         });
