@@ -65,7 +65,7 @@ fn read(path: &std::path::Path) -> Result<String, MtlsError> {
 struct Loaded {
     server: Arc<ServerConfig>,
     /// The workload bundle client SVIDs are checked against; `None` admits no workload.
-    workload_bundle_pem: Option<String>,
+    workload_bundle_pem: Option<Arc<str>>,
     client: Arc<ClientConfig>,
     identity: Option<Identity>,
     not_after: i64,
@@ -113,15 +113,16 @@ impl TlsCredentials {
     /// in force stays.
     pub fn trust_workloads(&self, bundle_pem: Option<String>) -> Result<(), MtlsError> {
         let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
-        if current.workload_bundle_pem == bundle_pem {
+        if current.workload_bundle_pem.as_deref() == bundle_pem.as_deref() {
             return Ok(());
         }
-        *current = Arc::new(load(current.material.clone(), bundle_pem)?);
+        *current = Arc::new(load(current.material.clone(), bundle_pem.map(Arc::from))?);
         Ok(())
     }
 
-    /// The workload bundle client SVIDs are checked against, if any.
-    pub fn workload_bundle(&self) -> Option<String> {
+    /// The workload bundle client SVIDs are checked against, if any; shared,
+    /// so a caller that asks at every handshake copies nothing.
+    pub fn workload_bundle(&self) -> Option<Arc<str>> {
         self.loaded().workload_bundle_pem.clone()
     }
 
@@ -181,7 +182,7 @@ fn roots_named(what: &'static str, bundle_pem: &str) -> Result<Arc<RootCertStore
     Ok(Arc::new(roots))
 }
 
-fn load(material: TlsMaterial, workload_bundle_pem: Option<String>) -> Result<Loaded, MtlsError> {
+fn load(material: TlsMaterial, workload_bundle_pem: Option<Arc<str>>) -> Result<Loaded, MtlsError> {
     let chain: Vec<CertificateDer<'static>> = certs_from_pem("certificate", &material.cert_chain_pem)?;
     let key: PrivateKeyDer<'static> = key_from_pem(&material.key_pem)?;
     let roots = roots(&material.ca_bundle_pem)?;

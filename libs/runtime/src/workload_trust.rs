@@ -61,7 +61,7 @@ async fn fetch_and_install(addr: &str, credentials: &TlsCredentials) -> Result<(
         .into_inner()
         .bundle_pem;
     let bundle = Some(bundle).filter(|pem| !pem.trim().is_empty());
-    let changed = credentials.workload_bundle() != bundle;
+    let changed = credentials.workload_bundle().as_deref() != bundle.as_deref();
     credentials.trust_workloads(bundle).map_err(|e| format!("identity's workload bundle is unusable: {e}"))?;
     if changed {
         tracing::info!(identity = %addr, "trusting the workload bundle identity publishes");

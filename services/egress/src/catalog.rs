@@ -123,6 +123,9 @@ enum Kind {
 /// The name a project's DNS config is stored under.
 const DNS_NAME: &str = "dns";
 
+/// A project's DNS config row, by project and [`DNS_NAME`].
+const SELECT_DNS: &str = concat!("SELECT ", object_columns!(), " FROM dns_configs WHERE project = $1 AND name = $2");
+
 impl Kind {
     fn table(self) -> &'static str {
         match self {
@@ -191,9 +194,8 @@ impl Catalog {
 
     /// `project`'s DNS config, as applied.
     pub(crate) async fn dns(&self, project: &str) -> Result<DnsRow, CatalogError> {
-        let sql = concat!("SELECT ", object_columns!(), " FROM dns_configs WHERE project = $1 AND name = $2");
         let key = dns_key(project);
-        self.object("egress.get_dns_config", sql, &key).await?.ok_or_else(|| Kind::Dns.not_found(&key))
+        self.object("egress.get_dns_config", SELECT_DNS, &key).await?.ok_or_else(|| Kind::Dns.not_found(&key))
     }
 
     /// Writes a declaration unless it is unchanged, and reads the row back,
@@ -664,8 +666,7 @@ async fn fetch_routes(conn: &mut AnyConnection, project: &str) -> Result<Vec<Rou
 }
 
 async fn fetch_dns(conn: &mut AnyConnection, project: &str) -> Result<Option<DnsRow>, CatalogError> {
-    let sql = concat!("SELECT ", object_columns!(), " FROM dns_configs WHERE project = $1 AND name = $2");
-    let row = sqlx::query(sql).bind(project).bind(DNS_NAME).fetch_optional(&mut *conn).await?;
+    let row = sqlx::query(SELECT_DNS).bind(project).bind(DNS_NAME).fetch_optional(&mut *conn).await?;
     Ok(row.as_ref().map(DnsRow::from_row).transpose()?)
 }
 

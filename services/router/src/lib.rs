@@ -122,8 +122,11 @@ pub fn public_tls(cert_chain_pem: &str, key_pem: &str) -> Result<PublicTls, bert
 pub struct PublicTls {
     cert_chain_pem: Arc<str>,
     key_pem: Arc<str>,
-    built: Arc<std::sync::Mutex<(Option<String>, Arc<rustls::ServerConfig>)>>,
+    built: Arc<std::sync::Mutex<Built>>,
 }
+
+/// The workload bundle a configuration was built for, and the configuration.
+type Built = (Option<Arc<str>>, Arc<rustls::ServerConfig>);
 
 impl std::fmt::Debug for PublicTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -146,7 +149,9 @@ impl PublicTls {
 
     /// The acceptor for the next handshake, admitting SVIDs of
     /// `workload_bundle`; a bundle that cannot be used keeps the last one.
-    pub(crate) fn acceptor(&self, workload_bundle: Option<String>) -> tokio_rustls::TlsAcceptor {
+    /// The bundle is shared with the credentials, so the check made at every
+    /// handshake is a pointer comparison until it changes.
+    pub(crate) fn acceptor(&self, workload_bundle: Option<Arc<str>>) -> tokio_rustls::TlsAcceptor {
         let mut built = self.built.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if built.0 != workload_bundle {
             match berth_mtls::public_server_config(

@@ -467,13 +467,18 @@ fn route_details(route: &egress::EgressRoute) -> String {
 
 /// A DNS config on one line: `upstreams 10.0.0.53:53; search corp.example; ndots 1`.
 fn dns_text(dns: &egress::DnsConfig) -> String {
-    let list = |items: &[String]| if items.is_empty() { "<none>".to_string() } else { items.join(",") };
-    format!("upstreams {}; search {}; ndots {}", list(&dns.upstreams), list(&dns.search), dns.ndots.unwrap_or(1))
+    let (upstreams, search) = (listed(&dns.upstreams, ","), listed(&dns.search, ","));
+    format!("upstreams {upstreams}; search {search}; ndots {}", dns.ndots.unwrap_or(berth_egress::DEFAULT_NDOTS))
+}
+
+/// `items` joined by `separator`, or `<none>`.
+fn listed(items: &[String], separator: &str) -> String {
+    if items.is_empty() { "<none>".to_string() } else { items.join(separator) }
 }
 
 fn dns_details(dns: &egress::EgressDnsConfig) -> String {
     let spec = dns.spec.clone().unwrap_or_default();
-    let list = |items: &[String]| if items.is_empty() { "<none>".to_string() } else { items.join(", ") };
+    let list = |items: &[String]| listed(items, ", ");
     output::fields(&[
         ("Project", output::project_name(&dns.project).to_string()),
         ("Generation", dns.generation.to_string()),
@@ -481,7 +486,7 @@ fn dns_details(dns: &egress::EgressDnsConfig) -> String {
         ("Updated", output::age(dns.updated_at.as_ref())),
         ("Upstreams", list(&spec.upstreams)),
         ("Search", list(&spec.search)),
-        ("Ndots", spec.ndots.unwrap_or(1).to_string()),
+        ("Ndots", spec.ndots.unwrap_or(berth_egress::DEFAULT_NDOTS).to_string()),
     ])
 }
 
