@@ -40,6 +40,10 @@ pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 /// How long a finished instance's logs and working directory are kept.
 pub const DEFAULT_RETAIN_FINISHED: Duration = Duration::from_secs(60 * 60);
 
+/// How long a memory decrease waits, by default, for a workload to use less
+/// than its new limit before it is deferred.
+pub(crate) const DEFAULT_RESIZE_SETTLE: Duration = Duration::from_secs(10);
+
 /// How often a followed log is read for new output.
 pub const DEFAULT_LOG_POLL: Duration = Duration::from_millis(250);
 
@@ -63,6 +67,9 @@ pub struct LeaseTiming {
     pub log_poll: Duration,
     /// How long a finished instance's logs and directory are kept.
     pub retain_finished: Duration,
+    /// How long a memory decrease waits for a workload to use less than its
+    /// new limit before it is deferred.
+    pub resize_settle: Duration,
 }
 
 impl Default for LeaseTiming {
@@ -74,6 +81,7 @@ impl Default for LeaseTiming {
             exit_poll: crate::process::DEFAULT_EXIT_POLL,
             log_poll: DEFAULT_LOG_POLL,
             retain_finished: DEFAULT_RETAIN_FINISHED,
+            resize_settle: DEFAULT_RESIZE_SETTLE,
         }
     }
 }

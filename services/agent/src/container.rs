@@ -78,8 +78,8 @@ use crate::instances::{
 use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime,
-    Settlement, WorkloadRoot, WorkloadSignal,
+    ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk,
+    Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
 };
 
 mod account;
@@ -116,6 +116,9 @@ const MIN_MEMORY_LIMIT: u64 = 8 << 20;
 /// What gVisor's own kernel takes inside a sandbox's cgroup, added to the
 /// lease's memory so the workload itself has what its lease reserves.
 const RUNSC_OVERHEAD: u64 = 64 << 20;
+
+/// How often a memory decrease looks again at what the workload uses.
+const RESIZE_POLL: Duration = Duration::from_millis(200);
 
 /// Host directories every workload sees read-only at the same paths; those
 /// the host lacks are left out, and those that are links (a merged `/usr`)
@@ -891,7 +894,7 @@ pub fn destroy_containers(data_dir: &Path) -> usize {
 /// The cgroup directory, in every hierarchy, holding the containers of the
 /// agent on `data_dir`: one per data directory, so two agents on one host
 /// never share one.
-fn cgroup_parent(data_dir: &Path) -> String {
+pub(crate) fn cgroup_parent(data_dir: &Path) -> String {
     format!("berth-{:08x}", crate::egress::fnv32(data_dir.as_os_str().as_encoded_bytes()))
 }
 
@@ -1106,6 +1109,35 @@ impl Provider for ContainerProvider {
         })
     }
 
+    /// Through the runtime's `update` (the process runtime's own, which
+    /// writes the cgroup as it did at the start). Memory goes first, being
+    /// the part that may have to wait, so a deferred resize changes nothing.
+    /// gVisor's sandbox cannot be resized (runsc has no `update`).
+    async fn resize(&self, lease_id: &str, ask: ResizeAsk) -> Result<Resized, ProviderError> {
+        let runtime = self.inner.settings.runtime;
+        if self.running(lease_id)?.1.is_none() {
+            return Err(ProviderError::NotRunning(lease_id.to_string()));
+        }
+        if runtime == OciRuntime::Runsc {
+            return Ok(Resized::unsupported(runtime.name()));
+        }
+        let (from, to) = (memory_limit(runtime, ask.from.memory_bytes), memory_limit(runtime, ask.to.memory_bytes));
+        if to != 0 && (from == 0 || to < from) {
+            if let Some(deferred) = self.lower_memory(lease_id, to, ask.settle).await? {
+                return Ok(deferred);
+            }
+        } else if to != from {
+            let limit = if to == 0 { "-1".to_string() } else { to.to_string() };
+            self.update(lease_id, &["--memory-swap", &limit, "--memory", &limit]).await?;
+        }
+        if ask.to.cpu_millis != ask.from.cpu_millis {
+            let quota = if ask.to.cpu_millis == 0 { -1 } else { spec::cpu_quota(ask.to.cpu_millis) };
+            let (quota, period) = (quota.to_string(), spec::CPU_PERIOD_US.to_string());
+            self.update(lease_id, &["--cpu-quota", &quota, "--cpu-period", &period]).await?;
+        }
+        Ok(Resized::Applied)
+    }
+
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
         self.inner.instances.stored(lease_id)?;
         Ok(self.inner.instances.layout.logs(lease_id))
@@ -1121,6 +1153,62 @@ impl Provider for ContainerProvider {
 }
 
 impl ContainerProvider {
+    /// Runs the runtime's `update` on the lease's container with `flags`.
+    async fn update(&self, lease_id: &str, flags: &[&str]) -> Result<(), ProviderError> {
+        let id = self.inner.container_id(lease_id);
+        let args: Vec<&str> = std::iter::once("update").chain(flags.iter().copied()).chain([id.as_str()]).collect();
+        self.inner.run(&args).await.map(drop).map_err(|detail| ProviderError::Resize {
+            lease_id: lease_id.to_string(),
+            detail: format!("{} update: {detail}", self.inner.name()),
+        })
+    }
+
+    /// Lowers the memory limit to `limit` bytes: the soft limit first, so
+    /// the kernel reclaims towards it, then the hard limit once the workload
+    /// uses no more than it, trying until `settle` has passed. On v1 the
+    /// hard limit is tried whatever the usage says (the kernel reclaims
+    /// page cache to meet it, and refuses rather than kill); on v2 only once
+    /// usage is under it, since there a limit below usage summons the OOM
+    /// killer. Answers the deferral when it could not, the soft limit lifted
+    /// again.
+    async fn lower_memory(
+        &self,
+        lease_id: &str,
+        limit: u64,
+        settle: Duration,
+    ) -> Result<Option<Resized>, ProviderError> {
+        let target = limit.to_string();
+        self.update(lease_id, &["--memory-reservation", &target]).await?;
+        let unified = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+        let deadline = tokio::time::Instant::now() + settle;
+        let mut refused = String::new();
+        loop {
+            let used = self.stats(lease_id).await?.memory_bytes;
+            if used <= limit || !unified {
+                match self.update(lease_id, &["--memory", &target, "--memory-swap", &target]).await {
+                    Ok(()) => return Ok(None),
+                    Err(error) => refused = error.to_string(),
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                if let Err(error) = self.update(lease_id, &["--memory-reservation", "-1"]).await {
+                    tracing::warn!(%lease_id, %error, "cannot lift the soft memory limit of a deferred resize");
+                }
+                let mut message = format!(
+                    "the workload uses {} MiB of memory, more than the new limit of {} MiB, after {settle:?}; \
+                     it keeps its limit",
+                    used >> 20,
+                    limit >> 20
+                );
+                if !refused.is_empty() {
+                    message.push_str(&format!(" ({refused})"));
+                }
+                return Ok(Some(Resized::Deferred { reason: "MemoryInUse", message }));
+            }
+            tokio::time::sleep(RESIZE_POLL).await;
+        }
+    }
+
     /// Everything of a launch after its ports and user are taken.
     async fn start(
         &self,

@@ -20,8 +20,8 @@ use tokio_util::sync::CancellationToken;
 use crate::container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
 use crate::process::{ProcessProvider, ProcessTiming};
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, LaunchSpec, Program, Provider, ProviderError, Resources, Settlement, WorkloadRoot,
-    WorkloadSignal,
+    Exit, ExitStatus, ExitWatch, LaunchSpec, Program, Provider, ProviderError, ResizeAsk, Resized, Resources,
+    Settlement, WorkloadRoot, WorkloadSignal,
 };
 use crate::testdir::TestDir;
 
@@ -215,6 +215,11 @@ macro_rules! contract {
             #[tokio::test]
             async fn the_identity_directory_is_the_workloads_alone_read_only_with_its_socket() {
                 identity_on($kind).await
+            }
+
+            #[tokio::test]
+            async fn a_resize_changes_the_running_workloads_limits_and_a_shrink_below_its_use_is_deferred() {
+                resize_on($kind).await
             }
         }
     )*};
@@ -554,6 +559,80 @@ async fn signals_and_stats_on(kind: Kind) {
     assert!(stdout_of(provider.as_ref(), "lease-s").contains("got-usr1"));
     let err = provider.signal("lease-s", WorkloadSignal::Term).await.unwrap_err();
     assert!(matches!(err, ProviderError::NotRunning(_)), "{err}");
+}
+
+/// The memory limit in bytes and the CPU quota per period in microseconds
+/// that a contained workload's cgroup holds now.
+fn cgroup_limits(dir: &Path, lease_id: &str) -> (u64, i64) {
+    let relative = format!("{}/{lease_id}", crate::container::cgroup_parent(dir));
+    let root = Path::new("/sys/fs/cgroup");
+    let read = |path: std::path::PathBuf| {
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).trim().to_string()
+    };
+    if root.join("cgroup.controllers").exists() {
+        let quota = read(root.join(&relative).join("cpu.max"));
+        let quota = quota.split_whitespace().next().unwrap_or_default();
+        (read(root.join(&relative).join("memory.max")).parse().unwrap(), quota.parse().unwrap_or(-1))
+    } else {
+        (
+            read(root.join("memory").join(&relative).join("memory.limit_in_bytes")).parse().unwrap(),
+            read(root.join("cpu").join(&relative).join("cpu.cfs_quota_us")).parse().unwrap(),
+        )
+    }
+}
+
+async fn resize_on(kind: Kind) {
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    // 48 MiB in its private tmpfs: memory the kernel cannot reclaim from it.
+    // (An uncontained workload has no tmpfs of its own, nor limits.)
+    let hold = if matches!(kind, Kind::Uncontained) { "" } else { "head -c 50331648 /dev/zero > /dev/shm/held && " };
+    let mut launch = spec("lease-z", &format!("{hold}echo ready; while :; do sleep 0.1; done"));
+    let mib = |n: u64| n << 20;
+    launch.resources = Resources { cpu_millis: 500, memory_bytes: mib(128) };
+    let launched = provider.launch(launch).await.unwrap();
+    let pid = launched.record.pid;
+    printed("the workload to hold its memory", provider.as_ref(), "lease-z", "ready").await;
+    let ask = |from: (u64, u64), to: (u64, u64)| ResizeAsk {
+        from: Resources { cpu_millis: from.0, memory_bytes: mib(from.1) },
+        to: Resources { cpu_millis: to.0, memory_bytes: mib(to.1) },
+        settle: Duration::from_secs(2),
+    };
+    let contained = match kind {
+        Kind::Uncontained => false,
+        Kind::Oci(OciRuntime::Runsc) => {
+            let refused = provider.resize("lease-z", ask((500, 128), (1000, 256))).await.unwrap();
+            assert!(matches!(refused, Resized::Deferred { reason: "Unsupported", .. }), "{refused:?}");
+            provider.destroy("lease-z").await.unwrap();
+            return;
+        }
+        Kind::Oci(_) => true,
+    };
+    if contained {
+        assert_eq!(cgroup_limits(tmp.path(), "lease-z"), (mib(128), 50_000));
+    }
+
+    let grown = provider.resize("lease-z", ask((500, 128), (1000, 256))).await.unwrap();
+    assert_eq!(grown, Resized::Applied);
+    if contained {
+        assert_eq!(cgroup_limits(tmp.path(), "lease-z"), (mib(256), 100_000), "both limits grew at once");
+        // Below what it holds: the old limits stay, with the reason.
+        let refused = provider.resize("lease-z", ask((1000, 256), (250, 32))).await.unwrap();
+        let Resized::Deferred { reason, message } = &refused else { panic!("{refused:?}") };
+        assert_eq!(*reason, "MemoryInUse", "{message}");
+        assert!(message.contains("new limit of 32 MiB"), "{message}");
+        assert_eq!(cgroup_limits(tmp.path(), "lease-z"), (mib(256), 100_000), "a deferred resize changes nothing");
+    }
+    let shrunk = provider.resize("lease-z", ask((1000, 256), (250, 96))).await.unwrap();
+    assert_eq!(shrunk, Resized::Applied);
+    if contained {
+        assert_eq!(cgroup_limits(tmp.path(), "lease-z"), (mib(96), 25_000), "a shrink above its use holds");
+    }
+    assert!(launched.exit.borrow().is_none(), "the workload runs on through every resize");
+    assert_eq!(provider.stats("lease-z").await.map(|_| pid).unwrap(), pid);
+    provider.destroy("lease-z").await.unwrap();
+    let idle = provider.resize("lease-z", ask((250, 96), (500, 128))).await.unwrap_err();
+    assert!(matches!(idle, ProviderError::NotRunning(_)), "{idle}");
 }
 
 async fn refuses_on(kind: Kind) {

@@ -23,12 +23,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use berth_proto::leases::v1::{
     AssumeCustodyRequest, Lease, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest, RenewLeasesResponse,
-    ReportPhaseRequest,
+    ReportPhaseRequest, ReportResizeRequest,
 };
 
 use crate::leases_client::{AssignmentStream, NodeLeasesApi};
 use crate::provider::{
-    InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, Settlement, WorkloadSignal,
+    InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk, Resized, Runtime, Settlement,
+    WorkloadSignal,
 };
 
 /// The variable that names the faults.
@@ -137,6 +138,10 @@ impl NodeLeasesApi for FaultyLeases {
         Ok(lease)
     }
 
+    async fn report_resize(&self, request: ReportResizeRequest) -> Result<Lease, tonic::Status> {
+        self.inner.report_resize(request).await
+    }
+
     fn reconnect(&self) {
         self.inner.reconnect();
     }
@@ -201,6 +206,10 @@ impl Provider for FaultyProvider {
 
     async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError> {
         self.inner.stats(lease_id).await
+    }
+
+    async fn resize(&self, lease_id: &str, ask: ResizeAsk) -> Result<Resized, ProviderError> {
+        self.inner.resize(lease_id, ask).await
     }
 
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {

@@ -13,7 +13,8 @@ use std::time::Duration;
 use berth_mtls::TlsCredentials;
 use berth_proto::leases::v1::{
     AssignmentEvent, AssumeCustodyRequest, Lease, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest,
-    RenewLeasesResponse, ReportPhaseRequest, WatchAssignmentsRequest, node_leases_client::NodeLeasesClient,
+    RenewLeasesResponse, ReportPhaseRequest, ReportResizeRequest, WatchAssignmentsRequest,
+    node_leases_client::NodeLeasesClient,
 };
 use berth_rpc::Channel;
 use tokio_stream::Stream;
@@ -38,6 +39,9 @@ pub(crate) trait NodeLeasesApi: Send + Sync + std::fmt::Debug {
     /// Takes a lease whose workload the node runs into its custody; returns
     /// the lease at its new epoch.
     async fn assume_custody(&self, request: AssumeCustodyRequest) -> Result<Lease, tonic::Status>;
+    /// Reports how the node dealt with a lease's pending resize; returns the
+    /// lease as it is now.
+    async fn report_resize(&self, request: ReportResizeRequest) -> Result<Lease, tonic::Status>;
     /// Drops the open connection, so the next call presents the node's
     /// current certificate (after a rejoin the node id in it changes).
     fn reconnect(&self);
@@ -99,6 +103,13 @@ impl NodeLeasesApi for GrpcNodeLeases {
         response
             .lease
             .ok_or_else(|| tonic::Status::internal("the leases service answered AssumeCustody without the lease"))
+    }
+
+    async fn report_resize(&self, request: ReportResizeRequest) -> Result<Lease, tonic::Status> {
+        let response = self.channel.call(self.client().report_resize(self.channel.request(request))).await?;
+        response
+            .lease
+            .ok_or_else(|| tonic::Status::internal("the leases service answered ReportResize without the lease"))
     }
 
     fn reconnect(&self) {

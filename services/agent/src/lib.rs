@@ -93,7 +93,8 @@ pub use join::JoinError;
 pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
 pub use provider::{
     Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched, LogFiles,
-    NetworkAttachment, Program, Provider, ProviderError, Resources, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
+    NetworkAttachment, Program, Provider, ProviderError, ResizeAsk, Resized, Resources, Runtime, Settlement,
+    WorkloadRoot, WorkloadSignal,
 };
 pub use status::{AgentStatus, Fence, FenceReason, NodeSession};
 

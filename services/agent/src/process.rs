@@ -65,8 +65,8 @@ use crate::instances::{
 };
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, InstanceStats, LEASE_ID_ENV, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime,
-    Settlement, WorkloadRoot, WorkloadSignal,
+    ExitStatus, InstanceStats, LEASE_ID_ENV, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk,
+    Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
 };
 
 /// How long a workload has to stop after SIGTERM before it gets SIGKILL.
@@ -427,6 +427,16 @@ impl Provider for ProcessProvider {
             memory_bytes: pages.saturating_mul(rustix::param::page_size() as u64),
             uptime: SystemTime::now().duration_since(started).unwrap_or_default(),
         })
+    }
+
+    /// An uncontained workload has no limits to change: its lease's size is
+    /// the ledger's bookkeeping alone, so a resize of a running one holds at once.
+    async fn resize(&self, lease_id: &str, _ask: ResizeAsk) -> Result<Resized, ProviderError> {
+        let (stored, group) = self.group_of(lease_id)?;
+        if group.is_none() || stored.exit.is_some() {
+            return Err(ProviderError::NotRunning(lease_id.to_string()));
+        }
+        Ok(Resized::Applied)
     }
 
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {

@@ -162,6 +162,41 @@ pub struct Resources {
     pub memory_bytes: u64,
 }
 
+/// A change of a running workload's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResizeAsk {
+    /// What it is limited to now.
+    pub from: Resources,
+    /// What to limit it to.
+    pub to: Resources,
+    /// How long a memory decrease may wait for the workload to use less.
+    pub settle: Duration,
+}
+
+/// How a resize went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resized {
+    /// The new limits hold.
+    Applied,
+    /// Nothing changed; the workload keeps its old limits.
+    Deferred {
+        /// Why, one CamelCase word: `MemoryInUse`, `Unsupported`.
+        reason: &'static str,
+        /// A person-readable account.
+        message: String,
+    },
+}
+
+impl Resized {
+    /// The answer of a runtime that cannot change a running workload's limits.
+    pub fn unsupported(runtime: &str) -> Self {
+        Resized::Deferred {
+            reason: "Unsupported",
+            message: format!("the {runtime} runtime cannot change a running workload's limits"),
+        }
+    }
+}
+
 /// The tenant's network namespace a workload joins.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NetworkAttachment {
@@ -477,6 +512,14 @@ pub enum ProviderError {
         /// What still runs.
         detail: String,
     },
+    /// A workload's limits could not be changed.
+    #[error("cannot resize the instance of lease {lease_id}: {detail}")]
+    Resize {
+        /// The lease.
+        lease_id: String,
+        /// Why.
+        detail: String,
+    },
     /// A signal could not be sent.
     #[error("cannot signal the instance of lease {lease_id}: {source}")]
     Signal {
@@ -546,6 +589,14 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
 
     /// Samples the workload's resource use.
     async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError>;
+
+    /// Changes a running workload's limits in place, without restarting
+    /// it: increases at once; a memory decrease lowers the soft limit first
+    /// and the hard limit only once the workload uses less than it, within
+    /// `ask.settle`, else leaves every limit as it was and answers
+    /// [`Resized::Deferred`]. A runtime that cannot change a running
+    /// workload's limits answers `Deferred` with reason `Unsupported`.
+    async fn resize(&self, lease_id: &str, ask: ResizeAsk) -> Result<Resized, ProviderError>;
 
     /// Where the workload's output goes.
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError>;

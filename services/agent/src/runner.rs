@@ -43,7 +43,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use berth_bundle::ReadyBundle;
-use berth_proto::leases::v1::{AssignmentEvent, Lease, LeasePhase, LeaseRef, ReportPhaseRequest};
+use berth_proto::leases::v1::{
+    AssignmentEvent, Lease, LeasePhase, LeaseRef, ReportPhaseRequest, ReportResizeRequest, ResizeState,
+};
 use berth_proto::types::v1::{EventKind, Readiness, RuntimeClass};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
@@ -59,8 +61,8 @@ use crate::dial::Dialer;
 use crate::keepalive::{KeepAlive, Lost, RenewSet};
 use crate::leases_client::{NodeLeasesApi, is_transient};
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, ImageOverrides, InstanceMeta, LaunchSpec, Launched, Program, Provider, Resources,
-    Runtime, Settlement, WorkloadRoot,
+    Exit, ExitStatus, ExitWatch, ImageOverrides, InstanceMeta, LaunchSpec, Launched, Program, Provider, ResizeAsk,
+    Resized, Resources, Runtime, Settlement, WorkloadRoot,
 };
 use crate::recovery::{PassPlan, PassReport, run_pass};
 use crate::status::{Fence, FenceReason, NodeSession};
@@ -163,6 +165,27 @@ struct Held {
     needs_custody: bool,
     /// Which worker runs it, so a late end of an earlier one is told apart.
     generation: u64,
+    /// The resize the leases service asks of its running workload.
+    resize: watch::Sender<Option<ResizeWanted>>,
+}
+
+/// A resize the leases service asks for: the lease's size now and the size asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ResizeWanted {
+    from: Resources,
+    to: Resources,
+}
+
+impl ResizeWanted {
+    /// The pending resize of `lease`, if it has one.
+    fn of(lease: &Lease) -> Option<Self> {
+        let resize = lease.resize.as_ref().filter(|r| r.state() == ResizeState::Pending)?;
+        Some(Self { from: resources_of(lease.resources), to: resources_of(resize.resources) })
+    }
+}
+
+fn resources_of(capacity: Option<berth_proto::types::v1::Capacity>) -> Resources {
+    capacity.map(|r| Resources { cpu_millis: r.cpu_millis, memory_bytes: r.memory_bytes }).unwrap_or_default()
 }
 
 impl Held {
@@ -533,10 +556,7 @@ impl Runner {
             args: workload.args,
             env: workload.env.into_iter().collect(),
             ports: workload.ports.iter().map(|port| port.name.clone()).collect(),
-            resources: lease
-                .resources
-                .map(|r| Resources { cpu_millis: r.cpu_millis, memory_bytes: r.memory_bytes })
-                .unwrap_or_default(),
+            resources: resources_of(lease.resources),
             network: None,
             meta: meta.clone(),
             image: ImageOverrides { working_dir: workload.working_dir, user: workload.user },
@@ -544,6 +564,7 @@ impl Runner {
         };
         self.shared.board.put(InstanceView::new(&lease.lease_id, lease.epoch, meta, LeasePhase::Bound));
         let held = self.hold(&lease.lease_id, lease.epoch, false, false);
+        self.want_resize(&lease);
         tracing::info!(lease_id = %lease.lease_id, epoch = lease.epoch, "taking on a lease");
         let bundle = BundleAsk::of(&lease);
         let traceparent = lease.traceparent.clone();
@@ -560,13 +581,34 @@ impl Runner {
         self.next_generation += 1;
         let (epoch_tx, epoch_rx) = watch::channel(epoch);
         let (removal_tx, removal_rx) = watch::channel(None);
+        let (resize_tx, resize_rx) = watch::channel(None);
         let started = Arc::new(AtomicBool::new(started));
         let generation = self.next_generation;
         self.held.insert(
             lease_id.to_string(),
-            Held { epoch: epoch_tx, removal: removal_tx, started: started.clone(), needs_custody, generation },
+            Held {
+                epoch: epoch_tx,
+                removal: removal_tx,
+                started: started.clone(),
+                needs_custody,
+                generation,
+                resize: resize_tx,
+            },
         );
-        WorkerWiring { epoch: epoch_rx, removal: removal_rx, started, generation }
+        WorkerWiring { epoch: epoch_rx, removal: removal_rx, resize: resize_rx, started, generation }
+    }
+
+    /// Hands a held lease's pending resize to its worker, unless it is the
+    /// one the worker already has.
+    fn want_resize(&self, lease: &Lease) {
+        let (Some(held), Some(wanted)) = (self.held.get(&lease.lease_id), ResizeWanted::of(lease)) else { return };
+        held.resize.send_if_modified(|current| {
+            let new = *current != Some(wanted);
+            if new {
+                *current = Some(wanted);
+            }
+            new
+        });
     }
 
     fn spawn_worker(&mut self, lease_id: &str, wiring: WorkerWiring, start: Start) {
@@ -575,6 +617,7 @@ impl Runner {
             shared: self.shared.clone(),
             epoch: wiring.epoch,
             removal: wiring.removal,
+            resize: wiring.resize,
             reporting: self.reporting.subscribe(),
             started: wiring.started,
         };
@@ -915,6 +958,7 @@ impl Runner {
                 held.epoch.send_replace(lease.epoch);
                 self.shared.board.update(&lease.lease_id, |view| view.epoch = lease.epoch);
             }
+            self.want_resize(&lease);
             return;
         }
         match lease.phase() {
@@ -944,6 +988,7 @@ impl Runner {
 struct WorkerWiring {
     epoch: watch::Receiver<u64>,
     removal: watch::Receiver<Option<Removal>>,
+    resize: watch::Receiver<Option<ResizeWanted>>,
     started: Arc<AtomicBool>,
     generation: u64,
 }
@@ -1180,6 +1225,7 @@ struct Worker {
     shared: Arc<Shared>,
     epoch: watch::Receiver<u64>,
     removal: watch::Receiver<Option<Removal>>,
+    resize: watch::Receiver<Option<ResizeWanted>>,
     reporting: watch::Receiver<Option<String>>,
     started: Arc<AtomicBool>,
 }
@@ -1396,16 +1442,29 @@ impl Worker {
         }
     }
 
-    /// Waits for the workload to end (and reports how) or to be removed.
+    /// Waits for the workload to end (and reports how) or to be removed,
+    /// resizing it meanwhile as the leases service asks.
     async fn supervise(&mut self, mut exit: ExitWatch) -> WorkerEnd {
-        let ended: Exit = tokio::select! {
-            _ = self.shared.shutdown.cancelled() => return WorkerEnd::Stopped,
-            removal = removed(&mut self.removal) => return self.destroyed(removal).await,
-            ended = async { exit.wait_for(Option::is_some).await.ok().and_then(|e| *e) } => match ended {
-                Some(ended) => ended,
-                // The provider stopped watching: the agent is stopping.
-                None => return WorkerEnd::Stopped,
-            },
+        let first = *self.resize.borrow_and_update();
+        let mut resizing = first.map(|wanted| self.resizing(wanted));
+        let ended: Exit = loop {
+            tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return WorkerEnd::Stopped,
+                removal = removed(&mut self.removal) => return self.destroyed(removal).await,
+                ended = async { exit.wait_for(Option::is_some).await.ok().and_then(|e| *e) } => match ended {
+                    Some(ended) => break ended,
+                    // The provider stopped watching: the agent is stopping.
+                    None => return WorkerEnd::Stopped,
+                },
+                Ok(()) = self.resize.changed() => {
+                    // A newer size replaces one still being applied.
+                    let wanted = *self.resize.borrow_and_update();
+                    resizing = wanted.map(|wanted| self.resizing(wanted));
+                }
+                () = async { match resizing.as_mut() { Some(resize) => resize.await, None => std::future::pending().await } } => {
+                    resizing = None;
+                }
+            }
         };
         self.shared.board.update(&self.lease_id, |view| view.exit = Some(ended.status));
         let (phase, reason) = ended_as(ended.status);
@@ -1416,6 +1475,52 @@ impl Worker {
             ..Detail::default()
         };
         self.report_end(phase, detail).await
+    }
+
+    /// Applies `wanted` to the running workload and reports how it went,
+    /// retrying the report while it may go through later.
+    fn resizing(&self, wanted: ResizeWanted) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        let (shared, lease_id) = (self.shared.clone(), self.lease_id.clone());
+        let (epoch, mut reporting) = (self.epoch.clone(), self.reporting.clone());
+        Box::pin(async move {
+            let ask = ResizeAsk { from: wanted.from, to: wanted.to, settle: shared.settings.timing.resize_settle };
+            let (state, reason, message) = match shared.provider.resize(&lease_id, ask).await {
+                Ok(Resized::Applied) => (ResizeState::Applied, String::new(), String::new()),
+                Ok(Resized::Deferred { reason, message }) => (ResizeState::Deferred, reason.to_string(), message),
+                Err(error) => (ResizeState::Deferred, "ResizeFailed".to_string(), error.to_string()),
+            };
+            tracing::info!(%lease_id, from = ?wanted.from, to = ?wanted.to, ?state, %reason, %message, "resized");
+            let mut backoff = shared.settings.backoff();
+            loop {
+                let Ok(node_id) =
+                    reporting.wait_for(Option::is_some).await.map(|node| node.clone().unwrap_or_default())
+                else {
+                    return;
+                };
+                let request = ReportResizeRequest {
+                    node_id,
+                    lease_id: lease_id.clone(),
+                    epoch: *epoch.borrow(),
+                    resources: Some(berth_proto::types::v1::Capacity {
+                        cpu_millis: wanted.to.cpu_millis,
+                        memory_bytes: wanted.to.memory_bytes,
+                    }),
+                    state: state as i32,
+                    reason: reason.clone(),
+                    message: message.clone(),
+                };
+                match shared.leases.report_resize(request).await {
+                    Ok(_) => return,
+                    Err(status) if is_transient(&status) => tokio::time::sleep(backoff.next_delay()).await,
+                    Err(status) => {
+                        // A newer resize replaced it, or the lease moved on:
+                        // the stream says what is wanted now.
+                        tracing::info!(%lease_id, error = %status.message(), "the resize report was not taken");
+                        return;
+                    }
+                }
+            }
+        })
     }
 
     /// Reports the lease's final phase, then settles it.

@@ -391,3 +391,78 @@ async fn a_node_that_cannot_rejoin_holds_its_workload_for_the_stop_grace_and_onl
     drop(agent.stop);
     plane.cleanup().await;
 }
+
+/// The memory limit of the cgroup `pid` is in, in bytes; `None` when it is
+/// not limited (an uncontained workload).
+fn memory_limit_of(pid: u32) -> Option<u64> {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let (file, path) = if root.join("cgroup.controllers").exists() {
+        ("memory.max", cgroups.lines().find_map(|line| line.strip_prefix("0::"))?.to_string())
+    } else {
+        let line =
+            cgroups.lines().find(|line| line.split(':').nth(1).is_some_and(|c| c.split(',').any(|c| c == "memory")))?;
+        ("memory.limit_in_bytes", format!("memory{}", line.splitn(3, ':').nth(2)?))
+    };
+    let text = std::fs::read_to_string(root.join(path.trim_start_matches('/')).join(file)).ok()?;
+    text.trim().parse().ok().filter(|limit: &u64| *limit < (1 << 50))
+}
+
+#[tokio::test]
+async fn a_resize_changes_the_running_workloads_limits_without_a_restart_and_one_that_does_not_fit_changes_nothing() {
+    use berth_proto::leases::v1 as leases;
+    let (plane, _dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
+    let node_id = agent.handle.node_id();
+    let lease = plane.request("resized", "exec sleep 1000").await;
+    let running = plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
+    let pid = agent.instance_until(&plane, &lease.lease_id, "running", |i| i.pid != 0).await.pid;
+    let contained = rustix::process::geteuid().is_root();
+    if contained {
+        assert_eq!(memory_limit_of(pid), Some(64 << 20), "the lease's size is its limit");
+    }
+    let size = |cpu_millis, memory_bytes| Some(berth_proto::types::v1::Capacity { cpu_millis, memory_bytes });
+    let resize = |cpu_millis, memory_bytes| leases::ResizeLeaseRequest {
+        lease_id: lease.lease_id.clone(),
+        epoch: running.epoch,
+        resources: size(cpu_millis, memory_bytes),
+    };
+    let settled = |wanted| {
+        let plane = &plane;
+        let lease_id = lease.lease_id.clone();
+        async move {
+            eventually("the node to apply the resize", SLOW, || async {
+                let now = plane.lease(&lease_id).await;
+                let state = now.resize.as_ref().map(|r| r.state());
+                if state == Some(leases::ResizeState::Applied) && now.resources == wanted { Ok(now) } else { Err(now) }
+            })
+            .await
+        }
+    };
+
+    plane.leases().resize_lease(resize(500, 256 << 20)).await.unwrap();
+    settled(size(500, 256 << 20)).await;
+    if contained {
+        assert_eq!(memory_limit_of(pid), Some(256 << 20), "the limit grew in place");
+    }
+    assert_eq!(plane.node_capacity(&node_id).await.allocated, size(500, 256 << 20));
+
+    // More than the node has: refused, naming the shortage; nothing changes.
+    let refused = plane.leases().resize_lease(resize(500, 8 << 30)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+    assert!(refused.message().contains("cannot grow to"), "{refused:?}");
+    assert_eq!(plane.lease(&lease.lease_id).await.resources, size(500, 256 << 20));
+    assert_eq!(plane.node_capacity(&node_id).await.allocated, size(500, 256 << 20));
+
+    plane.leases().resize_lease(resize(250, 32 << 20)).await.unwrap();
+    let shrunk = settled(size(250, 32 << 20)).await;
+    if contained {
+        assert_eq!(memory_limit_of(pid), Some(32 << 20), "the limit shrank in place");
+    }
+    assert_eq!(plane.node_capacity(&node_id).await.allocated, size(250, 32 << 20), "a shrink frees the rest");
+    assert_eq!((shrunk.phase(), shrunk.epoch), (LeasePhase::Running, running.epoch), "no restart, no new epoch");
+    let instance = agent.instance_until(&plane, &lease.lease_id, "still running", |i| i.pid != 0).await;
+    assert_eq!(instance.pid, pid, "the same workload throughout");
+
+    agent.kill().await;
+    plane.cleanup().await;
+}

@@ -20,7 +20,7 @@ use berth_proto::leases::v1;
 use tonic::{Request, Response, Status};
 
 use crate::ledger::{LeaseError, LeaseFilter, PhaseReport};
-use crate::model::Resources;
+use crate::model::{Resize, Resources};
 use crate::placement::NodeRuntime;
 use crate::records::LeaseRecord;
 use crate::service::LeasesService;
@@ -69,6 +69,24 @@ impl v1::leases_server::Leases for LeasesService {
         let lease_id = request.into_inner().lease_id;
         let lease = self.core.ledger.get(&lease_id).await?;
         Ok(Response::new(v1::GetLeaseResponse { lease: Some(lease.to_proto()) }))
+    }
+
+    async fn resize_lease(
+        &self,
+        request: Request<v1::ResizeLeaseRequest>,
+    ) -> Result<Response<v1::ResizeLeaseResponse>, Status> {
+        let by = berth_rpc::caller(&request)?.to_string();
+        let v1::ResizeLeaseRequest { lease_id, epoch, resources } = request.into_inner();
+        validate::lease_id(&lease_id)?;
+        let wanted = validate::resources(resources)?;
+        let nodes = self.core.nodes.snapshot();
+        let room = |node_id: &str| nodes.nodes.get(node_id).and_then(|node| node.capacity).map(Resources::from);
+        let (lease, changed) = self.core.ledger.resize(&lease_id, epoch, wanted, &room).await?;
+        if changed {
+            tracing::info!(%lease_id, node_id = %lease.node_id, from = %lease.resources, to = %wanted, %by, "lease resize asked for");
+            self.changed(&lease).await;
+        }
+        Ok(Response::new(v1::ResizeLeaseResponse { lease: Some(lease.to_proto()) }))
     }
 
     async fn list_leases(
@@ -303,6 +321,32 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
         tracing::info!(%lease_id, %node_id, epoch = lease.epoch, "lease taken back into its node's custody");
         self.changed(&lease).await;
         Ok(Response::new(v1::AssumeCustodyResponse { lease: Some(lease.to_proto()) }))
+    }
+
+    async fn report_resize(
+        &self,
+        request: Request<v1::ReportResizeRequest>,
+    ) -> Result<Response<v1::ReportResizeResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let v1::ReportResizeRequest { lease_id, epoch, resources, state, reason, message, .. } = request.into_inner();
+        validate::lease_id(&lease_id)?;
+        let report = Resize {
+            resources: validate::resources(resources)?,
+            state: validate::reported_resize(state)?,
+            reason,
+            message,
+        };
+        validate::reason(&report.reason)?;
+        validate::message(&report.message)?;
+        let (lease, changed) = self.core.ledger.report_resize(&node_id, &lease_id, epoch, &report).await?;
+        if changed {
+            let resize = lease.resize.as_ref();
+            tracing::info!(%lease_id, %node_id, size = %lease.resources, state = ?resize.map(|r| r.state),
+                reason = resize.map_or("", |r| r.reason.as_str()), "lease resize reported");
+            self.core.announce_owners([&lease]).await;
+        }
+        Ok(Response::new(v1::ReportResizeResponse { lease: Some(lease.to_proto()) }))
     }
 
     async fn register_launch(

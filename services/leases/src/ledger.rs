@@ -60,7 +60,7 @@ use ring::hmac;
 use sqlx::AnyConnection;
 
 use crate::config::{LeasesConfig, millis};
-use crate::model::{OPEN_PHASES_SQL, Phase, Resources};
+use crate::model::{OPEN_PHASES_SQL, Phase, Resize, ResizeState, Resources};
 use crate::placement::{Placement, PlacementNode, PlacementRequest, RuntimeNeed, Shortage, place};
 use crate::records::{LeaseRecord, NodeLedgerRow, format_ports, lease_columns, to_column};
 
@@ -133,6 +133,25 @@ pub(crate) enum LeaseError {
     /// No node has room for the request.
     #[error("{0}")]
     NoRoom(Shortage),
+    /// The lease's node has no room for it to grow.
+    #[error(
+        "lease {lease_id} cannot grow to {wanted} on node {node_id}: it needs {more} more and the node has {free} free"
+    )]
+    NoRoomToGrow {
+        /// The lease.
+        lease_id: String,
+        /// Its node.
+        node_id: String,
+        /// The size asked for.
+        wanted: Resources,
+        /// What it needs beyond what it reserves now.
+        more: Resources,
+        /// What the node has free.
+        free: Resources,
+    },
+    /// A resize cannot be asked for or reported now; the message says why.
+    #[error("{0}")]
+    ResizeRefused(String),
     /// The ledger cannot serve the call now (it has not learned the nodes yet,
     /// it is shutting down, or its queue is full); retry shortly.
     #[error("{0}")]
@@ -149,8 +168,9 @@ berth_store::store_errors!(LeaseError, |error| match error {
     LeaseError::StaleEpoch { .. }
     | LeaseError::IllegalTransition { .. }
     | LeaseError::CustodyRefused { .. }
-    | LeaseError::LaunchRefused(_) => tonic::Status::failed_precondition(error.to_string()),
-    LeaseError::NoRoom(_) => tonic::Status::resource_exhausted(error.to_string()),
+    | LeaseError::LaunchRefused(_)
+    | LeaseError::ResizeRefused(_) => tonic::Status::failed_precondition(error.to_string()),
+    LeaseError::NoRoom(_) | LeaseError::NoRoomToGrow { .. } => tonic::Status::resource_exhausted(error.to_string()),
     LeaseError::Unavailable(_) => tonic::Status::unavailable(error.to_string()),
     LeaseError::Store(error) => error.into(),
 });
@@ -599,6 +619,135 @@ impl Ledger {
                         .message(message)
                         .expires_at(now.saturating_add(ttl_ms));
                     apply(conn, &lease, change, now, room).await
+                })
+            })
+            .await
+    }
+
+    /// Asks for `lease_id`, held at `epoch`, to be resized to `wanted`; see
+    /// `ResizeLease` in the proto for the rule. `room` is what its node
+    /// offers, as identity last described it. The flag says whether anything
+    /// changed.
+    pub(crate) async fn resize(
+        &self,
+        lease_id: &str,
+        epoch: u64,
+        wanted: Resources,
+        room: &(dyn Fn(&str) -> Option<Resources> + Sync),
+    ) -> Result<(LeaseRecord, bool), LeaseError> {
+        self.store
+            .tx("leases.resize", |conn| {
+                Box::pin(async move {
+                    let lease =
+                        fetch(conn, lease_id).await?.ok_or_else(|| LeaseError::NotFound(lease_id.to_owned()))?;
+                    if lease.epoch() != epoch {
+                        return Err(LeaseError::StaleEpoch {
+                            lease_id: lease_id.to_owned(),
+                            held: epoch,
+                            current: lease.epoch(),
+                        });
+                    }
+                    if !lease.phase.is_open() {
+                        return Err(LeaseError::ResizeRefused(format!(
+                            "lease {lease_id} is {}; only an open lease can be resized",
+                            lease.phase
+                        )));
+                    }
+                    let unchanged = match lease.pending_resize() {
+                        Some(pending) => pending == wanted,
+                        None => lease.resources == wanted,
+                    };
+                    if unchanged {
+                        return Ok((lease, false));
+                    }
+                    let (before, after) = (lease.reserved(), lease.resources.max(wanted));
+                    let (more, less) = (after.minus(before), before.minus(after));
+                    let total = room(&lease.node_id).ok_or_else(|| {
+                        LeaseError::Unavailable(format!(
+                            "the ledger has not learned node {}'s capacity yet",
+                            lease.node_id
+                        ))
+                    })?;
+                    let cursor: Option<i64> = sqlx::query_scalar(
+                        "UPDATE node_ledger SET cpu_allocated = cpu_allocated + $2 - $3, \
+                         memory_allocated = memory_allocated + $4 - $5, assignment_cursor = assignment_cursor + 1 \
+                         WHERE node_id = $1 AND ($2 = 0 OR cpu_allocated + $2 <= $6) \
+                         AND ($4 = 0 OR memory_allocated + $4 <= $7) RETURNING assignment_cursor",
+                    )
+                    .bind(&lease.node_id)
+                    .bind(to_column(more.cpu_millis))
+                    .bind(to_column(less.cpu_millis))
+                    .bind(to_column(more.memory_bytes))
+                    .bind(to_column(less.memory_bytes))
+                    .bind(to_column(total.cpu_millis))
+                    .bind(to_column(total.memory_bytes))
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                    let Some(seq) = cursor else {
+                        let allocated = node_rows(conn).await?.get(&lease.node_id).map(|row| row.allocated);
+                        return Err(LeaseError::NoRoomToGrow {
+                            lease_id: lease_id.to_owned(),
+                            node_id: lease.node_id.clone(),
+                            wanted,
+                            more,
+                            free: total.minus(allocated.unwrap_or_default()),
+                        });
+                    };
+                    let resize = Resize { resources: wanted, state: ResizeState::Pending, ..Resize::default() };
+                    let (resources, resize) = write_resize(conn, &lease, lease.resources, resize, seq).await?;
+                    Ok((LeaseRecord { resources, resize: Some(resize), seq, ..lease }, true))
+                })
+            })
+            .await
+    }
+
+    /// Records how `node_id` dealt with the pending resize of a lease it
+    /// holds; see `ReportResize` in the proto for the rule. The flag says
+    /// whether anything changed.
+    pub(crate) async fn report_resize(
+        &self,
+        node_id: &str,
+        lease_id: &str,
+        epoch: u64,
+        report: &Resize,
+    ) -> Result<(LeaseRecord, bool), LeaseError> {
+        self.store
+            .tx("leases.report_resize", |conn| {
+                Box::pin(async move {
+                    let lease = held_by(conn, node_id, lease_id, epoch).await?;
+                    match &lease.resize {
+                        Some(resize) if resize.resources == report.resources && resize.state == report.state => {
+                            return Ok((lease, false));
+                        }
+                        Some(resize)
+                            if resize.resources == report.resources && resize.state == ResizeState::Pending => {}
+                        Some(resize) if resize.state == ResizeState::Pending => {
+                            return Err(LeaseError::ResizeRefused(format!(
+                                "lease {lease_id}'s pending resize asks for {}, not {}",
+                                resize.resources, report.resources
+                            )));
+                        }
+                        _ => return Err(LeaseError::ResizeRefused(format!("lease {lease_id} has no pending resize"))),
+                    }
+                    if !lease.phase.is_open() {
+                        return Err(LeaseError::ResizeRefused(format!("lease {lease_id} is {}", lease.phase)));
+                    }
+                    let kept = if report.state == ResizeState::Applied { report.resources } else { lease.resources };
+                    let freed = lease.reserved().minus(kept);
+                    let done = sqlx::query(
+                        "UPDATE node_ledger SET \
+                         cpu_allocated = CASE WHEN cpu_allocated > $2 THEN cpu_allocated - $2 ELSE 0 END, \
+                         memory_allocated = CASE WHEN memory_allocated > $3 THEN memory_allocated - $3 ELSE 0 END \
+                         WHERE node_id = $1",
+                    )
+                    .bind(&lease.node_id)
+                    .bind(to_column(freed.cpu_millis))
+                    .bind(to_column(freed.memory_bytes))
+                    .execute(&mut *conn)
+                    .await?;
+                    expect_one(done.rows_affected(), &format!("node {}'s ledger row", lease.node_id))?;
+                    let (resources, resize) = write_resize(conn, &lease, kept, report.clone(), lease.seq).await?;
+                    Ok((LeaseRecord { resources, resize: Some(resize), ..lease }, true))
                 })
             })
             .await
@@ -1145,7 +1294,8 @@ async fn apply(
 ) -> Result<LeaseRecord, LeaseError> {
     let leaving = lease.phase.is_open() && !change.to.is_open();
     let entering = !lease.phase.is_open() && change.to.is_open();
-    let (cpu, memory) = (to_column(lease.resources.cpu_millis), to_column(lease.resources.memory_bytes));
+    let reserved = lease.reserved();
+    let (cpu, memory) = (to_column(reserved.cpu_millis), to_column(reserved.memory_bytes));
     let moved: Option<i64> = if leaving {
         sqlx::query_scalar(
             "UPDATE node_ledger SET \
@@ -1228,6 +1378,37 @@ async fn apply(
         ports: if change.to == Phase::Running { lease.ports.clone() } else { Vec::new() },
         ..lease.clone()
     })
+}
+
+/// Writes a lease's size and resize, fenced on the epoch and phase it was
+/// read at; returns what was written.
+async fn write_resize(
+    conn: &mut AnyConnection,
+    lease: &LeaseRecord,
+    resources: Resources,
+    resize: Resize,
+    seq: i64,
+) -> Result<(Resources, Resize), LeaseError> {
+    let done = sqlx::query(
+        "UPDATE leases SET cpu_millis = $4, memory_bytes = $5, resize_state = $6, resize_cpu_millis = $7, \
+         resize_memory_bytes = $8, resize_reason = $9, resize_message = $10, seq = $11 \
+         WHERE lease_id = $1 AND epoch = $2 AND phase = $3",
+    )
+    .bind(&lease.lease_id)
+    .bind(lease.epoch)
+    .bind(lease.phase.as_str())
+    .bind(to_column(resources.cpu_millis))
+    .bind(to_column(resources.memory_bytes))
+    .bind(resize.state.as_str())
+    .bind(to_column(resize.resources.cpu_millis))
+    .bind(to_column(resize.resources.memory_bytes))
+    .bind(&resize.reason)
+    .bind(&resize.message)
+    .bind(seq)
+    .execute(&mut *conn)
+    .await?;
+    expect_one(done.rows_affected(), &format!("lease {} at epoch {}", lease.lease_id, lease.epoch))?;
+    Ok((resources, resize))
 }
 
 /// How one ask of a batch is answered.
@@ -1351,6 +1532,7 @@ async fn place_in_tx(
                 seq: seqs[position],
                 traceparent: ask.traceparent.clone(),
                 ports: Vec::new(),
+                resize: None,
             });
         }
     }

@@ -90,6 +90,12 @@ pub static MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0005_launch_registrations.sql"),
         sqlite: include_str!("../migrations/sqlite/0005_launch_registrations.sql"),
     },
+    Migration {
+        version: 6,
+        name: "resize",
+        postgres: include_str!("../migrations/postgres/0006_resize.sql"),
+        sqlite: include_str!("../migrations/sqlite/0006_resize.sql"),
+    },
 ];
 
 /// How the runtime starts it: [`server`] with the default timings.

@@ -41,6 +41,15 @@ impl Resources {
         }
     }
 
+    /// The larger of `self` and `other` in each dimension: what a lease
+    /// reserves while a resize between the two is pending.
+    pub fn max(self, other: Resources) -> Resources {
+        Resources {
+            cpu_millis: self.cpu_millis.max(other.cpu_millis),
+            memory_bytes: self.memory_bytes.max(other.memory_bytes),
+        }
+    }
+
     /// `self - other`, floored at zero: a node whose capacity shrank below
     /// what it holds has nothing free, not a negative amount.
     pub fn minus(self, other: Resources) -> Resources {
@@ -87,6 +96,69 @@ impl fmt::Display for Memory {
             }
         }
         write!(f, "{} bytes", self.0)
+    }
+}
+
+/// Where a lease's last resize stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ResizeState {
+    /// Asked for; the node has not applied it. The lease reserves the larger
+    /// of its size and the asked one meanwhile.
+    Pending,
+    /// Applied on the node; the lease's resources are the asked size.
+    Applied,
+    /// Not applied; the lease keeps its size.
+    Deferred,
+}
+
+impl ResizeState {
+    /// How the database spells it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            ResizeState::Pending => "pending",
+            ResizeState::Applied => "applied",
+            ResizeState::Deferred => "deferred",
+        }
+    }
+
+    /// The state the database spells `s`; `None` for `''` (never resized) or anything else.
+    pub(crate) fn parse(s: &str) -> Option<ResizeState> {
+        [ResizeState::Pending, ResizeState::Applied, ResizeState::Deferred]
+            .into_iter()
+            .find(|state| state.as_str() == s)
+    }
+
+    /// The API's state for this one.
+    pub(crate) fn to_proto(self) -> berth_proto::leases::v1::ResizeState {
+        use berth_proto::leases::v1::ResizeState as Api;
+        match self {
+            ResizeState::Pending => Api::Pending,
+            ResizeState::Applied => Api::Applied,
+            ResizeState::Deferred => Api::Deferred,
+        }
+    }
+}
+
+/// A lease's last resize.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Resize {
+    /// The size asked for.
+    pub(crate) resources: Resources,
+    pub(crate) state: ResizeState,
+    /// With `Deferred`: why, one CamelCase word.
+    pub(crate) reason: String,
+    /// A person-readable account of `reason`.
+    pub(crate) message: String,
+}
+
+impl Default for Resize {
+    fn default() -> Self {
+        Self {
+            resources: Resources::default(),
+            state: ResizeState::Pending,
+            reason: String::new(),
+            message: String::new(),
+        }
     }
 }
 

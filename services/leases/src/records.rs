@@ -14,14 +14,14 @@ use prost::Message as _;
 use sqlx::Row as _;
 use sqlx::any::AnyRow;
 
-use crate::model::{Phase, Resources};
+use crate::model::{Phase, Resize, ResizeState, Resources};
 
 /// The columns [`LeaseRecord::from_row`] reads, for `concat!` into a `SELECT`.
 macro_rules! lease_columns {
     () => {
         "lease_id, project, idempotency_key, owner, node_id, phase, epoch, cpu_millis, memory_bytes, tier, \
          spread_group, workload, reason, message, exit_code, created_at_ms, phase_changed_at_ms, expires_at_ms, seq, \
-         traceparent, ports"
+         traceparent, ports, resize_state, resize_cpu_millis, resize_memory_bytes, resize_reason, resize_message"
     };
 }
 
@@ -54,6 +54,8 @@ pub(crate) struct LeaseRecord {
     /// Where the replica listens on its node, by port name, as reported
     /// RUNNING (see `Lease.ports`).
     pub(crate) ports: Vec<(String, u32)>,
+    /// Its last resize; `None` when it was never resized.
+    pub(crate) resize: Option<Resize>,
 }
 
 impl LeaseRecord {
@@ -92,7 +94,30 @@ impl LeaseRecord {
             seq: row.try_get("seq")?,
             traceparent: row.try_get("traceparent")?,
             ports: parse_ports(&row.try_get::<String, _>("ports")?),
+            resize: match ResizeState::parse(&row.try_get::<String, _>("resize_state")?) {
+                Some(state) => Some(Resize {
+                    resources: Resources::new(
+                        from_column(row.try_get("resize_cpu_millis")?),
+                        from_column(row.try_get("resize_memory_bytes")?),
+                    ),
+                    state,
+                    reason: row.try_get("resize_reason")?,
+                    message: row.try_get("resize_message")?,
+                }),
+                None => None,
+            },
         })
+    }
+
+    /// The resize its node has yet to apply, if one is pending.
+    pub(crate) fn pending_resize(&self) -> Option<Resources> {
+        self.resize.as_ref().filter(|resize| resize.state == ResizeState::Pending).map(|resize| resize.resources)
+    }
+
+    /// What it holds of its node's capacity while open: its size, or the
+    /// larger of its size and a pending resize's in each dimension.
+    pub(crate) fn reserved(&self) -> Resources {
+        self.pending_resize().map_or(self.resources, |asked| self.resources.max(asked))
     }
 
     /// The epoch as the API counts it.
@@ -122,6 +147,12 @@ impl LeaseRecord {
             message: self.message.clone(),
             traceparent: self.traceparent.clone(),
             ports: self.ports.iter().map(|(name, port)| Port { name: name.clone(), port: *port }).collect(),
+            resize: self.resize.as_ref().map(|resize| v1::LeaseResize {
+                resources: Some(resize.resources.into()),
+                state: resize.state.to_proto() as i32,
+                reason: resize.reason.clone(),
+                message: resize.message.clone(),
+            }),
         }
     }
 

@@ -3,9 +3,10 @@
 
 use berth_proto::artifact::ArtifactKind;
 use berth_proto::leases::v1;
+use berth_proto::types::v1::Capacity;
 
 use crate::ledger::{LeaseAsk, LeaseError};
-use crate::model::{Phase, Resources};
+use crate::model::{Phase, ResizeState, Resources};
 
 /// The project an empty project field means.
 pub(crate) const DEFAULT_PROJECT: &str = "default";
@@ -185,14 +186,7 @@ pub(crate) fn lease_ask(request: v1::RequestLeaseRequest) -> Result<LeaseAsk, Le
     let project = project(&request.project)?;
     name("owner", &request.owner)?;
     name("idempotency_key", &request.idempotency_key)?;
-    let capacity = request.resources.ok_or_else(|| invalid("resources", "must be set"))?;
-    let resources = Resources::from(capacity);
-    if resources.cpu_millis == 0 || resources.memory_bytes == 0 {
-        return Err(invalid("resources", "cpu_millis and memory_bytes must both be above zero"));
-    }
-    if i64::try_from(resources.cpu_millis).is_err() || i64::try_from(resources.memory_bytes).is_err() {
-        return Err(invalid("resources", "out of range"));
-    }
+    let resources = self::resources(request.resources)?;
     tier(&request.tier)?;
     optional_name("spread_group", &request.spread_group)?;
     let workload = request.workload.ok_or_else(|| invalid("workload", "must be set"))?;
@@ -207,6 +201,27 @@ pub(crate) fn lease_ask(request: v1::RequestLeaseRequest) -> Result<LeaseAsk, Le
         workload,
         traceparent: String::new(),
     })
+}
+
+/// A lease's size: both amounts above zero and storable.
+pub(crate) fn resources(capacity: Option<Capacity>) -> Result<Resources, LeaseError> {
+    let resources = Resources::from(capacity.ok_or_else(|| invalid("resources", "must be set"))?);
+    if resources.cpu_millis == 0 || resources.memory_bytes == 0 {
+        return Err(invalid("resources", "cpu_millis and memory_bytes must both be above zero"));
+    }
+    if i64::try_from(resources.cpu_millis).is_err() || i64::try_from(resources.memory_bytes).is_err() {
+        return Err(invalid("resources", "out of range"));
+    }
+    Ok(resources)
+}
+
+/// The outcome a node reports for a resize: applied or deferred.
+pub(crate) fn reported_resize(value: i32) -> Result<ResizeState, LeaseError> {
+    match v1::ResizeState::try_from(value) {
+        Ok(v1::ResizeState::Applied) => Ok(ResizeState::Applied),
+        Ok(v1::ResizeState::Deferred) => Ok(ResizeState::Deferred),
+        _ => Err(invalid("state", "a node reports RESIZE_STATE_APPLIED or RESIZE_STATE_DEFERRED")),
+    }
 }
 
 fn workload(workload: &v1::Workload) -> Result<(), LeaseError> {

@@ -484,7 +484,107 @@ async fn a_lease_goes_only_where_the_runtime_it_needs_runs(backend: Backend) {
     ledger.cleanup().await;
 }
 
+fn size(cpu_millis: u64, memory_bytes: u64) -> Option<berth_proto::types::v1::Capacity> {
+    Some(berth_proto::types::v1::Capacity { cpu_millis, memory_bytes })
+}
+
+fn resize(lease: &v1::Lease, epoch: u64, cpu_millis: u64, memory_bytes: u64) -> v1::ResizeLeaseRequest {
+    v1::ResizeLeaseRequest { lease_id: lease.lease_id.clone(), epoch, resources: size(cpu_millis, memory_bytes) }
+}
+
+fn resized(lease: &v1::Lease, state: v1::ResizeState, cpu_millis: u64, memory_bytes: u64) -> v1::ReportResizeRequest {
+    v1::ReportResizeRequest {
+        node_id: lease.node_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        epoch: lease.epoch,
+        resources: size(cpu_millis, memory_bytes),
+        state: state as i32,
+        reason: if state == v1::ResizeState::Deferred { "MemoryInUse".into() } else { String::new() },
+        message: String::new(),
+    }
+}
+
+async fn a_resize_grows_at_once_shrinks_once_applied_and_what_does_not_fit_changes_nothing(backend: Backend) {
+    let ledger = Ledger::start(backend, fast_config(), vec![node("n-1", "", NodeState::Up, 4000, 8 * GIB)]).await;
+    let job = ledger.place("job", 1000, GIB).await;
+    let other = ledger.place("other", 1000, GIB).await;
+    let allocated = async |ledger: &Ledger| {
+        let allocated = ledger.node_capacity("n-1").await.allocated.unwrap();
+        (allocated.cpu_millis, allocated.memory_bytes)
+    };
+
+    // Growing reserves the new size at once; the lease's own size waits for its node.
+    let asked = ledger.leases(0).resize_lease(resize(&job, 1, 2000, 2 * GIB)).await.unwrap().into_inner();
+    let asked = asked.lease.unwrap();
+    let pending = asked.resize.clone().unwrap();
+    assert_eq!((pending.state(), pending.resources), (v1::ResizeState::Pending, size(2000, 2 * GIB)));
+    assert_eq!(asked.resources, size(1000, GIB), "the size changes once its node applied it");
+    assert_eq!(asked.phase(), LeasePhase::Bound, "a resize leaves the lease's phase alone");
+    assert_eq!(allocated(&ledger).await, (3000, 3 * GIB));
+    assert_eq!(ledger.get(&job.lease_id).await, asked, "as stored");
+    let again = ledger.leases(0).resize_lease(resize(&job, 1, 2000, 2 * GIB)).await.unwrap().into_inner();
+    assert_eq!(again.lease.unwrap(), asked, "asking again for the pending size changes nothing");
+
+    // What does not fit is refused, naming the shortage, and changes nothing.
+    let refused = ledger.leases(0).resize_lease(resize(&job, 1, 5000, 2 * GIB)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(
+        refused.message(),
+        format!(
+            "lease {} cannot grow to 5000m cpu and 2GiB memory on node n-1: it needs 3000m cpu and 0 bytes memory \
+             more and the node has 1000m cpu and 5GiB memory free",
+            job.lease_id
+        )
+    );
+    assert_eq!(ledger.get(&job.lease_id).await, asked);
+    assert_eq!(allocated(&ledger).await, (3000, 3 * GIB));
+    let stale = ledger.leases(0).resize_lease(resize(&job, 2, 500, GIB)).await.unwrap_err();
+    assert_eq!(stale.code(), Code::FailedPrecondition, "{stale:?}");
+    let bad = ledger.leases(0).resize_lease(resize(&job, 1, 0, GIB)).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    assert!(bad.message().contains("resources"), "{bad:?}");
+
+    // The node reports on the size asked for, no other.
+    let mut node = ledger.node("n-1");
+    let wrong = node.report_resize(resized(&job, v1::ResizeState::Applied, 3000, 2 * GIB)).await.unwrap_err();
+    assert_eq!(wrong.code(), Code::FailedPrecondition, "{wrong:?}");
+    let applied = node.report_resize(resized(&job, v1::ResizeState::Applied, 2000, 2 * GIB)).await.unwrap();
+    let applied = applied.into_inner().lease.unwrap();
+    assert_eq!(
+        (applied.resources, applied.resize.as_ref().unwrap().state()),
+        (size(2000, 2 * GIB), v1::ResizeState::Applied)
+    );
+    assert_eq!(allocated(&ledger).await, (3000, 3 * GIB));
+    let retried = node.report_resize(resized(&job, v1::ResizeState::Applied, 2000, 2 * GIB)).await.unwrap();
+    assert_eq!(retried.into_inner().lease.unwrap(), applied, "a retried report is a no-op");
+
+    // Shrinking frees nothing until the node applied it; a deferred shrink keeps the old size.
+    ledger.leases(0).resize_lease(resize(&job, 1, 500, GIB / 2)).await.unwrap();
+    assert_eq!(allocated(&ledger).await, (3000, 3 * GIB), "a pending shrink still reserves the old size");
+    let deferred = node.report_resize(resized(&job, v1::ResizeState::Deferred, 500, GIB / 2)).await.unwrap();
+    let deferred = deferred.into_inner().lease.unwrap();
+    let resize_seen = deferred.resize.unwrap();
+    assert_eq!((resize_seen.state(), resize_seen.reason.as_str()), (v1::ResizeState::Deferred, "MemoryInUse"));
+    assert_eq!(deferred.resources, size(2000, 2 * GIB), "a deferred shrink keeps the old size");
+    assert_eq!(allocated(&ledger).await, (3000, 3 * GIB));
+    ledger.leases(0).resize_lease(resize(&job, 1, 500, GIB / 2)).await.unwrap();
+    node.report_resize(resized(&job, v1::ResizeState::Applied, 500, GIB / 2)).await.unwrap();
+    assert_eq!(allocated(&ledger).await, (1500, GIB + GIB / 2), "an applied shrink frees the difference");
+
+    // A lease that ends with a resize pending returns all it reserved; a final one cannot be resized.
+    ledger.leases(0).resize_lease(resize(&other, 1, 3000, GIB)).await.unwrap();
+    assert_eq!(allocated(&ledger).await, (3500, GIB + GIB / 2));
+    let release = v1::ReleaseLeaseRequest { lease_id: other.lease_id.clone(), reason: String::new() };
+    ledger.leases(0).release_lease(release).await.unwrap();
+    assert_eq!(allocated(&ledger).await, (500, GIB / 2));
+    let ended = ledger.leases(0).resize_lease(resize(&other, 1, 500, GIB)).await.unwrap_err();
+    assert_eq!(ended.code(), Code::FailedPrecondition, "{ended:?}");
+    assert!(ended.message().contains("only an open lease can be resized"), "{ended:?}");
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
+    a_resize_grows_at_once_shrinks_once_applied_and_what_does_not_fit_changes_nothing,
     a_lease_goes_only_where_the_runtime_it_needs_runs,
     a_spread_group_lands_on_different_nodes_and_what_does_not_fit_is_refused,
     draining_and_down_nodes_get_nothing_new,

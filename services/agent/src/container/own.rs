@@ -186,7 +186,7 @@ fn container_dir(root: &Path, id: &str) -> Result<PathBuf, String> {
 
 /// The runtime's commands other than `run`, run in the caller's process:
 /// `state ID`, `kill [--all] ID SIGNAL`, `delete [--force] ID`,
-/// `list [--quiet]`, `events --stats ID`. Returns what runc would print.
+/// `list [--quiet]`, `events --stats ID`, `update FLAGS ID`. Returns what runc would print.
 pub(crate) fn command(root: &Path, args: &[&str]) -> Result<Vec<u8>, String> {
     let plain: Vec<&str> = args.iter().copied().filter(|a| !matches!(*a, "--force" | "--quiet" | "--stats")).collect();
     match plain.as_slice() {
@@ -255,7 +255,51 @@ pub(crate) fn command(root: &Path, args: &[&str]) -> Result<Vec<u8>, String> {
             });
             Ok(stats.to_string().into_bytes())
         }
+        ["update", rest @ ..] => {
+            let (id, flags) = rest.split_last().ok_or("update needs a container id")?;
+            let update = Update::parse(flags)?;
+            let state = State::load(root, id)?;
+            if !state.running() {
+                return Err(format!("container {id} is not running"));
+            }
+            Cgroup::new(&state.cgroup).update(&update)?;
+            Ok(Vec::new())
+        }
         _ => Err(format!("unknown command: {}", args.join(" "))),
+    }
+}
+
+/// The limits `update` changes, with `runc update`'s flags: `--memory`,
+/// `--memory-swap`, `--memory-reservation`, `--cpu-quota`, `--cpu-period`,
+/// each a number of bytes or microseconds (-1 lifts a limit).
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Update {
+    memory: Option<i64>,
+    memory_swap: Option<i64>,
+    memory_reservation: Option<i64>,
+    cpu_quota: Option<i64>,
+    cpu_period: Option<u64>,
+}
+
+impl Update {
+    fn parse(flags: &[&str]) -> Result<Self, String> {
+        let mut update = Update::default();
+        let mut flags = flags.iter();
+        while let Some(flag) = flags.next() {
+            let value = flags.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let number = || value.parse::<i64>().map_err(|_| format!("{flag}: '{value}' is not a number"));
+            match *flag {
+                "--memory" => update.memory = Some(number()?),
+                "--memory-swap" => update.memory_swap = Some(number()?),
+                "--memory-reservation" => update.memory_reservation = Some(number()?),
+                "--cpu-quota" => update.cpu_quota = Some(number()?),
+                "--cpu-period" => {
+                    update.cpu_period = Some(value.parse().map_err(|_| format!("{flag}: '{value}' is not a number"))?);
+                }
+                other => return Err(format!("update: unknown flag {other}")),
+            }
+        }
+        Ok(update)
     }
 }
 
@@ -353,43 +397,94 @@ impl Cgroup {
                 .create(dir)
                 .map_err(|e| format!("cannot create cgroup {}: {e}", dir.display()))?;
         }
-        let write = |controller: &str, file: &str, value: String, required: bool| -> Result<(), String> {
-            let Some(dir) = self.dir(controller) else {
-                return if required { Err(format!("no {controller} cgroup controller on this host")) } else { Ok(()) };
-            };
-            let path = dir.join(file);
-            match std::fs::write(&path, &value) {
-                Ok(()) => Ok(()),
-                Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(format!("cannot write {value} to {}: {e}", path.display())),
-            }
-        };
         if let Some((Some(limit), swap)) = memory {
-            if self.unified {
-                write("memory", "memory.max", limit.to_string(), true)?;
-                let swap = swap.map_or(0, |swap| swap.saturating_sub(limit).max(0));
-                write("memory", "memory.swap.max", swap.to_string(), false)?;
-            } else {
-                write("memory", "memory.limit_in_bytes", limit.to_string(), true)?;
-                if let Some(swap) = swap {
-                    // Absent where the kernel does not account swap.
-                    write("memory", "memory.memsw.limit_in_bytes", swap.to_string(), false)?;
-                }
-            }
+            self.set_memory(limit, swap)?;
         }
         if let Some((Some(quota), period)) = cpu {
-            let period = period.unwrap_or(100_000);
-            if self.unified {
-                write("cpu", "cpu.max", format!("{quota} {period}"), true)?;
-            } else {
-                write("cpu", "cpu.cfs_period_us", period.to_string(), true)?;
-                write("cpu", "cpu.cfs_quota_us", quota.to_string(), true)?;
-            }
+            self.set_cpu(quota, period.unwrap_or(100_000))?;
         }
         if let Some(limit) = pids.filter(|limit| *limit > 0) {
-            write("pids", "pids.max", limit.to_string(), true)?;
+            self.write("pids", "pids.max", limit.to_string(), true)?;
         }
         Ok(())
+    }
+
+    /// Changes a running workload's limits, as `runc update` does: each
+    /// `Some` is set, the rest left alone.
+    fn update(&self, update: &Update) -> Result<(), String> {
+        if let Some(reservation) = update.memory_reservation {
+            self.set_memory_reservation(reservation)?;
+        }
+        if let Some(limit) = update.memory {
+            self.set_memory(limit, update.memory_swap)?;
+        }
+        if let Some(quota) = update.cpu_quota {
+            self.set_cpu(quota, update.cpu_period.unwrap_or(100_000))?;
+        }
+        Ok(())
+    }
+
+    /// Writes `value` to `controller`'s `file`; a controller or file the
+    /// host lacks is an error only when `required`.
+    fn write(&self, controller: &str, file: &str, value: String, required: bool) -> Result<(), String> {
+        let Some(dir) = self.dir(controller) else {
+            return if required { Err(format!("no {controller} cgroup controller on this host")) } else { Ok(()) };
+        };
+        let path = dir.join(file);
+        match std::fs::write(&path, &value) {
+            Ok(()) => Ok(()),
+            Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(format!("cannot write {value} to {}: {e}", path.display())),
+        }
+    }
+
+    /// Sets the hard memory limit and, with `swap` (memory plus swap, as the
+    /// OCI spec counts it), the swap limit. On v1 the memory-plus-swap limit
+    /// may never be below the memory limit, so a growing limit moves it
+    /// first and a shrinking one after. A shrink below what the workload
+    /// uses is refused by the kernel (v1: `EBUSY` once reclaim fails), and
+    /// nothing changes.
+    fn set_memory(&self, limit: i64, swap: Option<i64>) -> Result<(), String> {
+        if self.unified {
+            self.write("memory", "memory.max", limit.to_string(), true)?;
+            let swap = swap.map_or(0, |swap| swap.saturating_sub(limit).max(0));
+            return self.write("memory", "memory.swap.max", swap.to_string(), false);
+        }
+        let current = self.read_number("memory", "memory.limit_in_bytes");
+        let growing = u64::try_from(limit).is_ok_and(|limit| limit >= current);
+        // Absent where the kernel does not account swap.
+        let set_swap =
+            || swap.map_or(Ok(()), |swap| self.write("memory", "memory.memsw.limit_in_bytes", swap.to_string(), false));
+        if growing {
+            set_swap()?;
+        }
+        self.write("memory", "memory.limit_in_bytes", limit.to_string(), true)?;
+        if !growing {
+            set_swap()?;
+        }
+        Ok(())
+    }
+
+    /// Sets the soft memory limit the kernel reclaims towards: v1's
+    /// `memory.soft_limit_in_bytes`, v2's `memory.high` (which also
+    /// throttles the workload's allocations above it). -1 lifts it.
+    fn set_memory_reservation(&self, reservation: i64) -> Result<(), String> {
+        let value = match (self.unified, reservation) {
+            (true, ..0) => "max".to_string(),
+            (false, ..0) => "-1".to_string(),
+            (_, bytes) => bytes.to_string(),
+        };
+        self.write("memory", if self.unified { "memory.high" } else { "memory.soft_limit_in_bytes" }, value, true)
+    }
+
+    /// Sets the CPU quota per period, in microseconds; a negative quota lifts it.
+    fn set_cpu(&self, quota: i64, period: u64) -> Result<(), String> {
+        if self.unified {
+            let quota = if quota < 0 { "max".to_string() } else { quota.to_string() };
+            return self.write("cpu", "cpu.max", format!("{quota} {period}"), true);
+        }
+        self.write("cpu", "cpu.cfs_period_us", period.to_string(), true)?;
+        self.write("cpu", "cpu.cfs_quota_us", quota.to_string(), true)
     }
 
     /// On v2, lets the cgroup's ancestors hand it the controllers it is
@@ -957,6 +1052,18 @@ fn component_name(component: Component<'_>) -> Option<std::ffi::OsString> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn update_reads_runcs_flags_and_names_what_it_cannot() {
+        let update = Update::parse(&["--memory", "1048576", "--memory-swap", "-1", "--cpu-quota", "50000"]).unwrap();
+        assert_eq!(
+            update,
+            Update { memory: Some(1 << 20), memory_swap: Some(-1), cpu_quota: Some(50_000), ..Update::default() }
+        );
+        assert_eq!(Update::parse(&["--memory"]).unwrap_err(), "--memory needs a value");
+        assert_eq!(Update::parse(&["--memory", "1G"]).unwrap_err(), "--memory: '1G' is not a number");
+        assert_eq!(Update::parse(&["--blkio-weight", "10"]).unwrap_err(), "update: unknown flag --blkio-weight");
+    }
 
     #[test]
     fn mount_destinations_never_leave_the_root_whatever_links_the_image_holds() {

@@ -56,7 +56,13 @@ pub(crate) const WORKLOAD_API_LINK: &str = "/berth-workload-api.sock";
 pub(crate) const INIT_MOUNT: &str = "/berth/init";
 
 /// The CPU quota period: 100 ms, the kernel's default.
-const CPU_PERIOD_US: u64 = 100_000;
+pub(crate) const CPU_PERIOD_US: u64 = 100_000;
+
+/// The CFS quota per [`CPU_PERIOD_US`] that gives `cpu_millis` of CPU, at
+/// least a millisecond per period.
+pub(crate) fn cpu_quota(cpu_millis: u64) -> i64 {
+    i64::try_from(cpu_millis.saturating_mul(CPU_PERIOD_US) / 1000).unwrap_or(i64::MAX).max(1000)
+}
 
 /// Where a workload's resolver configuration is.
 const RESOLV_CONF: &str = "/etc/resolv.conf";
@@ -165,8 +171,8 @@ pub(crate) fn runtime_spec(plan: &ContainerPlan, rootfs: &Path) -> Result<Spec, 
         resources = resources.memory(LinuxMemoryBuilder::default().limit(limit).swap(limit).build()?);
     }
     if plan.cpu_millis > 0 {
-        let quota = i64::try_from(plan.cpu_millis.saturating_mul(CPU_PERIOD_US) / 1000).unwrap_or(i64::MAX).max(1000);
-        resources = resources.cpu(LinuxCpuBuilder::default().quota(quota).period(CPU_PERIOD_US).build()?);
+        resources =
+            resources.cpu(LinuxCpuBuilder::default().quota(cpu_quota(plan.cpu_millis)).period(CPU_PERIOD_US).build()?);
     }
     let linux = LinuxBuilder::default()
         .namespaces(namespaces)

@@ -19,7 +19,8 @@ use std::sync::Arc;
 
 use super::proxies::EgressProxies;
 use crate::provider::{
-    InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, Runtime, Settlement, WorkloadSignal,
+    InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk, Resized, Runtime, Settlement,
+    WorkloadSignal,
 };
 
 /// A provider whose replicas reach the network only through their tenant's
@@ -122,6 +123,10 @@ impl Provider for EgressProvider {
 
     async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError> {
         self.inner.stats(lease_id).await
+    }
+
+    async fn resize(&self, lease_id: &str, ask: ResizeAsk) -> Result<Resized, ProviderError> {
+        self.inner.resize(lease_id, ask).await
     }
 
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use berth_proto::leases::v1::{
     AssumeCustodyRequest, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest, RenewLeasesResponse,
-    Workload,
+    ReportResizeRequest, Workload,
 };
 use berth_testkit::{PATIENCE, eventually};
 use tokio::sync::Semaphore;
@@ -37,6 +37,7 @@ struct Ledger {
     renewals: Vec<RenewLeasesRequest>,
     reconciles: Vec<ReconcileNodeRequest>,
     custody: Vec<AssumeCustodyRequest>,
+    resizes: Vec<ReportResizeRequest>,
     streams_opened: usize,
     stream: Option<EventSender>,
     cursor: u64,
@@ -241,6 +242,21 @@ impl NodeLeasesApi for FakeLeases {
         Ok(ReconcileNodeResponse { destroy, failed })
     }
 
+    async fn report_resize(&self, request: ReportResizeRequest) -> Result<Lease, tonic::Status> {
+        let mut ledger = self.ledger();
+        ledger.check()?;
+        ledger.resizes.push(request.clone());
+        let lease = ledger.leases.get_mut(&request.lease_id).ok_or_else(|| tonic::Status::not_found("no lease"))?;
+        let resize = lease.resize.as_mut().filter(|r| r.resources == request.resources && lease.epoch == request.epoch);
+        let resize = resize.ok_or_else(|| tonic::Status::failed_precondition("not the pending resize"))?;
+        resize.state = request.state;
+        resize.reason = request.reason.clone();
+        if request.state() == ResizeState::Applied {
+            lease.resources = request.resources;
+        }
+        Ok(lease.clone())
+    }
+
     async fn assume_custody(&self, request: AssumeCustodyRequest) -> Result<Lease, tonic::Status> {
         let mut ledger = self.ledger();
         ledger.check()?;
@@ -278,6 +294,7 @@ fn settings() -> RunnerSettings {
             exit_poll: Duration::from_millis(20),
             log_poll: Duration::from_millis(20),
             retain_finished: Duration::from_secs(3600),
+            resize_settle: Duration::from_secs(1),
         },
         retry_initial: Duration::from_millis(10),
         retry_max: Duration::from_millis(100),
@@ -385,6 +402,13 @@ impl Provider for FlakyInventory {
     }
     async fn stats(&self, lease_id: &str) -> Result<crate::provider::InstanceStats, ProviderError> {
         self.inner().stats(lease_id).await
+    }
+    async fn resize(
+        &self,
+        lease_id: &str,
+        ask: crate::provider::ResizeAsk,
+    ) -> Result<crate::provider::Resized, ProviderError> {
+        self.inner().resize(lease_id, ask).await
     }
     fn log_files(&self, lease_id: &str) -> Result<crate::provider::LogFiles, ProviderError> {
         self.inner().log_files(lease_id)
@@ -1147,4 +1171,39 @@ fn a_lease_needing_a_runtime_this_node_lacks_is_refused_naming_both() {
     let refused = runtime_refusal(contained, &process).unwrap();
     assert!(refused.contains("process (uncontained)"), "{refused}");
     assert!(runtime_refusal(9, &runsc).unwrap().contains("runtime class 9"));
+}
+
+#[tokio::test]
+async fn a_pending_resize_is_applied_to_the_running_workload_and_reported_once_without_a_restart() {
+    let (_dir, fake, runner) = serving_runner(settings()).await;
+    let capacity = |cpu_millis, memory_bytes| Some(berth_proto::types::v1::Capacity { cpu_millis, memory_bytes });
+    let pid = run_lease(&fake, &runner, "l-1", "sleep 600").await;
+
+    let resize = |lease: &mut Lease| {
+        lease.resize = Some(berth_proto::leases::v1::LeaseResize {
+            resources: capacity(2000, 1 << 30),
+            state: ResizeState::Pending as i32,
+            ..Default::default()
+        });
+    };
+    fake.change("l-1", Some(EventKind::Upsert), resize);
+    let reported = eventually("the resize to be reported", PATIENCE, || async {
+        let resizes = fake.ledger().resizes.clone();
+        if resizes.is_empty() { Err("no report yet") } else { Ok(resizes) }
+    })
+    .await;
+    assert_eq!(reported[0].state(), ResizeState::Applied, "an uncontained workload has no limits to wait on");
+    assert_eq!((reported[0].resources, reported[0].epoch), (capacity(2000, 1 << 30), 1));
+    assert_eq!(fake.lease("l-1").resources, capacity(2000, 1 << 30));
+
+    // The stream sending the lease again, its resize applied, asks for
+    // nothing more; the workload never restarted.
+    fake.change("l-1", Some(EventKind::Upsert), |_| {});
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let resizes = fake.ledger().resizes.clone();
+    assert_eq!(resizes.len(), 1, "{resizes:?}");
+    assert_eq!(runner.pid_of("l-1").await, pid);
+    assert!(alive(pid));
+    assert_eq!(fake.reported("l-1"), vec![LeasePhase::Launching, LeasePhase::Running]);
+    runner.kill().await;
 }

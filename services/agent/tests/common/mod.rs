@@ -312,6 +312,7 @@ pub(crate) fn agent_config(plane: &ControlPlane, dir: &Path) -> AgentConfig {
         exit_poll: Duration::from_millis(50),
         log_poll: Duration::from_millis(50),
         retain_finished: Duration::from_secs(3600),
+        resize_settle: Duration::from_secs(2),
     };
     config
 }

@@ -1,4 +1,4 @@
-//! `berth lease request|list|get|release` and `berth capacity`: the
+//! `berth lease request|list|get|resize|release` and `berth capacity`: the
 //! capacity ledger as an operator reads it and asks it for compute.
 //!
 //! # Where leases is
@@ -76,6 +76,12 @@ enum LeaseCommand {
         #[arg(value_name = "LEASE_ID")]
         lease_id: String,
     },
+    /// Change what a lease reserves without restarting its workload, e.g.
+    /// `berth lease resize l-1234 --memory 2Gi --wait`. Growing needs the room
+    /// on the lease's node at once; its node then applies the new limits live
+    /// (a memory decrease waits for the workload to use less, else is
+    /// deferred and the old size kept).
+    Resize(ResizeArgs),
     /// Give a lease back: its node stops the workload and the compute is
     /// freed. A lease that already ended is left as it is.
     Release {
@@ -123,6 +129,28 @@ struct RequestArgs {
     /// The program to run and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     command: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("size").required(true).multiple(true).args(["cpu", "memory"])))]
+struct ResizeArgs {
+    /// The lease's id.
+    #[arg(value_name = "LEASE_ID")]
+    lease_id: String,
+    /// The new CPU: `500m`, `0.5` or `2` cores [default: unchanged].
+    #[arg(long, value_name = "QUANTITY", value_parser = parse_cpu)]
+    cpu: Option<u64>,
+    /// The new memory: `64Mi`, `1Gi`, `512M` or bytes [default: unchanged].
+    #[arg(long, value_name = "QUANTITY", value_parser = parse_memory)]
+    memory: Option<u64>,
+    /// Resize only if the lease is still at this epoch [default: the epoch
+    /// it is at when read].
+    #[arg(long, value_name = "EPOCH")]
+    epoch: Option<u64>,
+    /// Wait until its node applied or deferred the resize, and fail if it
+    /// was deferred.
+    #[arg(long)]
+    wait: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -204,6 +232,7 @@ impl LeaseArgs {
                     OutputFormat::Table => output::print(&details(&lease)),
                 }
             }
+            LeaseCommand::Resize(args) => resize(&mut client, &connection, args, format).await,
             LeaseCommand::Release { lease_id, reason } => {
                 let request = v1::ReleaseLeaseRequest { lease_id, reason: reason.unwrap_or_default() };
                 let released = client
@@ -332,6 +361,68 @@ async fn request(
             output::print(&table.render())
         }
     }
+}
+
+async fn resize(
+    client: &mut LeasesClient<Channel>,
+    connection: &Connection,
+    args: ResizeArgs,
+    format: OutputFormat,
+) -> Result<(), CliError> {
+    let current = get_lease(client, connection, &args.lease_id).await?;
+    let size = current.resize.as_ref().filter(|r| r.state() == v1::ResizeState::Pending).and_then(|r| r.resources);
+    let size = size.or(current.resources).unwrap_or_default();
+    let request = v1::ResizeLeaseRequest {
+        lease_id: args.lease_id.clone(),
+        epoch: args.epoch.unwrap_or(current.epoch),
+        resources: Some(Capacity {
+            cpu_millis: args.cpu.unwrap_or(size.cpu_millis),
+            memory_bytes: args.memory.unwrap_or(size.memory_bytes),
+        }),
+    };
+    let response =
+        client.resize_lease(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner();
+    let mut lease = response.lease.ok_or(CliError::IncompleteResponse("the lease"))?;
+    if args.wait {
+        while lease.resize.as_ref().is_some_and(|r| r.state() == v1::ResizeState::Pending) && is_open(lease.phase) {
+            tokio::time::sleep(WAIT_POLL).await;
+            lease = get_lease(client, connection, &lease.lease_id).await?;
+        }
+    }
+    match format {
+        OutputFormat::Json => output::print_message(&v1::ResizeLeaseResponse { lease: Some(lease.clone()) })?,
+        OutputFormat::Table => output::print(&format!("lease {}: {}\n", lease.lease_id, resize_line(&lease)))?,
+    }
+    match lease.resize.as_ref() {
+        Some(resize) if args.wait && resize.state() == v1::ResizeState::Deferred => {
+            Err(CliError::Refused(format!("node {} deferred the resize: {}", lease.node_id, resize_reason(resize))))
+        }
+        _ if args.wait && !is_open(lease.phase) => {
+            Err(CliError::Refused(format!("lease {} ended before its node applied the resize", lease.lease_id)))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Where a lease's last resize stands, as a person reads it.
+fn resize_line(lease: &v1::Lease) -> String {
+    let Some(resize) = lease.resize.as_ref() else { return output::NONE.to_string() };
+    let asked = output::capacity(resize.resources.as_ref());
+    match resize.state() {
+        v1::ResizeState::Pending => format!("to {asked}, pending on node {}", lease.node_id),
+        v1::ResizeState::Applied => format!("to {asked}, applied"),
+        v1::ResizeState::Deferred => format!("to {asked}, deferred: {}", resize_reason(resize)),
+        v1::ResizeState::Unspecified => output::NONE.to_string(),
+    }
+}
+
+fn resize_reason(resize: &v1::LeaseResize) -> String {
+    if resize.message.is_empty() { resize.reason.clone() } else { format!("{} ({})", resize.reason, resize.message) }
+}
+
+/// Whether the lease still reserves compute.
+fn is_open(phase: i32) -> bool {
+    is_starting(phase) || phase == v1::LeasePhase::Running as i32
 }
 
 /// Whether the lease is open but its workload has not started running yet.
@@ -484,6 +575,7 @@ fn details(lease: &v1::Lease) -> String {
         ("Node", output::or_none(&lease.node_id)),
         ("Epoch", lease.epoch.to_string()),
         ("Resources", output::capacity(lease.resources.as_ref())),
+        ("Resize", resize_line(lease)),
         ("Tier", output::or_none(&lease.tier)),
         ("Spread group", output::or_none(&lease.spread_group)),
         ("Command", program),
@@ -629,6 +721,20 @@ mod tests {
         assert_eq!(request.idempotency_key.as_deref(), Some("k1"));
         assert_eq!((request.cpu, request.memory), (500, 1 << 30));
         assert_eq!(request.command, ["sh", "-c", "exit 3"]);
+    }
+
+    #[test]
+    fn a_resize_names_at_least_one_new_size() {
+        let parsed = Berth::try_parse_from(["berth", "lease", "resize", "l-1", "--memory", "2Gi", "--wait"]).unwrap();
+        let Top::Lease(LeaseArgs { command: LeaseCommand::Resize(resize), .. }) = parsed.command else {
+            panic!("parsed as another command");
+        };
+        assert_eq!((resize.lease_id.as_str(), resize.cpu, resize.memory), ("l-1", None, Some(2 << 30)));
+        assert!(resize.wait && resize.epoch.is_none());
+        let neither = Berth::try_parse_from(["berth", "lease", "resize", "l-1"]).unwrap_err();
+        assert!(neither.to_string().contains("--cpu"), "{neither}");
+        let bad = Berth::try_parse_from(["berth", "lease", "resize", "l-1", "--cpu", "lots"]).unwrap_err();
+        assert!(bad.to_string().contains("--cpu"), "{bad}");
     }
 
     #[test]
