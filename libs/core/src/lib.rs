@@ -33,3 +33,8 @@ pub use image::{MAX_IMAGE_USER, MAX_WORKING_DIR, image_settings_problems, image_
 pub use json_file::JsonFileError;
 pub use time::{millis, wall_clock_ms};
 pub use workload_id::{WorkloadId, WorkloadIdError, is_trust_domain};
+
+/// The reason an open lease on a draining node is given (leases writes it,
+/// a requester that can move the work, such as revisions, reads it): the
+/// lease should be replaced elsewhere, then released.
+pub const NODE_DRAINING: &str = "NodeDraining";

@@ -153,6 +153,11 @@ pub fn timestamp_from_ms(ms: i64) -> prost_types::Timestamp {
     }
 }
 
+/// A protobuf timestamp as epoch milliseconds (as the stores keep time).
+pub fn timestamp_to_ms(at: &prost_types::Timestamp) -> i64 {
+    at.seconds.saturating_mul(1000).saturating_add(i64::from(at.nanos / 1_000_000))
+}
+
 /// Encoded FileDescriptorSet of the whole API, for reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/berth_descriptor.bin"));
 

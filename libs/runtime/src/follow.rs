@@ -124,9 +124,7 @@ fn is_revoked(node: &Node) -> bool {
 /// Which of the node's certificates are still its own, as identity says.
 fn certificate_floor(node: &Node) -> CertificateFloor {
     let seconds = |t: &Option<prost_types::Timestamp>| t.as_ref().map_or(0, |t| t.seconds);
-    let millis = |t: &Option<prost_types::Timestamp>| {
-        t.as_ref().map_or(0, |t| t.seconds.saturating_mul(1000).saturating_add(i64::from(t.nanos / 1_000_000)))
-    };
+    let millis = |t: &Option<prost_types::Timestamp>| t.as_ref().map_or(0, berth_proto::timestamp_to_ms);
     CertificateFloor {
         floor_s: seconds(&node.certificate_floor),
         next_s: seconds(&node.certificate_next_floor),

@@ -86,6 +86,12 @@ pub static MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0005_workload_authority.sql"),
         sqlite: include_str!("../migrations/sqlite/0005_workload_authority.sql"),
     },
+    Migration {
+        version: 6,
+        name: "drain_deadline",
+        postgres: include_str!("../migrations/postgres/0006_drain_deadline.sql"),
+        sqlite: include_str!("../migrations/sqlite/0006_drain_deadline.sql"),
+    },
 ];
 
 /// How identity is configured beyond its state.

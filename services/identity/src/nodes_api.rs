@@ -18,6 +18,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use berth_proto::identity::v1;
 use berth_proto::types::v1::EventKind;
@@ -113,10 +114,18 @@ impl IdentityService {
         Ok(self.nodes.committed(record).await.as_ref().clone())
     }
 
-    async fn drain(&self, admin: &str, node_id: &str, undrain: bool) -> Result<NodeRecord, NodesApiError> {
+    async fn drain(
+        &self,
+        admin: &str,
+        node_id: &str,
+        undrain: bool,
+        deadline: Option<Duration>,
+    ) -> Result<NodeRecord, NodesApiError> {
         require_node_id(node_id)?;
+        let deadline_ms = deadline.map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         let update = format!(
             "UPDATE nodes SET state = $3, drained_at_ms = CASE WHEN $4 = 1 THEN COALESCE(drained_at_ms, {now}) END, \
+             drain_deadline_ms = CASE WHEN $4 = 1 AND $6 >= 0 THEN {now} + $6 END, \
              state_changed_at_ms = CASE WHEN state = $3 THEN state_changed_at_ms ELSE {now} END, \
              revision = revision + 1 WHERE node_id = $1 AND incarnation = $2 AND state = $5",
             now = self.store.now_ms_sql()
@@ -138,7 +147,8 @@ impl IdentityService {
                         other => other,
                     };
                     // Already as asked: nothing to write or tell anyone.
-                    if current.drained != undrain && next == current.state {
+                    let same_deadline = deadline_ms.is_none() && current.drain_deadline_ms.is_none();
+                    if current.drained != undrain && next == current.state && (undrain || same_deadline) {
                         return Ok((current, false));
                     }
                     let done = sqlx::query(sqlx::AssertSqlSafe(update))
@@ -147,6 +157,7 @@ impl IdentityService {
                         .bind(next.as_str())
                         .bind(i64::from(!undrain))
                         .bind(current.state.as_str())
+                        .bind(deadline_ms.unwrap_or(-1))
                         .execute(&mut *conn)
                         .await?;
                     expect_one(done.rows_affected(), &format!("node {id} in state {}", current.state.as_str()))?;
@@ -160,7 +171,8 @@ impl IdentityService {
         if !changed {
             return Ok(record);
         }
-        tracing::info!(%node_id, %admin, drained = !undrain, state = record.state.as_str(), "node drain changed");
+        tracing::info!(%node_id, %admin, drained = !undrain, state = record.state.as_str(), ?deadline,
+            "node drain changed");
         Ok(self.nodes.committed(record).await.as_ref().clone())
     }
 }
@@ -204,8 +216,21 @@ impl v1::nodes_server::Nodes for IdentityService {
         request: tonic::Request<v1::DrainNodeRequest>,
     ) -> Result<tonic::Response<v1::DrainNodeResponse>, tonic::Status> {
         let admin = berth_rpc::caller(&request)?.name().to_owned();
-        let v1::DrainNodeRequest { node_id, undrain } = request.into_inner();
-        let node = self.drain(&admin, &node_id, undrain).await?;
+        let v1::DrainNodeRequest { node_id, undrain, deadline } = request.into_inner();
+        let deadline = match deadline {
+            Some(_) if undrain => {
+                return Err(NodesApiError::InvalidArgument {
+                    field: "deadline",
+                    reason: "a deadline is for a drain, not for lifting one".into(),
+                }
+                .into());
+            }
+            Some(deadline) => Some(Duration::try_from(deadline).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
+                NodesApiError::InvalidArgument { field: "deadline", reason: "must be a positive duration".into() }
+            })?),
+            None => None,
+        };
+        let node = self.drain(&admin, &node_id, undrain, deadline).await?;
         Ok(tonic::Response::new(v1::DrainNodeResponse { node: Some(node.to_proto()) }))
     }
 

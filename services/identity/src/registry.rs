@@ -64,7 +64,7 @@ macro_rules! node_columns {
          capacity_cpu_millis, capacity_memory_bytes, usage_cpu_millis, usage_memory_bytes, join_token_id, \
          joined_at_ms, state_changed_at_ms, last_heartbeat_at_ms, certificate_expires_at_ms, drained_at_ms, \
          reaped_at_ms, revoked_at_ms, revoked_reason, certificate_floor_s, certificate_next_floor_s, \
-         certificate_floor_moves_at_ms"
+         certificate_floor_moves_at_ms, drain_deadline_ms"
     };
 }
 
@@ -167,6 +167,8 @@ pub(crate) struct NodeRecord {
     /// Which of its certificates are still the node's (see [`CertificateFloor`]).
     pub(crate) certificate_floor: CertificateFloor,
     pub(crate) drained: bool,
+    /// While drained with a deadline: when what is left on it is released.
+    pub(crate) drain_deadline_ms: Option<i64>,
     pub(crate) reaped_at_ms: Option<i64>,
     pub(crate) revoked_at_ms: Option<i64>,
     pub(crate) revoked_reason: String,
@@ -208,6 +210,7 @@ impl NodeRecord {
                 moves_at_ms: row.try_get("certificate_floor_moves_at_ms")?,
             },
             drained: drained_at_ms.is_some(),
+            drain_deadline_ms: row.try_get("drain_deadline_ms")?,
             reaped_at_ms: row.try_get("reaped_at_ms")?,
             revoked_at_ms: row.try_get("revoked_at_ms")?,
             revoked_reason: row.try_get("revoked_reason")?,
@@ -238,6 +241,7 @@ impl NodeRecord {
                 .then(|| timestamp(self.certificate_floor.next_s.saturating_mul(1000))),
             certificate_floor_moves_at: (self.certificate_floor.next_s > 0)
                 .then(|| timestamp(self.certificate_floor.moves_at_ms)),
+            drain_deadline: self.drain_deadline_ms.filter(|_| self.drained).map(timestamp),
         }
     }
 

@@ -548,7 +548,7 @@ async fn a_revoked_node_is_refused_and_watchers_see_it(backend: Backend) {
     // Revocation is final, and the row stays.
     let error = cluster
         .nodes(0)
-        .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: false })
+        .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), ..Default::default() })
         .await
         .unwrap_err();
     assert_eq!(error.code(), Code::FailedPrecondition);
@@ -567,13 +567,27 @@ async fn a_drained_node_shows_draining_until_undrained(backend: Backend) {
 
     let drained = cluster
         .nodes(0)
-        .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: false })
+        .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), ..Default::default() })
         .await
         .unwrap()
         .into_inner()
         .node
         .unwrap();
     assert_eq!(drained.state(), NodeState::Draining);
+    assert_eq!(drained.drain_deadline, None, "a drain without a deadline releases nothing");
+    // Draining again with a deadline sets it; a bad one is refused.
+    let deadline = |seconds| Some(prost_types::Duration { seconds, nanos: 0 });
+    let again = v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: false, deadline: deadline(600) };
+    let again = cluster.nodes(0).drain_node(again).await.unwrap().into_inner().node.unwrap();
+    let at = again.drain_deadline.unwrap();
+    let from_now =
+        at.seconds - std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    assert!((590..=610).contains(&from_now), "{at:?} is {from_now}s from now");
+    assert_eq!(cluster.get(&node.node_id).await.drain_deadline, Some(at), "as stored");
+    let bad = v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: false, deadline: deadline(-5) };
+    let bad = cluster.nodes(0).drain_node(bad).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    assert!(bad.message().contains("deadline"), "{bad:?}");
     assert_eq!(cluster.get(&node.node_id).await.state(), NodeState::Draining);
     let listed = cluster
         .nodes(0)
@@ -597,13 +611,14 @@ async fn a_drained_node_shows_draining_until_undrained(backend: Backend) {
 
     let undrained = cluster
         .nodes(0)
-        .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: true })
+        .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: true, deadline: None })
         .await
         .unwrap()
         .into_inner()
         .node
         .unwrap();
     assert_eq!(undrained.state(), NodeState::Up);
+    assert_eq!(undrained.drain_deadline, None, "lifting a drain lifts its deadline");
     assert_eq!(node.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Up);
     let error = cluster.nodes(0).list_nodes(v1::ListNodesRequest { tier: String::new(), state: 42 }).await.unwrap_err();
     assert_eq!(error.code(), Code::InvalidArgument);

@@ -67,6 +67,12 @@ use crate::records::{LeaseRecord, NodeLedgerRow, format_ports, lease_columns, to
 /// The name the reaper's leadership is held under.
 pub const REAPER_LOOP: &str = "leases.reaper";
 
+use berth_core::NODE_DRAINING as DRAINING;
+
+/// The reason a lease still open on a drained node is released with once the
+/// drain's deadline passed.
+const DRAINED: &str = "NodeDrained";
+
 /// The final phases as an SQL list.
 const FINAL_PHASES_SQL: &str = "('done', 'failed', 'released', 'expired')";
 
@@ -748,6 +754,42 @@ impl Ledger {
                     expect_one(done.rows_affected(), &format!("node {}'s ledger row", lease.node_id))?;
                     let (resources, resize) = write_resize(conn, &lease, kept, report.clone(), lease.seq).await?;
                     Ok((LeaseRecord { resources, resize: Some(resize), ..lease }, true))
+                })
+            })
+            .await
+    }
+
+    /// Moves the open leases of a draining node along: each is told once
+    /// (reason `NodeDraining`, a change its watchers see), and once the
+    /// drain's deadline has passed each is released (reason `NodeDrained`).
+    /// Returns the leases changed.
+    pub(crate) async fn drain(&self, node_id: &str, deadline_passed: bool) -> Result<Vec<LeaseRecord>, LeaseError> {
+        let now_sql = self.store.now_ms_sql();
+        let telling = format!("node {node_id} is draining: a service's replica is replaced elsewhere before it stops");
+        let releasing = format!("node {node_id} was drained and its drain's deadline passed");
+        let (telling, releasing) = (telling.as_str(), releasing.as_str());
+        self.store
+            .tx("leases.drain", |conn| {
+                Box::pin(async move {
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
+                    let sql = concat!(
+                        "SELECT ",
+                        lease_columns!(),
+                        " FROM leases WHERE node_id = $1 AND phase IN ('pending', 'bound', 'launching', 'running') ORDER BY seq"
+                    );
+                    let rows = sqlx::query(sql).bind(node_id).fetch_all(&mut *conn).await?;
+                    let open = rows.iter().map(LeaseRecord::from_row).collect::<Result<Vec<_>, _>>()?;
+                    let mut changed = Vec::new();
+                    for lease in open {
+                        if deadline_passed {
+                            let change = Change::to(Phase::Released, &lease).reason(DRAINED).message(releasing);
+                            changed.push(apply(conn, &lease, change, now, None).await?);
+                        } else if lease.reason != DRAINING {
+                            let change = Change::to(lease.phase, &lease).reason(DRAINING).message(telling);
+                            changed.push(apply(conn, &lease, change, now, None).await?);
+                        }
+                    }
+                    Ok(changed)
                 })
             })
             .await

@@ -26,6 +26,8 @@ use berth_bus::{BusError, Continuity};
 use berth_runtime::{Election, Leader};
 use berth_store::{StoreError, Term};
 
+use berth_proto::identity::v1::NodeState;
+
 use crate::config::millis;
 use crate::ledger::{Expiry, LeaseError, REAPER_LOOP};
 use crate::shared::{Core, EXPIRY_INDEX};
@@ -98,6 +100,9 @@ impl Leader for Reaper {
             }
             if let Err(error) = self.reap_due(term).await {
                 tracing::warn!(%error, "reaping due leases failed; retrying next tick");
+            }
+            if let Err(error) = self.drain_nodes().await {
+                tracing::warn!(%error, "moving draining nodes' leases along failed; retrying next tick");
             }
             if tokio::time::Instant::now() >= next_resync {
                 next_resync = tokio::time::Instant::now() + config.index_resync;
@@ -180,6 +185,38 @@ impl Reaper {
                 return Ok(());
             }
         }
+    }
+
+    /// Tells the open leases of every draining node that it drains, and
+    /// releases them once its drain's deadline (identity's) has passed.
+    async fn drain_nodes(&self) -> Result<(), ReaperError> {
+        let snapshot = self.core.nodes.snapshot();
+        let draining: Vec<&berth_proto::identity::v1::Node> =
+            snapshot.nodes.values().filter(|node| node.state() == NodeState::Draining).collect();
+        if draining.is_empty() {
+            return Ok(());
+        }
+        let now = self.core.ledger.store().now_ms().await?;
+        for node in draining {
+            let deadline = node.drain_deadline.as_ref().map(berth_proto::timestamp_to_ms);
+            let passed = deadline.is_some_and(|at| at <= now);
+            let changed = self.core.ledger.drain(&node.node_id, passed).await?;
+            if changed.is_empty() {
+                continue;
+            }
+            if passed {
+                tracing::info!(node_id = %node.node_id, released = changed.len(),
+                    "the drain's deadline passed: released what was still open on the node");
+                for lease in &changed {
+                    self.core.bus.deadline_remove(EXPIRY_INDEX, &lease.lease_id).await?;
+                }
+                self.core.signals.announce(&self.core.bus, std::slice::from_ref(&node.node_id)).await;
+            } else {
+                tracing::info!(node_id = %node.node_id, told = changed.len(), "leases told their node drains");
+            }
+            self.core.announce_owners(changed.iter()).await;
+        }
+        Ok(())
     }
 
     async fn forget_logged(&self) {

@@ -583,7 +583,44 @@ async fn a_resize_grows_at_once_shrinks_once_applied_and_what_does_not_fit_chang
     ledger.cleanup().await;
 }
 
+async fn a_draining_nodes_leases_are_told_and_what_is_left_is_released_at_its_deadline(backend: Backend) {
+    let ledger = Ledger::start(backend, fast_config(), vec![node("n-1", "", NodeState::Up, 4000, 8 * GIB)]).await;
+    let first = ledger.place("first", 1000, GIB).await;
+    let second = ledger.place("second", 1000, GIB).await;
+    ledger.report(&second, 1, LeasePhase::Running).await.unwrap();
+
+    ledger.set_state("n-1", NodeState::Draining).await;
+    for (lease, phase) in [(&first, LeasePhase::Bound), (&second, LeasePhase::Running)] {
+        let told = eventually("the lease to be told its node drains", PATIENCE, || async {
+            let now = ledger.get(&lease.lease_id).await;
+            if now.reason == "NodeDraining" { Ok(now) } else { Err(now) }
+        })
+        .await;
+        assert!(told.message.contains("n-1 is draining"), "{told:?}");
+        assert_eq!((told.phase(), told.epoch), (phase, 1), "telling it changes nothing else");
+    }
+    assert_eq!(ledger.node_capacity("n-1").await.leases, 2, "a drain without a deadline releases nothing");
+
+    // The deadline passes: whatever is still open is released, its capacity returned.
+    let mut drained = node("n-1", "", NodeState::Draining, 4000, 8 * GIB);
+    let past = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64 - 1;
+    drained.drain_deadline = Some(prost_types::Timestamp { seconds: past, nanos: 0 });
+    ledger.put_node(drained).await;
+    for lease in [&first, &second] {
+        let released = eventually("the lease to be released at the deadline", PATIENCE, || async {
+            let now = ledger.get(&lease.lease_id).await;
+            if now.phase() == LeasePhase::Released { Ok(now) } else { Err(now) }
+        })
+        .await;
+        assert_eq!(released.reason, "NodeDrained", "{released:?}");
+    }
+    let capacity = ledger.node_capacity("n-1").await;
+    assert_eq!((capacity.leases, capacity.allocated.unwrap().cpu_millis), (0, 0));
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
+    a_draining_nodes_leases_are_told_and_what_is_left_is_released_at_its_deadline,
     a_resize_grows_at_once_shrinks_once_applied_and_what_does_not_fit_changes_nothing,
     a_lease_goes_only_where_the_runtime_it_needs_runs,
     a_spread_group_lands_on_different_nodes_and_what_does_not_fit_is_refused,

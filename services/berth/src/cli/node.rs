@@ -36,12 +36,17 @@ enum NodeCommand {
         #[arg(value_name = "NODE_ID")]
         node_id: String,
     },
-    /// Drain a node: no new leases are placed on it; what runs there keeps
-    /// running until released.
+    /// Drain a node: no new leases are placed on it, services' replicas
+    /// there are replaced elsewhere before they stop, and every open lease
+    /// is told (reason NodeDraining); e.g. `berth node drain n-1 --deadline 10m`.
     Drain {
         /// The node's id.
         #[arg(value_name = "NODE_ID")]
         node_id: String,
+        /// Release whatever is still open on the node this long from now
+        /// (`30m`, `1h`; a bare number is seconds) [default: no deadline].
+        #[arg(long, value_name = "DURATION", value_parser = super::parse_ttl, conflicts_with = "undo")]
+        deadline: Option<u32>,
         /// Lift the drain instead, so leases may be placed on the node again.
         #[arg(long)]
         undo: bool,
@@ -119,14 +124,23 @@ impl NodeArgs {
                     OutputFormat::Table => output::print(&details(node)),
                 }
             }
-            NodeCommand::Drain { node_id, undo } => {
-                let request = v1::DrainNodeRequest { node_id: node_id.clone(), undrain: undo };
+            NodeCommand::Drain { node_id, deadline, undo } => {
+                let deadline = deadline.map(|seconds| prost_types::Duration { seconds: i64::from(seconds), nanos: 0 });
+                let request = v1::DrainNodeRequest { node_id: node_id.clone(), undrain: undo, deadline };
                 let drained = match client.drain_node(connection.request(request)).await {
                     Ok(drained) => drained.into_inner(),
                     Err(status) => return Err(node_error(&mut client, &connection, status, &node_id).await),
                 };
                 let node = drained.node.as_ref().ok_or(CliError::IncompleteResponse("the node"))?;
-                let what = if undo { "leases may be placed on it again" } else { "no new leases are placed on it" };
+                let what = match (undo, node.drain_deadline.as_ref()) {
+                    (true, _) => "leases may be placed on it again".to_string(),
+                    (false, None) => "no new leases are placed on it and its work moves off".to_string(),
+                    (false, Some(at)) => format!(
+                        "no new leases are placed on it, its work moves off, and what is left is released {}",
+                        output::until(Some(at))
+                    ),
+                };
+                let what = what.as_str();
                 print_changed(node, what, format)
             }
             NodeCommand::Revoke { node_id, reason } => {
@@ -210,6 +224,7 @@ fn details(node: &v1::Node) -> String {
         ("Name", output::or_none(&node.name)),
         ("State", output::node_state(node.state)),
         ("State changed", ago(node.state_changed_at.as_ref())),
+        ("Drain deadline", output::when(node.drain_deadline.as_ref(), &output::until(node.drain_deadline.as_ref()))),
         ("Tier", output::or_none(&node.tier)),
         ("Labels", output::labels(&node.labels)),
         ("Address", output::or_none(&node.advertise_addr)),
