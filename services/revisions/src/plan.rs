@@ -26,6 +26,12 @@ pub(crate) fn is_open(lease: &leases::Lease) -> bool {
     lease.phase().is_open()
 }
 
+/// Whether the lease is open on a draining node, to be replaced elsewhere
+/// before it is given back.
+pub(crate) fn is_draining(lease: &leases::Lease) -> bool {
+    is_open(lease) && lease.reason == berth_core::NODE_DRAINING
+}
+
 /// A revision's leases by slot, each slot's attempts highest first.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Slots {
@@ -44,10 +50,18 @@ impl Slots {
         self.by_slot.get(&slot).and_then(|attempts| attempts.first())
     }
 
-    /// Current leases of slots below `desired` that run.
+    /// Slots below `desired` whose current lease runs, or whose current
+    /// lease is on its way to replace one that still runs (a replica moving
+    /// off a draining node serves until its replacement does).
     pub(crate) fn running(&self, desired: u32) -> u32 {
-        let running = (0..desired)
-            .filter(|slot| self.current(*slot).is_some_and(|(_, lease)| lease.phase() == LeasePhase::Running));
+        let runs = |lease: &leases::Lease| lease.phase() == LeasePhase::Running;
+        let running = (0..desired).filter(|slot| {
+            self.by_slot.get(slot).is_some_and(|attempts| match attempts.split_first() {
+                Some(((_, current), _)) if runs(current) => true,
+                Some(((_, current), older)) => is_open(current) && older.iter().any(|(_, lease)| runs(lease)),
+                None => false,
+            })
+        });
         u32::try_from(running.count()).unwrap_or(u32::MAX)
     }
 
@@ -150,8 +164,9 @@ pub(crate) fn served_by_open(by_revision: &BTreeMap<String, Slots>, needed: &[&R
     !needed.is_empty()
         && needed.iter().all(|revision| {
             let slots = by_revision.get(&revision.name);
-            (0..replicas(&revision.template))
-                .all(|slot| slots.and_then(|s| s.current(slot)).is_some_and(|(_, lease)| is_open(lease)))
+            (0..replicas(&revision.template)).all(|slot| {
+                slots.and_then(|s| s.current(slot)).is_some_and(|(_, lease)| is_open(lease) && !is_draining(lease))
+            })
         })
 }
 
@@ -171,13 +186,17 @@ pub(crate) struct UpkeepPlan {
 
 /// Keeps one lease per slot of `revision`: asks for missing ones and
 /// replaces ended ones. A failed lease of a revision not yet live is not
-/// replaced but reported, unless `replace_failed`.
+/// replaced but reported, unless `replace_failed`. A lease on a draining
+/// node is replaced before it goes (make before break): its slot's next
+/// attempt is asked for (placement avoids draining nodes), and the old one
+/// is given back once that one runs, as any older attempt is.
 pub(crate) fn plan_upkeep(uid: &str, revision: &RevisionRow, slots: &Slots, replace_failed: bool) -> UpkeepPlan {
     let mut plan = UpkeepPlan::default();
     let desired = replicas(&revision.template);
     for slot in 0..desired {
         let attempt = match slots.current(slot) {
             None => 0,
+            Some((attempt, lease)) if is_draining(lease) => attempt.saturating_add(1),
             Some((_, lease)) if is_open(lease) => {
                 if lease.phase() != LeasePhase::Running {
                     plan.settling = true;
@@ -734,6 +753,31 @@ pub(crate) mod tests {
             assert_eq!(plan.settling, *settling, "row {n}: settling");
             assert!(plan.requests.iter().all(|key| key.uid == "u" && key.revision == "web-00001"), "row {n}");
         }
+    }
+
+    #[test]
+    fn a_replica_on_a_draining_node_is_replaced_before_it_is_given_back() {
+        let drain = |slots: &mut Slots, slot: u32, attempt: usize| {
+            slots.by_slot.get_mut(&slot).unwrap()[attempt].1.reason = berth_core::NODE_DRAINING.into();
+        };
+        // Told its node drains: the slot's next attempt is asked for; the old one stays.
+        let mut held = slots(&[(0, 0, Running), (1, 0, Running)]);
+        drain(&mut held, 1, 0);
+        let plan = plan_upkeep("u", &revision(2), &held, true);
+        assert_eq!((requested(&plan), plan.releases.clone(), plan.settling), (vec![(1, 1)], vec![], true));
+        assert!(!served_by_open(&[("web-00001".to_string(), held.clone())].into(), &[&revision(2)]));
+        assert_eq!(held.running(2), 2);
+        // The replacement placed, not yet running: nothing more asked, nothing given back, both still count.
+        let mut moving = slots(&[(0, 0, Running), (1, 0, Running), (1, 1, Bound)]);
+        drain(&mut moving, 1, 1);
+        let plan = plan_upkeep("u", &revision(2), &moving, true);
+        assert_eq!((requested(&plan), plan.releases.clone(), plan.settling), (vec![], vec![], true));
+        assert_eq!(moving.running(2), 2, "the old replica serves until its replacement does");
+        // The replacement runs: the old one is given back.
+        let mut moved = slots(&[(0, 0, Running), (1, 0, Running), (1, 1, Running)]);
+        drain(&mut moved, 1, 1);
+        let plan = plan_upkeep("u", &revision(2), &moved, true);
+        assert_eq!((requested(&plan), plan.releases.clone(), plan.settling), (vec![], vec!["l1.0".to_string()], false));
     }
 
     #[test]

@@ -62,8 +62,8 @@ use crate::lease_view::LeaseView;
 use crate::leases::{LeaseCallError, LeaseClient};
 use crate::model::{Observed, READY, ServiceKey, SlotKey, lease_owner};
 use crate::plan::{
-    Drain, Pass, Rollout, RolloutStep, Slots, Upkeep, collectable, decide_rollout, group, is_open, kept, plan_release,
-    plan_upkeep, rollout_blocked, served_by_open, split_revisions, status_report, target,
+    Drain, Pass, Rollout, RolloutStep, Slots, Upkeep, collectable, decide_rollout, group, is_draining, is_open, kept,
+    plan_release, plan_upkeep, rollout_blocked, served_by_open, split_revisions, status_report, target,
 };
 use crate::records::{RevisionRow, RevisionState, ServiceRow};
 use crate::resolver::{RegistryPolicy, TagResolver, resolve_template};
@@ -374,9 +374,13 @@ async fn upkeep(
     let mut upkeep = Upkeep { no_room: None, failed: plan.failed, settling: plan.settling };
     for key in &plan.requests {
         if let Some((_, lease)) = slots.current(key.slot) {
+            let why = if is_draining(lease) {
+                "replacing a replica on a draining node before it is given back"
+            } else {
+                "replacing a replica whose lease ended"
+            };
             tracing::info!(service = %service.key, revision = %revision.name, slot = key.slot,
-                lease_id = %lease.lease_id, phase = ?lease.phase(), reason = %lease.reason,
-                "replacing a replica whose lease ended");
+                lease_id = %lease.lease_id, phase = ?lease.phase(), reason = %lease.reason, "{why}");
         }
         match ctx.leases.request(lease_request(service, revision, key, &ctx.policy)).await {
             Ok(lease) => tracing::debug!(lease_id = %lease.lease_id, node_id = %lease.node_id, key = %key.encode(),

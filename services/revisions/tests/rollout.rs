@@ -208,6 +208,39 @@ async fn a_replica_whose_lease_ends_is_replaced(backend: Backend) {
     plane.cleanup().await;
 }
 
+async fn a_replica_on_a_draining_node_is_replaced_elsewhere_before_it_is_given_back(backend: Backend) {
+    let plane = Plane::start(backend, fast_config(), &["n-1", "n-2", "n-3"]).await;
+    plane.apply(web("1")).await;
+    let leases = plane.run("web-00001", 2).await;
+    plane.await_live("web", "web-00001").await;
+    let (moving, staying) = (&leases[0], &leases[1]);
+
+    plane.set_node_state(&moving.node_id, berth_proto::identity::v1::NodeState::Draining);
+    // Its replacement is placed on another node while it still runs.
+    let open = plane.await_open_leases("web-00001", 3).await;
+    let replacement = open.iter().find(|l| l.lease_id != moving.lease_id && l.lease_id != staying.lease_id).unwrap();
+    assert_ne!(replacement.node_id, moving.node_id, "placement avoids the draining node");
+    let old = open.iter().find(|l| l.lease_id == moving.lease_id).unwrap();
+    assert_eq!((old.phase(), old.reason.as_str()), (LeasePhase::Running, "NodeDraining"), "make before break");
+    let service = plane.get("web").await;
+    assert_eq!(condition(&service, READY).unwrap().status(), ConditionStatus::True, "it serves throughout");
+
+    // Once the replacement runs, the old replica is given back.
+    plane.report_all("web-00001", LeasePhase::Running).await;
+    let released = eventually("the drained replica to be given back", PATIENCE, || async {
+        let all = all_leases(&plane, "web-00001").await;
+        let old = all.into_iter().find(|l| l.lease_id == moving.lease_id).unwrap();
+        if old.phase() == LeasePhase::Released { Ok(old) } else { Err(old) }
+    })
+    .await;
+    assert_eq!(released.reason, "Superseded");
+    let open = plane.await_open_leases("web-00001", 2).await;
+    assert!(open.iter().all(|l| l.node_id != moving.node_id), "the draining node is empty: {open:?}");
+    plane.await_live("web", "web-00001").await;
+    assert_eq!(plane.revision_names("web").await, ["web-00001"], "moving a replica mints nothing");
+    plane.cleanup().await;
+}
+
 /// The faults a test arms in the leases its revisions replicas reach, and
 /// what the watches through them did.
 #[derive(Debug, Default)]
@@ -602,6 +635,7 @@ on_both_backends!(
     a_new_revision_takes_over_only_once_all_its_replicas_run,
     a_revision_whose_replicas_fail_is_rolled_back,
     a_replica_whose_lease_ends_is_replaced,
+    a_replica_on_a_draining_node_is_replaced_elsewhere_before_it_is_given_back,
     a_reconcile_whose_call_to_leases_hangs_is_stopped_and_tried_again,
     a_replica_that_runs_or_ends_moves_the_status_at_once_not_at_the_next_poll,
     deleting_a_service_releases_its_leases_and_watchers_see_it,

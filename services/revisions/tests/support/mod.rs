@@ -267,6 +267,14 @@ impl Plane {
         leases::node_leases_client::NodeLeasesClient::new(self.leases_channel(node))
     }
 
+    /// Moves `node_id` to `state` in the node registry leases follows.
+    pub(crate) fn set_node_state(&self, node_id: &str, state: NodeState) {
+        let registry = &self.mesh.as_ref().expect("the plane runs").registry;
+        let mut node = registry.nodes().remove(node_id).expect("a node the plane started with");
+        node.state = state as i32;
+        registry.put(node);
+    }
+
     /// Every lease of the default project, oldest first.
     pub(crate) async fn leases(&self) -> Vec<leases::Lease> {
         let request = leases::ListLeasesRequest::default();
