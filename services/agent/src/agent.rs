@@ -58,8 +58,10 @@ use crate::egress::{EgressFollower, EgressProvider, EgressProxies, EgressSetting
 use crate::error::AgentError;
 use crate::heartbeat::{Heartbeater, Watches, trust_union};
 use crate::identity_dir::{IdentityDir, NodeIdentity};
+use crate::interruption::InterruptionWatch;
 use crate::join::{self, JoinError};
 use crate::leases_client::{GrpcNodeLeases, NodeLeasesApi};
+use crate::node_channel::NodeChannel;
 use crate::process::{ProcessProvider, ProcessTiming};
 use crate::provider::Provider;
 use crate::runner::{RunnerHandle, RunnerParts, RunnerSettings};
@@ -470,6 +472,18 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         tokio::spawn(follower.run())
     });
     let egress = egress.map(|(proxies, _)| proxies);
+    let replicas = crate::identity_servers::parse(&config.server).map_err(AgentError::Config)?;
+    let replica = &replicas[crate::identity_servers::preferred_index(&identity.node_id, replicas.len())];
+    let interruptions = InterruptionWatch {
+        file: config.interruption_file.clone().unwrap_or_else(|| dir.root().join(crate::interruption::DEFAULT_FILE)),
+        default_deadline: config.interruption_deadline,
+        identity: NodeChannel::new("identity", replica, credentials.clone(), config.timing.rpc_timeout)
+            .map_err(AgentError::Client)?,
+        session: session_rx.clone(),
+        backoff: Backoff::new(config.timing.retry_initial, config.timing.retry_max),
+        shutdown: stop.clone(),
+    };
+    tokio::spawn(interruptions.run());
     let heartbeater = Heartbeater::new(config, dir, identity, credentials.clone(), watches, stop.clone())?;
     let server = tokio::spawn(crate::api::serve(listener, credentials.clone(), api, data_plane, stop.clone()));
     let heartbeater = tokio::spawn(heartbeater.run());

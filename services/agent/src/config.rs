@@ -265,6 +265,11 @@ pub struct AgentConfig {
     /// went through) before the node stops everything it runs; `None` keeps
     /// it running until the leases service can be reached.
     pub stop_after_disconnect: Option<Duration>,
+    /// Where the host's tooling writes an interruption notice (see the
+    /// agent's `interruption` module); `None` is `DATA_DIR/interruption-notice`.
+    pub interruption_file: Option<PathBuf>,
+    /// How long an interruption notice that names no deadline gives the node.
+    pub interruption_deadline: Duration,
     /// Disk the bundle cache (`DATA_DIR/bundles`) may use before it evicts
     /// bundles no lease holds.
     pub bundle_cache_budget: u64,
@@ -326,6 +331,8 @@ impl std::fmt::Debug for AgentConfig {
             .field("max_custody", &self.max_custody)
             .field("custody_warning", &self.custody_warning)
             .field("stop_after_disconnect", &self.stop_after_disconnect)
+            .field("interruption_file", &self.interruption_file)
+            .field("interruption_deadline", &self.interruption_deadline)
             .field("bundle_cache_budget", &self.bundle_cache_budget)
             .field("log_max_bytes", &self.log_max_bytes)
             .field("insecure_registries", &self.insecure_registries)
@@ -371,6 +378,8 @@ impl AgentConfig {
             max_custody: None,
             custody_warning: DEFAULT_CUSTODY_WARNING,
             stop_after_disconnect: None,
+            interruption_file: None,
+            interruption_deadline: crate::interruption::DEFAULT_DEADLINE,
             bundle_cache_budget: DEFAULT_BUNDLE_CACHE_BUDGET,
             log_max_bytes: crate::log_rotation::DEFAULT_LOG_MAX_BYTES,
             insecure_registries: Vec::new(),

@@ -52,6 +52,7 @@ mod host;
 mod identity_dir;
 mod identity_servers;
 mod instances;
+mod interruption;
 mod join;
 mod keepalive;
 mod leases_client;

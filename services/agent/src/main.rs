@@ -132,6 +132,16 @@ struct Args {
     /// whatever the outage, until the leases service is reached again.
     #[arg(long, env = "BERTH_STOP_AFTER_DISCONNECT", value_name = "DURATION", value_parser = parse_duration)]
     stop_after_disconnect: Option<Duration>,
+    /// Where the host's tooling writes an interruption notice (a spot
+    /// interruption, maintenance): the node drains itself with the deadline
+    /// the file holds (`2m`; empty means --interruption-deadline). SIGUSR1
+    /// is a notice too [default: DATA_DIR/interruption-notice].
+    #[arg(long, env = "BERTH_INTERRUPTION_FILE", value_name = "PATH")]
+    interruption_file: Option<PathBuf>,
+    /// How long an interruption notice that names no deadline gives the node.
+    #[arg(long, env = "BERTH_INTERRUPTION_DEADLINE", value_name = "DURATION", value_parser = parse_duration,
+          default_value = "2m")]
+    interruption_deadline: Duration,
     /// How long a workload has to exit after SIGTERM before SIGKILL.
     #[arg(long, env = "BERTH_STOP_GRACE", value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
     stop_grace: Duration,
@@ -262,6 +272,8 @@ impl Args {
         config.max_custody = self.max_custody;
         config.custody_warning = self.custody_warning;
         config.stop_after_disconnect = self.stop_after_disconnect;
+        config.interruption_file = self.interruption_file.clone();
+        config.interruption_deadline = self.interruption_deadline;
         config.lease_timing.stop_grace = self.stop_grace;
         config.lease_timing.sweep_interval = self.sweep_interval;
         config.bundle_cache_budget = self.bundle_cache_budget;

@@ -466,3 +466,32 @@ async fn a_resize_changes_the_running_workloads_limits_without_a_restart_and_one
     agent.kill().await;
     plane.cleanup().await;
 }
+
+#[tokio::test]
+async fn an_interruption_notice_from_the_host_drains_the_node_with_the_deadline_it_names() {
+    let (plane, dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
+    let node_id = agent.handle.node_id();
+    let lease = plane.request("interrupted", "exec sleep 1000").await;
+    plane.phase_until(&lease.lease_id, LeasePhase::Running).await;
+
+    // The host's tooling writes how long the host has left.
+    std::fs::write(dir.path().join("interruption-notice"), "45s\n").unwrap();
+    let node = eventually("the node to drain itself", SLOW, || async {
+        let node = plane.node(&node_id).await;
+        if node.state() == identity::NodeState::Draining { Ok(node) } else { Err(node) }
+    })
+    .await;
+    let left = node.drain_deadline.unwrap().seconds
+        - std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    assert!((35..=46).contains(&left), "the deadline is the notice's: {left}s left");
+    // Its work is told, and keeps running until moved or the deadline.
+    let told = eventually("the lease to be told its node drains", SLOW, || async {
+        let now = plane.lease(&lease.lease_id).await;
+        if now.reason == "NodeDraining" { Ok(now) } else { Err(now) }
+    })
+    .await;
+    assert_eq!(told.phase(), LeasePhase::Running);
+
+    agent.kill().await;
+    plane.cleanup().await;
+}

@@ -215,7 +215,14 @@ impl v1::nodes_server::Nodes for IdentityService {
         &self,
         request: tonic::Request<v1::DrainNodeRequest>,
     ) -> Result<tonic::Response<v1::DrainNodeResponse>, tonic::Status> {
-        let admin = berth_rpc::caller(&request)?.name().to_owned();
+        let caller = berth_rpc::caller(&request)?;
+        let admin = caller.name().to_owned();
+        if caller.node_id().is_some() {
+            berth_rpc::require_own_node(&request, &request.get_ref().node_id)?;
+            if request.get_ref().undrain {
+                return Err(tonic::Status::permission_denied("a node may drain itself, never lift a drain"));
+            }
+        }
         let v1::DrainNodeRequest { node_id, undrain, deadline } = request.into_inner();
         let deadline = match deadline {
             Some(_) if undrain => {

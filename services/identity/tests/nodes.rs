@@ -561,7 +561,7 @@ async fn a_revoked_node_is_refused_and_watchers_see_it(backend: Backend) {
 
 async fn a_drained_node_shows_draining_until_undrained(backend: Backend) {
     let cluster = Cluster::start(backend, fast_timing()).await;
-    let token = cluster.token(1).await;
+    let token = cluster.token(2).await;
     let node = cluster.join(0, &token, "10.0.0.4:7450").await.unwrap();
     node.heartbeat(&cluster.addr(0)).await.unwrap();
 
@@ -622,7 +622,27 @@ async fn a_drained_node_shows_draining_until_undrained(backend: Backend) {
     assert_eq!(node.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Up);
     let error = cluster.nodes(0).list_nodes(v1::ListNodesRequest { tier: String::new(), state: 42 }).await.unwrap_err();
     assert_eq!(error.code(), Code::InvalidArgument);
+
+    let neighbour = cluster.join(0, &token, "10.0.0.5:7450").await.unwrap();
+    neighbour.heartbeat(&cluster.addr(0)).await.unwrap();
+
+    // A node may drain itself (an interruption notice), not another, and never lift a drain.
+    let as_node = |who: &_| v1::nodes_client::NodesClient::new(cluster_channel(&cluster, who));
+    let other = v1::DrainNodeRequest { node_id: node.node_id.clone(), ..Default::default() };
+    let refused = as_node(&neighbour).drain_node(other).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    let itself = v1::DrainNodeRequest { node_id: neighbour.node_id.clone(), ..Default::default() };
+    let drained = as_node(&neighbour).drain_node(itself).await.unwrap().into_inner().node.unwrap();
+    assert_eq!(drained.state(), NodeState::Draining);
+    let lift = v1::DrainNodeRequest { node_id: neighbour.node_id.clone(), undrain: true, deadline: None };
+    let refused = as_node(&neighbour).drain_node(lift).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert_eq!(cluster.get(&node.node_id).await.state(), NodeState::Up, "the other node is untouched");
     cluster.cleanup().await;
+}
+
+fn cluster_channel(cluster: &Cluster, node: &support::TestNode) -> berth_rpc::Channel {
+    node.channel(&cluster.addr(0))
 }
 
 async fn a_long_dead_node_is_forgotten_but_a_revoked_one_is_kept(backend: Backend) {
