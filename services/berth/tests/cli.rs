@@ -186,9 +186,22 @@ fn dev_node_is_listed_up_then_drained_undrained_and_revoked() {
         assert!(line.contains("not found") && line.contains(&node_id), "{line}");
     }
 
+    let drained = dev.ok(&["node", "drain", &node_id, "--deadline", "1h"]);
+    assert!(
+        drained.contains("DRAINING") && (drained.contains("released in 59m") || drained.contains("released in 60m")),
+        "{drained}"
+    );
+    assert_eq!(dev.json(&["node", "get", &node_id])["node"]["state"], "NODE_STATE_DRAINING");
+    let details = dev.ok(&["node", "get", &node_id]);
+    assert!(
+        details.lines().any(|l| l.starts_with("Drain deadline:") && (l.contains("in 59m") || l.contains("in 60m"))),
+        "{details}"
+    );
+    assert!(details.lines().any(|l| l.starts_with("Drain progress:") && l.contains("no open lease")), "{details}");
+    let both = dev.berth(&["node", "drain", &node_id, "--undo", "--deadline", "1h"]);
+    assert_eq!(both.code, Some(2), "a deadline is for a drain: {both:?}");
     let drained = dev.ok(&["node", "drain", &node_id]);
     assert!(drained.contains("DRAINING"), "{drained}");
-    assert_eq!(dev.json(&["node", "get", &node_id])["node"]["state"], "NODE_STATE_DRAINING");
     let draining = dev.json(&["node", "list", "--state", "draining"]);
     assert!(draining["nodes"].as_array().unwrap().iter().any(|n| n["nodeId"] == node_id.as_str()), "{draining}");
     let up = dev.json(&["node", "list", "--state", "up"]);

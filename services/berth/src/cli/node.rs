@@ -3,6 +3,8 @@
 
 use berth_proto::identity::v1;
 use berth_proto::identity::v1::nodes_client::NodesClient;
+use berth_proto::leases::v1::ListLeasesRequest as LeasesRequest;
+use berth_proto::leases::v1::leases_client::LeasesClient;
 use berth_rpc::Channel;
 use berth_runtime::StartError;
 use tonic::{Code, Status};
@@ -15,6 +17,8 @@ use super::{CliError, ClientArgs, IdentityConnection, OutputFormat};
 pub(crate) struct NodeArgs {
     #[command(flatten)]
     client: ClientArgs,
+    #[command(flatten)]
+    leases: super::lease::LeasesServerArgs,
     #[command(subcommand)]
     command: NodeCommand,
 }
@@ -121,7 +125,15 @@ impl NodeArgs {
                 let node = got.node.as_ref().ok_or(CliError::IncompleteResponse("the node"))?;
                 match format {
                     OutputFormat::Json => output::print_message(&got),
-                    OutputFormat::Table => output::print(&details(node)),
+                    OutputFormat::Table => {
+                        let progress = match node.state() {
+                            v1::NodeState::Draining => {
+                                Some(drain_progress(&self.leases, &self.client, &node.node_id).await)
+                            }
+                            _ => None,
+                        };
+                        output::print(&details(node, progress))
+                    }
                 }
             }
             NodeCommand::Drain { node_id, deadline, undo } => {
@@ -154,6 +166,43 @@ impl NodeArgs {
             }
         }
     }
+}
+
+/// What is still open on a draining node, as a line of `node get`.
+async fn drain_progress(leases: &super::lease::LeasesServerArgs, client: &ClientArgs, node_id: &str) -> String {
+    let listed = async {
+        let connection = leases.connect(client, client.credentials()?).await?;
+        let request = LeasesRequest { node_id: node_id.to_string(), all_projects: true, ..Default::default() };
+        let listed = LeasesClient::new(connection.channel.clone())
+            .list_leases(connection.request(request))
+            .await
+            .map_err(|s| connection.status_error(s))?;
+        Ok::<_, CliError>(listed.into_inner().leases)
+    };
+    match listed.await {
+        Ok(leases) => drain_line(&leases),
+        Err(error) => format!("unknown ({error})"),
+    }
+}
+
+/// How far a drain got, from the leases still on the node.
+fn drain_line(leases: &[berth_proto::leases::v1::Lease]) -> String {
+    use berth_proto::leases::v1::LeasePhase;
+    let open: Vec<_> = leases
+        .iter()
+        .filter(|l| {
+            matches!(l.phase(), LeasePhase::Pending | LeasePhase::Bound | LeasePhase::Launching | LeasePhase::Running)
+        })
+        .collect();
+    if open.is_empty() {
+        return "done: no open lease is left on the node".to_string();
+    }
+    let replicas = open.iter().filter(|l| l.workload.as_ref().is_some_and(|w| !w.service.is_empty())).count();
+    format!(
+        "{} open leases left: {replicas} service replicas being replaced elsewhere, {} other leases",
+        open.len(),
+        open.len() - replicas
+    )
 }
 
 /// The status as an error. Operators know hosts by name, so an id that is
@@ -216,10 +265,10 @@ fn print_changed(node: &v1::Node, what: &str, format: OutputFormat) -> Result<()
 }
 
 /// Every field of a node, one per line, like `kubectl describe`.
-fn details(node: &v1::Node) -> String {
+fn details(node: &v1::Node, drain_progress: Option<String>) -> String {
     let ago = |at: Option<&prost_types::Timestamp>| output::when(at, &format!("{} ago", output::age(at)));
     let expires = node.certificate_expires_at.as_ref();
-    let rows: Vec<(&str, String)> = vec![
+    let mut rows: Vec<(&str, String)> = vec![
         ("ID", node.node_id.clone()),
         ("Name", output::or_none(&node.name)),
         ("State", output::node_state(node.state)),
@@ -237,6 +286,7 @@ fn details(node: &v1::Node) -> String {
         ("Usage", output::capacity(node.usage.as_ref())),
         ("Certificate expires", output::when(expires, &output::until(expires))),
     ];
+    rows.extend(drain_progress.map(|progress| ("Drain progress", progress)));
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
     rows.iter().map(|(key, value)| format!("{:<width$}  {value}\n", format!("{key}:"))).collect()
 }
