@@ -133,6 +133,9 @@ pub(crate) struct Heartbeater {
     usage: UsageSampler,
     backoff: Backoff,
     failing_since: Option<SystemTime>,
+    /// Whether this process recorded that identity took one of its
+    /// heartbeats (for an updater waiting on it).
+    reported: bool,
     watches: Watches,
     shutdown: CancellationToken,
 }
@@ -170,6 +173,7 @@ impl Heartbeater {
             usage: UsageSampler::new(),
             backoff,
             failing_since: None,
+            reported: false,
             watches,
             shutdown,
         })
@@ -223,6 +227,10 @@ impl Heartbeater {
                     next = Instant::now();
                 }
                 Beat::Answered(response) => {
+                    if !self.reported {
+                        crate::updater::record_reported_version(self.dir.root(), &self.config.version);
+                        self.reported = true;
+                    }
                     if self.failing_since.take().is_some() {
                         tracing::info!(node_id = %self.identity.node_id, "identity answers heartbeats again");
                     }

@@ -69,6 +69,7 @@ mod status;
 mod svids;
 #[cfg(test)]
 mod testdir;
+pub mod updater;
 
 pub use agent::{AgentHandle, CONTAINED_LABEL, RUNTIME_LABEL, start};
 pub use config::{

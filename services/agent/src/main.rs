@@ -314,6 +314,10 @@ fn main() -> ExitCode {
     if let Some(code) = berth_agent::runtime_main_if_invoked() {
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
+    // Invoked as the detached updater (`berth-agent host-upgrade`).
+    if let Some(code) = berth_agent::updater::main_if_invoked() {
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let args = Args::parse();
     let mut telemetry = args.telemetry.clone();
     if let Some(name) = &args.name {
