@@ -19,6 +19,7 @@
 #                       allowed by the NetworkPolicies and nothing else
 #                       from outside the namespace, liveness and
 #                       readiness distinct
+#   systemd/            the agent's unit, by systemd-analyze verify
 #   all of them         every BERTH_* variable they set is one a berth binary
 #                       reads (an `env = "BERTH_..."` flag in the sources)
 #
@@ -133,8 +134,21 @@ log "k8s/overlays: namespaces, NetworkPolicies and probes hold as a cluster enfo
 # a misspelt one would be ignored without a word.
 declared="$(grep -rhoE 'env = "BERTH_[A-Z0-9_]+"' services/*/src libs/*/src | grep -oE 'BERTH_[A-Z0-9_]+' | sort -u)"
 # Comments and Compose's own ${VAR} interpolation (host-side) are not settings.
-used="$(grep -rhE 'BERTH_' compose.yaml docker/Dockerfile k8s | sed 's/#.*//; s/[$][{]BERTH_[A-Z0-9_]*//g' \
+used="$(grep -rhE 'BERTH_' compose.yaml docker/Dockerfile k8s systemd | sed 's/#.*//; s/[$][{]BERTH_[A-Z0-9_]*//g' \
   | grep -oE '\bBERTH_[A-Z0-9_]+\b' | sort -u)"
 unknown="$(comm -13 <(echo "$declared") <(echo "$used"))"
 [ -z "$unknown" ] || fail "variables no berth binary reads: $(echo "$unknown" | tr '\n' ' ')"
 log "every BERTH_* variable set is one a binary reads ($(echo "$used" | wc -l) checked)"
+
+# The systemd unit as systemd reads it (its binary and settings are the
+# host's, so they are stood in for by ones this machine has).
+if command -v systemd-analyze >/dev/null; then
+  unit_dir="$(mktemp -d)"
+  sed "s#^ExecStart=.*#ExecStart=/bin/true#; s#^EnvironmentFile=.*#EnvironmentFile=-$PWD/systemd/agent.env#" \
+    systemd/berth-agent.service > "$unit_dir/berth-agent.service"
+  systemd-analyze verify "$unit_dir/berth-agent.service" >&2 || fail "systemd-analyze verify systemd/berth-agent.service"
+  rm -rf "$unit_dir"
+  log "systemd/berth-agent.service: valid (systemd-analyze verify)"
+else
+  log "systemd-analyze not installed; the systemd unit is checked for its variables only"
+fi
