@@ -552,13 +552,7 @@ impl Ledger {
             .tx("leases.reconcile_node", |conn| {
                 Box::pin(async move {
                     let now = berth_store::now_ms_in(conn, now_sql).await?;
-                    let sql = concat!(
-                        "SELECT ",
-                        lease_columns!(),
-                        " FROM leases WHERE node_id = $1 AND phase IN ('pending', 'bound', 'launching', 'running') ORDER BY seq"
-                    );
-                    let rows = sqlx::query(sql).bind(node_id).fetch_all(&mut *conn).await?;
-                    let open = rows.iter().map(LeaseRecord::from_row).collect::<Result<Vec<_>, _>>()?;
+                    let open = open_on(conn, node_id).await?;
                     let covered: HashSet<(&str, i64)> = open.iter().map(|l| (l.lease_id.as_str(), l.epoch)).collect();
                     let run: HashSet<(&str, i64)> = running.iter().map(|(id, epoch)| (id.as_str(), *epoch)).collect();
                     let mut reconciled = Reconciled::default();
@@ -772,13 +766,7 @@ impl Ledger {
             .tx("leases.drain", |conn| {
                 Box::pin(async move {
                     let now = berth_store::now_ms_in(conn, now_sql).await?;
-                    let sql = concat!(
-                        "SELECT ",
-                        lease_columns!(),
-                        " FROM leases WHERE node_id = $1 AND phase IN ('pending', 'bound', 'launching', 'running') ORDER BY seq"
-                    );
-                    let rows = sqlx::query(sql).bind(node_id).fetch_all(&mut *conn).await?;
-                    let open = rows.iter().map(LeaseRecord::from_row).collect::<Result<Vec<_>, _>>()?;
+                    let open = open_on(conn, node_id).await?;
                     let mut changed = Vec::new();
                     for lease in open {
                         if deadline_passed {
@@ -1093,6 +1081,17 @@ fn placeholders(n: usize, shared: usize, width: usize) -> String {
         }
     }
     out
+}
+
+/// The open leases placed on `node_id`, in the order the node was told of them.
+async fn open_on(conn: &mut AnyConnection, node_id: &str) -> Result<Vec<LeaseRecord>, LeaseError> {
+    let sql = concat!(
+        "SELECT ",
+        lease_columns!(),
+        " FROM leases WHERE node_id = $1 AND phase IN ('pending', 'bound', 'launching', 'running') ORDER BY seq"
+    );
+    let rows = sqlx::query(sql).bind(node_id).fetch_all(&mut *conn).await?;
+    Ok(rows.iter().map(LeaseRecord::from_row).collect::<Result<Vec<_>, _>>()?)
 }
 
 async fn fetch(conn: &mut AnyConnection, lease_id: &str) -> Result<Option<LeaseRecord>, LeaseError> {
