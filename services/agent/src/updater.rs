@@ -250,6 +250,7 @@ fn check(args: &UpgradeArgs) -> Result<Lock, String> {
     if !actual.eq_ignore_ascii_case(&args.sha256) {
         return Err(format!("{} has SHA-256 {actual}, not {}", args.binary.display(), args.sha256));
     }
+    announced_version(&args.binary, &args.version)?;
     if args.unit.is_none() && !alive(args.agent_pid) {
         return Err(format!("no agent runs as pid {}", args.agent_pid));
     }
@@ -271,6 +272,43 @@ fn check(args: &UpgradeArgs) -> Result<Lock, String> {
             Ok(Lock(lock))
         }
         Err(error) => Err(format!("cannot create {}: {error}", lock.display())),
+    }
+}
+
+/// How long `BINARY --version` may take.
+const VERSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Checks that `binary` runs on this host and says it is `version` (its
+/// `--version` names it as a word), so a binary built for another machine,
+/// or another release than announced, is refused before anything changes.
+fn announced_version(binary: &Path, version: &str) -> Result<(), String> {
+    let mut child = Command::new(binary)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("{} does not run on this host: {e}", binary.display()))?;
+    let deadline = Instant::now() + VERSION_TIMEOUT;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("{} --version did not answer within {VERSION_TIMEOUT:?}", binary.display()));
+            }
+        }
+    };
+    let mut said = String::new();
+    if let Some(out) = child.stdout.take() {
+        let _ = out.take(4096).read_to_string(&mut said);
+    }
+    if status.success() && said.split_whitespace().any(|word| word == version) {
+        Ok(())
+    } else {
+        Err(format!("{} --version says '{}' ({status}), not {version}", binary.display(), said.trim()))
     }
 }
 

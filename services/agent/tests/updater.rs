@@ -21,9 +21,15 @@ use berth_testkit::eventually;
 
 const AGENT: &str = env!("CARGO_BIN_EXE_berth-agent");
 
-/// An "agent" of `version`: reports it, then runs until stopped.
+/// An "agent" of `version`: says it with `--version`; else reports it once
+/// up, then runs until stopped.
 fn agent_script(dir: &Path, name: &str, version: &str) -> PathBuf {
-    script(dir, name, &format!("echo \"{version} $$\" > \"$1/reported-version\"\nexec sleep 600\n"))
+    script(dir, name, &format!("{}echo \"{version} $$\" > \"$1/reported-version\"\nexec sleep 600\n", says(version)))
+}
+
+/// The start of a script answering `--version` as an agent does.
+fn says(version: &str) -> String {
+    format!("if [ \"$1\" = --version ]; then echo \"berth-agent {version}\"; exit 0; fi\n")
 }
 
 fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
@@ -130,7 +136,7 @@ async fn a_new_binary_that_exits_at_once_is_rolled_back_and_the_old_agent_starte
     std::fs::create_dir(&data).unwrap();
     let mut old = installed(&data, &agent_script(tmp.path(), "old", "1.0")).await;
     let before = current(&data);
-    let broken = script(tmp.path(), "broken", "exit 3\n");
+    let broken = script(tmp.path(), "broken", &format!("{}exit 3\n", says("2.0")));
     let sha = updater::sha256_of(&broken).unwrap();
 
     let ack = updater::start(Path::new(AGENT), &upgrade(&data, &broken, sha, old.id())).await.unwrap();
@@ -163,7 +169,13 @@ async fn a_binary_that_is_not_the_one_announced_is_refused_and_nothing_changes()
     assert!(alive(old.id()), "the running agent was left alone");
     assert!(updater::UpgradeResult::read(&data).is_none(), "a refusal leaves no outcome to report");
 
-    // Nor is an upgrade refused while another updater holds the lock.
+    // Nor a binary of another release than announced.
+    let older = agent_script(tmp.path(), "older", "1.5");
+    let sha = updater::sha256_of(&older).unwrap();
+    let ack = updater::start(Path::new(AGENT), &upgrade(&data, &older, sha, old.id())).await.unwrap();
+    assert!(matches!(&ack, Ack::Refused(reason) if reason.contains("says 'berth-agent 1.5'")), "{ack:?}");
+
+    // Nor an upgrade while another updater holds the lock.
     std::fs::write(data.join("upgrade.lock"), format!("{}\n", std::process::id())).unwrap();
     let sha = updater::sha256_of(&new).unwrap();
     let ack = updater::start(Path::new(AGENT), &upgrade(&data, &new, sha, old.id())).await.unwrap();
