@@ -165,8 +165,10 @@ struct Held {
     needs_custody: bool,
     /// Which worker runs it, so a late end of an earlier one is told apart.
     generation: u64,
-    /// The resize the leases service asks of its running workload.
-    resize: watch::Sender<Option<ResizeWanted>>,
+    /// The resize the leases service asks of its running workload; the
+    /// worker clears it once it reported on it, so the same size asked for
+    /// again (after a deferral) is applied again.
+    resize: Arc<watch::Sender<Option<ResizeWanted>>>,
 }
 
 /// A resize the leases service asks for: the lease's size now and the size asked.
@@ -582,6 +584,7 @@ impl Runner {
         let (epoch_tx, epoch_rx) = watch::channel(epoch);
         let (removal_tx, removal_rx) = watch::channel(None);
         let (resize_tx, resize_rx) = watch::channel(None);
+        let resize_tx = Arc::new(resize_tx);
         let started = Arc::new(AtomicBool::new(started));
         let generation = self.next_generation;
         self.held.insert(
@@ -592,10 +595,10 @@ impl Runner {
                 started: started.clone(),
                 needs_custody,
                 generation,
-                resize: resize_tx,
+                resize: resize_tx.clone(),
             },
         );
-        WorkerWiring { epoch: epoch_rx, removal: removal_rx, resize: resize_rx, started, generation }
+        WorkerWiring { epoch: epoch_rx, removal: removal_rx, resize: (resize_tx, resize_rx), started, generation }
     }
 
     /// Hands a held lease's pending resize to its worker, unless it is the
@@ -617,7 +620,8 @@ impl Runner {
             shared: self.shared.clone(),
             epoch: wiring.epoch,
             removal: wiring.removal,
-            resize: wiring.resize,
+            resize: wiring.resize.1,
+            resize_done: wiring.resize.0,
             reporting: self.reporting.subscribe(),
             started: wiring.started,
         };
@@ -988,7 +992,7 @@ impl Runner {
 struct WorkerWiring {
     epoch: watch::Receiver<u64>,
     removal: watch::Receiver<Option<Removal>>,
-    resize: watch::Receiver<Option<ResizeWanted>>,
+    resize: (Arc<watch::Sender<Option<ResizeWanted>>>, watch::Receiver<Option<ResizeWanted>>),
     started: Arc<AtomicBool>,
     generation: u64,
 }
@@ -1226,6 +1230,8 @@ struct Worker {
     epoch: watch::Receiver<u64>,
     removal: watch::Receiver<Option<Removal>>,
     resize: watch::Receiver<Option<ResizeWanted>>,
+    /// Clears `resize` once the resize it asks for was reported on.
+    resize_done: Arc<watch::Sender<Option<ResizeWanted>>>,
     reporting: watch::Receiver<Option<String>>,
     started: Arc<AtomicBool>,
 }
@@ -1461,8 +1467,16 @@ impl Worker {
                     let wanted = *self.resize.borrow_and_update();
                     resizing = wanted.map(|wanted| self.resizing(wanted));
                 }
-                () = async { match resizing.as_mut() { Some(resize) => resize.await, None => std::future::pending().await } } => {
+                done = async { match resizing.as_mut() { Some(resize) => resize.await, None => std::future::pending().await } } => {
                     resizing = None;
+                    // Unless a newer size came meanwhile.
+                    self.resize_done.send_if_modified(|wanted| {
+                        let finished = *wanted == Some(done);
+                        if finished {
+                            *wanted = None;
+                        }
+                        finished
+                    });
                 }
             }
         };
@@ -1479,7 +1493,7 @@ impl Worker {
 
     /// Applies `wanted` to the running workload and reports how it went,
     /// retrying the report while it may go through later.
-    fn resizing(&self, wanted: ResizeWanted) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+    fn resizing(&self, wanted: ResizeWanted) -> std::pin::Pin<Box<dyn Future<Output = ResizeWanted> + Send>> {
         let (shared, lease_id) = (self.shared.clone(), self.lease_id.clone());
         let (epoch, mut reporting) = (self.epoch.clone(), self.reporting.clone());
         Box::pin(async move {
@@ -1495,7 +1509,7 @@ impl Worker {
                 let Ok(node_id) =
                     reporting.wait_for(Option::is_some).await.map(|node| node.clone().unwrap_or_default())
                 else {
-                    return;
+                    return wanted;
                 };
                 let request = ReportResizeRequest {
                     node_id,
@@ -1510,13 +1524,13 @@ impl Worker {
                     message: message.clone(),
                 };
                 match shared.leases.report_resize(request).await {
-                    Ok(_) => return,
+                    Ok(_) => return wanted,
                     Err(status) if is_transient(&status) => tokio::time::sleep(backoff.next_delay()).await,
                     Err(status) => {
                         // A newer resize replaced it, or the lease moved on:
                         // the stream says what is wanted now.
                         tracing::info!(%lease_id, error = %status.message(), "the resize report was not taken");
-                        return;
+                        return wanted;
                     }
                 }
             }

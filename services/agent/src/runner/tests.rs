@@ -1174,7 +1174,7 @@ fn a_lease_needing_a_runtime_this_node_lacks_is_refused_naming_both() {
 }
 
 #[tokio::test]
-async fn a_pending_resize_is_applied_to_the_running_workload_and_reported_once_without_a_restart() {
+async fn a_pending_resize_is_applied_to_the_running_workload_once_per_ask_without_a_restart() {
     let (_dir, fake, runner) = serving_runner(settings()).await;
     let capacity = |cpu_millis, memory_bytes| Some(berth_proto::types::v1::Capacity { cpu_millis, memory_bytes });
     let pid = run_lease(&fake, &runner, "l-1", "sleep 600").await;
@@ -1202,6 +1202,17 @@ async fn a_pending_resize_is_applied_to_the_running_workload_and_reported_once_w
     tokio::time::sleep(Duration::from_millis(300)).await;
     let resizes = fake.ledger().resizes.clone();
     assert_eq!(resizes.len(), 1, "{resizes:?}");
+
+    // The same size asked for again (as after a deferral) is applied again.
+    fake.change("l-1", Some(EventKind::Upsert), |lease| {
+        lease.resources = None;
+        resize(lease);
+    });
+    eventually("the resize asked again to be reported", PATIENCE, || async {
+        let count = fake.ledger().resizes.len();
+        if count == 2 { Ok(()) } else { Err(count) }
+    })
+    .await;
     assert_eq!(runner.pid_of("l-1").await, pid);
     assert!(alive(pid));
     assert_eq!(fake.reported("l-1"), vec![LeasePhase::Launching, LeasePhase::Running]);
