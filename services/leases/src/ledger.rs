@@ -783,6 +783,32 @@ impl Ledger {
             .await
     }
 
+    /// Takes the `NodeDraining` mark off the open leases of every node not
+    /// in `draining` (a drain lifted), so their requesters leave them be.
+    /// Returns the leases changed.
+    pub(crate) async fn clear_drain_marks(&self, draining: &BTreeSet<String>) -> Result<Vec<LeaseRecord>, LeaseError> {
+        let now_sql = self.store.now_ms_sql();
+        self.store
+            .tx("leases.clear_drain_marks", |conn| {
+                Box::pin(async move {
+                    let now = berth_store::now_ms_in(conn, now_sql).await?;
+                    let sql = concat!(
+                        "SELECT ",
+                        lease_columns!(),
+                        " FROM leases WHERE reason = $1 AND phase IN ('pending', 'bound', 'launching', 'running')"
+                    );
+                    let rows = sqlx::query(sql).bind(DRAINING).fetch_all(&mut *conn).await?;
+                    let marked = rows.iter().map(LeaseRecord::from_row).collect::<Result<Vec<_>, _>>()?;
+                    let mut changed = Vec::new();
+                    for lease in marked.iter().filter(|lease| !draining.contains(&lease.node_id)) {
+                        changed.push(apply(conn, lease, Change::to(lease.phase, lease), now, None).await?);
+                    }
+                    Ok(changed)
+                })
+            })
+            .await
+    }
+
     /// Every node row, by node id.
     pub(crate) async fn node_rows(&self) -> Result<Vec<NodeLedgerRow>, LeaseError> {
         self.store

@@ -20,6 +20,7 @@
 //! - After a bus loss no lease expires before the grace has passed: its node
 //!   may not have received it while the bus could not fan changes out.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use berth_bus::{BusError, Continuity};
@@ -60,7 +61,7 @@ enum ReaperError {
 pub(crate) fn spawn(core: Arc<Core>) {
     let election = Election::new(core.ledger.store().clone(), REAPER_LOOP, &core.replica_id, core.config.election);
     let closing = core.closing.clone();
-    berth_runtime::spawn_elected(election, closing, Reaper { core, grace_until: 0 });
+    berth_runtime::spawn_elected(election, closing, Reaper { core, grace_until: 0, draining: BTreeSet::new() });
 }
 
 /// The reaper's state while it leads.
@@ -68,6 +69,8 @@ struct Reaper {
     core: Arc<Core>,
     /// No lease's deadline is indexed before this, database clock milliseconds.
     grace_until: i64,
+    /// The nodes seen draining at the last tick, to notice a drain lifted.
+    draining: BTreeSet<String>,
 }
 
 impl Leader for Reaper {
@@ -106,6 +109,10 @@ impl Leader for Reaper {
             }
             if tokio::time::Instant::now() >= next_resync {
                 next_resync = tokio::time::Instant::now() + config.index_resync;
+                // Marks a lifted drain left behind, whoever led when it was lifted.
+                if let Err(error) = self.clear_drain_marks().await {
+                    tracing::warn!(%error, "clearing lifted drains' marks failed; retrying at the next resync");
+                }
                 self.rebuild_logged(false).await;
                 self.forget_logged().await;
             }
@@ -188,11 +195,18 @@ impl Reaper {
     }
 
     /// Tells the open leases of every draining node that it drains, and
-    /// releases them once its drain's deadline (identity's) has passed.
-    async fn drain_nodes(&self) -> Result<(), ReaperError> {
+    /// releases them once its drain's deadline (identity's) has passed; takes
+    /// the mark off again where a drain was lifted since the last tick.
+    async fn drain_nodes(&mut self) -> Result<(), ReaperError> {
         let snapshot = self.core.nodes.snapshot();
         let draining: Vec<&berth_proto::identity::v1::Node> =
             snapshot.nodes.values().filter(|node| node.state() == NodeState::Draining).collect();
+        let now_draining: BTreeSet<String> = draining.iter().map(|node| node.node_id.clone()).collect();
+        if self.draining.iter().any(|node_id| !now_draining.contains(node_id)) {
+            self.draining.clone_from(&now_draining);
+            self.clear_drain_marks().await?;
+        }
+        self.draining = now_draining;
         if draining.is_empty() {
             return Ok(());
         }
@@ -215,6 +229,16 @@ impl Reaper {
                 tracing::info!(node_id = %node.node_id, told = changed.len(), "leases told their node drains");
             }
             self.core.announce_owners(changed.iter()).await;
+        }
+        Ok(())
+    }
+
+    /// Takes the `NodeDraining` mark off the leases of nodes no longer draining.
+    async fn clear_drain_marks(&self) -> Result<(), ReaperError> {
+        let cleared = self.core.ledger.clear_drain_marks(&self.draining).await?;
+        if !cleared.is_empty() {
+            tracing::info!(leases = cleared.len(), "a drain was lifted: its leases stay where they are");
+            self.core.announce_owners(cleared.iter()).await;
         }
         Ok(())
     }

@@ -601,6 +601,14 @@ async fn a_draining_nodes_leases_are_told_and_what_is_left_is_released_at_its_de
     }
     assert_eq!(ledger.node_capacity("n-1").await.leases, 2, "a drain without a deadline releases nothing");
 
+    // A drain lifted takes the mark off: nothing is to move any more.
+    ledger.set_state("n-1", NodeState::Up).await;
+    eventually("the drain's mark to be taken off", PATIENCE, || async {
+        let now = ledger.get(&second.lease_id).await;
+        if now.reason.is_empty() { Ok(()) } else { Err(now) }
+    })
+    .await;
+
     // The deadline passes: whatever is still open is released, its capacity returned.
     let mut drained = node("n-1", "", NodeState::Draining, 4000, 8 * GIB);
     let past = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64 - 1;
