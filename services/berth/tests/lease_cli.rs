@@ -254,6 +254,17 @@ fn released_lease_stops_its_process() {
     assert_eq!(node["allocated"]["memoryBytes"], (32u64 << 20).to_string(), "{capacity}");
     assert_eq!(node["leases"], 1, "{capacity}");
 
+    // Resized in place: its node applies the new size, the same process runs on.
+    let pids = processes_with(&marker);
+    let resized = dev.ok(&["lease", "resize", &id, "--memory", "64Mi", "--wait"]);
+    assert!(resized.contains(&id) && resized.contains("applied"), "{resized}");
+    assert!(field(&dev.ok(&["lease", "get", &id]), "Resize").ends_with("applied"), "as shown");
+    assert_eq!(dev.lease(&id)["resources"]["memoryBytes"], (64u64 << 20).to_string());
+    assert_eq!(processes_with(&marker), pids, "no restart");
+    let too_big = dev.berth(&["lease", "resize", &id, "--cpu", "4096"]);
+    assert_ne!(too_big.code, Some(0), "{too_big:?}");
+    assert!(too_big.error_line().contains("cannot grow"), "{too_big:?}");
+
     let released = dev.ok(&["lease", "release", &id]);
     assert!(released.contains(&id) && released.contains("RELEASED"), "{released}");
     assert_eq!(dev.lease(&id)["phase"], "LEASE_PHASE_RELEASED");
