@@ -123,7 +123,9 @@ fn admission_table_matches_the_contract() {
         ("berth.identity.v1.NodeSession", &["Heartbeat"], NODE),
         ("berth.identity.v1.Nodes", &["ListNodes", "GetNode"], READERS),
         ("berth.identity.v1.Nodes", &["WatchNodes"], WATCHERS),
-        ("berth.identity.v1.Nodes", &["RevokeNode", "DrainNode"], ADMIN),
+        ("berth.identity.v1.Nodes", &["RevokeNode"], ADMIN),
+        // A node drains only itself, on its host's interruption notice (the handler holds it to that).
+        ("berth.identity.v1.Nodes", &["DrainNode"], &[Node, Admin]),
         ("berth.identity.v1.Authority", &["GetCABundle"], &[Node, Service, Admin, Router]),
         ("berth.identity.v1.Authority", &["RotateCA"], ADMIN),
         ("berth.identity.v1.Mesh", &["GetEndpoints"], &[Node, Service, Admin, Router]),
@@ -145,7 +147,7 @@ fn admission_table_matches_the_contract() {
         ("berth.revisions.v1.Revisions", &["ListRevisions"], READERS),
         ("berth.revisions.v1.Revisions", &["GetRevision"], OWN_READERS),
         ("berth.revisions.v1.Revisions", &["GetPullCredentials"], NODE),
-        ("berth.leases.v1.Leases", &["RequestLease", "ListLeases", "ReleaseLease"], READERS),
+        ("berth.leases.v1.Leases", &["RequestLease", "ListLeases", "ReleaseLease", "ResizeLease"], READERS),
         ("berth.leases.v1.Leases", &["GetLease"], OWN_READERS),
         ("berth.leases.v1.Leases", &["GetLeaseLogs"], READERS),
         ("berth.leases.v1.Leases", &["WatchLeases"], WATCHERS),
@@ -154,7 +156,15 @@ fn admission_table_matches_the_contract() {
         ("berth.leases.v1.Capacity", &["ListNodeCapacity"], READERS),
         (
             "berth.leases.v1.NodeLeases",
-            &["WatchAssignments", "ReportPhase", "RenewLeases", "ReconcileNode", "AssumeCustody", "RegisterLaunch"],
+            &[
+                "WatchAssignments",
+                "ReportPhase",
+                "RenewLeases",
+                "ReconcileNode",
+                "AssumeCustody",
+                "RegisterLaunch",
+                "ReportResize",
+            ],
             NODE,
         ),
         (

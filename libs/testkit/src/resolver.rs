@@ -25,9 +25,15 @@ pub struct Resolver {
 impl Resolver {
     /// Starts one on `127.0.0.1` on a free port.
     pub fn start() -> Self {
-        let udp = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-        let addr = udp.local_addr().unwrap();
-        let tcp = TcpListener::bind(addr).unwrap();
+        // A free UDP port may be taken for TCP: try others until both are free.
+        let (udp, addr, tcp) = (0..50)
+            .find_map(|_| {
+                let udp = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).ok()?;
+                let addr = udp.local_addr().ok()?;
+                let tcp = TcpListener::bind(addr).ok()?;
+                Some((udp, addr, tcp))
+            })
+            .expect("no loopback port free for both UDP and TCP in 50 tries");
         let asked = Arc::new(Mutex::new(Vec::new()));
         let names = asked.clone();
         std::thread::spawn(move || {
