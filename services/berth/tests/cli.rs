@@ -198,6 +198,10 @@ fn dev_node_is_listed_up_then_drained_undrained_and_revoked() {
         "{details}"
     );
     assert!(details.lines().any(|l| l.starts_with("Drain progress:") && l.contains("no open lease")), "{details}");
+    // Nothing runs there: waiting for it to empty returns at once.
+    let waited = dev.berth(&["node", "drain", &node_id, "--deadline", "1h", "--wait"]);
+    assert_eq!(waited.code, Some(0), "{waited:?}");
+    assert!(waited.stderr.contains("no open lease is left"), "{waited:?}");
     let both = dev.berth(&["node", "drain", &node_id, "--undo", "--deadline", "1h"]);
     assert_eq!(both.code, Some(2), "a deadline is for a drain: {both:?}");
     let drained = dev.ok(&["node", "drain", &node_id]);

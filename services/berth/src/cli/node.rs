@@ -51,6 +51,10 @@ enum NodeCommand {
         /// (`30m`, `1h`; a bare number is seconds) [default: no deadline].
         #[arg(long, value_name = "DURATION", value_parser = super::parse_ttl, conflicts_with = "undo")]
         deadline: Option<u32>,
+        /// Wait until no open lease is left on the node, saying how many are
+        /// left as that changes.
+        #[arg(long, conflicts_with = "undo")]
+        wait: bool,
         /// Lift the drain instead, so leases may be placed on the node again.
         #[arg(long)]
         undo: bool,
@@ -136,7 +140,7 @@ impl NodeArgs {
                     }
                 }
             }
-            NodeCommand::Drain { node_id, deadline, undo } => {
+            NodeCommand::Drain { node_id, deadline, wait, undo } => {
                 let deadline = deadline.map(|seconds| prost_types::Duration { seconds: i64::from(seconds), nanos: 0 });
                 let request = v1::DrainNodeRequest { node_id: node_id.clone(), undrain: undo, deadline };
                 let drained = match client.drain_node(connection.request(request)).await {
@@ -153,7 +157,11 @@ impl NodeArgs {
                     ),
                 };
                 let what = what.as_str();
-                print_changed(node, what, format)
+                print_changed(node, what, format)?;
+                if wait {
+                    wait_until_empty(&self.leases, &self.client, &node.node_id).await?;
+                }
+                Ok(())
             }
             NodeCommand::Revoke { node_id, reason } => {
                 let request = v1::RevokeNodeRequest { node_id: node_id.clone(), reason: reason.unwrap_or_default() };
@@ -166,6 +174,47 @@ impl NodeArgs {
             }
         }
     }
+}
+
+/// How often `drain --wait` looks at what is left on the node.
+const DRAIN_POLL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Waits until no open lease is left on `node_id`, noting each change.
+async fn wait_until_empty(
+    leases: &super::lease::LeasesServerArgs,
+    client: &ClientArgs,
+    node_id: &str,
+) -> Result<(), CliError> {
+    let connection = leases.connect(client, client.credentials()?).await?;
+    let mut last = String::new();
+    loop {
+        let request = LeasesRequest { node_id: node_id.to_string(), all_projects: true, ..Default::default() };
+        let listed = LeasesClient::new(connection.channel.clone())
+            .list_leases(connection.request(request))
+            .await
+            .map_err(|s| connection.status_error(s))?
+            .into_inner();
+        let line = drain_line(&listed.leases);
+        if line != last {
+            output::note(&format!("node {node_id}: {line}"));
+            last = line;
+        }
+        if open_of(&listed.leases).is_empty() {
+            return Ok(());
+        }
+        tokio::time::sleep(DRAIN_POLL).await;
+    }
+}
+
+/// The open leases among `leases`.
+fn open_of(leases: &[berth_proto::leases::v1::Lease]) -> Vec<&berth_proto::leases::v1::Lease> {
+    use berth_proto::leases::v1::LeasePhase;
+    leases
+        .iter()
+        .filter(|l| {
+            matches!(l.phase(), LeasePhase::Pending | LeasePhase::Bound | LeasePhase::Launching | LeasePhase::Running)
+        })
+        .collect()
 }
 
 /// What is still open on a draining node, as a line of `node get`.
@@ -187,13 +236,7 @@ async fn drain_progress(leases: &super::lease::LeasesServerArgs, client: &Client
 
 /// How far a drain got, from the leases still on the node.
 fn drain_line(leases: &[berth_proto::leases::v1::Lease]) -> String {
-    use berth_proto::leases::v1::LeasePhase;
-    let open: Vec<_> = leases
-        .iter()
-        .filter(|l| {
-            matches!(l.phase(), LeasePhase::Pending | LeasePhase::Bound | LeasePhase::Launching | LeasePhase::Running)
-        })
-        .collect();
+    let open = open_of(leases);
     if open.is_empty() {
         return "done: no open lease is left on the node".to_string();
     }
