@@ -53,6 +53,16 @@ async fn installed(data: &Path, old: &Path) -> Child {
     agent
 }
 
+/// A host whose data directory's agent runs version 1.0, installed as an
+/// updater installs it: the scratch directory, the data directory, the agent.
+async fn host_running_1_0() -> (tempfile::TempDir, PathBuf, Child) {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let old = installed(&data, &agent_script(tmp.path(), "old", "1.0")).await;
+    (tmp, data, old)
+}
+
 /// The pid of the agent that reported `version`, once one has.
 async fn wait_reported(data: &Path, version: &str) -> u32 {
     let file = data.join(updater::REPORTED_VERSION);
@@ -108,10 +118,7 @@ fn kill(pid: u32) {
 
 #[tokio::test]
 async fn an_upgrade_switches_to_the_new_binary_and_restarts_the_agent_which_reports_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let mut old = installed(&data, &agent_script(tmp.path(), "old", "1.0")).await;
+    let (tmp, data, mut old) = host_running_1_0().await;
     let new = agent_script(tmp.path(), "new", "2.0");
     let sha = updater::sha256_of(&new).unwrap();
 
@@ -131,10 +138,7 @@ async fn an_upgrade_switches_to_the_new_binary_and_restarts_the_agent_which_repo
 
 #[tokio::test]
 async fn a_new_binary_that_exits_at_once_is_rolled_back_and_the_old_agent_started_again() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let mut old = installed(&data, &agent_script(tmp.path(), "old", "1.0")).await;
+    let (tmp, data, mut old) = host_running_1_0().await;
     let before = current(&data);
     let broken = script(tmp.path(), "broken", &format!("{}exit 3\n", says("2.0")));
     let sha = updater::sha256_of(&broken).unwrap();
@@ -154,10 +158,7 @@ async fn a_new_binary_that_exits_at_once_is_rolled_back_and_the_old_agent_starte
 
 #[tokio::test]
 async fn a_binary_that_is_not_the_one_announced_is_refused_and_nothing_changes() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let mut old = installed(&data, &agent_script(tmp.path(), "old", "1.0")).await;
+    let (tmp, data, mut old) = host_running_1_0().await;
     let before = current(&data);
     let new = agent_script(tmp.path(), "new", "2.0");
 
