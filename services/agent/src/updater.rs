@@ -319,7 +319,15 @@ fn upgrade(args: &UpgradeArgs) -> Result<(), String> {
     let installed = install(&bin, &args.binary, &args.sha256.to_ascii_lowercase())?;
     switch(&bin, &installed)?;
     let started_at = std::time::SystemTime::now();
-    let mut child = restart(args, None)?;
+    let mut child = match restart(args, None) {
+        Ok(child) => child,
+        Err(why) => {
+            // The old agent may be stopped already: bring it back.
+            switch(&bin, &previous)?;
+            restart(args, None)?;
+            return Err(format!("{why}; rolled back to {}", previous.display()));
+        }
+    };
     if reported(&args.data_dir, &args.version, started_at, args.deadline, child.as_mut()) {
         if let Some(child) = child {
             // Its own process now; the updater does not wait for it.
