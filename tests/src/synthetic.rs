@@ -94,6 +94,7 @@ impl SyntheticNode {
             version: env!("CARGO_PKG_VERSION").to_string(),
             renewal_csr_pem: String::new(),
             ca_bundle_sha256: String::new(),
+            ..Default::default()
         });
         request.set_timeout(timeout);
         v1::node_session_client::NodeSessionClient::new(self.channel.clone())

@@ -39,4 +39,19 @@ impl RegistryArgs {
     pub fn ca_pem(&self) -> std::io::Result<Option<String>> {
         self.registry_ca.as_deref().map(std::fs::read_to_string).transpose()
     }
+
+    /// A registry client as the flags say; the error names the flag.
+    pub fn client(&self) -> Result<crate::BundleClient, String> {
+        let ca_pem = self.ca_pem().map_err(|e| {
+            let path = self.registry_ca.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+            format!("--registry-ca: cannot read {path}: {e}")
+        })?;
+        let config = crate::RegistryConfig {
+            insecure_registries: self.insecure_registries(),
+            ca_pem,
+            mirrors: self.registry_mirrors.clone(),
+            ..crate::RegistryConfig::default()
+        };
+        crate::BundleClient::new(config).map_err(|e| format!("--registry-ca: {e}"))
+    }
 }

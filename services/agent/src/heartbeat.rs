@@ -319,6 +319,8 @@ impl Heartbeater {
             // What the node trusts now, so identity activates a new CA only
             // once every node has it.
             ca_bundle_sha256: berth_bundle::Digest::of(self.identity.ca_bundle_pem.as_bytes()).hex().to_owned(),
+            upgrading: false,
+            upgrade: None,
         });
         let sent_renewal = !request.get_ref().renewal_csr_pem.is_empty();
         request.set_timeout(timeout);

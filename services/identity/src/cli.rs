@@ -97,6 +97,9 @@ struct Args {
     /// A reaped node's row is forgotten after this long (revoked rows are kept for audit).
     #[arg(long, env = "BERTH_FORGET_AFTER", default_value = "7d", value_parser = parse_duration)]
     forget_after: Duration,
+    /// How agent artifacts named by `UpgradeNodes` are resolved.
+    #[command(flatten)]
+    registries: berth_bundle::RegistryArgs,
     #[command(flatten)]
     state: StateArgs,
     #[command(flatten)]
@@ -187,7 +190,8 @@ async fn run(args: Args) -> Result<(), StartError> {
     }
     .map_err(|e| StartError::Invalid(e.to_string()))?
     .with_node_timing(timing)
-    .with_endpoints(endpoints);
+    .with_endpoints(endpoints)
+    .with_agent_registry(args.registries.client().map_err(StartError::Invalid)?);
     let me = Identity::service(NAME).map_err(|e| StartError::Invalid(e.to_string()))?;
     let kept = KeptIdentity::issue(service.authority(), me, args.advertise_names, SERVING_CERT_TTL)
         .await

@@ -36,6 +36,11 @@ pub(crate) const DEFAULT_RESET_GRACE: Duration = Duration::from_secs(20);
 /// database while nothing else about the node changes.
 pub(crate) const DEFAULT_PERSIST_EVERY: Duration = Duration::from_secs(60);
 
+/// Extra silence a node whose last heartbeat said it is upgrading may keep
+/// before it is marked `DOWN`: its updater stops the old agent, starts the
+/// new one and may roll back, each waiting on the agent's own start.
+pub(crate) const DEFAULT_UPGRADE_GRACE: Duration = Duration::from_secs(3 * 60);
+
 /// How often the elected monitor looks for due deadlines.
 pub(crate) const DEFAULT_MONITOR_EVERY: Duration = Duration::from_secs(1);
 
@@ -94,6 +99,8 @@ pub struct NodeTiming {
     /// the renewal that replaced it, so calls in flight on connections made
     /// with it finish; then every service refuses it.
     pub certificate_overlap: Duration,
+    /// Extra silence allowed after a heartbeat that says the node is upgrading.
+    pub upgrade_grace: Duration,
 }
 
 impl Default for NodeTiming {
@@ -112,6 +119,7 @@ impl Default for NodeTiming {
             join_window: DEFAULT_JOIN_WINDOW,
             token_retention: DEFAULT_TOKEN_RETENTION,
             certificate_overlap: DEFAULT_CERTIFICATE_OVERLAP,
+            upgrade_grace: DEFAULT_UPGRADE_GRACE,
         }
     }
 }

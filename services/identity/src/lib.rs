@@ -23,11 +23,13 @@ mod offline;
 mod registry;
 mod session;
 mod tokens;
+mod upgrades;
 mod workloads;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use berth_bundle::{BundleClient, RegistryConfig};
 use berth_bus::Bus;
 use berth_proto::identity::v1;
 use berth_rpc::{MAX_REQUEST_BYTES, ServerBuilder};
@@ -42,6 +44,7 @@ pub use join::RETRY_AFTER_MS_HEADER;
 pub use keeper::{KEEPER_POLL, KeptIdentity, spawn_keeper, write_bundle};
 pub use mesh::Endpoints;
 pub use monitor::MONITOR_LOOP;
+pub use upgrades::UPGRADES_LOOP;
 pub use offline::{OfflineIssueError, issue_from_state};
 pub use workloads::{
     DEFAULT_WORKLOAD_CERT_TTL, GrpcLaunchLedger, LaunchLedger, WORKLOAD_CERT_TTL_RANGE, WorkloadSettings,
@@ -92,6 +95,12 @@ pub static MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0006_drain_deadline.sql"),
         sqlite: include_str!("../migrations/sqlite/0006_drain_deadline.sql"),
     },
+    Migration {
+        version: 7,
+        name: "upgrades",
+        postgres: include_str!("../migrations/postgres/0007_upgrades.sql"),
+        sqlite: include_str!("../migrations/sqlite/0007_upgrades.sql"),
+    },
 ];
 
 /// How identity is configured beyond its state.
@@ -129,6 +138,8 @@ pub struct IdentityService {
     nodes: registry::NodeRegistry,
     /// Where the rest of the mesh is (`Mesh/GetEndpoints`).
     endpoints: Arc<Endpoints>,
+    /// Fleet upgrades: the registry client agent artifacts are resolved with.
+    upgrades: upgrades::Upgrades,
 }
 
 impl IdentityService {
@@ -168,6 +179,10 @@ impl IdentityService {
             config: Arc::new(config),
             nodes,
             endpoints: Arc::default(),
+            upgrades: upgrades::Upgrades::new(
+                BundleClient::new(RegistryConfig::default())
+                    .map_err(|e| AuthorityError::InvalidArgument(format!("the registry client: {e}")))?,
+            ),
         })
     }
 
@@ -192,6 +207,13 @@ impl IdentityService {
     /// rate limit); call before serving or spawning the loops.
     pub fn with_node_timing(mut self, timing: NodeTiming) -> Self {
         self.nodes = registry::NodeRegistry::new(self.store.clone(), self.bus.clone(), timing);
+        self
+    }
+
+    /// Resolves agent artifacts for fleet upgrades with `client` (its
+    /// insecure registries, CA and mirrors); call before serving.
+    pub fn with_agent_registry(mut self, client: BundleClient) -> Self {
+        self.upgrades = upgrades::Upgrades::new(client);
         self
     }
 
@@ -243,5 +265,6 @@ impl IdentityService {
         self.nodes.spawn_follower(shutdown);
         self.nodes.spawn_writers(shutdown);
         monitor::NodeMonitor::new(self.nodes.clone()).spawn(shutdown);
+        upgrades::UpgradeController::spawn(self.nodes.clone(), &self.upgrades, shutdown);
     }
 }

@@ -53,6 +53,20 @@ pub(crate) enum NodesApiError {
     /// The node is revoked, which is final.
     #[error("node {0} revoked; a revoked node cannot be drained")]
     Revoked(String),
+    /// The node is revoked, which is final.
+    #[error("node {0} revoked; a revoked node cannot be upgraded")]
+    RevokedNotUpgraded(String),
+    /// The agent artifact could not be resolved to a digest.
+    #[error("cannot resolve the agent artifact '{reference}': {reason}")]
+    Unresolvable {
+        /// The reference as asked for.
+        reference: String,
+        /// Why.
+        reason: String,
+    },
+    /// No such upgrade.
+    #[error("{0}")]
+    NoUpgrade(String),
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -61,7 +75,10 @@ pub(crate) enum NodesApiError {
 berth_store::store_errors!(NodesApiError, |error| match error {
     NodesApiError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
     NodesApiError::NotFound(_) => tonic::Status::not_found(error.to_string()),
-    NodesApiError::Revoked(_) => tonic::Status::failed_precondition(error.to_string()),
+    NodesApiError::Revoked(_) | NodesApiError::RevokedNotUpgraded(_) | NodesApiError::Unresolvable { .. } => {
+        tonic::Status::failed_precondition(error.to_string())
+    }
+    NodesApiError::NoUpgrade(_) => tonic::Status::not_found(error.to_string()),
     NodesApiError::Store(error) => error.into(),
 });
 
@@ -239,6 +256,32 @@ impl v1::nodes_server::Nodes for IdentityService {
         };
         let node = self.drain(&admin, &node_id, undrain, deadline).await?;
         Ok(tonic::Response::new(v1::DrainNodeResponse { node: Some(node.to_proto()) }))
+    }
+
+    async fn upgrade_nodes(
+        &self,
+        request: tonic::Request<v1::UpgradeNodesRequest>,
+    ) -> Result<tonic::Response<v1::UpgradeNodesResponse>, tonic::Status> {
+        let admin = berth_rpc::caller(&request)?.name().to_owned();
+        let ask = crate::upgrades::UpgradeAsk::parse(request.into_inner())?;
+        let upgrade = self.upgrade_nodes(&admin, ask).await?;
+        Ok(tonic::Response::new(v1::UpgradeNodesResponse { upgrade: Some(upgrade) }))
+    }
+
+    async fn get_upgrade(
+        &self,
+        request: tonic::Request<v1::GetUpgradeRequest>,
+    ) -> Result<tonic::Response<v1::GetUpgradeResponse>, tonic::Status> {
+        let upgrade_id = request.into_inner().upgrade_id;
+        if !upgrade_id.is_empty() && !berth_core::is_dns_label(&upgrade_id) {
+            return Err(NodesApiError::InvalidArgument {
+                field: "upgrade_id",
+                reason: format!("'{upgrade_id}' is not an upgrade id"),
+            }
+            .into());
+        }
+        let upgrade = IdentityService::get_upgrade(self, &upgrade_id).await?;
+        Ok(tonic::Response::new(v1::GetUpgradeResponse { upgrade: Some(upgrade) }))
     }
 
     async fn watch_nodes(

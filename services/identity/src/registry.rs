@@ -64,7 +64,8 @@ macro_rules! node_columns {
          capacity_cpu_millis, capacity_memory_bytes, usage_cpu_millis, usage_memory_bytes, join_token_id, \
          joined_at_ms, state_changed_at_ms, last_heartbeat_at_ms, certificate_expires_at_ms, drained_at_ms, \
          reaped_at_ms, revoked_at_ms, revoked_reason, certificate_floor_s, certificate_next_floor_s, \
-         certificate_floor_moves_at_ms, drain_deadline_ms"
+         certificate_floor_moves_at_ms, drain_deadline_ms, upgrade_id, upgrade_artifact, upgrade_state, \
+         upgrade_reason, upgrade_version"
     };
 }
 
@@ -172,6 +173,19 @@ pub(crate) struct NodeRecord {
     pub(crate) reaped_at_ms: Option<i64>,
     pub(crate) revoked_at_ms: Option<i64>,
     pub(crate) revoked_reason: String,
+    /// The node's latest fleet upgrade; `None` when it was never asked to upgrade.
+    pub(crate) upgrade: Option<Box<NodeUpgradeMark>>,
+}
+
+/// A node's latest fleet upgrade: what it was asked for, and what it said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NodeUpgradeMark {
+    pub(crate) upgrade_id: String,
+    /// The artifact, pinned to its digest.
+    pub(crate) artifact: String,
+    pub(crate) state: crate::upgrades::NodeUpgradeState,
+    pub(crate) reason: String,
+    pub(crate) version: String,
 }
 
 impl NodeRecord {
@@ -214,6 +228,20 @@ impl NodeRecord {
             reaped_at_ms: row.try_get("reaped_at_ms")?,
             revoked_at_ms: row.try_get("revoked_at_ms")?,
             revoked_reason: row.try_get("revoked_reason")?,
+            upgrade: {
+                let upgrade_id: String = row.try_get("upgrade_id")?;
+                if upgrade_id.is_empty() {
+                    None
+                } else {
+                    Some(Box::new(NodeUpgradeMark {
+                        upgrade_id,
+                        artifact: row.try_get("upgrade_artifact")?,
+                        state: crate::upgrades::NodeUpgradeState::parse(&row.try_get::<String, _>("upgrade_state")?)?,
+                        reason: row.try_get("upgrade_reason")?,
+                        version: row.try_get("upgrade_version")?,
+                    }))
+                }
+            },
         })
     }
 
@@ -242,6 +270,12 @@ impl NodeRecord {
             certificate_floor_moves_at: (self.certificate_floor.next_s > 0)
                 .then(|| timestamp(self.certificate_floor.moves_at_ms)),
             drain_deadline: self.drain_deadline_ms.filter(|_| self.drained).map(timestamp),
+            upgrade: self.upgrade.as_deref().map(|mark| v1::NodeUpgradeStatus {
+                upgrade_id: mark.upgrade_id.clone(),
+                artifact: mark.artifact.clone(),
+                state: mark.state.to_proto() as i32,
+                reason: mark.reason.clone(),
+            }),
         }
     }
 

@@ -17,6 +17,11 @@
 //!    (`DRAINING` when drained) unless another live node holds the same
 //!    (tier, advertise address).
 //! 4. A renewal CSR gets a new certificate; the CA bundle rides every answer.
+//! 5. Fleet upgrades ([`crate::upgrades`]): while the node's upgrade mark is
+//!    `started` the answer names the artifact; what the node reports of that
+//!    upgrade is written onto the mark (a change like any other, so it takes
+//!    the transaction). A beat saying `upgrading` moves the node's deadline
+//!    `upgrade_grace` further, since its agent is about to be replaced.
 //!
 //! # Invariants
 //! - Incarnation 0 is never fenced: agents that predate incarnations.
@@ -38,7 +43,59 @@ use berth_store::{StoreError, expect_one};
 use crate::bookkeeping::Beat;
 use crate::config::millis;
 use crate::registry::{self, NodeRecord, NodeState, timestamp, to_column};
+use crate::upgrades::{MAX_UPGRADE_REASON, NodeUpgradeState};
 use crate::{AuthorityError, IdentityService};
+
+/// What a node reported of its upgrade, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct UpgradeReport {
+    upgrade_id: String,
+    state: NodeUpgradeState,
+    reason: String,
+    version: String,
+}
+
+impl UpgradeReport {
+    /// Checks the report a heartbeat carries; `None` when it carries none.
+    fn parse(report: Option<&v1::NodeUpgradeReport>) -> Result<Option<Self>, HeartbeatError> {
+        let Some(report) = report else { return Ok(None) };
+        let invalid = |reason: &str| HeartbeatError::InvalidArgument { field: "upgrade", reason: reason.to_owned() };
+        if !berth_core::is_dns_label(&report.upgrade_id) {
+            return Err(invalid("upgrade_id must be the id the heartbeat answer named"));
+        }
+        let state = NodeUpgradeState::reported(report.state)
+            .ok_or_else(|| invalid("state must be UPGRADING, SUCCEEDED or FAILED"))?;
+        if report.version.len() > MAX_VERSION_LEN || report.version.chars().any(char::is_control) {
+            return Err(invalid(&format!("version must be at most {MAX_VERSION_LEN} printable characters")));
+        }
+        // A node's reason is kept, cut to size, never refused: it is the only
+        // account of what went wrong there.
+        let mut reason: String = report.reason.chars().filter(|c| !c.is_control()).collect();
+        if reason.len() > MAX_UPGRADE_REASON {
+            let mut end = MAX_UPGRADE_REASON;
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            reason.truncate(end);
+        }
+        Ok(Some(Self { upgrade_id: report.upgrade_id.clone(), state, reason, version: report.version.clone() }))
+    }
+
+    /// Whether it changes the mark `node` holds: a report of another upgrade
+    /// than the mark's (a late one) changes nothing.
+    fn changes(&self, node: &NodeRecord) -> bool {
+        node.upgrade.as_deref().is_some_and(|mark| {
+            mark.upgrade_id == self.upgrade_id
+                && (mark.state != self.state || mark.reason != self.reason || mark.version != self.version)
+        })
+    }
+}
+
+/// The upgrade a node's heartbeat answer names: its mark while `started`.
+fn upgrade_target(node: &NodeRecord) -> Option<v1::NodeUpgradeTarget> {
+    let mark = node.upgrade.as_deref().filter(|m| m.state == NodeUpgradeState::Started)?;
+    Some(v1::NodeUpgradeTarget { upgrade_id: mark.upgrade_id.clone(), artifact: mark.artifact.clone() })
+}
 
 /// The longest agent version string kept.
 const MAX_VERSION_LEN: usize = 64;
@@ -125,6 +182,7 @@ impl IdentityService {
                 reason: "64 lowercase hex digits, or empty".to_owned(),
             });
         }
+        let report = UpgradeReport::parse(beat.upgrade.as_ref())?;
         let indexed = self.nodes.lookup(node_id).await?.ok_or_else(|| HeartbeatError::NotFound(node_id.to_owned()))?;
         if indexed.state == NodeState::Revoked {
             return Err(HeartbeatError::Revoked);
@@ -140,9 +198,11 @@ impl IdentityService {
             tracing::warn!(%node_id, %error, "cannot record the CA bundle the node trusts; retried next heartbeat");
         }
         let unchanged = beat.capacity.is_none_or(|c| c == indexed.capacity)
-            && (beat.version.is_empty() || beat.version == indexed.version);
+            && (beat.version.is_empty() || beat.version == indexed.version)
+            && report.as_ref().is_none_or(|r| !r.changes(&indexed));
         let wants_renewal = !beat.renewal_csr_pem.trim().is_empty();
         let timing = self.nodes.timing();
+        let grace = if beat.upgrading { timing.down_after + timing.upgrade_grace } else { timing.down_after };
         // A renewed certificate presented for the first time moves the floor.
         let floor_moves = presented.is_some_and(|issued| {
             indexed.certificate_floor.presented(issued, self.nodes.now_ms(), timing.certificate_overlap).is_some()
@@ -157,34 +217,36 @@ impl IdentityService {
                     at_ms: now_ms,
                 });
             if steady {
-                self.nodes.queue_deadline(node_id, now_ms + millis(timing.down_after)).await;
-                return self.answer(indexed.state, None).await;
+                self.nodes.queue_deadline(node_id, now_ms + millis(grace)).await;
+                return self.answer(indexed.state, None, upgrade_target(&indexed)).await;
             }
         }
         // Boxed: the written path (signing, a transaction) needs a future
         // several times the steady path's, and every call in flight would
         // otherwise carry room for it.
-        Box::pin(self.write_heartbeat(node_id, beat, presented, indexed, wants_renewal)).await
+        Box::pin(self.write_heartbeat(node_id, beat, report, presented, indexed, wants_renewal, grace)).await
     }
 
     /// A heartbeat that changes the row or renews the certificate: written in
     /// a transaction, then published.
+    #[expect(clippy::too_many_arguments, reason = "the parts of one heartbeat, checked by its caller")]
     async fn write_heartbeat(
         &self,
         node_id: &str,
         beat: v1::HeartbeatRequest,
+        report: Option<UpgradeReport>,
         presented: Option<i64>,
         indexed: Arc<NodeRecord>,
         wants_renewal: bool,
+        grace: std::time::Duration,
     ) -> Result<v1::HeartbeatResponse, HeartbeatError> {
-        let timing = self.nodes.timing();
         let certificate = if wants_renewal {
             let sans = [indexed.advertise_host()];
             Some(self.authority.sign_node(&beat.renewal_csr_pem, node_id, &sans, self.config.node_cert_ttl).await?)
         } else {
             None
         };
-        let outcome = match self.record_heartbeat(node_id, &beat, presented, certificate.as_ref()).await {
+        let outcome = match self.record_heartbeat(node_id, &beat, report.as_ref(), presented, certificate.as_ref()).await {
             Ok(outcome) => outcome,
             Err(error) => {
                 // The node beat: while the database is away its liveness,
@@ -192,7 +254,7 @@ impl IdentityService {
                 // node whose bookkeeping fell due in the outage is marked
                 // down once the database is back.
                 if indexed.state.is_live() {
-                    self.nodes.queue_deadline(node_id, self.nodes.now_ms() + millis(timing.down_after)).await;
+                    self.nodes.queue_deadline(node_id, self.nodes.now_ms() + millis(grace)).await;
                 }
                 return Err(error);
             }
@@ -205,8 +267,9 @@ impl IdentityService {
             Outcome::Written(record) => record,
         };
         self.nodes.mark_persisted(node_id);
-        self.nodes.set_deadline(node_id, self.nodes.now_ms() + millis(timing.down_after)).await;
+        self.nodes.set_deadline(node_id, self.nodes.now_ms() + millis(grace)).await;
         let noteworthy = record.state != indexed.state
+            || record.upgrade != indexed.upgrade
             || record.capacity != indexed.capacity
             || record.version != indexed.version
             || record.certificate_expires_at_ms != indexed.certificate_expires_at_ms
@@ -214,14 +277,14 @@ impl IdentityService {
         if record.state != indexed.state {
             tracing::info!(%node_id, from = indexed.state.as_str(), to = record.state.as_str(), "node heard from");
         }
-        let state = record.state;
+        let (state, target) = (record.state, upgrade_target(&record));
         if noteworthy {
             self.nodes.committed(record).await;
         } else {
             // Bookkeeping alone: the other replicas pick it up at their next resync.
             self.nodes.remember(record);
         }
-        self.answer(state, certificate).await
+        self.answer(state, certificate, target).await
     }
 
     /// Writes a heartbeat in one transaction fenced on the row it read.
@@ -229,11 +292,15 @@ impl IdentityService {
         &self,
         node_id: &str,
         beat: &v1::HeartbeatRequest,
+        report: Option<&UpgradeReport>,
         presented: Option<i64>,
         certificate: Option<&IssuedCertificate>,
     ) -> Result<Outcome, HeartbeatError> {
         let update = format!(
             "UPDATE nodes SET state = $3, \
+             upgrade_state = CASE WHEN upgrade_id = $14 AND upgrade_id <> '' THEN $15 ELSE upgrade_state END, \
+             upgrade_reason = CASE WHEN upgrade_id = $14 AND upgrade_id <> '' THEN $16 ELSE upgrade_reason END, \
+             upgrade_version = CASE WHEN upgrade_id = $14 AND upgrade_id <> '' THEN $17 ELSE upgrade_version END, \
              state_changed_at_ms = CASE WHEN state = $3 THEN state_changed_at_ms ELSE {now} END, \
              last_heartbeat_at_ms = {now}, reaped_at_ms = NULL, revision = revision + 1, \
              capacity_cpu_millis = $4, capacity_memory_bytes = $5, usage_cpu_millis = $6, usage_memory_bytes = $7, \
@@ -245,13 +312,21 @@ impl IdentityService {
         let node_id = node_id.to_owned();
         let reported_incarnation = beat.incarnation;
         let (capacity, usage, version) = (beat.capacity, beat.usage, beat.version.clone());
+        // No report matches no mark: the empty id is never a mark's.
+        let report = report.cloned().unwrap_or(UpgradeReport {
+            upgrade_id: String::new(),
+            state: NodeUpgradeState::Pending,
+            reason: String::new(),
+            version: String::new(),
+        });
         let renewed_until_ms = certificate.map(|c| c.not_after.saturating_mul(1000));
         let (now_ms, overlap) = (self.nodes.now_ms(), self.nodes.timing().certificate_overlap);
         let owned_node_id = node_id.clone();
         let result = self
             .store
             .tx("nodes.heartbeat", move |conn| {
-                let (update, node_id, version) = (update.clone(), node_id.clone(), version.clone());
+                let (update, node_id, version, report) =
+                    (update.clone(), node_id.clone(), version.clone(), report.clone());
                 Box::pin(async move {
                     let current = registry::fetch(conn, &node_id)
                         .await?
@@ -287,6 +362,10 @@ impl IdentityService {
                         .bind(floor.floor_s)
                         .bind(floor.next_s)
                         .bind(floor.moves_at_ms)
+                        .bind(&report.upgrade_id)
+                        .bind(report.state.as_str())
+                        .bind(&report.reason)
+                        .bind(&report.version)
                         .execute(&mut *conn)
                         .await
                         .map_err(|e| taken_on_unique_violation(e.into(), &current))?;
@@ -332,7 +411,7 @@ impl IdentityService {
             incarnation = record.incarnation,
             "fenced a heartbeat from a stale incarnation; the agent must rejoin"
         );
-        let mut response = self.answer(record.state, None).await?;
+        let mut response = self.answer(record.state, None, None).await?;
         response.fenced = true;
         Ok(response)
     }
@@ -341,6 +420,7 @@ impl IdentityService {
         &self,
         state: NodeState,
         certificate: Option<IssuedCertificate>,
+        upgrade: Option<v1::NodeUpgradeTarget>,
     ) -> Result<v1::HeartbeatResponse, HeartbeatError> {
         let interval = self.nodes.timing().heartbeat_interval;
         Ok(v1::HeartbeatResponse {
@@ -350,6 +430,7 @@ impl IdentityService {
             heartbeat_interval_ms: u32::try_from(interval.as_millis()).unwrap_or(u32::MAX),
             fenced: false,
             state: state.to_proto() as i32,
+            upgrade,
         })
     }
 }

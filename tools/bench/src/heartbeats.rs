@@ -538,6 +538,7 @@ impl Beat {
             version: env!("CARGO_PKG_VERSION").to_string(),
             renewal_csr_pem: String::new(),
             ca_bundle_sha256: String::new(),
+            ..Default::default()
         });
         request.set_timeout(CALL_TIMEOUT);
         request

@@ -665,6 +665,7 @@ async fn put_records(
         version: env!("CARGO_PKG_VERSION").to_string(),
         renewal_csr_pem: String::new(),
         ca_bundle_sha256: String::new(),
+        ..Default::default()
     };
     session
         .heartbeat(beat.clone())

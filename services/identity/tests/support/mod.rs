@@ -44,6 +44,7 @@ pub(crate) fn fast_timing() -> NodeTiming {
         join_window: Duration::from_secs(10),
         token_retention: Duration::from_secs(3600),
         certificate_overlap: Duration::from_secs(60),
+        upgrade_grace: Duration::from_secs(2),
     }
 }
 
@@ -280,6 +281,8 @@ impl TestNode {
             version: "0.1.0".to_owned(),
             renewal_csr_pem: String::new(),
             ca_bundle_sha256: String::new(),
+            upgrading: false,
+            upgrade: None,
         }
     }
 
