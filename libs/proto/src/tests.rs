@@ -121,7 +121,8 @@ fn admission_table_matches_the_contract() {
         ("berth.identity.v1.JoinTokens", &["CreateJoinToken", "ListJoinTokens", "RevokeJoinToken"], ADMIN),
         ("berth.identity.v1.Join", &["Join"], &[Anonymous, Node]),
         ("berth.identity.v1.NodeSession", &["Heartbeat"], NODE),
-        ("berth.identity.v1.Nodes", &["ListNodes", "GetNode"], READERS),
+        ("berth.identity.v1.Nodes", &["ListNodes", "GetNode", "GetUpgrade"], READERS),
+        ("berth.identity.v1.Nodes", &["UpgradeNodes"], ADMIN),
         ("berth.identity.v1.Nodes", &["WatchNodes"], WATCHERS),
         ("berth.identity.v1.Nodes", &["RevokeNode"], ADMIN),
         // A node drains only itself, on its host's interruption notice (the handler holds it to that).

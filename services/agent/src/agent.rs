@@ -484,7 +484,8 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         shutdown: stop.clone(),
     };
     tokio::spawn(interruptions.run());
-    let heartbeater = Heartbeater::new(config, dir, identity, credentials.clone(), watches, stop.clone())?;
+    let upgrades = crate::upgrades::Upgrades::new(dir.root(), registry_client(&config)?, config.upgrades.clone());
+    let heartbeater = Heartbeater::new(config, dir, identity, credentials.clone(), watches, upgrades, stop.clone())?;
     let server = tokio::spawn(crate::api::serve(listener, credentials.clone(), api, data_plane, stop.clone()));
     let heartbeater = tokio::spawn(heartbeater.run());
     Ok(AgentHandle {
@@ -503,6 +504,17 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     })
 }
 
+/// A registry client as the agent's configuration says.
+fn registry_client(config: &AgentConfig) -> Result<BundleClient, AgentError> {
+    let registries = RegistryConfig {
+        insecure_registries: config.insecure_registries.clone(),
+        ca_pem: config.registry_ca_pem.clone(),
+        mirrors: config.registry_mirrors.clone(),
+        ..RegistryConfig::default()
+    };
+    BundleClient::new(registries).map_err(|e| AgentError::Config(format!("registry_ca_pem: {e}")))
+}
+
 /// The node's bundles: the cache in `DATA_DIR/bundles`, pulling through the
 /// configured registries, with registry credentials from revisions when its
 /// address is configured.
@@ -511,13 +523,7 @@ async fn open_bundles(
     data_dir: &std::path::Path,
     credentials: &TlsCredentials,
 ) -> Result<BundleStore, AgentError> {
-    let registries = RegistryConfig {
-        insecure_registries: config.insecure_registries.clone(),
-        ca_pem: config.registry_ca_pem.clone(),
-        mirrors: config.registry_mirrors.clone(),
-        ..RegistryConfig::default()
-    };
-    let client = BundleClient::new(registries).map_err(|e| AgentError::Config(format!("registry_ca_pem: {e}")))?;
+    let client = registry_client(config)?;
     let options = CacheOptions { budget_bytes: config.bundle_cache_budget, ..CacheOptions::default() };
     let cache = BundleCache::open(data_dir.join(BUNDLE_CACHE_DIR), options).await.map_err(AgentError::BundleCache)?;
     let pull_credentials = match &config.revisions {

@@ -309,6 +309,8 @@ pub struct AgentConfig {
     /// naming its lease, and the SPIFFE Workload API) before it starts; a
     /// launch whose credential cannot be minted fails.
     pub workload_identity: bool,
+    /// How the agent is restarted into a new binary by a fleet upgrade.
+    pub upgrades: crate::upgrades::UpgradeSettings,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -343,6 +345,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("proxy_timing", &self.proxy_timing)
             .field("containment", &self.containment)
             .field("workload_identity", &self.workload_identity)
+            .field("upgrades", &self.upgrades)
             .finish_non_exhaustive()
     }
 }
@@ -392,6 +395,10 @@ impl AgentConfig {
             containment: Containment::default(),
             process_runtime_exe: None,
             workload_identity: true,
+            upgrades: crate::upgrades::UpgradeSettings {
+                deadline: crate::upgrades::DEFAULT_UPGRADE_DEADLINE,
+                ..crate::upgrades::UpgradeSettings::default()
+            },
         }
     }
 

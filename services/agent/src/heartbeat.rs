@@ -43,6 +43,7 @@ use crate::identity_servers::IdentityServers;
 use crate::join::{self, JoinError};
 use crate::rpc_status::{is_transient_code, status_text};
 use crate::status::{AgentStatus, Fence, FenceReason, NodeSession};
+use crate::upgrades::Upgrades;
 use berth_core::backoff::Backoff;
 
 /// The common name put in renewal CSRs; the authority ignores it.
@@ -137,6 +138,8 @@ pub(crate) struct Heartbeater {
     /// heartbeats (for an updater waiting on it).
     reported: bool,
     watches: Watches,
+    /// Fleet upgrades: what each beat reports, and what an answer asks for.
+    upgrades: Upgrades,
     shutdown: CancellationToken,
 }
 
@@ -156,6 +159,7 @@ impl Heartbeater {
         identity: NodeIdentity,
         credentials: TlsCredentials,
         watches: Watches,
+        upgrades: Upgrades,
         shutdown: CancellationToken,
     ) -> Result<Self, AgentError> {
         let servers = IdentityServers::new(config.identity_servers(), &identity.node_id);
@@ -175,6 +179,7 @@ impl Heartbeater {
             failing_since: None,
             reported: false,
             watches,
+            upgrades,
             shutdown,
         })
     }
@@ -205,6 +210,7 @@ impl Heartbeater {
             tokio::select! {
                 _ = self.shutdown.cancelled() => return Ok(()),
                 _ = tokio::time::sleep_until(next) => {}
+                () = self.upgrades.beat_wanted() => {}
             }
             let started = Instant::now();
             if self.identity.expired_at(SystemTime::now()) {
@@ -242,6 +248,10 @@ impl Heartbeater {
                         );
                         self.reconnect();
                     }
+                    if let Some(target) = &response.upgrade {
+                        self.upgrades.offer(target, &self.config.version);
+                    }
+                    self.upgrades.answered();
                     self.apply(response);
                     self.set_status(AgentStatus::Up { session: self.session(), last_heartbeat: SystemTime::now() });
                     next = started + self.identity.heartbeat_interval;
@@ -306,6 +316,7 @@ impl Heartbeater {
             }
         }
         let timeout = self.config.timing.rpc_timeout;
+        let (upgrading, upgrade) = self.upgrades.report();
         let mut request = tonic::Request::new(HeartbeatRequest {
             node_id: self.identity.node_id.clone(),
             incarnation: self.identity.incarnation,
@@ -319,8 +330,8 @@ impl Heartbeater {
             // What the node trusts now, so identity activates a new CA only
             // once every node has it.
             ca_bundle_sha256: berth_bundle::Digest::of(self.identity.ca_bundle_pem.as_bytes()).hex().to_owned(),
-            upgrading: false,
-            upgrade: None,
+            upgrading,
+            upgrade,
         });
         let sent_renewal = !request.get_ref().renewal_csr_pem.is_empty();
         request.set_timeout(timeout);

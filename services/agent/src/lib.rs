@@ -70,6 +70,7 @@ mod svids;
 #[cfg(test)]
 mod testdir;
 pub mod updater;
+mod upgrades;
 
 pub use agent::{AgentHandle, CONTAINED_LABEL, RUNTIME_LABEL, start};
 pub use config::{
@@ -99,6 +100,7 @@ pub use provider::{
     WorkloadRoot, WorkloadSignal,
 };
 pub use status::{AgentStatus, Fence, FenceReason, NodeSession};
+pub use upgrades::{DEFAULT_UPGRADE_DEADLINE, UpgradeSettings};
 
 /// The port the agent API listens on by default.
 pub const DEFAULT_PORT: u16 = 7447;

@@ -194,6 +194,17 @@ struct Args {
     /// reboot.
     #[arg(long, env = "BERTH_CGROUP_FAVORDYNMODS")]
     cgroup_favordynmods: bool,
+    /// The systemd unit this agent runs as (the shipped unit sets it): a
+    /// fleet upgrade's updater restarts the agent with `systemctl restart`.
+    /// Without it the updater stops this process and starts the new binary
+    /// with this command line.
+    #[arg(long, env = "BERTH_SYSTEMD_UNIT", value_name = "UNIT")]
+    systemd_unit: Option<String>,
+    /// How long a new agent installed by a fleet upgrade has to report in
+    /// before the updater puts this one back.
+    #[arg(long, env = "BERTH_UPGRADE_DEADLINE", value_name = "DURATION", value_parser = parse_duration,
+          default_value = "60s")]
+    upgrade_deadline: Duration,
     #[command(flatten)]
     telemetry: TelemetryArgs,
 }
@@ -278,6 +289,11 @@ impl Args {
         config.lease_timing.sweep_interval = self.sweep_interval;
         config.bundle_cache_budget = self.bundle_cache_budget;
         config.log_max_bytes = self.log_max_bytes;
+        config.upgrades = berth_agent::UpgradeSettings {
+            systemd_unit: self.systemd_unit.clone().filter(|unit| !unit.trim().is_empty()),
+            agent_args: std::env::args().skip(1).collect(),
+            deadline: self.upgrade_deadline,
+        };
         config.containment = Containment {
             runtime: WorkloadRuntime::from_flags(&self.runtime, self.oci_runtime).map_err(StartError::Invalid)?,
             uids: self.workload_uids,

@@ -44,8 +44,8 @@ pub use join::RETRY_AFTER_MS_HEADER;
 pub use keeper::{KEEPER_POLL, KeptIdentity, spawn_keeper, write_bundle};
 pub use mesh::Endpoints;
 pub use monitor::MONITOR_LOOP;
-pub use upgrades::UPGRADES_LOOP;
 pub use offline::{OfflineIssueError, issue_from_state};
+pub use upgrades::UPGRADES_LOOP;
 pub use workloads::{
     DEFAULT_WORKLOAD_CERT_TTL, GrpcLaunchLedger, LaunchLedger, WORKLOAD_CERT_TTL_RANGE, WorkloadSettings,
     parse_trust_domain, spiffe_id,

@@ -246,19 +246,20 @@ impl IdentityService {
         } else {
             None
         };
-        let outcome = match self.record_heartbeat(node_id, &beat, report.as_ref(), presented, certificate.as_ref()).await {
-            Ok(outcome) => outcome,
-            Err(error) => {
-                // The node beat: while the database is away its liveness,
-                // kept in the bus, must not lapse with the write, or every
-                // node whose bookkeeping fell due in the outage is marked
-                // down once the database is back.
-                if indexed.state.is_live() {
-                    self.nodes.queue_deadline(node_id, self.nodes.now_ms() + millis(grace)).await;
+        let outcome =
+            match self.record_heartbeat(node_id, &beat, report.as_ref(), presented, certificate.as_ref()).await {
+                Ok(outcome) => outcome,
+                Err(error) => {
+                    // The node beat: while the database is away its liveness,
+                    // kept in the bus, must not lapse with the write, or every
+                    // node whose bookkeeping fell due in the outage is marked
+                    // down once the database is back.
+                    if indexed.state.is_live() {
+                        self.nodes.queue_deadline(node_id, self.nodes.now_ms() + millis(grace)).await;
+                    }
+                    return Err(error);
                 }
-                return Err(error);
-            }
-        };
+            };
         let record = match outcome {
             Outcome::Fenced(record) => {
                 let record = self.nodes.remember(record);

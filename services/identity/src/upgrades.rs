@@ -302,8 +302,10 @@ enum Selector {
 impl UpgradeAsk {
     /// Checks a request, naming the first field that is wrong.
     pub(crate) fn parse(request: v1::UpgradeNodesRequest) -> Result<Self, NodesApiError> {
-        let invalid = |field: &'static str, reason: &str| NodesApiError::InvalidArgument { field, reason: reason.into() };
-        let chosen = usize::from(!request.node_ids.is_empty()) + usize::from(!request.tier.is_empty())
+        let invalid =
+            |field: &'static str, reason: &str| NodesApiError::InvalidArgument { field, reason: reason.into() };
+        let chosen = usize::from(!request.node_ids.is_empty())
+            + usize::from(!request.tier.is_empty())
             + usize::from(request.all);
         if chosen != 1 {
             return Err(invalid("node_ids", "name the nodes by exactly one of node_ids, tier and all"));
@@ -372,9 +374,11 @@ impl IdentityService {
     /// `UpgradeNodes`: resolves, picks the nodes, stores the rollout.
     pub(crate) async fn upgrade_nodes(&self, admin: &str, ask: UpgradeAsk) -> Result<v1::Upgrade, NodesApiError> {
         let shown = ask.reference.to_string();
-        let resolved =
-            tokio::time::timeout(RESOLVE_TIMEOUT, self.upgrades.client.resolve(&ask.reference, &RegistryCredentials::Anonymous))
-                .await;
+        let resolved = tokio::time::timeout(
+            RESOLVE_TIMEOUT,
+            self.upgrades.client.resolve(&ask.reference, &RegistryCredentials::Anonymous),
+        )
+        .await;
         let digest = match resolved {
             Ok(Ok(digest)) => digest,
             Ok(Err(error)) => return Err(NodesApiError::Unresolvable { reference: shown, reason: error.to_string() }),
@@ -452,7 +456,9 @@ impl IdentityService {
                 let id = id.clone();
                 Box::pin(async move {
                     let id = match id.as_str() {
-                        "" => latest_id(conn).await?.ok_or_else(|| NodesApiError::NoUpgrade("no upgrade was ever started".into()))?,
+                        "" => latest_id(conn)
+                            .await?
+                            .ok_or_else(|| NodesApiError::NoUpgrade("no upgrade was ever started".into()))?,
                         _ => id,
                     };
                     load(conn, &id).await?.ok_or_else(|| NodesApiError::NoUpgrade(format!("upgrade {id} not found")))
@@ -488,7 +494,10 @@ async fn chosen_nodes(conn: &mut AnyConnection, selector: &Selector) -> Result<V
             .map_err(StoreError::from)?,
     };
     if nodes.is_empty() {
-        return Err(NodesApiError::InvalidArgument { field: "tier", reason: "no node that is not revoked matches".into() });
+        return Err(NodesApiError::InvalidArgument {
+            field: "tier",
+            reason: "no node that is not revoked matches".into(),
+        });
     }
     Ok(nodes)
 }
@@ -594,7 +603,12 @@ impl Reconciler for Walker {
 }
 
 /// What became of one in-flight node, from its row.
-fn outcome(target: &Target, node: Option<&NodeRecord>, upgrade_id: &str, now: i64) -> Option<(NodeUpgradeState, String, String)> {
+fn outcome(
+    target: &Target,
+    node: Option<&NodeRecord>,
+    upgrade_id: &str,
+    now: i64,
+) -> Option<(NodeUpgradeState, String, String)> {
     let Some(node) = node else {
         return Some((NodeUpgradeState::Failed, "the node was forgotten".into(), String::new()));
     };
@@ -631,11 +645,7 @@ fn outcome(target: &Target, node: Option<&NodeRecord>, upgrade_id: &str, now: i6
 /// One look at a rollout, in one transaction fenced on the term: records
 /// what its in-flight nodes came to, pauses or finishes it, starts what
 /// may start. Returns whether it still runs, and the node rows it wrote.
-async fn step(
-    store: &Store,
-    fence: &Fence,
-    upgrade_id: &str,
-) -> Result<(bool, Vec<NodeRecord>), WalkError> {
+async fn step(store: &Store, fence: &Fence, upgrade_id: &str) -> Result<(bool, Vec<NodeRecord>), WalkError> {
     let now_sql = store.now_ms_sql();
     let (fence, id) = (fence.clone(), upgrade_id.to_owned());
     store
@@ -780,7 +790,12 @@ async fn set_target(
     Ok(())
 }
 
-async fn set_rollout(conn: &mut AnyConnection, upgrade_id: &str, state: UpgradeState, reason: &str) -> Result<(), StoreError> {
+async fn set_rollout(
+    conn: &mut AnyConnection,
+    upgrade_id: &str,
+    state: UpgradeState,
+    reason: &str,
+) -> Result<(), StoreError> {
     sqlx::query("UPDATE upgrades SET state = $2, reason = $3 WHERE upgrade_id = $1")
         .bind(upgrade_id)
         .bind(state.as_str())
@@ -806,7 +821,8 @@ mod tests {
         assert!(UpgradeAsk::parse(none).unwrap_err().to_string().contains("exactly one of"));
         assert!(UpgradeAsk::parse(request("")).unwrap_err().to_string().contains("invalid to"));
         assert!(UpgradeAsk::parse(request("oci:/tmp/layout:1")).unwrap_err().to_string().contains("registry"));
-        let bad_id = v1::UpgradeNodesRequest { all: false, node_ids: vec!["No Such".into()], ..request("r.example/a:1") };
+        let bad_id =
+            v1::UpgradeNodesRequest { all: false, node_ids: vec!["No Such".into()], ..request("r.example/a:1") };
         assert!(UpgradeAsk::parse(bad_id).unwrap_err().to_string().contains("'No Such' is not a node id"));
         let ask = UpgradeAsk::parse(request("r.example/agent:1")).unwrap();
         assert_eq!((ask.max_unavailable, ask.canary, ask.max_failures), (1, 0, 0));

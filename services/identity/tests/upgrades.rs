@@ -67,13 +67,8 @@ async fn a_rollout_goes_canary_first_and_pauses_past_its_failures(backend: Backe
         .iter()
         .map(|node| node.keep_beating(vec![cluster.addr(0)], fast_timing().heartbeat_interval, stop.clone()))
         .collect();
-    let request = v1::UpgradeNodesRequest {
-        all: true,
-        to: ARTIFACT.into(),
-        max_unavailable: 2,
-        canary: 1,
-        ..Default::default()
-    };
+    let request =
+        v1::UpgradeNodesRequest { all: true, to: ARTIFACT.into(), max_unavailable: 2, canary: 1, ..Default::default() };
     let upgrade = cluster.nodes(0).upgrade_nodes(request).await.unwrap().into_inner().upgrade.unwrap();
     assert_eq!(upgrade.state(), UpgradeState::Running);
     assert_eq!(upgrade.artifact, ARTIFACT, "a pinned reference is its own artifact");
@@ -104,7 +99,9 @@ async fn a_rollout_goes_canary_first_and_pauses_past_its_failures(backend: Backe
     let beat = reporting(canary, &id, NodeUpgradeState::Upgrading, "");
     assert_eq!(canary.send(&cluster.addr(0), beat).await.unwrap().upgrade, None);
     eventually("the canary shows upgrading", PATIENCE, || async {
-        (node_state(&get(&cluster, &id).await, &canary.node_id) == NodeUpgradeState::Upgrading).then_some(()).ok_or("not yet")
+        (node_state(&get(&cluster, &id).await, &canary.node_id) == NodeUpgradeState::Upgrading)
+            .then_some(())
+            .ok_or("not yet")
     })
     .await;
     tokio::time::sleep(fast_timing().down_after * 2).await;
@@ -146,11 +143,8 @@ async fn a_rollout_goes_canary_first_and_pauses_past_its_failures(backend: Backe
     assert_eq!((failed.state(), failed.reason.as_str()), (NodeUpgradeState::Failed, "refused: no agent runs as pid 7"));
 
     // A new rollout supersedes the paused one.
-    let again = v1::UpgradeNodesRequest {
-        node_ids: vec![refused.node_id.clone()],
-        to: ARTIFACT.into(),
-        ..Default::default()
-    };
+    let again =
+        v1::UpgradeNodesRequest { node_ids: vec![refused.node_id.clone()], to: ARTIFACT.into(), ..Default::default() };
     let next = cluster.nodes(0).upgrade_nodes(again).await.unwrap().into_inner().upgrade.unwrap();
     let old = get(&cluster, &id).await;
     assert_eq!(old.state(), UpgradeState::Superseded);
@@ -175,13 +169,17 @@ async fn upgrade_requests_are_checked(backend: Backend) {
     let none = ask(v1::UpgradeNodesRequest { to: ARTIFACT.into(), ..Default::default() }).await;
     assert_eq!(none.code(), Code::InvalidArgument, "{none:?}");
     assert!(none.message().contains("exactly one of"), "{none:?}");
-    let unknown = ask(v1::UpgradeNodesRequest { node_ids: vec!["n-nope".into()], to: ARTIFACT.into(), ..Default::default() }).await;
+    let unknown =
+        ask(v1::UpgradeNodesRequest { node_ids: vec!["n-nope".into()], to: ARTIFACT.into(), ..Default::default() })
+            .await;
     assert_eq!(unknown.code(), Code::NotFound, "{unknown:?}");
-    let empty_tier = ask(v1::UpgradeNodesRequest { tier: "gpu".into(), to: ARTIFACT.into(), ..Default::default() }).await;
+    let empty_tier =
+        ask(v1::UpgradeNodesRequest { tier: "gpu".into(), to: ARTIFACT.into(), ..Default::default() }).await;
     assert_eq!(empty_tier.code(), Code::InvalidArgument, "{empty_tier:?}");
     // Nothing answers at this registry: the tag cannot be resolved.
     let unresolvable =
-        ask(v1::UpgradeNodesRequest { all: true, to: "127.0.0.1:9/berth/agent:1.0".into(), ..Default::default() }).await;
+        ask(v1::UpgradeNodesRequest { all: true, to: "127.0.0.1:9/berth/agent:1.0".into(), ..Default::default() })
+            .await;
     assert_eq!(unresolvable.code(), Code::FailedPrecondition, "{unresolvable:?}");
     assert!(unresolvable.message().contains("127.0.0.1:9/berth/agent:1.0"), "{unresolvable:?}");
     let missing = cluster.nodes(0).get_upgrade(v1::GetUpgradeRequest::default()).await.unwrap_err();
