@@ -29,9 +29,9 @@ test: lint deny check-manifests
 ## The mesh as processes (two replicas of each service, a private
 ## PostgreSQL and Redis, agents): the fault suite under load, through one
 ## fault at a time (prints a table, fails on any broken promise), one
-## trace followed across every hop into an in-test OTLP collector, and the
+## trace followed across every hop into an in-test OTLP collector, the
 ## README's compose walkthrough, line by line, with compose.yaml's services
-## run as processes.
+## run as processes, and a fleet upgrade of the agents from a registry.
 ##
 ## It runs on the workspace test build (whose agent has error injection, see
 ## tests/Cargo.toml), so after `make test` nothing is built again.
@@ -39,11 +39,11 @@ test-faults:
 	grpcurl="$$(scripts/test-deps.sh)"; \
 	if $(CARGO) nextest --version >/dev/null 2>&1; then \
 	  BERTH_GRPCURL="$$grpcurl" $(CARGO) nextest run --workspace --run-ignored only --no-capture \
-	    -E 'package(berth-e2e) & (binary(faults) | binary(traces) | binary(compose))'; \
+	    -E 'package(berth-e2e) & (binary(faults) | binary(traces) | binary(compose) | binary(upgrade))'; \
 	else \
 	  $(CARGO) build --bins -p berth -p berth-identity -p berth-revisions -p berth-leases -p berth-egress \
 	    -p berth-router -p berth-agent --features berth-agent/fault-injection; \
-	  BERTH_GRPCURL="$$grpcurl" $(CARGO) test -p berth-e2e --test faults --test traces --test compose \
+	  BERTH_GRPCURL="$$grpcurl" $(CARGO) test -p berth-e2e --test faults --test traces --test compose --test upgrade \
 	    -- --ignored --nocapture --test-threads 1; \
 	fi
 

@@ -10,7 +10,7 @@ use berth_agent::{
     AgentConfig, AgentError, Capacity, Containment, EgressIsolation, OciRuntime, UidRange, WorkloadRuntime,
 };
 use berth_runtime::{StartError, TelemetryArgs, parse_duration, run_main};
-use clap::Parser;
+use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 
 /// Where Linux keeps the host name.
 const HOSTNAME_FILE: &str = "/proc/sys/kernel/hostname";
@@ -320,6 +320,18 @@ fn host_name() -> String {
         .unwrap_or_else(|| "node".to_string())
 }
 
+/// This build's version: the crate's, with the first 12 hex digits of the
+/// running executable's SHA-256 as build metadata (`0.1.0+92697f94dcfc`),
+/// so two builds of one release are told apart on every node and a fleet
+/// upgrade knows when a node runs the binary it was given.
+fn build_version() -> String {
+    let base = env!("CARGO_PKG_VERSION");
+    match std::env::current_exe().and_then(|exe| berth_agent::updater::sha256_of(&exe)) {
+        Ok(sha) => format!("{base}+{}", &sha[..12]),
+        Err(_) => base.to_owned(),
+    }
+}
+
 /// The error and its causes on one line, each cause once.
 fn agent_error(error: AgentError) -> StartError {
     StartError::Invalid(berth_runtime::chain(&error))
@@ -334,14 +346,22 @@ fn main() -> ExitCode {
     if let Some(code) = berth_agent::updater::main_if_invoked() {
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
-    let args = Args::parse();
+    let version = build_version();
+    // One string for the process's life: clap's version is a static str.
+    let shown: &'static str = Box::leak(version.clone().into_boxed_str());
+    let matches = Args::command().version(shown).get_matches();
+    let args = match Args::from_arg_matches(&matches) {
+        Ok(args) => args,
+        Err(error) => error.exit(),
+    };
     let mut telemetry = args.telemetry.clone();
     if let Some(name) = &args.name {
         telemetry.resource.push(("berth.node.name".to_owned(), name.clone()));
     }
     run_main("berth-agent", &telemetry, || async move {
         let shutdown = berth_rpc::shutdown_signal();
-        let config = args.config()?;
+        let mut config = args.config()?;
+        config.version = version;
         let agent = match berth_agent::start(config, shutdown).await {
             Ok(agent) => agent,
             // Interrupted while joining: the operator asked for it.

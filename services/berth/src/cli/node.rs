@@ -1,5 +1,5 @@
-//! `berth node list|get|drain|revoke`: the node registry as an operator
-//! sees and steers it.
+//! `berth node list|get|drain|revoke|upgrade|upgrade-status`: the node
+//! registry as an operator sees and steers it.
 
 use berth_proto::identity::v1;
 use berth_proto::identity::v1::nodes_client::NodesClient;
@@ -58,6 +58,45 @@ enum NodeCommand {
         /// Lift the drain instead, so leases may be placed on the node again.
         #[arg(long)]
         undo: bool,
+    },
+    /// Roll a new agent out over nodes, e.g. `berth node upgrade --all --to
+    /// registry.example.com/berth/agent:1.4.0 --max-unavailable 2 --canary 1`.
+    /// The artifact is a berth bundle with `berth-agent` at its root
+    /// (`berth bundle push DIR --to REF`); its tag is resolved once, and
+    /// each node's updater installs it beside the old agent, putting the old
+    /// one back if the new one does not report in. Workloads keep running.
+    Upgrade {
+        /// The nodes, by id.
+        #[arg(value_name = "NODE_ID", required_unless_present_any = ["tier", "all"])]
+        node_ids: Vec<String>,
+        /// Every node of this tier.
+        #[arg(long, value_name = "TIER", conflicts_with_all = ["node_ids", "all"])]
+        tier: Option<String>,
+        /// Every node.
+        #[arg(long, conflicts_with = "node_ids")]
+        all: bool,
+        /// The agent artifact, by tag or digest.
+        #[arg(long, value_name = "REF")]
+        to: String,
+        /// Nodes upgrading at once.
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        max_unavailable: u32,
+        /// Nodes upgraded first, alone, before any other.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        canary: u32,
+        /// Failed nodes tolerated before the rollout pauses itself.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        max_failures: u32,
+        /// Wait until the rollout is done or paused, saying each node's
+        /// outcome as it comes; exits non-zero if it paused.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Show a fleet upgrade: each node's state, and why one failed.
+    UpgradeStatus {
+        /// The upgrade's id [default: the latest].
+        #[arg(value_name = "UPGRADE_ID")]
+        upgrade_id: Option<String>,
     },
     /// Revoke a node for good: its certificate is refused everywhere within
     /// seconds and it cannot rejoin without a new token.
@@ -163,6 +202,53 @@ impl NodeArgs {
                 }
                 Ok(())
             }
+            NodeCommand::Upgrade { node_ids, tier, all, to, max_unavailable, canary, max_failures, wait } => {
+                let request = v1::UpgradeNodesRequest {
+                    node_ids,
+                    tier: tier.unwrap_or_default(),
+                    all,
+                    to,
+                    max_unavailable,
+                    canary,
+                    max_failures,
+                };
+                let started = client
+                    .upgrade_nodes(connection.request(request))
+                    .await
+                    .map_err(|s| connection.status_error(s))?
+                    .into_inner();
+                let upgrade = started.upgrade.as_ref().ok_or(CliError::IncompleteResponse("the upgrade"))?;
+                match format {
+                    OutputFormat::Json if !wait => output::print_message(&started)?,
+                    OutputFormat::Json => {}
+                    OutputFormat::Table => output::print(&format!(
+                        "upgrade {} started: {} node(s) to {}\n",
+                        upgrade.upgrade_id,
+                        upgrade.nodes.len(),
+                        upgrade.artifact
+                    ))?,
+                }
+                if wait {
+                    let done = wait_for_upgrade(&mut client, &connection, &upgrade.upgrade_id, format).await?;
+                    if done.state() == v1::UpgradeState::Paused {
+                        return Err(CliError::Refused(format!("upgrade {} paused: {}", done.upgrade_id, done.reason)));
+                    }
+                }
+                Ok(())
+            }
+            NodeCommand::UpgradeStatus { upgrade_id } => {
+                let request = v1::GetUpgradeRequest { upgrade_id: upgrade_id.unwrap_or_default() };
+                let got = client
+                    .get_upgrade(connection.request(request))
+                    .await
+                    .map_err(|s| connection.status_error(s))?
+                    .into_inner();
+                let upgrade = got.upgrade.as_ref().ok_or(CliError::IncompleteResponse("the upgrade"))?;
+                match format {
+                    OutputFormat::Json => output::print_message(&got),
+                    OutputFormat::Table => output::print(&upgrade_details(upgrade)),
+                }
+            }
             NodeCommand::Revoke { node_id, reason } => {
                 let request = v1::RevokeNodeRequest { node_id: node_id.clone(), reason: reason.unwrap_or_default() };
                 let revoked = match client.revoke_node(connection.request(request)).await {
@@ -174,6 +260,113 @@ impl NodeArgs {
             }
         }
     }
+}
+
+/// How often `upgrade --wait` looks at the rollout.
+const UPGRADE_POLL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Waits until the rollout is no longer running, saying each node's
+/// outcome once; returns the rollout as it ended.
+async fn wait_for_upgrade(
+    client: &mut NodesClient<Channel>,
+    connection: &IdentityConnection,
+    upgrade_id: &str,
+    format: OutputFormat,
+) -> Result<v1::Upgrade, CliError> {
+    let mut said = std::collections::HashMap::new();
+    loop {
+        let request = v1::GetUpgradeRequest { upgrade_id: upgrade_id.to_owned() };
+        let got =
+            client.get_upgrade(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner();
+        let upgrade = got.upgrade.clone().ok_or(CliError::IncompleteResponse("the upgrade"))?;
+        if format == OutputFormat::Table {
+            for node in &upgrade.nodes {
+                if said.get(&node.node_id) != Some(&node.state) && node.state() != v1::NodeUpgradeState::Pending {
+                    said.insert(node.node_id.clone(), node.state);
+                    output::print(&format!("{}: {}\n", node.node_id, node_upgrade_line(node)))?;
+                }
+            }
+        }
+        if upgrade.state() != v1::UpgradeState::Running {
+            match format {
+                OutputFormat::Json => output::print_message(&got)?,
+                OutputFormat::Table => output::print(&format!(
+                    "upgrade {} is {}{}\n",
+                    upgrade.upgrade_id,
+                    upgrade_state(upgrade.state),
+                    if upgrade.reason.is_empty() { String::new() } else { format!(": {}", upgrade.reason) }
+                ))?,
+            }
+            return Ok(upgrade);
+        }
+        tokio::time::sleep(UPGRADE_POLL).await;
+    }
+}
+
+fn upgrade_state(state: i32) -> String {
+    v1::UpgradeState::try_from(state)
+        .map_or_else(|_| format!("UNKNOWN({state})"), |s| s.as_str_name().trim_start_matches("UPGRADE_STATE_").into())
+}
+
+fn node_upgrade_state(state: i32) -> String {
+    v1::NodeUpgradeState::try_from(state).map_or_else(
+        |_| format!("UNKNOWN({state})"),
+        |s| s.as_str_name().trim_start_matches("NODE_UPGRADE_STATE_").into(),
+    )
+}
+
+/// A node's part in an upgrade as one line: its state, and the version
+/// it reached or why it failed.
+fn node_upgrade_line(node: &v1::NodeUpgrade) -> String {
+    match node.state() {
+        v1::NodeUpgradeState::Succeeded => format!("SUCCEEDED, now at {}", output::or_none(&node.version)),
+        v1::NodeUpgradeState::Failed => format!("FAILED: {}", node.reason),
+        _ => node_upgrade_state(node.state),
+    }
+}
+
+/// An upgrade as `upgrade-status` shows it: the rollout, then its nodes.
+fn upgrade_details(upgrade: &v1::Upgrade) -> String {
+    let count = |state: v1::NodeUpgradeState| upgrade.nodes.iter().filter(|n| n.state() == state).count();
+    let rows: Vec<(&str, String)> = vec![
+        ("Upgrade", upgrade.upgrade_id.clone()),
+        ("State", upgrade_state(upgrade.state)),
+        ("Reason", output::or_none(&upgrade.reason)),
+        ("Reference", upgrade.reference.clone()),
+        ("Artifact", upgrade.artifact.clone()),
+        (
+            "Progress",
+            format!(
+                "{} of {} succeeded, {} failed",
+                count(v1::NodeUpgradeState::Succeeded),
+                upgrade.nodes.len(),
+                count(v1::NodeUpgradeState::Failed)
+            ),
+        ),
+        (
+            "Pace",
+            format!(
+                "{} at once, {} canary, {} failure(s) tolerated",
+                upgrade.max_unavailable, upgrade.canary, upgrade.max_failures
+            ),
+        ),
+        ("Started by", output::or_none(&upgrade.created_by)),
+        (
+            "Started",
+            output::when(upgrade.created_at.as_ref(), &format!("{} ago", output::age(upgrade.created_at.as_ref()))),
+        ),
+    ];
+    let mut table = Table::new(vec!["NODE", "STATE", "CANARY", "VERSION", "REASON"]);
+    for node in &upgrade.nodes {
+        table.row(vec![
+            node.node_id.clone(),
+            node_upgrade_state(node.state),
+            if node.canary { "yes".into() } else { "no".into() },
+            output::or_none(&node.version),
+            output::or_none(&node.reason),
+        ]);
+    }
+    format!("{}\n{}", output::fields(&rows), table.render())
 }
 
 /// How often `drain --wait` looks at what is left on the node.
@@ -329,6 +522,13 @@ fn details(node: &v1::Node, drain_progress: Option<String>) -> String {
         ("Usage", output::capacity(node.usage.as_ref())),
         ("Certificate expires", output::when(expires, &output::until(expires))),
     ];
+    if let Some(upgrade) = &node.upgrade {
+        let state = match upgrade.state() {
+            v1::NodeUpgradeState::Failed => format!("FAILED: {}", upgrade.reason),
+            _ => node_upgrade_state(upgrade.state),
+        };
+        rows.push(("Upgrade", format!("{} {state} ({})", upgrade.upgrade_id, upgrade.artifact)));
+    }
     rows.extend(drain_progress.map(|progress| ("Drain progress", progress)));
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
     rows.iter().map(|(key, value)| format!("{:<width$}  {value}\n", format!("{key}:"))).collect()
