@@ -62,7 +62,7 @@ enum NodeCommand {
     /// Roll a new agent out over nodes, e.g. `berth node upgrade --all --to
     /// registry.example.com/berth/agent:1.4.0 --max-unavailable 2 --canary 1`.
     /// The artifact is a berth bundle with `berth-agent` at its root
-    /// (`berth bundle push DIR --to REF`); its tag is resolved once, and
+    /// (`berth bundle push DIR REF`); its tag is resolved once, and
     /// each node's updater installs it beside the old agent, putting the old
     /// one back if the new one does not report in. Workloads keep running.
     Upgrade {
