@@ -180,6 +180,25 @@ fn dev_node_is_listed_up_then_drained_undrained_and_revoked() {
     assert!(state_line.ends_with("UP"), "{details}");
     assert!(details.lines().any(|l| l.starts_with("Last heartbeat:") && l.contains(" ago)")), "{details}");
 
+    // A fleet upgrade: the dev agent runs inside `berth dev`, which no
+    // updater can restart. It says so, and the rollout pauses naming it.
+    let pinned = format!("127.0.0.1:9/berth/agent@sha256:{}", "2".repeat(64));
+    let no_nodes = dev.berth(&["node", "upgrade", "--to", &pinned]);
+    assert_eq!(no_nodes.code, Some(2), "nodes by id, --tier or --all: {no_nodes:?}");
+    let paused = dev.berth(&["node", "upgrade", "--all", "--to", &pinned, "--max-unavailable", "2", "--wait"]);
+    assert_ne!(paused.code, Some(0), "{paused:?}");
+    assert!(paused.stdout.contains(&format!("{node_id}: FAILED")), "{paused:?}");
+    assert!(paused.stderr.contains("paused") && paused.stderr.contains("inside another program"), "{paused:?}");
+    let status = dev.ok(&["node", "upgrade-status"]);
+    assert!(status.lines().any(|l| l.starts_with("State:") && l.ends_with("PAUSED")), "{status}");
+    assert!(status.lines().any(|l| l.starts_with("Pace:") && l.contains("2 at once")), "{status}");
+    assert_eq!(row(&status, &node_id)[1], "FAILED", "{status}");
+    let shown = dev.json(&["node", "upgrade-status"]);
+    assert_eq!(shown["upgrade"]["state"], "UPGRADE_STATE_PAUSED", "{shown}");
+    assert_eq!(shown["upgrade"]["artifact"], pinned.as_str(), "{shown}");
+    let upgrade_line = dev.ok(&["node", "get", &node_id]);
+    assert!(upgrade_line.lines().any(|l| l.starts_with("Upgrade:") && l.contains("FAILED")), "{upgrade_line}");
+
     if node_id != "dev" {
         // Operators know the host as `dev`: the refusal names its id.
         let line = dev.berth(&["node", "drain", "dev"]).error_line();
