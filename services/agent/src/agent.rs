@@ -314,7 +314,17 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         Some(identity) if !identity.expired_at(SystemTime::now()) => {
             tracing::info!(node_id = %identity.node_id, incarnation = identity.incarnation,
                 "resuming the node identity kept in the data directory");
-            identity
+            if names_advertise_host(&identity, &config.advertise_addr) {
+                identity
+            } else {
+                // The host kept its data directory but not its address (a
+                // replaced pod, a re-addressed host): the same node rejoins
+                // with its certificate, so the control plane dials it where
+                // it is now and its certificate names that address.
+                let rejoined = rejoin_at_new_address(&config, &identity, &shutdown).await?;
+                dir.save(&rejoined)?;
+                rejoined
+            }
         }
         kept => {
             let Some(token) = config.token() else {
@@ -534,6 +544,37 @@ async fn open_bundles(
         None => None,
     };
     Ok(BundleStore::with_credentials(cache, client, pull_credentials))
+}
+
+/// Whether the kept certificate names the host of `advertise_addr`.
+fn names_advertise_host(identity: &NodeIdentity, advertise_addr: &str) -> bool {
+    let host = advertise_addr.rsplit_once(':').map_or(advertise_addr, |(host, _)| host);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let Ok(certs) = berth_mtls::certs_from_pem("certificate", &identity.cert_pem) else { return false };
+    certs.first().and_then(|leaf| berth_mtls::cert_host_names(leaf).ok()).is_some_and(|names| {
+        names.iter().any(|name| name.eq_ignore_ascii_case(host))
+    })
+}
+
+/// Rejoins as the kept node, with its certificate, from its new address.
+async fn rejoin_at_new_address(
+    config: &AgentConfig,
+    identity: &NodeIdentity,
+    shutdown: &CancellationToken,
+) -> Result<NodeIdentity, AgentError> {
+    tracing::info!(node_id = %identity.node_id, advertise_addr = %config.advertise_addr,
+        "the kept certificate does not name this advertise address; rejoining as the same node");
+    let credentials = TlsCredentials::new(identity.material()).map_err(AgentError::Tls)?;
+    let mut backoff = Backoff::new(config.timing.retry_initial, config.timing.retry_max);
+    let rejoined =
+        join::retrying("rejoin", &mut backoff, shutdown, || join::rejoin_with_certificate(config, &credentials))
+            .await
+            .map_err(|error| match error {
+                JoinError::Cancelled => AgentError::Cancelled,
+                error => AgentError::Join(error),
+            })?;
+    tracing::info!(node_id = %rejoined.node_id, incarnation = rejoined.incarnation, "rejoined at the new address");
+    Ok(rejoined)
 }
 
 async fn join_first(

@@ -466,6 +466,32 @@ async fn a_restarted_agent_resumes_the_same_node_without_a_token() {
     identity.cleanup().await;
 }
 
+#[tokio::test]
+async fn a_restarted_agent_at_a_new_address_rejoins_as_the_same_node_named_there() {
+    let identity = IdentityUnderTest::start(Duration::from_secs(600), node_timing()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let first = identity.join_agent(dir.path()).await;
+    let (node_id, _) = first.up().await;
+    first.stop().await.unwrap();
+
+    // The data directory survived; the address did not (a replaced pod).
+    let mut config = agent_config(&identity, dir.path(), None);
+    config.advertise_addr = "127.0.0.2:7447".into();
+    let second = RunningAgent::start(config).await;
+    let (again, incarnation) = second.up().await;
+    assert_eq!((again.as_str(), incarnation), (node_id.as_str(), 2), "the same node, rejoined");
+    let node = identity.node_until(&node_id, "at the new address", |n| n.advertise_addr == "127.0.0.2:7447").await;
+    assert_eq!(node.state, up());
+    assert_eq!(identity.nodes().await.len(), 1, "no second node");
+    assert_eq!(identity.token_uses().await, vec![1], "rejoined with its certificate, not the token");
+    let kept = std::fs::read_to_string(dir.path().join("identity/node.pem")).unwrap();
+    let certs = berth_mtls::certs_from_pem("kept", &kept).unwrap();
+    let names = berth_mtls::cert_host_names(&certs[0]).unwrap();
+    assert!(names.contains(&"127.0.0.2".to_owned()), "the kept certificate names the new address: {names:?}");
+    second.stop().await.unwrap();
+    identity.cleanup().await;
+}
+
 fn secs(at: SystemTime) -> u64 {
     at.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs()
 }
