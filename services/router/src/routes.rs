@@ -166,8 +166,9 @@ fn project_of(project: &str) -> &str {
 impl RouteTable {
     /// The table `sources` describe, serving names under `domain`.
     pub fn build(domain: &str, sources: &Sources) -> RouteTable {
-        // Every replica that may take traffic, by (project, service, revision).
-        let mut ready: HashMap<(String, String, String), Vec<Arc<Endpoint>>> = HashMap::new();
+        // Every replica that may take traffic, by (project, service, revision),
+        // each with whether it is leaving (its node drains).
+        let mut ready: HashMap<(String, String, String), Vec<(bool, Arc<Endpoint>)>> = HashMap::new();
         for lease in sources.leases.values() {
             let Some(workload) = &lease.workload else { continue };
             if lease.phase() != LeasePhase::Running || workload.service.is_empty() {
@@ -179,18 +180,32 @@ impl RouteTable {
                 continue;
             }
             let key = (project_of(&lease.project).to_string(), workload.service.clone(), workload.revision.clone());
-            ready.entry(key).or_default().push(Arc::new(Endpoint {
+            let leaving = node.state() == NodeState::Draining || lease.reason == berth_core::NODE_DRAINING;
+            ready.entry(key).or_default().push((leaving, Arc::new(Endpoint {
                 service: (project_of(&lease.project).to_string(), workload.service.clone()),
                 node_id: node.node_id.clone(),
                 agent_addr: node.advertise_addr.clone(),
                 lease_id: lease.lease_id.clone(),
                 revision: workload.revision.clone(),
                 h2c: workload.ports.first().is_some_and(|port| H2C_PORT_NAMES.contains(&port.name.as_str())),
-            }));
+            })));
         }
-        for endpoints in ready.values_mut() {
-            endpoints.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
-        }
+        // A replica on a draining node is about to be replaced and given
+        // back: while any other replica of its revision serves, it is sent
+        // nothing new, so it has no request in flight when it stops.
+        let ready: HashMap<(String, String, String), Vec<Arc<Endpoint>>> = ready
+            .into_iter()
+            .map(|(key, endpoints)| {
+                let staying = endpoints.iter().any(|(leaving, _)| !leaving);
+                let mut kept: Vec<Arc<Endpoint>> = endpoints
+                    .into_iter()
+                    .filter(|(leaving, _)| !(staying && *leaving))
+                    .map(|(_, endpoint)| endpoint)
+                    .collect();
+                kept.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
+                (key, kept)
+            })
+            .collect();
         let services = sources
             .services
             .values()
@@ -409,7 +424,7 @@ mod tests {
         ] {
             sources.leases.insert(l.lease_id.clone(), l);
         }
-        for n in [node("n-1", NodeState::Up), node("n-2", NodeState::Draining), node("n-3", NodeState::Down)] {
+        for n in [node("n-1", NodeState::Up), node("n-2", NodeState::Up), node("n-3", NodeState::Down)] {
             sources.nodes.insert(n.node_id.clone(), n);
         }
         sources
@@ -471,6 +486,22 @@ mod tests {
         let Resolution::Endpoints(endpoints) = table.resolve("api.team.berth.localhost", 0.0) else { unreachable!() };
         assert_eq!(endpoints[0].agent_addr, "n-2:7447");
         assert_eq!(endpoints[0].revision, "api-00001");
+    }
+
+    #[test]
+    fn a_replica_on_a_draining_node_is_sent_nothing_while_another_serves() {
+        // n-2 drains: hello's replica there is left out while l-1 serves;
+        // api's only replica is there, and serves on until it is replaced.
+        let mut draining = sources();
+        draining.nodes.insert("n-2".into(), node("n-2", NodeState::Draining));
+        let table = RouteTable::build("berth.localhost", &draining);
+        assert_eq!(leases(table.resolve("hello.default.berth.localhost", 0.0)), ["l-1"]);
+        assert_eq!(leases(table.resolve("api.team.berth.localhost", 0.0)), ["l-7"]);
+        // A lease told its node drains leaves before the node shows DRAINING.
+        let mut sources = sources();
+        sources.leases.get_mut("l-1").unwrap().reason = berth_core::NODE_DRAINING.into();
+        let table = RouteTable::build("berth.localhost", &sources);
+        assert_eq!(leases(table.resolve("hello.default.berth.localhost", 0.0)), ["l-2"]);
     }
 
     #[test]
