@@ -551,9 +551,10 @@ fn names_advertise_host(identity: &NodeIdentity, advertise_addr: &str) -> bool {
     let host = advertise_addr.rsplit_once(':').map_or(advertise_addr, |(host, _)| host);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let Ok(certs) = berth_mtls::certs_from_pem("certificate", &identity.cert_pem) else { return false };
-    certs.first().and_then(|leaf| berth_mtls::cert_host_names(leaf).ok()).is_some_and(|names| {
-        names.iter().any(|name| name.eq_ignore_ascii_case(host))
-    })
+    certs
+        .first()
+        .and_then(|leaf| berth_mtls::cert_host_names(leaf).ok())
+        .is_some_and(|names| names.iter().any(|name| name.eq_ignore_ascii_case(host)))
 }
 
 /// Rejoins as the kept node, with its certificate, from its new address.

@@ -2,7 +2,9 @@
 //! `curl` over HTTP/1.1 and HTTP/2, in cleartext and TLS, an unknown name and
 //! a service with no replica answered at once, and a replica killed with
 //! SIGKILL passed over while the other answers; a split and a rollout under
-//! load; the real `grpcurl` calling a gRPC workload through it; and a
+//! load; a node drained under load, its replicas handed to a second node
+//! (a `berth-agent` process joined to the dev mesh) with no request failed;
+//! the real `grpcurl` calling a gRPC workload through it; and a
 //! connection switched to another protocol, joined to the replica.
 
 #![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
@@ -570,6 +572,137 @@ fn a_rollout_under_constant_load_answers_every_request_and_moves_to_the_new_revi
     assert!(seen.get("hello from hello-00001\n").is_some_and(|n| *n > 0), "{seen:?}");
     assert!(seen.get("hello from hello-00002\n").is_some_and(|n| *n > 0), "{seen:?}");
     assert_eq!(seen.len(), 2, "{seen:?}");
+}
+
+/// A second node for `berth dev`: the real agent binary, joined with a
+/// token, its workloads contained as the dev node's are. Stopped, and what
+/// it ran destroyed, on drop.
+struct SecondNode {
+    child: std::process::Child,
+    dir: tempfile::TempDir,
+}
+
+impl SecondNode {
+    fn join(mesh: &Mesh) -> SecondNode {
+        let created = parse_json(&["token", "create"], &mesh.berth(&["token", "create", "-o", "json"]));
+        let token = created["token"].as_str().unwrap().to_owned();
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let agent = berth_testkit::sibling(env!("CARGO_BIN_EXE_berth"), "berth-agent", "berth-agent");
+        let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
+        let child = Command::new(agent)
+            .args(["--server", &mesh.dev.server])
+            .args(["--leases-addr", &format!("127.0.0.1:{}", mesh.base + 2)])
+            .args(["--revisions-addr", &format!("127.0.0.1:{}", mesh.base + 1)])
+            .arg("--ca-file")
+            .arg(mesh.dev.dir.join("ca.pem"))
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .args(["--advertise-addr", &format!("127.0.0.1:{port}"), "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--name", "second", "--cpu-millis", "4000", "--memory-bytes", "4294967296"])
+            .args(["--stop-grace", "2s", "--sweep-interval", "2s"])
+            .env("BERTH_JOIN_TOKEN", token)
+            .env_remove("BERTH_SERVER")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        SecondNode { child, dir }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for SecondNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        berth_agent::destroy_containers(&self.dir.path().join("data"));
+    }
+}
+
+/// The nodes `berth node list` shows UP, by name, with their ids.
+fn up_nodes(mesh: &Mesh) -> std::collections::BTreeMap<String, String> {
+    let listed = parse_json(&["node", "list"], &mesh.berth(&["node", "list", "-o", "json"]));
+    listed["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|n| n["state"] == "NODE_STATE_UP")
+        .map(|n| {
+            (n["name"].as_str().unwrap_or_default().to_owned(), n["nodeId"].as_str().unwrap_or_default().to_owned())
+        })
+        .collect()
+}
+
+#[test]
+#[allow(clippy::disallowed_methods, reason = "a plain test: no runtime's worker to block")]
+fn a_node_drained_under_constant_load_hands_its_replicas_over_with_no_request_failed() {
+    let mesh = Mesh::start();
+    let (tmp, reference, router) = (&mesh.tmp, mesh.reference.as_str(), mesh.base + 5);
+    let spec = tmp.path().join("hello.json");
+    let spec_arg = spec.to_str().unwrap();
+    write_template_with(&spec, reference, 2, "1");
+    // The dev node is the only one: both replicas run there.
+    mesh.berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
+    let host = "hello.default.berth.localhost";
+    poll(ROUTE_DEADLINE, "the router serves hello", || {
+        curl(router, host, &[])
+            .and_then(|a| if a.status.starts_with("HTTP/1.1 200") { Ok(()) } else { Err(format!("{a:?}")) })
+    });
+    let dev_node = up_nodes(&mesh).get("dev").cloned().unwrap();
+    let second = SecondNode::join(&mesh);
+    let second_node = poll(COMMAND_DEADLINE, "the second node is UP", || {
+        up_nodes(&mesh).get("second").cloned().ok_or_else(|| second.log())
+    });
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || hammer(router, host, None, &stop))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // Drained with a deadline: the replicas are replaced on the second node
+    // first, then given back; --wait returns once the node is empty.
+    let drained =
+        run(mesh.dev.admin_command(&["node", "drain", &dev_node, "--deadline", "2m", "--wait"]), COMMAND_DEADLINE);
+    assert_eq!(drained.code, Some(0), "{drained:?}\n{}", second.log());
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut seen = std::collections::BTreeMap::new();
+    let mut failures = Vec::new();
+    for client in clients {
+        let (tally, failed) = client.join().unwrap();
+        for (body, count) in tally {
+            *seen.entry(body).or_insert(0) += count;
+        }
+        failures.extend(failed);
+    }
+    assert!(
+        failures.is_empty(),
+        "{} requests failed during the drain: {failures:?}; answered: {seen:?}",
+        failures.len()
+    );
+    assert!(seen.get("hello from hello-00001\n").is_some_and(|n| *n > 0), "{seen:?}");
+
+    let shown = parse_json(&["service", "get"], &mesh.berth(&["service", "get", "hello", "-o", "json"]));
+    let running: Vec<&Value> =
+        shown["replicas"].as_array().into_iter().flatten().filter(|r| r["phase"] == "LEASE_PHASE_RUNNING").collect();
+    assert_eq!(running.len(), 2, "{shown}");
+    assert!(running.iter().all(|r| r["nodeId"] == second_node.as_str()), "the replicas moved: {shown}");
+    // Given back before the second node goes, so it stops nothing mid-test.
+    mesh.berth(&["service", "delete", "hello"]);
+    poll(COMMAND_DEADLINE, "the second node's replicas are stopped", || {
+        let listed =
+            parse_json(&["lease", "list"], &mesh.berth(&["lease", "list", "--node", &second_node, "-o", "json"]));
+        let open =
+            listed["leases"].as_array().into_iter().flatten().filter(|l| l["phase"] == "LEASE_PHASE_RUNNING").count();
+        if open == 0 { Ok(()) } else { Err(listed.to_string()) }
+    });
 }
 
 /// A gRPC workload on the system's python3 and its `grpcio`: answers

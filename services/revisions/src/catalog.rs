@@ -792,6 +792,32 @@ async fn write_service_status(
     Ok(true)
 }
 
+impl Catalog {
+    /// Issues a new route generation for `key` (routers acknowledge it once
+    /// they serve what they know now); the new generation.
+    pub(crate) async fn bump_route_generation(&self, fence: &Fence, key: &ServiceKey) -> Result<i64, CatalogError> {
+        let now_sql = self.store.now_ms_sql();
+        self.store
+            .tx("revisions.bump_routes", |conn| {
+                Box::pin(async move {
+                    check_fence(conn, fence, now_sql).await?;
+                    let service = fetch_service(conn, key).await?.ok_or_else(|| CatalogError::ServiceNotFound(key.clone()))?;
+                    let routes = service.route_generation + 1;
+                    sqlx::query(
+                        "UPDATE services SET route_generation = $3, version = version + 1 WHERE project = $1 AND name = $2",
+                    )
+                    .bind(key.project.as_str())
+                    .bind(key.name.as_str())
+                    .bind(routes)
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok(routes)
+                })
+            })
+            .await
+    }
+}
+
 /// Refuses the write unless `fence` still holds the lead on the database clock.
 async fn check_fence(conn: &mut AnyConnection, fence: &Fence, now_sql: &str) -> Result<(), CatalogError> {
     fence.holds(conn, now_sql).await?.then_some(()).ok_or(CatalogError::Deposed)

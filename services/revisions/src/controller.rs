@@ -72,6 +72,7 @@ async fn run_term(core: &Arc<Core>, term: Term, wakes: &mut mpsc::Receiver<Wake>
         config: core.config.clone(),
         fence,
         signals: core.signals.clone(),
+        retiring: Arc::default(),
     });
     let bus = match core.signals.bus().subscribe(WAKE_TOPIC).await {
         Ok(subscription) => Some((subscription, Box::new(signals::decode) as DecodeTrigger<ServiceKey>)),

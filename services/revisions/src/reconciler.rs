@@ -46,8 +46,8 @@
 //! A deposed leader's late requests are therefore harmless, and its writes
 //! to the catalog are refused.
 
-use std::collections::{BTreeMap, HashSet};
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use berth_proto::artifact::ArtifactKind;
@@ -101,6 +101,18 @@ pub(crate) struct Context {
     pub(crate) config: RevisionsConfig,
     pub(crate) fence: Fence,
     pub(crate) signals: Signals,
+    /// Replicas replaced off a draining node, waiting for the routers: by
+    /// lease id, the route generation that left them out and when.
+    pub(crate) retiring: Arc<std::sync::Mutex<HashMap<String, Retiring>>>,
+}
+
+/// A replaced replica on its way out (see [`Context::retiring`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Retiring {
+    /// The service's route generation issued once its replacement ran.
+    pub(crate) generation: i64,
+    /// When that was, database clock milliseconds.
+    pub(crate) since_ms: i64,
 }
 
 /// One pass over the service `key`.
@@ -389,10 +401,52 @@ async fn upkeep(
             Err(error) => return Err(error.into()),
         }
     }
-    for lease_id in &plan.releases {
+    let (retire, release): (Vec<&String>, Vec<&String>) = plan.releases.iter().partition(|lease_id| {
+        slots.by_slot.values().flatten().any(|(_, lease)| &lease.lease_id == *lease_id && is_draining(lease))
+    });
+    for lease_id in release {
         ctx.leases.release(lease_id, "Superseded").await?;
     }
+    if !retire.is_empty() && retire_after_routers(ctx, service, &retire).await? {
+        upkeep.settling = true;
+    }
     Ok(upkeep)
+}
+
+/// Gives back replicas replaced off a draining node once every live router
+/// serves a route generation issued after their replacements ran (the
+/// routers send a draining node's replica nothing while another serves), or
+/// once the drain timeout passed: so no request is in flight to one when it
+/// stops. The first look at one issues that generation. Whether any is still
+/// waiting.
+async fn retire_after_routers(ctx: &Context, service: &ServiceRow, leases: &[&String]) -> Result<bool, ReconcileError> {
+    let key = &service.key;
+    let now = ctx.catalog.store().now_ms().await.map_err(CatalogError::from)?;
+    let known = |lease_id: &str| ctx.retiring.lock().unwrap_or_else(PoisonError::into_inner).get(lease_id).copied();
+    if leases.iter().any(|lease_id| known(lease_id).is_none()) {
+        let generation = ctx.catalog.bump_route_generation(&ctx.fence, key).await?;
+        ctx.signals.changed(key).await;
+        let mut retiring = ctx.retiring.lock().unwrap_or_else(PoisonError::into_inner);
+        for lease_id in leases {
+            retiring.entry((*lease_id).clone()).or_insert(Retiring { generation, since_ms: now });
+        }
+    }
+    let routers = ctx.catalog.route_acks(key).await?;
+    let drain_ms = millis(ctx.config.drain);
+    let mut waiting = false;
+    for lease_id in leases {
+        let Some(retiring) = known(lease_id) else { continue };
+        let routed_out = crate::route_acks::all_serve(&routers, retiring.generation);
+        if routed_out || now.saturating_sub(retiring.since_ms) >= drain_ms {
+            tracing::info!(service = %key, %lease_id, routed_out, generation = retiring.generation,
+                "giving back a replica replaced off a draining node");
+            ctx.leases.release(lease_id, "Superseded").await?;
+            ctx.retiring.lock().unwrap_or_else(PoisonError::into_inner).remove(lease_id.as_str());
+        } else {
+            waiting = true;
+        }
+    }
+    Ok(waiting)
 }
 
 /// The lease request for one slot of `revision`.
@@ -573,6 +627,7 @@ mod tests {
             config: RevisionsConfig { rollout_poll: Duration::from_millis(10), ..RevisionsConfig::default() },
             fence: Fence { loop_name: DEPLOY_LOOP, holder: "test".into(), term },
             signals,
+            retiring: Arc::default(),
         }
     }
 

@@ -181,14 +181,17 @@ impl RouteTable {
             }
             let key = (project_of(&lease.project).to_string(), workload.service.clone(), workload.revision.clone());
             let leaving = node.state() == NodeState::Draining || lease.reason == berth_core::NODE_DRAINING;
-            ready.entry(key).or_default().push((leaving, Arc::new(Endpoint {
-                service: (project_of(&lease.project).to_string(), workload.service.clone()),
-                node_id: node.node_id.clone(),
-                agent_addr: node.advertise_addr.clone(),
-                lease_id: lease.lease_id.clone(),
-                revision: workload.revision.clone(),
-                h2c: workload.ports.first().is_some_and(|port| H2C_PORT_NAMES.contains(&port.name.as_str())),
-            })));
+            ready.entry(key).or_default().push((
+                leaving,
+                Arc::new(Endpoint {
+                    service: (project_of(&lease.project).to_string(), workload.service.clone()),
+                    node_id: node.node_id.clone(),
+                    agent_addr: node.advertise_addr.clone(),
+                    lease_id: lease.lease_id.clone(),
+                    revision: workload.revision.clone(),
+                    h2c: workload.ports.first().is_some_and(|port| H2C_PORT_NAMES.contains(&port.name.as_str())),
+                }),
+            ));
         }
         // A replica on a draining node is about to be replaced and given
         // back: while any other replica of its revision serves, it is sent
