@@ -51,6 +51,9 @@ const DEFAULT_PROJECT: &str = "default";
 /// A service, by (project, name).
 pub type ServiceKey = (String, String);
 
+/// A revision of a service, by (project, service, revision).
+type RevisionKey = (String, String, String);
+
 /// One replica a request may be sent to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
@@ -168,7 +171,7 @@ impl RouteTable {
     pub fn build(domain: &str, sources: &Sources) -> RouteTable {
         // Every replica that may take traffic, by (project, service, revision),
         // each with whether it is leaving (its node drains).
-        let mut ready: HashMap<(String, String, String), Vec<(bool, Arc<Endpoint>)>> = HashMap::new();
+        let mut ready: HashMap<RevisionKey, Vec<(bool, Arc<Endpoint>)>> = HashMap::new();
         for lease in sources.leases.values() {
             let Some(workload) = &lease.workload else { continue };
             if lease.phase() != LeasePhase::Running || workload.service.is_empty() {
@@ -196,7 +199,7 @@ impl RouteTable {
         // A replica on a draining node is about to be replaced and given
         // back: while any other replica of its revision serves, it is sent
         // nothing new, so it has no request in flight when it stops.
-        let ready: HashMap<(String, String, String), Vec<Arc<Endpoint>>> = ready
+        let ready: HashMap<RevisionKey, Vec<Arc<Endpoint>>> = ready
             .into_iter()
             .map(|(key, endpoints)| {
                 let staying = endpoints.iter().any(|(leaving, _)| !leaving);
