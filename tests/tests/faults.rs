@@ -52,12 +52,11 @@ use anyhow::Context as _;
 use berth_agent::FAULTS_ENV;
 use berth_e2e::invariants::{self, ResidentService};
 use berth_e2e::report::{self, FaultRow};
-use berth_e2e::{Cut, Load, LoadOptions, Mesh, MeshOptions, RUN_MARKER_ENV, ServiceKind, Snapshot, workloads};
+use berth_e2e::{Cut, Load, LoadOptions, Mesh, MeshOptions, ServiceKind, Snapshot, workloads};
 use berth_proto::agent::v1 as agent_v1;
 use berth_proto::identity::v1 as identity_v1;
 use berth_proto::leases::v1 as leases_v1;
 use berth_proto::revisions::v1 as revisions_v1;
-use berth_proto::types::v1::{BundleRef, Capacity};
 use tokio::task::JoinHandle;
 use tonic_health::pb::health_check_response::ServingStatus;
 
@@ -145,7 +144,7 @@ async fn the_mesh_keeps_its_promises_through_every_fault() {
     eprintln!("faults: starting the mesh ({:?} agents)", options.isolation);
     let mesh = Mesh::start(options).await.unwrap();
     let bundle = berth_e2e::bundles::push_sleeper(&mesh.dir().join("oci"), "sleeper").await.unwrap();
-    deploy_web(&mesh, &bundle).await.unwrap();
+    berth_e2e::bundles::deploy(&mesh, WEB, &bundle, WEB_REPLICAS).await.unwrap();
     let services = vec![ResidentService { name: WEB.into(), replicas: WEB_REPLICAS }];
     let (took, unsettled) = invariants::wait_settled(&mesh, &services, Duration::from_secs(90)).await.unwrap();
     assert!(unsettled.is_empty(), "{WEB} never ran its replicas: {unsettled:?}");
@@ -993,28 +992,6 @@ async fn list_instances_response(mesh: &Mesh, agent: usize) -> anyhow::Result<ag
     request.set_timeout(Duration::from_secs(2));
     let listed = agent_v1::agent_client::AgentClient::new(mesh.agent_channel(agent)?).list_instances(request).await?;
     Ok(listed.into_inner())
-}
-
-/// Declares web: a bundle that sleeps, [`WEB_REPLICAS`] replicas spread
-/// over the agents' tier.
-async fn deploy_web(mesh: &Mesh, bundle: &str) -> anyhow::Result<()> {
-    let mut services = revisions_v1::services_client::ServicesClient::new(mesh.channel(ServiceKind::Revisions)?);
-    services
-        .apply_service(revisions_v1::ApplyServiceRequest {
-            name: WEB.into(),
-            template: Some(revisions_v1::ServiceTemplate {
-                bundle: Some(BundleRef { reference: bundle.into(), ..Default::default() }),
-                env: [(RUN_MARKER_ENV.to_string(), mesh.run_id().to_string())].into(),
-                resources: Some(Capacity { cpu_millis: 100, memory_bytes: 32 << 20 }),
-                replicas: Some(WEB_REPLICAS),
-                tier: mesh.options().tier.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .context("ApplyService web")?;
-    Ok(())
 }
 
 fn load_options(mesh: &Mesh, bundle_reference: String) -> LoadOptions {

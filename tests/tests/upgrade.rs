@@ -20,10 +20,8 @@ use anyhow::Context as _;
 use berth_bundle::testing::TestRegistry;
 use berth_bundle::{BundleClient, BundleReference, PackedBundle, RegistryConfig, RegistryCredentials};
 use berth_e2e::invariants::{self, ResidentService};
-use berth_e2e::{Isolation, Mesh, MeshOptions, MeshTimings, RUN_MARKER_ENV, ServiceKind, workloads};
+use berth_e2e::{Isolation, Mesh, MeshOptions, MeshTimings, ServiceKind, workloads};
 use berth_proto::identity::v1 as identity_v1;
-use berth_proto::revisions::v1 as revisions_v1;
-use berth_proto::types::v1::{BundleRef, Capacity};
 
 const WEB: &str = "web";
 const REPLICAS: u32 = 3;
@@ -63,7 +61,7 @@ async fn a_fleet_upgrade_keeps_every_workload_and_a_broken_agent_is_rolled_back(
 
 async fn upgrade_the_fleet(mesh: &Mesh, registry: &TestRegistry) -> anyhow::Result<()> {
     let bundle = berth_e2e::bundles::push_sleeper(&mesh.dir().join("oci"), "sleeper").await?;
-    deploy_web(mesh, &bundle).await?;
+    berth_e2e::bundles::deploy(mesh, WEB, &bundle, REPLICAS).await?;
     let services = vec![ResidentService { name: WEB.into(), replicas: REPLICAS }];
     let (_, unsettled) = invariants::wait_settled(mesh, &services, Duration::from_secs(120)).await?;
     anyhow::ensure!(unsettled.is_empty(), "{WEB} never ran its replicas: {unsettled:?}");
@@ -236,25 +234,4 @@ async fn push_dir(registry: &TestRegistry, dir: &Path, name: &str) -> anyhow::Re
     let parsed = BundleReference::parse(&reference)?;
     BundleClient::new(RegistryConfig::default())?.push(&bundle, &parsed, &RegistryCredentials::default()).await?;
     Ok(reference)
-}
-
-/// Declares web: a bundle that sleeps, [`REPLICAS`] replicas over the two nodes.
-async fn deploy_web(mesh: &Mesh, bundle: &str) -> anyhow::Result<()> {
-    let mut services = revisions_v1::services_client::ServicesClient::new(mesh.channel(ServiceKind::Revisions)?);
-    services
-        .apply_service(revisions_v1::ApplyServiceRequest {
-            name: WEB.into(),
-            template: Some(revisions_v1::ServiceTemplate {
-                bundle: Some(BundleRef { reference: bundle.into(), ..Default::default() }),
-                env: [(RUN_MARKER_ENV.to_string(), mesh.run_id().to_string())].into(),
-                resources: Some(Capacity { cpu_millis: 100, memory_bytes: 32 << 20 }),
-                replicas: Some(REPLICAS),
-                tier: mesh.options().tier.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .context("ApplyService web")?;
-    Ok(())
 }

@@ -566,16 +566,28 @@ async fn rejoin_at_new_address(
     tracing::info!(node_id = %identity.node_id, advertise_addr = %config.advertise_addr,
         "the kept certificate does not name this advertise address; rejoining as the same node");
     let credentials = TlsCredentials::new(identity.material()).map_err(AgentError::Tls)?;
-    let mut backoff = Backoff::new(config.timing.retry_initial, config.timing.retry_max);
-    let rejoined =
-        join::retrying("rejoin", &mut backoff, shutdown, || join::rejoin_with_certificate(config, &credentials))
-            .await
-            .map_err(|error| match error {
-                JoinError::Cancelled => AgentError::Cancelled,
-                error => AgentError::Join(error),
-            })?;
+    let rejoined = retried(config, "rejoin", shutdown, || join::rejoin_with_certificate(config, &credentials)).await?;
     tracing::info!(node_id = %rejoined.node_id, incarnation = rejoined.incarnation, "rejoined at the new address");
     Ok(rejoined)
+}
+
+/// `attempt` until it joins, fails for good or `shutdown` fires, backing
+/// off as the agent's timing says between transient failures.
+async fn retried<F, Fut>(
+    config: &AgentConfig,
+    what: &str,
+    shutdown: &CancellationToken,
+    attempt: F,
+) -> Result<NodeIdentity, AgentError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<NodeIdentity, JoinError>>,
+{
+    let mut backoff = Backoff::new(config.timing.retry_initial, config.timing.retry_max);
+    join::retrying(what, &mut backoff, shutdown, attempt).await.map_err(|error| match error {
+        JoinError::Cancelled => AgentError::Cancelled,
+        error => AgentError::Join(error),
+    })
 }
 
 async fn join_first(
@@ -584,13 +596,7 @@ async fn join_first(
     ca_bundle_pem: &str,
     shutdown: &CancellationToken,
 ) -> Result<NodeIdentity, AgentError> {
-    let mut backoff = Backoff::new(config.timing.retry_initial, config.timing.retry_max);
-    let joined = join::retrying("join", &mut backoff, shutdown, || join::join_with_token(config, token, ca_bundle_pem))
-        .await
-        .map_err(|error| match error {
-            JoinError::Cancelled => AgentError::Cancelled,
-            error => AgentError::Join(error),
-        })?;
+    let joined = retried(config, "join", shutdown, || join::join_with_token(config, token, ca_bundle_pem)).await?;
     tracing::info!(node_id = %joined.node_id, incarnation = joined.incarnation, "joined");
     Ok(joined)
 }

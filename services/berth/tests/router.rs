@@ -168,6 +168,24 @@ fn keep_alive_gets(
     Ok(count)
 }
 
+/// A tally of what [`hammer`] saw.
+type Tally = (std::collections::BTreeMap<String, usize>, Vec<String>);
+
+/// Stops the clients `hammer`ing and adds up what they saw.
+fn stop_clients(stop: &std::sync::atomic::AtomicBool, clients: Vec<std::thread::JoinHandle<Tally>>) -> Tally {
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut seen = std::collections::BTreeMap::new();
+    let mut failures = Vec::new();
+    for client in clients {
+        let (tally, failed) = client.join().unwrap();
+        for (body, count) in tally {
+            *seen.entry(body).or_insert(0) += count;
+        }
+        failures.extend(failed);
+    }
+    (seen, failures)
+}
+
 /// What the dev node's agent says it runs (`Agent/ListInstances`, called
 /// with the real grpcurl as the dev admin).
 fn agent_instances(mesh: &Mesh) -> Vec<Value> {
@@ -548,16 +566,7 @@ fn a_rollout_under_constant_load_answers_every_request_and_moves_to_the_new_revi
     let described = berth(&["service", "get", "hello"]);
     assert!(described.contains(&format!("generation {generation}; 1 of 1 routers serve it")), "{described}");
     std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let mut seen = std::collections::BTreeMap::new();
-    let mut failures = Vec::new();
-    for client in clients {
-        let (tally, failed) = client.join().unwrap();
-        for (body, count) in tally {
-            *seen.entry(body).or_insert(0) += count;
-        }
-        failures.extend(failed);
-    }
+    let (seen, failures) = stop_clients(&stop, clients);
     assert!(
         failures.is_empty(),
         "{} requests failed during the rollout: {failures:?}; answered: {seen:?}",
@@ -672,16 +681,7 @@ fn a_node_drained_under_constant_load_hands_its_replicas_over_with_no_request_fa
         run(mesh.dev.admin_command(&["node", "drain", &dev_node, "--deadline", "2m", "--wait"]), COMMAND_DEADLINE);
     assert_eq!(drained.code, Some(0), "{drained:?}\n{}", second.log());
     std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let mut seen = std::collections::BTreeMap::new();
-    let mut failures = Vec::new();
-    for client in clients {
-        let (tally, failed) = client.join().unwrap();
-        for (body, count) in tally {
-            *seen.entry(body).or_insert(0) += count;
-        }
-        failures.extend(failed);
-    }
+    let (seen, failures) = stop_clients(&stop, clients);
     assert!(
         failures.is_empty(),
         "{} requests failed during the drain: {failures:?}; answered: {seen:?}",

@@ -237,12 +237,7 @@ impl NodeArgs {
                 Ok(())
             }
             NodeCommand::UpgradeStatus { upgrade_id } => {
-                let request = v1::GetUpgradeRequest { upgrade_id: upgrade_id.unwrap_or_default() };
-                let got = client
-                    .get_upgrade(connection.request(request))
-                    .await
-                    .map_err(|s| connection.status_error(s))?
-                    .into_inner();
+                let got = get_upgrade(&mut client, &connection, &upgrade_id.unwrap_or_default()).await?;
                 let upgrade = got.upgrade.as_ref().ok_or(CliError::IncompleteResponse("the upgrade"))?;
                 match format {
                     OutputFormat::Json => output::print_message(&got),
@@ -275,9 +270,7 @@ async fn wait_for_upgrade(
 ) -> Result<v1::Upgrade, CliError> {
     let mut said = std::collections::HashMap::new();
     loop {
-        let request = v1::GetUpgradeRequest { upgrade_id: upgrade_id.to_owned() };
-        let got =
-            client.get_upgrade(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner();
+        let got = get_upgrade(client, connection, upgrade_id).await?;
         let upgrade = got.upgrade.clone().ok_or(CliError::IncompleteResponse("the upgrade"))?;
         if format == OutputFormat::Table {
             for node in &upgrade.nodes {
@@ -301,6 +294,16 @@ async fn wait_for_upgrade(
         }
         tokio::time::sleep(UPGRADE_POLL).await;
     }
+}
+
+/// `GetUpgrade` of `upgrade_id` (empty: the latest).
+async fn get_upgrade(
+    client: &mut NodesClient<Channel>,
+    connection: &IdentityConnection,
+    upgrade_id: &str,
+) -> Result<v1::GetUpgradeResponse, CliError> {
+    let request = v1::GetUpgradeRequest { upgrade_id: upgrade_id.to_owned() };
+    Ok(client.get_upgrade(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner())
 }
 
 fn upgrade_state(state: i32) -> String {
