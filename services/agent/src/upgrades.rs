@@ -26,8 +26,10 @@
 //!
 //! # Refusals
 //! An agent that cannot be restarted by an updater refuses at once, saying
-//! why: one running inside another program (no command line of its own), or
-//! one in a Kubernetes pod (its DaemonSet's rolling update is its upgrade).
+//! why: one running inside another program (no command line of its own),
+//! one in a Kubernetes pod (its DaemonSet's rolling update is its upgrade),
+//! or one that is its container's first process (stopping it ends the
+//! container, updater and all).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -198,6 +200,11 @@ impl Upgrades {
         }
         if settings.systemd_unit.is_none() && settings.agent_args.is_empty() {
             return Err("this agent runs inside another program, which no updater can restart".into());
+        }
+        if settings.systemd_unit.is_none() && std::process::id() == 1 {
+            return Err("this agent is its container's first process, whose exit ends the container: \
+                upgrade it by running the new image"
+                .into());
         }
         let binary = self.pull(&taken.artifact).await?;
         let version = said_version(&binary).await?;
