@@ -136,10 +136,17 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     for (name, offset) in [("revisions", 1), ("leases", 2), ("egress", 3), ("router", 5)] {
         endpoints.insert(name, &format!(":{}", args.port_base + offset)).map_err(StartError::Invalid)?;
     }
+    // Agent artifacts are resolved trusting the same private CA as bundles.
+    let agent_registry = berth_bundle::BundleClient::new(berth_bundle::RegistryConfig {
+        ca_pem: registry_ca.clone(),
+        ..berth_bundle::RegistryConfig::default()
+    })
+    .map_err(|e| StartError::Invalid(format!("--registry-ca: {e}")))?;
     let identity = IdentityService::open(identity_store, identity_bus, config)
         .await
         .map_err(authority_error)?
-        .with_endpoints(endpoints);
+        .with_endpoints(endpoints)
+        .with_agent_registry(agent_registry);
     let authority = identity.authority().clone();
     let bundle = authority.bundle_pem().await.map_err(authority_error)?;
     let ca_path = dir.join("ca.pem");
