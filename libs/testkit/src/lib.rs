@@ -4,8 +4,9 @@
 //! serve (scripted by the test), an in-process leases service following it
 //! (alone, or as the base of a suite's control plane: [`LeasesMesh`]), the
 //! workspace's binaries beside the one under test, and a host's join from
-//! an address of its own ([`FromAddress`]), and a project's upstream DNS
-//! resolver ([`Resolver`]).
+//! an address of its own ([`FromAddress`]), a project's upstream DNS
+//! resolver ([`Resolver`]), and what a workload's cgroup holds
+//! ([`cgroups`]).
 //!
 //! # Where it sits
 //! A dev-dependency, and a dependency of `berth-bench`, which no image
@@ -22,6 +23,7 @@
 
 #![allow(clippy::unwrap_used, reason = "a fixture that cannot be set up is a failed test, with its line")]
 
+pub mod cgroups;
 mod dial;
 mod resolver;
 

@@ -20,6 +20,7 @@ use berth_identity::NodeTiming;
 use berth_proto::agent::v1 as agent;
 use berth_proto::identity::v1 as identity;
 use berth_proto::leases::v1::LeasePhase;
+use berth_testkit::cgroups::memory_limit_of;
 use berth_testkit::eventually;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -390,22 +391,6 @@ async fn a_node_that_cannot_rejoin_holds_its_workload_for_the_stop_grace_and_onl
     assert_eq!(start_ticks(pid), None, "the agent exited while its workload still ran");
     drop(agent.stop);
     plane.cleanup().await;
-}
-
-/// The memory limit of the cgroup `pid` is in, in bytes; `None` when it is
-/// not limited (an uncontained workload).
-fn memory_limit_of(pid: u32) -> Option<u64> {
-    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
-    let root = std::path::Path::new("/sys/fs/cgroup");
-    let (file, path) = if root.join("cgroup.controllers").exists() {
-        ("memory.max", cgroups.lines().find_map(|line| line.strip_prefix("0::"))?.to_string())
-    } else {
-        let line =
-            cgroups.lines().find(|line| line.split(':').nth(1).is_some_and(|c| c.split(',').any(|c| c == "memory")))?;
-        ("memory.limit_in_bytes", format!("memory{}", line.splitn(3, ':').nth(2)?))
-    };
-    let text = std::fs::read_to_string(root.join(path.trim_start_matches('/')).join(file)).ok()?;
-    text.trim().parse().ok().filter(|limit: &u64| *limit < (1 << 50))
 }
 
 #[tokio::test]

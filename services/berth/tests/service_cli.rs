@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use berth_bundle::RegistryCredentials;
 use berth_bundle::test_image::{Layer, TestImage};
 use berth_bundle::testing::TestRegistry;
+use berth_testkit::cgroups::{memory_limit_of, processes_in_cgroup};
 use serde_json::Value;
 
 /// How long the dev node may take to join and be offered to leases.
@@ -652,6 +653,41 @@ fn an_image_deploys_and_answers(runtime: &str) {
     assert!(get("/stale.html").contains("404"), "the whiteout removed it");
     let described = dev.ok(&["service", "get", "web"]);
     assert!(described.contains("Image:") && described.contains(&reference), "{described}");
+
+    // More memory and nothing else: a runtime that resizes a running
+    // workload (runc's cgroup; the process runtime, which has no limits)
+    // keeps the replica, which serves on as web-00002; gVisor cannot, so a
+    // new replica replaces it.
+    let lease = shown["replicas"][0]["leaseId"].as_str().unwrap().to_string();
+    let pids = processes_in_cgroup(&lease);
+    if runtime == "runc" {
+        assert!(!pids.is_empty(), "no process in the cgroup of lease {lease}");
+        assert_eq!(memory_limit_of(pids[0]), Some(64 << 20), "the lease's size is its limit");
+    }
+    let mut bigger = template.clone();
+    bigger["resources"]["memory_bytes"] = (96_u64 << 20).into();
+    std::fs::write(&spec, bigger.to_string()).unwrap();
+    let resized = dev.ok(&["service", "apply", "-f", spec.to_str().unwrap(), "--name", "web", "--wait"]);
+    assert!(resized.contains("web-00002 is live, 1 of 1 replicas running"), "{resized}");
+    let shown = dev.json(&["service", "get", "web"]);
+    let serving: Vec<&Value> = shown["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["revision"] == "web-00002" && r["phase"] == "LEASE_PHASE_RUNNING")
+        .collect();
+    assert_eq!(serving.len(), 1, "{shown}");
+    let kept = serving[0]["leaseId"] == lease.as_str();
+    assert_eq!(kept, runtime != "runsc", "the replica kept (else replaced) under {runtime}: {shown}");
+    if runtime == "runc" {
+        assert_eq!(processes_in_cgroup(&lease), pids, "the same processes run on");
+        assert_eq!(memory_limit_of(pids[0]), Some(96 << 20), "the limit grew in place");
+    }
+    let port = serving[0]["port"].as_u64().unwrap();
+    let answered = poll(Duration::from_secs(20), "the resized service answers", || {
+        http_get(port, "/index.html").filter(|body| !body.is_empty()).ok_or_else(|| "no answer".to_string())
+    });
+    assert_eq!(answered, "from the second layer\n");
 
     let capacity = dev.json(&["capacity"]);
     assert_eq!(capacity["nodes"][0]["runtime"], runtime, "{capacity}");

@@ -21,6 +21,8 @@
 //! - `version` grows with every write to a service row that changes what
 //!   `GetService` shows, so watchers skip repeats.
 
+use std::collections::HashMap;
+
 use berth_proto::revisions::v1;
 use berth_proto::revisions::v1::{SessionAffinity, TrafficTarget};
 use berth_store::{Fence, Store, StoreError};
@@ -119,6 +121,9 @@ pub(crate) struct StatusReport {
     pub(crate) conditions: Vec<Observed>,
     /// Replicas running per revision of the service.
     pub(crate) revision_running: Vec<(String, i64)>,
+    /// Replicas taken over in place whose leases ended: their record in
+    /// `adopted_replicas` goes.
+    pub(crate) adoptions_ended: Vec<String>,
 }
 
 /// Which services a list wants.
@@ -469,13 +474,16 @@ impl Catalog {
     ///
     /// Its `desired` replicas all run (that is why it goes live), so the
     /// status says so in the same write: no reader sees the new live
-    /// revision beside the old one's counts and conditions.
+    /// revision beside the old one's counts and conditions. `adopted`
+    /// replaces the status's `adopted_replicas` in that write, so a router
+    /// moves the traffic and the replicas that serve it at once.
     pub(crate) async fn go_live(
         &self,
         fence: &Fence,
         key: &ServiceKey,
         revision: &str,
         desired: u32,
+        adopted: &HashMap<String, String>,
     ) -> Result<bool, CatalogError> {
         let now_sql = self.store.now_ms_sql();
         self.store
@@ -518,6 +526,7 @@ impl Catalog {
                     status.latest_ready_revision = latest_ready(conn, key).await?;
                     status.replicas_running = desired;
                     status.replicas_desired = desired;
+                    status.adopted_replicas.clone_from(adopted);
                     let generation = status.observed_generation;
                     for kind in [READY, ROLLOUT_COMPLETE] {
                         set_condition(&mut status.conditions, &Observed::holds(kind), now, generation);
@@ -563,6 +572,7 @@ impl Catalog {
                     status.replicas_desired = report.replicas_desired;
                     status.observed_generation = generation;
                     status.latest_ready_revision = latest_ready(conn, key).await?;
+                    status.adopted_replicas.retain(|lease_id, _| !report.adoptions_ended.contains(lease_id));
                     for observed in &report.conditions {
                         // An apply minted a newer revision since: its resolution is the apply's to report.
                         if observed.kind == BUNDLE_RESOLVED && report.latest_created != status.latest_created_revision {

@@ -1,5 +1,5 @@
 //! The deploy reconciler's view of the leases service: ask for a lease,
-//! list a service's leases, give one back; and one lease by id, to check
+//! list a service's leases, give one back, resize one in place; and one lease by id, to check
 //! that a node asking for pull credentials holds it. [`LeaseClient`] is the seam;
 //! [`GrpcLeases`] speaks `berth.leases.v1.Leases` over mTLS with this
 //! service's certificate.
@@ -72,6 +72,15 @@ pub trait LeaseClient: fmt::Debug + Send + Sync + 'static {
     }
     /// Gives a lease back with `reason`; a lease already final stays as it is.
     async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError>;
+    /// Asks for the lease, held at `epoch`, to be resized to `resources`
+    /// (`ResizeLease`): the lease as it is after the ask, its resize
+    /// pending until its node applies it. `NoRoom` when its node cannot fit it.
+    async fn resize(
+        &self,
+        lease_id: &str,
+        epoch: u64,
+        resources: berth_proto::types::v1::Capacity,
+    ) -> Result<v1::Lease, LeaseCallError>;
 }
 
 /// The leases service over gRPC.
@@ -133,6 +142,20 @@ impl LeaseClient for GrpcLeases {
             Err(status) => Err(status.into()),
         }
     }
+
+    async fn resize(
+        &self,
+        lease_id: &str,
+        epoch: u64,
+        resources: berth_proto::types::v1::Capacity,
+    ) -> Result<v1::Lease, LeaseCallError> {
+        let request = v1::ResizeLeaseRequest { lease_id: lease_id.to_owned(), epoch, resources: Some(resources) };
+        let response = self.client.clone().resize_lease(request).await?.into_inner();
+        response.lease.ok_or_else(|| LeaseCallError::Refused {
+            code: Code::Internal,
+            message: "leases answered without the lease".to_owned(),
+        })
+    }
 }
 
 /// Stands in where no leases address was configured: every call fails,
@@ -157,6 +180,15 @@ impl LeaseClient for NoLeases {
     }
 
     async fn release(&self, _lease_id: &str, _reason: &str) -> Result<(), LeaseCallError> {
+        Err(LeaseCallError::Unavailable(NOT_CONFIGURED.to_owned()))
+    }
+
+    async fn resize(
+        &self,
+        _lease_id: &str,
+        _epoch: u64,
+        _resources: berth_proto::types::v1::Capacity,
+    ) -> Result<v1::Lease, LeaseCallError> {
         Err(LeaseCallError::Unavailable(NOT_CONFIGURED.to_owned()))
     }
 }

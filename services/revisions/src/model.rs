@@ -17,9 +17,11 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use berth_proto::revisions::v1::{ServiceTemplate, Source};
-use berth_proto::types::v1::{Condition, ConditionStatus};
+use berth_proto::types::v1::{Capacity, Condition, ConditionStatus};
 use prost::Message as _;
 use sha2::{Digest as _, Sha256};
+
+use crate::config::{DEFAULT_CPU_MILLIS, DEFAULT_MEMORY_BYTES};
 
 /// The project an empty project field means.
 pub(crate) const DEFAULT_PROJECT: &str = "default";
@@ -119,6 +121,26 @@ pub(crate) fn new_uid() -> String {
 /// The replicas a template asks for: unset means one.
 pub(crate) fn replicas(template: &ServiceTemplate) -> u32 {
     template.replicas.unwrap_or(1)
+}
+
+/// The compute each replica of `template` reserves: its resources, or the
+/// defaults when it leaves them unset.
+pub(crate) fn resources(template: &ServiceTemplate) -> Capacity {
+    template
+        .resources
+        .filter(|r| r.cpu_millis > 0 && r.memory_bytes > 0)
+        .unwrap_or(Capacity { cpu_millis: DEFAULT_CPU_MILLIS, memory_bytes: DEFAULT_MEMORY_BYTES })
+}
+
+/// Whether `a` and `b` run the same thing the same way, their resources
+/// aside: what lets a replica of one serve as the other once resized.
+pub(crate) fn differs_only_in_resources(a: &ServiceTemplate, b: &ServiceTemplate) -> bool {
+    let without = |template: &ServiceTemplate| ServiceTemplate {
+        resources: None,
+        replicas: Some(replicas(template)),
+        ..template.clone()
+    };
+    without(a) == without(b)
 }
 
 /// The SHA-256 (hex) of the canonical encoding of a declaration: the

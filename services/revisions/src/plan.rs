@@ -9,7 +9,7 @@
 //! nothing here reads or writes anything, so every decision is tested here
 //! by table, without a store or a leases service.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use berth_proto::leases::v1::{self as leases, LeasePhase};
@@ -17,7 +17,7 @@ use berth_proto::types::v1::ConditionStatus;
 
 use crate::catalog::StatusReport;
 use crate::config::millis;
-use crate::model::{Observed, READY, ROLLOUT_COMPLETE, SlotKey, replicas};
+use crate::model::{Observed, READY, ROLLOUT_COMPLETE, SlotKey, differs_only_in_resources, replicas, resources};
 use crate::records::{RevisionRow, RevisionState, ServiceRow};
 use crate::route_acks::{RouterAck, all_serve};
 
@@ -36,6 +36,10 @@ pub(crate) fn is_draining(lease: &leases::Lease) -> bool {
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Slots {
     pub(crate) by_slot: BTreeMap<u32, Vec<(u32, leases::Lease)>>,
+    /// By slot, the highest attempt any lease keyed with this revision's
+    /// name carries, including those a later revision took over: a key
+    /// once used answers with its lease, so a new one starts above it.
+    pub(crate) spent: BTreeMap<u32, u32>,
 }
 
 impl Slots {
@@ -43,6 +47,23 @@ impl Slots {
         let attempts = self.by_slot.entry(key.slot).or_default();
         attempts.push((key.attempt, lease));
         attempts.sort_by_key(|(attempt, _)| std::cmp::Reverse(*attempt));
+    }
+
+    fn spend(&mut self, key: &SlotKey) {
+        let spent = self.spent.entry(key.slot).or_default();
+        *spent = (*spent).max(key.attempt);
+    }
+
+    /// The attempt a new lease of `slot` is asked for under: above its
+    /// current one (`after`) and above every key of this revision spent.
+    pub(crate) fn next_attempt(&self, slot: u32, after: Option<u32>) -> u32 {
+        let spent = self.spent.get(&slot).map(|spent| spent.saturating_add(1));
+        after.map(|attempt| attempt.saturating_add(1)).max(spent).unwrap_or(0)
+    }
+
+    /// Whether it holds no lease at all, open or ended.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.by_slot.is_empty()
     }
 
     /// The slot's current lease and its attempt.
@@ -74,12 +95,22 @@ impl Slots {
     }
 }
 
-/// Leases grouped by the revision their key names.
-pub(crate) fn group(leases: Vec<leases::Lease>, uid: &str) -> BTreeMap<String, Slots> {
+/// Leases grouped by the revision they serve as: the one `adopted` names
+/// for a replica a later revision took over in place (by lease id), else
+/// the one their key names.
+pub(crate) fn group(
+    leases: Vec<leases::Lease>,
+    uid: &str,
+    adopted: &HashMap<String, String>,
+) -> BTreeMap<String, Slots> {
     let mut grouped: BTreeMap<String, Slots> = BTreeMap::new();
     for lease in leases {
         match SlotKey::decode(&lease.idempotency_key) {
-            Some(key) if key.uid == uid => grouped.entry(key.revision.clone()).or_default().add(key, lease),
+            Some(key) if key.uid == uid => {
+                grouped.entry(key.revision.clone()).or_default().spend(&key);
+                let serves_as = adopted.get(&lease.lease_id).unwrap_or(&key.revision);
+                grouped.entry(serves_as.clone()).or_default().add(key, lease);
+            }
             _ => tracing::debug!(lease_id = %lease.lease_id, key = %lease.idempotency_key,
                 "a lease of this owner with a key not minted here; left alone"),
         }
@@ -195,8 +226,8 @@ pub(crate) fn plan_upkeep(uid: &str, revision: &RevisionRow, slots: &Slots, repl
     let desired = replicas(&revision.template);
     for slot in 0..desired {
         let attempt = match slots.current(slot) {
-            None => 0,
-            Some((attempt, lease)) if is_draining(lease) => attempt.saturating_add(1),
+            None => slots.next_attempt(slot, None),
+            Some((attempt, lease)) if is_draining(lease) => slots.next_attempt(slot, Some(*attempt)),
             Some((_, lease)) if is_open(lease) => {
                 if lease.phase() != LeasePhase::Running {
                     plan.settling = true;
@@ -207,7 +238,7 @@ pub(crate) fn plan_upkeep(uid: &str, revision: &RevisionRow, slots: &Slots, repl
                 plan.failed = Some((lease.reason.clone(), lease.message.clone()));
                 continue;
             }
-            Some((attempt, _)) => attempt.saturating_add(1),
+            Some((attempt, _)) => slots.next_attempt(slot, Some(*attempt)),
         };
         plan.settling = true;
         plan.requests.push(SlotKey { revision: revision.name.clone(), uid: uid.to_owned(), slot, attempt });
@@ -276,6 +307,111 @@ pub(crate) fn decide_rollout(
         return RolloutStep::Fail { reason: "ProgressDeadlineExceeded", message };
     }
     RolloutStep::Continue { no_room: upkeep.no_room.clone() }
+}
+
+/// How a rollout goes whose target differs from the live revision only in
+/// its resources: the live replicas are resized in place and taken over,
+/// so none restarts (see [`plan_in_place`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum InPlace {
+    /// Ask these leases (id, epoch) to be resized to the target's size; the
+    /// rest already are, or their nodes are applying it.
+    Resize(Vec<(String, u64)>),
+    /// Every replica has the target's size: the target takes these leases
+    /// over and goes live.
+    TakeOver(Vec<String>),
+}
+
+/// Whether `next` rolls out by resizing `live`'s replicas in place, and
+/// what that needs now; `None` when it rolls out by replacement.
+///
+/// It does when `next` is newer than `live`, runs the same code the same
+/// way (same digest, same template and source but for resources), has no
+/// lease of its own (a replacement, once begun, goes on), and every slot
+/// of `live` has exactly one open lease, running and not on a draining
+/// node. A node that deferred the resize to `next`'s size (its runtime
+/// cannot, or the memory is in use) sends the rollout back to replacement.
+pub(crate) fn plan_in_place(
+    live: &RevisionRow,
+    next: &RevisionRow,
+    live_slots: &Slots,
+    next_slots: &Slots,
+) -> Option<InPlace> {
+    let same_work = next.generation > live.generation
+        && next.digest == live.digest
+        && next.source == live.source
+        && differs_only_in_resources(&live.template, &next.template);
+    if !same_work || !next_slots.is_empty() {
+        return None;
+    }
+    let wanted = resources(&next.template);
+    let desired = replicas(&live.template);
+    let mut asks = Vec::new();
+    let mut replicas = Vec::new();
+    for slot in 0..desired {
+        let attempts = live_slots.by_slot.get(&slot)?;
+        let mut open = attempts.iter().filter(|(_, lease)| is_open(lease));
+        let (Some((_, lease)), None) = (open.next(), open.next()) else { return None };
+        if lease.phase() != LeasePhase::Running || is_draining(lease) {
+            return None;
+        }
+        let asked = lease.resize.as_ref().filter(|resize| resize.resources == Some(wanted));
+        if asked.is_some_and(|resize| resize.state() == leases::ResizeState::Deferred) {
+            return None;
+        }
+        let pending = asked.is_some_and(|resize| resize.state() == leases::ResizeState::Pending);
+        if lease.resources != Some(wanted) && !pending {
+            asks.push((lease.lease_id.clone(), lease.epoch));
+        }
+        replicas.push(lease);
+    }
+    let sized = replicas.iter().all(|lease| lease.resources == Some(wanted));
+    Some(if sized {
+        InPlace::TakeOver(replicas.iter().map(|lease| lease.lease_id.clone()).collect())
+    } else {
+        InPlace::Resize(asks)
+    })
+}
+
+/// Where a rollout by resizing in place goes while its nodes apply it:
+/// on, until the progress deadline passes.
+pub(crate) fn decide_in_place(
+    next: &RevisionRow,
+    started_ms: i64,
+    now_ms: i64,
+    progress_deadline: Duration,
+) -> RolloutStep {
+    if now_ms.saturating_sub(started_ms) > millis(progress_deadline) {
+        let message = format!(
+            "the replicas of {} were not all resized in place within the progress deadline of {progress_deadline:?}",
+            next.name
+        );
+        return RolloutStep::Fail { reason: "ProgressDeadlineExceeded", message };
+    }
+    RolloutStep::Continue { no_room: None }
+}
+
+/// The ids of every open lease in `by_revision`.
+pub(crate) fn open_ids(by_revision: &BTreeMap<String, Slots>) -> HashSet<&str> {
+    by_revision.values().flat_map(Slots::open).map(|lease| lease.lease_id.as_str()).collect()
+}
+
+/// The replicas serving as another revision than their lease names once
+/// `revision` took over `taken`: those recorded before whose leases are
+/// still open, and the new ones.
+pub(crate) fn adopted_after(
+    before: &HashMap<String, String>,
+    open: &HashSet<&str>,
+    revision: &str,
+    taken: &[String],
+) -> HashMap<String, String> {
+    let mut after: HashMap<String, String> = before
+        .iter()
+        .filter(|(lease_id, _)| open.contains(lease_id.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    after.extend(taken.iter().map(|lease_id| (lease_id.clone(), revision.to_owned())));
+    after
 }
 
 /// What giving back the revisions no longer needed means.
@@ -407,6 +543,13 @@ pub(crate) fn status_report(
                 (r.name.clone(), i64::from(count))
             })
             .collect(),
+        adoptions_ended: {
+            let open = open_ids(by_revision);
+            let mut ended: Vec<String> =
+                service.status.adopted_replicas.keys().filter(|id| !open.contains(id.as_str())).cloned().collect();
+            ended.sort();
+            ended
+        },
     }
 }
 
@@ -692,7 +835,132 @@ pub(crate) mod tests {
                 lease
             })
             .collect();
-        group(leases, "u").remove("web-00001").unwrap_or_default()
+        group(leases, "u", &HashMap::new()).remove("web-00001").unwrap_or_default()
+    }
+
+    fn capacity(memory_mib: u64) -> berth_proto::types::v1::Capacity {
+        berth_proto::types::v1::Capacity { cpu_millis: 100, memory_bytes: memory_mib << 20 }
+    }
+
+    /// `web-00001` live with two replicas of 128 MiB, and `web-00002` of
+    /// `memory_mib`; each lease as `edit` leaves it.
+    fn resized(memory_mib: u64, edit: impl Fn(u32, &mut leases::Lease)) -> (RevisionRow, RevisionRow, Slots) {
+        let mut live = row("web-00001", 1, RevisionState::Ready, 0);
+        live.template.replicas = Some(2);
+        live.template.resources = Some(capacity(128));
+        let mut next = row("web-00002", 2, RevisionState::Pending, 0);
+        next.template = v1::ServiceTemplate { resources: Some(capacity(memory_mib)), ..live.template.clone() };
+        let leases = (0..2)
+            .map(|slot| {
+                let key = SlotKey { revision: "web-00001".into(), uid: "u".into(), slot, attempt: 0 };
+                let mut lease = leases::Lease {
+                    lease_id: format!("l{slot}"),
+                    epoch: 3,
+                    idempotency_key: key.encode(),
+                    resources: Some(capacity(128)),
+                    ..Default::default()
+                };
+                lease.set_phase(LeasePhase::Running);
+                edit(slot, &mut lease);
+                lease
+            })
+            .collect();
+        let slots = group(leases, "u", &HashMap::new()).remove("web-00001").unwrap_or_default();
+        (live, next, slots)
+    }
+
+    fn resize(memory_mib: u64, state: leases::ResizeState) -> Option<leases::LeaseResize> {
+        Some(leases::LeaseResize { resources: Some(capacity(memory_mib)), state: state as i32, ..Default::default() })
+    }
+
+    #[test]
+    fn a_change_of_resources_alone_resizes_the_live_replicas_in_place_and_takes_them_over() {
+        use leases::ResizeState::{Applied, Deferred, Pending};
+        let none = Slots::default();
+        let asks = |ids: &[&str]| InPlace::Resize(ids.iter().map(|id| ((*id).to_owned(), 3)).collect());
+
+        // Nothing resized yet: both are asked for.
+        let (live, next, slots) = resized(256, |_, _| {});
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), Some(asks(&["l0", "l1"])));
+        // One on its way: only the other is asked for; then neither while both apply.
+        let (live, next, slots) = resized(256, |slot, l| {
+            if slot == 0 {
+                l.resize = resize(256, Pending)
+            }
+        });
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), Some(asks(&["l1"])));
+        let (live, next, slots) = resized(256, |_, l| l.resize = resize(256, Pending));
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), Some(asks(&[])));
+        // A pending resize to another size (an earlier apply's) is asked again.
+        let (live, next, slots) = resized(256, |_, l| l.resize = resize(512, Pending));
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), Some(asks(&["l0", "l1"])));
+        // Both applied: the target takes them over.
+        let (live, next, slots) = resized(256, |_, l| {
+            l.resize = resize(256, Applied);
+            l.resources = Some(capacity(256));
+        });
+        let took = InPlace::TakeOver(vec!["l0".into(), "l1".into()]);
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), Some(took));
+
+        // A node deferred it: replacement instead.
+        let (live, next, slots) = resized(64, |slot, l| {
+            if slot == 1 {
+                l.resize = resize(64, Deferred)
+            }
+        });
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), None);
+        // A replica not running, or on a draining node, or a slot with two open leases: replacement.
+        let (live, next, slots) = resized(256, |slot, l| {
+            if slot == 1 {
+                l.set_phase(LeasePhase::Launching)
+            }
+        });
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), None);
+        let (live, next, slots) = resized(256, |slot, l| {
+            if slot == 1 {
+                l.reason = berth_core::NODE_DRAINING.into()
+            }
+        });
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), None);
+        // Once the target has a lease of its own, its replacement goes on.
+        let (live, next, slots) = resized(256, |_, _| {});
+        let (_, _, own) = resized(256, |_, _| {});
+        assert_eq!(plan_in_place(&live, &next, &slots, &own), None);
+
+        // Anything else changed, or an older target: replacement.
+        let (live, mut next, slots) = resized(256, |_, _| {});
+        next.template.env.insert("VERSION".into(), "2".into());
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), None);
+        let (live, mut next, slots) = resized(256, |_, _| {});
+        next.template.replicas = Some(3);
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), None);
+        let (live, mut next, slots) = resized(256, |_, _| {});
+        next.digest = "sha256:other".into();
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), None, "the tag moved to other code");
+        let (live, mut next, slots) = resized(256, |_, _| {});
+        next.generation = 0;
+        assert_eq!(plan_in_place(&live, &next, &slots, &none), None, "a rollback to an older revision");
+    }
+
+    #[test]
+    fn replicas_taken_over_count_as_the_revision_they_serve_and_keys_once_spent_are_not_asked_again() {
+        // web-00002 took l0 (keyed web-00001 slot 0 attempt 0) over.
+        let key = SlotKey { revision: "web-00001".into(), uid: "u".into(), slot: 0, attempt: 0 };
+        let mut lease = leases::Lease { lease_id: "l0".into(), idempotency_key: key.encode(), ..Default::default() };
+        lease.set_phase(LeasePhase::Running);
+        let adopted: HashMap<String, String> = [("l0".to_owned(), "web-00002".to_owned())].into();
+        let grouped = group(vec![lease.clone()], "u", &adopted);
+        assert_eq!(grouped["web-00002"].current(0).map(|(_, l)| l.lease_id.as_str()), Some("l0"));
+        assert!(!grouped["web-00001"].has_open());
+        // web-00001 rolled back to asks above the key its old replica holds.
+        let mut old = row("web-00001", 1, RevisionState::Ready, 0);
+        old.template.replicas = Some(1);
+        let plan = plan_upkeep("u", &old, &grouped["web-00001"], true);
+        assert_eq!(plan.requests.iter().map(SlotKey::encode).collect::<Vec<_>>(), ["web-00001/u/0/1"]);
+        // The record of a replica whose lease ended is dropped at the next take-over.
+        let open: HashSet<&str> = HashSet::new();
+        let after = adopted_after(&adopted, &open, "web-00003", &["l7".to_owned()]);
+        assert_eq!(after, [("l7".to_owned(), "web-00003".to_owned())].into());
     }
 
     fn revision(replicas: u32) -> RevisionRow {
@@ -843,7 +1111,7 @@ pub(crate) mod tests {
                     lease
                 })
                 .collect();
-            by_revision.extend(group(leases, "u"));
+            by_revision.extend(group(leases, "u", &HashMap::new()));
         }
         let mut rolling = row("web-00003", 3, RevisionState::Pending, 0);
         rolling.rollout_started_at_ms = Some(5);

@@ -26,6 +26,21 @@
 //! is marked failed and its leases released; the live revision keeps
 //! serving (automatic rollback).
 //!
+//! # A change of resources alone
+//! A target newer than the live revision that differs from it only in its
+//! resources (same digest, same source, same template otherwise) rolls out
+//! in place when every live replica runs ([`crate::plan::plan_in_place`]):
+//! each live lease is asked to resize (`ResizeLease`, fenced by its epoch),
+//! and once every node applied it the target goes live on those leases, in
+//! one write with the service status's `adopted_replicas`, which names the
+//! revision each serves as from then on (their keys and workload labels,
+//! which leases never rewrites, keep the revision they were asked for). A
+//! node that defers the resize, or has no room to grow it, sends the rollout
+//! back to replacement; once the target holds a lease of its own, the
+//! replacement goes on. Attempts for a slot are numbered above every key
+//! its revision ever used, so a revision whose replicas another took over
+//! never asks for one of those leases again.
+//!
 //! # Traffic splits and drain
 //! Every revision a traffic split names keeps its replicas as the live one
 //! does (see [`crate::traffic`]). A revision that stops taking traffic (the
@@ -52,18 +67,19 @@ use std::time::Duration;
 
 use berth_proto::artifact::ArtifactKind;
 use berth_proto::leases::v1 as leases;
-use berth_proto::types::v1::{BundleRef, Capacity, ConditionStatus, Readiness};
+use berth_proto::types::v1::{BundleRef, ConditionStatus, Readiness};
 use berth_runtime::Action;
 use berth_store::Fence;
 
 use crate::catalog::{Catalog, CatalogError, RolloutChange, StatusReport};
-use crate::config::{DEFAULT_CPU_MILLIS, DEFAULT_MEMORY_BYTES, RevisionsConfig, millis};
+use crate::config::{RevisionsConfig, millis};
 use crate::lease_view::LeaseView;
 use crate::leases::{LeaseCallError, LeaseClient};
 use crate::model::{Observed, READY, ServiceKey, SlotKey, lease_owner};
 use crate::plan::{
-    Drain, Pass, Rollout, RolloutStep, Slots, Upkeep, collectable, decide_rollout, group, is_draining, is_open, kept,
-    plan_release, plan_upkeep, rollout_blocked, served_by_open, split_revisions, status_report, target,
+    Drain, InPlace, Pass, Rollout, RolloutStep, Slots, Upkeep, adopted_after, collectable, decide_in_place,
+    decide_rollout, group, is_draining, is_open, kept, open_ids, plan_in_place, plan_release, plan_upkeep,
+    rollout_blocked, served_by_open, split_revisions, status_report, target,
 };
 use crate::records::{RevisionRow, RevisionState, ServiceRow};
 use crate::resolver::{RegistryPolicy, TagResolver, resolve_template};
@@ -182,16 +198,16 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
 
     let mut rollout = Rollout::Settled;
     if let Some(next) = target.filter(|t| Some(t.name.as_str()) != live.map(|l| l.name.as_str())) {
-        rollout = roll_out(ctx, &service, next, by_revision.get(&next.name).cloned().unwrap_or_default(), now).await?;
-        if matches!(rollout, Rollout::WentLive | Rollout::Failed) {
-            by_revision = group(ctx.leases.list(&key.project, &owner).await?, &service.uid);
-        }
+        rollout = roll_out(ctx, &service, next, live, &by_revision, now).await?;
     }
     // Read again as one snapshot: a delete or a new incarnation since is the next pass's.
     let (service, revisions) = match ctx.catalog.snapshot(key).await? {
         Some((fresh, revisions)) if fresh.uid == service.uid => (fresh, revisions),
         _ => return Ok(Action::Requeue(ctx.config.rollout_poll)),
     };
+    if matches!(rollout, Rollout::WentLive | Rollout::Failed) {
+        by_revision = group(ctx.leases.list(&key.project, &owner).await?, &service.uid, &adopted(&service));
+    }
     let live = revisions.iter().find(|r| r.name == service.live_revision && r.resolved());
     let target = self::target(&service, &revisions);
     // Traffic fell back from a newest revision that failed: its rollout is not complete.
@@ -278,12 +294,18 @@ async fn leases_of(
         let target = target(service, revisions);
         needed.extend(target.filter(|t| Some(t.name.as_str()) != live.map(|l| l.name.as_str())));
         needed.extend(split_revisions(service, revisions, live, target));
-        let by_revision = group(open, &service.uid);
+        let by_revision = group(open, &service.uid, &adopted(service));
         if served_by_open(&by_revision, &needed) {
             return Ok(by_revision);
         }
     }
-    Ok(group(ctx.leases.list(&service.key.project, &owner).await?, &service.uid))
+    Ok(group(ctx.leases.list(&service.key.project, &owner).await?, &service.uid, &adopted(service)))
+}
+
+/// The replicas of `service` serving as a later revision than their lease
+/// names, by lease id.
+fn adopted(service: &ServiceRow) -> HashMap<String, String> {
+    service.status.adopted_replicas.clone()
 }
 
 /// Says in the service's status that leases could not be asked, keeping
@@ -304,6 +326,7 @@ async fn unreachable_leases(
         replicas_desired: service.status.replicas_desired,
         conditions,
         revision_running: Vec::new(),
+        adoptions_ended: Vec::new(),
     };
     if ctx.catalog.report(&ctx.fence, &service.key, &report).await? {
         ctx.signals.changed(&service.key).await;
@@ -331,13 +354,15 @@ async fn release_tombstones(key: &ServiceKey, ctx: &Context) -> Result<bool, Rec
     Ok(settled)
 }
 
-/// Moves the rollout of `next` one step: starts it, keeps its slots
-/// filled, and makes it live or failed as [`decide_rollout`] says.
+/// Moves the rollout of `next` one step: starts it, resizes the live
+/// replicas in place where [`plan_in_place`] says it can, else keeps its
+/// own slots filled, and makes it live or failed as [`decide_rollout`] says.
 async fn roll_out(
     ctx: &Context,
     service: &ServiceRow,
     next: &RevisionRow,
-    slots: Slots,
+    live: Option<&RevisionRow>,
+    by_revision: &BTreeMap<String, Slots>,
     now: i64,
 ) -> Result<Rollout, ReconcileError> {
     let key = &service.key;
@@ -352,16 +377,38 @@ async fn roll_out(
             now
         }
     };
-    let upkeep = upkeep(ctx, service, next, &slots, false).await?;
-    match decide_rollout(next, &slots, &upkeep, started, now, ctx.config.progress_deadline) {
-        RolloutStep::Continue { no_room } => Ok(Rollout::InProgress { no_room }),
-        RolloutStep::GoLive { replicas } => {
-            tracing::info!(service = %key, revision = %next.name, previous = %service.live_revision, "revision is live");
-            if ctx.catalog.go_live(&ctx.fence, key, &next.name, replicas).await? {
-                ctx.signals.changed(key).await;
-            }
-            Ok(Rollout::WentLive)
+    let slots = by_revision.get(&next.name).cloned().unwrap_or_default();
+    let in_place = live.and_then(|live| {
+        let live_slots = by_revision.get(&live.name).cloned().unwrap_or_default();
+        plan_in_place(live, next, &live_slots, &slots).map(|plan| (live, plan))
+    });
+    let step = match in_place {
+        Some((live, InPlace::TakeOver(taken))) => {
+            tracing::info!(service = %key, revision = %next.name, previous = %live.name, replicas = taken.len(),
+                "the live replicas were resized in place; they serve as the new revision");
+            let replicas = u32::try_from(taken.len()).unwrap_or(u32::MAX);
+            return go_live(ctx, service, next, by_revision, &taken, replicas).await;
         }
+        Some((live, InPlace::Resize(asks))) => match resize_in_place(ctx, service, next, live, &asks).await? {
+            Some(no_room) => {
+                tracing::info!(service = %key, revision = %next.name, %no_room,
+                    "a replica cannot grow on its node; rolling out new replicas instead");
+                None
+            }
+            None => Some(decide_in_place(next, started, now, ctx.config.progress_deadline)),
+        },
+        None => None,
+    };
+    let step = match step {
+        Some(step) => step,
+        None => {
+            let upkeep = upkeep(ctx, service, next, &slots, false).await?;
+            decide_rollout(next, &slots, &upkeep, started, now, ctx.config.progress_deadline)
+        }
+    };
+    match step {
+        RolloutStep::Continue { no_room } => Ok(Rollout::InProgress { no_room }),
+        RolloutStep::GoLive { replicas } => go_live(ctx, service, next, by_revision, &[], replicas).await,
         RolloutStep::Fail { reason, message } => {
             tracing::warn!(service = %key, revision = %next.name, reason, %message,
                 live = %service.live_revision, "rollout failed; the live revision keeps serving");
@@ -370,6 +417,52 @@ async fn roll_out(
             Ok(Rollout::Failed)
         }
     }
+}
+
+/// Makes `next` live with `replicas`, the replicas it `took` over in place
+/// serving as it from now on.
+async fn go_live(
+    ctx: &Context,
+    service: &ServiceRow,
+    next: &RevisionRow,
+    by_revision: &BTreeMap<String, Slots>,
+    took: &[String],
+    replicas: u32,
+) -> Result<Rollout, ReconcileError> {
+    let key = &service.key;
+    tracing::info!(service = %key, revision = %next.name, previous = %service.live_revision, "revision is live");
+    let adopted = adopted_after(&service.status.adopted_replicas, &open_ids(by_revision), &next.name, took);
+    if ctx.catalog.go_live(&ctx.fence, key, &next.name, replicas, &adopted).await? {
+        ctx.signals.changed(key).await;
+    }
+    Ok(Rollout::WentLive)
+}
+
+/// Asks for each of `asks` (lease id, epoch) of `live` to be resized to
+/// `next`'s size. `Some(shortage)` when a node has no room for one: the
+/// rollout then goes by replacement. A refusal (the lease changed hands or
+/// ended since it was read) is left to the next pass, which reads again.
+async fn resize_in_place(
+    ctx: &Context,
+    service: &ServiceRow,
+    next: &RevisionRow,
+    live: &RevisionRow,
+    asks: &[(String, u64)],
+) -> Result<Option<String>, ReconcileError> {
+    let wanted = crate::model::resources(&next.template);
+    for (lease_id, epoch) in asks {
+        tracing::info!(service = %service.key, revision = %next.name, live = %live.name, %lease_id,
+            cpu_millis = wanted.cpu_millis, memory_bytes = wanted.memory_bytes, "resizing a replica in place");
+        match ctx.leases.resize(lease_id, *epoch, wanted).await {
+            Ok(_) => {}
+            Err(LeaseCallError::NoRoom(short)) => return Ok(Some(short)),
+            Err(LeaseCallError::Refused { code, message }) => {
+                tracing::info!(service = %service.key, %lease_id, ?code, %message, "the resize was refused; looking again");
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(None)
 }
 
 /// Acts on [`plan_upkeep`] for `revision`: asks for the leases it lists
@@ -473,10 +566,7 @@ fn lease_request(
             Ok(berth_bundle::BundleReference::Registry(r)) => policy.plain_http(r.registry()),
             _ => false,
         };
-    let resources = template
-        .resources
-        .filter(|r| r.cpu_millis > 0 && r.memory_bytes > 0)
-        .unwrap_or(Capacity { cpu_millis: DEFAULT_CPU_MILLIS, memory_bytes: DEFAULT_MEMORY_BYTES });
+    let resources = crate::model::resources(template);
     let pinned = Some(BundleRef { reference: pinned, secret: bundle.secret, insecure });
     let (bundle, image) = match kind {
         ArtifactKind::Bundle => (pinned, None),
@@ -601,6 +691,21 @@ mod tests {
                 lease.reason = reason.to_owned();
             }
             Ok(())
+        }
+
+        async fn resize(
+            &self,
+            lease_id: &str,
+            epoch: u64,
+            resources: berth_proto::types::v1::Capacity,
+        ) -> Result<leases::Lease, LeaseCallError> {
+            let mut leases = self.leases.lock().unwrap();
+            let lease = leases.iter_mut().find(|l| l.lease_id == lease_id && l.epoch == epoch).ok_or_else(|| {
+                LeaseCallError::Refused { code: tonic::Code::FailedPrecondition, message: "stale epoch".into() }
+            })?;
+            let state = leases::ResizeState::Pending as i32;
+            lease.resize = Some(leases::LeaseResize { resources: Some(resources), state, ..Default::default() });
+            Ok(lease.clone())
         }
     }
 

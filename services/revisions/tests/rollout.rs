@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use berth_proto::leases::v1 as leases;
-use berth_proto::leases::v1::{Lease, LeasePhase};
+use berth_proto::leases::v1::{Lease, LeasePhase, ResizeState};
 use berth_proto::revisions::v1;
-use berth_proto::types::v1::{ConditionStatus, EventKind};
+use berth_proto::types::v1::{Capacity, ConditionStatus, EventKind};
 use berth_revisions::{LeaseCallError, LeaseClient, LeaseEvents, READY, ROLLOUT_COMPLETE, RevisionsConfig};
 use berth_testkit::{PATIENCE, eventually};
 use support::{Backend, Plane, WrapLeases, apply_request, condition, fast_config, pinned_reference};
@@ -117,6 +117,102 @@ async fn a_new_revision_takes_over_only_once_all_its_replicas_run(backend: Backe
     plane.run("web-00002", 2).await;
     plane.await_live("web", "web-00002").await;
     plane.await_open_leases("web-00001", 0).await;
+    plane.cleanup().await;
+}
+
+fn sized(memory_mib: u64) -> v1::ApplyServiceRequest {
+    let mut request = web("1");
+    request.template.as_mut().unwrap().resources = Some(mib(memory_mib));
+    request
+}
+
+fn mib(memory_mib: u64) -> Capacity {
+    Capacity { cpu_millis: 100, memory_bytes: memory_mib << 20 }
+}
+
+/// Waits until every open lease of `revision` has a resize to `memory_mib` pending.
+async fn await_resizes(plane: &Plane, revision: &str, memory_mib: u64) -> Vec<Lease> {
+    eventually(&format!("{revision}'s replicas to be asked to take {memory_mib} MiB"), PATIENCE, || async {
+        let open = plane.open_leases(revision).await;
+        let asked = |l: &Lease| {
+            l.resize.as_ref().is_some_and(|r| r.state() == ResizeState::Pending && r.resources == Some(mib(memory_mib)))
+        };
+        if open.len() == 2 && open.iter().all(asked) { Ok(open) } else { Err(open) }
+    })
+    .await
+}
+
+/// Reports each lease's pending resize as its node would: applied, or
+/// deferred with `reason`.
+async fn report_resizes(plane: &Plane, leases: &[Lease], state: ResizeState, reason: &str) {
+    for lease in leases {
+        let request = leases::ReportResizeRequest {
+            node_id: lease.node_id.clone(),
+            lease_id: lease.lease_id.clone(),
+            epoch: lease.epoch,
+            resources: lease.resize.as_ref().unwrap().resources,
+            state: state as i32,
+            reason: reason.into(),
+            message: String::new(),
+        };
+        plane.node(&lease.node_id).report_resize(request).await.unwrap();
+    }
+}
+
+fn ids(leases: &[Lease]) -> Vec<String> {
+    let mut ids: Vec<String> = leases.iter().map(|l| l.lease_id.clone()).collect();
+    ids.sort();
+    ids
+}
+
+async fn a_change_of_resources_alone_resizes_the_replicas_in_place_instead_of_replacing_them(backend: Backend) {
+    let plane = Plane::start(backend, fast_config(), &["n-1", "n-2", "n-3"]).await;
+    plane.apply(sized(64)).await;
+    let first = ids(&plane.run("web-00001", 2).await);
+    plane.await_live("web", "web-00001").await;
+
+    // More memory: both replicas are asked to grow, and no new one is asked for.
+    assert!(plane.apply(sized(96)).await.revision_created);
+    let growing = await_resizes(&plane, "web-00001", 96).await;
+    assert!(all_leases(&plane, "web-00002").await.is_empty());
+    assert_eq!(plane.get("web").await.status.unwrap().live_revision, "web-00001");
+
+    // Their nodes apply it: web-00002 is live on the same two leases.
+    report_resizes(&plane, &growing, ResizeState::Applied, "").await;
+    let service = plane.await_live("web", "web-00002").await;
+    let status = service.status.unwrap();
+    assert_eq!((status.replicas_running, status.replicas_desired), (2, 2));
+    let mut adopted: Vec<(String, String)> = status.adopted_replicas.into_iter().collect();
+    adopted.sort();
+    assert_eq!(adopted, first.iter().map(|id| (id.clone(), "web-00002".to_owned())).collect::<Vec<_>>());
+    eventually("web-00002 to count the two replicas it took over", PATIENCE, || async {
+        let revision = plane.revision("web-00002").await;
+        if revision.replicas_running == 2 { Ok(()) } else { Err(revision) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let open = plane.open_leases("web-00001").await;
+    assert_eq!(ids(&open), first, "the same replicas serve, none given back");
+    assert!(open.iter().all(|l| l.phase() == LeasePhase::Running && l.resources == Some(mib(96))), "{open:#?}");
+    assert!(all_leases(&plane, "web-00002").await.is_empty(), "no replica was started for web-00002");
+
+    // A shrink the nodes cannot make now: web-00003 rolls out new replicas
+    // instead, and the ones taken over are given back once those run.
+    assert!(plane.apply(sized(32)).await.revision_created);
+    let shrinking = await_resizes(&plane, "web-00001", 32).await;
+    report_resizes(&plane, &shrinking, ResizeState::Deferred, "MemoryInUse").await;
+    plane.run("web-00003", 2).await;
+    plane.await_live("web", "web-00003").await;
+    plane.await_open_leases("web-00001", 0).await;
+    for lease in all_leases(&plane, "web-00001").await {
+        assert_eq!((lease.phase(), lease.reason.as_str()), (LeasePhase::Released, "Superseded"), "{lease:#?}");
+    }
+    let settled = plane
+        .await_service("web", "the record of the replicas taken over to go with them", |s| {
+            s.status.as_ref().is_some_and(|status| status.adopted_replicas.is_empty())
+        })
+        .await;
+    assert_eq!(settled.status.unwrap().replicas_running, 2);
     plane.cleanup().await;
 }
 
@@ -290,6 +386,15 @@ impl LeaseClient for Faulty {
 
     async fn release(&self, lease_id: &str, reason: &str) -> Result<(), LeaseCallError> {
         self.inner.release(lease_id, reason).await
+    }
+
+    async fn resize(
+        &self,
+        lease_id: &str,
+        epoch: u64,
+        resources: berth_proto::types::v1::Capacity,
+    ) -> Result<Lease, LeaseCallError> {
+        self.inner.resize(lease_id, epoch, resources).await
     }
 
     async fn watch(&self, owner_prefix: &str, resume_cursor: u64) -> Result<LeaseEvents, LeaseCallError> {
@@ -633,6 +738,7 @@ on_both_backends!(
     a_revision_traffic_left_keeps_its_replicas_until_every_router_moved_off_it,
     a_traffic_split_keeps_every_revision_it_names_running_and_gives_them_back_when_unnamed,
     a_new_revision_takes_over_only_once_all_its_replicas_run,
+    a_change_of_resources_alone_resizes_the_replicas_in_place_instead_of_replacing_them,
     a_revision_whose_replicas_fail_is_rolled_back,
     a_replica_whose_lease_ends_is_replaced,
     a_replica_on_a_draining_node_is_replaced_elsewhere_before_it_is_given_back,

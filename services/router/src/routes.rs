@@ -27,6 +27,14 @@
 //! or `grpc` (as Knative reads port names): then HTTP/2 with prior
 //! knowledge, whatever the client spoke.
 //!
+//! # Replicas resized in place
+//! A revision whose only change is its resources takes the running
+//! replicas over instead of starting new ones; their leases keep naming
+//! the revision they started as, and the service's status
+//! (`adopted_replicas`) names the one each serves as now. That status and
+//! the new live revision come in one write, so the traffic and the
+//! replicas that serve it move together, with no moment of neither.
+//!
 //! # Invariants
 //! - An endpoint is a RUNNING lease of a revision the split names, on a
 //!   node that is up or draining, whose agent's address is known; nothing
@@ -172,6 +180,15 @@ impl RouteTable {
         // Every replica that may take traffic, by (project, service, revision),
         // each with whether it is leaving (its node drains).
         let mut ready: HashMap<RevisionKey, Vec<(bool, Arc<Endpoint>)>> = HashMap::new();
+        // Replicas a later revision took over by resizing them in place serve as it.
+        let adopted: HashMap<&str, &str> = sources
+            .services
+            .values()
+            .filter_map(|service| service.status.as_ref())
+            .flat_map(|status| {
+                status.adopted_replicas.iter().map(|(lease, revision)| (lease.as_str(), revision.as_str()))
+            })
+            .collect();
         for lease in sources.leases.values() {
             let Some(workload) = &lease.workload else { continue };
             if lease.phase() != LeasePhase::Running || workload.service.is_empty() {
@@ -182,7 +199,8 @@ impl RouteTable {
             if !serving || node.advertise_addr.is_empty() {
                 continue;
             }
-            let key = (project_of(&lease.project).to_string(), workload.service.clone(), workload.revision.clone());
+            let revision = adopted.get(lease.lease_id.as_str()).copied().unwrap_or(&workload.revision);
+            let key = (project_of(&lease.project).to_string(), workload.service.clone(), revision.to_owned());
             let leaving = node.state() == NodeState::Draining || lease.reason == berth_core::NODE_DRAINING;
             ready.entry(key).or_default().push((
                 leaving,
@@ -191,7 +209,7 @@ impl RouteTable {
                     node_id: node.node_id.clone(),
                     agent_addr: node.advertise_addr.clone(),
                     lease_id: lease.lease_id.clone(),
-                    revision: workload.revision.clone(),
+                    revision: revision.to_owned(),
                     h2c: workload.ports.first().is_some_and(|port| H2C_PORT_NAMES.contains(&port.name.as_str())),
                 }),
             ));
@@ -492,6 +510,27 @@ mod tests {
         let Resolution::Endpoints(endpoints) = table.resolve("api.team.berth.localhost", 0.0) else { unreachable!() };
         assert_eq!(endpoints[0].agent_addr, "n-2:7447");
         assert_eq!(endpoints[0].revision, "api-00001");
+    }
+
+    #[test]
+    fn a_replica_resized_in_place_serves_as_the_revision_that_took_it_over() {
+        // hello-00003 took l-3 (started as hello-00001) over in place and is live.
+        let mut sources = sources();
+        let hello = sources.services.get_mut("/hello").unwrap();
+        let status = hello.status.as_mut().unwrap();
+        status.live_revision = "hello-00003".into();
+        status.adopted_replicas = [("l-3".to_owned(), "hello-00003".to_owned())].into();
+        let table = RouteTable::build("berth.localhost", &sources);
+        assert_eq!(leases(table.resolve("hello.default.berth.localhost", 0.0)), ["l-3"]);
+        let Resolution::Endpoints(endpoints) = table.resolve("hello.default.berth.localhost", 0.0) else {
+            unreachable!()
+        };
+        assert_eq!(endpoints[0].revision, "hello-00003");
+        // Without the record, the lease's own revision is not live: nothing serves.
+        let mut unrecorded = sources.clone();
+        unrecorded.services.get_mut("/hello").unwrap().status.as_mut().unwrap().adopted_replicas.clear();
+        let table = RouteTable::build("berth.localhost", &unrecorded);
+        assert!(matches!(table.resolve("hello.default.berth.localhost", 0.0), Resolution::NoReplica { .. }));
     }
 
     #[test]

@@ -454,7 +454,7 @@ impl ServiceArgs {
                             .map(|(node, lease)| {
                                 let mut replica = output::message_json(lease)?;
                                 replica["node"] = Value::String(node.clone());
-                                replica["revision"] = Value::String(revision_of(lease).to_string());
+                                replica["revision"] = Value::String(revision_of(&service, lease).to_string());
                                 replica["port"] = Value::from(port_of(lease));
                                 Ok(replica)
                             })
@@ -642,8 +642,11 @@ async fn replicas(
 }
 
 /// The revision a replica's lease runs.
-fn revision_of(lease: &Lease) -> &str {
-    lease.workload.as_ref().map_or("", |w| w.revision.as_str())
+/// The revision a replica serves as: the one that took it over in place,
+/// else the one its lease was asked for.
+fn revision_of<'a>(service: &'a v1::Service, lease: &'a Lease) -> &'a str {
+    let adopted = service.status.as_ref().and_then(|status| status.adopted_replicas.get(&lease.lease_id));
+    adopted.map_or_else(|| lease.workload.as_ref().map_or("", |w| w.revision.as_str()), String::as_str)
 }
 
 /// The node port a replica's first port was given; 0 when it has none yet.
@@ -705,7 +708,7 @@ fn service_details(service: &v1::Service, replicas: &[(String, Lease)]) -> Strin
         table.row(vec![
             node.clone(),
             lease.lease_id.clone(),
-            output::or_none(revision_of(lease)),
+            output::or_none(revision_of(service, lease)),
             output::lease_phase(lease.phase),
             if port == 0 { output::NONE.to_string() } else { port.to_string() },
             output::age(lease.phase_changed_at.as_ref()),
