@@ -21,6 +21,7 @@
 
 mod addr;
 pub mod backoff;
+mod cache;
 mod identity;
 mod image;
 mod json_file;
@@ -28,6 +29,7 @@ mod time;
 mod workload_id;
 
 pub use addr::bracket_ipv6;
+pub use cache::{MAX_CACHE_KEY, MAX_CACHE_MOUNTS, cache_key_problem, cache_mounts_problem, cache_path_problem};
 pub use identity::{CallerKind, Identity, IdentityError, SERVICE_ZONE, TRUST_DOMAIN, is_dns_label};
 pub use image::{MAX_IMAGE_USER, MAX_WORKING_DIR, image_settings_problems, image_user_problem, working_dir_problem};
 pub use json_file::JsonFileError;

@@ -165,6 +165,8 @@ fn admission_table_matches_the_contract() {
                 "AssumeCustody",
                 "RegisterLaunch",
                 "ReportResize",
+                "OpenCache",
+                "CommitCache",
             ],
             NODE,
         ),

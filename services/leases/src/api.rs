@@ -19,6 +19,7 @@ use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use tonic::{Request, Response, Status};
 
+use crate::caches::CommitAsk;
 use crate::ledger::{LeaseError, LeaseFilter, PhaseReport};
 use crate::model::{Resize, Resources};
 use crate::placement::NodeRuntime;
@@ -347,6 +348,72 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
             self.core.announce_owners([&lease]).await;
         }
         Ok(Response::new(v1::ReportResizeResponse { lease: Some(lease.to_proto()) }))
+    }
+
+    async fn open_cache(
+        &self,
+        request: Request<v1::OpenCacheRequest>,
+    ) -> Result<Response<v1::OpenCacheResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let v1::OpenCacheRequest { lease_id, epoch, key, held_generations, .. } = request.into_inner();
+        validate::lease_id(&lease_id)?;
+        validate::cache_key(&key)?;
+        let (head, observation, changed) =
+            self.core.ledger.open_cache(&node_id, &lease_id, epoch, &key, &held_generations).await?;
+        if changed {
+            tracing::info!(%lease_id, %node_id, %key, generation = head.generation,
+                outcome = ?observation.outcome(), "cache volume opened");
+        }
+        Ok(Response::new(v1::OpenCacheResponse { head: Some(head), observation: Some(observation) }))
+    }
+
+    async fn commit_cache(
+        &self,
+        request: Request<v1::CommitCacheRequest>,
+    ) -> Result<Response<v1::CommitCacheResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let v1::CommitCacheRequest {
+            lease_id,
+            epoch,
+            key,
+            base_generation,
+            digest,
+            size_bytes,
+            skip_reason,
+            message,
+            ..
+        } = request.into_inner();
+        validate::lease_id(&lease_id)?;
+        validate::cache_key(&key)?;
+        validate::message(&message)?;
+        let sealed = if digest.is_empty() {
+            if skip_reason.is_empty() {
+                return Err(LeaseError::InvalidArgument {
+                    field: "skip_reason",
+                    reason: "must say why nothing is published when no digest is given".to_owned(),
+                }
+                .into());
+            }
+            validate::reason(&skip_reason)?;
+            None
+        } else {
+            validate::sha256_digest("digest", &digest)?;
+            Some((digest, size_bytes))
+        };
+        let ask = CommitAsk { node_id, lease_id, epoch, key, base_generation, sealed, skip: (skip_reason, message) };
+        let outcome = self.core.ledger.commit_cache(&ask).await?;
+        if outcome.changed {
+            let seen = &outcome.observation;
+            tracing::info!(lease_id = %ask.lease_id, node_id = %ask.node_id, key = %ask.key,
+                committed = seen.committed_generation, reason = %seen.reason, "cache volume commit settled");
+        }
+        Ok(Response::new(v1::CommitCacheResponse {
+            committed: outcome.committed,
+            head: Some(outcome.head),
+            observation: Some(outcome.observation),
+        }))
     }
 
     async fn register_launch(

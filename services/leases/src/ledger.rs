@@ -158,6 +158,9 @@ pub(crate) enum LeaseError {
     /// A resize cannot be asked for or reported now; the message says why.
     #[error("{0}")]
     ResizeRefused(String),
+    /// A cache volume cannot be opened or committed now; the message says why.
+    #[error("{0}")]
+    CacheRefused(String),
     /// The ledger cannot serve the call now (it has not learned the nodes yet,
     /// it is shutting down, or its queue is full); retry shortly.
     #[error("{0}")]
@@ -175,7 +178,8 @@ berth_store::store_errors!(LeaseError, |error| match error {
     | LeaseError::IllegalTransition { .. }
     | LeaseError::CustodyRefused { .. }
     | LeaseError::LaunchRefused(_)
-    | LeaseError::ResizeRefused(_) => tonic::Status::failed_precondition(error.to_string()),
+    | LeaseError::ResizeRefused(_)
+    | LeaseError::CacheRefused(_) => tonic::Status::failed_precondition(error.to_string()),
     LeaseError::NoRoom(_) | LeaseError::NoRoomToGrow { .. } => tonic::Status::resource_exhausted(error.to_string()),
     LeaseError::Unavailable(_) => tonic::Status::unavailable(error.to_string()),
     LeaseError::Store(error) => error.into(),
@@ -1158,7 +1162,7 @@ fn custody_already_taken(lease: &LeaseRecord, node_id: &str, epoch: u64) -> bool
     lease.node_id == node_id && lease.phase == Phase::Running && lease.epoch() == epoch.saturating_add(1)
 }
 
-async fn held_by(
+pub(crate) async fn held_by(
     conn: &mut AnyConnection,
     node_id: &str,
     lease_id: &str,
@@ -1600,6 +1604,7 @@ async fn place_in_tx(
                 traceparent: ask.traceparent.clone(),
                 ports: Vec::new(),
                 resize: None,
+                cache: Vec::new(),
             });
         }
     }

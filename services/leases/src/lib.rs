@@ -32,6 +32,7 @@ pub use service::LeasesService;
 
 mod api;
 mod assignments;
+mod caches;
 mod cli;
 mod config;
 mod ledger;
@@ -95,6 +96,12 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "resize",
         postgres: include_str!("../migrations/postgres/0006_resize.sql"),
         sqlite: include_str!("../migrations/sqlite/0006_resize.sql"),
+    },
+    Migration {
+        version: 7,
+        name: "caches",
+        postgres: include_str!("../migrations/postgres/0007_caches.sql"),
+        sqlite: include_str!("../migrations/sqlite/0007_caches.sql"),
     },
 ];
 

@@ -21,7 +21,7 @@ macro_rules! lease_columns {
     () => {
         "lease_id, project, idempotency_key, owner, node_id, phase, epoch, cpu_millis, memory_bytes, tier, \
          spread_group, workload, reason, message, exit_code, created_at_ms, phase_changed_at_ms, expires_at_ms, seq, \
-         traceparent, ports, resize_state, resize_cpu_millis, resize_memory_bytes, resize_reason, resize_message"
+         traceparent, ports, resize_state, resize_cpu_millis, resize_memory_bytes, resize_reason, resize_message, cache"
     };
 }
 
@@ -56,6 +56,8 @@ pub(crate) struct LeaseRecord {
     pub(crate) ports: Vec<(String, u32)>,
     /// Its last resize; `None` when it was never resized.
     pub(crate) resize: Option<Resize>,
+    /// What each cache volume did, by key (`CacheObservation`).
+    pub(crate) cache: Vec<v1::CacheObservation>,
 }
 
 impl LeaseRecord {
@@ -106,6 +108,15 @@ impl LeaseRecord {
                 }),
                 None => None,
             },
+            cache: {
+                let bytes: Vec<u8> = row.try_get("cache")?;
+                StoredCache::decode(bytes.as_slice())
+                    .map_err(|e| StoreError::Internal {
+                        context: "decoding a lease's cache observations".into(),
+                        source: Some(Box::new(e)),
+                    })?
+                    .observations
+            },
         })
     }
 
@@ -153,6 +164,7 @@ impl LeaseRecord {
                 reason: resize.reason.clone(),
                 message: resize.message.clone(),
             }),
+            cache: self.cache.clone(),
         }
     }
 
@@ -160,6 +172,13 @@ impl LeaseRecord {
     pub(crate) fn lease_ref(&self) -> v1::LeaseRef {
         v1::LeaseRef { lease_id: self.lease_id.clone(), epoch: self.epoch() }
     }
+}
+
+/// A lease's cache observations as the `cache` column holds them.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct StoredCache {
+    #[prost(message, repeated, tag = "1")]
+    pub(crate) observations: Vec<v1::CacheObservation>,
 }
 
 /// Ports as the `ports` column holds them: `name=port` pairs joined by

@@ -240,10 +240,7 @@ fn workload(workload: &v1::Workload) -> Result<(), LeaseError> {
             return Err(invalid("workload.digest", format!("must be set when workload.{} is", artifact.kind.field())));
         }
         (Some(artifact), false) => {
-            let hex = workload.digest.strip_prefix("sha256:").unwrap_or_default();
-            if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
-                return Err(invalid("workload.digest", "must be sha256: followed by 64 lowercase hex digits"));
-            }
+            sha256_digest("workload.digest", &workload.digest)?;
             if !artifact.reference.reference.ends_with(&format!("@{}", workload.digest)) {
                 let field = match artifact.kind {
                     ArtifactKind::Bundle => "workload.bundle.reference",
@@ -275,8 +272,31 @@ fn workload(workload: &v1::Workload) -> Result<(), LeaseError> {
             return Err(invalid("workload.ports", "every port needs a name, unique within the workload"));
         }
     }
+    let mounts = workload.cache.iter().map(|mount| (mount.key.as_str(), mount.path.as_str()));
+    if let Some(problem) = berth_core::cache_mounts_problem(mounts) {
+        return Err(invalid("workload.cache", problem));
+    }
+    if let Some(mount) =
+        workload.cache.iter().find(|mount| berth_proto::types::v1::CacheCommit::try_from(mount.commit).is_err())
+    {
+        return Err(invalid("workload.cache", format!("{} is not a CacheCommit value", mount.commit)));
+    }
     optional_name("workload.service", &workload.service)?;
     optional_name("workload.revision", &workload.revision)
+}
+
+/// A cache volume's key, as a node names it.
+pub(crate) fn cache_key(key: &str) -> Result<(), LeaseError> {
+    berth_core::cache_key_problem(key).map_or(Ok(()), |problem| Err(invalid("key", problem)))
+}
+
+/// A content digest in `field`: `sha256:` and 64 lowercase hex digits.
+pub(crate) fn sha256_digest(field: &'static str, digest: &str) -> Result<(), LeaseError> {
+    let hex = digest.strip_prefix("sha256:").unwrap_or_default();
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return Err(invalid(field, "must be sha256: followed by 64 lowercase hex digits"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -594,6 +594,7 @@ fn lease_request(
             readiness: template.readiness.clone().or_else(|| (!template.ports.is_empty()).then(Readiness::default)),
             working_dir: template.working_dir.clone(),
             user: template.user.clone(),
+            cache: template.cache.clone(),
         }),
     }
 }

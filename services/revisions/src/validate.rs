@@ -241,6 +241,10 @@ fn template(check: &mut Checker, template: &ServiceTemplate, policy: &RegistryPo
             check.bad("template.resources.memory_bytes", "must be above zero (leave resources unset for the default)");
         }
     }
+    let mounts = template.cache.iter().map(|mount| (mount.key.as_str(), mount.path.as_str()));
+    if let Some(problem) = berth_core::cache_mounts_problem(mounts) {
+        check.bad("template.cache", problem);
+    }
     if template.replicas.is_some_and(|r| r > MAX_REPLICAS) {
         check.bad("template.replicas", format!("must be at most {MAX_REPLICAS}"));
     }

@@ -576,6 +576,7 @@ fn details(lease: &v1::Lease) -> String {
         ("Epoch", lease.epoch.to_string()),
         ("Resources", output::capacity(lease.resources.as_ref())),
         ("Resize", resize_line(lease)),
+        ("Cache", cache_line(&workload, &lease.cache)),
         ("Tier", output::or_none(&lease.tier)),
         ("Spread group", output::or_none(&lease.spread_group)),
         ("Command", program),
@@ -588,6 +589,32 @@ fn details(lease: &v1::Lease) -> String {
         ("Idempotency key", output::or_none(&lease.idempotency_key)),
     ];
     output::fields(&rows)
+}
+
+/// Each cache volume the workload mounts, where, and what it did:
+/// `deps at /cache: hit from generation 3, published generation 4`.
+fn cache_line(workload: &v1::Workload, observations: &[v1::CacheObservation]) -> String {
+    if workload.cache.is_empty() {
+        return output::NONE.to_string();
+    }
+    let volumes = workload.cache.iter().map(|mount| {
+        let did = match observations.iter().find(|seen| seen.key == mount.key) {
+            None => "not opened yet".to_string(),
+            Some(seen) => {
+                let outcome = if seen.outcome() == v1::CacheOutcome::Hit { "hit" } else { "miss" };
+                let settled = if seen.committed_generation > 0 {
+                    format!(", published generation {}", seen.committed_generation)
+                } else if !seen.reason.is_empty() {
+                    format!(", not published: {}", seen.reason)
+                } else {
+                    String::new()
+                };
+                format!("{outcome} from generation {}{settled}", seen.base_generation)
+            }
+        };
+        format!("{} at {}: {did}", mount.key, mount.path)
+    });
+    volumes.collect::<Vec<_>>().join("; ")
 }
 
 /// `word` as a POSIX shell would need it written to mean itself.

@@ -889,7 +889,7 @@ fn read_spec(args: &ApplyArgs) -> Result<v1::ApplyServiceRequest, SpecError> {
 
 /// The fields of a declaration, in the proto's snake_case.
 const SPEC_FIELDS: [&str; 4] = ["project", "name", "template", "source"];
-const TEMPLATE_FIELDS: [&str; 14] = [
+const TEMPLATE_FIELDS: [&str; 15] = [
     "bundle",
     "image",
     "command",
@@ -904,7 +904,9 @@ const TEMPLATE_FIELDS: [&str; 14] = [
     "readiness",
     "working_dir",
     "user",
+    "cache",
 ];
+const CACHE_FIELDS: [&str; 3] = ["key", "path", "commit"];
 const BUNDLE_FIELDS: [&str; 3] = ["reference", "secret", "insecure"];
 const CAPACITY_FIELDS: [&str; 2] = ["cpu_millis", "memory_bytes"];
 const PORT_FIELDS: [&str; 2] = ["name", "port"];
@@ -1016,6 +1018,19 @@ fn template(fields: &Fields<'_>) -> Result<v1::ServiceTemplate, Refusal> {
             .transpose()?,
         working_dir: fields.string("working_dir")?,
         user: fields.string("user")?,
+        cache: fields
+            .objects("cache", &CACHE_FIELDS)?
+            .iter()
+            .map(|c| -> Result<berth_proto::types::v1::CacheMount, Refusal> {
+                Ok(berth_proto::types::v1::CacheMount {
+                    key: c.string("key")?,
+                    path: c.string("path")?,
+                    commit: c.enumeration("commit", "CACHE_COMMIT_", |n| {
+                        berth_proto::types::v1::CacheCommit::from_str_name(n).map(|c| c as i32)
+                    })?,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?,
     })
 }
 

@@ -1,0 +1,227 @@
+//! Cache volumes' heads as nodes see them through `NodeLeases`, on both
+//! backends: a lease's view is published only once its workload succeeded,
+//! of two leases started from one head exactly one publishes, each lease
+//! keeps its first outcome, and a lease reaches only its own project's
+//! volumes, only those its workload names.
+
+#![allow(clippy::unwrap_used, reason = "a failed unwrap is a failed test, with its line")]
+
+mod support;
+
+use berth_testkit::on_both_backends;
+
+use berth_proto::identity::v1::NodeState;
+use berth_proto::leases::v1;
+use berth_proto::leases::v1::{CacheOutcome, LeasePhase};
+use berth_proto::types::v1::{CacheCommit, CacheMount};
+use support::{Backend, GIB, Ledger, ask, fast_config, node};
+use tonic::Code;
+
+fn nodes() -> Vec<berth_proto::identity::v1::Node> {
+    vec![node("n-1", "", NodeState::Up, 4000, 8 * GIB), node("n-2", "", NodeState::Up, 4000, 8 * GIB)]
+}
+
+fn digest(n: u8) -> String {
+    format!("sha256:{}", format!("{n:02x}").repeat(32))
+}
+
+/// Places a lease in `project` mounting `key` with `commit`.
+async fn place(ledger: &Ledger, name: &str, project: &str, key: &str, commit: CacheCommit) -> v1::Lease {
+    let mut request = ask(name, 100, 64 << 20);
+    request.project = project.to_owned();
+    let mount = CacheMount { key: key.to_owned(), path: "/cache".to_owned(), commit: commit as i32 };
+    request.workload.as_mut().unwrap().cache = vec![mount];
+    ledger.leases(0).request_lease(request).await.unwrap().into_inner().lease.unwrap()
+}
+
+async fn open(
+    ledger: &Ledger,
+    lease: &v1::Lease,
+    key: &str,
+    held: &[u64],
+) -> Result<v1::OpenCacheResponse, tonic::Status> {
+    let request = v1::OpenCacheRequest {
+        node_id: lease.node_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        epoch: lease.epoch,
+        key: key.to_owned(),
+        held_generations: held.to_vec(),
+    };
+    ledger.node(&lease.node_id).open_cache(request).await.map(tonic::Response::into_inner)
+}
+
+async fn commit(
+    ledger: &Ledger,
+    lease: &v1::Lease,
+    base: u64,
+    sealed: u8,
+) -> Result<v1::CommitCacheResponse, tonic::Status> {
+    let request = v1::CommitCacheRequest {
+        node_id: lease.node_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        epoch: lease.epoch,
+        key: "deps".to_owned(),
+        base_generation: base,
+        digest: digest(sealed),
+        size_bytes: 1000 + u64::from(sealed),
+        ..Default::default()
+    };
+    ledger.node(&lease.node_id).commit_cache(request).await.map(tonic::Response::into_inner)
+}
+
+/// Runs `lease` to `phase`, as its node would report it.
+async fn end(ledger: &Ledger, lease: &v1::Lease, phase: LeasePhase) {
+    ledger.report(lease, lease.epoch, LeasePhase::Running).await.unwrap();
+    ledger.report(lease, lease.epoch, phase).await.unwrap();
+}
+
+async fn a_view_is_published_only_when_its_workload_succeeded(backend: Backend) {
+    let ledger = Ledger::start(backend, fast_config(), nodes()).await;
+
+    // The first lease finds nothing: a miss from generation 0.
+    let first = place(&ledger, "first", "", "deps", CacheCommit::Unspecified).await;
+    let opened = open(&ledger, &first, "deps", &[]).await.unwrap();
+    assert_eq!(opened.head.unwrap().generation, 0);
+    assert_eq!(opened.observation.as_ref().unwrap().outcome(), CacheOutcome::Miss);
+    // Not while it runs.
+    ledger.report(&first, first.epoch, LeasePhase::Running).await.unwrap();
+    let early = commit(&ledger, &first, 0, 1).await.unwrap_err();
+    assert_eq!(early.code(), Code::FailedPrecondition, "{early:?}");
+    assert!(early.message().contains("only once its workload ended"), "{early:?}");
+    ledger.report(&first, first.epoch, LeasePhase::Done).await.unwrap();
+    let published = commit(&ledger, &first, 0, 1).await.unwrap();
+    assert!(published.committed);
+    let head = published.head.unwrap();
+    assert_eq!(
+        (head.generation, head.digest.as_str(), head.lease_id.as_str()),
+        (1, digest(1).as_str(), first.lease_id.as_str())
+    );
+    // Asked again (a lost answer): the same outcome, no second generation.
+    let again = commit(&ledger, &first, 0, 2).await.unwrap();
+    assert!(again.committed);
+    assert_eq!(again.head.unwrap().generation, 1);
+    let seen = ledger.get(&first.lease_id).await.cache;
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!((seen[0].base_generation, seen[0].committed_generation), (0, 1));
+
+    // The next lease starts from it: a hit where the node holds it.
+    let second = place(&ledger, "second", "", "deps", CacheCommit::OnSuccess).await;
+    let opened = open(&ledger, &second, "deps", &[1]).await.unwrap();
+    assert_eq!(opened.head.unwrap().digest, digest(1));
+    assert_eq!(opened.observation.unwrap().outcome(), CacheOutcome::Hit);
+    // It fails: nothing is published, the head stays, and the reason is kept.
+    end(&ledger, &second, LeasePhase::Failed).await;
+    let refused = commit(&ledger, &second, 1, 3).await.unwrap();
+    assert!(!refused.committed);
+    assert_eq!(refused.head.unwrap().generation, 1);
+    assert_eq!(refused.observation.unwrap().reason, "WorkloadFailed");
+
+    // With commit ALWAYS a failed workload publishes; with NEVER nothing does.
+    let always = place(&ledger, "always", "", "deps", CacheCommit::Always).await;
+    open(&ledger, &always, "deps", &[]).await.unwrap();
+    end(&ledger, &always, LeasePhase::Failed).await;
+    assert_eq!(commit(&ledger, &always, 1, 4).await.unwrap().head.unwrap().generation, 2);
+    let never = place(&ledger, "never", "", "deps", CacheCommit::Never).await;
+    open(&ledger, &never, "deps", &[]).await.unwrap();
+    end(&ledger, &never, LeasePhase::Done).await;
+    let skipped = commit(&ledger, &never, 2, 5).await.unwrap();
+    assert_eq!((skipped.committed, skipped.observation.unwrap().reason.as_str()), (false, "CommitNever"));
+
+    // A node that could not seal says why, and that is what is kept.
+    let broken = place(&ledger, "broken", "", "deps", CacheCommit::OnSuccess).await;
+    open(&ledger, &broken, "deps", &[]).await.unwrap();
+    end(&ledger, &broken, LeasePhase::Done).await;
+    let request = v1::CommitCacheRequest {
+        node_id: broken.node_id.clone(),
+        lease_id: broken.lease_id.clone(),
+        epoch: broken.epoch,
+        key: "deps".into(),
+        base_generation: 2,
+        skip_reason: "SealFailed".into(),
+        message: "no space left on device".into(),
+        ..Default::default()
+    };
+    let settled = ledger.node(&broken.node_id).commit_cache(request).await.unwrap().into_inner();
+    assert_eq!(settled.observation.unwrap().reason, "SealFailed");
+    assert_eq!(commit(&ledger, &broken, 2, 6).await.unwrap().head.unwrap().generation, 2, "the first outcome is kept");
+    ledger.cleanup().await;
+}
+
+async fn of_two_leases_started_from_one_head_exactly_one_publishes(backend: Backend) {
+    let ledger = Ledger::start(backend, fast_config(), nodes()).await;
+    let mut leases = Vec::new();
+    for name in ["a", "b", "c", "d"] {
+        let lease = place(&ledger, name, "", "deps", CacheCommit::OnSuccess).await;
+        assert_eq!(open(&ledger, &lease, "deps", &[]).await.unwrap().head.unwrap().generation, 0);
+        end(&ledger, &lease, LeasePhase::Done).await;
+        leases.push(lease);
+    }
+    // All four at once, each from generation 0.
+    let mut tasks = tokio::task::JoinSet::new();
+    for (n, lease) in leases.iter().enumerate() {
+        let mut client = ledger.node(&lease.node_id);
+        let request = v1::CommitCacheRequest {
+            node_id: lease.node_id.clone(),
+            lease_id: lease.lease_id.clone(),
+            epoch: lease.epoch,
+            key: "deps".to_owned(),
+            base_generation: 0,
+            digest: digest(u8::try_from(n).unwrap() + 10),
+            size_bytes: 1000,
+            ..Default::default()
+        };
+        tasks.spawn(async move { client.commit_cache(request).await.unwrap().into_inner() });
+    }
+    let outcomes: Vec<v1::CommitCacheResponse> = tasks.join_all().await;
+    assert_eq!(outcomes.iter().filter(|o| o.committed).count(), 1, "{outcomes:#?}");
+    for lost in outcomes.iter().filter(|o| !o.committed) {
+        let seen = lost.observation.as_ref().unwrap();
+        assert_eq!(seen.reason, "CommitConflict", "{seen:?}");
+        assert!(seen.message.contains("generation 1 was published first"), "{seen:?}");
+        assert_eq!(lost.head.as_ref().unwrap().generation, 1);
+    }
+    ledger.cleanup().await;
+}
+
+async fn a_lease_reaches_only_the_volumes_its_workload_names_in_its_project(backend: Backend) {
+    let ledger = Ledger::start(backend, fast_config(), nodes()).await;
+    let theirs = place(&ledger, "theirs", "other", "deps", CacheCommit::OnSuccess).await;
+    open(&ledger, &theirs, "deps", &[]).await.unwrap();
+    end(&ledger, &theirs, LeasePhase::Done).await;
+    assert!(commit(&ledger, &theirs, 0, 1).await.unwrap().committed);
+
+    // The same key in another project is another volume: it starts empty.
+    let ours = place(&ledger, "ours", "", "deps", CacheCommit::OnSuccess).await;
+    assert_eq!(open(&ledger, &ours, "deps", &[1]).await.unwrap().head.unwrap().generation, 0);
+    // A key the workload does not name is refused, as is any other node.
+    let unnamed = open(&ledger, &ours, "secrets", &[]).await.unwrap_err();
+    assert_eq!(unnamed.code(), Code::FailedPrecondition, "{unnamed:?}");
+    assert!(unnamed.message().contains("mounts no cache volume secrets"), "{unnamed:?}");
+    let other_node = if ours.node_id == "n-1" { "n-2" } else { "n-1" };
+    let request = v1::OpenCacheRequest {
+        node_id: other_node.to_owned(),
+        lease_id: ours.lease_id.clone(),
+        epoch: ours.epoch,
+        key: "deps".into(),
+        held_generations: Vec::new(),
+    };
+    let foreign = ledger.node(other_node).open_cache(request).await.unwrap_err();
+    assert_eq!(foreign.code(), Code::PermissionDenied, "{foreign:?}");
+    let bad = open(&ledger, &ours, "../deps", &[]).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+
+    // A bad mount is refused when the lease is asked for, naming it.
+    let mut request = ask("bad", 100, 64 << 20);
+    let mount = |key: &str, path: &str| CacheMount { key: key.into(), path: path.into(), commit: 0 };
+    request.workload.as_mut().unwrap().cache = vec![mount("deps", "/cache"), mount("deps", "/other")];
+    let refused = ledger.leases(0).request_lease(request).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(refused.message().contains("workload.cache: [1].key `deps` is mounted twice"), "{refused:?}");
+    ledger.cleanup().await;
+}
+
+on_both_backends!(
+    a_view_is_published_only_when_its_workload_succeeded,
+    of_two_leases_started_from_one_head_exactly_one_publishes,
+    a_lease_reaches_only_the_volumes_its_workload_names_in_its_project,
+);
