@@ -43,3 +43,21 @@ impl JsonFileError {
         serde_json::from_str(text).map_err(|source| Self::Syntax { file: file.to_owned(), source })
     }
 }
+
+/// Writes `value` as JSON to `path` whole or not at all: a temporary file
+/// beside it, synced, renamed over it, and the directory synced, so a
+/// crash leaves the old file or the new one, never a part.
+pub fn write_json_atomically<T: serde::Serialize>(path: &std::path::Path, value: &T) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let name = path.file_name().and_then(|name| name.to_str()).unwrap_or("file");
+    let partial = path.with_file_name(format!(".{name}.{}.partial", std::process::id()));
+    let json = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
+    let mut file = std::fs::File::create(&partial)?;
+    file.write_all(&json)?;
+    file.sync_all()?;
+    std::fs::rename(&partial, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}

@@ -438,7 +438,8 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
             #[cfg(feature = "fault-injection")]
             let (leases, provider) =
                 crate::faults::Faults::from_env().map_err(AgentError::Config)?.wrap(leases, provider);
-            Some((provider, leases, bundles, svids, settings))
+            let caches = crate::caches::CacheVolumes::new(dir.root());
+            Some((provider, leases, bundles, svids, settings, caches))
         }
         None => {
             if let Some((proxies, _)) = &egress {
@@ -457,7 +458,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         log_poll: config.lease_timing.log_poll,
         shutdown: stop.clone(),
     };
-    let runner = runner.map(|(provider, leases, bundles, svids, settings)| {
+    let runner = runner.map(|(provider, leases, bundles, svids, settings, caches)| {
         crate::runner::spawn(RunnerParts {
             leases,
             provider,
@@ -465,6 +466,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
             board,
             dialer,
             svids,
+            caches: Some(caches),
             session: session_rx.clone(),
             fences: fences.clone(),
             settings,

@@ -1225,13 +1225,17 @@ impl ContainerProvider {
         let (work_dir, stdout, stderr) = {
             let first = first.clone();
             let identity = spec.identity.clone();
+            let caches: Vec<PathBuf> = spec.caches.iter().map(|cache| cache.host.clone()).collect();
             blocking(move || {
                 let prepared = prepare(&layout, &first)?;
                 let work_dir = &prepared.0;
                 rustix::fs::chown(work_dir, Some(rustix::fs::Uid::from_raw(uid)), Some(rustix::fs::Gid::from_raw(uid)))
                     .map_err(|e| io("give the workload", work_dir, e.into()))?;
-                if let Some(identity) = &identity {
-                    give_tree(identity, uid)?;
+                // A view's files come sealed as the node's: the lease's user
+                // gets them (in its own upper layer, metadata alone where
+                // the kernel copies up only that).
+                for dir in identity.iter().chain(&caches) {
+                    give_tree(dir, uid)?;
                 }
                 Ok(prepared)
             })
@@ -1283,6 +1287,7 @@ impl ContainerProvider {
             bundle: bundle.clone(),
             work_dir: work_dir.clone(),
             identity: spec.identity.clone(),
+            caches: spec.caches.iter().map(|cache| (cache.host.clone(), cache.inside.clone())).collect(),
             network: spec.network.as_ref().map(|network| network.namespace.clone()),
             resolv_conf: spec.network.as_ref().and_then(|network| network.resolv_conf.clone()),
             cgroup: self.inner.cgroup(&lease_id),

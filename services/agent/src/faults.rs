@@ -142,6 +142,20 @@ impl NodeLeasesApi for FaultyLeases {
         self.inner.report_resize(request).await
     }
 
+    async fn open_cache(
+        &self,
+        request: berth_proto::leases::v1::OpenCacheRequest,
+    ) -> Result<berth_proto::leases::v1::OpenCacheResponse, tonic::Status> {
+        self.inner.open_cache(request).await
+    }
+
+    async fn commit_cache(
+        &self,
+        request: berth_proto::leases::v1::CommitCacheRequest,
+    ) -> Result<berth_proto::leases::v1::CommitCacheResponse, tonic::Status> {
+        self.inner.commit_cache(request).await
+    }
+
     fn reconnect(&self) {
         self.inner.reconnect();
     }

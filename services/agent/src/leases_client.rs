@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use berth_mtls::TlsCredentials;
 use berth_proto::leases::v1::{
-    AssignmentEvent, AssumeCustodyRequest, Lease, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest,
-    RenewLeasesResponse, ReportPhaseRequest, ReportResizeRequest, WatchAssignmentsRequest,
-    node_leases_client::NodeLeasesClient,
+    AssignmentEvent, AssumeCustodyRequest, CommitCacheRequest, CommitCacheResponse, Lease, OpenCacheRequest,
+    OpenCacheResponse, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest, RenewLeasesResponse,
+    ReportPhaseRequest, ReportResizeRequest, WatchAssignmentsRequest, node_leases_client::NodeLeasesClient,
 };
 use berth_rpc::Channel;
 use tokio_stream::Stream;
@@ -42,6 +42,10 @@ pub(crate) trait NodeLeasesApi: Send + Sync + std::fmt::Debug {
     /// Reports how the node dealt with a lease's pending resize; returns the
     /// lease as it is now.
     async fn report_resize(&self, request: ReportResizeRequest) -> Result<Lease, tonic::Status>;
+    /// Opens one of a lease's cache volumes: the head its view starts from.
+    async fn open_cache(&self, request: OpenCacheRequest) -> Result<OpenCacheResponse, tonic::Status>;
+    /// Publishes a lease's sealed view of a volume, or records why not.
+    async fn commit_cache(&self, request: CommitCacheRequest) -> Result<CommitCacheResponse, tonic::Status>;
     /// Drops the open connection, so the next call presents the node's
     /// current certificate (after a rejoin the node id in it changes).
     fn reconnect(&self);
@@ -110,6 +114,14 @@ impl NodeLeasesApi for GrpcNodeLeases {
         response
             .lease
             .ok_or_else(|| tonic::Status::internal("the leases service answered ReportResize without the lease"))
+    }
+
+    async fn open_cache(&self, request: OpenCacheRequest) -> Result<OpenCacheResponse, tonic::Status> {
+        self.channel.call(self.client().open_cache(self.channel.request(request))).await
+    }
+
+    async fn commit_cache(&self, request: CommitCacheRequest) -> Result<CommitCacheResponse, tonic::Status> {
+        self.channel.call(self.client().commit_cache(self.channel.request(request))).await
     }
 
     fn reconnect(&self) {

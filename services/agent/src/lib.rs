@@ -30,6 +30,7 @@ mod agent;
 mod api;
 mod board;
 mod bundles;
+mod caches;
 mod config;
 mod container;
 #[cfg(test)]
@@ -95,8 +96,8 @@ pub use identity_servers::preferred_index;
 pub use join::JoinError;
 pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
 pub use provider::{
-    Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched, LogFiles,
-    NetworkAttachment, Program, Provider, ProviderError, ResizeAsk, Resized, Resources, Runtime, Settlement,
+    CacheBind, Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched,
+    LogFiles, NetworkAttachment, Program, Provider, ProviderError, ResizeAsk, Resized, Resources, Runtime, Settlement,
     WorkloadRoot, WorkloadSignal,
 };
 pub use status::{AgentStatus, Fence, FenceReason, NodeSession};

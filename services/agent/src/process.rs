@@ -257,6 +257,13 @@ impl Provider for ProcessProvider {
                 spec.lease_id
             )));
         }
+        if let Some(cache) = spec.caches.first() {
+            return Err(ProviderError::Unsupported(format!(
+                "lease {} mounts a cache volume at {}, and this node runs workloads uncontained, with no root                  of their own to mount it in: cache volumes run only on nodes that contain their workloads",
+                spec.lease_id,
+                cache.inside.display()
+            )));
+        }
         let bundle = spec.root.bundle_dir().map(Path::to_path_buf);
         let program = spec.program_path(bundle.as_deref())?;
         let mut spec = spec;

@@ -65,6 +65,20 @@ pub struct LaunchSpec {
     /// bundle and Workload API socket; see `svids`), when it has one: the
     /// provider shows it to the workload read-only, and only to it.
     pub identity: Option<PathBuf>,
+    /// Its cache volumes' views: each a directory on the host (an overlay
+    /// private to the lease) the provider shows read-write at a path inside
+    /// the workload's root, given to the workload's user. A provider with no
+    /// root of the workload's own refuses a launch that has any.
+    pub caches: Vec<CacheBind>,
+}
+
+/// One cache volume view shown to a workload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheBind {
+    /// The view on the host.
+    pub host: PathBuf,
+    /// Where the workload sees it: an absolute path inside its root.
+    pub inside: PathBuf,
 }
 
 /// What a lease sets in place of its container image's config; empty keeps
@@ -639,6 +653,7 @@ impl LaunchSpec {
             meta: InstanceMeta::default(),
             image: ImageOverrides::default(),
             identity: None,
+            caches: Vec::new(),
         }
     }
 }

@@ -37,16 +37,17 @@
 //!   with the lease; a workload adopted after a restart is pinned again
 //!   before anything can be pulled.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use berth_bundle::ReadyBundle;
 use berth_proto::leases::v1::{
-    AssignmentEvent, Lease, LeasePhase, LeaseRef, ReportPhaseRequest, ReportResizeRequest, ResizeState,
+    AssignmentEvent, CommitCacheRequest, Lease, LeasePhase, LeaseRef, OpenCacheRequest, ReportPhaseRequest,
+    ReportResizeRequest, ResizeState,
 };
-use berth_proto::types::v1::{EventKind, Readiness, RuntimeClass};
+use berth_proto::types::v1::{CacheCommit, CacheMount, EventKind, Readiness, RuntimeClass};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
@@ -56,13 +57,14 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::board::{Custody, InstanceBoard, InstanceView};
 use crate::bundles::{BundleAsk, BundleError, BundleStore, bundle_spec};
+use crate::caches::CacheVolumes;
 use crate::config::LeaseTiming;
 use crate::dial::Dialer;
 use crate::keepalive::{KeepAlive, Lost, RenewSet};
 use crate::leases_client::{NodeLeasesApi, is_transient};
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, ImageOverrides, InstanceMeta, LaunchSpec, Launched, Program, Provider, ResizeAsk,
-    Resized, Resources, Runtime, Settlement, WorkloadRoot,
+    CacheBind, Exit, ExitStatus, ExitWatch, ImageOverrides, InstanceMeta, LaunchSpec, Launched, Program, Provider,
+    ResizeAsk, Resized, Resources, Runtime, Settlement, WorkloadRoot,
 };
 use crate::recovery::{PassPlan, PassReport, run_pass};
 use crate::status::{Fence, FenceReason, NodeSession};
@@ -148,9 +150,18 @@ struct Shared {
     /// Mints, renews and hands out each workload's credential; `None` on a
     /// node that gives its workloads none.
     svids: Option<Svids>,
+    /// The node's cache volumes; `None` on a node that keeps none.
+    caches: Option<CacheVolumes>,
     settings: RunnerSettings,
     shutdown: CancellationToken,
 }
+
+/// Why a lease failed when one of its cache volumes could not be opened.
+const CACHE_UNAVAILABLE: &str = "CacheUnavailable";
+
+/// How many times a cache view's outcome is offered to a ledger that
+/// cannot take it now before it is left unrecorded.
+const CACHE_COMMIT_ATTEMPTS: u32 = 5;
 
 /// A lease the node holds, and the worker that runs it.
 #[derive(Debug)]
@@ -226,6 +237,7 @@ pub(crate) struct RunnerParts {
     pub(crate) board: InstanceBoard,
     pub(crate) dialer: Dialer,
     pub(crate) svids: Option<Svids>,
+    pub(crate) caches: Option<CacheVolumes>,
     pub(crate) session: watch::Receiver<NodeSession>,
     pub(crate) fences: watch::Receiver<Option<Fence>>,
     pub(crate) settings: RunnerSettings,
@@ -234,8 +246,19 @@ pub(crate) struct RunnerParts {
 
 /// Spawns the runner and its keep-alive task.
 pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
-    let RunnerParts { leases, provider, bundles, board, dialer, svids, mut session, mut fences, settings, shutdown } =
-        parts;
+    let RunnerParts {
+        leases,
+        provider,
+        bundles,
+        board,
+        dialer,
+        svids,
+        caches,
+        mut session,
+        mut fences,
+        settings,
+        shutdown,
+    } = parts;
     let current = session.borrow_and_update().clone();
     fences.borrow_and_update();
     let (inbox_tx, inbox) = mpsc::unbounded_channel();
@@ -254,7 +277,7 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         backoff: settings.backoff(),
         shutdown: shutdown.clone(),
     };
-    let shared = Arc::new(Shared { leases, provider, bundles, board, dialer, svids, settings, shutdown });
+    let shared = Arc::new(Shared { leases, provider, bundles, board, dialer, svids, caches, settings, shutdown });
     let runner = Runner {
         shared,
         session_rx: session,
@@ -405,6 +428,12 @@ impl Runner {
         };
         match recovered {
             Ok(recovered) => {
+                let found: HashSet<String> =
+                    recovered.iter().map(|launched| launched.record.lease_id.clone()).collect();
+                if let Some(caches) = self.shared.caches.clone() {
+                    // Views of leases whose workloads are gone, and seals a crash cut short.
+                    let _ = tokio::task::spawn_blocking(move || caches.sweep(&found)).await;
+                }
                 for launched in recovered {
                     let bundle = self.adopted_bundle(&launched).await;
                     self.adopt(launched, bundle);
@@ -563,6 +592,7 @@ impl Runner {
             meta: meta.clone(),
             image: ImageOverrides { working_dir: workload.working_dir, user: workload.user },
             identity: None,
+            caches: Vec::new(),
         };
         self.shared.board.put(InstanceView::new(&lease.lease_id, lease.epoch, meta, LeasePhase::Bound));
         let held = self.hold(&lease.lease_id, lease.epoch, false, false);
@@ -572,10 +602,11 @@ impl Runner {
         let traceparent = lease.traceparent.clone();
         let runtime = workload.runtime;
         let readiness = workload.readiness;
+        let cache = workload.cache;
         self.spawn_worker(
             &lease.lease_id,
             held,
-            Start::Launch(Box::new(Launch { spec, bundle, traceparent, runtime, readiness })),
+            Start::Launch(Box::new(Launch { spec, bundle, traceparent, runtime, readiness, cache })),
         );
     }
 
@@ -1134,6 +1165,8 @@ struct Launch {
     runtime: i32,
     /// When the workload is ready: it is RUNNING only then.
     readiness: Option<Readiness>,
+    /// The cache volumes it mounts.
+    cache: Vec<CacheMount>,
 }
 
 /// The phase and reason a settled instance shows after a restart: what it
@@ -1297,6 +1330,158 @@ impl Worker {
         }
     }
 
+    /// Opens each cache volume the lease mounts (the ledger answers the
+    /// head its view starts from) and mounts the lease's view of it into
+    /// `spec`; a volume that cannot be opened fails the lease, with the reason.
+    async fn with_caches(&mut self, mut spec: LaunchSpec, mounts: &[CacheMount]) -> Result<LaunchSpec, WorkerEnd> {
+        if mounts.is_empty() {
+            return Ok(spec);
+        }
+        let runtime = self.shared.provider.runtime();
+        let caches = match self.shared.caches.clone() {
+            Some(caches) if runtime.contained => caches,
+            Some(_) => {
+                let message = format!(
+                    "this node runs workloads uncontained ({}), with no root of their own to mount a cache volume in",
+                    runtime.name
+                );
+                return Err(self.report_end(LeasePhase::Failed, Detail::failed(CACHE_UNAVAILABLE, message)).await);
+            }
+            None => {
+                let message = "this node keeps no cache volumes".to_owned();
+                return Err(self.report_end(LeasePhase::Failed, Detail::failed(CACHE_UNAVAILABLE, message)).await);
+            }
+        };
+        for mount in mounts {
+            let held = caches.held(&spec.meta.project, &mount.key);
+            let request = OpenCacheRequest {
+                node_id: spec.node_id.clone(),
+                lease_id: self.lease_id.clone(),
+                epoch: spec.epoch,
+                key: mount.key.clone(),
+                held_generations: held,
+            };
+            let opened = tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
+                removal = removed(&mut self.removal) => return Err(self.destroyed(removal).await),
+                opened = self.shared.leases.open_cache(request) => opened,
+            };
+            let head = match opened {
+                Ok(opened) => opened.head.unwrap_or_default(),
+                Err(status) => {
+                    let message = format!("cannot open cache volume {}: {}", mount.key, status.message());
+                    tracing::warn!(lease_id = %self.lease_id, %message, "failing the launch");
+                    return Err(self.report_end(LeasePhase::Failed, Detail::failed(CACHE_UNAVAILABLE, message)).await);
+                }
+            };
+            let (volumes, lease_id, mount_owned) = (caches.clone(), self.lease_id.clone(), mount.clone());
+            let view = tokio::task::spawn_blocking(move || volumes.open_view(&lease_id, &mount_owned, &head)).await;
+            match view {
+                Ok(Ok(view)) => {
+                    tracing::info!(lease_id = %self.lease_id, key = %view.key, generation = view.base_generation,
+                        based = view.based, "cache volume view mounted");
+                    spec.caches.push(CacheBind { host: view.merged, inside: view.inside });
+                }
+                Ok(Err(error)) => {
+                    let message = error.to_string();
+                    return Err(self.report_end(LeasePhase::Failed, Detail::failed(CACHE_UNAVAILABLE, message)).await);
+                }
+                Err(_) => return Err(WorkerEnd::Stopped),
+            }
+        }
+        Ok(spec)
+    }
+
+    /// Settles each cache view of the lease now that its workload ended as
+    /// `ended` (`None`: it was stopped): seals and publishes it where its
+    /// `commit` allows, else records why not. Best effort: an outcome the
+    /// ledger cannot be told now is left unrecorded, and nothing published.
+    async fn publish_caches(&mut self, ended: Option<LeasePhase>) {
+        let Some(caches) = self.shared.caches.clone() else { return };
+        let views = caches.views(&self.lease_id);
+        if views.is_empty() {
+            return;
+        }
+        let project = self.shared.board.get(&self.lease_id).map(|view| view.meta.project).unwrap_or_default();
+        let node_id = self.reporting.borrow().clone().unwrap_or_default();
+        for view in views {
+            let skip = match (view.commit(), ended) {
+                (CacheCommit::Never, _) => Some(("CommitNever", "the volume is mounted with commit NEVER".to_owned())),
+                _ if !view.based => Some((
+                    "HeadNotHeld",
+                    format!("this node did not hold generation {}, so the view started empty", view.base_generation),
+                )),
+                (_, Some(LeasePhase::Done)) | (CacheCommit::Always, Some(LeasePhase::Failed)) => None,
+                (_, Some(LeasePhase::Failed)) => Some(("WorkloadFailed", "the workload failed".to_owned())),
+                _ => Some(("WorkloadStopped", "the workload was stopped before it ended".to_owned())),
+            };
+            let mut request = CommitCacheRequest {
+                node_id: node_id.clone(),
+                lease_id: self.lease_id.clone(),
+                epoch: *self.epoch.borrow(),
+                key: view.key.clone(),
+                base_generation: view.base_generation,
+                ..Default::default()
+            };
+            match skip {
+                Some((reason, message)) => {
+                    request.skip_reason = reason.to_owned();
+                    request.message = message;
+                }
+                None => {
+                    let (volumes, lease_id, project, sealing) =
+                        (caches.clone(), self.lease_id.clone(), project.clone(), view.clone());
+                    match tokio::task::spawn_blocking(move || volumes.seal(&lease_id, &project, &sealing)).await {
+                        Ok(Ok(sealed)) => {
+                            request.digest = sealed.digest;
+                            request.size_bytes = sealed.size_bytes;
+                        }
+                        Ok(Err(error)) => {
+                            tracing::warn!(lease_id = %self.lease_id, key = %view.key, %error, "cannot seal the cache view");
+                            request.skip_reason = "SealFailed".to_owned();
+                            request.message = error.to_string();
+                        }
+                        Err(_) => return,
+                    }
+                }
+            }
+            let digest = request.digest.clone();
+            let mut backoff = self.shared.settings.backoff();
+            let outcome = loop {
+                let outcome = tokio::select! {
+                    _ = self.shared.shutdown.cancelled() => return,
+                    outcome = self.shared.leases.commit_cache(request.clone()) => outcome,
+                };
+                match outcome {
+                    Err(status) if is_transient(&status) && backoff.failures() < CACHE_COMMIT_ATTEMPTS => {
+                        tokio::time::sleep(backoff.next_delay()).await;
+                    }
+                    outcome => break outcome,
+                }
+            };
+            match outcome {
+                Ok(response) if response.committed => {
+                    let generation = response.observation.map_or(0, |seen| seen.committed_generation);
+                    tracing::info!(lease_id = %self.lease_id, key = %view.key, generation, %digest, "cache view published");
+                    let (volumes, project, key) = (caches.clone(), project.clone(), view.key.clone());
+                    let recorded =
+                        tokio::task::spawn_blocking(move || volumes.record(&project, &key, generation, &digest)).await;
+                    if let Ok(Err(error)) = recorded {
+                        tracing::warn!(lease_id = %self.lease_id, %error, "cannot record the published generation");
+                    }
+                }
+                Ok(response) => {
+                    let reason = response.observation.map(|seen| seen.reason).unwrap_or_default();
+                    tracing::info!(lease_id = %self.lease_id, key = %view.key, %reason, "cache view not published");
+                }
+                Err(status) => {
+                    tracing::warn!(lease_id = %self.lease_id, key = %view.key, error = %status.message(),
+                        "cannot settle the cache view with the ledger");
+                }
+            }
+        }
+    }
+
     /// [`Worker::launch`] in a span of its own, a child of the lease
     /// request's trace: pulling the bundle, reporting LAUNCHING and RUNNING
     /// and starting the workload show in the trace that asked for it.
@@ -1308,7 +1493,7 @@ impl Worker {
     }
 
     async fn launch(&mut self, launch: Launch) -> Result<(ExitWatch, Option<ReadyBundle>), WorkerEnd> {
-        let Launch { mut spec, bundle, runtime, readiness, .. } = launch;
+        let Launch { mut spec, bundle, runtime, readiness, cache, .. } = launch;
         let refusal = runtime_refusal(runtime, &self.shared.provider.runtime());
         // The pull starts while the lease is still BOUND and goes on while
         // LAUNCHING is reported; dropping the handle abandons it.
@@ -1342,6 +1527,7 @@ impl Worker {
             spec.node_id = node_id;
         }
         let spec = self.with_identity(spec).await?;
+        let spec = self.with_caches(spec, &cache).await?;
         let launched = tokio::select! {
             _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
             launched = self.shared.provider.launch(spec) => launched,
@@ -1553,6 +1739,7 @@ impl Worker {
                 tracing::warn!(lease_id = %self.lease_id, ?phase, error = %status.message(), "the end of the workload was not taken");
             }
         }
+        self.publish_caches(Some(phase)).await;
         self.settle().await
     }
 
@@ -1585,6 +1772,7 @@ impl Worker {
             }
             self.shared.board.update(&self.lease_id, |view| view.reason = removal.reason.clone());
         }
+        self.publish_caches(None).await;
         self.settle().await
     }
 
@@ -1599,6 +1787,14 @@ impl Worker {
             && self.started.load(Ordering::SeqCst)
         {
             tracing::warn!(lease_id = %self.lease_id, %error, "cannot record that the instance is settled");
+        }
+        // The workload is gone: its cache views go with it.
+        if let Some(caches) = self.shared.caches.clone() {
+            let lease_id = self.lease_id.clone();
+            let closed = tokio::task::spawn_blocking(move || caches.close_views(&lease_id)).await;
+            if let Ok(Err(error)) = closed {
+                tracing::warn!(lease_id = %self.lease_id, %error, "cannot remove the lease's cache views; the sweep will");
+            }
         }
         self.shared.board.update(&self.lease_id, |view| view.ended_at = Some(SystemTime::now()));
         WorkerEnd::Settled

@@ -293,10 +293,7 @@ fn read_taken(data_dir: &Path) -> Option<Taken> {
 
 /// Writes `value` as `name` in `data_dir`, whole or not at all.
 fn write_json<T: serde::Serialize>(data_dir: &Path, name: &str, value: &T) -> std::io::Result<()> {
-    let partial = data_dir.join(format!(".{name}.partial"));
-    let json = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
-    std::fs::write(&partial, json)?;
-    std::fs::rename(&partial, data_dir.join(name))
+    berth_core::write_json_atomically(&data_dir.join(name), value)
 }
 
 #[cfg(test)]

@@ -480,3 +480,84 @@ async fn an_interruption_notice_from_the_host_drains_the_node_with_the_deadline_
     agent.kill().await;
     plane.cleanup().await;
 }
+
+/// A lease running `sh -c script` with cache volume `deps` at `/cache`.
+fn cached(script: &str) -> berth_proto::leases::v1::Workload {
+    berth_proto::leases::v1::Workload {
+        command: "sh".into(),
+        args: vec!["-c".into(), script.into()],
+        cache: vec![berth_proto::types::v1::CacheMount { key: "deps".into(), path: "/cache".into(), commit: 0 }],
+        ..Default::default()
+    }
+}
+
+/// Waits until the ledger recorded how `lease_id`'s view of `deps` settled.
+async fn cache_settled(plane: &ControlPlane, lease_id: &str) -> berth_proto::leases::v1::CacheObservation {
+    eventually("the lease's cache view to settle", SLOW, || async {
+        let lease = plane.lease(lease_id).await;
+        match lease.cache.first() {
+            Some(seen) if seen.committed_generation > 0 || !seen.reason.is_empty() => Ok(seen.clone()),
+            _ => Err(lease),
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_cache_volume_is_published_only_when_its_workload_succeeds_and_the_next_lease_starts_from_it() {
+    use berth_proto::leases::v1::CacheOutcome;
+    if !rustix::process::geteuid().is_root() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "cache volumes need a contained runtime (root), and CI=true"
+        );
+        eprintln!("skipping: cache volumes need a contained runtime, which needs root");
+        return;
+    }
+    let (plane, dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
+
+    // The first finds the volume empty and publishes what it wrote.
+    let first = plane.request_workload("first", cached("test ! -e /cache/marker && echo one > /cache/marker")).await;
+    plane.phase_until(&first.lease_id, LeasePhase::Done).await;
+    let seen = cache_settled(&plane, &first.lease_id).await;
+    assert_eq!(
+        (seen.outcome(), seen.base_generation, seen.committed_generation),
+        (CacheOutcome::Miss, 0, 1),
+        "{seen:?}"
+    );
+
+    // The second sees it (a hit on this node), overwrites it, and fails: nothing is published.
+    let script = "grep -qx one /cache/marker && echo two > /cache/marker && exit 3";
+    let second = plane.request_workload("second", cached(script)).await;
+    let failed = plane.phase_until(&second.lease_id, LeasePhase::Failed).await;
+    assert_eq!(failed.exit_code, Some(3), "{failed:?}");
+    let seen = cache_settled(&plane, &second.lease_id).await;
+    assert_eq!((seen.outcome(), seen.base_generation, seen.reason.as_str()), (CacheOutcome::Hit, 1, "WorkloadFailed"));
+
+    // The third still sees the first's, not the failed write, and publishes generation 2.
+    let third =
+        plane.request_workload("third", cached("grep -qx one /cache/marker && echo three >> /cache/marker")).await;
+    plane.phase_until(&third.lease_id, LeasePhase::Done).await;
+    let seen = cache_settled(&plane, &third.lease_id).await;
+    assert_eq!((seen.base_generation, seen.committed_generation), (1, 2), "{seen:?}");
+    let fourth =
+        plane.request_workload("fourth", cached("test \"$(cat /cache/marker)\" = \"$(printf 'one\\nthree')\"")).await;
+    plane.phase_until(&fourth.lease_id, LeasePhase::Done).await;
+    assert_eq!(cache_settled(&plane, &fourth.lease_id).await.committed_generation, 3);
+
+    // Every view is gone with its workload; the published generations stay.
+    let views = dir.path().join("caches/views");
+    eventually("the finished leases' views to be removed", SLOW, || async {
+        let left: Vec<_> =
+            std::fs::read_dir(&views).map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect()).unwrap_or_default();
+        if left.is_empty() { Ok(()) } else { Err(left) }
+    })
+    .await;
+    let generations = dir.path().join("caches/volumes/default/deps/generations");
+    let mut held: Vec<String> =
+        std::fs::read_dir(generations).unwrap().filter_map(|e| e.unwrap().file_name().into_string().ok()).collect();
+    held.sort();
+    assert_eq!(held, ["1", "2", "3"]);
+    agent.kill().await;
+    plane.cleanup().await;
+}

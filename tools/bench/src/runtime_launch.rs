@@ -355,6 +355,7 @@ async fn provider_launches(
             meta: InstanceMeta::default(),
             image: Default::default(),
             identity: None,
+            caches: Vec::new(),
         };
         let sent = Instant::now();
         match tokio::time::timeout(START_TIMEOUT, provider.launch(spec)).await {

@@ -90,6 +90,8 @@ pub(crate) struct ContainerPlan {
     pub(crate) work_dir: PathBuf,
     /// Its identity directory on the host (its SVID and Workload API).
     pub(crate) identity: Option<PathBuf>,
+    /// Its cache volumes' views: (on the host, inside), shown read-write.
+    pub(crate) caches: Vec<(PathBuf, PathBuf)>,
     /// The tenant's network namespace; `None` shares the host's network.
     pub(crate) network: Option<PathBuf>,
     /// The tenant's `resolv.conf` (its resolver in that namespace), shown
@@ -269,6 +271,9 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>, OciSpecError> {
         mounts.push(bind(identity, Path::new(IDENTITY_MOUNT), false)?);
     }
     mounts.push(bind(&plan.work_dir, Path::new(WORK_MOUNT), true)?);
+    for (host, inside) in &plan.caches {
+        mounts.push(bind(host, inside, true)?);
+    }
     Ok(mounts)
 }
 
@@ -286,6 +291,7 @@ mod tests {
             bundle: Some("/var/lib/berth/bundles/abc".into()),
             work_dir: "/var/lib/berth/leases/l-1".into(),
             identity: Some("/var/lib/berth/svids/l-1".into()),
+            caches: Vec::new(),
             network: Some("/run/netns/berth-x".into()),
             resolv_conf: Some("/var/lib/berth/egress/resolv/acme.conf".into()),
             cgroup: "/berth-1234/l-1".into(),

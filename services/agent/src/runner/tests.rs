@@ -257,6 +257,20 @@ impl NodeLeasesApi for FakeLeases {
         Ok(lease.clone())
     }
 
+    async fn open_cache(
+        &self,
+        _request: berth_proto::leases::v1::OpenCacheRequest,
+    ) -> Result<berth_proto::leases::v1::OpenCacheResponse, tonic::Status> {
+        Err(tonic::Status::unimplemented("this fake ledger keeps no cache volumes"))
+    }
+
+    async fn commit_cache(
+        &self,
+        _request: berth_proto::leases::v1::CommitCacheRequest,
+    ) -> Result<berth_proto::leases::v1::CommitCacheResponse, tonic::Status> {
+        Err(tonic::Status::unimplemented("this fake ledger keeps no cache volumes"))
+    }
+
     async fn assume_custody(&self, request: AssumeCustodyRequest) -> Result<Lease, tonic::Status> {
         let mut ledger = self.ledger();
         ledger.check()?;
@@ -449,6 +463,7 @@ impl Harness {
             board: board.clone(),
             dialer: crate::dial::Dialer::default(),
             svids: None,
+            caches: None,
             session: session_rx,
             fences: fences_rx,
             settings,
