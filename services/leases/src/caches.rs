@@ -285,8 +285,8 @@ async fn swap_head(
     .await?;
     let Some(number) = moved else { return Ok(None) };
     sqlx::query(
-        "INSERT INTO cache_generations (project, cache_key, generation, digest, size_bytes, lease_id, \
-         published_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        "INSERT INTO cache_generations (project, cache_key, generation, digest, size_bytes, lease_id, node_id, \
+         published_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
     )
     .bind(project)
     .bind(key)
@@ -294,10 +294,32 @@ async fn swap_head(
     .bind(digest)
     .bind(i64::try_from(size).unwrap_or(i64::MAX))
     .bind(lease.lease_id.as_str())
+    .bind(lease.node_id.as_str())
     .bind(now)
     .execute(&mut *conn)
     .await?;
     Ok(u64::try_from(number).ok())
+}
+
+/// The nodes holding the heads of `keys` in `project`: those that sealed them.
+pub(crate) async fn warm_nodes(
+    conn: &mut AnyConnection,
+    project: &str,
+    keys: impl Iterator<Item = &str>,
+) -> Result<Vec<String>, LeaseError> {
+    let mut nodes = Vec::new();
+    for key in keys {
+        let node: Option<String> = sqlx::query_scalar(
+            "SELECT g.node_id FROM cache_heads h JOIN cache_generations g ON g.project = h.project \
+             AND g.cache_key = h.cache_key AND g.generation = h.generation WHERE h.project = $1 AND h.cache_key = $2",
+        )
+        .bind(project)
+        .bind(key)
+        .fetch_optional(&mut *conn)
+        .await?;
+        nodes.extend(node.filter(|node| !nodes.contains(node)));
+    }
+    Ok(nodes)
 }
 
 /// Records `observation` on the lease, replacing the one of its key.

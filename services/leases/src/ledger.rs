@@ -1538,15 +1538,18 @@ async fn place_in_tx(
             }
         }
     }
-    let requests: Vec<PlacementRequest> = to_place
-        .iter()
-        .map(|ask| PlacementRequest {
+    let mut requests: Vec<PlacementRequest> = Vec::with_capacity(to_place.len());
+    for ask in &to_place {
+        let keys = ask.workload.cache.iter().map(|mount| mount.key.as_str());
+        let warm_nodes = crate::caches::warm_nodes(conn, &ask.project, keys).await?;
+        requests.push(PlacementRequest {
             resources: ask.resources,
             tier: ask.tier.clone(),
             spread_group: spread_key(&ask.project, &ask.spread_group),
             runtime: RuntimeNeed::of_workload(&ask.workload),
-        })
-        .collect();
+            warm_nodes,
+        });
+    }
     let plan = place(&candidates, &requests);
 
     // Node rows are taken in id order so that concurrent batches never deadlock.

@@ -9,10 +9,12 @@
 //! for it in both dimensions. Among those it goes to the first by:
 //! 1. fewest open leases of the request's spread group (so a group's leases
 //!    land on different nodes while any node without one fits);
-//! 2. most free, where a node's freeness is the free fraction of its scarcer
+//! 2. holding the heads of the request's cache volumes (a node that sealed
+//!    a head holds it: the lease's view starts warm there);
+//! 3. most free, where a node's freeness is the free fraction of its scarcer
 //!    dimension, `min(free cpu / total cpu, free memory / total memory)`,
 //!    compared exactly (no floating point);
-//! 3. lowest node id.
+//! 4. lowest node id.
 //!
 //! # Invariants
 //! - Requests are placed in order and each placement is tallied on its node
@@ -106,7 +108,8 @@ impl RuntimeNeed {
         let class = RuntimeClass::try_from(workload.runtime).unwrap_or(RuntimeClass::Unspecified);
         Self {
             oci: workload.image.is_some(),
-            contained: matches!(class, RuntimeClass::Contained | RuntimeClass::Sandboxed),
+            // A cache volume is mounted inside the workload's own root.
+            contained: matches!(class, RuntimeClass::Contained | RuntimeClass::Sandboxed) || !workload.cache.is_empty(),
             sandboxed: class == RuntimeClass::Sandboxed,
         }
     }
@@ -188,6 +191,8 @@ pub struct PlacementRequest {
     pub spread_group: String,
     /// What it needs of its node's runtime.
     pub runtime: RuntimeNeed,
+    /// The nodes holding the heads of its cache volumes (preferred).
+    pub warm_nodes: Vec<String>,
 }
 
 /// Where one request went.
@@ -305,7 +310,10 @@ pub fn place(nodes: &[PlacementNode], requests: &[PlacementRequest]) -> Placemen
     for request in requests {
         let chosen =
             nodes.iter_mut().filter(|n| n.eligible(request) && n.free().holds(request.resources)).min_by(|a, b| {
-                let key = |n: &PlacementNode| (n.spread_count(&request.spread_group), Reverse(n.freeness()));
+                let key = |n: &PlacementNode| {
+                    let cold = !request.warm_nodes.contains(&n.node_id);
+                    (n.spread_count(&request.spread_group), cold, Reverse(n.freeness()))
+                };
                 key(a).cmp(&key(b)).then_with(|| a.node_id.cmp(&b.node_id))
             });
         match chosen {
@@ -357,6 +365,7 @@ mod tests {
 
     fn ask(cpu: u64, memory_gib: u64) -> PlacementRequest {
         PlacementRequest {
+            warm_nodes: Vec::new(),
             resources: Resources::new(cpu, memory_gib * GIB),
             tier: String::new(),
             spread_group: String::new(),
@@ -374,6 +383,28 @@ mod tests {
 
     fn placed(plan: &PlacementPlan) -> Vec<&str> {
         plan.node_ids().into_iter().map(|n| n.unwrap_or("-")).collect()
+    }
+
+    #[test]
+    fn a_lease_with_a_cache_goes_to_a_node_holding_its_head_among_those_that_fit_after_spread() {
+        let nodes = [node("n-1", 4000, 8), holding(node("n-2", 4000, 8), 2000, 4), node("n-3", 4000, 8)];
+        let warm = |request: PlacementRequest, on: &[&str]| PlacementRequest {
+            warm_nodes: on.iter().map(|n| (*n).to_owned()).collect(),
+            ..request
+        };
+        // Warm beats freer.
+        let plan = place(&nodes, &[warm(ask(100, 1), &["n-2"])]);
+        assert_eq!(plan.placements[0].node_id(), Some("n-2"));
+        // A warm node without room is passed over.
+        let plan = place(&nodes, &[warm(ask(3000, 1), &["n-2"])]);
+        assert_eq!(plan.placements[0].node_id(), Some("n-1"));
+        // Spread comes first: the group's second lease leaves the warm node.
+        let plan = place(&nodes, &[warm(grouped(100, 1, "g"), &["n-2"]), warm(grouped(100, 1, "g"), &["n-2"])]);
+        assert_eq!(plan.placements[0].node_id(), Some("n-2"));
+        assert_eq!(plan.placements[1].node_id(), Some("n-1"));
+        // A workload with a cache needs a node that contains.
+        let workload = Workload { cache: vec![Default::default()], ..Default::default() };
+        assert!(RuntimeNeed::of_workload(&workload).contained);
     }
 
     #[test]

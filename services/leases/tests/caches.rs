@@ -17,8 +17,17 @@ use berth_proto::types::v1::{CacheCommit, CacheMount};
 use support::{Backend, GIB, Ledger, ask, fast_config, node};
 use tonic::Code;
 
+/// Two nodes that contain their workloads, as a cache volume needs.
 fn nodes() -> Vec<berth_proto::identity::v1::Node> {
-    vec![node("n-1", "", NodeState::Up, 4000, 8 * GIB), node("n-2", "", NodeState::Up, 4000, 8 * GIB)]
+    ["n-1", "n-2"]
+        .into_iter()
+        .map(|id| {
+            let mut node = node(id, "", NodeState::Up, 4000, 8 * GIB);
+            node.labels.insert("berth.runtime".into(), "runc".into());
+            node.labels.insert("berth.contained".into(), "true".into());
+            node
+        })
+        .collect()
 }
 
 fn digest(n: u8) -> String {
@@ -104,8 +113,14 @@ async fn a_view_is_published_only_when_its_workload_succeeded(backend: Backend) 
     assert_eq!(seen.len(), 1, "{seen:?}");
     assert_eq!((seen[0].base_generation, seen[0].committed_generation), (0, 1));
 
-    // The next lease starts from it: a hit where the node holds it.
+    // The next lease goes where the head is, though another node is freer,
+    // and starts from it: a hit where the node holds it.
+    let mut filler = ask("filler", 2000, GIB);
+    filler.workload.as_mut().unwrap().runtime = berth_proto::types::v1::RuntimeClass::Contained as i32;
+    let filler = ledger.leases(0).request_lease(filler).await.unwrap().into_inner().lease.unwrap();
+    assert_eq!(filler.node_id, first.node_id, "the filler takes the first node's room: {filler:?}");
     let second = place(&ledger, "second", "", "deps", CacheCommit::OnSuccess).await;
+    assert_eq!(second.node_id, first.node_id, "placed beside its head");
     let opened = open(&ledger, &second, "deps", &[1]).await.unwrap();
     assert_eq!(opened.head.unwrap().digest, digest(1));
     assert_eq!(opened.observation.unwrap().outcome(), CacheOutcome::Hit);

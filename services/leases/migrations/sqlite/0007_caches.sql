@@ -20,6 +20,9 @@ CREATE TABLE cache_generations (
     digest TEXT NOT NULL,
     size_bytes BIGINT NOT NULL CHECK (size_bytes >= 0),
     lease_id TEXT NOT NULL,
+    -- The node that sealed it, which holds it: placement prefers it for the
+    -- volume's next lease.
+    node_id TEXT NOT NULL,
     published_at_ms BIGINT NOT NULL,
     PRIMARY KEY (project, cache_key, generation)
 );
