@@ -155,6 +155,12 @@ fn admission_table_matches_the_contract() {
         // Only identity spends launch registrations (the handler holds a service to that).
         ("berth.leases.v1.Leases", &["RedeemLaunchRegistration"], &[Service]),
         ("berth.leases.v1.Capacity", &["ListNodeCapacity"], READERS),
+        ("berth.leases.v1.Caches", &["ListCaches", "GetCache"], READERS),
+        (
+            "berth.leases.v1.Caches",
+            &["SetCacheHead", "PinCacheGeneration", "DeleteCache", "SetProjectCaching"],
+            ADMIN,
+        ),
         (
             "berth.leases.v1.NodeLeases",
             &[

@@ -73,8 +73,9 @@ pub(crate) struct View {
     pub(crate) merged: PathBuf,
     /// The generation the view starts from, as the ledger answered.
     pub(crate) base_generation: u64,
-    /// Whether the view holds that generation's content: false when the
-    /// node did not hold it, so it started empty and must not publish.
+    /// Whether it may be published: false when the node did not hold the
+    /// head (the view started empty) or the ledger said it publishes
+    /// nothing (the project's caching is off).
     pub(crate) based: bool,
     /// When it is published (`CacheCommit` as a number).
     pub(crate) commit: i32,
@@ -137,12 +138,14 @@ impl CacheVolumes {
     /// Mounts the lease's view of `mount`'s volume at `head`: an overlay
     /// whose lower layer is the head's sealed tree (or nothing, for
     /// generation 0 or a head the node does not hold) and whose upper layer
-    /// is the lease's own. Records it beside the lease's other views.
+    /// is the lease's own; `publish` false when the ledger already said it
+    /// publishes nothing. Records it beside the lease's other views.
     pub(crate) fn open_view(
         &self,
         lease_id: &str,
         mount: &CacheMount,
         head: &CacheGeneration,
+        publish: bool,
     ) -> Result<View, CacheError> {
         let dir = self.views_of(lease_id).join(&mount.key);
         let (upper, work, merged) = (dir.join("upper"), dir.join("work"), dir.join("merged"));
@@ -151,7 +154,7 @@ impl CacheVolumes {
             std::fs::DirBuilder::new().recursive(true).mode(0o700).create(path).map_err(|e| io("create", path, e))?;
         }
         let tree = if head.generation == 0 { None } else { self.tree_of(head) };
-        let based = head.generation == 0 || tree.is_some();
+        let based = publish && (head.generation == 0 || tree.is_some());
         let lower = tree.unwrap_or(empty);
         if !is_mounted(&merged) {
             let options =
@@ -242,7 +245,7 @@ impl CacheVolumes {
         }
         // A view recorded before its record was written is unmounted too.
         if let Ok(entries) = std::fs::read_dir(&dir) {
-            for entry in entries.filter_map(Result::ok) {
+            for entry in entries.filter_map(Result::ok).filter(|entry| entry.path().is_dir()) {
                 unmount(&entry.path().join("merged"));
             }
         }
@@ -381,7 +384,8 @@ fn is_mounted(path: &Path) -> bool {
 
 fn unmount(path: &Path) {
     match rustix::mount::unmount(path, rustix::mount::UnmountFlags::DETACH) {
-        Ok(()) | Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOENT) => {}
+        // Not a mount point, or not there: nothing to undo.
+        Ok(()) | Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => {}
         Err(error) => tracing::warn!(path = %path.display(), %error, "cannot unmount a cache view"),
     }
 }
@@ -485,8 +489,8 @@ mod tests {
         let sealed = volumes.seal("l-0", "default", &view_of(&seed, "deps")).unwrap();
         volumes.record("default", "deps", 1, &sealed.digest).unwrap();
 
-        let one = volumes.open_view("l-1", &mount("deps"), &head("deps", 1, &sealed.digest)).unwrap();
-        let two = volumes.open_view("l-2", &mount("deps"), &head("deps", 1, &sealed.digest)).unwrap();
+        let one = volumes.open_view("l-1", &mount("deps"), &head("deps", 1, &sealed.digest), true).unwrap();
+        let two = volumes.open_view("l-2", &mount("deps"), &head("deps", 1, &sealed.digest), true).unwrap();
         assert!(one.based && two.based);
         assert_eq!(std::fs::read_to_string(one.merged.join("shared.txt")).unwrap(), "from generation 1");
         std::fs::write(one.merged.join("shared.txt"), "changed by l-1").unwrap();
@@ -503,7 +507,7 @@ mod tests {
         assert_eq!(volumes.views("l-1"), std::slice::from_ref(&one), "the view is recorded beside the lease");
 
         // A head the node does not hold: the view starts empty, and says so.
-        let elsewhere = volumes.open_view("l-3", &mount("deps"), &head("deps", 7, &next.digest)).unwrap();
+        let elsewhere = volumes.open_view("l-3", &mount("deps"), &head("deps", 7, &next.digest), true).unwrap();
         assert!(!elsewhere.based);
         assert_eq!(std::fs::read_dir(&elsewhere.merged).unwrap().count(), 0);
 

@@ -1366,8 +1366,11 @@ impl Worker {
                 removal = removed(&mut self.removal) => return Err(self.destroyed(removal).await),
                 opened = self.shared.leases.open_cache(request) => opened,
             };
-            let head = match opened {
-                Ok(opened) => opened.head.unwrap_or_default(),
+            let (head, publish) = match opened {
+                // A volume the ledger settled at once (its project's caching is off) publishes nothing.
+                Ok(opened) => {
+                    (opened.head.unwrap_or_default(), opened.observation.is_none_or(|seen| seen.reason.is_empty()))
+                }
                 Err(status) => {
                     let message = format!("cannot open cache volume {}: {}", mount.key, status.message());
                     tracing::warn!(lease_id = %self.lease_id, %message, "failing the launch");
@@ -1375,7 +1378,8 @@ impl Worker {
                 }
             };
             let (volumes, lease_id, mount_owned) = (caches.clone(), self.lease_id.clone(), mount.clone());
-            let view = tokio::task::spawn_blocking(move || volumes.open_view(&lease_id, &mount_owned, &head)).await;
+            let view =
+                tokio::task::spawn_blocking(move || volumes.open_view(&lease_id, &mount_owned, &head, publish)).await;
             match view {
                 Ok(Ok(view)) => {
                     tracing::info!(lease_id = %self.lease_id, key = %view.key, generation = view.base_generation,

@@ -44,6 +44,9 @@ enum Command {
     Lease(cli::LeaseArgs),
     /// Show what each node offers to leases and how much of it is reserved.
     Capacity(cli::CapacityArgs),
+    /// List and steer cache volumes: roll a volume back, pin a generation,
+    /// delete one, turn a project's off: `berth cache rollback KEY --to 3`.
+    Cache(cli::CacheArgs),
     /// Declare services and show them, pin their traffic, redeploy them:
     /// `berth service apply -f service.json --name hello --wait`.
     Service(cli::ServiceArgs),
@@ -84,6 +87,7 @@ fn main() -> ExitCode {
             Command::Health(args) => args.run().await,
             Command::Lease(args) => args.run().await,
             Command::Capacity(args) => args.run().await,
+            Command::Cache(args) => args.run().await,
             Command::Service(args) => args.run().await,
             Command::Revision(args) => args.run().await,
             Command::Egress(args) => args.run().await,

@@ -398,3 +398,66 @@ fn bad_quantities_and_flags_are_usage_errors() {
     let cpu = run(berth_command(&["lease", "request", "--owner", "o", "--cpu", "2x", "--", "true"]), COMMAND_DEADLINE);
     assert!(cpu.stderr.contains("--cpu"), "the flag is named: {}", cpu.stderr);
 }
+
+#[test]
+fn a_cache_volume_is_published_when_its_lease_succeeds_and_steered_with_berth_cache() {
+    if !rustix::process::geteuid().is_root() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "cache volumes need a contained node (root), and CI=true"
+        );
+        eprintln!("skipping: cache volumes need a contained node, which needs root");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start(&tmp.path().join("data"));
+    let cache_line = |id: &str| field(&dev.ok(&["lease", "get", id]), "Cache");
+    let settled = |id: &str, want: &str| {
+        poll(PHASE_DEADLINE, &format!("lease {id}'s cache view to settle as {want:?}"), || {
+            let line = cache_line(id);
+            if line.contains(want) { Ok(line) } else { Err(line) }
+        })
+    };
+
+    // The first finds it empty and publishes what it wrote.
+    let (first, _) = dev.request(&["--owner", "ci", "--cache", "deps:/cache"], &["sh", "-c", "echo hello > /cache/f"]);
+    dev.await_phase(&first, "LEASE_PHASE_DONE");
+    settled(&first, "deps at /cache: miss from generation 0, published generation 1");
+    let listed = dev.ok(&["cache", "list"]);
+    let volume = row(&listed, "default");
+    assert_eq!(volume[1..4], ["deps", "1", "1"], "{listed}");
+
+    // The next starts from it, and one that fails publishes nothing.
+    let (second, _) =
+        dev.request(&["--owner", "ci", "--cache", "deps:/cache"], &["sh", "-c", "grep -qx hello /cache/f"]);
+    dev.await_phase(&second, "LEASE_PHASE_DONE");
+    settled(&second, "hit from generation 1, published generation 2");
+    let (third, _) =
+        dev.request(&["--owner", "ci", "--cache", "deps:/cache"], &["sh", "-c", "echo broken > /cache/f; exit 2"]);
+    dev.await_phase(&third, "LEASE_PHASE_FAILED");
+    settled(&third, "not published: WorkloadFailed");
+
+    // Rolled back, shown, deleted.
+    let rolled = dev.ok(&["cache", "rollback", "deps", "--to", "1"]);
+    assert!(rolled.contains("new leases start from generation 1"), "{rolled}");
+    let shown = dev.ok(&["cache", "get", "deps"]);
+    assert_eq!(field(&shown, "Head"), "1", "{shown}");
+    assert_eq!(field(&shown, "Generations"), "2", "{shown}");
+    let missing = dev.berth(&["cache", "rollback", "deps", "--to", "9"]).error_line();
+    assert!(missing.contains("generation 9 of cache volume default/deps not found"), "{missing}");
+    let off = dev.ok(&["cache", "disable"]);
+    assert!(off.contains("cache volumes of project default are off"), "{off}");
+    let (fourth, _) = dev.request(&["--owner", "ci", "--cache", "deps:/cache"], &["sh", "-c", "test ! -e /cache/f"]);
+    dev.await_phase(&fourth, "LEASE_PHASE_DONE");
+    settled(&fourth, "not published: CacheDisabled");
+    dev.ok(&["cache", "enable"]);
+    let deleted = dev.ok(&["cache", "delete", "deps"]);
+    assert!(deleted.contains("cache volume deps deleted"), "{deleted}");
+    let gone = dev.berth(&["cache", "get", "deps"]).error_line();
+    assert!(gone.contains("cache volume default/deps not found"), "{gone}");
+
+    // A bad mount is a usage error naming it.
+    let bad = dev.berth(&["lease", "request", "--owner", "ci", "--cache", "deps", "--", "true"]);
+    assert_eq!(bad.code, Some(2), "{bad:?}");
+    assert!(bad.stderr.contains("is not KEY:PATH[:COMMIT]"), "{bad:?}");
+}

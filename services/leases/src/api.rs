@@ -165,6 +165,79 @@ impl v1::leases_server::Leases for LeasesService {
     }
 }
 
+/// A volume's project and key from a request: the project defaulted and
+/// both checked.
+fn volume_name(project: &str, key: &str) -> Result<(String, String), LeaseError> {
+    let project = validate::project(project)?;
+    validate::cache_key(key)?;
+    Ok((project, key.to_owned()))
+}
+
+#[tonic::async_trait]
+impl v1::caches_server::Caches for LeasesService {
+    async fn list_caches(
+        &self,
+        request: Request<v1::ListCachesRequest>,
+    ) -> Result<Response<v1::ListCachesResponse>, Status> {
+        let request = request.into_inner();
+        let project = if request.all_projects { None } else { Some(validate::project(&request.project)?) };
+        let volumes = self.core.ledger.list_caches(project.as_deref()).await?;
+        Ok(Response::new(v1::ListCachesResponse { volumes }))
+    }
+
+    async fn get_cache(&self, request: Request<v1::GetCacheRequest>) -> Result<Response<v1::GetCacheResponse>, Status> {
+        let request = request.into_inner();
+        let (project, key) = volume_name(&request.project, &request.key)?;
+        let (volume, generations) = self.core.ledger.get_cache(&project, &key).await?;
+        Ok(Response::new(v1::GetCacheResponse { volume: Some(volume), generations }))
+    }
+
+    async fn set_cache_head(
+        &self,
+        request: Request<v1::SetCacheHeadRequest>,
+    ) -> Result<Response<v1::SetCacheHeadResponse>, Status> {
+        let request = request.into_inner();
+        let (project, key) = volume_name(&request.project, &request.key)?;
+        let volume = self.core.ledger.set_cache_head(&project, &key, request.generation).await?;
+        tracing::info!(%project, %key, generation = request.generation, "cache volume head set");
+        Ok(Response::new(v1::SetCacheHeadResponse { volume: Some(volume) }))
+    }
+
+    async fn pin_cache_generation(
+        &self,
+        request: Request<v1::PinCacheGenerationRequest>,
+    ) -> Result<Response<v1::PinCacheGenerationResponse>, Status> {
+        let request = request.into_inner();
+        let (project, key) = volume_name(&request.project, &request.key)?;
+        let generation =
+            self.core.ledger.pin_cache_generation(&project, &key, request.generation, request.pinned).await?;
+        tracing::info!(%project, %key, generation = request.generation, pinned = request.pinned, "cache generation pin set");
+        Ok(Response::new(v1::PinCacheGenerationResponse { generation: Some(generation) }))
+    }
+
+    async fn delete_cache(
+        &self,
+        request: Request<v1::DeleteCacheRequest>,
+    ) -> Result<Response<v1::DeleteCacheResponse>, Status> {
+        let request = request.into_inner();
+        let (project, key) = volume_name(&request.project, &request.key)?;
+        self.core.ledger.delete_cache(&project, &key).await?;
+        tracing::info!(%project, %key, "cache volume deleted");
+        Ok(Response::new(v1::DeleteCacheResponse {}))
+    }
+
+    async fn set_project_caching(
+        &self,
+        request: Request<v1::SetProjectCachingRequest>,
+    ) -> Result<Response<v1::SetProjectCachingResponse>, Status> {
+        let request = request.into_inner();
+        let project = validate::project(&request.project)?;
+        self.core.ledger.set_project_caching(&project, request.enabled).await?;
+        tracing::info!(%project, enabled = request.enabled, "project caching set");
+        Ok(Response::new(v1::SetProjectCachingResponse { project, enabled: request.enabled }))
+    }
+}
+
 #[tonic::async_trait]
 impl v1::capacity_server::Capacity for LeasesService {
     async fn list_node_capacity(

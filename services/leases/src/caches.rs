@@ -80,6 +80,22 @@ impl Ledger {
                             lease.phase
                         )));
                     }
+                    if disabled(conn, &lease.project).await? {
+                        let observation = v1::CacheObservation {
+                            key: key.to_owned(),
+                            outcome: v1::CacheOutcome::Miss as i32,
+                            reason: CACHE_DISABLED.to_owned(),
+                            message: format!("cache volumes of project {} are turned off", lease.project),
+                            ..Default::default()
+                        };
+                        record(conn, &lease, observation.clone()).await?;
+                        let none = v1::CacheGeneration {
+                            project: lease.project.clone(),
+                            key: key.to_owned(),
+                            ..Default::default()
+                        };
+                        return Ok((none, observation, true));
+                    }
                     let number = head_of(conn, &lease.project, key).await?;
                     let head = generation(conn, &lease.project, key, number).await?;
                     let outcome = if number > 0 && held.contains(&number) {
@@ -104,6 +120,7 @@ impl Ledger {
     /// `CommitCache`).
     pub(crate) async fn commit_cache(&self, ask: &CommitAsk) -> Result<Committed, LeaseError> {
         let now_sql = self.store().now_ms_sql();
+        let keep = self.cache_keep();
         self.store()
             .tx("leases.commit_cache", |conn| {
                 Box::pin(async move {
@@ -162,7 +179,7 @@ impl Ledger {
                         }
                         (None, Some((digest, size))) => {
                             let now = berth_store::now_ms_in(conn, now_sql).await?;
-                            match swap_head(conn, &lease, key, *base_generation, digest, *size, now).await? {
+                            match swap_head(conn, &lease, key, *base_generation, digest, *size, now, keep).await? {
                                 Some(number) => {
                                     observation.committed_generation = number;
                                     committed = true;
@@ -186,6 +203,203 @@ impl Ledger {
             })
             .await
     }
+}
+
+impl Ledger {
+    /// Every volume of `project` (every project's for `None`) that has a
+    /// head or a kept generation, by project and key.
+    pub(crate) async fn list_caches(&self, project: Option<&str>) -> Result<Vec<v1::CacheVolume>, LeaseError> {
+        self.store()
+            .tx("leases.list_caches", |conn| {
+                Box::pin(async move {
+                    let keys: Vec<(String, String)> = match project {
+                        Some(project) => sqlx::query_as(
+                            "SELECT project, cache_key FROM cache_heads WHERE project = $1 ORDER BY project, cache_key",
+                        )
+                        .bind(project)
+                        .fetch_all(&mut *conn)
+                        .await?,
+                        None => {
+                            sqlx::query_as("SELECT project, cache_key FROM cache_heads ORDER BY project, cache_key")
+                                .fetch_all(&mut *conn)
+                                .await?
+                        }
+                    };
+                    let mut volumes = Vec::new();
+                    for (project, key) in keys {
+                        volumes.extend(volume(conn, &project, &key).await?);
+                    }
+                    Ok(volumes)
+                })
+            })
+            .await
+    }
+
+    /// One volume and its kept generations, newest first.
+    pub(crate) async fn get_cache(
+        &self,
+        project: &str,
+        key: &str,
+    ) -> Result<(v1::CacheVolume, Vec<v1::CacheGeneration>), LeaseError> {
+        self.store()
+            .tx("leases.get_cache", |conn| {
+                Box::pin(async move {
+                    let found = volume(conn, project, key).await?.ok_or_else(|| not_found(project, key))?;
+                    let rows = sqlx::query(
+                        "SELECT generation, digest, size_bytes, lease_id, node_id, published_at_ms, pinned \
+                         FROM cache_generations WHERE project = $1 AND cache_key = $2 ORDER BY generation DESC",
+                    )
+                    .bind(project)
+                    .bind(key)
+                    .fetch_all(&mut *conn)
+                    .await?;
+                    let blank =
+                        v1::CacheGeneration { project: project.to_owned(), key: key.to_owned(), ..Default::default() };
+                    let generations =
+                        rows.iter().map(|row| generation_of(row, blank.clone())).collect::<Result<Vec<_>, _>>()?;
+                    Ok((found, generations))
+                })
+            })
+            .await
+    }
+
+    /// Makes kept generation `number` (0: none) the head of (project, key).
+    pub(crate) async fn set_cache_head(
+        &self,
+        project: &str,
+        key: &str,
+        number: u64,
+    ) -> Result<v1::CacheVolume, LeaseError> {
+        self.store()
+            .tx("leases.set_cache_head", |conn| {
+                Box::pin(async move {
+                    volume(conn, project, key).await?.ok_or_else(|| not_found(project, key))?;
+                    if number > 0 && generation(conn, project, key, number).await?.generation != number {
+                        return Err(LeaseError::CacheNotFound(format!(
+                            "generation {number} of cache volume {project}/{key}"
+                        )));
+                    }
+                    sqlx::query("UPDATE cache_heads SET generation = $3 WHERE project = $1 AND cache_key = $2")
+                        .bind(project)
+                        .bind(key)
+                        .bind(i64::try_from(number).unwrap_or(i64::MAX))
+                        .execute(&mut *conn)
+                        .await?;
+                    volume(conn, project, key).await?.ok_or_else(|| not_found(project, key))
+                })
+            })
+            .await
+    }
+
+    /// Pins (never collected) or unpins kept generation `number` of (project, key).
+    pub(crate) async fn pin_cache_generation(
+        &self,
+        project: &str,
+        key: &str,
+        number: u64,
+        pinned: bool,
+    ) -> Result<v1::CacheGeneration, LeaseError> {
+        self.store()
+            .tx("leases.pin_cache_generation", |conn| {
+                Box::pin(async move {
+                    let done = sqlx::query(
+                        "UPDATE cache_generations SET pinned = $4 WHERE project = $1 AND cache_key = $2 AND generation = $3",
+                    )
+                    .bind(project)
+                    .bind(key)
+                    .bind(i64::try_from(number).unwrap_or(i64::MAX))
+                    .bind(i64::from(pinned))
+                    .execute(&mut *conn)
+                    .await?;
+                    if done.rows_affected() == 0 {
+                        return Err(LeaseError::CacheNotFound(format!("generation {number} of cache volume {project}/{key}")));
+                    }
+                    generation(conn, project, key, number).await
+                })
+            })
+            .await
+    }
+
+    /// Forgets every generation of (project, key): the next lease of it
+    /// starts empty. Generation numbers go on from the last one, never reused.
+    pub(crate) async fn delete_cache(&self, project: &str, key: &str) -> Result<(), LeaseError> {
+        self.store()
+            .tx("leases.delete_cache", |conn| {
+                Box::pin(async move {
+                    volume(conn, project, key).await?.ok_or_else(|| not_found(project, key))?;
+                    sqlx::query("DELETE FROM cache_generations WHERE project = $1 AND cache_key = $2")
+                        .bind(project)
+                        .bind(key)
+                        .execute(&mut *conn)
+                        .await?;
+                    sqlx::query("UPDATE cache_heads SET generation = 0 WHERE project = $1 AND cache_key = $2")
+                        .bind(project)
+                        .bind(key)
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+            })
+            .await
+    }
+
+    /// Turns `project`'s cache volumes on or off.
+    pub(crate) async fn set_project_caching(&self, project: &str, enabled: bool) -> Result<(), LeaseError> {
+        self.store()
+            .tx("leases.set_project_caching", |conn| {
+                Box::pin(async move {
+                    let sql = if enabled {
+                        "DELETE FROM cache_disabled WHERE project = $1"
+                    } else {
+                        "INSERT INTO cache_disabled (project) VALUES ($1) ON CONFLICT DO NOTHING"
+                    };
+                    sqlx::query(sql).bind(project).execute(&mut *conn).await?;
+                    Ok(())
+                })
+            })
+            .await
+    }
+}
+
+fn not_found(project: &str, key: &str) -> LeaseError {
+    LeaseError::CacheNotFound(format!("cache volume {project}/{key}"))
+}
+
+/// (project, key) as operators see it; `None` when it has neither a head
+/// nor a kept generation.
+async fn volume(conn: &mut AnyConnection, project: &str, key: &str) -> Result<Option<v1::CacheVolume>, LeaseError> {
+    let head = current_head(conn, project, key).await?;
+    let (count, size): (i64, i64) = sqlx::query_as(
+        "SELECT COUNT(*), CAST(COALESCE(SUM(size_bytes), 0) AS BIGINT) FROM cache_generations \
+         WHERE project = $1 AND cache_key = $2",
+    )
+    .bind(project)
+    .bind(key)
+    .fetch_one(&mut *conn)
+    .await?;
+    if head.generation == 0 && count == 0 {
+        return Ok(None);
+    }
+    Ok(Some(v1::CacheVolume {
+        project: project.to_owned(),
+        key: key.to_owned(),
+        head: Some(head),
+        generations: u32::try_from(count).unwrap_or(u32::MAX),
+        size_bytes: u64::try_from(size).unwrap_or_default(),
+        enabled: !disabled(conn, project).await?,
+    }))
+}
+
+/// The reason a lease's volume records while its project's caching is off.
+pub(crate) const CACHE_DISABLED: &str = "CacheDisabled";
+
+/// Whether `project`'s cache volumes are turned off.
+async fn disabled(conn: &mut AnyConnection, project: &str) -> Result<bool, LeaseError> {
+    let found: Option<String> = sqlx::query_scalar("SELECT project FROM cache_disabled WHERE project = $1")
+        .bind(project)
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(found.is_some())
 }
 
 fn refused(message: String) -> LeaseError {
@@ -235,7 +449,7 @@ async fn generation(
         return Ok(none);
     }
     let row = sqlx::query(
-        "SELECT digest, size_bytes, lease_id, published_at_ms FROM cache_generations \
+        "SELECT generation, digest, size_bytes, lease_id, node_id, published_at_ms, pinned FROM cache_generations \
          WHERE project = $1 AND cache_key = $2 AND generation = $3",
     )
     .bind(project)
@@ -244,13 +458,21 @@ async fn generation(
     .fetch_optional(&mut *conn)
     .await?;
     let Some(row) = row else { return Ok(none) };
+    generation_of(&row, none)
+}
+
+/// A generation row selected with its number, digest, size, lease, node,
+/// time and pin.
+fn generation_of(row: &sqlx::any::AnyRow, volume: v1::CacheGeneration) -> Result<v1::CacheGeneration, LeaseError> {
     Ok(v1::CacheGeneration {
-        generation: number,
+        generation: u64::try_from(row.try_get::<i64, _>("generation")?).unwrap_or_default(),
         digest: row.try_get("digest")?,
         size_bytes: u64::try_from(row.try_get::<i64, _>("size_bytes")?).unwrap_or_default(),
         lease_id: row.try_get("lease_id")?,
+        node_id: row.try_get("node_id")?,
         published_at: Some(timestamp(row.try_get("published_at_ms")?)),
-        ..none
+        pinned: row.try_get::<i64, _>("pinned")? == 1,
+        ..volume
     })
 }
 
@@ -258,6 +480,7 @@ async fn generation(
 /// generation holding `digest`: its number, or `None` when the head is no
 /// longer `base`. The head row is the lock: a concurrent publisher waits on
 /// it and then finds it moved.
+#[allow(clippy::too_many_arguments, reason = "one write's fields, named at its one call")]
 async fn swap_head(
     conn: &mut AnyConnection,
     lease: &LeaseRecord,
@@ -266,17 +489,20 @@ async fn swap_head(
     digest: &str,
     size: u64,
     now: i64,
+    keep: u32,
 ) -> Result<Option<u64>, LeaseError> {
     let project = lease.project.as_str();
-    sqlx::query("INSERT INTO cache_heads (project, cache_key, generation) VALUES ($1, $2, 0) ON CONFLICT DO NOTHING")
-        .bind(project)
-        .bind(key)
-        .execute(&mut *conn)
-        .await?;
+    sqlx::query(
+        "INSERT INTO cache_heads (project, cache_key, generation, last_generation) VALUES ($1, $2, 0, 0) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(project)
+    .bind(key)
+    .execute(&mut *conn)
+    .await?;
     let moved: Option<i64> = sqlx::query_scalar(
-        "UPDATE cache_heads SET generation = (SELECT COALESCE(MAX(generation), 0) + 1 FROM cache_generations \
-         WHERE project = $1 AND cache_key = $2) WHERE project = $1 AND cache_key = $2 AND generation = $3 \
-         RETURNING generation",
+        "UPDATE cache_heads SET generation = last_generation + 1, last_generation = last_generation + 1 \
+         WHERE project = $1 AND cache_key = $2 AND generation = $3 RETURNING generation",
     )
     .bind(project)
     .bind(key)
@@ -298,7 +524,31 @@ async fn swap_head(
     .bind(now)
     .execute(&mut *conn)
     .await?;
+    collect(conn, project, key, keep).await?;
     Ok(u64::try_from(number).ok())
+}
+
+/// Forgets the generations of (project, key) beyond the newest `keep`,
+/// except its head and the pinned ones.
+async fn collect(conn: &mut AnyConnection, project: &str, key: &str, keep: u32) -> Result<(), LeaseError> {
+    let numbers: Vec<i64> = sqlx::query_scalar(
+        "SELECT generation FROM cache_generations WHERE project = $1 AND cache_key = $2 AND pinned = 0 \
+         AND generation <> (SELECT generation FROM cache_heads WHERE project = $1 AND cache_key = $2) \
+         ORDER BY generation DESC",
+    )
+    .bind(project)
+    .bind(key)
+    .fetch_all(&mut *conn)
+    .await?;
+    for number in numbers.iter().skip(usize::try_from(keep).unwrap_or(usize::MAX)) {
+        sqlx::query("DELETE FROM cache_generations WHERE project = $1 AND cache_key = $2 AND generation = $3")
+            .bind(project)
+            .bind(key)
+            .bind(number)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
 }
 
 /// The nodes holding the heads of `keys` in `project`: those that sealed them.

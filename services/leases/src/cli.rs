@@ -24,6 +24,11 @@ struct Args {
     #[arg(long, env = "BERTH_LEASE_TTL", default_value_t = 30, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(3..=3600))]
     lease_ttl: u64,
+    /// How many generations of each cache volume to keep beside its head and
+    /// the pinned ones; older ones are collected as new ones are published.
+    #[arg(long, env = "BERTH_CACHE_KEEP", default_value_t = crate::config::DEFAULT_CACHE_KEEP, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    cache_keep: u32,
     #[command(flatten)]
     service: ServiceFlags,
 }
@@ -45,6 +50,7 @@ async fn run(args: Args) -> Result<(), StartError> {
         &started.ctx,
         LeasesConfig {
             election: args.service.state.election(),
+            cache_keep: args.cache_keep,
             ..LeasesConfig::with_lease_ttl(Duration::from_secs(args.lease_ttl))
         },
     );

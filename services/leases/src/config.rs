@@ -66,6 +66,10 @@ pub struct LeasesConfig {
     pub retention: Duration,
     /// Lease of the reaper's leadership.
     pub election: ElectionTiming,
+    /// How many generations of each cache volume are kept, beside its head
+    /// and the pinned ones; older ones are collected when a new one is
+    /// published.
+    pub cache_keep: u32,
 }
 
 impl Default for LeasesConfig {
@@ -81,9 +85,13 @@ impl Default for LeasesConfig {
             index_resync: DEFAULT_INDEX_RESYNC,
             retention: DEFAULT_RETENTION,
             election: ElectionTiming::default(),
+            cache_keep: DEFAULT_CACHE_KEEP,
         }
     }
 }
+
+/// Generations of each cache volume kept by default.
+pub const DEFAULT_CACHE_KEEP: u32 = 5;
 
 impl LeasesConfig {
     /// The defaults with a lease TTL of `ttl` (the grace and the custody

@@ -161,6 +161,9 @@ pub(crate) enum LeaseError {
     /// A cache volume cannot be opened or committed now; the message says why.
     #[error("{0}")]
     CacheRefused(String),
+    /// No such cache volume, or no such generation of one.
+    #[error("{0} not found")]
+    CacheNotFound(String),
     /// The ledger cannot serve the call now (it has not learned the nodes yet,
     /// it is shutting down, or its queue is full); retry shortly.
     #[error("{0}")]
@@ -172,7 +175,7 @@ pub(crate) enum LeaseError {
 
 berth_store::store_errors!(LeaseError, |error| match error {
     LeaseError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
-    LeaseError::NotFound(_) => tonic::Status::not_found(error.to_string()),
+    LeaseError::NotFound(_) | LeaseError::CacheNotFound(_) => tonic::Status::not_found(error.to_string()),
     LeaseError::NotOnNode { .. } => tonic::Status::permission_denied(error.to_string()),
     LeaseError::StaleEpoch { .. }
     | LeaseError::IllegalTransition { .. }
@@ -358,6 +361,8 @@ pub(crate) struct Ledger {
     store: Store,
     ttl_ms: i64,
     custody_window_ms: i64,
+    /// Generations of each cache volume kept beside its head and the pinned.
+    cache_keep: u32,
     /// The key launch registrations are signed with, once read.
     launch_key: Arc<tokio::sync::OnceCell<hmac::Key>>,
 }
@@ -368,12 +373,18 @@ impl Ledger {
             store,
             ttl_ms: millis(config.lease_ttl),
             custody_window_ms: millis(config.custody_window),
+            cache_keep: config.cache_keep,
             launch_key: Arc::default(),
         }
     }
 
     pub(crate) fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Generations of each cache volume kept beside its head and the pinned.
+    pub(crate) fn cache_keep(&self) -> u32 {
+        self.cache_keep
     }
 
     /// Places a batch in one transaction: existing leases for known keys,

@@ -24,7 +24,7 @@
 //! take a server, the loops then living as long as the server's handlers.
 
 pub use cli::binary_main;
-pub use config::{DEFAULT_LEASE_TTL, LeasesConfig};
+pub use config::{DEFAULT_CACHE_KEEP, DEFAULT_LEASE_TTL, LeasesConfig};
 pub use ledger::REAPER_LOOP;
 pub use model::{Memory, Resources};
 pub use placement::{Placement, PlacementNode, PlacementPlan, PlacementRequest, Shortage, place};

@@ -71,6 +71,7 @@ impl ServiceReplica for LeasesService {
         berth_runtime::replica_server!(self, self.revocations, MAX_REQUEST_BYTES, [
             v1::leases_server::LeasesServer<Self>,
             v1::capacity_server::CapacityServer<Self>,
+            v1::caches_server::CachesServer<Self>,
             v1::node_leases_server::NodeLeasesServer<Self>,
         ])
     }

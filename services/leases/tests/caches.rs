@@ -10,6 +10,7 @@ mod support;
 
 use berth_testkit::on_both_backends;
 
+use berth_leases::LeasesConfig;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::{CacheOutcome, LeasePhase};
@@ -235,8 +236,91 @@ async fn a_lease_reaches_only_the_volumes_its_workload_names_in_its_project(back
     ledger.cleanup().await;
 }
 
+/// Runs one lease of `deps` from the head to DONE and publishes its view as
+/// `sealed`; the generation it became.
+async fn publish(ledger: &Ledger, name: &str, sealed: u8) -> u64 {
+    let lease = place(ledger, name, "", "deps", CacheCommit::OnSuccess).await;
+    let base = open(ledger, &lease, "deps", &[]).await.unwrap().head.unwrap().generation;
+    end(ledger, &lease, LeasePhase::Done).await;
+    let outcome = commit(ledger, &lease, base, sealed).await.unwrap();
+    assert!(outcome.committed, "{outcome:?}");
+    outcome.observation.unwrap().committed_generation
+}
+
+fn caches(ledger: &Ledger) -> v1::caches_client::CachesClient<berth_rpc::Channel> {
+    v1::caches_client::CachesClient::new(ledger.admin_channel(0))
+}
+
+fn named(generation: u64) -> (String, String, u64) {
+    (String::new(), "deps".to_owned(), generation)
+}
+
+async fn operators_roll_back_pin_collect_and_delete_volumes_and_turn_a_project_off(backend: Backend) {
+    let ledger = Ledger::start(backend, LeasesConfig { cache_keep: 2, ..fast_config() }, nodes()).await;
+    let mut caches = caches(&ledger);
+    assert_eq!(publish(&ledger, "p1", 1).await, 1);
+    assert_eq!(publish(&ledger, "p2", 2).await, 2);
+    let (project, key, generation) = named(2);
+    let pin = v1::PinCacheGenerationRequest { project, key, generation, pinned: true };
+    assert!(caches.pin_cache_generation(pin).await.unwrap().into_inner().generation.unwrap().pinned);
+    for n in 3..=5 {
+        assert_eq!(publish(&ledger, &format!("p{n}"), n).await, u64::from(n));
+    }
+    // Kept: the head (5), the newest two others (4, 3) and the pinned one (2); 1 was collected.
+    let get = v1::GetCacheRequest { project: String::new(), key: "deps".into() };
+    let got = caches.get_cache(get.clone()).await.unwrap().into_inner();
+    let kept: Vec<u64> = got.generations.iter().map(|g| g.generation).collect();
+    assert_eq!(kept, [5, 4, 3, 2]);
+    let volume = got.volume.unwrap();
+    assert_eq!((volume.head.unwrap().generation, volume.generations, volume.enabled), (5, 4, true));
+    assert_eq!(volume.size_bytes, [5, 4, 3, 2].iter().map(|n| 1000 + n).sum::<u64>());
+    let listed = caches.list_caches(v1::ListCachesRequest::default()).await.unwrap().into_inner().volumes;
+    assert_eq!(listed.iter().map(|v| v.key.as_str()).collect::<Vec<_>>(), ["deps"]);
+
+    // A rollback: the next lease starts from 3, and publishes 6, never a reused number.
+    let (project, key, generation) = named(3);
+    caches.set_cache_head(v1::SetCacheHeadRequest { project, key, generation }).await.unwrap();
+    let lease = place(&ledger, "after-rollback", "", "deps", CacheCommit::OnSuccess).await;
+    let opened = open(&ledger, &lease, "deps", &[]).await.unwrap().head.unwrap();
+    assert_eq!((opened.generation, opened.digest), (3, digest(3)));
+    end(&ledger, &lease, LeasePhase::Done).await;
+    assert_eq!(commit(&ledger, &lease, 3, 9).await.unwrap().observation.unwrap().committed_generation, 6);
+    let (project, key, generation) = named(1);
+    let gone = caches.set_cache_head(v1::SetCacheHeadRequest { project, key, generation }).await.unwrap_err();
+    assert_eq!(gone.code(), Code::NotFound, "{gone:?}");
+    assert!(gone.message().contains("generation 1 of cache volume default/deps"), "{gone:?}");
+
+    // Turned off: a lease gets nothing and publishes nothing, at once.
+    let off = v1::SetProjectCachingRequest { project: String::new(), enabled: false };
+    caches.set_project_caching(off).await.unwrap();
+    let lease = place(&ledger, "while-off", "", "deps", CacheCommit::OnSuccess).await;
+    let opened = open(&ledger, &lease, "deps", &[6]).await.unwrap();
+    assert_eq!(opened.head.unwrap().generation, 0);
+    assert_eq!(opened.observation.unwrap().reason, "CacheDisabled");
+    end(&ledger, &lease, LeasePhase::Done).await;
+    assert!(!commit(&ledger, &lease, 0, 10).await.unwrap().committed);
+    assert!(!caches.get_cache(get.clone()).await.unwrap().into_inner().volume.unwrap().enabled);
+    let on = v1::SetProjectCachingRequest { project: String::new(), enabled: true };
+    caches.set_project_caching(on).await.unwrap();
+
+    // Deleted: gone from the list, and the next lease starts empty at a new number.
+    let delete = v1::DeleteCacheRequest { project: String::new(), key: "deps".into() };
+    caches.delete_cache(delete).await.unwrap();
+    assert_eq!(caches.get_cache(get).await.unwrap_err().code(), Code::NotFound);
+    assert!(caches.list_caches(v1::ListCachesRequest::default()).await.unwrap().into_inner().volumes.is_empty());
+    assert_eq!(publish(&ledger, "after-delete", 11).await, 7);
+
+    // Bad names are refused, naming the field.
+    let bad = v1::GetCacheRequest { project: String::new(), key: "../deps".into() };
+    let refused = caches.get_cache(bad).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(refused.message().contains("key"), "{refused:?}");
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
     a_view_is_published_only_when_its_workload_succeeded,
     of_two_leases_started_from_one_head_exactly_one_publishes,
     a_lease_reaches_only_the_volumes_its_workload_names_in_its_project,
+    operators_roll_back_pin_collect_and_delete_volumes_and_turn_a_project_off,
 );

@@ -123,6 +123,11 @@ struct RequestArgs {
     /// An environment variable for the command; repeatable.
     #[arg(long = "env", value_name = "KEY=VALUE", value_parser = parse_label)]
     env: Vec<(String, String)>,
+    /// A cache volume to mount: `KEY:PATH`, optionally `:always` or `:never`
+    /// to publish its view also when the command fails, or never
+    /// [default: when it succeeds]; repeatable.
+    #[arg(long = "cache", value_name = "KEY:PATH[:COMMIT]", value_parser = parse_cache_mount)]
+    cache: Vec<berth_proto::types::v1::CacheMount>,
     /// Wait until the lease runs or ends, and print it then.
     #[arg(long)]
     wait: bool,
@@ -330,6 +335,7 @@ async fn request(
             command,
             args: words.collect(),
             env: args.env.into_iter().collect::<HashMap<_, _>>(),
+            cache: args.cache,
             ..Default::default()
         }),
     };
@@ -615,6 +621,23 @@ fn cache_line(workload: &v1::Workload, observations: &[v1::CacheObservation]) ->
         format!("{} at {}: {did}", mount.key, mount.path)
     });
     volumes.collect::<Vec<_>>().join("; ")
+}
+
+/// `KEY:PATH[:COMMIT]` as a cache mount; the key and path are checked by
+/// the ledger, the commit here.
+fn parse_cache_mount(text: &str) -> Result<berth_proto::types::v1::CacheMount, String> {
+    use berth_proto::types::v1::{CacheCommit, CacheMount};
+    let mut parts = text.splitn(3, ':');
+    let (Some(key), Some(path)) = (parts.next(), parts.next()) else {
+        return Err(format!("'{text}' is not KEY:PATH[:COMMIT]"));
+    };
+    let commit = match parts.next() {
+        None | Some("on_success" | "on-success") => CacheCommit::OnSuccess,
+        Some("always") => CacheCommit::Always,
+        Some("never") => CacheCommit::Never,
+        Some(other) => return Err(format!("'{other}' is not a commit: on_success, always or never")),
+    };
+    Ok(CacheMount { key: key.to_string(), path: path.to_string(), commit: commit as i32 })
 }
 
 /// `word` as a POSIX shell would need it written to mean itself.

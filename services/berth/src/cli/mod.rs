@@ -16,6 +16,7 @@
 //! this far: clap refuses them as usage errors (exit code 2).
 
 mod bootstrap;
+mod cache;
 mod cert;
 mod egress;
 mod health;
@@ -37,6 +38,7 @@ use berth_runtime::StartError;
 use tonic::Code;
 
 pub(crate) use bootstrap::BootstrapArgs;
+pub(crate) use cache::CacheArgs;
 pub(crate) use cert::CertArgs;
 pub(crate) use egress::EgressArgs;
 pub(crate) use health::HealthArgs;

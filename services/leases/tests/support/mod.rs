@@ -218,7 +218,7 @@ impl Ledger {
         &self.bus
     }
 
-    fn admin_channel(&self, replica: usize) -> Channel {
+    pub(crate) fn admin_channel(&self, replica: usize) -> Channel {
         berth_rpc::connect(&self.replicas[replica].addr.to_string(), self.admin.clone()).unwrap()
     }
 
