@@ -5,6 +5,7 @@
 //! ```text
 //! DATA_DIR/caches/empty/                                   the lower layer of a view of nothing
 //! DATA_DIR/caches/volumes/<project>/<key>/sealed/<hex>/    one sealed content tree, named by its digest
+//! DATA_DIR/caches/volumes/<project>/<key>/sealed/<hex>.index.json  each of its files' content digest
 //! DATA_DIR/caches/volumes/<project>/<key>/generations/<N>  a link to the sealed tree generation N is
 //! DATA_DIR/caches/volumes/<project>/<key>/staging/<lease>/ a seal under way
 //! DATA_DIR/caches/views/<lease>/views.json                 the lease's views: what commits them
@@ -12,12 +13,18 @@
 //! ```
 //!
 //! # Invariants
+//! - `DATA_DIR/caches` is the node's alone (mode 0700): a sealed tree's
+//!   files are open to every user, for the leases whose views it lies under.
 //! - A sealed tree is never written after its rename into `sealed/`: it is
 //!   the read-only lower layer of every view of its generation, so two
 //!   leases of one key never see each other's writes.
 //! - A seal is copy, fsync (files, then directories), digest, then one
 //!   rename: a crash leaves a whole sealed tree or a staging directory the
-//!   sweep removes, never a partial tree under `sealed/`.
+//!   sweep removes, never a partial tree under `sealed/`. A file the lease
+//!   left alone (not in its upper layer, or there as metadata alone, under
+//!   no renamed directory) is hard-linked from the tree it started from
+//!   with the digest recorded for it, so a seal reads and writes what the
+//!   lease changed, not the whole volume; the digest is the same either way.
 //! - The digest covers each entry's relative path, kind, mode, and content
 //!   (or link target), in sorted order, with lengths before bytes, so two
 //!   trees have one digest only when a workload would see the same files.
@@ -71,6 +78,12 @@ pub(crate) struct View {
     pub(crate) inside: PathBuf,
     /// The overlay on the host.
     pub(crate) merged: PathBuf,
+    /// Its lower layer: the sealed tree it started from, or an empty one.
+    #[serde(default)]
+    pub(crate) lower: PathBuf,
+    /// Its upper layer: what the lease changed.
+    #[serde(default)]
+    pub(crate) upper: PathBuf,
     /// The generation the view starts from, as the ledger answered.
     pub(crate) base_generation: u64,
     /// Whether it may be published: false when the node did not hold the
@@ -106,6 +119,18 @@ impl CacheVolumes {
         Self { root: data_dir.join("caches") }
     }
 
+    /// Creates the root, closed to every other user of the host: sealed
+    /// trees are open to every user, for the leases that mount them.
+    fn closed_root(&self) -> Result<(), CacheError> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.root)
+            .map_err(|e| io("create", &self.root, e))?;
+        std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| io("close", &self.root, e))
+    }
+
     fn volume(&self, project: &str, key: &str) -> PathBuf {
         self.root.join("volumes").join(project).join(key)
     }
@@ -132,7 +157,8 @@ impl CacheVolumes {
         let hex = head.digest.strip_prefix("sha256:")?;
         let link = self.volume(&head.project, &head.key).join("generations").join(head.generation.to_string());
         let target = std::fs::read_link(&link).ok()?;
-        (target.file_name()?.as_bytes() == hex.as_bytes() && link.is_dir()).then_some(link)
+        let tree = self.volume(&head.project, &head.key).join("sealed").join(hex);
+        (target.file_name()?.as_bytes() == hex.as_bytes() && tree.is_dir()).then_some(tree)
     }
 
     /// Mounts the lease's view of `mount`'s volume at `head`: an overlay
@@ -147,6 +173,7 @@ impl CacheVolumes {
         head: &CacheGeneration,
         publish: bool,
     ) -> Result<View, CacheError> {
+        self.closed_root()?;
         let dir = self.views_of(lease_id).join(&mount.key);
         let (upper, work, merged) = (dir.join("upper"), dir.join("work"), dir.join("merged"));
         let empty = self.root.join("empty");
@@ -159,16 +186,21 @@ impl CacheVolumes {
         if !is_mounted(&merged) {
             let options =
                 format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
-            mount_overlay(&merged, &options).map_err(|source| CacheError::Mount {
-                key: mount.key.clone(),
-                path: merged.display().to_string(),
-                source,
-            })?;
+            // A change of owner or mode copies up metadata alone where the kernel can.
+            mount_overlay(&merged, &format!("{options},metacopy=on"))
+                .or_else(|_| mount_overlay(&merged, &options))
+                .map_err(|source| CacheError::Mount {
+                    key: mount.key.clone(),
+                    path: merged.display().to_string(),
+                    source,
+                })?;
         }
         let view = View {
             key: mount.key.clone(),
             inside: PathBuf::from(&mount.path),
             merged,
+            lower: lower.clone(),
+            upper: upper.clone(),
             base_generation: head.generation,
             based,
             commit: mount.commit,
@@ -191,6 +223,7 @@ impl CacheVolumes {
     /// into a staging tree owned by the node, synced, digested, and renamed
     /// into `sealed/` (where the same content already sealed is kept).
     pub(crate) fn seal(&self, lease_id: &str, project: &str, view: &View) -> Result<Sealed, CacheError> {
+        self.closed_root()?;
         let volume = self.volume(project, &view.key);
         let staging = volume.join("staging").join(lease_id);
         if staging.exists() {
@@ -201,21 +234,27 @@ impl CacheVolumes {
             .mode(0o755)
             .create(&staging)
             .map_err(|e| io("create", &staging, e))?;
-        let mut manifest = Sha256::new();
-        let mut size_bytes = 0;
-        copy_tree(&view.merged, &staging, Path::new(""), &mut manifest, &mut size_bytes)?;
+        // What the lease did not change comes from the tree it started
+        // from: linked, with the digests that tree was sealed with.
+        let base = Base { lower: &view.lower, upper: &view.upper, index: read_index(&view.lower) };
+        let mut seal = Seal { manifest: Sha256::new(), size_bytes: 0, index: FileIndex::new() };
+        copy_tree(&view.merged, &staging, Path::new(""), true, &base, &mut seal)?;
+        std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o777))
+            .map_err(|e| io("set the mode of", &staging, e))?;
         sync_dir(&staging)?;
-        let hex = hex(&manifest.finalize());
+        let hex = hex(&seal.manifest.finalize());
         let sealed_dir = volume.join("sealed");
         std::fs::create_dir_all(&sealed_dir).map_err(|e| io("create", &sealed_dir, e))?;
         let sealed = sealed_dir.join(&hex);
         if sealed.exists() {
             std::fs::remove_dir_all(&staging).map_err(|e| io("remove", &staging, e))?;
         } else {
+            let index = sealed_dir.join(format!("{hex}.index.json"));
+            berth_core::write_json_atomically(&index, &seal.index).map_err(|e| io("write", &index, e))?;
             std::fs::rename(&staging, &sealed).map_err(|e| io("seal", &sealed, e))?;
             sync_dir(&sealed_dir)?;
         }
-        Ok(Sealed { digest: format!("sha256:{hex}"), size_bytes })
+        Ok(Sealed { digest: format!("sha256:{hex}"), size_bytes: seal.size_bytes })
     }
 
     /// Records that the ledger published `generation` of (project, key) as
@@ -292,16 +331,69 @@ fn field(manifest: &mut Sha256, bytes: &[u8]) {
     manifest.update(bytes);
 }
 
+/// Each regular file of a sealed tree by its path: its content's SHA-256,
+/// written beside the tree (`<hex>.index.json`) so the next seal need not
+/// read what its lease left unchanged.
+type FileIndex = std::collections::BTreeMap<String, String>;
+
+fn read_index(tree: &Path) -> FileIndex {
+    let Some(name) = tree.file_name().and_then(|name| name.to_str()) else { return FileIndex::new() };
+    let index = tree.with_file_name(format!("{name}.index.json"));
+    std::fs::read(index).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok()).unwrap_or_default()
+}
+
+/// The tree a view started from, and what the lease wrote over it.
+struct Base<'a> {
+    lower: &'a Path,
+    upper: &'a Path,
+    index: FileIndex,
+}
+
+impl Base<'_> {
+    /// Where `path`'s content is in the lower tree, and its digest, when
+    /// the lease left the content alone: no copy in the upper layer, or one
+    /// holding metadata alone (overlayfs `metacopy`) that was not moved
+    /// there from elsewhere. `in_place` says no directory above it was
+    /// renamed into place (its content would come from another path).
+    fn unchanged(&self, path: &Path, in_place: bool) -> Option<(PathBuf, &String)> {
+        let digest = self.index.get(path.to_str()?)?;
+        let upper = self.upper.join(path);
+        let copied = std::fs::symlink_metadata(&upper).is_ok();
+        let metadata_only = has_xattr(&upper, "trusted.overlay.metacopy") && !has_xattr(&upper, REDIRECT);
+        (in_place && (!copied || metadata_only)).then(|| (self.lower.join(path), digest))
+    }
+}
+
+/// The overlay attribute of an entry whose lower content is at another path.
+const REDIRECT: &str = "trusted.overlay.redirect";
+
+/// Whether `path` (not followed) has the extended attribute `name`.
+fn has_xattr(path: &Path, name: &str) -> bool {
+    rustix::fs::lgetxattr(path, name, &mut [0_u8; 0]).is_ok()
+}
+
+/// A seal under way: the manifest digest, the bytes, the file index.
+struct Seal {
+    manifest: Sha256,
+    size_bytes: u64,
+    index: FileIndex,
+}
+
 /// Copies the tree `from` into `to` (which exists), entries sorted by name,
-/// feeding each to `manifest` under its path `relative`. Regular files,
-/// directories and symbolic links are kept; anything else (a socket, a
-/// device node, a pipe) is not content and is left out.
+/// feeding each to the seal's manifest under its path `relative`. Regular
+/// files, directories and symbolic links are kept; anything else (a socket,
+/// a device node, a pipe) is not content and is left out. Modes are opened
+/// to every user (files read-write, directories also searchable; execute
+/// bits kept): a sealed tree is the lower layer of each later lease's view,
+/// which runs as a user of its own, and a view is private to its lease.
+/// A file `base` says is unchanged is linked from the tree it came from.
 fn copy_tree(
     from: &Path,
     to: &Path,
     relative: &Path,
-    manifest: &mut Sha256,
-    size_bytes: &mut u64,
+    in_place: bool,
+    base: &Base<'_>,
+    seal: &mut Seal,
 ) -> Result<(), CacheError> {
     let mut entries: Vec<std::fs::DirEntry> = std::fs::read_dir(from)
         .map_err(|e| io("read", from, e))?
@@ -312,14 +404,16 @@ fn copy_tree(
         let (source, target) = (entry.path(), to.join(entry.file_name()));
         let path = relative.join(entry.file_name());
         let meta = std::fs::symlink_metadata(&source).map_err(|e| io("read", &source, e))?;
-        let mode = meta.mode() & 0o7777;
         let kind = meta.file_type();
+        let manifest = &mut seal.manifest;
         if kind.is_dir() {
+            let mode = (meta.mode() & 0o7777) | 0o777;
             field(manifest, b"d");
             field(manifest, path.as_os_str().as_bytes());
             field(manifest, &mode.to_be_bytes());
             std::fs::DirBuilder::new().mode(0o700).create(&target).map_err(|e| io("create", &target, e))?;
-            copy_tree(&source, &target, &path, manifest, size_bytes)?;
+            let moved = has_xattr(&base.upper.join(&path), REDIRECT);
+            copy_tree(&source, &target, &path, in_place && !moved, base, seal)?;
             std::fs::set_permissions(&target, std::fs::Permissions::from_mode(mode))
                 .map_err(|e| io("set the mode of", &target, e))?;
             sync_dir(&target)?;
@@ -330,32 +424,44 @@ fn copy_tree(
             field(manifest, link.as_os_str().as_bytes());
             std::os::unix::fs::symlink(&link, &target).map_err(|e| io("link", &target, e))?;
         } else if kind.is_file() {
-            let mut input = std::fs::File::open(&source).map_err(|e| io("open", &source, e))?;
-            let mut output = std::fs::File::create_new(&target).map_err(|e| io("create", &target, e))?;
-            let mut content = Sha256::new();
-            let mut buffer = vec![0; 1 << 16];
-            loop {
-                let read = input.read(&mut buffer).map_err(|e| io("read", &source, e))?;
-                if read == 0 {
-                    break;
-                }
-                content.update(&buffer[..read]);
-                output.write_all(&buffer[..read]).map_err(|e| io("write", &target, e))?;
-            }
-            output
-                .set_permissions(std::fs::Permissions::from_mode(mode))
-                .map_err(|e| io("set the mode of", &target, e))?;
-            output.sync_all().map_err(|e| io("sync", &target, e))?;
+            let mode = (meta.mode() & 0o7777) | 0o666;
+            let linked =
+                base.unchanged(&path, in_place).filter(|(lower, _)| std::fs::hard_link(lower, &target).is_ok());
+            let digest = match linked {
+                Some((_, digest)) => digest.clone(),
+                None => copy_file(&source, &target, mode)?,
+            };
             field(manifest, b"f");
             field(manifest, path.as_os_str().as_bytes());
             field(manifest, &mode.to_be_bytes());
-            field(manifest, &content.finalize());
-            *size_bytes = size_bytes.saturating_add(meta.len());
+            field(manifest, digest.as_bytes());
+            seal.size_bytes = seal.size_bytes.saturating_add(meta.len());
+            seal.index.insert(path.to_string_lossy().into_owned(), digest);
         } else {
             tracing::debug!(path = %source.display(), "not a file, directory or link; left out of the seal");
         }
     }
     Ok(())
+}
+
+/// Copies `source` to the new file `target` with `mode`, synced; the
+/// content's SHA-256 in hex.
+fn copy_file(source: &Path, target: &Path, mode: u32) -> Result<String, CacheError> {
+    let mut input = std::fs::File::open(source).map_err(|e| io("open", source, e))?;
+    let mut output = std::fs::File::create_new(target).map_err(|e| io("create", target, e))?;
+    let mut content = Sha256::new();
+    let mut buffer = vec![0; 1 << 16];
+    loop {
+        let read = input.read(&mut buffer).map_err(|e| io("read", source, e))?;
+        if read == 0 {
+            break;
+        }
+        content.update(&buffer[..read]);
+        output.write_all(&buffer[..read]).map_err(|e| io("write", target, e))?;
+    }
+    output.set_permissions(std::fs::Permissions::from_mode(mode)).map_err(|e| io("set the mode of", target, e))?;
+    output.sync_all().map_err(|e| io("sync", target, e))?;
+    Ok(hex(&content.finalize()))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), CacheError> {
@@ -423,6 +529,8 @@ mod tests {
             key: key.into(),
             inside: "/cache".into(),
             merged: dir.to_path_buf(),
+            lower: PathBuf::new(),
+            upper: PathBuf::new(),
             base_generation: 0,
             based: true,
             commit: 0,
@@ -445,13 +553,20 @@ mod tests {
         assert_eq!(std::fs::read_to_string(sealed.join("deps/b.bin")).unwrap(), "beta");
         assert!(!tmp.path().join("caches/volumes/default/deps/staging/l-2").exists(), "no staging left");
 
-        // Another content, another name; a mode is content too.
+        // Another content, another name; an execute bit is content too
+        // (read and write are open to all in every sealed tree).
         std::fs::write(two.join("a.txt"), "ALPHA").unwrap();
         let changed = volumes.seal("l-3", "default", &view_of(&two, "deps")).unwrap();
         assert_ne!(changed.digest, first.digest);
         std::fs::write(two.join("a.txt"), "alpha").unwrap();
         std::fs::set_permissions(two.join("a.txt"), std::fs::Permissions::from_mode(0o600)).unwrap();
-        assert_ne!(volumes.seal("l-4", "default", &view_of(&two, "deps")).unwrap().digest, first.digest);
+        assert_eq!(volumes.seal("l-4", "default", &view_of(&two, "deps")).unwrap().digest, first.digest);
+        std::fs::set_permissions(two.join("a.txt"), std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_ne!(volumes.seal("l-5", "default", &view_of(&two, "deps")).unwrap().digest, first.digest);
+        let mode = std::fs::metadata(sealed.join("a.txt")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o666, "sealed open to every user");
+        let root = std::fs::metadata(tmp.path().join("caches")).unwrap().permissions().mode();
+        assert_eq!(root & 0o777, 0o700, "under a root no other user enters");
 
         // Recorded as a generation, it is held; a link to a tree never sealed is not.
         assert!(volumes.held("default", "deps").is_empty());
@@ -485,7 +600,10 @@ mod tests {
         let tmp = TestDir::new();
         let volumes = CacheVolumes::new(tmp.path());
         let seed = tmp.path().join("seed");
-        tree(&seed, &[("shared.txt", "from generation 1")]);
+        tree(
+            &seed,
+            &[("shared.txt", "from generation 1"), ("untouched.bin", "kept as it was"), ("dir/f", "in a directory")],
+        );
         let sealed = volumes.seal("l-0", "default", &view_of(&seed, "deps")).unwrap();
         volumes.record("default", "deps", 1, &sealed.digest).unwrap();
 
@@ -498,12 +616,40 @@ mod tests {
         assert_eq!(std::fs::read_to_string(two.merged.join("shared.txt")).unwrap(), "from generation 1");
         assert!(!two.merged.join("new.txt").exists());
         let hex = sealed.digest.strip_prefix("sha256:").unwrap();
-        let tree = tmp.path().join("caches/volumes/default/deps/sealed").join(hex);
-        assert_eq!(std::fs::read_to_string(tree.join("shared.txt")).unwrap(), "from generation 1");
+        let head_tree = tmp.path().join("caches/volumes/default/deps/sealed").join(hex);
+        assert_eq!(std::fs::read_to_string(head_tree.join("shared.txt")).unwrap(), "from generation 1");
 
-        // l-1's view sealed holds its writes over the head.
+        // l-1's view sealed holds its writes over the head: what it left
+        // alone is linked from the head's tree, never read again, and the
+        // digest is what sealing the same files from scratch gives.
+        std::fs::rename(one.merged.join("dir"), one.merged.join("moved")).unwrap();
+        std::fs::create_dir(one.merged.join("dir")).unwrap();
+        std::fs::write(one.merged.join("dir/f"), "new under the old name").unwrap();
         let next = volumes.seal("l-1", "default", &one).unwrap();
         assert_ne!(next.digest, sealed.digest);
+        let plain = tmp.path().join("plain");
+        tree(
+            &plain,
+            &[
+                ("shared.txt", "changed by l-1"),
+                ("new.txt", "l-1 only"),
+                ("untouched.bin", "kept as it was"),
+                ("moved/f", "in a directory"),
+                ("dir/f", "new under the old name"),
+            ],
+        );
+        assert_eq!(volumes.seal("l-plain", "other", &view_of(&plain, "deps")).unwrap(), next);
+        let next_tree =
+            tmp.path().join("caches/volumes/default/deps/sealed").join(next.digest.strip_prefix("sha256:").unwrap());
+        let inode = |path: &Path| std::fs::metadata(path).unwrap().ino();
+        assert_eq!(
+            inode(&next_tree.join("untouched.bin")),
+            inode(&head_tree.join("untouched.bin")),
+            "linked, not copied"
+        );
+        assert_ne!(inode(&next_tree.join("shared.txt")), inode(&head_tree.join("shared.txt")));
+        assert_eq!(std::fs::read_to_string(next_tree.join("dir/f")).unwrap(), "new under the old name");
+        assert_eq!(std::fs::read_to_string(next_tree.join("moved/f")).unwrap(), "in a directory");
         assert_eq!(volumes.views("l-1"), std::slice::from_ref(&one), "the view is recorded beside the lease");
 
         // A head the node does not hold: the view starts empty, and says so.

@@ -1231,11 +1231,15 @@ impl ContainerProvider {
                 let work_dir = &prepared.0;
                 rustix::fs::chown(work_dir, Some(rustix::fs::Uid::from_raw(uid)), Some(rustix::fs::Gid::from_raw(uid)))
                     .map_err(|e| io("give the workload", work_dir, e.into()))?;
-                // A view's files come sealed as the node's: the lease's user
-                // gets them (in its own upper layer, metadata alone where
-                // the kernel copies up only that).
-                for dir in identity.iter().chain(&caches) {
-                    give_tree(dir, uid)?;
+                if let Some(identity) = &identity {
+                    give_tree(identity, uid)?;
+                }
+                // A cache view's files come sealed open to every user (the
+                // view is the lease's alone): only its root is given, so
+                // nothing under it is copied up before the workload writes.
+                for view in &caches {
+                    std::os::unix::fs::lchown(view, Some(uid), Some(uid))
+                        .map_err(|source| io("give the workload", view, source))?;
                 }
                 Ok(prepared)
             })
