@@ -110,7 +110,8 @@ bench:
 	"$$bench" router; \
 	"$$bench" svids; \
 	"$$bench" dns; \
-	"$$bench" mirror
+	"$$bench" mirror; \
+	"$$bench" cache
 
 ## Container images, where a Docker engine runs: one per binary, tagged
 ## <binary>:dev, from one build of the workspace (docker/Dockerfile).

@@ -49,7 +49,7 @@ use crate::error::FileError;
 
 /// Why a volume could not be opened or sealed.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum CacheError {
+pub enum CacheError {
     /// A file operation failed.
     #[error(transparent)]
     Io(#[from] FileError),
@@ -71,51 +71,51 @@ fn io(action: &'static str, path: &Path, source: std::io::Error) -> CacheError {
 
 /// One lease's view of one volume, as recorded beside it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct View {
+pub struct View {
     /// The volume's key.
-    pub(crate) key: String,
+    pub key: String,
     /// Where the workload sees it.
-    pub(crate) inside: PathBuf,
+    pub inside: PathBuf,
     /// The overlay on the host.
-    pub(crate) merged: PathBuf,
+    pub merged: PathBuf,
     /// Its lower layer: the sealed tree it started from, or an empty one.
     #[serde(default)]
-    pub(crate) lower: PathBuf,
+    pub lower: PathBuf,
     /// Its upper layer: what the lease changed.
     #[serde(default)]
-    pub(crate) upper: PathBuf,
+    pub upper: PathBuf,
     /// The generation the view starts from, as the ledger answered.
-    pub(crate) base_generation: u64,
+    pub base_generation: u64,
     /// Whether it may be published: false when the node did not hold the
     /// head (the view started empty) or the ledger said it publishes
     /// nothing (the project's caching is off).
-    pub(crate) based: bool,
+    pub based: bool,
     /// When it is published (`CacheCommit` as a number).
-    pub(crate) commit: i32,
+    pub commit: i32,
 }
 
 impl View {
     /// When it is published.
-    pub(crate) fn commit(&self) -> CacheCommit {
+    pub fn commit(&self) -> CacheCommit {
         CacheCommit::try_from(self.commit).unwrap_or_default()
     }
 }
 
 /// A sealed tree: its digest (`sha256:<hex>`) and the bytes of its files.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Sealed {
-    pub(crate) digest: String,
-    pub(crate) size_bytes: u64,
+pub struct Sealed {
+    pub digest: String,
+    pub size_bytes: u64,
 }
 
 /// The node's cache volumes under `DATA_DIR/caches`.
 #[derive(Debug, Clone)]
-pub(crate) struct CacheVolumes {
+pub struct CacheVolumes {
     root: PathBuf,
 }
 
 impl CacheVolumes {
-    pub(crate) fn new(data_dir: &Path) -> Self {
+    pub fn new(data_dir: &Path) -> Self {
         Self { root: data_dir.join("caches") }
     }
 
@@ -140,7 +140,7 @@ impl CacheVolumes {
     }
 
     /// The generations of (project, key) the node holds sealed, newest first.
-    pub(crate) fn held(&self, project: &str, key: &str) -> Vec<u64> {
+    pub fn held(&self, project: &str, key: &str) -> Vec<u64> {
         let dir = self.volume(project, key).join("generations");
         let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
         let mut held: Vec<u64> = entries
@@ -166,7 +166,7 @@ impl CacheVolumes {
     /// generation 0 or a head the node does not hold) and whose upper layer
     /// is the lease's own; `publish` false when the ledger already said it
     /// publishes nothing. Records it beside the lease's other views.
-    pub(crate) fn open_view(
+    pub fn open_view(
         &self,
         lease_id: &str,
         mount: &CacheMount,
@@ -214,7 +214,7 @@ impl CacheVolumes {
     }
 
     /// The views recorded for `lease_id`; none when it has none.
-    pub(crate) fn views(&self, lease_id: &str) -> Vec<View> {
+    pub fn views(&self, lease_id: &str) -> Vec<View> {
         let record = self.views_of(lease_id).join("views.json");
         std::fs::read(&record).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok()).unwrap_or_default()
     }
@@ -222,7 +222,7 @@ impl CacheVolumes {
     /// Seals what `view` of (project, key) holds now for `lease_id`: copied
     /// into a staging tree owned by the node, synced, digested, and renamed
     /// into `sealed/` (where the same content already sealed is kept).
-    pub(crate) fn seal(&self, lease_id: &str, project: &str, view: &View) -> Result<Sealed, CacheError> {
+    pub fn seal(&self, lease_id: &str, project: &str, view: &View) -> Result<Sealed, CacheError> {
         self.closed_root()?;
         let volume = self.volume(project, &view.key);
         let staging = volume.join("staging").join(lease_id);
@@ -259,7 +259,7 @@ impl CacheVolumes {
 
     /// Records that the ledger published `generation` of (project, key) as
     /// the sealed tree `digest`, so later views of it start from that tree.
-    pub(crate) fn record(&self, project: &str, key: &str, generation: u64, digest: &str) -> Result<(), CacheError> {
+    pub fn record(&self, project: &str, key: &str, generation: u64, digest: &str) -> Result<(), CacheError> {
         let Some(hex) = digest.strip_prefix("sha256:") else { return Ok(()) };
         let generations = self.volume(project, key).join("generations");
         std::fs::create_dir_all(&generations).map_err(|e| io("create", &generations, e))?;
@@ -274,7 +274,7 @@ impl CacheVolumes {
 
     /// Unmounts and removes every view of `lease_id`. Only once its
     /// workload is gone.
-    pub(crate) fn close_views(&self, lease_id: &str) -> Result<(), CacheError> {
+    pub fn close_views(&self, lease_id: &str) -> Result<(), CacheError> {
         let dir = self.views_of(lease_id);
         if !dir.exists() {
             return Ok(());
@@ -293,7 +293,7 @@ impl CacheVolumes {
 
     /// Removes the views of leases not in `keep` and every seal left under
     /// way (a seal is redone from its view): what a crash left behind.
-    pub(crate) fn sweep(&self, keep: &HashSet<String>) {
+    pub fn sweep(&self, keep: &HashSet<String>) {
         if let Ok(entries) = std::fs::read_dir(self.root.join("views")) {
             for entry in entries.filter_map(Result::ok) {
                 let Some(lease_id) = entry.file_name().to_str().map(str::to_owned) else { continue };

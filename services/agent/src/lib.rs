@@ -93,6 +93,7 @@ pub use faults::FAULTS_ENV;
 pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;
 pub use identity_servers::preferred_index;
+pub use caches::{CacheError, CacheVolumes, Sealed, View};
 pub use join::JoinError;
 pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
 pub use provider::{

@@ -8,6 +8,7 @@
 //! the same run, against the same process, over as many connections, and
 //! every figure is reported whether or not it meets its target.
 
+mod cache;
 mod deploy;
 mod dev;
 mod dns;
@@ -89,6 +90,11 @@ enum Scenario {
     /// mirror that refuses connections and one that never answers, beside
     /// the same pull with no mirror.
     Mirror(mirror::MirrorArgs),
+    /// A cache volume's view mounted for a launch, beside the same launch
+    /// without one, under a real runtime (needs root); a view's publish
+    /// beside a seal of every byte; placement's share of a key's leases
+    /// put beside its head on simulated nodes.
+    Cache(cache::CacheArgs),
     /// The HTTP server the router scenario deploys (run by the node).
     #[command(hide = true)]
     EchoServer,
@@ -120,6 +126,7 @@ impl Scenario {
             Scenario::Svids(args) => svids::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Dns(args) => dns::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Mirror(args) => mirror::run(args).await.map_err(|error| berth_runtime::chain(&error)),
+            Scenario::Cache(args) => cache::run(args).await,
             Scenario::EchoServer => router::echo_server().await,
         };
         outcome.map_err(StartError::Invalid)

@@ -702,17 +702,26 @@ fn service_details(service: &v1::Service, replicas: &[(String, Lease)]) -> Strin
     let mut text = output::fields(&rows);
     text.push_str("\nConditions:\n");
     text.push_str(&output::indent(&output::conditions_table(&status.conditions)));
-    let mut table = Table::new(vec!["NODE", "LEASE", "REVISION", "PHASE", "PORT", "AGE"]);
+    let cached = replicas.iter().any(|(_, lease)| !lease.cache.is_empty());
+    let mut columns = vec!["NODE", "LEASE", "REVISION", "PHASE", "PORT", "AGE"];
+    if cached {
+        columns.push("CACHE");
+    }
+    let mut table = Table::new(columns);
     for (node, lease) in replicas {
         let port = port_of(lease);
-        table.row(vec![
+        let mut row = vec![
             node.clone(),
             lease.lease_id.clone(),
             output::or_none(revision_of(service, lease)),
             output::lease_phase(lease.phase),
             if port == 0 { output::NONE.to_string() } else { port.to_string() },
             output::age(lease.phase_changed_at.as_ref()),
-        ]);
+        ];
+        if cached {
+            row.push(output::cache_outcomes(&lease.cache));
+        }
+        table.row(row);
     }
     text.push_str(&table.section("Replicas", "<none>"));
     text
