@@ -31,8 +31,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use berth_agent::{
-    CacheBind, CacheVolumes, ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, InstanceMeta, LaunchSpec,
-    ProcessTiming, Program, Provider, Resources, UidRange, View, WorkloadRoot,
+    CacheBind, CacheVolumes, ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, ProcessTiming, Provider,
+    UidRange, View,
 };
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1::CacheGeneration;
@@ -42,7 +42,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::dev::Series;
 use crate::output::{OutputFormat, print_report, progress};
-use crate::runtime_launch::BenchRuntime;
+use crate::runtime_launch::{BenchRuntime, sleep_spec};
 
 /// A warm volume may add at most this to a launch, p99, ms.
 const TARGET_MOUNT_ADDED_P99_MS: f64 = 100.0;
@@ -140,7 +140,7 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
         for cached in [false, true] {
             let lease_id = format!("bench-{index}-{}", u8::from(cached));
             let sent = Instant::now();
-            let mut spec = launch_spec(&lease_id);
+            let mut spec = sleep_spec(&lease_id);
             if cached {
                 let view = volumes.open_view(&lease_id, &mount, &head, true).map_err(|e| e.to_string())?;
                 spec.caches.push(CacheBind { host: view.merged, inside: view.inside });
@@ -231,26 +231,6 @@ fn table(report: &Report) -> String {
         report.target_hit_rate * 100.0
     ));
     out
-}
-
-/// A lease running `sleep` from the host's files.
-fn launch_spec(lease_id: &str) -> LaunchSpec {
-    LaunchSpec {
-        lease_id: lease_id.to_owned(),
-        epoch: 1,
-        node_id: "bench".into(),
-        root: WorkloadRoot::Host,
-        program: Program::Command("/bin/sleep".into()),
-        args: vec!["600".into()],
-        env: Default::default(),
-        ports: Vec::new(),
-        resources: Resources { cpu_millis: 1000, memory_bytes: 64 << 20 },
-        network: None,
-        meta: InstanceMeta::default(),
-        image: Default::default(),
-        identity: None,
-        caches: Vec::new(),
-    }
 }
 
 /// A directory sealed as it is, with nothing known of it.

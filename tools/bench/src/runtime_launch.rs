@@ -341,22 +341,7 @@ async fn provider_launches(
     let mut samples = Samples::default();
     let started = Instant::now();
     for index in 0..count {
-        let spec = LaunchSpec {
-            lease_id: format!("bench-{index}"),
-            epoch: 1,
-            node_id: "bench".into(),
-            root: WorkloadRoot::Host,
-            program: Program::Command(PROGRAM.into()),
-            args: vec![SLEEP_SECONDS.into()],
-            env: Default::default(),
-            ports: Vec::new(),
-            resources: Resources { cpu_millis: 1000, memory_bytes: MEMORY },
-            network: None,
-            meta: InstanceMeta::default(),
-            image: Default::default(),
-            identity: None,
-            caches: Vec::new(),
-        };
+        let spec = sleep_spec(&format!("bench-{index}"));
         let sent = Instant::now();
         match tokio::time::timeout(START_TIMEOUT, provider.launch(spec)).await {
             Ok(Ok(launched)) if launched.record.pid.is_some() => samples.ok(sent.elapsed()),
@@ -373,6 +358,27 @@ async fn provider_launches(
     let figures = samples.figures(started.elapsed(), 1);
     stop.cancel();
     (figures, copied)
+}
+
+/// A lease `lease_id` running [`PROGRAM`] from the host's files, with a
+/// core and [`MEMORY`].
+pub(crate) fn sleep_spec(lease_id: &str) -> LaunchSpec {
+    LaunchSpec {
+        lease_id: lease_id.to_owned(),
+        epoch: 1,
+        node_id: "bench".into(),
+        root: WorkloadRoot::Host,
+        program: Program::Command(PROGRAM.into()),
+        args: vec![SLEEP_SECONDS.into()],
+        env: Default::default(),
+        ports: Vec::new(),
+        resources: Resources { cpu_millis: 1000, memory_bytes: MEMORY },
+        network: None,
+        meta: InstanceMeta::default(),
+        image: Default::default(),
+        identity: None,
+        caches: Vec::new(),
+    }
 }
 
 /// Polls `check` every 100 µs for up to [`START_TIMEOUT`].
