@@ -156,11 +156,7 @@ fn admission_table_matches_the_contract() {
         ("berth.leases.v1.Leases", &["RedeemLaunchRegistration"], &[Service]),
         ("berth.leases.v1.Capacity", &["ListNodeCapacity"], READERS),
         ("berth.leases.v1.Caches", &["ListCaches", "GetCache"], READERS),
-        (
-            "berth.leases.v1.Caches",
-            &["SetCacheHead", "PinCacheGeneration", "DeleteCache", "SetProjectCaching"],
-            ADMIN,
-        ),
+        ("berth.leases.v1.Caches", &["SetCacheHead", "PinCacheGeneration", "DeleteCache", "SetProjectCaching"], ADMIN),
         (
             "berth.leases.v1.NodeLeases",
             &[

@@ -74,6 +74,7 @@ pub mod updater;
 mod upgrades;
 
 pub use agent::{AgentHandle, CONTAINED_LABEL, RUNTIME_LABEL, start};
+pub use caches::{CacheError, CacheVolumes, Sealed, View};
 pub use config::{
     AgentConfig, AgentTiming, Containment, DEFAULT_BUNDLE_CACHE_BUDGET, DEFAULT_CUSTODY_WARNING, DEFAULT_LOG_POLL,
     DEFAULT_MAX_HEARTBEAT_INTERVAL, DEFAULT_MIN_HEARTBEAT_INTERVAL, DEFAULT_RENEW_INTERVAL, DEFAULT_RETAIN_FINISHED,
@@ -93,7 +94,6 @@ pub use faults::FAULTS_ENV;
 pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;
 pub use identity_servers::preferred_index;
-pub use caches::{CacheError, CacheVolumes, Sealed, View};
 pub use join::JoinError;
 pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
 pub use provider::{

@@ -150,7 +150,11 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
             if launched.record.pid.is_none() {
                 return Err(format!("launch {lease_id} did not start"));
             }
-            if cached { with.push(took) } else { without.push(took) }
+            if cached {
+                with.push(took)
+            } else {
+                without.push(took)
+            }
             let _ = provider.destroy(&lease_id).await;
             let _ = provider.remove(&lease_id).await;
             volumes.close_views(&lease_id).map_err(|e| e.to_string())?;
