@@ -923,6 +923,12 @@ impl Runner {
             let held: BTreeSet<String> = self.held.keys().cloned().collect();
             tokio::spawn(async move { svids.retain(&held).await });
         }
+        // Cache views a settle could not remove, and seals a crash cut
+        // short, go once no held lease has them.
+        if let Some(caches) = self.shared.caches.clone() {
+            let held: HashSet<String> = self.held.keys().cloned().collect();
+            tokio::task::spawn_blocking(move || caches.sweep(&held));
+        }
     }
 
     // -- assignments --------------------------------------------------------
