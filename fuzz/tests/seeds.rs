@@ -184,6 +184,11 @@ fn declaration() -> revisions::ApplyServiceRequest {
             runtime: 0,
             working_dir: String::new(),
             user: String::new(),
+            cache: vec![berth_proto::types::v1::CacheMount {
+                key: "cargo-main".into(),
+                path: "/cache/cargo".into(),
+                commit: berth_proto::types::v1::CacheCommit::OnSuccess as i32,
+            }],
             readiness: Some(berth_proto::types::v1::Readiness {
                 http_path: "/healthz".into(),
                 port: "admin".into(),

@@ -328,6 +328,26 @@ pub(crate) fn artifact_row(artifact: Option<berth_proto::artifact::Artifact<'_>>
     }
 }
 
+/// What each cache volume of a lease did, compactly: `deps:hit@3->4`
+/// (hit from generation 3, published 4), `deps:miss@0` (nothing published
+/// yet), `deps:hit@3 CommitConflict` (not published, and why).
+pub(super) fn cache_outcomes(observations: &[leases::CacheObservation]) -> String {
+    if observations.is_empty() {
+        return NONE.to_string();
+    }
+    let each = observations.iter().map(|seen| {
+        let outcome = if seen.outcome() == leases::CacheOutcome::Hit { "hit" } else { "miss" };
+        let mut text = format!("{}:{outcome}@{}", seen.key, seen.base_generation);
+        if seen.committed_generation > 0 {
+            text.push_str(&format!("->{}", seen.committed_generation));
+        } else if !seen.reason.is_empty() {
+            text.push_str(&format!(" {}", seen.reason));
+        }
+        text
+    });
+    each.collect::<Vec<_>>().join(",")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -381,24 +401,4 @@ mod tests {
         lease.reason.clear();
         assert_eq!(lease_reason(&lease), NONE);
     }
-}
-
-/// What each cache volume of a lease did, compactly: `deps:hit@3->4`
-/// (hit from generation 3, published 4), `deps:miss@0` (nothing published
-/// yet), `deps:hit@3 CommitConflict` (not published, and why).
-pub(super) fn cache_outcomes(observations: &[leases::CacheObservation]) -> String {
-    if observations.is_empty() {
-        return NONE.to_string();
-    }
-    let each = observations.iter().map(|seen| {
-        let outcome = if seen.outcome() == leases::CacheOutcome::Hit { "hit" } else { "miss" };
-        let mut text = format!("{}:{outcome}@{}", seen.key, seen.base_generation);
-        if seen.committed_generation > 0 {
-            text.push_str(&format!("->{}", seen.committed_generation));
-        } else if !seen.reason.is_empty() {
-            text.push_str(&format!(" {}", seen.reason));
-        }
-        text
-    });
-    each.collect::<Vec<_>>().join(",")
 }
