@@ -1413,7 +1413,11 @@ impl Worker {
             return;
         }
         let project = self.shared.board.get(&self.lease_id).map(|view| view.meta.project).unwrap_or_default();
-        let node_id = self.reporting.borrow().clone().unwrap_or_default();
+        let Some(node_id) = self.reporting.borrow().clone() else {
+            // Not serving (custody): the ledger cannot be told now, so nothing is published.
+            tracing::warn!(lease_id = %self.lease_id, "cannot settle the lease's cache views while the node is not serving");
+            return;
+        };
         for view in views {
             let skip = match (view.commit(), ended) {
                 (CacheCommit::Never, _) => Some(("CommitNever", "the volume is mounted with commit NEVER".to_owned())),

@@ -29,7 +29,9 @@
 //!    agent restart) and starting `current` with the agent's own arguments.
 //! 4. Wait for the new agent to report the new version: an agent writes
 //!    `DATA_DIR/reported-version` (`<version> <pid>`) once its first
-//!    heartbeat went through, so the updater sees what identity saw.
+//!    heartbeat went through, so the updater sees what identity saw. The
+//!    running agent's report is removed before the restart, so whatever is
+//!    read after it is the new agent's.
 //! 5. If that does not happen by the deadline, switch `current` back, stop
 //!    the new agent and start the old one; the upgrade failed.
 //!
@@ -318,7 +320,17 @@ fn upgrade(args: &UpgradeArgs) -> Result<(), String> {
     let previous = previous_binary(&bin, args.agent_pid)?;
     let installed = install(&bin, &args.binary, &args.sha256.to_ascii_lowercase())?;
     switch(&bin, &installed)?;
-    let started_at = std::time::SystemTime::now();
+    // What the running agent reported goes first, so what is read after the
+    // restart is the new agent's. (A file's time is no guide: the kernel
+    // stamps it from a clock coarser than the one read here, so a report
+    // written at once can look older than the restart.) The running agent
+    // reports once, when it comes up, so nothing of it comes back.
+    let report = args.data_dir.join(REPORTED_VERSION);
+    if let Err(error) = std::fs::remove_file(&report)
+        && error.kind() != std::io::ErrorKind::NotFound
+    {
+        return Err(format!("cannot clear {}: {error}", report.display()));
+    }
     let mut child = match restart(args, None) {
         Ok(child) => child,
         Err(why) => {
@@ -328,7 +340,7 @@ fn upgrade(args: &UpgradeArgs) -> Result<(), String> {
             return Err(format!("{why}; rolled back to {}", previous.display()));
         }
     };
-    if reported(&args.data_dir, &args.version, started_at, args.deadline, child.as_mut()) {
+    if reported(&args.data_dir, &args.version, args.deadline, child.as_mut()) {
         if let Some(child) = child {
             // Its own process now; the updater does not wait for it.
             drop(child);
@@ -457,21 +469,15 @@ fn alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-/// Waits until an agent started after `since` reported `version`, or the
-/// deadline passed, or the child it waits for exited; whether it reported.
-fn reported(
-    data_dir: &Path,
-    version: &str,
-    since: std::time::SystemTime,
-    deadline: Duration,
-    mut child: Option<&mut Child>,
-) -> bool {
+/// Waits until the restarted agent reported `version` (the report file
+/// was cleared before the restart), or the deadline passed, or the child
+/// it waits for exited; whether it reported.
+fn reported(data_dir: &Path, version: &str, deadline: Duration, mut child: Option<&mut Child>) -> bool {
     let file = data_dir.join(REPORTED_VERSION);
     let until = Instant::now() + deadline;
     while Instant::now() < until {
-        let fresh = std::fs::metadata(&file).and_then(|m| m.modified()).is_ok_and(|at| at >= since);
         let says = std::fs::read_to_string(&file).unwrap_or_default();
-        if fresh && says.split_whitespace().next() == Some(version) {
+        if says.split_whitespace().next() == Some(version) {
             return true;
         }
         if let Some(child) = child.as_deref_mut()

@@ -71,7 +71,9 @@ impl Ledger {
                     let lease = held_by(conn, node_id, lease_id, epoch).await?;
                     mount_of(&lease, key)?;
                     if let Some(seen) = observed(&lease, key) {
-                        let head = generation(conn, &lease.project, key, seen.base_generation).await?;
+                        // The generation it opened at, though collected since (then without its digest).
+                        let mut head = generation(conn, &lease.project, key, seen.base_generation).await?;
+                        head.generation = seen.base_generation;
                         return Ok((head, seen.clone(), false));
                     }
                     if !lease.phase.is_open() {
