@@ -54,14 +54,14 @@ pub enum CacheError {
     #[error(transparent)]
     Io(#[from] FileError),
     /// The overlay of a view could not be mounted.
-    #[error("cannot mount the view of cache volume {key} at {path}: {source}")]
+    #[error("cannot mount the view of cache volume {key} at {path}: {why}")]
     Mount {
         /// The volume's key.
         key: String,
         /// Where.
         path: String,
         /// Why.
-        source: std::io::Error,
+        why: String,
     },
 }
 
@@ -184,16 +184,11 @@ impl CacheVolumes {
         let based = publish && (head.generation == 0 || tree.is_some());
         let lower = tree.unwrap_or(empty);
         if !is_mounted(&merged) {
-            let options =
-                format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
-            // A change of owner or mode copies up metadata alone where the kernel can.
-            mount_overlay(&merged, &format!("{options},metacopy=on"))
-                .or_else(|_| mount_overlay(&merged, &options))
-                .map_err(|source| CacheError::Mount {
-                    key: mount.key.clone(),
-                    path: merged.display().to_string(),
-                    source,
-                })?;
+            crate::overlay::mount(&merged, &lower, &upper, &work, true).map_err(|error| CacheError::Mount {
+                key: mount.key.clone(),
+                path: merged.display().to_string(),
+                why: error.to_string(),
+            })?;
         }
         let view = View {
             key: mount.key.clone(),
@@ -468,18 +463,6 @@ fn sync_dir(dir: &Path) -> Result<(), CacheError> {
     std::fs::File::open(dir).and_then(|dir| dir.sync_all()).map_err(|e| io("sync", dir, e))
 }
 
-fn mount_overlay(target: &Path, options: &str) -> Result<(), std::io::Error> {
-    let options = std::ffi::CString::new(options).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    rustix::mount::mount(
-        "overlay",
-        target,
-        "overlay",
-        rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
-        Some(options.as_c_str()),
-    )
-    .map_err(std::io::Error::from)
-}
-
 /// Whether `path` is a mount point: its device differs from its parent's.
 fn is_mounted(path: &Path) -> bool {
     let (Ok(own), Some(Ok(parent))) = (std::fs::metadata(path), path.parent().map(std::fs::metadata)) else {
@@ -489,10 +472,8 @@ fn is_mounted(path: &Path) -> bool {
 }
 
 fn unmount(path: &Path) {
-    match rustix::mount::unmount(path, rustix::mount::UnmountFlags::DETACH) {
-        // Not a mount point, or not there: nothing to undo.
-        Ok(()) | Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => {}
-        Err(error) => tracing::warn!(path = %path.display(), %error, "cannot unmount a cache view"),
+    if let Err(error) = crate::overlay::unmount(path) {
+        tracing::warn!(path = %path.display(), %error, "cannot unmount a cache view");
     }
 }
 

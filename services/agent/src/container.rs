@@ -75,6 +75,7 @@ use crate::instances::{
     Instances, PortBook, StoredRecord, Tracked, blocking, from_unix_ms, io, load_records, prepare, remove_path,
     unix_ms, validate_lease_id,
 };
+use crate::overlay::OverlayError;
 use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
@@ -716,35 +717,10 @@ fn mount_image_root(dir: &Path, lower: &Path, owned: bool) -> Result<(), Provide
             .create(path)
             .map_err(|source| io("create", path, source))?;
     }
-    for path in [lower, &upper, &scratch] {
-        if path.to_str().is_none_or(|p| p.contains([',', ':'])) {
-            return Err(ProviderError::Unsupported(format!(
-                "{} cannot be an overlay layer: its path holds `,` or `:`",
-                path.display()
-            )));
-        }
-    }
-    let options = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), scratch.display());
-    let mount = |options: String| {
-        let options = std::ffi::CString::new(options)
-            .map_err(|_| ProviderError::Unsupported("an overlay layer's path holds a NUL byte".to_owned()))?;
-        rustix::mount::mount(
-            "overlay",
-            &rootfs,
-            "overlay",
-            rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
-            Some(options.as_c_str()),
-        )
-        .map_err(|e| io("mount the image overlay on", &rootfs, e.into()))
-    };
-    if owned {
-        match mount(format!("{options},metacopy=on")) {
-            Ok(()) => return Ok(()),
-            // A kernel without it copies whole files up instead.
-            Err(error) => tracing::debug!(%error, "the image overlay without metacopy"),
-        }
-    }
-    mount(options)
+    crate::overlay::mount(&rootfs, lower, &upper, &scratch, owned).map_err(|error| match error {
+        OverlayError::Layer(_) => ProviderError::Unsupported(error.to_string()),
+        OverlayError::Mount(source) => io("mount the image overlay on", &rootfs, source),
+    })
 }
 
 /// The directories of a root the runtime itself fills (`/dev` with its
@@ -777,11 +753,8 @@ fn shadow_runtime_links(rootfs: &Path) -> Result<(), ProviderError> {
 /// Unmounts a container directory's image overlay, if it has one.
 fn unmount_root(dir: &Path) {
     let rootfs = dir.join("rootfs");
-    match rustix::mount::unmount(&rootfs, rustix::mount::UnmountFlags::DETACH) {
-        Ok(()) => tracing::debug!(path = %rootfs.display(), "unmounted the image overlay"),
-        // Not a mount point, or not there: nothing to undo.
-        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOENT) => {}
-        Err(error) => tracing::warn!(path = %rootfs.display(), %error, "cannot unmount the image overlay"),
+    if let Err(error) = crate::overlay::unmount(&rootfs) {
+        tracing::warn!(path = %rootfs.display(), %error, "cannot unmount the image overlay");
     }
 }
 

@@ -60,6 +60,7 @@ mod leases_client;
 mod log_rotation;
 mod logs;
 mod node_channel;
+mod overlay;
 mod process;
 mod procfs;
 mod provider;

@@ -206,7 +206,8 @@ pub(crate) async fn reconcile(key: &ServiceKey, ctx: &Context) -> Result<Action,
         _ => return Ok(Action::Requeue(ctx.config.rollout_poll)),
     };
     if matches!(rollout, Rollout::WentLive | Rollout::Failed) {
-        by_revision = group(ctx.leases.list(&key.project, &owner).await?, &service.uid, &adopted(&service));
+        by_revision =
+            group(ctx.leases.list(&key.project, &owner).await?, &service.uid, &service.status.adopted_replicas);
     }
     let live = revisions.iter().find(|r| r.name == service.live_revision && r.resolved());
     let target = self::target(&service, &revisions);
@@ -294,18 +295,12 @@ async fn leases_of(
         let target = target(service, revisions);
         needed.extend(target.filter(|t| Some(t.name.as_str()) != live.map(|l| l.name.as_str())));
         needed.extend(split_revisions(service, revisions, live, target));
-        let by_revision = group(open, &service.uid, &adopted(service));
+        let by_revision = group(open, &service.uid, &service.status.adopted_replicas);
         if served_by_open(&by_revision, &needed) {
             return Ok(by_revision);
         }
     }
-    Ok(group(ctx.leases.list(&service.key.project, &owner).await?, &service.uid, &adopted(service)))
-}
-
-/// The replicas of `service` serving as a later revision than their lease
-/// names, by lease id.
-fn adopted(service: &ServiceRow) -> HashMap<String, String> {
-    service.status.adopted_replicas.clone()
+    Ok(group(ctx.leases.list(&service.key.project, &owner).await?, &service.uid, &service.status.adopted_replicas))
 }
 
 /// Says in the service's status that leases could not be asked, keeping

@@ -176,7 +176,7 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
     for index in 0..args.publishes {
         let lease_id = format!("publish-{index}");
         let view = volumes.open_view(&lease_id, &mount, &head, true).map_err(|e| e.to_string())?;
-        rewrite(&view.merged, changed_files, index).map_err(|e| format!("cannot write into the view: {e}"))?;
+        rewrite(&view.merged, changed_files).map_err(|e| format!("cannot write into the view: {e}"))?;
         let sent = Instant::now();
         volumes.seal(&lease_id, "bench", &view).map_err(|e| e.to_string())?;
         publish.push(sent.elapsed().as_secs_f64() * 1000.0);
@@ -267,34 +267,19 @@ fn plain_view(dir: &Path) -> View {
 /// `count` files of [`FILE_BYTES`] random bytes under `dir/data`.
 fn write_files(dir: &Path, count: usize) -> std::io::Result<()> {
     std::fs::create_dir_all(dir.join("data"))?;
+    rewrite(dir, count)
+}
+
+/// Writes the first `count` files of `dir/data` anew with random bytes
+/// (incompressible, different every time).
+fn rewrite(dir: &Path, count: usize) -> std::io::Result<()> {
+    use rand::RngCore as _;
     let mut bytes = vec![0_u8; FILE_BYTES];
     for index in 0..count {
-        fill(&mut bytes, index as u64);
+        rand::rng().fill_bytes(&mut bytes);
         std::fs::File::create(dir.join("data").join(format!("{index:05}.bin")))?.write_all(&bytes)?;
     }
     Ok(())
-}
-
-/// Rewrites the first `count` files of the view with other bytes.
-fn rewrite(merged: &Path, count: usize, round: u32) -> std::io::Result<()> {
-    let mut bytes = vec![0_u8; FILE_BYTES];
-    for index in 0..count {
-        fill(&mut bytes, (u64::from(round) << 32) | index as u64 | (1 << 63));
-        std::fs::File::create(merged.join("data").join(format!("{index:05}.bin")))?.write_all(&bytes)?;
-    }
-    Ok(())
-}
-
-/// Fills `bytes` from a xorshift stream seeded by `seed`: incompressible,
-/// different for every seed.
-fn fill(bytes: &mut [u8], seed: u64) {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for chunk in bytes.chunks_mut(8) {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
-    }
 }
 
 /// The share of `minutes` leases of one key placed on the node holding its
