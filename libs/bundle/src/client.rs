@@ -18,7 +18,7 @@
 //! directory answers with the same kinds.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -189,6 +189,13 @@ pub struct BundleInfo {
     pub config: BundleConfig,
 }
 
+/// Where a blob to push is: in memory, or in a file read when it is sent.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum BlobSource<'a> {
+    Memory(&'a [u8]),
+    File(&'a Path),
+}
+
 /// Resolves, pushes and fetches bundles in registries and layout directories.
 #[derive(Debug, Clone)]
 pub struct BundleClient {
@@ -302,15 +309,35 @@ impl BundleClient {
         manifest: &[u8],
         credentials: &RegistryCredentials,
     ) -> Result<(), RegistryError> {
+        let blobs = blobs.iter().map(|(descriptor, bytes)| (*descriptor, BlobSource::Memory(bytes)));
+        self.push_artifact(r, blobs, manifest, credentials).await
+    }
+
+    /// Pushes `blobs` (skipping those the registry has; a file is read only
+    /// when it must be sent) and then the OCI image manifest `manifest` to `r`.
+    pub(crate) async fn push_artifact<'a>(
+        &self,
+        r: &RegistryReference,
+        blobs: impl IntoIterator<Item = (&'a Descriptor, BlobSource<'a>)>,
+        manifest: &[u8],
+        credentials: &RegistryCredentials,
+    ) -> Result<(), RegistryError> {
         let client = self.oci_client(r.registry())?;
         let auth = credentials.auth();
         client.store_auth_if_needed(r.registry(), &auth).await;
-        for (descriptor, bytes) in blobs {
+        for (descriptor, source) in blobs {
             let digest = descriptor.digest.to_string();
             let present = client.blob_exists(r.oci(), &digest).await.map_err(|e| from_oci(e, Target::Push(r)))?;
-            if !present {
-                client.push_blob(r.oci(), bytes.to_vec(), &digest).await.map_err(|e| from_oci(e, Target::Push(r)))?;
+            if present {
+                continue;
             }
+            let bytes = match source {
+                BlobSource::Memory(bytes) => bytes.to_vec(),
+                BlobSource::File(path) => tokio::fs::read(path)
+                    .await
+                    .map_err(|source| RegistryError::Layout { path: path.display().to_string(), source })?,
+            };
+            client.push_blob(r.oci(), bytes, &digest).await.map_err(|e| from_oci(e, Target::Push(r)))?;
         }
         let content_type = http::HeaderValue::from_static(crate::format::OCI_MANIFEST_MEDIA_TYPE);
         client

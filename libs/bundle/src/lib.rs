@@ -15,6 +15,7 @@
 //! ([`BundleCache::pull`]) and runs the [`BundleDefinition`] it gets back.
 
 mod cache;
+mod cache_artifact;
 mod client;
 mod digest;
 mod extract;
@@ -38,6 +39,10 @@ pub use cache::{
 };
 #[cfg(feature = "cli")]
 mod flags;
+pub use cache_artifact::{
+    CACHE_ARTIFACT_TYPE, CACHE_CONFIG_MEDIA_TYPE, CACHE_LAYER_BYTES, CacheConfig, CachePullError, MAX_CACHE_LAYERS,
+    PackedLayer, pack_cache_layers,
+};
 pub use client::{
     BundleClient, BundleInfo, DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MIRROR_CONNECT_TIMEOUT,
     MIRROR_READ_TIMEOUT, MIRROR_RETRY_AFTER, RegistryConfig, RegistryCredentials, RegistryMirror,

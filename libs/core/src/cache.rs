@@ -41,6 +41,36 @@ pub fn cache_path_problem(path: &str) -> Option<String> {
     None
 }
 
+/// Why `repository` cannot be where cache generations are kept; `None`
+/// when it can: `host[:port]/path` with no tag or digest, each path
+/// component lowercase letters and digits joined by `.`, `_`, `__` or `-`
+/// (an OCI repository name, to which a project's name is appended).
+pub fn cache_repository_problem(repository: &str) -> Option<String> {
+    let usage = || Some("must be HOST[:PORT]/PATH, e.g. registry.internal:5000/berth-caches".to_owned());
+    if repository.contains("://") || repository.contains('@') {
+        return usage();
+    }
+    let Some((host, path)) = repository.trim_end_matches('/').split_once('/') else { return usage() };
+    let host_ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']');
+    if host.is_empty() || !host.chars().all(host_ok) {
+        return usage();
+    }
+    let component_ok = |part: &str| {
+        let alnum = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit();
+        part.starts_with(alnum)
+            && part.ends_with(alnum)
+            && part.chars().all(|c| alnum(c) || matches!(c, '.' | '_' | '-'))
+            && !part.contains("..")
+            && !part.contains("___")
+    };
+    if path.split('/').any(|part| !component_ok(part)) {
+        return Some(format!(
+            "`{path}` is not an OCI repository path: lowercase letters and digits joined by '.', '_' or '-'"
+        ));
+    }
+    None
+}
+
 /// What is wrong with a workload's cache mounts, given as (key, path)
 /// pairs: the first problem, naming the mount by its index. Keys and paths
 /// are each unique.
@@ -88,6 +118,16 @@ mod tests {
         }
         for bad in ["", "/", "cache", "/a//b", "/a/../b", "/a/./b", "/a/", "/proc/x", "/sys", "/dev/shm", "/a\0"] {
             assert!(cache_path_problem(bad).is_some(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn cache_repositories_are_a_host_and_an_oci_path() {
+        for good in ["127.0.0.1:5000/caches", "registry.internal/berth/caches", "r:5000/a-b.c_d/"] {
+            assert_eq!(cache_repository_problem(good), None, "{good}");
+        }
+        for bad in ["", "caches", "https://r/c", "r/Caches", "r/c@sha256:00", "r/-c", "r/c:tag", "/c"] {
+            assert!(cache_repository_problem(bad).is_some(), "{bad:?}");
         }
     }
 

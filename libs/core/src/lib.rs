@@ -29,7 +29,10 @@ mod time;
 mod workload_id;
 
 pub use addr::bracket_ipv6;
-pub use cache::{MAX_CACHE_KEY, MAX_CACHE_MOUNTS, cache_key_problem, cache_mounts_problem, cache_path_problem};
+pub use cache::{
+    MAX_CACHE_KEY, MAX_CACHE_MOUNTS, cache_key_problem, cache_mounts_problem, cache_path_problem,
+    cache_repository_problem,
+};
 pub use identity::{CallerKind, Identity, IdentityError, SERVICE_ZONE, TRUST_DOMAIN, is_dns_label};
 pub use image::{MAX_IMAGE_USER, MAX_WORKING_DIR, image_settings_problems, image_user_problem, working_dir_problem};
 pub use json_file::{JsonFileError, write_json_atomically};

@@ -324,6 +324,12 @@ impl BundleStore {
         }
     }
 
+    /// The registry client the node pulls with, for other artifacts it moves
+    /// (cache volume generations).
+    pub(crate) fn client(&self) -> &BundleClient {
+        &self.inner.client
+    }
+
     /// The bundle the tenant's `<service>:<revision>` runs, pinned, when the
     /// node has it; never touches the network.
     pub(crate) async fn resolve(

@@ -47,12 +47,35 @@ use sha2::{Digest as _, Sha256};
 
 use crate::error::FileError;
 
+pub(crate) mod registry;
+
 /// Why a volume could not be opened or sealed.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
     /// A file operation failed.
     #[error(transparent)]
     Io(#[from] FileError),
+    /// A generation fetched from the registry is not the content the ledger
+    /// names.
+    #[error("generation {generation} of cache volume {key} as fetched is {actual}, not {expected}")]
+    Mismatch {
+        /// The volume's key.
+        key: String,
+        /// The generation.
+        generation: u64,
+        /// The digest the ledger names.
+        expected: String,
+        /// The digest of what was fetched.
+        actual: String,
+    },
+    /// The cache registry could not be pushed to or pulled from.
+    #[error("cache registry {repository}: {why}")]
+    Registry {
+        /// The repository.
+        repository: String,
+        /// Why.
+        why: String,
+    },
     /// The overlay of a view could not be mounted.
     #[error("cannot mount the view of cache volume {key} at {path}: {why}")]
     Mount {
@@ -218,9 +241,44 @@ impl CacheVolumes {
     /// into a staging tree owned by the node, synced, digested, and renamed
     /// into `sealed/` (where the same content already sealed is kept).
     pub fn seal(&self, lease_id: &str, project: &str, view: &View) -> Result<Sealed, CacheError> {
+        // What the lease did not change comes from the tree it started
+        // from: linked, with the digests that tree was sealed with.
+        let base = Base { lower: &view.lower, upper: &view.upper, index: read_index(&view.lower) };
+        self.seal_tree(lease_id, project, &view.key, &view.merged, &base, None)
+    }
+
+    /// Seals `tree` (the node's own, fetched for `lease_id`; its files are
+    /// linked, not copied) as generation `expected` of (project, key): kept
+    /// only when its digest is `expected.digest`.
+    pub fn adopt(
+        &self,
+        lease_id: &str,
+        project: &str,
+        key: &str,
+        tree: &Path,
+        expected: &CacheGeneration,
+    ) -> Result<Sealed, CacheError> {
+        let none = Path::new("");
+        let base = Base { lower: none, upper: none, index: FileIndex::new() };
+        let staging = format!("{lease_id}.adopt");
+        self.seal_tree(&staging, project, key, tree, &base, Some(expected))
+    }
+
+    /// Seals `tree` under the staging name `staging`: see [`Self::seal`];
+    /// with `expected`, files are linked from `tree`, and a tree whose
+    /// digest is not the expected one is dropped.
+    fn seal_tree(
+        &self,
+        staging: &str,
+        project: &str,
+        key: &str,
+        tree: &Path,
+        base: &Base<'_>,
+        expected: Option<&CacheGeneration>,
+    ) -> Result<Sealed, CacheError> {
         self.closed_root()?;
-        let volume = self.volume(project, &view.key);
-        let staging = volume.join("staging").join(lease_id);
+        let volume = self.volume(project, key);
+        let staging = volume.join("staging").join(staging);
         if staging.exists() {
             std::fs::remove_dir_all(&staging).map_err(|e| io("remove", &staging, e))?;
         }
@@ -229,15 +287,24 @@ impl CacheVolumes {
             .mode(0o755)
             .create(&staging)
             .map_err(|e| io("create", &staging, e))?;
-        // What the lease did not change comes from the tree it started
-        // from: linked, with the digests that tree was sealed with.
-        let base = Base { lower: &view.lower, upper: &view.upper, index: read_index(&view.lower) };
-        let mut seal = Seal { manifest: Sha256::new(), size_bytes: 0, index: FileIndex::new() };
-        copy_tree(&view.merged, &staging, Path::new(""), true, &base, &mut seal)?;
+        let mut seal =
+            Seal { manifest: Sha256::new(), size_bytes: 0, index: FileIndex::new(), link: expected.is_some() };
+        copy_tree(tree, &staging, Path::new(""), true, base, &mut seal)?;
         std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o777))
             .map_err(|e| io("set the mode of", &staging, e))?;
         sync_dir(&staging)?;
         let hex = hex(&seal.manifest.finalize());
+        if let Some(expected) = expected
+            && expected.digest.strip_prefix("sha256:") != Some(hex.as_str())
+        {
+            std::fs::remove_dir_all(&staging).map_err(|e| io("remove", &staging, e))?;
+            return Err(CacheError::Mismatch {
+                key: key.to_owned(),
+                generation: expected.generation,
+                expected: expected.digest.clone(),
+                actual: format!("sha256:{hex}"),
+            });
+        }
         let sealed_dir = volume.join("sealed");
         std::fs::create_dir_all(&sealed_dir).map_err(|e| io("create", &sealed_dir, e))?;
         let sealed = sealed_dir.join(&hex);
@@ -250,6 +317,38 @@ impl CacheVolumes {
             sync_dir(&sealed_dir)?;
         }
         Ok(Sealed { digest: format!("sha256:{hex}"), size_bytes: seal.size_bytes })
+    }
+
+    /// The sealed tree named `digest` of (project, key), and its file index.
+    pub fn sealed_tree(&self, project: &str, key: &str, digest: &str) -> Option<(PathBuf, FileIndex)> {
+        let hex = digest.strip_prefix("sha256:")?;
+        let tree = self.volume(project, key).join("sealed").join(hex);
+        tree.is_dir().then(|| {
+            let index = read_index(&tree);
+            (tree, index)
+        })
+    }
+
+    /// A fresh scratch directory of (project, key) for `lease_id`'s
+    /// `purpose` (a transfer under way), under `staging/` so the sweep
+    /// removes it once the lease is gone.
+    pub fn scratch(&self, lease_id: &str, project: &str, key: &str, purpose: &str) -> Result<PathBuf, CacheError> {
+        self.closed_root()?;
+        let dir = self.volume(project, key).join("staging").join(format!("{lease_id}.{purpose}"));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| io("remove", &dir, e))?;
+        }
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|e| io("create", &dir, e))?;
+        Ok(dir)
+    }
+
+    /// Removes a scratch directory [`Self::scratch`] made.
+    pub fn drop_scratch(&self, dir: &Path) {
+        if let Err(error) = std::fs::remove_dir_all(dir)
+            && error.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(path = %dir.display(), %error, "cannot remove a cache transfer's scratch; the sweep will");
+        }
     }
 
     /// Records that the ledger published `generation` of (project, key) as
@@ -306,7 +405,10 @@ impl CacheVolumes {
                 let staging = key.path().join("staging");
                 if let Ok(seals) = std::fs::read_dir(&staging) {
                     for seal in seals.filter_map(Result::ok) {
-                        if !keep.contains(seal.file_name().to_str().unwrap_or_default()) {
+                        // `<lease>` or `<lease>.<purpose>`: a seal or a transfer of that lease.
+                        let name = seal.file_name();
+                        let lease_id = name.to_str().unwrap_or_default().split('.').next().unwrap_or_default();
+                        if !keep.contains(lease_id) {
                             let _ = std::fs::remove_dir_all(seal.path());
                         }
                     }
@@ -329,7 +431,7 @@ fn field(manifest: &mut Sha256, bytes: &[u8]) {
 /// Each regular file of a sealed tree by its path: its content's SHA-256,
 /// written beside the tree (`<hex>.index.json`) so the next seal need not
 /// read what its lease left unchanged.
-type FileIndex = std::collections::BTreeMap<String, String>;
+pub(crate) type FileIndex = std::collections::BTreeMap<String, String>;
 
 fn read_index(tree: &Path) -> FileIndex {
     let Some(name) = tree.file_name().and_then(|name| name.to_str()) else { return FileIndex::new() };
@@ -367,11 +469,13 @@ fn has_xattr(path: &Path, name: &str) -> bool {
     rustix::fs::lgetxattr(path, name, &mut [0_u8; 0]).is_ok()
 }
 
-/// A seal under way: the manifest digest, the bytes, the file index.
+/// A seal under way: the manifest digest, the bytes, the file index, and
+/// whether files are linked from the source (the node's own) or copied.
 struct Seal {
     manifest: Sha256,
     size_bytes: u64,
     index: FileIndex,
+    link: bool,
 }
 
 /// Copies the tree `from` into `to` (which exists), entries sorted by name,
@@ -402,7 +506,7 @@ fn copy_tree(
         let kind = meta.file_type();
         let manifest = &mut seal.manifest;
         if kind.is_dir() {
-            let mode = (meta.mode() & 0o7777) | 0o777;
+            let mode = (meta.mode() & KEPT_MODE) | 0o777;
             field(manifest, b"d");
             field(manifest, path.as_os_str().as_bytes());
             field(manifest, &mode.to_be_bytes());
@@ -419,11 +523,12 @@ fn copy_tree(
             field(manifest, link.as_os_str().as_bytes());
             std::os::unix::fs::symlink(&link, &target).map_err(|e| io("link", &target, e))?;
         } else if kind.is_file() {
-            let mode = (meta.mode() & 0o7777) | 0o666;
+            let mode = (meta.mode() & KEPT_MODE) | 0o666;
             let linked =
                 base.unchanged(&path, in_place).filter(|(lower, _)| std::fs::hard_link(lower, &target).is_ok());
             let digest = match linked {
                 Some((_, digest)) => digest.clone(),
+                None if seal.link => link_file(&source, &target, mode)?,
                 None => copy_file(&source, &target, mode)?,
             };
             field(manifest, b"f");
@@ -437,6 +542,22 @@ fn copy_tree(
         }
     }
     Ok(())
+}
+
+/// The permission bits a sealed tree keeps: no set-uid, no set-gid.
+const KEPT_MODE: u32 = 0o1777;
+
+/// Links `source` (a file of the node's own) at `target` with `mode`; the
+/// content's SHA-256 in hex.
+fn link_file(source: &Path, target: &Path, mode: u32) -> Result<String, CacheError> {
+    std::fs::hard_link(source, target).map_err(|e| io("link", target, e))?;
+    std::fs::set_permissions(target, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| io("set the mode of", target, e))?;
+    let mut input = std::fs::File::open(target).map_err(|e| io("open", target, e))?;
+    let mut content = Sha256::new();
+    std::io::copy(&mut input, &mut content).map_err(|e| io("read", target, e))?;
+    input.sync_all().map_err(|e| io("sync", target, e))?;
+    Ok(hex(&content.finalize()))
 }
 
 /// Copies `source` to the new file `target` with `mode`, synced; the

@@ -58,6 +58,7 @@ use tokio_util::task::AbortOnDropHandle;
 use crate::board::{Custody, InstanceBoard, InstanceView};
 use crate::bundles::{BundleAsk, BundleError, BundleStore, bundle_spec};
 use crate::caches::CacheVolumes;
+use crate::caches::registry::Transfer;
 use crate::config::LeaseTiming;
 use crate::dial::Dialer;
 use crate::keepalive::{KeepAlive, Lost, RenewSet};
@@ -1365,24 +1366,47 @@ impl Worker {
                 lease_id: self.lease_id.clone(),
                 epoch: spec.epoch,
                 key: mount.key.clone(),
-                held_generations: held,
+                held_generations: held.clone(),
             };
             let opened = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
                 removal = removed(&mut self.removal) => return Err(self.destroyed(removal).await),
                 opened = self.shared.leases.open_cache(request) => opened,
             };
-            let (head, publish) = match opened {
+            let (head, publish, registry) = match opened {
                 // A volume the ledger settled at once (its project's caching is off) publishes nothing.
-                Ok(opened) => {
-                    (opened.head.unwrap_or_default(), opened.observation.is_none_or(|seen| seen.reason.is_empty()))
-                }
+                Ok(opened) => (
+                    opened.head.unwrap_or_default(),
+                    opened.observation.is_none_or(|seen| seen.reason.is_empty()),
+                    opened.registry,
+                ),
                 Err(status) => {
                     let message = format!("cannot open cache volume {}: {}", mount.key, status.message());
                     tracing::warn!(lease_id = %self.lease_id, %message, "failing the launch");
                     return Err(self.report_end(LeasePhase::Failed, Detail::failed(CACHE_UNAVAILABLE, message)).await);
                 }
             };
+            // A head this node does not hold is fetched from the registry, where it was pushed.
+            if let Some(registry) = registry.filter(|_| {
+                publish && head.generation > 0 && !head.artifact.is_empty() && !held.contains(&head.generation)
+            }) {
+                let transfer = Transfer {
+                    volumes: &caches,
+                    client: self.shared.bundles.client(),
+                    registry: &registry,
+                    lease_id: &self.lease_id,
+                };
+                let fetched = tokio::select! {
+                    _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
+                    fetched = transfer.fetch(&head) => fetched,
+                };
+                match fetched {
+                    Ok(sealed) => tracing::info!(lease_id = %self.lease_id, key = %mount.key,
+                        generation = head.generation, bytes = sealed.size_bytes, "cache volume head fetched"),
+                    Err(error) => tracing::warn!(lease_id = %self.lease_id, key = %mount.key, %error,
+                        "cannot fetch the cache volume's head; the view starts empty"),
+                }
+            }
             let (volumes, lease_id, mount_owned) = (caches.clone(), self.lease_id.clone(), mount.clone());
             let view =
                 tokio::task::spawn_blocking(move || volumes.open_view(&lease_id, &mount_owned, &head, publish)).await;
@@ -1443,10 +1467,11 @@ impl Worker {
                     request.message = message;
                 }
                 None => {
-                    let (volumes, lease_id, project, sealing) =
+                    let (volumes, lease_id, owner, sealing) =
                         (caches.clone(), self.lease_id.clone(), project.clone(), view.clone());
-                    match tokio::task::spawn_blocking(move || volumes.seal(&lease_id, &project, &sealing)).await {
+                    match tokio::task::spawn_blocking(move || volumes.seal(&lease_id, &owner, &sealing)).await {
                         Ok(Ok(sealed)) => {
+                            request.artifact = self.push_cache(&caches, &node_id, &project, &view, &sealed).await;
                             request.digest = sealed.digest;
                             request.size_bytes = sealed.size_bytes;
                         }
@@ -1492,6 +1517,64 @@ impl Worker {
                     tracing::warn!(lease_id = %self.lease_id, key = %view.key, error = %status.message(),
                         "cannot settle the cache view with the ledger");
                 }
+            }
+        }
+    }
+
+    /// Pushes a sealed view to the cache registry, when the mesh keeps one:
+    /// the artifact's digest, or empty when it was not pushed (the
+    /// generation is then held by this node alone). Asks the ledger again
+    /// for the volume (an open is answered as it was first) for the
+    /// registry's credentials, which the node keeps in memory only.
+    async fn push_cache(
+        &self,
+        caches: &CacheVolumes,
+        node_id: &str,
+        project: &str,
+        view: &crate::caches::View,
+        sealed: &crate::caches::Sealed,
+    ) -> String {
+        let request = OpenCacheRequest {
+            node_id: node_id.to_owned(),
+            lease_id: self.lease_id.clone(),
+            epoch: *self.epoch.borrow(),
+            key: view.key.clone(),
+            held_generations: Vec::new(),
+        };
+        let opened = tokio::select! {
+            _ = self.shared.shutdown.cancelled() => return String::new(),
+            opened = self.shared.leases.open_cache(request) => opened,
+        };
+        let (base, registry) = match opened {
+            Ok(opened) => match opened.registry {
+                Some(registry) => (opened.head.unwrap_or_default(), registry),
+                None => return String::new(),
+            },
+            Err(status) => {
+                tracing::warn!(lease_id = %self.lease_id, key = %view.key, error = %status.message(),
+                    "cannot ask for the cache registry; the generation stays on this node");
+                return String::new();
+            }
+        };
+        let transfer = Transfer {
+            volumes: caches,
+            client: self.shared.bundles.client(),
+            registry: &registry,
+            lease_id: &self.lease_id,
+        };
+        let pushed = tokio::select! {
+            _ = self.shared.shutdown.cancelled() => return String::new(),
+            pushed = transfer.push(project, view, &base, sealed) => pushed,
+        };
+        match pushed {
+            Ok(artifact) => {
+                tracing::info!(lease_id = %self.lease_id, key = %view.key, %artifact, "cache view pushed");
+                artifact.to_string()
+            }
+            Err(error) => {
+                tracing::warn!(lease_id = %self.lease_id, key = %view.key, %error,
+                    "cannot push the cache view; the generation stays on this node");
+                String::new()
             }
         }
     }

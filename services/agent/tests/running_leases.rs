@@ -561,3 +561,110 @@ async fn a_cache_volume_is_published_only_when_its_workload_succeeds_and_the_nex
     agent.kill().await;
     plane.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_node_without_the_head_fetches_it_from_the_cache_registry_and_its_lease_sees_the_same_content() {
+    use berth_bundle::testing::TestRegistry;
+    use berth_proto::leases::v1::CacheOutcome;
+    if !rustix::process::geteuid().is_root() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "cache volumes need a contained runtime (root), and CI=true"
+        );
+        eprintln!("skipping: cache volumes need a contained runtime, which needs root");
+        return;
+    }
+    berth_testkit::install_crypto_and_logs();
+    let registry = TestRegistry::start_with_htpasswd("caches", "s3cret").await.unwrap();
+    let repository = format!("{}/berth-caches", registry.host());
+    let cache_registry = berth_leases::CacheRegistryConfig {
+        repository: repository.clone(),
+        username: "caches".into(),
+        password: "s3cret".into(),
+    };
+    let plane = ControlPlane::start_with_leases(Duration::from_secs(5), |config| {
+        config.cache_registry = Some(cache_registry);
+    })
+    .await;
+    let first_dir = TestDir::new();
+    let first = RunningAgent::start(agent_config(&plane, first_dir.path())).await;
+
+    // Generation 1 on the first node: files, a directory, a link, an executable.
+    let seed = "mkdir -p /cache/lib && echo alpha > /cache/a.txt && echo gone > /cache/old.txt \
+                && head -c 300000 /dev/urandom > /cache/lib/blob && ln -s a.txt /cache/link \
+                && printf '#!/bin/sh\\necho ran\\n' > /cache/tool && chmod 755 /cache/tool";
+    let one = plane.request_workload("one", cached(seed)).await;
+    plane.phase_until(&one.lease_id, LeasePhase::Done).await;
+    assert_eq!(cache_settled(&plane, &one.lease_id).await.committed_generation, 1);
+    // Generation 2 changes one file and removes another: pushed as one more layer over generation 1's.
+    let change = "echo beta > /cache/a.txt && rm /cache/old.txt && sha256sum /cache/lib/blob";
+    let two = plane.request_workload("two", cached(change)).await;
+    plane.phase_until(&two.lease_id, LeasePhase::Done).await;
+    assert_eq!(cache_settled(&plane, &two.lease_id).await.committed_generation, 2);
+
+    let caches = berth_proto::leases::v1::caches_client::CachesClient::new(plane.channel(&plane.leases_addr));
+    let request = berth_proto::leases::v1::GetCacheRequest { project: "default".into(), key: "deps".into() };
+    let got = caches.clone().get_cache(request).await.unwrap().into_inner();
+    let artifacts: Vec<&str> = got.generations.iter().map(|g| g.artifact.as_str()).collect();
+    assert_eq!(artifacts.len(), 2, "{got:?}");
+    assert!(artifacts.iter().all(|a| a.starts_with("sha256:")), "each generation was pushed: {artifacts:?}");
+    let client = berth_bundle::BundleClient::new(berth_bundle::RegistryConfig::default()).unwrap();
+    let auth = berth_bundle::RegistryCredentials::Basic { username: "caches".into(), password: "s3cret".into() };
+    let tagged = client.resolve_str(&format!("{repository}/default:deps"), &auth).await.unwrap();
+    assert_eq!(tagged.to_string(), artifacts[0], "the key's tag names the newest generation");
+    let layers = |artifact: &str| {
+        let (client, repository, auth, artifact) =
+            (client.clone(), format!("{repository}/default"), auth.clone(), artifact.parse().unwrap());
+        async move { client.cache_generation(&repository, &artifact, &auth).await.unwrap().0 }
+    };
+    let (newer, older) = (layers(artifacts[0]).await, layers(artifacts[1]).await);
+    assert_eq!(newer.len(), older.len() + 1, "generation 2 adds one layer");
+    assert_eq!(newer[..older.len()], older[..], "over generation 1's own");
+    assert!(newer[older.len()].size < 4096, "the new layer holds the change, not the blob: {newer:?}");
+
+    // The first node drains; a second node, which never held the volume, takes the next lease.
+    let request = identity::DrainNodeRequest { node_id: first.handle.node_id(), ..Default::default() };
+    identity::nodes_client::NodesClient::new(plane.channel(&plane.identity_addr)).drain_node(request).await.unwrap();
+    let second_dir = TestDir::new();
+    let mut config = agent_config(&plane, second_dir.path());
+    config.join_token = Some(plane.join_token().await);
+    config.name = "second-host".into();
+    config.advertise_addr = "127.0.0.1:7448".into();
+    let second = RunningAgent::start(config).await;
+    let (first_id, second_id) = (first.handle.node_id(), second.handle.node_id());
+    eventually("leases to see the first node draining and the second up", SLOW, || async {
+        let listed = berth_proto::leases::v1::capacity_client::CapacityClient::new(plane.channel(&plane.leases_addr))
+            .list_node_capacity(berth_proto::leases::v1::ListNodeCapacityRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let state = |id: &str| listed.nodes.iter().find(|n| n.node_id == id).map(|n| n.state());
+        match (state(&first_id), state(&second_id)) {
+            (Some(identity::NodeState::Draining), Some(identity::NodeState::Up)) => Ok(()),
+            states => Err(states),
+        }
+    })
+    .await;
+    let check = "test \"$(cat /cache/a.txt)\" = beta && test ! -e /cache/old.txt && test \"$(readlink /cache/link)\" = a.txt \
+                 && test \"$(/cache/tool)\" = ran && echo gamma >> /cache/a.txt";
+    let three = plane.request_workload("three", cached(check)).await;
+    assert_eq!(three.node_id, second.handle.node_id(), "placed on the node that is not draining");
+    let done = plane.phase_until(&three.lease_id, LeasePhase::Done).await;
+    assert_eq!(done.exit_code, Some(0), "{done:?}");
+    let seen = cache_settled(&plane, &three.lease_id).await;
+    assert_eq!(
+        (seen.outcome(), seen.base_generation, seen.committed_generation),
+        (CacheOutcome::Miss, 2, 3),
+        "a miss that started from the fetched head, and may publish over it: {seen:?}"
+    );
+    let blob = |dir: &std::path::Path, digest: &str| {
+        let hex = digest.strip_prefix("sha256:").unwrap().to_owned();
+        std::fs::read(dir.join("caches/volumes/default/deps/sealed").join(hex).join("lib/blob")).unwrap()
+    };
+    assert_eq!(blob(second_dir.path(), &got.generations[0].digest), blob(first_dir.path(), &got.generations[0].digest));
+    let generations = second_dir.path().join("caches/volumes/default/deps/generations");
+    assert!(generations.join("2").exists() && generations.join("3").exists(), "the second node holds 2 and 3");
+    first.kill().await;
+    second.kill().await;
+    plane.cleanup().await;
+}

@@ -438,7 +438,9 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
             tracing::info!(%lease_id, %node_id, %key, generation = head.generation,
                 outcome = ?observation.outcome(), "cache volume opened");
         }
-        Ok(Response::new(v1::OpenCacheResponse { head: Some(head), observation: Some(observation) }))
+        // Only a volume the lease may publish or start from a generation of is given the registry.
+        let registry = observation.reason.is_empty().then(|| self.core.ledger.cache_registry(&head.project)).flatten();
+        Ok(Response::new(v1::OpenCacheResponse { head: Some(head), observation: Some(observation), registry }))
     }
 
     async fn commit_cache(
@@ -456,6 +458,7 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
             size_bytes,
             skip_reason,
             message,
+            artifact,
             ..
         } = request.into_inner();
         validate::lease_id(&lease_id)?;
@@ -475,7 +478,18 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
             validate::sha256_digest("digest", &digest)?;
             Some((digest, size_bytes))
         };
-        let ask = CommitAsk { node_id, lease_id, epoch, key, base_generation, sealed, skip: (skip_reason, message) };
+        if !artifact.is_empty() {
+            if sealed.is_none() {
+                return Err(LeaseError::InvalidArgument {
+                    field: "artifact",
+                    reason: "names the artifact of a sealed view, and no digest is given".to_owned(),
+                }
+                .into());
+            }
+            validate::sha256_digest("artifact", &artifact)?;
+        }
+        let skip = (skip_reason, message);
+        let ask = CommitAsk { node_id, lease_id, epoch, key, base_generation, sealed, artifact, skip };
         let outcome = self.core.ledger.commit_cache(&ask).await?;
         if outcome.changed {
             let seen = &outcome.observation;

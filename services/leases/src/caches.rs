@@ -38,8 +38,10 @@ pub(crate) struct CommitAsk {
     pub(crate) epoch: u64,
     pub(crate) key: String,
     pub(crate) base_generation: u64,
-    /// The sealed view; `None` records `skip` instead.
+    /// The sealed view (digest, size); `None` records `skip` instead.
     pub(crate) sealed: Option<(String, u64)>,
+    /// The sealed view's artifact in the cache registry; empty when not pushed.
+    pub(crate) artifact: String,
     /// Why nothing is published, with no sealed view: reason and message.
     pub(crate) skip: (String, String),
 }
@@ -126,7 +128,7 @@ impl Ledger {
         self.store()
             .tx("leases.commit_cache", |conn| {
                 Box::pin(async move {
-                    let CommitAsk { node_id, lease_id, epoch, key, base_generation, sealed, skip } = ask;
+                    let CommitAsk { node_id, lease_id, epoch, key, base_generation, sealed, artifact, skip } = ask;
                     let lease = held_by(conn, node_id, lease_id, *epoch).await?;
                     let mount = mount_of(&lease, key)?;
                     let Some(seen) = observed(&lease, key).cloned() else {
@@ -181,7 +183,8 @@ impl Ledger {
                         }
                         (None, Some((digest, size))) => {
                             let now = berth_store::now_ms_in(conn, now_sql).await?;
-                            match swap_head(conn, &lease, key, *base_generation, digest, *size, now, keep).await? {
+                            let published = Published { digest, size: *size, artifact, now };
+                            match swap_head(conn, &lease, key, *base_generation, &published, keep).await? {
                                 Some(number) => {
                                     observation.committed_generation = number;
                                     committed = true;
@@ -248,7 +251,7 @@ impl Ledger {
                 Box::pin(async move {
                     let found = volume(conn, project, key).await?.ok_or_else(|| not_found(project, key))?;
                     let rows = sqlx::query(
-                        "SELECT generation, digest, size_bytes, lease_id, node_id, published_at_ms, pinned \
+                        "SELECT generation, digest, size_bytes, lease_id, node_id, published_at_ms, pinned, artifact \
                          FROM cache_generations WHERE project = $1 AND cache_key = $2 ORDER BY generation DESC",
                     )
                     .bind(project)
@@ -451,7 +454,8 @@ async fn generation(
         return Ok(none);
     }
     let row = sqlx::query(
-        "SELECT generation, digest, size_bytes, lease_id, node_id, published_at_ms, pinned FROM cache_generations \
+        "SELECT generation, digest, size_bytes, lease_id, node_id, published_at_ms, pinned, artifact \
+         FROM cache_generations \
          WHERE project = $1 AND cache_key = $2 AND generation = $3",
     )
     .bind(project)
@@ -464,7 +468,7 @@ async fn generation(
 }
 
 /// A generation row selected with its number, digest, size, lease, node,
-/// time and pin.
+/// time, pin and artifact.
 fn generation_of(row: &sqlx::any::AnyRow, volume: v1::CacheGeneration) -> Result<v1::CacheGeneration, LeaseError> {
     Ok(v1::CacheGeneration {
         generation: u64::try_from(row.try_get::<i64, _>("generation")?).unwrap_or_default(),
@@ -474,23 +478,30 @@ fn generation_of(row: &sqlx::any::AnyRow, volume: v1::CacheGeneration) -> Result
         node_id: row.try_get("node_id")?,
         published_at: Some(timestamp(row.try_get("published_at_ms")?)),
         pinned: row.try_get::<i64, _>("pinned")? == 1,
+        artifact: row.try_get("artifact")?,
         ..volume
     })
+}
+
+/// A sealed view as it is published: its content digest, size, artifact
+/// (empty when not pushed) and when.
+struct Published<'a> {
+    digest: &'a str,
+    size: u64,
+    artifact: &'a str,
+    now: i64,
 }
 
 /// Moves the head of the lease's (project, key) from `base` to a new
 /// generation holding `digest`: its number, or `None` when the head is no
 /// longer `base`. The head row is the lock: a concurrent publisher waits on
 /// it and then finds it moved.
-#[allow(clippy::too_many_arguments, reason = "one write's fields, named at its one call")]
 async fn swap_head(
     conn: &mut AnyConnection,
     lease: &LeaseRecord,
     key: &str,
     base: u64,
-    digest: &str,
-    size: u64,
-    now: i64,
+    published: &Published<'_>,
     keep: u32,
 ) -> Result<Option<u64>, LeaseError> {
     let project = lease.project.as_str();
@@ -514,16 +525,17 @@ async fn swap_head(
     let Some(number) = moved else { return Ok(None) };
     sqlx::query(
         "INSERT INTO cache_generations (project, cache_key, generation, digest, size_bytes, lease_id, node_id, \
-         published_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+         published_at_ms, artifact) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
     )
     .bind(project)
     .bind(key)
     .bind(number)
-    .bind(digest)
-    .bind(i64::try_from(size).unwrap_or(i64::MAX))
+    .bind(published.digest)
+    .bind(i64::try_from(published.size).unwrap_or(i64::MAX))
     .bind(lease.lease_id.as_str())
     .bind(lease.node_id.as_str())
-    .bind(now)
+    .bind(published.now)
+    .bind(published.artifact)
     .execute(&mut *conn)
     .await?;
     collect(conn, project, key, keep).await?;

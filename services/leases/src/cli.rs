@@ -9,7 +9,7 @@ use std::time::Duration;
 use berth_runtime::{ServiceFlags, StartError, run_main, serve_replica, start_service};
 use clap::Parser;
 
-use crate::{DEFAULT_PORT, LeasesConfig, LeasesService, SPEC};
+use crate::{CacheRegistryConfig, DEFAULT_PORT, LeasesConfig, LeasesService, SPEC};
 
 /// The berth leases service: the capacity ledger, placement and the lease
 /// lifecycle.
@@ -29,6 +29,18 @@ struct Args {
     #[arg(long, env = "BERTH_CACHE_KEEP", default_value_t = crate::config::DEFAULT_CACHE_KEEP, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..))]
     cache_keep: u32,
+    /// The registry repository cache generations are pushed to and pulled
+    /// from (`host[:port]/path`; each project gets `PATH/PROJECT`, each volume
+    /// its key as the tag), so a node that does not hold a volume's head
+    /// fetches it. Without it a generation stays on the node that sealed it.
+    #[arg(long, env = "BERTH_CACHE_REGISTRY", value_name = "REPOSITORY")]
+    cache_registry: Option<String>,
+    /// The user nodes give the cache registry; anonymous without it.
+    #[arg(long, env = "BERTH_CACHE_REGISTRY_USERNAME", value_name = "USER", requires = "cache_registry")]
+    cache_registry_username: Option<String>,
+    /// A file holding that user's password.
+    #[arg(long, env = "BERTH_CACHE_REGISTRY_PASSWORD_FILE", value_name = "PATH", requires = "cache_registry_username")]
+    cache_registry_password_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     service: ServiceFlags,
 }
@@ -45,16 +57,35 @@ async fn run(args: Args) -> Result<(), StartError> {
     if args.service.mesh.identity_addr.is_none() {
         tracing::warn!("no --identity-addr: the ledger learns of no node, so it places no lease");
     }
+    let cache_registry = cache_registry(&args)?;
     let started = start_service(SPEC, args.listen, &args.service, &shutdown).await?;
     let service = LeasesService::new(
         &started.ctx,
         LeasesConfig {
             election: args.service.state.election(),
             cache_keep: args.cache_keep,
+            cache_registry,
             ..LeasesConfig::with_lease_ttl(Duration::from_secs(args.lease_ttl))
         },
     );
     serve_replica(SPEC, &service, started, shutdown).await
+}
+
+/// The cache registry the flags name, its password read from its file.
+fn cache_registry(args: &Args) -> Result<Option<CacheRegistryConfig>, StartError> {
+    let Some(repository) = args.cache_registry.clone() else { return Ok(None) };
+    if let Some(problem) = berth_core::cache_repository_problem(&repository) {
+        return Err(StartError::Invalid(format!("--cache-registry {repository}: {problem}")));
+    }
+    let password = match &args.cache_registry_password_file {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| StartError::Invalid(format!("--cache-registry-password-file {}: {e}", path.display())))?
+            .trim_end_matches(['\r', '\n'])
+            .to_owned(),
+        None => String::new(),
+    };
+    let username = args.cache_registry_username.clone().unwrap_or_default();
+    Ok(Some(CacheRegistryConfig { repository, username, password }))
 }
 
 #[cfg(test)]

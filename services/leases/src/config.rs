@@ -70,6 +70,32 @@ pub struct LeasesConfig {
     /// and the pinned ones; older ones are collected when a new one is
     /// published.
     pub cache_keep: u32,
+    /// Where cache generations are pushed and pulled; `None` keeps each only
+    /// on the node that sealed it.
+    pub cache_registry: Option<CacheRegistryConfig>,
+}
+
+/// The registry cache generations are kept in: one repository per project
+/// under `repository`, each volume's newest pushed generation tagged with
+/// its key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CacheRegistryConfig {
+    /// `host[:port]/path`, e.g. `registry.internal:5000/berth-caches`.
+    pub repository: String,
+    /// Basic credentials nodes use for it; both empty for anonymous access.
+    pub username: String,
+    /// The password, never printed.
+    pub password: String,
+}
+
+impl std::fmt::Debug for CacheRegistryConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheRegistryConfig")
+            .field("repository", &self.repository)
+            .field("username", &self.username)
+            .field("password", &if self.password.is_empty() { "" } else { "<redacted>" })
+            .finish()
+    }
 }
 
 impl Default for LeasesConfig {
@@ -86,6 +112,7 @@ impl Default for LeasesConfig {
             retention: DEFAULT_RETENTION,
             election: ElectionTiming::default(),
             cache_keep: DEFAULT_CACHE_KEEP,
+            cache_registry: None,
         }
     }
 }

@@ -363,6 +363,8 @@ pub(crate) struct Ledger {
     custody_window_ms: i64,
     /// Generations of each cache volume kept beside its head and the pinned.
     cache_keep: u32,
+    /// Where cache generations are kept, for nodes to push and pull.
+    cache_registry: Option<crate::config::CacheRegistryConfig>,
     /// The key launch registrations are signed with, once read.
     launch_key: Arc<tokio::sync::OnceCell<hmac::Key>>,
 }
@@ -374,6 +376,7 @@ impl Ledger {
             ttl_ms: millis(config.lease_ttl),
             custody_window_ms: millis(config.custody_window),
             cache_keep: config.cache_keep,
+            cache_registry: config.cache_registry.clone(),
             launch_key: Arc::default(),
         }
     }
@@ -385,6 +388,15 @@ impl Ledger {
     /// Generations of each cache volume kept beside its head and the pinned.
     pub(crate) fn cache_keep(&self) -> u32 {
         self.cache_keep
+    }
+
+    /// Where `project`'s cache generations are kept, as a node is told it.
+    pub(crate) fn cache_registry(&self, project: &str) -> Option<v1::CacheRegistry> {
+        self.cache_registry.as_ref().map(|config| v1::CacheRegistry {
+            repository: format!("{}/{project}", config.repository.trim_end_matches('/')),
+            username: config.username.clone(),
+            password: config.password.clone(),
+        })
     }
 
     /// Places a batch in one transaction: existing leases for known keys,

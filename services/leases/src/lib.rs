@@ -24,7 +24,7 @@
 //! take a server, the loops then living as long as the server's handlers.
 
 pub use cli::binary_main;
-pub use config::{DEFAULT_CACHE_KEEP, DEFAULT_LEASE_TTL, LeasesConfig};
+pub use config::{CacheRegistryConfig, DEFAULT_CACHE_KEEP, DEFAULT_LEASE_TTL, LeasesConfig};
 pub use ledger::REAPER_LOOP;
 pub use model::{Memory, Resources};
 pub use placement::{Placement, PlacementNode, PlacementPlan, PlacementRequest, Shortage, place};
@@ -102,6 +102,12 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "caches",
         postgres: include_str!("../migrations/postgres/0007_caches.sql"),
         sqlite: include_str!("../migrations/sqlite/0007_caches.sql"),
+    },
+    Migration {
+        version: 8,
+        name: "cache_artifacts",
+        postgres: include_str!("../migrations/postgres/0008_cache_artifacts.sql"),
+        sqlite: include_str!("../migrations/sqlite/0008_cache_artifacts.sql"),
     },
 ];
 

@@ -318,7 +318,63 @@ async fn operators_roll_back_pin_collect_and_delete_volumes_and_turn_a_project_o
     ledger.cleanup().await;
 }
 
+async fn a_node_is_told_the_cache_registry_and_each_generation_keeps_its_artifact(backend: Backend) {
+    let registry = berth_leases::CacheRegistryConfig {
+        repository: "registry.internal:5000/caches/".into(),
+        username: "nodes".into(),
+        password: "s3cret".into(),
+    };
+    let config = LeasesConfig { cache_registry: Some(registry), ..fast_config() };
+    let ledger = Ledger::start(backend, config, nodes()).await;
+    let lease = place(&ledger, "pushed", "team-a", "deps", CacheCommit::OnSuccess).await;
+    let told = open(&ledger, &lease, "deps", &[]).await.unwrap().registry.unwrap();
+    assert_eq!(
+        (told.repository.as_str(), told.username.as_str(), told.password.as_str()),
+        ("registry.internal:5000/caches/team-a", "nodes", "s3cret"),
+        "one repository per project"
+    );
+    end(&ledger, &lease, LeasePhase::Done).await;
+    let mut request = v1::CommitCacheRequest {
+        node_id: lease.node_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        epoch: lease.epoch,
+        key: "deps".to_owned(),
+        base_generation: 0,
+        skip_reason: "SealFailed".to_owned(),
+        artifact: digest(9),
+        ..Default::default()
+    };
+    let orphan = ledger.node(&lease.node_id).commit_cache(request.clone()).await.unwrap_err();
+    assert_eq!(orphan.code(), Code::InvalidArgument, "an artifact without a sealed view: {orphan:?}");
+    assert!(orphan.message().contains("artifact"), "{orphan:?}");
+    request.skip_reason.clear();
+    request.digest = digest(1);
+    request.artifact = "latest".to_owned();
+    let bad = ledger.node(&lease.node_id).commit_cache(request.clone()).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    request.artifact = digest(9);
+    let head = ledger.node(&lease.node_id).commit_cache(request).await.unwrap().into_inner().head.unwrap();
+    assert_eq!((head.generation, head.artifact.as_str()), (1, digest(9).as_str()));
+
+    // The next lease of the volume is told where generation 1 is, on any node.
+    let next = place(&ledger, "next", "team-a", "deps", CacheCommit::OnSuccess).await;
+    let opened = open(&ledger, &next, "deps", &[]).await.unwrap();
+    assert_eq!(opened.head.unwrap().artifact, digest(9));
+    assert!(opened.registry.is_some());
+    let request = v1::GetCacheRequest { project: "team-a".into(), key: "deps".into() };
+    let kept = caches(&ledger).get_cache(request).await.unwrap().into_inner();
+    assert_eq!(kept.generations[0].artifact, digest(9));
+
+    // A project whose caching is off is told no registry: its views publish nothing.
+    let request = v1::SetProjectCachingRequest { project: "team-a".into(), enabled: false };
+    caches(&ledger).set_project_caching(request).await.unwrap();
+    let off = place(&ledger, "off", "team-a", "deps", CacheCommit::OnSuccess).await;
+    assert!(open(&ledger, &off, "deps", &[]).await.unwrap().registry.is_none());
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
+    a_node_is_told_the_cache_registry_and_each_generation_keeps_its_artifact,
     a_view_is_published_only_when_its_workload_succeeded,
     of_two_leases_started_from_one_head_exactly_one_publishes,
     a_lease_reaches_only_the_volumes_its_workload_names_in_its_project,

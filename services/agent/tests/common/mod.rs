@@ -90,6 +90,20 @@ impl ControlPlane {
 
     /// [`Self::start_with`], with workload certificates that live `cert_ttl`.
     pub(crate) async fn start_signing(ttl: Duration, nodes: NodeTiming, cert_ttl: Duration) -> ControlPlane {
+        Self::start_configured(ttl, nodes, cert_ttl, |_| {}).await
+    }
+
+    /// [`Self::start`], with leases configured further by `configure`.
+    pub(crate) async fn start_with_leases(ttl: Duration, configure: impl FnOnce(&mut LeasesConfig)) -> ControlPlane {
+        Self::start_configured(ttl, node_timing(), berth_identity::DEFAULT_WORKLOAD_CERT_TTL, configure).await
+    }
+
+    async fn start_configured(
+        ttl: Duration,
+        nodes: NodeTiming,
+        cert_ttl: Duration,
+        configure: impl FnOnce(&mut LeasesConfig),
+    ) -> ControlPlane {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let stop = CancellationToken::new();
 
@@ -132,13 +146,14 @@ impl ControlPlane {
         let router = issue(Identity::router("edge").unwrap()).await;
 
         let leases_creds = issue(Identity::service("leases").unwrap()).await;
-        let config = LeasesConfig {
+        let mut config = LeasesConfig {
             reap_every: Duration::from_millis(50),
             assignment_resync: Duration::from_millis(500),
             index_resync: Duration::from_millis(500),
             election: ElectionTiming::from_ttl(Duration::from_millis(900)),
             ..LeasesConfig::with_lease_ttl(ttl)
         };
+        configure(&mut config);
         let leases = InProcessLeases::start(Backend::Sqlite, leases_creds, &identity_addr, config, &stop).await;
         let leases_addr = leases.addr.to_string();
         let identity_me = issue(Identity::service("identity").unwrap()).await;
@@ -157,14 +172,19 @@ impl ControlPlane {
             stop,
             workload_ledger: ledger,
         };
+        plane.token = plane.join_token().await;
+        plane
+    }
+
+    /// A new join token for one node.
+    pub(crate) async fn join_token(&self) -> String {
         let request = identity::CreateJoinTokenRequest { max_uses: 1, ttl_seconds: 600, ..Default::default() };
-        plane.token = identity::join_tokens_client::JoinTokensClient::new(plane.channel(&plane.identity_addr))
+        identity::join_tokens_client::JoinTokensClient::new(self.channel(&self.identity_addr))
             .create_join_token(request)
             .await
             .unwrap()
             .into_inner()
-            .token;
-        plane
+            .token
     }
 
     pub(crate) fn channel(&self, addr: &str) -> Channel {

@@ -220,14 +220,20 @@ fn details(got: &v1::GetCacheResponse) -> String {
         ("Caching", if volume.enabled { "on".to_string() } else { "off for the project".to_string() }),
     ];
     let mut text = output::fields(&rows);
-    let mut table = Table::new(vec!["GENERATION", "DIGEST", "SIZE", "LEASE", "NODE", "AGE", "PINNED"]);
+    let mut table = Table::new(vec!["GENERATION", "DIGEST", "SIZE", "LEASE", "NODE", "PUSHED", "AGE", "PINNED"]);
     for generation in &got.generations {
+        let pushed = if generation.artifact.is_empty() {
+            "no".to_string()
+        } else {
+            generation.artifact.chars().take(19).collect()
+        };
         table.row(vec![
             generation.generation.to_string(),
             generation.digest.chars().take(19).collect(),
             output::memory(generation.size_bytes),
             generation.lease_id.clone(),
             generation.node_id.clone(),
+            pushed,
             output::age(generation.published_at.as_ref()),
             if generation.pinned { "yes".to_string() } else { String::new() },
         ]);
