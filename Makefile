@@ -39,11 +39,11 @@ test-faults:
 	grpcurl="$$(scripts/test-deps.sh)"; \
 	if $(CARGO) nextest --version >/dev/null 2>&1; then \
 	  BERTH_GRPCURL="$$grpcurl" $(CARGO) nextest run --workspace --run-ignored only --no-capture \
-	    -E 'package(berth-e2e) & (binary(faults) | binary(traces) | binary(compose) | binary(upgrade))'; \
+	    -E 'package(berth-e2e) & (binary(faults) | binary(traces) | binary(compose) | binary(upgrade) | binary(caches))'; \
 	else \
 	  $(CARGO) build --bins -p berth -p berth-identity -p berth-revisions -p berth-leases -p berth-egress \
 	    -p berth-router -p berth-agent --features berth-agent/fault-injection; \
-	  BERTH_GRPCURL="$$grpcurl" $(CARGO) test -p berth-e2e --test faults --test traces --test compose --test upgrade \
+	  BERTH_GRPCURL="$$grpcurl" $(CARGO) test -p berth-e2e --test faults --test traces --test compose --test upgrade --test caches \
 	    -- --ignored --nocapture --test-threads 1; \
 	fi
 
