@@ -1,5 +1,6 @@
-//! Durations as operators write them on the command line: `500ms`, `5s`,
-//! `2m`, `1h`, `7d`, or a bare number of seconds.
+//! Durations and sizes as operators write them on the command line:
+//! `500ms`, `5s`, `2m`, `1h`, `7d`, or a bare number of seconds; `10GiB`,
+//! `500MB`, or a bare number of bytes.
 
 use std::time::Duration;
 
@@ -19,6 +20,30 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         other => return Err(format!("unknown unit '{other}' in '{text}' (use ms, s, m, h or d)")),
     };
     n.checked_mul(per).map(Duration::from_secs).ok_or_else(|| format!("'{text}' is too long"))
+}
+
+/// Bytes, or a whole number with a binary (KiB, MiB, GiB, TiB) or decimal
+/// (KB, MB, GB, TB) unit; case does not matter. For clap's `value_parser`.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().map_err(|_| format!("expected a size like 10GiB or 500MB, got '{text}'"))?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kib" | "k" => 1 << 10,
+        "mib" | "m" => 1 << 20,
+        "gib" | "g" => 1 << 30,
+        "tib" | "t" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        other => {
+            return Err(format!("unknown size unit '{other}' in '{text}'; use KiB, MiB, GiB, TiB, KB, MB, GB or TB"));
+        }
+    };
+    number.checked_mul(scale).ok_or_else(|| format!("'{text}' is more bytes than fit in 64 bits"))
 }
 
 #[cfg(test)]

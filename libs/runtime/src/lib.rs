@@ -23,7 +23,7 @@ pub use berth_rpc::ServerBuilder;
 pub use controller::{
     Action, Coalesce, ControllerConfig, DecodeTrigger, Reconciler, Trigger, Triggers, run_controller,
 };
-pub use duration::parse_duration;
+pub use duration::{parse_duration, parse_size};
 pub use elected::{Election, Leader, spawn_elected};
 pub use follow::{NodeDirectory, NodeSnapshot, follow_nodes};
 pub use loops::{LOOPS_GRACE, close_with, spawn_loop};

@@ -386,7 +386,9 @@ impl CacheVolumes {
     }
 
     /// Removes the views of leases not in `keep` and every seal left under
-    /// way (a seal is redone from its view): what a crash left behind.
+    /// way (a seal is redone from its view): what a crash left behind; and
+    /// of each volume, the generations past the newest [`LOCAL_KEEP`] and
+    /// the sealed trees nothing links to any more (see [`collect_local`]).
     pub fn sweep(&self, keep: &HashSet<String>) {
         if let Ok(entries) = std::fs::read_dir(self.root.join("views")) {
             for entry in entries.filter_map(Result::ok) {
@@ -398,10 +400,22 @@ impl CacheVolumes {
                 }
             }
         }
+        // The trees the remaining views start from stay, whatever their age.
+        let in_use: HashSet<PathBuf> = std::fs::read_dir(self.root.join("views"))
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .filter_map(|entry| entry.file_name().to_str().map(str::to_owned))
+                    .flat_map(|lease_id| self.views(&lease_id))
+                    .map(|view| view.lower)
+                    .collect()
+            })
+            .unwrap_or_default();
         let Ok(projects) = std::fs::read_dir(self.root.join("volumes")) else { return };
         for project in projects.filter_map(Result::ok) {
             let Ok(keys) = std::fs::read_dir(project.path()) else { continue };
             for key in keys.filter_map(Result::ok) {
+                collect_local(&key.path(), &in_use);
                 let staging = key.path().join("staging");
                 if let Ok(seals) = std::fs::read_dir(&staging) {
                     for seal in seals.filter_map(Result::ok) {
@@ -414,6 +428,61 @@ impl CacheVolumes {
                     }
                 }
             }
+        }
+    }
+}
+
+/// The newest generations of each volume a node keeps; older ones are
+/// fetched again from the registry, or not used, should a lease want one.
+pub(crate) const LOCAL_KEEP: usize = 3;
+
+/// How old a sealed tree nothing links to must be before it is removed: a
+/// seal renames its tree into place before the ledger publishes it and the
+/// node links it, and an in-flight publish must not lose its tree.
+const UNLINKED_GRACE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Collects one volume's local generations: links past the newest
+/// [`LOCAL_KEEP`] go, then each sealed tree (and its index) that no
+/// remaining link names, no view in `in_use` starts from, and that has sat
+/// unlinked for [`UNLINKED_GRACE`].
+fn collect_local(volume: &Path, in_use: &HashSet<PathBuf>) {
+    let generations = volume.join("generations");
+    let mut numbered: Vec<(u64, PathBuf)> = std::fs::read_dir(&generations)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter_map(|entry| Some((entry.file_name().to_str()?.parse().ok()?, entry.path())))
+                .collect()
+        })
+        .unwrap_or_default();
+    numbered.sort_unstable_by_key(|(number, _)| std::cmp::Reverse(*number));
+    for (_, link) in numbered.iter().skip(LOCAL_KEEP) {
+        let _ = std::fs::remove_file(link);
+    }
+    let linked: HashSet<std::ffi::OsString> = numbered
+        .iter()
+        .take(LOCAL_KEEP)
+        .filter_map(|(_, link)| std::fs::read_link(link).ok()?.file_name().map(ToOwned::to_owned))
+        .collect();
+    let sealed = volume.join("sealed");
+    let Ok(trees) = std::fs::read_dir(&sealed) else { return };
+    for tree in trees.filter_map(Result::ok) {
+        let path = tree.path();
+        let old = tree
+            .metadata()
+            .and_then(|meta| meta.modified())
+            .ok()
+            .and_then(|at| at.elapsed().ok())
+            .is_some_and(|age| age >= UNLINKED_GRACE);
+        if !path.is_dir() || linked.contains(&tree.file_name()) || in_use.contains(&path) || !old {
+            continue;
+        }
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => {
+                let _ = std::fs::remove_file(sealed.join(format!("{}.index.json", tree.file_name().to_string_lossy())));
+                tracing::debug!(tree = %path.display(), "removed a cache tree no kept generation names");
+            }
+            Err(error) => tracing::warn!(tree = %path.display(), %error, "cannot remove an old cache tree"),
         }
     }
 }
@@ -676,6 +745,50 @@ mod tests {
         volumes.record("default", "deps", 2, &format!("sha256:{}", "0".repeat(64))).unwrap();
         assert_eq!(volumes.held("default", "deps"), [1]);
         assert!(volumes.held("other", "deps").is_empty(), "another project's volume is another volume");
+    }
+
+    #[test]
+    fn the_sweep_keeps_the_newest_generations_and_the_trees_views_start_from() {
+        let tmp = TestDir::new();
+        let volumes = CacheVolumes::new(tmp.path());
+        let mut digests = Vec::new();
+        for generation in 1..=5_u64 {
+            let dir = tmp.path().join(format!("g{generation}"));
+            tree(&dir, &[("n", &generation.to_string())]);
+            let sealed = volumes.seal(&format!("l-{generation}"), "default", &view_of(&dir, "deps")).unwrap();
+            volumes.record("default", "deps", generation, &sealed.digest).unwrap();
+            digests.push(sealed.digest);
+        }
+        let sealed_dir = tmp.path().join("caches/volumes/default/deps/sealed");
+        let tree_of = |digest: &str| sealed_dir.join(digest.strip_prefix("sha256:").unwrap());
+        let age = |path: &Path| {
+            let long_ago = std::time::SystemTime::now() - UNLINKED_GRACE - std::time::Duration::from_secs(60);
+            std::fs::File::open(path).unwrap().set_modified(long_ago).unwrap();
+        };
+        // A view of a running lease starts from generation 1's tree.
+        let mut running = view_of(&tmp.path().join("g1"), "deps");
+        running.lower = tree_of(&digests[0]);
+        let record = tmp.path().join("caches/views/l-run");
+        std::fs::create_dir_all(&record).unwrap();
+        berth_core::write_json_atomically(&record.join("views.json"), &vec![running]).unwrap();
+        // Generation 2's tree is old but was unlinked only just now: the grace keeps it this time.
+        for digest in [&digests[0], &digests[2]] {
+            age(&tree_of(digest));
+        }
+
+        volumes.sweep(&HashSet::from(["l-run".to_owned()]));
+        assert_eq!(volumes.held("default", "deps"), [5, 4, 3], "the newest three");
+        assert!(tree_of(&digests[0]).is_dir(), "a running view's lower layer stays");
+        assert!(tree_of(&digests[1]).is_dir(), "unlinked too recently to go");
+        for digest in &digests[2..] {
+            assert!(tree_of(digest).is_dir(), "a kept generation's tree stays");
+        }
+        age(&tree_of(&digests[1]));
+        volumes.sweep(&HashSet::new());
+        assert!(!tree_of(&digests[1]).exists(), "an old tree no generation names goes");
+        assert!(!sealed_dir.join(format!("{}.index.json", &digests[1][7..])).exists());
+        assert!(!tree_of(&digests[0]).exists(), "once its view is gone, so is generation 1");
+        assert!(tree_of(&digests[2]).is_dir());
     }
 
     #[test]

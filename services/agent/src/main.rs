@@ -9,7 +9,7 @@ use std::time::Duration;
 use berth_agent::{
     AgentConfig, AgentError, Capacity, Containment, EgressIsolation, OciRuntime, UidRange, WorkloadRuntime,
 };
-use berth_runtime::{StartError, TelemetryArgs, parse_duration, run_main};
+use berth_runtime::{StartError, TelemetryArgs, parse_duration, parse_size, run_main};
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 
 /// Where Linux keeps the host name.
@@ -207,30 +207,6 @@ struct Args {
     upgrade_deadline: Duration,
     #[command(flatten)]
     telemetry: TelemetryArgs,
-}
-
-/// Bytes, or a whole number with a binary (KiB, MiB, GiB, TiB) or decimal
-/// (KB, MB, GB, TB) unit; case does not matter.
-fn parse_size(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: u64 = number.parse().map_err(|_| format!("expected a size like 10GiB or 500MB, got '{text}'"))?;
-    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "kib" | "k" => 1 << 10,
-        "mib" | "m" => 1 << 20,
-        "gib" | "g" => 1 << 30,
-        "tib" | "t" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        other => {
-            return Err(format!("unknown size unit '{other}' in '{text}'; use KiB, MiB, GiB, TiB, KB, MB, GB or TB"));
-        }
-    };
-    number.checked_mul(scale).ok_or_else(|| format!("'{text}' is more bytes than fit in 64 bits"))
 }
 
 fn parse_label(text: &str) -> Result<(String, String), String> {

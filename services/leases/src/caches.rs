@@ -124,7 +124,7 @@ impl Ledger {
     /// `CommitCache`).
     pub(crate) async fn commit_cache(&self, ask: &CommitAsk) -> Result<Committed, LeaseError> {
         let now_sql = self.store().now_ms_sql();
-        let keep = self.cache_keep();
+        let keep = self.cache_retention();
         self.store()
             .tx("leases.commit_cache", |conn| {
                 Box::pin(async move {
@@ -502,7 +502,7 @@ async fn swap_head(
     key: &str,
     base: u64,
     published: &Published<'_>,
-    keep: u32,
+    keep: Retention,
 ) -> Result<Option<u64>, LeaseError> {
     let project = lease.project.as_str();
     sqlx::query(
@@ -542,9 +542,20 @@ async fn swap_head(
     Ok(u64::try_from(number).ok())
 }
 
-/// Forgets the generations of (project, key) beyond the newest `keep`,
-/// except its head and the pinned ones.
-async fn collect(conn: &mut AnyConnection, project: &str, key: &str, keep: u32) -> Result<(), LeaseError> {
+/// What is kept of cache generations beside each volume's head and the
+/// pinned ones.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Retention {
+    /// The newest generations of each volume.
+    pub(crate) keep: u32,
+    /// The most bytes all of a project's generations may hold.
+    pub(crate) project_budget: Option<u64>,
+}
+
+/// Forgets the generations of (project, key) beyond the newest `keep`, then,
+/// while the project's generations hold more than its budget, its oldest;
+/// never a head, never a pinned one.
+async fn collect(conn: &mut AnyConnection, project: &str, key: &str, keep: Retention) -> Result<(), LeaseError> {
     let numbers: Vec<i64> = sqlx::query_scalar(
         "SELECT generation FROM cache_generations WHERE project = $1 AND cache_key = $2 AND pinned = 0 \
          AND generation <> (SELECT generation FROM cache_heads WHERE project = $1 AND cache_key = $2) \
@@ -554,14 +565,46 @@ async fn collect(conn: &mut AnyConnection, project: &str, key: &str, keep: u32) 
     .bind(key)
     .fetch_all(&mut *conn)
     .await?;
-    for number in numbers.iter().skip(usize::try_from(keep).unwrap_or(usize::MAX)) {
-        sqlx::query("DELETE FROM cache_generations WHERE project = $1 AND cache_key = $2 AND generation = $3")
-            .bind(project)
-            .bind(key)
-            .bind(number)
-            .execute(&mut *conn)
-            .await?;
+    for number in numbers.iter().skip(usize::try_from(keep.keep).unwrap_or(usize::MAX)) {
+        forget(conn, project, key, *number).await?;
     }
+    let Some(budget) = keep.project_budget else { return Ok(()) };
+    let total: i64 = sqlx::query_scalar(
+        "SELECT CAST(COALESCE(SUM(size_bytes), 0) AS BIGINT) FROM cache_generations WHERE project = $1",
+    )
+    .bind(project)
+    .fetch_one(&mut *conn)
+    .await?;
+    let mut total = u64::try_from(total).unwrap_or_default();
+    if total <= budget {
+        return Ok(());
+    }
+    let collectable: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT g.cache_key, g.generation, g.size_bytes FROM cache_generations g WHERE g.project = $1 \
+         AND g.pinned = 0 AND NOT EXISTS (SELECT 1 FROM cache_heads h WHERE h.project = g.project \
+         AND h.cache_key = g.cache_key AND h.generation = g.generation) \
+         ORDER BY g.published_at_ms, g.cache_key, g.generation",
+    )
+    .bind(project)
+    .fetch_all(&mut *conn)
+    .await?;
+    for (key, number, size) in collectable {
+        if total <= budget {
+            break;
+        }
+        forget(conn, project, &key, number).await?;
+        total = total.saturating_sub(u64::try_from(size).unwrap_or_default());
+    }
+    Ok(())
+}
+
+async fn forget(conn: &mut AnyConnection, project: &str, key: &str, number: i64) -> Result<(), LeaseError> {
+    sqlx::query("DELETE FROM cache_generations WHERE project = $1 AND cache_key = $2 AND generation = $3")
+        .bind(project)
+        .bind(key)
+        .bind(number)
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 

@@ -29,6 +29,11 @@ struct Args {
     #[arg(long, env = "BERTH_CACHE_KEEP", default_value_t = crate::config::DEFAULT_CACHE_KEEP, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..))]
     cache_keep: u32,
+    /// The most bytes the cache generations of one project may hold in all
+    /// (e.g. 50GiB): past it, its oldest generations that are neither a
+    /// volume's head nor pinned are collected. No budget without it.
+    #[arg(long, env = "BERTH_CACHE_PROJECT_BUDGET", value_name = "SIZE", value_parser = berth_runtime::parse_size)]
+    cache_project_budget: Option<u64>,
     /// The registry repository cache generations are pushed to and pulled
     /// from (`host[:port]/path`; each project gets `PATH/PROJECT`, each volume
     /// its key as the tag), so a node that does not hold a volume's head
@@ -65,6 +70,7 @@ async fn run(args: Args) -> Result<(), StartError> {
             election: args.service.state.election(),
             cache_keep: args.cache_keep,
             cache_registry,
+            cache_project_budget: args.cache_project_budget,
             ..LeasesConfig::with_lease_ttl(Duration::from_secs(args.lease_ttl))
         },
     );

@@ -73,6 +73,10 @@ pub struct LeasesConfig {
     /// Where cache generations are pushed and pulled; `None` keeps each only
     /// on the node that sealed it.
     pub cache_registry: Option<CacheRegistryConfig>,
+    /// The most bytes the generations of one project's cache volumes may
+    /// hold in all: past it, the oldest that are neither a head nor pinned
+    /// are collected as new ones are published. `None`: no budget.
+    pub cache_project_budget: Option<u64>,
 }
 
 /// The registry cache generations are kept in: one repository per project
@@ -113,6 +117,7 @@ impl Default for LeasesConfig {
             election: ElectionTiming::default(),
             cache_keep: DEFAULT_CACHE_KEEP,
             cache_registry: None,
+            cache_project_budget: None,
         }
     }
 }

@@ -365,6 +365,8 @@ pub(crate) struct Ledger {
     cache_keep: u32,
     /// Where cache generations are kept, for nodes to push and pull.
     cache_registry: Option<crate::config::CacheRegistryConfig>,
+    /// The most bytes one project's cache generations may hold.
+    cache_project_budget: Option<u64>,
     /// The key launch registrations are signed with, once read.
     launch_key: Arc<tokio::sync::OnceCell<hmac::Key>>,
 }
@@ -377,6 +379,7 @@ impl Ledger {
             custody_window_ms: millis(config.custody_window),
             cache_keep: config.cache_keep,
             cache_registry: config.cache_registry.clone(),
+            cache_project_budget: config.cache_project_budget,
             launch_key: Arc::default(),
         }
     }
@@ -385,9 +388,10 @@ impl Ledger {
         &self.store
     }
 
-    /// Generations of each cache volume kept beside its head and the pinned.
-    pub(crate) fn cache_keep(&self) -> u32 {
-        self.cache_keep
+    /// What is kept of cache generations: the newest of each volume, and
+    /// the bytes each project may hold.
+    pub(crate) fn cache_retention(&self) -> crate::caches::Retention {
+        crate::caches::Retention { keep: self.cache_keep, project_budget: self.cache_project_budget }
     }
 
     /// Where `project`'s cache generations are kept, as a node is told it.

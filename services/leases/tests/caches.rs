@@ -373,7 +373,23 @@ async fn a_node_is_told_the_cache_registry_and_each_generation_keeps_its_artifac
     ledger.cleanup().await;
 }
 
+async fn a_project_over_its_budget_loses_its_oldest_generations_never_a_head(backend: Backend) {
+    let config = LeasesConfig { cache_project_budget: Some(2500), ..fast_config() };
+    let ledger = Ledger::start(backend, config, nodes()).await;
+    for sealed in 1..=4 {
+        // Each is 1000 + n bytes: past the third, the budget takes the oldest.
+        assert_eq!(publish(&ledger, &format!("l-{sealed}"), sealed).await, u64::from(sealed));
+    }
+    let request = v1::GetCacheRequest { project: String::new(), key: "deps".into() };
+    let kept = caches(&ledger).get_cache(request).await.unwrap().into_inner();
+    let numbers: Vec<u64> = kept.generations.iter().map(|g| g.generation).collect();
+    assert_eq!(numbers, [4, 3], "under 2500 bytes, the head kept");
+    assert_eq!(kept.volume.unwrap().size_bytes, 1003 + 1004);
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
+    a_project_over_its_budget_loses_its_oldest_generations_never_a_head,
     a_node_is_told_the_cache_registry_and_each_generation_keeps_its_artifact,
     a_view_is_published_only_when_its_workload_succeeded,
     of_two_leases_started_from_one_head_exactly_one_publishes,
