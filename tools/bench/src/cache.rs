@@ -16,6 +16,12 @@
 //!   digested, the rest linked); beside it, the same view sealed with
 //!   nothing of it known, every byte copied and digested, which is what a
 //!   seal without the previous tree's file digests costs.
+//! - **push and fetch**: with a cache registry (`docker-registry` on
+//!   loopback), the first generation pushed whole; each published view then
+//!   pushed as the node does after its seal (one layer of what changed over
+//!   the base's layers), so "publish" is seal + push; and the head fetched
+//!   by a node that does not hold it (pull, unpack, digest check), beside
+//!   the whole volume's first push.
 //! - **placement**: `--nodes` simulated nodes under random load, and one
 //!   key used every minute for `--minutes` minutes: each lease is placed by
 //!   the ledger's placement with the node holding the head preferred, the
@@ -32,10 +38,12 @@ use std::time::{Duration, Instant};
 
 use berth_agent::{
     CacheBind, CacheVolumes, ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, ProcessTiming, Provider,
-    UidRange, View,
+    Transfer, UidRange, View,
 };
+use berth_bundle::testing::TestRegistry;
+use berth_bundle::{BundleClient, RegistryConfig};
 use berth_proto::identity::v1::NodeState;
-use berth_proto::leases::v1::CacheGeneration;
+use berth_proto::leases::v1::{CacheGeneration, CacheRegistry};
 use berth_proto::types::v1::{CacheCommit, CacheMount};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -65,6 +73,9 @@ pub(crate) struct CacheArgs {
     /// The volume's size, MiB.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(4..=65_536))]
     volume_mib: u32,
+    /// Fetches of the head by a node without it.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    fetches: u32,
     /// What each published view rewrote, MiB.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=65_536))]
     changed_mib: u32,
@@ -96,7 +107,13 @@ struct Report {
     launch_with: Series,
     mount_added_p99_ms: Option<f64>,
     publish: Series,
+    /// The same publishes, the push to the registry alone.
+    publish_push: Series,
     publish_full_copy: Series,
+    /// The volume's first generation pushed whole, ms.
+    first_push_ms: f64,
+    /// The head fetched by a node without it, each.
+    fetch: Series,
     placement_nodes: u32,
     placement_leases: u32,
     placement_busy_max_percent: u32,
@@ -170,15 +187,38 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
     }
     stop.cancel();
 
+    progress("pushing the volume whole to a registry on loopback");
+    let registry_process = TestRegistry::start().await.map_err(|e| format!("cannot start the registry: {e}"))?;
+    let registry =
+        CacheRegistry { repository: format!("{}/berth-caches/bench", registry_process.host()), ..Default::default() };
+    let client = BundleClient::new(RegistryConfig::default()).map_err(|e| e.to_string())?;
+    let seed_view = volumes
+        .open_view("seed", &mount, &CacheGeneration { generation: 0, ..head.clone() }, true)
+        .map_err(|e| e.to_string())?;
+    let sent = Instant::now();
+    let first = Transfer { volumes: &volumes, client: &client, registry: &registry, lease_id: "seed" }
+        .push("bench", &seed_view, &CacheGeneration::default(), &sealed)
+        .await
+        .map_err(|e| e.to_string())?;
+    let first_push_ms = sent.elapsed().as_secs_f64() * 1000.0;
+    volumes.close_views("seed").map_err(|e| e.to_string())?;
+    let head = CacheGeneration { artifact: first.to_string(), ..head };
+
     progress(&format!("{} views published, {} MiB changed in each", args.publishes, args.changed_mib));
     let changed_files = usize::try_from(args.changed_mib).unwrap_or(usize::MAX).div_ceil(4).min(files);
-    let (mut publish, mut full) = (Vec::new(), Vec::new());
+    let (mut publish, mut pushes, mut full) = (Vec::new(), Vec::new(), Vec::new());
     for index in 0..args.publishes {
         let lease_id = format!("publish-{index}");
         let view = volumes.open_view(&lease_id, &mount, &head, true).map_err(|e| e.to_string())?;
         rewrite(&view.merged, changed_files).map_err(|e| format!("cannot write into the view: {e}"))?;
         let sent = Instant::now();
-        volumes.seal(&lease_id, "bench", &view).map_err(|e| e.to_string())?;
+        let sealed = volumes.seal(&lease_id, "bench", &view).map_err(|e| e.to_string())?;
+        let pushing = Instant::now();
+        Transfer { volumes: &volumes, client: &client, registry: &registry, lease_id: &lease_id }
+            .push("bench", &view, &head, &sealed)
+            .await
+            .map_err(|e| e.to_string())?;
+        pushes.push(pushing.elapsed().as_secs_f64() * 1000.0);
         publish.push(sent.elapsed().as_secs_f64() * 1000.0);
         // The same view, as if nothing of it were known: every byte read and written.
         let unknown = View { lower: Path::new("/nonexistent").to_path_buf(), ..view };
@@ -188,6 +228,24 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
         volumes.close_views(&lease_id).map_err(|e| e.to_string())?;
         let _ = std::fs::remove_dir_all(dir.path().join("caches/volumes/bench-full"));
     }
+
+    progress(&format!("the head fetched {} times by a node without it", args.fetches));
+    let mut fetches = Vec::new();
+    for index in 0..args.fetches {
+        let cold = tempfile::tempdir().map_err(|e| format!("cannot make a directory: {e}"))?;
+        let elsewhere = CacheVolumes::new(cold.path());
+        let lease_id = format!("fetch-{index}");
+        let sent = Instant::now();
+        Transfer { volumes: &elsewhere, client: &client, registry: &registry, lease_id: &lease_id }
+            .fetch(&head)
+            .await
+            .map_err(|e| e.to_string())?;
+        fetches.push(sent.elapsed().as_secs_f64() * 1000.0);
+        if elsewhere.held("bench", "deps") != [1] {
+            return Err("the fetched head is not held".into());
+        }
+    }
+    drop(registry_process);
 
     progress(&format!("{} minutes of one key on {} simulated nodes", args.minutes, args.nodes));
     let (hit_rate, head_full_rate) = placement_hit_rate(args.nodes, args.minutes, args.busy_max);
@@ -202,7 +260,10 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
         launch_without,
         launch_with,
         publish: Series::of(publish),
+        publish_push: Series::of(pushes),
         publish_full_copy: Series::of(full),
+        first_push_ms,
+        fetch: Series::of(fetches),
         placement_nodes: args.nodes,
         placement_leases: args.minutes,
         placement_busy_max_percent: args.busy_max,
@@ -227,8 +288,10 @@ fn table(report: &Report) -> String {
         &[
             ("launch, no volume (baseline)", &report.launch_without),
             ("launch, warm volume mounted", &report.launch_with),
-            ("publish (changes copied, rest linked)", &report.publish),
+            ("publish (seal + push of the change)", &report.publish),
+            ("  of which the push", &report.publish_push),
             ("seal of every byte (baseline)", &report.publish_full_copy),
+            ("fetch of the head, node without it", &report.fetch),
         ],
     ));
     let added = report.mount_added_p99_ms.map_or_else(|| "-".to_string(), |ms| format!("{ms:.1} ms"));
@@ -237,6 +300,7 @@ fn table(report: &Report) -> String {
         report.target_mount_added_p99_ms
     ));
     out.push_str(&format!("publish p99 target: <= {} ms\n", report.target_publish_ms));
+    out.push_str(&format!("first push of the whole volume: {:.1} ms\n", report.first_push_ms));
     out.push_str(&format!(
         "placement beside the head: {:.1}% of {} leases on {} nodes each up to {}% busy (target >= {:.0}%); \
          the head's node had no room for {:.1}%\n",

@@ -51,17 +51,21 @@ const FETCH_LIMITS: BundleLimits =
 
 /// One lease's transfers between the node's cache volumes and the registry.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Transfer<'a> {
-    pub(crate) volumes: &'a CacheVolumes,
-    pub(crate) client: &'a BundleClient,
-    pub(crate) registry: &'a CacheRegistry,
-    pub(crate) lease_id: &'a str,
+pub struct Transfer<'a> {
+    /// The node's volumes.
+    pub volumes: &'a CacheVolumes,
+    /// What speaks to the registry.
+    pub client: &'a BundleClient,
+    /// Where, and with what credentials.
+    pub registry: &'a CacheRegistry,
+    /// The lease the transfer is for: its scratch directories are named by it.
+    pub lease_id: &'a str,
 }
 
 impl Transfer<'_> {
     /// Pulls generation `head` of (project, key) from the registry and seals it
     /// on this node as that generation, for the lease's view to start from.
-    pub(crate) async fn fetch(&self, head: &CacheGeneration) -> Result<Sealed, CacheError> {
+    pub async fn fetch(&self, head: &CacheGeneration) -> Result<Sealed, CacheError> {
         let Self { volumes, client, registry, lease_id } = *self;
         let artifact: Digest = head.artifact.parse().map_err(|e| registry_error(registry, e))?;
         let (owned, lease, project, key) =
@@ -105,7 +109,7 @@ impl Transfer<'_> {
     /// `view.key`) to the registry, over the layers of `base` (the generation
     /// the view started from) when that was pushed and this node holds it. The
     /// artifact's digest.
-    pub(crate) async fn push(
+    pub async fn push(
         &self,
         project: &str,
         view: &View,
