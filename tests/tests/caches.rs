@@ -25,12 +25,7 @@ const PATIENCE: Duration = Duration::from_secs(90);
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs the machine to itself and the binaries built: make test-faults"]
 async fn an_agent_killed_while_it_publishes_a_cache_view_leaves_the_head_whole() {
-    if !rustix::process::geteuid().is_root() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "cache volumes need a contained runtime (root), and CI=true"
-        );
-        eprintln!("skipping: cache volumes need a contained runtime, which needs root");
+    if !berth_testkit::runs_as_root("a cache volume's contained runtime") {
         return;
     }
     let options = MeshOptions {

@@ -10,8 +10,9 @@
 //! (`.wh.NAME`) removes NAME. A generation whose base generation was pushed
 //! reuses the base's layers and adds those holding only what its lease
 //! changed ([`pack_cache_layers`] against the base's tree), so publishing
-//! uploads the change, not the volume. A chain that would pass
-//! [`MAX_CACHE_LAYERS`] is packed whole instead. Layers are cut at about
+//! uploads the change, not the volume. A generation whose base already
+//! stacks [`MAX_CACHE_CHAIN`] generations' layers is packed whole instead
+//! (its config's `chain` counts them). Layers are cut at about
 //! [`CACHE_LAYER_BYTES`] of content, so no upload holds more than that (or
 //! one larger file) in memory.
 //!
@@ -42,6 +43,7 @@ use crate::digest::Digest;
 use crate::extract::{BundleLimits, ExtractError};
 use crate::format::{BundleManifest, Descriptor, LAYER_TAR_GZIP_MEDIA_TYPE, MAX_CONFIG_BYTES, OCI_MANIFEST_MEDIA_TYPE};
 use crate::image_user::ImageOwners;
+use crate::pack::tar_header;
 use crate::registry_error::RegistryError;
 use crate::{BundleClient, BundleReference, RegistryCredentials, RegistryReference};
 
@@ -51,9 +53,9 @@ pub const CACHE_ARTIFACT_TYPE: &str = "application/vnd.berth.cache.v1";
 /// The media type of a cache generation's config.
 pub const CACHE_CONFIG_MEDIA_TYPE: &str = "application/vnd.berth.cache.config.v1+json";
 
-/// The most layers one generation's manifest chains; past it, the next
-/// generation is packed whole.
-pub const MAX_CACHE_LAYERS: usize = 16;
+/// The most generations whose layers one manifest stacks; the next
+/// generation over such a one is packed whole.
+pub const MAX_CACHE_CHAIN: u32 = 16;
 
 /// About how much file content one layer holds before the next begins.
 pub const CACHE_LAYER_BYTES: u64 = 64 << 20;
@@ -70,6 +72,10 @@ const KEPT_MODE: u32 = 0o1777;
 pub struct CacheConfig {
     /// The sealed tree's digest, `sha256:<hex>`.
     pub tree_digest: String,
+    /// How many generations' layers the manifest stacks: 1 for a
+    /// generation packed whole, its base's plus 1 for one packed as a change.
+    #[serde(default)]
+    pub chain: u32,
 }
 
 /// One layer packed into a file of the caller's.
@@ -235,23 +241,23 @@ impl LayerPacker<'_> {
     fn whiteout(&mut self, path: &Path) -> io::Result<()> {
         let name = path.file_name().map(|name| name.to_string_lossy().into_owned()).unwrap_or_default();
         let marker = path.with_file_name(format!("{WHITEOUT_PREFIX}{name}"));
-        let mut header = header(tar::EntryType::Regular, 0o600, 0);
+        let mut header = tar_header(tar::EntryType::Regular, 0o600, 0);
         self.layer()?.tar.append_data(&mut header, marker, io::empty())
     }
 
     fn directory(&mut self, path: &Path, meta: &fs::Metadata) -> io::Result<()> {
-        let mut header = header(tar::EntryType::Directory, mode(meta), 0);
+        let mut header = tar_header(tar::EntryType::Directory, mode(meta), 0);
         self.layer()?.tar.append_data(&mut header, path, io::empty())
     }
 
     fn symlink(&mut self, path: &Path, target: &Path) -> io::Result<()> {
-        let mut header = header(tar::EntryType::Symlink, 0o777, 0);
+        let mut header = tar_header(tar::EntryType::Symlink, 0o777, 0);
         self.layer()?.tar.append_link(&mut header, path, target)
     }
 
     fn file(&mut self, source: &Path, path: &Path, meta: &fs::Metadata) -> io::Result<()> {
         let size = meta.len();
-        let mut header = header(tar::EntryType::Regular, mode(meta), size);
+        let mut header = tar_header(tar::EntryType::Regular, mode(meta), size);
         let file = fs::File::open(source)?;
         let layer = self.layer()?;
         layer.tar.append_data(&mut header, path, file.take(size))?;
@@ -273,18 +279,6 @@ fn sorted_names(dir: &Path) -> io::Result<Vec<std::ffi::OsString>> {
         fs::read_dir(dir)?.map(|entry| entry.map(|entry| entry.file_name())).collect::<Result<Vec<_>, _>>()?;
     names.sort();
     Ok(names)
-}
-
-/// A header with no owner and no time.
-fn header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
-    let mut header = tar::Header::new_gnu();
-    header.set_entry_type(kind);
-    header.set_mode(mode);
-    header.set_size(size);
-    header.set_mtime(0);
-    header.set_uid(0);
-    header.set_gid(0);
-    header
 }
 
 /// Counts and hashes what passes through to `inner`.

@@ -40,7 +40,7 @@ pub use cache::{
 #[cfg(feature = "cli")]
 mod flags;
 pub use cache_artifact::{
-    CACHE_ARTIFACT_TYPE, CACHE_CONFIG_MEDIA_TYPE, CACHE_LAYER_BYTES, CacheConfig, CachePullError, MAX_CACHE_LAYERS,
+    CACHE_ARTIFACT_TYPE, CACHE_CONFIG_MEDIA_TYPE, CACHE_LAYER_BYTES, CacheConfig, CachePullError, MAX_CACHE_CHAIN,
     PackedLayer, pack_cache_layers,
 };
 pub use client::{

@@ -244,7 +244,7 @@ impl Packer<'_> {
 }
 
 /// A header with no owner and no time, so the same tree packs to the same bytes.
-fn tar_header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
+pub(crate) fn tar_header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
     let mut header = tar::Header::new_gnu();
     header.set_entry_type(kind);
     header.set_mode(mode);

@@ -89,6 +89,18 @@ pub enum Backend {
     Sqlite,
 }
 
+/// Whether a test that needs root (`what` it needs it for) can run: true as
+/// root; false, after saying it skips, as another user; and a failure
+/// under `CI=true`, where every such test must run.
+pub fn runs_as_root(what: &str) -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{what} needs root, and CI=true");
+    eprintln!("skipping: {what} needs root");
+    false
+}
+
 /// Installs the TLS crypto provider and, once per process, logs that
 /// follow `RUST_LOG` into the test's output.
 pub fn install_crypto_and_logs() {

@@ -506,12 +506,7 @@ async fn cache_settled(plane: &ControlPlane, lease_id: &str) -> berth_proto::lea
 #[tokio::test]
 async fn a_cache_volume_is_published_only_when_its_workload_succeeds_and_the_next_lease_starts_from_it() {
     use berth_proto::leases::v1::CacheOutcome;
-    if !rustix::process::geteuid().is_root() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "cache volumes need a contained runtime (root), and CI=true"
-        );
-        eprintln!("skipping: cache volumes need a contained runtime, which needs root");
+    if !berth_testkit::runs_as_root("a cache volume's contained runtime") {
         return;
     }
     let (plane, dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
@@ -566,12 +561,7 @@ async fn a_cache_volume_is_published_only_when_its_workload_succeeds_and_the_nex
 async fn a_node_without_the_head_fetches_it_from_the_cache_registry_and_its_lease_sees_the_same_content() {
     use berth_bundle::testing::TestRegistry;
     use berth_proto::leases::v1::CacheOutcome;
-    if !rustix::process::geteuid().is_root() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "cache volumes need a contained runtime (root), and CI=true"
-        );
-        eprintln!("skipping: cache volumes need a contained runtime, which needs root");
+    if !berth_testkit::runs_as_root("a cache volume's contained runtime") {
         return;
     }
     berth_testkit::install_crypto_and_logs();

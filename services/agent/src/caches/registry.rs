@@ -8,15 +8,16 @@
 //!   it is recorded as held only then: a registry serving other content
 //!   fails the fetch, and the lease's view starts empty.
 //! - A push reuses the layers of the generation the view started from when
-//!   that one was pushed and the node holds its tree, adding one layer of
-//!   what the lease changed; otherwise it packs the whole tree.
+//!   that one was pushed, stacks fewer than `MAX_CACHE_CHAIN` generations
+//!   and the node holds its tree, adding one layer of what the lease
+//!   changed; otherwise it packs the whole tree.
 //! - The registry's credentials live in memory for one transfer; nothing of
 //!   them is written to disk or logged.
 //! - Transfers work in scratch directories under the volume's `staging/`,
 //!   named by the lease, which the sweep removes once the lease is gone.
 
 use berth_bundle::{
-    BundleClient, BundleLimits, CacheConfig, Descriptor, Digest, MAX_CACHE_LAYERS, RegistryCredentials,
+    BundleClient, BundleLimits, CacheConfig, Descriptor, Digest, MAX_CACHE_CHAIN, RegistryCredentials,
     pack_cache_layers,
 };
 use berth_proto::leases::v1::{CacheGeneration, CacheRegistry};
@@ -121,14 +122,16 @@ impl Transfer<'_> {
         // The base's layers, when a delta over them is possible.
         let mut below: Vec<Descriptor> = Vec::new();
         let mut base_tree = None;
+        let mut chain = 1;
         if view.based && base.generation > 0 && !base.artifact.is_empty() {
             let held = volumes.sealed_tree(project, &view.key, &base.digest);
             let artifact: Result<Digest, _> = base.artifact.parse();
             if let (Some(tree), Ok(artifact)) = (held, artifact) {
                 match client.cache_generation(&registry.repository, &artifact, &credentials).await {
-                    Ok((layers, _)) if layers.len() < MAX_CACHE_LAYERS => {
+                    Ok((layers, config)) if config.chain < MAX_CACHE_CHAIN => {
                         below = layers;
                         base_tree = Some(tree);
+                        chain = config.chain.max(1) + 1;
                     }
                     Ok(_) => {}
                     Err(error) => {
@@ -155,7 +158,7 @@ impl Transfer<'_> {
         .await;
         let pushed = match packed {
             Ok(layers) => {
-                let config = CacheConfig { tree_digest: sealed.digest.clone() };
+                let config = CacheConfig { tree_digest: sealed.digest.clone(), chain };
                 client
                     .push_cache_generation(&registry.repository, &view.key, &below, &layers, &config, &credentials)
                     .await
