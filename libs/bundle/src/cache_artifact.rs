@@ -126,6 +126,10 @@ pub fn pack_cache_layers(
 ) -> io::Result<Vec<PackedLayer>> {
     let mut packer = LayerPacker { out, same_content, layers: Vec::new(), current: None };
     packer.diff(tree, base, Path::new(""))?;
+    if base.is_none() && packer.layers.is_empty() {
+        // An empty volume is one empty layer: a manifest names at least one.
+        packer.layer()?;
+    }
     packer.finish_layer()?;
     Ok(packer.layers)
 }
@@ -541,6 +545,19 @@ mod tests {
         unpack(&whole, &rebuilt);
         unpack(&delta, &rebuilt);
         assert_eq!(listing(&rebuilt), listing(&next));
+    }
+
+    #[test]
+    fn an_empty_volume_is_one_empty_layer_and_an_unchanged_one_adds_none() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tree, out) = (tmp.path().join("tree"), tmp.path().join("out"));
+        fs::create_dir_all(&tree).unwrap();
+        fs::create_dir_all(&out).unwrap();
+        let whole = pack_cache_layers(&tree, None, &|_| false, &out).unwrap();
+        assert_eq!(whole.len(), 1);
+        assert!(entries(&whole[0]).is_empty());
+        let same = pack_cache_layers(&tree, Some(&tree), &|_| true, &out).unwrap();
+        assert!(same.is_empty(), "nothing changed, nothing to add over the base's layers");
     }
 
     #[test]
