@@ -71,9 +71,7 @@ const INFRA: [&str; 4] = ["postgres", "redis", "registry", "jaeger"];
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs root and the binaries built: make test-faults"]
 async fn the_compose_walkthrough_works_as_the_readme_says() {
-    if !rustix::process::geteuid().is_root() {
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "CI runs as root: the compose walkthrough cannot skip");
-        eprintln!("compose: skipped, not root");
+    if !berth_testkit::runs_as_root("the compose walkthrough") {
         return;
     }
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();

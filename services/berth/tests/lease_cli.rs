@@ -401,12 +401,7 @@ fn bad_quantities_and_flags_are_usage_errors() {
 
 #[test]
 fn a_cache_volume_is_published_when_its_lease_succeeds_and_steered_with_berth_cache() {
-    if !rustix::process::geteuid().is_root() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "cache volumes need a contained node (root), and CI=true"
-        );
-        eprintln!("skipping: cache volumes need a contained node, which needs root");
+    if !berth_testkit::runs_as_root("a cache volume's contained node") {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
