@@ -76,6 +76,9 @@ pub enum CacheError {
         /// Why.
         why: String,
     },
+    /// The work was cut short before it finished (its task was cancelled).
+    #[error("cache work cut short: {0}")]
+    Interrupted(String),
     /// The overlay of a view could not be mounted.
     #[error("cannot mount the view of cache volume {key} at {path}: {why}")]
     Mount {

@@ -40,9 +40,7 @@ fn registry_error(registry: &CacheRegistry, why: impl std::fmt::Display) -> Cach
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, CacheError> + Send + 'static,
 ) -> Result<T, CacheError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| CacheError::Registry { repository: String::new(), why: e.to_string() })?
+    tokio::task::spawn_blocking(work).await.map_err(|e| CacheError::Interrupted(e.to_string()))?
 }
 
 /// What a fetched generation may hold: bounded by the node's disk, not by
@@ -153,7 +151,7 @@ impl Transfer<'_> {
             let same = |path: &str| index.get(path).is_some_and(|digest| base_index.get(path) == Some(digest));
             let base_path = base_tree.as_ref().map(|(tree, _)| tree.as_path());
             pack_cache_layers(&tree, base_path, &same, &scratch_owned)
-                .map_err(|e| CacheError::Registry { repository: String::new(), why: format!("cannot pack: {e}") })
+                .map_err(|e| super::io("pack the layers of", &tree, e))
         })
         .await;
         let pushed = match packed {
