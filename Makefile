@@ -4,7 +4,7 @@ SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
 CARGO ?= cargo
 
-.PHONY: dev test test-faults lint deny audit fmt build bench images check-manifests test-deps
+.PHONY: dev test test-faults lint deny audit fmt build bench images check-manifests test-deps vminit
 
 ## Run the whole mesh in one process on .berth/dev (Ctrl-C stops it, and
 ## the dev node's workloads with it). As root, the dev node contains its
@@ -19,6 +19,7 @@ dev:
 ## Lint, then every test against real PostgreSQL, Redis and grpcurl.
 test: lint deny check-manifests
 	grpcurl="$$(scripts/test-deps.sh)"; \
+	$(MAKE) --no-print-directory vminit; \
 	if $(CARGO) nextest --version >/dev/null 2>&1; then \
 	  BERTH_GRPCURL="$$grpcurl" $(CARGO) nextest run --workspace --no-fail-fast; \
 	else \
@@ -46,6 +47,14 @@ test-faults:
 	  BERTH_GRPCURL="$$grpcurl" $(CARGO) test -p berth-e2e --test faults --test traces --test compose --test upgrade --test caches \
 	    -- --ignored --nocapture --test-threads 1; \
 	fi
+
+## The microVM guest's init, linked statically (it runs alone in the
+## guest's initramfs), built for the target named so that its flags do not
+## reach the workspace's other builds:
+## target/x86_64-unknown-linux-gnu/release/berth-vminit.
+vminit:
+	$(CARGO) rustc --quiet --release --target x86_64-unknown-linux-gnu -p berth-vminit --bin berth-vminit \
+	  -- -C target-feature=+crt-static
 
 ## Formatting and clippy, as CI runs them.
 lint:

@@ -5,7 +5,8 @@
 # loopback ports of their own, gRPC for the system python3 (a test
 # workload), the SPIFFE Python library (a Workload API client), h2load
 # (load on the router), and the OCI runtimes (runc, crun, runsc) and
-# init (tini) that contained workloads run through. Installs only what is missing (as root), starts
+# init (tini) that contained workloads run through, and QEMU with a guest
+# kernel for microVMs. Installs only what is missing (as root), starts
 # only what is not running, and prints the grpcurl path for the Makefile.
 set -euo pipefail
 
@@ -90,5 +91,8 @@ fi
 
 # The OCI runtimes and init that contained workloads run through.
 "$(dirname "$0")/runtime-deps.sh"
+
+# QEMU and the guest kernel the microVM runtime boots.
+"$(dirname "$0")/microvm-deps.sh"
 
 echo "$g"

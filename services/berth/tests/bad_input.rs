@@ -262,8 +262,7 @@ async fn still_serving(base: u16, admin: &TlsCredentials, admin_identity: Channe
 #[test]
 fn every_public_rpc_refuses_malformed_requests_cleanly_and_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
-    let base = common::free_port_base();
-    let mut dev = common::spawn_dev(dir.path(), base);
+    let (mut dev, base) = common::spawn_dev(dir.path());
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
 
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -42,10 +42,10 @@ struct Dev {
 }
 
 impl Dev {
-    /// Starts `berth dev` and waits for its banner.
-    fn start(dir: &Path, base: u16) -> Dev {
-        let child = common::spawn_dev(dir, base);
-        Dev { child, dir: dir.to_path_buf(), leave_workloads: false }
+    /// Starts `berth dev` on free ports and waits for its banner; its port
+    /// base too.
+    fn start(dir: &Path) -> (Dev, u16) {
+        Dev::start_with(dir, &[])
     }
 
     /// Starts `berth dev` on a data directory of its own and free ports;
@@ -54,15 +54,14 @@ impl Dev {
     fn start_fresh() -> (tempfile::TempDir, PathBuf, u16, Dev) {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("data");
-        let base = common::free_port_base();
-        let dev = Dev::start(&dir, base);
+        let (dev, base) = Dev::start(&dir);
         (tmp, dir, base, dev)
     }
 
-    /// Starts `berth dev` with `extra` flags.
-    fn start_with(dir: &Path, base: u16, extra: &[&str]) -> Dev {
-        let child = common::spawn_dev_with(dir, base, extra);
-        Dev { child, dir: dir.to_path_buf(), leave_workloads: false }
+    /// Starts `berth dev` with `extra` flags; its port base too.
+    fn start_with(dir: &Path, extra: &[&str]) -> (Dev, u16) {
+        let (child, base) = common::spawn_dev_with(dir, extra);
+        (Dev { child, dir: dir.to_path_buf(), leave_workloads: false }, base)
     }
 
     /// Drops a killed `berth dev` without cleaning up after it.
@@ -157,8 +156,7 @@ fn grpcurl_lists_every_service_and_health_serves_and_restart_keeps_the_ca() {
     assert!(dev.stop().success(), "berth dev exits cleanly on SIGTERM");
 
     // Fresh ports: another test may have taken the old ones since.
-    let base = common::free_port_base();
-    let dev = Dev::start(&dir, base);
+    let (dev, base) = Dev::start(&dir);
     assert_eq!(std::fs::read(dir.join("ca.pem")).unwrap(), ca_before, "restart keeps ca.pem byte for byte");
     assert_eq!(std::fs::read(dir.join("admin.pem")).unwrap(), admin_before, "a current admin cert is kept");
     let health = grpcurl_admin(&dir, &format!("127.0.0.1:{base}"), &["grpc.health.v1.Health/Check"]);
@@ -192,9 +190,8 @@ fn the_dev_node_joins_and_comes_up() {
 
     // A restart resumes the same node rather than joining a second one
     // (on fresh ports: another test may have taken the old ones since).
-    let base = common::free_port_base();
+    let (dev, base) = Dev::start(&dir);
     let addr = format!("127.0.0.1:{base}");
-    let dev = Dev::start(&dir, base);
     let last = list_nodes_until(&dir, &addr, |l| l.contains("NODE_STATE_UP"));
     let again: serde_json::Value = serde_json::from_str(&last).unwrap();
     assert_eq!(again["nodes"].as_array().unwrap().len(), 1, "{last}");
@@ -388,8 +385,7 @@ fn the_example_deploys_with(flags: &[&str]) {
     let push = berth(&["bundle", "push", example.to_str().unwrap(), &reference]);
     assert!(push.status.success(), "{}", String::from_utf8_lossy(&push.stderr));
 
-    let base = common::free_port_base();
-    let _dev = Dev::start_with(&dir, base, flags);
+    let (_dev, base) = Dev::start_with(&dir, flags);
     let template: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(example.join("service.json")).unwrap()).unwrap();
     let mut template = template;
@@ -576,10 +572,10 @@ fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts
     let marker = format!("berth-kill9-{base}-{}", std::process::id());
     let script = format!("sleep 600; echo {marker}");
     let lease_id = request_lease(&dir, &leases, "k9", &[&script, &marker]);
-    let get = |lease_id: &str| {
+    let get = |leases: &str, lease_id: &str| {
         grpcurl_admin_call(
             &dir,
-            &leases,
+            leases,
             "berth.leases.v1.Leases/GetLease",
             &format!("{{\"lease_id\": \"{lease_id}\"}}"),
         )["lease"]
@@ -588,13 +584,13 @@ fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts
     let mut pid = None;
     for _ in 0..100 {
         pid = pid_with(&marker);
-        if pid.is_some() && get(&lease_id)["phase"] == "LEASE_PHASE_RUNNING" {
+        if pid.is_some() && get(&leases, &lease_id)["phase"] == "LEASE_PHASE_RUNNING" {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
     let pid = pid.expect("the workload started");
-    let before = get(&lease_id);
+    let before = get(&leases, &lease_id);
     assert_eq!(before["phase"], "LEASE_PHASE_RUNNING", "{before}");
 
     // kill -9: no cleanup at all, in any of the five services or the agent.
@@ -603,10 +599,12 @@ fn a_kill_9_of_the_whole_mesh_leaves_the_workload_running_and_the_restart_adopts
     dev.abandon();
     assert_eq!(pid_with(&marker), Some(pid), "the workload outlives the agent");
 
-    let _dev = Dev::start(&dir, base);
+    // Fresh ports: another test may have taken the old ones since.
+    let (_dev, base) = Dev::start(&dir);
+    let leases = format!("127.0.0.1:{}", base + 2);
     let mut after = serde_json::Value::Null;
     for _ in 0..100 {
-        after = get(&lease_id);
+        after = get(&leases, &lease_id);
         if after["phase"] == "LEASE_PHASE_RUNNING" && after["epoch"] != before["epoch"] {
             break;
         }

@@ -50,8 +50,8 @@ fn failure(out: &Output) -> String {
 #[test]
 fn health_passes_only_a_serving_process_whose_certificate_verifies() {
     let dir = tempfile::tempdir().unwrap();
-    let base = common::free_port_base();
-    let _dev = Dev(common::spawn_dev(dir.path(), base), dir.path().to_path_buf());
+    let (child, base) = common::spawn_dev(dir.path());
+    let _dev = Dev(child, dir.path().to_path_buf());
     let ca = dir.path().join("ca.pem");
     let ca = ca.to_str().unwrap();
     let identity = format!("127.0.0.1:{base}");

@@ -17,15 +17,18 @@ use serde_json::Value;
 /// How long `berth dev` may take to print its banner.
 const BANNER_DEADLINE: Duration = Duration::from_secs(60);
 
-/// A port base whose seven ports are free right now.
+/// How many times a start is tried again on other ports when something else
+/// took one of the chosen ports between the probe and `berth dev`'s bind.
+const PORT_TRIES: usize = 5;
+
+/// A port base whose seven ports are free right now, drawn at random below
+/// the kernel's ephemeral range so that no outgoing connection of another
+/// test is handed one of them while `berth dev` starts.
 pub(crate) fn free_port_base() -> u16 {
-    for _ in 0..50 {
-        let probe = TcpListener::bind("127.0.0.1:0").expect("a free port");
-        let base = probe.local_addr().expect("a bound port").port();
-        drop(probe);
-        if base > 65000 {
-            continue;
-        }
+    use std::hash::{BuildHasher, Hasher};
+    for _ in 0..200 {
+        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+        let base = 10_000 + u16::try_from(random % 22_000).expect("below 22,000");
         if (0..7).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
             return base;
         }
@@ -52,14 +55,34 @@ pub(crate) fn stop_dev(child: &mut Child, dir: &Path) {
     berth_agent::destroy_containers(&dir.join("agent"));
 }
 
-/// Starts `berth dev` on `dir` and `base` and waits for its banner; the
-/// caller owns (and stops, with [`stop_dev`]) the process.
-pub(crate) fn spawn_dev(dir: &Path, base: u16) -> Child {
-    spawn_dev_with(dir, base, &[])
+/// Starts `berth dev` on `dir` on free ports and waits for its banner; the
+/// caller owns (and stops, with [`stop_dev`]) the process. Its port base is
+/// the second half.
+pub(crate) fn spawn_dev(dir: &Path) -> (Child, u16) {
+    spawn_dev_with(dir, &[])
 }
 
-/// Like [`spawn_dev`], with `extra` flags for `berth dev`.
-pub(crate) fn spawn_dev_with(dir: &Path, base: u16, extra: &[&str]) -> Child {
+/// Like [`spawn_dev`], with `extra` flags for `berth dev`. A start that
+/// fails because another process took one of its ports first is tried again
+/// on other ports; any other failure panics with what `berth dev` printed.
+pub(crate) fn spawn_dev_with(dir: &Path, extra: &[&str]) -> (Child, u16) {
+    for _ in 1..PORT_TRIES {
+        let base = free_port_base();
+        match try_spawn_dev(dir, base, extra) {
+            Ok(child) => return (child, base),
+            Err(stderr) if stderr.contains("Address already in use") => continue,
+            Err(stderr) => panic!("berth dev printed no banner: {stderr}"),
+        }
+    }
+    let base = free_port_base();
+    let child =
+        try_spawn_dev(dir, base, extra).unwrap_or_else(|stderr| panic!("berth dev printed no banner: {stderr}"));
+    (child, base)
+}
+
+/// Starts `berth dev` on `base` and waits for its banner; on failure, what
+/// it printed on stderr (which is passed through to the test's stderr too).
+fn try_spawn_dev(dir: &Path, base: u16, extra: &[&str]) -> Result<Child, String> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
         .args(["dev", "--data-dir"])
         .arg(dir)
@@ -67,10 +90,11 @@ pub(crate) fn spawn_dev_with(dir: &Path, base: u16, extra: &[&str]) -> Child {
         .args(extra)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("berth binary runs");
     let stdout = child.stdout.take().expect("a piped stdout");
+    let stderr = child.stderr.take().expect("a piped stderr");
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -79,8 +103,26 @@ pub(crate) fn spawn_dev_with(dir: &Path, base: u16, extra: &[&str]) -> Child {
             }
         }
     });
-    rx.recv_timeout(BANNER_DEADLINE).expect("berth dev printed its banner");
-    child
+    let printed = std::thread::spawn(move || {
+        let mut kept = String::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("{line}");
+            if kept.len() < 64 * 1024 {
+                kept.push_str(&line);
+                kept.push('\n');
+            }
+        }
+        kept
+    });
+    match rx.recv_timeout(BANNER_DEADLINE) {
+        Ok(()) => Ok(child),
+        Err(waited) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            let stderr = printed.join().unwrap_or_default();
+            Err(format!("{waited}; stderr: {stderr}"))
+        }
+    }
 }
 
 /// A running `berth dev` on its own data directory and free ports, stopped
@@ -102,8 +144,7 @@ impl DevProcess {
 
     /// Like [`DevProcess::start`], with `extra` flags for `berth dev`.
     pub(crate) fn start_with(dir: &Path, extra: &[&str]) -> DevProcess {
-        let base = free_port_base();
-        let child = spawn_dev_with(dir, base, extra);
+        let (child, base) = spawn_dev_with(dir, extra);
         DevProcess { child, dir: dir.to_path_buf(), server: format!("127.0.0.1:{base}") }
     }
 

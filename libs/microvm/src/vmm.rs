@@ -1,0 +1,297 @@
+//! The VMM: QEMU's `microvm` machine, started as a process of its own and
+//! driven through the guest's control port.
+//!
+//! The machine has no PCI bus, no firmware and no legacy devices but one
+//! serial port (the kernel's console, written to a file for diagnosis):
+//! the root and scratch images as virtio-mmio block devices and one
+//! virtio-serial port for the control wire. QEMU listens on the control
+//! socket itself (`server=on`), so the node can connect again after its own
+//! restart, and QMP on a second socket for the VMM's own questions.
+//!
+//! # Invariants
+//! - QEMU runs in a process group of its own: a signal to the node's group
+//!   (a Ctrl-C) does not reach the VM; only [`Vm::kill`] or the guest's
+//!   power-off ends it.
+//! - The root image is attached read-only; only the scratch image is
+//!   written.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::UnixStream;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::Mutex;
+
+use crate::CONTROL_PORT;
+use crate::wire::{self, Decoder, Frame, GuestCommand};
+
+/// How long QEMU may take to open its control socket.
+const SOCKET_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The least memory the stock kernel and its initramfs boot in.
+pub const MIN_MEMORY_MIB: u32 = 128;
+
+/// How the VMM runs guest code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// Hardware virtualisation through `/dev/kvm`.
+    Kvm,
+    /// QEMU's own translator: no `/dev/kvm` needed, several times slower.
+    Tcg,
+}
+
+impl Accel {
+    /// Its name on QEMU's command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// One VM to boot.
+#[derive(Debug, Clone)]
+pub struct VmSpec {
+    /// The QEMU binary (`qemu-system-x86_64`).
+    pub qemu: PathBuf,
+    /// How guest code runs.
+    pub accel: Accel,
+    /// The kernel image.
+    pub vmlinuz: PathBuf,
+    /// The initramfs from [`crate::image::write_initramfs`].
+    pub initramfs: PathBuf,
+    /// The read-only root image.
+    pub root_image: PathBuf,
+    /// The lease's writable scratch image.
+    pub scratch_image: PathBuf,
+    /// Virtual CPUs.
+    pub cpus: u32,
+    /// Guest memory, MiB (at least [`MIN_MEMORY_MIB`]).
+    pub memory_mib: u32,
+    /// The directory for the VM's sockets and console log.
+    pub run_dir: PathBuf,
+}
+
+impl VmSpec {
+    /// Where QEMU listens for the node on the guest's control port.
+    pub fn control_socket(&self) -> PathBuf {
+        self.run_dir.join("control.sock")
+    }
+
+    /// Where QEMU answers QMP.
+    pub fn qmp_socket(&self) -> PathBuf {
+        self.run_dir.join("qmp.sock")
+    }
+
+    /// Where the guest kernel's console goes.
+    pub fn console_log(&self) -> PathBuf {
+        self.run_dir.join("console.log")
+    }
+
+    /// QEMU's arguments for this VM.
+    pub fn args(&self) -> Vec<OsString> {
+        let mut args: Vec<OsString> = Vec::new();
+        let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
+        push(&["-M", "microvm,isa-serial=on,pit=off,pic=off,rtc=on"]);
+        push(&["-accel", self.accel.name()]);
+        push(&["-cpu", if self.accel == Accel::Kvm { "host" } else { "max" }]);
+        push(&["-smp", &self.cpus.max(1).to_string()]);
+        push(&["-m", &self.memory_mib.max(MIN_MEMORY_MIB).to_string()]);
+        push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
+        let path = |p: &Path| p.display().to_string();
+        push(&["-kernel", &path(&self.vmlinuz), "-initrd", &path(&self.initramfs)]);
+        push(&["-drive", &format!("id=root,file={},format=raw,if=none,readonly=on", escape(&self.root_image))]);
+        push(&["-device", "virtio-blk-device,drive=root"]);
+        push(&["-drive", &format!("id=scratch,file={},format=raw,if=none", escape(&self.scratch_image))]);
+        push(&["-device", "virtio-blk-device,drive=scratch"]);
+        push(&["-device", "virtio-serial-device"]);
+        push(&["-chardev", &format!("socket,id=control,path={},server=on,wait=off", escape(&self.control_socket()))]);
+        push(&["-device", &format!("virtserialport,chardev=control,name={CONTROL_PORT}")]);
+        push(&["-qmp", &format!("unix:{},server=on,wait=off", escape(&self.qmp_socket()))]);
+        push(&["-serial", &format!("file:{}", path(&self.console_log()))]);
+        let mut append = "console=ttyS0 reboot=t panic=-1 quiet".to_owned();
+        if let Some(khz) = tsc_khz() {
+            // The kernel skips calibrating the TSC against a timer it
+            // would have to emulate slowly first.
+            append.push_str(&format!(" tsc_early_khz={khz}"));
+        }
+        push(&["-append", &append]);
+        args
+    }
+}
+
+/// QEMU's option syntax doubles a comma inside a value.
+fn escape(path: &Path) -> String {
+    path.display().to_string().replace(',', ",,")
+}
+
+/// The host's TSC rate, kHz, as the kernel reported it.
+fn tsc_khz() -> Option<u64> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let mhz = cpuinfo.lines().find(|l| l.starts_with("cpu MHz"))?.split(':').nth(1)?.trim().parse::<f64>().ok()?;
+    // A rate in kHz fits u64 for any real CPU; the cast truncates the fraction on purpose.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "a positive rate of a few million kHz")]
+    Some((mhz * 1000.0) as u64)
+}
+
+/// A VM that could not be booted or talked to.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// QEMU could not be started.
+    #[error("starting {qemu}: {source}")]
+    Spawn {
+        /// The binary.
+        qemu: String,
+        /// The failure.
+        source: std::io::Error,
+    },
+    /// QEMU exited before it listened, with what it printed.
+    #[error("the VMM exited before it listened ({status}): {stderr}")]
+    Exited {
+        /// Its exit status.
+        status: String,
+        /// Its last output.
+        stderr: String,
+    },
+    /// The control socket never opened.
+    #[error("the VMM did not open {} within {SOCKET_DEADLINE:?}", .0.display())]
+    NoSocket(PathBuf),
+    /// Reading or writing the control port failed.
+    #[error("the control port: {0}")]
+    Io(#[from] std::io::Error),
+    /// The guest sent something unreadable.
+    #[error("the guest's init: {0}")]
+    Wire(#[from] wire::WireError),
+}
+
+/// A booted VM: its QEMU process and its control port.
+#[derive(Debug)]
+pub struct Vm {
+    child: tokio::process::Child,
+    reader: OwnedReadHalf,
+    writer: Arc<Mutex<OwnedWriteHalf>>,
+    decoder: Decoder,
+}
+
+/// Sends signals to a VM's workload while another task reads its frames.
+#[derive(Debug, Clone)]
+pub struct Signaller(Arc<Mutex<OwnedWriteHalf>>);
+
+impl Signaller {
+    /// Has the init send `signal` to the workload and all it started.
+    pub async fn signal(&self, signal: i32) -> Result<(), VmError> {
+        self.0.lock().await.write_all(&wire::encode(&Frame::Signal(signal))).await?;
+        Ok(())
+    }
+}
+
+impl Vm {
+    /// Starts QEMU for `spec`, connects to the control port and hands the
+    /// init `command`.
+    pub async fn boot(spec: &VmSpec, command: &GuestCommand) -> Result<Self, VmError> {
+        std::fs::create_dir_all(&spec.run_dir)?;
+        let vmm_log = std::fs::File::create(spec.run_dir.join("vmm.log"))?;
+        let mut child = tokio::process::Command::new(&spec.qemu)
+            .args(spec.args())
+            .stdin(Stdio::null())
+            .stdout(vmm_log.try_clone()?)
+            .stderr(vmm_log)
+            .process_group(0)
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(|source| VmError::Spawn { qemu: spec.qemu.display().to_string(), source })?;
+        let socket = spec.control_socket();
+        let deadline = tokio::time::Instant::now() + SOCKET_DEADLINE;
+        let stream = loop {
+            if let Ok(stream) = UnixStream::connect(&socket).await {
+                break stream;
+            }
+            if let Some(status) = child.try_wait()? {
+                let printed = std::fs::read_to_string(spec.run_dir.join("vmm.log")).unwrap_or_default();
+                return Err(VmError::Exited { status: status.to_string(), stderr: printed.trim().to_owned() });
+            }
+            if tokio::time::Instant::now() > deadline {
+                let _ = child.start_kill();
+                return Err(VmError::NoSocket(socket));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let (reader, mut writer) = stream.into_split();
+        writer.write_all(&wire::encode(&Frame::Run(command.clone()))).await?;
+        Ok(Self { child, reader, writer: Arc::new(Mutex::new(writer)), decoder: Decoder::default() })
+    }
+
+    /// The VMM's process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// A handle that signals the workload.
+    pub fn signaller(&self) -> Signaller {
+        Signaller(Arc::clone(&self.writer))
+    }
+
+    /// The next frame from the init; `None` once the port closed (the VM
+    /// powered off or died).
+    pub async fn next_frame(&mut self) -> Result<Option<Frame>, VmError> {
+        let mut buffer = [0_u8; 64 * 1024];
+        loop {
+            if let Some(frame) = self.decoder.next_frame()? {
+                return Ok(Some(frame));
+            }
+            let read = self.reader.read(&mut buffer).await?;
+            if read == 0 {
+                return Ok(None);
+            }
+            self.decoder.push(&buffer[..read]);
+        }
+    }
+
+    /// Waits for QEMU to exit.
+    pub async fn wait(&mut self) -> Result<std::process::ExitStatus, VmError> {
+        Ok(self.child.wait().await?)
+    }
+
+    /// Ends the VM at once, as pulling its power would.
+    pub async fn kill(&mut self) -> Result<(), VmError> {
+        self.child.kill().await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_attaches_the_root_read_only_and_escapes_commas() {
+        let spec = VmSpec {
+            qemu: "qemu-system-x86_64".into(),
+            accel: Accel::Tcg,
+            vmlinuz: "/k/vmlinuz".into(),
+            initramfs: "/k/initramfs".into(),
+            root_image: "/images/sha256,abc.ext4".into(),
+            scratch_image: "/leases/l1/scratch.ext4".into(),
+            cpus: 0,
+            memory_mib: 64,
+            run_dir: "/leases/l1".into(),
+        };
+        let args: Vec<String> = spec.args().into_iter().map(|a| a.into_string().unwrap()).collect();
+        let after = |flag: &str| args.iter().skip_while(|a| *a != flag).nth(1).cloned().unwrap();
+        assert_eq!(after("-accel"), "tcg");
+        assert_eq!(after("-smp"), "1", "at least one vCPU");
+        assert_eq!(after("-m"), "128", "at least the memory the kernel boots in");
+        assert!(
+            args.contains(&"id=root,file=/images/sha256,,abc.ext4,format=raw,if=none,readonly=on".to_owned()),
+            "{args:?}"
+        );
+        assert!(args.contains(&"id=scratch,file=/leases/l1/scratch.ext4,format=raw,if=none".to_owned()), "{args:?}");
+        assert!(args.contains(&"socket,id=control,path=/leases/l1/control.sock,server=on,wait=off".to_owned()));
+        assert!(args.contains(&format!("virtserialport,chardev=control,name={CONTROL_PORT}")));
+    }
+}

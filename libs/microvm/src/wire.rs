@@ -1,0 +1,236 @@
+//! The frames the node and a guest's init exchange over the control port.
+//!
+//! A frame is one tag byte, a big-endian `u32` length and that many bytes
+//! of payload. The command to run travels as JSON (it is sent once per
+//! lease, and JSON names a wrong field); output travels as raw bytes, since
+//! it is most of the traffic. Encoding and decoding are pure functions over
+//! byte buffers, so the async node and the blocking init share them.
+
+use serde::{Deserialize, Serialize};
+
+/// The largest payload a frame may carry.
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// How many bytes precede a frame's payload.
+const HEADER: usize = 5;
+
+/// What the init runs, as the node sends it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestCommand {
+    /// The program and its arguments; the program is looked up on the
+    /// `PATH` of `env` when it has no slash.
+    pub argv: Vec<String>,
+    /// The workload's whole environment.
+    pub env: Vec<(String, String)>,
+    /// Its working directory inside the root.
+    pub cwd: String,
+    /// The user it runs as inside the guest.
+    pub uid: u32,
+    /// The group it runs as inside the guest.
+    pub gid: u32,
+    /// The guest's host name.
+    pub hostname: String,
+}
+
+/// How a workload ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestExit {
+    /// It exited with this status.
+    Code(i32),
+    /// A signal with this number ended it.
+    Signal(i32),
+}
+
+/// One frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// Node → init: run this (sent once, first).
+    Run(GuestCommand),
+    /// Node → init: send this signal to the workload and all it started.
+    Signal(i32),
+    /// Init → node: the workload runs, with this pid inside the guest.
+    Started(u32),
+    /// Init → node: bytes the workload wrote to its stdout.
+    Stdout(Vec<u8>),
+    /// Init → node: bytes the workload wrote to its stderr.
+    Stderr(Vec<u8>),
+    /// Init → node: the workload ended; nothing follows but the power-off.
+    Exited(GuestExit),
+    /// Init → node: the workload could not be started, and why.
+    Failed(String),
+}
+
+/// A frame that cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    /// The length field says more than [`MAX_FRAME`].
+    #[error("a frame of {0} bytes is longer than the {MAX_FRAME} allowed")]
+    TooLong(usize),
+    /// The tag names no frame.
+    #[error("unknown frame tag {0}")]
+    UnknownTag(u8),
+    /// The payload does not hold what the tag says.
+    #[error("malformed {what} frame: {why}")]
+    Malformed {
+        /// Which frame.
+        what: &'static str,
+        /// What was wrong with it.
+        why: String,
+    },
+}
+
+const RUN: u8 = 1;
+const SIGNAL: u8 = 2;
+const STARTED: u8 = 3;
+const STDOUT: u8 = 4;
+const STDERR: u8 = 5;
+const EXITED_CODE: u8 = 6;
+const EXITED_SIGNAL: u8 = 7;
+const FAILED: u8 = 8;
+
+/// The bytes of `frame`. Output longer than [`MAX_FRAME`] is the caller's
+/// to split; see [`output_frames`].
+pub fn encode(frame: &Frame) -> Vec<u8> {
+    let (tag, payload): (u8, Vec<u8>) = match frame {
+        Frame::Run(command) => (RUN, serde_json::to_vec(command).unwrap_or_default()),
+        Frame::Signal(signal) => (SIGNAL, signal.to_be_bytes().to_vec()),
+        Frame::Started(pid) => (STARTED, pid.to_be_bytes().to_vec()),
+        Frame::Stdout(bytes) => (STDOUT, bytes.clone()),
+        Frame::Stderr(bytes) => (STDERR, bytes.clone()),
+        Frame::Exited(GuestExit::Code(code)) => (EXITED_CODE, code.to_be_bytes().to_vec()),
+        Frame::Exited(GuestExit::Signal(signal)) => (EXITED_SIGNAL, signal.to_be_bytes().to_vec()),
+        Frame::Failed(why) => (FAILED, why.as_bytes().to_vec()),
+    };
+    let mut bytes = Vec::with_capacity(HEADER + payload.len());
+    bytes.push(tag);
+    bytes.extend_from_slice(&u32::try_from(payload.len()).unwrap_or(u32::MAX).to_be_bytes());
+    bytes.extend_from_slice(&payload);
+    bytes
+}
+
+/// `bytes` of output as frames of at most [`MAX_FRAME`] each.
+pub fn output_frames(stderr: bool, bytes: &[u8]) -> impl Iterator<Item = Frame> + '_ {
+    bytes
+        .chunks(MAX_FRAME)
+        .map(move |chunk| if stderr { Frame::Stderr(chunk.to_vec()) } else { Frame::Stdout(chunk.to_vec()) })
+}
+
+/// The first whole frame at the start of `buffer` and how many bytes it
+/// took, or `None` while more bytes are needed.
+pub fn decode(buffer: &[u8]) -> Result<Option<(Frame, usize)>, WireError> {
+    let Some(header) = buffer.get(..HEADER) else { return Ok(None) };
+    let tag = header[0];
+    let length =
+        usize::try_from(u32::from_be_bytes([header[1], header[2], header[3], header[4]])).unwrap_or(usize::MAX);
+    if length > MAX_FRAME {
+        return Err(WireError::TooLong(length));
+    }
+    let Some(payload) = buffer.get(HEADER..HEADER + length) else { return Ok(None) };
+    let frame = match tag {
+        RUN => Frame::Run(serde_json::from_slice(payload).map_err(|e| malformed("run", e))?),
+        SIGNAL => Frame::Signal(i32::from_be_bytes(four("signal", payload)?)),
+        STARTED => Frame::Started(u32::from_be_bytes(four("started", payload)?)),
+        STDOUT => Frame::Stdout(payload.to_vec()),
+        STDERR => Frame::Stderr(payload.to_vec()),
+        EXITED_CODE => Frame::Exited(GuestExit::Code(i32::from_be_bytes(four("exited", payload)?))),
+        EXITED_SIGNAL => Frame::Exited(GuestExit::Signal(i32::from_be_bytes(four("exited", payload)?))),
+        FAILED => Frame::Failed(String::from_utf8_lossy(payload).into_owned()),
+        other => return Err(WireError::UnknownTag(other)),
+    };
+    Ok(Some((frame, HEADER + length)))
+}
+
+/// Frames read from a byte stream as its bytes arrive.
+#[derive(Debug, Default)]
+pub struct Decoder {
+    buffer: Vec<u8>,
+}
+
+impl Decoder {
+    /// Adds bytes read from the stream.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buffer.extend_from_slice(bytes);
+    }
+
+    /// The next whole frame, if the bytes so far hold one.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, WireError> {
+        match decode(&self.buffer)? {
+            Some((frame, used)) => {
+                self.buffer.drain(..used);
+                Ok(Some(frame))
+            }
+            None => Ok(None),
+        }
+    }
+}
+
+fn four(what: &'static str, payload: &[u8]) -> Result<[u8; 4], WireError> {
+    payload.try_into().map_err(|_| WireError::Malformed { what, why: format!("{} bytes, not 4", payload.len()) })
+}
+
+fn malformed(what: &'static str, error: impl std::fmt::Display) -> WireError {
+    WireError::Malformed { what, why: error.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn command() -> GuestCommand {
+        GuestCommand {
+            argv: vec!["/bin/sh".into(), "-c".into(), "echo hi".into()],
+            env: vec![("PATH".into(), "/bin".into())],
+            cwd: "/".into(),
+            uid: 1000,
+            gid: 1000,
+            hostname: "lease-1".into(),
+        }
+    }
+
+    #[test]
+    fn every_frame_reads_back_as_written_even_a_byte_at_a_time() {
+        let frames = vec![
+            Frame::Run(command()),
+            Frame::Signal(15),
+            Frame::Started(42),
+            Frame::Stdout(b"out\n".to_vec()),
+            Frame::Stderr(Vec::new()),
+            Frame::Exited(GuestExit::Code(-1)),
+            Frame::Exited(GuestExit::Signal(9)),
+            Frame::Failed("no such program: nope".into()),
+        ];
+        let bytes: Vec<u8> = frames.iter().flat_map(encode).collect();
+        let mut decoder = Decoder::default();
+        let mut read = Vec::new();
+        for byte in bytes {
+            decoder.push(&[byte]);
+            while let Some(frame) = decoder.next_frame().unwrap() {
+                read.push(frame);
+            }
+        }
+        assert_eq!(read, frames);
+    }
+
+    #[test]
+    fn long_output_is_split_into_frames_that_fit() {
+        let bytes = vec![7_u8; MAX_FRAME * 2 + 3];
+        let frames: Vec<Frame> = output_frames(true, &bytes).collect();
+        assert_eq!(frames.len(), 3);
+        assert!(frames.iter().all(|f| matches!(f, Frame::Stderr(b) if b.len() <= MAX_FRAME)));
+    }
+
+    #[test]
+    fn bad_frames_are_named_not_panicked_on() {
+        let mut too_long = vec![STDOUT];
+        too_long.extend_from_slice(&u32::MAX.to_be_bytes());
+        assert_eq!(decode(&too_long), Err(WireError::TooLong(u32::MAX as usize)));
+        assert_eq!(decode(&[99, 0, 0, 0, 0]), Err(WireError::UnknownTag(99)));
+        let short_signal = [SIGNAL, 0, 0, 0, 2, 0, 15];
+        assert!(matches!(decode(&short_signal), Err(WireError::Malformed { what: "signal", .. })));
+        let mut bad_run = vec![RUN, 0, 0, 0, 2];
+        bad_run.extend_from_slice(b"{}");
+        let error = decode(&bad_run).unwrap_err().to_string();
+        assert!(error.contains("malformed run frame") && error.contains("argv"), "{error}");
+        assert_eq!(decode(&[STDOUT, 0, 0]), Ok(None), "a partial header waits for more");
+    }
+}

@@ -1,0 +1,337 @@
+//! `berth-vminit`: PID 1 of a berth microVM.
+//!
+//! The kernel starts it from the initramfs. It mounts the pseudo
+//! filesystems, loads the modules the initramfs carries, waits on the
+//! control port for the node's [`Frame::Run`], finds the lease's root and
+//! scratch drives by their ext4 labels, and builds the workload's root as
+//! an overlay of the two (the root image read-only below, the scratch
+//! above). It then starts the workload in that root as the unprivileged
+//! user the node named, in a process group of its own, relays its output
+//! and the node's signals, reaps every process that ends (it is PID 1),
+//! and once the workload ends kills what it left, reports the exit and
+//! powers the VM off.
+//!
+//! # Invariants
+//! - Nothing runs as root but the init itself: a command naming uid or gid
+//!   0 is refused.
+//! - The exit is the last frame; the VM powers off after it whatever
+//!   happens, so a VM never outlives its workload.
+//! - Any failure before the workload starts is reported as
+//!   [`Frame::Failed`] when the port is open, and on the console always.
+//!
+//! The same binary, started by the init as `/init --exec UID GID CWD --
+//! ARGV...`, is the step between the init and the workload: it enters the
+//! root, drops to the workload's user and executes the program, so the
+//! init needs no code that runs between `fork` and `exec`.
+
+#![allow(clippy::disallowed_methods, reason = "the init is one blocking process with no async runtime")]
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_microvm::wire::{self, Decoder, Frame, GuestCommand, GuestExit};
+use berth_microvm::{CONTROL_PORT, ROOT_LABEL, SCRATCH_LABEL, kernel::MODULES};
+use nix::mount::{MsFlags, mount};
+use nix::sys::signal::{Signal, kill};
+use nix::sys::wait::{WaitStatus, waitpid};
+use nix::unistd::{Gid, Pid, Uid};
+
+/// How long the devices the modules bring may take to appear.
+const DEVICE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Where the workload's root is assembled.
+const NEW_ROOT: &str = "/run/root";
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--exec") {
+        let error = exec_workload(&args[2..]);
+        let _ = writeln!(io::stderr(), "berth-vminit: {error}");
+        std::process::exit(127);
+    }
+    let mut console = Console::open();
+    let mut port = None;
+    if let Err(error) = run(&mut console, &mut port) {
+        console.say(&format!("failed: {error}"));
+        if let Some(port) = &port {
+            let _ = send(port, &Frame::Failed(error));
+        }
+    }
+    nix::unistd::sync();
+    let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
+}
+
+/// The kernel's console, for what the node reads only when diagnosing.
+struct Console(Option<File>);
+
+impl Console {
+    fn open() -> Self {
+        let _ = std::fs::create_dir_all("/dev");
+        let _ = mount(Some("devtmpfs"), "/dev", Some("devtmpfs"), MsFlags::MS_NOSUID, None::<&str>);
+        Self(OpenOptions::new().write(true).open("/dev/console").ok())
+    }
+
+    fn say(&mut self, line: &str) {
+        if let Some(console) = &mut self.0 {
+            let _ = writeln!(console, "berth-vminit: {line}");
+        }
+    }
+}
+
+type Port = Arc<Mutex<File>>;
+
+fn send(port: &Port, frame: &Frame) -> io::Result<()> {
+    let mut port = port.lock().map_err(|_| io::Error::other("the port's lock is poisoned"))?;
+    port.write_all(&wire::encode(frame))
+}
+
+fn run(console: &mut Console, port_slot: &mut Option<Port>) -> Result<(), String> {
+    for (source, target, kind) in [("proc", "/proc", "proc"), ("sysfs", "/sys", "sysfs")] {
+        let _ = std::fs::create_dir_all(target);
+        mount(Some(source), target, Some(kind), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, None::<&str>)
+            .map_err(|e| format!("mounting {target}: {e}"))?;
+    }
+    load_modules(console)?;
+    let port_path = wait_for("the control port", control_port)?;
+    let port_file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&port_path)
+        .map_err(|e| format!("opening {}: {e}", port_path.display()))?;
+    let mut reader = port_file.try_clone().map_err(|e| format!("the control port: {e}"))?;
+    let port: Port = Arc::new(Mutex::new(port_file));
+    *port_slot = Some(Arc::clone(&port));
+
+    let mut decoder = Decoder::default();
+    let command = loop {
+        match read_frame(&mut reader, &mut decoder)? {
+            Some(Frame::Run(command)) => break command,
+            Some(_) => continue,
+            None => return Err("the control port closed before a command came".into()),
+        }
+    };
+    if command.uid == 0 || command.gid == 0 {
+        return Err(format!(
+            "refusing to run the workload as uid {} gid {}: it must not be root",
+            command.uid, command.gid
+        ));
+    }
+    if command.argv.is_empty() {
+        return Err("the command has no program".into());
+    }
+    assemble_root()?;
+    if !command.hostname.is_empty() {
+        nix::unistd::sethostname(&command.hostname).map_err(|e| format!("setting the host name: {e}"))?;
+    }
+    let exit = supervise(&command, &port, reader, decoder)?;
+    send(&port, &Frame::Exited(exit)).map_err(|e| format!("reporting the exit: {e}"))?;
+    Ok(())
+}
+
+fn load_modules(console: &mut Console) -> Result<(), String> {
+    let options = CString::default();
+    for name in MODULES {
+        let path = PathBuf::from(format!("/lib/modules/{name}.ko"));
+        let Ok(module) = File::open(&path) else { continue };
+        match nix::kmod::finit_module(&module, &options, nix::kmod::ModuleInitFlags::empty()) {
+            Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+            Err(error) => return Err(format!("loading {name}: {error}")),
+        }
+    }
+    console.say("modules loaded");
+    Ok(())
+}
+
+/// Polls `find` until it finds what it looks for or the devices' deadline passes.
+fn wait_for(what: &str, find: impl Fn() -> Option<PathBuf>) -> Result<PathBuf, String> {
+    let deadline = Instant::now() + DEVICE_DEADLINE;
+    loop {
+        if let Some(found) = find() {
+            return Ok(found);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{what} did not appear within {DEVICE_DEADLINE:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The device of the virtio-serial port named [`CONTROL_PORT`].
+fn control_port() -> Option<PathBuf> {
+    std::fs::read_dir("/sys/class/virtio-ports").ok()?.flatten().find_map(|entry| {
+        let name = std::fs::read_to_string(entry.path().join("name")).ok()?;
+        let device = Path::new("/dev").join(entry.file_name());
+        (name.trim() == CONTROL_PORT && device.exists()).then_some(device)
+    })
+}
+
+/// The block device whose ext4 label is `label`.
+fn drive_labelled(label: &str) -> Option<PathBuf> {
+    std::fs::read_dir("/sys/block").ok()?.flatten().find_map(|entry| {
+        let device = Path::new("/dev").join(entry.file_name());
+        let mut superblock = [0_u8; 1024];
+        let mut file = File::open(&device).ok()?;
+        std::io::Seek::seek(&mut file, io::SeekFrom::Start(1024)).ok()?;
+        file.read_exact(&mut superblock).ok()?;
+        let magic = u16::from_le_bytes([superblock[0x38], superblock[0x39]]);
+        let name = &superblock[0x78..0x88];
+        let name = &name[..name.iter().position(|b| *b == 0).unwrap_or(name.len())];
+        (magic == 0xEF53 && name == label.as_bytes()).then_some(device)
+    })
+}
+
+/// Mounts the root image read-only and the scratch writable, and the
+/// overlay of the two with the pseudo filesystems inside it at [`NEW_ROOT`].
+fn assemble_root() -> Result<(), String> {
+    let root = wait_for("the root drive", || drive_labelled(ROOT_LABEL))?;
+    let scratch = wait_for("the scratch drive", || drive_labelled(SCRATCH_LABEL))?;
+    let mounted = |source: &Path, target: &str, flags: MsFlags| {
+        std::fs::create_dir_all(target).map_err(|e| format!("creating {target}: {e}"))?;
+        mount(Some(source), target, Some("ext4"), flags, None::<&str>)
+            .map_err(|e| format!("mounting {} on {target}: {e}", source.display()))
+    };
+    mounted(&root, "/run/image", MsFlags::MS_RDONLY | MsFlags::MS_NODEV)?;
+    mounted(&scratch, "/run/scratch", MsFlags::MS_NODEV)?;
+    for dir in ["/run/scratch/upper", "/run/scratch/work", NEW_ROOT] {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {dir}: {e}"))?;
+    }
+    mount(
+        Some("overlay"),
+        NEW_ROOT,
+        Some("overlay"),
+        MsFlags::MS_NODEV,
+        Some("lowerdir=/run/image,upperdir=/run/scratch/upper,workdir=/run/scratch/work"),
+    )
+    .map_err(|e| format!("mounting the overlay root: {e}"))?;
+    for (source, target, kind, flags) in [
+        ("proc", "proc", "proc", MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC),
+        ("devtmpfs", "dev", "devtmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC),
+        ("sysfs", "sys", "sysfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY),
+        ("tmpfs", "tmp", "tmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV),
+    ] {
+        let target = Path::new(NEW_ROOT).join(target);
+        std::fs::create_dir_all(&target).map_err(|e| format!("creating {}: {e}", target.display()))?;
+        mount(Some(source), &target, Some(kind), flags, None::<&str>)
+            .map_err(|e| format!("mounting {}: {e}", target.display()))?;
+    }
+    // /tmp for everyone, as on any host.
+    std::fs::set_permissions(Path::new(NEW_ROOT).join("tmp"), std::os::unix::fs::PermissionsExt::from_mode(0o1777))
+        .map_err(|e| format!("opening /tmp to all: {e}"))?;
+    Ok(())
+}
+
+/// Starts the workload, relays its output and the node's signals, reaps
+/// every process, and once the workload ended kills what it left; how it
+/// ended.
+fn supervise(command: &GuestCommand, port: &Port, mut reader: File, mut decoder: Decoder) -> Result<GuestExit, String> {
+    let mut child = Command::new("/init")
+        .arg("--exec")
+        .args([command.uid.to_string(), command.gid.to_string(), command.cwd.clone(), "--".into()])
+        .args(&command.argv)
+        .env_clear()
+        .envs(command.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("starting the workload: {e}"))?;
+    let workload = Pid::from_raw(i32::try_from(child.id()).map_err(|_| "a pid out of range")?);
+    send(port, &Frame::Started(child.id())).map_err(|e| format!("reporting the start: {e}"))?;
+
+    let relays: Vec<_> = [
+        child.stdout.take().map(|o| (false, Box::new(o) as Box<dyn Read + Send>)),
+        child.stderr.take().map(|e| (true, Box::new(e) as Box<dyn Read + Send>)),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|(stderr, mut source)| {
+        let port = Arc::clone(port);
+        std::thread::spawn(move || {
+            let mut buffer = vec![0_u8; 64 * 1024];
+            while let Ok(read) = source.read(&mut buffer) {
+                if read == 0 {
+                    break;
+                }
+                for frame in wire::output_frames(stderr, &buffer[..read]) {
+                    if send(&port, &frame).is_err() {
+                        return;
+                    }
+                }
+            }
+        })
+    })
+    .collect();
+    std::thread::spawn(move || {
+        while let Ok(Some(frame)) = read_frame(&mut reader, &mut decoder) {
+            if let Frame::Signal(number) = frame
+                && let Ok(signal) = Signal::try_from(number)
+            {
+                let _ = kill(Pid::from_raw(-workload.as_raw()), signal);
+            }
+        }
+    });
+
+    let exit = loop {
+        match waitpid(None, None) {
+            Ok(WaitStatus::Exited(pid, code)) if pid == workload => break GuestExit::Code(code),
+            Ok(WaitStatus::Signaled(pid, signal, _)) if pid == workload => break GuestExit::Signal(signal as i32),
+            Ok(_) | Err(nix::errno::Errno::EINTR) => continue,
+            Err(error) => return Err(format!("waiting for the workload: {error}")),
+        }
+    };
+    // What the workload left behind ends with it; every process but this one.
+    let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
+    while waitpid(None, None).is_ok() {}
+    for relay in relays {
+        let _ = relay.join();
+    }
+    Ok(exit)
+}
+
+fn read_frame(reader: &mut File, decoder: &mut Decoder) -> Result<Option<Frame>, String> {
+    let mut buffer = [0_u8; 4096];
+    loop {
+        if let Some(frame) = decoder.next_frame().map_err(|e| e.to_string())? {
+            return Ok(Some(frame));
+        }
+        match reader.read(&mut buffer) {
+            Ok(0) => return Ok(None),
+            Ok(read) => decoder.push(&buffer[..read]),
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error) => return Err(format!("reading the control port: {error}")),
+        }
+    }
+}
+
+/// The step between the init and the workload: `UID GID CWD -- ARGV...`.
+/// Returns only when it failed.
+fn exec_workload(args: &[String]) -> String {
+    let (Some(uid), Some(gid), Some(cwd)) = (args.first(), args.get(1), args.get(2)) else {
+        return "usage: --exec UID GID CWD -- ARGV...".into();
+    };
+    let (Ok(uid), Ok(gid)) = (uid.parse::<u32>(), gid.parse::<u32>()) else {
+        return format!("bad uid or gid: {uid} {gid}");
+    };
+    let argv = &args[4.min(args.len())..];
+    let Some(program) = argv.first() else { return "no program".into() };
+    let steps = || -> Result<(), String> {
+        nix::unistd::chroot(NEW_ROOT).map_err(|e| format!("entering the root: {e}"))?;
+        std::env::set_current_dir("/").map_err(|e| format!("entering the root: {e}"))?;
+        nix::unistd::setgroups(&[]).map_err(|e| format!("dropping groups: {e}"))?;
+        nix::unistd::setgid(Gid::from_raw(gid)).map_err(|e| format!("setgid {gid}: {e}"))?;
+        nix::unistd::setuid(Uid::from_raw(uid)).map_err(|e| format!("setuid {uid}: {e}"))?;
+        std::env::set_current_dir(cwd).map_err(|e| format!("working directory {cwd}: {e}"))
+    };
+    if let Err(error) = steps() {
+        return error;
+    }
+    let error = Command::new(program).args(&argv[1..]).exec();
+    format!("cannot run {program}: {error}")
+}
