@@ -11,15 +11,14 @@
 //! guest, so one image serves every lease of a revision and no lease sees
 //! another's writes.
 //!
-//! The node and the init talk over one virtio-serial port (`berth.0`),
-//! framed as [`wire`] describes: the node sends the command to run and
-//! signals; the init sends the workload's output, its start and its exit.
-//! The init runs nothing until it has the command, so no output is written
-//! before the node listens.
+//! The node and the init talk over virtio-serial ports as [`wire`]
+//! describes: the node sends the command to run and signals on the control
+//! port; the init reports the workload's start and exit on the status port;
+//! the workload's stdout and stderr are ports of their own.
 //!
 //! # Invariants
 //! - A frame is bounded ([`wire::MAX_FRAME`]); a longer or malformed one is
-//!   an error naming what was wrong, never a panic, on either side.
+//!   an error naming what was wrong, never a panic.
 //! - The guest learns which drive is which from its ext4 label
 //!   ([`ROOT_LABEL`], [`SCRATCH_LABEL`]), not from the order the VMM
 //!   happened to enumerate them in.
@@ -37,5 +36,14 @@ pub const ROOT_LABEL: &str = "berth-root";
 /// The ext4 label of a lease's writable scratch image.
 pub const SCRATCH_LABEL: &str = "berth-scratch";
 
-/// The name of the virtio-serial port the node and the init talk over.
-pub const CONTROL_PORT: &str = "berth.0";
+/// The name of the virtio-serial port the node sends the init commands on.
+pub const CONTROL_PORT: &str = "berth.control";
+
+/// The port the workload's stdout is written to.
+pub const STDOUT_PORT: &str = "berth.stdout";
+
+/// The port the workload's stderr is written to.
+pub const STDERR_PORT: &str = "berth.stderr";
+
+/// The port the init writes its status lines to.
+pub const STATUS_PORT: &str = "berth.status";

@@ -3,10 +3,13 @@
 //!
 //! The machine has no PCI bus, no firmware and no legacy devices but one
 //! serial port (the kernel's console, written to a file for diagnosis):
-//! the root and scratch images as virtio-mmio block devices and one
-//! virtio-serial port for the control wire. QEMU listens on the control
-//! socket itself (`server=on`), so the node can connect again after its own
-//! restart, and QMP on a second socket for the VMM's own questions.
+//! the root and scratch images as virtio-mmio block devices, and four
+//! virtio-serial ports. QEMU listens on the control port's socket itself
+//! (`server=on`), so the node can connect again after its own restart; the
+//! workload's stdout and stderr ports and the init's status port are files
+//! QEMU appends to, so nothing the guest says is lost while no node
+//! listens, and a VM adopted after a restart still tells how it ended.
+//! QMP answers on a socket of its own for the VMM's own questions.
 //!
 //! # Invariants
 //! - QEMU runs in a process group of its own: a signal to the node's group
@@ -18,16 +21,13 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::AsyncWriteExt as _;
 use tokio::net::UnixStream;
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::Mutex;
 
-use crate::CONTROL_PORT;
-use crate::wire::{self, Decoder, Frame, GuestCommand};
+use crate::wire::{self, Frame, GuestCommand, Status};
+use crate::{CONTROL_PORT, STATUS_PORT, STDERR_PORT, STDOUT_PORT};
 
 /// How long QEMU may take to open its control socket.
 const SOCKET_DEADLINE: Duration = Duration::from_secs(10);
@@ -73,8 +73,12 @@ pub struct VmSpec {
     pub cpus: u32,
     /// Guest memory, MiB (at least [`MIN_MEMORY_MIB`]).
     pub memory_mib: u32,
-    /// The directory for the VM's sockets and console log.
+    /// The directory for the VM's sockets, status and console log.
     pub run_dir: PathBuf,
+    /// The file the workload's stdout is appended to.
+    pub stdout_log: PathBuf,
+    /// The file the workload's stderr is appended to.
+    pub stderr_log: PathBuf,
 }
 
 impl VmSpec {
@@ -91,6 +95,11 @@ impl VmSpec {
     /// Where the guest kernel's console goes.
     pub fn console_log(&self) -> PathBuf {
         self.run_dir.join("console.log")
+    }
+
+    /// Where the init's status lines go.
+    pub fn status_file(&self) -> PathBuf {
+        status_file(&self.run_dir)
     }
 
     /// QEMU's arguments for this VM.
@@ -112,6 +121,14 @@ impl VmSpec {
         push(&["-device", "virtio-serial-device"]);
         push(&["-chardev", &format!("socket,id=control,path={},server=on,wait=off", escape(&self.control_socket()))]);
         push(&["-device", &format!("virtserialport,chardev=control,name={CONTROL_PORT}")]);
+        for (id, file, name) in [
+            ("stdout", &self.stdout_log, STDOUT_PORT),
+            ("stderr", &self.stderr_log, STDERR_PORT),
+            ("status", &self.status_file(), STATUS_PORT),
+        ] {
+            push(&["-chardev", &format!("file,id={id},path={},append=on", escape(file))]);
+            push(&["-device", &format!("virtserialport,chardev={id},name={name}")]);
+        }
         push(&["-qmp", &format!("unix:{},server=on,wait=off", escape(&self.qmp_socket()))]);
         push(&["-serial", &format!("file:{}", path(&self.console_log()))]);
         let mut append = "console=ttyS0 reboot=t panic=-1 quiet".to_owned();
@@ -164,30 +181,46 @@ pub enum VmError {
     /// Reading or writing the control port failed.
     #[error("the control port: {0}")]
     Io(#[from] std::io::Error),
-    /// The guest sent something unreadable.
-    #[error("the guest's init: {0}")]
-    Wire(#[from] wire::WireError),
+}
+
+/// Where the init's status lines go, for the VM whose run directory is `run_dir`.
+pub fn status_file(run_dir: &Path) -> PathBuf {
+    run_dir.join("status")
+}
+
+/// What the init has reported of the VM whose run directory is `run_dir`.
+pub fn statuses(run_dir: &Path) -> Vec<Status> {
+    Status::parse_all(&std::fs::read_to_string(status_file(run_dir)).unwrap_or_default())
+}
+
+/// A VM's control port, as the node holds it.
+#[derive(Debug)]
+pub struct Control(UnixStream);
+
+impl Control {
+    /// Connects to the control port of a running VM (after a restart too).
+    pub async fn connect(socket: &Path) -> Result<Self, VmError> {
+        Ok(Self(UnixStream::connect(socket).await?))
+    }
+
+    /// Has the init send `signal` to the workload and all it started.
+    pub async fn signal(&mut self, signal: i32) -> Result<(), VmError> {
+        self.send(&Frame::Signal(signal)).await
+    }
+
+    async fn send(&mut self, frame: &Frame) -> Result<(), VmError> {
+        self.0.write_all(&wire::encode(frame)).await?;
+        Ok(())
+    }
 }
 
 /// A booted VM: its QEMU process and its control port.
 #[derive(Debug)]
 pub struct Vm {
-    child: tokio::process::Child,
-    reader: OwnedReadHalf,
-    writer: Arc<Mutex<OwnedWriteHalf>>,
-    decoder: Decoder,
-}
-
-/// Sends signals to a VM's workload while another task reads its frames.
-#[derive(Debug, Clone)]
-pub struct Signaller(Arc<Mutex<OwnedWriteHalf>>);
-
-impl Signaller {
-    /// Has the init send `signal` to the workload and all it started.
-    pub async fn signal(&self, signal: i32) -> Result<(), VmError> {
-        self.0.lock().await.write_all(&wire::encode(&Frame::Signal(signal))).await?;
-        Ok(())
-    }
+    /// The QEMU process; the VM ends when it does.
+    pub child: tokio::process::Child,
+    /// The control port.
+    pub control: Control,
 }
 
 impl Vm {
@@ -207,9 +240,9 @@ impl Vm {
             .map_err(|source| VmError::Spawn { qemu: spec.qemu.display().to_string(), source })?;
         let socket = spec.control_socket();
         let deadline = tokio::time::Instant::now() + SOCKET_DEADLINE;
-        let stream = loop {
-            if let Ok(stream) = UnixStream::connect(&socket).await {
-                break stream;
+        let mut control = loop {
+            if let Ok(control) = Control::connect(&socket).await {
+                break control;
             }
             if let Some(status) = child.try_wait()? {
                 let printed = std::fs::read_to_string(spec.run_dir.join("vmm.log")).unwrap_or_default();
@@ -221,46 +254,11 @@ impl Vm {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        let (reader, mut writer) = stream.into_split();
-        writer.write_all(&wire::encode(&Frame::Run(command.clone()))).await?;
-        Ok(Self { child, reader, writer: Arc::new(Mutex::new(writer)), decoder: Decoder::default() })
-    }
-
-    /// The VMM's process id.
-    pub fn pid(&self) -> Option<u32> {
-        self.child.id()
-    }
-
-    /// A handle that signals the workload.
-    pub fn signaller(&self) -> Signaller {
-        Signaller(Arc::clone(&self.writer))
-    }
-
-    /// The next frame from the init; `None` once the port closed (the VM
-    /// powered off or died).
-    pub async fn next_frame(&mut self) -> Result<Option<Frame>, VmError> {
-        let mut buffer = [0_u8; 64 * 1024];
-        loop {
-            if let Some(frame) = self.decoder.next_frame()? {
-                return Ok(Some(frame));
-            }
-            let read = self.reader.read(&mut buffer).await?;
-            if read == 0 {
-                return Ok(None);
-            }
-            self.decoder.push(&buffer[..read]);
+        if let Err(error) = control.send(&Frame::Run(command.clone())).await {
+            let _ = child.start_kill();
+            return Err(error);
         }
-    }
-
-    /// Waits for QEMU to exit.
-    pub async fn wait(&mut self) -> Result<std::process::ExitStatus, VmError> {
-        Ok(self.child.wait().await?)
-    }
-
-    /// Ends the VM at once, as pulling its power would.
-    pub async fn kill(&mut self) -> Result<(), VmError> {
-        self.child.kill().await?;
-        Ok(())
+        Ok(Self { child, control })
     }
 }
 
@@ -280,6 +278,8 @@ mod tests {
             cpus: 0,
             memory_mib: 64,
             run_dir: "/leases/l1".into(),
+            stdout_log: "/logs/l1/stdout.log".into(),
+            stderr_log: "/logs/l1/stderr.log".into(),
         };
         let args: Vec<String> = spec.args().into_iter().map(|a| a.into_string().unwrap()).collect();
         let after = |flag: &str| args.iter().skip_while(|a| *a != flag).nth(1).cloned().unwrap();
@@ -293,5 +293,7 @@ mod tests {
         assert!(args.contains(&"id=scratch,file=/leases/l1/scratch.ext4,format=raw,if=none".to_owned()), "{args:?}");
         assert!(args.contains(&"socket,id=control,path=/leases/l1/control.sock,server=on,wait=off".to_owned()));
         assert!(args.contains(&format!("virtserialport,chardev=control,name={CONTROL_PORT}")));
+        assert!(args.contains(&"file,id=stdout,path=/logs/l1/stdout.log,append=on".to_owned()), "{args:?}");
+        assert!(args.contains(&"file,id=status,path=/leases/l1/status,append=on".to_owned()), "{args:?}");
     }
 }

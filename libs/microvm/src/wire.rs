@@ -1,10 +1,16 @@
-//! The frames the node and a guest's init exchange over the control port.
+//! What the node and a guest's init say to each other.
 //!
-//! A frame is one tag byte, a big-endian `u32` length and that many bytes
-//! of payload. The command to run travels as JSON (it is sent once per
-//! lease, and JSON names a wrong field); output travels as raw bytes, since
-//! it is most of the traffic. Encoding and decoding are pure functions over
-//! byte buffers, so the async node and the blocking init share them.
+//! The node speaks on the control port in frames: one tag byte, a
+//! big-endian `u32` length and that many bytes of payload. The command to
+//! run travels as JSON (it is sent once per lease, and JSON names a wrong
+//! field); a signal as its number. Encoding and decoding are pure functions
+//! over byte buffers, so the async node and the blocking init share them.
+//!
+//! The init answers on the status port in lines of text ([`Status`]),
+//! which QEMU appends to a file: the node reads them whenever it looks,
+//! even after its own restart, and an operator can read them with `cat`.
+//! The workload's output is not framed at all: its stdout and stderr are
+//! ports of their own, written by QEMU straight into the lease's logs.
 
 use serde::{Deserialize, Serialize};
 
@@ -41,23 +47,54 @@ pub enum GuestExit {
     Signal(i32),
 }
 
-/// One frame.
+/// One frame from the node to the init.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
-    /// Node → init: run this (sent once, first).
+    /// Run this (sent once, first).
     Run(GuestCommand),
-    /// Node → init: send this signal to the workload and all it started.
+    /// Send this signal to the workload and all it started.
     Signal(i32),
-    /// Init → node: the workload runs, with this pid inside the guest.
+}
+
+/// One line the init writes on the status port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Status {
+    /// The workload runs, with this pid inside the guest.
     Started(u32),
-    /// Init → node: bytes the workload wrote to its stdout.
-    Stdout(Vec<u8>),
-    /// Init → node: bytes the workload wrote to its stderr.
-    Stderr(Vec<u8>),
-    /// Init → node: the workload ended; nothing follows but the power-off.
+    /// The workload ended; the VM powers off next.
     Exited(GuestExit),
-    /// Init → node: the workload could not be started, and why.
+    /// The workload could not be started, and why; the VM powers off next.
     Failed(String),
+}
+
+impl Status {
+    /// The line, newline included.
+    pub fn line(&self) -> String {
+        match self {
+            Status::Started(pid) => format!("started {pid}\n"),
+            Status::Exited(GuestExit::Code(code)) => format!("exited {code}\n"),
+            Status::Exited(GuestExit::Signal(signal)) => format!("killed {signal}\n"),
+            // One line, whatever the reason says.
+            Status::Failed(why) => format!("failed {}\n", why.replace('\n', " ")),
+        }
+    }
+
+    /// The statuses in `text`, in order; a line that is not one (a partial
+    /// last line, say) is skipped.
+    pub fn parse_all(text: &str) -> Vec<Status> {
+        text.lines()
+            .filter_map(|line| {
+                let (word, rest) = line.split_once(' ')?;
+                match word {
+                    "started" => rest.parse().ok().map(Status::Started),
+                    "exited" => rest.parse().ok().map(|code| Status::Exited(GuestExit::Code(code))),
+                    "killed" => rest.parse().ok().map(|signal| Status::Exited(GuestExit::Signal(signal))),
+                    "failed" => Some(Status::Failed(rest.to_owned())),
+                    _ => None,
+                }
+            })
+            .collect()
+    }
 }
 
 /// A frame that cannot be read.
@@ -81,38 +118,18 @@ pub enum WireError {
 
 const RUN: u8 = 1;
 const SIGNAL: u8 = 2;
-const STARTED: u8 = 3;
-const STDOUT: u8 = 4;
-const STDERR: u8 = 5;
-const EXITED_CODE: u8 = 6;
-const EXITED_SIGNAL: u8 = 7;
-const FAILED: u8 = 8;
 
-/// The bytes of `frame`. Output longer than [`MAX_FRAME`] is the caller's
-/// to split; see [`output_frames`].
+/// The bytes of `frame`.
 pub fn encode(frame: &Frame) -> Vec<u8> {
     let (tag, payload): (u8, Vec<u8>) = match frame {
         Frame::Run(command) => (RUN, serde_json::to_vec(command).unwrap_or_default()),
         Frame::Signal(signal) => (SIGNAL, signal.to_be_bytes().to_vec()),
-        Frame::Started(pid) => (STARTED, pid.to_be_bytes().to_vec()),
-        Frame::Stdout(bytes) => (STDOUT, bytes.clone()),
-        Frame::Stderr(bytes) => (STDERR, bytes.clone()),
-        Frame::Exited(GuestExit::Code(code)) => (EXITED_CODE, code.to_be_bytes().to_vec()),
-        Frame::Exited(GuestExit::Signal(signal)) => (EXITED_SIGNAL, signal.to_be_bytes().to_vec()),
-        Frame::Failed(why) => (FAILED, why.as_bytes().to_vec()),
     };
     let mut bytes = Vec::with_capacity(HEADER + payload.len());
     bytes.push(tag);
     bytes.extend_from_slice(&u32::try_from(payload.len()).unwrap_or(u32::MAX).to_be_bytes());
     bytes.extend_from_slice(&payload);
     bytes
-}
-
-/// `bytes` of output as frames of at most [`MAX_FRAME`] each.
-pub fn output_frames(stderr: bool, bytes: &[u8]) -> impl Iterator<Item = Frame> + '_ {
-    bytes
-        .chunks(MAX_FRAME)
-        .map(move |chunk| if stderr { Frame::Stderr(chunk.to_vec()) } else { Frame::Stdout(chunk.to_vec()) })
 }
 
 /// The first whole frame at the start of `buffer` and how many bytes it
@@ -129,12 +146,6 @@ pub fn decode(buffer: &[u8]) -> Result<Option<(Frame, usize)>, WireError> {
     let frame = match tag {
         RUN => Frame::Run(serde_json::from_slice(payload).map_err(|e| malformed("run", e))?),
         SIGNAL => Frame::Signal(i32::from_be_bytes(four("signal", payload)?)),
-        STARTED => Frame::Started(u32::from_be_bytes(four("started", payload)?)),
-        STDOUT => Frame::Stdout(payload.to_vec()),
-        STDERR => Frame::Stderr(payload.to_vec()),
-        EXITED_CODE => Frame::Exited(GuestExit::Code(i32::from_be_bytes(four("exited", payload)?))),
-        EXITED_SIGNAL => Frame::Exited(GuestExit::Signal(i32::from_be_bytes(four("exited", payload)?))),
-        FAILED => Frame::Failed(String::from_utf8_lossy(payload).into_owned()),
         other => return Err(WireError::UnknownTag(other)),
     };
     Ok(Some((frame, HEADER + length)))
@@ -189,16 +200,7 @@ mod tests {
 
     #[test]
     fn every_frame_reads_back_as_written_even_a_byte_at_a_time() {
-        let frames = vec![
-            Frame::Run(command()),
-            Frame::Signal(15),
-            Frame::Started(42),
-            Frame::Stdout(b"out\n".to_vec()),
-            Frame::Stderr(Vec::new()),
-            Frame::Exited(GuestExit::Code(-1)),
-            Frame::Exited(GuestExit::Signal(9)),
-            Frame::Failed("no such program: nope".into()),
-        ];
+        let frames = vec![Frame::Run(command()), Frame::Signal(15), Frame::Signal(-1)];
         let bytes: Vec<u8> = frames.iter().flat_map(encode).collect();
         let mut decoder = Decoder::default();
         let mut read = Vec::new();
@@ -212,16 +214,25 @@ mod tests {
     }
 
     #[test]
-    fn long_output_is_split_into_frames_that_fit() {
-        let bytes = vec![7_u8; MAX_FRAME * 2 + 3];
-        let frames: Vec<Frame> = output_frames(true, &bytes).collect();
-        assert_eq!(frames.len(), 3);
-        assert!(frames.iter().all(|f| matches!(f, Frame::Stderr(b) if b.len() <= MAX_FRAME)));
+    fn status_lines_read_back_and_a_partial_line_is_skipped() {
+        let statuses = [
+            Status::Started(42),
+            Status::Exited(GuestExit::Code(-1)),
+            Status::Exited(GuestExit::Signal(9)),
+            Status::Failed("cannot run /bin/nope:\nno such file".into()),
+        ];
+        let mut text: String = statuses.iter().map(Status::line).collect();
+        assert_eq!(text.lines().count(), 4, "a reason is kept to one line");
+        text.push_str("exi");
+        let read = Status::parse_all(&text);
+        assert_eq!(read[..3], statuses[..3]);
+        assert_eq!(read[3], Status::Failed("cannot run /bin/nope: no such file".into()));
+        assert_eq!(read.len(), 4);
     }
 
     #[test]
     fn bad_frames_are_named_not_panicked_on() {
-        let mut too_long = vec![STDOUT];
+        let mut too_long = vec![SIGNAL];
         too_long.extend_from_slice(&u32::MAX.to_be_bytes());
         assert_eq!(decode(&too_long), Err(WireError::TooLong(u32::MAX as usize)));
         assert_eq!(decode(&[99, 0, 0, 0, 0]), Err(WireError::UnknownTag(99)));
@@ -231,6 +242,6 @@ mod tests {
         bad_run.extend_from_slice(b"{}");
         let error = decode(&bad_run).unwrap_err().to_string();
         assert!(error.contains("malformed run frame") && error.contains("argv"), "{error}");
-        assert_eq!(decode(&[STDOUT, 0, 0]), Ok(None), "a partial header waits for more");
+        assert_eq!(decode(&[SIGNAL, 0, 0]), Ok(None), "a partial header waits for more");
     }
 }

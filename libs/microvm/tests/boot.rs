@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use berth_microvm::image::{root_image, scratch_image, write_initramfs};
 use berth_microvm::kernel::{DEFAULT_KERNEL_DIR, GuestKernel};
-use berth_microvm::vmm::{Accel, Vm, VmSpec};
-use berth_microvm::wire::{Frame, GuestCommand, GuestExit};
+use berth_microvm::vmm::{Accel, Vm, VmSpec, statuses};
+use berth_microvm::wire::{GuestCommand, GuestExit, Status};
 
 /// How long one VM may take from boot to power-off under TCG on a busy
 /// machine.
@@ -82,6 +82,8 @@ impl Guest {
             cpus: 1,
             memory_mib: 128,
             run_dir: dir.path().join("run"),
+            stdout_log: dir.path().join("stdout.log"),
+            stderr_log: dir.path().join("stderr.log"),
         };
         Self { _dir: dir, spec }
     }
@@ -102,36 +104,41 @@ fn command(script: &str) -> GuestCommand {
     }
 }
 
-/// Everything the init sent until the port closed, and the VMM's exit.
+/// What the VM left once it powered off: its output and status lines.
 struct Run {
-    started: bool,
     stdout: String,
     stderr: String,
-    exit: Option<GuestExit>,
-    failed: Option<String>,
+    statuses: Vec<Status>,
 }
 
-async fn collect(vm: &mut Vm, guest: &Guest) -> Run {
-    let mut run = Run { started: false, stdout: String::new(), stderr: String::new(), exit: None, failed: None };
-    let read = async {
-        while let Some(frame) = vm.next_frame().await.unwrap() {
-            match frame {
-                Frame::Started(_) => run.started = true,
-                Frame::Stdout(bytes) => run.stdout.push_str(&String::from_utf8_lossy(&bytes)),
-                Frame::Stderr(bytes) => run.stderr.push_str(&String::from_utf8_lossy(&bytes)),
-                Frame::Exited(exit) => run.exit = Some(exit),
-                Frame::Failed(why) => run.failed = Some(why),
-                other => panic!("the init sent a node's frame: {other:?}"),
-            }
-        }
-    };
-    if tokio::time::timeout(VM_DEADLINE, read).await.is_err() {
-        let _ = vm.kill().await;
-        panic!("the VM did not finish within {VM_DEADLINE:?}; its console:\n{}", guest.console());
+impl Run {
+    fn started(&self) -> bool {
+        self.statuses.iter().any(|s| matches!(s, Status::Started(_)))
     }
-    let status = tokio::time::timeout(Duration::from_secs(30), vm.wait()).await;
-    assert!(matches!(status, Ok(Ok(_))), "the VMM exits once the guest powers off: {status:?}\n{}", guest.console());
-    run
+
+    fn exit(&self) -> Option<GuestExit> {
+        self.statuses.iter().find_map(|s| if let Status::Exited(exit) = s { Some(*exit) } else { None })
+    }
+
+    fn failed(&self) -> Option<&str> {
+        self.statuses.iter().find_map(|s| if let Status::Failed(why) = s { Some(why.as_str()) } else { None })
+    }
+}
+
+async fn powered_off(vm: &mut Vm, guest: &Guest) -> Run {
+    match tokio::time::timeout(VM_DEADLINE, vm.child.wait()).await {
+        Ok(status) => assert!(status.is_ok(), "{status:?}"),
+        Err(_) => {
+            let _ = vm.child.kill().await;
+            panic!("the VM did not power off within {VM_DEADLINE:?}; its console:\n{}", guest.console());
+        }
+    }
+    let read = |path: &Path| std::fs::read_to_string(path).unwrap_or_default();
+    Run {
+        stdout: read(&guest.spec.stdout_log),
+        stderr: read(&guest.spec.stderr_log),
+        statuses: statuses(&guest.spec.run_dir),
+    }
 }
 
 #[tokio::test]
@@ -141,9 +148,9 @@ async fn a_workload_runs_in_a_kernel_of_its_own_as_its_user_and_its_output_and_e
                   cat /etc/motd; echo written > /tmp/note && cat /tmp/note; \
                   touch /etc/motd 2>/dev/null && echo image-writable || echo image-protected; exit 3";
     let mut vm = Vm::boot(&guest.spec, &command(script)).await.unwrap();
-    let run = collect(&mut vm, &guest).await;
-    assert!(run.started && run.failed.is_none(), "{:?}\n{}", run.failed, guest.console());
-    assert_eq!(run.exit, Some(GuestExit::Code(3)), "{}", guest.console());
+    let run = powered_off(&mut vm, &guest).await;
+    assert!(run.started() && run.failed().is_none(), "{:?}\n{}", run.failed(), guest.console());
+    assert_eq!(run.exit(), Some(GuestExit::Code(3)), "{}", guest.console());
     assert_eq!(run.stderr, "err\n");
     let lines: Vec<&str> = run.stdout.lines().collect();
     let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
@@ -158,18 +165,14 @@ async fn a_workload_runs_in_a_kernel_of_its_own_as_its_user_and_its_output_and_e
 async fn a_signal_reaches_the_workload_and_the_vm_powers_off_after_it() {
     let guest = Guest::new();
     let mut vm = Vm::boot(&guest.spec, &command("echo ready; exec sleep 600")).await.unwrap();
-    let signaller = vm.signaller();
-    let mut stdout = String::new();
-    while !stdout.contains("ready") {
-        match tokio::time::timeout(VM_DEADLINE, vm.next_frame()).await {
-            Ok(Ok(Some(Frame::Stdout(bytes)))) => stdout.push_str(&String::from_utf8_lossy(&bytes)),
-            Ok(Ok(Some(_))) => {}
-            other => panic!("no output before {other:?}; console:\n{}", guest.console()),
-        }
+    let deadline = tokio::time::Instant::now() + VM_DEADLINE;
+    while !std::fs::read_to_string(&guest.spec.stdout_log).unwrap_or_default().contains("ready") {
+        assert!(tokio::time::Instant::now() < deadline, "no output; console:\n{}", guest.console());
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    signaller.signal(15).await.unwrap();
-    let run = collect(&mut vm, &guest).await;
-    assert_eq!(run.exit, Some(GuestExit::Signal(15)), "{}", guest.console());
+    vm.control.signal(15).await.unwrap();
+    let run = powered_off(&mut vm, &guest).await;
+    assert_eq!(run.exit(), Some(GuestExit::Signal(15)), "{}", guest.console());
 }
 
 #[tokio::test]
@@ -178,16 +181,16 @@ async fn a_command_to_run_as_root_is_refused_and_a_missing_program_is_exit_127()
     let mut as_root = command("id");
     as_root.uid = 0;
     let mut vm = Vm::boot(&guest.spec, &as_root).await.unwrap();
-    let run = collect(&mut vm, &guest).await;
-    assert!(!run.started && run.exit.is_none(), "nothing ran");
-    let why = run.failed.unwrap_or_default();
+    let run = powered_off(&mut vm, &guest).await;
+    assert!(!run.started() && run.exit().is_none(), "nothing ran");
+    let why = run.failed().unwrap_or_default();
     assert!(why.contains("must not be root"), "{why}");
 
     let guest = Guest::new();
     let mut missing = command("");
     missing.argv = vec!["/bin/nope".into()];
     let mut vm = Vm::boot(&guest.spec, &missing).await.unwrap();
-    let run = collect(&mut vm, &guest).await;
-    assert_eq!(run.exit, Some(GuestExit::Code(127)));
+    let run = powered_off(&mut vm, &guest).await;
+    assert_eq!(run.exit(), Some(GuestExit::Code(127)));
     assert!(run.stderr.contains("cannot run /bin/nope"), "{}", run.stderr);
 }

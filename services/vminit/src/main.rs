@@ -6,18 +6,20 @@
 //! scratch drives by their ext4 labels, and builds the workload's root as
 //! an overlay of the two (the root image read-only below, the scratch
 //! above). It then starts the workload in that root as the unprivileged
-//! user the node named, in a process group of its own, relays its output
-//! and the node's signals, reaps every process that ends (it is PID 1),
-//! and once the workload ends kills what it left, reports the exit and
-//! powers the VM off.
+//! user the node named, in a process group of its own, with the stdout and
+//! stderr ports as its own stdout and stderr (nothing copies its output),
+//! passes on the node's signals, reaps every process that ends (it is
+//! PID 1), and once the workload ends kills what it left, reports the exit
+//! on the status port and powers the VM off.
 //!
 //! # Invariants
 //! - Nothing runs as root but the init itself: a command naming uid or gid
 //!   0 is refused.
-//! - The exit is the last frame; the VM powers off after it whatever
+//! - The exit is the last status line; the VM powers off after it whatever
 //!   happens, so a VM never outlives its workload.
 //! - Any failure before the workload starts is reported as
-//!   [`Frame::Failed`] when the port is open, and on the console always.
+//!   [`Status::Failed`] when the status port is open, and on the console
+//!   always.
 //!
 //! The same binary, started by the init as `/init --exec UID GID CWD --
 //! ARGV...`, is the step between the init and the workload: it enters the
@@ -32,11 +34,10 @@ use std::io::{self, Read, Write};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use berth_microvm::wire::{self, Decoder, Frame, GuestCommand, GuestExit};
-use berth_microvm::{CONTROL_PORT, ROOT_LABEL, SCRATCH_LABEL, kernel::MODULES};
+use berth_microvm::wire::{Decoder, Frame, GuestCommand, GuestExit, Status};
+use berth_microvm::{CONTROL_PORT, ROOT_LABEL, SCRATCH_LABEL, STATUS_PORT, STDERR_PORT, STDOUT_PORT, kernel::MODULES};
 use nix::mount::{MsFlags, mount};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitStatus, waitpid};
@@ -56,11 +57,11 @@ fn main() {
         std::process::exit(127);
     }
     let mut console = Console::open();
-    let mut port = None;
-    if let Err(error) = run(&mut console, &mut port) {
+    let mut status = None;
+    if let Err(error) = run(&mut console, &mut status) {
         console.say(&format!("failed: {error}"));
-        if let Some(port) = &port {
-            let _ = send(port, &Frame::Failed(error));
+        if let Some(status) = &mut status {
+            let _ = report(status, &Status::Failed(error));
         }
     }
     nix::unistd::sync();
@@ -84,29 +85,19 @@ impl Console {
     }
 }
 
-type Port = Arc<Mutex<File>>;
-
-fn send(port: &Port, frame: &Frame) -> io::Result<()> {
-    let mut port = port.lock().map_err(|_| io::Error::other("the port's lock is poisoned"))?;
-    port.write_all(&wire::encode(frame))
+fn report(port: &mut File, status: &Status) -> io::Result<()> {
+    port.write_all(status.line().as_bytes())
 }
 
-fn run(console: &mut Console, port_slot: &mut Option<Port>) -> Result<(), String> {
+fn run(console: &mut Console, status_slot: &mut Option<File>) -> Result<(), String> {
     for (source, target, kind) in [("proc", "/proc", "proc"), ("sysfs", "/sys", "sysfs")] {
         let _ = std::fs::create_dir_all(target);
         mount(Some(source), target, Some(kind), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, None::<&str>)
             .map_err(|e| format!("mounting {target}: {e}"))?;
     }
     load_modules(console)?;
-    let port_path = wait_for("the control port", control_port)?;
-    let port_file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&port_path)
-        .map_err(|e| format!("opening {}: {e}", port_path.display()))?;
-    let mut reader = port_file.try_clone().map_err(|e| format!("the control port: {e}"))?;
-    let port: Port = Arc::new(Mutex::new(port_file));
-    *port_slot = Some(Arc::clone(&port));
+    let status = status_slot.insert(open_port(STATUS_PORT)?);
+    let mut reader = open_port(CONTROL_PORT)?;
 
     let mut decoder = Decoder::default();
     let command = loop {
@@ -129,8 +120,8 @@ fn run(console: &mut Console, port_slot: &mut Option<Port>) -> Result<(), String
     if !command.hostname.is_empty() {
         nix::unistd::sethostname(&command.hostname).map_err(|e| format!("setting the host name: {e}"))?;
     }
-    let exit = supervise(&command, &port, reader, decoder)?;
-    send(&port, &Frame::Exited(exit)).map_err(|e| format!("reporting the exit: {e}"))?;
+    let exit = supervise(&command, status, reader, decoder)?;
+    report(status, &Status::Exited(exit)).map_err(|e| format!("reporting the exit: {e}"))?;
     Ok(())
 }
 
@@ -162,12 +153,19 @@ fn wait_for(what: &str, find: impl Fn() -> Option<PathBuf>) -> Result<PathBuf, S
     }
 }
 
-/// The device of the virtio-serial port named [`CONTROL_PORT`].
-fn control_port() -> Option<PathBuf> {
+/// The virtio-serial port named `name`, opened for reading and writing
+/// once it appears.
+fn open_port(name: &str) -> Result<File, String> {
+    let path = wait_for(name, || port_named(name))?;
+    OpenOptions::new().read(true).write(true).open(&path).map_err(|e| format!("opening {}: {e}", path.display()))
+}
+
+/// The device of the virtio-serial port named `name`.
+fn port_named(name: &str) -> Option<PathBuf> {
     std::fs::read_dir("/sys/class/virtio-ports").ok()?.flatten().find_map(|entry| {
-        let name = std::fs::read_to_string(entry.path().join("name")).ok()?;
+        let found = std::fs::read_to_string(entry.path().join("name")).ok()?;
         let device = Path::new("/dev").join(entry.file_name());
-        (name.trim() == CONTROL_PORT && device.exists()).then_some(device)
+        (found.trim() == name && device.exists()).then_some(device)
     })
 }
 
@@ -226,48 +224,31 @@ fn assemble_root() -> Result<(), String> {
     Ok(())
 }
 
-/// Starts the workload, relays its output and the node's signals, reaps
-/// every process, and once the workload ended kills what it left; how it
-/// ended.
-fn supervise(command: &GuestCommand, port: &Port, mut reader: File, mut decoder: Decoder) -> Result<GuestExit, String> {
-    let mut child = Command::new("/init")
+/// Starts the workload with the output ports as its stdout and stderr,
+/// passes on the node's signals, reaps every process, and once the
+/// workload ended kills what it left; how it ended.
+fn supervise(
+    command: &GuestCommand,
+    status: &mut File,
+    mut reader: File,
+    mut decoder: Decoder,
+) -> Result<GuestExit, String> {
+    let stdout = open_port(STDOUT_PORT)?;
+    let stderr = open_port(STDERR_PORT)?;
+    let child = Command::new("/init")
         .arg("--exec")
         .args([command.uid.to_string(), command.gid.to_string(), command.cwd.clone(), "--".into()])
         .args(&command.argv)
         .env_clear()
         .envs(command.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stdout(stdout)
+        .stderr(stderr)
         .process_group(0)
         .spawn()
         .map_err(|e| format!("starting the workload: {e}"))?;
     let workload = Pid::from_raw(i32::try_from(child.id()).map_err(|_| "a pid out of range")?);
-    send(port, &Frame::Started(child.id())).map_err(|e| format!("reporting the start: {e}"))?;
-
-    let relays: Vec<_> = [
-        child.stdout.take().map(|o| (false, Box::new(o) as Box<dyn Read + Send>)),
-        child.stderr.take().map(|e| (true, Box::new(e) as Box<dyn Read + Send>)),
-    ]
-    .into_iter()
-    .flatten()
-    .map(|(stderr, mut source)| {
-        let port = Arc::clone(port);
-        std::thread::spawn(move || {
-            let mut buffer = vec![0_u8; 64 * 1024];
-            while let Ok(read) = source.read(&mut buffer) {
-                if read == 0 {
-                    break;
-                }
-                for frame in wire::output_frames(stderr, &buffer[..read]) {
-                    if send(&port, &frame).is_err() {
-                        return;
-                    }
-                }
-            }
-        })
-    })
-    .collect();
+    report(status, &Status::Started(child.id())).map_err(|e| format!("reporting the start: {e}"))?;
     std::thread::spawn(move || {
         while let Ok(Some(frame)) = read_frame(&mut reader, &mut decoder) {
             if let Frame::Signal(number) = frame
@@ -289,9 +270,6 @@ fn supervise(command: &GuestCommand, port: &Port, mut reader: File, mut decoder:
     // What the workload left behind ends with it; every process but this one.
     let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
     while waitpid(None, None).is_ok() {}
-    for relay in relays {
-        let _ = relay.join();
-    }
     Ok(exit)
 }
 
