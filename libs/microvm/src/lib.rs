@@ -25,6 +25,8 @@
 
 #[cfg(feature = "host")]
 pub mod image;
+#[cfg(feature = "host")]
+pub mod install;
 pub mod kernel;
 #[cfg(feature = "host")]
 pub mod vmm;

@@ -23,14 +23,7 @@ const VM_DEADLINE: Duration = Duration::from_secs(120);
 
 /// The static init `make vminit` builds.
 fn vminit() -> PathBuf {
-    if let Some(path) = std::env::var_os("BERTH_VMINIT") {
-        return path.into();
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"), PathBuf::from);
-    let path = target.join("x86_64-unknown-linux-gnu/release/berth-vminit");
-    assert!(path.is_file(), "no static init at {}: `make vminit` builds it", path.display());
-    path
+    berth_microvm::install::find_init().expect("no static guest init: `make vminit` builds it")
 }
 
 fn kernel() -> GuestKernel {
@@ -40,11 +33,7 @@ fn kernel() -> GuestKernel {
 
 /// A root tree of busybox and its applets.
 fn busybox_tree(root: &Path) {
-    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
-        .into_iter()
-        .map(Path::new)
-        .find(|p| p.is_file())
-        .expect("busybox-static (scripts/runtime-deps.sh)");
+    let busybox = berth_microvm::install::find_busybox().expect("busybox-static (scripts/runtime-deps.sh)");
     std::fs::create_dir_all(root.join("bin")).unwrap();
     std::fs::copy(busybox, root.join("bin/busybox")).unwrap();
     for applet in ["sh", "echo", "id", "cat", "sleep", "hostname", "uname", "touch", "reboot", "ls"] {

@@ -59,6 +59,7 @@ mod keepalive;
 mod leases_client;
 mod log_rotation;
 mod logs;
+mod microvm;
 mod node_channel;
 mod overlay;
 mod process;
@@ -97,6 +98,7 @@ pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;
 pub use identity_servers::preferred_index;
 pub use join::JoinError;
+pub use microvm::{MicroVmProvider, MicroVmSettings};
 pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
 pub use provider::{
     CacheBind, Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched,

@@ -46,6 +46,9 @@ use nix::unistd::{Gid, Pid, Uid};
 /// How long the devices the modules bring may take to appear.
 const DEVICE_DEADLINE: Duration = Duration::from_secs(10);
 
+/// How often the control port is read again while no node is connected.
+const RECONNECT_POLL: Duration = Duration::from_millis(100);
+
 /// Where the workload's root is assembled.
 const NEW_ROOT: &str = "/run/root";
 
@@ -250,11 +253,22 @@ fn supervise(
     let workload = Pid::from_raw(i32::try_from(child.id()).map_err(|_| "a pid out of range")?);
     report(status, &Status::Started(child.id())).map_err(|e| format!("reporting the start: {e}"))?;
     std::thread::spawn(move || {
-        while let Ok(Some(frame)) = read_frame(&mut reader, &mut decoder) {
-            if let Frame::Signal(number) = frame
-                && let Ok(signal) = Signal::try_from(number)
-            {
-                let _ = kill(Pid::from_raw(-workload.as_raw()), signal);
+        loop {
+            match read_frame(&mut reader, &mut decoder) {
+                Ok(Some(Frame::Signal(number))) => {
+                    if let Ok(signal) = Signal::try_from(number) {
+                        let _ = kill(Pid::from_raw(-workload.as_raw()), signal);
+                    }
+                }
+                Ok(Some(Frame::Run(_))) => {}
+                // The node went away (an agent restart): the port reads as
+                // ended until a node connects again. What a node had half
+                // sent is not the next one's.
+                Ok(None) => {
+                    decoder = Decoder::default();
+                    std::thread::sleep(RECONNECT_POLL);
+                }
+                Err(_) => decoder = Decoder::default(),
             }
         }
     });

@@ -1,0 +1,634 @@
+//! The microVM provider: each lease's workload in a virtual machine of its
+//! own, with its own kernel, behind the same [`Provider`] seam as processes
+//! and containers.
+//!
+//! The VMM is QEMU's `microvm` machine, driven through `berth_microvm`: a
+//! stock Debian cloud kernel, berth's static init in the initramfs, the
+//! lease's root as a read-only ext4 image and a scratch image of its own.
+//! The init runs the workload as an unprivileged user inside the guest;
+//! the guest's root is the only thing the guest kernel can see of the host
+//! besides its own drives and the four serial ports.
+//!
+//! # What is stored
+//! ```text
+//! DATA_DIR/microvm/initramfs-<init size>-<init mtime>.cpio   the init and kernel modules
+//! DATA_DIR/microvm/images/<kind>-<digest>.ext4            read-only roots, one per digest
+//! DATA_DIR/leases/<lease_id>/                                the VM's run directory: scratch
+//!                                                            image, control and QMP sockets,
+//!                                                            status lines, console log
+//! ```
+//! Records and logs are kept as [`crate::instances`] says; QEMU appends the
+//! workload's output to the lease's `stdout.log` and `stderr.log` itself.
+//!
+//! # Roots
+//! - A container image: its unpacked root, as one image per digest.
+//! - A bundle: the node's `busybox` userland with the bundle at `/bundle`
+//!   (`$BERTH_BUNDLE_DIR`), one image per digest.
+//! - A bare command: the node's `busybox` userland alone. A VM does not
+//!   share the host's files, so a bare command names a busybox applet or a
+//!   program of the lease's own, never one of the host's.
+//!
+//! # Processes and adoption
+//! QEMU runs in a process group of its own and is recorded by its pid and
+//! start time, so an agent restarted on the same directory adopts a VM
+//! that still runs, connects to its control port again, and reads how it
+//! ended from its status lines even when it ended while no agent ran.
+//! Destroy asks the init to send SIGTERM to the workload, waits the grace,
+//! then kills QEMU: nothing of the VM outlives it.
+//!
+//! # Not yet
+//! Tenant networks, cache volumes and identity directories are refused with
+//! `Unsupported` rather than dropped: a lease that needs one runs on a
+//! node with another runtime. A running VM's limits cannot be changed.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use berth_microvm::image::{root_image, scratch_image, write_initramfs};
+use berth_microvm::kernel::GuestKernel;
+use berth_microvm::vmm::{Accel, Control, Vm, VmSpec, statuses};
+use berth_microvm::wire::{GuestCommand, GuestExit, Status};
+use tokio::sync::{OnceCell, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::instances::{
+    Instances, PortBook, StoredExit, StoredRecord, Tracked, blocking, from_unix_ms, load_records, prepare, unix_ms,
+    validate_lease_id, write_record,
+};
+use crate::process::ProcessTiming;
+use crate::procfs::{self, PROC_ROOT};
+use crate::provider::{
+    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk, Resized, Runtime,
+    Settlement, WorkloadRoot, WorkloadSignal,
+};
+
+/// Where a bundle is seen inside the guest.
+const BUNDLE_IN_GUEST: &str = "/bundle";
+
+/// The user a workload runs as inside the guest when its image names none
+/// (or names root).
+const GUEST_USER: u32 = 1000;
+
+/// The size of a lease's scratch image (sparse: it takes disk as written).
+const SCRATCH_BYTES: u64 = 4 << 30;
+
+/// Guest memory for a lease that reserves none.
+const DEFAULT_MEMORY_MIB: u32 = 256;
+
+/// How long a killed VMM may take to be gone.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// How often a stopping VMM is looked at.
+const STOP_POLL: Duration = Duration::from_millis(25);
+
+/// What the microVM provider runs with.
+#[derive(Debug, Clone)]
+pub struct MicroVmSettings {
+    /// The QEMU binary.
+    pub qemu: PathBuf,
+    /// The guest kernel's directory (see `berth_microvm::kernel`).
+    pub kernel_dir: PathBuf,
+    /// The static guest init (`berth-vminit`).
+    pub init: PathBuf,
+    /// How guest code runs.
+    pub accel: Accel,
+    /// The node's static `busybox`, the userland of bundles and bare commands.
+    pub busybox: PathBuf,
+    /// The grace between SIGTERM and killing the VM, and how often an
+    /// adopted VM is looked for.
+    pub timing: ProcessTiming,
+}
+
+/// Runs each lease in a microVM; see the module docs.
+#[derive(Debug, Clone)]
+pub struct MicroVmProvider {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    instances: Arc<Instances>,
+    settings: MicroVmSettings,
+    dir: PathBuf,
+    ports: Arc<PortBook>,
+    initramfs: OnceCell<PathBuf>,
+    /// One image is built at a time, so two leases of one digest share it.
+    building: tokio::sync::Mutex<()>,
+    /// The control ports the provider holds, by lease.
+    controls: tokio::sync::Mutex<BTreeMap<String, Control>>,
+    /// The leases whose VMM this provider killed (their exit is SIGKILL).
+    killed: Mutex<std::collections::BTreeSet<String>>,
+    proc_root: PathBuf,
+    shutdown: CancellationToken,
+}
+
+impl MicroVmProvider {
+    /// A provider keeping its state under `data_dir`; its waiting tasks
+    /// stop on `shutdown` (the VMs keep running).
+    pub fn new(data_dir: &Path, settings: MicroVmSettings, shutdown: CancellationToken) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                instances: Arc::new(Instances::new(data_dir)),
+                dir: data_dir.join("microvm"),
+                settings,
+                ports: Arc::default(),
+                initramfs: OnceCell::new(),
+                building: tokio::sync::Mutex::new(()),
+                controls: tokio::sync::Mutex::new(BTreeMap::new()),
+                killed: Mutex::default(),
+                proc_root: PathBuf::from(PROC_ROOT),
+                shutdown,
+            }),
+        }
+    }
+
+    fn unsupported(spec: &LaunchSpec, what: &str) -> ProviderError {
+        ProviderError::Unsupported(format!(
+            "lease {} {what}, which the microvm runtime does not provide yet: run it on a node with another runtime",
+            spec.lease_id
+        ))
+    }
+
+    /// The initramfs for this node's init and kernel, built once per init binary.
+    async fn initramfs(&self) -> Result<PathBuf, ProviderError> {
+        let inner = Arc::clone(&self.inner);
+        self.inner
+            .initramfs
+            .get_or_try_init(|| async move {
+                blocking(move || {
+                    let settings = &inner.settings;
+                    let kernel = GuestKernel::from_dir(&settings.kernel_dir).map_err(unsupported_host)?;
+                    let meta = std::fs::metadata(&settings.init).map_err(|e| {
+                        ProviderError::Unsupported(format!("no guest init at {}: {e}", settings.init.display()))
+                    })?;
+                    let stamp = meta.modified().map(unix_ms).unwrap_or_default();
+                    std::fs::create_dir_all(&inner.dir).map_err(|e| crate::instances::io("creating", &inner.dir, e))?;
+                    let path = inner.dir.join(format!("initramfs-{}-{stamp}.cpio", meta.len()));
+                    if !path.is_file() {
+                        write_initramfs(&settings.init, &kernel, &path).map_err(unsupported_host)?;
+                    }
+                    Ok(path)
+                })
+                .await
+            })
+            .await
+            .cloned()
+    }
+
+    /// The read-only root image for `root`, built unless it exists.
+    async fn root_image(&self, root: &WorkloadRoot) -> Result<PathBuf, ProviderError> {
+        let images = self.inner.dir.join("images");
+        let name = match root {
+            WorkloadRoot::Host => "busybox.ext4".to_owned(),
+            WorkloadRoot::Bundle { digest, .. } => format!("bundle-{}.ext4", digest_name(digest)),
+            WorkloadRoot::Image { digest, .. } => format!("image-{}.ext4", digest_name(digest)),
+        };
+        let target = images.join(name);
+        let _building = self.inner.building.lock().await;
+        if target.is_file() {
+            return Ok(target);
+        }
+        let (root, busybox, out) = (root.clone(), self.inner.settings.busybox.clone(), target.clone());
+        blocking(move || {
+            std::fs::create_dir_all(&images).map_err(|e| crate::instances::io("creating", &images, e))?;
+            match &root {
+                WorkloadRoot::Image { dir, .. } => root_image(dir, &out).map_err(unsupported_host),
+                WorkloadRoot::Host | WorkloadRoot::Bundle { .. } => {
+                    // A tree left by an interrupted build is built again whole.
+                    let mut name = out.file_name().map(std::ffi::OsStr::to_os_string).unwrap_or_default();
+                    name.push(".tree");
+                    let tree = out.with_file_name(name);
+                    crate::instances::remove_path(&tree)?;
+                    busybox_tree(&busybox, &tree)?;
+                    if let Some(bundle) = root.bundle_dir() {
+                        copy_tree(bundle, &tree.join(BUNDLE_IN_GUEST.trim_start_matches('/')))?;
+                    }
+                    let built = root_image(&tree, &out).map_err(unsupported_host);
+                    crate::instances::remove_path(&tree)?;
+                    built
+                }
+            }
+        })
+        .await?;
+        Ok(target)
+    }
+
+    /// Waits for a VMM this provider started, then records how the
+    /// workload ended.
+    fn wait_for_vm(&self, lease_id: String, mut child: tokio::process::Child) {
+        let provider = self.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                // The agent stops; the VM runs on and the next agent adopts it.
+                _ = provider.inner.shutdown.cancelled() => return,
+                _ = child.wait() => {}
+            }
+            provider.vm_ended(&lease_id).await;
+        });
+    }
+
+    /// Polls `/proc` for a VMM adopted after a restart until it is gone.
+    fn watch_adopted(&self, lease_id: String, pid: u32, start_ticks: u64) {
+        let provider = self.clone();
+        tokio::spawn(async move {
+            let every = provider.inner.settings.timing.exit_poll.max(Duration::from_millis(1));
+            loop {
+                tokio::select! {
+                    _ = provider.inner.shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                if !procfs::is_running(&provider.inner.proc_root, pid, start_ticks) {
+                    break;
+                }
+            }
+            provider.vm_ended(&lease_id).await;
+        });
+    }
+
+    /// Records the end of `lease_id`'s VM as its status lines tell it.
+    async fn vm_ended(&self, lease_id: &str) {
+        self.inner.controls.lock().await.remove(lease_id);
+        let killed = self.inner.killed.lock().map(|mut k| k.remove(lease_id)).unwrap_or(false);
+        let run_dir = self.inner.instances.layout.work_dir(lease_id);
+        let status = exit_status(&statuses(&run_dir), killed);
+        if let Some(Status::Failed(why)) = statuses(&run_dir).into_iter().find(|s| matches!(s, Status::Failed(_))) {
+            tracing::warn!(%lease_id, %why, "the guest could not start the workload");
+            let stderr = self.inner.instances.layout.logs(lease_id).stderr;
+            let _ = append(&stderr, &format!("berth: the microVM could not start the workload: {why}\n"));
+        }
+        self.inner.instances.ended(lease_id, status).await;
+    }
+
+    /// The VMM's pid of `lease_id` while it runs.
+    fn running_vm(&self, lease_id: &str) -> Result<(StoredRecord, Option<u32>), ProviderError> {
+        let stored = self.inner.instances.stored(lease_id)?;
+        let pid = stored
+            .pid
+            .zip(stored.start_ticks)
+            .filter(|(pid, ticks)| stored.exit.is_none() && procfs::is_running(&self.inner.proc_root, *pid, *ticks))
+            .map(|(pid, _)| pid);
+        Ok((stored, pid))
+    }
+
+    /// Sends `signal` through the VM's control port, connecting again if
+    /// this provider holds none (after a restart).
+    async fn send_signal(&self, lease_id: &str, signal: i32) -> Result<(), ProviderError> {
+        let mut controls = self.inner.controls.lock().await;
+        if !controls.contains_key(lease_id) {
+            let socket = self.inner.instances.layout.work_dir(lease_id).join("control.sock");
+            let control = Control::connect(&socket).await.map_err(|e| signal_error(lease_id, e))?;
+            controls.insert(lease_id.to_owned(), control);
+        }
+        let Some(control) = controls.get_mut(lease_id) else { return Ok(()) };
+        if let Err(error) = control.signal(signal).await {
+            controls.remove(lease_id);
+            return Err(signal_error(lease_id, error));
+        }
+        Ok(())
+    }
+
+    /// Waits until the VMM `pid` is gone, up to `within`.
+    async fn vm_gone(&self, pid: u32, ticks: u64, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        while procfs::is_running(&self.inner.proc_root, pid, ticks) {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(STOP_POLL).await;
+        }
+        true
+    }
+}
+
+/// How a VM's workload ended, from its status lines; `killed` when this
+/// provider killed its VMM.
+fn exit_status(statuses: &[Status], killed: bool) -> ExitStatus {
+    let reported = statuses.iter().find_map(|status| match status {
+        Status::Exited(GuestExit::Code(code)) => Some(ExitStatus::Code(*code)),
+        Status::Exited(GuestExit::Signal(signal)) => Some(ExitStatus::Signal(*signal)),
+        // The workload never ran: as a shell reports a program it cannot run.
+        Status::Failed(_) => Some(ExitStatus::Code(127)),
+        Status::Started(_) => None,
+    });
+    match reported {
+        Some(status) => status,
+        None if killed => ExitStatus::Signal(9),
+        None => ExitStatus::Unknown,
+    }
+}
+
+fn signal_error(lease_id: &str, error: berth_microvm::vmm::VmError) -> ProviderError {
+    ProviderError::Signal { lease_id: lease_id.to_owned(), source: std::io::Error::other(error.to_string()) }
+}
+
+fn unsupported_host(error: impl std::fmt::Display) -> ProviderError {
+    ProviderError::Unsupported(format!("this node cannot build a microVM: {error}"))
+}
+
+fn append(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    std::fs::OpenOptions::new().append(true).create(true).open(path)?.write_all(text.as_bytes())
+}
+
+/// A digest as part of a file name: its hex, without the algorithm.
+fn digest_name(digest: &str) -> String {
+    digest.rsplit(':').next().unwrap_or(digest).chars().filter(char::is_ascii_alphanumeric).collect()
+}
+
+/// A root of `busybox` and a link for each of its applets in `/bin`, with
+/// the directories a workload expects and an account for [`GUEST_USER`].
+fn busybox_tree(busybox: &Path, root: &Path) -> Result<(), ProviderError> {
+    let io = |what: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |e| crate::instances::io(what, &path, e)
+    };
+    for dir in ["bin", "etc", "tmp", "proc", "dev", "sys", "home/workload"] {
+        std::fs::create_dir_all(root.join(dir)).map_err(io("creating", &root.join(dir)))?;
+    }
+    std::fs::copy(busybox, root.join("bin/busybox")).map_err(io("copying", busybox))?;
+    let listed = std::process::Command::new(busybox)
+        .arg("--list")
+        .output()
+        .map_err(|e| ProviderError::Unsupported(format!("cannot run {}: {e}", busybox.display())))?;
+    for applet in String::from_utf8_lossy(&listed.stdout).lines().filter(|a| !a.is_empty() && *a != "busybox") {
+        let link = root.join("bin").join(applet);
+        std::os::unix::fs::symlink("busybox", &link).map_err(io("linking", &link))?;
+    }
+    let files = [
+        (
+            "etc/passwd",
+            format!("root:x:0:0:root:/root:/bin/sh\nworkload:x:{GUEST_USER}:{GUEST_USER}::/home/workload:/bin/sh\n"),
+        ),
+        ("etc/group", format!("root:x:0:\nworkload:x:{GUEST_USER}:\n")),
+    ];
+    for (name, text) in files {
+        std::fs::write(root.join(name), text).map_err(io("writing", &root.join(name)))?;
+    }
+    use std::os::unix::fs::{PermissionsExt as _, chown};
+    std::fs::set_permissions(root.join("tmp"), std::fs::Permissions::from_mode(0o1777))
+        .map_err(io("opening", &root.join("tmp")))?;
+    // Only root gives files away; an agent that is not root runs its
+    // workloads uncontained, and builds no image for them to use.
+    if rustix::process::geteuid().is_root() {
+        chown(root.join("home/workload"), Some(GUEST_USER), Some(GUEST_USER))
+            .map_err(io("giving the workload", &root.join("home/workload")))?;
+    }
+    Ok(())
+}
+
+/// Copies the tree at `from` to `to`, links as links.
+fn copy_tree(from: &Path, to: &Path) -> Result<(), ProviderError> {
+    let io = |what: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |e| crate::instances::io(what, &path, e)
+    };
+    std::fs::create_dir_all(to).map_err(io("creating", to))?;
+    for entry in std::fs::read_dir(from).map_err(io("reading", from))? {
+        let entry = entry.map_err(io("reading", from))?;
+        let (source, target) = (entry.path(), to.join(entry.file_name()));
+        let kind = entry.file_type().map_err(io("reading", &source))?;
+        if kind.is_dir() {
+            copy_tree(&source, &target)?;
+        } else if kind.is_symlink() {
+            let points = std::fs::read_link(&source).map_err(io("reading", &source))?;
+            std::os::unix::fs::symlink(points, &target).map_err(io("linking", &target))?;
+        } else if kind.is_file() {
+            std::fs::copy(&source, &target).map_err(io("copying", &source))?;
+        }
+    }
+    Ok(())
+}
+
+#[async_trait::async_trait]
+impl Provider for MicroVmProvider {
+    async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
+        validate_lease_id(&spec.lease_id)?;
+        if spec.network.is_some() {
+            return Err(Self::unsupported(&spec, "joins its tenant's network"));
+        }
+        if let Some(cache) = spec.caches.first() {
+            return Err(Self::unsupported(&spec, &format!("mounts a cache volume at {}", cache.inside.display())));
+        }
+        if spec.identity.is_some() {
+            return Err(Self::unsupported(&spec, "has a workload identity directory"));
+        }
+        let bundle = spec.root.bundle_dir().map(|_| PathBuf::from(BUNDLE_IN_GUEST));
+        let program = spec.program_path(bundle.as_deref())?;
+        let initramfs = self.initramfs().await?;
+        let root_image = self.root_image(&spec.root).await?;
+        let mut spec = spec;
+        let _claim = self.inner.instances.prepare_launch(&mut spec, &self.inner.ports)?;
+
+        let layout = self.inner.instances.layout.clone();
+        let first = StoredRecord::starting(&spec);
+        let (run_dir, _, _) = {
+            let first = first.clone();
+            blocking(move || prepare(&layout, &first)).await?
+        };
+        let scratch = run_dir.join("scratch.ext4");
+        {
+            let scratch = scratch.clone();
+            blocking(move || {
+                let _ = std::fs::remove_file(&scratch);
+                scratch_image(&scratch, SCRATCH_BYTES).map_err(unsupported_host)
+            })
+            .await?;
+        }
+        // The status of an earlier run of this lease is not this one's.
+        let _ = std::fs::remove_file(berth_microvm::vmm::status_file(&run_dir));
+
+        let (uid, gid, home, cwd) = match &spec.root {
+            WorkloadRoot::Image { working_dir, account, .. } => {
+                let account = account.as_deref().filter(|a| a.uid != 0);
+                let (uid, gid) =
+                    account.map_or((GUEST_USER, GUEST_USER), |a| (a.uid, if a.gid == 0 { a.uid } else { a.gid }));
+                let home = account.and_then(|a| a.home.clone()).unwrap_or_else(|| "/tmp".into());
+                let cwd = if working_dir.is_empty() { "/".to_owned() } else { working_dir.clone() };
+                (uid, gid, home, cwd)
+            }
+            WorkloadRoot::Host | WorkloadRoot::Bundle { .. } => {
+                (GUEST_USER, GUEST_USER, "/home/workload".to_owned(), "/home/workload".to_owned())
+            }
+        };
+        let env = spec.environment(Path::new(&home), bundle.as_deref(), None);
+        let mut argv = vec![program.clone()];
+        argv.extend(spec.args.iter().cloned());
+        let command = GuestCommand {
+            argv,
+            env: env.into_iter().collect(),
+            cwd,
+            uid,
+            gid,
+            hostname: spec.lease_id.chars().take(63).collect(),
+        };
+        let logs = self.inner.instances.layout.logs(&spec.lease_id);
+        let resources = spec.resources;
+        let vm = VmSpec {
+            qemu: self.inner.settings.qemu.clone(),
+            accel: self.inner.settings.accel,
+            vmlinuz: self.inner.settings.kernel_dir.join("vmlinuz"),
+            initramfs,
+            root_image,
+            scratch_image: scratch,
+            cpus: u32::try_from(resources.cpu_millis.div_ceil(1000)).unwrap_or(u32::MAX).max(1),
+            memory_mib: match resources.memory_bytes >> 20 {
+                0 => DEFAULT_MEMORY_MIB,
+                mib => u32::try_from(mib).unwrap_or(u32::MAX),
+            },
+            run_dir,
+            stdout_log: logs.stdout,
+            stderr_log: logs.stderr,
+        };
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let Vm { child, control } = match Vm::boot(&vm, &command).await {
+            Ok(vm) => vm,
+            Err(error) => {
+                self.inner.instances.never_started(first).await;
+                return Err(ProviderError::Spawn {
+                    command: program,
+                    source: std::io::Error::other(format!("booting its microVM: {error}")),
+                });
+            }
+        };
+        let pid = child.id();
+        let start_ticks = pid.and_then(|pid| procfs::read_stat(&self.inner.proc_root, pid)).map(|s| s.start_ticks);
+        let started = StoredRecord { pid, start_ticks, started_at_ms: Some(unix_ms(SystemTime::now())), ..first };
+        self.inner.controls.lock().await.insert(spec.lease_id.clone(), control);
+        self.inner.instances.track(started.clone(), exit_tx).await?;
+        tracing::info!(lease_id = %spec.lease_id, epoch = spec.epoch, ?pid, %program, accel = vm.accel.name(),
+            cpus = vm.cpus, memory_mib = vm.memory_mib, "microVM started");
+        self.wait_for_vm(spec.lease_id, child);
+        Ok(Launched { record: started.to_record(), exit: exit_rx })
+    }
+
+    async fn recover(&self) -> Result<Vec<Launched>, ProviderError> {
+        let provider = self.clone();
+        let loaded = blocking(move || load_records(&provider.inner.instances.layout)).await?;
+        let mut recovered = Vec::new();
+        for mut stored in loaded {
+            let lease_id = stored.lease_id.clone();
+            if let Some(tracked) = self.inner.instances.lock().get(&lease_id) {
+                recovered.push(Launched { record: tracked.stored.to_record(), exit: tracked.exit.subscribe() });
+                continue;
+            }
+            let running = stored.pid.zip(stored.start_ticks).filter(|(pid, ticks)| {
+                stored.exit.is_none() && procfs::is_running(&self.inner.proc_root, *pid, *ticks)
+            });
+            if running.is_none() && stored.exit.is_none() {
+                // Ended while no agent watched: its status lines tell how.
+                let status = exit_status(&statuses(&self.inner.instances.layout.work_dir(&lease_id)), false);
+                stored.exit = Some(StoredExit { status, at_ms: unix_ms(SystemTime::now()) });
+                let layout = self.inner.instances.layout.clone();
+                let ended = stored.clone();
+                blocking(move || write_record(&layout, &ended)).await?;
+            }
+            let (exit_tx, exit_rx) = watch::channel(stored.exit());
+            let record = stored.to_record();
+            self.inner.instances.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
+            if let Some((pid, ticks)) = running {
+                tracing::info!(%lease_id, pid, "found a microVM still running from before the restart");
+                self.watch_adopted(lease_id, pid, ticks);
+            }
+            recovered.push(Launched { record, exit: exit_rx });
+        }
+        Ok(recovered)
+    }
+
+    async fn set_epoch(&self, lease_id: &str, epoch: u64) -> Result<(), ProviderError> {
+        self.inner.instances.update(lease_id, move |record| record.epoch = epoch).await
+    }
+
+    async fn settle(&self, lease_id: &str, settlement: Settlement) -> Result<(), ProviderError> {
+        self.inner.instances.settle(lease_id, settlement).await
+    }
+
+    async fn destroy(&self, lease_id: &str) -> Result<(), ProviderError> {
+        let (stored, pid) = self.running_vm(lease_id)?;
+        let (Some(pid), Some(ticks)) = (pid, stored.start_ticks) else { return Ok(()) };
+        let grace = self.inner.settings.timing.stop_grace;
+        tracing::info!(%lease_id, pid, ?grace, "stopping the microVM's workload");
+        if let Err(error) = self.send_signal(lease_id, 15).await {
+            tracing::warn!(%lease_id, %error, "cannot ask the guest to stop its workload; killing the VM");
+        } else if self.vm_gone(pid, ticks, grace).await {
+            return Ok(());
+        }
+        tracing::warn!(%lease_id, pid, "the microVM outlived its grace; killing it");
+        if let Ok(mut killed) = self.inner.killed.lock() {
+            killed.insert(lease_id.to_owned());
+        }
+        if let Some(vmm) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
+            let _ = rustix::process::kill_process(vmm, rustix::process::Signal::KILL);
+        }
+        if self.vm_gone(pid, ticks, KILL_WAIT).await {
+            return Ok(());
+        }
+        Err(ProviderError::Stuck { lease_id: lease_id.into(), detail: format!("the VMM (pid {pid}) survived SIGKILL") })
+    }
+
+    async fn remove(&self, lease_id: &str) -> Result<(), ProviderError> {
+        validate_lease_id(lease_id)?;
+        if let Ok((_, Some(_))) = self.running_vm(lease_id) {
+            return Err(ProviderError::AlreadyRunning(lease_id.to_string()));
+        }
+        self.inner.controls.lock().await.remove(lease_id);
+        self.inner.instances.forget(lease_id).await
+    }
+
+    async fn signal(&self, lease_id: &str, signal: WorkloadSignal) -> Result<(), ProviderError> {
+        let (_, pid) = self.running_vm(lease_id)?;
+        if pid.is_none() {
+            return Err(ProviderError::NotRunning(lease_id.to_string()));
+        }
+        let number = match signal {
+            WorkloadSignal::Term => 15,
+            WorkloadSignal::Kill => 9,
+            WorkloadSignal::Int => 2,
+            WorkloadSignal::Hup => 1,
+            WorkloadSignal::Usr1 => 10,
+            WorkloadSignal::Usr2 => 12,
+            WorkloadSignal::Quit => 3,
+        };
+        self.send_signal(lease_id, number).await
+    }
+
+    /// The VMM's own use: its CPU time is the guest's, and its resident
+    /// memory is what the guest touched plus the VMM's overhead.
+    async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError> {
+        let (stored, pid) = self.running_vm(lease_id)?;
+        let stat = pid
+            .and_then(|pid| procfs::read_stat(&self.inner.proc_root, pid))
+            .ok_or_else(|| ProviderError::NotRunning(lease_id.to_string()))?;
+        let per_second = rustix::param::clock_ticks_per_second().max(1);
+        let started = stored.started_at_ms.map(from_unix_ms).unwrap_or_else(SystemTime::now);
+        Ok(InstanceStats {
+            cpu_time: Duration::from_millis(stat.cpu_ticks().saturating_mul(1000) / per_second),
+            memory_bytes: stat.rss_pages.saturating_mul(rustix::param::page_size() as u64),
+            uptime: SystemTime::now().duration_since(started).unwrap_or_default(),
+        })
+    }
+
+    async fn resize(&self, lease_id: &str, _ask: ResizeAsk) -> Result<Resized, ProviderError> {
+        if self.running_vm(lease_id)?.1.is_none() {
+            return Err(ProviderError::NotRunning(lease_id.to_string()));
+        }
+        Ok(Resized::unsupported("microvm"))
+    }
+
+    fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
+        self.inner.instances.stored(lease_id)?;
+        Ok(self.inner.instances.layout.logs(lease_id))
+    }
+
+    fn runtime(&self) -> Runtime {
+        Runtime { name: "microvm".into(), contained: true }
+    }
+
+    fn running(&self) -> Vec<String> {
+        self.inner.instances.running()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,193 @@
+//! The microVM provider on real VMs (QEMU's translator, so no `/dev/kvm`
+//! is needed): what `make test` installs (`scripts/microvm-deps.sh`) and
+//! builds (`make vminit`) must be there, or these fail naming it.
+
+use berth_testkit::eventually;
+
+use super::*;
+use crate::provider::{Exit, ExitWatch, Program};
+use crate::testdir::TestDir;
+
+/// Boot to power-off of one VM under TCG on a busy machine.
+const SLOW: Duration = Duration::from_secs(120);
+
+fn settings(grace: Duration) -> MicroVmSettings {
+    let kernel_dir = std::env::var_os("BERTH_MICROVM_KERNEL")
+        .map_or_else(|| PathBuf::from(berth_microvm::kernel::DEFAULT_KERNEL_DIR), PathBuf::from);
+    assert!(
+        kernel_dir.join("vmlinuz").is_file(),
+        "no guest kernel in {}: scripts/microvm-deps.sh",
+        kernel_dir.display()
+    );
+    MicroVmSettings {
+        qemu: "qemu-system-x86_64".into(),
+        kernel_dir,
+        init: berth_microvm::install::find_init().expect("no static guest init: `make vminit` builds it"),
+        accel: Accel::Tcg,
+        busybox: berth_microvm::install::find_busybox().expect("busybox-static: scripts/runtime-deps.sh"),
+        timing: ProcessTiming { stop_grace: grace, exit_poll: Duration::from_millis(50) },
+    }
+}
+
+fn provider(dir: &Path, stop: CancellationToken) -> MicroVmProvider {
+    MicroVmProvider::new(dir, settings(Duration::from_secs(20)), stop)
+}
+
+async fn ended(watch: &mut ExitWatch) -> Exit {
+    let exit = tokio::time::timeout(SLOW, watch.wait_for(Option::is_some)).await.expect("the VM never ended");
+    exit.unwrap().unwrap()
+}
+
+async fn printed(provider: &MicroVmProvider, lease_id: &str, text: &str) {
+    let logs = provider.log_files(lease_id).unwrap();
+    eventually(&format!("{lease_id} to print {text:?}"), SLOW, || async {
+        let stdout = std::fs::read_to_string(&logs.stdout).unwrap_or_default();
+        if stdout.contains(text) { Ok(()) } else { Err(stdout) }
+    })
+    .await;
+}
+
+fn spec(lease_id: &str, script: &str) -> LaunchSpec {
+    LaunchSpec::for_test(lease_id, script)
+}
+
+#[tokio::test]
+async fn a_command_runs_in_its_own_vm_with_its_environment_and_its_exit_code_and_output_are_kept() {
+    let tmp = TestDir::new();
+    let provider = provider(tmp.path(), CancellationToken::new());
+    assert_eq!(provider.runtime(), Runtime { name: "microvm".into(), contained: true });
+    let script = "id -u; pwd; env | sort; uname -r; echo oops >&2; exit 3";
+    let mut launched = provider.launch(spec("lease-a", script)).await.unwrap();
+    assert!(launched.record.pid.is_some());
+    assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(3));
+
+    let logs = provider.log_files("lease-a").unwrap();
+    let stdout = std::fs::read_to_string(&logs.stdout).unwrap();
+    assert!(stdout.starts_with("1000\n/home/workload\n"), "an unprivileged user in its home: {stdout}");
+    for expected in ["BERTH_LEASE_ID=lease-a", "BERTH_NODE_ID=n-1", "GREETING=hello", "HOME=/home/workload"] {
+        assert!(stdout.contains(expected), "{expected} missing from:\n{stdout}");
+    }
+    assert!(!stdout.contains("CARGO"), "nothing of the agent's environment: {stdout}");
+    let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    assert!(!stdout.contains(host_kernel.trim()), "a kernel of its own, not the host's: {stdout}");
+    assert_eq!(std::fs::read_to_string(&logs.stderr).unwrap(), "oops\n");
+    assert!(provider.running().is_empty());
+
+    // The same lease again (a restart of its workload) gets a fresh scratch.
+    let mut again = provider.launch(spec("lease-a", "ls /home/workload; echo second")).await.unwrap();
+    assert_eq!(ended(&mut again.exit).await.status, ExitStatus::Code(0));
+    provider.settle("lease-a", Settlement::default()).await.unwrap();
+    provider.remove("lease-a").await.unwrap();
+    assert!(!tmp.path().join("leases/lease-a").exists());
+}
+
+#[tokio::test]
+async fn destroy_stops_the_workload_with_sigterm_and_kills_a_vm_that_outlives_its_grace() {
+    let tmp = TestDir::new();
+    let provider = provider(tmp.path(), CancellationToken::new());
+    let mut polite = provider.launch(spec("lease-b", "echo up; exec sleep 1000")).await.unwrap();
+    printed(&provider, "lease-b", "up").await;
+    provider.destroy("lease-b").await.unwrap();
+    assert_eq!(ended(&mut polite.exit).await.status, ExitStatus::Signal(15));
+    let vmm = polite.record.pid.unwrap();
+    assert!(!Path::new(&format!("/proc/{vmm}")).exists(), "the VMM is gone with its workload");
+
+    let stubborn = MicroVmProvider::new(tmp.path(), settings(Duration::from_millis(500)), CancellationToken::new());
+    let mut launched = stubborn.launch(spec("lease-c", "trap '' TERM; echo up; sleep 1000")).await.unwrap();
+    printed(&stubborn, "lease-c", "up").await;
+    stubborn.destroy("lease-c").await.unwrap();
+    assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Signal(9));
+    let err = stubborn.signal("lease-c", WorkloadSignal::Term).await.unwrap_err();
+    assert!(matches!(err, ProviderError::NotRunning(_)), "{err}");
+    stubborn.destroy("lease-c").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_restarted_provider_adopts_a_running_vm_signals_it_and_learns_how_an_unwatched_one_ended() {
+    let tmp = TestDir::new();
+    let first_stop = CancellationToken::new();
+    let first = provider(tmp.path(), first_stop.clone());
+    let script = "trap 'echo reloaded' HUP; echo started; while true; do sleep 0.1; done";
+    let running = first.launch(spec("lease-d", script)).await.unwrap();
+    let mut quick = spec("lease-e", "echo started; sleep 2; exit 4");
+    quick.epoch = 7;
+    let quick = first.launch(quick).await.unwrap();
+    printed(&first, "lease-d", "started").await;
+    // The agent goes away without stopping anything.
+    first_stop.cancel();
+    drop(first);
+    let quick_vmm = quick.record.pid.unwrap();
+    eventually("the quick VM to end with no agent watching", SLOW, || async {
+        if Path::new(&format!("/proc/{quick_vmm}")).exists() { Err("still running") } else { Ok(()) }
+    })
+    .await;
+
+    let second = provider(tmp.path(), CancellationToken::new());
+    let recovered = second.recover().await.unwrap();
+    let find = |id: &str| recovered.iter().find(|l| l.record.lease_id == id).unwrap();
+    let mut adopted = find("lease-d").exit.clone();
+    assert_eq!(find("lease-d").record.pid, running.record.pid, "the same VM, not a new one");
+    assert!(adopted.borrow().is_none(), "it still runs");
+    let exit = find("lease-e").exit.borrow().unwrap();
+    assert_eq!(exit.status, ExitStatus::Code(4), "its status lines tell how it ended");
+    assert_eq!(find("lease-e").record.epoch, 7);
+    let stats = second.stats("lease-d").await.unwrap();
+    assert!(stats.memory_bytes > 16 << 20, "the VMM holds the guest's memory: {stats:?}");
+
+    second.signal("lease-d", WorkloadSignal::Hup).await.unwrap();
+    printed(&second, "lease-d", "reloaded").await;
+    second.destroy("lease-d").await.unwrap();
+    assert_eq!(ended(&mut adopted).await.status, ExitStatus::Signal(15), "read from the adopted VM's status");
+}
+
+#[tokio::test]
+async fn a_bundle_runs_from_its_own_root_and_what_the_vm_cannot_give_is_refused() {
+    let tmp = TestDir::new();
+    let provider = provider(tmp.path(), CancellationToken::new());
+    let bundle = tmp.path().join("bundle");
+    std::fs::create_dir_all(bundle.join("bin")).unwrap();
+    std::fs::write(bundle.join("bin/hello"), "#!/bin/sh\necho \"hello from $BERTH_BUNDLE_DIR\"\n").unwrap();
+    let executable = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755);
+    std::fs::set_permissions(bundle.join("bin/hello"), executable).unwrap();
+    let mut hello = spec("lease-f", "");
+    hello.root = WorkloadRoot::Bundle { dir: bundle, digest: "sha256:0123abcd".into() };
+    hello.program = Program::Bundled("bin/hello".into());
+    hello.args = Vec::new();
+    let mut launched = provider.launch(hello).await.unwrap();
+    assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(0));
+    let stdout = std::fs::read_to_string(provider.log_files("lease-f").unwrap().stdout).unwrap();
+    assert_eq!(stdout, "hello from /bundle\n");
+
+    let mut networked = spec("lease-g", "true");
+    networked.network = Some(crate::provider::NetworkAttachment {
+        namespace: "/run/netns/t".into(),
+        enter: Vec::new(),
+        resolv_conf: None,
+    });
+    let err = provider.launch(networked).await.unwrap_err();
+    assert_eq!(err.start_reason(), "Unsupported", "{err}");
+    assert!(err.to_string().contains("network"), "{err}");
+    let err = provider.launch(spec("../escape", "true")).await.unwrap_err();
+    assert!(matches!(err, ProviderError::InvalidLeaseId(_)), "{err}");
+}
+
+#[tokio::test]
+async fn a_workload_that_tries_to_reboot_or_load_a_module_or_read_the_node_sees_only_its_own_vm() {
+    let tmp = TestDir::new();
+    let secret = tmp.path().join("node.key");
+    std::fs::write(&secret, "private").unwrap();
+    let provider = provider(tmp.path(), CancellationToken::new());
+    let script = format!(
+        "cat {} 2>/dev/null && echo read-the-key; insmod /lib/modules/x.ko 2>/dev/null || echo no-module; \
+         reboot -f 2>/dev/null; echo still-here; cat /proc/1/comm; test -e /proc/{} || echo no-host-pid",
+        secret.display(),
+        std::process::id()
+    );
+    let mut launched = provider.launch(spec("lease-h", &script)).await.unwrap();
+    assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(0));
+    let stdout = std::fs::read_to_string(provider.log_files("lease-h").unwrap().stdout).unwrap();
+    let lines: Vec<&str> = stdout.lines().collect();
+    // Its PID 1 is the guest's init, and the host's processes are not there.
+    assert_eq!(lines, ["no-module", "still-here", "init", "no-host-pid"], "{stdout}");
+    assert_eq!(std::fs::read_to_string(&secret).unwrap(), "private");
+}
