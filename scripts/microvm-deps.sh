@@ -14,7 +14,8 @@ kernel_dir=${BERTH_MICROVM_KERNEL:-/opt/berth/microvm/kernel}
 # The modules the guest loads (berth_microvm::kernel::MODULES) and where
 # the cloud kernel keeps them.
 modules="drivers/virtio/virtio_ring drivers/virtio/virtio drivers/virtio/virtio_mmio
-  drivers/block/virtio_blk drivers/char/virtio_console fs/overlayfs/overlay"
+  drivers/block/virtio_blk drivers/char/virtio_console fs/overlayfs/overlay
+  net/core/failover drivers/net/net_failover drivers/net/virtio_net"
 
 apt_ready=
 apt_update() { if [ -z "$apt_ready" ]; then as_root apt-get update -qq >&2; apt_ready=1; fi; }
@@ -32,7 +33,11 @@ if ! command -v qemu-system-x86_64 >/dev/null; then
     "${packages[@]}" >&2
 fi
 
-if [ ! -f "$kernel_dir/vmlinuz" ]; then
+laid_out() {
+  [ -f "$kernel_dir/vmlinuz" ] || return 1
+  for module in $modules; do [ -f "$kernel_dir/modules/$(basename "$module").ko" ] || return 1; done
+}
+if ! laid_out; then
   apt_update
   image=$(apt-cache depends linux-image-cloud-amd64 | sed -n 's/^ *Depends: \(linux-image-[0-9].*\)$/\1/p' | head -1)
   [ -n "$image" ] || { log "no linux-image-cloud-amd64 in the package lists"; exit 1; }

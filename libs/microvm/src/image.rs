@@ -45,9 +45,10 @@ fn io_error(what: impl Into<String>) -> impl FnOnce(io::Error) -> ImageError {
 }
 
 /// Writes the initramfs for `kernel` with `init` as its `/init` at
-/// `target`: the init, the kernel's modules under `/lib/modules`, and the
-/// directories the init mounts on.
-pub fn write_initramfs(init: &Path, kernel: &GuestKernel, target: &Path) -> Result<(), ImageError> {
+/// `target`: the init, `busybox` as `/bin/busybox` (the init sets up the
+/// network with its `ip`), the kernel's modules under `/lib/modules`, and
+/// the directories the init mounts on.
+pub fn write_initramfs(init: &Path, busybox: &Path, kernel: &GuestKernel, target: &Path) -> Result<(), ImageError> {
     let staging = staging_path(target);
     let file = File::create(&staging).map_err(io_error(format!("creating {}", staging.display())))?;
     let mut out = io::BufWriter::new(file);
@@ -56,11 +57,14 @@ pub fn write_initramfs(init: &Path, kernel: &GuestKernel, target: &Path) -> Resu
         inode += 1;
         inode
     };
-    for dir in ["dev", "proc", "sys", "run", "lib", "lib/modules"] {
+    for dir in ["dev", "proc", "sys", "run", "bin", "lib", "lib/modules"] {
         let entry = cpio::NewcBuilder::new(dir).ino(next_inode()).mode(0o040_755).nlink(2);
         out = entry.write(out, 0).finish().map_err(io_error("writing the initramfs"))?;
     }
-    let mut files = vec![(init.to_path_buf(), "init".to_owned(), 0o100_755)];
+    let mut files = vec![
+        (init.to_path_buf(), "init".to_owned(), 0o100_755),
+        (busybox.to_path_buf(), "bin/busybox".to_owned(), 0o100_755),
+    ];
     for module in &kernel.modules {
         let name = module.file_name().and_then(|n| n.to_str()).unwrap_or("module.ko");
         files.push((module.clone(), format!("lib/modules/{name}"), 0o100_644));
@@ -97,6 +101,55 @@ pub fn root_image(root: &Path, target: &Path) -> Result<(), ImageError> {
     // a quarter more than the bytes, plus room for the filesystem itself.
     let size = size + size / 4 + ROOT_SLACK_BYTES;
     mkfs(target, ROOT_LABEL, size, Some(root))
+}
+
+/// One entry of an image whose owner or group is set after the image is
+/// made, as an image's layers gave it to its user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    /// The entry, absolute inside the image.
+    pub path: PathBuf,
+    /// Its new owner, if it changes.
+    pub uid: Option<u32>,
+    /// Its new group, if it changes.
+    pub gid: Option<u32>,
+}
+
+/// Sets the owners and groups of entries of the ext4 image at `image` in
+/// place, with `debugfs` (e2fsprogs), without mounting it. An entry whose
+/// path `debugfs` cannot be given (a quote or a line break in it) is an
+/// error naming it.
+pub fn set_owners(image: &Path, owners: &[Owner]) -> Result<(), ImageError> {
+    let mut commands = String::new();
+    for owner in owners {
+        let path = owner.path.display().to_string();
+        if path.contains(['"', '\n', '\r']) || !path.starts_with('/') {
+            return Err(ImageError::Io {
+                what: format!("giving {path} its owner in {}", image.display()),
+                source: io::ErrorKind::InvalidInput.into(),
+            });
+        }
+        for (field, id) in [("uid", owner.uid), ("gid", owner.gid)] {
+            if let Some(id) = id {
+                commands.push_str(&format!("set_inode_field \"{path}\" {field} {id}\n"));
+            }
+        }
+    }
+    if commands.is_empty() {
+        return Ok(());
+    }
+    let script = staging_path(&image.with_extension("debugfs"));
+    std::fs::write(&script, commands).map_err(io_error(format!("writing {}", script.display())))?;
+    let output = Command::new("debugfs").arg("-w").arg("-f").arg(&script).arg(image).output();
+    let _ = std::fs::remove_file(&script);
+    let output = output.map_err(io_error("running debugfs (e2fsprogs)"))?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    // debugfs exits 0 whatever its commands did; what failed, it says.
+    let failed: Vec<&str> = stderr.lines().filter(|l| !l.starts_with("debugfs ") && !l.trim().is_empty()).collect();
+    if !output.status.success() || !failed.is_empty() {
+        return Err(ImageError::Mkfs { image: image.to_path_buf(), stderr: failed.join("; ") });
+    }
+    Ok(())
 }
 
 /// Makes an empty writable scratch image of `bytes` at `target`: ext4
@@ -164,7 +217,8 @@ mod tests {
         std::fs::write(dir.path().join("virtio.ko"), b"module").unwrap();
         let kernel = GuestKernel { vmlinuz: dir.path().join("vmlinuz"), modules: vec![dir.path().join("virtio.ko")] };
         let target = dir.path().join("initramfs.cpio");
-        write_initramfs(&dir.path().join("init"), &kernel, &target).unwrap();
+        std::fs::write(dir.path().join("busybox"), b"#!busybox").unwrap();
+        write_initramfs(&dir.path().join("init"), &dir.path().join("busybox"), &kernel, &target).unwrap();
 
         let mut reader = File::open(&target).unwrap();
         let mut seen = Vec::new();
@@ -180,6 +234,7 @@ mod tests {
             reader = entry.finish().unwrap();
         }
         assert!(seen.contains(&("init".into(), 0o100_755, b"#!init".to_vec())), "{seen:?}");
+        assert!(seen.contains(&("bin/busybox".into(), 0o100_755, b"#!busybox".to_vec())), "{seen:?}");
         assert!(seen.contains(&("lib/modules/virtio.ko".into(), 0o100_644, b"module".to_vec())), "{seen:?}");
         assert!(seen.iter().any(|(name, mode, _)| name == "dev" && mode & 0o040_000 != 0), "{seen:?}");
         assert!(!dir.path().join("initramfs.cpio.partial").exists());
@@ -204,6 +259,30 @@ mod tests {
         let before = std::fs::metadata(&image).unwrap().modified().unwrap();
         root_image(&tree, &image).unwrap();
         assert_eq!(std::fs::metadata(&image).unwrap().modified().unwrap(), before);
+    }
+
+    #[test]
+    fn owners_are_set_in_place_and_a_missing_entry_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = dir.path().join("tree");
+        std::fs::create_dir_all(tree.join("www")).unwrap();
+        std::fs::write(tree.join("www/index.html"), b"hi").unwrap();
+        let image = dir.path().join("root.ext4");
+        root_image(&tree, &image).unwrap();
+        let owners = [
+            Owner { path: "/www".into(), uid: Some(33), gid: Some(34) },
+            Owner { path: "/www/index.html".into(), uid: None, gid: Some(34) },
+        ];
+        set_owners(&image, &owners).unwrap();
+        let stat = |path: &str| {
+            let out = Command::new("debugfs").args(["-R", &format!("stat {path}")]).arg(&image).output().unwrap();
+            String::from_utf8_lossy(&out.stdout).lines().find(|l| l.starts_with("User:")).unwrap_or_default().to_owned()
+        };
+        assert!(stat("/www").contains("User:    33   Group:    34"), "{}", stat("/www"));
+        assert!(stat("/www/index.html").contains("Group:    34"), "{}", stat("/www/index.html"));
+        let missing = [Owner { path: "/nope".into(), uid: Some(1), gid: None }];
+        let error = set_owners(&image, &missing).unwrap_err().to_string();
+        assert!(error.contains("/nope"), "{error}");
     }
 
     #[test]

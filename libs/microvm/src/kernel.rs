@@ -4,7 +4,7 @@
 //! guest needs that the kernel does not build in, as `NAME.ko`. Debian's
 //! cloud kernel (`linux-image-cloud-amd64`) builds ext4, the 8250 serial
 //! console and devtmpfs in, and virtio's MMIO transport, block devices,
-//! consoles and overlayfs as modules; `scripts/microvm-kernel.sh` lays such
+//! consoles, network devices and overlayfs as modules; `scripts/microvm-kernel.sh` lays such
 //! a directory out from the Debian package. A kernel that builds them in
 //! needs no `modules/` at all: a module that is missing is skipped, one
 //! that is present is loaded in [`MODULES`]' order.
@@ -12,7 +12,17 @@
 use std::path::{Path, PathBuf};
 
 /// The modules the guest loads, dependencies first.
-pub const MODULES: &[&str] = &["virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console", "overlay"];
+pub const MODULES: &[&str] = &[
+    "virtio_ring",
+    "virtio",
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "overlay",
+    "failover",
+    "net_failover",
+    "virtio_net",
+];
 
 /// Where `scripts/microvm-kernel.sh` puts the kernel by default.
 pub const DEFAULT_KERNEL_DIR: &str = "/opt/berth/microvm/kernel";

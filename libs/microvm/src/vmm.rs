@@ -54,6 +54,24 @@ impl Accel {
     }
 }
 
+/// The guest's address on its network.
+pub const GUEST_ADDRESS: &str = "10.0.2.15/24";
+
+/// The guest's gateway: QEMU's user-mode stack.
+pub const GUEST_GATEWAY: &str = "10.0.2.2";
+
+/// The guest's network: QEMU's user-mode stack (libslirp), in whichever
+/// network namespace QEMU runs. The guest reaches that namespace's
+/// `127.0.0.1` at its gateway ([`GUEST_GATEWAY`]), and any other address
+/// as the namespace's routes allow (a tenant's namespace has none); the
+/// ports named here are forwarded in from the namespace's `127.0.0.1`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlirpNetwork {
+    /// Ports on the namespace's `127.0.0.1` forwarded to the same port of
+    /// the guest.
+    pub inbound: Vec<u16>,
+}
+
 /// One VM to boot.
 #[derive(Debug, Clone)]
 pub struct VmSpec {
@@ -79,6 +97,11 @@ pub struct VmSpec {
     pub stdout_log: PathBuf,
     /// The file the workload's stderr is appended to.
     pub stderr_log: PathBuf,
+    /// Its network, if it has one.
+    pub network: Option<SlirpNetwork>,
+    /// A command line prefix QEMU is started through (`ip netns exec NAME`,
+    /// to run it in a tenant's network namespace); empty for none.
+    pub enter: Vec<String>,
 }
 
 impl VmSpec {
@@ -128,6 +151,15 @@ impl VmSpec {
         ] {
             push(&["-chardev", &format!("file,id={id},path={},append=on", escape(file))]);
             push(&["-device", &format!("virtserialport,chardev={id},name={name}")]);
+        }
+        if let Some(network) = &self.network {
+            // The guest's resolver is the tenant's, at the gateway; QEMU's
+            // own DNS proxy (10.0.2.3) is named nowhere.
+            let mut netdev = "user,id=net0,net=10.0.2.0/24,host=10.0.2.2".to_owned();
+            for port in &network.inbound {
+                netdev.push_str(&format!(",hostfwd=tcp:127.0.0.1:{port}-:{port}"));
+            }
+            push(&["-netdev", &netdev, "-device", "virtio-net-device,netdev=net0"]);
         }
         push(&["-qmp", &format!("unix:{},server=on,wait=off", escape(&self.qmp_socket()))]);
         push(&["-serial", &format!("file:{}", path(&self.console_log()))]);
@@ -229,8 +261,11 @@ impl Vm {
     pub async fn boot(spec: &VmSpec, command: &GuestCommand) -> Result<Self, VmError> {
         std::fs::create_dir_all(&spec.run_dir)?;
         let vmm_log = std::fs::File::create(spec.run_dir.join("vmm.log"))?;
-        let mut child = tokio::process::Command::new(&spec.qemu)
-            .args(spec.args())
+        let mut line: Vec<std::ffi::OsString> = spec.enter.iter().map(Into::into).collect();
+        line.push(spec.qemu.clone().into_os_string());
+        line.extend(spec.args());
+        let mut child = tokio::process::Command::new(&line[0])
+            .args(&line[1..])
             .stdin(Stdio::null())
             .stdout(vmm_log.try_clone()?)
             .stderr(vmm_log)
@@ -280,6 +315,8 @@ mod tests {
             run_dir: "/leases/l1".into(),
             stdout_log: "/logs/l1/stdout.log".into(),
             stderr_log: "/logs/l1/stderr.log".into(),
+            network: Some(SlirpNetwork { inbound: vec![8080, 8081] }),
+            enter: Vec::new(),
         };
         let args: Vec<String> = spec.args().into_iter().map(|a| a.into_string().unwrap()).collect();
         let after = |flag: &str| args.iter().skip_while(|a| *a != flag).nth(1).cloned().unwrap();
@@ -295,5 +332,10 @@ mod tests {
         assert!(args.contains(&format!("virtserialport,chardev=control,name={CONTROL_PORT}")));
         assert!(args.contains(&"file,id=stdout,path=/logs/l1/stdout.log,append=on".to_owned()), "{args:?}");
         assert!(args.contains(&"file,id=status,path=/leases/l1/status,append=on".to_owned()), "{args:?}");
+        assert_eq!(
+            after("-netdev"),
+            "user,id=net0,net=10.0.2.0/24,host=10.0.2.2,hostfwd=tcp:127.0.0.1:8080-:8080,\
+             hostfwd=tcp:127.0.0.1:8081-:8081"
+        );
     }
 }

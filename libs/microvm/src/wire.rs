@@ -36,6 +36,20 @@ pub struct GuestCommand {
     pub gid: u32,
     /// The guest's host name.
     pub hostname: String,
+    /// The guest's network interface, when it has one.
+    #[serde(default)]
+    pub network: Option<GuestNetwork>,
+}
+
+/// How the init sets up the guest's one network interface (`eth0`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestNetwork {
+    /// Its address with prefix length, `10.0.2.15/24`.
+    pub address: String,
+    /// The default route's gateway.
+    pub gateway: String,
+    /// The workload's `/etc/resolv.conf`.
+    pub resolv_conf: String,
 }
 
 /// How a workload ended.
@@ -195,6 +209,11 @@ mod tests {
             uid: 1000,
             gid: 1000,
             hostname: "lease-1".into(),
+            network: Some(GuestNetwork {
+                address: "10.0.2.15/24".into(),
+                gateway: "10.0.2.2".into(),
+                resolv_conf: "nameserver 10.0.2.2\n".into(),
+            }),
         }
     }
 

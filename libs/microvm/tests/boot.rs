@@ -54,7 +54,8 @@ impl Guest {
         let dir = tempfile::tempdir().unwrap();
         let kernel = kernel();
         let initramfs = dir.path().join("initramfs.cpio");
-        write_initramfs(&vminit(), &kernel, &initramfs).unwrap();
+        let busybox = berth_microvm::install::find_busybox().expect("busybox-static (scripts/runtime-deps.sh)");
+        write_initramfs(&vminit(), &busybox, &kernel, &initramfs).unwrap();
         let tree = dir.path().join("tree");
         busybox_tree(&tree);
         let root = dir.path().join("root.ext4");
@@ -73,6 +74,8 @@ impl Guest {
             run_dir: dir.path().join("run"),
             stdout_log: dir.path().join("stdout.log"),
             stderr_log: dir.path().join("stderr.log"),
+            network: None,
+            enter: Vec::new(),
         };
         Self { _dir: dir, spec }
     }
@@ -90,6 +93,7 @@ fn command(script: &str) -> GuestCommand {
         uid: 1000,
         gid: 1001,
         hostname: "lease-a".into(),
+        network: None,
     }
 }
 

@@ -89,25 +89,37 @@ fn cgroups_visible() -> bool {
 /// What will run the node's workloads: the configured runtime where this
 /// host can run it; else, when allowed, plain processes; else an error
 /// that says what is missing.
-fn choose_runtime(containment: &Containment) -> Result<WorkloadRuntime, AgentError> {
-    let why = match containment.runtime.container_runtime() {
-        None => "plain host processes contain nothing".to_string(),
-        Some(oci) => {
-            let euid = rustix::process::geteuid();
-            if !euid.is_root() {
-                let by = if oci == OciRuntime::Own { "the process runtime".to_string() } else { oci.to_string() };
-                format!("containing workloads with {by} needs root, and the agent runs as uid {}", euid.as_raw())
-            } else if oci.binary().is_none() {
-                format!("{oci} is not installed (looked in /usr/local/sbin, /usr/local/bin, /usr/sbin, /usr/bin)")
-            } else if !cgroups_visible() {
-                "no cgroup filesystem at /sys/fs/cgroup to hold workloads to their leases (an agent started \
-                 by `ip netns exec` has a /sys of its own: use `nsenter --net=` instead)"
-                    .to_string()
-            } else {
-                containment.uids.check(euid.as_raw()).map_err(|e| AgentError::Config(format!("workload uids: {e}")))?;
-                return Ok(containment.runtime);
+fn choose_runtime(
+    containment: &Containment,
+    microvm: &crate::config::MicroVmConfig,
+) -> Result<WorkloadRuntime, AgentError> {
+    let why = match containment.runtime {
+        WorkloadRuntime::MicroVm => match crate::microvm::missing(microvm) {
+            None => return Ok(WorkloadRuntime::MicroVm),
+            Some(why) => why,
+        },
+        runtime => match runtime.container_runtime() {
+            None => "plain host processes contain nothing".to_string(),
+            Some(oci) => {
+                let euid = rustix::process::geteuid();
+                if !euid.is_root() {
+                    let by = if oci == OciRuntime::Own { "the process runtime".to_string() } else { oci.to_string() };
+                    format!("containing workloads with {by} needs root, and the agent runs as uid {}", euid.as_raw())
+                } else if oci.binary().is_none() {
+                    format!("{oci} is not installed (looked in /usr/local/sbin, /usr/local/bin, /usr/sbin, /usr/bin)")
+                } else if !cgroups_visible() {
+                    "no cgroup filesystem at /sys/fs/cgroup to hold workloads to their leases (an agent started \
+                     by `ip netns exec` has a /sys of its own: use `nsenter --net=` instead)"
+                        .to_string()
+                } else {
+                    containment
+                        .uids
+                        .check(euid.as_raw())
+                        .map_err(|e| AgentError::Config(format!("workload uids: {e}")))?;
+                    return Ok(containment.runtime);
+                }
             }
-        }
+        },
     };
     if containment.allow_uncontained {
         tracing::warn!(reason = %why, "running workloads uncontained, as allowed");
@@ -285,8 +297,8 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     {
         config.data_dir = cwd.join(&config.data_dir);
     }
-    let runtime = choose_runtime(&config.containment)?;
-    let contained = runtime.container_runtime().is_some();
+    let runtime = choose_runtime(&config.containment, &config.microvm)?;
+    let contained = runtime.contained();
     if contained && config.containment.favor_cgroup_migrations {
         match crate::container::favor_cgroup_migrations() {
             Ok(mount) => tracing::info!(mount = %mount.display(), "cgroup migrations favoured (favordynmods)"),
@@ -300,7 +312,13 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
         );
     }
     // Set by the agent, whatever the operator's labels say.
-    let runtime_name = runtime.container_runtime().unwrap_or(OciRuntime::Own).name().to_string();
+    let runtime_name = runtime.label().to_string();
+    if runtime == WorkloadRuntime::MicroVm && config.workload_identity {
+        // The Workload API is a socket on the host, which a guest cannot
+        // open; a launch with an identity would be refused.
+        tracing::warn!("microVMs get no workload identity yet: leases on this node run without an SVID");
+        config.workload_identity = false;
+    }
     config.labels.insert(RUNTIME_LABEL.into(), runtime_name);
     config.labels.insert(CONTAINED_LABEL.into(), contained.to_string());
     let config = Arc::new(config);
@@ -391,6 +409,12 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
             let timing = &config.lease_timing;
             let process_timing = ProcessTiming { stop_grace: timing.stop_grace, exit_poll: timing.exit_poll };
             let mut provider: Arc<dyn Provider> = match runtime.container_runtime() {
+                None if runtime == WorkloadRuntime::MicroVm => Arc::new(crate::microvm::MicroVmProvider::new(
+                    dir.root(),
+                    crate::microvm::MicroVmSettings::from_config(&config.microvm, process_timing)
+                        .map_err(AgentError::Uncontained)?,
+                    stop.clone(),
+                )),
                 None => Arc::new(ProcessProvider::new(dir.root(), process_timing, stop.clone())),
                 Some(oci) => {
                     let settings = ContainerSettings {

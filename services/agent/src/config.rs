@@ -94,18 +94,21 @@ pub enum WorkloadRuntime {
     Process,
     /// Containers through this OCI runtime binary.
     Oci(OciRuntime),
+    /// Each workload in a microVM of its own (see [`crate::MicroVmProvider`]).
+    MicroVm,
     /// Plain host processes as the agent's user, contained by nothing:
     /// only with `allow_uncontained`.
     Uncontained,
 }
 
 impl WorkloadRuntime {
-    /// From the agent's `--runtime` (`process` or `oci`) and `--oci-runtime`.
+    /// From the agent's `--runtime` (`process`, `oci` or `microvm`) and `--oci-runtime`.
     pub fn from_flags(runtime: &str, oci: OciRuntime) -> Result<Self, String> {
         match runtime {
             "process" => Ok(WorkloadRuntime::Process),
             "oci" => Ok(WorkloadRuntime::Oci(oci)),
-            other => Err(format!("unknown runtime '{other}': expected process or oci")),
+            "microvm" => Ok(WorkloadRuntime::MicroVm),
+            other => Err(format!("unknown runtime '{other}': expected process, oci or microvm")),
         }
     }
 
@@ -114,7 +117,20 @@ impl WorkloadRuntime {
         match self {
             WorkloadRuntime::Process => Some(OciRuntime::Own),
             WorkloadRuntime::Oci(oci) => Some(oci),
-            WorkloadRuntime::Uncontained => None,
+            WorkloadRuntime::MicroVm | WorkloadRuntime::Uncontained => None,
+        }
+    }
+
+    /// Whether it contains its workloads.
+    pub fn contained(self) -> bool {
+        self != WorkloadRuntime::Uncontained
+    }
+
+    /// Its name in the node's `berth.runtime` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            WorkloadRuntime::MicroVm => "microvm",
+            other => other.container_runtime().unwrap_or(OciRuntime::Own).name(),
         }
     }
 }
@@ -124,7 +140,33 @@ impl std::fmt::Display for WorkloadRuntime {
         match self {
             WorkloadRuntime::Process => f.write_str("process (contained by the agent)"),
             WorkloadRuntime::Oci(runtime) => write!(f, "oci ({runtime})"),
+            WorkloadRuntime::MicroVm => f.write_str("microvm (a VM of its own per workload)"),
             WorkloadRuntime::Uncontained => f.write_str("process (uncontained)"),
+        }
+    }
+}
+
+/// Where the microVM runtime finds its parts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MicroVmConfig {
+    /// The QEMU binary, a path or a name looked up on `PATH`.
+    pub qemu: PathBuf,
+    /// The guest kernel's directory (`scripts/microvm-deps.sh` lays it out).
+    pub kernel_dir: PathBuf,
+    /// The static guest init; `None` finds it as
+    /// `berth_microvm::install::find_init` does.
+    pub init: Option<PathBuf>,
+    /// How guest code runs.
+    pub accel: crate::MicroVmAccel,
+}
+
+impl Default for MicroVmConfig {
+    fn default() -> Self {
+        Self {
+            qemu: "qemu-system-x86_64".into(),
+            kernel_dir: berth_microvm::kernel::DEFAULT_KERNEL_DIR.into(),
+            init: None,
+            accel: crate::MicroVmAccel::Auto,
         }
     }
 }
@@ -300,6 +342,9 @@ pub struct AgentConfig {
     pub proxy_timing: ProxyTiming,
     /// What runs workloads, and how they are contained.
     pub containment: Containment,
+    /// Where the microVM runtime finds QEMU, the guest kernel and the guest
+    /// init, and how guest code runs.
+    pub microvm: MicroVmConfig,
     /// The executable that acts as the process runtime (`berth-runtime`,
     /// `berth-agent` or `berth`); `None` is `berth-runtime` beside the
     /// running one, else the running one itself. Set where the agent runs
@@ -393,6 +438,7 @@ impl AgentConfig {
             router: None,
             proxy_timing: ProxyTiming::default(),
             containment: Containment::default(),
+            microvm: MicroVmConfig::default(),
             process_runtime_exe: None,
             workload_identity: true,
             upgrades: crate::upgrades::UpgradeSettings {

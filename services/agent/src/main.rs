@@ -163,11 +163,26 @@ struct Args {
     /// its own PID and mount namespaces on a read-only root, the lease's
     /// memory and CPU as cgroup limits): `oci`, through the --oci-runtime
     /// binary, or `process`, by the agent itself with no runtime binary
-    /// (the fastest start). Where neither can run, --allow-uncontained runs
-    /// plain host processes as the agent's user instead.
+    /// (the fastest start); or `microvm`, each in a QEMU microVM with a
+    /// kernel of its own. Where the choice cannot run, --allow-uncontained
+    /// runs plain host processes as the agent's user instead.
     #[arg(long, env = "BERTH_RUNTIME", value_name = "RUNTIME", default_value = "oci",
-        value_parser = ["oci", "process"])]
+        value_parser = ["oci", "process", "microvm"])]
     runtime: String,
+    /// How microVMs run guest code under --runtime microvm: `kvm`, `tcg`
+    /// (QEMU's translator: no /dev/kvm, several times slower), or `auto`,
+    /// KVM where a probe VM boots under it.
+    #[arg(long, env = "BERTH_MICROVM_ACCEL", value_name = "ACCEL", default_value = "auto",
+        value_parser = str::parse::<berth_agent::MicroVmAccel>)]
+    microvm_accel: berth_agent::MicroVmAccel,
+    /// The guest kernel's directory under --runtime microvm (a `vmlinuz`
+    /// and the modules the guest loads; scripts/microvm-deps.sh lays it out
+    /// from Debian's cloud kernel).
+    #[arg(long, env = "BERTH_MICROVM_KERNEL", value_name = "DIR", default_value = "/opt/berth/microvm/kernel")]
+    microvm_kernel: PathBuf,
+    /// The QEMU binary under --runtime microvm.
+    #[arg(long, env = "BERTH_QEMU", value_name = "PATH", default_value = "qemu-system-x86_64")]
+    qemu: PathBuf,
     /// The OCI runtime binary for --runtime oci: `runc` (cgroup v1, hybrid
     /// and v2), `crun` (cgroup v2 only), or `runsc` (gVisor: a user-space
     /// kernel between each workload and the host, for untrusted code).
@@ -269,6 +284,12 @@ impl Args {
             systemd_unit: self.systemd_unit.clone().filter(|unit| !unit.trim().is_empty()),
             agent_args: std::env::args().skip(1).collect(),
             deadline: self.upgrade_deadline,
+        };
+        config.microvm = berth_agent::MicroVmConfig {
+            qemu: self.qemu.clone(),
+            kernel_dir: self.microvm_kernel.clone(),
+            init: None,
+            accel: self.microvm_accel,
         };
         config.containment = Containment {
             runtime: WorkloadRuntime::from_flags(&self.runtime, self.oci_runtime).map_err(StartError::Invalid)?,

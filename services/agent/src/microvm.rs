@@ -36,20 +36,37 @@
 //! Destroy asks the init to send SIGTERM to the workload, waits the grace,
 //! then kills QEMU: nothing of the VM outlives it.
 //!
+//! # Network
+//! QEMU runs in its tenant's network namespace, which holds nothing but a
+//! loopback interface with the tenant's proxy and resolver on it, and
+//! gives the guest one virtio-net interface backed by its user-mode stack
+//! (libslirp): what the guest sends to its gateway (`10.0.2.2`) reaches the
+//! namespace's `127.0.0.1`, which its environment's proxy variables and its
+//! `resolv.conf` name; any other address is as unreachable as from a
+//! container in that namespace, for the namespace has no route. The
+//! workload's ports are forwarded in from the namespace's loopback, where
+//! the agent's data plane reaches replicas. A tap device would need an
+//! address in the namespace and a packet filter to keep the guest from the
+//! host; the user-mode stack needs neither, and egress is enforced where it
+//! is for containers. A workload listens on its guest address (`0.0.0.0`),
+//! not only on its guest's loopback, to be reached; names under
+//! `.berth.internal` (which resolve to the namespace's loopback) are not
+//! reached from a guest yet.
+//!
 //! # Not yet
-//! Tenant networks, cache volumes and identity directories are refused with
-//! `Unsupported` rather than dropped: a lease that needs one runs on a
-//! node with another runtime. A running VM's limits cannot be changed.
+//! Cache volumes and identity directories are refused with `Unsupported`
+//! rather than dropped: a lease that needs one runs on a node with another
+//! runtime. A running VM's limits cannot be changed.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use berth_microvm::image::{root_image, scratch_image, write_initramfs};
+use berth_microvm::image::{Owner, root_image, scratch_image, set_owners, write_initramfs};
 use berth_microvm::kernel::GuestKernel;
-use berth_microvm::vmm::{Accel, Control, Vm, VmSpec, statuses};
-use berth_microvm::wire::{GuestCommand, GuestExit, Status};
+use berth_microvm::vmm::{Accel, Control, GUEST_ADDRESS, GUEST_GATEWAY, SlirpNetwork, Vm, VmSpec, statuses};
+use berth_microvm::wire::{GuestCommand, GuestExit, GuestNetwork, Status};
 use tokio::sync::{OnceCell, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -83,6 +100,40 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 /// How often a stopping VMM is looked at.
 const STOP_POLL: Duration = Duration::from_millis(25);
 
+/// How long a probe VM under KVM may take to run `true` and power off
+/// before the node decides KVM cannot boot its guests.
+const PROBE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How the node runs guest code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MicroVmAccel {
+    /// KVM where a probe VM boots under it, else QEMU's translator.
+    Auto,
+    /// KVM, always.
+    Kvm,
+    /// QEMU's translator (TCG), always: no `/dev/kvm` needed, several times
+    /// slower.
+    Tcg,
+}
+
+impl std::str::FromStr for MicroVmAccel {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "auto" => Ok(MicroVmAccel::Auto),
+            "kvm" => Ok(MicroVmAccel::Kvm),
+            "tcg" => Ok(MicroVmAccel::Tcg),
+            other => Err(format!("unknown accelerator '{other}': expected auto, kvm or tcg")),
+        }
+    }
+}
+
+/// What keeps this host from running microVMs with `config`, if anything.
+pub(crate) fn missing(config: &crate::config::MicroVmConfig) -> Option<String> {
+    MicroVmSettings::from_config(config, ProcessTiming::default()).err()
+}
+
 /// What the microVM provider runs with.
 #[derive(Debug, Clone)]
 pub struct MicroVmSettings {
@@ -93,12 +144,38 @@ pub struct MicroVmSettings {
     /// The static guest init (`berth-vminit`).
     pub init: PathBuf,
     /// How guest code runs.
-    pub accel: Accel,
+    pub accel: MicroVmAccel,
     /// The node's static `busybox`, the userland of bundles and bare commands.
     pub busybox: PathBuf,
     /// The grace between SIGTERM and killing the VM, and how often an
     /// adopted VM is looked for.
     pub timing: ProcessTiming,
+}
+
+impl MicroVmSettings {
+    /// The settings `config` names, with every file it needs found; else
+    /// what is missing and how to get it.
+    pub fn from_config(config: &crate::config::MicroVmConfig, timing: ProcessTiming) -> Result<Self, String> {
+        let qemu = find_program(&config.qemu).ok_or_else(|| {
+            format!("{} is not installed (scripts/microvm-deps.sh installs it)", config.qemu.display())
+        })?;
+        GuestKernel::from_dir(&config.kernel_dir).map_err(|e| e.to_string())?;
+        let init =
+            config.init.clone().or_else(berth_microvm::install::find_init).filter(|init| init.is_file()).ok_or_else(
+                || format!("no guest init ({}): it ships beside the agent", berth_microvm::install::INIT_NAME),
+            )?;
+        let busybox = berth_microvm::install::find_busybox()
+            .ok_or_else(|| "no static busybox (Debian's busybox-static) for the guests' userland".to_owned())?;
+        Ok(Self { qemu, kernel_dir: config.kernel_dir.clone(), init, accel: config.accel, busybox, timing })
+    }
+}
+
+/// `program` as a path, or found on `PATH`.
+fn find_program(program: &Path) -> Option<PathBuf> {
+    if program.components().count() > 1 {
+        return program.is_file().then(|| program.to_path_buf());
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|dir| dir.join(program)).find(|path| path.is_file())
 }
 
 /// Runs each lease in a microVM; see the module docs.
@@ -114,6 +191,8 @@ struct Inner {
     dir: PathBuf,
     ports: Arc<PortBook>,
     initramfs: OnceCell<PathBuf>,
+    /// How guest code runs, once decided.
+    accel: OnceCell<Accel>,
     /// One image is built at a time, so two leases of one digest share it.
     building: tokio::sync::Mutex<()>,
     /// The control ports the provider holds, by lease.
@@ -135,6 +214,7 @@ impl MicroVmProvider {
                 settings,
                 ports: Arc::default(),
                 initramfs: OnceCell::new(),
+                accel: OnceCell::new(),
                 building: tokio::sync::Mutex::new(()),
                 controls: tokio::sync::Mutex::new(BTreeMap::new()),
                 killed: Mutex::default(),
@@ -167,7 +247,7 @@ impl MicroVmProvider {
                     std::fs::create_dir_all(&inner.dir).map_err(|e| crate::instances::io("creating", &inner.dir, e))?;
                     let path = inner.dir.join(format!("initramfs-{}-{stamp}.cpio", meta.len()));
                     if !path.is_file() {
-                        write_initramfs(&settings.init, &kernel, &path).map_err(unsupported_host)?;
+                        write_initramfs(&settings.init, &settings.busybox, &kernel, &path).map_err(unsupported_host)?;
                     }
                     Ok(path)
                 })
@@ -177,13 +257,89 @@ impl MicroVmProvider {
             .cloned()
     }
 
+    /// How guest code runs: as configured, or for `auto` what a probe VM
+    /// showed the first time it was asked.
+    async fn accel(&self, initramfs: &Path) -> Accel {
+        let initramfs = initramfs.to_path_buf();
+        *self
+            .inner
+            .accel
+            .get_or_init(|| async move {
+                match self.inner.settings.accel {
+                    MicroVmAccel::Kvm => Accel::Kvm,
+                    MicroVmAccel::Tcg => Accel::Tcg,
+                    MicroVmAccel::Auto => match self.probe_kvm(initramfs).await {
+                        Ok(()) => {
+                            tracing::info!("microVMs run under KVM");
+                            Accel::Kvm
+                        }
+                        Err(why) => {
+                            tracing::warn!(%why, "microVMs run under QEMU's translator (TCG), several times slower");
+                            Accel::Tcg
+                        }
+                    },
+                }
+            })
+            .await
+    }
+
+    /// Boots a VM under KVM that runs `true`: whether it powers off having
+    /// run it within [`PROBE_DEADLINE`]. A host can open `/dev/kvm` and still
+    /// not boot a stock kernel under it (a nested hypervisor that lacks what
+    /// the kernel asks of the CPU), so only a boot tells.
+    async fn probe_kvm(&self, initramfs: PathBuf) -> Result<(), String> {
+        std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").map_err(|e| format!("/dev/kvm: {e}"))?;
+        let root_image = self.root_image(&WorkloadRoot::Host).await.map_err(|e| e.to_string())?;
+        let run_dir = self.inner.dir.join("probe");
+        let _ = std::fs::remove_dir_all(&run_dir);
+        std::fs::create_dir_all(&run_dir).map_err(|e| e.to_string())?;
+        let scratch = run_dir.join("scratch.ext4");
+        scratch_image(&scratch, 64 << 20).map_err(|e| e.to_string())?;
+        let spec = VmSpec {
+            qemu: self.inner.settings.qemu.clone(),
+            accel: Accel::Kvm,
+            vmlinuz: self.inner.settings.kernel_dir.join("vmlinuz"),
+            initramfs,
+            root_image,
+            scratch_image: scratch,
+            cpus: 1,
+            memory_mib: berth_microvm::vmm::MIN_MEMORY_MIB,
+            stdout_log: run_dir.join("stdout.log"),
+            stderr_log: run_dir.join("stderr.log"),
+            run_dir: run_dir.clone(),
+            network: None,
+            enter: Vec::new(),
+        };
+        let command = GuestCommand {
+            argv: vec!["true".into()],
+            env: vec![("PATH".into(), "/bin".into())],
+            cwd: "/".into(),
+            uid: GUEST_USER,
+            gid: GUEST_USER,
+            hostname: "probe".into(),
+            network: None,
+        };
+        let mut vm = Vm::boot(&spec, &command).await.map_err(|e| e.to_string())?;
+        let finished = tokio::time::timeout(PROBE_DEADLINE, vm.child.wait()).await;
+        if finished.is_err() {
+            let _ = vm.child.kill().await;
+        }
+        let ran = statuses(&run_dir).contains(&Status::Exited(GuestExit::Code(0)));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        if ran { Ok(()) } else { Err(format!("a probe VM under KVM did not run within {PROBE_DEADLINE:?}")) }
+    }
+
     /// The read-only root image for `root`, built unless it exists.
     async fn root_image(&self, root: &WorkloadRoot) -> Result<PathBuf, ProviderError> {
         let images = self.inner.dir.join("images");
         let name = match root {
             WorkloadRoot::Host => "busybox.ext4".to_owned(),
             WorkloadRoot::Bundle { digest, .. } => format!("bundle-{}.ext4", digest_name(digest)),
-            WorkloadRoot::Image { digest, .. } => format!("image-{}.ext4", digest_name(digest)),
+            // What the image gave its user is its user's in this image.
+            WorkloadRoot::Image { digest, account, .. } => match image_user(account.as_deref()) {
+                Some(user) => format!("image-{}-{}-{}.ext4", digest_name(digest), user.uid, guest_ids(Some(user)).1),
+                None => format!("image-{}.ext4", digest_name(digest)),
+            },
         };
         let target = images.join(name);
         let _building = self.inner.building.lock().await;
@@ -194,7 +350,25 @@ impl MicroVmProvider {
         blocking(move || {
             std::fs::create_dir_all(&images).map_err(|e| crate::instances::io("creating", &images, e))?;
             match &root {
-                WorkloadRoot::Image { dir, .. } => root_image(dir, &out).map_err(unsupported_host),
+                WorkloadRoot::Image { dir, account, .. } => {
+                    let building = out.with_extension("building");
+                    crate::instances::remove_path(&building)?;
+                    root_image(dir, &building).map_err(unsupported_host)?;
+                    if let Some(user) = image_user(account.as_deref()) {
+                        let (uid, gid) = guest_ids(Some(user));
+                        let owners: Vec<Owner> = user
+                            .owned
+                            .iter()
+                            .map(|owned| Owner {
+                                path: Path::new("/").join(&owned.path),
+                                uid: owned.owner.then_some(uid),
+                                gid: owned.group.then_some(gid),
+                            })
+                            .collect();
+                        set_owners(&building, &owners).map_err(unsupported_host)?;
+                    }
+                    std::fs::rename(&building, &out).map_err(|e| crate::instances::io("renaming", &building, e))
+                }
                 WorkloadRoot::Host | WorkloadRoot::Bundle { .. } => {
                     // A tree left by an interrupted build is built again whole.
                     let mut name = out.file_name().map(std::ffi::OsStr::to_os_string).unwrap_or_default();
@@ -302,6 +476,46 @@ impl MicroVmProvider {
     }
 }
 
+/// The guest's network in its tenant's namespace: the workload's ports
+/// forwarded in from the namespace's loopback, where the agent's data plane
+/// reaches replicas; the namespace's loopback, where the tenant's proxy and
+/// resolver listen, at the guest's gateway, which its environment's proxy
+/// variables and its `resolv.conf` name (a guest's `127.0.0.1` is its own).
+fn guest_network(
+    attachment: &crate::provider::NetworkAttachment,
+    meta: &crate::provider::InstanceMeta,
+    env: &mut BTreeMap<String, String>,
+) -> Result<(SlirpNetwork, GuestNetwork), ProviderError> {
+    let mut inbound: Vec<u16> =
+        std::iter::once(meta.port).chain(meta.ports.values().copied()).filter_map(|p| u16::try_from(p).ok()).collect();
+    inbound.retain(|port| *port != 0);
+    inbound.sort_unstable();
+    inbound.dedup();
+    for value in env.values_mut() {
+        if let Some(port) = value.strip_prefix("http://127.0.0.1:") {
+            *value = format!("http://{GUEST_GATEWAY}:{port}");
+        }
+    }
+    let resolv_conf =
+        match &attachment.resolv_conf {
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| crate::instances::io("reading", path, e))?
+                .lines()
+                .map(|line| {
+                    if line.starts_with("nameserver ") {
+                        format!("nameserver {GUEST_GATEWAY}")
+                    } else {
+                        line.to_owned()
+                    }
+                })
+                .map(|line| line + "\n")
+                .collect(),
+            None => String::new(),
+        };
+    let guest = GuestNetwork { address: GUEST_ADDRESS.into(), gateway: GUEST_GATEWAY.into(), resolv_conf };
+    Ok((SlirpNetwork { inbound }, guest))
+}
+
 /// How a VM's workload ended, from its status lines; `killed` when this
 /// provider killed its VMM.
 fn exit_status(statuses: &[Status], killed: bool) -> ExitStatus {
@@ -330,6 +544,17 @@ fn unsupported_host(error: impl std::fmt::Display) -> ProviderError {
 fn append(path: &Path, text: &str) -> std::io::Result<()> {
     use std::io::Write as _;
     std::fs::OpenOptions::new().append(true).create(true).open(path)?.write_all(text.as_bytes())
+}
+
+/// The image's user when it names one other than root.
+fn image_user(account: Option<&berth_bundle::ImageUser>) -> Option<&berth_bundle::ImageUser> {
+    account.filter(|user| user.uid != 0)
+}
+
+/// The uid and gid a workload runs as in its guest: its image's user's, else
+/// [`GUEST_USER`]'s; never root's group.
+fn guest_ids(user: Option<&berth_bundle::ImageUser>) -> (u32, u32) {
+    user.map_or((GUEST_USER, GUEST_USER), |user| (user.uid, if user.gid == 0 { user.uid } else { user.gid }))
 }
 
 /// A digest as part of a file name: its hex, without the algorithm.
@@ -405,9 +630,6 @@ fn copy_tree(from: &Path, to: &Path) -> Result<(), ProviderError> {
 impl Provider for MicroVmProvider {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
         validate_lease_id(&spec.lease_id)?;
-        if spec.network.is_some() {
-            return Err(Self::unsupported(&spec, "joins its tenant's network"));
-        }
         if let Some(cache) = spec.caches.first() {
             return Err(Self::unsupported(&spec, &format!("mounts a cache volume at {}", cache.inside.display())));
         }
@@ -416,7 +638,7 @@ impl Provider for MicroVmProvider {
         }
         let bundle = spec.root.bundle_dir().map(|_| PathBuf::from(BUNDLE_IN_GUEST));
         let program = spec.program_path(bundle.as_deref())?;
-        let initramfs = self.initramfs().await?;
+        let vm_initramfs = self.initramfs().await?;
         let root_image = self.root_image(&spec.root).await?;
         let mut spec = spec;
         let _claim = self.inner.instances.prepare_launch(&mut spec, &self.inner.ports)?;
@@ -441,9 +663,8 @@ impl Provider for MicroVmProvider {
 
         let (uid, gid, home, cwd) = match &spec.root {
             WorkloadRoot::Image { working_dir, account, .. } => {
-                let account = account.as_deref().filter(|a| a.uid != 0);
-                let (uid, gid) =
-                    account.map_or((GUEST_USER, GUEST_USER), |a| (a.uid, if a.gid == 0 { a.uid } else { a.gid }));
+                let account = image_user(account.as_deref());
+                let (uid, gid) = guest_ids(account);
                 let home = account.and_then(|a| a.home.clone()).unwrap_or_else(|| "/tmp".into());
                 let cwd = if working_dir.is_empty() { "/".to_owned() } else { working_dir.clone() };
                 (uid, gid, home, cwd)
@@ -452,7 +673,14 @@ impl Provider for MicroVmProvider {
                 (GUEST_USER, GUEST_USER, "/home/workload".to_owned(), "/home/workload".to_owned())
             }
         };
-        let env = spec.environment(Path::new(&home), bundle.as_deref(), None);
+        let mut env = spec.environment(Path::new(&home), bundle.as_deref(), None);
+        let (network, guest_network) = match &spec.network {
+            Some(attachment) => {
+                let (network, guest) = guest_network(attachment, &spec.meta, &mut env)?;
+                (Some(network), Some(guest))
+            }
+            None => (None, None),
+        };
         let mut argv = vec![program.clone()];
         argv.extend(spec.args.iter().cloned());
         let command = GuestCommand {
@@ -462,14 +690,16 @@ impl Provider for MicroVmProvider {
             uid,
             gid,
             hostname: spec.lease_id.chars().take(63).collect(),
+            network: guest_network,
         };
         let logs = self.inner.instances.layout.logs(&spec.lease_id);
         let resources = spec.resources;
+        let accel = self.accel(&vm_initramfs).await;
         let vm = VmSpec {
             qemu: self.inner.settings.qemu.clone(),
-            accel: self.inner.settings.accel,
+            accel,
             vmlinuz: self.inner.settings.kernel_dir.join("vmlinuz"),
-            initramfs,
+            initramfs: vm_initramfs,
             root_image,
             scratch_image: scratch,
             cpus: u32::try_from(resources.cpu_millis.div_ceil(1000)).unwrap_or(u32::MAX).max(1),
@@ -480,6 +710,8 @@ impl Provider for MicroVmProvider {
             run_dir,
             stdout_log: logs.stdout,
             stderr_log: logs.stderr,
+            network,
+            enter: spec.network.as_ref().map(|n| n.enter.clone()).unwrap_or_default(),
         };
         let (exit_tx, exit_rx) = watch::channel(None);
         let Vm { child, control } = match Vm::boot(&vm, &command).await {

@@ -1214,6 +1214,9 @@ fn runtime_refusal(class: i32, runtime: &Runtime) -> Option<String> {
         Ok(RuntimeClass::Sandboxed) if runtime.name != "runsc" || !runtime.contained => {
             Some(format!("the lease needs a gVisor (runsc) node, and this node runs its workloads with {shown}"))
         }
+        Ok(RuntimeClass::Microvm) if runtime.name != "microvm" => {
+            Some(format!("the lease needs a microVM node, and this node runs its workloads with {shown}"))
+        }
         Ok(RuntimeClass::Contained) if !runtime.contained => {
             Some(format!("the lease needs a node that contains its workloads, and this node runs them with {shown}"))
         }

@@ -80,11 +80,16 @@ pub(crate) struct DevArgs {
     #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
     registry_ca: Option<PathBuf>,
     /// What contains the dev node's workloads when run as root: `oci`,
-    /// through --oci-runtime, or `process`, the agent itself (no runtime
-    /// binary).
+    /// through --oci-runtime, `process`, the agent itself (no runtime
+    /// binary), or `microvm`, a QEMU microVM per workload.
     #[arg(long, env = "BERTH_RUNTIME", default_value = "oci", value_name = "RUNTIME",
-          value_parser = ["oci", "process"])]
+          value_parser = ["oci", "process", "microvm"])]
     runtime: String,
+    /// How the dev node's microVMs run guest code under --runtime microvm:
+    /// `kvm`, `tcg` (QEMU's translator) or `auto`.
+    #[arg(long, env = "BERTH_MICROVM_ACCEL", default_value = "auto", value_name = "ACCEL",
+          value_parser = str::parse::<berth_agent::MicroVmAccel>)]
+    microvm_accel: berth_agent::MicroVmAccel,
     /// The OCI runtime the dev node contains its workloads with under
     /// `--runtime oci`: runc, crun or runsc.
     #[arg(long, env = "BERTH_OCI_RUNTIME", default_value = "runc", value_name = "NAME",
@@ -252,6 +257,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     // A replica reaches `<service>.<project>.berth.internal` through the
     // router's HTTP listener (five above identity).
     agent.router = Some(SocketAddr::new(dial_host, args.port_base + 5).to_string());
+    agent.microvm.accel = args.microvm_accel;
     let contained = rustix::process::geteuid().is_root();
     agent.containment = if contained {
         berth_agent::Containment {

@@ -722,3 +722,72 @@ fn a_container_image_deploys_with_service_apply_under_runsc() {
 fn a_container_image_deploys_with_service_apply_under_the_process_runtime() {
     an_image_deploys_and_answers("process");
 }
+
+/// The same busybox `httpd` image under the microVM runtime: `service
+/// apply` runs it in a VM of its own (QEMU's translator here, which needs no
+/// `/dev/kvm`), reached through the node as any replica is; inside, it runs
+/// as the image's user on a kernel that is not the host's, and reaches out
+/// only through its tenant's proxy and resolver.
+#[test]
+fn a_container_image_deploys_with_service_apply_as_a_microvm() {
+    if !contained_here("an image as a microVM") {
+        return;
+    }
+    let tokio = tokio::runtime::Runtime::new().unwrap();
+    let registry = tokio.block_on(TestRegistry::start()).unwrap();
+    let reference = registry.reference("team/httpd:vm");
+    let serve = "{ id -un; id -u; uname -r; nslookup example.com 2>&1 | grep -q REFUSED && echo resolver-refused; \
+                 wget -q -O- http://example.com/ 2>&1 | grep -q 403 && echo proxy-refused; } > report \
+                 && exec httpd -f -p \"$PORT\" -h .";
+    let image = TestImage::as_user(&["/bin/sh", "-c"], &[serve], &["PATH=/bin"], "/www", "www")
+        .layer(
+            Layer::busybox(&["sh", "httpd", "id", "uname", "nslookup", "wget", "grep"])
+                .unwrap()
+                .dir("etc", 0o755)
+                .file("etc/passwd", b"root:x:0:0::/root:/bin/sh\nwww:x:33:33::/www:/bin/sh\n", 0o644)
+                .file("etc/group", b"root:x:0:\nwww:x:33:\n", 0o644)
+                .owned_by(33, 33)
+                .dir("www", 0o755)
+                .file("www/index.html", b"from a microVM\n", 0o644),
+        )
+        .unwrap();
+    let client = berth_bundle::BundleClient::new(berth_bundle::RegistryConfig::default()).unwrap();
+    tokio.block_on(image.push(&client, &reference, &RegistryCredentials::Anonymous)).unwrap();
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start_with(&tmp.path().join("data"), &["--runtime", "microvm", "--microvm-accel", "tcg"]);
+    let capacity = dev.json(&["capacity"]);
+    assert_eq!(capacity["nodes"][0]["runtime"], "microvm", "{capacity}");
+    let spec = tmp.path().join("service.json");
+    let template = serde_json::json!({
+        "image": reference,
+        "replicas": 1,
+        "ports": [{"name": "http", "port": 8080}],
+        "resources": {"cpu_millis": 1000, "memory_bytes": 256 << 20},
+        "runtime": "microvm",
+    });
+    std::fs::write(&spec, template.to_string()).unwrap();
+    let applied = dev.ok(&["service", "apply", "-f", spec.to_str().unwrap(), "--name", "vm", "--wait"]);
+    assert!(applied.contains("vm-00001 is live, 1 of 1 replicas running"), "{applied}");
+    let shown = dev.json(&["service", "get", "vm"]);
+    let port = shown["replicas"][0]["port"].as_u64().unwrap();
+    let get = |path: &str| {
+        poll(Duration::from_secs(60), &format!("the VM's httpd answers {path}"), || {
+            http_get(port, path).filter(|body| !body.is_empty()).ok_or_else(|| "no answer".to_string())
+        })
+    };
+    assert_eq!(get("/index.html"), "from a microVM\n");
+    let report = get("/report");
+    let lines: Vec<&str> = report.lines().collect();
+    let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    assert_eq!(lines[..2], ["www", "33"], "the image's user inside its VM: {report}");
+    assert_ne!(lines[2], host_kernel.trim(), "a kernel of its own: {report}");
+    assert_eq!(
+        lines[3..],
+        ["resolver-refused", "proxy-refused"],
+        "its names and requests go to its tenant's resolver and proxy, which hold them to its policy: {report}"
+    );
+
+    let deleted = dev.ok(&["service", "delete", "vm"]);
+    assert!(deleted.contains("service vm deleted"), "{deleted}");
+}

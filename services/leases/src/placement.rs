@@ -80,7 +80,8 @@ impl NodeRuntime {
     /// Whether it runs container images: every containing runtime does
     /// (an OCI runtime binary, or the agent's own process runtime).
     fn runs_images(&self) -> bool {
-        matches!(self.name.as_str(), "runc" | "crun" | "runsc") || (self.name == "process" && self.contained)
+        matches!(self.name.as_str(), "runc" | "crun" | "runsc" | "microvm")
+            || (self.name == "process" && self.contained)
     }
 
     /// Whether a workload needing `need` may run here.
@@ -88,6 +89,7 @@ impl NodeRuntime {
         (!need.oci || self.runs_images())
             && (!need.contained || self.contained)
             && (!need.sandboxed || (self.name == "runsc" && self.contained))
+            && (!need.microvm || (self.name == "microvm" && self.contained))
     }
 }
 
@@ -100,6 +102,8 @@ pub struct RuntimeNeed {
     pub contained: bool,
     /// gVisor.
     pub sandboxed: bool,
+    /// A microVM of its own.
+    pub microvm: bool,
 }
 
 impl RuntimeNeed {
@@ -109,8 +113,10 @@ impl RuntimeNeed {
         Self {
             oci: workload.image.is_some(),
             // A cache volume is mounted inside the workload's own root.
-            contained: matches!(class, RuntimeClass::Contained | RuntimeClass::Sandboxed) || !workload.cache.is_empty(),
+            contained: matches!(class, RuntimeClass::Contained | RuntimeClass::Sandboxed | RuntimeClass::Microvm)
+                || !workload.cache.is_empty(),
             sandboxed: class == RuntimeClass::Sandboxed,
+            microvm: class == RuntimeClass::Microvm,
         }
     }
 
@@ -125,10 +131,12 @@ impl fmt::Display for RuntimeNeed {
         let mut parts = Vec::new();
         if self.sandboxed {
             parts.push("runs gVisor (runsc)");
+        } else if self.microvm {
+            parts.push("runs microVMs");
         } else if self.contained {
             parts.push("contains its workloads");
         }
-        if self.oci && !self.sandboxed {
+        if self.oci && !self.sandboxed && !self.microvm {
             parts.push("runs container images (a containing runtime)");
         }
         f.write_str(&parts.join(" and "))
@@ -558,7 +566,8 @@ mod tests {
 
     #[test]
     fn a_workload_goes_only_to_a_node_whose_runtime_satisfies_it() {
-        let sandboxed = RuntimeNeed { oci: false, contained: true, sandboxed: true };
+        let sandboxed = RuntimeNeed { contained: true, sandboxed: true, ..RuntimeNeed::default() };
+        let microvm = RuntimeNeed { contained: true, microvm: true, ..RuntimeNeed::default() };
         let image = RuntimeNeed { oci: true, ..RuntimeNeed::default() };
         let contained = RuntimeNeed { contained: true, ..RuntimeNeed::default() };
         // The emptiest node runs plain processes; placement passes it over
@@ -568,11 +577,18 @@ mod tests {
             run_by(node("n-2", 4000, 8), "runc", true),
             run_by(node("n-3", 2000, 4), "runsc", true),
             node("n-4", 64000, 64),
+            run_by(node("n-5", 1000, 2), "microvm", true),
         ];
         let with = |runtime| PlacementRequest { runtime, ..ask(100, 1) };
         assert_eq!(placed(&place(&nodes, &[with(sandboxed)])), vec!["n-3"]);
         assert_eq!(placed(&place(&nodes, &[with(image)])), vec!["n-2"]);
         assert_eq!(placed(&place(&nodes, &[with(RuntimeNeed { sandboxed: true, ..image })])), vec!["n-3"]);
+        assert_eq!(placed(&place(&nodes, &[with(microvm)])), vec!["n-5"]);
+        assert_eq!(
+            placed(&place(&nodes, &[with(RuntimeNeed { microvm: true, ..image })])),
+            vec!["n-5"],
+            "a VM runs images"
+        );
         assert_eq!(placed(&place(&nodes, &[with(contained)])), vec!["n-2"]);
         assert_eq!(placed(&place(&nodes, &[with(RuntimeNeed::default())])), vec!["n-1"], "no need: any node");
 
@@ -580,6 +596,8 @@ mod tests {
         let plain = vec![run_by(node("n-1", 4000, 8), "runc", true)];
         let Placement::NoRoom(shortage) = &place(&plain, &[with(sandboxed)]).placements[0] else { panic!() };
         assert_eq!(shortage.to_string(), "no UP node in any tier that runs gVisor (runsc)");
+        let Placement::NoRoom(shortage) = &place(&plain, &[with(microvm)]).placements[0] else { panic!() };
+        assert_eq!(shortage.to_string(), "no UP node in any tier that runs microVMs");
         let processes = vec![run_by(node("n-1", 4000, 8), "process", false)];
         let Placement::NoRoom(shortage) = &place(&processes, &[with(image)]).placements[0] else { panic!() };
         assert_eq!(shortage.to_string(), "no UP node in any tier that runs container images (a containing runtime)");
@@ -594,7 +612,15 @@ mod tests {
     #[test]
     fn a_workloads_need_comes_from_its_runtime_class_and_whether_it_runs_an_image() {
         let mut workload = Workload { runtime: RuntimeClass::Sandboxed as i32, ..Workload::default() };
-        assert_eq!(RuntimeNeed::of_workload(&workload), RuntimeNeed { oci: false, contained: true, sandboxed: true });
+        assert_eq!(
+            RuntimeNeed::of_workload(&workload),
+            RuntimeNeed { contained: true, sandboxed: true, ..RuntimeNeed::default() }
+        );
+        workload.runtime = RuntimeClass::Microvm as i32;
+        assert_eq!(
+            RuntimeNeed::of_workload(&workload),
+            RuntimeNeed { contained: true, microvm: true, ..RuntimeNeed::default() }
+        );
         workload.runtime = RuntimeClass::Unspecified as i32;
         assert!(RuntimeNeed::of_workload(&workload).any());
         workload.image = Some(berth_proto::types::v1::BundleRef::default());

@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use berth_microvm::wire::{Decoder, Frame, GuestCommand, GuestExit, Status};
+use berth_microvm::wire::{Decoder, Frame, GuestCommand, GuestExit, GuestNetwork, Status};
 use berth_microvm::{CONTROL_PORT, ROOT_LABEL, SCRATCH_LABEL, STATUS_PORT, STDERR_PORT, STDOUT_PORT, kernel::MODULES};
 use nix::mount::{MsFlags, mount};
 use nix::sys::signal::{Signal, kill};
@@ -122,6 +122,10 @@ fn run(console: &mut Console, status_slot: &mut Option<File>) -> Result<(), Stri
     assemble_root()?;
     if !command.hostname.is_empty() {
         nix::unistd::sethostname(&command.hostname).map_err(|e| format!("setting the host name: {e}"))?;
+    }
+    busybox(&["ip", "link", "set", "lo", "up"])?;
+    if let Some(network) = &command.network {
+        configure_network(network)?;
     }
     let exit = supervise(&command, status, reader, decoder)?;
     report(status, &Status::Exited(exit)).map_err(|e| format!("reporting the exit: {e}"))?;
@@ -224,6 +228,32 @@ fn assemble_root() -> Result<(), String> {
     // /tmp for everyone, as on any host.
     std::fs::set_permissions(Path::new(NEW_ROOT).join("tmp"), std::os::unix::fs::PermissionsExt::from_mode(0o1777))
         .map_err(|e| format!("opening /tmp to all: {e}"))?;
+    Ok(())
+}
+
+/// Runs an applet of the initramfs's busybox.
+fn busybox(args: &[&str]) -> Result<(), String> {
+    let output =
+        Command::new("/bin/busybox").args(args).output().map_err(|e| format!("busybox {}: {e}", args.join(" ")))?;
+    if output.status.success() {
+        return Ok(());
+    }
+    Err(format!("busybox {}: {}", args.join(" "), String::from_utf8_lossy(&output.stderr).trim()))
+}
+
+/// Brings up `eth0` as `network` says and gives the workload its
+/// `resolv.conf`.
+fn configure_network(network: &GuestNetwork) -> Result<(), String> {
+    wait_for("eth0", || Some(PathBuf::from("/sys/class/net/eth0")).filter(|p| p.exists()))?;
+    busybox(&["ip", "addr", "add", &network.address, "dev", "eth0"])?;
+    busybox(&["ip", "link", "set", "eth0", "up"])?;
+    busybox(&["ip", "route", "add", "default", "via", &network.gateway])?;
+    let etc = Path::new(NEW_ROOT).join("etc");
+    std::fs::create_dir_all(&etc).map_err(|e| format!("creating /etc: {e}"))?;
+    let resolv = etc.join("resolv.conf");
+    // An image's own (often a link into a resolver's run directory) gives way.
+    let _ = std::fs::remove_file(&resolv);
+    std::fs::write(&resolv, &network.resolv_conf).map_err(|e| format!("writing /etc/resolv.conf: {e}"))?;
     Ok(())
 }
 

@@ -57,6 +57,11 @@ use super::rules::{TenantRules, Verdict};
 /// `systemd-resolved` does on a host: the address its `resolv.conf` names.
 pub(crate) const RESOLVER_ADDR: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(127, 0, 0, 53)), 53);
 
+/// Where the tenant's resolver also listens: a microVM guest reaches its
+/// namespace's `127.0.0.1` (at its gateway) and nothing else of its
+/// loopback.
+pub(crate) const GUEST_RESOLVER_ADDR: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 53);
+
 /// The address a service's internal name resolves to inside a tenant's
 /// namespace, where the agent forwards connections to the router (see
 /// [`super::netns::Namespaces::listen_at`]); port [`SERVICES_PORT`].

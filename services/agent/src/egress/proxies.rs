@@ -539,18 +539,27 @@ impl EgressProxies {
                 }
                 None => false,
             };
-            match namespaces.resolver_sockets(&namespace, dns::RESOLVER_ADDR).await {
-                Ok((udp, tcp)) => {
-                    let tenant_dns = dns::TenantDns {
-                        rules: tenant.rules.subscribe(),
-                        upstreams: tenant.upstreams.subscribe(),
-                        services,
-                    };
-                    dns::serve(name.clone(), tenant_dns, udp, tcp, &self.inner.listeners, tenant.stop.child_token());
-                    tracing::info!(project = %name, addr = %dns::RESOLVER_ADDR, %namespace, "tenant resolver listening");
+            for addr in [dns::RESOLVER_ADDR, dns::GUEST_RESOLVER_ADDR] {
+                match namespaces.resolver_sockets(&namespace, addr).await {
+                    Ok((udp, tcp)) => {
+                        let tenant_dns = dns::TenantDns {
+                            rules: tenant.rules.subscribe(),
+                            upstreams: tenant.upstreams.subscribe(),
+                            services,
+                        };
+                        dns::serve(
+                            name.clone(),
+                            tenant_dns,
+                            udp,
+                            tcp,
+                            &self.inner.listeners,
+                            tenant.stop.child_token(),
+                        );
+                        tracing::info!(project = %name, %addr, %namespace, "tenant resolver listening");
+                    }
+                    Err(error) => tracing::warn!(project = %name, %addr, %namespace, %error,
+                        "cannot open the tenant's resolver; its replicas resolve no name there"),
                 }
-                Err(error) => tracing::warn!(project = %name, %namespace, %error,
-                    "cannot open the tenant's resolver; its replicas resolve no name"),
             }
             tenant.namespace = Some(namespace);
         }

@@ -23,7 +23,7 @@ fn settings(grace: Duration) -> MicroVmSettings {
         qemu: "qemu-system-x86_64".into(),
         kernel_dir,
         init: berth_microvm::install::find_init().expect("no static guest init: `make vminit` builds it"),
-        accel: Accel::Tcg,
+        accel: MicroVmAccel::Tcg,
         busybox: berth_microvm::install::find_busybox().expect("busybox-static: scripts/runtime-deps.sh"),
         timing: ProcessTiming { stop_grace: grace, exit_poll: Duration::from_millis(50) },
     }
@@ -158,15 +158,11 @@ async fn a_bundle_runs_from_its_own_root_and_what_the_vm_cannot_give_is_refused(
     let stdout = std::fs::read_to_string(provider.log_files("lease-f").unwrap().stdout).unwrap();
     assert_eq!(stdout, "hello from /bundle\n");
 
-    let mut networked = spec("lease-g", "true");
-    networked.network = Some(crate::provider::NetworkAttachment {
-        namespace: "/run/netns/t".into(),
-        enter: Vec::new(),
-        resolv_conf: None,
-    });
-    let err = provider.launch(networked).await.unwrap_err();
+    let mut cached = spec("lease-g", "true");
+    cached.caches = vec![crate::provider::CacheBind { host: tmp.path().join("view"), inside: "/cache".into() }];
+    let err = provider.launch(cached).await.unwrap_err();
     assert_eq!(err.start_reason(), "Unsupported", "{err}");
-    assert!(err.to_string().contains("network"), "{err}");
+    assert!(err.to_string().contains("cache volume at /cache"), "{err}");
     let err = provider.launch(spec("../escape", "true")).await.unwrap_err();
     assert!(matches!(err, ProviderError::InvalidLeaseId(_)), "{err}");
 }
