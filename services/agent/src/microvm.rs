@@ -389,6 +389,11 @@ impl MicroVmProvider {
         Ok(target)
     }
 
+    /// Whether the guest's init has reported `lease_id`'s workload started.
+    pub fn workload_started(&self, lease_id: &str) -> bool {
+        statuses(&self.inner.instances.layout.work_dir(lease_id)).iter().any(|s| matches!(s, Status::Started(_)))
+    }
+
     /// Waits for a VMM this provider started, then records how the
     /// workload ended.
     fn wait_for_vm(&self, lease_id: String, mut child: tokio::process::Child) {

@@ -20,6 +20,7 @@ mod launch;
 mod leases;
 mod leases_process;
 mod load;
+mod microvm;
 mod mirror;
 mod nodes;
 mod output;
@@ -95,6 +96,10 @@ enum Scenario {
     /// beside a seal of every byte; placement's share of a key's leases
     /// put beside its head on simulated nodes.
     Cache(cache::CacheArgs),
+    /// A lease's workload booted in a QEMU microVM beside the same workload
+    /// as a runc container (needs root): request to running, the VMM's
+    /// memory, and many VMs launched at once.
+    Microvm(microvm::MicroVmArgs),
     /// The HTTP server the router scenario deploys (run by the node).
     #[command(hide = true)]
     EchoServer,
@@ -127,6 +132,7 @@ impl Scenario {
             Scenario::Dns(args) => dns::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Mirror(args) => mirror::run(args).await.map_err(|error| berth_runtime::chain(&error)),
             Scenario::Cache(args) => cache::run(args).await,
+            Scenario::Microvm(args) => microvm::run(args).await,
             Scenario::EchoServer => router::echo_server().await,
         };
         outcome.map_err(StartError::Invalid)
