@@ -359,6 +359,7 @@ impl MicroVmProvider {
                         let owners: Vec<Owner> = user
                             .owned
                             .iter()
+                            .filter(|owned| beneath_without_links(dir, &owned.path))
                             .map(|owned| Owner {
                                 path: Path::new("/").join(&owned.path),
                                 uid: owned.owner.then_some(uid),
@@ -387,6 +388,24 @@ impl MicroVmProvider {
         })
         .await?;
         Ok(target)
+    }
+
+    /// Whether `program` is in the root the VM boots from: a name is looked
+    /// up in the guest, but a path that is not there fails the launch at
+    /// once, as it would for a process, rather than inside a booted VM.
+    fn in_root(&self, root: &WorkloadRoot, program: &str) -> bool {
+        let Some(relative) = program.strip_prefix('/') else { return true };
+        match root {
+            WorkloadRoot::Image { dir, .. } => std::fs::symlink_metadata(dir.join(relative)).is_ok(),
+            WorkloadRoot::Bundle { dir, .. } if Path::new(program).starts_with(BUNDLE_IN_GUEST) => {
+                let inside = Path::new(program).strip_prefix(BUNDLE_IN_GUEST).unwrap_or(Path::new(""));
+                std::fs::symlink_metadata(dir.join(inside)).is_ok()
+            }
+            WorkloadRoot::Host | WorkloadRoot::Bundle { .. } => {
+                let Some(name) = relative.strip_prefix("bin/") else { return false };
+                name == "busybox" || busybox_applets(&self.inner.settings.busybox).iter().any(|applet| applet == name)
+            }
+        }
     }
 
     /// Whether the guest's init has reported `lease_id`'s workload started.
@@ -578,11 +597,7 @@ fn busybox_tree(busybox: &Path, root: &Path) -> Result<(), ProviderError> {
         std::fs::create_dir_all(root.join(dir)).map_err(io("creating", &root.join(dir)))?;
     }
     std::fs::copy(busybox, root.join("bin/busybox")).map_err(io("copying", busybox))?;
-    let listed = std::process::Command::new(busybox)
-        .arg("--list")
-        .output()
-        .map_err(|e| ProviderError::Unsupported(format!("cannot run {}: {e}", busybox.display())))?;
-    for applet in String::from_utf8_lossy(&listed.stdout).lines().filter(|a| !a.is_empty() && *a != "busybox") {
+    for applet in busybox_applets(busybox) {
         let link = root.join("bin").join(applet);
         std::os::unix::fs::symlink("busybox", &link).map_err(io("linking", &link))?;
     }
@@ -606,6 +621,24 @@ fn busybox_tree(busybox: &Path, root: &Path) -> Result<(), ProviderError> {
             .map_err(io("giving the workload", &root.join("home/workload")))?;
     }
     Ok(())
+}
+
+/// The applets `busybox` offers, `busybox` itself aside.
+fn busybox_applets(busybox: &Path) -> Vec<String> {
+    let listed = std::process::Command::new(busybox).arg("--list").output().map(|o| o.stdout).unwrap_or_default();
+    String::from_utf8_lossy(&listed).lines().filter(|a| !a.is_empty() && *a != "busybox").map(str::to_owned).collect()
+}
+
+/// Whether `relative` names an entry under `root` reached through no link:
+/// what an image's user owns is given only there, never through a link
+/// that points anywhere else.
+fn beneath_without_links(root: &Path, relative: &Path) -> bool {
+    let mut path = root.to_path_buf();
+    relative.components().all(|component| {
+        path.push(component);
+        matches!(component, std::path::Component::Normal(_))
+            && std::fs::symlink_metadata(&path).is_ok_and(|meta| !meta.file_type().is_symlink())
+    })
 }
 
 /// Copies the tree at `from` to `to`, links as links.
@@ -643,6 +676,10 @@ impl Provider for MicroVmProvider {
         }
         let bundle = spec.root.bundle_dir().map(|_| PathBuf::from(BUNDLE_IN_GUEST));
         let program = spec.program_path(bundle.as_deref())?;
+        if !self.in_root(&spec.root, &program) {
+            let source = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file in the workload's root");
+            return Err(ProviderError::Spawn { command: program, source });
+        }
         let vm_initramfs = self.initramfs().await?;
         let root_image = self.root_image(&spec.root).await?;
         let mut spec = spec;
