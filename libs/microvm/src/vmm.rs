@@ -32,6 +32,9 @@ use crate::{CONTROL_PORT, STATUS_PORT, STDERR_PORT, STDOUT_PORT};
 /// How long QEMU may take to open its control socket.
 const SOCKET_DEADLINE: Duration = Duration::from_secs(10);
 
+/// The translator's code cache under TCG, MiB.
+const TCG_CACHE_MIB: u32 = 32;
+
 /// The least memory the stock kernel and its initramfs boot in.
 pub const MIN_MEMORY_MIB: u32 = 128;
 
@@ -130,7 +133,13 @@ impl VmSpec {
         let mut args: Vec<OsString> = Vec::new();
         let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
         push(&["-M", "microvm,isa-serial=on,pit=off,pic=off,rtc=on"]);
-        push(&["-accel", self.accel.name()]);
+        match self.accel {
+            Accel::Kvm => push(&["-accel", "kvm"]),
+            // The translator's code cache is the VMM's own memory: QEMU's
+            // default of a gigabyte grows as the guest runs; a small guest
+            // needs a small one.
+            Accel::Tcg => push(&["-accel", &format!("tcg,tb-size={TCG_CACHE_MIB}")]),
+        }
         push(&["-cpu", if self.accel == Accel::Kvm { "host" } else { "max" }]);
         push(&["-smp", &self.cpus.max(1).to_string()]);
         push(&["-m", &self.memory_mib.max(MIN_MEMORY_MIB).to_string()]);
@@ -320,7 +329,7 @@ mod tests {
         };
         let args: Vec<String> = spec.args().into_iter().map(|a| a.into_string().unwrap()).collect();
         let after = |flag: &str| args.iter().skip_while(|a| *a != flag).nth(1).cloned().unwrap();
-        assert_eq!(after("-accel"), "tcg");
+        assert_eq!(after("-accel"), "tcg,tb-size=32");
         assert_eq!(after("-smp"), "1", "at least one vCPU");
         assert_eq!(after("-m"), "128", "at least the memory the kernel boots in");
         assert!(

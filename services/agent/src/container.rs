@@ -72,8 +72,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::instances::{
-    Instances, PortBook, StoredRecord, Tracked, blocking, from_unix_ms, io, load_records, prepare, remove_path,
-    unix_ms, validate_lease_id,
+    Instances, PortBook, StoredRecord, blocking, from_unix_ms, io, load_records, prepare, remove_path, unix_ms,
+    validate_lease_id,
 };
 use crate::overlay::OverlayError;
 use crate::process::ProcessTiming;
@@ -975,22 +975,17 @@ impl Provider for ContainerProvider {
             } else {
                 None
             };
-            let (exit_tx, exit_rx) = watch::channel(stored.exit());
-            let record = stored.to_record();
             let ended_unwatched = running.is_none() && stored.exit.is_none();
-            self.inner.instances.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
+            let mut launched = self.inner.instances.recovered(stored);
             if let Some((pid, ticks)) = running {
                 tracing::info!(%lease_id, pid, runtime = self.inner.name(), "found a container still running from before the restart");
                 self.watch_adopted(lease_id, pid, ticks);
-                recovered.push(Launched { record, exit: exit_rx });
             } else if ended_unwatched {
                 // Ended (or never started) while no agent watched it.
                 self.ended(&lease_id, ExitStatus::Unknown).await;
-                let record = self.inner.instances.stored(&lease_id)?.to_record();
-                recovered.push(Launched { record, exit: exit_rx });
-            } else {
-                recovered.push(Launched { record, exit: exit_rx });
+                launched.record = self.inner.instances.stored(&lease_id)?.to_record();
             }
+            recovered.push(launched);
         }
         // Containers of this agent's runtime root that no record names: an
         // agent stopped between starting one and recording it.

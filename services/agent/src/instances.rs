@@ -395,6 +395,15 @@ impl Instances {
             .collect()
     }
 
+    /// Tracks a record found at recovery, with a watch that already holds
+    /// its end if it has one; what recovery reports of it.
+    pub(crate) fn recovered(&self, stored: StoredRecord) -> crate::provider::Launched {
+        let (exit_tx, exit_rx) = watch::channel(stored.exit());
+        let record = stored.to_record();
+        self.lock().insert(stored.lease_id.clone(), Tracked { stored, exit: exit_tx });
+        crate::provider::Launched { record, exit: exit_rx }
+    }
+
     /// Records that the agent is done with `lease_id`, and how it left it.
     pub(crate) async fn settle(
         self: &Arc<Self>,

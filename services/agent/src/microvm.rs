@@ -71,7 +71,7 @@ use tokio::sync::{OnceCell, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::instances::{
-    Instances, PortBook, StoredExit, StoredRecord, Tracked, blocking, from_unix_ms, load_records, prepare, unix_ms,
+    Instances, PortBook, StoredExit, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms,
     validate_lease_id, write_record,
 };
 use crate::process::ProcessTiming;
@@ -798,14 +798,11 @@ impl Provider for MicroVmProvider {
                 let ended = stored.clone();
                 blocking(move || write_record(&layout, &ended)).await?;
             }
-            let (exit_tx, exit_rx) = watch::channel(stored.exit());
-            let record = stored.to_record();
-            self.inner.instances.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
+            recovered.push(self.inner.instances.recovered(stored));
             if let Some((pid, ticks)) = running {
                 tracing::info!(%lease_id, pid, "found a microVM still running from before the restart");
                 self.watch_adopted(lease_id, pid, ticks);
             }
-            recovered.push(Launched { record, exit: exit_rx });
         }
         Ok(recovered)
     }

@@ -60,7 +60,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::instances::{
-    Instances, PortBook, StoredExit, StoredRecord, Tracked, blocking, from_unix_ms, load_records, prepare, unix_ms,
+    Instances, PortBook, StoredExit, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms,
     validate_lease_id, write_record,
 };
 use crate::procfs::{self, PROC_ROOT};
@@ -356,14 +356,11 @@ impl Provider for ProcessProvider {
                 tracing::info!(%lease_id, pgid, "killing what an ended workload left running");
                 let _ = signal_group(pgid, Signal::KILL);
             }
-            let (exit_tx, exit_rx) = watch::channel(stored.exit());
-            let record = stored.to_record();
-            self.inner.instances.lock().insert(lease_id.clone(), Tracked { stored, exit: exit_tx });
+            recovered.push(self.inner.instances.recovered(stored));
             if let Some((pid, ticks)) = running {
                 tracing::info!(%lease_id, pid, "found a workload still running from before the restart");
                 self.watch_adopted(lease_id, pid, ticks);
             }
-            recovered.push(Launched { record, exit: exit_rx });
         }
         Ok(recovered)
     }
