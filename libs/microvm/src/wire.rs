@@ -39,6 +39,10 @@ pub struct GuestCommand {
     /// The guest's network interface, when it has one.
     #[serde(default)]
     pub network: Option<GuestNetwork>,
+    /// How many processes the workload's user may have at once; 0 for no
+    /// limit but the VM's memory.
+    #[serde(default)]
+    pub max_processes: u64,
 }
 
 /// How the init sets up the guest's one network interface (`eth0`).
@@ -209,6 +213,7 @@ mod tests {
             uid: 1000,
             gid: 1000,
             hostname: "lease-1".into(),
+            max_processes: 1024,
             network: Some(GuestNetwork {
                 address: "10.0.2.15/24".into(),
                 gateway: "10.0.2.2".into(),

@@ -94,6 +94,7 @@ fn command(script: &str) -> GuestCommand {
         gid: 1001,
         hostname: "lease-a".into(),
         network: None,
+        max_processes: 0,
     }
 }
 

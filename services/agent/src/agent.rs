@@ -411,8 +411,11 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
             let mut provider: Arc<dyn Provider> = match runtime.container_runtime() {
                 None if runtime == WorkloadRuntime::MicroVm => Arc::new(crate::microvm::MicroVmProvider::new(
                     dir.root(),
-                    crate::microvm::MicroVmSettings::from_config(&config.microvm, process_timing)
-                        .map_err(AgentError::Uncontained)?,
+                    crate::microvm::MicroVmSettings {
+                        pids_limit: config.containment.pids_limit,
+                        ..crate::microvm::MicroVmSettings::from_config(&config.microvm, process_timing)
+                            .map_err(AgentError::Uncontained)?
+                    },
                     stop.clone(),
                 )),
                 None => Arc::new(ProcessProvider::new(dir.root(), process_timing, stop.clone())),

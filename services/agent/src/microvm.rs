@@ -150,6 +150,8 @@ pub struct MicroVmSettings {
     /// The grace between SIGTERM and killing the VM, and how often an
     /// adopted VM is looked for.
     pub timing: ProcessTiming,
+    /// How many processes a workload may have at once inside its VM.
+    pub pids_limit: i64,
 }
 
 impl MicroVmSettings {
@@ -166,7 +168,15 @@ impl MicroVmSettings {
             )?;
         let busybox = berth_microvm::install::find_busybox()
             .ok_or_else(|| "no static busybox (Debian's busybox-static) for the guests' userland".to_owned())?;
-        Ok(Self { qemu, kernel_dir: config.kernel_dir.clone(), init, accel: config.accel, busybox, timing })
+        Ok(Self {
+            qemu,
+            kernel_dir: config.kernel_dir.clone(),
+            init,
+            accel: config.accel,
+            busybox,
+            timing,
+            pids_limit: crate::container::DEFAULT_PIDS_LIMIT,
+        })
     }
 }
 
@@ -318,6 +328,7 @@ impl MicroVmProvider {
             gid: GUEST_USER,
             hostname: "probe".into(),
             network: None,
+            max_processes: 0,
         };
         let mut vm = Vm::boot(&spec, &command).await.map_err(|e| e.to_string())?;
         let finished = tokio::time::timeout(PROBE_DEADLINE, vm.child.wait()).await;
@@ -733,6 +744,7 @@ impl Provider for MicroVmProvider {
             gid,
             hostname: spec.lease_id.chars().take(63).collect(),
             network: guest_network,
+            max_processes: u64::try_from(self.inner.settings.pids_limit).unwrap_or(0),
         };
         let logs = self.inner.instances.layout.logs(&spec.lease_id);
         let resources = spec.resources;

@@ -14,7 +14,9 @@
 //!
 //! # Invariants
 //! - Nothing runs as root but the init itself: a command naming uid or gid
-//!   0 is refused.
+//!   0 is refused, and the workload starts with an empty capability
+//!   bounding set, `no_new_privs` and its process limit, so nothing it runs
+//!   (a set-uid binary of its image) regains root inside the VM.
 //! - The exit is the last status line; the VM powers off after it whatever
 //!   happens, so a VM never outlives its workload.
 //! - Any failure before the workload starts is reported as
@@ -221,6 +223,11 @@ fn assemble_root() -> Result<(), String> {
         ("tmpfs", "tmp", "tmpfs", MsFlags::MS_NOSUID | MsFlags::MS_NODEV),
     ] {
         let target = Path::new(NEW_ROOT).join(target);
+        // An image's link here would lead the mount out of the workload's
+        // root (it resolves from the init's); a directory takes its place.
+        if std::fs::symlink_metadata(&target).is_ok_and(|meta| !meta.is_dir()) {
+            std::fs::remove_file(&target).map_err(|e| format!("replacing {}: {e}", target.display()))?;
+        }
         std::fs::create_dir_all(&target).map_err(|e| format!("creating {}: {e}", target.display()))?;
         mount(Some(source), &target, Some(kind), flags, None::<&str>)
             .map_err(|e| format!("mounting {}: {e}", target.display()))?;
@@ -270,7 +277,13 @@ fn supervise(
     let stderr = open_port(STDERR_PORT)?;
     let child = Command::new("/init")
         .arg("--exec")
-        .args([command.uid.to_string(), command.gid.to_string(), command.cwd.clone(), "--".into()])
+        .args([
+            command.uid.to_string(),
+            command.gid.to_string(),
+            command.max_processes.to_string(),
+            command.cwd.clone(),
+            "--".into(),
+        ])
         .args(&command.argv)
         .env_clear()
         .envs(command.env.iter().map(|(k, v)| (k, v)))
@@ -332,20 +345,32 @@ fn read_frame(reader: &mut File, decoder: &mut Decoder) -> Result<Option<Frame>,
     }
 }
 
-/// The step between the init and the workload: `UID GID CWD -- ARGV...`.
-/// Returns only when it failed.
+/// The step between the init and the workload: `UID GID NPROC CWD --
+/// ARGV...`. Returns only when it failed.
 fn exec_workload(args: &[String]) -> String {
-    let (Some(uid), Some(gid), Some(cwd)) = (args.first(), args.get(1), args.get(2)) else {
-        return "usage: --exec UID GID CWD -- ARGV...".into();
+    let (Some(uid), Some(gid), Some(nproc), Some(cwd)) = (args.first(), args.get(1), args.get(2), args.get(3)) else {
+        return "usage: --exec UID GID NPROC CWD -- ARGV...".into();
     };
-    let (Ok(uid), Ok(gid)) = (uid.parse::<u32>(), gid.parse::<u32>()) else {
-        return format!("bad uid or gid: {uid} {gid}");
+    let (Ok(uid), Ok(gid), Ok(nproc)) = (uid.parse::<u32>(), gid.parse::<u32>(), nproc.parse::<u64>()) else {
+        return format!("bad uid, gid or process limit: {uid} {gid} {nproc}");
     };
-    let argv = &args[4.min(args.len())..];
+    let argv = &args[5.min(args.len())..];
     let Some(program) = argv.first() else { return "no program".into() };
     let steps = || -> Result<(), String> {
         nix::unistd::chroot(NEW_ROOT).map_err(|e| format!("entering the root: {e}"))?;
         std::env::set_current_dir("/").map_err(|e| format!("entering the root: {e}"))?;
+        for capability in rustix::thread::CapabilitySet::all().iter() {
+            // A capability this kernel does not know is not in the set.
+            match rustix::thread::remove_capability_from_bounding_set(capability) {
+                Ok(()) | Err(rustix::io::Errno::INVAL) => {}
+                Err(e) => return Err(format!("emptying the capability bounding set: {e}")),
+            }
+        }
+        rustix::thread::set_no_new_privs(true).map_err(|e| format!("no_new_privs: {e}"))?;
+        if nproc > 0 {
+            nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NPROC, nproc, nproc)
+                .map_err(|e| format!("the process limit: {e}"))?;
+        }
         nix::unistd::setgroups(&[]).map_err(|e| format!("dropping groups: {e}"))?;
         nix::unistd::setgid(Gid::from_raw(gid)).map_err(|e| format!("setgid {gid}: {e}"))?;
         nix::unistd::setuid(Uid::from_raw(uid)).map_err(|e| format!("setuid {uid}: {e}"))?;

@@ -26,6 +26,7 @@ fn settings(grace: Duration) -> MicroVmSettings {
         accel: MicroVmAccel::Tcg,
         busybox: berth_microvm::install::find_busybox().expect("busybox-static: scripts/runtime-deps.sh"),
         timing: ProcessTiming { stop_grace: grace, exit_poll: Duration::from_millis(50) },
+        pids_limit: crate::container::DEFAULT_PIDS_LIMIT,
     }
 }
 
