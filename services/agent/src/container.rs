@@ -85,6 +85,7 @@ use crate::provider::{
 
 mod account;
 mod own;
+pub(crate) use own::Cgroup;
 mod spec;
 
 #[cfg(test)]

@@ -341,8 +341,9 @@ fn kill_all(state: &State, signal: rustix::process::Signal) {
     }
 }
 
-/// A workload's cgroup in every hierarchy that holds it.
-struct Cgroup {
+/// A workload's cgroup in every hierarchy that holds it (a container's,
+/// or a microVM's VMM's).
+pub(crate) struct Cgroup {
     /// Its directory in each hierarchy (one on v2).
     dirs: Vec<PathBuf>,
     /// Which of `dirs` each controller is in (v1; empty on v2).
@@ -352,7 +353,8 @@ struct Cgroup {
 }
 
 impl Cgroup {
-    fn new(path: &str) -> Self {
+    /// The cgroup at `path` under the host's cgroup root.
+    pub(crate) fn new(path: &str) -> Self {
         let root = Path::new(CGROUP_ROOT);
         let relative = path.trim_start_matches('/');
         if root.join("cgroup.controllers").exists() {
@@ -387,6 +389,17 @@ impl Cgroup {
         let memory = resources.as_ref().and_then(|r| r.memory().as_ref().map(|m| (m.limit(), m.swap())));
         let cpu = resources.as_ref().and_then(|r| r.cpu().as_ref().map(|c| (c.quota(), c.period())));
         let pids = resources.as_ref().and_then(|r| r.pids().as_ref().map(|p| p.limit()));
+        self.create_with(memory, cpu, pids)
+    }
+
+    /// Creates the cgroup with a memory limit (and swap limit), a CPU quota
+    /// per period (µs) and a process limit, each where given.
+    pub(crate) fn create_with(
+        &self,
+        memory: Option<(Option<i64>, Option<i64>)>,
+        cpu: Option<(Option<i64>, Option<u64>)>,
+        pids: Option<i64>,
+    ) -> Result<(), String> {
         if self.unified {
             self.enable_controllers()?;
         }
@@ -547,7 +560,7 @@ impl Cgroup {
     }
 
     /// Moves `pid` (and so everything it will start) into the cgroup.
-    fn join(&self, pid: u32) -> Result<(), String> {
+    pub(crate) fn join(&self, pid: u32) -> Result<(), String> {
         for dir in &self.dirs {
             let procs = dir.join("cgroup.procs");
             std::fs::write(&procs, pid.to_string())
@@ -557,7 +570,7 @@ impl Cgroup {
     }
 
     /// Every process in the cgroup, across its hierarchies.
-    fn processes(&self) -> BTreeSet<u32> {
+    pub(crate) fn processes(&self) -> BTreeSet<u32> {
         self.dirs
             .iter()
             .filter_map(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
@@ -571,7 +584,7 @@ impl Cgroup {
 
     /// Removes the cgroup from every hierarchy; the kernel refuses while a
     /// process is still in it.
-    fn remove(&self) {
+    pub(crate) fn remove(&self) {
         for dir in &self.dirs {
             let _ = std::fs::remove_dir(dir);
         }
@@ -589,11 +602,13 @@ impl Cgroup {
         self.read_number("cpuacct", "cpuacct.usage")
     }
 
-    fn memory_bytes(&self) -> u64 {
+    /// What the cgroup's processes hold in memory now.
+    pub(crate) fn memory_bytes(&self) -> u64 {
         self.read_number("memory", if self.unified { "memory.current" } else { "memory.usage_in_bytes" })
     }
 
-    fn read_number(&self, controller: &str, file: &str) -> u64 {
+    /// A number `controller`'s `file` holds; 0 where it cannot be read.
+    pub(crate) fn read_number(&self, controller: &str, file: &str) -> u64 {
         self.dir(controller)
             .and_then(|dir| std::fs::read_to_string(dir.join(file)).ok())
             .and_then(|text| text.trim().parse().ok())

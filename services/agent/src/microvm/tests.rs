@@ -142,6 +142,46 @@ async fn a_restarted_provider_adopts_a_running_vm_signals_it_and_learns_how_an_u
 }
 
 #[tokio::test]
+async fn the_vmm_is_held_in_a_cgroup_of_its_lease_to_the_guests_memory_and_the_leases_cpu() {
+    if !berth_testkit::runs_as_root("a VMM's cgroup") {
+        return;
+    }
+    let tmp = TestDir::new();
+    let provider = provider(tmp.path(), CancellationToken::new());
+    let mut sized = spec("lease-cg", "echo up; exec sleep 1000");
+    sized.resources = crate::provider::Resources { cpu_millis: 1500, memory_bytes: 192 << 20 };
+    let launched = provider.launch(sized).await.unwrap();
+    printed(&provider, "lease-cg", "up").await;
+    let vmm = launched.record.pid.unwrap();
+    let cgroup = provider.cgroup("lease-cg");
+    assert!(cgroup.processes().contains(&vmm), "the VMM is in its lease's cgroup");
+    let unified = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let (memory, quota) = if unified {
+        (cgroup.read_number("memory", "memory.max"), {
+            let dir = format!(
+                "/sys/fs/cgroup/{}/lease-cg/cpu.max",
+                crate::container::cgroup_parent(&tmp.path().join("microvm"))
+            );
+            std::fs::read_to_string(dir).unwrap().split_whitespace().next().unwrap().parse().unwrap()
+        })
+    } else {
+        (cgroup.read_number("memory", "memory.limit_in_bytes"), cgroup.read_number("cpu", "cpu.cfs_quota_us"))
+    };
+    assert_eq!(memory, (192 << 20) + VMM_ALLOWANCE, "the guest's memory and the VMM's allowance");
+    assert_eq!(quota, 150_000, "the lease's CPU");
+    assert!(cgroup.memory_bytes() > 64 << 20, "the guest's memory is charged to it");
+    provider.destroy("lease-cg").await.unwrap();
+    eventually("the cgroup to be removed with its VM", SLOW, || async {
+        if cgroup.processes().is_empty() && cgroup.read_number("memory", "memory.usage_in_bytes") == 0 {
+            Ok(())
+        } else {
+            Err(cgroup.processes())
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_bundle_runs_from_its_own_root_and_what_the_vm_cannot_give_is_refused() {
     let tmp = TestDir::new();
     let provider = provider(tmp.path(), CancellationToken::new());
