@@ -151,7 +151,7 @@ impl VmSpec {
         push(&["-drive", &format!("id=scratch,file={},format=raw,if=none", escape(&self.scratch_image))]);
         push(&["-device", "virtio-blk-device,drive=scratch"]);
         push(&["-device", "virtio-serial-device"]);
-        push(&["-chardev", &format!("socket,id=control,path={},server=on,wait=off", escape(&self.control_socket()))]);
+        push(&["-chardev", &control_chardev(&self.control_socket())]);
         push(&["-device", &format!("virtserialport,chardev=control,name={CONTROL_PORT}")]);
         for (id, file, name) in [
             ("stdout", &self.stdout_log, STDOUT_PORT),
@@ -181,6 +181,12 @@ impl VmSpec {
         push(&["-append", &append]);
         args
     }
+}
+
+/// The `-chardev` argument of the control port listening at `socket`:
+/// whole and unique to its VM, so a VMM no record names is found by it.
+pub fn control_chardev(socket: &Path) -> String {
+    format!("socket,id=control,path={},server=on,wait=off", escape(socket))
 }
 
 /// QEMU's option syntax doubles a comma inside a value.

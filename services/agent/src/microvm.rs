@@ -454,6 +454,24 @@ impl MicroVmProvider {
         cgroup.join(pid)
     }
 
+    /// Kills a VMM of `lease_id` that runs with no pid recorded: an agent
+    /// stopped between starting QEMU and recording it left it running, and
+    /// once its lease is settled nothing would ever stop it. It is found by
+    /// its control port's argument, which names the lease's directory.
+    async fn stop_unrecorded(&self, lease_id: &str) {
+        let socket = self.inner.instances.layout.work_dir(lease_id).join("control.sock");
+        let (proc_root, chardev) = (self.inner.proc_root.clone(), berth_microvm::vmm::control_chardev(&socket));
+        let found =
+            blocking(move || Ok(procfs::with_args(&proc_root, &["-chardev", &chardev]))).await.unwrap_or_default();
+        if found.is_empty() {
+            return;
+        }
+        tracing::warn!(%lease_id, pids = ?found.iter().map(|p| p.pid).collect::<Vec<_>>(),
+            "stopping a microVM an interrupted launch left running unrecorded");
+        crate::process::kill_found(&found).await;
+        self.cgroup(lease_id).remove();
+    }
+
     /// Whether the guest's init has reported `lease_id`'s workload started.
     pub fn workload_started(&self, lease_id: &str) -> bool {
         statuses(&self.inner.instances.layout.work_dir(lease_id)).iter().any(|s| matches!(s, Status::Started(_)))
@@ -846,6 +864,9 @@ impl Provider for MicroVmProvider {
             let running = stored.pid.zip(stored.start_ticks).filter(|(pid, ticks)| {
                 stored.exit.is_none() && procfs::is_running(&self.inner.proc_root, *pid, *ticks)
             });
+            if stored.pid.is_none() && stored.exit.is_none() {
+                self.stop_unrecorded(&lease_id).await;
+            }
             if running.is_none() && stored.exit.is_none() {
                 // Ended while no agent watched: its status lines tell how.
                 let status = exit_status(&statuses(&self.inner.instances.layout.work_dir(&lease_id)), false);

@@ -182,6 +182,33 @@ async fn the_vmm_is_held_in_a_cgroup_of_its_lease_to_the_guests_memory_and_the_l
 }
 
 #[tokio::test]
+async fn a_vm_started_but_never_recorded_is_killed_at_recovery() {
+    let tmp = TestDir::new();
+    let first_stop = CancellationToken::new();
+    let first = provider(tmp.path(), first_stop.clone());
+    let launched = first.launch(spec("lease-u", "echo up; exec sleep 1000")).await.unwrap();
+    printed(&first, "lease-u", "up").await;
+    let vmm = launched.record.pid.unwrap();
+    // The record as it is when an agent stops between starting QEMU and
+    // recording its pid.
+    let layout = crate::instances::Layout { root: tmp.path().to_path_buf() };
+    let mut unrecorded = first.inner.instances.stored("lease-u").unwrap();
+    (unrecorded.pid, unrecorded.start_ticks, unrecorded.started_at_ms) = (None, None, None);
+    write_record(&layout, &unrecorded).unwrap();
+    first_stop.cancel();
+    drop(first);
+
+    let second = provider(tmp.path(), CancellationToken::new());
+    let recovered = second.recover().await.unwrap();
+    assert!(recovered[0].exit.borrow().is_some(), "it is not adopted: nothing recorded its pid");
+    eventually("the unrecorded VM to be killed", SLOW, || async {
+        let live = procfs::read_stat(Path::new(PROC_ROOT), vmm).is_some_and(|stat| stat.is_live());
+        if live { Err(format!("{vmm} still runs")) } else { Ok(()) }
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_bundle_runs_from_its_own_root_and_what_the_vm_cannot_give_is_refused() {
     let tmp = TestDir::new();
     let provider = provider(tmp.path(), CancellationToken::new());
