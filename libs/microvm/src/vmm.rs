@@ -255,6 +255,12 @@ impl Control {
         self.send(&Frame::Signal(signal)).await
     }
 
+    /// Hands the init the command to run (again, after a node's restart:
+    /// an init that has one ignores another).
+    pub async fn run(&mut self, command: &GuestCommand) -> Result<(), VmError> {
+        self.send(&Frame::Run(command.clone())).await
+    }
+
     async fn send(&mut self, frame: &Frame) -> Result<(), VmError> {
         self.0.write_all(&wire::encode(frame)).await?;
         Ok(())

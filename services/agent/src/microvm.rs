@@ -99,6 +99,9 @@ const DEFAULT_MEMORY_MIB: u32 = 256;
 /// translator (BENCHMARKS.md), with room to spare.
 const VMM_ALLOWANCE: u64 = 256 << 20;
 
+/// The command a VM runs, kept in its run directory.
+const COMMAND_FILE: &str = "command.json";
+
 /// How long a killed VMM may take to be gone.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
@@ -452,6 +455,29 @@ impl MicroVmProvider {
         let cgroup = self.cgroup(lease_id);
         cgroup.create_with(Some((Some(memory), Some(memory))), Some((quota, Some(100_000))), None)?;
         cgroup.join(pid)
+    }
+
+    /// Sends a VM found running its command again when its init has not
+    /// reported the workload started: the agent that booted it may have
+    /// gone before the guest read the first one. An init that has the
+    /// command already ignores another.
+    async fn resend_command(&self, lease_id: &str) {
+        let run_dir = self.inner.instances.layout.work_dir(lease_id);
+        if !statuses(&run_dir).is_empty() {
+            return;
+        }
+        let Ok(kept) = std::fs::read(run_dir.join(COMMAND_FILE)) else { return };
+        let Ok(command) = serde_json::from_slice::<GuestCommand>(&kept) else { return };
+        let mut controls = self.inner.controls.lock().await;
+        match Control::connect(&run_dir.join("control.sock")).await {
+            Ok(mut control) => match control.run(&command).await {
+                Ok(()) => {
+                    controls.insert(lease_id.to_owned(), control);
+                }
+                Err(error) => tracing::warn!(%lease_id, %error, "cannot send a booting microVM its command again"),
+            },
+            Err(error) => tracing::warn!(%lease_id, %error, "cannot reach a booting microVM's control port"),
+        }
     }
 
     /// Kills a VMM of `lease_id` that runs with no pid recorded: an agent
@@ -821,6 +847,13 @@ impl Provider for MicroVmProvider {
             network,
             enter: spec.network.as_ref().map(|n| n.enter.clone()).unwrap_or_default(),
         };
+        // Kept so that an agent restarted before the guest read it sends it again.
+        let kept = serde_json::to_vec(&command).unwrap_or_default();
+        let command_file = vm.run_dir.join(COMMAND_FILE);
+        blocking(move || {
+            std::fs::write(&command_file, kept).map_err(|e| crate::instances::io("writing", &command_file, e))
+        })
+        .await?;
         let (exit_tx, exit_rx) = watch::channel(None);
         let Vm { child, control } = match Vm::boot(&vm, &command).await {
             Ok(vm) => vm,
@@ -878,6 +911,7 @@ impl Provider for MicroVmProvider {
             recovered.push(self.inner.instances.recovered(stored));
             if let Some((pid, ticks)) = running {
                 tracing::info!(%lease_id, pid, "found a microVM still running from before the restart");
+                self.resend_command(&lease_id).await;
                 self.watch_adopted(lease_id, pid, ticks);
             }
         }

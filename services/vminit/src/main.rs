@@ -45,8 +45,13 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::{Gid, Pid, Uid};
 
-/// How long the devices the modules bring may take to appear.
-const DEVICE_DEADLINE: Duration = Duration::from_secs(10);
+/// How long the devices the modules bring may take to appear: seconds on
+/// a guest under QEMU's translator sharing its host's CPUs with many
+/// others, so the deadline is only for a VM that is broken.
+const DEVICE_DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long the init waits for a node to send the command.
+const COMMAND_DEADLINE: Duration = Duration::from_secs(600);
 
 /// How often the control port is read again while no node is connected.
 const RECONNECT_POLL: Duration = Duration::from_millis(100);
@@ -105,11 +110,18 @@ fn run(console: &mut Console, status_slot: &mut Option<File>) -> Result<(), Stri
     let mut reader = open_port(CONTROL_PORT)?;
 
     let mut decoder = Decoder::default();
+    // A node that went away before the guest read its command (an agent
+    // restarted while the VM booted) sends it again once it is back.
+    let waiting = Instant::now();
     let command = loop {
         match read_frame(&mut reader, &mut decoder)? {
             Some(Frame::Run(command)) => break command,
             Some(_) => continue,
-            None => return Err("the control port closed before a command came".into()),
+            None if waiting.elapsed() < COMMAND_DEADLINE => {
+                decoder = Decoder::default();
+                std::thread::sleep(RECONNECT_POLL);
+            }
+            None => return Err(format!("no command came within {COMMAND_DEADLINE:?}")),
         }
     };
     if command.uid == 0 || command.gid == 0 {

@@ -104,7 +104,7 @@ async fn destroy_stops_the_workload_with_sigterm_and_kills_a_vm_that_outlives_it
 }
 
 #[tokio::test]
-async fn a_restarted_provider_adopts_a_running_vm_signals_it_and_learns_how_an_unwatched_one_ended() {
+async fn a_restarted_provider_adopts_a_running_vm_signals_it_and_learns_how_an_unwatched_one_ended_or_boots() {
     let tmp = TestDir::new();
     let first_stop = CancellationToken::new();
     let first = provider(tmp.path(), first_stop.clone());
@@ -114,6 +114,10 @@ async fn a_restarted_provider_adopts_a_running_vm_signals_it_and_learns_how_an_u
     quick.epoch = 7;
     let quick = first.launch(quick).await.unwrap();
     printed(&first, "lease-d", "started").await;
+    printed(&first, "lease-e", "started").await;
+    // A VM still booting when its agent goes: the command the agent handed
+    // QEMU goes with it, unread by the guest.
+    let booting = first.launch(spec("lease-g", "echo late; exec sleep 1000")).await.unwrap();
     // The agent goes away without stopping anything.
     first_stop.cancel();
     drop(first);
@@ -130,8 +134,12 @@ async fn a_restarted_provider_adopts_a_running_vm_signals_it_and_learns_how_an_u
     assert_eq!(find("lease-d").record.pid, running.record.pid, "the same VM, not a new one");
     assert!(adopted.borrow().is_none(), "it still runs");
     let exit = find("lease-e").exit.borrow().unwrap();
-    assert_eq!(exit.status, ExitStatus::Code(4), "its status lines tell how it ended");
+    let status_lines = std::fs::read_to_string(tmp.path().join("leases/lease-e/status")).unwrap_or_default();
+    assert_eq!(exit.status, ExitStatus::Code(4), "its status lines tell how it ended: {status_lines}");
     assert_eq!(find("lease-e").record.epoch, 7);
+    assert_eq!(find("lease-g").record.pid, booting.record.pid);
+    printed(&second, "lease-g", "late").await;
+    second.destroy("lease-g").await.unwrap();
     let stats = second.stats("lease-d").await.unwrap();
     assert!(stats.memory_bytes > 16 << 20, "the VMM holds the guest's memory: {stats:?}");
 
