@@ -404,6 +404,18 @@ impl Instances {
         crate::provider::Launched { record, exit: exit_rx }
     }
 
+    /// Records on disk that `stored` ended with `status` while no agent
+    /// watched it, as recovery finds it.
+    pub(crate) async fn ended_unwatched(
+        &self,
+        stored: &mut StoredRecord,
+        status: ExitStatus,
+    ) -> Result<(), ProviderError> {
+        stored.exit = Some(StoredExit { status, at_ms: unix_ms(SystemTime::now()) });
+        let (layout, ended) = (self.layout.clone(), stored.clone());
+        blocking(move || write_record(&layout, &ended)).await
+    }
+
     /// Records that the agent is done with `lease_id`, and how it left it.
     pub(crate) async fn settle(
         self: &Arc<Self>,

@@ -71,8 +71,7 @@ use tokio::sync::{OnceCell, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::instances::{
-    Instances, PortBook, StoredExit, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms,
-    validate_lease_id, write_record,
+    Instances, PortBook, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms, validate_lease_id,
 };
 use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
@@ -211,6 +210,8 @@ struct Inner {
     initramfs: OnceCell<PathBuf>,
     /// How guest code runs, once decided.
     accel: OnceCell<Accel>,
+    /// The busybox applets a bare command may name, once listed.
+    applets: std::sync::OnceLock<Vec<String>>,
     /// One image is built at a time, so two leases of one digest share it.
     building: tokio::sync::Mutex<()>,
     /// The control ports the provider holds, by lease.
@@ -233,6 +234,7 @@ impl MicroVmProvider {
                 ports: Arc::default(),
                 initramfs: OnceCell::new(),
                 accel: OnceCell::new(),
+                applets: std::sync::OnceLock::new(),
                 building: tokio::sync::Mutex::new(()),
                 controls: tokio::sync::Mutex::new(BTreeMap::new()),
                 killed: Mutex::default(),
@@ -409,6 +411,11 @@ impl MicroVmProvider {
         Ok(target)
     }
 
+    /// The node's busybox applets, listed once.
+    fn applets(&self) -> &[String] {
+        self.inner.applets.get_or_init(|| busybox_applets(&self.inner.settings.busybox))
+    }
+
     /// Whether `program` is in the root the VM boots from: a name is looked
     /// up in the guest, but a path that is not there fails the launch at
     /// once, as it would for a process, rather than inside a booted VM.
@@ -422,7 +429,7 @@ impl MicroVmProvider {
             }
             WorkloadRoot::Host | WorkloadRoot::Bundle { .. } => {
                 let Some(name) = relative.strip_prefix("bin/") else { return false };
-                name == "busybox" || busybox_applets(&self.inner.settings.busybox).iter().any(|applet| applet == name)
+                name == "busybox" || self.applets().iter().any(|applet| applet == name)
             }
         }
     }
@@ -541,8 +548,9 @@ impl MicroVmProvider {
         self.cgroup(lease_id).remove();
         let killed = self.inner.killed.lock().map(|mut k| k.remove(lease_id)).unwrap_or(false);
         let run_dir = self.inner.instances.layout.work_dir(lease_id);
-        let status = exit_status(&statuses(&run_dir), killed);
-        if let Some(Status::Failed(why)) = statuses(&run_dir).into_iter().find(|s| matches!(s, Status::Failed(_))) {
+        let reported = statuses(&run_dir);
+        let status = exit_status(&reported, killed);
+        if let Some(Status::Failed(why)) = reported.iter().find(|s| matches!(s, Status::Failed(_))) {
             tracing::warn!(%lease_id, %why, "the guest could not start the workload");
             let stderr = self.inner.instances.layout.logs(lease_id).stderr;
             let _ = append(&stderr, &format!("berth: the microVM could not start the workload: {why}\n"));
@@ -903,10 +911,7 @@ impl Provider for MicroVmProvider {
             if running.is_none() && stored.exit.is_none() {
                 // Ended while no agent watched: its status lines tell how.
                 let status = exit_status(&statuses(&self.inner.instances.layout.work_dir(&lease_id)), false);
-                stored.exit = Some(StoredExit { status, at_ms: unix_ms(SystemTime::now()) });
-                let layout = self.inner.instances.layout.clone();
-                let ended = stored.clone();
-                blocking(move || write_record(&layout, &ended)).await?;
+                self.inner.instances.ended_unwatched(&mut stored, status).await?;
             }
             recovered.push(self.inner.instances.recovered(stored));
             if let Some((pid, ticks)) = running {

@@ -60,8 +60,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::instances::{
-    Instances, PortBook, StoredExit, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms,
-    validate_lease_id, write_record,
+    Instances, PortBook, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms, validate_lease_id,
 };
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
@@ -343,10 +342,7 @@ impl Provider for ProcessProvider {
             let mut stored = stored;
             if running.is_none() && stored.exit.is_none() {
                 // Ended (or never started) while no agent watched it.
-                stored.exit = Some(StoredExit { status: ExitStatus::Unknown, at_ms: unix_ms(SystemTime::now()) });
-                let layout = self.inner.instances.layout.clone();
-                let ended = stored.clone();
-                blocking(move || write_record(&layout, &ended)).await?;
+                self.inner.instances.ended_unwatched(&mut stored, ExitStatus::Unknown).await?;
             }
             if running.is_none()
                 && let Some((pgid, ticks)) = stored.group()
@@ -490,6 +486,7 @@ mod tests {
     use berth_testkit::{PATIENCE, eventually};
 
     use super::*;
+    use crate::instances::write_record;
     use crate::provider::{Exit, ExitWatch};
     use crate::testdir::TestDir;
 

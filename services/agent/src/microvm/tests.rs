@@ -5,6 +5,7 @@
 use berth_testkit::eventually;
 
 use super::*;
+use crate::instances::write_record;
 use crate::provider::{Exit, ExitWatch, Program};
 use crate::testdir::TestDir;
 
