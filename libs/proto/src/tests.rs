@@ -169,6 +169,7 @@ fn admission_table_matches_the_contract() {
                 "ReportResize",
                 "OpenCache",
                 "CommitCache",
+                "FollowCaches",
             ],
             NODE,
         ),

@@ -8,6 +8,7 @@
 //! DATA_DIR/caches/volumes/<project>/<key>/sealed/<hex>.index.json  each of its files' content digest
 //! DATA_DIR/caches/volumes/<project>/<key>/generations/<N>  a link to the sealed tree generation N is
 //! DATA_DIR/caches/volumes/<project>/<key>/staging/<lease>/ a seal under way
+//! DATA_DIR/caches/volumes/<project>/<key>/staging/following.fetch/  a followed head's fetch under way
 //! DATA_DIR/caches/views/<lease>/views.json                 the lease's views: what commits them
 //! DATA_DIR/caches/views/<lease>/<key>/{upper,work,merged}  one view: an overlay of the head's tree
 //! ```
@@ -39,6 +40,8 @@ use std::io::{Read as _, Write as _};
 use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use berth_proto::leases::v1::CacheGeneration;
 use berth_proto::types::v1::{CacheCommit, CacheMount};
@@ -47,6 +50,7 @@ use sha2::{Digest as _, Sha256};
 
 use crate::error::FileError;
 
+pub(crate) mod follow;
 pub(crate) mod registry;
 
 /// Why a volume could not be opened or sealed.
@@ -138,11 +142,58 @@ pub struct Sealed {
 #[derive(Debug, Clone)]
 pub struct CacheVolumes {
     root: PathBuf,
+    /// Fetches of followed heads under way (their scratch is named by
+    /// [`follow::FOLLOWING`], not by a lease): the sweep spares them meanwhile.
+    following: Arc<AtomicUsize>,
+}
+
+/// A fetch of a followed head under way, until dropped.
+#[derive(Debug)]
+pub struct Following(Arc<AtomicUsize>);
+
+impl Drop for Following {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl CacheVolumes {
     pub fn new(data_dir: &Path) -> Self {
-        Self { root: data_dir.join("caches") }
+        Self { root: data_dir.join("caches"), following: Arc::new(AtomicUsize::new(0)) }
+    }
+
+    /// Marks a fetch of a followed head under way while the guard lives.
+    pub fn following(&self) -> Following {
+        self.following.fetch_add(1, Ordering::SeqCst);
+        Following(self.following.clone())
+    }
+
+    /// The newest generation the node holds sealed of each volume it holds
+    /// any of: (project, key, generation), by project and key.
+    pub fn newest_held(&self) -> Vec<(String, String, u64)> {
+        let names = |dir: &Path| -> Vec<String> {
+            let mut names: Vec<String> = std::fs::read_dir(dir)
+                .map(|entries| {
+                    entries
+                        .filter_map(Result::ok)
+                        .filter(|entry| entry.path().is_dir())
+                        .filter_map(|entry| entry.file_name().into_string().ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+            names.sort();
+            names
+        };
+        let volumes = self.root.join("volumes");
+        let mut newest = Vec::new();
+        for project in names(&volumes) {
+            for key in names(&volumes.join(&project)) {
+                if let Some(&generation) = self.held(&project, &key).first() {
+                    newest.push((project.clone(), key, generation));
+                }
+            }
+        }
+        newest
     }
 
     /// Creates the root, closed to every other user of the host: sealed
@@ -425,7 +476,8 @@ impl CacheVolumes {
                         // `<lease>` or `<lease>.<purpose>`: a seal or a transfer of that lease.
                         let name = seal.file_name();
                         let lease_id = name.to_str().unwrap_or_default().split('.').next().unwrap_or_default();
-                        if !keep.contains(lease_id) {
+                        let followed = lease_id == follow::FOLLOWING && self.following.load(Ordering::SeqCst) > 0;
+                        if !keep.contains(lease_id) && !followed {
                             let _ = std::fs::remove_dir_all(seal.path());
                         }
                     }
@@ -792,6 +844,33 @@ mod tests {
         assert!(!sealed_dir.join(format!("{}.index.json", &digests[1][7..])).exists());
         assert!(!tree_of(&digests[0]).exists(), "once its view is gone, so is generation 1");
         assert!(tree_of(&digests[2]).is_dir());
+    }
+
+    #[test]
+    fn the_newest_held_generation_of_each_volume_is_what_a_node_reports_and_a_follow_fetch_survives_a_sweep() {
+        let tmp = TestDir::new();
+        let volumes = CacheVolumes::new(tmp.path());
+        assert!(volumes.newest_held().is_empty());
+        for (project, key, generation) in [("default", "deps", 1), ("default", "deps", 4), ("team-a", "go", 2)] {
+            let dir = tmp.path().join(format!("{project}-{key}-{generation}"));
+            tree(&dir, &[("n", &generation.to_string())]);
+            let sealed = volumes.seal("l-1", project, &view_of(&dir, key)).unwrap();
+            volumes.record(project, key, generation, &sealed.digest).unwrap();
+        }
+        let newest = volumes.newest_held();
+        let expected = [("default", "deps", 4), ("team-a", "go", 2)];
+        let expected: Vec<(String, String, u64)> =
+            expected.iter().map(|(p, k, g)| ((*p).to_owned(), (*k).to_owned(), *g)).collect();
+        assert_eq!(newest, expected);
+
+        // A followed head's fetch is named by no lease: spared while under way, swept after.
+        let scratch = volumes.scratch(follow::FOLLOWING, "default", "deps", "fetch").unwrap();
+        let under_way = volumes.following();
+        volumes.sweep(&HashSet::new());
+        assert!(scratch.is_dir(), "spared while the fetch runs");
+        drop(under_way);
+        volumes.sweep(&HashSet::new());
+        assert!(!scratch.exists(), "a fetch a crash cut short goes");
     }
 
     #[test]

@@ -156,6 +156,13 @@ impl NodeLeasesApi for FaultyLeases {
         self.inner.commit_cache(request).await
     }
 
+    async fn follow_caches(
+        &self,
+        request: berth_proto::leases::v1::FollowCachesRequest,
+    ) -> Result<berth_proto::leases::v1::FollowCachesResponse, tonic::Status> {
+        self.inner.follow_caches(request).await
+    }
+
     fn reconnect(&self) {
         self.inner.reconnect();
     }

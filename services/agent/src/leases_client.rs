@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use berth_mtls::TlsCredentials;
 use berth_proto::leases::v1::{
-    AssignmentEvent, AssumeCustodyRequest, CommitCacheRequest, CommitCacheResponse, Lease, OpenCacheRequest,
-    OpenCacheResponse, ReconcileNodeRequest, ReconcileNodeResponse, RenewLeasesRequest, RenewLeasesResponse,
-    ReportPhaseRequest, ReportResizeRequest, WatchAssignmentsRequest, node_leases_client::NodeLeasesClient,
+    AssignmentEvent, AssumeCustodyRequest, CommitCacheRequest, CommitCacheResponse, FollowCachesRequest,
+    FollowCachesResponse, Lease, OpenCacheRequest, OpenCacheResponse, ReconcileNodeRequest, ReconcileNodeResponse,
+    RenewLeasesRequest, RenewLeasesResponse, ReportPhaseRequest, ReportResizeRequest, WatchAssignmentsRequest,
+    node_leases_client::NodeLeasesClient,
 };
 use berth_rpc::Channel;
 use tokio_stream::Stream;
@@ -46,6 +47,9 @@ pub(crate) trait NodeLeasesApi: Send + Sync + std::fmt::Debug {
     async fn open_cache(&self, request: OpenCacheRequest) -> Result<OpenCacheResponse, tonic::Status>;
     /// Publishes a lease's sealed view of a volume, or records why not.
     async fn commit_cache(&self, request: CommitCacheRequest) -> Result<CommitCacheResponse, tonic::Status>;
+    /// Reports the cache generations the node holds; answers the heads it
+    /// is asked to hold too.
+    async fn follow_caches(&self, request: FollowCachesRequest) -> Result<FollowCachesResponse, tonic::Status>;
     /// Drops the open connection, so the next call presents the node's
     /// current certificate (after a rejoin the node id in it changes).
     fn reconnect(&self);
@@ -122,6 +126,10 @@ impl NodeLeasesApi for GrpcNodeLeases {
 
     async fn commit_cache(&self, request: CommitCacheRequest) -> Result<CommitCacheResponse, tonic::Status> {
         self.channel.call(self.client().commit_cache(self.channel.request(request))).await
+    }
+
+    async fn follow_caches(&self, request: FollowCachesRequest) -> Result<FollowCachesResponse, tonic::Status> {
+        self.channel.call(self.client().follow_caches(self.channel.request(request))).await
     }
 
     fn reconnect(&self) {

@@ -278,6 +278,15 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         backoff: settings.backoff(),
         shutdown: shutdown.clone(),
     };
+    let (reporting, reporting_rx) = watch::channel(None);
+    let follower = caches.clone().map(|volumes| crate::caches::follow::HeadFollower {
+        leases: leases.clone(),
+        volumes,
+        client: bundles.client().clone(),
+        reporting: reporting_rx,
+        period: crate::caches::follow::FOLLOW_PERIOD,
+        shutdown: shutdown.clone(),
+    });
     let shared = Arc::new(Shared { leases, provider, bundles, board, dialer, svids, caches, settings, shutdown });
     let runner = Runner {
         shared,
@@ -293,7 +302,7 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
         inbox,
         inbox_tx,
         lost,
-        reporting: watch::channel(None).0,
+        reporting,
         renewals,
         ttl,
         holding,
@@ -315,8 +324,12 @@ pub(crate) fn spawn(parts: RunnerParts) -> RunnerHandle {
     };
     let task = tokio::spawn(async move {
         let keepalive = tokio::spawn(keepalive.run());
+        let follower = follower.map(|follower| tokio::spawn(follower.run()));
         runner.run().await;
         keepalive.abort();
+        if let Some(follower) = follower {
+            follower.abort();
+        }
     });
     RunnerHandle { holding: holding_rx, standing: standing_rx, task }
 }

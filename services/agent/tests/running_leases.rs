@@ -491,6 +491,12 @@ fn cached(script: &str) -> berth_proto::leases::v1::Workload {
     }
 }
 
+/// The digest of the head of `deps`.
+async fn done_head(caches: &berth_proto::leases::v1::caches_client::CachesClient<berth_rpc::Channel>) -> String {
+    let request = berth_proto::leases::v1::GetCacheRequest { project: "default".into(), key: "deps".into() };
+    caches.clone().get_cache(request).await.unwrap().into_inner().volume.unwrap().head.unwrap().digest
+}
+
 /// Waits until the ledger recorded how `lease_id`'s view of `deps` settled.
 async fn cache_settled(plane: &ControlPlane, lease_id: &str) -> berth_proto::leases::v1::CacheObservation {
     eventually("the lease's cache view to settle", SLOW, || async {
@@ -654,6 +660,17 @@ async fn a_node_without_the_head_fetches_it_from_the_cache_registry_and_its_leas
     assert_eq!(blob(second_dir.path(), &got.generations[0].digest), blob(first_dir.path(), &got.generations[0].digest));
     let generations = second_dir.path().join("caches/volumes/default/deps/generations");
     assert!(generations.join("2").exists() && generations.join("3").exists(), "the second node holds 2 and 3");
+
+    // The first node sealed the head generation 3 grew from: it follows the volume, fetches generation 3
+    // from the registry, and is recorded as holding it, so the next lease may land on either node.
+    let followed = first_dir.path().join("caches/volumes/default/deps/generations/3");
+    eventually("the first node to hold the head it follows", SLOW, || async {
+        let request = berth_proto::leases::v1::GetCacheRequest { project: "default".into(), key: "deps".into() };
+        let head = caches.clone().get_cache(request).await.unwrap().into_inner().volume.unwrap().head.unwrap();
+        if followed.exists() && head.held_by == [first_id.clone()] { Ok(()) } else { Err(head) }
+    })
+    .await;
+    assert_eq!(blob(first_dir.path(), &done_head(&caches).await), blob(second_dir.path(), &done_head(&caches).await));
     first.kill().await;
     second.kill().await;
     plane.cleanup().await;

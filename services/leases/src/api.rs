@@ -503,6 +503,24 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
         }))
     }
 
+    async fn follow_caches(
+        &self,
+        request: Request<v1::FollowCachesRequest>,
+    ) -> Result<Response<v1::FollowCachesResponse>, Status> {
+        let node_id = request.get_ref().node_id.clone();
+        berth_rpc::require_own_node(&request, &node_id)?;
+        let held = validate::held_caches(request.into_inner().held)?;
+        let heads = self.core.ledger.follow_caches(&node_id, &held).await?;
+        let follow = heads
+            .into_iter()
+            .filter_map(|head| {
+                let registry = self.core.ledger.cache_registry(&head.project)?;
+                Some(v1::CacheToFollow { head: Some(head), registry: Some(registry) })
+            })
+            .collect();
+        Ok(Response::new(v1::FollowCachesResponse { follow }))
+    }
+
     async fn register_launch(
         &self,
         request: Request<v1::RegisterLaunchRequest>,

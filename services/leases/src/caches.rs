@@ -210,6 +210,69 @@ impl Ledger {
     }
 }
 
+/// The newest generation a node holds of one volume, as it reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Held {
+    pub(crate) project: String,
+    pub(crate) key: String,
+    pub(crate) generation: u64,
+}
+
+impl Ledger {
+    /// Records what `node_id` reports holding (each volume whose head it
+    /// holds), and answers the heads it follows and does not hold yet, each
+    /// pushed to the registry, in projects whose caching is on (see
+    /// `FollowCaches`).
+    pub(crate) async fn follow_caches(
+        &self,
+        node_id: &str,
+        held: &[Held],
+    ) -> Result<Vec<v1::CacheGeneration>, LeaseError> {
+        self.store()
+            .tx("leases.follow_caches", |conn| {
+                Box::pin(async move {
+                    for volume in held {
+                        if head_of(conn, &volume.project, &volume.key).await? != volume.generation {
+                            continue;
+                        }
+                        sqlx::query(
+                            "INSERT INTO cache_holders (project, cache_key, node_id, generation) \
+                             VALUES ($1, $2, $3, $4) ON CONFLICT (project, cache_key, node_id) \
+                             DO UPDATE SET generation = excluded.generation",
+                        )
+                        .bind(volume.project.as_str())
+                        .bind(volume.key.as_str())
+                        .bind(node_id)
+                        .bind(i64::try_from(volume.generation).unwrap_or(i64::MAX))
+                        .execute(&mut *conn)
+                        .await?;
+                    }
+                    let followed: Vec<(String, String, i64)> = sqlx::query_as(
+                        "SELECT project, cache_key, generation FROM cache_heads WHERE follower = $1 AND generation > 0 \
+                         AND project NOT IN (SELECT project FROM cache_disabled) ORDER BY project, cache_key",
+                    )
+                    .bind(node_id)
+                    .fetch_all(&mut *conn)
+                    .await?;
+                    let mut wanted = Vec::new();
+                    for (project, key, number) in followed {
+                        let number = u64::try_from(number).unwrap_or_default();
+                        let holds = held.iter().any(|h| h.project == project && h.key == key && h.generation >= number);
+                        if holds {
+                            continue;
+                        }
+                        let head = generation(conn, &project, &key, number).await?;
+                        if !head.artifact.is_empty() {
+                            wanted.push(head);
+                        }
+                    }
+                    Ok(wanted)
+                })
+            })
+            .await
+    }
+}
+
 impl Ledger {
     /// Every volume of `project` (every project's for `None`) that has a
     /// head or a kept generation, by project and key.
@@ -337,11 +400,18 @@ impl Ledger {
                         .bind(key)
                         .execute(&mut *conn)
                         .await?;
-                    sqlx::query("UPDATE cache_heads SET generation = 0 WHERE project = $1 AND cache_key = $2")
+                    sqlx::query("DELETE FROM cache_holders WHERE project = $1 AND cache_key = $2")
                         .bind(project)
                         .bind(key)
                         .execute(&mut *conn)
                         .await?;
+                    sqlx::query(
+                        "UPDATE cache_heads SET generation = 0, follower = '' WHERE project = $1 AND cache_key = $2",
+                    )
+                    .bind(project)
+                    .bind(key)
+                    .execute(&mut *conn)
+                    .await?;
                     Ok(())
                 })
             })
@@ -464,7 +534,18 @@ async fn generation(
     .fetch_optional(&mut *conn)
     .await?;
     let Some(row) = row else { return Ok(none) };
-    generation_of(&row, none)
+    let mut found = generation_of(&row, none)?;
+    found.held_by = sqlx::query_scalar(
+        "SELECT node_id FROM cache_holders WHERE project = $1 AND cache_key = $2 AND generation = $3 \
+         AND node_id <> $4 ORDER BY node_id",
+    )
+    .bind(project)
+    .bind(key)
+    .bind(i64::try_from(number).unwrap_or(i64::MAX))
+    .bind(found.node_id.as_str())
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(found)
 }
 
 /// A generation row selected with its number, digest, size, lease, node,
@@ -523,6 +604,7 @@ async fn swap_head(
     .fetch_optional(&mut *conn)
     .await?;
     let Some(number) = moved else { return Ok(None) };
+    follow(conn, lease, key, base).await?;
     sqlx::query(
         "INSERT INTO cache_generations (project, cache_key, generation, digest, size_bytes, lease_id, node_id, \
          published_at_ms, artifact) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
@@ -540,6 +622,43 @@ async fn swap_head(
     .await?;
     collect(conn, project, key, keep).await?;
     Ok(u64::try_from(number).ok())
+}
+
+/// Names the follower of the lease's (project, key) as its node publishes
+/// over generation `base`: the node that sealed `base` when another did
+/// (it holds the generation the new one grew from, so it is the cheapest
+/// second home for it), else the follower so far unless that is the
+/// publisher itself.
+async fn follow(conn: &mut AnyConnection, lease: &LeaseRecord, key: &str, base: u64) -> Result<(), LeaseError> {
+    let project = lease.project.as_str();
+    let base_sealer: Option<String> = sqlx::query_scalar(
+        "SELECT node_id FROM cache_generations WHERE project = $1 AND cache_key = $2 AND generation = $3",
+    )
+    .bind(project)
+    .bind(key)
+    .bind(i64::try_from(base).unwrap_or(i64::MAX))
+    .fetch_optional(&mut *conn)
+    .await?;
+    let publisher = lease.node_id.as_str();
+    let follower = match base_sealer {
+        Some(sealer) if sealer != publisher => sealer,
+        _ => {
+            let current: String =
+                sqlx::query_scalar("SELECT follower FROM cache_heads WHERE project = $1 AND cache_key = $2")
+                    .bind(project)
+                    .bind(key)
+                    .fetch_one(&mut *conn)
+                    .await?;
+            if current == publisher { String::new() } else { current }
+        }
+    };
+    sqlx::query("UPDATE cache_heads SET follower = $3 WHERE project = $1 AND cache_key = $2")
+        .bind(project)
+        .bind(key)
+        .bind(follower)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }
 
 /// What is kept of cache generations beside each volume's head and the
@@ -608,24 +727,32 @@ async fn forget(conn: &mut AnyConnection, project: &str, key: &str, number: i64)
     Ok(())
 }
 
-/// The nodes holding the heads of `keys` in `project`: those that sealed them.
+/// The nodes holding the heads of `keys` in `project`: those that sealed
+/// them and those that reported holding them.
 pub(crate) async fn warm_nodes(
     conn: &mut AnyConnection,
     project: &str,
     keys: impl Iterator<Item = &str>,
 ) -> Result<Vec<String>, LeaseError> {
-    let mut nodes = Vec::new();
+    let mut nodes: Vec<String> = Vec::new();
     for key in keys {
-        let node: Option<String> = sqlx::query_scalar(
+        let holding: Vec<String> = sqlx::query_scalar(
             "SELECT g.node_id FROM cache_heads h JOIN cache_generations g ON g.project = h.project \
-             AND g.cache_key = h.cache_key AND g.generation = h.generation WHERE h.project = $1 AND h.cache_key = $2",
+             AND g.cache_key = h.cache_key AND g.generation = h.generation WHERE h.project = $1 AND h.cache_key = $2 \
+             UNION SELECT c.node_id FROM cache_heads h JOIN cache_holders c ON c.project = h.project \
+             AND c.cache_key = h.cache_key AND c.generation = h.generation WHERE h.project = $1 AND h.cache_key = $2",
         )
         .bind(project)
         .bind(key)
-        .fetch_optional(&mut *conn)
+        .fetch_all(&mut *conn)
         .await?;
-        nodes.extend(node.filter(|node| !nodes.contains(node)));
+        for node in holding {
+            if !nodes.contains(&node) {
+                nodes.push(node);
+            }
+        }
     }
+    nodes.sort();
     Ok(nodes)
 }
 

@@ -109,6 +109,12 @@ pub static MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0008_cache_artifacts.sql"),
         sqlite: include_str!("../migrations/sqlite/0008_cache_artifacts.sql"),
     },
+    Migration {
+        version: 9,
+        name: "cache_followers",
+        postgres: include_str!("../migrations/postgres/0009_cache_followers.sql"),
+        sqlite: include_str!("../migrations/sqlite/0009_cache_followers.sql"),
+    },
 ];
 
 /// How the runtime starts it: [`server`] with the default timings.

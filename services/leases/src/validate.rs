@@ -290,6 +290,30 @@ pub(crate) fn cache_key(key: &str) -> Result<(), LeaseError> {
     berth_core::cache_key_problem(key).map_or(Ok(()), |problem| Err(invalid("key", problem)))
 }
 
+/// The most volumes one `FollowCaches` report may name.
+pub(crate) const MAX_HELD_CACHES: usize = 10_000;
+
+/// A node's report of the cache generations it holds.
+pub(crate) fn held_caches(held: Vec<v1::HeldCache>) -> Result<Vec<crate::caches::Held>, LeaseError> {
+    if held.len() > MAX_HELD_CACHES {
+        return Err(invalid("held", format!("names {} volumes; at most {MAX_HELD_CACHES}", held.len())));
+    }
+    held.into_iter()
+        .map(|volume| {
+            if volume.project.is_empty() || !berth_core::is_dns_label(&volume.project) {
+                return Err(invalid("held.project", format!("'{}' is not a project name", volume.project)));
+            }
+            if let Some(problem) = berth_core::cache_key_problem(&volume.key) {
+                return Err(invalid("held.key", problem));
+            }
+            if volume.generation == 0 {
+                return Err(invalid("held.generation", format!("volume {} names generation 0", volume.key)));
+            }
+            Ok(crate::caches::Held { project: volume.project, key: volume.key, generation: volume.generation })
+        })
+        .collect()
+}
+
 /// A content digest in `field`: `sha256:` and 64 lowercase hex digits.
 pub(crate) fn sha256_digest(field: &'static str, digest: &str) -> Result<(), LeaseError> {
     let hex = digest.strip_prefix("sha256:").unwrap_or_default();

@@ -388,7 +388,101 @@ async fn a_project_over_its_budget_loses_its_oldest_generations_never_a_head(bac
     ledger.cleanup().await;
 }
 
+/// Places a lease that takes `cpu_millis` of whatever node is freest, and no volume.
+async fn occupy(ledger: &Ledger, name: &str, cpu_millis: u64) -> v1::Lease {
+    ledger.leases(0).request_lease(ask(name, cpu_millis, GIB)).await.unwrap().into_inner().lease.unwrap()
+}
+
+/// Runs a lease of `deps` to DONE and publishes `sealed` as pushed; its node.
+async fn publish_pushed(ledger: &Ledger, name: &str, base: u64, sealed: u8) -> String {
+    let lease = place(ledger, name, "", "deps", CacheCommit::OnSuccess).await;
+    open(ledger, &lease, "deps", &[]).await.unwrap();
+    end(ledger, &lease, LeasePhase::Done).await;
+    let request = v1::CommitCacheRequest {
+        node_id: lease.node_id.clone(),
+        lease_id: lease.lease_id.clone(),
+        epoch: lease.epoch,
+        key: "deps".to_owned(),
+        base_generation: base,
+        digest: digest(sealed),
+        size_bytes: 1000,
+        artifact: digest(sealed + 100),
+        ..Default::default()
+    };
+    let done = ledger.node(&lease.node_id).commit_cache(request).await.unwrap().into_inner();
+    assert!(done.committed, "{done:?}");
+    lease.node_id
+}
+
+async fn follow(ledger: &Ledger, node_id: &str, held: &[u64]) -> Result<Vec<v1::CacheToFollow>, tonic::Status> {
+    let held = held
+        .iter()
+        .map(|&generation| v1::HeldCache { project: "default".into(), key: "deps".into(), generation })
+        .collect();
+    let request = v1::FollowCachesRequest { node_id: node_id.to_owned(), held };
+    Ok(ledger.node(node_id).follow_caches(request).await?.into_inner().follow)
+}
+
+async fn a_second_node_follows_a_volumes_head_and_placement_prefers_either_holder(backend: Backend) {
+    let registry = berth_leases::CacheRegistryConfig {
+        repository: "registry.internal:5000/caches".into(),
+        username: String::new(),
+        password: String::new(),
+    };
+    let config = LeasesConfig { cache_registry: Some(registry), ..fast_config() };
+    let mut fleet = nodes();
+    let mut third = fleet[0].clone();
+    third.node_id = "n-3".into();
+    fleet.push(third);
+    let ledger = Ledger::start(backend, config, fleet).await;
+
+    // Generation 1 is sealed on n-1; nobody follows a volume only one node has published.
+    assert_eq!(publish_pushed(&ledger, "one", 0, 1).await, "n-1");
+    assert!(follow(&ledger, "n-1", &[1]).await.unwrap().is_empty());
+    // n-1 full: generation 2 is sealed on another node from generation 1, and n-1 follows it.
+    let blocker = occupy(&ledger, "blocker", 4000).await;
+    assert_eq!(blocker.node_id, "n-1");
+    let sealer = publish_pushed(&ledger, "two", 1, 2).await;
+    assert_eq!(sealer, "n-2", "the freest node with room, by id");
+    assert!(follow(&ledger, "n-3", &[]).await.unwrap().is_empty(), "only the follower is asked");
+    let asked = follow(&ledger, "n-1", &[1]).await.unwrap();
+    assert_eq!(asked.len(), 1, "{asked:?}");
+    let head = asked[0].head.clone().unwrap();
+    assert_eq!((head.generation, head.node_id.as_str(), head.artifact.clone()), (2, "n-2", digest(102)));
+    assert_eq!(asked[0].registry.as_ref().unwrap().repository, "registry.internal:5000/caches/default");
+    // Once it reports holding the head it is asked for nothing, and shown as holding it.
+    assert!(follow(&ledger, "n-1", &[2]).await.unwrap().is_empty());
+    let request = v1::GetCacheRequest { project: String::new(), key: "deps".into() };
+    let got = caches(&ledger).get_cache(request).await.unwrap().into_inner();
+    assert_eq!(got.volume.unwrap().head.unwrap().held_by, ["n-1"]);
+
+    // The sealer full and the follower less free than n-3: the next lease still goes to the follower.
+    let release = |lease: v1::Lease| v1::ReleaseLeaseRequest { lease_id: lease.lease_id, ..Default::default() };
+    ledger.leases(0).release_lease(release(blocker)).await.unwrap();
+    let on_first = occupy(&ledger, "on-first", 4000).await;
+    assert_eq!(occupy(&ledger, "on-sealer", 4000).await.node_id, "n-2");
+    ledger.leases(0).release_lease(release(on_first)).await.unwrap();
+    assert_eq!(occupy(&ledger, "small", 500).await.node_id, "n-1");
+    let next = place(&ledger, "three", "", "deps", CacheCommit::OnSuccess).await;
+    assert_eq!(next.node_id, "n-1", "a node holding the head is preferred over a freer one");
+    let opened = open(&ledger, &next, "deps", &[2]).await.unwrap();
+    assert_eq!(opened.observation.unwrap().outcome(), CacheOutcome::Hit);
+
+    // A report must name real volumes and generations, and only for the caller's own node.
+    let bad = v1::FollowCachesRequest {
+        node_id: "n-1".into(),
+        held: vec![v1::HeldCache { project: "default".into(), key: "deps".into(), generation: 0 }],
+    };
+    let refused = ledger.node("n-1").follow_caches(bad).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(refused.message().contains("held.generation"), "{refused:?}");
+    let theirs = v1::FollowCachesRequest { node_id: "n-2".into(), held: Vec::new() };
+    assert_eq!(ledger.node("n-1").follow_caches(theirs).await.unwrap_err().code(), Code::PermissionDenied);
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
+    a_second_node_follows_a_volumes_head_and_placement_prefers_either_holder,
     a_project_over_its_budget_loses_its_oldest_generations_never_a_head,
     a_node_is_told_the_cache_registry_and_each_generation_keeps_its_artifact,
     a_view_is_published_only_when_its_workload_succeeded,

@@ -264,6 +264,13 @@ impl NodeLeasesApi for FakeLeases {
         Err(tonic::Status::unimplemented("this fake ledger keeps no cache volumes"))
     }
 
+    async fn follow_caches(
+        &self,
+        _request: berth_proto::leases::v1::FollowCachesRequest,
+    ) -> Result<berth_proto::leases::v1::FollowCachesResponse, tonic::Status> {
+        Ok(berth_proto::leases::v1::FollowCachesResponse::default())
+    }
+
     async fn commit_cache(
         &self,
         _request: berth_proto::leases::v1::CommitCacheRequest,

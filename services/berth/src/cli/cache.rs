@@ -215,6 +215,18 @@ fn details(got: &v1::GetCacheResponse) -> String {
         ("Key", volume.key.clone()),
         ("Head", generation_text(head)),
         ("Head digest", output::or_none(head.map_or("", |h| h.digest.as_str()))),
+        (
+            "Head on",
+            head.filter(|h| h.generation > 0).map_or_else(
+                || output::NONE.to_string(),
+                |h| {
+                    std::iter::once(h.node_id.as_str())
+                        .chain(h.held_by.iter().map(String::as_str))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+            ),
+        ),
         ("Generations", volume.generations.to_string()),
         ("Size", output::memory(volume.size_bytes)),
         ("Caching", if volume.enabled { "on".to_string() } else { "off for the project".to_string() }),
