@@ -95,8 +95,10 @@ const DEFAULT_MEMORY_MIB: u32 = 256;
 
 /// What a VMM may hold beyond its guest's memory before its cgroup's limit
 /// stops it: QEMU's own memory, measured at about 92 MiB under its
-/// translator (BENCHMARKS.md), with room to spare.
-const VMM_ALLOWANCE: u64 = 256 << 20;
+/// translator (BENCHMARKS.md), with room to spare. The node declares it
+/// (`berth.workload.memory-overhead`), so leases counts it against the
+/// node's capacity with each lease.
+pub(crate) const VMM_ALLOWANCE: u64 = 256 << 20;
 
 /// The command a VM runs, kept in its run directory.
 const COMMAND_FILE: &str = "command.json";
@@ -173,6 +175,13 @@ impl MicroVmSettings {
             config.init.clone().or_else(berth_microvm::install::find_init).filter(|init| init.is_file()).ok_or_else(
                 || format!("no guest init ({}): it ships beside the agent", berth_microvm::install::INIT_NAME),
             )?;
+        if !berth_microvm::install::is_static_executable(&init).unwrap_or(false) {
+            return Err(format!(
+                "the guest init {} is not a statically linked executable, which a guest could not start \
+                 (`make vminit` builds one)",
+                init.display()
+            ));
+        }
         let busybox = berth_microvm::install::find_busybox()
             .ok_or_else(|| "no static busybox (Debian's busybox-static) for the guests' userland".to_owned())?;
         Ok(Self {
