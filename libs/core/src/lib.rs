@@ -43,3 +43,12 @@ pub use workload_id::{WorkloadId, WorkloadIdError, is_trust_domain};
 /// a requester that can move the work, such as revisions, reads it): the
 /// lease should be replaced elsewhere, then released.
 pub const NODE_DRAINING: &str = "NodeDraining";
+
+/// The node label giving the memory, in bytes, each workload holds on the
+/// node beyond its lease's size (a microVM's VMM): the node's agent sets
+/// it, and leases charges it against the node's capacity with each lease.
+pub const MEMORY_OVERHEAD_LABEL: &str = "berth.workload.memory-overhead";
+
+/// The node label giving the least memory, in bytes, a workload holds on
+/// the node whatever its lease asks (a microVM's smallest guest).
+pub const MEMORY_FLOOR_LABEL: &str = "berth.workload.memory-floor";

@@ -321,6 +321,15 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     }
     config.labels.insert(RUNTIME_LABEL.into(), runtime_name);
     config.labels.insert(CONTAINED_LABEL.into(), contained.to_string());
+    // What each workload holds beyond its lease, charged against the node by leases.
+    let (overhead, floor) = runtime.memory_overhead();
+    for (label, bytes) in [(berth_core::MEMORY_OVERHEAD_LABEL, overhead), (berth_core::MEMORY_FLOOR_LABEL, floor)] {
+        if bytes > 0 {
+            config.labels.insert(label.into(), bytes.to_string());
+        } else {
+            config.labels.remove(label);
+        }
+    }
     let config = Arc::new(config);
     let dir = IdentityDir::open(&config.data_dir)?;
     let data_dir = || dir.root().display().to_string();

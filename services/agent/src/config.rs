@@ -126,6 +126,19 @@ impl WorkloadRuntime {
         self != WorkloadRuntime::Uncontained
     }
 
+    /// The memory, in bytes, each workload holds beyond its lease's size,
+    /// and the least it holds whatever the lease asks: a microVM's VMM
+    /// allowance and its smallest guest; none for the others, whose
+    /// workloads hold what their cgroups allow.
+    pub fn memory_overhead(self) -> (u64, u64) {
+        match self {
+            WorkloadRuntime::MicroVm => {
+                (crate::microvm::VMM_ALLOWANCE, u64::from(berth_microvm::vmm::MIN_MEMORY_MIB) << 20)
+            }
+            _ => (0, 0),
+        }
+    }
+
     /// Its name in the node's `berth.runtime` label.
     pub fn label(self) -> &'static str {
         match self {

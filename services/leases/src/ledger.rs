@@ -691,7 +691,7 @@ impl Ledger {
                     if unchanged {
                         return Ok((lease, false));
                     }
-                    let (before, after) = (lease.reserved(), lease.resources.max(wanted));
+                    let (before, after) = (lease.reserved(), lease.holding(lease.resources.max(wanted)));
                     let (more, less) = (after.minus(before), before.minus(after));
                     let total = room(&lease.node_id).ok_or_else(|| {
                         LeaseError::Unavailable(format!(
@@ -764,7 +764,7 @@ impl Ledger {
                         return Err(LeaseError::ResizeRefused(format!("lease {lease_id} is {}", lease.phase)));
                     }
                     let kept = if report.state == ResizeState::Applied { report.resources } else { lease.resources };
-                    let freed = lease.reserved().minus(kept);
+                    let freed = lease.reserved().minus(lease.holding(kept));
                     let done = sqlx::query(
                         "UPDATE node_ledger SET \
                          cpu_allocated = CASE WHEN cpu_allocated > $2 THEN cpu_allocated - $2 ELSE 0 END, \
@@ -1598,7 +1598,17 @@ async fn place_in_tx(
         query.execute(&mut *conn).await?;
     }
     let totals: HashMap<&str, Resources> = candidates.iter().map(|n| (n.node_id.as_str(), n.total)).collect();
-    let cursors = allocate(conn, &per_node, &to_place, &totals).await?;
+    // What each placed lease holds of its node: its size and the node's overhead.
+    let on_node: HashMap<&str, &PlacementNode> = candidates.iter().map(|n| (n.node_id.as_str(), n)).collect();
+    let charged: Vec<Resources> = plan
+        .placements
+        .iter()
+        .zip(&requests)
+        .map(|(placement, request)| {
+            placement.node_id().and_then(|id| on_node.get(id)).map_or(request.resources, |n| n.footprint(request))
+        })
+        .collect();
+    let cursors = allocate(conn, &per_node, &charged, &totals).await?;
     let mut seqs = vec![0i64; to_place.len()];
     for (node_id, positions) in &per_node {
         let cursor = cursors.get(*node_id).copied().unwrap_or_default();
@@ -1635,6 +1645,7 @@ async fn place_in_tx(
                 ports: Vec::new(),
                 resize: None,
                 cache: Vec::new(),
+                memory_overhead: charged[position].minus(ask.resources).memory_bytes,
             });
         }
     }
@@ -1660,7 +1671,7 @@ async fn place_in_tx(
 async fn allocate(
     conn: &mut AnyConnection,
     per_node: &BTreeMap<&str, Vec<usize>>,
-    to_place: &[&LeaseAsk],
+    charged: &[Resources],
     totals: &HashMap<&str, Resources>,
 ) -> Result<HashMap<String, i64>, LeaseError> {
     let mut cursors = HashMap::with_capacity(per_node.len());
@@ -1693,7 +1704,7 @@ async fn allocate(
         );
         let mut query = sqlx::query_as::<_, (String, i64)>(sqlx::AssertSqlSafe(sql));
         for (node_id, positions) in chunk {
-            let wanted = positions.iter().fold(Resources::default(), |sum, &p| sum.plus(to_place[p].resources));
+            let wanted = positions.iter().fold(Resources::default(), |sum, &p| sum.plus(charged[p]));
             let total = totals.get(**node_id).copied().unwrap_or_default();
             query = query
                 .bind(**node_id)
@@ -1773,9 +1784,9 @@ async fn insert_leases<'a>(
     for chunk in leases.chunks(ROWS_PER_STATEMENT) {
         let values: Vec<String> = (0..chunk.len())
             .map(|row| {
-                let p = |k: usize| format!("${}", 2 + row * 12 + k);
+                let p = |k: usize| format!("${}", 2 + row * 13 + k);
                 format!(
-                    "({}, {}, {}, {}, {}, 'bound', 1, {}, {}, {}, {}, {}, $1, $1, $2, {}, {})",
+                    "({}, {}, {}, {}, {}, 'bound', 1, {}, {}, {}, {}, {}, $1, $1, $2, {}, {}, {})",
                     p(1),
                     p(2),
                     p(3),
@@ -1787,14 +1798,15 @@ async fn insert_leases<'a>(
                     p(9),
                     p(10),
                     p(11),
-                    p(12)
+                    p(12),
+                    p(13)
                 )
             })
             .collect();
         let sql = format!(
             "INSERT INTO leases (lease_id, project, idempotency_key, owner, node_id, phase, epoch, cpu_millis, \
              memory_bytes, tier, spread_group, workload, created_at_ms, phase_changed_at_ms, expires_at_ms, seq, \
-             traceparent) VALUES {}",
+             traceparent, memory_overhead_bytes) VALUES {}",
             values.join(", ")
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now).bind(expires_at);
@@ -1811,7 +1823,8 @@ async fn insert_leases<'a>(
                 .bind(lease.spread_group.as_str())
                 .bind(lease.workload.encode_to_vec())
                 .bind(lease.seq)
-                .bind(lease.traceparent.as_str());
+                .bind(lease.traceparent.as_str())
+                .bind(to_column(lease.memory_overhead));
         }
         query.execute(&mut *conn).await?;
     }

@@ -115,6 +115,12 @@ pub static MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0009_cache_followers.sql"),
         sqlite: include_str!("../migrations/sqlite/0009_cache_followers.sql"),
     },
+    Migration {
+        version: 10,
+        name: "memory_overhead",
+        postgres: include_str!("../migrations/postgres/0010_memory_overhead.sql"),
+        sqlite: include_str!("../migrations/sqlite/0010_memory_overhead.sql"),
+    },
 ];
 
 /// How the runtime starts it: [`server`] with the default timings.

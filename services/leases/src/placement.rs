@@ -58,6 +58,8 @@ pub(crate) const RUNTIME_LABEL: &str = "berth.runtime";
 /// The node label saying whether a node contains its workloads.
 pub(crate) const CONTAINED_LABEL: &str = "berth.contained";
 
+use berth_core::{MEMORY_FLOOR_LABEL, MEMORY_OVERHEAD_LABEL};
+
 /// What runs a node's workloads, as its labels say; a node that says
 /// nothing runs only workloads that need nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -66,15 +68,29 @@ pub struct NodeRuntime {
     pub name: String,
     /// Whether it contains its workloads.
     pub contained: bool,
+    /// The memory each workload holds beyond its lease's size.
+    pub memory_overhead: u64,
+    /// The least memory a workload holds, whatever its lease asks.
+    pub memory_floor: u64,
 }
 
 impl NodeRuntime {
-    /// From a node's labels.
+    /// From a node's labels; a size label that is not a number of bytes
+    /// counts as none.
     pub fn of_labels(labels: &HashMap<String, String>) -> Self {
+        let bytes = |label: &str| labels.get(label).and_then(|value| value.parse().ok()).unwrap_or(0);
         Self {
             name: labels.get(RUNTIME_LABEL).cloned().unwrap_or_default(),
             contained: labels.get(CONTAINED_LABEL).is_some_and(|v| v == "true"),
+            memory_overhead: bytes(MEMORY_OVERHEAD_LABEL),
+            memory_floor: bytes(MEMORY_FLOOR_LABEL),
         }
+    }
+
+    /// What a lease of `size` holds of the node: its size, its memory
+    /// raised to the floor, plus the overhead.
+    pub fn footprint(&self, size: Resources) -> Resources {
+        Resources::new(size.cpu_millis, size.memory_bytes.max(self.memory_floor).saturating_add(self.memory_overhead))
     }
 
     /// Whether it runs container images: every containing runtime does
@@ -181,6 +197,11 @@ impl PlacementNode {
     /// Whether it may take `request` at all, room aside.
     fn eligible(&self, request: &PlacementRequest) -> bool {
         self.state == NodeState::Up && self.in_tier(&request.tier) && self.runtime.satisfies(request.runtime)
+    }
+
+    /// What `request` would hold of this node.
+    pub fn footprint(&self, request: &PlacementRequest) -> Resources {
+        self.runtime.footprint(request.resources)
     }
 
     fn spread_count(&self, group: &str) -> u32 {
@@ -317,7 +338,7 @@ pub fn place(nodes: &[PlacementNode], requests: &[PlacementRequest]) -> Placemen
     let mut placements = Vec::with_capacity(requests.len());
     for request in requests {
         let chosen =
-            nodes.iter_mut().filter(|n| n.eligible(request) && n.free().holds(request.resources)).min_by(|a, b| {
+            nodes.iter_mut().filter(|n| n.eligible(request) && n.free().holds(n.footprint(request))).min_by(|a, b| {
                 let key = |n: &PlacementNode| {
                     let cold = !request.warm_nodes.contains(&n.node_id);
                     (n.spread_count(&request.spread_group), cold, Reverse(n.freeness()))
@@ -326,7 +347,7 @@ pub fn place(nodes: &[PlacementNode], requests: &[PlacementRequest]) -> Placemen
             });
         match chosen {
             Some(node) => {
-                node.allocated = node.allocated.plus(request.resources);
+                node.allocated = node.allocated.plus(node.footprint(request));
                 if !request.spread_group.is_empty() {
                     *node.spread.entry(request.spread_group.clone()).or_default() += 1;
                 }
@@ -350,8 +371,8 @@ fn shortage(nodes: &[PlacementNode], request: &PlacementRequest) -> Shortage {
         runtime: request.runtime,
         wanted,
         up_nodes: up.len(),
-        cpu_short: up.iter().all(|n| n.free().cpu_millis < wanted.cpu_millis),
-        memory_short: up.iter().all(|n| n.free().memory_bytes < wanted.memory_bytes),
+        cpu_short: up.iter().all(|n| n.free().cpu_millis < n.footprint(request).cpu_millis),
+        memory_short: up.iter().all(|n| n.free().memory_bytes < n.footprint(request).memory_bytes),
         most_free,
     }
 }
@@ -561,7 +582,7 @@ mod tests {
     }
 
     fn run_by(node: PlacementNode, name: &str, contained: bool) -> PlacementNode {
-        node.with_runtime(NodeRuntime { name: name.to_owned(), contained })
+        node.with_runtime(NodeRuntime { name: name.to_owned(), contained, ..Default::default() })
     }
 
     #[test]
@@ -629,6 +650,30 @@ mod tests {
             (RUNTIME_LABEL.to_owned(), "runsc".to_owned()),
             (CONTAINED_LABEL.to_owned(), "true".to_owned()),
         ]);
-        assert_eq!(NodeRuntime::of_labels(&labels), NodeRuntime { name: "runsc".into(), contained: true });
+        assert_eq!(
+            NodeRuntime::of_labels(&labels),
+            NodeRuntime { name: "runsc".into(), contained: true, ..Default::default() }
+        );
+    }
+
+    #[test]
+    fn a_node_that_declares_a_memory_overhead_is_charged_it_for_every_lease() {
+        let labels = HashMap::from([
+            (RUNTIME_LABEL.to_owned(), "microvm".to_owned()),
+            (CONTAINED_LABEL.to_owned(), "true".to_owned()),
+            (MEMORY_OVERHEAD_LABEL.to_owned(), (256_u64 << 20).to_string()),
+            (MEMORY_FLOOR_LABEL.to_owned(), (128_u64 << 20).to_string()),
+        ]);
+        let vm = node("vm", 8000, 1).with_runtime(NodeRuntime::of_labels(&labels));
+        // 64 MiB asked: the guest's floor (128 MiB) and the VMM's 256 MiB are held.
+        let small = PlacementRequest { resources: Resources::new(100, 64 << 20), ..ask(0, 0) };
+        assert_eq!(vm.footprint(&small), Resources::new(100, 384 << 20));
+        let plan = place(std::slice::from_ref(&vm), &[small.clone(), small.clone(), small.clone()]);
+        assert_eq!(placed(&plan), vec!["vm", "vm", "-"], "two of 384 MiB fit in 1 GiB, a third does not");
+        let Placement::NoRoom(shortage) = &plan.placements[2] else { panic!("{plan:?}") };
+        assert!(shortage.memory_short, "{shortage:?}");
+        // A node that declares nothing (or nonsense) charges the size alone.
+        let labels = HashMap::from([(MEMORY_OVERHEAD_LABEL.to_owned(), "lots".to_owned())]);
+        assert_eq!(NodeRuntime::of_labels(&labels).footprint(small.resources), small.resources);
     }
 }

@@ -21,7 +21,8 @@ macro_rules! lease_columns {
     () => {
         "lease_id, project, idempotency_key, owner, node_id, phase, epoch, cpu_millis, memory_bytes, tier, \
          spread_group, workload, reason, message, exit_code, created_at_ms, phase_changed_at_ms, expires_at_ms, seq, \
-         traceparent, ports, resize_state, resize_cpu_millis, resize_memory_bytes, resize_reason, resize_message, cache"
+         traceparent, ports, resize_state, resize_cpu_millis, resize_memory_bytes, resize_reason, resize_message, cache, \
+         memory_overhead_bytes"
     };
 }
 
@@ -58,6 +59,8 @@ pub(crate) struct LeaseRecord {
     pub(crate) resize: Option<Resize>,
     /// What each cache volume did, by key (`CacheObservation`).
     pub(crate) cache: Vec<v1::CacheObservation>,
+    /// The node memory it holds beyond its size (see `Lease.memory_overhead_bytes`).
+    pub(crate) memory_overhead: u64,
 }
 
 impl LeaseRecord {
@@ -117,6 +120,7 @@ impl LeaseRecord {
                     })?
                     .observations
             },
+            memory_overhead: from_column(row.try_get("memory_overhead_bytes")?),
         })
     }
 
@@ -128,7 +132,13 @@ impl LeaseRecord {
     /// What it holds of its node's capacity while open: its size, or the
     /// larger of its size and a pending resize's in each dimension.
     pub(crate) fn reserved(&self) -> Resources {
-        self.pending_resize().map_or(self.resources, |asked| self.resources.max(asked))
+        self.holding(self.pending_resize().map_or(self.resources, |asked| self.resources.max(asked)))
+    }
+
+    /// What it holds of its node's capacity at `size`: the size and its
+    /// memory overhead.
+    pub(crate) fn holding(&self, size: Resources) -> Resources {
+        size.plus(Resources::new(0, self.memory_overhead))
     }
 
     /// The epoch as the API counts it.
@@ -165,6 +175,7 @@ impl LeaseRecord {
                 message: resize.message.clone(),
             }),
             cache: self.cache.clone(),
+            memory_overhead_bytes: self.memory_overhead,
         }
     }
 

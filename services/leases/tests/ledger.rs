@@ -627,7 +627,36 @@ async fn a_draining_nodes_leases_are_told_and_what_is_left_is_released_at_its_de
     ledger.cleanup().await;
 }
 
+async fn a_nodes_declared_memory_overhead_is_held_with_each_lease_and_given_back_with_it(backend: Backend) {
+    let mut vm_node = node("vm", "", NodeState::Up, 4000, GIB);
+    vm_node.labels.insert("berth.runtime".into(), "microvm".into());
+    vm_node.labels.insert("berth.contained".into(), "true".into());
+    vm_node.labels.insert(berth_core::MEMORY_OVERHEAD_LABEL.into(), (256 * MIB).to_string());
+    vm_node.labels.insert(berth_core::MEMORY_FLOOR_LABEL.into(), (128 * MIB).to_string());
+    let ledger = Ledger::start(backend, fast_config(), vec![vm_node]).await;
+
+    // 64 MiB asked: the guest is raised to 128 MiB and the VMM's 256 MiB is held beside it.
+    let first = ledger.leases(0).request_lease(ask("first", 100, 64 * MIB)).await.unwrap().into_inner().lease.unwrap();
+    assert_eq!((first.resources.unwrap().memory_bytes, first.memory_overhead_bytes), (64 * MIB, 320 * MIB));
+    let second =
+        ledger.leases(0).request_lease(ask("second", 100, 64 * MIB)).await.unwrap().into_inner().lease.unwrap();
+    assert_eq!(ledger.node_capacity("vm").await.allocated.unwrap().memory_bytes, 768 * MIB);
+    let refused = ledger.leases(0).request_lease(ask("third", 100, 64 * MIB)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "1 GiB holds two VMs of 384 MiB, not three: {refused:?}");
+    assert!(refused.message().contains("memory"), "{refused:?}");
+
+    // Each lease gives back all it held.
+    for lease in [first, second] {
+        let release = v1::ReleaseLeaseRequest { lease_id: lease.lease_id.clone(), ..Default::default() };
+        ledger.leases(0).release_lease(release).await.unwrap();
+    }
+    let capacity = ledger.node_capacity("vm").await;
+    assert_eq!((capacity.leases, capacity.allocated.unwrap().memory_bytes), (0, 0));
+    ledger.cleanup().await;
+}
+
 on_both_backends!(
+    a_nodes_declared_memory_overhead_is_held_with_each_lease_and_given_back_with_it,
     a_draining_nodes_leases_are_told_and_what_is_left_is_released_at_its_deadline,
     a_resize_grows_at_once_shrinks_once_applied_and_what_does_not_fit_changes_nothing,
     a_lease_goes_only_where_the_runtime_it_needs_runs,

@@ -581,6 +581,13 @@ fn details(lease: &v1::Lease) -> String {
         ("Node", output::or_none(&lease.node_id)),
         ("Epoch", lease.epoch.to_string()),
         ("Resources", output::capacity(lease.resources.as_ref())),
+        (
+            "Node overhead",
+            match lease.memory_overhead_bytes {
+                0 => output::NONE.to_string(),
+                bytes => format!("{} memory (held beside its resources, e.g. by its VMM)", output::memory(bytes)),
+            },
+        ),
         ("Resize", resize_line(lease)),
         ("Cache", cache_line(&workload, &lease.cache)),
         ("Tier", output::or_none(&lease.tier)),
