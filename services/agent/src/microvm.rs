@@ -448,21 +448,21 @@ impl MicroVmProvider {
         crate::container::Cgroup::new(&format!("{}/{lease_id}", crate::container::cgroup_parent(&self.inner.dir)))
     }
 
-    /// Puts the VMM `pid` in a cgroup of its lease's: its CPU quota the
-    /// lease's CPU (none for a lease that reserves none), its memory the
-    /// guest's and [`VMM_ALLOWANCE`], so neither the guest nor QEMU itself
-    /// takes more of the node than that. Only root has cgroups to give; an
-    /// agent that is not root runs its VMs without.
+    /// Makes the cgroup of `lease_id`'s VMM: its CPU quota the lease's CPU
+    /// (none for a lease that reserves none), its memory the guest's and
+    /// [`VMM_ALLOWANCE`], so neither the guest nor QEMU itself takes more
+    /// of the node than that; the command line prefix that starts QEMU in
+    /// it (before its first allocation). Only root has cgroups to give: an
+    /// agent that is not root runs its VMs without (no prefix).
     fn hold(
         &self,
         lease_id: &str,
-        pid: u32,
         cpus: u32,
         resources: crate::provider::Resources,
         memory_mib: u32,
-    ) -> Result<(), String> {
+    ) -> Result<Vec<String>, String> {
         if !rustix::process::geteuid().is_root() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let memory = i64::try_from((u64::from(memory_mib) << 20) + VMM_ALLOWANCE).unwrap_or(i64::MAX);
         // The lease's CPU, never less than a tenth of its vCPUs' worth.
@@ -470,7 +470,7 @@ impl MicroVmProvider {
             .then(|| i64::try_from(resources.cpu_millis.max(u64::from(cpus) * 100) * 100).unwrap_or(i64::MAX));
         let cgroup = self.cgroup(lease_id);
         cgroup.create_with(Some((Some(memory), Some(memory))), Some((quota, Some(100_000))), None)?;
-        cgroup.join(pid)
+        Ok(cgroup.enter_prefix())
     }
 
     /// Sends a VM found running its command again when its init has not
@@ -846,7 +846,7 @@ impl Provider for MicroVmProvider {
         let logs = self.inner.instances.layout.logs(&spec.lease_id);
         let resources = spec.resources;
         let accel = self.accel(&vm_initramfs).await;
-        let vm = VmSpec {
+        let mut vm = VmSpec {
             qemu: self.inner.settings.qemu.clone(),
             accel,
             vmlinuz: self.inner.settings.kernel_dir.join("vmlinuz"),
@@ -872,9 +872,22 @@ impl Provider for MicroVmProvider {
         })
         .await?;
         let (exit_tx, exit_rx) = watch::channel(None);
+        // QEMU starts inside its cgroup, and then enters the tenant's namespace.
+        match self.hold(&spec.lease_id, vm.cpus, resources, vm.memory_mib) {
+            Ok(mut enter) => {
+                enter.append(&mut vm.enter);
+                vm.enter = enter;
+            }
+            Err(error) => {
+                self.cgroup(&spec.lease_id).remove();
+                self.inner.instances.never_started(first).await;
+                return Err(ProviderError::Spawn { command: program, source: std::io::Error::other(error) });
+            }
+        }
         let Vm { child, control } = match Vm::boot(&vm, &command).await {
             Ok(vm) => vm,
             Err(error) => {
+                self.cgroup(&spec.lease_id).remove();
                 self.inner.instances.never_started(first).await;
                 return Err(ProviderError::Spawn {
                     command: program,
@@ -883,14 +896,6 @@ impl Provider for MicroVmProvider {
             }
         };
         let pid = child.id();
-        if let Some(pid) = pid
-            && let Err(error) = self.hold(&spec.lease_id, pid, vm.cpus, resources, vm.memory_mib)
-        {
-            let _ = rustix::process::Pid::from_raw(pid.cast_signed())
-                .map(|vmm| rustix::process::kill_process(vmm, rustix::process::Signal::KILL));
-            self.inner.instances.never_started(first).await;
-            return Err(ProviderError::Spawn { command: program, source: std::io::Error::other(error) });
-        }
         let start_ticks = pid.and_then(|pid| procfs::read_stat(&self.inner.proc_root, pid)).map(|s| s.start_ticks);
         let started = StoredRecord { pid, start_ticks, started_at_ms: Some(unix_ms(SystemTime::now())), ..first };
         self.inner.controls.lock().await.insert(spec.lease_id.clone(), control);

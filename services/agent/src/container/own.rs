@@ -560,6 +560,25 @@ impl Cgroup {
     }
 
     /// Moves `pid` (and so everything it will start) into the cgroup.
+    /// The command line prefix that puts the process it starts in this
+    /// cgroup before it runs what follows: `/bin/sh` writes its own pid to
+    /// each hierarchy's `cgroup.procs`, then execs the rest (same pid), so
+    /// everything the program allocates is charged here from its first
+    /// page. The shell exits 125 when a write is refused, before the
+    /// program runs.
+    pub(crate) fn enter_prefix(&self) -> Vec<String> {
+        let mut prefix = vec![
+            "/bin/sh".to_owned(),
+            "-c".to_owned(),
+            r#"n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n - 1)); done; exec "$@""#
+                .to_owned(),
+            "berth-cgroup-enter".to_owned(),
+            self.dirs.len().to_string(),
+        ];
+        prefix.extend(self.dirs.iter().map(|dir| dir.join("cgroup.procs").display().to_string()));
+        prefix
+    }
+
     pub(crate) fn join(&self, pid: u32) -> Result<(), String> {
         for dir in &self.dirs {
             let procs = dir.join("cgroup.procs");

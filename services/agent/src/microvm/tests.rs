@@ -179,6 +179,20 @@ async fn the_vmm_is_held_in_a_cgroup_of_its_lease_to_the_guests_memory_and_the_l
     assert_eq!(memory, (192 << 20) + VMM_ALLOWANCE, "the guest's memory and the VMM's allowance");
     assert_eq!(quota, 150_000, "the lease's CPU");
     assert!(cgroup.memory_bytes() > 64 << 20, "the guest's memory is charged to it");
+    // QEMU ran in it from its first page: every anonymous page it holds is charged here
+    // (a process moved in after it started leaves what it allocated before charged elsewhere).
+    let status = std::fs::read_to_string(format!("/proc/{vmm}/status")).unwrap();
+    let anon_kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("RssAnon:"))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    assert!(
+        cgroup.memory_bytes() >= anon_kib << 10,
+        "charged {} bytes, QEMU holds {} anonymous",
+        cgroup.memory_bytes(),
+        anon_kib << 10
+    );
     provider.destroy("lease-cg").await.unwrap();
     eventually("the cgroup to be removed with its VM", SLOW, || async {
         if cgroup.processes().is_empty() && cgroup.read_number("memory", "memory.usage_in_bytes") == 0 {
