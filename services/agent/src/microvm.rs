@@ -558,11 +558,27 @@ impl MicroVmProvider {
         let killed = self.inner.killed.lock().map(|mut k| k.remove(lease_id)).unwrap_or(false);
         let run_dir = self.inner.instances.layout.work_dir(lease_id);
         let reported = statuses(&run_dir);
-        let status = exit_status(&reported, killed);
+        let status = exit_status(&reported, killed, true);
+        let stderr = self.inner.instances.layout.logs(lease_id).stderr;
         if let Some(Status::Failed(why)) = reported.iter().find(|s| matches!(s, Status::Failed(_))) {
             tracing::warn!(%lease_id, %why, "the guest could not start the workload");
-            let stderr = self.inner.instances.layout.logs(lease_id).stderr;
             let _ = append(&stderr, &format!("berth: the microVM could not start the workload: {why}\n"));
+        } else if reported.is_empty() && !killed {
+            // Its kernel or init never got as far as the workload (a panic, an init it could not run).
+            let console = std::fs::read_to_string(run_dir.join("console.log")).unwrap_or_default();
+            let lines: Vec<&str> = console.lines().filter(|line| !line.trim().is_empty()).collect();
+            // A panic's own line and the one before it say why; its stack trace does not.
+            let said = match lines.iter().position(|line| line.contains("Kernel panic")) {
+                Some(at) => lines[at.saturating_sub(1)..=at].join(" | "),
+                None => lines[lines.len().saturating_sub(3)..].join(" | "),
+            };
+            tracing::warn!(%lease_id, console = %said, "the microVM ended before its init started the workload");
+            let _ = append(
+                &stderr,
+                &format!(
+                    "berth: the microVM ended before its init started the workload; its console's last words: {said}\n"
+                ),
+            );
         }
         self.inner.instances.ended(lease_id, status).await;
     }
@@ -649,8 +665,10 @@ fn guest_network(
 }
 
 /// How a VM's workload ended, from its status lines; `killed` when this
-/// provider killed its VMM.
-fn exit_status(statuses: &[Status], killed: bool) -> ExitStatus {
+/// provider killed its VMM, `watched` when it saw the VMM end (then a VM
+/// that reported nothing never started its workload: 127, as a shell
+/// reports a program it cannot run).
+fn exit_status(statuses: &[Status], killed: bool, watched: bool) -> ExitStatus {
     let reported = statuses.iter().find_map(|status| match status {
         Status::Exited(GuestExit::Code(code)) => Some(ExitStatus::Code(*code)),
         Status::Exited(GuestExit::Signal(signal)) => Some(ExitStatus::Signal(*signal)),
@@ -661,6 +679,8 @@ fn exit_status(statuses: &[Status], killed: bool) -> ExitStatus {
     match reported {
         Some(status) => status,
         None if killed => ExitStatus::Signal(9),
+        // Seen to end with nothing reported: its init never started the workload.
+        None if watched && statuses.is_empty() => ExitStatus::Code(127),
         None => ExitStatus::Unknown,
     }
 }
@@ -924,7 +944,7 @@ impl Provider for MicroVmProvider {
             }
             if running.is_none() && stored.exit.is_none() {
                 // Ended while no agent watched: its status lines tell how.
-                let status = exit_status(&statuses(&self.inner.instances.layout.work_dir(&lease_id)), false);
+                let status = exit_status(&statuses(&self.inner.instances.layout.work_dir(&lease_id)), false, false);
                 self.inner.instances.ended_unwatched(&mut stored, status).await?;
             }
             recovered.push(self.inner.instances.recovered(stored));

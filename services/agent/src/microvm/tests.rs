@@ -54,6 +54,24 @@ fn spec(lease_id: &str, script: &str) -> LaunchSpec {
 }
 
 #[tokio::test]
+async fn a_vm_whose_init_cannot_start_ends_127_with_its_consoles_last_words_in_the_leases_log() {
+    let tmp = TestDir::new();
+    // An init the guest's kernel cannot execute: it panics, and QEMU powers off.
+    let broken = tmp.path().join("not-an-init");
+    std::fs::write(&broken, "no program here\n").unwrap();
+    let settings = MicroVmSettings { init: broken, ..settings(Duration::from_secs(20)) };
+    let provider = MicroVmProvider::new(tmp.path(), settings, CancellationToken::new());
+    let mut launched = provider.launch(spec("lease-p", "echo never")).await.unwrap();
+    assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(127), "the workload never ran");
+    let stderr = std::fs::read_to_string(provider.log_files("lease-p").unwrap().stderr).unwrap();
+    assert!(stderr.contains("the microVM ended before its init started the workload"), "{stderr}");
+    assert!(
+        stderr.contains("Failed to execute /init") && stderr.contains("Kernel panic"),
+        "the console's words name why the kernel panicked: {stderr}"
+    );
+}
+
+#[tokio::test]
 async fn a_command_runs_in_its_own_vm_with_its_environment_and_its_exit_code_and_output_are_kept() {
     let tmp = TestDir::new();
     let provider = provider(tmp.path(), CancellationToken::new());
