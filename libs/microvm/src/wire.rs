@@ -43,6 +43,11 @@ pub struct GuestCommand {
     /// limit but the VM's memory.
     #[serde(default)]
     pub max_processes: u64,
+    /// The most memory the workload and all it starts may hold, in bytes,
+    /// held by a memory cgroup inside the guest (the guest's own kernel
+    /// and init live beside it); 0 for no limit but the VM's memory.
+    #[serde(default)]
+    pub memory_limit_bytes: u64,
 }
 
 /// How the init sets up the guest's one network interface (`eth0`).
@@ -63,6 +68,8 @@ pub enum GuestExit {
     Code(i32),
     /// A signal with this number ended it.
     Signal(i32),
+    /// The guest's kernel killed it for going past its memory limit.
+    OutOfMemory,
 }
 
 /// One frame from the node to the init.
@@ -92,6 +99,7 @@ impl Status {
             Status::Started(pid) => format!("started {pid}\n"),
             Status::Exited(GuestExit::Code(code)) => format!("exited {code}\n"),
             Status::Exited(GuestExit::Signal(signal)) => format!("killed {signal}\n"),
+            Status::Exited(GuestExit::OutOfMemory) => "oom-killed 9\n".to_owned(),
             // One line, whatever the reason says.
             Status::Failed(why) => format!("failed {}\n", why.replace('\n', " ")),
         }
@@ -107,6 +115,7 @@ impl Status {
                     "started" => rest.parse().ok().map(Status::Started),
                     "exited" => rest.parse().ok().map(|code| Status::Exited(GuestExit::Code(code))),
                     "killed" => rest.parse().ok().map(|signal| Status::Exited(GuestExit::Signal(signal))),
+                    "oom-killed" => Some(Status::Exited(GuestExit::OutOfMemory)),
                     "failed" => Some(Status::Failed(rest.to_owned())),
                     _ => None,
                 }
@@ -214,6 +223,7 @@ mod tests {
             gid: 1000,
             hostname: "lease-1".into(),
             max_processes: 1024,
+            memory_limit_bytes: 0,
             network: Some(GuestNetwork {
                 address: "10.0.2.15/24".into(),
                 gateway: "10.0.2.2".into(),
@@ -243,15 +253,16 @@ mod tests {
             Status::Started(42),
             Status::Exited(GuestExit::Code(-1)),
             Status::Exited(GuestExit::Signal(9)),
+            Status::Exited(GuestExit::OutOfMemory),
             Status::Failed("cannot run /bin/nope:\nno such file".into()),
         ];
         let mut text: String = statuses.iter().map(Status::line).collect();
-        assert_eq!(text.lines().count(), 4, "a reason is kept to one line");
+        assert_eq!(text.lines().count(), 5, "a reason is kept to one line");
         text.push_str("exi");
         let read = Status::parse_all(&text);
-        assert_eq!(read[..3], statuses[..3]);
-        assert_eq!(read[3], Status::Failed("cannot run /bin/nope: no such file".into()));
-        assert_eq!(read.len(), 4);
+        assert_eq!(read[..4], statuses[..4]);
+        assert_eq!(read[4], Status::Failed("cannot run /bin/nope: no such file".into()));
+        assert_eq!(read.len(), 5);
     }
 
     #[test]

@@ -95,6 +95,7 @@ fn command(script: &str) -> GuestCommand {
         hostname: "lease-a".into(),
         network: None,
         max_processes: 0,
+        memory_limit_bytes: 0,
     }
 }
 

@@ -132,8 +132,12 @@ impl WorkloadRuntime {
     /// workloads hold what their cgroups allow.
     pub fn memory_overhead(self) -> (u64, u64) {
         match self {
+            // The guest is the workload's memory and a reserve (at least the smallest
+            // guest); QEMU's allowance is beside it.
             WorkloadRuntime::MicroVm => {
-                (crate::microvm::VMM_ALLOWANCE, u64::from(berth_microvm::vmm::MIN_MEMORY_MIB) << 20)
+                let reserve = u64::from(crate::microvm::GUEST_RESERVE_MIB) << 20;
+                let smallest = u64::from(berth_microvm::vmm::MIN_MEMORY_MIB) << 20;
+                (crate::microvm::VMM_ALLOWANCE + reserve, smallest.saturating_sub(reserve))
             }
             _ => (0, 0),
         }

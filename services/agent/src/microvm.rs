@@ -90,8 +90,23 @@ const GUEST_USER: u32 = 1000;
 /// The size of a lease's scratch image (sparse: it takes disk as written).
 const SCRATCH_BYTES: u64 = 4 << 30;
 
-/// Guest memory for a lease that reserves none.
+/// Workload memory for a lease that reserves none.
 const DEFAULT_MEMORY_MIB: u32 = 256;
+
+/// Guest memory beyond the workload's, for the guest's own kernel and init:
+/// the workload is held to its lease's memory by a cgroup inside the guest,
+/// so that going past it is an OOM kill of the workload (reported as such),
+/// not a guest whose kernel has nothing left. The cloud kernel keeps about
+/// 40 MiB of a guest's memory and its boot about 60 MiB more.
+pub(crate) const GUEST_RESERVE_MIB: u32 = 128;
+
+/// The memory a lease's workload may hold in its VM, MiB.
+fn workload_memory_mib(memory_bytes: u64) -> u32 {
+    match memory_bytes >> 20 {
+        0 => DEFAULT_MEMORY_MIB,
+        mib => u32::try_from(mib).unwrap_or(u32::MAX),
+    }
+}
 
 /// What a VMM may hold beyond its guest's memory before its cgroup's limit
 /// stops it: QEMU's own memory, measured at about 92 MiB under its
@@ -348,6 +363,7 @@ impl MicroVmProvider {
             hostname: "probe".into(),
             network: None,
             max_processes: 0,
+            memory_limit_bytes: 0,
         };
         let mut vm = Vm::boot(&spec, &command).await.map_err(|e| e.to_string())?;
         let finished = tokio::time::timeout(PROBE_DEADLINE, vm.child.wait()).await;
@@ -672,6 +688,7 @@ fn exit_status(statuses: &[Status], killed: bool, watched: bool) -> ExitStatus {
     let reported = statuses.iter().find_map(|status| match status {
         Status::Exited(GuestExit::Code(code)) => Some(ExitStatus::Code(*code)),
         Status::Exited(GuestExit::Signal(signal)) => Some(ExitStatus::Signal(*signal)),
+        Status::Exited(GuestExit::OutOfMemory) => Some(ExitStatus::OutOfMemory),
         // The workload never ran: as a shell reports a program it cannot run.
         Status::Failed(_) => Some(ExitStatus::Code(127)),
         Status::Started(_) => None,
@@ -862,6 +879,8 @@ impl Provider for MicroVmProvider {
             hostname: spec.lease_id.chars().take(63).collect(),
             network: guest_network,
             max_processes: u64::try_from(self.inner.settings.pids_limit).unwrap_or(0),
+            // The workload gets its lease's memory; the guest's kernel and init live beside it.
+            memory_limit_bytes: u64::from(workload_memory_mib(spec.resources.memory_bytes)) << 20,
         };
         let logs = self.inner.instances.layout.logs(&spec.lease_id);
         let resources = spec.resources;
@@ -874,10 +893,7 @@ impl Provider for MicroVmProvider {
             root_image,
             scratch_image: scratch,
             cpus: u32::try_from(resources.cpu_millis.div_ceil(1000)).unwrap_or(u32::MAX).max(1),
-            memory_mib: match resources.memory_bytes >> 20 {
-                0 => DEFAULT_MEMORY_MIB,
-                mib => u32::try_from(mib).unwrap_or(u32::MAX),
-            },
+            memory_mib: workload_memory_mib(resources.memory_bytes).saturating_add(GUEST_RESERVE_MIB),
             run_dir,
             stdout_log: logs.stdout,
             stderr_log: logs.stderr,

@@ -787,13 +787,13 @@ fn a_container_image_deploys_with_service_apply_as_a_microvm() {
         ["resolver-refused", "proxy-refused"],
         "its names and requests go to its tenant's resolver and proxy, which hold them to its policy: {report}"
     );
-    // The node holds the VMM's allowance beside the guest's memory.
+    // The node holds the guest's reserve and the VMM's allowance beside the workload's memory.
     let lease_id = shown["replicas"][0]["leaseId"].as_str().unwrap().to_owned();
     let lease = dev.ok(&["lease", "get", &lease_id]);
-    assert!(lease.contains("Node overhead") && lease.contains("256Mi memory"), "{lease}");
+    assert!(lease.contains("Node overhead") && lease.contains("384Mi memory"), "{lease}");
     let capacity = dev.json(&["capacity"]);
     let allocated = &capacity["nodes"][0]["allocated"]["memoryBytes"];
-    assert_eq!(*allocated, (512_u64 << 20).to_string(), "256 MiB of guest and 256 MiB of VMM: {capacity}");
+    assert_eq!(*allocated, (640_u64 << 20).to_string(), "256 MiB of workload, 128 of guest, 256 of VMM: {capacity}");
 
     let deleted = dev.ok(&["service", "delete", "vm"]);
     assert!(deleted.contains("service vm deleted"), "{deleted}");

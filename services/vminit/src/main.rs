@@ -22,11 +22,17 @@
 //! - Any failure before the workload starts is reported as
 //!   [`Status::Failed`] when the status port is open, and on the console
 //!   always.
+//! - With a memory limit in the command, the workload and all it starts
+//!   run in a memory cgroup (v2) of that size from before the program is
+//!   executed, so it never takes the memory the guest's kernel and init
+//!   need; a workload SIGKILLed while that cgroup counts an OOM kill is
+//!   reported as [`GuestExit::OutOfMemory`].
 //!
-//! The same binary, started by the init as `/init --exec UID GID CWD --
-//! ARGV...`, is the step between the init and the workload: it enters the
-//! root, drops to the workload's user and executes the program, so the
-//! init needs no code that runs between `fork` and `exec`.
+//! The same binary, started by the init as `/init --exec UID GID NPROC CWD
+//! CGROUP -- ARGV...`, is the step between the init and the workload: it
+//! enters the cgroup and the root, drops to the workload's user and
+//! executes the program, so the init needs no code that runs between
+//! `fork` and `exec`.
 
 #![allow(clippy::disallowed_methods, reason = "the init is one blocking process with no async runtime")]
 
@@ -287,6 +293,7 @@ fn supervise(
 ) -> Result<GuestExit, String> {
     let stdout = open_port(STDOUT_PORT)?;
     let stderr = open_port(STDERR_PORT)?;
+    let cgroup = memory_cgroup(command.memory_limit_bytes)?;
     let child = Command::new("/init")
         .arg("--exec")
         .args([
@@ -294,6 +301,7 @@ fn supervise(
             command.gid.to_string(),
             command.max_processes.to_string(),
             command.cwd.clone(),
+            cgroup.as_ref().map_or_else(|| "-".to_owned(), |dir| dir.display().to_string()),
             "--".into(),
         ])
         .args(&command.argv)
@@ -339,7 +347,32 @@ fn supervise(
     // What the workload left behind ends with it; every process but this one.
     let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
     while waitpid(None, None).is_ok() {}
-    Ok(exit)
+    // Killed, and the kernel's OOM killer took a process of its cgroup: its memory ended it.
+    let oom_killed = cgroup.as_ref().is_some_and(|dir| {
+        std::fs::read_to_string(dir.join("memory.events")).is_ok_and(|events| {
+            events.lines().any(|line| line.strip_prefix("oom_kill ").is_some_and(|n| n.trim() != "0"))
+        })
+    });
+    Ok(if oom_killed && exit == GuestExit::Signal(Signal::SIGKILL as i32) { GuestExit::OutOfMemory } else { exit })
+}
+
+/// The memory cgroup (v2) the workload runs in, limited to `limit` bytes;
+/// `None` for no limit.
+fn memory_cgroup(limit: u64) -> Result<Option<PathBuf>, String> {
+    if limit == 0 {
+        return Ok(None);
+    }
+    let root = Path::new("/sys/fs/cgroup");
+    let _ = std::fs::create_dir_all(root);
+    mount(Some("cgroup2"), root, Some("cgroup2"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, None::<&str>)
+        .map_err(|e| format!("mounting the cgroup filesystem: {e}"))?;
+    std::fs::write(root.join("cgroup.subtree_control"), "+memory")
+        .map_err(|e| format!("enabling the memory controller: {e}"))?;
+    let dir = root.join("workload");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating the workload's cgroup: {e}"))?;
+    std::fs::write(dir.join("memory.max"), limit.to_string())
+        .map_err(|e| format!("limiting the workload's memory: {e}"))?;
+    Ok(Some(dir))
 }
 
 fn read_frame(reader: &mut File, decoder: &mut Decoder) -> Result<Option<Frame>, String> {
@@ -357,18 +390,25 @@ fn read_frame(reader: &mut File, decoder: &mut Decoder) -> Result<Option<Frame>,
     }
 }
 
-/// The step between the init and the workload: `UID GID NPROC CWD --
-/// ARGV...`. Returns only when it failed.
+/// The step between the init and the workload: `UID GID NPROC CWD CGROUP
+/// -- ARGV...` (CGROUP `-` for none). Returns only when it failed.
 fn exec_workload(args: &[String]) -> String {
-    let (Some(uid), Some(gid), Some(nproc), Some(cwd)) = (args.first(), args.get(1), args.get(2), args.get(3)) else {
-        return "usage: --exec UID GID NPROC CWD -- ARGV...".into();
+    let (Some(uid), Some(gid), Some(nproc), Some(cwd), Some(cgroup)) =
+        (args.first(), args.get(1), args.get(2), args.get(3), args.get(4))
+    else {
+        return "usage: --exec UID GID NPROC CWD CGROUP -- ARGV...".into();
     };
     let (Ok(uid), Ok(gid), Ok(nproc)) = (uid.parse::<u32>(), gid.parse::<u32>(), nproc.parse::<u64>()) else {
         return format!("bad uid, gid or process limit: {uid} {gid} {nproc}");
     };
-    let argv = &args[5.min(args.len())..];
+    let argv = &args[6.min(args.len())..];
     let Some(program) = argv.first() else { return "no program".into() };
     let steps = || -> Result<(), String> {
+        // Into its memory cgroup first, so all it allocates is charged there.
+        if cgroup != "-" {
+            std::fs::write(Path::new(cgroup).join("cgroup.procs"), std::process::id().to_string())
+                .map_err(|e| format!("entering the workload's cgroup: {e}"))?;
+        }
         nix::unistd::chroot(NEW_ROOT).map_err(|e| format!("entering the root: {e}"))?;
         std::env::set_current_dir("/").map_err(|e| format!("entering the root: {e}"))?;
         for capability in rustix::thread::CapabilitySet::all().iter() {

@@ -194,7 +194,11 @@ async fn the_vmm_is_held_in_a_cgroup_of_its_lease_to_the_guests_memory_and_the_l
     } else {
         (cgroup.read_number("memory", "memory.limit_in_bytes"), cgroup.read_number("cpu", "cpu.cfs_quota_us"))
     };
-    assert_eq!(memory, (192 << 20) + VMM_ALLOWANCE, "the guest's memory and the VMM's allowance");
+    assert_eq!(
+        memory,
+        ((192 + u64::from(GUEST_RESERVE_MIB)) << 20) + VMM_ALLOWANCE,
+        "the guest's memory (the workload's and the guest's reserve) and the VMM's allowance"
+    );
     assert_eq!(quota, 150_000, "the lease's CPU");
     assert!(cgroup.memory_bytes() > 64 << 20, "the guest's memory is charged to it");
     // QEMU ran in it from its first page: every anonymous page it holds is charged here
