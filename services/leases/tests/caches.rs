@@ -60,13 +60,9 @@ async fn open(
     ledger.node(&lease.node_id).open_cache(request).await.map(tonic::Response::into_inner)
 }
 
-async fn commit(
-    ledger: &Ledger,
-    lease: &v1::Lease,
-    base: u64,
-    sealed: u8,
-) -> Result<v1::CommitCacheResponse, tonic::Status> {
-    let request = v1::CommitCacheRequest {
+/// `lease`'s node asking to publish the view it started at `base` from, sealed as `sealed`.
+fn commit_request(lease: &v1::Lease, base: u64, sealed: u8) -> v1::CommitCacheRequest {
+    v1::CommitCacheRequest {
         node_id: lease.node_id.clone(),
         lease_id: lease.lease_id.clone(),
         epoch: lease.epoch,
@@ -75,7 +71,16 @@ async fn commit(
         digest: digest(sealed),
         size_bytes: 1000 + u64::from(sealed),
         ..Default::default()
-    };
+    }
+}
+
+async fn commit(
+    ledger: &Ledger,
+    lease: &v1::Lease,
+    base: u64,
+    sealed: u8,
+) -> Result<v1::CommitCacheResponse, tonic::Status> {
+    let request = commit_request(lease, base, sealed);
     ledger.node(&lease.node_id).commit_cache(request).await.map(tonic::Response::into_inner)
 }
 
@@ -398,17 +403,7 @@ async fn publish_pushed(ledger: &Ledger, name: &str, base: u64, sealed: u8) -> S
     let lease = place(ledger, name, "", "deps", CacheCommit::OnSuccess).await;
     open(ledger, &lease, "deps", &[]).await.unwrap();
     end(ledger, &lease, LeasePhase::Done).await;
-    let request = v1::CommitCacheRequest {
-        node_id: lease.node_id.clone(),
-        lease_id: lease.lease_id.clone(),
-        epoch: lease.epoch,
-        key: "deps".to_owned(),
-        base_generation: base,
-        digest: digest(sealed),
-        size_bytes: 1000,
-        artifact: digest(sealed + 100),
-        ..Default::default()
-    };
+    let request = v1::CommitCacheRequest { artifact: digest(sealed + 100), ..commit_request(&lease, base, sealed) };
     let done = ledger.node(&lease.node_id).commit_cache(request).await.unwrap().into_inner();
     assert!(done.committed, "{done:?}");
     lease.node_id
