@@ -1,18 +1,12 @@
-//! Free loopback ports for the processes the harness starts.
-//!
-//! A port is found by binding `127.0.0.1:0` and letting it go again, so
-//! another process may take it before the harness's process binds it; on a
-//! test machine that window is small, and a process that cannot bind fails
-//! its start with the address named.
+//! Free loopback ports for the processes the harness starts: drawn below
+//! the kernel's ephemeral range (see [`berth_testkit::free_ports`]), so no
+//! outgoing connection takes one before the harness's process binds it.
 
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
-
-use anyhow::Context as _;
+use std::net::{Ipv4Addr, SocketAddr};
 
 /// A loopback port nothing listens on right now.
 pub fn free_port() -> anyhow::Result<u16> {
-    let probe = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("cannot find a free loopback port")?;
-    Ok(probe.local_addr().context("cannot find a free loopback port")?.port())
+    Ok(berth_testkit::free_ports(1))
 }
 
 /// A loopback address with a free port.

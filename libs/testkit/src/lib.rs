@@ -25,6 +25,7 @@
 
 pub mod cgroups;
 mod dial;
+mod ports;
 mod resolver;
 
 use std::collections::BTreeMap;
@@ -46,6 +47,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 pub use crate::dial::FromAddress;
+pub use crate::ports::free_ports;
 pub use crate::resolver::{RESOLVER_ANSWER, Resolver};
 
 /// How long test certificates live.

@@ -6,7 +6,6 @@
 #![allow(clippy::disallowed_methods, reason = "these helpers drive processes from plain threads, not a runtime")]
 
 use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -25,15 +24,7 @@ const PORT_TRIES: usize = 5;
 /// the kernel's ephemeral range so that no outgoing connection of another
 /// test is handed one of them while `berth dev` starts.
 pub(crate) fn free_port_base() -> u16 {
-    use std::hash::{BuildHasher, Hasher};
-    for _ in 0..200 {
-        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
-        let base = 10_000 + u16::try_from(random % 22_000).expect("below 22,000");
-        if (0..7).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
-            return base;
-        }
-    }
-    panic!("no seven consecutive free ports");
+    berth_testkit::free_ports(7)
 }
 
 /// Stops a `berth dev` on `dir` as Ctrl-C does (SIGTERM: it stops its node's
