@@ -63,6 +63,11 @@ pub const GUEST_ADDRESS: &str = "10.0.2.15/24";
 /// The guest's gateway: QEMU's user-mode stack.
 pub const GUEST_GATEWAY: &str = "10.0.2.2";
 
+/// An address of the guest's network that no machine holds: QEMU hands
+/// each connection the guest makes to it to a program (see
+/// [`SlirpNetwork::outbound`]).
+pub const GUEST_SERVICES_ADDRESS: &str = "10.0.2.100";
+
 /// The guest's network: QEMU's user-mode stack (libslirp), in whichever
 /// network namespace QEMU runs. The guest reaches that namespace's
 /// `127.0.0.1` at its gateway ([`GUEST_GATEWAY`]), and any other address
@@ -73,6 +78,10 @@ pub struct SlirpNetwork {
     /// Ports on the namespace's `127.0.0.1` forwarded to the same port of
     /// the guest.
     pub inbound: Vec<u16>,
+    /// Ports of [`GUEST_SERVICES_ADDRESS`] whose connections QEMU hands to
+    /// a program it starts for each (in its namespace; the program's stdin
+    /// and stdout are the connection): the port and the program's argv.
+    pub outbound: Vec<(u16, Vec<String>)>,
 }
 
 /// One VM to boot.
@@ -167,6 +176,11 @@ impl VmSpec {
             let mut netdev = "user,id=net0,net=10.0.2.0/24,host=10.0.2.2".to_owned();
             for port in &network.inbound {
                 netdev.push_str(&format!(",hostfwd=tcp:127.0.0.1:{port}-:{port}"));
+            }
+            for (port, argv) in &network.outbound {
+                // QEMU's option syntax doubles a comma inside a value.
+                let program = argv.join(" ").replace(',', ",,");
+                netdev.push_str(&format!(",guestfwd=tcp:{GUEST_SERVICES_ADDRESS}:{port}-cmd:{program}"));
             }
             push(&["-netdev", &netdev, "-device", "virtio-net-device,netdev=net0"]);
         }
@@ -336,7 +350,10 @@ mod tests {
             run_dir: "/leases/l1".into(),
             stdout_log: "/logs/l1/stdout.log".into(),
             stderr_log: "/logs/l1/stderr.log".into(),
-            network: Some(SlirpNetwork { inbound: vec![8080, 8081] }),
+            network: Some(SlirpNetwork {
+                inbound: vec![8080, 8081],
+                outbound: vec![(80, vec!["/bin/busybox".into(), "nc".into(), "127.0.0.54,x".into(), "80".into()])],
+            }),
             enter: Vec::new(),
         };
         let args: Vec<String> = spec.args().into_iter().map(|a| a.into_string().unwrap()).collect();
@@ -356,7 +373,7 @@ mod tests {
         assert_eq!(
             after("-netdev"),
             "user,id=net0,net=10.0.2.0/24,host=10.0.2.2,hostfwd=tcp:127.0.0.1:8080-:8080,\
-             hostfwd=tcp:127.0.0.1:8081-:8081"
+             hostfwd=tcp:127.0.0.1:8081-:8081,guestfwd=tcp:10.0.2.100:80-cmd:/bin/busybox nc 127.0.0.54,,x 80"
         );
     }
 }

@@ -50,8 +50,11 @@
 //! host; the user-mode stack needs neither, and egress is enforced where it
 //! is for containers. A workload listens on its guest address (`0.0.0.0`),
 //! not only on its guest's loopback, to be reached; names under
-//! `.berth.internal` (which resolve to the namespace's loopback) are not
-//! reached from a guest yet.
+//! `.berth.internal` resolve, for a guest (its queries reach the
+//! resolver at the namespace's `127.0.0.1`), to an address of the guest's
+//! network whose connections QEMU hands to the node's `busybox nc`, which
+//! relays each to where the agent forwards services to the router, as a
+//! container's connections to those names go.
 //!
 //! # Not yet
 //! Cache volumes and identity directories are refused with `Unsupported`
@@ -649,6 +652,7 @@ fn guest_network(
     attachment: &crate::provider::NetworkAttachment,
     meta: &crate::provider::InstanceMeta,
     env: &mut BTreeMap<String, String>,
+    busybox: &Path,
 ) -> Result<(SlirpNetwork, GuestNetwork), ProviderError> {
     let mut inbound: Vec<u16> =
         std::iter::once(meta.port).chain(meta.ports.values().copied()).filter_map(|p| u16::try_from(p).ok()).collect();
@@ -677,7 +681,12 @@ fn guest_network(
             None => String::new(),
         };
     let guest = GuestNetwork { address: GUEST_ADDRESS.into(), gateway: GUEST_GATEWAY.into(), resolv_conf };
-    Ok((SlirpNetwork { inbound }, guest))
+    // Services' internal names resolve, for a guest, to an address whose connections QEMU relays to
+    // where the agent forwards them to the router (a guest's 127.0.0.54 is its own).
+    let services = crate::egress::SERVICES_ADDR.to_string();
+    let relay = vec![busybox.display().to_string(), "nc".into(), services, crate::egress::SERVICES_PORT.to_string()];
+    let outbound = vec![(crate::egress::SERVICES_PORT, relay)];
+    Ok((SlirpNetwork { inbound, outbound }, guest))
 }
 
 /// How a VM's workload ended, from its status lines; `killed` when this
@@ -863,7 +872,7 @@ impl Provider for MicroVmProvider {
         let mut env = spec.environment(Path::new(&home), bundle.as_deref(), None);
         let (network, guest_network) = match &spec.network {
             Some(attachment) => {
-                let (network, guest) = guest_network(attachment, &spec.meta, &mut env)?;
+                let (network, guest) = guest_network(attachment, &spec.meta, &mut env, &self.inner.settings.busybox)?;
                 (Some(network), Some(guest))
             }
             None => (None, None),

@@ -736,12 +736,15 @@ fn a_container_image_deploys_with_service_apply_as_a_microvm() {
     let tokio = tokio::runtime::Runtime::new().unwrap();
     let registry = tokio.block_on(TestRegistry::start()).unwrap();
     let reference = registry.reference("team/httpd:vm");
+    // Once serving, it reaches its own service by its internal name, through the router.
     let serve = "{ id -un; id -u; uname -r; nslookup example.com 2>&1 | grep -q REFUSED && echo resolver-refused; \
                  wget -q -O- http://example.com/ 2>&1 | grep -q 403 && echo proxy-refused; } > report \
-                 && exec httpd -f -p \"$PORT\" -h .";
+                 && httpd -p \"$PORT\" -h . && i=0; while [ $i -lt 120 ]; do \
+                 wget -q -Y off -O- http://vm.default.berth.internal/index.html 2>/dev/null | grep -q microVM \
+                 && { echo service-reached >> report; break; }; sleep 1; i=$((i+1)); done; exec sleep 100000";
     let image = TestImage::as_user(&["/bin/sh", "-c"], &[serve], &["PATH=/bin"], "/www", "www")
         .layer(
-            Layer::busybox(&["sh", "httpd", "id", "uname", "nslookup", "wget", "grep"])
+            Layer::busybox(&["sh", "httpd", "id", "uname", "nslookup", "wget", "grep", "sleep"])
                 .unwrap()
                 .dir("etc", 0o755)
                 .file("etc/passwd", b"root:x:0:0::/root:/bin/sh\nwww:x:33:33::/www:/bin/sh\n", 0o644)
@@ -777,15 +780,18 @@ fn a_container_image_deploys_with_service_apply_as_a_microvm() {
         })
     };
     assert_eq!(get("/index.html"), "from a microVM\n");
-    let report = get("/report");
+    let report = poll(Duration::from_secs(150), "the VM to reach its service by its internal name", || {
+        http_get(port, "/report").filter(|body| body.contains("service-reached")).ok_or_else(|| "not yet".to_string())
+    });
     let lines: Vec<&str> = report.lines().collect();
     let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
     assert_eq!(lines[..2], ["www", "33"], "the image's user inside its VM: {report}");
     assert_ne!(lines[2], host_kernel.trim(), "a kernel of its own: {report}");
     assert_eq!(
         lines[3..],
-        ["resolver-refused", "proxy-refused"],
-        "its names and requests go to its tenant's resolver and proxy, which hold them to its policy: {report}"
+        ["resolver-refused", "proxy-refused", "service-reached"],
+        "its names and requests go to its tenant's resolver and proxy, which hold them to its policy, and its \
+         services' internal names reach them: {report}"
     );
     // The node holds the guest's reserve and the VMM's allowance beside the workload's memory.
     let lease_id = shown["replicas"][0]["leaseId"].as_str().unwrap().to_owned();

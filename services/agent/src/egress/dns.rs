@@ -89,9 +89,11 @@ const TCP_READ_TIMEOUT: Duration = Duration::from_secs(5);
 pub(crate) struct TenantDns {
     pub(crate) rules: watch::Receiver<Arc<TenantRules>>,
     pub(crate) upstreams: watch::Receiver<Arc<Vec<SocketAddr>>>,
-    /// Whether the node forwards [`SERVICES_ADDR`] to a router, and so
-    /// answers services' internal names.
-    pub(crate) services: bool,
+    /// The address services' internal names resolve to, when the node
+    /// forwards [`SERVICES_ADDR`] to a router ([`SERVICES_ADDR`] itself for
+    /// the resolver replicas' `resolv.conf` names; for a microVM guest's, the
+    /// address QEMU relays there); `None` when the node is told of no router.
+    pub(crate) services: Option<Ipv4Addr>,
 }
 
 /// The upstreams a plan's DNS config names; ones that do not parse are
@@ -248,16 +250,16 @@ fn answer_internal(tenant: &str, dns: &TenantDns, service: &str, query: &Message
         message.metadata.authoritative = true;
         return message.to_vec().ok();
     }
-    if !dns.services {
+    let Some(services) = dns.services else {
         tracing::info!(%tenant, %service, "DNS query for a service refused: this node is told of no router");
         return reply(id, op_code, ResponseCode::Refused, Some(query));
-    }
+    };
     let mut message = reply_message(id, op_code, ResponseCode::NoError, Some(query));
     message.metadata.authoritative = true;
     if let Some(question) = query.queries.first()
         && question.query_type() == RecordType::A
     {
-        message.add_answer(Record::from_rdata(question.name().clone(), SERVICE_TTL, RData::A(A(SERVICES_ADDR))));
+        message.add_answer(Record::from_rdata(question.name().clone(), SERVICE_TTL, RData::A(A(services))));
     }
     message.to_vec().ok()
 }

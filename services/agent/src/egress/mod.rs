@@ -27,6 +27,7 @@ mod proxies;
 mod proxy;
 mod rules;
 
+pub(crate) use dns::{SERVICES_ADDR, SERVICES_PORT};
 pub(crate) use follower::{EgressFollower, GrpcNodeEgress};
 pub(crate) use launch::EgressProvider;
 pub(crate) use netns::fnv32;

@@ -539,13 +539,16 @@ impl EgressProxies {
                 }
                 None => false,
             };
-            for addr in [dns::RESOLVER_ADDR, dns::GUEST_RESOLVER_ADDR] {
+            let guest_services: std::net::Ipv4Addr =
+                berth_microvm::vmm::GUEST_SERVICES_ADDRESS.parse().unwrap_or(dns::SERVICES_ADDR);
+            for (addr, answer) in [(dns::RESOLVER_ADDR, dns::SERVICES_ADDR), (dns::GUEST_RESOLVER_ADDR, guest_services)]
+            {
                 match namespaces.resolver_sockets(&namespace, addr).await {
                     Ok((udp, tcp)) => {
                         let tenant_dns = dns::TenantDns {
                             rules: tenant.rules.subscribe(),
                             upstreams: tenant.upstreams.subscribe(),
-                            services,
+                            services: services.then_some(answer),
                         };
                         dns::serve(
                             name.clone(),

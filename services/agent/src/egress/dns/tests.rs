@@ -31,7 +31,7 @@ fn tenant(upstreams: Vec<SocketAddr>) -> (TenantDns, watch::Sender<Arc<Vec<Socke
     let plan = EgressPlan { project: "acme".into(), generation: 1, services: vec![web], ..Default::default() };
     let rules = watch::channel(Arc::new(TenantRules::compile(&plan).unwrap())).0;
     let upstreams = watch::channel(Arc::new(upstreams)).0;
-    (TenantDns { rules: rules.subscribe(), upstreams: upstreams.subscribe(), services: false }, upstreams)
+    (TenantDns { rules: rules.subscribe(), upstreams: upstreams.subscribe(), services: None }, upstreams)
 }
 
 fn query(name: &str, record_type: RecordType) -> Vec<u8> {
@@ -119,7 +119,7 @@ async fn what_is_no_query_is_answered_as_such_or_dropped() {
 async fn a_service_name_is_answered_on_the_node_with_the_way_to_the_router() {
     let upstream = Resolver::start();
     let (mut dns, _) = tenant(vec![upstream.addr]);
-    dns.services = true;
+    dns.services = Some(SERVICES_ADDR);
     for transport in [Transport::Udp, Transport::Tcp] {
         for name in ["hello.default.berth.internal.", "Canary--Hello.Other.Berth.Internal."] {
             let reply = ask(&dns, name, transport).await;
@@ -137,5 +137,9 @@ async fn a_service_name_is_answered_on_the_node_with_the_way_to_the_router() {
         let reply = ask(&dns, &name.to_ascii(), Transport::Udp).await;
         assert_eq!(reply.metadata.response_code, ResponseCode::NXDomain, "{name}");
     }
+    // A microVM guest's resolver answers with the address QEMU relays to the same place.
+    dns.services = Some(std::net::Ipv4Addr::new(10, 0, 2, 100));
+    let reply = ask(&dns, "hello.default.berth.internal.", Transport::Udp).await;
+    assert_eq!(addresses(&reply), [std::net::Ipv4Addr::new(10, 0, 2, 100)]);
     assert_eq!(upstream.asked().len(), 0, "berth's names never leave the node");
 }
