@@ -388,9 +388,13 @@ impl BundleClient {
     }
 
     /// Pulls the generation `digest` from `repository` (`host/path`) and
-    /// unpacks its layers in order into `into` (an empty directory), each
-    /// downloaded to `scratch` first and checked; its config. On an error,
-    /// `into` holds part of it: the caller removes it.
+    /// unpacks its layers in order into `into`, each downloaded to `scratch`
+    /// first and checked; its config. `into` is an empty directory, or with
+    /// `skip` > 0 a tree its first `skip` layers already built (the caller
+    /// laid out a generation whose artifact's layers they are): only the
+    /// rest are pulled. On an error, `into` holds part of it: the caller
+    /// removes it.
+    #[allow(clippy::too_many_arguments, reason = "each is one part of one pull")]
     pub async fn pull_cache_generation(
         &self,
         repository: &str,
@@ -399,12 +403,13 @@ impl BundleClient {
         scratch: &Path,
         into: &Path,
         limits: &BundleLimits,
+        skip: usize,
     ) -> Result<CacheConfig, CachePullError> {
         // One fetcher for the manifest and the blobs: it signs in once.
         let fetcher = self.fetcher(&BundleReference::Registry(reference(repository, "latest")?), credentials)?;
         let (layers, config) = generation_at(&fetcher, repository, digest).await?;
         let shown = format!("{repository}@{digest}");
-        for (index, layer) in layers.iter().enumerate() {
+        for (index, layer) in layers.iter().enumerate().skip(skip) {
             let path = scratch.join(format!("pull-{index}.tar.gz"));
             let mut file = tokio::fs::File::create(&path)
                 .await

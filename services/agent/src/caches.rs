@@ -704,6 +704,29 @@ fn copy_file(source: &Path, target: &Path, mode: u32) -> Result<String, CacheErr
     Ok(hex(&content.finalize()))
 }
 
+/// Lays out `from`'s tree at `to` (an empty directory): directories made
+/// anew with their modes, files hard-linked (shared, so never to be written
+/// in place), symbolic links copied.
+pub(crate) fn link_tree(from: &Path, to: &Path) -> Result<(), CacheError> {
+    for entry in std::fs::read_dir(from).map_err(|e| io("read", from, e))? {
+        let entry = entry.map_err(|e| io("read", from, e))?;
+        let (source, target) = (entry.path(), to.join(entry.file_name()));
+        let meta = std::fs::symlink_metadata(&source).map_err(|e| io("read", &source, e))?;
+        if meta.is_dir() {
+            std::fs::create_dir(&target).map_err(|e| io("create", &target, e))?;
+            link_tree(&source, &target)?;
+            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(meta.mode() & 0o7777))
+                .map_err(|e| io("set the mode of", &target, e))?;
+        } else if meta.file_type().is_symlink() {
+            let link = std::fs::read_link(&source).map_err(|e| io("read", &source, e))?;
+            std::os::unix::fs::symlink(&link, &target).map_err(|e| io("link", &target, e))?;
+        } else if meta.is_file() {
+            std::fs::hard_link(&source, &target).map_err(|e| io("link", &target, e))?;
+        }
+    }
+    Ok(())
+}
+
 fn sync_dir(dir: &Path) -> Result<(), CacheError> {
     std::fs::File::open(dir).and_then(|dir| dir.sync_all()).map_err(|e| io("sync", dir, e))
 }

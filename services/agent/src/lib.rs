@@ -76,7 +76,7 @@ pub mod updater;
 mod upgrades;
 
 pub use agent::{AgentHandle, CONTAINED_LABEL, RUNTIME_LABEL, start};
-pub use caches::registry::Transfer;
+pub use caches::registry::{Fetched, Transfer};
 pub use caches::{CacheError, CacheVolumes, Sealed, View};
 pub use config::{
     AgentConfig, AgentTiming, Containment, DEFAULT_BUNDLE_CACHE_BUDGET, DEFAULT_CUSTODY_WARNING, DEFAULT_LOG_POLL,

@@ -1414,11 +1414,11 @@ impl Worker {
                 };
                 let fetched = tokio::select! {
                     _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
-                    fetched = transfer.fetch(&head) => fetched,
+                    fetched = transfer.fetch(&head, None) => fetched,
                 };
                 match fetched {
-                    Ok(sealed) => tracing::info!(lease_id = %self.lease_id, key = %mount.key,
-                        generation = head.generation, bytes = sealed.size_bytes, "cache volume head fetched"),
+                    Ok(got) => tracing::info!(lease_id = %self.lease_id, key = %mount.key,
+                        generation = head.generation, bytes = got.sealed.size_bytes, "cache volume head fetched"),
                     Err(error) => tracing::warn!(lease_id = %self.lease_id, key = %mount.key, %error,
                         "cannot fetch the cache volume's head; the view starts empty"),
                 }

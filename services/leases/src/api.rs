@@ -513,9 +513,9 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
         let heads = self.core.ledger.follow_caches(&node_id, &held).await?;
         let follow = heads
             .into_iter()
-            .filter_map(|head| {
+            .filter_map(|(head, held)| {
                 let registry = self.core.ledger.cache_registry(&head.project)?;
-                Some(v1::CacheToFollow { head: Some(head), registry: Some(registry) })
+                Some(v1::CacheToFollow { head: Some(head), registry: Some(registry), held })
             })
             .collect();
         Ok(Response::new(v1::FollowCachesResponse { follow }))

@@ -227,7 +227,7 @@ impl Ledger {
         &self,
         node_id: &str,
         held: &[Held],
-    ) -> Result<Vec<v1::CacheGeneration>, LeaseError> {
+    ) -> Result<Vec<(v1::CacheGeneration, Option<v1::CacheGeneration>)>, LeaseError> {
         self.store()
             .tx("leases.follow_caches", |conn| {
                 Box::pin(async move {
@@ -257,14 +257,21 @@ impl Ledger {
                     let mut wanted = Vec::new();
                     for (project, key, number) in followed {
                         let number = u64::try_from(number).unwrap_or_default();
-                        let holds = held.iter().any(|h| h.project == project && h.key == key && h.generation >= number);
-                        if holds {
+                        let reported = held.iter().find(|h| h.project == project && h.key == key);
+                        if reported.is_some_and(|h| h.generation >= number) {
                             continue;
                         }
                         let head = generation(conn, &project, &key, number).await?;
-                        if !head.artifact.is_empty() {
-                            wanted.push(head);
+                        if head.artifact.is_empty() {
+                            continue;
                         }
+                        // What the node holds, when kept and pushed: the pull may start from it.
+                        let from = match reported {
+                            Some(h) => Some(generation(conn, &project, &key, h.generation).await?)
+                                .filter(|from| from.generation == h.generation && !from.artifact.is_empty()),
+                            None => None,
+                        };
+                        wanted.push((head, from));
                     }
                     Ok(wanted)
                 })

@@ -445,6 +445,8 @@ async fn a_second_node_follows_a_volumes_head_and_placement_prefers_either_holde
     let head = asked[0].head.clone().unwrap();
     assert_eq!((head.generation, head.node_id.as_str(), head.artifact.clone()), (2, "n-2", digest(102)));
     assert_eq!(asked[0].registry.as_ref().unwrap().repository, "registry.internal:5000/caches/default");
+    let from = asked[0].held.clone().unwrap();
+    assert_eq!((from.generation, from.artifact), (1, digest(101)), "what it holds, for the pull to start from");
     // Once it reports holding the head it is asked for nothing, and shown as holding it.
     assert!(follow(&ledger, "n-1", &[2]).await.unwrap().is_empty());
     let request = v1::GetCacheRequest { project: String::new(), key: "deps".into() };

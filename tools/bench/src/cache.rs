@@ -238,7 +238,7 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
         let lease_id = format!("fetch-{index}");
         let sent = Instant::now();
         Transfer { volumes: &elsewhere, client: &client, registry: &registry, lease_id: &lease_id }
-            .fetch(&head)
+            .fetch(&head, None)
             .await
             .map_err(|e| e.to_string())?;
         fetches.push(sent.elapsed().as_secs_f64() * 1000.0);

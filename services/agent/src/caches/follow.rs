@@ -8,7 +8,9 @@
 //! the heads among them and answers the heads this node follows and does
 //! not hold. Each is fetched from the cache registry as a lease's missing
 //! head is (checked against the ledger's digest before it is recorded as
-//! held), and reported at once.
+//! held), starting from the generation the node holds when the head's
+//! artifact stacks on it (only the layers after it are pulled), and
+//! reported at once.
 //!
 //! # Invariants
 //! - Nothing is reported while the node does not serve (no session, or
@@ -97,10 +99,11 @@ impl HeadFollower {
             let _following = self.volumes.following();
             let transfer =
                 Transfer { volumes: &self.volumes, client: &self.client, registry: &registry, lease_id: FOLLOWING };
-            match transfer.fetch(&head).await {
-                Ok(sealed) => {
+            match transfer.fetch(&head, follow.held.as_ref()).await {
+                Ok(got) => {
                     tracing::info!(project = %head.project, key = %head.key, generation = head.generation,
-                        bytes = sealed.size_bytes, "followed cache head fetched");
+                        bytes = got.sealed.size_bytes, pulled_layers = got.pulled_layers, layers = got.layers,
+                        "followed cache head fetched");
                     fetched = true;
                 }
                 Err(error) => tracing::warn!(project = %head.project, key = %head.key,

@@ -7,6 +7,10 @@
 //!   the one the ledger recorded for it (never the artifact's own word), and
 //!   it is recorded as held only then: a registry serving other content
 //!   fails the fetch, and the lease's view starts empty.
+//! - A fetch that starts from a generation the node holds links that tree's
+//!   files into its scratch and lets the later layers replace them (a layer
+//!   unpacks a file by removing what is at its path and writing a new one),
+//!   so the sealed tree it started from is never written.
 //! - A push reuses the layers of the generation the view started from when
 //!   that one was pushed, stacks fewer than `MAX_CACHE_CHAIN` generations
 //!   and the node holds its tree, adding one layer of what the lease
@@ -61,10 +65,23 @@ pub struct Transfer<'a> {
     pub lease_id: &'a str,
 }
 
+/// A generation fetched and sealed: its tree, and how many of its
+/// artifact's layers were pulled (fewer than all when it grew from one the
+/// node held).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fetched {
+    pub sealed: Sealed,
+    pub pulled_layers: usize,
+    pub layers: usize,
+}
+
 impl Transfer<'_> {
     /// Pulls generation `head` of (project, key) from the registry and seals it
     /// on this node as that generation, for the lease's view to start from.
-    pub async fn fetch(&self, head: &CacheGeneration) -> Result<Sealed, CacheError> {
+    /// With `from`, a generation of the volume this node holds whose
+    /// artifact's layers begin the head's, the pull starts from its tree
+    /// (linked, never written) and takes only the layers after them.
+    pub async fn fetch(&self, head: &CacheGeneration, from: Option<&CacheGeneration>) -> Result<Fetched, CacheError> {
         let Self { volumes, client, registry, lease_id } = *self;
         let artifact: Digest = head.artifact.parse().map_err(|e| registry_error(registry, e))?;
         let (owned, lease, project, key) =
@@ -72,6 +89,10 @@ impl Transfer<'_> {
         let scratch = blocking(move || owned.scratch(&lease, &project, &key, "fetch")).await?;
         let (layers, tree) = (scratch.join("layers"), scratch.join("tree"));
         let made = std::fs::create_dir(&layers).and_then(|()| std::fs::create_dir(&tree));
+        let (skip, total) = match made {
+            Ok(()) => self.start_from(head, &artifact, from, &tree).await,
+            Err(_) => (0, 0),
+        };
         let pulled = match made {
             Err(error) => Err(registry_error(registry, error)),
             Ok(()) => client
@@ -82,6 +103,7 @@ impl Transfer<'_> {
                     &layers,
                     &tree,
                     &FETCH_LIMITS,
+                    skip,
                 )
                 .await
                 .map_err(|e| registry_error(registry, e)),
@@ -101,7 +123,51 @@ impl Transfer<'_> {
         };
         let owned = volumes.clone();
         let _ = tokio::task::spawn_blocking(move || owned.drop_scratch(&scratch)).await;
-        sealed
+        sealed.map(|sealed| Fetched { sealed, pulled_layers: total.saturating_sub(skip), layers: total })
+    }
+
+    /// Lays `from`'s tree out at `tree` (linked) when its artifact's layers
+    /// begin `head`'s, so the pull skips them: how many to skip, and how
+    /// many layers the head has (0 when unread). Anything that does not
+    /// line up starts from nothing.
+    async fn start_from(
+        &self,
+        head: &CacheGeneration,
+        artifact: &Digest,
+        from: Option<&CacheGeneration>,
+        tree: &std::path::Path,
+    ) -> (usize, usize) {
+        let Self { volumes, client, registry, lease_id } = *self;
+        let credentials = credentials(registry);
+        let Ok((head_layers, _)) = client.cache_generation(&registry.repository, artifact, &credentials).await else {
+            return (0, 0);
+        };
+        let total = head_layers.len();
+        let Some(from) = from.filter(|from| from.generation < head.generation && !from.artifact.is_empty()) else {
+            return (0, total);
+        };
+        let (Some((held_tree, _)), Ok(from_artifact)) =
+            (volumes.sealed_tree(&head.project, &head.key, &from.digest), from.artifact.parse::<Digest>())
+        else {
+            return (0, total);
+        };
+        let Ok((from_layers, _)) = client.cache_generation(&registry.repository, &from_artifact, &credentials).await
+        else {
+            return (0, total);
+        };
+        if from_layers.is_empty() || from_layers.len() >= total || head_layers[..from_layers.len()] != from_layers[..] {
+            return (0, total);
+        }
+        let target = tree.to_path_buf();
+        match blocking(move || super::link_tree(&held_tree, &target)).await {
+            Ok(()) => (from_layers.len(), total),
+            Err(error) => {
+                tracing::info!(%lease_id, key = %head.key, %error, "cannot start the fetch from the generation held");
+                // What was linked goes; the pull starts over in an empty tree.
+                let _ = std::fs::remove_dir_all(tree).and_then(|()| std::fs::create_dir(tree));
+                (0, total)
+            }
+        }
     }
 
     /// Pushes the sealed tree `sealed` of the lease's `view` of (project,
@@ -167,5 +233,100 @@ impl Transfer<'_> {
         let owned = volumes.clone();
         let _ = tokio::task::spawn_blocking(move || owned.drop_scratch(&scratch)).await;
         pushed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use berth_bundle::RegistryConfig;
+    use berth_bundle::testing::TestRegistry;
+
+    use super::*;
+    use crate::testdir::TestDir;
+
+    /// A view of `dir` as it is, with nothing of an overlay to go by.
+    fn plain_view(dir: &Path, base_generation: u64) -> View {
+        View {
+            key: "deps".into(),
+            inside: "/cache".into(),
+            merged: dir.to_path_buf(),
+            lower: PathBuf::from("/nonexistent"),
+            upper: PathBuf::from("/nonexistent"),
+            base_generation,
+            based: true,
+            commit: 0,
+        }
+    }
+
+    fn write(dir: &Path, files: &[(&str, &str)]) {
+        for (path, text) in files {
+            let path = dir.join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_node_holding_the_generation_a_head_grew_from_pulls_only_the_layers_after_it() {
+        let registry_process = TestRegistry::start().await.unwrap();
+        let registry = CacheRegistry {
+            repository: format!("{}/berth-caches/default", registry_process.host()),
+            ..Default::default()
+        };
+        let client = BundleClient::new(RegistryConfig::default()).unwrap();
+        let tmp = TestDir::new();
+        let sealer = CacheVolumes::new(&tmp.path().join("sealer"));
+        let transfer = |volumes| Transfer { volumes, client: &client, registry: &registry, lease_id: "l-1" };
+
+        // Generation 1, pushed whole; generation 2 changes one file and adds one, pushed as a layer over it.
+        let one_dir = tmp.path().join("one");
+        write(&one_dir, &[("a.txt", "alpha"), ("lib/blob", "unchanged bytes")]);
+        let one = sealer.seal("l-1", "default", &plain_view(&one_dir, 0)).unwrap();
+        sealer.record("default", "deps", 1, &one.digest).unwrap();
+        let artifact = transfer(&sealer)
+            .push("default", &plain_view(&one_dir, 0), &CacheGeneration::default(), &one)
+            .await
+            .unwrap();
+        let first = CacheGeneration {
+            project: "default".into(),
+            key: "deps".into(),
+            generation: 1,
+            digest: one.digest.clone(),
+            artifact: artifact.to_string(),
+            ..Default::default()
+        };
+        let two_dir = tmp.path().join("two");
+        write(&two_dir, &[("a.txt", "beta"), ("lib/blob", "unchanged bytes"), ("new.txt", "gamma")]);
+        let two = sealer.seal("l-2", "default", &plain_view(&two_dir, 1)).unwrap();
+        let artifact = transfer(&sealer).push("default", &plain_view(&two_dir, 1), &first, &two).await.unwrap();
+        let second = CacheGeneration {
+            generation: 2,
+            digest: two.digest.clone(),
+            artifact: artifact.to_string(),
+            ..first.clone()
+        };
+
+        // A node that held nothing pulls generation 1 whole; from it, generation 2 is one layer.
+        let follower = CacheVolumes::new(&tmp.path().join("follower"));
+        let whole = transfer(&follower).fetch(&first, None).await.unwrap();
+        assert_eq!((whole.pulled_layers, whole.layers, whole.sealed.digest.as_str()), (1, 1, one.digest.as_str()));
+        let grown = transfer(&follower).fetch(&second, Some(&first)).await.unwrap();
+        assert_eq!((grown.pulled_layers, grown.layers), (1, 2), "only the layer generation 2 added");
+        assert_eq!(grown.sealed.digest, two.digest, "the same content the sealer sealed");
+        assert_eq!(follower.held("default", "deps"), [2, 1]);
+        let tree = |digest: &str| follower.sealed_tree("default", "deps", digest).unwrap().0;
+        assert_eq!(std::fs::read_to_string(tree(&two.digest).join("a.txt")).unwrap(), "beta");
+        assert_eq!(
+            std::fs::read_to_string(tree(&one.digest).join("a.txt")).unwrap(),
+            "alpha",
+            "the tree it grew from is untouched"
+        );
+        assert!(!tree(&one.digest).join("new.txt").exists());
+
+        // A generation that does not stack on the one named is pulled whole.
+        let unrelated = transfer(&follower).fetch(&first, Some(&second)).await;
+        assert_eq!(unrelated.unwrap().pulled_layers, 1, "an older head starts from nothing");
     }
 }
