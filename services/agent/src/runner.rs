@@ -1389,12 +1389,13 @@ impl Worker {
                 removal = removed(&mut self.removal) => return Err(self.destroyed(removal).await),
                 opened = self.shared.leases.open_cache(request) => opened,
             };
-            let (head, publish, registry) = match opened {
+            let (head, publish, registry, from) = match opened {
                 // A volume the ledger settled at once (its project's caching is off) publishes nothing.
                 Ok(opened) => (
                     opened.head.unwrap_or_default(),
                     opened.observation.is_none_or(|seen| seen.reason.is_empty()),
                     opened.registry,
+                    opened.held,
                 ),
                 Err(status) => {
                     let message = format!("cannot open cache volume {}: {}", mount.key, status.message());
@@ -1414,11 +1415,12 @@ impl Worker {
                 };
                 let fetched = tokio::select! {
                     _ = self.shared.shutdown.cancelled() => return Err(WorkerEnd::Stopped),
-                    fetched = transfer.fetch(&head, None) => fetched,
+                    fetched = transfer.fetch(&head, from.as_ref()) => fetched,
                 };
                 match fetched {
                     Ok(got) => tracing::info!(lease_id = %self.lease_id, key = %mount.key,
-                        generation = head.generation, bytes = got.sealed.size_bytes, "cache volume head fetched"),
+                        generation = head.generation, bytes = got.sealed.size_bytes, pulled_layers = got.pulled_layers,
+                        layers = got.layers, "cache volume head fetched"),
                     Err(error) => tracing::warn!(lease_id = %self.lease_id, key = %mount.key, %error,
                         "cannot fetch the cache volume's head; the view starts empty"),
                 }

@@ -28,6 +28,10 @@ use crate::service::LeasesService;
 use crate::shared::EXPIRY_INDEX;
 use crate::validate;
 
+/// How many of the generations a node says it holds are looked at for one
+/// to start a pull from (a node keeps its newest three).
+const MAX_PULL_BASES: usize = 3;
+
 impl LeasesService {
     /// Tells streams and the reaper about `lease` after it changed.
     async fn changed(&self, lease: &LeaseRecord) {
@@ -440,7 +444,16 @@ impl v1::node_leases_server::NodeLeases for LeasesService {
         }
         // Only a volume the lease may publish or start from a generation of is given the registry.
         let registry = observation.reason.is_empty().then(|| self.core.ledger.cache_registry(&head.project)).flatten();
-        Ok(Response::new(v1::OpenCacheResponse { head: Some(head), observation: Some(observation), registry }))
+        // A miss of a pushed head may be pulled from a generation the node holds.
+        let mut older: Vec<u64> = held_generations.iter().copied().filter(|n| *n < head.generation).collect();
+        older.sort_unstable_by(|a, b| b.cmp(a));
+        older.truncate(MAX_PULL_BASES);
+        let held = if registry.is_some() && !head.artifact.is_empty() && !held_generations.contains(&head.generation) {
+            self.core.ledger.pushed_generation(&head.project, &key, &older).await?
+        } else {
+            None
+        };
+        Ok(Response::new(v1::OpenCacheResponse { head: Some(head), observation: Some(observation), registry, held }))
     }
 
     async fn commit_cache(

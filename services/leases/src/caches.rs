@@ -210,6 +210,33 @@ impl Ledger {
     }
 }
 
+impl Ledger {
+    /// The newest of `numbers` of (project, key) that is kept and was
+    /// pushed: where a node holding it may start a pull of a newer one.
+    pub(crate) async fn pushed_generation(
+        &self,
+        project: &str,
+        key: &str,
+        numbers: &[u64],
+    ) -> Result<Option<v1::CacheGeneration>, LeaseError> {
+        self.store()
+            .tx("leases.pushed_generation", |conn| {
+                Box::pin(async move {
+                    let mut newest_first = numbers.to_vec();
+                    newest_first.sort_unstable_by(|a, b| b.cmp(a));
+                    for number in newest_first.into_iter().filter(|n| *n > 0) {
+                        let found = generation(conn, project, key, number).await?;
+                        if found.generation == number && !found.artifact.is_empty() {
+                            return Ok(Some(found));
+                        }
+                    }
+                    Ok(None)
+                })
+            })
+            .await
+    }
+}
+
 /// The newest generation a node holds of one volume, as it reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Held {

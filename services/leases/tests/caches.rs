@@ -464,6 +464,13 @@ async fn a_second_node_follows_a_volumes_head_and_placement_prefers_either_holde
     assert_eq!(next.node_id, "n-1", "a node holding the head is preferred over a freer one");
     let opened = open(&ledger, &next, "deps", &[2]).await.unwrap();
     assert_eq!(opened.observation.unwrap().outcome(), CacheOutcome::Hit);
+    assert!(opened.held.is_none(), "a hit pulls nothing");
+    // A node holding only an older generation misses, and is told which to pull from.
+    let behind = place(&ledger, "behind", "", "deps", CacheCommit::OnSuccess).await;
+    let opened = open(&ledger, &behind, "deps", &[1]).await.unwrap();
+    assert_eq!(opened.observation.unwrap().outcome(), CacheOutcome::Miss);
+    let from = opened.held.unwrap();
+    assert_eq!((from.generation, from.artifact), (1, digest(101)));
 
     // A report must name real volumes and generations, and only for the caller's own node.
     let bad = v1::FollowCachesRequest {
