@@ -392,8 +392,8 @@ impl BundleClient {
     /// first and checked; its config. `into` is an empty directory, or with
     /// `skip` > 0 a tree its first `skip` layers already built (the caller
     /// laid out a generation whose artifact's layers they are): only the
-    /// rest are pulled. On an error, `into` holds part of it: the caller
-    /// removes it.
+    /// rest are pulled. Its config and how many layers it has. On an error,
+    /// `into` holds part of it: the caller removes it.
     #[allow(clippy::too_many_arguments, reason = "each is one part of one pull")]
     pub async fn pull_cache_generation(
         &self,
@@ -404,7 +404,7 @@ impl BundleClient {
         into: &Path,
         limits: &BundleLimits,
         skip: usize,
-    ) -> Result<CacheConfig, CachePullError> {
+    ) -> Result<(CacheConfig, usize), CachePullError> {
         // One fetcher for the manifest and the blobs: it signs in once.
         let fetcher = self.fetcher(&BundleReference::Registry(reference(repository, "latest")?), credentials)?;
         let (layers, config) = generation_at(&fetcher, repository, digest).await?;
@@ -429,7 +429,7 @@ impl BundleClient {
             let _ = tokio::fs::remove_file(&path).await;
             unpacked.map_err(|source| CachePullError::Unpack { reference: shown.clone(), source })?;
         }
-        Ok(config)
+        Ok((config, layers.len()))
     }
 }
 

@@ -477,7 +477,9 @@ fn not_found(project: &str, key: &str) -> LeaseError {
 /// (project, key) as operators see it; `None` when it has neither a head
 /// nor a kept generation.
 async fn volume(conn: &mut AnyConnection, project: &str, key: &str) -> Result<Option<v1::CacheVolume>, LeaseError> {
-    let head = current_head(conn, project, key).await?;
+    let mut head = current_head(conn, project, key).await?;
+    // Where the head is held, for operators; nodes opening a volume are not told.
+    head.held_by = holders(conn, &head).await?;
     let (count, size): (i64, i64) = sqlx::query_as(
         "SELECT COUNT(*), CAST(COALESCE(SUM(size_bytes), 0) AS BIGINT) FROM cache_generations \
          WHERE project = $1 AND cache_key = $2",
@@ -568,18 +570,21 @@ async fn generation(
     .fetch_optional(&mut *conn)
     .await?;
     let Some(row) = row else { return Ok(none) };
-    let mut found = generation_of(&row, none)?;
-    found.held_by = sqlx::query_scalar(
+    generation_of(&row, none)
+}
+
+/// The nodes beside its sealer that reported holding `head`, by id.
+async fn holders(conn: &mut AnyConnection, head: &v1::CacheGeneration) -> Result<Vec<String>, LeaseError> {
+    Ok(sqlx::query_scalar(
         "SELECT node_id FROM cache_holders WHERE project = $1 AND cache_key = $2 AND generation = $3 \
          AND node_id <> $4 ORDER BY node_id",
     )
-    .bind(project)
-    .bind(key)
-    .bind(i64::try_from(number).unwrap_or(i64::MAX))
-    .bind(found.node_id.as_str())
+    .bind(head.project.as_str())
+    .bind(head.key.as_str())
+    .bind(i64::try_from(head.generation).unwrap_or(i64::MAX))
+    .bind(head.node_id.as_str())
     .fetch_all(&mut *conn)
-    .await?;
-    Ok(found)
+    .await?)
 }
 
 /// A generation row selected with its number, digest, size, lease, node,

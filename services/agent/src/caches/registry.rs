@@ -89,9 +89,9 @@ impl Transfer<'_> {
         let scratch = blocking(move || owned.scratch(&lease, &project, &key, "fetch")).await?;
         let (layers, tree) = (scratch.join("layers"), scratch.join("tree"));
         let made = std::fs::create_dir(&layers).and_then(|()| std::fs::create_dir(&tree));
-        let (skip, total) = match made {
-            Ok(()) => self.start_from(head, &artifact, from, &tree).await,
-            Err(_) => (0, 0),
+        let skip = match (&made, from) {
+            (Ok(()), Some(from)) => self.start_from(head, &artifact, from, &tree).await,
+            _ => 0,
         };
         let pulled = match made {
             Err(error) => Err(registry_error(registry, error)),
@@ -108,8 +108,10 @@ impl Transfer<'_> {
                 .await
                 .map_err(|e| registry_error(registry, e)),
         };
+        let mut layers_in_all = 0;
         let sealed = match pulled {
-            Ok(_config) => {
+            Ok((_config, count)) => {
+                layers_in_all = count;
                 let (owned, lease, head_owned, tree_owned) =
                     (volumes.clone(), lease_id.to_owned(), head.clone(), tree.clone());
                 blocking(move || {
@@ -123,49 +125,55 @@ impl Transfer<'_> {
         };
         let owned = volumes.clone();
         let _ = tokio::task::spawn_blocking(move || owned.drop_scratch(&scratch)).await;
-        sealed.map(|sealed| Fetched { sealed, pulled_layers: total.saturating_sub(skip), layers: total })
+        sealed.map(|sealed| Fetched {
+            sealed,
+            pulled_layers: layers_in_all.saturating_sub(skip),
+            layers: layers_in_all,
+        })
     }
 
     /// Lays `from`'s tree out at `tree` (linked) when its artifact's layers
-    /// begin `head`'s, so the pull skips them: how many to skip, and how
-    /// many layers the head has (0 when unread). Anything that does not
-    /// line up starts from nothing.
+    /// begin `head`'s, so the pull skips them: how many to skip. Anything
+    /// that does not line up starts from nothing.
     async fn start_from(
         &self,
         head: &CacheGeneration,
         artifact: &Digest,
-        from: Option<&CacheGeneration>,
+        from: &CacheGeneration,
         tree: &std::path::Path,
-    ) -> (usize, usize) {
+    ) -> usize {
         let Self { volumes, client, registry, lease_id } = *self;
-        let credentials = credentials(registry);
-        let Ok((head_layers, _)) = client.cache_generation(&registry.repository, artifact, &credentials).await else {
-            return (0, 0);
-        };
-        let total = head_layers.len();
-        let Some(from) = from.filter(|from| from.generation < head.generation && !from.artifact.is_empty()) else {
-            return (0, total);
-        };
+        if from.generation >= head.generation || from.artifact.is_empty() {
+            return 0;
+        }
         let (Some((held_tree, _)), Ok(from_artifact)) =
             (volumes.sealed_tree(&head.project, &head.key, &from.digest), from.artifact.parse::<Digest>())
         else {
-            return (0, total);
+            return 0;
         };
-        let Ok((from_layers, _)) = client.cache_generation(&registry.repository, &from_artifact, &credentials).await
-        else {
-            return (0, total);
+        let credentials = credentials(registry);
+        let (Ok((head_layers, _)), Ok((from_layers, _))) = (
+            client.cache_generation(&registry.repository, artifact, &credentials).await,
+            client.cache_generation(&registry.repository, &from_artifact, &credentials).await,
+        ) else {
+            return 0;
         };
-        if from_layers.is_empty() || from_layers.len() >= total || head_layers[..from_layers.len()] != from_layers[..] {
-            return (0, total);
+        if from_layers.is_empty() || !head_layers.starts_with(&from_layers) || from_layers.len() == head_layers.len() {
+            return 0;
         }
-        let target = tree.to_path_buf();
-        match blocking(move || super::link_tree(&held_tree, &target)).await {
-            Ok(()) => (from_layers.len(), total),
+        let (target, skip) = (tree.to_path_buf(), from_layers.len());
+        let linked = blocking(move || {
+            super::link_tree(&held_tree, &target).inspect_err(|_| {
+                // What was linked goes; the pull starts over in an empty tree.
+                let _ = std::fs::remove_dir_all(&target).and_then(|()| std::fs::create_dir(&target));
+            })
+        })
+        .await;
+        match linked {
+            Ok(()) => skip,
             Err(error) => {
                 tracing::info!(%lease_id, key = %head.key, %error, "cannot start the fetch from the generation held");
-                // What was linked goes; the pull starts over in an empty tree.
-                let _ = std::fs::remove_dir_all(tree).and_then(|()| std::fs::create_dir(tree));
-                (0, total)
+                0
             }
         }
     }
