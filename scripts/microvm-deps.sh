@@ -5,7 +5,11 @@
 # runtime reads it: Debian's cloud kernel (linux-image-cloud-amd64),
 # unpacked from its package rather than installed (nothing of the host's
 # boot changes), its vmlinuz and the modules the guest loads copied into
-# ${BERTH_MICROVM_KERNEL:-/opt/berth/microvm/kernel}. Needs root (or sudo).
+# ${BERTH_MICROVM_KERNEL:-/opt/berth/microvm/kernel}; and virtiofsd, which
+# shares a node's directories with a guest (cache volumes, the host's /usr
+# for bundles, identity files): Debian's bookworm has no package of it, so
+# it is built from crates.io into /opt/berth/virtiofsd where no virtiofsd is
+# found. Needs root (or sudo).
 set -euo pipefail
 
 log() { echo "microvm-deps: $*" >&2; }
@@ -15,7 +19,7 @@ kernel_dir=${BERTH_MICROVM_KERNEL:-/opt/berth/microvm/kernel}
 # the cloud kernel keeps them.
 modules="drivers/virtio/virtio_ring drivers/virtio/virtio drivers/virtio/virtio_mmio
   drivers/block/virtio_blk drivers/char/virtio_console fs/overlayfs/overlay
-  net/core/failover drivers/net/net_failover drivers/net/virtio_net"
+  net/core/failover drivers/net/net_failover drivers/net/virtio_net fs/fuse/fuse fs/fuse/virtiofs"
 
 apt_ready=
 apt_update() { if [ -z "$apt_ready" ]; then as_root apt-get update -qq >&2; apt_ready=1; fi; }
@@ -60,4 +64,26 @@ if ! laid_out; then
   echo "$version" | as_root tee "$kernel_dir.partial/version" >/dev/null
   as_root rm -rf "$kernel_dir"
   as_root mv "$kernel_dir.partial" "$kernel_dir"
+fi
+
+# The Rust virtiofsd, where the distribution's is not installed (berth_microvm::install::VIRTIOFSD_PLACES;
+# QEMU's older C one in /usr/lib/qemu takes another command line).
+virtiofsd_version=1.14.0
+if ! command -v virtiofsd >/dev/null && ! [ -x /usr/libexec/virtiofsd ] && ! [ -x /opt/berth/virtiofsd/bin/virtiofsd ]; then
+  if apt-cache show virtiofsd >/dev/null 2>&1; then
+    log "installing virtiofsd"
+    apt_update
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends virtiofsd >&2
+  else
+    log "building virtiofsd $virtiofsd_version from crates.io into /opt/berth/virtiofsd"
+    apt_update
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      libcap-ng-dev libseccomp-dev pkg-config >&2
+    work=$(mktemp -d)
+    env -u CARGO_TARGET_DIR cargo install --locked --quiet virtiofsd --version "$virtiofsd_version" \
+      --root "$work/root" --target-dir "$work/target" >&2
+    as_root mkdir -p /opt/berth/virtiofsd/bin
+    as_root install -m 0755 "$work/root/bin/virtiofsd" /opt/berth/virtiofsd/bin/virtiofsd
+    rm -rf "$work"
+  fi
 fi

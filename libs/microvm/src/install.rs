@@ -61,6 +61,21 @@ pub fn find_busybox() -> Option<PathBuf> {
     ["/bin/busybox", "/usr/bin/busybox"].into_iter().map(Path::new).find(|p| p.is_file()).map(Path::to_path_buf)
 }
 
+/// Where `virtiofsd` (virtio-fs's daemon, which shares a node's directory
+/// with a guest) is looked for beside `PATH`: where distributions put the
+/// Rust one (it is not on `PATH` there), and where
+/// `scripts/microvm-deps.sh` installs it. QEMU's older C daemon
+/// (`/usr/lib/qemu/virtiofsd`, another command line) is not used.
+pub const VIRTIOFSD_PLACES: [&str; 2] = ["/usr/libexec/virtiofsd", "/opt/berth/virtiofsd/bin/virtiofsd"];
+
+/// The node's `virtiofsd`, if it has one.
+pub fn find_virtiofsd() -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).map(|dir| dir.join("virtiofsd")).collect::<Vec<_>>())
+        .unwrap_or_default();
+    on_path.into_iter().chain(VIRTIOFSD_PLACES.iter().map(PathBuf::from)).find(|p| p.is_file())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

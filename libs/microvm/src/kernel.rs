@@ -24,6 +24,11 @@ pub const MODULES: &[&str] = &[
     "virtio_net",
 ];
 
+/// The modules a guest loads only when its command names shared
+/// directories (virtio-fs, see [`crate::wire::GuestShare`]), dependencies
+/// first. A kernel directory without them runs guests with no shares.
+pub const SHARE_MODULES: &[&str] = &["fuse", "virtiofs"];
+
 /// Where `scripts/microvm-kernel.sh` puts the kernel by default.
 pub const DEFAULT_KERNEL_DIR: &str = "/opt/berth/microvm/kernel";
 
@@ -32,7 +37,8 @@ pub const DEFAULT_KERNEL_DIR: &str = "/opt/berth/microvm/kernel";
 pub struct GuestKernel {
     /// The kernel image.
     pub vmlinuz: PathBuf,
-    /// The modules to load, in order.
+    /// The modules to load, in order: [`MODULES`] then [`SHARE_MODULES`],
+    /// those present.
     pub modules: Vec<PathBuf>,
 }
 
@@ -58,10 +64,17 @@ impl GuestKernel {
         }
         let modules = MODULES
             .iter()
+            .chain(SHARE_MODULES)
             .map(|name| dir.join("modules").join(format!("{name}.ko")))
             .filter(|path| path.is_file())
             .collect();
         Ok(Self { vmlinuz, modules })
+    }
+
+    /// Whether its guests can mount directories the node shares (the
+    /// kernel directory has every one of [`SHARE_MODULES`]).
+    pub fn shares_directories(&self) -> bool {
+        SHARE_MODULES.iter().all(|name| self.modules.iter().any(|path| path.file_stem().is_some_and(|s| s == *name)))
     }
 }
 
@@ -83,5 +96,14 @@ mod tests {
         let names: Vec<_> =
             kernel.modules.iter().map(|p| p.file_stem().unwrap().to_str().unwrap().to_owned()).collect();
         assert_eq!(names, ["virtio_ring", "virtio", "overlay"]);
+        assert!(!kernel.shares_directories(), "no virtio-fs modules");
+        for name in ["virtiofs", "fuse"] {
+            std::fs::write(dir.path().join("modules").join(format!("{name}.ko")), b"ko").unwrap();
+        }
+        let kernel = GuestKernel::from_dir(dir.path()).unwrap();
+        let names: Vec<_> =
+            kernel.modules.iter().map(|p| p.file_stem().unwrap().to_str().unwrap().to_owned()).collect();
+        assert_eq!(names, ["virtio_ring", "virtio", "overlay", "fuse", "virtiofs"]);
+        assert!(kernel.shares_directories());
     }
 }

@@ -11,6 +11,17 @@
 //! listens, and a VM adopted after a restart still tells how it ended.
 //! QMP answers on a socket of its own for the VMM's own questions.
 //!
+//! Directories of the node's reach a guest over virtio-fs: one
+//! `vhost-user-fs` device per directory, each served by a `virtiofsd` of
+//! its own ([`start_share`]) that the node starts before QEMU and that
+//! exits when QEMU does (it serves one VMM connection, then ends). The
+//! guest's memory is then a shared memory file, which the daemon maps to
+//! read and write the guest's buffers. `virtiofsd` is a separate process
+//! in its own sandbox (its own mount namespace pivoted into the directory,
+//! a seccomp filter), so a guest that breaks its parser holds only that
+//! directory; a read-only share is refused writes by the daemon as well as
+//! mounted read-only in the guest.
+//!
 //! # Invariants
 //! - QEMU runs in a process group of its own: a signal to the node's group
 //!   (a Ctrl-C) does not reach the VM; only [`Vm::kill`] or the guest's
@@ -84,6 +95,15 @@ pub struct SlirpNetwork {
     pub outbound: Vec<(u16, Vec<String>)>,
 }
 
+/// A directory of the node's a VM mounts (see [`crate::wire::GuestShare`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmShare {
+    /// The tag the guest mounts it by.
+    pub tag: String,
+    /// Where its `virtiofsd` listens ([`start_share`]).
+    pub socket: PathBuf,
+}
+
 /// One VM to boot.
 #[derive(Debug, Clone)]
 pub struct VmSpec {
@@ -114,6 +134,8 @@ pub struct VmSpec {
     /// A command line prefix QEMU is started through (`ip netns exec NAME`,
     /// to run it in a tenant's network namespace); empty for none.
     pub enter: Vec<String>,
+    /// The directories it mounts, each served by a running `virtiofsd`.
+    pub shares: Vec<VmShare>,
 }
 
 impl VmSpec {
@@ -141,7 +163,14 @@ impl VmSpec {
     pub fn args(&self) -> Vec<OsString> {
         let mut args: Vec<OsString> = Vec::new();
         let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
-        push(&["-M", "microvm,isa-serial=on,pit=off,pic=off,rtc=on"]);
+        let memory_mib = self.memory_mib.max(MIN_MEMORY_MIB);
+        if self.shares.is_empty() {
+            push(&["-M", "microvm,isa-serial=on,pit=off,pic=off,rtc=on"]);
+        } else {
+            // A `virtiofsd` reads and writes the guest's buffers in its memory, which it must be able to map.
+            push(&["-M", "microvm,isa-serial=on,pit=off,pic=off,rtc=on,memory-backend=mem"]);
+            push(&["-object", &format!("memory-backend-memfd,id=mem,size={memory_mib}M,share=on")]);
+        }
         match self.accel {
             Accel::Kvm => push(&["-accel", "kvm"]),
             // The translator's code cache is the VMM's own memory: QEMU's
@@ -151,7 +180,7 @@ impl VmSpec {
         }
         push(&["-cpu", if self.accel == Accel::Kvm { "host" } else { "max" }]);
         push(&["-smp", &self.cpus.max(1).to_string()]);
-        push(&["-m", &self.memory_mib.max(MIN_MEMORY_MIB).to_string()]);
+        push(&["-m", &memory_mib.to_string()]);
         push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
         let path = |p: &Path| p.display().to_string();
         push(&["-kernel", &path(&self.vmlinuz), "-initrd", &path(&self.initramfs)]);
@@ -159,6 +188,13 @@ impl VmSpec {
         push(&["-device", "virtio-blk-device,drive=root"]);
         push(&["-drive", &format!("id=scratch,file={},format=raw,if=none", escape(&self.scratch_image))]);
         push(&["-device", "virtio-blk-device,drive=scratch"]);
+        for (index, share) in self.shares.iter().enumerate() {
+            push(&["-chardev", &format!("socket,id=share{index},path={}", escape(&share.socket))]);
+            push(&[
+                "-device",
+                &format!("vhost-user-fs-device,chardev=share{index},tag={}", share.tag.replace(',', ",,")),
+            ]);
+        }
         push(&["-device", "virtio-serial-device"]);
         push(&["-chardev", &control_chardev(&self.control_socket())]);
         push(&["-device", &format!("virtserialport,chardev=control,name={CONTROL_PORT}")]);
@@ -254,6 +290,94 @@ pub fn statuses(run_dir: &Path) -> Vec<Status> {
     Status::parse_all(&std::fs::read_to_string(status_file(run_dir)).unwrap_or_default())
 }
 
+/// How a directory is shared with a guest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareSpec {
+    /// The `virtiofsd` binary.
+    pub virtiofsd: PathBuf,
+    /// The directory.
+    pub dir: PathBuf,
+    /// Where the daemon listens for the VMM.
+    pub socket: PathBuf,
+    /// Whether the guest may only read it.
+    pub read_only: bool,
+    /// Whether nothing changes it while the VM runs (the node's `/usr`),
+    /// so the guest may keep what it read; else the guest looks again
+    /// after a second, as the node changes it (an identity's rotated
+    /// files).
+    pub unchanging: bool,
+    /// Whether the daemon sandboxes itself in namespaces of its own (as
+    /// root); else it confines itself by `chroot` alone, as an
+    /// unprivileged user can.
+    pub sandbox: bool,
+    /// Where the daemon's own output goes.
+    pub log: PathBuf,
+}
+
+impl ShareSpec {
+    /// The daemon's arguments.
+    pub fn args(&self) -> Vec<OsString> {
+        let mut args: Vec<OsString> = vec![
+            "--socket-path".into(),
+            self.socket.clone().into(),
+            "--shared-dir".into(),
+            self.dir.clone().into(),
+            "--sandbox".into(),
+            if self.sandbox { "namespace" } else { "none" }.into(),
+            "--log-level".into(),
+            "warn".into(),
+        ];
+        if self.read_only {
+            args.push("--readonly".into());
+        }
+        if self.unchanging {
+            args.extend(["--cache".into(), "always".into()]);
+        }
+        args
+    }
+}
+
+/// Starts a `virtiofsd` for `share` through the command line prefix
+/// `enter` (a cgroup's), in a process group of its own, and waits until it
+/// listens. It serves the one VMM that connects and exits when that VMM
+/// does; the caller kills it (its group) if no VMM ever connects.
+pub async fn start_share(share: &ShareSpec, enter: &[String]) -> Result<tokio::process::Child, VmError> {
+    let _ = std::fs::remove_file(&share.socket);
+    let log = std::fs::File::create(&share.log)?;
+    let mut line: Vec<OsString> = enter.iter().map(Into::into).collect();
+    line.push(share.virtiofsd.clone().into_os_string());
+    line.extend(share.args());
+    let mut child = tokio::process::Command::new(&line[0])
+        .args(&line[1..])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .kill_on_drop(false)
+        .spawn()
+        .map_err(|source| VmError::Spawn { qemu: share.virtiofsd.display().to_string(), source })?;
+    let deadline = tokio::time::Instant::now() + SOCKET_DEADLINE;
+    while !share.socket.exists() {
+        if let Some(status) = child.try_wait()? {
+            let printed = std::fs::read_to_string(&share.log).unwrap_or_default();
+            return Err(VmError::Exited { status: status.to_string(), stderr: printed.trim().to_owned() });
+        }
+        if tokio::time::Instant::now() > deadline {
+            kill_group(&child);
+            return Err(VmError::NoSocket(share.socket.clone()));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(child)
+}
+
+/// Kills the process group `child` leads (a daemon and what it forked).
+pub fn kill_group(child: &tokio::process::Child) {
+    if let Some(group) = child.id().and_then(|id| i32::try_from(id).ok()).and_then(rustix::process::Pid::from_raw) {
+        let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+    }
+}
+
 /// A VM's control port, as the node holds it.
 #[derive(Debug)]
 pub struct Control(UnixStream);
@@ -272,7 +396,7 @@ impl Control {
     /// Hands the init the command to run (again, after a node's restart:
     /// an init that has one ignores another).
     pub async fn run(&mut self, command: &GuestCommand) -> Result<(), VmError> {
-        self.send(&Frame::Run(command.clone())).await
+        self.send(&Frame::Run(Box::new(command.clone()))).await
     }
 
     async fn send(&mut self, frame: &Frame) -> Result<(), VmError> {
@@ -324,7 +448,7 @@ impl Vm {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        if let Err(error) = control.send(&Frame::Run(command.clone())).await {
+        if let Err(error) = control.send(&Frame::Run(Box::new(command.clone()))).await {
             let _ = child.start_kill();
             return Err(error);
         }
@@ -355,6 +479,7 @@ mod tests {
                 outbound: vec![(80, vec!["/bin/busybox".into(), "nc".into(), "127.0.0.54,x".into(), "80".into()])],
             }),
             enter: Vec::new(),
+            shares: Vec::new(),
         };
         let args: Vec<String> = spec.args().into_iter().map(|a| a.into_string().unwrap()).collect();
         let after = |flag: &str| args.iter().skip_while(|a| *a != flag).nth(1).cloned().unwrap();
@@ -375,5 +500,64 @@ mod tests {
             "user,id=net0,net=10.0.2.0/24,host=10.0.2.2,hostfwd=tcp:127.0.0.1:8080-:8080,\
              hostfwd=tcp:127.0.0.1:8081-:8081,guestfwd=tcp:10.0.2.100:80-cmd:/bin/busybox nc 127.0.0.54,,x 80"
         );
+    }
+
+    #[test]
+    fn a_vm_with_shares_has_shared_memory_and_a_device_per_directory() {
+        let spec = VmSpec {
+            qemu: "qemu-system-x86_64".into(),
+            accel: Accel::Kvm,
+            vmlinuz: "/k/vmlinuz".into(),
+            initramfs: "/k/initramfs".into(),
+            root_image: "/images/root.ext4".into(),
+            scratch_image: "/leases/l1/scratch.ext4".into(),
+            cpus: 1,
+            memory_mib: 384,
+            run_dir: "/leases/l1".into(),
+            stdout_log: "/logs/l1/stdout.log".into(),
+            stderr_log: "/logs/l1/stderr.log".into(),
+            network: None,
+            enter: Vec::new(),
+            shares: vec![
+                VmShare { tag: "usr".into(), socket: "/leases/l1/share-0.sock".into() },
+                VmShare { tag: "cache,1".into(), socket: "/leases/l1/share-1.sock".into() },
+            ],
+        };
+        let args: Vec<String> = spec.args().into_iter().map(|a| a.into_string().unwrap()).collect();
+        let after = |flag: &str| args.iter().skip_while(|a| *a != flag).nth(1).cloned().unwrap();
+        assert_eq!(after("-M"), "microvm,isa-serial=on,pit=off,pic=off,rtc=on,memory-backend=mem");
+        assert_eq!(after("-object"), "memory-backend-memfd,id=mem,size=384M,share=on");
+        assert_eq!(after("-m"), "384", "the backend and the machine agree on the size");
+        assert!(args.contains(&"socket,id=share0,path=/leases/l1/share-0.sock".to_owned()), "{args:?}");
+        assert!(args.contains(&"vhost-user-fs-device,chardev=share0,tag=usr".to_owned()), "{args:?}");
+        assert!(args.contains(&"vhost-user-fs-device,chardev=share1,tag=cache,,1".to_owned()), "{args:?}");
+
+        let without = VmSpec { shares: Vec::new(), ..spec };
+        let args: Vec<String> = without.args().into_iter().map(|a| a.into_string().unwrap()).collect();
+        assert!(!args.iter().any(|a| a.contains("memory-backend")), "private memory without shares: {args:?}");
+    }
+
+    #[test]
+    fn a_read_only_share_is_refused_writes_by_its_daemon() {
+        let share = ShareSpec {
+            virtiofsd: "/usr/libexec/virtiofsd".into(),
+            dir: "/usr".into(),
+            socket: "/leases/l1/share-0.sock".into(),
+            read_only: true,
+            unchanging: true,
+            sandbox: true,
+            log: "/leases/l1/share-0.log".into(),
+        };
+        let args: Vec<String> = share.args().into_iter().map(|a| a.into_string().unwrap()).collect();
+        assert_eq!(
+            args.join(" "),
+            "--socket-path /leases/l1/share-0.sock --shared-dir /usr --sandbox namespace --log-level warn \
+             --readonly --cache always"
+        );
+        let writable = ShareSpec { read_only: false, unchanging: false, sandbox: false, ..share };
+        let args: Vec<String> = writable.args().into_iter().map(|a| a.into_string().unwrap()).collect();
+        assert!(!args.contains(&"--readonly".to_owned()), "{args:?}");
+        assert!(!args.contains(&"always".to_owned()), "what the node changes is looked at again: {args:?}");
+        assert!(args.contains(&"none".to_owned()), "{args:?}");
     }
 }

@@ -48,6 +48,23 @@ pub struct GuestCommand {
     /// and init live beside it); 0 for no limit but the VM's memory.
     #[serde(default)]
     pub memory_limit_bytes: u64,
+    /// Directories of the node's the guest mounts inside the workload's
+    /// root, in order (a path beneath an earlier one is mounted over it).
+    #[serde(default)]
+    pub shares: Vec<GuestShare>,
+}
+
+/// A directory of the node's shared with the guest over virtio-fs: the VMM
+/// has a `vhost-user-fs` device tagged [`GuestShare::tag`], served by a
+/// `virtiofsd` of the node's for that one directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestShare {
+    /// The device's tag: what the guest mounts it by.
+    pub tag: String,
+    /// Where the workload sees it: an absolute path inside its root.
+    pub path: String,
+    /// Mounted read-only (the node's daemon refuses writes as well).
+    pub read_only: bool,
 }
 
 /// How the init sets up the guest's one network interface (`eth0`).
@@ -76,7 +93,7 @@ pub enum GuestExit {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
     /// Run this (sent once, first).
-    Run(GuestCommand),
+    Run(Box<GuestCommand>),
     /// Send this signal to the workload and all it started.
     Signal(i32),
 }
@@ -229,12 +246,13 @@ mod tests {
                 gateway: "10.0.2.2".into(),
                 resolv_conf: "nameserver 10.0.2.2\n".into(),
             }),
+            shares: vec![GuestShare { tag: "share0".into(), path: "/usr".into(), read_only: true }],
         }
     }
 
     #[test]
     fn every_frame_reads_back_as_written_even_a_byte_at_a_time() {
-        let frames = vec![Frame::Run(command()), Frame::Signal(15), Frame::Signal(-1)];
+        let frames = vec![Frame::Run(Box::new(command())), Frame::Signal(15), Frame::Signal(-1)];
         let bytes: Vec<u8> = frames.iter().flat_map(encode).collect();
         let mut decoder = Decoder::default();
         let mut read = Vec::new();

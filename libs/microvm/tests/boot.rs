@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use berth_microvm::image::{root_image, scratch_image, write_initramfs};
 use berth_microvm::kernel::{DEFAULT_KERNEL_DIR, GuestKernel};
-use berth_microvm::vmm::{Accel, Vm, VmSpec, statuses};
-use berth_microvm::wire::{GuestCommand, GuestExit, Status};
+use berth_microvm::vmm::{Accel, ShareSpec, Vm, VmShare, VmSpec, start_share, statuses};
+use berth_microvm::wire::{GuestCommand, GuestExit, GuestShare, Status};
 
 /// How long one VM may take from boot to power-off under TCG on a busy
 /// machine.
@@ -76,6 +76,7 @@ impl Guest {
             stderr_log: dir.path().join("stderr.log"),
             network: None,
             enter: Vec::new(),
+            shares: Vec::new(),
         };
         Self { _dir: dir, spec }
     }
@@ -96,6 +97,7 @@ fn command(script: &str) -> GuestCommand {
         network: None,
         max_processes: 0,
         memory_limit_bytes: 0,
+        shares: Vec::new(),
     }
 }
 
@@ -188,4 +190,56 @@ async fn a_command_to_run_as_root_is_refused_and_a_missing_program_is_exit_127()
     let run = powered_off(&mut vm, &guest).await;
     assert_eq!(run.exit(), Some(GuestExit::Code(127)));
     assert!(run.stderr.contains("cannot run /bin/nope"), "{}", run.stderr);
+}
+
+#[tokio::test]
+async fn a_vm_reads_a_shared_directory_it_cannot_change_and_writes_one_the_node_then_sees() {
+    let virtiofsd = berth_microvm::install::find_virtiofsd().expect("virtiofsd (scripts/microvm-deps.sh)");
+    assert!(kernel().shares_directories(), "the guest kernel has no virtio-fs modules (scripts/microvm-deps.sh)");
+    let mut guest = Guest::new();
+    let shared = tempfile::tempdir().unwrap();
+    let (library, cache) = (shared.path().join("library"), shared.path().join("cache"));
+    std::fs::create_dir_all(library.join("share")).unwrap();
+    std::fs::write(library.join("share/words"), b"from the node\n").unwrap();
+    std::fs::create_dir_all(&cache).unwrap();
+    std::fs::write(cache.join("kept"), b"kept before\n").unwrap();
+    // The workload's user owns its cache, as the node gives it.
+    std::os::unix::fs::chown(&cache, Some(1000), Some(1001)).unwrap();
+    let sandbox = rustix::process::geteuid().is_root();
+    let mut daemons = Vec::new();
+    for (index, (dir, read_only)) in [(&library, true), (&cache, false)].into_iter().enumerate() {
+        let share = ShareSpec {
+            virtiofsd: virtiofsd.clone(),
+            dir: dir.clone(),
+            socket: shared.path().join(format!("share-{index}.sock")),
+            read_only,
+            unchanging: read_only,
+            sandbox,
+            log: shared.path().join(format!("share-{index}.log")),
+        };
+        daemons.push(start_share(&share, &[]).await.unwrap());
+        guest.spec.shares.push(VmShare { tag: format!("share{index}"), socket: share.socket });
+    }
+    let mut run = command(
+        "cat /usr/local/share/words; touch /usr/local/share/x 2>/dev/null && echo library-writable || \
+         echo library-protected; cat /var/cache/app/kept; echo from the guest > /var/cache/app/made; \
+         grep -c virtiofs /proc/mounts",
+    );
+    run.shares = vec![
+        GuestShare { tag: "share0".into(), path: "/usr/local".into(), read_only: true },
+        GuestShare { tag: "share1".into(), path: "/var/cache/app".into(), read_only: false },
+    ];
+    let mut vm = Vm::boot(&guest.spec, &run).await.unwrap();
+    let ran = powered_off(&mut vm, &guest).await;
+    assert_eq!(ran.exit(), Some(GuestExit::Code(0)), "{:?} {}\n{}", ran.failed(), ran.stderr, guest.console());
+    assert_eq!(ran.stdout, "from the node\nlibrary-protected\nkept before\n2\n", "{}", ran.stderr);
+    assert_eq!(std::fs::read_to_string(cache.join("made")).unwrap(), "from the guest\n");
+    let made = std::fs::metadata(cache.join("made")).unwrap();
+    assert_eq!((std::os::unix::fs::MetadataExt::uid(&made), std::os::unix::fs::MetadataExt::gid(&made)), (1000, 1001));
+    assert!(!library.join("share/x").exists());
+    // Each daemon ends with the VMM it served.
+    for mut daemon in daemons {
+        let ended = tokio::time::timeout(Duration::from_secs(10), daemon.wait()).await;
+        assert!(ended.is_ok(), "a virtiofsd outlived its VM");
+    }
 }

@@ -313,10 +313,13 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     }
     // Set by the agent, whatever the operator's labels say.
     let runtime_name = runtime.label().to_string();
-    if runtime == WorkloadRuntime::MicroVm && config.workload_identity {
-        // The Workload API is a socket on the host, which a guest cannot
-        // open; a launch with an identity would be refused.
-        tracing::warn!("microVMs get no workload identity yet: leases on this node run without an SVID");
+    if runtime == WorkloadRuntime::MicroVm && config.workload_identity && !crate::microvm::shares(&config.microvm) {
+        // A guest gets its identity as files in a shared directory; a node
+        // that shares none would refuse every launch with an identity.
+        tracing::warn!(
+            "microVMs on this node get no workload identity (no virtiofsd to share it with them): \
+             leases on this node run without an SVID"
+        );
         config.workload_identity = false;
     }
     config.labels.insert(RUNTIME_LABEL.into(), runtime_name);

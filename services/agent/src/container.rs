@@ -125,11 +125,11 @@ const RESIZE_POLL: Duration = Duration::from_millis(200);
 /// Host directories every workload sees read-only at the same paths; those
 /// the host lacks are left out, and those that are links (a merged `/usr`)
 /// become the same links in the workload's root.
-const SYSTEM_DIRS: [&str; 7] = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"];
+pub(crate) const SYSTEM_DIRS: [&str; 7] = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"];
 
 /// Host files and directories under `/etc` a workload sees read-only: CA
 /// certificates and how names are looked up.
-const SHARED_ETC: [&str; 4] = ["/etc/ssl", "/etc/ca-certificates", "/etc/nsswitch.conf", "/etc/resolv.conf"];
+pub(crate) const SHARED_ETC: [&str; 4] = ["/etc/ssl", "/etc/ca-certificates", "/etc/nsswitch.conf", "/etc/resolv.conf"];
 
 /// The init every container's workload runs under, where the host has it:
 /// tini, as `docker run --init` uses. The workload is not the PID
@@ -691,7 +691,7 @@ fn link_workload_api(rootfs: &Path, plan: &ContainerPlan) -> Result<(), Provider
 /// Gives `root` and everything under it (symlinks themselves, not what
 /// they name) to the workload's user `uid`: its identity directory, which
 /// no other user may enter.
-fn give_tree(root: &Path, uid: u32) -> Result<(), ProviderError> {
+pub(crate) fn give_tree(root: &Path, uid: u32) -> Result<(), ProviderError> {
     let give = |path: &Path| {
         std::os::unix::fs::lchown(path, Some(uid), Some(uid)).map_err(|source| io("give the workload", path, source))
     };
@@ -889,7 +889,7 @@ fn shared_files() -> Vec<PathBuf> {
 }
 
 /// System directories bound into every root (links are made as links).
-fn system_dirs() -> Vec<PathBuf> {
+pub(crate) fn system_dirs() -> Vec<PathBuf> {
     SYSTEM_DIRS
         .iter()
         .map(PathBuf::from)

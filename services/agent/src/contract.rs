@@ -469,9 +469,16 @@ print(s.recv(64).decode(), end="")'"#;
     let mut with_identity = spec("lease-id", script);
     with_identity.identity = Some(dir.clone());
     if matches!(kind, Kind::MicroVm) {
-        // A socket on the host is nothing a guest can open: refused, not dropped.
-        let refused = provider.launch(with_identity).await.unwrap_err();
-        assert_eq!(refused.start_reason(), "Unsupported", "{refused}");
+        // A guest has the files, shared read-only; a socket on the host is nothing it can open.
+        let files = "cat \"$BERTH_IDENTITY_DIR/svid.pem\"; touch \"$BERTH_IDENTITY_DIR/planted\" 2>/dev/null && \
+                     echo writable; echo \"${SPIFFE_ENDPOINT_SOCKET:-no socket}\"";
+        let mut files_only = spec("lease-id", files);
+        files_only.identity = Some(dir.clone());
+        ran_to_success(provider.as_ref(), files_only).await;
+        assert_eq!(stdout_of(provider.as_ref(), "lease-id"), "the certificate\nno socket\n");
+        use std::os::unix::fs::MetadataExt as _;
+        assert_ne!(std::fs::metadata(&dir).unwrap().uid(), 0, "the directory is given to the workload's own user");
+        assert!(!dir.join("planted").exists());
         return;
     }
     ran_to_success(provider.as_ref(), with_identity).await;

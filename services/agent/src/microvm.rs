@@ -22,11 +22,31 @@
 //!
 //! # Roots
 //! - A container image: its unpacked root, as one image per digest.
-//! - A bundle: the node's `busybox` userland with the bundle at `/bundle`
+//! - A bundle: the node's system directories (`/usr`; `/bin`, `/lib`…
+//!   as the host has them, links as links) shared read-only, as a
+//!   container sees them bound, with the bundle at `/bundle`
 //!   (`$BERTH_BUNDLE_DIR`), one image per digest.
-//! - A bare command: the node's `busybox` userland alone. A VM does not
-//!   share the host's files, so a bare command names a busybox applet or a
-//!   program of the lease's own, never one of the host's.
+//! - A bare command: the node's system directories alone.
+//!
+//! Without a `virtiofsd` (or a guest kernel without virtio-fs) a node
+//! shares nothing: bundles and bare commands run on the node's `busybox`
+//! userland, and cache volumes and identity directories are refused.
+//!
+//! # Shared directories
+//! What a container sees bound from the host, a guest sees over virtio-fs
+//! (see `berth_microvm::vmm`): the system directories above (read-only,
+//! cached for good: nothing changes them under a running workload), each
+//! cache volume's view (read-write, given to the workload's user, so what
+//! it writes is in the view the agent seals and publishes when the lease
+//! ends, exactly as for a container), and the identity directory
+//! (read-only, looked at again each second, so renewed files are seen).
+//! One `virtiofsd` serves each, started in the VMM's cgroup before QEMU
+//! and ending with it. A drive per cache volume would have to be built
+//! from the view before the boot and read back into it after, copying
+//! the volume twice per lease; a share copies nothing. The Workload API
+//! socket in the identity directory is not reachable through a share: a
+//! guest has its identity as files (`$BERTH_IDENTITY_DIR`), and no
+//! `$SPIFFE_ENDPOINT_SOCKET`.
 //!
 //! # Processes and adoption
 //! QEMU runs in a process group of its own and is recorded by its pid and
@@ -57,9 +77,7 @@
 //! container's connections to those names go.
 //!
 //! # Not yet
-//! Cache volumes and identity directories are refused with `Unsupported`
-//! rather than dropped: a lease that needs one runs on a node with another
-//! runtime. A running VM's limits cannot be changed.
+//! A running VM's limits cannot be changed.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -68,8 +86,11 @@ use std::time::{Duration, SystemTime};
 
 use berth_microvm::image::{Owner, root_image, scratch_image, set_owners, write_initramfs};
 use berth_microvm::kernel::GuestKernel;
-use berth_microvm::vmm::{Accel, Control, GUEST_ADDRESS, GUEST_GATEWAY, SlirpNetwork, Vm, VmSpec, statuses};
-use berth_microvm::wire::{GuestCommand, GuestExit, GuestNetwork, Status};
+use berth_microvm::vmm::{
+    Accel, Control, GUEST_ADDRESS, GUEST_GATEWAY, ShareSpec, SlirpNetwork, Vm, VmShare, VmSpec, kill_group,
+    start_share, statuses,
+};
+use berth_microvm::wire::{GuestCommand, GuestExit, GuestNetwork, GuestShare, Status};
 use tokio::sync::{OnceCell, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -79,12 +100,15 @@ use crate::instances::{
 use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk, Resized, Runtime,
-    Settlement, WorkloadRoot, WorkloadSignal,
+    ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk,
+    Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
 };
 
 /// Where a bundle is seen inside the guest.
 const BUNDLE_IN_GUEST: &str = "/bundle";
+
+/// Where a workload's identity directory is seen inside the guest.
+const IDENTITY_IN_GUEST: &str = "/run/berth/identity";
 
 /// The user a workload runs as inside the guest when its image names none
 /// (or names root).
@@ -161,6 +185,13 @@ pub(crate) fn missing(config: &crate::config::MicroVmConfig) -> Option<String> {
     MicroVmSettings::from_config(config, ProcessTiming::default()).err()
 }
 
+/// Whether this host's guests can mount the node's directories with
+/// `config`: a `virtiofsd`, and a guest kernel with virtio-fs.
+pub(crate) fn shares(config: &crate::config::MicroVmConfig) -> bool {
+    berth_microvm::install::find_virtiofsd().is_some()
+        && GuestKernel::from_dir(&config.kernel_dir).is_ok_and(|kernel| kernel.shares_directories())
+}
+
 /// What the microVM provider runs with.
 #[derive(Debug, Clone)]
 pub struct MicroVmSettings {
@@ -172,8 +203,12 @@ pub struct MicroVmSettings {
     pub init: PathBuf,
     /// How guest code runs.
     pub accel: MicroVmAccel,
-    /// The node's static `busybox`, the userland of bundles and bare commands.
+    /// The node's static `busybox`: the guest init's tools, and the
+    /// userland of bundles and bare commands on a node that shares nothing.
     pub busybox: PathBuf,
+    /// The `virtiofsd` that shares the node's directories with guests,
+    /// when the node has one and its guest kernel mounts what it serves.
+    pub virtiofsd: Option<PathBuf>,
     /// The grace between SIGTERM and killing the VM, and how often an
     /// adopted VM is looked for.
     pub timing: ProcessTiming,
@@ -188,7 +223,7 @@ impl MicroVmSettings {
         let qemu = find_program(&config.qemu).ok_or_else(|| {
             format!("{} is not installed (scripts/microvm-deps.sh installs it)", config.qemu.display())
         })?;
-        GuestKernel::from_dir(&config.kernel_dir).map_err(|e| e.to_string())?;
+        let kernel = GuestKernel::from_dir(&config.kernel_dir).map_err(|e| e.to_string())?;
         let init =
             config.init.clone().or_else(berth_microvm::install::find_init).filter(|init| init.is_file()).ok_or_else(
                 || format!("no guest init ({}): it ships beside the agent", berth_microvm::install::INIT_NAME),
@@ -202,12 +237,21 @@ impl MicroVmSettings {
         }
         let busybox = berth_microvm::install::find_busybox()
             .ok_or_else(|| "no static busybox (Debian's busybox-static) for the guests' userland".to_owned())?;
+        let virtiofsd = berth_microvm::install::find_virtiofsd().filter(|_| kernel.shares_directories());
+        if virtiofsd.is_none() {
+            tracing::warn!(
+                "no virtiofsd, or a guest kernel without virtio-fs: microVMs share no directory with the node \
+                 (bundles run on busybox; cache volumes and workload identity are refused); \
+                 scripts/microvm-deps.sh installs both"
+            );
+        }
         Ok(Self {
             qemu,
             kernel_dir: config.kernel_dir.clone(),
             init,
             accel: config.accel,
             busybox,
+            virtiofsd,
             timing,
             pids_limit: crate::container::DEFAULT_PIDS_LIMIT,
         })
@@ -292,7 +336,8 @@ impl MicroVmProvider {
                     })?;
                     let stamp = meta.modified().map(unix_ms).unwrap_or_default();
                     std::fs::create_dir_all(&inner.dir).map_err(|e| crate::instances::io("creating", &inner.dir, e))?;
-                    let path = inner.dir.join(format!("initramfs-{}-{stamp}.cpio", meta.len()));
+                    let modules = kernel.modules.len();
+                    let path = inner.dir.join(format!("initramfs-{}-{stamp}-{modules}.cpio", meta.len()));
                     if !path.is_file() {
                         write_initramfs(&settings.init, &settings.busybox, &kernel, &path).map_err(unsupported_host)?;
                     }
@@ -336,7 +381,7 @@ impl MicroVmProvider {
     /// the kernel asks of the CPU), so only a boot tells.
     async fn probe_kvm(&self, initramfs: PathBuf) -> Result<(), String> {
         std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").map_err(|e| format!("/dev/kvm: {e}"))?;
-        let root_image = self.root_image(&WorkloadRoot::Host).await.map_err(|e| e.to_string())?;
+        let root_image = self.root_image(&WorkloadRoot::Host, false).await.map_err(|e| e.to_string())?;
         let run_dir = self.inner.dir.join("probe");
         let _ = std::fs::remove_dir_all(&run_dir);
         std::fs::create_dir_all(&run_dir).map_err(|e| e.to_string())?;
@@ -356,6 +401,7 @@ impl MicroVmProvider {
             run_dir: run_dir.clone(),
             network: None,
             enter: Vec::new(),
+            shares: Vec::new(),
         };
         let command = GuestCommand {
             argv: vec!["true".into()],
@@ -367,6 +413,7 @@ impl MicroVmProvider {
             network: None,
             max_processes: 0,
             memory_limit_bytes: 0,
+            shares: Vec::new(),
         };
         let mut vm = Vm::boot(&spec, &command).await.map_err(|e| e.to_string())?;
         let finished = tokio::time::timeout(PROBE_DEADLINE, vm.child.wait()).await;
@@ -378,11 +425,20 @@ impl MicroVmProvider {
         if ran { Ok(()) } else { Err(format!("a probe VM under KVM did not run within {PROBE_DEADLINE:?}")) }
     }
 
-    /// The read-only root image for `root`, built unless it exists.
-    async fn root_image(&self, root: &WorkloadRoot) -> Result<PathBuf, ProviderError> {
+    /// Whether this node shares directories with its guests.
+    fn shares(&self) -> bool {
+        self.inner.settings.virtiofsd.is_some()
+    }
+
+    /// The read-only root image for `root`, built unless it exists;
+    /// `hosted`, for a bundle or a bare command, is a root for the node's
+    /// shared system directories, else for its busybox.
+    async fn root_image(&self, root: &WorkloadRoot, hosted: bool) -> Result<PathBuf, ProviderError> {
         let images = self.inner.dir.join("images");
         let name = match root {
+            WorkloadRoot::Host if hosted => "host.ext4".to_owned(),
             WorkloadRoot::Host => "busybox.ext4".to_owned(),
+            WorkloadRoot::Bundle { digest, .. } if hosted => format!("bundle-{}-host.ext4", digest_name(digest)),
             WorkloadRoot::Bundle { digest, .. } => format!("bundle-{}.ext4", digest_name(digest)),
             // What the image gave its user is its user's in this image.
             WorkloadRoot::Image { digest, account, .. } => match image_user(account.as_deref()) {
@@ -425,7 +481,11 @@ impl MicroVmProvider {
                     name.push(".tree");
                     let tree = out.with_file_name(name);
                     crate::instances::remove_path(&tree)?;
-                    busybox_tree(&busybox, &tree)?;
+                    if hosted {
+                        hosted_tree(&tree)?
+                    } else {
+                        busybox_tree(&busybox, &tree)?
+                    }
                     if let Some(bundle) = root.bundle_dir() {
                         copy_tree(bundle, &tree.join(BUNDLE_IN_GUEST.trim_start_matches('/')))?;
                     }
@@ -454,6 +514,11 @@ impl MicroVmProvider {
             WorkloadRoot::Bundle { dir, .. } if Path::new(program).starts_with(BUNDLE_IN_GUEST) => {
                 let inside = Path::new(program).strip_prefix(BUNDLE_IN_GUEST).unwrap_or(Path::new(""));
                 std::fs::symlink_metadata(dir.join(inside)).is_ok()
+            }
+            // The node's own system directories, shared.
+            WorkloadRoot::Host | WorkloadRoot::Bundle { .. } if self.shares() => {
+                crate::container::SYSTEM_DIRS.iter().any(|dir| Path::new(program).starts_with(dir))
+                    && std::fs::symlink_metadata(program).is_ok()
             }
             WorkloadRoot::Host | WorkloadRoot::Bundle { .. } => {
                 let Some(name) = relative.strip_prefix("bin/") else { return false };
@@ -520,15 +585,28 @@ impl MicroVmProvider {
     /// once its lease is settled nothing would ever stop it. It is found by
     /// its control port's argument, which names the lease's directory.
     async fn stop_unrecorded(&self, lease_id: &str) {
-        let socket = self.inner.instances.layout.work_dir(lease_id).join("control.sock");
+        let run_dir = self.inner.instances.layout.work_dir(lease_id);
+        let socket = run_dir.join("control.sock");
         let (proc_root, chardev) = (self.inner.proc_root.clone(), berth_microvm::vmm::control_chardev(&socket));
-        let found =
-            blocking(move || Ok(procfs::with_args(&proc_root, &["-chardev", &chardev]))).await.unwrap_or_default();
+        let found = blocking(move || {
+            let mut found = procfs::with_args(&proc_root, &["-chardev", &chardev]);
+            // The daemons of its shares, each found by its socket.
+            for entry in std::fs::read_dir(&run_dir).into_iter().flatten().flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with("share-") && name.ends_with(".sock") {
+                    let socket = entry.path().display().to_string();
+                    found.extend(procfs::with_args(&proc_root, &["--socket-path", &socket]));
+                }
+            }
+            Ok(found)
+        })
+        .await
+        .unwrap_or_default();
         if found.is_empty() {
             return;
         }
         tracing::warn!(%lease_id, pids = ?found.iter().map(|p| p.pid).collect::<Vec<_>>(),
-            "stopping a microVM an interrupted launch left running unrecorded");
+            "stopping a microVM (or its shares' daemons) an interrupted launch left running unrecorded");
         crate::process::kill_found(&found).await;
         self.cgroup(lease_id).remove();
     }
@@ -689,6 +767,63 @@ fn guest_network(
     Ok((SlirpNetwork { inbound, outbound }, guest))
 }
 
+/// A directory of the node's a VM mounts.
+#[derive(Debug, Clone)]
+struct Shared {
+    /// The directory on the node.
+    host: PathBuf,
+    /// How the guest mounts it; its tag names its daemon's socket and log.
+    guest: GuestShare,
+    /// Nothing changes it while the VM runs.
+    unchanging: bool,
+}
+
+/// The node's directories `spec`'s VM mounts, when the node shares any: a
+/// bundle's or bare command's system directories (read-only), its cache
+/// volumes' views (read-write) and its identity directory (read-only).
+fn shared_dirs(spec: &LaunchSpec, hosted: bool) -> Vec<Shared> {
+    if !hosted {
+        return Vec::new();
+    }
+    let mut shared = Vec::new();
+    if matches!(spec.root, WorkloadRoot::Host | WorkloadRoot::Bundle { .. }) {
+        shared.extend(crate::container::system_dirs().into_iter().map(|dir| (dir.clone(), dir, true, true)));
+    }
+    shared.extend(spec.caches.iter().map(|cache| (cache.host.clone(), cache.inside.clone(), false, false)));
+    shared.extend(spec.identity.iter().map(|dir| (dir.clone(), PathBuf::from(IDENTITY_IN_GUEST), true, false)));
+    shared
+        .into_iter()
+        .enumerate()
+        .map(|(index, (host, inside, read_only, unchanging))| Shared {
+            host,
+            guest: GuestShare { tag: format!("share-{index}"), path: inside.display().to_string(), read_only },
+            unchanging,
+        })
+        .collect()
+}
+
+/// Gives the workload's guest user what it writes or alone may read: the
+/// root of each cache view (its files come sealed open to every user) and
+/// the identity directory. Only root gives files away.
+fn give_shared(
+    caches: &[crate::provider::CacheBind],
+    identity: Option<&Path>,
+    uid: u32,
+    gid: u32,
+) -> Result<(), ProviderError> {
+    if !rustix::process::geteuid().is_root() {
+        return Ok(());
+    }
+    for view in caches {
+        std::os::unix::fs::lchown(&view.host, Some(uid), Some(gid))
+            .map_err(|e| crate::instances::io("giving the workload", &view.host, e))?;
+    }
+    if let Some(identity) = identity {
+        crate::container::give_tree(identity, uid)?;
+    }
+    Ok(())
+}
+
 /// How a VM's workload ended, from its status lines; `killed` when this
 /// provider killed its VMM, `watched` when it saw the VMM end (then a VM
 /// that reported nothing never started its workload: 127, as a shell
@@ -743,17 +878,48 @@ fn digest_name(digest: &str) -> String {
 /// A root of `busybox` and a link for each of its applets in `/bin`, with
 /// the directories a workload expects and an account for [`GUEST_USER`].
 fn busybox_tree(busybox: &Path, root: &Path) -> Result<(), ProviderError> {
-    let io = |what: &'static str, path: &Path| {
-        let path = path.to_path_buf();
-        move |e| crate::instances::io(what, &path, e)
-    };
-    for dir in ["bin", "etc", "tmp", "proc", "dev", "sys", "home/workload"] {
-        std::fs::create_dir_all(root.join(dir)).map_err(io("creating", &root.join(dir)))?;
-    }
-    std::fs::copy(busybox, root.join("bin/busybox")).map_err(io("copying", busybox))?;
+    base_tree(root, &["bin"])?;
+    std::fs::copy(busybox, root.join("bin/busybox")).map_err(tree_io("copying", busybox))?;
     for applet in busybox_applets(busybox) {
         let link = root.join("bin").join(applet);
-        std::os::unix::fs::symlink("busybox", &link).map_err(io("linking", &link))?;
+        std::os::unix::fs::symlink("busybox", &link).map_err(tree_io("linking", &link))?;
+    }
+    Ok(())
+}
+
+/// A root for the node's system directories, shared into the guest at the
+/// same paths (a directory here for each; the host's links as links), with
+/// the host's CA certificates and name service files under `/etc`, as a
+/// container sees them, the directories a workload expects and an account
+/// for [`GUEST_USER`].
+fn hosted_tree(root: &Path) -> Result<(), ProviderError> {
+    base_tree(root, &[])?;
+    for dir in crate::container::SYSTEM_DIRS {
+        let at = root.join(dir.trim_start_matches('/'));
+        match std::fs::read_link(dir) {
+            Ok(target) => std::os::unix::fs::symlink(&target, &at).map_err(tree_io("linking", &at))?,
+            Err(_) if Path::new(dir).is_dir() => std::fs::create_dir_all(&at).map_err(tree_io("creating", &at))?,
+            Err(_) => {}
+        }
+    }
+    for shared in crate::container::SHARED_ETC.iter().map(Path::new) {
+        let at = root.join(shared.strip_prefix("/").unwrap_or(shared));
+        match std::fs::symlink_metadata(shared) {
+            Ok(meta) if meta.is_dir() => copy_tree(shared, &at)?,
+            Ok(_) => {
+                std::fs::copy(shared, &at).map_err(tree_io("copying", shared))?;
+            }
+            Err(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// What every guest root made here holds: `extra` directories, the usual
+/// ones, a home for [`GUEST_USER`] and its account.
+fn base_tree(root: &Path, extra: &[&str]) -> Result<(), ProviderError> {
+    for dir in ["etc", "tmp", "proc", "dev", "sys", "run", "home/workload"].iter().chain(extra) {
+        std::fs::create_dir_all(root.join(dir)).map_err(tree_io("creating", &root.join(dir)))?;
     }
     let files = [
         (
@@ -763,18 +929,24 @@ fn busybox_tree(busybox: &Path, root: &Path) -> Result<(), ProviderError> {
         ("etc/group", format!("root:x:0:\nworkload:x:{GUEST_USER}:\n")),
     ];
     for (name, text) in files {
-        std::fs::write(root.join(name), text).map_err(io("writing", &root.join(name)))?;
+        std::fs::write(root.join(name), text).map_err(tree_io("writing", &root.join(name)))?;
     }
     use std::os::unix::fs::{PermissionsExt as _, chown};
     std::fs::set_permissions(root.join("tmp"), std::fs::Permissions::from_mode(0o1777))
-        .map_err(io("opening", &root.join("tmp")))?;
+        .map_err(tree_io("opening", &root.join("tmp")))?;
     // Only root gives files away; an agent that is not root runs its
     // workloads uncontained, and builds no image for them to use.
     if rustix::process::geteuid().is_root() {
         chown(root.join("home/workload"), Some(GUEST_USER), Some(GUEST_USER))
-            .map_err(io("giving the workload", &root.join("home/workload")))?;
+            .map_err(tree_io("giving the workload", &root.join("home/workload")))?;
     }
     Ok(())
+}
+
+/// An I/O error building a tree, naming what was done to which path.
+fn tree_io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ProviderError {
+    let path = path.to_path_buf();
+    move |e| crate::instances::io(what, &path, e)
 }
 
 /// The applets `busybox` offers, `busybox` itself aside.
@@ -797,10 +969,7 @@ fn beneath_without_links(root: &Path, relative: &Path) -> bool {
 
 /// Copies the tree at `from` to `to`, links as links.
 fn copy_tree(from: &Path, to: &Path) -> Result<(), ProviderError> {
-    let io = |what: &'static str, path: &Path| {
-        let path = path.to_path_buf();
-        move |e| crate::instances::io(what, &path, e)
-    };
+    let io = tree_io;
     std::fs::create_dir_all(to).map_err(io("creating", to))?;
     for entry in std::fs::read_dir(from).map_err(io("reading", from))? {
         let entry = entry.map_err(io("reading", from))?;
@@ -822,10 +991,11 @@ fn copy_tree(from: &Path, to: &Path) -> Result<(), ProviderError> {
 impl Provider for MicroVmProvider {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
         validate_lease_id(&spec.lease_id)?;
-        if let Some(cache) = spec.caches.first() {
+        let hosted = self.shares();
+        if let Some(cache) = spec.caches.first().filter(|_| !hosted) {
             return Err(Self::unsupported(&spec, &format!("mounts a cache volume at {}", cache.inside.display())));
         }
-        if spec.identity.is_some() {
+        if spec.identity.is_some() && !hosted {
             return Err(Self::unsupported(&spec, "has a workload identity directory"));
         }
         let bundle = spec.root.bundle_dir().map(|_| PathBuf::from(BUNDLE_IN_GUEST));
@@ -835,7 +1005,7 @@ impl Provider for MicroVmProvider {
             return Err(ProviderError::Spawn { command: program, source });
         }
         let vm_initramfs = self.initramfs().await?;
-        let root_image = self.root_image(&spec.root).await?;
+        let root_image = self.root_image(&spec.root, hosted).await?;
         let mut spec = spec;
         let _claim = self.inner.instances.prepare_launch(&mut spec, &self.inner.ports)?;
 
@@ -869,7 +1039,15 @@ impl Provider for MicroVmProvider {
                 (GUEST_USER, GUEST_USER, "/home/workload".to_owned(), "/home/workload".to_owned())
             }
         };
-        let mut env = spec.environment(Path::new(&home), bundle.as_deref(), None);
+        let identity_seen = IdentitySeen { dir: Path::new(IDENTITY_IN_GUEST), socket: Path::new(IDENTITY_IN_GUEST) };
+        let mut env = spec.environment(Path::new(&home), bundle.as_deref(), Some(identity_seen));
+        // Its identity is files: the Workload API's socket does not cross a share.
+        env.remove(crate::provider::SPIFFE_SOCKET_VAR);
+        let shared = shared_dirs(&spec, hosted);
+        {
+            let (caches, identity) = (spec.caches.clone(), spec.identity.clone());
+            blocking(move || give_shared(&caches, identity.as_deref(), uid, gid)).await?;
+        }
         let (network, guest_network) = match &spec.network {
             Some(attachment) => {
                 let (network, guest) = guest_network(attachment, &spec.meta, &mut env, &self.inner.settings.busybox)?;
@@ -890,6 +1068,7 @@ impl Provider for MicroVmProvider {
             max_processes: u64::try_from(self.inner.settings.pids_limit).unwrap_or(0),
             // The workload gets its lease's memory; the guest's kernel and init live beside it.
             memory_limit_bytes: u64::from(workload_memory_mib(spec.resources.memory_bytes)) << 20,
+            shares: shared.iter().map(|share| share.guest.clone()).collect(),
         };
         let logs = self.inner.instances.layout.logs(&spec.lease_id);
         let resources = spec.resources;
@@ -908,6 +1087,7 @@ impl Provider for MicroVmProvider {
             stderr_log: logs.stderr,
             network,
             enter: spec.network.as_ref().map(|n| n.enter.clone()).unwrap_or_default(),
+            shares: Vec::new(),
         };
         // Kept so that an agent restarted before the guest read it sends it again.
         let kept = serde_json::to_vec(&command).unwrap_or_default();
@@ -917,21 +1097,43 @@ impl Provider for MicroVmProvider {
         })
         .await?;
         let (exit_tx, exit_rx) = watch::channel(None);
-        // QEMU starts inside its cgroup, and then enters the tenant's namespace.
-        match self.hold(&spec.lease_id, vm.cpus, resources, vm.memory_mib) {
-            Ok(mut enter) => {
-                enter.append(&mut vm.enter);
-                vm.enter = enter;
-            }
+        // QEMU and its shares' daemons start inside its cgroup; QEMU then enters the tenant's namespace.
+        let in_cgroup = match self.hold(&spec.lease_id, vm.cpus, resources, vm.memory_mib) {
+            Ok(enter) => enter,
             Err(error) => {
                 self.cgroup(&spec.lease_id).remove();
                 self.inner.instances.never_started(first).await;
                 return Err(ProviderError::Spawn { command: program, source: std::io::Error::other(error) });
             }
+        };
+        let mut daemons = Vec::new();
+        for share in &shared {
+            let daemon = ShareSpec {
+                virtiofsd: self.inner.settings.virtiofsd.clone().unwrap_or_default(),
+                dir: share.host.clone(),
+                socket: vm.run_dir.join(format!("{}.sock", share.guest.tag)),
+                read_only: share.guest.read_only,
+                unchanging: share.unchanging,
+                sandbox: rustix::process::geteuid().is_root(),
+                log: vm.run_dir.join(format!("{}.log", share.guest.tag)),
+            };
+            match start_share(&daemon, &in_cgroup).await {
+                Ok(child) => daemons.push(child),
+                Err(error) => {
+                    daemons.iter().for_each(kill_group);
+                    self.cgroup(&spec.lease_id).remove();
+                    self.inner.instances.never_started(first).await;
+                    let why = format!("sharing {} with its microVM: {error}", share.host.display());
+                    return Err(ProviderError::Spawn { command: program, source: std::io::Error::other(why) });
+                }
+            }
+            vm.shares.push(VmShare { tag: share.guest.tag.clone(), socket: daemon.socket });
         }
+        vm.enter = in_cgroup.into_iter().chain(std::mem::take(&mut vm.enter)).collect();
         let Vm { child, control } = match Vm::boot(&vm, &command).await {
             Ok(vm) => vm,
             Err(error) => {
+                daemons.iter().for_each(kill_group);
                 self.cgroup(&spec.lease_id).remove();
                 self.inner.instances.never_started(first).await;
                 return Err(ProviderError::Spawn {

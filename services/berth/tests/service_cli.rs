@@ -723,6 +723,31 @@ fn a_container_image_deploys_with_service_apply_under_the_process_runtime() {
     an_image_deploys_and_answers("process");
 }
 
+/// The README's hello (a Python bundle) deploys as microVMs with `service
+/// apply` and answers through the router: its guests run it on the node's
+/// own `/usr`, shared with them read-only, as a container would.
+#[test]
+fn the_readme_hello_deploys_as_microvms_and_answers_through_the_router() {
+    if !contained_here("the hello bundle as microVMs") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = format!("oci:{}:hello", tmp.path().join("oci").display());
+    let push = run(berth_command(&["bundle", "push", example().to_str().unwrap(), &reference]), COMMAND_DEADLINE);
+    assert_eq!(push.code, Some(0), "{push:?}");
+    let dev = Dev::start_with(&tmp.path().join("data"), &["--runtime", "microvm", "--microvm-accel", "tcg"]);
+    let spec = tmp.path().join("service.json");
+    write_template(&spec, &reference, &[]);
+    let mut template: Value = serde_json::from_str(&std::fs::read_to_string(&spec).unwrap()).unwrap();
+    template["runtime"] = Value::String("microvm".into());
+    std::fs::write(&spec, template.to_string()).unwrap();
+    let applied = dev.ok(&["service", "apply", "-f", spec.to_str().unwrap(), "--name", "hello", "--wait"]);
+    assert!(applied.contains("hello-00001 is live, 2 of 2 replicas running"), "{applied}");
+    router_serves(&dev, "hello.default.berth.localhost", "hello from hello-00001\n");
+    let deleted = dev.ok(&["service", "delete", "hello"]);
+    assert!(deleted.contains("service hello deleted"), "{deleted}");
+}
+
 /// The same busybox `httpd` image under the microVM runtime: `service
 /// apply` runs it in a VM of its own (QEMU's translator here, which needs no
 /// `/dev/kvm`), reached through the node as any replica is; inside, it runs

@@ -5,7 +5,8 @@
 //! control port for the node's [`Frame::Run`], finds the lease's root and
 //! scratch drives by their ext4 labels, and builds the workload's root as
 //! an overlay of the two (the root image read-only below, the scratch
-//! above). It then starts the workload in that root as the unprivileged
+//! above), and mounts the node's shared directories the command names
+//! (virtio-fs) inside it. It then starts the workload in that root as the unprivileged
 //! user the node named, in a process group of its own, with the stdout and
 //! stderr ports as its own stdout and stderr (nothing copies its output),
 //! passes on the node's signals, reaps every process that ends (it is
@@ -22,6 +23,9 @@
 //! - Any failure before the workload starts is reported as
 //!   [`Status::Failed`] when the status port is open, and on the console
 //!   always.
+//! - A shared directory is mounted `nosuid,nodev` (and read-only when the
+//!   command says so) at a path reached through no link of the image's,
+//!   so a mount never lands outside the workload's root.
 //! - With a memory limit in the command, the workload and all it starts
 //!   run in a memory cgroup (v2) of that size from before the program is
 //!   executed, so it never takes the memory the guest's kernel and init
@@ -44,8 +48,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use berth_microvm::kernel::{MODULES, SHARE_MODULES};
+use berth_microvm::wire::GuestShare;
 use berth_microvm::wire::{Decoder, Frame, GuestCommand, GuestExit, GuestNetwork, Status};
-use berth_microvm::{CONTROL_PORT, ROOT_LABEL, SCRATCH_LABEL, STATUS_PORT, STDERR_PORT, STDOUT_PORT, kernel::MODULES};
+use berth_microvm::{CONTROL_PORT, ROOT_LABEL, SCRATCH_LABEL, STATUS_PORT, STDERR_PORT, STDOUT_PORT};
 use nix::mount::{MsFlags, mount};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitStatus, waitpid};
@@ -111,7 +117,7 @@ fn run(console: &mut Console, status_slot: &mut Option<File>) -> Result<(), Stri
         mount(Some(source), target, Some(kind), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, None::<&str>)
             .map_err(|e| format!("mounting {target}: {e}"))?;
     }
-    load_modules(console)?;
+    load_modules(MODULES, console)?;
     let status = status_slot.insert(open_port(STATUS_PORT)?);
     let mut reader = open_port(CONTROL_PORT)?;
 
@@ -121,7 +127,7 @@ fn run(console: &mut Console, status_slot: &mut Option<File>) -> Result<(), Stri
     let waiting = Instant::now();
     let command = loop {
         match read_frame(&mut reader, &mut decoder)? {
-            Some(Frame::Run(command)) => break command,
+            Some(Frame::Run(command)) => break *command,
             Some(_) => continue,
             None if waiting.elapsed() < COMMAND_DEADLINE => {
                 decoder = Decoder::default();
@@ -140,6 +146,12 @@ fn run(console: &mut Console, status_slot: &mut Option<File>) -> Result<(), Stri
         return Err("the command has no program".into());
     }
     assemble_root()?;
+    if !command.shares.is_empty() {
+        load_modules(SHARE_MODULES, console)?;
+        for share in &command.shares {
+            mount_share(share)?;
+        }
+    }
     if !command.hostname.is_empty() {
         nix::unistd::sethostname(&command.hostname).map_err(|e| format!("setting the host name: {e}"))?;
     }
@@ -152,9 +164,9 @@ fn run(console: &mut Console, status_slot: &mut Option<File>) -> Result<(), Stri
     Ok(())
 }
 
-fn load_modules(console: &mut Console) -> Result<(), String> {
+fn load_modules(modules: &[&str], console: &mut Console) -> Result<(), String> {
     let options = CString::default();
-    for name in MODULES {
+    for name in modules {
         let path = PathBuf::from(format!("/lib/modules/{name}.ko"));
         let Ok(module) = File::open(&path) else { continue };
         match nix::kmod::finit_module(&module, &options, nix::kmod::ModuleInitFlags::empty()) {
@@ -254,6 +266,39 @@ fn assemble_root() -> Result<(), String> {
     std::fs::set_permissions(Path::new(NEW_ROOT).join("tmp"), std::os::unix::fs::PermissionsExt::from_mode(0o1777))
         .map_err(|e| format!("opening /tmp to all: {e}"))?;
     Ok(())
+}
+
+/// Mounts the node's directory `share` at its path inside the workload's
+/// root: a directory that is not there yet is made (in the scratch), and a
+/// link or file at the path itself gives way to one; a link on the way to
+/// it is refused, for the init would follow it from its own root.
+fn mount_share(share: &GuestShare) -> Result<(), String> {
+    let path = Path::new(&share.path);
+    if !path.is_absolute()
+        || path.components().any(|c| !matches!(c, std::path::Component::RootDir | std::path::Component::Normal(_)))
+    {
+        return Err(format!("a shared directory's path must be absolute and plain: {}", share.path));
+    }
+    let mut target = PathBuf::from(NEW_ROOT);
+    let steps: Vec<_> = path.components().skip(1).collect();
+    for (index, step) in steps.iter().enumerate() {
+        target.push(step);
+        match std::fs::symlink_metadata(&target) {
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) if index + 1 == steps.len() => {
+                std::fs::remove_file(&target).map_err(|e| format!("replacing {}: {e}", share.path))?;
+                std::fs::create_dir(&target).map_err(|e| format!("creating {}: {e}", share.path))?;
+            }
+            Ok(_) => return Err(format!("{} passes through a link or file at {}", share.path, target.display())),
+            Err(_) => std::fs::create_dir(&target).map_err(|e| format!("creating {}: {e}", target.display()))?,
+        }
+    }
+    let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    if share.read_only {
+        flags |= MsFlags::MS_RDONLY;
+    }
+    mount(Some(share.tag.as_str()), &target, Some("virtiofs"), flags, None::<&str>)
+        .map_err(|e| format!("mounting the shared directory {} at {}: {e}", share.tag, share.path))
 }
 
 /// Runs an applet of the initramfs's busybox.

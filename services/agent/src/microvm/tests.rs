@@ -26,6 +26,7 @@ fn settings(grace: Duration) -> MicroVmSettings {
         init: berth_microvm::install::find_init().expect("no static guest init: `make vminit` builds it"),
         accel: MicroVmAccel::Tcg,
         busybox: berth_microvm::install::find_busybox().expect("busybox-static: scripts/runtime-deps.sh"),
+        virtiofsd: Some(berth_microvm::install::find_virtiofsd().expect("no virtiofsd: scripts/microvm-deps.sh")),
         timing: ProcessTiming { stop_grace: grace, exit_poll: Duration::from_millis(50) },
         pids_limit: crate::container::DEFAULT_PIDS_LIMIT,
     }
@@ -253,20 +254,94 @@ async fn a_vm_started_but_never_recorded_is_killed_at_recovery() {
     .await;
 }
 
-#[tokio::test]
-async fn a_bundle_runs_from_its_own_root_and_what_the_vm_cannot_give_is_refused() {
-    let tmp = TestDir::new();
-    let provider = provider(tmp.path(), CancellationToken::new());
-    let bundle = tmp.path().join("bundle");
+/// A bundle whose program is a shell script printing where it runs from.
+fn hello_bundle(dir: &Path, lease_id: &str) -> LaunchSpec {
+    let bundle = dir.join("bundle");
     std::fs::create_dir_all(bundle.join("bin")).unwrap();
     std::fs::write(bundle.join("bin/hello"), "#!/bin/sh\necho \"hello from $BERTH_BUNDLE_DIR\"\n").unwrap();
     let executable = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755);
     std::fs::set_permissions(bundle.join("bin/hello"), executable).unwrap();
-    let mut hello = spec("lease-f", "");
+    let mut hello = spec(lease_id, "");
     hello.root = WorkloadRoot::Bundle { dir: bundle, digest: "sha256:0123abcd".into() };
     hello.program = Program::Bundled("bin/hello".into());
     hello.args = Vec::new();
-    let mut launched = provider.launch(hello).await.unwrap();
+    hello
+}
+
+#[tokio::test]
+async fn a_bundle_runs_on_the_nodes_own_system_directories_which_it_cannot_change() {
+    let tmp = TestDir::new();
+    let provider = provider(tmp.path(), CancellationToken::new());
+    let mut launched = provider.launch(hello_bundle(tmp.path(), "lease-f")).await.unwrap();
+    assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(0));
+    let stdout = std::fs::read_to_string(provider.log_files("lease-f").unwrap().stdout).unwrap();
+    assert_eq!(stdout, "hello from /bundle\n");
+
+    // The node's interpreters are the guest's, as a container's are; the guest may not change them.
+    let script = "/usr/bin/python3 -c 'import sys; print(sys.version_info[0])'; \
+                  touch /usr/bin/planted 2>/dev/null && echo usr-writable || echo usr-protected; \
+                  grep -c ' /usr virtiofs ro,' /proc/mounts; test -e /etc/ssl/certs && echo certificates";
+    let mut python = provider.launch(spec("lease-py", script)).await.unwrap();
+    let status = ended(&mut python.exit).await.status;
+    let logs = provider.log_files("lease-py").unwrap();
+    let stderr = std::fs::read_to_string(&logs.stderr).unwrap_or_default();
+    assert_eq!(status, ExitStatus::Code(0), "{stderr}");
+    let stdout = std::fs::read_to_string(&logs.stdout).unwrap();
+    assert_eq!(stdout, "3\nusr-protected\n1\ncertificates\n", "{stderr}");
+    assert!(!Path::new("/usr/bin/planted").exists());
+    // Its daemons ended with it.
+    let daemons = procfs::with_args(Path::new(PROC_ROOT), &["--socket-path"])
+        .into_iter()
+        .filter(|found| {
+            let cmdline = std::fs::read(format!("/proc/{}/cmdline", found.pid)).unwrap_or_default();
+            String::from_utf8_lossy(&cmdline).contains(&tmp.path().display().to_string())
+        })
+        .count();
+    assert_eq!(daemons, 0, "no virtiofsd outlives its VM");
+}
+
+#[tokio::test]
+async fn a_cache_volume_is_written_through_to_its_view_and_the_identity_directory_is_read_only() {
+    let tmp = TestDir::new();
+    let provider = provider(tmp.path(), CancellationToken::new());
+    let view = tmp.path().join("view");
+    std::fs::create_dir_all(view.join("deps")).unwrap();
+    std::fs::write(view.join("deps/kept"), "from the last generation\n").unwrap();
+    let identity = tmp.path().join("identity");
+    std::fs::create_dir_all(&identity).unwrap();
+    std::fs::write(identity.join("svid.pem"), "CERTIFICATE\n").unwrap();
+    let script = "cat /work/cache/deps/kept; echo built > /work/cache/made; cat $BERTH_IDENTITY_DIR/svid.pem; \
+                  touch $BERTH_IDENTITY_DIR/x 2>/dev/null && echo identity-writable || echo identity-protected; \
+                  echo socket=${SPIFFE_ENDPOINT_SOCKET:-none}";
+    let mut cached = spec("lease-cv", script);
+    cached.caches = vec![crate::provider::CacheBind { host: view.clone(), inside: "/work/cache".into() }];
+    cached.identity = Some(identity.clone());
+    let mut launched = provider.launch(cached).await.unwrap();
+    let status = ended(&mut launched.exit).await.status;
+    let logs = provider.log_files("lease-cv").unwrap();
+    let stderr = std::fs::read_to_string(&logs.stderr).unwrap_or_default();
+    assert_eq!(status, ExitStatus::Code(0), "{stderr}");
+    let stdout = std::fs::read_to_string(&logs.stdout).unwrap();
+    assert_eq!(
+        stdout, "from the last generation\nCERTIFICATE\nidentity-protected\nsocket=none\n",
+        "the Workload API's socket does not reach a guest: {stderr}"
+    );
+    assert_eq!(std::fs::read_to_string(view.join("made")).unwrap(), "built\n", "written through to the view");
+    if rustix::process::geteuid().is_root() {
+        use std::os::unix::fs::MetadataExt as _;
+        let made = std::fs::metadata(view.join("made")).unwrap();
+        assert_eq!((made.uid(), made.gid()), (GUEST_USER, GUEST_USER), "made by the workload's user");
+        assert_eq!(std::fs::metadata(&identity).unwrap().uid(), GUEST_USER, "its identity is its user's alone");
+    }
+    assert!(!identity.join("x").exists());
+}
+
+#[tokio::test]
+async fn a_node_without_virtiofsd_runs_bundles_on_busybox_and_refuses_what_it_cannot_share() {
+    let tmp = TestDir::new();
+    let settings = MicroVmSettings { virtiofsd: None, ..settings(Duration::from_secs(20)) };
+    let provider = MicroVmProvider::new(tmp.path(), settings, CancellationToken::new());
+    let mut launched = provider.launch(hello_bundle(tmp.path(), "lease-f")).await.unwrap();
     assert_eq!(ended(&mut launched.exit).await.status, ExitStatus::Code(0));
     let stdout = std::fs::read_to_string(provider.log_files("lease-f").unwrap().stdout).unwrap();
     assert_eq!(stdout, "hello from /bundle\n");
@@ -276,6 +351,10 @@ async fn a_bundle_runs_from_its_own_root_and_what_the_vm_cannot_give_is_refused(
     let err = provider.launch(cached).await.unwrap_err();
     assert_eq!(err.start_reason(), "Unsupported", "{err}");
     assert!(err.to_string().contains("cache volume at /cache"), "{err}");
+    let mut identified = spec("lease-i", "true");
+    identified.identity = Some(tmp.path().join("identity"));
+    let err = provider.launch(identified).await.unwrap_err();
+    assert_eq!(err.start_reason(), "Unsupported", "{err}");
     let err = provider.launch(spec("../escape", "true")).await.unwrap_err();
     assert!(matches!(err, ProviderError::InvalidLeaseId(_)), "{err}");
 }
