@@ -36,7 +36,12 @@ impl Dev {
     /// Starts `berth dev` and waits until its node is UP in the ledger, so
     /// leases can be placed on it.
     fn start(dir: &Path) -> Dev {
-        let process = DevProcess::start(dir);
+        Dev::start_with(dir, &[])
+    }
+
+    /// Like [`Dev::start`], with `extra` on `berth dev`'s command line.
+    fn start_with(dir: &Path, extra: &[&str]) -> Dev {
+        let process = DevProcess::start_with(dir, extra);
         let node_id = process.node_up(READY_DEADLINE, COMMAND_DEADLINE, |n| {
             n["total"].get("cpuMillis").is_some().then(|| n["nodeId"].as_str().unwrap().to_string())
         });
@@ -404,8 +409,24 @@ fn a_cache_volume_is_published_when_its_lease_succeeds_and_steered_with_berth_ca
     if !berth_testkit::runs_as_root("a cache volume's contained node") {
         return;
     }
+    cache_volume_round(&[]);
+}
+
+/// The same in microVMs: each guest mounts its lease's view, shared over
+/// virtio-fs, and what it wrote is what the node publishes.
+#[test]
+fn a_cache_volume_is_published_from_a_microvm_as_from_a_container() {
+    if !berth_testkit::runs_as_root("a cache volume's microVM node") {
+        return;
+    }
+    cache_volume_round(&["--runtime", "microvm", "--microvm-accel", "tcg"]);
+}
+
+/// Publishes, reuses, refuses and steers a cache volume on a `berth dev`
+/// started with `dev_args`.
+fn cache_volume_round(dev_args: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
-    let dev = Dev::start(&tmp.path().join("data"));
+    let dev = Dev::start_with(&tmp.path().join("data"), dev_args);
     let cache_line = |id: &str| field(&dev.ok(&["lease", "get", id]), "Cache");
     let settled = |id: &str, want: &str| {
         poll(PHASE_DEADLINE, &format!("lease {id}'s cache view to settle as {want:?}"), || {
