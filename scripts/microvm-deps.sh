@@ -24,6 +24,13 @@ modules="drivers/virtio/virtio_ring drivers/virtio/virtio drivers/virtio/virtio_
 apt_ready=
 apt_update() { if [ -z "$apt_ready" ]; then as_root apt-get update -qq >&2; apt_ready=1; fi; }
 
+# socat relays a guest's Workload API connections to its lease's socket.
+if ! command -v socat >/dev/null; then
+  log "installing socat"
+  apt_update
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends socat >&2
+fi
+
 if ! command -v qemu-system-x86_64 >/dev/null; then
   log "installing qemu-system-x86"
   apt_update

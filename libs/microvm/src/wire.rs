@@ -52,6 +52,22 @@ pub struct GuestCommand {
     /// root, in order (a path beneath an earlier one is mounted over it).
     #[serde(default)]
     pub shares: Vec<GuestShare>,
+    /// A Unix socket the init listens on inside the workload's root, each
+    /// connection to it relayed to an address of the guest's network (the
+    /// node's Workload API, which QEMU hands each connection to): the
+    /// workload's `$SPIFFE_ENDPOINT_SOCKET`.
+    #[serde(default)]
+    pub workload_api: Option<GuestRelay>,
+}
+
+/// A socket inside the guest relayed to an address outside it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestRelay {
+    /// The socket's path inside the workload's root; it is the workload's
+    /// user's, and no other user's (0600).
+    pub path: String,
+    /// `IP:PORT` of the guest's network each connection is relayed to.
+    pub address: String,
 }
 
 /// A directory of the node's shared with the guest over virtio-fs: the VMM
@@ -247,6 +263,7 @@ mod tests {
                 resolv_conf: "nameserver 10.0.2.2\n".into(),
             }),
             shares: vec![GuestShare { tag: "share0".into(), path: "/usr".into(), read_only: true }],
+            workload_api: Some(GuestRelay { path: "/api.sock".into(), address: "10.0.2.100:81".into() }),
         }
     }
 

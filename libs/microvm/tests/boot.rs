@@ -98,6 +98,7 @@ fn command(script: &str) -> GuestCommand {
         max_processes: 0,
         memory_limit_bytes: 0,
         shares: Vec::new(),
+        workload_api: None,
     }
 }
 

@@ -39,14 +39,22 @@
 //! cache volume's view (read-write, given to the workload's user, so what
 //! it writes is in the view the agent seals and publishes when the lease
 //! ends, exactly as for a container), and the identity directory
-//! (read-only, looked at again each second, so renewed files are seen).
+//! (read-only, looked at again each second, so renewed files are seen;
+//! the Workload API is relayed, below).
 //! One `virtiofsd` serves each, started in the VMM's cgroup before QEMU
 //! and ending with it. A drive per cache volume would have to be built
 //! from the view before the boot and read back into it after, copying
-//! the volume twice per lease; a share copies nothing. The Workload API
-//! socket in the identity directory is not reachable through a share: a
-//! guest has its identity as files (`$BERTH_IDENTITY_DIR`), and no
-//! `$SPIFFE_ENDPOINT_SOCKET`.
+//! the volume twice per lease; a share copies nothing.
+//!
+//! # Workload API
+//! The socket in the identity directory does not cross a share. A guest
+//! with a network gets one of its own instead: the init listens on
+//! `/berth-workload-api.sock` in the workload's root (`$SPIFFE_ENDPOINT_SOCKET`,
+//! the workload's user's alone) and carries each connection to an address
+//! of the guest's network, whose connections QEMU hands to the node's
+//! `socat`, which dials the lease's own socket, so the agent knows the
+//! caller by its socket as it does a container's. A guest with no network
+//! (a node without egress isolation) has its identity as files only.
 //!
 //! # Processes and adoption
 //! QEMU runs in a process group of its own and is recorded by its pid and
@@ -87,10 +95,10 @@ use std::time::{Duration, SystemTime};
 use berth_microvm::image::{Owner, root_image, scratch_image, set_owners, write_initramfs};
 use berth_microvm::kernel::GuestKernel;
 use berth_microvm::vmm::{
-    Accel, Control, GUEST_ADDRESS, GUEST_GATEWAY, ShareSpec, SlirpNetwork, Vm, VmShare, VmSpec, kill_group,
-    start_share, statuses,
+    Accel, Control, GUEST_ADDRESS, GUEST_GATEWAY, GUEST_SERVICES_ADDRESS, ShareSpec, SlirpNetwork, Vm, VmShare, VmSpec,
+    kill_group, start_share, statuses,
 };
-use berth_microvm::wire::{GuestCommand, GuestExit, GuestNetwork, GuestShare, Status};
+use berth_microvm::wire::{GuestCommand, GuestExit, GuestNetwork, GuestRelay, GuestShare, Status};
 use tokio::sync::{OnceCell, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -109,6 +117,15 @@ const BUNDLE_IN_GUEST: &str = "/bundle";
 
 /// Where a workload's identity directory is seen inside the guest.
 const IDENTITY_IN_GUEST: &str = "/run/berth/identity";
+
+/// Where a workload finds the Workload API inside the guest: one component
+/// at the top of its root, as in a container (see
+/// `container::link_workload_api` for why).
+const WORKLOAD_API_IN_GUEST: &str = "/berth-workload-api.sock";
+
+/// The port of [`GUEST_SERVICES_ADDRESS`] whose connections QEMU hands to
+/// the node's `socat`, which dials the lease's Workload API socket.
+const GUEST_WORKLOAD_API_PORT: u16 = 81;
 
 /// The user a workload runs as inside the guest when its image names none
 /// (or names root).
@@ -144,6 +161,13 @@ pub(crate) const VMM_ALLOWANCE: u64 = 256 << 20;
 
 /// The command a VM runs, kept in its run directory.
 const COMMAND_FILE: &str = "command.json";
+
+/// The lease's CPU quota (µs per 100 ms), kept in a VM's run directory
+/// while it boots unheld.
+const CPU_QUOTA_FILE: &str = "cpu-quota";
+
+/// How often a booting VM is looked at for its workload's start.
+const BOOT_POLL: Duration = Duration::from_millis(50);
 
 /// How long a killed VMM may take to be gone.
 const KILL_WAIT: Duration = Duration::from_secs(5);
@@ -414,6 +438,7 @@ impl MicroVmProvider {
             max_processes: 0,
             memory_limit_bytes: 0,
             shares: Vec::new(),
+            workload_api: None,
         };
         let mut vm = Vm::boot(&spec, &command).await.map_err(|e| e.to_string())?;
         let finished = tokio::time::timeout(PROBE_DEADLINE, vm.child.wait()).await;
@@ -552,9 +577,50 @@ impl MicroVmProvider {
         // The lease's CPU, never less than a tenth of its vCPUs' worth.
         let quota = (resources.cpu_millis > 0)
             .then(|| i64::try_from(resources.cpu_millis.max(u64::from(cpus) * 100) * 100).unwrap_or(i64::MAX));
+        // The boot is the guest kernel's work, not the workload's: it runs at
+        // its vCPUs' full speed, and the lease's quota holds it once the
+        // workload starts (see `hold_cpu_once_started`).
+        let boot = quota.map(|quota| quota.max(i64::from(cpus) * 100_000));
         let cgroup = self.cgroup(lease_id);
-        cgroup.create_with(Some((Some(memory), Some(memory))), Some((quota, Some(100_000))), None)?;
+        cgroup.create_with(Some((Some(memory), Some(memory))), Some((boot, Some(100_000))), None)?;
+        let kept = self.inner.instances.layout.work_dir(lease_id).join(CPU_QUOTA_FILE);
+        match quota {
+            Some(quota) => std::fs::write(&kept, quota.to_string()).map_err(|e| e.to_string())?,
+            None => {
+                let _ = std::fs::remove_file(&kept);
+            }
+        }
         Ok(cgroup.enter_prefix())
+    }
+
+    /// Once the guest's init reports `lease_id`'s workload started, holds
+    /// its VMM to the lease's CPU quota (kept in its run directory by
+    /// [`Self::hold`]); until then it boots at its vCPUs' full speed.
+    /// Stops looking when the VM ends or the agent stops (an agent
+    /// restarted on it looks again).
+    fn hold_cpu_once_started(&self, lease_id: String) {
+        let kept = self.inner.instances.layout.work_dir(&lease_id).join(CPU_QUOTA_FILE);
+        let Some(quota) = std::fs::read_to_string(kept).ok().and_then(|text| text.trim().parse::<i64>().ok()) else {
+            return;
+        };
+        let provider = self.clone();
+        tokio::spawn(async move {
+            loop {
+                if provider.workload_started(&lease_id) {
+                    if let Err(error) = provider.cgroup(&lease_id).set_cpu(quota, 100_000) {
+                        tracing::warn!(%lease_id, %error, "cannot hold a microVM to its lease's CPU");
+                    }
+                    return;
+                }
+                if !matches!(provider.running_vm(&lease_id), Ok((_, Some(_)))) {
+                    return;
+                }
+                tokio::select! {
+                    _ = provider.inner.shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(BOOT_POLL) => {}
+                }
+            }
+        });
     }
 
     /// Sends a VM found running its command again when its init has not
@@ -800,6 +866,28 @@ fn shared_dirs(spec: &LaunchSpec, hosted: bool) -> Vec<Shared> {
             unchanging,
         })
         .collect()
+}
+
+/// Relays the Workload API into a guest with a network: QEMU hands each
+/// connection to [`GUEST_WORKLOAD_API_PORT`] of its services address to
+/// the node's `socat`, which dials the lease's own socket (so the agent
+/// knows the caller by the socket, as for a container), and the init
+/// listens inside the guest; `$SPIFFE_ENDPOINT_SOCKET` names its socket.
+/// `None`, and no variable, where the node has no `socat`.
+fn relay_workload_api(
+    identity: &Path,
+    network: &mut SlirpNetwork,
+    env: &mut BTreeMap<String, String>,
+) -> Option<GuestRelay> {
+    let socat = find_program(Path::new("socat"))?;
+    let socket = identity.join(crate::svids::SOCKET_FILE);
+    let relay = vec![socat.display().to_string(), "-".into(), format!("UNIX-CONNECT:{}", socket.display())];
+    network.outbound.push((GUEST_WORKLOAD_API_PORT, relay));
+    env.insert(crate::provider::SPIFFE_SOCKET_VAR.into(), format!("unix:{WORKLOAD_API_IN_GUEST}"));
+    Some(GuestRelay {
+        path: WORKLOAD_API_IN_GUEST.into(),
+        address: format!("{GUEST_SERVICES_ADDRESS}:{GUEST_WORKLOAD_API_PORT}"),
+    })
 }
 
 /// Gives the workload's guest user what it writes or alone may read: the
@@ -1048,12 +1136,16 @@ impl Provider for MicroVmProvider {
             let (caches, identity) = (spec.caches.clone(), spec.identity.clone());
             blocking(move || give_shared(&caches, identity.as_deref(), uid, gid)).await?;
         }
-        let (network, guest_network) = match &spec.network {
+        let (mut network, guest_network) = match &spec.network {
             Some(attachment) => {
                 let (network, guest) = guest_network(attachment, &spec.meta, &mut env, &self.inner.settings.busybox)?;
                 (Some(network), Some(guest))
             }
             None => (None, None),
+        };
+        let workload_api = match (&spec.identity, &mut network) {
+            (Some(identity), Some(network)) => relay_workload_api(identity, network, &mut env),
+            _ => None,
         };
         let mut argv = vec![program.clone()];
         argv.extend(spec.args.iter().cloned());
@@ -1069,6 +1161,7 @@ impl Provider for MicroVmProvider {
             // The workload gets its lease's memory; the guest's kernel and init live beside it.
             memory_limit_bytes: u64::from(workload_memory_mib(spec.resources.memory_bytes)) << 20,
             shares: shared.iter().map(|share| share.guest.clone()).collect(),
+            workload_api,
         };
         let logs = self.inner.instances.layout.logs(&spec.lease_id);
         let resources = spec.resources;
@@ -1149,6 +1242,7 @@ impl Provider for MicroVmProvider {
         self.inner.instances.track(started.clone(), exit_tx).await?;
         tracing::info!(lease_id = %spec.lease_id, epoch = spec.epoch, ?pid, %program, accel = vm.accel.name(),
             cpus = vm.cpus, memory_mib = vm.memory_mib, "microVM started");
+        self.hold_cpu_once_started(spec.lease_id.clone());
         self.wait_for_vm(spec.lease_id, child);
         Ok(Launched { record: started.to_record(), exit: exit_rx })
     }
@@ -1178,6 +1272,7 @@ impl Provider for MicroVmProvider {
             if let Some((pid, ticks)) = running {
                 tracing::info!(%lease_id, pid, "found a microVM still running from before the restart");
                 self.resend_command(&lease_id).await;
+                self.hold_cpu_once_started(lease_id.clone());
                 self.watch_adopted(lease_id, pid, ticks);
             }
         }

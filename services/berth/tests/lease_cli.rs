@@ -477,3 +477,44 @@ fn cache_volume_round(dev_args: &[&str]) {
     assert_eq!(bad.code, Some(2), "{bad:?}");
     assert!(bad.stderr.contains("is not KEY:PATH[:COMMIT]"), "{bad:?}");
 }
+
+/// A microVM's workload asks the Workload API for its SVID with the SPIFFE
+/// Python library, as a container's does: the guest's socket is relayed to
+/// its lease's own on the node.
+#[test]
+fn a_microvm_fetches_its_svid_over_the_workload_api_with_the_spiffe_library() {
+    if !berth_testkit::runs_as_root("a microVM node's workload identity") {
+        return;
+    }
+    let spiffe_py = "/usr/local/lib/berth-spiffe-py";
+    if !Path::new(spiffe_py).join("spiffe").is_dir() {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "no SPIFFE library in {spiffe_py}: scripts/test-deps.sh"
+        );
+        eprintln!("skipped: the SPIFFE Python library is not installed at {spiffe_py}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Dev::start_with(&tmp.path().join("data"), &["--runtime", "microvm", "--microvm-accel", "tcg"]);
+    let client = "import os\nfrom spiffe import WorkloadApiClient\nwith WorkloadApiClient() as client:\n    \
+                  print(client.fetch_x509_svid().spiffe_id)\nprint(os.environ['SPIFFE_ENDPOINT_SOCKET'])\n\
+                  print(open(os.environ['BERTH_IDENTITY_DIR'] + '/svid.pem').read().count('BEGIN CERTIFICATE'))";
+    let pythonpath = format!("PYTHONPATH={spiffe_py}");
+    let (id, _) =
+        dev.request(&["--owner", "ci", "--cpu", "1", "--env", &pythonpath], &["/usr/bin/python3", "-S", "-c", client]);
+    let ended = poll(Duration::from_secs(120), &format!("lease {id} to end"), || {
+        let lease = dev.lease(&id);
+        match lease["phase"].as_str() {
+            Some("LEASE_PHASE_DONE" | "LEASE_PHASE_FAILED") => Ok(lease),
+            _ => Err(lease.to_string()),
+        }
+    });
+    let logs = dev.berth(&["logs", &id]);
+    assert_eq!(ended["phase"], "LEASE_PHASE_DONE", "{ended}\n{logs:?}");
+    let lines: Vec<&str> = logs.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{logs:?}");
+    assert!(lines[0].starts_with("spiffe://") && lines[0].ends_with(&format!("/lease/{id}")), "{logs:?}");
+    assert_eq!(lines[1..], ["unix:/berth-workload-api.sock", "1"], "{logs:?}");
+}

@@ -6,7 +6,8 @@
 //! scratch drives by their ext4 labels, and builds the workload's root as
 //! an overlay of the two (the root image read-only below, the scratch
 //! above), and mounts the node's shared directories the command names
-//! (virtio-fs) inside it. It then starts the workload in that root as the unprivileged
+//! (virtio-fs) inside it, and relays the Workload API's socket when the
+//! command has one. It then starts the workload in that root as the unprivileged
 //! user the node named, in a process group of its own, with the stdout and
 //! stderr ports as its own stdout and stderr (nothing copies its output),
 //! passes on the node's signals, reaps every process that ends (it is
@@ -49,8 +50,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use berth_microvm::kernel::{MODULES, SHARE_MODULES};
-use berth_microvm::wire::GuestShare;
 use berth_microvm::wire::{Decoder, Frame, GuestCommand, GuestExit, GuestNetwork, Status};
+use berth_microvm::wire::{GuestRelay, GuestShare};
 use berth_microvm::{CONTROL_PORT, ROOT_LABEL, SCRATCH_LABEL, STATUS_PORT, STDERR_PORT, STDOUT_PORT};
 use nix::mount::{MsFlags, mount};
 use nix::sys::signal::{Signal, kill};
@@ -158,6 +159,9 @@ fn run(console: &mut Console, status_slot: &mut Option<File>) -> Result<(), Stri
     busybox(&["ip", "link", "set", "lo", "up"])?;
     if let Some(network) = &command.network {
         configure_network(network)?;
+    }
+    if let Some(relay) = &command.workload_api {
+        relay_socket(relay, command.uid, command.gid)?;
     }
     let exit = supervise(&command, status, reader, decoder)?;
     report(status, &Status::Exited(exit)).map_err(|e| format!("reporting the exit: {e}"))?;
@@ -299,6 +303,47 @@ fn mount_share(share: &GuestShare) -> Result<(), String> {
     }
     mount(Some(share.tag.as_str()), &target, Some("virtiofs"), flags, None::<&str>)
         .map_err(|e| format!("mounting the shared directory {} at {}: {e}", share.tag, share.path))
+}
+
+/// Listens on `relay`'s socket inside the workload's root, the workload's
+/// user's alone, and relays each connection to `relay`'s address, both
+/// ways, on threads of its own, until the VM powers off.
+fn relay_socket(relay: &GuestRelay, uid: u32, gid: u32) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let path = Path::new(NEW_ROOT).join(relay.path.trim_start_matches('/'));
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path)
+        .map_err(|e| format!("listening on {} for the Workload API: {e}", relay.path))?;
+    nix::unistd::chown(&path, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
+        .map_err(|e| format!("giving {} to the workload: {e}", relay.path))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("closing {} to other users: {e}", relay.path))?;
+    let address = relay.address.clone();
+    std::thread::spawn(move || {
+        for inside in listener.incoming().map_while(Result::ok) {
+            let address = address.clone();
+            std::thread::spawn(move || {
+                if let Ok(outside) = std::net::TcpStream::connect(&address) {
+                    join(inside, outside);
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Copies each way between `inside` and `outside` until both have ended;
+/// the end of one way is passed on as the end of writing the other.
+fn join(inside: std::os::unix::net::UnixStream, outside: std::net::TcpStream) {
+    let (Ok(mut inside_reader), Ok(mut outside_writer)) = (inside.try_clone(), outside.try_clone()) else { return };
+    let out = std::thread::spawn(move || {
+        let _ = io::copy(&mut inside_reader, &mut outside_writer);
+        let _ = outside_writer.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut outside_reader, mut inside_writer) = (outside, inside);
+    let _ = io::copy(&mut outside_reader, &mut inside_writer);
+    let _ = inside_writer.shutdown(std::net::Shutdown::Write);
+    let _ = out.join();
 }
 
 /// Runs an applet of the initramfs's busybox.

@@ -491,7 +491,7 @@ impl Cgroup {
     }
 
     /// Sets the CPU quota per period, in microseconds; a negative quota lifts it.
-    fn set_cpu(&self, quota: i64, period: u64) -> Result<(), String> {
+    pub(crate) fn set_cpu(&self, quota: i64, period: u64) -> Result<(), String> {
         if self.unified {
             let quota = if quota < 0 { "max".to_string() } else { quota.to_string() };
             return self.write("cpu", "cpu.max", format!("{quota} {period}"), true);

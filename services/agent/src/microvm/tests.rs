@@ -179,28 +179,35 @@ async fn the_vmm_is_held_in_a_cgroup_of_its_lease_to_the_guests_memory_and_the_l
     let mut sized = spec("lease-cg", "echo up; exec sleep 1000");
     sized.resources = crate::provider::Resources { cpu_millis: 1500, memory_bytes: 192 << 20 };
     let launched = provider.launch(sized).await.unwrap();
-    printed(&provider, "lease-cg", "up").await;
-    let vmm = launched.record.pid.unwrap();
-    let cgroup = provider.cgroup("lease-cg");
-    assert!(cgroup.processes().contains(&vmm), "the VMM is in its lease's cgroup");
     let unified = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
-    let (memory, quota) = if unified {
-        (cgroup.read_number("memory", "memory.max"), {
+    let cgroup = provider.cgroup("lease-cg");
+    let quota = || -> u64 {
+        if unified {
             let dir = format!(
                 "/sys/fs/cgroup/{}/lease-cg/cpu.max",
                 crate::container::cgroup_parent(&tmp.path().join("microvm"))
             );
             std::fs::read_to_string(dir).unwrap().split_whitespace().next().unwrap().parse().unwrap()
-        })
-    } else {
-        (cgroup.read_number("memory", "memory.limit_in_bytes"), cgroup.read_number("cpu", "cpu.cfs_quota_us"))
+        } else {
+            cgroup.read_number("cpu", "cpu.cfs_quota_us")
+        }
     };
+    // Its guest kernel boots (a kernel boot takes far longer than this look) at its two vCPUs' full speed.
+    assert_eq!(quota(), 200_000, "booting unheld by the lease's 1.5 CPUs");
+    printed(&provider, "lease-cg", "up").await;
+    let vmm = launched.record.pid.unwrap();
+    assert!(cgroup.processes().contains(&vmm), "the VMM is in its lease's cgroup");
+    let memory = cgroup.read_number("memory", if unified { "memory.max" } else { "memory.limit_in_bytes" });
     assert_eq!(
         memory,
         ((192 + u64::from(GUEST_RESERVE_MIB)) << 20) + VMM_ALLOWANCE,
         "the guest's memory (the workload's and the guest's reserve) and the VMM's allowance"
     );
-    assert_eq!(quota, 150_000, "the lease's CPU");
+    // Its workload runs held to the lease's CPU.
+    eventually("the VMM to be held to its lease's CPU once its workload started", SLOW, || async {
+        if quota() == 150_000 { Ok(()) } else { Err(quota()) }
+    })
+    .await;
     assert!(cgroup.memory_bytes() > 64 << 20, "the guest's memory is charged to it");
     // QEMU ran in it from its first page: every anonymous page it holds is charged here
     // (a process moved in after it started leaves what it allocated before charged elsewhere).
