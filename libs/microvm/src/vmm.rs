@@ -256,11 +256,11 @@ fn tsc_khz() -> Option<u64> {
 /// A VM that could not be booted or talked to.
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
-    /// QEMU could not be started.
-    #[error("starting {qemu}: {source}")]
+    /// QEMU (or a share's daemon) could not be started.
+    #[error("starting {program}: {source}")]
     Spawn {
         /// The binary.
-        qemu: String,
+        program: String,
         /// The failure.
         source: std::io::Error,
     },
@@ -343,19 +343,7 @@ impl ShareSpec {
 /// does; the caller kills it (its group) if no VMM ever connects.
 pub async fn start_share(share: &ShareSpec, enter: &[String]) -> Result<tokio::process::Child, VmError> {
     let _ = std::fs::remove_file(&share.socket);
-    let log = std::fs::File::create(&share.log)?;
-    let mut line: Vec<OsString> = enter.iter().map(Into::into).collect();
-    line.push(share.virtiofsd.clone().into_os_string());
-    line.extend(share.args());
-    let mut child = tokio::process::Command::new(&line[0])
-        .args(&line[1..])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .process_group(0)
-        .kill_on_drop(false)
-        .spawn()
-        .map_err(|source| VmError::Spawn { qemu: share.virtiofsd.display().to_string(), source })?;
+    let mut child = spawn_detached(enter, &share.virtiofsd, share.args(), &share.log)?;
     let deadline = tokio::time::Instant::now() + SOCKET_DEADLINE;
     while !share.socket.exists() {
         if let Some(status) = child.try_wait()? {
@@ -369,6 +357,30 @@ pub async fn start_share(share: &ShareSpec, enter: &[String]) -> Result<tokio::p
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     Ok(child)
+}
+
+/// Starts `program` with `args` through the command line prefix `enter`,
+/// in a process group of its own (a signal to the node's group does not
+/// reach it), its output to `log`, left running when its handle drops.
+fn spawn_detached(
+    enter: &[String],
+    program: &Path,
+    args: Vec<OsString>,
+    log: &Path,
+) -> Result<tokio::process::Child, VmError> {
+    let log = std::fs::File::create(log)?;
+    let mut line: Vec<OsString> = enter.iter().map(Into::into).collect();
+    line.push(program.as_os_str().to_owned());
+    line.extend(args);
+    tokio::process::Command::new(&line[0])
+        .args(&line[1..])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .kill_on_drop(false)
+        .spawn()
+        .map_err(|source| VmError::Spawn { program: program.display().to_string(), source })
 }
 
 /// Kills the process group `child` leads (a daemon and what it forked).
@@ -419,19 +431,7 @@ impl Vm {
     /// init `command`.
     pub async fn boot(spec: &VmSpec, command: &GuestCommand) -> Result<Self, VmError> {
         std::fs::create_dir_all(&spec.run_dir)?;
-        let vmm_log = std::fs::File::create(spec.run_dir.join("vmm.log"))?;
-        let mut line: Vec<std::ffi::OsString> = spec.enter.iter().map(Into::into).collect();
-        line.push(spec.qemu.clone().into_os_string());
-        line.extend(spec.args());
-        let mut child = tokio::process::Command::new(&line[0])
-            .args(&line[1..])
-            .stdin(Stdio::null())
-            .stdout(vmm_log.try_clone()?)
-            .stderr(vmm_log)
-            .process_group(0)
-            .kill_on_drop(false)
-            .spawn()
-            .map_err(|source| VmError::Spawn { qemu: spec.qemu.display().to_string(), source })?;
+        let mut child = spawn_detached(&spec.enter, &spec.qemu, spec.args(), &spec.run_dir.join("vmm.log"))?;
         let socket = spec.control_socket();
         let deadline = tokio::time::Instant::now() + SOCKET_DEADLINE;
         let mut control = loop {

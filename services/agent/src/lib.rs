@@ -98,7 +98,7 @@ pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;
 pub use identity_servers::preferred_index;
 pub use join::JoinError;
-pub use microvm::{MicroVmAccel, MicroVmProvider, MicroVmSettings};
+pub use microvm::{MicroVmAccel, MicroVmProvider, MicroVmSettings, guest_memory_mib};
 pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
 pub use provider::{
     CacheBind, Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched,

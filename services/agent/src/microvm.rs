@@ -152,6 +152,12 @@ fn workload_memory_mib(memory_bytes: u64) -> u32 {
     }
 }
 
+/// A lease's guest memory, MiB: what its workload may hold and the
+/// guest's own reserve beside it.
+pub fn guest_memory_mib(memory_bytes: u64) -> u32 {
+    workload_memory_mib(memory_bytes).saturating_add(GUEST_RESERVE_MIB)
+}
+
 /// What a VMM may hold beyond its guest's memory before its cgroup's limit
 /// stops it: QEMU's own memory, measured at about 92 MiB under its
 /// translator (BENCHMARKS.md), with room to spare. The node declares it
@@ -714,11 +720,15 @@ impl MicroVmProvider {
         });
     }
 
-    /// Records the end of `lease_id`'s VM as its status lines tell it.
+    /// Records the end of `lease_id`'s VM as its status lines tell it
+    /// (nothing, for a lease already removed: its run directory went with it).
     async fn vm_ended(&self, lease_id: &str) {
         self.inner.controls.lock().await.remove(lease_id);
         self.cgroup(lease_id).remove();
         let killed = self.inner.killed.lock().map(|mut k| k.remove(lease_id)).unwrap_or(false);
+        if self.inner.instances.stored(lease_id).is_err() {
+            return;
+        }
         let run_dir = self.inner.instances.layout.work_dir(lease_id);
         let reported = statuses(&run_dir);
         let status = exit_status(&reported, killed, true);
@@ -1174,7 +1184,7 @@ impl Provider for MicroVmProvider {
             root_image,
             scratch_image: scratch,
             cpus: u32::try_from(resources.cpu_millis.div_ceil(1000)).unwrap_or(u32::MAX).max(1),
-            memory_mib: workload_memory_mib(resources.memory_bytes).saturating_add(GUEST_RESERVE_MIB),
+            memory_mib: guest_memory_mib(resources.memory_bytes),
             run_dir,
             stdout_log: logs.stdout,
             stderr_log: logs.stderr,

@@ -3,15 +3,17 @@
 //! the same run.
 //!
 //! # What it measures
-//! - **launch**: `Provider::launch` of `sleep` (the node's busybox userland
-//!   in the VM, the host's `/usr` in the container) until the workload
+//! - **launch**: `Provider::launch` of `sleep` (the host's `/usr`, shared
+//!   over virtio-fs in the VM, bound in the container) until the workload
 //!   runs: for a VM, until its init reports the workload started (boot,
 //!   drives, root, user); for the container, until its pid is known. One
 //!   at a time, each destroyed before the next, the two kinds interleaved.
 //! - **memory**: each VM's VMM process (QEMU) while its workload runs:
 //!   its resident memory, the part of it that is the guest's memory (the
 //!   one mapping the size of the guest's RAM: what the guest touched), and
-//!   the rest, the VMM's own overhead, which is what the target holds.
+//!   the rest, the VMM's own overhead, which is what the target holds;
+//!   beside it, what the `virtiofsd` daemons sharing the node's `/usr` with
+//!   the VM hold (the VM's cost too).
 //! - **at once**: `--at-once` VMs launched together, each until its
 //!   workload runs: how many fail, and how long the last took.
 //!
@@ -22,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use berth_agent::{
     ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, MicroVmAccel, MicroVmConfig, MicroVmProvider,
-    MicroVmSettings, OciRuntime, ProcessTiming, Provider, UidRange,
+    MicroVmSettings, OciRuntime, ProcessTiming, Provider, UidRange, guest_memory_mib,
 };
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -64,6 +66,7 @@ struct Report {
     vmm_rss_mib: Series,
     vmm_guest_mib: Series,
     vmm_overhead_mib: Series,
+    share_daemons_mib: Series,
     at_once: u32,
     at_once_failed: u32,
     at_once_all_running_ms: f64,
@@ -101,9 +104,9 @@ pub(crate) async fn run(args: MicroVmArgs) -> Result<(), String> {
     vms.destroy("warm-up").await.map_err(|e| e.to_string())?;
 
     progress(&format!("{} launches of sleep as a microVM and as a runc container, interleaved", args.launches));
-    let guest_mib = sleep_spec("x").resources.memory_bytes.max(128 << 20) >> 20;
+    let guest_mib = u64::from(guest_memory_mib(sleep_spec("x").resources.memory_bytes));
     let (mut in_vm, mut in_container) = (Vec::new(), Vec::new());
-    let (mut rss, mut guest, mut overhead) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut rss, mut guest, mut overhead, mut daemons) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for index in 0..args.launches {
         let lease_id = format!("vm-{index}");
         let (took, _, pid) = launch_vm(&vms, &lease_id).await?;
@@ -113,6 +116,7 @@ pub(crate) async fn run(args: MicroVmArgs) -> Result<(), String> {
             guest.push(of_guest);
             overhead.push(resident - of_guest);
         }
+        daemons.push(daemons_of(&dir.path().join("vms/leases").join(&lease_id)));
         vms.destroy(&lease_id).await.map_err(|e| e.to_string())?;
         vms.remove(&lease_id).await.map_err(|e| e.to_string())?;
 
@@ -153,6 +157,7 @@ pub(crate) async fn run(args: MicroVmArgs) -> Result<(), String> {
         vmm_rss_mib: Series::of(rss),
         vmm_guest_mib: Series::of(guest),
         vmm_overhead_mib: Series::of(overhead),
+        share_daemons_mib: Series::of(daemons),
         at_once: args.at_once,
         at_once_failed: u32::try_from(failed).unwrap_or(u32::MAX),
         at_once_all_running_ms: all_running_ms,
@@ -200,6 +205,28 @@ fn memory_of(pid: u32, guest_mib: u64) -> Option<(f64, f64)> {
     Some((total as f64 / 1024.0, of_guest as f64 / 1024.0))
 }
 
+/// The resident memory of the `virtiofsd` daemons serving the VM whose run
+/// directory is `run_dir` (their sockets are in it), MiB.
+fn daemons_of(run_dir: &std::path::Path) -> f64 {
+    let needle = run_dir.display().to_string();
+    let mut kib = 0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let words = String::from_utf8_lossy(&cmdline);
+        if words.contains("--socket-path") && words.contains(&needle) {
+            let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+            kib += status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))
+                .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    #[allow(clippy::cast_precision_loss, reason = "memory sizes far below 2^52 KiB")]
+    let mib = kib as f64 / 1024.0;
+    mib
+}
+
 fn table(report: &Report) -> String {
     let mut out = format!(
         "microvm: sleep as a QEMU microVM ({}; guest {} MiB) and as a runc container, at the provider\n",
@@ -219,6 +246,10 @@ fn table(report: &Report) -> String {
         mib(&report.vmm_guest_mib),
         mib(&report.vmm_overhead_mib),
         report.target_overhead_mib
+    ));
+    out.push_str(&format!(
+        "virtiofsd sharing /usr with each VM, median: resident {}\n",
+        mib(&report.share_daemons_mib)
     ));
     out.push_str(&format!(
         "{} VMs at once: {} failed, all running after {:.0} ms\n",
