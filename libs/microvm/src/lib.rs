@@ -49,3 +49,7 @@ pub const STDERR_PORT: &str = "berth.stderr";
 
 /// The port the init writes its status lines to.
 pub const STATUS_PORT: &str = "berth.status";
+
+/// The port the node asks the init for the workload's use on (see
+/// [`wire::GuestStats`]).
+pub const STATS_PORT: &str = "berth.stats";

@@ -37,8 +37,8 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::UnixStream;
 
-use crate::wire::{self, Frame, GuestCommand, Status};
-use crate::{CONTROL_PORT, STATUS_PORT, STDERR_PORT, STDOUT_PORT};
+use crate::wire::{self, Frame, GuestCommand, GuestStats, Status};
+use crate::{CONTROL_PORT, STATS_PORT, STATUS_PORT, STDERR_PORT, STDOUT_PORT};
 
 /// How long QEMU may take to open its control socket.
 const SOCKET_DEADLINE: Duration = Duration::from_secs(10);
@@ -198,6 +198,11 @@ impl VmSpec {
         push(&["-device", "virtio-serial-device"]);
         push(&["-chardev", &control_chardev(&self.control_socket())]);
         push(&["-device", &format!("virtserialport,chardev=control,name={CONTROL_PORT}")]);
+        push(&[
+            "-chardev",
+            &format!("socket,id=stats,path={},server=on,wait=off", escape(&stats_socket(&self.run_dir))),
+        ]);
+        push(&["-device", &format!("virtserialport,chardev=stats,name={STATS_PORT}")]);
         for (id, file, name) in [
             ("stdout", &self.stdout_log, STDOUT_PORT),
             ("stderr", &self.stderr_log, STDERR_PORT),
@@ -278,6 +283,40 @@ pub enum VmError {
     /// Reading or writing the control port failed.
     #[error("the control port: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// Where QEMU listens for the node on the guest's stats port, for the VM
+/// whose run directory is `run_dir`.
+pub fn stats_socket(run_dir: &Path) -> PathBuf {
+    run_dir.join("stats.sock")
+}
+
+/// How long the guest may take to answer what its workload uses.
+const STATS_DEADLINE: Duration = Duration::from_secs(2);
+
+/// Asks the init of the VM whose run directory is `run_dir` what its
+/// workload uses now; `None` when it does not answer in time (a VM still
+/// booting, or one whose init predates the stats port).
+pub async fn guest_stats(run_dir: &Path) -> Option<GuestStats> {
+    use tokio::io::AsyncReadExt as _;
+    let asked = async {
+        let mut port = UnixStream::connect(stats_socket(run_dir)).await.ok()?;
+        port.write_all(b"?").await.ok()?;
+        let mut answer = Vec::new();
+        let mut buffer = [0_u8; 128];
+        while answer.len() < 4096 {
+            let read = port.read(&mut buffer).await.ok()?;
+            if read == 0 {
+                return None;
+            }
+            answer.extend_from_slice(&buffer[..read]);
+            if answer.ends_with(b"\n") {
+                return GuestStats::parse_last(&String::from_utf8_lossy(&answer));
+            }
+        }
+        None
+    };
+    tokio::time::timeout(STATS_DEADLINE, asked).await.ok().flatten()
 }
 
 /// Where the init's status lines go, for the VM whose run directory is `run_dir`.
@@ -493,6 +532,8 @@ mod tests {
         assert!(args.contains(&"id=scratch,file=/leases/l1/scratch.ext4,format=raw,if=none".to_owned()), "{args:?}");
         assert!(args.contains(&"socket,id=control,path=/leases/l1/control.sock,server=on,wait=off".to_owned()));
         assert!(args.contains(&format!("virtserialport,chardev=control,name={CONTROL_PORT}")));
+        assert!(args.contains(&"socket,id=stats,path=/leases/l1/stats.sock,server=on,wait=off".to_owned()));
+        assert!(args.contains(&format!("virtserialport,chardev=stats,name={STATS_PORT}")));
         assert!(args.contains(&"file,id=stdout,path=/logs/l1/stdout.log,append=on".to_owned()), "{args:?}");
         assert!(args.contains(&"file,id=status,path=/leases/l1/status,append=on".to_owned()), "{args:?}");
         assert_eq!(

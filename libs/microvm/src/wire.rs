@@ -114,6 +114,34 @@ pub enum Frame {
     Signal(i32),
 }
 
+/// What the workload uses inside its guest, as the init reads it from the
+/// workload's cgroup when the node asks on the stats port: one byte asks,
+/// one line (`stats CPU_USEC MEMORY_BYTES`) answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuestStats {
+    /// CPU time of every process of the workload, user and system, µs.
+    pub cpu_usec: u64,
+    /// Memory its cgroup is charged, bytes.
+    pub memory_bytes: u64,
+}
+
+impl GuestStats {
+    /// The answer's line, newline included.
+    pub fn line(&self) -> String {
+        format!("stats {} {}\n", self.cpu_usec, self.memory_bytes)
+    }
+
+    /// The last whole answer in `text`, if any.
+    pub fn parse_last(text: &str) -> Option<Self> {
+        text.lines().rev().find_map(|line| {
+            let mut words = line.strip_prefix("stats ")?.split(' ');
+            let cpu_usec = words.next()?.parse().ok()?;
+            let memory_bytes = words.next()?.parse().ok()?;
+            words.next().is_none().then_some(Self { cpu_usec, memory_bytes })
+        })
+    }
+}
+
 /// One line the init writes on the status port.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Status {
@@ -313,5 +341,17 @@ mod tests {
         let error = decode(&bad_run).unwrap_err().to_string();
         assert!(error.contains("malformed run frame") && error.contains("argv"), "{error}");
         assert_eq!(decode(&[SIGNAL, 0, 0]), Ok(None), "a partial header waits for more");
+    }
+
+    #[test]
+    fn a_stats_answer_reads_back_and_a_broken_one_is_not_taken() {
+        let stats = GuestStats { cpu_usec: 1_500_000, memory_bytes: 64 << 20 };
+        assert_eq!(stats.line(), "stats 1500000 67108864\n");
+        assert_eq!(GuestStats::parse_last(&stats.line()), Some(stats));
+        let later = GuestStats { cpu_usec: 2, memory_bytes: 3 };
+        assert_eq!(GuestStats::parse_last(&format!("{}{}", stats.line(), later.line())), Some(later));
+        for broken in ["", "stats 1\n", "stats 1 2 3\n", "stats x 2\n", "started 5\n"] {
+            assert_eq!(GuestStats::parse_last(broken), None, "{broken:?}");
+        }
     }
 }

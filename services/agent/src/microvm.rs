@@ -64,6 +64,14 @@
 //! Destroy asks the init to send SIGTERM to the workload, waits the grace,
 //! then kills QEMU: nothing of the VM outlives it.
 //!
+//! # Stats
+//! A VM's stats are its workload's, as the guest's init reads them from the
+//! workload's cgroup inside the guest when the node asks on the stats port
+//! (CPU time and memory charged, as a container's are read from its
+//! cgroup); a guest that does not answer within 2 s (still booting) is
+//! described by its VMM's process instead. What the VMM holds beyond the
+//! guest is the node's overhead, declared and counted against the node.
+//!
 //! # Network
 //! QEMU runs in its tenant's network namespace, which holds nothing but a
 //! loopback interface with the tenant's proxy and resolver on it, and
@@ -319,6 +327,8 @@ struct Inner {
     controls: tokio::sync::Mutex<BTreeMap<String, Control>>,
     /// The leases whose VMM this provider killed (their exit is SIGKILL).
     killed: Mutex<std::collections::BTreeSet<String>>,
+    /// Held while a VM's stats port is asked.
+    asking: tokio::sync::Mutex<()>,
     proc_root: PathBuf,
     shutdown: CancellationToken,
 }
@@ -339,6 +349,7 @@ impl MicroVmProvider {
                 building: tokio::sync::Mutex::new(()),
                 controls: tokio::sync::Mutex::new(BTreeMap::new()),
                 killed: Mutex::default(),
+                asking: tokio::sync::Mutex::new(()),
                 proc_root: PathBuf::from(PROC_ROOT),
                 shutdown,
             }),
@@ -1347,19 +1358,36 @@ impl Provider for MicroVmProvider {
         self.send_signal(lease_id, number).await
     }
 
-    /// The VMM's own use: its CPU time is the guest's, and its resident
-    /// memory is what the guest touched plus the VMM's overhead.
+    /// The workload's use as its guest's init reads it from the workload's
+    /// cgroup (CPU time and memory charged, as a container's are read);
+    /// while the guest does not answer (still booting), the VMM's own: its
+    /// CPU time is the guest's, and its resident memory what the guest
+    /// touched plus the VMM's overhead.
     async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError> {
         let (stored, pid) = self.running_vm(lease_id)?;
         let stat = pid
             .and_then(|pid| procfs::read_stat(&self.inner.proc_root, pid))
             .ok_or_else(|| ProviderError::NotRunning(lease_id.to_string()))?;
-        let per_second = rustix::param::clock_ticks_per_second().max(1);
         let started = stored.started_at_ms.map(from_unix_ms).unwrap_or_else(SystemTime::now);
+        let uptime = SystemTime::now().duration_since(started).unwrap_or_default();
+        let run_dir = self.inner.instances.layout.work_dir(lease_id);
+        let asked = {
+            // One question at a time on a VM's stats port, which takes one connection.
+            let _asking = self.inner.asking.lock().await;
+            berth_microvm::vmm::guest_stats(&run_dir).await
+        };
+        if let Some(guest) = asked {
+            return Ok(InstanceStats {
+                cpu_time: Duration::from_micros(guest.cpu_usec),
+                memory_bytes: guest.memory_bytes,
+                uptime,
+            });
+        }
+        let per_second = rustix::param::clock_ticks_per_second().max(1);
         Ok(InstanceStats {
             cpu_time: Duration::from_millis(stat.cpu_ticks().saturating_mul(1000) / per_second),
             memory_bytes: stat.rss_pages.saturating_mul(rustix::param::page_size() as u64),
-            uptime: SystemTime::now().duration_since(started).unwrap_or_default(),
+            uptime,
         })
     }
 

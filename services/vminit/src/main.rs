@@ -50,9 +50,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use berth_microvm::kernel::{MODULES, SHARE_MODULES};
-use berth_microvm::wire::{Decoder, Frame, GuestCommand, GuestExit, GuestNetwork, Status};
+use berth_microvm::wire::{Decoder, Frame, GuestCommand, GuestExit, GuestNetwork, GuestStats, Status};
 use berth_microvm::wire::{GuestRelay, GuestShare};
-use berth_microvm::{CONTROL_PORT, ROOT_LABEL, SCRATCH_LABEL, STATUS_PORT, STDERR_PORT, STDOUT_PORT};
+use berth_microvm::{CONTROL_PORT, ROOT_LABEL, SCRATCH_LABEL, STATS_PORT, STATUS_PORT, STDERR_PORT, STDOUT_PORT};
 use nix::mount::{MsFlags, mount};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitStatus, waitpid};
@@ -405,6 +405,9 @@ fn supervise(
         .map_err(|e| format!("starting the workload: {e}"))?;
     let workload = Pid::from_raw(i32::try_from(child.id()).map_err(|_| "a pid out of range")?);
     report(status, &Status::Started(child.id())).map_err(|e| format!("reporting the start: {e}"))?;
+    if let Some(dir) = &cgroup {
+        answer_stats(dir.clone());
+    }
     std::thread::spawn(move || {
         loop {
             match read_frame(&mut reader, &mut decoder) {
@@ -444,6 +447,33 @@ fn supervise(
         })
     });
     Ok(if oom_killed && exit == GuestExit::Signal(Signal::SIGKILL as i32) { GuestExit::OutOfMemory } else { exit })
+}
+
+/// Answers each byte the node sends on the stats port with what the
+/// workload's cgroup `dir` uses now, on a thread of its own, until the VM
+/// powers off. The port reads as ended while no node is connected.
+fn answer_stats(dir: PathBuf) {
+    let Some(path) = port_named(STATS_PORT) else { return };
+    let Ok(mut port) = OpenOptions::new().read(true).write(true).open(path) else { return };
+    std::thread::spawn(move || {
+        let mut asked = [0_u8; 64];
+        loop {
+            match port.read(&mut asked) {
+                Ok(0) => std::thread::sleep(RECONNECT_POLL),
+                Ok(_) => {
+                    let read = |file: &str| std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+                    let cpu_usec = read("cpu.stat")
+                        .lines()
+                        .find_map(|line| line.strip_prefix("usage_usec ")?.trim().parse().ok())
+                        .unwrap_or(0);
+                    let memory_bytes = read("memory.current").trim().parse().unwrap_or(0);
+                    let _ = port.write_all(GuestStats { cpu_usec, memory_bytes }.line().as_bytes());
+                }
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => std::thread::sleep(RECONNECT_POLL),
+            }
+        }
+    });
 }
 
 /// The memory cgroup (v2) the workload runs in, limited to `limit` bytes;

@@ -50,6 +50,16 @@ async fn printed(provider: &MicroVmProvider, lease_id: &str, text: &str) {
     .await;
 }
 
+/// A figure of `/proc/PID/status` in KiB (`RssAnon:`, `VmRSS:`).
+fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap()
+}
+
 fn spec(lease_id: &str, script: &str) -> LaunchSpec {
     LaunchSpec::for_test(lease_id, script)
 }
@@ -160,8 +170,9 @@ async fn a_restarted_provider_adopts_a_running_vm_signals_it_and_learns_how_an_u
     assert_eq!(find("lease-g").record.pid, booting.record.pid);
     printed(&second, "lease-g", "late").await;
     second.destroy("lease-g").await.unwrap();
+    // The adopted VM's guest answers for its workload (a shell and its sleeps), not the VMM's memory.
     let stats = second.stats("lease-d").await.unwrap();
-    assert!(stats.memory_bytes > 16 << 20, "the VMM holds the guest's memory: {stats:?}");
+    assert!(stats.memory_bytes > 0 && stats.memory_bytes < 64 << 20, "{stats:?}");
 
     second.signal("lease-d", WorkloadSignal::Hup).await.unwrap();
     printed(&second, "lease-d", "reloaded").await;
@@ -211,12 +222,7 @@ async fn the_vmm_is_held_in_a_cgroup_of_its_lease_to_the_guests_memory_and_the_l
     assert!(cgroup.memory_bytes() > 64 << 20, "the guest's memory is charged to it");
     // QEMU ran in it from its first page: every anonymous page it holds is charged here
     // (a process moved in after it started leaves what it allocated before charged elsewhere).
-    let status = std::fs::read_to_string(format!("/proc/{vmm}/status")).unwrap();
-    let anon_kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("RssAnon:"))
-        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-        .unwrap();
+    let anon_kib = status_kib(vmm, "RssAnon:");
     assert!(
         cgroup.memory_bytes() >= anon_kib << 10,
         "charged {} bytes, QEMU holds {} anonymous",
@@ -385,4 +391,24 @@ async fn a_workload_that_tries_to_reboot_or_load_a_module_or_read_the_node_sees_
     // Its PID 1 is the guest's init, and the host's processes are not there.
     assert_eq!(lines, ["no-module", "still-here", "init", "no-host-pid"], "{stdout}");
     assert_eq!(std::fs::read_to_string(&secret).unwrap(), "private");
+}
+
+#[tokio::test]
+async fn stats_are_the_workloads_own_as_its_guest_reads_them_not_the_vmms() {
+    let tmp = TestDir::new();
+    let provider = provider(tmp.path(), CancellationToken::new());
+    let script = "dd if=/dev/zero of=/tmp/held bs=1M count=48 2>/dev/null; i=0; \
+                  while [ $i -lt 200000 ]; do i=$((i+1)); done; echo ready; exec sleep 1000";
+    let mut busy = spec("lease-st", script);
+    busy.resources = crate::provider::Resources { cpu_millis: 0, memory_bytes: 128 << 20 };
+    let launched = provider.launch(busy).await.unwrap();
+    printed(&provider, "lease-st", "ready").await;
+    let stats = provider.stats("lease-st").await.unwrap();
+    // /tmp is the guest's memory, charged to the workload's cgroup in it.
+    assert!(stats.memory_bytes >= 48 << 20 && stats.memory_bytes < 128 << 20, "{stats:?}");
+    assert!(stats.cpu_time >= Duration::from_millis(50), "it counted: {stats:?}");
+    let vmm = launched.record.pid.unwrap();
+    let vmm_kib = status_kib(vmm, "VmRSS:");
+    assert!(stats.memory_bytes < vmm_kib << 10, "the workload's, not the VMM's {vmm_kib} KiB: {stats:?}");
+    provider.destroy("lease-st").await.unwrap();
 }
