@@ -731,11 +731,33 @@ impl MicroVmProvider {
         });
     }
 
+    /// Removes the cgroup of `lease_id`'s VM, whose VMM has ended: what it
+    /// still holds is the VM's too (its shares' daemons, which end with
+    /// their VMM a moment later, or a relay it started), and is killed
+    /// first, so the cgroup is never left behind.
+    async fn release_cgroup(&self, lease_id: &str) {
+        let cgroup = self.cgroup(lease_id);
+        let deadline = tokio::time::Instant::now() + KILL_WAIT;
+        loop {
+            let left = cgroup.processes();
+            if left.is_empty() || tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            for pid in
+                left.into_iter().filter_map(|pid| i32::try_from(pid).ok()).filter_map(rustix::process::Pid::from_raw)
+            {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
+            tokio::time::sleep(STOP_POLL).await;
+        }
+        cgroup.remove();
+    }
+
     /// Records the end of `lease_id`'s VM as its status lines tell it
     /// (nothing, for a lease already removed: its run directory went with it).
     async fn vm_ended(&self, lease_id: &str) {
         self.inner.controls.lock().await.remove(lease_id);
-        self.cgroup(lease_id).remove();
+        self.release_cgroup(lease_id).await;
         let killed = self.inner.killed.lock().map(|mut k| k.remove(lease_id)).unwrap_or(false);
         if self.inner.instances.stored(lease_id).is_err() {
             return;
@@ -1337,7 +1359,7 @@ impl Provider for MicroVmProvider {
             return Err(ProviderError::AlreadyRunning(lease_id.to_string()));
         }
         self.inner.controls.lock().await.remove(lease_id);
-        self.cgroup(lease_id).remove();
+        self.release_cgroup(lease_id).await;
         self.inner.instances.forget(lease_id).await
     }
 
