@@ -296,12 +296,17 @@ const STATS_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Asks the init of the VM whose run directory is `run_dir` what its
 /// workload uses now; `None` when it does not answer in time (a VM still
-/// booting, or one whose init predates the stats port).
+/// booting, or one whose init predates the stats port). Each question
+/// carries a tag of its own, so an answer to an earlier question that
+/// timed out is never taken for this one's.
 pub async fn guest_stats(run_dir: &Path) -> Option<GuestStats> {
+    use std::sync::atomic::{AtomicU8, Ordering};
     use tokio::io::AsyncReadExt as _;
+    static NEXT_TAG: AtomicU8 = AtomicU8::new(1);
+    let tag = NEXT_TAG.fetch_add(1, Ordering::Relaxed).max(1);
     let asked = async {
         let mut port = UnixStream::connect(stats_socket(run_dir)).await.ok()?;
-        port.write_all(b"?").await.ok()?;
+        port.write_all(&[tag]).await.ok()?;
         let mut answer = Vec::new();
         let mut buffer = [0_u8; 128];
         while answer.len() < 4096 {
@@ -310,8 +315,8 @@ pub async fn guest_stats(run_dir: &Path) -> Option<GuestStats> {
                 return None;
             }
             answer.extend_from_slice(&buffer[..read]);
-            if answer.ends_with(b"\n") {
-                return GuestStats::parse_last(&String::from_utf8_lossy(&answer));
+            if let Some(stats) = GuestStats::parse_answer(&String::from_utf8_lossy(&answer), tag) {
+                return Some(stats);
             }
         }
         None
@@ -345,9 +350,9 @@ pub struct ShareSpec {
     /// after a second, as the node changes it (an identity's rotated
     /// files).
     pub unchanging: bool,
-    /// Whether the daemon sandboxes itself in namespaces of its own (as
-    /// root); else it confines itself by `chroot` alone, as an
-    /// unprivileged user can.
+    /// Whether the daemon sandboxes itself in namespaces of its own (it
+    /// can only as root); else it runs unsandboxed (`--sandbox none`),
+    /// which a node never does for a guest (only a test run unprivileged).
     pub sandbox: bool,
     /// Where the daemon's own output goes.
     pub log: PathBuf,
@@ -385,7 +390,14 @@ pub async fn start_share(share: &ShareSpec, enter: &[String]) -> Result<tokio::p
     let mut child = spawn_detached(enter, &share.virtiofsd, share.args(), &share.log)?;
     let deadline = tokio::time::Instant::now() + SOCKET_DEADLINE;
     while !share.socket.exists() {
-        if let Some(status) = child.try_wait()? {
+        let ended = match child.try_wait() {
+            Ok(ended) => ended,
+            Err(error) => {
+                kill_group(&child);
+                return Err(error.into());
+            }
+        };
+        if let Some(status) = ended {
             let printed = std::fs::read_to_string(&share.log).unwrap_or_default();
             return Err(VmError::Exited { status: status.to_string(), stderr: printed.trim().to_owned() });
         }

@@ -115,8 +115,8 @@ pub enum Frame {
 }
 
 /// What the workload uses inside its guest, as the init reads it from the
-/// workload's cgroup when the node asks on the stats port: one byte asks,
-/// one line (`stats CPU_USEC MEMORY_BYTES`) answers.
+/// workload's cgroup when the node asks on the stats port: one byte (a
+/// nonzero tag) asks, one line (`stats TAG CPU_USEC MEMORY_BYTES`) answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GuestStats {
     /// CPU time of every process of the workload, user and system, µs.
@@ -126,15 +126,18 @@ pub struct GuestStats {
 }
 
 impl GuestStats {
-    /// The answer's line, newline included.
-    pub fn line(&self) -> String {
-        format!("stats {} {}\n", self.cpu_usec, self.memory_bytes)
+    /// The answer to the question tagged `tag`, newline included.
+    pub fn answer(&self, tag: u8) -> String {
+        format!("stats {tag} {} {}\n", self.cpu_usec, self.memory_bytes)
     }
 
-    /// The last whole answer in `text`, if any.
-    pub fn parse_last(text: &str) -> Option<Self> {
-        text.lines().rev().find_map(|line| {
+    /// The answer to the question tagged `tag` among the whole lines of
+    /// `text`, if one is there; answers to other questions are passed over.
+    pub fn parse_answer(text: &str, tag: u8) -> Option<Self> {
+        let whole = &text[..text.rfind('\n')? + 1];
+        whole.lines().rev().find_map(|line| {
             let mut words = line.strip_prefix("stats ")?.split(' ');
+            (words.next()?.parse::<u8>().ok()? == tag).then_some(())?;
             let cpu_usec = words.next()?.parse().ok()?;
             let memory_bytes = words.next()?.parse().ok()?;
             words.next().is_none().then_some(Self { cpu_usec, memory_bytes })
@@ -344,14 +347,17 @@ mod tests {
     }
 
     #[test]
-    fn a_stats_answer_reads_back_and_a_broken_one_is_not_taken() {
+    fn a_stats_answer_reads_back_by_its_tag_and_a_broken_or_partial_one_is_not_taken() {
         let stats = GuestStats { cpu_usec: 1_500_000, memory_bytes: 64 << 20 };
-        assert_eq!(stats.line(), "stats 1500000 67108864\n");
-        assert_eq!(GuestStats::parse_last(&stats.line()), Some(stats));
-        let later = GuestStats { cpu_usec: 2, memory_bytes: 3 };
-        assert_eq!(GuestStats::parse_last(&format!("{}{}", stats.line(), later.line())), Some(later));
-        for broken in ["", "stats 1\n", "stats 1 2 3\n", "stats x 2\n", "started 5\n"] {
-            assert_eq!(GuestStats::parse_last(broken), None, "{broken:?}");
+        assert_eq!(stats.answer(7), "stats 7 1500000 67108864\n");
+        assert_eq!(GuestStats::parse_answer(&stats.answer(7), 7), Some(stats));
+        // An answer to an earlier question, late, is not this one's.
+        let late = GuestStats { cpu_usec: 2, memory_bytes: 3 };
+        let both = format!("{}{}", late.answer(6), stats.answer(7));
+        assert_eq!(GuestStats::parse_answer(&both, 7), Some(stats));
+        assert_eq!(GuestStats::parse_answer(&late.answer(6), 7), None);
+        for broken in ["", "stats 7 1\n", "stats 7 1 2 3\n", "stats 7 x 2\n", "stats 7 1 2", "stats 300 1 2\n"] {
+            assert_eq!(GuestStats::parse_answer(broken, 7), None, "{broken:?}");
         }
     }
 }

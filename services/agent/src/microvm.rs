@@ -224,9 +224,13 @@ pub(crate) fn missing(config: &crate::config::MicroVmConfig) -> Option<String> {
 }
 
 /// Whether this host's guests can mount the node's directories with
-/// `config`: a `virtiofsd`, and a guest kernel with virtio-fs.
+/// `config`: a `virtiofsd`, a guest kernel with virtio-fs, and an agent
+/// that is root (the daemon sandboxes itself in namespaces of its own only
+/// as root; unsandboxed, a guest that breaks it would hold the agent's
+/// rights over the host's files).
 pub(crate) fn shares(config: &crate::config::MicroVmConfig) -> bool {
-    berth_microvm::install::find_virtiofsd().is_some()
+    rustix::process::geteuid().is_root()
+        && berth_microvm::install::find_virtiofsd().is_some()
         && GuestKernel::from_dir(&config.kernel_dir).is_ok_and(|kernel| kernel.shares_directories())
 }
 
@@ -261,7 +265,7 @@ impl MicroVmSettings {
         let qemu = find_program(&config.qemu).ok_or_else(|| {
             format!("{} is not installed (scripts/microvm-deps.sh installs it)", config.qemu.display())
         })?;
-        let kernel = GuestKernel::from_dir(&config.kernel_dir).map_err(|e| e.to_string())?;
+        GuestKernel::from_dir(&config.kernel_dir).map_err(|e| e.to_string())?;
         let init =
             config.init.clone().or_else(berth_microvm::install::find_init).filter(|init| init.is_file()).ok_or_else(
                 || format!("no guest init ({}): it ships beside the agent", berth_microvm::install::INIT_NAME),
@@ -275,12 +279,13 @@ impl MicroVmSettings {
         }
         let busybox = berth_microvm::install::find_busybox()
             .ok_or_else(|| "no static busybox (Debian's busybox-static) for the guests' userland".to_owned())?;
-        let virtiofsd = berth_microvm::install::find_virtiofsd().filter(|_| kernel.shares_directories());
+        let virtiofsd = shares(config).then(berth_microvm::install::find_virtiofsd).flatten();
         if virtiofsd.is_none() {
             tracing::warn!(
-                "no virtiofsd, or a guest kernel without virtio-fs: microVMs share no directory with the node \
-                 (bundles run on busybox; cache volumes and workload identity are refused); \
-                 scripts/microvm-deps.sh installs both"
+                "no virtiofsd, a guest kernel without virtio-fs, or an agent that is not root (virtiofsd sandboxes \
+                 itself only as root): microVMs share no directory with the node (bundles run on busybox; cache \
+                 volumes and workload identity are refused); scripts/microvm-deps.sh installs virtiofsd and the \
+                 modules"
             );
         }
         Ok(Self {
@@ -327,8 +332,8 @@ struct Inner {
     controls: tokio::sync::Mutex<BTreeMap<String, Control>>,
     /// The leases whose VMM this provider killed (their exit is SIGKILL).
     killed: Mutex<std::collections::BTreeSet<String>>,
-    /// Held while a VM's stats port is asked.
-    asking: tokio::sync::Mutex<()>,
+    /// By lease: held while that VM's stats port is asked.
+    asking: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
     proc_root: PathBuf,
     shutdown: CancellationToken,
 }
@@ -349,7 +354,7 @@ impl MicroVmProvider {
                 building: tokio::sync::Mutex::new(()),
                 controls: tokio::sync::Mutex::new(BTreeMap::new()),
                 killed: Mutex::default(),
-                asking: tokio::sync::Mutex::new(()),
+                asking: Mutex::default(),
                 proc_root: PathBuf::from(PROC_ROOT),
                 shutdown,
             }),
@@ -496,6 +501,10 @@ impl MicroVmProvider {
         let (root, busybox, out) = (root.clone(), self.inner.settings.busybox.clone(), target.clone());
         blocking(move || {
             std::fs::create_dir_all(&images).map_err(|e| crate::instances::io("creating", &images, e))?;
+            // What a root holds (an image's files, a bundle's) is no other host user's to read.
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&images, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| crate::instances::io("closing", &images, e))?;
             match &root {
                 WorkloadRoot::Image { dir, account, .. } => {
                     let building = out.with_extension("building");
@@ -599,7 +608,9 @@ impl MicroVmProvider {
         // workload starts (see `hold_cpu_once_started`).
         let boot = quota.map(|quota| quota.max(i64::from(cpus) * 100_000));
         let cgroup = self.cgroup(lease_id);
-        cgroup.create_with(Some((Some(memory), Some(memory))), Some((boot, Some(100_000))), None)?;
+        // QEMU's threads, its shares' daemons and the relays it starts for the guest's connections.
+        let pids = Some(self.inner.settings.pids_limit);
+        cgroup.create_with(Some((Some(memory), Some(memory))), Some((boot, Some(100_000))), pids)?;
         let kept = self.inner.instances.layout.work_dir(lease_id).join(CPU_QUOTA_FILE);
         match quota {
             Some(quota) => std::fs::write(&kept, quota.to_string()).map_err(|e| e.to_string())?,
@@ -736,6 +747,9 @@ impl MicroVmProvider {
     /// their VMM a moment later, or a relay it started), and is killed
     /// first, so the cgroup is never left behind.
     async fn release_cgroup(&self, lease_id: &str) {
+        if let Ok(mut ports) = self.inner.asking.lock() {
+            ports.remove(lease_id);
+        }
         let cgroup = self.cgroup(lease_id);
         let deadline = tokio::time::Instant::now() + KILL_WAIT;
         loop {
@@ -1036,10 +1050,19 @@ fn hosted_tree(root: &Path) -> Result<(), ProviderError> {
     for shared in crate::container::SHARED_ETC.iter().map(Path::new) {
         let at = root.join(shared.strip_prefix("/").unwrap_or(shared));
         match std::fs::symlink_metadata(shared) {
-            Ok(meta) if meta.is_dir() => copy_tree(shared, &at)?,
-            Ok(_) => {
-                std::fs::copy(shared, &at).map_err(tree_io("copying", shared))?;
+            Ok(meta) if meta.is_dir() => {
+                std::fs::create_dir_all(&at).map_err(tree_io("creating", &at))?;
+                for entry in std::fs::read_dir(shared).map_err(tree_io("reading", shared))? {
+                    let entry = entry.map_err(tree_io("reading", shared))?;
+                    // A host's private keys (`/etc/ssl/private`) are no guest's: a container's user cannot
+                    // read them where they are bound, and a copy would be a guest root's to read.
+                    if entry.file_name() == "private" {
+                        continue;
+                    }
+                    copy_entry(&entry.path(), &at.join(entry.file_name()))?;
+                }
             }
+            Ok(_) => copy_entry(shared, &at)?,
             Err(_) => {}
         }
     }
@@ -1104,16 +1127,22 @@ fn copy_tree(from: &Path, to: &Path) -> Result<(), ProviderError> {
     std::fs::create_dir_all(to).map_err(io("creating", to))?;
     for entry in std::fs::read_dir(from).map_err(io("reading", from))? {
         let entry = entry.map_err(io("reading", from))?;
-        let (source, target) = (entry.path(), to.join(entry.file_name()));
-        let kind = entry.file_type().map_err(io("reading", &source))?;
-        if kind.is_dir() {
-            copy_tree(&source, &target)?;
-        } else if kind.is_symlink() {
-            let points = std::fs::read_link(&source).map_err(io("reading", &source))?;
-            std::os::unix::fs::symlink(points, &target).map_err(io("linking", &target))?;
-        } else if kind.is_file() {
-            std::fs::copy(&source, &target).map_err(io("copying", &source))?;
-        }
+        copy_entry(&entry.path(), &to.join(entry.file_name()))?;
+    }
+    Ok(())
+}
+
+/// Copies the file, link (as a link) or tree at `source` to `target`;
+/// anything else (a socket, a device) is left out.
+fn copy_entry(source: &Path, target: &Path) -> Result<(), ProviderError> {
+    let kind = std::fs::symlink_metadata(source).map_err(tree_io("reading", source))?.file_type();
+    if kind.is_dir() {
+        copy_tree(source, target)?;
+    } else if kind.is_symlink() {
+        let points = std::fs::read_link(source).map_err(tree_io("reading", source))?;
+        std::os::unix::fs::symlink(points, target).map_err(tree_io("linking", target))?;
+    } else if kind.is_file() {
+        std::fs::copy(source, target).map_err(tree_io("copying", source))?;
     }
     Ok(())
 }
@@ -1257,7 +1286,7 @@ impl Provider for MicroVmProvider {
                 Ok(child) => daemons.push(child),
                 Err(error) => {
                     daemons.iter().for_each(kill_group);
-                    self.cgroup(&spec.lease_id).remove();
+                    self.release_cgroup(&spec.lease_id).await;
                     self.inner.instances.never_started(first).await;
                     let why = format!("sharing {} with its microVM: {error}", share.host.display());
                     return Err(ProviderError::Spawn { command: program, source: std::io::Error::other(why) });
@@ -1270,7 +1299,7 @@ impl Provider for MicroVmProvider {
             Ok(vm) => vm,
             Err(error) => {
                 daemons.iter().for_each(kill_group);
-                self.cgroup(&spec.lease_id).remove();
+                self.release_cgroup(&spec.lease_id).await;
                 self.inner.instances.never_started(first).await;
                 return Err(ProviderError::Spawn {
                     command: program,
@@ -1395,7 +1424,9 @@ impl Provider for MicroVmProvider {
         let run_dir = self.inner.instances.layout.work_dir(lease_id);
         let asked = {
             // One question at a time on a VM's stats port, which takes one connection.
-            let _asking = self.inner.asking.lock().await;
+            let port = self.inner.asking.lock().map(|mut ports| ports.entry(lease_id.to_owned()).or_default().clone());
+            let port = port.unwrap_or_default();
+            let _asking = port.lock().await;
             berth_microvm::vmm::guest_stats(&run_dir).await
         };
         if let Some(guest) = asked {

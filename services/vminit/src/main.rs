@@ -320,7 +320,12 @@ fn relay_socket(relay: &GuestRelay, uid: u32, gid: u32) -> Result<(), String> {
         .map_err(|e| format!("closing {} to other users: {e}", relay.path))?;
     let address = relay.address.clone();
     std::thread::spawn(move || {
-        for inside in listener.incoming().map_while(Result::ok) {
+        loop {
+            // A failed accept (out of descriptors, a connection given up) leaves the relay listening.
+            let Ok((inside, _)) = listener.accept() else {
+                std::thread::sleep(RECONNECT_POLL);
+                continue;
+            };
             let address = address.clone();
             std::thread::spawn(move || {
                 if let Ok(outside) = std::net::TcpStream::connect(&address) {
@@ -460,14 +465,16 @@ fn answer_stats(dir: PathBuf) {
         loop {
             match port.read(&mut asked) {
                 Ok(0) => std::thread::sleep(RECONNECT_POLL),
-                Ok(_) => {
+                Ok(read) => {
+                    // The last question asked is the one a node still waits on.
+                    let tag = asked[read - 1];
                     let read = |file: &str| std::fs::read_to_string(dir.join(file)).unwrap_or_default();
                     let cpu_usec = read("cpu.stat")
                         .lines()
                         .find_map(|line| line.strip_prefix("usage_usec ")?.trim().parse().ok())
                         .unwrap_or(0);
                     let memory_bytes = read("memory.current").trim().parse().unwrap_or(0);
-                    let _ = port.write_all(GuestStats { cpu_usec, memory_bytes }.line().as_bytes());
+                    let _ = port.write_all(GuestStats { cpu_usec, memory_bytes }.answer(tag).as_bytes());
                 }
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => std::thread::sleep(RECONNECT_POLL),

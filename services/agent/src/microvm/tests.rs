@@ -296,15 +296,19 @@ async fn a_bundle_runs_on_the_nodes_own_system_directories_which_it_cannot_chang
     // The node's interpreters are the guest's, as a container's are; the guest may not change them.
     let script = "/usr/bin/python3 -c 'import sys; print(sys.version_info[0])'; \
                   touch /usr/bin/planted 2>/dev/null && echo usr-writable || echo usr-protected; \
-                  grep -c ' /usr virtiofs ro,' /proc/mounts; test -e /etc/ssl/certs && echo certificates";
+                  grep -c ' /usr virtiofs ro,' /proc/mounts; test -e /etc/ssl/certs && echo certificates; \
+                  test -e /etc/ssl/private && echo private-keys || echo no-private-keys";
     let mut python = provider.launch(spec("lease-py", script)).await.unwrap();
     let status = ended(&mut python.exit).await.status;
     let logs = provider.log_files("lease-py").unwrap();
     let stderr = std::fs::read_to_string(&logs.stderr).unwrap_or_default();
     assert_eq!(status, ExitStatus::Code(0), "{stderr}");
     let stdout = std::fs::read_to_string(&logs.stdout).unwrap();
-    assert_eq!(stdout, "3\nusr-protected\n1\ncertificates\n", "{stderr}");
+    assert_eq!(stdout, "3\nusr-protected\n1\ncertificates\nno-private-keys\n", "{stderr}");
     assert!(!Path::new("/usr/bin/planted").exists());
+    // The roots it booted from are no other host user's to read.
+    let images = std::fs::metadata(tmp.path().join("microvm/images")).unwrap();
+    assert_eq!(std::os::unix::fs::PermissionsExt::mode(&images.permissions()) & 0o777, 0o700);
     // Its daemons ended with it.
     let daemons = procfs::with_args(Path::new(PROC_ROOT), &["--socket-path"])
         .into_iter()
