@@ -30,6 +30,11 @@ use crate::testdir::TestDir;
 /// seconds to start, answer and be torn down on a loaded machine.
 const SLOW: Duration = Duration::from_secs(30);
 
+/// What a guest under QEMU's translator takes for the same: it forks and
+/// executes every program of a fork bomb on one emulated CPU, its programs
+/// read from the node's shared `/usr`.
+const VM_SLOW: Duration = Duration::from_secs(120);
+
 fn timing() -> ProcessTiming {
     ProcessTiming { stop_grace: Duration::from_secs(2), exit_poll: Duration::from_millis(20) }
 }
@@ -898,7 +903,8 @@ async fn fork_bomb_on(kind: Kind) {
     let marker = format!("sleep 32{}", std::process::id() % 1000);
     let script = format!("i=0; while [ $i -lt 3000 ]; do {marker} 2>/dev/null & i=$((i+1)); done; echo spawned");
     let launched = provider.launch(spec("lease-bomb", &script)).await.unwrap();
-    eventually("the workload to hit its limit", SLOW, || async {
+    let within = if matches!(kind, Kind::MicroVm) { VM_SLOW } else { SLOW };
+    eventually("the workload to hit its limit", within, || async {
         let (stdout, exit) = (stdout_of(provider.as_ref(), "lease-bomb"), *launched.exit.borrow());
         if stdout.contains("spawned") || exit.is_some() { Ok(()) } else { Err((stdout, exit)) }
     })
