@@ -313,7 +313,10 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     }
     // Set by the agent, whatever the operator's labels say.
     let runtime_name = runtime.label().to_string();
-    if runtime == WorkloadRuntime::MicroVm && config.workload_identity && !crate::microvm::shares(&config.microvm) {
+    if runtime == WorkloadRuntime::MicroVm
+        && config.workload_identity
+        && crate::microvm::share_daemon(&config.microvm).is_none()
+    {
         // A guest gets its identity as files in a shared directory; a node
         // that shares none would refuse every launch with an identity.
         tracing::warn!(

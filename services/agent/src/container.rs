@@ -688,10 +688,31 @@ fn link_workload_api(rootfs: &Path, plan: &ContainerPlan) -> Result<(), Provider
     std::os::unix::fs::symlink(&target, &link).map_err(|source| io("link", &link, source))
 }
 
+/// Gives the workload's user (`uid`, `gid`) what it alone reads or
+/// writes: its identity directory, whole, and the root of each cache view.
+/// A cache view's files come sealed open to every user (the view is the
+/// lease's alone): only its root is given, so nothing under it is copied
+/// up before the workload writes.
+pub(crate) fn give_workload(
+    identity: Option<&Path>,
+    views: &[PathBuf],
+    uid: u32,
+    gid: u32,
+) -> Result<(), ProviderError> {
+    if let Some(identity) = identity {
+        give_tree(identity, uid)?;
+    }
+    for view in views {
+        std::os::unix::fs::lchown(view, Some(uid), Some(gid))
+            .map_err(|source| io("give the workload", view, source))?;
+    }
+    Ok(())
+}
+
 /// Gives `root` and everything under it (symlinks themselves, not what
 /// they name) to the workload's user `uid`: its identity directory, which
 /// no other user may enter.
-pub(crate) fn give_tree(root: &Path, uid: u32) -> Result<(), ProviderError> {
+fn give_tree(root: &Path, uid: u32) -> Result<(), ProviderError> {
     let give = |path: &Path| {
         std::os::unix::fs::lchown(path, Some(uid), Some(uid)).map_err(|source| io("give the workload", path, source))
     };
@@ -1200,16 +1221,7 @@ impl ContainerProvider {
                 let work_dir = &prepared.0;
                 rustix::fs::chown(work_dir, Some(rustix::fs::Uid::from_raw(uid)), Some(rustix::fs::Gid::from_raw(uid)))
                     .map_err(|e| io("give the workload", work_dir, e.into()))?;
-                if let Some(identity) = &identity {
-                    give_tree(identity, uid)?;
-                }
-                // A cache view's files come sealed open to every user (the
-                // view is the lease's alone): only its root is given, so
-                // nothing under it is copied up before the workload writes.
-                for view in &caches {
-                    std::os::unix::fs::lchown(view, Some(uid), Some(uid))
-                        .map_err(|source| io("give the workload", view, source))?;
-                }
+                give_workload(identity.as_deref(), &caches, uid, uid)?;
                 Ok(prepared)
             })
             .await?

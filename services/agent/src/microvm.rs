@@ -223,15 +223,14 @@ pub(crate) fn missing(config: &crate::config::MicroVmConfig) -> Option<String> {
     MicroVmSettings::from_config(config, ProcessTiming::default()).err()
 }
 
-/// Whether this host's guests can mount the node's directories with
-/// `config`: a `virtiofsd`, a guest kernel with virtio-fs, and an agent
+/// The `virtiofsd` this host's guests mount the node's directories through
+/// with `config`, where it can: one found, a guest kernel with virtio-fs, and an agent
 /// that is root (the daemon sandboxes itself in namespaces of its own only
 /// as root; unsandboxed, a guest that breaks it would hold the agent's
 /// rights over the host's files).
-pub(crate) fn shares(config: &crate::config::MicroVmConfig) -> bool {
-    rustix::process::geteuid().is_root()
-        && berth_microvm::install::find_virtiofsd().is_some()
-        && GuestKernel::from_dir(&config.kernel_dir).is_ok_and(|kernel| kernel.shares_directories())
+pub(crate) fn share_daemon(config: &crate::config::MicroVmConfig) -> Option<PathBuf> {
+    let kernel_shares = GuestKernel::from_dir(&config.kernel_dir).is_ok_and(|kernel| kernel.shares_directories());
+    (rustix::process::geteuid().is_root() && kernel_shares).then(berth_microvm::install::find_virtiofsd).flatten()
 }
 
 /// What the microVM provider runs with.
@@ -279,7 +278,7 @@ impl MicroVmSettings {
         }
         let busybox = berth_microvm::install::find_busybox()
             .ok_or_else(|| "no static busybox (Debian's busybox-static) for the guests' userland".to_owned())?;
-        let virtiofsd = shares(config).then(berth_microvm::install::find_virtiofsd).flatten();
+        let virtiofsd = share_daemon(config);
         if virtiofsd.is_none() {
             tracing::warn!(
                 "no virtiofsd, a guest kernel without virtio-fs, or an agent that is not root (virtiofsd sandboxes \
@@ -702,7 +701,7 @@ impl MicroVmProvider {
         tracing::warn!(%lease_id, pids = ?found.iter().map(|p| p.pid).collect::<Vec<_>>(),
             "stopping a microVM (or its shares' daemons) an interrupted launch left running unrecorded");
         crate::process::kill_found(&found).await;
-        self.cgroup(lease_id).remove();
+        self.release_cgroup(lease_id).await;
     }
 
     /// Whether the guest's init has reported `lease_id`'s workload started.
@@ -929,44 +928,17 @@ fn shared_dirs(spec: &LaunchSpec, hosted: bool) -> Vec<Shared> {
 /// connection to [`GUEST_WORKLOAD_API_PORT`] of its services address to
 /// the node's `socat`, which dials the lease's own socket (so the agent
 /// knows the caller by the socket, as for a container), and the init
-/// listens inside the guest; `$SPIFFE_ENDPOINT_SOCKET` names its socket.
-/// `None`, and no variable, where the node has no `socat`.
-fn relay_workload_api(
-    identity: &Path,
-    network: &mut SlirpNetwork,
-    env: &mut BTreeMap<String, String>,
-) -> Option<GuestRelay> {
+/// listens inside the guest at [`WORKLOAD_API_IN_GUEST`]. `None` where the
+/// node has no `socat`.
+fn relay_workload_api(identity: &Path, network: &mut SlirpNetwork) -> Option<GuestRelay> {
     let socat = find_program(Path::new("socat"))?;
     let socket = identity.join(crate::svids::SOCKET_FILE);
     let relay = vec![socat.display().to_string(), "-".into(), format!("UNIX-CONNECT:{}", socket.display())];
     network.outbound.push((GUEST_WORKLOAD_API_PORT, relay));
-    env.insert(crate::provider::SPIFFE_SOCKET_VAR.into(), format!("unix:{WORKLOAD_API_IN_GUEST}"));
     Some(GuestRelay {
         path: WORKLOAD_API_IN_GUEST.into(),
         address: format!("{GUEST_SERVICES_ADDRESS}:{GUEST_WORKLOAD_API_PORT}"),
     })
-}
-
-/// Gives the workload's guest user what it writes or alone may read: the
-/// root of each cache view (its files come sealed open to every user) and
-/// the identity directory. Only root gives files away.
-fn give_shared(
-    caches: &[crate::provider::CacheBind],
-    identity: Option<&Path>,
-    uid: u32,
-    gid: u32,
-) -> Result<(), ProviderError> {
-    if !rustix::process::geteuid().is_root() {
-        return Ok(());
-    }
-    for view in caches {
-        std::os::unix::fs::lchown(&view.host, Some(uid), Some(gid))
-            .map_err(|e| crate::instances::io("giving the workload", &view.host, e))?;
-    }
-    if let Some(identity) = identity {
-        crate::container::give_tree(identity, uid)?;
-    }
-    Ok(())
 }
 
 /// How a VM's workload ended, from its status lines; `killed` when this
@@ -1199,14 +1171,15 @@ impl Provider for MicroVmProvider {
                 (GUEST_USER, GUEST_USER, "/home/workload".to_owned(), "/home/workload".to_owned())
             }
         };
-        let identity_seen = IdentitySeen { dir: Path::new(IDENTITY_IN_GUEST), socket: Path::new(IDENTITY_IN_GUEST) };
+        let identity_seen =
+            IdentitySeen { dir: Path::new(IDENTITY_IN_GUEST), socket: Path::new(WORKLOAD_API_IN_GUEST) };
         let mut env = spec.environment(Path::new(&home), bundle.as_deref(), Some(identity_seen));
-        // Its identity is files: the Workload API's socket does not cross a share.
-        env.remove(crate::provider::SPIFFE_SOCKET_VAR);
         let shared = shared_dirs(&spec, hosted);
-        {
-            let (caches, identity) = (spec.caches.clone(), spec.identity.clone());
-            blocking(move || give_shared(&caches, identity.as_deref(), uid, gid)).await?;
+        // Only root gives files away (and only a root agent shares any).
+        if hosted {
+            let views: Vec<PathBuf> = spec.caches.iter().map(|cache| cache.host.clone()).collect();
+            let identity = spec.identity.clone();
+            blocking(move || crate::container::give_workload(identity.as_deref(), &views, uid, gid)).await?;
         }
         let (mut network, guest_network) = match &spec.network {
             Some(attachment) => {
@@ -1216,9 +1189,13 @@ impl Provider for MicroVmProvider {
             None => (None, None),
         };
         let workload_api = match (&spec.identity, &mut network) {
-            (Some(identity), Some(network)) => relay_workload_api(identity, network, &mut env),
+            (Some(identity), Some(network)) => relay_workload_api(identity, network),
             _ => None,
         };
+        if workload_api.is_none() {
+            // Its identity is files alone: the Workload API's socket does not cross a share.
+            env.remove(crate::provider::SPIFFE_SOCKET_VAR);
+        }
         let mut argv = vec![program.clone()];
         argv.extend(spec.args.iter().cloned());
         let command = GuestCommand {
