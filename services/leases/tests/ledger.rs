@@ -399,7 +399,8 @@ async fn expired(ledger: &Ledger, lease_id: &str) {
 }
 
 async fn custody_saves_a_recently_expired_lease_while_its_room_is_free(backend: Backend) {
-    let ttl = Duration::from_millis(300);
+    // Long enough that the re-held lease does not expire again before its room is read.
+    let ttl = Duration::from_secs(1);
     let ledger = Ledger::start(backend, expiring_config(ttl), vec![node("n-1", "", NodeState::Up, 1000, GIB)]).await;
     let lease = ledger.place("slow-agent", 600, MIB).await;
     expired(&ledger, &lease.lease_id).await;
