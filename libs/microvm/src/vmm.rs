@@ -354,8 +354,49 @@ pub struct ShareSpec {
     /// can only as root); else it runs unsandboxed (`--sandbox none`),
     /// which a node never does for a guest (only a test run unprivileged).
     pub sandbox: bool,
+    /// Whose the guest's files are on the host, for a directory that is one
+    /// lease's own (its cache views, its identity); `None` for the node's
+    /// own directories, shown as they are.
+    pub owner: Option<ShareOwner>,
     /// Where the daemon's own output goes.
     pub log: PathBuf,
+}
+
+/// How a share's owners read across the VM's edge: the guest's workload
+/// user and the host user the node gave the directory are one, both ways,
+/// and whatever the guest writes as any other user (its root included,
+/// should a workload take the guest's kernel) lands on the host as that
+/// host user too. So no guest ever makes a file on the host owned by root
+/// or by a user of another lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShareOwner {
+    /// The workload's uid and gid inside the guest.
+    pub guest: (u32, u32),
+    /// The uid and gid the node gave the directory on the host.
+    pub host: (u32, u32),
+}
+
+impl ShareOwner {
+    /// `virtiofsd`'s translation arguments: a 1:1 map between the two
+    /// users, and every other guest id squashed onto the host one (the
+    /// daemon refuses overlapping ranges, so the squashes go around the map).
+    fn args(&self) -> Vec<OsString> {
+        let mut args = Vec::new();
+        for (flag, guest, host) in
+            [("--translate-uid", self.guest.0, self.host.0), ("--translate-gid", self.guest.1, self.host.1)]
+        {
+            let mut push = |rule: String| args.extend([OsString::from(flag), rule.into()]);
+            push(format!("map:{guest}:{host}:1"));
+            if guest > 0 {
+                push(format!("squash-guest:0:{host}:{guest}"));
+            }
+            // Ids run to u32::MAX - 1; u32::MAX itself is no id.
+            if let Some(above) = guest.checked_add(1).filter(|above| *above < u32::MAX) {
+                push(format!("squash-guest:{above}:{host}:{}", u32::MAX - above));
+            }
+        }
+        args
+    }
 }
 
 impl ShareSpec {
@@ -376,6 +417,9 @@ impl ShareSpec {
         }
         if self.unchanging {
             args.extend(["--cache".into(), "always".into()]);
+        }
+        if let Some(owner) = &self.owner {
+            args.extend(owner.args());
         }
         args
     }
@@ -599,6 +643,7 @@ mod tests {
             read_only: true,
             unchanging: true,
             sandbox: true,
+            owner: None,
             log: "/leases/l1/share-0.log".into(),
         };
         let args: Vec<String> = share.args().into_iter().map(|a| a.into_string().unwrap()).collect();
@@ -612,5 +657,26 @@ mod tests {
         assert!(!args.contains(&"--readonly".to_owned()), "{args:?}");
         assert!(!args.contains(&"always".to_owned()), "what the node changes is looked at again: {args:?}");
         assert!(args.contains(&"none".to_owned()), "{args:?}");
+    }
+
+    #[test]
+    fn a_leases_share_gives_every_guest_id_to_the_host_user_the_node_chose() {
+        let owner = ShareOwner { guest: (1000, 1001), host: (300_007, 300_007) };
+        let args: Vec<String> = owner.args().into_iter().map(|a| a.into_string().unwrap()).collect();
+        assert_eq!(
+            args.join(" "),
+            "--translate-uid map:1000:300007:1 --translate-uid squash-guest:0:300007:1000 \
+             --translate-uid squash-guest:1001:300007:4294966294 \
+             --translate-gid map:1001:300007:1 --translate-gid squash-guest:0:300007:1001 \
+             --translate-gid squash-guest:1002:300007:4294966293"
+        );
+        // The ranges end at u32::MAX, never past it, and none is empty.
+        let edge = ShareOwner { guest: (0, u32::MAX - 1), host: (5, 5) };
+        let args: Vec<String> = edge.args().into_iter().map(|a| a.into_string().unwrap()).collect();
+        assert_eq!(
+            args.join(" "),
+            "--translate-uid map:0:5:1 --translate-uid squash-guest:1:5:4294967294 \
+             --translate-gid map:4294967294:5:1 --translate-gid squash-guest:0:5:4294967294"
+        );
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use berth_microvm::image::{root_image, scratch_image, write_initramfs};
 use berth_microvm::kernel::{DEFAULT_KERNEL_DIR, GuestKernel};
-use berth_microvm::vmm::{Accel, ShareSpec, Vm, VmShare, VmSpec, start_share, statuses};
+use berth_microvm::vmm::{Accel, ShareOwner, ShareSpec, Vm, VmShare, VmSpec, start_share, statuses};
 use berth_microvm::wire::{GuestCommand, GuestExit, GuestShare, Status};
 
 /// How long one VM may take from boot to power-off under TCG on a busy
@@ -204,8 +204,9 @@ async fn a_vm_reads_a_shared_directory_it_cannot_change_and_writes_one_the_node_
     std::fs::write(library.join("share/words"), b"from the node\n").unwrap();
     std::fs::create_dir_all(&cache).unwrap();
     std::fs::write(cache.join("kept"), b"kept before\n").unwrap();
-    // The workload's user owns its cache, as the node gives it.
-    std::os::unix::fs::chown(&cache, Some(1000), Some(1001)).unwrap();
+    // The node gives the cache to a host user of its own; the guest's user is that user inside.
+    let host_user = 300_123;
+    std::os::unix::fs::chown(&cache, Some(host_user), Some(host_user)).unwrap();
     let sandbox = rustix::process::geteuid().is_root();
     let mut daemons = Vec::new();
     for (index, (dir, read_only)) in [(&library, true), (&cache, false)].into_iter().enumerate() {
@@ -216,6 +217,7 @@ async fn a_vm_reads_a_shared_directory_it_cannot_change_and_writes_one_the_node_
             read_only,
             unchanging: read_only,
             sandbox,
+            owner: (!read_only).then_some(ShareOwner { guest: (1000, 1001), host: (host_user, host_user) }),
             log: shared.path().join(format!("share-{index}.log")),
         };
         daemons.push(start_share(&share, &[]).await.unwrap());
@@ -224,7 +226,7 @@ async fn a_vm_reads_a_shared_directory_it_cannot_change_and_writes_one_the_node_
     let mut run = command(
         "cat /usr/local/share/words; touch /usr/local/share/x 2>/dev/null && echo library-writable || \
          echo library-protected; cat /var/cache/app/kept; echo from the guest > /var/cache/app/made; \
-         grep -c virtiofs /proc/mounts",
+         stat -c %u:%g /var/cache/app /var/cache/app/made; grep -c virtiofs /proc/mounts",
     );
     run.shares = vec![
         GuestShare { tag: "share0".into(), path: "/usr/local".into(), read_only: true },
@@ -233,10 +235,15 @@ async fn a_vm_reads_a_shared_directory_it_cannot_change_and_writes_one_the_node_
     let mut vm = Vm::boot(&guest.spec, &run).await.unwrap();
     let ran = powered_off(&mut vm, &guest).await;
     assert_eq!(ran.exit(), Some(GuestExit::Code(0)), "{:?} {}\n{}", ran.failed(), ran.stderr, guest.console());
-    assert_eq!(ran.stdout, "from the node\nlibrary-protected\nkept before\n2\n", "{}", ran.stderr);
+    assert_eq!(
+        ran.stdout, "from the node\nlibrary-protected\nkept before\n1000:1001\n1000:1001\n2\n",
+        "{}",
+        ran.stderr
+    );
     assert_eq!(std::fs::read_to_string(cache.join("made")).unwrap(), "from the guest\n");
     let made = std::fs::metadata(cache.join("made")).unwrap();
-    assert_eq!((std::os::unix::fs::MetadataExt::uid(&made), std::os::unix::fs::MetadataExt::gid(&made)), (1000, 1001));
+    let owner = (std::os::unix::fs::MetadataExt::uid(&made), std::os::unix::fs::MetadataExt::gid(&made));
+    assert_eq!(owner, (host_user, host_user), "the guest's file is the node's user's on the host");
     assert!(!library.join("share/x").exists());
     // Each daemon ends with the VMM it served.
     for mut daemon in daemons {

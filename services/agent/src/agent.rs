@@ -95,7 +95,12 @@ fn choose_runtime(
 ) -> Result<WorkloadRuntime, AgentError> {
     let why = match containment.runtime {
         WorkloadRuntime::MicroVm => match crate::microvm::missing(microvm) {
-            None => return Ok(WorkloadRuntime::MicroVm),
+            None => {
+                // A VM's own shared directories are given to users of the range.
+                let euid = rustix::process::geteuid();
+                containment.uids.check(euid.as_raw()).map_err(|e| AgentError::Config(format!("workload uids: {e}")))?;
+                return Ok(WorkloadRuntime::MicroVm);
+            }
             Some(why) => why,
         },
         runtime => match runtime.container_runtime() {
@@ -428,6 +433,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
                     dir.root(),
                     crate::microvm::MicroVmSettings {
                         pids_limit: config.containment.pids_limit,
+                        uids: config.containment.uids,
                         ..crate::microvm::MicroVmSettings::from_config(&config.microvm, process_timing)
                             .map_err(AgentError::Uncontained)?
                     },

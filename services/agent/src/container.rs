@@ -262,6 +262,54 @@ impl UidRange {
     }
 }
 
+/// The uids of a [`UidRange`] a provider hands its workloads: one a
+/// running workload, or a launch under way, holds is never handed out again.
+#[derive(Debug)]
+pub(crate) struct UidPool {
+    range: UidRange,
+    /// Uids handed to launches whose instance is not tracked yet.
+    claimed: Mutex<BTreeSet<u32>>,
+}
+
+/// A uid a launch holds until its instance is tracked (then the
+/// instance's record holds it); given back when dropped.
+#[derive(Debug)]
+pub(crate) struct UidClaim<'a> {
+    pool: &'a UidPool,
+    pub(crate) uid: u32,
+}
+
+impl Drop for UidClaim<'_> {
+    fn drop(&mut self) {
+        self.pool.claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&self.uid);
+    }
+}
+
+impl UidPool {
+    pub(crate) fn new(range: UidRange) -> Self {
+        Self { range, claimed: Mutex::new(BTreeSet::new()) }
+    }
+
+    /// A uid no running workload of `instances` holds and no other launch
+    /// has claimed.
+    pub(crate) fn claim(&self, instances: &Instances, lease_id: &str) -> Result<UidClaim<'_>, ProviderError> {
+        let held: BTreeSet<u32> =
+            instances.lock().values().filter(|t| t.stored.exit.is_none()).filter_map(|t| t.stored.uid).collect();
+        let mut claimed = self.claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let uid = (0..self.range.count)
+            .map(|offset| self.range.first + offset)
+            .find(|uid| !held.contains(uid) && !claimed.contains(uid))
+            .ok_or_else(|| {
+                ProviderError::Unsupported(format!(
+                    "lease {lease_id} cannot start: every uid of the workload range ({} of them) is in use",
+                    self.range.count
+                ))
+            })?;
+        claimed.insert(uid);
+        Ok(UidClaim { pool: self, uid })
+    }
+}
+
 /// How the container provider runs workloads.
 #[derive(Debug, Clone)]
 pub struct ContainerSettings {
@@ -292,8 +340,7 @@ struct Inner {
     /// Names this agent's cgroups apart from another agent's on the host.
     cgroup_parent: String,
     ports: Arc<PortBook>,
-    /// Uids handed to launches whose instance is not tracked yet.
-    claimed_uids: Mutex<BTreeSet<u32>>,
+    uids: UidPool,
     /// Leases being destroyed: their end is not an out-of-memory kill.
     destroying: Mutex<BTreeSet<String>>,
     shutdown: CancellationToken,
@@ -451,6 +498,7 @@ impl ContainerProvider {
     pub fn new(data_dir: &Path, settings: ContainerSettings, shutdown: CancellationToken) -> Self {
         let state_root = data_dir.join(RUNTIME_DIR).join(settings.runtime.name());
         let cgroup_parent = cgroup_parent(data_dir);
+        let uids = UidPool::new(settings.uids);
         Self {
             inner: Arc::new(Inner {
                 instances: Arc::new(Instances::new(data_dir)),
@@ -458,40 +506,11 @@ impl ContainerProvider {
                 state_root,
                 cgroup_parent,
                 ports: Arc::default(),
-                claimed_uids: Mutex::new(BTreeSet::new()),
+                uids,
                 destroying: Mutex::new(BTreeSet::new()),
                 shutdown,
             }),
         }
-    }
-
-    /// A uid no running workload of this agent holds.
-    fn allocate_uid(&self, lease_id: &str) -> Result<u32, ProviderError> {
-        let range = self.inner.settings.uids;
-        let held: BTreeSet<u32> = self
-            .inner
-            .instances
-            .lock()
-            .values()
-            .filter(|t| t.stored.exit.is_none())
-            .filter_map(|t| t.stored.uid)
-            .collect();
-        let mut claimed = self.inner.claimed_uids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let uid = (0..range.count)
-            .map(|offset| range.first + offset)
-            .find(|uid| !held.contains(uid) && !claimed.contains(uid))
-            .ok_or_else(|| {
-                ProviderError::Unsupported(format!(
-                    "lease {lease_id} cannot start: every uid of the workload range ({} of them) is in use",
-                    range.count
-                ))
-            })?;
-        claimed.insert(uid);
-        Ok(uid)
-    }
-
-    fn release_uid(&self, uid: u32) {
-        self.inner.claimed_uids.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&uid);
     }
 
     fn is_running(&self, pid: u32, ticks: u64) -> bool {
@@ -968,10 +987,8 @@ impl Provider for ContainerProvider {
         let program = spec.program_path(bundle.as_ref().map(|_| Path::new(BUNDLE_MOUNT)))?;
         let mut spec = spec;
         let _claim = self.inner.instances.prepare_launch(&mut spec, &self.inner.ports)?;
-        let uid = self.allocate_uid(&spec.lease_id)?;
-        let launched = self.start(spec, program, bundle, uid).await;
-        self.release_uid(uid);
-        launched
+        let uid = self.inner.uids.claim(&self.inner.instances, &spec.lease_id)?;
+        self.start(spec, program, bundle, uid.uid).await
     }
 
     async fn recover(&self) -> Result<Vec<Launched>, ProviderError> {

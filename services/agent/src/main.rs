@@ -190,7 +190,8 @@ struct Args {
         value_parser = str::parse::<OciRuntime>)]
     oci_runtime: OciRuntime,
     /// The host uids (and gids) workloads run as, FIRST-LAST: each running
-    /// workload takes one of its own. Must hold neither 0 nor the agent's uid.
+    /// workload takes one of its own (a microVM's, for the directories it
+    /// shares with the node). Must hold neither 0 nor the agent's uid.
     #[arg(long, env = "BERTH_WORKLOAD_UIDS", value_name = "FIRST-LAST", default_value = "200000-299999",
         value_parser = str::parse::<UidRange>)]
     workload_uids: UidRange,

@@ -41,6 +41,13 @@
 //! ends, exactly as for a container), and the identity directory
 //! (read-only, looked at again each second, so renewed files are seen;
 //! the Workload API is relayed, below).
+//! A lease's own directories (its views, its identity) are given on the
+//! host to a user of the workload range, one per running lease as a
+//! container's are, and each daemon translates ids at the VM's edge: that
+//! host user is the guest's workload user both ways, and a file the guest
+//! makes as any other user (its root too, should a workload take the
+//! guest's kernel) is that host user's; so no guest makes a root-owned
+//! file on the host, nor one of another lease's user.
 //! One `virtiofsd` serves each, started in the VMM's cgroup before QEMU
 //! and ending with it. A drive per cache volume would have to be built
 //! from the view before the boot and read back into it after, copying
@@ -103,13 +110,14 @@ use std::time::{Duration, SystemTime};
 use berth_microvm::image::{Owner, root_image, scratch_image, set_owners, write_initramfs};
 use berth_microvm::kernel::GuestKernel;
 use berth_microvm::vmm::{
-    Accel, Control, GUEST_ADDRESS, GUEST_GATEWAY, GUEST_SERVICES_ADDRESS, ShareSpec, SlirpNetwork, Vm, VmShare, VmSpec,
-    kill_group, start_share, statuses,
+    Accel, Control, GUEST_ADDRESS, GUEST_GATEWAY, GUEST_SERVICES_ADDRESS, ShareOwner, ShareSpec, SlirpNetwork, Vm,
+    VmShare, VmSpec, kill_group, start_share, statuses,
 };
 use berth_microvm::wire::{GuestCommand, GuestExit, GuestNetwork, GuestRelay, GuestShare, Status};
 use tokio::sync::{OnceCell, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::container::{UidPool, UidRange};
 use crate::instances::{
     Instances, PortBook, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms, validate_lease_id,
 };
@@ -255,6 +263,9 @@ pub struct MicroVmSettings {
     pub timing: ProcessTiming,
     /// How many processes a workload may have at once inside its VM.
     pub pids_limit: i64,
+    /// The host users a VM's own shared directories (its cache views, its
+    /// identity) are given to, one per running lease, as a container's are.
+    pub uids: UidRange,
 }
 
 impl MicroVmSettings {
@@ -296,6 +307,7 @@ impl MicroVmSettings {
             virtiofsd,
             timing,
             pids_limit: crate::container::DEFAULT_PIDS_LIMIT,
+            uids: UidRange::default(),
         })
     }
 }
@@ -320,6 +332,7 @@ struct Inner {
     settings: MicroVmSettings,
     dir: PathBuf,
     ports: Arc<PortBook>,
+    uids: UidPool,
     initramfs: OnceCell<PathBuf>,
     /// How guest code runs, once decided.
     accel: OnceCell<Accel>,
@@ -341,11 +354,13 @@ impl MicroVmProvider {
     /// A provider keeping its state under `data_dir`; its waiting tasks
     /// stop on `shutdown` (the VMs keep running).
     pub fn new(data_dir: &Path, settings: MicroVmSettings, shutdown: CancellationToken) -> Self {
+        let uids = UidPool::new(settings.uids);
         Self {
             inner: Arc::new(Inner {
                 instances: Arc::new(Instances::new(data_dir)),
                 dir: data_dir.join("microvm"),
                 settings,
+                uids,
                 ports: Arc::default(),
                 initramfs: OnceCell::new(),
                 accel: OnceCell::new(),
@@ -1141,8 +1156,11 @@ impl Provider for MicroVmProvider {
         let mut spec = spec;
         let _claim = self.inner.instances.prepare_launch(&mut spec, &self.inner.ports)?;
 
+        // Only root gives files away (and only a root agent shares any).
+        let host_user = if hosted { Some(self.inner.uids.claim(&self.inner.instances, &spec.lease_id)?) } else { None };
         let layout = self.inner.instances.layout.clone();
-        let first = StoredRecord::starting(&spec);
+        let mut first = StoredRecord::starting(&spec);
+        first.uid = host_user.as_ref().map(|claim| claim.uid);
         let (run_dir, _, _) = {
             let first = first.clone();
             blocking(move || prepare(&layout, &first)).await?
@@ -1175,11 +1193,11 @@ impl Provider for MicroVmProvider {
             IdentitySeen { dir: Path::new(IDENTITY_IN_GUEST), socket: Path::new(WORKLOAD_API_IN_GUEST) };
         let mut env = spec.environment(Path::new(&home), bundle.as_deref(), Some(identity_seen));
         let shared = shared_dirs(&spec, hosted);
-        // Only root gives files away (and only a root agent shares any).
-        if hosted {
+        let owner = first.uid.map(|host| ShareOwner { guest: (uid, gid), host: (host, host) });
+        if let Some(host) = first.uid {
             let views: Vec<PathBuf> = spec.caches.iter().map(|cache| cache.host.clone()).collect();
             let identity = spec.identity.clone();
-            blocking(move || crate::container::give_workload(identity.as_deref(), &views, uid, gid)).await?;
+            blocking(move || crate::container::give_workload(identity.as_deref(), &views, host, host)).await?;
         }
         let (mut network, guest_network) = match &spec.network {
             Some(attachment) => {
@@ -1257,6 +1275,8 @@ impl Provider for MicroVmProvider {
                 read_only: share.guest.read_only,
                 unchanging: share.unchanging,
                 sandbox: rustix::process::geteuid().is_root(),
+                // The node's own directories are shown as they are.
+                owner: owner.filter(|_| !share.unchanging),
                 log: vm.run_dir.join(format!("{}.log", share.guest.tag)),
             };
             match start_share(&daemon, &in_cgroup).await {

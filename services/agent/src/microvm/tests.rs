@@ -29,6 +29,7 @@ fn settings(grace: Duration) -> MicroVmSettings {
         virtiofsd: Some(berth_microvm::install::find_virtiofsd().expect("no virtiofsd: scripts/microvm-deps.sh")),
         timing: ProcessTiming { stop_grace: grace, exit_poll: Duration::from_millis(50) },
         pids_limit: crate::container::DEFAULT_PIDS_LIMIT,
+        uids: crate::container::UidRange { first: 310_000, count: 100 },
     }
 }
 
@@ -332,7 +333,7 @@ async fn a_cache_volume_is_written_through_to_its_view_and_the_identity_director
     std::fs::write(identity.join("svid.pem"), "CERTIFICATE\n").unwrap();
     let script = "cat /work/cache/deps/kept; echo built > /work/cache/made; cat $BERTH_IDENTITY_DIR/svid.pem; \
                   touch $BERTH_IDENTITY_DIR/x 2>/dev/null && echo identity-writable || echo identity-protected; \
-                  echo socket=${SPIFFE_ENDPOINT_SOCKET:-none}";
+                  echo socket=${SPIFFE_ENDPOINT_SOCKET:-none}; stat -c %u:%g /work/cache/made $BERTH_IDENTITY_DIR";
     let mut cached = spec("lease-cv", script);
     cached.caches = vec![crate::provider::CacheBind { host: view.clone(), inside: "/work/cache".into() }];
     cached.identity = Some(identity.clone());
@@ -343,15 +344,16 @@ async fn a_cache_volume_is_written_through_to_its_view_and_the_identity_director
     assert_eq!(status, ExitStatus::Code(0), "{stderr}");
     let stdout = std::fs::read_to_string(&logs.stdout).unwrap();
     assert_eq!(
-        stdout, "from the last generation\nCERTIFICATE\nidentity-protected\nsocket=none\n",
-        "the Workload API's socket does not reach a guest: {stderr}"
+        stdout, "from the last generation\nCERTIFICATE\nidentity-protected\nsocket=none\n1000:1000\n1000:1000\n",
+        "the Workload API's socket does not reach a guest, and the guest's user owns its directories: {stderr}"
     );
     assert_eq!(std::fs::read_to_string(view.join("made")).unwrap(), "built\n", "written through to the view");
     if rustix::process::geteuid().is_root() {
         use std::os::unix::fs::MetadataExt as _;
         let made = std::fs::metadata(view.join("made")).unwrap();
-        assert_eq!((made.uid(), made.gid()), (GUEST_USER, GUEST_USER), "made by the workload's user");
-        assert_eq!(std::fs::metadata(&identity).unwrap().uid(), GUEST_USER, "its identity is its user's alone");
+        // On the host, both are a user of the workload range, as a container's are.
+        assert_eq!((made.uid(), made.gid()), (310_000, 310_000), "made by the lease's host user");
+        assert_eq!(std::fs::metadata(&identity).unwrap().uid(), 310_000, "its identity is its user's alone");
     }
     assert!(!identity.join("x").exists());
 }
