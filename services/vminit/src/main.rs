@@ -72,6 +72,16 @@ const RECONNECT_POLL: Duration = Duration::from_millis(100);
 /// Where the workload's root is assembled.
 const NEW_ROOT: &str = "/run/root";
 
+/// How many Workload API connections the init relays at once. Its relay
+/// threads live outside the workload's memory cgroup, so a workload that
+/// opened connections without end would otherwise grow the init, not
+/// itself; one past this is closed at once. Each holds two threads of
+/// [`RELAY_STACK`] each. A workload's SPIFFE client holds one or two.
+const MAX_RELAYED: usize = 32;
+
+/// The stack of a relay thread: a copy loop needs little.
+const RELAY_STACK: usize = 64 * 1024;
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--exec") {
@@ -319,6 +329,7 @@ fn relay_socket(relay: &GuestRelay, uid: u32, gid: u32) -> Result<(), String> {
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| format!("closing {} to other users: {e}", relay.path))?;
     let address = relay.address.clone();
+    let slots = Slots::new(MAX_RELAYED);
     std::thread::spawn(move || {
         loop {
             // A failed accept (out of descriptors, a connection given up) leaves the relay listening.
@@ -326,8 +337,11 @@ fn relay_socket(relay: &GuestRelay, uid: u32, gid: u32) -> Result<(), String> {
                 std::thread::sleep(RECONNECT_POLL);
                 continue;
             };
+            // Past the bound, the connection is closed as it is dropped.
+            let Some(slot) = slots.take() else { continue };
             let address = address.clone();
-            std::thread::spawn(move || {
+            let _ = std::thread::Builder::new().stack_size(RELAY_STACK).spawn(move || {
+                let _slot = slot;
                 if let Ok(outside) = std::net::TcpStream::connect(&address) {
                     join(inside, outside);
                 }
@@ -337,14 +351,48 @@ fn relay_socket(relay: &GuestRelay, uid: u32, gid: u32) -> Result<(), String> {
     Ok(())
 }
 
+/// A count of things under way, at most a bound: each [`Slot`] taken is
+/// given back when dropped.
+#[derive(Debug, Clone)]
+struct Slots {
+    bound: usize,
+    taken: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// One of [`Slots`], held while its thing is under way.
+#[derive(Debug)]
+struct Slot(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Slots {
+    fn new(bound: usize) -> Self {
+        Self { bound, taken: std::sync::Arc::default() }
+    }
+
+    /// A slot, unless `bound` are taken.
+    fn take(&self) -> Option<Slot> {
+        use std::sync::atomic::Ordering;
+        self.taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |taken| (taken < self.bound).then_some(taken + 1))
+            .ok()
+            .map(|_| Slot(self.taken.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// Copies each way between `inside` and `outside` until both have ended;
 /// the end of one way is passed on as the end of writing the other.
 fn join(inside: std::os::unix::net::UnixStream, outside: std::net::TcpStream) {
     let (Ok(mut inside_reader), Ok(mut outside_writer)) = (inside.try_clone(), outside.try_clone()) else { return };
-    let out = std::thread::spawn(move || {
+    let out = std::thread::Builder::new().stack_size(RELAY_STACK).spawn(move || {
         let _ = io::copy(&mut inside_reader, &mut outside_writer);
         let _ = outside_writer.shutdown(std::net::Shutdown::Write);
     });
+    let Ok(out) = out else { return };
     let (mut outside_reader, mut inside_writer) = (outside, inside);
     let _ = io::copy(&mut outside_reader, &mut inside_writer);
     let _ = inside_writer.shutdown(std::net::Shutdown::Write);
@@ -560,4 +608,22 @@ fn exec_workload(args: &[String]) -> String {
     }
     let error = Command::new(program).args(&argv[1..]).exec();
     format!("cannot run {program}: {error}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_held_to_their_bound_and_given_back_when_dropped() {
+        let slots = Slots::new(2);
+        let first = slots.take().expect("a first slot");
+        let second = slots.clone().take().expect("a second slot, from a clone of the same count");
+        assert!(slots.take().is_none(), "a third is refused");
+        drop(first);
+        let third = slots.take().expect("a slot given back is taken again");
+        assert!(slots.take().is_none());
+        drop((second, third));
+        assert_eq!(slots.taken.load(std::sync::atomic::Ordering::Acquire), 0);
+    }
 }
