@@ -168,6 +168,11 @@ async fn a_signal_reaches_the_workload_and_the_vm_powers_off_after_it() {
         assert!(tokio::time::Instant::now() < deadline, "no output; console:\n{}", guest.console());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The VMM runs its guest under a seccomp filter of its own (2: filter mode).
+    let pid = vm.child.id().expect("QEMU runs");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let seccomp = status.lines().find_map(|line| line.strip_prefix("Seccomp:")).map(str::trim);
+    assert_eq!(seccomp, Some("2"), "QEMU is not sandboxed: {status}");
     vm.control.signal(15).await.unwrap();
     let run = powered_off(&mut vm, &guest).await;
     assert_eq!(run.exit(), Some(GuestExit::Signal(15)), "{}", guest.console());
