@@ -82,11 +82,6 @@ impl Series {
         }
     }
 
-    /// `title` on a line of its own, then [`Series::table`].
-    pub(crate) fn titled(title: &str, label_width: usize, rows: &[(&str, &Series)]) -> String {
-        format!("{title}\n{}", Series::table(label_width, rows))
-    }
-
     /// A table of `rows` (label, series) under a `count p50 p99 max`
     /// header, labels padded to `label_width`.
     pub(crate) fn table(label_width: usize, rows: &[(&str, &Series)]) -> String {

@@ -210,23 +210,22 @@ async fn node_ack(client: &mut egress::egress_client::EgressClient<Channel>) -> 
 
 fn table(report: &Report) -> String {
     let latency = crate::leases::latency;
-    let title = format!(
-        "berth-bench egress-push: {} route edits, one at a time, on berth dev's node ({})",
+    let mut out = format!(
+        "berth-bench egress-push: {} route edits, one at a time, on berth dev's node ({})\n",
         report.edits, report.enforcement
     );
-    let mut out = Series::titled(
-        &title,
+    out.push_str(&Series::table(
         28,
         &[
             ("edit in force on the node", &report.in_force),
             ("ApplyRoute answered", &report.apply),
             ("empty mTLS RPC (baseline)", &report.baseline),
         ],
-    );
+    ));
     out.push_str(&format!(
         "target: every edit acknowledged by the node, p99 < {:.0}ms {} ({} missed, p99 {})",
         report.target_p99_ms,
-        crate::report::verdict(report.met),
+        if report.met { "OK" } else { "MISSED" },
         report.missed,
         latency(report.in_force.p99_ms)
     ));
