@@ -136,6 +136,10 @@ pub struct VmSpec {
     pub enter: Vec<String>,
     /// The directories it mounts, each served by a running `virtiofsd`.
     pub shares: Vec<VmShare>,
+    /// The user and group QEMU drops to once it has opened its devices,
+    /// sockets and files (`-runas`), before the guest runs; `None` keeps
+    /// the user it was started as.
+    pub run_as: Option<(u32, u32)>,
 }
 
 impl VmSpec {
@@ -189,6 +193,9 @@ impl VmSpec {
         // sessions stay allowed: the network's relays are programs QEMU
         // starts for each guest connection, each in a session of its own.
         push(&["-sandbox", "on,obsolete=deny,resourcecontrol=deny,spawn=allow"]);
+        if let Some((uid, gid)) = self.run_as {
+            push(&["-runas", &format!("{uid}:{gid}")]);
+        }
         let path = |p: &Path| p.display().to_string();
         push(&["-kernel", &path(&self.vmlinuz), "-initrd", &path(&self.initramfs)]);
         push(&["-drive", &format!("id=root,file={},format=raw,if=none,readonly=on", escape(&self.root_image))]);
@@ -582,10 +589,12 @@ mod tests {
             }),
             enter: Vec::new(),
             shares: Vec::new(),
+            run_as: Some((300_000, 300_001)),
         };
         let args: Vec<String> = spec.args().into_iter().map(|a| a.into_string().unwrap()).collect();
         let after = |flag: &str| args.iter().skip_while(|a| *a != flag).nth(1).cloned().unwrap();
         assert_eq!(after("-accel"), "tcg,tb-size=32");
+        assert_eq!(after("-runas"), "300000:300001", "QEMU drops to the lease's user before the guest runs");
         assert_eq!(after("-smp"), "1", "at least one vCPU");
         assert_eq!(after("-m"), "128", "at least the memory the kernel boots in");
         assert!(
@@ -626,10 +635,12 @@ mod tests {
                 VmShare { tag: "usr".into(), socket: "/leases/l1/share-0.sock".into() },
                 VmShare { tag: "cache,1".into(), socket: "/leases/l1/share-1.sock".into() },
             ],
+            run_as: None,
         };
         let args: Vec<String> = spec.args().into_iter().map(|a| a.into_string().unwrap()).collect();
         let after = |flag: &str| args.iter().skip_while(|a| *a != flag).nth(1).cloned().unwrap();
         assert_eq!(after("-M"), "microvm,isa-serial=on,pit=off,pic=off,rtc=on,memory-backend=mem");
+        assert!(!args.contains(&"-runas".to_owned()), "{args:?}");
         assert_eq!(after("-object"), "memory-backend-memfd,id=mem,size=384M,share=on");
         assert_eq!(after("-m"), "384", "the backend and the machine agree on the size");
         assert!(args.contains(&"socket,id=share0,path=/leases/l1/share-0.sock".to_owned()), "{args:?}");

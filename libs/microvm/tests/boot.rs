@@ -77,6 +77,7 @@ impl Guest {
             network: None,
             enter: Vec::new(),
             shares: Vec::new(),
+            run_as: None,
         };
         Self { _dir: dir, spec }
     }
@@ -161,7 +162,11 @@ async fn a_workload_runs_in_a_kernel_of_its_own_as_its_user_and_its_output_and_e
 
 #[tokio::test]
 async fn a_signal_reaches_the_workload_and_the_vm_powers_off_after_it() {
-    let guest = Guest::new();
+    let mut guest = Guest::new();
+    let root = rustix::process::geteuid().is_root();
+    if root {
+        guest.spec.run_as = Some((300_124, 300_125));
+    }
     let mut vm = Vm::boot(&guest.spec, &command("echo ready; exec sleep 600")).await.unwrap();
     let deadline = tokio::time::Instant::now() + VM_DEADLINE;
     while !std::fs::read_to_string(&guest.spec.stdout_log).unwrap_or_default().contains("ready") {
@@ -173,6 +178,14 @@ async fn a_signal_reaches_the_workload_and_the_vm_powers_off_after_it() {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let seccomp = status.lines().find_map(|line| line.strip_prefix("Seccomp:")).map(str::trim);
     assert_eq!(seccomp, Some("2"), "QEMU is not sandboxed: {status}");
+    if root {
+        // It set up as root, then dropped to the lease's user before the guest ran.
+        let ids = |field: &str| {
+            status.lines().find_map(|l| l.strip_prefix(field)).map(|v| v.split_whitespace().collect::<Vec<_>>())
+        };
+        assert_eq!(ids("Uid:"), Some(vec!["300124"; 4]), "{status}");
+        assert_eq!(ids("Gid:"), Some(vec!["300125"; 4]), "{status}");
+    }
     vm.control.signal(15).await.unwrap();
     let run = powered_off(&mut vm, &guest).await;
     assert_eq!(run.exit(), Some(GuestExit::Signal(15)), "{}", guest.console());

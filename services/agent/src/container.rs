@@ -902,6 +902,7 @@ pub fn destroy_containers(data_dir: &Path) -> usize {
         }
     }
     remove_empty_cgroups(&parent);
+    crate::microvm::remove_relays(data_dir);
     destroyed
 }
 

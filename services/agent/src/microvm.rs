@@ -59,11 +59,16 @@
 //! `/berth-workload-api.sock` in the workload's root (`$SPIFFE_ENDPOINT_SOCKET`,
 //! the workload's user's alone) and carries each connection to an address
 //! of the guest's network, whose connections QEMU hands to the node's
-//! `socat`, which dials the lease's own socket, so the agent knows the
-//! caller by its socket as it does a container's. A guest with no network
-//! (a node without egress isolation) has its identity as files only.
+//! `socat`, which dials the agent's relay for the lease (see [`relay`]),
+//! carried on to the lease's own socket, so the agent knows the caller by
+//! its socket as it does a container's. A guest with no network (a node
+//! without egress isolation) has its identity as files only.
 //!
 //! # Processes and adoption
+//! A root agent's QEMU opens its devices, sockets and files as root, then
+//! runs as its lease's user of the workload range (`-runas`) before the
+//! guest does, as do the relays it starts; an agent that is not root runs
+//! it as itself.
 //! QEMU runs in a process group of its own and is recorded by its pid and
 //! start time, so an agent restarted on the same directory adopts a VM
 //! that still runs, connects to its control port again, and reads how it
@@ -140,7 +145,7 @@ const IDENTITY_IN_GUEST: &str = "/run/berth/identity";
 const WORKLOAD_API_IN_GUEST: &str = "/berth-workload-api.sock";
 
 /// The port of [`GUEST_SERVICES_ADDRESS`] whose connections QEMU hands to
-/// the node's `socat`, which dials the lease's Workload API socket.
+/// the node's `socat`, which dials the lease's Workload API relay.
 const GUEST_WORKLOAD_API_PORT: u16 = 81;
 
 /// The user a workload runs as inside the guest when its image names none
@@ -333,6 +338,10 @@ struct Inner {
     dir: PathBuf,
     ports: Arc<PortBook>,
     uids: UidPool,
+    /// Where each VM's Workload API relay listens.
+    relays: relay::Relays,
+    /// By lease: stops that VM's relay.
+    relaying: Mutex<BTreeMap<String, CancellationToken>>,
     initramfs: OnceCell<PathBuf>,
     /// How guest code runs, once decided.
     accel: OnceCell<Accel>,
@@ -361,6 +370,8 @@ impl MicroVmProvider {
                 dir: data_dir.join("microvm"),
                 settings,
                 uids,
+                relays: relay::Relays::new(data_dir),
+                relaying: Mutex::default(),
                 ports: Arc::default(),
                 initramfs: OnceCell::new(),
                 accel: OnceCell::new(),
@@ -462,6 +473,7 @@ impl MicroVmProvider {
             network: None,
             enter: Vec::new(),
             shares: Vec::new(),
+            run_as: None,
         };
         let command = GuestCommand {
             argv: vec!["true".into()],
@@ -756,6 +768,33 @@ impl MicroVmProvider {
         });
     }
 
+    /// Listens for `lease_id`'s guest's Workload API connections, as its
+    /// user `host`, carrying each to `target` until the VM ends or the
+    /// agent stops (see [`relay`]).
+    fn open_relay(&self, lease_id: &str, target: &Path, host: u32, run_dir: &Path) -> Result<(), ProviderError> {
+        let stop = self.relay_stop(lease_id);
+        self.inner.relays.open(lease_id, target, host, run_dir, stop).map(|_| ())
+    }
+
+    /// A fresh stop for `lease_id`'s relay, stopping any it had.
+    fn relay_stop(&self, lease_id: &str) -> CancellationToken {
+        let stop = self.inner.shutdown.child_token();
+        let mut relaying = self.inner.relaying.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(old) = relaying.insert(lease_id.to_owned(), stop.clone()) {
+            old.cancel();
+        }
+        stop
+    }
+
+    /// Stops `lease_id`'s relay, if it has one, and removes its directory.
+    fn close_relay(&self, lease_id: &str) {
+        let stopped = self.inner.relaying.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(lease_id);
+        if let Some(stop) = stopped {
+            stop.cancel();
+        }
+        self.inner.relays.close(lease_id);
+    }
+
     /// Removes the cgroup of `lease_id`'s VM, whose VMM has ended: what it
     /// still holds is the VM's too (its shares' daemons, which end with
     /// their VMM a moment later, or a relay it started), and is killed
@@ -764,6 +803,7 @@ impl MicroVmProvider {
         if let Ok(mut ports) = self.inner.asking.lock() {
             ports.remove(lease_id);
         }
+        self.close_relay(lease_id);
         let cgroup = self.cgroup(lease_id);
         let deadline = tokio::time::Instant::now() + KILL_WAIT;
         loop {
@@ -941,13 +981,12 @@ fn shared_dirs(spec: &LaunchSpec, hosted: bool) -> Vec<Shared> {
 
 /// Relays the Workload API into a guest with a network: QEMU hands each
 /// connection to [`GUEST_WORKLOAD_API_PORT`] of its services address to
-/// the node's `socat`, which dials the lease's own socket (so the agent
-/// knows the caller by the socket, as for a container), and the init
-/// listens inside the guest at [`WORKLOAD_API_IN_GUEST`]. `None` where the
-/// node has no `socat`.
-fn relay_workload_api(identity: &Path, network: &mut SlirpNetwork) -> Option<GuestRelay> {
+/// the node's `socat`, which dials `socket` (the agent's relay to the
+/// lease's own socket, see [`relay`], so the agent knows the caller by the
+/// socket, as for a container), and the init listens inside the guest at
+/// [`WORKLOAD_API_IN_GUEST`]. `None` where the node has no `socat`.
+fn relay_workload_api(socket: &Path, network: &mut SlirpNetwork) -> Option<GuestRelay> {
     let socat = find_program(Path::new("socat"))?;
-    let socket = identity.join(crate::svids::SOCKET_FILE);
     let relay = vec![socat.display().to_string(), "-".into(), format!("UNIX-CONNECT:{}", socket.display())];
     network.outbound.push((GUEST_WORKLOAD_API_PORT, relay));
     Some(GuestRelay {
@@ -1206,8 +1245,10 @@ impl Provider for MicroVmProvider {
             }
             None => (None, None),
         };
-        let workload_api = match (&spec.identity, &mut network) {
-            (Some(identity), Some(network)) => relay_workload_api(identity, network),
+        // The relay is reached as the lease's user: QEMU's and its relays' once it has set up.
+        let relayed = spec.identity.as_ref().zip(first.uid);
+        let workload_api = match (relayed, &mut network) {
+            (Some(_), Some(network)) => relay_workload_api(&self.inner.relays.socket(&spec.lease_id), network),
             _ => None,
         };
         if workload_api.is_none() {
@@ -1248,6 +1289,8 @@ impl Provider for MicroVmProvider {
             network,
             enter: spec.network.as_ref().map(|n| n.enter.clone()).unwrap_or_default(),
             shares: Vec::new(),
+            // Once set up, QEMU runs as the lease's user of the workload range.
+            run_as: first.uid.map(|host| (host, host)),
         };
         // Kept so that an agent restarted before the guest read it sends it again.
         let kept = serde_json::to_vec(&command).unwrap_or_default();
@@ -1291,6 +1334,16 @@ impl Provider for MicroVmProvider {
             }
             vm.shares.push(VmShare { tag: share.guest.tag.clone(), socket: daemon.socket });
         }
+        if let (Some((identity, host)), Some(_)) = (relayed, &command.workload_api) {
+            let target = identity.join(crate::svids::SOCKET_FILE);
+            if let Err(error) = self.open_relay(&spec.lease_id, &target, host, &vm.run_dir) {
+                daemons.iter().for_each(kill_group);
+                self.release_cgroup(&spec.lease_id).await;
+                self.inner.instances.never_started(first).await;
+                let why = format!("relaying its Workload API: {error}");
+                return Err(ProviderError::Spawn { command: program, source: std::io::Error::other(why) });
+            }
+        }
         vm.enter = in_cgroup.into_iter().chain(std::mem::take(&mut vm.enter)).collect();
         let Vm { child, control } = match Vm::boot(&vm, &command).await {
             Ok(vm) => vm,
@@ -1321,7 +1374,7 @@ impl Provider for MicroVmProvider {
         let loaded = blocking(move || load_records(&provider.inner.instances.layout)).await?;
         let mut recovered = Vec::new();
         for mut stored in loaded {
-            let lease_id = stored.lease_id.clone();
+            let (lease_id, uid) = (stored.lease_id.clone(), stored.uid);
             if let Some(tracked) = self.inner.instances.lock().get(&lease_id) {
                 recovered.push(Launched { record: tracked.stored.to_record(), exit: tracked.exit.subscribe() });
                 continue;
@@ -1332,6 +1385,9 @@ impl Provider for MicroVmProvider {
             if stored.pid.is_none() && stored.exit.is_none() {
                 self.stop_unrecorded(&lease_id).await;
             }
+            if running.is_none() {
+                self.close_relay(&lease_id);
+            }
             if running.is_none() && stored.exit.is_none() {
                 // Ended while no agent watched: its status lines tell how.
                 let status = exit_status(&statuses(&self.inner.instances.layout.work_dir(&lease_id)), false, false);
@@ -1340,6 +1396,13 @@ impl Provider for MicroVmProvider {
             recovered.push(self.inner.instances.recovered(stored));
             if let Some((pid, ticks)) = running {
                 tracing::info!(%lease_id, pid, "found a microVM still running from before the restart");
+                if let Some(host) = uid {
+                    let run_dir = self.inner.instances.layout.work_dir(&lease_id);
+                    let stop = self.relay_stop(&lease_id);
+                    if let Some(Err(error)) = self.inner.relays.reopen(&lease_id, host, &run_dir, stop) {
+                        tracing::warn!(%lease_id, %error, "cannot relay an adopted microVM's Workload API");
+                    }
+                }
                 self.resend_command(&lease_id).await;
                 self.hold_cpu_once_started(lease_id.clone());
                 self.watch_adopted(lease_id, pid, ticks);
@@ -1460,6 +1523,14 @@ impl Provider for MicroVmProvider {
     fn running(&self) -> Vec<String> {
         self.inner.instances.running()
     }
+}
+
+mod relay;
+
+/// Removes what the microVM provider on `data_dir` keeps outside it (its
+/// VMs' Workload API relay directories), once no agent runs there.
+pub(crate) fn remove_relays(data_dir: &Path) {
+    relay::Relays::remove_all(data_dir);
 }
 
 #[cfg(test)]

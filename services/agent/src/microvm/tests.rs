@@ -209,6 +209,10 @@ async fn the_vmm_is_held_in_a_cgroup_of_its_lease_to_the_guests_memory_and_the_l
     printed(&provider, "lease-cg", "up").await;
     let vmm = launched.record.pid.unwrap();
     assert!(cgroup.processes().contains(&vmm), "the VMM is in its lease's cgroup");
+    // Once set up, the VMM runs as the lease's user of the workload range, not as root.
+    let status = std::fs::read_to_string(format!("/proc/{vmm}/status")).unwrap();
+    let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).map(|v| v.split_whitespace().collect::<Vec<_>>());
+    assert_eq!(uid, Some(vec!["310000"; 4]), "{status}");
     let memory = cgroup.read_number("memory", if unified { "memory.max" } else { "memory.limit_in_bytes" });
     assert_eq!(
         memory,
