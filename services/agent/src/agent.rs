@@ -93,12 +93,14 @@ fn choose_runtime(
     containment: &Containment,
     microvm: &crate::config::MicroVmConfig,
 ) -> Result<WorkloadRuntime, AgentError> {
+    let euid = rustix::process::geteuid();
+    let uids_usable =
+        || containment.uids.check(euid.as_raw()).map_err(|e| AgentError::Config(format!("workload uids: {e}")));
     let why = match containment.runtime {
         WorkloadRuntime::MicroVm => match crate::microvm::missing(microvm) {
             None => {
-                // A VM's own shared directories are given to users of the range.
-                let euid = rustix::process::geteuid();
-                containment.uids.check(euid.as_raw()).map_err(|e| AgentError::Config(format!("workload uids: {e}")))?;
+                // A VM's QEMU and its own shared directories are given to users of the range.
+                uids_usable()?;
                 return Ok(WorkloadRuntime::MicroVm);
             }
             Some(why) => why,
@@ -106,7 +108,6 @@ fn choose_runtime(
         runtime => match runtime.container_runtime() {
             None => "plain host processes contain nothing".to_string(),
             Some(oci) => {
-                let euid = rustix::process::geteuid();
                 if !euid.is_root() {
                     let by = if oci == OciRuntime::Own { "the process runtime".to_string() } else { oci.to_string() };
                     format!("containing workloads with {by} needs root, and the agent runs as uid {}", euid.as_raw())
@@ -117,10 +118,7 @@ fn choose_runtime(
                      by `ip netns exec` has a /sys of its own: use `nsenter --net=` instead)"
                         .to_string()
                 } else {
-                    containment
-                        .uids
-                        .check(euid.as_raw())
-                        .map_err(|e| AgentError::Config(format!("workload uids: {e}")))?;
+                    uids_usable()?;
                     return Ok(containment.runtime);
                 }
             }

@@ -338,10 +338,8 @@ struct Inner {
     dir: PathBuf,
     ports: Arc<PortBook>,
     uids: UidPool,
-    /// Where each VM's Workload API relay listens.
+    /// Each VM's Workload API relay.
     relays: relay::Relays,
-    /// By lease: stops that VM's relay.
-    relaying: Mutex<BTreeMap<String, CancellationToken>>,
     initramfs: OnceCell<PathBuf>,
     /// How guest code runs, once decided.
     accel: OnceCell<Accel>,
@@ -370,8 +368,7 @@ impl MicroVmProvider {
                 dir: data_dir.join("microvm"),
                 settings,
                 uids,
-                relays: relay::Relays::new(data_dir),
-                relaying: Mutex::default(),
+                relays: relay::Relays::new(data_dir, shutdown.clone()),
                 ports: Arc::default(),
                 initramfs: OnceCell::new(),
                 accel: OnceCell::new(),
@@ -768,31 +765,21 @@ impl MicroVmProvider {
         });
     }
 
-    /// Listens for `lease_id`'s guest's Workload API connections, as its
-    /// user `host`, carrying each to `target` until the VM ends or the
-    /// agent stops (see [`relay`]).
-    fn open_relay(&self, lease_id: &str, target: &Path, host: u32, run_dir: &Path) -> Result<(), ProviderError> {
-        let stop = self.relay_stop(lease_id);
-        self.inner.relays.open(lease_id, target, host, run_dir, stop).map(|_| ())
-    }
-
-    /// A fresh stop for `lease_id`'s relay, stopping any it had.
-    fn relay_stop(&self, lease_id: &str) -> CancellationToken {
-        let stop = self.inner.shutdown.child_token();
-        let mut relaying = self.inner.relaying.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(old) = relaying.insert(lease_id.to_owned(), stop.clone()) {
-            old.cancel();
-        }
-        stop
-    }
-
-    /// Stops `lease_id`'s relay, if it has one, and removes its directory.
-    fn close_relay(&self, lease_id: &str) {
-        let stopped = self.inner.relaying.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(lease_id);
-        if let Some(stop) = stopped {
-            stop.cancel();
-        }
-        self.inner.relays.close(lease_id);
+    /// Undoes a launch of `lease_id` that failed once its cgroup was held:
+    /// its shares' daemons and its relay end, its cgroup goes, and its
+    /// record says it never started; the error names `why`.
+    async fn abandon(
+        &self,
+        lease_id: &str,
+        daemons: &[tokio::process::Child],
+        first: StoredRecord,
+        program: String,
+        why: String,
+    ) -> ProviderError {
+        daemons.iter().for_each(kill_group);
+        self.release_cgroup(lease_id).await;
+        self.inner.instances.never_started(first).await;
+        ProviderError::Spawn { command: program, source: std::io::Error::other(why) }
     }
 
     /// Removes the cgroup of `lease_id`'s VM, whose VMM has ended: what it
@@ -803,7 +790,7 @@ impl MicroVmProvider {
         if let Ok(mut ports) = self.inner.asking.lock() {
             ports.remove(lease_id);
         }
-        self.close_relay(lease_id);
+        self.inner.relays.close(lease_id);
         let cgroup = self.cgroup(lease_id);
         let deadline = tokio::time::Instant::now() + KILL_WAIT;
         loop {
@@ -1325,36 +1312,25 @@ impl Provider for MicroVmProvider {
             match start_share(&daemon, &in_cgroup).await {
                 Ok(child) => daemons.push(child),
                 Err(error) => {
-                    daemons.iter().for_each(kill_group);
-                    self.release_cgroup(&spec.lease_id).await;
-                    self.inner.instances.never_started(first).await;
                     let why = format!("sharing {} with its microVM: {error}", share.host.display());
-                    return Err(ProviderError::Spawn { command: program, source: std::io::Error::other(why) });
+                    return Err(self.abandon(&spec.lease_id, &daemons, first, program, why).await);
                 }
             }
             vm.shares.push(VmShare { tag: share.guest.tag.clone(), socket: daemon.socket });
         }
         if let (Some((identity, host)), Some(_)) = (relayed, &command.workload_api) {
             let target = identity.join(crate::svids::SOCKET_FILE);
-            if let Err(error) = self.open_relay(&spec.lease_id, &target, host, &vm.run_dir) {
-                daemons.iter().for_each(kill_group);
-                self.release_cgroup(&spec.lease_id).await;
-                self.inner.instances.never_started(first).await;
+            if let Err(error) = self.inner.relays.open(&spec.lease_id, &target, host, &vm.run_dir) {
                 let why = format!("relaying its Workload API: {error}");
-                return Err(ProviderError::Spawn { command: program, source: std::io::Error::other(why) });
+                return Err(self.abandon(&spec.lease_id, &daemons, first, program, why).await);
             }
         }
         vm.enter = in_cgroup.into_iter().chain(std::mem::take(&mut vm.enter)).collect();
         let Vm { child, control } = match Vm::boot(&vm, &command).await {
             Ok(vm) => vm,
             Err(error) => {
-                daemons.iter().for_each(kill_group);
-                self.release_cgroup(&spec.lease_id).await;
-                self.inner.instances.never_started(first).await;
-                return Err(ProviderError::Spawn {
-                    command: program,
-                    source: std::io::Error::other(format!("booting its microVM: {error}")),
-                });
+                let why = format!("booting its microVM: {error}");
+                return Err(self.abandon(&spec.lease_id, &daemons, first, program, why).await);
             }
         };
         let pid = child.id();
@@ -1386,7 +1362,7 @@ impl Provider for MicroVmProvider {
                 self.stop_unrecorded(&lease_id).await;
             }
             if running.is_none() {
-                self.close_relay(&lease_id);
+                self.inner.relays.close(&lease_id);
             }
             if running.is_none() && stored.exit.is_none() {
                 // Ended while no agent watched: its status lines tell how.
@@ -1398,8 +1374,7 @@ impl Provider for MicroVmProvider {
                 tracing::info!(%lease_id, pid, "found a microVM still running from before the restart");
                 if let Some(host) = uid {
                     let run_dir = self.inner.instances.layout.work_dir(&lease_id);
-                    let stop = self.relay_stop(&lease_id);
-                    if let Some(Err(error)) = self.inner.relays.reopen(&lease_id, host, &run_dir, stop) {
+                    if let Some(Err(error)) = self.inner.relays.reopen(&lease_id, host, &run_dir) {
                         tracing::warn!(%lease_id, %error, "cannot relay an adopted microVM's Workload API");
                     }
                 }

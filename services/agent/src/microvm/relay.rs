@@ -19,8 +19,10 @@
 //!   command line names it) and sends to the same socket.
 //! - A relay ends, and its directory goes, with its VM.
 
+use std::collections::BTreeMap;
 use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::net::{UnixListener, UnixStream};
@@ -42,22 +44,31 @@ const SOCKET: &str = "workload-api.sock";
 const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 
 /// The relays of one provider: under [`RELAY_BASE`], in a directory named
-/// by its data directory (two agents on one host keep theirs apart).
-#[derive(Debug, Clone)]
+/// by its data directory (two agents on one host keep theirs apart), each
+/// running until its VM ends or the agent stops.
+#[derive(Debug)]
 pub(crate) struct Relays {
     root: PathBuf,
+    /// The agent's stop: every relay ends with it.
+    shutdown: CancellationToken,
+    /// By lease: stops that lease's relay.
+    running: Mutex<BTreeMap<String, CancellationToken>>,
 }
 
 impl Relays {
-    pub(crate) fn new(data_dir: &Path) -> Self {
+    pub(crate) fn new(data_dir: &Path, shutdown: CancellationToken) -> Self {
+        Self { root: Self::root_of(data_dir), shutdown, running: Mutex::default() }
+    }
+
+    fn root_of(data_dir: &Path) -> PathBuf {
         let name = format!("vm-{:08x}", crate::egress::fnv32(data_dir.as_os_str().as_encoded_bytes()));
-        Self { root: Path::new(RELAY_BASE).join(name) }
+        Path::new(RELAY_BASE).join(name)
     }
 
     /// Removes every relay directory of the provider on `data_dir`, once
     /// no agent runs there (their relays ended with it).
     pub(crate) fn remove_all(data_dir: &Path) {
-        let _ = std::fs::remove_dir_all(Self::new(data_dir).root);
+        let _ = std::fs::remove_dir_all(Self::root_of(data_dir));
     }
 
     /// The socket `lease_id`'s relay listens on.
@@ -66,38 +77,34 @@ impl Relays {
     }
 
     /// Listens for `lease_id` as the user `uid`, sending each connection to
-    /// `target`, until `stop`; `target` is kept in `run_dir` for
-    /// [`Relays::reopen`].
+    /// `target`, until [`Relays::close`] or the agent stops; `target` is
+    /// kept in `run_dir` for [`Relays::reopen`].
     pub(crate) fn open(
         &self,
         lease_id: &str,
         target: &Path,
         uid: u32,
         run_dir: &Path,
-        stop: CancellationToken,
     ) -> Result<PathBuf, ProviderError> {
         let kept = run_dir.join(TARGET_FILE);
         std::fs::write(&kept, target.as_os_str().as_encoded_bytes()).map_err(|e| io("writing", &kept, e))?;
-        self.listen(lease_id, target, uid, stop)
+        self.listen(lease_id, target, uid)
     }
 
     /// Listens again for a VM found running after a restart, when it has a
     /// relay; `None` when it has none.
-    pub(crate) fn reopen(
-        &self,
-        lease_id: &str,
-        uid: u32,
-        run_dir: &Path,
-        stop: CancellationToken,
-    ) -> Option<Result<PathBuf, ProviderError>> {
+    pub(crate) fn reopen(&self, lease_id: &str, uid: u32, run_dir: &Path) -> Option<Result<PathBuf, ProviderError>> {
         let target = std::fs::read(run_dir.join(TARGET_FILE)).ok()?;
         let target = PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(target));
-        Some(self.listen(lease_id, &target, uid, stop))
+        Some(self.listen(lease_id, &target, uid))
     }
 
-    /// Removes `lease_id`'s directory (its relay stopped with its token),
-    /// and the provider's when no other relay is left in it.
+    /// Stops `lease_id`'s relay, if it runs, and removes its directory, and
+    /// the provider's when no other relay is left in it.
     pub(crate) fn close(&self, lease_id: &str) {
+        if let Some(stop) = self.running.lock().unwrap_or_else(PoisonError::into_inner).remove(lease_id) {
+            stop.cancel();
+        }
         let _ = std::fs::remove_dir_all(self.root.join(lease_id));
         let _ = std::fs::remove_dir(&self.root);
     }
@@ -113,13 +120,7 @@ impl Relays {
         Ok(())
     }
 
-    fn listen(
-        &self,
-        lease_id: &str,
-        target: &Path,
-        uid: u32,
-        stop: CancellationToken,
-    ) -> Result<PathBuf, ProviderError> {
+    fn listen(&self, lease_id: &str, target: &Path, uid: u32) -> Result<PathBuf, ProviderError> {
         let dir = self.root.join(lease_id);
         let _ = std::fs::remove_dir_all(&dir);
         // Twice at most: another relay's close may remove the provider's directory between.
@@ -143,6 +144,13 @@ impl Relays {
         std::os::unix::fs::chown(&socket, Some(uid), Some(uid)).map_err(|e| io("giving the lease", &socket, e))?;
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| io("closing to other users", &socket, e))?;
+        // A relay listening before (a relaunch, or one re-listened) stops.
+        let stop = self.shutdown.child_token();
+        if let Some(old) =
+            self.running.lock().unwrap_or_else(PoisonError::into_inner).insert(lease_id.into(), stop.clone())
+        {
+            old.cancel();
+        }
         tokio::spawn(relay(listener, target.to_path_buf(), stop));
         Ok(socket)
     }
@@ -201,9 +209,9 @@ mod tests {
                 let _ = stream.write_all(b"the workload api\n");
             }
         });
-        let relays = Relays::new(tmp.path());
-        let stop = CancellationToken::new();
-        let socket = relays.open("lease-r", &target, 310_500, tmp.path(), stop.clone()).unwrap();
+        let agent = CancellationToken::new();
+        let relays = Relays::new(tmp.path(), agent.clone());
+        let socket = relays.open("lease-r", &target, 310_500, tmp.path()).unwrap();
         let (file, dir) = (std::fs::metadata(&socket).unwrap(), std::fs::metadata(socket.parent().unwrap()).unwrap());
         assert_eq!((file.uid(), file.mode() & 0o777), (310_500, 0o600), "the socket is the lease's user's alone");
         assert_eq!((dir.uid(), dir.mode() & 0o777), (310_500, 0o700), "so is its directory");
@@ -213,8 +221,9 @@ mod tests {
         assert_eq!(greeting(&socket).await, "the workload api\n", "each connection is carried");
 
         // The agent stops; the next one listens again where QEMU's command line says.
-        stop.cancel();
-        let again = relays.reopen("lease-r", 310_500, tmp.path(), CancellationToken::new()).unwrap().unwrap();
+        agent.cancel();
+        let relays = Relays::new(tmp.path(), CancellationToken::new());
+        let again = relays.reopen("lease-r", 310_500, tmp.path()).unwrap().unwrap();
         assert_eq!(again, socket);
         assert_eq!(greeting(&socket).await, "the workload api\n");
         relays.close("lease-r");
@@ -222,7 +231,7 @@ mod tests {
         assert!(!relays.root.exists(), "and the provider's, with its last relay");
 
         // A VM without a relay has none to listen again for.
-        let none = relays.reopen("lease-x", 310_501, &tmp.path().join("nothing"), CancellationToken::new());
+        let none = relays.reopen("lease-x", 310_501, &tmp.path().join("nothing"));
         assert!(none.is_none());
     }
 }
