@@ -207,7 +207,7 @@ where
 
 pin_project! {
     /// A response body that keeps its call's span open until the body is done, and records the
-    /// gRPC status from the trailers.
+    /// gRPC status from the trailers. On a server, each poll runs inside the span.
     #[derive(Debug)]
     pub struct TracedBody<B> {
         #[pin]
@@ -224,7 +224,11 @@ impl<B: Body> Body for TracedBody<B> {
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.project();
-        let _entered = this.span.enter();
+        // A server's body is the handler's stream, whose work belongs to the call; a client's is
+        // the connection's, which does none of the caller's. Entering a span costs a context
+        // switch in the OpenTelemetry layer, and a long stream (a data-plane tunnel) is polled
+        // once per frame.
+        let _entered = (*this.side == RpcSide::Server).then(|| this.span.enter());
         let frame = ready!(this.inner.poll_frame(cx));
         if !*this.status_seen {
             match &frame {
