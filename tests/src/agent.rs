@@ -76,10 +76,15 @@ impl AgentProcess {
         self.spec = change(self.spec.clone());
     }
 
+    /// Its log, every life of it; empty when there is none yet.
+    pub fn log_text(&self) -> String {
+        // Lossy: a workload's bytes in a logged error must not hide the rest.
+        std::fs::read(self.spec.log()).map(|log| String::from_utf8_lossy(&log).into_owned()).unwrap_or_default()
+    }
+
     /// How many times `needle` appears in its log, every life of it.
     pub fn log_count(&self, needle: &str) -> usize {
-        // Lossy: a workload's bytes in a logged error must not hide the rest.
-        std::fs::read(self.spec.log()).map(|log| String::from_utf8_lossy(&log).matches(needle).count()).unwrap_or(0)
+        self.log_text().matches(needle).count()
     }
 
     /// Starts the agent (again); a no-op while it runs.

@@ -663,12 +663,14 @@ impl Suite {
         .await;
         // Counted per lease over the whole log: only this agent run injects
         // destroy failures, and a lease's first may come before it is watched.
-        let log = std::fs::read(self.mesh.agents()[agent].log_path()).unwrap_or_default();
-        let log = String::from_utf8_lossy(&log);
-        let failures = |lease: &str| log.lines().filter(|l| l.contains(INJECTED) && l.contains(lease)).count();
-        let short: Vec<(&String, usize)> =
-            watched.iter().map(|lease| (lease, failures(lease))).filter(|(_, n)| *n < 2).collect();
-        let injected: usize = watched.iter().map(|lease| failures(lease)).sum();
+        let log = self.mesh.agents()[agent].log_text();
+        let injected_lines: Vec<&str> = log.lines().filter(|line| line.contains(INJECTED)).collect();
+        let failures: Vec<(&String, usize)> = watched
+            .iter()
+            .map(|lease| (lease, injected_lines.iter().filter(|line| line.contains(lease.as_str())).count()))
+            .collect();
+        let injected: usize = failures.iter().map(|(_, n)| n).sum();
+        let short: Vec<&(&String, usize)> = failures.iter().filter(|(_, n)| *n < 2).collect();
         if gone.is_none() {
             let left: Vec<String> = workloads::scan(self.mesh.run_id())
                 .into_iter()
