@@ -103,6 +103,9 @@ enum Scenario {
     /// The HTTP server the router scenario deploys (run by the node).
     #[command(hide = true)]
     EchoServer,
+    /// A byte relay, the router scenario's floor (run by the scenario).
+    #[command(hide = true)]
+    Relay(router::RelayArgs),
 }
 
 fn main() -> ExitCode {
@@ -134,6 +137,7 @@ impl Scenario {
             Scenario::Cache(args) => cache::run(args).await,
             Scenario::Microvm(args) => microvm::run(args).await,
             Scenario::EchoServer => router::echo_server().await,
+            Scenario::Relay(args) => router::relay(args).await,
         };
         outcome.map_err(StartError::Invalid)
     }

@@ -10,12 +10,17 @@
 //!    prior knowledge), is applied as two one-replica services: `echo`,
 //!    whose port is named `http` (the router speaks HTTP/1.1 to it), and
 //!    `echo-h2`, whose port is named `h2c` (HTTP/2).
-//! 3. Load, each for `--warmup` then `--duration`, over `--connections`
-//!    connections with one request in flight on each: straight to the
+//! 3. Load over `--connections` connections with one request in flight on
+//!    each, measured for `--duration` in `--rounds` turns (each after
+//!    `--warmup`), the three ways taking turns: straight to the
 //!    replica (connected inside its network namespace, as its agent does),
 //!    then through the router by host name, in HTTP/1.1 (`echo`) and in
-//!    HTTP/2 (`echo-h2`). Direct and routed runs alternate on one machine,
-//!    so they share it alike.
+//!    HTTP/2 (`echo-h2`), then through two bare byte relays, each a process
+//!    of this executable (`berth-bench relay`) that copies each connection's
+//!    bytes to the next hop and parses nothing: the floor of any design that
+//!    puts two processes between a client and a replica, as the router and
+//!    the agent are. Taking turns, the three share a machine whose speed
+//!    drifts alike.
 //! 4. Route changes: `echo` gets a second revision, then `--changes`
 //!    `SetTraffic` calls swap its two revisions between 100% and 0%; each
 //!    is timed until `GetService` (polled every [`POLL_EVERY`]) shows every
@@ -70,10 +75,14 @@ pub(crate) struct RouterArgs {
     /// Client connections of each load, one request in flight on each.
     #[arg(long, default_value_t = 16, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
     connections: u32,
-    /// How long each load is measured.
-    #[arg(long, default_value = "5s", value_name = "DURATION", value_parser = parse_positive_duration)]
+    /// How long each load is measured, over all its rounds.
+    #[arg(long, default_value = "6s", value_name = "DURATION", value_parser = parse_positive_duration)]
     duration: Duration,
-    /// How long each load runs before it is measured.
+    /// Turns each load is measured in, direct, routed and relayed taking
+    /// turns.
+    #[arg(long, default_value_t = 3, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100))]
+    rounds: u32,
+    /// How long each turn of a load runs before it is measured.
     #[arg(long, default_value = "1s", value_name = "DURATION", value_parser = parse_duration)]
     warmup: Duration,
     /// Route changes timed, one after the other.
@@ -88,29 +97,35 @@ pub(crate) struct RouterArgs {
     output: OutputFormat,
 }
 
-/// One protocol's loads, direct and routed.
+/// One protocol's loads, direct, routed and through the bare relays.
 #[derive(Debug, Serialize)]
 struct Protocol {
     direct: Figures,
     routed: Figures,
+    relayed: Figures,
     /// Routed p50 less direct p50.
     added_p50_ms: Option<f64>,
     /// Routed p99 less direct p99.
     added_p99_ms: Option<f64>,
     /// Routed rate over direct rate.
     rate_share: Option<f64>,
+    /// Relayed rate over direct rate: what two processes between client
+    /// and replica leave at the least work each can do.
+    relay_share: Option<f64>,
 }
 
 impl Protocol {
-    fn of(direct: Figures, routed: Figures) -> Self {
+    fn of(direct: Figures, routed: Figures, relayed: Figures) -> Self {
         let less = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a - b);
-        let rate_share = (direct.rate_per_s > 0.0).then(|| routed.rate_per_s / direct.rate_per_s);
+        let share = |of: &Figures| (direct.rate_per_s > 0.0).then(|| of.rate_per_s / direct.rate_per_s);
         Protocol {
             added_p50_ms: less(routed.p50_ms, direct.p50_ms),
             added_p99_ms: less(routed.p99_ms, direct.p99_ms),
-            rate_share,
+            rate_share: share(&routed),
+            relay_share: share(&relayed),
             direct,
             routed,
+            relayed,
         }
     }
 
@@ -206,22 +221,8 @@ async fn measure(dev: &mut Dev, router: &Router, args: &RouterArgs, scratch: &Pa
         await_routed(&target).await?;
     }
 
-    let window = |started: Instant| Window::after(started, args.warmup, args.duration);
-    let mut figures = Vec::new();
-    for (label, target, http2) in [
-        ("HTTP/1.1 direct", &http1_direct, false),
-        ("HTTP/1.1 through the router", &routed("echo"), false),
-        ("HTTP/2 direct", &http2_direct, true),
-        ("HTTP/2 through the router", &routed("echo-h2"), true),
-    ] {
-        progress(&format!("load: {label}"));
-        let started = Instant::now();
-        figures.push(load(target, http2, args.connections, window(started)).await);
-    }
-    let mut figures = figures.into_iter();
-    let mut next = || figures.next().unwrap_or_else(|| Samples::default().figures(args.duration, args.connections));
-    let http1 = Protocol::of(next(), next());
-    let http2 = Protocol::of(next(), next());
+    let http1 = loads(args, "HTTP/1.1", &http1_direct, routed("echo"), false, scratch).await?;
+    let http2 = loads(args, "HTTP/2", &http2_direct, routed("echo-h2"), true, scratch).await?;
 
     progress("route changes");
     dev.apply(scratch, "echo", &echo_spec(&reference, "http", "2")).await?;
@@ -278,6 +279,33 @@ async fn measure(dev: &mut Dev, router: &Router, args: &RouterArgs, scratch: &Pa
         rss_many_mib,
         met,
     })
+}
+
+/// One protocol's loads: straight to the replica, through the router and
+/// through two byte relays, each measured in `--rounds` turns, the three
+/// taking turns so that a machine whose speed drifts shares the drift alike.
+async fn loads(
+    args: &RouterArgs,
+    protocol: &str,
+    direct: &Target,
+    routed: Target,
+    http2: bool,
+    scratch: &Path,
+) -> Result<Protocol, DevBenchError> {
+    let relays = Relays::start(direct, scratch).await?;
+    let ways = [direct.clone(), routed, relays.target.clone()];
+    let slice = args.duration / args.rounds;
+    let mut samples: [Samples; 3] = Default::default();
+    for round in 1..=args.rounds {
+        progress(&format!("load: {protocol}, round {round} of {}: direct, routed, relayed", args.rounds));
+        for (target, samples) in ways.iter().zip(samples.iter_mut()) {
+            let window = Window::after(Instant::now(), args.warmup, slice);
+            samples.merge(load(target, http2, args.connections, window).await);
+        }
+    }
+    relays.stop().await;
+    let [direct, routed, relayed] = samples.map(|samples| samples.figures(slice * args.rounds, args.connections));
+    Ok(Protocol::of(direct, routed, relayed))
 }
 
 fn share(revision: &str, percent: u32) -> v1::TrafficTarget {
@@ -340,6 +368,8 @@ enum Target {
     Direct { namespace: PathBuf, port: u16 },
     /// To the router, naming the service in the host.
     Routed { addr: SocketAddr, host: String },
+    /// To the first of two byte relays in front of a replica's port.
+    Relayed { addr: SocketAddr, port: u16 },
 }
 
 impl Target {
@@ -349,7 +379,7 @@ impl Target {
                 let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, *port));
                 berth_agent::connect_in_namespace(namespace.clone(), addr, Duration::from_secs(2)).await?
             }
-            Target::Routed { addr, .. } => TcpStream::connect(addr).await?,
+            Target::Routed { addr, .. } | Target::Relayed { addr, .. } => TcpStream::connect(addr).await?,
         };
         stream.set_nodelay(true)?;
         Ok(stream)
@@ -357,7 +387,7 @@ impl Target {
 
     fn host(&self) -> String {
         match self {
-            Target::Direct { port, .. } => format!("localhost:{port}"),
+            Target::Direct { port, .. } | Target::Relayed { port, .. } => format!("localhost:{port}"),
             Target::Routed { host, .. } => host.clone(),
         }
     }
@@ -407,7 +437,7 @@ fn get(target: &Target) -> Request<Empty<Bytes>> {
 
 /// `connections` clients sending one request after another to `target`
 /// until `window` ends; what answered inside it.
-async fn load(target: &Target, http2: bool, connections: u32, window: Window) -> Figures {
+async fn load(target: &Target, http2: bool, connections: u32, window: Window) -> Samples {
     let mut clients = tokio::task::JoinSet::new();
     for _ in 0..connections {
         let target = target.clone();
@@ -432,7 +462,7 @@ async fn load(target: &Target, http2: bool, connections: u32, window: Window) ->
             all.merge(samples);
         }
     }
-    all.figures(window.length(), connections)
+    all
 }
 
 /// One connection's requests until `window` ends or one fails.
@@ -463,6 +493,88 @@ async fn connection_run(target: &Target, http2: bool, window: Window, samples: &
         requests!(sender);
     }
     Ok(())
+}
+
+/// Two `berth-bench relay` processes in front of a replica: the first
+/// relays to the second, the second into the replica's namespace.
+struct Relays {
+    first: ChildProcess,
+    second: ChildProcess,
+    target: Target,
+}
+
+impl Relays {
+    async fn start(direct: &Target, scratch: &Path) -> Result<Self, DevBenchError> {
+        let Target::Direct { namespace, port } = direct else {
+            return Err(setup("the relays")("they relay to a replica's port".to_string()).into());
+        };
+        let port_for = |what: &'static str| free_loopback_port().map_err(|e| setup(what)(e.to_string()));
+        let (first_addr, second_addr) = (port_for("a port for a relay")?, port_for("a port for a relay")?);
+        let me = std::env::current_exe().map_err(|e| setup("this executable")(e.to_string()))?;
+        let spawn = |listen: SocketAddr, to: SocketAddr, namespace: Option<&Path>, log: &str| {
+            let mut command = tokio::process::Command::new(&me);
+            command.args(["relay", "--listen", &listen.to_string(), "--to", &to.to_string()]);
+            if let Some(namespace) = namespace {
+                command.arg("--namespace").arg(namespace);
+            }
+            ChildProcess::spawn("berth-bench relay", &me, command, scratch.join(log))
+                .map_err(|e| setup("starting a relay")(e.to_string()))
+        };
+        let replica = SocketAddr::from((Ipv4Addr::LOCALHOST, *port));
+        let second = spawn(second_addr, replica, Some(namespace.as_path()), "relay-2.log")?;
+        let first = spawn(first_addr, second_addr, None, "relay-1.log")?;
+        let relays = Relays { first, second, target: Target::Relayed { addr: first_addr, port: *port } };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(first_addr).await.is_err() || TcpStream::connect(second_addr).await.is_err() {
+            if Instant::now() > deadline {
+                relays.stop().await;
+                return Err(setup("the relays")("not listening within 10s".to_string()).into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(relays)
+    }
+
+    async fn stop(self) {
+        self.first.stop().await;
+        self.second.stop().await;
+    }
+}
+
+/// Flags of `berth-bench relay`.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct RelayArgs {
+    /// The address to listen on.
+    #[arg(long, value_name = "ADDR")]
+    listen: SocketAddr,
+    /// Where each connection's bytes go.
+    #[arg(long, value_name = "ADDR")]
+    to: SocketAddr,
+    /// The network namespace `--to` is reached in (`/proc/PID/ns/net`).
+    #[arg(long, value_name = "PATH")]
+    namespace: Option<PathBuf>,
+}
+
+/// `berth-bench relay`: copies each connection's bytes to a connection of
+/// its own to `--to` and back, parsing nothing, until killed. The router
+/// scenario's floor: the least a process between client and replica costs.
+pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
+    let listener =
+        TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    loop {
+        let Ok((mut client, _)) = listener.accept().await else { continue };
+        let args = args.clone();
+        tokio::spawn(async move {
+            let upstream = match args.namespace {
+                Some(namespace) => berth_agent::connect_in_namespace(namespace, args.to, Duration::from_secs(2)).await,
+                None => TcpStream::connect(args.to).await,
+            };
+            let Ok(mut upstream) = upstream else { return };
+            let _ = client.set_nodelay(true);
+            let _ = upstream.set_nodelay(true);
+            let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+        });
+    }
 }
 
 /// `berth-bench echo-server`: answers `GET` with the revision it runs
@@ -499,12 +611,14 @@ fn table(report: &Report) -> String {
         )
     };
     let added = |p: &Protocol, name: &str| {
+        let percent = |share: Option<f64>| share.map_or_else(|| "-".into(), |s| format!("{:.0}%", s * 100.0));
         format!(
-            "{name}: router adds {} at p50 (target <= {TARGET_ADDED_P50_MS}ms), {} at p99 (<= {TARGET_ADDED_P99_MS}ms), keeps {} of the direct rate (>= {:.0}%): {}\n",
+            "{name}: router adds {} at p50 (target <= {TARGET_ADDED_P50_MS}ms), {} at p99 (<= {TARGET_ADDED_P99_MS}ms), keeps {} of the direct rate (>= {:.0}%; two byte relays keep {}): {}\n",
             latency(p.added_p50_ms),
             latency(p.added_p99_ms),
-            p.rate_share.map_or_else(|| "-".into(), |s| format!("{:.0}%", s * 100.0)),
+            percent(p.rate_share),
             TARGET_RATE_SHARE * 100.0,
+            percent(p.relay_share),
             if p.met() { "OK" } else { "MISSED" }
         )
     };
@@ -515,8 +629,10 @@ fn table(report: &Report) -> String {
     out.push_str(&format!("{:<32}{:>10}{:>10}{:>10}{:>10}{:>8}\n", "", "req/s", "p50", "p99", "max", "errors"));
     out.push_str(&row("HTTP/1.1 direct to the replica", &report.http1.direct));
     out.push_str(&row("HTTP/1.1 through the router", &report.http1.routed));
+    out.push_str(&row("HTTP/1.1 through two byte relays", &report.http1.relayed));
     out.push_str(&row("HTTP/2 direct to the replica", &report.http2.direct));
     out.push_str(&row("HTTP/2 through the router", &report.http2.routed));
+    out.push_str(&row("HTTP/2 through two byte relays", &report.http2.relayed));
     out.push_str(&added(&report.http1, "HTTP/1.1"));
     out.push_str(&added(&report.http2, "HTTP/2"));
     let change = &report.route_change;

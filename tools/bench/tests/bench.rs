@@ -179,12 +179,13 @@ fn router_measures_requests_through_the_data_plane_beside_direct_ones() {
         ["router", "--connections", "2", "--duration", "1s", "--warmup", "200ms", "--changes", "3", "--services", "5"];
     let (report, _) = run_for_report(&[&args[..], &["-o", "json"]].concat());
     for protocol in ["http1", "http2"] {
-        for path in ["direct", "routed"] {
+        for path in ["direct", "routed", "relayed"] {
             let figures = &report[protocol][path];
             assert!(figures["calls"].as_u64().unwrap() > 0, "{protocol} {path} answered: {report}");
             assert_eq!(figures["errors"], 0, "{protocol} {path}: {report}");
         }
         assert!(report[protocol]["rate_share"].as_f64().unwrap() > 0.0, "{report}");
+        assert!(report[protocol]["relay_share"].as_f64().unwrap() > 0.0, "{report}");
     }
     assert_eq!(report["route_change"]["count"], 3, "{report}");
     assert_eq!(report["missed_changes"], 0, "{report}");
