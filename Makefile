@@ -90,7 +90,8 @@ test-deps:
 ## deploys (apply to RUNNING, warm and cold from a loopback registry, and the
 ## mint rate); the egress compile, the node proxy's overhead, and how long
 ## a route edit takes to be in force on a real node; and requests through
-## the router beside direct ones, route changes, and the router's memory;
+## the router beside direct ones and two bare byte relays, route changes,
+## and the router's memory;
 ## a tenant's resolver beside a direct query (needs root, as a node does);
 ## a pull through a failing registry mirror beside a direct one.
 ## BENCHMARKS.md records the figures.

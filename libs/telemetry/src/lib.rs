@@ -29,5 +29,5 @@ pub use crate::{
     install::{TelemetryGuard, init, otel_layer},
     propagation::{adopt_traceparent, current_trace_id, current_traceparent, extract_context, inject_context},
     server::{Server, ServerTraceLayer, ServerTraceService},
-    traced::{RpcSide, TraceLayer, TraceService, TraceSide, TracedBody, TracedResponseFuture},
+    traced::{BodyOutsideSpan, RpcSide, TraceLayer, TraceService, TraceSide, TracedBody, TracedResponseFuture},
 };

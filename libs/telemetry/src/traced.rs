@@ -11,6 +11,13 @@
 //! # When the span ends
 //! The span lives as long as the response body, so a streaming call's span covers the whole
 //! stream rather than only the time to the response head.
+//!
+//! # Where a body is polled
+//! A server's body is the handler's stream, whose work belongs to the call, so each of its polls
+//! runs inside the span, unless the handler put [`BodyOutsideSpan`] in the response: a stream
+//! that only carries a socket's bytes (a data-plane tunnel, polled once per frame) does none of
+//! the call's work, and entering a span costs a context attach and detach in the OpenTelemetry
+//! layer. A client's body is the connection's, never the caller's work: polled outside.
 
 use std::{
     future::Future,
@@ -50,6 +57,12 @@ macro_rules! rpc_span {
     }};
 }
 pub(crate) use rpc_span;
+
+/// Put in a server response's extensions by a handler whose response body does none of the
+/// call's own work (it only carries bytes): the body's polls run outside the call's span, which
+/// still lasts until the body ends and records its status.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BodyOutsideSpan;
 
 /// One end of a gRPC call, as a [`TraceLayer`] traces it.
 pub trait TraceSide {
@@ -195,7 +208,9 @@ where
         Poll::Ready(match outcome {
             Ok(response) => {
                 let status_seen = record_status(this.span, *this.side, response.headers());
-                Ok(response.map(|inner| TracedBody { inner, span: this.span.clone(), side: *this.side, status_seen }))
+                let enter = *this.side == RpcSide::Server && response.extensions().get::<BodyOutsideSpan>().is_none();
+                let span = this.span.clone();
+                Ok(response.map(|inner| TracedBody { inner, span, side: *this.side, enter, status_seen }))
             }
             Err(error) => {
                 record_transport_error(this.span);
@@ -207,13 +222,16 @@ where
 
 pin_project! {
     /// A response body that keeps its call's span open until the body is done, and records the
-    /// gRPC status from the trailers. On a server, each poll runs inside the span.
+    /// gRPC status from the trailers. On a server, each poll runs inside the span unless the
+    /// handler said its body does none of the call's work (see the module's docs).
     #[derive(Debug)]
     pub struct TracedBody<B> {
         #[pin]
         inner: B,
         span: Span,
         side: RpcSide,
+        // Whether each poll runs inside the span.
+        enter: bool,
         status_seen: bool,
     }
 }
@@ -224,11 +242,7 @@ impl<B: Body> Body for TracedBody<B> {
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.project();
-        // A server's body is the handler's stream, whose work belongs to the call; a client's is
-        // the connection's, which does none of the caller's. Entering a span costs a context
-        // switch in the OpenTelemetry layer, and a long stream (a data-plane tunnel) is polled
-        // once per frame.
-        let _entered = (*this.side == RpcSide::Server).then(|| this.span.enter());
+        let _entered = this.enter.then(|| this.span.enter());
         let frame = ready!(this.inner.poll_frame(cx));
         if !*this.status_seen {
             match &frame {
@@ -258,7 +272,56 @@ impl<B: Body> Body for TracedBody<B> {
 
 #[cfg(test)]
 mod tests {
+    use std::convert::Infallible;
+    use std::sync::{Arc, Mutex};
+
     use super::*;
+
+    /// A body that ends at once, noting the span it was polled in.
+    struct NotesSpan(Arc<Mutex<Option<Option<tracing::Id>>>>);
+
+    impl Body for NotesSpan {
+        type Data = &'static [u8];
+        type Error = Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Self::Data>, Infallible>>> {
+            *self.0.lock().unwrap() = Some(Span::current().id());
+            Poll::Ready(None)
+        }
+    }
+
+    /// The span `side`'s body was polled in, for a response with or without `BodyOutsideSpan`,
+    /// and the call's span.
+    fn polled_in(side: RpcSide, outside: bool) -> (Option<tracing::Id>, Option<tracing::Id>) {
+        let seen = Arc::new(Mutex::new(None));
+        let mut response = http::Response::new(NotesSpan(seen.clone()));
+        if outside {
+            response.extensions_mut().insert(BodyOutsideSpan);
+        }
+        let span = tracing::info_span!("call");
+        let call = TracedResponseFuture::new(std::future::ready(Ok::<_, Infallible>(response)), span.clone(), side);
+        let mut context = Context::from_waker(std::task::Waker::noop());
+        let Poll::Ready(Ok(response)) = std::pin::pin!(call).poll(&mut context) else { panic!("the call is ready") };
+        let _ = std::pin::pin!(response.into_body()).poll_frame(&mut context);
+        let polled = seen.lock().unwrap().clone().expect("the body was polled");
+        (polled, span.id())
+    }
+
+    #[test]
+    fn a_server_body_is_polled_in_its_span_unless_its_handler_says_it_only_carries_bytes() {
+        tracing::subscriber::with_default(tracing_subscriber::registry(), || {
+            let (polled, call) = polled_in(RpcSide::Server, false);
+            assert!(call.is_some());
+            assert_eq!(polled, call, "the handler's stream runs in its call's span");
+            let (polled, call) = polled_in(RpcSide::Server, true);
+            assert!(polled.is_none() && call.is_some(), "a body marked BodyOutsideSpan is polled outside it");
+            let (polled, call) = polled_in(RpcSide::Client, false);
+            assert!(polled.is_none() && call.is_some(), "a client's body is the connection's");
+        });
+    }
 
     #[test]
     fn rpc_path_splits_into_service_and_method() {

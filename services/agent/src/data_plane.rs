@@ -167,7 +167,10 @@ impl v1::data_plane_server::DataPlane for DataPlane {
             stopping: Box::pin(shutdown.cancelled_owned()),
             done: Some(done.drop_guard()),
         };
-        Ok(Response::new(Box::pin(replica)))
+        let mut response = Response::new(Box::pin(replica) as BoxStream<v1::TunnelFrame>);
+        // The stream only carries the replica's bytes: none of its polls is the call's work.
+        response.extensions_mut().insert(berth_telemetry::BodyOutsideSpan);
+        Ok(response)
     }
 }
 
