@@ -2,7 +2,8 @@
 //! `curl` over HTTP/1.1 and HTTP/2, in cleartext and TLS, an unknown name and
 //! a service with no replica answered at once, and a replica killed with
 //! SIGKILL passed over while the other answers; a split and a rollout under
-//! load; a node drained under load, its replicas handed to a second node
+//! load; a pin, a split and an unpin under load with no request failed, and
+//! a replica killed under load failing at most its requests in flight; a node drained under load, its replicas handed to a second node
 //! (a `berth-agent` process joined to the dev mesh) with no request failed;
 //! the real `grpcurl` calling a gRPC workload through it; and a
 //! connection switched to another protocol, joined to the replica.
@@ -171,6 +172,23 @@ fn keep_alive_gets(
 /// A tally of what [`hammer`] saw.
 type Tally = (std::collections::BTreeMap<String, usize>, Vec<String>);
 
+/// `count` clients [`hammer`]ing `host` at the router on `port`, each on a
+/// thread of its own, until the flag is set (see [`stop_clients`]).
+fn start_clients(
+    port: u16,
+    host: &'static str,
+    count: usize,
+) -> (std::sync::Arc<std::sync::atomic::AtomicBool>, Vec<std::thread::JoinHandle<Tally>>) {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients = (0..count)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || hammer(port, host, None, &stop))
+        })
+        .collect();
+    (stop, clients)
+}
+
 /// Stops the clients `hammer`ing and adds up what they saw.
 fn stop_clients(stop: &std::sync::atomic::AtomicBool, clients: Vec<std::thread::JoinHandle<Tally>>) -> Tally {
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -271,6 +289,27 @@ impl Mesh {
     /// `berth ARGS` as the dev admin, which must succeed; its output.
     fn berth(&self, args: &[&str]) -> String {
         run(self.dev.admin_command(args), COMMAND_DEADLINE).succeeded(args)
+    }
+
+    /// Waits until no replica of `revision` of `service` runs.
+    fn until_none_running(&self, service: &str, revision: &str) {
+        poll(COMMAND_DEADLINE, &format!("no replica of {revision} to run"), || {
+            let open = self.running(service, revision);
+            if open.is_empty() { Ok(()) } else { Err(format!("{open:?}")) }
+        });
+    }
+
+    /// The leases of `service`'s replicas of `revision` that `berth service
+    /// get` shows running.
+    fn running(&self, service: &str, revision: &str) -> Vec<String> {
+        let shown = parse_json(&["service", "get"], &self.berth(&["service", "get", service, "-o", "json"]));
+        shown["replicas"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["revision"] == revision && r["phase"] == "LEASE_PHASE_RUNNING")
+            .filter_map(|r| r["leaseId"].as_str().map(str::to_owned))
+            .collect()
     }
 }
 
@@ -405,16 +444,8 @@ fn a_90_10_split_sends_a_tenth_of_the_requests_to_the_new_revision_and_its_tag_r
     assert!(split.contains("traffic split hello-00001 90%, hello-00002 10% as canary"), "{split}");
     // Both revisions run again: the old one's replicas come back.
     poll(COMMAND_DEADLINE, "two replicas of each revision run", || {
-        let shown = parse_json(&["service", "get"], &berth(&["service", "get", "hello", "-o", "json"]));
-        let running = |revision: &str| {
-            shown["replicas"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|r| r["revision"] == revision && r["phase"] == "LEASE_PHASE_RUNNING")
-                .count()
-        };
-        if running("hello-00001") == 2 && running("hello-00002") == 2 { Ok(()) } else { Err(shown.to_string()) }
+        let running = [mesh.running("hello", "hello-00001"), mesh.running("hello", "hello-00002")];
+        if running.iter().all(|leases| leases.len() == 2) { Ok(()) } else { Err(format!("{running:?}")) }
     });
     let shown = berth(&["service", "get", "hello"]);
     let traffic = shown.lines().find(|l| l.trim_start().starts_with("Traffic:")).unwrap_or_default();
@@ -525,13 +556,7 @@ fn a_rollout_under_constant_load_answers_every_request_and_moves_to_the_new_revi
 
     // Two clients keep asking while a new revision rolls out, goes live,
     // and the old one drains and stops.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let clients: Vec<_> = (0..2)
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || hammer(router, host, None, &stop))
-        })
-        .collect();
+    let (stop, clients) = start_clients(router, host, 2);
     // And h2load, over HTTP/2, in runs of a second until the rollout is over.
     let h2load_stop = stop.clone();
     let h2load = std::thread::spawn(move || {
@@ -545,16 +570,7 @@ fn a_rollout_under_constant_load_answers_every_request_and_moves_to_the_new_revi
     write_template_with(&spec, reference, 2, "2");
     let applied = berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
     assert!(applied.contains("hello-00002 is live"), "{applied}");
-    poll(COMMAND_DEADLINE, "the old revision's replicas are gone", || {
-        let shown = parse_json(&["service", "get"], &berth(&["service", "get", "hello", "-o", "json"]));
-        let old_open = shown["replicas"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|r| r["revision"] == "hello-00001" && r["phase"] == "LEASE_PHASE_RUNNING")
-            .count();
-        if old_open == 0 { Ok(()) } else { Err(shown.to_string()) }
-    });
+    mesh.until_none_running("hello", "hello-00001");
     // The router acknowledged the generation that dropped the old revision.
     let shown = parse_json(&["service", "get"], &berth(&["service", "get", "hello", "-o", "json"]));
     let status = &shown["service"]["status"];
@@ -581,6 +597,91 @@ fn a_rollout_under_constant_load_answers_every_request_and_moves_to_the_new_revi
     assert!(seen.get("hello from hello-00001\n").is_some_and(|n| *n > 0), "{seen:?}");
     assert!(seen.get("hello from hello-00002\n").is_some_and(|n| *n > 0), "{seen:?}");
     assert_eq!(seen.len(), 2, "{seen:?}");
+}
+
+/// The bodies `count` requests to `host` answered, each with 200; any
+/// other answer fails the test.
+fn bodies(port: u16, host: &str, count: usize) -> Vec<String> {
+    tally(port, host, count).into_keys().collect()
+}
+
+#[test]
+#[allow(clippy::disallowed_methods, reason = "a plain test: no runtime's worker to block")]
+fn a_pin_a_split_and_an_unpin_under_constant_load_fail_no_request_and_a_killed_replica_fails_at_most_its_own() {
+    const CLIENTS: usize = 3;
+    let mesh = Mesh::start();
+    let (tmp, reference, router) = (&mesh.tmp, mesh.reference.as_str(), mesh.base + 5);
+    let berth = |args: &[&str]| mesh.berth(args);
+    let spec = tmp.path().join("hello.json");
+    let spec_arg = spec.to_str().unwrap();
+    write_template_with(&spec, reference, 2, "1");
+    berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
+    write_template_with(&spec, reference, 2, "2");
+    let applied = berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
+    assert!(applied.contains("hello-00002 is live"), "{applied}");
+    let host = "hello.default.berth.localhost";
+    let (old, new) = ("hello from hello-00001\n", "hello from hello-00002\n");
+    poll(ROUTE_DEADLINE, "the router serves hello-00002 alone", || {
+        let (seen, failures) = hammer(router, host, Some(20), &std::sync::atomic::AtomicBool::new(false));
+        if failures.is_empty() && seen.keys().eq([new]) { Ok(()) } else { Err(format!("{seen:?} {failures:?}")) }
+    });
+
+    mesh.until_none_running("hello", "hello-00001");
+
+    // Clients keep asking while the service is pinned to its old revision
+    // (whose replicas were stopped: the traffic moves once they run again),
+    // split 90/10, and unpinned back to the latest.
+    let (stop, clients) = start_clients(router, host, CLIENTS);
+    std::thread::sleep(Duration::from_millis(300));
+    let pinned = berth(&["service", "pin", "hello", "hello-00001"]);
+    assert!(pinned.contains("traffic pinned to hello-00001"), "{pinned}");
+    poll(COMMAND_DEADLINE, "every answer comes from the pinned revision", || {
+        let seen = bodies(router, host, 20);
+        if seen == [old] { Ok(()) } else { Err(format!("{seen:?}")) }
+    });
+    let split = berth(&["service", "traffic", "hello", "--to", "hello-00001=90,hello-00002=10"]);
+    assert!(split.contains("traffic split hello-00001 90%, hello-00002 10%"), "{split}");
+    poll(COMMAND_DEADLINE, "answers come from both revisions", || {
+        let seen = bodies(router, host, 100);
+        if seen.len() == 2 { Ok(()) } else { Err(format!("{seen:?}")) }
+    });
+    let unpinned = berth(&["service", "unpin", "hello"]);
+    assert!(unpinned.contains("traffic follows the latest ready revision"), "{unpinned}");
+    poll(COMMAND_DEADLINE, "every answer comes from the latest revision again", || {
+        let seen = bodies(router, host, 20);
+        if seen == [new] { Ok(()) } else { Err(format!("{seen:?}")) }
+    });
+    mesh.until_none_running("hello", "hello-00001");
+    std::thread::sleep(Duration::from_millis(300));
+    let (seen, failures) = stop_clients(&stop, clients);
+    assert!(failures.is_empty(), "{} requests failed across the pin, split and unpin: {failures:?}", failures.len());
+    assert!(seen.get(old).is_some_and(|n| *n > 0) && seen.get(new).is_some_and(|n| *n > 0), "{seen:?}");
+    assert_eq!(seen.len(), 2, "{seen:?}");
+
+    // One replica killed with SIGKILL under the same load: at most the
+    // requests in flight on it fail (one per client), and the rest are
+    // answered by the other while it is replaced.
+    let running = mesh.running("hello", "hello-00002");
+    assert_eq!(running.len(), 2, "{running:?}");
+    let instances = agent_instances(&mesh);
+    let victim = instances.iter().find(|i| i["leaseId"] == running[0].as_str()).unwrap();
+    let pid = i32::try_from(victim["pid"].as_u64().unwrap()).unwrap();
+    let (stop, clients) = start_clients(router, host, CLIENTS);
+    std::thread::sleep(Duration::from_millis(500));
+    rustix::process::kill_process(rustix::process::Pid::from_raw(pid).unwrap(), rustix::process::Signal::KILL).unwrap();
+    poll(COMMAND_DEADLINE, "the killed replica is replaced", || {
+        let now = mesh.running("hello", "hello-00002");
+        if now.iter().any(|lease| !running.contains(lease)) { Ok(()) } else { Err(format!("{now:?}")) }
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let (seen, failures) = stop_clients(&stop, clients);
+    assert!(
+        failures.len() <= CLIENTS,
+        "{} requests failed, more than the {CLIENTS} that may have been in flight on the killed replica: {failures:?}",
+        failures.len()
+    );
+    assert!(failures.iter().all(|f| f.contains("502 Bad Gateway the replica did not answer")), "{failures:?}");
+    assert!(seen.get(new).is_some_and(|n| *n > 100), "the other replica kept answering: {seen:?}");
 }
 
 /// A second node for `berth dev`: the real agent binary, joined with a
@@ -667,13 +768,7 @@ fn a_node_drained_under_constant_load_hands_its_replicas_over_with_no_request_fa
         up_nodes(&mesh).get("second").cloned().ok_or_else(|| second.log())
     });
 
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let clients: Vec<_> = (0..2)
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || hammer(router, host, None, &stop))
-        })
-        .collect();
+    let (stop, clients) = start_clients(router, host, 2);
     std::thread::sleep(Duration::from_millis(500));
     // Drained with a deadline: the replicas are replaced on the second node
     // first, then given back; --wait returns once the node is empty.

@@ -175,12 +175,27 @@ pub(crate) fn named(targets: &[TrafficTarget]) -> Vec<&str> {
 
 /// The split as routers follow it: `latest` resolved to `live`; no split is
 /// `live` at 100 percent; nothing while no revision is live.
+///
+/// A split that names neither `latest` nor the live revision (a pin to
+/// another revision, say) takes the traffic once the rollout makes the
+/// revision it pins live, which it does once that revision's replicas run:
+/// until then the live revision keeps every request, and the split's tagged
+/// targets are reachable by their tags already, at no percent. So a pin to
+/// a revision whose replicas were stopped never leaves the service with no
+/// replica to answer while they start.
 pub(crate) fn routed(targets: &[TrafficTarget], live: &str) -> Vec<TrafficTarget> {
     if targets.is_empty() {
         if live.is_empty() {
             return Vec::new();
         }
         return vec![TrafficTarget { revision: live.to_owned(), latest: true, percent: 100, tag: String::new() }];
+    }
+    if !live.is_empty() && !targets.iter().any(|target| target.latest || target.revision == live) {
+        let holding = TrafficTarget { revision: live.to_owned(), latest: false, percent: 100, tag: String::new() };
+        let tagged = targets.iter().filter(|target| !target.tag.is_empty());
+        return std::iter::once(holding)
+            .chain(tagged.map(|target| TrafficTarget { percent: 0, ..target.clone() }))
+            .collect();
     }
     targets
         .iter()
@@ -272,5 +287,22 @@ mod tests {
         assert_eq!(routed[1].revision, "web-00004");
         assert!(routed[1].latest);
         assert_eq!(routed[0], split[0]);
+    }
+
+    #[test]
+    fn a_split_naming_neither_latest_nor_the_live_revision_waits_for_the_rollout_with_its_tags_reachable() {
+        let holding = to("web-00002", 100, "");
+        // A pin to a revision that is not live yet: the live one keeps the traffic.
+        assert_eq!(routed(&[to("web-00001", 100, "")], "web-00002"), std::slice::from_ref(&holding));
+        let split = [to("web-00001", 90, "stable"), to("web-00003", 10, "")];
+        assert_eq!(routed(&split, "web-00002"), [holding, to("web-00001", 0, "stable")]);
+        // Once the rollout made the pinned revision live, the split is routed as stored.
+        assert_eq!(routed(&split, "web-00001"), split);
+        // A split naming the live revision is routed at once: routers send
+        // a share with no replica running nothing, the rest to the others.
+        let with_live = [to("web-00001", 90, ""), to("web-00002", 10, "")];
+        assert_eq!(routed(&with_live, "web-00002"), with_live);
+        // Before any revision is live there is nothing to hold to.
+        assert_eq!(routed(&split, ""), split);
     }
 }
