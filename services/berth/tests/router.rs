@@ -3,7 +3,8 @@
 //! a service with no replica answered at once, and a replica killed with
 //! SIGKILL passed over while the other answers; a split and a rollout under
 //! load; a pin, a split and an unpin under load with no request failed, and
-//! a replica killed under load failing at most its requests in flight; a node drained under load, its replicas handed to a second node
+//! a replica killed under load failing at most its requests in flight, and
+//! a request in flight on a revision that drains answered before it stops; a node drained under load, its replicas handed to a second node
 //! (a `berth-agent` process joined to the dev mesh) with no request failed;
 //! the real `grpcurl` calling a gRPC workload through it; and a
 //! connection switched to another protocol, joined to the replica.
@@ -985,6 +986,74 @@ fn a_connection_that_switches_protocols_is_joined_to_the_replica_byte_for_byte()
         stream.read_exact(&mut echoed).unwrap();
         assert_eq!(String::from_utf8_lossy(&echoed), word.to_uppercase(), "the replica's own answer");
     }
+}
+
+/// Answers `GET /slow` after six seconds and anything else at once, each
+/// with `<path> from <revision>`; SIGTERM ends it at once, with whatever it
+/// was answering.
+const SLOW_SERVER: &str = r#"#!/usr/bin/python3
+"""Answers GET /slow after six seconds, anything else at once; exits on SIGTERM."""
+import http.server
+import os
+import signal
+import sys
+import time
+
+REVISION = os.environ.get("BERTH_REVISION", "berth")
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        if self.path == "/slow":
+            time.sleep(6)
+        body = f"{self.path} from {REVISION}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+http.server.ThreadingHTTPServer(("0.0.0.0", int(os.environ.get("PORT", "8080"))), Handler).serve_forever()
+"#;
+
+#[test]
+#[allow(clippy::disallowed_methods, reason = "a plain test: no runtime's worker to block")]
+fn a_request_in_flight_when_its_revision_drains_is_answered_before_its_replica_stops() {
+    let mesh = Mesh::start();
+    deploy_program(&mesh, "slow", SLOW_SERVER, "http");
+    let (host, router) = ("slow.default.berth.localhost", mesh.base + 5);
+    poll(ROUTE_DEADLINE, "the router serves slow", || {
+        curl(router, host, &[])
+            .and_then(|a| if a.body == "/ from slow-00001\n" { Ok(()) } else { Err(format!("{a:?}")) })
+    });
+
+    // A request the old revision takes six seconds to answer is under way
+    // while a new revision rolls out and takes the traffic.
+    let url = format!("http://127.0.0.1:{router}/slow");
+    let started = std::time::Instant::now();
+    let in_flight = std::thread::spawn(move || curl_url(&url, &["-H", &format!("Host: {host}")]));
+    std::thread::sleep(Duration::from_millis(500));
+    let redeployed = mesh.berth(&["service", "redeploy", "slow", "--wait"]);
+    assert!(redeployed.contains("slow-00002 is live"), "{redeployed}");
+    let rolled = started.elapsed();
+    assert!(
+        rolled < Duration::from_secs(5),
+        "the rollout took {rolled:?}, as long as the slow answer: it proves nothing"
+    );
+    let fresh = curl(router, host, &[]).unwrap();
+    assert_eq!(fresh.body, "/ from slow-00002\n", "the new revision takes new requests: {fresh:?}");
+    // The old replica is stopped only once the router no longer has anything
+    // under way on it: the slow answer arrives whole, from the old revision.
+    let answer = in_flight.join().unwrap().unwrap();
+    assert!(answer.status.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert_eq!(answer.body, "/slow from slow-00001\n");
+    mesh.until_none_running("slow", "slow-00001");
 }
 
 /// Answers every GET with the `X-Forwarded-Client-Cert` it was given, or `none`.
