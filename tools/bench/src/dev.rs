@@ -171,6 +171,11 @@ impl Dev {
         self.base
     }
 
+    /// The `berth dev` process's id (its node agent runs in it), while it runs.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     async fn node_up(&self) -> Result<(), DevError> {
         let deadline = Instant::now() + START_DEADLINE;
         loop {

@@ -20,7 +20,10 @@
 //!    bytes to the next hop and parses nothing: the floor of any design that
 //!    puts two processes between a client and a replica, as the router and
 //!    the agent are. Taking turns, the three share a machine whose speed
-//!    drifts alike.
+//!    drifts alike. Over each measured window the CPU time of the router
+//!    and of `berth dev` (whose node agent the routed requests cross), and
+//!    of the two relays, is read from `/proc`, and divided by the requests
+//!    that went through them: what each hop costs a request.
 //! 4. Route changes: `echo` gets a second revision, then `--changes`
 //!    `SetTraffic` calls swap its two revisions between 100% and 0%; each
 //!    is timed until `GetService` (polled every [`POLL_EVERY`]) shows every
@@ -50,6 +53,7 @@ use crate::leases::latency;
 use crate::load::{Figures, Samples, Window};
 use crate::output::{OutputFormat, print_report, progress};
 use crate::process::{ChildProcess, free_loopback_port, sibling_binary};
+use crate::procfs::read_cpu_time;
 
 /// How often `GetService` is read while a route change is waited for.
 const POLL_EVERY: Duration = Duration::from_millis(2);
@@ -112,17 +116,30 @@ struct Protocol {
     /// Relayed rate over direct rate: what two processes between client
     /// and replica leave at the least work each can do.
     relay_share: Option<f64>,
+    /// CPU time per routed request, microseconds: the router's, then the
+    /// node agent's (`berth dev`'s, which holds it); `None` where `/proc`
+    /// could not be read.
+    routed_us_per_request: Option<[f64; 2]>,
+    /// CPU time per relayed request of each of the two relays.
+    relayed_us_per_request: Option<[f64; 2]>,
 }
 
 impl Protocol {
-    fn of(direct: Figures, routed: Figures, relayed: Figures) -> Self {
+    fn of(direct: Figures, routed: Figures, relayed: Figures, cpu: [Option<[Duration; 2]>; 2]) -> Self {
         let less = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a - b);
         let share = |of: &Figures| (direct.rate_per_s > 0.0).then(|| of.rate_per_s / direct.rate_per_s);
+        let per_request = |used: Option<[Duration; 2]>, of: &Figures| {
+            let requests = of.calls + of.errors;
+            used.filter(|_| requests > 0).map(|used| used.map(|time| time.as_secs_f64() * 1e6 / requests as f64))
+        };
+        let [routed_cpu, relayed_cpu] = cpu;
         Protocol {
             added_p50_ms: less(routed.p50_ms, direct.p50_ms),
             added_p99_ms: less(routed.p99_ms, direct.p99_ms),
             rate_share: share(&routed),
             relay_share: share(&relayed),
+            routed_us_per_request: per_request(routed_cpu, &routed),
+            relayed_us_per_request: per_request(relayed_cpu, &relayed),
             direct,
             routed,
             relayed,
@@ -221,8 +238,9 @@ async fn measure(dev: &mut Dev, router: &Router, args: &RouterArgs, scratch: &Pa
         await_routed(&target).await?;
     }
 
-    let http1 = loads(args, "HTTP/1.1", &http1_direct, routed("echo"), false, scratch).await?;
-    let http2 = loads(args, "HTTP/2", &http2_direct, routed("echo-h2"), true, scratch).await?;
+    let routed_by = [router.process.pid(), dev.pid().unwrap_or_default()];
+    let http1 = loads(args, "HTTP/1.1", &http1_direct, (routed("echo"), routed_by), false, scratch).await?;
+    let http2 = loads(args, "HTTP/2", &http2_direct, (routed("echo-h2"), routed_by), true, scratch).await?;
 
     progress("route changes");
     dev.apply(scratch, "echo", &echo_spec(&reference, "http", "2")).await?;
@@ -281,31 +299,51 @@ async fn measure(dev: &mut Dev, router: &Router, args: &RouterArgs, scratch: &Pa
     })
 }
 
-/// One protocol's loads: straight to the replica, through the router and
-/// through two byte relays, each measured in `--rounds` turns, the three
-/// taking turns so that a machine whose speed drifts shares the drift alike.
+/// One protocol's loads: straight to the replica, through the router (the
+/// target, and the router's and the agent's process ids) and through two
+/// byte relays, each measured in `--rounds` turns, the three taking turns
+/// so that a machine whose speed drifts shares the drift alike.
 async fn loads(
     args: &RouterArgs,
     protocol: &str,
     direct: &Target,
-    routed: Target,
+    (routed, routed_by): (Target, [u32; 2]),
     http2: bool,
     scratch: &Path,
 ) -> Result<Protocol, DevBenchError> {
     let relays = Relays::start(direct, scratch).await?;
-    let ways = [direct.clone(), routed, relays.target.clone()];
+    let ways = [(direct.clone(), None), (routed, Some(routed_by)), (relays.target.clone(), Some(relays.pids()))];
     let slice = args.duration / args.rounds;
     let mut samples: [Samples; 3] = Default::default();
+    let mut cpu: [Option<[Duration; 2]>; 3] = [None, Some([Duration::ZERO; 2]), Some([Duration::ZERO; 2])];
     for round in 1..=args.rounds {
         progress(&format!("load: {protocol}, round {round} of {}: direct, routed, relayed", args.rounds));
-        for (target, samples) in ways.iter().zip(samples.iter_mut()) {
+        for ((target, pids), (samples, cpu)) in ways.iter().zip(samples.iter_mut().zip(cpu.iter_mut())) {
             let window = Window::after(Instant::now(), args.warmup, slice);
+            let measuring = pids.map(|pids| cpu_over(pids, window));
             samples.merge(load(target, http2, args.connections, window).await);
+            let used = match measuring {
+                Some(measuring) => measuring.await.ok().flatten(),
+                None => None,
+            };
+            *cpu = cpu.zip(used).map(|(sum, used)| [sum[0] + used[0], sum[1] + used[1]]);
         }
     }
     relays.stop().await;
     let [direct, routed, relayed] = samples.map(|samples| samples.figures(slice * args.rounds, args.connections));
-    Ok(Protocol::of(direct, routed, relayed))
+    Ok(Protocol::of(direct, routed, relayed, [cpu[1], cpu[2]]))
+}
+
+/// The CPU time processes `pids` use over `window`, read at its edges.
+fn cpu_over(pids: [u32; 2], window: Window) -> tokio::task::JoinHandle<Option<[Duration; 2]>> {
+    tokio::spawn(async move {
+        let read = || -> Option<[Duration; 2]> { Some([read_cpu_time(pids[0])?, read_cpu_time(pids[1])?]) };
+        tokio::time::sleep_until(window.start.into()).await;
+        let before = read()?;
+        tokio::time::sleep_until(window.end.into()).await;
+        let after = read()?;
+        Some([after[0].saturating_sub(before[0]), after[1].saturating_sub(before[1])])
+    })
 }
 
 fn share(revision: &str, percent: u32) -> v1::TrafficTarget {
@@ -535,6 +573,11 @@ impl Relays {
         Ok(relays)
     }
 
+    /// The first relay's process id and the second's.
+    fn pids(&self) -> [u32; 2] {
+        [self.first.pid(), self.second.pid()]
+    }
+
     async fn stop(self) {
         self.first.stop().await;
         self.second.stop().await;
@@ -635,6 +678,18 @@ fn table(report: &Report) -> String {
     out.push_str(&row("HTTP/2 through two byte relays", &report.http2.relayed));
     out.push_str(&added(&report.http1, "HTTP/1.1"));
     out.push_str(&added(&report.http2, "HTTP/2"));
+    let cpu = |p: &Protocol, name: &str| {
+        let us = |pair: Option<[f64; 2]>| {
+            pair.map_or_else(|| "-".into(), |[a, b]| format!("{a:.0} µs + {b:.0} µs = {:.0} µs", a + b))
+        };
+        format!(
+            "{name}: CPU per request: router + agent {}; two byte relays {}\n",
+            us(p.routed_us_per_request),
+            us(p.relayed_us_per_request)
+        )
+    };
+    out.push_str(&cpu(&report.http1, "HTTP/1.1"));
+    out.push_str(&cpu(&report.http2, "HTTP/2"));
     let change = &report.route_change;
     out.push_str(&format!(
         "route change in force on all {} routers: {} changes, p50 {}, p99 {} (target <= {TARGET_CHANGE_P99_MS:.0}ms), max {}, {} missed\n",

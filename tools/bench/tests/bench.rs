@@ -186,6 +186,11 @@ fn router_measures_requests_through_the_data_plane_beside_direct_ones() {
         }
         assert!(report[protocol]["rate_share"].as_f64().unwrap() > 0.0, "{report}");
         assert!(report[protocol]["relay_share"].as_f64().unwrap() > 0.0, "{report}");
+        for hops in ["routed_us_per_request", "relayed_us_per_request"] {
+            let hops = report[protocol][hops].as_array().unwrap_or_else(|| panic!("{protocol} {hops}: {report}"));
+            assert_eq!(hops.len(), 2, "{report}");
+            assert!(hops.iter().all(|us| us.as_f64().is_some_and(|us| us >= 0.0)), "{report}");
+        }
     }
     assert_eq!(report["route_change"]["count"], 3, "{report}");
     assert_eq!(report["missed_changes"], 0, "{report}");
