@@ -292,6 +292,18 @@ impl Mesh {
         run(self.dev.admin_command(args), COMMAND_DEADLINE).succeeded(args)
     }
 
+    /// `hello` applied twice, two replicas each: `hello-00001`, then
+    /// `hello-00002`, which is live once this returns.
+    fn two_revisions(&self) {
+        let spec = self.tmp.path().join("hello.json");
+        let spec_arg = spec.to_str().unwrap();
+        write_template_with(&spec, &self.reference, 2, "1");
+        self.berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
+        write_template_with(&spec, &self.reference, 2, "2");
+        let applied = self.berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
+        assert!(applied.contains("hello-00002 is live"), "{applied}");
+    }
+
     /// Waits until no replica of `revision` of `service` runs.
     fn until_none_running(&self, service: &str, revision: &str) {
         poll(COMMAND_DEADLINE, &format!("no replica of {revision} to run"), || {
@@ -429,16 +441,9 @@ fn the_router_serves_http1_and_http2_in_clear_and_tls_answers_at_once_and_passes
 #[test]
 fn a_90_10_split_sends_a_tenth_of_the_requests_to_the_new_revision_and_its_tag_reaches_it_alone() {
     let mesh = Mesh::start();
-    let (tmp, reference, dev, router) = (&mesh.tmp, mesh.reference.as_str(), &mesh.dev, mesh.base + 5);
+    let (dev, router) = (&mesh.dev, mesh.base + 5);
     let berth = |args: &[&str]| mesh.berth(args);
-
-    let spec = tmp.path().join("hello.json");
-    let spec_arg = spec.to_str().unwrap();
-    write_template_with(&spec, reference, 2, "1");
-    berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
-    write_template_with(&spec, reference, 2, "2");
-    let applied = berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
-    assert!(applied.contains("hello-00002 is live"), "{applied}");
+    mesh.two_revisions();
 
     let split =
         berth(&["service", "traffic", "hello", "--to", "hello-00001=90,hello-00002=10", "--tag", "canary=hello-00002"]);
@@ -611,15 +616,9 @@ fn bodies(port: u16, host: &str, count: usize) -> Vec<String> {
 fn a_pin_a_split_and_an_unpin_under_constant_load_fail_no_request_and_a_killed_replica_fails_at_most_its_own() {
     const CLIENTS: usize = 3;
     let mesh = Mesh::start();
-    let (tmp, reference, router) = (&mesh.tmp, mesh.reference.as_str(), mesh.base + 5);
+    let router = mesh.base + 5;
     let berth = |args: &[&str]| mesh.berth(args);
-    let spec = tmp.path().join("hello.json");
-    let spec_arg = spec.to_str().unwrap();
-    write_template_with(&spec, reference, 2, "1");
-    berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
-    write_template_with(&spec, reference, 2, "2");
-    let applied = berth(&["service", "apply", "-f", spec_arg, "--name", "hello", "--wait"]);
-    assert!(applied.contains("hello-00002 is live"), "{applied}");
+    mesh.two_revisions();
     let host = "hello.default.berth.localhost";
     let (old, new) = ("hello from hello-00001\n", "hello from hello-00002\n");
     poll(ROUTE_DEADLINE, "the router serves hello-00002 alone", || {
