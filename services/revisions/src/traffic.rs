@@ -176,8 +176,8 @@ pub(crate) fn named(targets: &[TrafficTarget]) -> Vec<&str> {
 /// The split as routers follow it: `latest` resolved to `live`; no split is
 /// `live` at 100 percent; nothing while no revision is live.
 ///
-/// A split that names neither `latest` nor the live revision (a pin to
-/// another revision, say) takes the traffic once the rollout makes the
+/// A split that gives no share to `latest` or to the live revision (a pin
+/// to another revision, say) takes the traffic once the rollout makes the
 /// revision it pins live, which it does once that revision's replicas run:
 /// until then the live revision keeps every request, and the split's tagged
 /// targets are reachable by their tags already, at no percent. So a pin to
@@ -190,7 +190,8 @@ pub(crate) fn routed(targets: &[TrafficTarget], live: &str) -> Vec<TrafficTarget
         }
         return vec![TrafficTarget { revision: live.to_owned(), latest: true, percent: 100, tag: String::new() }];
     }
-    if !live.is_empty() && !targets.iter().any(|target| target.latest || target.revision == live) {
+    let follows_live = |target: &TrafficTarget| target.percent > 0 && (target.latest || target.revision == live);
+    if !live.is_empty() && !targets.iter().any(follows_live) {
         let holding = TrafficTarget { revision: live.to_owned(), latest: false, percent: 100, tag: String::new() };
         let tagged = targets.iter().filter(|target| !target.tag.is_empty());
         return std::iter::once(holding)
@@ -302,6 +303,9 @@ mod tests {
         // a share with no replica running nothing, the rest to the others.
         let with_live = [to("web-00001", 90, ""), to("web-00002", 10, "")];
         assert_eq!(routed(&with_live, "web-00002"), with_live);
+        // The live revision named for its tag alone takes no share: held too.
+        let tag_only = [to("web-00001", 100, ""), to("web-00002", 0, "old")];
+        assert_eq!(routed(&tag_only, "web-00002"), [to("web-00002", 100, ""), to("web-00002", 0, "old")]);
         // Before any revision is live there is nothing to hold to.
         assert_eq!(routed(&split, ""), split);
     }
