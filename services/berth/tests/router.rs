@@ -2,10 +2,11 @@
 //! `curl` over HTTP/1.1 and HTTP/2, in cleartext and TLS, an unknown name and
 //! a service with no replica answered at once, and a replica killed with
 //! SIGKILL passed over while the other answers; a split and a rollout under
-//! load; a pin, a split and an unpin under load with no request failed, and
-//! a replica killed under load failing at most its requests in flight, and
-//! a request in flight on a revision that drains answered before it stops; a node drained under load, its replicas handed to a second node
-//! (a `berth-agent` process joined to the dev mesh) with no request failed;
+//! load; a pin, a split and an unpin under load with no request failed; a
+//! replica killed under load failing at most its requests in flight; a
+//! request in flight on a revision that drains answered before it stops; a
+//! node drained under load, its replicas handed to a second node (a
+//! `berth-agent` process joined to the dev mesh) with no request failed;
 //! the real `grpcurl` calling a gRPC workload through it; and a
 //! connection switched to another protocol, joined to the replica.
 
@@ -995,7 +996,6 @@ const SLOW_SERVER: &str = r#"#!/usr/bin/python3
 import http.server
 import os
 import signal
-import sys
 import time
 
 REVISION = os.environ.get("BERTH_REVISION", "berth")
