@@ -19,11 +19,16 @@
 //!    of this executable (`berth-bench relay`) that copies each connection's
 //!    bytes to the next hop and parses nothing: the floor of any design that
 //!    puts two processes between a client and a replica, as the router and
-//!    the agent are. Taking turns, the three share a machine whose speed
-//!    drifts alike. Over each measured window the CPU time of the router
-//!    and of `berth dev` (whose node agent the routed requests cross), and
-//!    of the two relays, is read from `/proc`, and divided by the requests
-//!    that went through them: what each hop costs a request.
+//!    the agent are; and then through two such relays whose hop between
+//!    them is mutual TLS with the mesh's own configuration (the second
+//!    serving a service certificate, the first dialling as a router), the
+//!    floor of any design whose two processes speak mTLS to each other, as
+//!    the issue asks of the router and the agent. Taking turns, the four
+//!    share a machine whose speed drifts alike. Over each measured window
+//!    the CPU time of the router and of `berth dev` (whose node agent the
+//!    routed requests cross), and of the two relays, is read from `/proc`,
+//!    and divided by the requests that went through them: what each hop
+//!    costs a request.
 //! 4. Route changes: `echo` gets a second revision, then `--changes`
 //!    `SetTraffic` calls swap its two revisions between 100% and 0%; each
 //!    is timed until `GetService` (polled every [`POLL_EVERY`]) shows every
@@ -54,6 +59,7 @@ use crate::load::{Figures, Samples, Window};
 use crate::output::{OutputFormat, print_report, progress};
 use crate::process::{ChildProcess, free_loopback_port, sibling_binary};
 use crate::procfs::read_cpu_time;
+use berth_mtls::{TlsCredentials, TlsMaterial};
 
 /// How often `GetService` is read while a route change is waited for.
 const POLL_EVERY: Duration = Duration::from_millis(2);
@@ -82,8 +88,8 @@ pub(crate) struct RouterArgs {
     /// How long each load is measured, over all its rounds.
     #[arg(long, default_value = "6s", value_name = "DURATION", value_parser = parse_positive_duration)]
     duration: Duration,
-    /// Turns each load is measured in, direct, routed and relayed taking
-    /// turns.
+    /// Turns each load is measured in, direct, routed and the two relayed
+    /// ways taking turns.
     #[arg(long, default_value_t = 3, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
     /// How long each turn of a load runs before it is measured.
@@ -107,6 +113,8 @@ struct Protocol {
     direct: Figures,
     routed: Figures,
     relayed: Figures,
+    /// Through the two relays with mutual TLS between them.
+    mtls_relayed: Figures,
     /// Routed p50 less direct p50.
     added_p50_ms: Option<f64>,
     /// Routed p99 less direct p99.
@@ -116,33 +124,41 @@ struct Protocol {
     /// Relayed rate over direct rate: what two processes between client
     /// and replica leave at the least work each can do.
     relay_share: Option<f64>,
+    /// The same through the two relays with mutual TLS between them: what
+    /// two processes that speak mTLS to each other leave, at the least.
+    mtls_relay_share: Option<f64>,
     /// CPU time per routed request, microseconds: the router's, then the
     /// node agent's (`berth dev`'s, which holds it); `None` where `/proc`
     /// could not be read.
     routed_us_per_request: Option<[f64; 2]>,
     /// CPU time per relayed request of each of the two relays.
     relayed_us_per_request: Option<[f64; 2]>,
+    /// CPU time per request of each of the two mTLS relays.
+    mtls_relayed_us_per_request: Option<[f64; 2]>,
 }
 
 impl Protocol {
-    fn of(direct: Figures, routed: Figures, relayed: Figures, cpu: [Option<[Duration; 2]>; 2]) -> Self {
+    fn of([direct, routed, relayed, mtls_relayed]: [Figures; 4], cpu: [Option<[Duration; 2]>; 3]) -> Self {
         let less = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a - b);
         let share = |of: &Figures| (direct.rate_per_s > 0.0).then(|| of.rate_per_s / direct.rate_per_s);
         let per_request = |used: Option<[Duration; 2]>, of: &Figures| {
             let requests = of.calls + of.errors;
             used.filter(|_| requests > 0).map(|used| used.map(|time| time.as_secs_f64() * 1e6 / requests as f64))
         };
-        let [routed_cpu, relayed_cpu] = cpu;
+        let [routed_cpu, relayed_cpu, mtls_relayed_cpu] = cpu;
         Protocol {
             added_p50_ms: less(routed.p50_ms, direct.p50_ms),
             added_p99_ms: less(routed.p99_ms, direct.p99_ms),
             rate_share: share(&routed),
             relay_share: share(&relayed),
+            mtls_relay_share: share(&mtls_relayed),
             routed_us_per_request: per_request(routed_cpu, &routed),
             relayed_us_per_request: per_request(relayed_cpu, &relayed),
+            mtls_relayed_us_per_request: per_request(mtls_relayed_cpu, &mtls_relayed),
             direct,
             routed,
             relayed,
+            mtls_relayed,
         }
     }
 
@@ -239,8 +255,9 @@ async fn measure(dev: &mut Dev, router: &Router, args: &RouterArgs, scratch: &Pa
     }
 
     let routed_by = [router.process.pid(), dev.pid().unwrap_or_default()];
-    let http1 = loads(args, "HTTP/1.1", &http1_direct, (routed("echo"), routed_by), false, scratch).await?;
-    let http2 = loads(args, "HTTP/2", &http2_direct, (routed("echo-h2"), routed_by), true, scratch).await?;
+    let tls = RelayTls::issue(dev, scratch).await?;
+    let http1 = loads(args, "HTTP/1.1", &http1_direct, (routed("echo"), routed_by), false, &tls, scratch).await?;
+    let http2 = loads(args, "HTTP/2", &http2_direct, (routed("echo-h2"), routed_by), true, &tls, scratch).await?;
 
     progress("route changes");
     dev.apply(scratch, "echo", &echo_spec(&reference, "http", "2")).await?;
@@ -300,24 +317,42 @@ async fn measure(dev: &mut Dev, router: &Router, args: &RouterArgs, scratch: &Pa
 }
 
 /// One protocol's loads: straight to the replica, through the router (the
-/// target, and the router's and the agent's process ids) and through two
-/// byte relays, each measured in `--rounds` turns, the three taking turns
-/// so that a machine whose speed drifts shares the drift alike.
+/// target, and the router's and the agent's process ids), through two byte
+/// relays and through two relays with mutual TLS between them, each
+/// measured in `--rounds` turns, the four taking turns so that a machine
+/// whose speed drifts shares the drift alike.
 async fn loads(
     args: &RouterArgs,
     protocol: &str,
     direct: &Target,
     (routed, routed_by): (Target, [u32; 2]),
     http2: bool,
+    tls: &RelayTls,
     scratch: &Path,
 ) -> Result<Protocol, DevBenchError> {
-    let relays = Relays::start(direct, scratch).await?;
-    let ways = [(direct.clone(), None), (routed, Some(routed_by)), (relays.target.clone(), Some(relays.pids()))];
+    let relays = Relays::start(direct, None, scratch).await?;
+    let mtls_relays = match Relays::start(direct, Some(tls), scratch).await {
+        Ok(started) => started,
+        Err(error) => {
+            relays.stop().await;
+            return Err(error);
+        }
+    };
+    let ways = [
+        (direct.clone(), None),
+        (routed, Some(routed_by)),
+        (relays.target.clone(), Some(relays.pids())),
+        (mtls_relays.target.clone(), Some(mtls_relays.pids())),
+    ];
     let slice = args.duration / args.rounds;
-    let mut samples: [Samples; 3] = Default::default();
-    let mut cpu: [Option<[Duration; 2]>; 3] = [None, Some([Duration::ZERO; 2]), Some([Duration::ZERO; 2])];
+    let mut samples: [Samples; 4] = Default::default();
+    let mut cpu: [Option<[Duration; 2]>; 4] =
+        [None, Some([Duration::ZERO; 2]), Some([Duration::ZERO; 2]), Some([Duration::ZERO; 2])];
     for round in 1..=args.rounds {
-        progress(&format!("load: {protocol}, round {round} of {}: direct, routed, relayed", args.rounds));
+        progress(&format!(
+            "load: {protocol}, round {round} of {}: direct, routed, relayed, relayed over mTLS",
+            args.rounds
+        ));
         for ((target, pids), (samples, cpu)) in ways.iter().zip(samples.iter_mut().zip(cpu.iter_mut())) {
             let window = Window::after(Instant::now(), args.warmup, slice);
             let measuring = pids.map(|pids| cpu_over(pids, window));
@@ -330,8 +365,9 @@ async fn loads(
         }
     }
     relays.stop().await;
-    let [direct, routed, relayed] = samples.map(|samples| samples.figures(slice * args.rounds, args.connections));
-    Ok(Protocol::of(direct, routed, relayed, [cpu[1], cpu[2]]))
+    mtls_relays.stop().await;
+    let figures = samples.map(|samples| samples.figures(slice * args.rounds, args.connections));
+    Ok(Protocol::of(figures, [cpu[1], cpu[2], cpu[3]]))
 }
 
 /// The CPU time processes `pids` use over `window`, read at its edges.
@@ -533,6 +569,35 @@ async fn connection_run(target: &Target, http2: bool, window: Window, samples: &
     Ok(())
 }
 
+/// The certificates of two relays that speak mutual TLS to each other, as
+/// the mesh's: each a certificate, its key and the CA bundle (files).
+struct RelayTls {
+    /// The second relay's, which accepts: a service's, naming `127.0.0.1`.
+    server: [String; 3],
+    /// The first relay's, which dials: a router's.
+    client: [String; 3],
+}
+
+impl RelayTls {
+    /// Issues both from `berth dev`'s CA.
+    async fn issue(dev: &Dev, scratch: &Path) -> Result<Self, DevBenchError> {
+        let pki = scratch.join("relay-pki");
+        std::fs::create_dir_all(&pki).map_err(|e| setup("the relays' certificates")(e.to_string()))?;
+        let mut issued = Vec::new();
+        for kind in ["service", "router"] {
+            let file = |name: &str| pki.join(format!("{kind}-{name}")).display().to_string();
+            let files = [file("cert.pem"), file("key.pem"), file("ca.pem")];
+            let issue = ["cert", "issue", "--kind", kind, "--name", "relay"];
+            let out = ["--cert-out", &files[0], "--key-out", &files[1], "--ca-out", &files[2]];
+            dev.cli(&[&issue[..], &out[..]].concat()).await.map_err(setup("issuing a relay's certificate"))?;
+            issued.push(files);
+        }
+        let client = issued.pop().ok_or_else(|| setup("the relays' certificates")("none issued".into()))?;
+        let server = issued.pop().ok_or_else(|| setup("the relays' certificates")("none issued".into()))?;
+        Ok(RelayTls { server, client })
+    }
+}
+
 /// Two `berth-bench relay` processes in front of a replica: the first
 /// relays to the second, the second into the replica's namespace.
 struct Relays {
@@ -542,25 +607,31 @@ struct Relays {
 }
 
 impl Relays {
-    async fn start(direct: &Target, scratch: &Path) -> Result<Self, DevBenchError> {
+    /// Starts the two, with mutual TLS between them when `tls` is given.
+    async fn start(direct: &Target, tls: Option<&RelayTls>, scratch: &Path) -> Result<Self, DevBenchError> {
         let Target::Direct { namespace, port } = direct else {
             return Err(setup("the relays")("they relay to a replica's port".to_string()).into());
         };
         let port_for = |what: &'static str| free_loopback_port().map_err(|e| setup(what)(e.to_string()));
         let (first_addr, second_addr) = (port_for("a port for a relay")?, port_for("a port for a relay")?);
         let me = std::env::current_exe().map_err(|e| setup("this executable")(e.to_string()))?;
-        let spawn = |listen: SocketAddr, to: SocketAddr, namespace: Option<&Path>, log: &str| {
-            let mut command = tokio::process::Command::new(&me);
-            command.args(["relay", "--listen", &listen.to_string(), "--to", &to.to_string()]);
-            if let Some(namespace) = namespace {
-                command.arg("--namespace").arg(namespace);
-            }
-            ChildProcess::spawn("berth-bench relay", &me, command, scratch.join(log))
-                .map_err(|e| setup("starting a relay")(e.to_string()))
-        };
+        let spawn =
+            |listen: SocketAddr, to: SocketAddr, namespace: Option<&Path>, tls: Option<(&str, &[String; 3])>| {
+                let mut command = tokio::process::Command::new(&me);
+                command.args(["relay", "--listen", &listen.to_string(), "--to", &to.to_string()]);
+                if let Some(namespace) = namespace {
+                    command.arg("--namespace").arg(namespace);
+                }
+                if let Some((flag, files)) = tls {
+                    command.arg(flag).args(files);
+                }
+                let log = format!("relay-{}{}.log", listen.port(), if tls.is_some() { "-mtls" } else { "" });
+                ChildProcess::spawn("berth-bench relay", &me, command, scratch.join(log))
+                    .map_err(|e| setup("starting a relay")(e.to_string()))
+            };
         let replica = SocketAddr::from((Ipv4Addr::LOCALHOST, *port));
-        let second = spawn(second_addr, replica, Some(namespace.as_path()), "relay-2.log")?;
-        let first = spawn(first_addr, second_addr, None, "relay-1.log")?;
+        let second = spawn(second_addr, replica, Some(namespace.as_path()), tls.map(|t| ("--tls-accept", &t.server)))?;
+        let first = spawn(first_addr, second_addr, None, tls.map(|t| ("--tls-connect", &t.client)))?;
         let relays = Relays { first, second, target: Target::Relayed { addr: first_addr, port: *port } };
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(first_addr).await.is_err() || TcpStream::connect(second_addr).await.is_err() {
@@ -596,25 +667,66 @@ pub(crate) struct RelayArgs {
     /// The network namespace `--to` is reached in (`/proc/PID/ns/net`).
     #[arg(long, value_name = "PATH")]
     namespace: Option<PathBuf>,
+    /// Accepts each connection in mutual TLS, serving this certificate and
+    /// key and admitting clients the CA bundle signed, as a mesh service does.
+    #[arg(long, num_args = 3, value_names = ["CERT", "KEY", "CA"])]
+    tls_accept: Option<Vec<PathBuf>>,
+    /// Dials `--to` in mutual TLS with this certificate and key, verifying
+    /// the server by the CA bundle, as a mesh client does.
+    #[arg(long, num_args = 3, value_names = ["CERT", "KEY", "CA"])]
+    tls_connect: Option<Vec<PathBuf>>,
+}
+
+/// Any connection a relay copies between: TCP, or TLS over it.
+trait Connection: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Connection for T {}
+
+/// The credentials `files` (certificate, key, CA bundle) name.
+fn relay_credentials(files: Option<&Vec<PathBuf>>) -> Result<Option<TlsCredentials>, String> {
+    let Some([cert, key, ca]) = files.map(Vec::as_slice) else { return Ok(None) };
+    let material = TlsMaterial::from_files(cert, key, ca).map_err(|e| format!("the relay's TLS files: {e}"))?;
+    TlsCredentials::new(material).map(Some).map_err(|e| format!("the relay's TLS files: {e}"))
 }
 
 /// `berth-bench relay`: copies each connection's bytes to a connection of
 /// its own to `--to` and back, parsing nothing, until killed. The router
 /// scenario's floor: the least a process between client and replica costs.
 pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
+    let acceptor = relay_credentials(args.tls_accept.as_ref())?
+        .map(|credentials| tokio_rustls::TlsAcceptor::from(credentials.server_config()));
+    let connector = relay_credentials(args.tls_connect.as_ref())?
+        .map(|credentials| tokio_rustls::TlsConnector::from(credentials.client_config()));
     let listener =
         TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     loop {
-        let Ok((mut client, _)) = listener.accept().await else { continue };
-        let args = args.clone();
+        let Ok((client, _)) = listener.accept().await else { continue };
+        let (args, acceptor, connector) = (args.clone(), acceptor.clone(), connector.clone());
         tokio::spawn(async move {
+            let _ = client.set_nodelay(true);
+            let mut client: Box<dyn Connection> = match acceptor {
+                Some(acceptor) => match acceptor.accept(client).await {
+                    Ok(tls) => Box::new(tls),
+                    Err(_) => return,
+                },
+                None => Box::new(client),
+            };
             let upstream = match args.namespace {
                 Some(namespace) => berth_agent::connect_in_namespace(namespace, args.to, Duration::from_secs(2)).await,
                 None => TcpStream::connect(args.to).await,
             };
-            let Ok(mut upstream) = upstream else { return };
-            let _ = client.set_nodelay(true);
+            let Ok(upstream) = upstream else { return };
             let _ = upstream.set_nodelay(true);
+            let mut upstream: Box<dyn Connection> = match connector {
+                Some(connector) => {
+                    let name = rustls_pki_types::ServerName::IpAddress(args.to.ip().into());
+                    match connector.connect(name, upstream).await {
+                        Ok(tls) => Box::new(tls),
+                        Err(_) => return,
+                    }
+                }
+                None => Box::new(upstream),
+            };
             let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
         });
     }
@@ -656,12 +768,13 @@ fn table(report: &Report) -> String {
     let added = |p: &Protocol, name: &str| {
         let percent = |share: Option<f64>| share.map_or_else(|| "-".into(), |s| format!("{:.0}%", s * 100.0));
         format!(
-            "{name}: router adds {} at p50 (target <= {TARGET_ADDED_P50_MS}ms), {} at p99 (<= {TARGET_ADDED_P99_MS}ms), keeps {} of the direct rate (>= {:.0}%; two byte relays keep {}): {}\n",
+            "{name}: router adds {} at p50 (target <= {TARGET_ADDED_P50_MS}ms), {} at p99 (<= {TARGET_ADDED_P99_MS}ms), keeps {} of the direct rate (>= {:.0}%; two byte relays keep {}, with mTLS between them {}): {}\n",
             latency(p.added_p50_ms),
             latency(p.added_p99_ms),
             percent(p.rate_share),
             TARGET_RATE_SHARE * 100.0,
             percent(p.relay_share),
+            percent(p.mtls_relay_share),
             if p.met() { "OK" } else { "MISSED" }
         )
     };
@@ -673,9 +786,11 @@ fn table(report: &Report) -> String {
     out.push_str(&row("HTTP/1.1 direct to the replica", &report.http1.direct));
     out.push_str(&row("HTTP/1.1 through the router", &report.http1.routed));
     out.push_str(&row("HTTP/1.1 through two byte relays", &report.http1.relayed));
+    out.push_str(&row("HTTP/1.1 through two mTLS relays", &report.http1.mtls_relayed));
     out.push_str(&row("HTTP/2 direct to the replica", &report.http2.direct));
     out.push_str(&row("HTTP/2 through the router", &report.http2.routed));
     out.push_str(&row("HTTP/2 through two byte relays", &report.http2.relayed));
+    out.push_str(&row("HTTP/2 through two mTLS relays", &report.http2.mtls_relayed));
     out.push_str(&added(&report.http1, "HTTP/1.1"));
     out.push_str(&added(&report.http2, "HTTP/2"));
     let cpu = |p: &Protocol, name: &str| {
@@ -683,9 +798,10 @@ fn table(report: &Report) -> String {
             pair.map_or_else(|| "-".into(), |[a, b]| format!("{a:.0} µs + {b:.0} µs = {:.0} µs", a + b))
         };
         format!(
-            "{name}: CPU per request: router + agent {}; two byte relays {}\n",
+            "{name}: CPU per request: router + agent {}; two byte relays {}; two mTLS relays {}\n",
             us(p.routed_us_per_request),
-            us(p.relayed_us_per_request)
+            us(p.relayed_us_per_request),
+            us(p.mtls_relayed_us_per_request)
         )
     };
     out.push_str(&cpu(&report.http1, "HTTP/1.1"));

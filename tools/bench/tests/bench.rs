@@ -179,14 +179,15 @@ fn router_measures_requests_through_the_data_plane_beside_direct_ones() {
         ["router", "--connections", "2", "--duration", "1s", "--warmup", "200ms", "--changes", "3", "--services", "5"];
     let (report, _) = run_for_report(&[&args[..], &["-o", "json"]].concat());
     for protocol in ["http1", "http2"] {
-        for path in ["direct", "routed", "relayed"] {
+        for path in ["direct", "routed", "relayed", "mtls_relayed"] {
             let figures = &report[protocol][path];
             assert!(figures["calls"].as_u64().unwrap() > 0, "{protocol} {path} answered: {report}");
             assert_eq!(figures["errors"], 0, "{protocol} {path}: {report}");
         }
         assert!(report[protocol]["rate_share"].as_f64().unwrap() > 0.0, "{report}");
         assert!(report[protocol]["relay_share"].as_f64().unwrap() > 0.0, "{report}");
-        for hops in ["routed_us_per_request", "relayed_us_per_request"] {
+        assert!(report[protocol]["mtls_relay_share"].as_f64().unwrap() > 0.0, "{report}");
+        for hops in ["routed_us_per_request", "relayed_us_per_request", "mtls_relayed_us_per_request"] {
             let hops = report[protocol][hops].as_array().unwrap_or_else(|| panic!("{protocol} {hops}: {report}"));
             assert_eq!(hops.len(), 2, "{report}");
             assert!(hops.iter().all(|us| us.as_f64().is_some_and(|us| us >= 0.0)), "{report}");
