@@ -130,9 +130,12 @@ impl v1::data_plane_server::DataPlane for DataPlane {
         // replica's reading side, the way a TCP half-close would.
         let (inbound_done, stopping) = (done.clone(), shutdown.clone());
         tokio::spawn(async move {
+            // Waited on across frames, not made anew for each.
+            let replica_done = inbound_done.cancelled();
+            tokio::pin!(replica_done);
             loop {
                 let frame = tokio::select! {
-                    () = inbound_done.cancelled() => break,
+                    () = &mut replica_done => break,
                     frame = incoming.next() => frame,
                 };
                 match frame {

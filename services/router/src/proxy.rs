@@ -119,14 +119,14 @@ impl Proxy {
             connections.spawn(async move {
                 match tls {
                     None => {
-                        let client = Client { addr: client, tls: false, workload: None };
+                        let client = Client::new(client, false, None);
                         proxy.serve_connection(stream, client, shutdown).await;
                     }
                     Some(tls) => match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
                         Ok(Ok(stream)) => {
                             let workload =
                                 stream.get_ref().1.peer_certificates().and_then(|c| c.first()).and_then(xfcc);
-                            let client = Client { addr: client, tls: true, workload };
+                            let client = Client::new(client, true, workload);
                             proxy.serve_connection(stream, client, shutdown).await;
                         }
                         Ok(Err(error)) => tracing::debug!(%error, "a client's TLS handshake failed"),
@@ -590,7 +590,8 @@ impl Pool {
         }
         let mut http1 = Self::lock(&self.http1);
         let idle = http1.get_mut(lease_id)?;
-        idle.retain(|(since, sender)| since.elapsed() < IDLE_FOR && !sender.is_closed());
+        let now = std::time::Instant::now();
+        idle.retain(|(since, sender)| now.duration_since(*since) < IDLE_FOR && !sender.is_closed());
         idle.pop().map(|(_, sender)| Upstream::Http1(sender))
     }
 
@@ -611,9 +612,10 @@ impl Pool {
     fn put_back(&self, lease_id: String, sender: hyper::client::conn::http1::SendRequest<Incoming>) {
         let mut http1 = Self::lock(&self.http1);
         let idle = http1.entry(lease_id).or_default();
-        idle.retain(|(since, _)| since.elapsed() < IDLE_FOR);
+        let now = std::time::Instant::now();
+        idle.retain(|(since, _)| now.duration_since(*since) < IDLE_FOR);
         if idle.len() < IDLE_PER_REPLICA {
-            idle.push((std::time::Instant::now(), sender));
+            idle.push((now, sender));
         }
     }
 
@@ -690,11 +692,21 @@ impl hyper::body::Body for Guarded {
 /// Who sent a request, as the replica is told.
 #[derive(Debug, Clone)]
 struct Client {
-    addr: std::net::SocketAddr,
+    /// The client's address, as `X-Forwarded-For` names it: made once per
+    /// connection, not per request.
+    ip: hyper::header::HeaderValue,
     tls: bool,
     /// The `X-Forwarded-Client-Cert` naming the workload that presented its
     /// SVID, if one did.
     workload: Option<hyper::header::HeaderValue>,
+}
+
+impl Client {
+    fn new(addr: std::net::SocketAddr, tls: bool, workload: Option<hyper::header::HeaderValue>) -> Client {
+        let ip = hyper::header::HeaderValue::from_str(&addr.ip().to_string())
+            .unwrap_or_else(|_| hyper::header::HeaderValue::from_static("unknown"));
+        Client { ip, tls, workload }
+    }
 }
 
 /// The header that names the calling workload to the callee.
@@ -721,12 +733,13 @@ fn forwarded_headers<B>(request: &mut Request<B>, host: &str, client: &Client) {
     if let Some(workload) = &client.workload {
         headers.insert(XFCC, workload.clone());
     }
-    let ip = client.addr.ip().to_string();
     let chain = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(earlier) if !earlier.is_empty() => format!("{earlier}, {ip}"),
-        _ => ip,
+        Some(earlier) if !earlier.is_empty() => {
+            HeaderValue::from_str(&format!("{earlier}, {}", client.ip.to_str().unwrap_or_default())).ok()
+        }
+        _ => Some(client.ip.clone()),
     };
-    if let Ok(chain) = HeaderValue::from_str(&chain) {
+    if let Some(chain) = chain {
         headers.insert("x-forwarded-for", chain);
     }
     headers.insert("x-forwarded-proto", HeaderValue::from_static(if client.tls { "https" } else { "http" }));
@@ -785,7 +798,7 @@ mod tests {
 
     #[test]
     fn a_replica_is_told_who_asked_after_any_proxy_before_and_how() {
-        let client = Client { addr: "192.0.2.7:40000".parse().unwrap(), tls: true, workload: None };
+        let client = Client::new("192.0.2.7:40000".parse().unwrap(), true, None);
         let mut request = Request::builder().header("x-forwarded-for", "198.51.100.1").body(()).unwrap();
         forwarded_headers(&mut request, "hello.default.berth.localhost", &client);
         let header = |name: &str| request.headers().get(name).unwrap().to_str().unwrap().to_string();
@@ -816,7 +829,7 @@ mod tests {
 
         let forged =
             || Request::builder().header(XFCC, "URI=spiffe://berth.internal/ns/bank/lease/l-9").body(()).unwrap();
-        let anonymous = Client { addr: "192.0.2.7:40000".parse().unwrap(), tls: true, workload: None };
+        let anonymous = Client::new("192.0.2.7:40000".parse().unwrap(), true, None);
         let mut request = forged();
         forwarded_headers(&mut request, "h", &anonymous);
         assert_eq!(request.headers().get(XFCC), None, "a client's own claim is dropped");
