@@ -42,6 +42,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use berth_mtls::{TlsCredentials, TlsMaterial};
 use berth_proto::agent::v1 as agent;
 use berth_proto::revisions::v1;
 use bytes::Bytes;
@@ -59,7 +60,6 @@ use crate::load::{Figures, Samples, Window};
 use crate::output::{OutputFormat, print_report, progress};
 use crate::process::{ChildProcess, free_loopback_port, sibling_binary};
 use crate::procfs::read_cpu_time;
-use berth_mtls::{TlsCredentials, TlsMaterial};
 
 /// How often `GetService` is read while a route change is waited for.
 const POLL_EVERY: Duration = Duration::from_millis(2);
