@@ -4,11 +4,15 @@
 //!
 //! # What an acknowledgement means
 //! Generation `g` of a service is acknowledged once the table requests read
-//! was built from `g`, and no request this router sent to a revision `g`
-//! does not route to is still being answered. Requests register what they
-//! were sent to ([`InFlight::enter`]) under the same lock the acknowledger
-//! reads the table under, so no request can pick a revision from a table
-//! older than the one acknowledged without being counted first.
+//! was built from `g`, and no request this router sent to a replica `g`
+//! sends nothing new to (its revision dropped, its lease ended, its node
+//! draining while another replica serves) is still being answered: a
+//! replica is stopped only once every router acknowledged a generation
+//! without it, so none is stopped with a request under way. Requests
+//! register the replica they were sent to ([`InFlight::enter`]) under the
+//! same lock the acknowledger reads the table under, so no request can pick
+//! a replica from a table older than the one acknowledged without being
+//! counted first.
 //!
 //! # Expected flow
 //! A task wakes when the table changes, when the last request to a revision
@@ -36,18 +40,18 @@ pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(5);
 /// Most acknowledgements sent in one call.
 const BATCH: usize = 10_000;
 
-/// How many requests are under way, by service, then by revision name:
-/// a request looks its count up by the names its endpoint holds, copying
-/// none.
-type Counts = HashMap<ServiceKey, HashMap<String, usize>>;
+/// How many requests are under way, by service, then by the lease of the
+/// replica they were sent to (with that replica): a request looks its
+/// count up by the names its endpoint holds, copying none.
+type Counts = HashMap<ServiceKey, HashMap<String, (Arc<Endpoint>, usize)>>;
 
-/// The requests under way, by the revision they were sent to.
+/// The requests under way, by the replica they were sent to.
 #[derive(Debug)]
 pub(crate) struct InFlight {
     table: watch::Receiver<Arc<RouteTable>>,
     counts: Mutex<Counts>,
-    /// Woken when the last request to a revision the table no longer
-    /// routes to ends.
+    /// Woken when the last request to a replica the table no longer sends
+    /// to ends.
     drained: Notify,
 }
 
@@ -79,24 +83,26 @@ impl InFlight {
         Locked { inflight: self, counts: self.counts() }
     }
 
-    /// Whether no request to `service` is being answered from a revision
-    /// `table` does not route it to.
+    /// Whether no request to `service` is being answered by a replica
+    /// `table` sends nothing new to.
     fn drained_for(counts: &Counts, table: &RouteTable, service: &ServiceKey) -> bool {
-        counts.get(service).is_none_or(|revisions| revisions.keys().all(|revision| table.routes_to(service, revision)))
+        counts.get(service).is_none_or(|replicas| {
+            replicas.values().all(|(endpoint, _)| table.sends_to(service, &endpoint.revision, &endpoint.lease_id))
+        })
     }
 }
 
 impl Locked<'_> {
-    /// Counts a request sent to `endpoint`'s revision until the guard drops.
+    /// Counts a request sent to `endpoint` until the guard drops.
     pub(crate) fn enter(&mut self, endpoint: &Arc<Endpoint>) -> InFlightGuard {
-        let revisions = match self.counts.get_mut(&endpoint.service) {
-            Some(revisions) => revisions,
+        let replicas = match self.counts.get_mut(&endpoint.service) {
+            Some(replicas) => replicas,
             None => self.counts.entry(endpoint.service.clone()).or_default(),
         };
-        match revisions.get_mut(endpoint.revision.as_str()) {
-            Some(count) => *count += 1,
+        match replicas.get_mut(endpoint.lease_id.as_str()) {
+            Some((_, count)) => *count += 1,
             None => {
-                revisions.insert(endpoint.revision.clone(), 1);
+                replicas.insert(endpoint.lease_id.clone(), (endpoint.clone(), 1));
             }
         }
         InFlightGuard { inflight: self.inflight.clone(), endpoint: endpoint.clone() }
@@ -105,18 +111,18 @@ impl Locked<'_> {
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        let (service, revision) = (&self.endpoint.service, self.endpoint.revision.as_str());
+        let (service, lease_id) = (&self.endpoint.service, self.endpoint.lease_id.as_str());
         let mut counts = self.inflight.counts();
-        let Some(revisions) = counts.get_mut(service) else { return };
-        let Some(count) = revisions.get_mut(revision) else { return };
+        let Some(replicas) = counts.get_mut(service) else { return };
+        let Some((_, count)) = replicas.get_mut(lease_id) else { return };
         *count -= 1;
         if *count == 0 {
-            revisions.remove(revision);
-            if revisions.is_empty() {
+            replicas.remove(lease_id);
+            if replicas.is_empty() {
                 counts.remove(service);
             }
-            let routed = self.inflight.table.borrow().routes_to(service, revision);
-            if !routed {
+            let sent = self.inflight.table.borrow().sends_to(service, &self.endpoint.revision, lease_id);
+            if !sent {
                 self.inflight.drained.notify_one();
             }
         }
@@ -206,6 +212,10 @@ mod tests {
     use crate::routes::{Resolution, Sources};
 
     fn table(live: &str, generation: u64) -> RouteTable {
+        RouteTable::build("berth.localhost", &sources(live, generation))
+    }
+
+    fn sources(live: &str, generation: u64) -> Sources {
         let mut sources = Sources::default();
         let status = ServiceStatus { live_revision: live.into(), route_generation: generation, ..Default::default() };
         let service = Service { name: "web".into(), status: Some(status), ..Default::default() };
@@ -228,7 +238,43 @@ mod tests {
             ..Default::default()
         };
         sources.nodes.insert("n-1".into(), node);
-        RouteTable::build("berth.localhost", &sources)
+        sources
+    }
+
+    #[test]
+    fn a_generation_is_not_drained_while_a_request_to_a_replica_it_stopped_sending_to_is_answering() {
+        let web: ServiceKey = ("default".into(), "web".into());
+        // web-00001 runs on n-1, which drains, and on n-2.
+        let mut sources = sources("web-00001", 1);
+        let mut moved = sources.leases["l-web-00001"].clone();
+        moved.lease_id = "l-web-00001-b".into();
+        moved.node_id = "n-2".into();
+        sources.leases.insert(moved.lease_id.clone(), moved);
+        let mut second = sources.nodes["n-1"].clone();
+        second.node_id = "n-2".into();
+        second.advertise_addr = "127.0.0.2:7447".into();
+        sources.nodes.insert("n-2".into(), second);
+        let before = RouteTable::build("berth.localhost", &sources);
+        let (publish, follower) = watch::channel(Arc::new(before.clone()));
+        let inflight = InFlight::new(follower);
+        let Resolution::Endpoints(endpoints) = before.resolve("web.default.berth.localhost", 0.5) else { panic!() };
+        let on_first = endpoints.iter().find(|e| e.node_id == "n-1").unwrap();
+        let guard = inflight.lock().enter(on_first);
+
+        // n-1 drains: its replica is sent nothing new while n-2's serves.
+        sources.nodes.get_mut("n-1").unwrap().state = NodeState::Draining as i32;
+        sources.services.get_mut("default/web").unwrap().status.as_mut().unwrap().route_generation = 2;
+        let after = RouteTable::build("berth.localhost", &sources);
+        assert!(!after.sends_to(&web, "web-00001", "l-web-00001"), "{after:?}");
+        assert!(after.sends_to(&web, "web-00001", "l-web-00001-b"), "{after:?}");
+        publish.send_replace(Arc::new(after.clone()));
+        assert!(
+            !InFlight::drained_for(&inflight.counts(), &after, &web),
+            "a request to the draining replica is answering, though its revision still takes traffic"
+        );
+        drop(guard);
+        assert!(InFlight::drained_for(&inflight.counts(), &after, &web));
+        assert!(inflight.counts().is_empty(), "an ended request leaves nothing behind");
     }
 
     #[test]

@@ -312,9 +312,15 @@ impl RouteTable {
         self.generations.get(service).copied()
     }
 
-    /// Whether requests to `service` may be sent to `revision`.
-    pub fn routes_to(&self, service: &ServiceKey, revision: &str) -> bool {
-        self.services.get(service).is_some_and(|shares| shares.iter().any(|share| share.revision == revision))
+    /// Whether new requests to `service` may be sent to the replica of
+    /// `revision` that runs for `lease_id`: no longer once its revision takes
+    /// no traffic, its lease ended, or its node drains while another serves.
+    pub fn sends_to(&self, service: &ServiceKey, revision: &str, lease_id: &str) -> bool {
+        self.services.get(service).is_some_and(|shares| {
+            shares.iter().any(|share| {
+                share.revision == revision && share.endpoints.iter().any(|endpoint| endpoint.lease_id == lease_id)
+            })
+        })
     }
 
     /// What `host` (a `Host` header or URI authority) resolves to; `roll`,
