@@ -26,17 +26,17 @@ use tokio_rustls::client::TlsStream;
 use tonic::transport::{Endpoint, Uri};
 
 /// How long dialling a peer may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often an idle connection is pinged.
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 
 /// How many streams this side reset h2 remembers at once (for a second
 /// each). A frame the server sent before it saw a reset is ignored while
 /// its stream is remembered; on a forgotten one it counts toward the 1024
 /// after which h2 closes the connection with every call on it. h2's own 50
 /// is a burst a router dropping tunnels reaches.
-const RESETS_REMEMBERED: usize = 4096;
+pub(crate) const RESETS_REMEMBERED: usize = 4096;
 
 /// Request headers never entered into HPACK's dynamic tables: their value
 /// changes on every call (W3C trace context, the gRPC deadline).
@@ -216,14 +216,26 @@ impl tower_service::Service<Uri> for TlsConnector {
             let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_string());
             let host = uri.host().ok_or_else(|| invalid("server address has no host"))?;
             let port = uri.port_u16().ok_or_else(|| invalid("server address has no port"))?;
-            let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
-            let name = ServerName::try_from(host.clone()).map_err(|_| invalid("server host is not a valid name"))?;
-            let tcp = connect_any(&host, port).await?;
-            let _ = tcp.set_nodelay(true);
-            let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
-            Ok(TokioIo::new(tls))
+            Ok(TokioIo::new(dial_tls_to(host, port, config).await?))
         })
     }
+}
+
+/// Dials `addr` (`host:port`) and completes a TLS handshake with `config`.
+pub(crate) async fn dial_tls(addr: &str, config: Arc<ClientConfig>) -> std::io::Result<TlsStream<TcpStream>> {
+    let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{addr}: {m}"));
+    let (host, port) = addr.rsplit_once(':').ok_or_else(|| invalid("expected host:port"))?;
+    let port = port.parse().map_err(|_| invalid("the port is not a number"))?;
+    dial_tls_to(host, port, config).await
+}
+
+async fn dial_tls_to(host: &str, port: u16, config: Arc<ClientConfig>) -> std::io::Result<TlsStream<TcpStream>> {
+    let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_string());
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+    let name = ServerName::try_from(host.clone()).map_err(|_| invalid("server host is not a valid name"))?;
+    let tcp = connect_any(&host, port).await?;
+    let _ = tcp.set_nodelay(true);
+    tokio_rustls::TlsConnector::from(config).connect(name, tcp).await
 }
 
 /// Connects to one of the addresses `host` resolves to, trying them in a

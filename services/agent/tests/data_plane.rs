@@ -192,14 +192,20 @@ async fn thousands_of_tunnels_a_replica_closes_leave_their_shared_connection_ser
         through_tunnel(&addr, &plane.router, &lease.lease_id, "", get).await.map_err(|status| format!("{status:?}"))
     })
     .await;
-    // One channel, as a router holds; each tunnel used as an HTTP/1.1
+    // One connection, as a router holds; each tunnel used as an HTTP/1.1
     // client uses a connection.
-    let channel = berth_rpc::connect(&addr, plane.router.clone()).unwrap();
+    let connection = berth_rpc::tunnel::connect(&addr, &plane.router).await.unwrap();
+    // A refusal comes back as the agent's status, the connection untouched.
+    match connection.open("no-such-lease", "", SLOW).await {
+        Err(berth_rpc::tunnel::OpenError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+            assert!(status.message().contains("no lease no-such-lease on this node"), "{status:?}");
+        }
+        other => panic!("a tunnel to no lease opened or broke: {other:?}"),
+    }
     for tunnel in 0..2000 {
         let answered = async {
-            let mut tunnel = berth_rpc::tunnel::open(channel.clone(), &lease.lease_id, "", SLOW)
-                .await
-                .map_err(|status| format!("{status:?}"))?;
+            let mut tunnel = connection.open(&lease.lease_id, "", SLOW).await.map_err(|error| format!("{error:?}"))?;
             tunnel.write_all(get).await.map_err(|e| e.to_string())?;
             let mut answer = Vec::new();
             let mut buffer = [0u8; 4096];
@@ -215,6 +221,7 @@ async fn thousands_of_tunnels_a_replica_closes_leave_their_shared_connection_ser
         let answered = tokio::time::timeout(SLOW, answered).await.unwrap();
         answered.unwrap_or_else(|error| panic!("tunnel {tunnel} failed: {error}"));
     }
+    assert!(!connection.is_closed(), "the shared connection still serves");
 
     agent.kill().await;
     plane.cleanup().await;

@@ -36,8 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use berth_mtls::TlsCredentials;
-use berth_rpc::Channel;
-use berth_rpc::tunnel::{self, Tunnel};
+use berth_rpc::tunnel::{self, Connection, OpenError, Tunnel};
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
@@ -64,6 +63,11 @@ const OPEN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// How long requests under way may take to finish once the router stops.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// One agent's connection and how many times one was made; locked across
+/// a dial, so the requests to an agent not yet connected wait for its one
+/// connection rather than each making one, and those to others do not wait.
+type AgentSlot = Arc<tokio::sync::Mutex<(u64, Option<Connection>)>>;
+
 /// What a client is told to wait before trying a service with no replica.
 const RETRY_AFTER_SECONDS: &str = "1";
 
@@ -76,8 +80,8 @@ pub(crate) struct Proxy {
     table: watch::Receiver<Arc<RouteTable>>,
     inflight: Arc<InFlight>,
     credentials: TlsCredentials,
-    /// By agent address: the channel, and how many times it was replaced.
-    agents: Mutex<HashMap<String, (u64, Channel)>>,
+    /// By agent address: its connection, if one was made.
+    agents: Mutex<HashMap<String, AgentSlot>>,
     pool: Arc<Pool>,
 }
 
@@ -183,35 +187,42 @@ impl Proxy {
         }
     }
 
-    fn agents(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, Channel)>> {
+    fn agents(&self) -> std::sync::MutexGuard<'_, HashMap<String, AgentSlot>> {
         self.agents.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The one channel to the agent at `addr`, made on first use, with the
-    /// generation it was made at.
-    fn agent(&self, addr: &str) -> Result<(u64, Channel), String> {
-        let mut agents = self.agents();
-        if let Some(kept) = agents.get(addr) {
-            return Ok(kept.clone());
+    /// The one connection to the agent at `addr`, made on first use and
+    /// again once it closed, with the generation it was made at.
+    async fn agent(&self, addr: &str) -> Result<(u64, Connection), String> {
+        let slot = self.agents().entry(addr.to_string()).or_default().clone();
+        let mut slot = slot.lock().await;
+        if let (generation, Some(kept)) = &*slot
+            && !kept.is_closed()
+        {
+            return Ok((*generation, kept.clone()));
         }
-        let channel = berth_rpc::connect(addr, self.credentials.clone()).map_err(|e| e.to_string())?;
-        agents.insert(addr.to_string(), (0, channel.clone()));
-        Ok((0, channel))
+        let connection = tunnel::connect(addr, &self.credentials).await.map_err(|e| e.to_string())?;
+        slot.0 += 1;
+        slot.1 = Some(connection.clone());
+        Ok((slot.0, connection))
     }
 
-    /// A fresh channel to the agent at `addr` in place of the one of
-    /// `generation`, whose connection broke; one already made in its place
-    /// by a request before is used as is.
-    fn reconnect(&self, addr: &str, generation: u64) -> Result<Channel, String> {
-        let mut agents = self.agents();
-        if let Some((current, channel)) = agents.get(addr)
+    /// A fresh connection to the agent at `addr` in place of the one of
+    /// `generation`, which broke; one already made in its place by a
+    /// request before is used as is.
+    async fn reconnect(&self, addr: &str, generation: u64) -> Result<Connection, String> {
+        let slot = self.agents().entry(addr.to_string()).or_default().clone();
+        let mut slot = slot.lock().await;
+        if let (current, Some(kept)) = &*slot
             && *current != generation
+            && !kept.is_closed()
         {
-            return Ok(channel.clone());
+            return Ok(kept.clone());
         }
-        let channel = berth_rpc::connect(addr, self.credentials.clone()).map_err(|e| e.to_string())?;
-        agents.insert(addr.to_string(), (generation + 1, channel.clone()));
-        Ok(channel)
+        let connection = tunnel::connect(addr, &self.credentials).await.map_err(|e| e.to_string())?;
+        slot.0 += 1;
+        slot.1 = Some(connection.clone());
+        Ok(connection)
     }
 
     async fn handle(&self, request: Request<Incoming>, client: Client) -> Response<Body> {
@@ -394,32 +405,17 @@ impl Proxy {
     /// its agent broke under the call (the agent restarted, or closed it),
     /// nothing reached the replica: a fresh connection gets one more try.
     async fn open(&self, endpoint: &Endpoint) -> Result<Tunnel, String> {
-        let describe = |status: tonic::Status| format!("{}: {}", status.code(), status.message());
-        let (generation, channel) = self.agent(&endpoint.agent_addr)?;
-        match tunnel::open(channel, &endpoint.lease_id, "", OPEN_TIMEOUT).await {
+        let (generation, connection) = self.agent(&endpoint.agent_addr).await?;
+        match connection.open(&endpoint.lease_id, "", OPEN_TIMEOUT).await {
             Ok(tunnel) => Ok(tunnel),
-            Err(status) if connection_broke(&status) => {
-                tracing::debug!(agent = %endpoint.agent_addr, %status, "the connection to an agent broke; reconnecting");
-                let channel = self.reconnect(&endpoint.agent_addr, generation)?;
-                tunnel::open(channel, &endpoint.lease_id, "", OPEN_TIMEOUT).await.map_err(describe)
+            Err(OpenError::Broke(error)) => {
+                tracing::debug!(agent = %endpoint.agent_addr, %error, "the connection to an agent broke; reconnecting");
+                let connection = self.reconnect(&endpoint.agent_addr, generation).await?;
+                connection.open(&endpoint.lease_id, "", OPEN_TIMEOUT).await.map_err(|e| e.to_string())
             }
-            Err(status) => Err(describe(status)),
+            Err(refused) => Err(refused.to_string()),
         }
     }
-}
-
-/// Whether a call failed because the connection it went on broke (an h2
-/// error behind it, or the call cancelled with its connection), not by its
-/// agent's answer or a connection that could not be made.
-fn connection_broke(status: &tonic::Status) -> bool {
-    let mut source = std::error::Error::source(status);
-    while let Some(error) = source {
-        if error.downcast_ref::<h2::Error>().is_some() {
-            return true;
-        }
-        source = error.source();
-    }
-    status.code() == tonic::Code::Cancelled
 }
 
 /// The replicas a request may try, in order, with the request counted
@@ -782,18 +778,6 @@ mod tests {
         let set = set.unwrap();
         assert_eq!(set.to_str().unwrap(), format!("berth-session={key}; Path=/; HttpOnly; SameSite=Lax"));
         assert_ne!(cookie("berth-session").0.unwrap(), key, "each client without one gets its own");
-    }
-
-    #[test]
-    fn a_tunnel_is_opened_again_only_when_its_connection_broke_under_it() {
-        let goaway = tonic::Status::from_error(Box::new(h2::Error::from(h2::Reason::ENHANCE_YOUR_CALM)));
-        assert!(connection_broke(&goaway), "{goaway:?}");
-        assert!(connection_broke(&tonic::Status::cancelled("operation was canceled")));
-        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
-        let unreachable = tonic::Status::from_error(Box::new(refused));
-        assert!(!connection_broke(&unreachable), "a connection never made is not retried: {unreachable:?}");
-        assert!(!connection_broke(&tonic::Status::not_found("no lease l-1 on this node")));
-        assert!(!connection_broke(&tonic::Status::unavailable("nothing accepts on port 9 of lease l-1")));
     }
 
     #[test]
