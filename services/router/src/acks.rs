@@ -15,8 +15,8 @@
 //! counted first.
 //!
 //! # Expected flow
-//! A task wakes when the table changes, when the last request to a revision
-//! the table no longer routes to ends, and every [`KEEP_ALIVE`]; it sends
+//! A task wakes when the table changes, when the last request to a replica
+//! the table no longer sends to ends, and every [`KEEP_ALIVE`]; it sends
 //! every generation not yet acknowledged that may be, or an empty list as a
 //! keep-alive (revisions counts a router alive while it calls). A failed
 //! call is tried again with backoff; what it carried is sent again.
