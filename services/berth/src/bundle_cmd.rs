@@ -10,7 +10,7 @@
 //! One line, `berth: error: ...`, naming the field of `berth.toml` or the reference that
 //! was wrong, and exit code 1.
 
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::path::PathBuf;
 
 use berth_bundle::{
@@ -21,6 +21,7 @@ use berth_runtime::StartError;
 use serde_json::{Value, json};
 
 use crate::cli::OutputFormat;
+use crate::cli::output::{self, Table};
 
 /// Flags of `berth bundle`.
 #[derive(Debug, clap::Args)]
@@ -157,12 +158,12 @@ impl BundleArgs {
                         "modules": bundle.config().modules.len(),
                         "layer_size": layer_size,
                     })),
-                    OutputFormat::Table => print(&rows(&[
-                        ("PUSHED", reference.to_string()),
-                        ("DIGEST", digest.to_string()),
-                        ("PINNED", pinned.to_string()),
-                        ("MODULES", bundle.config().modules.len().to_string()),
-                        ("LAYER", size(layer_size)),
+                    OutputFormat::Table => print(&output::fields(&[
+                        ("Pushed", reference.to_string()),
+                        ("Digest", digest.to_string()),
+                        ("Pinned", pinned.to_string()),
+                        ("Modules", bundle.config().modules.len().to_string()),
+                        ("Layer", output::memory(layer_size)),
                     ])),
                 }
             }
@@ -235,33 +236,32 @@ fn info_table(info: &BundleInfo) -> String {
     let config = &info.config;
     let env: Vec<String> = config.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let ports: Vec<String> = config.ports.iter().map(|p| format!("{}:{}", p.name, p.port)).collect();
-    let mut out = rows(&[
-        ("REFERENCE", info.reference.to_string()),
-        ("DIGEST", info.digest.to_string()),
-        ("ARTIFACT TYPE", info.manifest.artifact_type.clone().unwrap_or_else(|| NONE.to_owned())),
-        ("MANIFEST", size(info.manifest_size)),
-        ("CONFIG", format!("{} ({})", info.manifest.config.digest, size(info.manifest.config.size))),
-        ("ENTRYPOINT", config.entrypoint.clone()),
-        ("ARGS", or_none(config.args.iter().map(|a| shell_word(a)).collect::<Vec<_>>().join(" "))),
-        ("ENV", or_none(env.join(" "))),
-        ("PORTS", or_none(ports.join(" "))),
+    let mut out = output::fields(&[
+        ("Reference", info.reference.to_string()),
+        ("Digest", info.digest.to_string()),
+        ("Artifact type", info.manifest.artifact_type.clone().unwrap_or_else(|| output::NONE.to_owned())),
+        ("Manifest", output::memory(info.manifest_size)),
+        ("Config", format!("{} ({})", info.manifest.config.digest, output::memory(info.manifest.config.size))),
+        ("Entrypoint", config.entrypoint.clone()),
+        ("Args", or_none(config.args.iter().map(|a| shell_word(a)).collect::<Vec<_>>().join(" "))),
+        ("Env", or_none(env.join(" "))),
+        ("Ports", or_none(ports.join(" "))),
     ]);
-    out.push_str("\nLAYERS\n");
-    let layers: Vec<Vec<String>> =
-        info.manifest.layers.iter().map(|l| vec![l.media_type.clone(), l.digest.to_string(), size(l.size)]).collect();
-    out.push_str(&columns(&["MEDIA TYPE", "DIGEST", "SIZE"], &layers));
-    out.push_str("\nMODULES\n");
-    let modules: Vec<Vec<String>> =
-        config.modules.iter().map(|m| vec![m.path.clone(), size(m.size), m.digest.to_string()]).collect();
-    out.push_str(&columns(&["PATH", "SIZE", "DIGEST"], &modules));
+    let mut layers = Table::new(vec!["MEDIA TYPE", "DIGEST", "SIZE"]);
+    for layer in &info.manifest.layers {
+        layers.row(vec![layer.media_type.clone(), layer.digest.to_string(), output::memory(layer.size)]);
+    }
+    out.push_str(&layers.section("Layers", output::NONE));
+    let mut modules = Table::new(vec!["PATH", "SIZE", "DIGEST"]);
+    for module in &config.modules {
+        modules.row(vec![module.path.clone(), output::memory(module.size), module.digest.to_string()]);
+    }
+    out.push_str(&modules.section("Modules", output::NONE));
     out
 }
 
-/// What a cell shows for a value that is not set.
-const NONE: &str = "<none>";
-
 fn or_none(text: String) -> String {
-    if text.is_empty() { NONE.to_owned() } else { text }
+    if text.is_empty() { output::NONE.to_owned() } else { text }
 }
 
 /// An argument as a shell would need it quoted.
@@ -270,79 +270,17 @@ fn shell_word(arg: &str) -> String {
     if plain { arg.to_owned() } else { format!("'{}'", arg.replace('\'', r"'\''")) }
 }
 
-/// `label   value` lines, labels padded to one width.
-fn rows(rows: &[(&str, String)]) -> String {
-    let width = rows.iter().map(|(label, _)| label.len()).max().unwrap_or(0);
-    rows.iter().map(|(label, value)| format!("{label:<width$}   {value}\n")).collect()
-}
-
-/// Columns under headers, each as wide as its widest cell, indented by two.
-fn columns(headers: &[&str], cells: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
-    for row in cells {
-        for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.chars().count());
-        }
-    }
-    let line = |row: Vec<&str>| {
-        let mut text = String::from("  ");
-        for (i, cell) in row.iter().enumerate() {
-            if i + 1 < row.len() {
-                text.push_str(&format!("{cell:<width$}   ", width = widths[i]));
-            } else {
-                text.push_str(cell);
-            }
-        }
-        format!("{}\n", text.trim_end())
-    };
-    let mut out = line(headers.to_vec());
-    for row in cells {
-        out.push_str(&line(row.iter().map(String::as_str).collect()));
-    }
-    out
-}
-
-/// Bytes in the largest binary unit that keeps them readable: `512`, `4.2Ki`, `1.5Mi`.
-fn size(bytes: u64) -> String {
-    const UNITS: [(&str, u64); 4] = [("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)];
-    for (unit, scale) in UNITS {
-        if bytes >= scale {
-            let tenths = (u128::from(bytes) * 10 + u128::from(scale) / 2) / u128::from(scale);
-            return if tenths % 10 == 0 {
-                format!("{}{unit}", tenths / 10)
-            } else {
-                format!("{}.{}{unit}", tenths / 10, tenths % 10)
-            };
-        }
-    }
-    bytes.to_string()
-}
-
 fn print(text: &str) -> Result<(), BundleCmdError> {
-    let mut stdout = std::io::stdout().lock();
-    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
-        // A reader that went away (`| head`) is not an error.
-        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        other => other.map_err(BundleCmdError::Output),
-    }
+    output::write_stdout(text).map_err(BundleCmdError::Output)
 }
 
 fn print_json(value: &Value) -> Result<(), BundleCmdError> {
-    let mut text = serde_json::to_string_pretty(value).map_err(|e| BundleCmdError::Output(e.into()))?;
-    text.push('\n');
-    print(&text)
+    print(&output::json_text(value))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_read_in_binary_units() {
-        assert_eq!(size(512), "512");
-        assert_eq!(size(4300), "4.2Ki");
-        assert_eq!(size(3 << 20), "3Mi");
-    }
 
     #[test]
     fn arguments_are_quoted_only_when_needed() {
@@ -353,8 +291,13 @@ mod tests {
     }
 
     #[test]
-    fn columns_align_under_headers() {
-        let text = columns(&["A", "BB"], &[vec!["long".into(), "x".into()]]);
-        assert_eq!(text, "  A      BB\n  long   x\n");
+    fn a_bundles_layers_read_as_a_table_under_their_heading_or_none() {
+        let mut layers = Table::new(vec!["MEDIA TYPE", "DIGEST", "SIZE"]);
+        assert_eq!(layers.section("Layers", output::NONE), "\nLayers:\n  <none>\n");
+        layers.row(vec!["tar".into(), "sha256:ab".into(), output::memory(4300)]);
+        assert_eq!(
+            layers.section("Layers", output::NONE),
+            "\nLayers:\n  MEDIA TYPE   DIGEST      SIZE\n  tar          sha256:ab   4.2Ki\n"
+        );
     }
 }

@@ -23,7 +23,7 @@ mod health;
 mod lease;
 mod logs;
 mod node;
-mod output;
+pub(crate) mod output;
 mod service;
 mod spec_fields;
 mod spec_file;

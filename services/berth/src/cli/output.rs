@@ -20,28 +20,28 @@ use serde_json::Value;
 use super::CliError;
 
 /// What a table cell shows for a value that is not set.
-pub(super) const NONE: &str = "<none>";
+pub(crate) const NONE: &str = "<none>";
 
 /// Columns under upper-case headers, each as wide as its widest cell,
 /// three spaces apart.
 #[derive(Debug)]
-pub(super) struct Table {
+pub(crate) struct Table {
     headers: Vec<&'static str>,
     rows: Vec<Vec<String>>,
 }
 
 impl Table {
-    pub(super) fn new(headers: Vec<&'static str>) -> Self {
+    pub(crate) fn new(headers: Vec<&'static str>) -> Self {
         Self { headers, rows: Vec::new() }
     }
 
-    pub(super) fn row(&mut self, cells: Vec<String>) {
+    pub(crate) fn row(&mut self, cells: Vec<String>) {
         self.rows.push(cells);
     }
 
     /// The table as a section under `heading`, indented; `when_empty` in
     /// its place when it has no rows.
-    pub(super) fn section(&self, heading: &str, when_empty: &str) -> String {
+    pub(crate) fn section(&self, heading: &str, when_empty: &str) -> String {
         if self.rows.is_empty() {
             format!("\n{heading}:\n  {when_empty}\n")
         } else {
@@ -92,7 +92,7 @@ pub(super) fn indent(text: &str) -> String {
 
 /// `key: value` lines with the values in one column, like `kubectl
 /// describe`.
-pub(super) fn fields(rows: &[(&str, String)]) -> String {
+pub(crate) fn fields(rows: &[(&str, String)]) -> String {
     let width = rows.iter().map(|(key, _)| key.chars().count()).max().unwrap_or(0) + 1;
     rows.iter().map(|(key, value)| format!("{:<width$}  {value}\n", format!("{key}:"))).collect()
 }
@@ -100,10 +100,16 @@ pub(super) fn fields(rows: &[(&str, String)]) -> String {
 /// Writes `text` to stdout. A reader that went away (`| head`) is not an
 /// error.
 pub(super) fn print(text: &str) -> Result<(), CliError> {
+    write_stdout(text).map_err(CliError::Output)
+}
+
+/// Writes `text` to stdout and flushes it; a reader that went away (`|
+/// head`) is not an error. Every command's output goes through it.
+pub(crate) fn write_stdout(text: &str) -> std::io::Result<()> {
     let mut stdout = std::io::stdout().lock();
     match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
         Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        other => other.map_err(CliError::Output),
+        other => other,
     }
 }
 
@@ -119,9 +125,15 @@ pub(super) fn message_json<M: prost::Message + prost::Name>(message: &M) -> Resu
 
 /// Writes `value` to stdout as indented JSON.
 pub(super) fn print_json(value: &Value) -> Result<(), CliError> {
-    let mut text = serde_json::to_string_pretty(value).map_err(|e| CliError::Output(e.into()))?;
+    print(&json_text(value))
+}
+
+/// `value` as indented JSON, one line after it.
+pub(crate) fn json_text(value: &Value) -> String {
+    // A `Value`'s keys are strings: it always serializes.
+    let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
     text.push('\n');
-    print(&text)
+    text
 }
 
 /// A note for the person at the terminal, kept off stdout so output can be
@@ -203,7 +215,7 @@ pub(super) fn cpu(millis: u64) -> String {
 }
 
 /// Bytes in the largest binary unit that keeps them readable: `512Mi`, `1.5Gi`.
-pub(super) fn memory(bytes: u64) -> String {
+pub(crate) fn memory(bytes: u64) -> String {
     const UNITS: [(&str, u64); 5] =
         [("Pi", 1 << 50), ("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)];
     for (unit, size) in UNITS {
