@@ -91,16 +91,24 @@ pub enum Backend {
     Sqlite,
 }
 
-/// Whether a test that needs root (`what` it needs it for) can run: true as
-/// root; false, after saying it skips, as another user; and a failure
-/// under `CI=true`, where every such test must run.
-pub fn runs_as_root(what: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
+/// Whether a test can run, `present` saying whether what it needs
+/// (`what`: a tool, a module, root) is here: true when it is; false, after
+/// saying the test skipped and checked nothing, when it is not; and a
+/// failure under `CI=true`, where `make test` provides all of it and every
+/// test must run.
+pub fn needs(present: bool, what: &str) -> bool {
+    if present {
         return true;
     }
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{what} needs root, and CI=true");
-    eprintln!("skipping: {what} needs root");
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "this test needs {what}, and CI=true: make test provides it");
+    eprintln!("SKIPPED: this test needs {what}; it checked nothing");
     false
+}
+
+/// Whether a test that needs root (`what` it needs it for) can run, as
+/// [`needs`] says.
+pub fn runs_as_root(what: &str) -> bool {
+    needs(rustix::process::geteuid().is_root(), &format!("root for {what}"))
 }
 
 /// Installs the TLS crypto provider and, once per process, logs that

@@ -87,16 +87,12 @@ fn provider_until(kind: Kind, dir: &Path, stop: CancellationToken) -> Option<Arc
 /// The binary of `runtime`, or `None` when this machine cannot run it and
 /// the test may be skipped (never under `CI=true`).
 fn runtime_binary(runtime: OciRuntime) -> Option<std::path::PathBuf> {
-    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-    if !rustix::process::geteuid().is_root() {
-        assert!(!ci, "the {runtime} provider's tests need root, and CI runs as root");
-        eprintln!("skipping: the {runtime} provider needs root");
+    if !berth_testkit::runs_as_root(&format!("the {runtime} provider")) {
         return None;
     }
     let binary = if runtime == OciRuntime::Own { own_runtime_binary() } else { runtime.binary() };
-    if binary.is_none() {
-        assert!(!ci, "{runtime} is not installed: `make test` installs it (and builds berth-runtime)");
-        eprintln!("skipping: {runtime} is not installed");
+    if !berth_testkit::needs(binary.is_some(), &format!("{runtime} (make test installs it and builds berth-runtime)")) {
+        return None;
     }
     binary
 }

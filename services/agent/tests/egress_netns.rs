@@ -31,18 +31,8 @@ const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 /// Whether this host can run these tests; says why not when it cannot.
 fn isolation_possible() -> bool {
     let missing: Vec<&str> = ["/usr/bin/curl", "/bin/sleep"].into_iter().filter(|t| !Path::new(t).exists()).collect();
-    let ci = std::env::var("CI").as_deref() == Ok("true");
-    if !rustix::process::geteuid().is_root() {
-        assert!(!ci, "network namespace tests need root, and CI runs as root");
-        eprintln!("SKIPPED: network namespace tests need root; this test checked nothing");
-        return false;
-    }
-    if !missing.is_empty() {
-        assert!(!ci, "network namespace tests need {missing:?}, which CI installs");
-        eprintln!("SKIPPED: network namespace tests need {missing:?}; this test checked nothing");
-        return false;
-    }
-    true
+    berth_testkit::runs_as_root("network namespaces")
+        && berth_testkit::needs(missing.is_empty(), &format!("{missing:?}"))
 }
 
 async fn isolated(dir: &Path) -> EgressProxies {

@@ -90,17 +90,12 @@ async fn a_replica_under_the_process_runtime_is_held_to_its_tenants_proxy_too() 
 /// Whether this test may contain workloads with `runtime`: root is needed,
 /// and CI runs as root, so there a missing root fails instead of skipping.
 fn contained_here(runtime: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{runtime} needs root, and CI runs as root");
-    eprintln!("SKIPPED: {runtime} needs root");
-    false
+    berth_testkit::runs_as_root(runtime)
 }
 
 async fn replica_held_to_its_proxy(runtime: OciRuntime) {
-    if !Path::new(CURL).exists() || !Path::new(PYTHON).exists() {
-        eprintln!("SKIPPED: this test runs {CURL} and {PYTHON} as the replica; it checked nothing");
+    let tools = Path::new(CURL).exists() && Path::new(PYTHON).exists();
+    if !berth_testkit::needs(tools, &format!("{CURL} and {PYTHON} (as the replica)")) {
         return;
     }
     let plane = ControlPlane::start(Duration::from_secs(5)).await;
