@@ -73,7 +73,7 @@ async fn a_replica_launched_by_the_runner_is_given_its_tenants_proxy_and_stays_r
 /// passes the workload's sockets through to it.
 #[tokio::test]
 async fn a_replica_under_runsc_is_held_to_its_tenants_proxy_too() {
-    if contained_here("runsc") {
+    if berth_testkit::runs_as_root("runsc") {
         replica_held_to_its_proxy(OciRuntime::Runsc).await;
     }
 }
@@ -82,15 +82,9 @@ async fn a_replica_under_runsc_is_held_to_its_tenants_proxy_too() {
 /// tenant's namespace before anything of the workload runs.
 #[tokio::test]
 async fn a_replica_under_the_process_runtime_is_held_to_its_tenants_proxy_too() {
-    if contained_here("the process runtime") {
+    if berth_testkit::runs_as_root("the process runtime") {
         replica_held_to_its_proxy(OciRuntime::Own).await;
     }
-}
-
-/// Whether this test may contain workloads with `runtime`: root is needed,
-/// and CI runs as root, so there a missing root fails instead of skipping.
-fn contained_here(runtime: &str) -> bool {
-    berth_testkit::runs_as_root(runtime)
 }
 
 async fn replica_held_to_its_proxy(runtime: OciRuntime) {
