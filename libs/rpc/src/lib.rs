@@ -18,6 +18,7 @@ pub mod invalid;
 mod listener;
 mod revocations;
 mod server;
+pub mod threads;
 pub mod tunnel;
 
 pub use access::{AccessLayer, AccessPolicy, caller, require_own_node, require_own_workload};

@@ -12,6 +12,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -23,6 +24,8 @@ use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+
+use crate::threads::ServingThreads;
 
 /// How long a client has to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -64,8 +67,14 @@ impl Listener {
         self.tcp.local_addr()
     }
 
-    /// Starts accepting; the stream ends when `stop` is cancelled.
-    pub(crate) fn incoming(self, stop: CancellationToken) -> ReceiverStream<MtlsStream> {
+    /// Starts accepting; the stream ends when `stop` is cancelled. With
+    /// `threads`, each connection is dealt to one of them before its
+    /// handshake, and is served there (see [`MtlsStream::thread`]).
+    pub(crate) fn incoming(
+        self,
+        stop: CancellationToken,
+        threads: Option<Arc<ServingThreads>>,
+    ) -> ReceiverStream<MtlsStream> {
         let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
         tokio::spawn(async move {
             loop {
@@ -85,22 +94,43 @@ impl Listener {
                 let _ = tcp.set_nodelay(true);
                 let acceptor = tokio_rustls::TlsAcceptor::from(self.credentials.server_config());
                 let tx = tx.clone();
-                tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                        Ok(Ok(tls)) => {
-                            let leaf = tls.get_ref().1.peer_certificates().and_then(|certs| certs.first());
-                            let identity = leaf.and_then(identity_from_cert);
-                            let issued_at = leaf.and_then(|cert| cert_validity(cert).ok()).map(|(from, _)| from);
-                            let info = PeerInfo { remote_addr, identity, issued_at };
-                            let _ = tx.send(MtlsStream { tls, info }).await;
-                        }
-                        Ok(Err(error)) => tracing::debug!(%remote_addr, %error, "tls handshake refused"),
-                        Err(_) => tracing::debug!(%remote_addr, "tls handshake timed out"),
+                match &threads {
+                    None => {
+                        tokio::spawn(handshake(acceptor, tcp, remote_addr, None, tx));
                     }
-                });
+                    Some(threads) => {
+                        let dealt = threads
+                            .deal(tcp, move |thread, tcp| handshake(acceptor, tcp, remote_addr, Some(thread), tx));
+                        if let Err(error) = dealt {
+                            tracing::warn!(%remote_addr, %error, "cannot hand a connection to a serving thread");
+                        }
+                    }
+                }
             }
         });
         ReceiverStream::new(rx)
+    }
+}
+
+/// Completes `tcp`'s TLS handshake and sends it on as an [`MtlsStream`]
+/// served on `thread`.
+async fn handshake(
+    acceptor: tokio_rustls::TlsAcceptor,
+    tcp: TcpStream,
+    remote_addr: SocketAddr,
+    thread: Option<usize>,
+    tx: mpsc::Sender<MtlsStream>,
+) {
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+        Ok(Ok(tls)) => {
+            let leaf = tls.get_ref().1.peer_certificates().and_then(|certs| certs.first());
+            let identity = leaf.and_then(identity_from_cert);
+            let issued_at = leaf.and_then(|cert| cert_validity(cert).ok()).map(|(from, _)| from);
+            let info = PeerInfo { remote_addr, identity, issued_at };
+            let _ = tx.send(MtlsStream { tls, info, thread }).await;
+        }
+        Ok(Err(error)) => tracing::debug!(%remote_addr, %error, "tls handshake refused"),
+        Err(_) => tracing::debug!(%remote_addr, "tls handshake timed out"),
     }
 }
 
@@ -109,12 +139,19 @@ impl Listener {
 pub(crate) struct MtlsStream {
     tls: TlsStream<TcpStream>,
     info: PeerInfo,
+    /// The serving thread whose runtime its socket is registered with.
+    thread: Option<usize>,
 }
 
 impl MtlsStream {
     /// Who is on the other end.
     pub(crate) fn info(&self) -> &PeerInfo {
         &self.info
+    }
+
+    /// The serving thread it must be served on, if it was dealt to one.
+    pub(crate) fn thread(&self) -> Option<usize> {
+        self.thread
     }
 }
 

@@ -47,6 +47,7 @@ use crate::access::{AccessLayer, AccessPolicy};
 use crate::deadline::DeadlineLayer;
 use crate::listener::Listener;
 use crate::revocations::Revocations;
+use crate::threads::ServingThreads;
 
 /// The largest request message a berth server decodes; services pass it to
 /// each generated server's `max_decoding_message_size`.
@@ -81,6 +82,9 @@ pub enum RpcError {
     /// The reflection service could not read the descriptor sets.
     #[error("reflection setup failed: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
+    /// Its serving threads could not be started.
+    #[error("cannot start serving threads: {0}")]
+    Threads(#[from] std::io::Error),
 }
 
 /// The health of every service one server serves, flipped together.
@@ -116,6 +120,7 @@ pub struct ServerBuilder {
     reporter: HealthReporter,
     health_service: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
     readiness: Option<ReadinessProbe>,
+    threads: Option<Arc<ServingThreads>>,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -145,6 +150,7 @@ impl ServerBuilder {
             reporter,
             health_service,
             readiness: None,
+            threads: None,
         }
     }
 
@@ -163,6 +169,15 @@ impl ServerBuilder {
     /// Reports `NOT_SERVING` while `probe` fails (see the module docs).
     pub fn with_readiness(mut self, probe: ReadinessProbe) -> Self {
         self.readiness = Some(probe);
+        self
+    }
+
+    /// Serves each connection on one of `threads` (dealt in turn) rather
+    /// than on the calling runtime: for a server whose calls are a
+    /// host's traffic (see [`crate::threads`]). Its handlers then run on
+    /// single-threaded runtimes, so none may block.
+    pub fn with_serving_threads(mut self, threads: Arc<ServingThreads>) -> Self {
+        self.threads = Some(threads);
         self
     }
 
@@ -236,7 +251,8 @@ impl ServerBuilder {
             .max_concurrent_streams(None);
 
         let connections = TaskTracker::new();
-        let mut incoming = listener.incoming(shutdown.child_token());
+        let threads = self.threads.take();
+        let mut incoming = listener.incoming(shutdown.child_token(), threads.clone());
         loop {
             let stream = tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -246,6 +262,7 @@ impl ServerBuilder {
                 },
             };
             let info = stream.info().clone();
+            let thread = stream.thread();
             let service = service.clone();
             let calls = service_fn(move |req: http::Request<hyper::body::Incoming>| {
                 let mut req = req.map(tonic::body::Body::new);
@@ -259,7 +276,7 @@ impl ServerBuilder {
             // as long as the peer stays connected.
             let mut connection = Box::pin(http2.serve_connection(TokioIo::new(stream), calls));
             let shutdown = shutdown.clone();
-            connections.spawn(async move {
+            let serving = connections.track_future(async move {
                 let served = tokio::select! {
                     served = &mut connection => served,
                     () = shutdown.cancelled() => {
@@ -272,6 +289,10 @@ impl ServerBuilder {
                     tracing::debug!(%error, "connection ended with an error");
                 }
             });
+            match (&threads, thread) {
+                (Some(threads), Some(thread)) => drop(threads.spawn(thread, serving)),
+                _ => drop(tokio::spawn(serving)),
+            }
         }
         drop(incoming);
         health.set(false).await;

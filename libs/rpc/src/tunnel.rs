@@ -27,7 +27,8 @@
 //!   resets it: the replica's side is read to its end in the background
 //!   (within [`CLOSE_GRACE`]). A tunnel dropped without a shutdown (its
 //!   caller gave up on it) is reset at once, so the replica stops sending.
-//!   A caller keeps one connection per agent for all its tunnels, and a
+//!   A caller keeps one connection per agent (per serving thread) for all
+//!   its tunnels, and a
 //!   replica that says `Connection: close` ends one tunnel per request:
 //!   each reset that can be avoided is one fewer frame the agent may send
 //!   after it, and h2 ends a connection, with every tunnel on it, once

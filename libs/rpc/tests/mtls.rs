@@ -250,3 +250,56 @@ async fn a_workload_svid_is_admitted_once_the_server_trusts_the_workload_bundle_
     server.server_creds.trust_workloads(None).unwrap();
     assert!(format!("{:?}", health(dial()).await.unwrap_err()).contains("UnknownCA"));
 }
+
+/// Answers a join-token request with the name of the thread that served it.
+#[derive(Debug, Clone)]
+struct ThreadName;
+
+#[tonic::async_trait]
+impl join_tokens_server::JoinTokens for ThreadName {
+    async fn create_join_token(
+        &self,
+        _request: tonic::Request<CreateJoinTokenRequest>,
+    ) -> Result<tonic::Response<berth_proto::identity::v1::CreateJoinTokenResponse>, tonic::Status> {
+        let name = std::thread::current().name().unwrap_or_default().to_string();
+        Ok(tonic::Response::new(berth_proto::identity::v1::CreateJoinTokenResponse {
+            token: name,
+            ..Default::default()
+        }))
+    }
+}
+
+#[tokio::test]
+async fn a_server_on_serving_threads_answers_each_connection_on_the_thread_it_was_dealt_and_admits_as_before() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = ca();
+    let server_creds = creds(&ca, &Identity::service("identity").unwrap());
+    let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), server_creds).await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let stop = CancellationToken::new();
+    let threads = berth_rpc::threads::ServingThreads::start("test-serve", 2).unwrap();
+    let server = ServerBuilder::new()
+        .with_serving_threads(threads)
+        .add_service(join_tokens_server::JoinTokensServer::new(ThreadName));
+    let serving = tokio::spawn(server.serve(listener, stop.clone()));
+
+    // Each connection in turn goes to the next thread, and every call on it is answered there.
+    let mut served = Vec::new();
+    for _ in 0..4 {
+        let admin = berth_rpc::connect(&addr, creds(&ca, &Identity::admin("ops").unwrap())).unwrap();
+        let mut client = JoinTokensClient::new(admin);
+        let first = client.create_join_token(CreateJoinTokenRequest::default()).await.unwrap().into_inner().token;
+        let second = client.create_join_token(CreateJoinTokenRequest::default()).await.unwrap().into_inner().token;
+        assert_eq!(first, second, "one connection, one thread");
+        served.push(first);
+    }
+    assert_eq!(served, ["test-serve-0", "test-serve-1", "test-serve-0", "test-serve-1"]);
+
+    // The access layer still decides, and health still answers.
+    let node = berth_rpc::connect(&addr, creds(&ca, &Identity::node("n1").unwrap())).unwrap();
+    assert_eq!(create_token(node.clone()).await.unwrap_err().code(), Code::PermissionDenied);
+    assert_eq!(health(node).await.unwrap(), ServingStatus::Serving as i32);
+
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(15), serving).await.unwrap().unwrap().unwrap();
+}

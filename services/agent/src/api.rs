@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use berth_mtls::TlsCredentials;
 use berth_proto::agent::v1;
+use berth_rpc::threads::ServingThreads;
 use berth_rpc::{Listener, MAX_REQUEST_BYTES, RpcError, ServerBuilder};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -173,7 +174,10 @@ pub(crate) async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), RpcError> {
     tracing::info!(addr = ?listener.local_addr().ok(), identity = ?credentials.identity(), "agent api serving");
+    // Every routed request crosses this server (the data plane): its
+    // connections are served a thread each, as the router's are.
     ServerBuilder::new()
+        .with_serving_threads(ServingThreads::per_cpu("agent-serve")?)
         .add_service(v1::agent_server::AgentServer::new(api).max_decoding_message_size(MAX_REQUEST_BYTES))
         .add_service(
             v1::data_plane_server::DataPlaneServer::new(data_plane).max_decoding_message_size(MAX_REQUEST_BYTES),

@@ -16,9 +16,9 @@
 //!   already open ends when the replica closes its side or the agent stops.
 //! - A tunnel's ordinary end closes its stream, never resets it: once the
 //!   replica is done, the caller's side is still read until the caller
-//!   ends it (within [`CLOSE_GRACE`]). A router's tunnels share one
-//!   connection, and h2 ends a connection whose peer made it reset 1024
-//!   streams, with every tunnel on it.
+//!   ends it (within [`CLOSE_GRACE`]). A router's tunnels share its
+//!   connection (one per router thread), and h2 ends a connection whose
+//!   peer made it reset 1024 streams, with every tunnel on it.
 //! - Where the node isolates egress, the replica is dialled on the loopback
 //!   of its tenant's network namespace (so it may listen there only);
 //!   otherwise on the host's loopback (see [`crate::dial`]).
@@ -50,8 +50,8 @@ const CHUNK_BYTES: usize = 64 * 1024;
 /// How long a caller may take to end its side once the replica's is done.
 /// Reading the caller's frames to their end closes the stream both ways;
 /// dropping them would reset it, and resets a peer keeps sending on count
-/// against the one connection every tunnel from that router shares (h2
-/// closes it after 1024).
+/// against the connection the tunnel shares with others from that router
+/// (h2 closes it after 1024).
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 /// What the data plane reads.

@@ -679,7 +679,16 @@ fn a_pin_a_split_and_an_unpin_under_constant_load_fail_no_request_and_a_killed_r
         "{} requests failed, more than the {CLIENTS} that may have been in flight on the killed replica: {failures:?}",
         failures.len()
     );
-    assert!(failures.iter().all(|f| f.contains("502 Bad Gateway the replica did not answer")), "{failures:?}");
+    // A request the killed replica had not begun to answer is a 502; one
+    // whose head it had written (and the router passed on) before its body
+    // ends short, as the replica's own connection would have.
+    assert!(
+        failures
+            .iter()
+            .all(|f| f.contains("502 Bad Gateway the replica did not answer")
+                || f.contains("failed to fill whole buffer")),
+        "{failures:?}"
+    );
     assert!(seen.get(new).is_some_and(|n| *n > 100), "the other replica kept answering: {seen:?}");
 }
 

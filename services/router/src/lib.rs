@@ -97,6 +97,9 @@ pub enum RouterError {
         #[source]
         source: berth_rpc::ClientError,
     },
+    /// Its serving threads could not be started.
+    #[error("cannot start serving threads: {0}")]
+    Threads(#[source] std::io::Error),
 }
 
 /// Where the router serves the public: cleartext, TLS, or both.
@@ -210,8 +213,9 @@ pub fn start(
     follow::spawn(&shared, revisions.clone(), leases, nodes, shutdown);
     let inflight = acks::InFlight::new(shared.table());
     tokio::spawn(acks::acknowledge(inflight.clone(), revisions, config.instance, shutdown.clone()));
-    let proxy = proxy::Proxy::new(shared.table(), inflight, config.credentials);
-    tokio::spawn(proxy.clone().forget_gone_agents(shutdown.clone()));
+    let threads = berth_rpc::threads::ServingThreads::per_cpu("router").map_err(RouterError::Threads)?;
+    let proxy = proxy::Proxies::new(threads, &shared.table(), &inflight, &config.credentials);
+    proxy.forget_gone_agents(shutdown);
     let connections = TaskTracker::new();
     if let Some(http) = public.http {
         tracing::info!(addr = ?http.local_addr().ok(), domain = %config.domain, "router serving HTTP");

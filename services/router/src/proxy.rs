@@ -16,6 +16,14 @@
 //! (`Upgrade`, as a WebSocket asks) goes over a tunnel of its own, and once
 //! the replica answers 101 the two connections are joined byte for byte.
 //!
+//! Client connections are dealt in turn to the router's serving threads
+//! (one per CPU, [`berth_rpc::threads`]), and each thread has a [`Proxy`]
+//! of its own: its own connection to each agent and its own kept
+//! connections to replicas. A request is thus served start to end on one
+//! thread, with no wake-up of another; the price is one agent connection
+//! per thread rather than one per router, which the agent serves on its
+//! own threads the same way.
+//!
 //! # Invariants
 //! - No replica port is ever dialled: every byte goes through an agent's
 //!   data plane, over mTLS, as this router's identity.
@@ -24,7 +32,10 @@
 //!   written; nothing else is retried.
 //! - A tunnel's ordinary end closes its stream and never resets it (see
 //!   [`berth_rpc::tunnel`]): thousands of replica connections that each close after
-//!   one answer leave the one connection to their agent as it was.
+//!   one answer leave the connection to their agent as it was.
+//! - A connection, and every connection made to serve its requests, lives
+//!   on the serving thread it was dealt to; the threads outlive the
+//!   listeners until the last connection's requests finish.
 //! - The connection to an agent, and those to a replica, no route names
 //!   any more are dropped with the table that stopped naming them (a
 //!   revoked or removed node, a replica out of the routes).
@@ -36,6 +47,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use berth_mtls::TlsCredentials;
+use berth_rpc::threads::ServingThreads;
 use berth_rpc::tunnel::{self, Connection, OpenError, Tunnel};
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
@@ -85,18 +97,39 @@ pub(crate) struct Proxy {
     pool: Arc<Pool>,
 }
 
-impl Proxy {
+/// The router's public side: one [`Proxy`] per serving thread, each with
+/// its own connections to agents and replicas, so that a request is served
+/// start to end on the thread its client's connection was dealt to.
+#[derive(Debug)]
+pub(crate) struct Proxies {
+    threads: Arc<ServingThreads>,
+    /// One a thread, in the threads' order.
+    proxies: Vec<Arc<Proxy>>,
+}
+
+impl Proxies {
     pub(crate) fn new(
-        table: watch::Receiver<Arc<RouteTable>>,
-        inflight: Arc<InFlight>,
-        credentials: TlsCredentials,
-    ) -> Arc<Proxy> {
-        Arc::new(Proxy { table, inflight, credentials, agents: Mutex::new(HashMap::new()), pool: Arc::default() })
+        threads: Arc<ServingThreads>,
+        table: &watch::Receiver<Arc<RouteTable>>,
+        inflight: &Arc<InFlight>,
+        credentials: &TlsCredentials,
+    ) -> Arc<Proxies> {
+        let proxies =
+            (0..threads.count()).map(|_| Proxy::new(table.clone(), inflight.clone(), credentials.clone())).collect();
+        Arc::new(Proxies { threads, proxies })
+    }
+
+    /// Drops, on every thread, the connections the table no longer names.
+    pub(crate) fn forget_gone_agents(&self, shutdown: &CancellationToken) {
+        for proxy in &self.proxies {
+            tokio::spawn(proxy.clone().forget_gone_agents(shutdown.clone()));
+        }
     }
 
     /// Serves `listener` until `shutdown`: in TLS first when `tls` is given.
-    /// Each connection is a task of `connections`, which outlives the
-    /// listener while its requests finish.
+    /// Each connection is dealt to a serving thread and is a task of
+    /// `connections` there, which outlives the listener while its requests
+    /// finish (and holds the threads up until it does).
     pub(crate) async fn serve(
         self: Arc<Self>,
         listener: TcpListener,
@@ -118,9 +151,12 @@ impl Proxy {
                 }
             };
             let _ = stream.set_nodelay(true);
-            let tls = tls.as_ref().map(|tls| tls.acceptor(self.credentials.workload_bundle()));
-            let (proxy, shutdown) = (self.clone(), shutdown.clone());
-            connections.spawn(async move {
+            let tls = tls.as_ref().map(|tls| tls.acceptor(self.credentials().workload_bundle()));
+            // Counted as under way from now, so a stop waits for it.
+            let (under_way, held, shutdown) = (connections.token(), self.clone(), shutdown.clone());
+            let dealt = self.threads.deal(stream, move |thread, stream| async move {
+                let _under_way = under_way;
+                let proxy = held.proxies[thread].clone();
                 match tls {
                     None => {
                         let client = Client::new(client, false, None);
@@ -138,7 +174,25 @@ impl Proxy {
                     },
                 }
             });
+            if let Err(error) = dealt {
+                tracing::warn!(%client, %error, "cannot hand a connection to a serving thread");
+            }
         }
+    }
+
+    /// The credentials every thread's proxy dials agents with.
+    fn credentials(&self) -> &TlsCredentials {
+        &self.proxies[0].credentials
+    }
+}
+
+impl Proxy {
+    pub(crate) fn new(
+        table: watch::Receiver<Arc<RouteTable>>,
+        inflight: Arc<InFlight>,
+        credentials: TlsCredentials,
+    ) -> Arc<Proxy> {
+        Arc::new(Proxy { table, inflight, credentials, agents: Mutex::new(HashMap::new()), pool: Arc::default() })
     }
 
     /// Serves one client connection, HTTP/1.1 or HTTP/2, until it ends.
