@@ -66,7 +66,7 @@ impl ServingThreads {
     }
 
     /// The thread the next connection goes to: each in turn.
-    pub fn next(&self) -> usize {
+    fn next(&self) -> usize {
         self.next.fetch_add(1, Ordering::Relaxed) % self.runtimes.len()
     }
 
@@ -91,7 +91,7 @@ impl ServingThreads {
     }
 
     /// Runs `future` on thread `index` (taken modulo the count).
-    pub fn spawn<F>(&self, index: usize, future: F) -> JoinHandle<F::Output>
+    pub(crate) fn spawn<F>(&self, index: usize, future: F) -> JoinHandle<F::Output>
     where
         F: Future + Send + 'static,
         F::Output: Send + 'static,
