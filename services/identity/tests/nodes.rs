@@ -491,18 +491,29 @@ async fn a_second_live_node_on_the_same_address_is_refused(backend: Backend) {
     let token = cluster.token(2).await;
     let first = cluster.join(0, &token, "10.0.0.9:7450").await.unwrap();
     assert_eq!(first.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Up);
-    let second = cluster.join(0, &token, "10.0.0.9:7450").await.unwrap();
-    let error = second.heartbeat(&cluster.addr(0)).await.unwrap_err();
-    assert_eq!(error.code(), Code::FailedPrecondition);
-    assert!(error.message().contains(&first.node_id), "{}", error.message());
-    assert_eq!(cluster.get(&second.node_id).await.state(), NodeState::Joining);
+    // While the first beats, the second is refused the address.
+    let second = first
+        .beating(&cluster.addr(0), async {
+            let second = cluster.join(0, &token, "10.0.0.9:7450").await.unwrap();
+            let error = second.heartbeat(&cluster.addr(0)).await.unwrap_err();
+            assert_eq!(error.code(), Code::FailedPrecondition);
+            assert!(error.message().contains(&first.node_id), "{}", error.message());
+            // Joining, or Down once it missed its beats on a slow machine: never Up.
+            assert_ne!(cluster.get(&second.node_id).await.state(), NodeState::Up);
+            second
+        })
+        .await;
 
-    // Once the first is gone, the address is free.
+    // Once the first is gone, the address is free, and the first is refused it.
     cluster.wait_for_state(&first.node_id, NodeState::Down, Duration::from_secs(5)).await;
     assert_eq!(second.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Up);
-    let error = first.heartbeat(&cluster.addr(0)).await.unwrap_err();
-    assert_eq!(error.code(), Code::FailedPrecondition);
-    assert!(error.message().contains(&second.node_id), "{}", error.message());
+    second
+        .beating(&cluster.addr(0), async {
+            let error = first.heartbeat(&cluster.addr(0)).await.unwrap_err();
+            assert_eq!(error.code(), Code::FailedPrecondition);
+            assert!(error.message().contains(&second.node_id), "{}", error.message());
+        })
+        .await;
     cluster.cleanup().await;
 }
 

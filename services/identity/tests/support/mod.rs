@@ -290,6 +290,21 @@ impl TestNode {
         self.send(addr, self.beat()).await
     }
 
+    /// Runs `work` while heartbeating every 100 ms, as a live agent does:
+    /// however slow the machine, the node is not taken for gone meanwhile.
+    pub(crate) async fn beating<T>(&self, addr: &str, work: impl std::future::Future<Output = T>) -> T {
+        let beats = async {
+            loop {
+                let _ = self.heartbeat(addr).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        tokio::select! {
+            done = work => done,
+            never = beats => never,
+        }
+    }
+
     pub(crate) async fn send(
         &self,
         addr: &str,
