@@ -620,35 +620,45 @@ async fn a_drained_node_shows_draining_until_undrained(backend: Backend) {
     cluster.wait_for_state(&node.node_id, NodeState::Down, Duration::from_secs(5)).await;
     assert_eq!(node.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Draining);
 
-    let undrained = cluster
-        .nodes(0)
-        .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: true, deadline: None })
-        .await
-        .unwrap()
-        .into_inner()
-        .node
-        .unwrap();
-    assert_eq!(undrained.state(), NodeState::Up);
-    assert_eq!(undrained.drain_deadline, None, "lifting a drain lifts its deadline");
-    assert_eq!(node.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Up);
-    let error = cluster.nodes(0).list_nodes(v1::ListNodesRequest { tier: String::new(), state: 42 }).await.unwrap_err();
-    assert_eq!(error.code(), Code::InvalidArgument);
+    // From here the node beats on, as its agent would (and the neighbour
+    // once it joined): however slow the machine, neither is taken for gone
+    // while the drains are asked for.
+    node.beating(&cluster.addr(0), async {
+        let undrained = cluster
+            .nodes(0)
+            .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: true, deadline: None })
+            .await
+            .unwrap()
+            .into_inner()
+            .node
+            .unwrap();
+        assert_eq!(undrained.state(), NodeState::Up);
+        assert_eq!(undrained.drain_deadline, None, "lifting a drain lifts its deadline");
+        assert_eq!(node.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Up);
+        let error =
+            cluster.nodes(0).list_nodes(v1::ListNodesRequest { tier: String::new(), state: 42 }).await.unwrap_err();
+        assert_eq!(error.code(), Code::InvalidArgument);
 
-    let neighbour = cluster.join(0, &token, "10.0.0.5:7450").await.unwrap();
-    neighbour.heartbeat(&cluster.addr(0)).await.unwrap();
-
-    // A node may drain itself (an interruption notice), not another, and never lift a drain.
-    let as_node = |who: &_| v1::nodes_client::NodesClient::new(cluster_channel(&cluster, who));
-    let other = v1::DrainNodeRequest { node_id: node.node_id.clone(), ..Default::default() };
-    let refused = as_node(&neighbour).drain_node(other).await.unwrap_err();
-    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
-    let itself = v1::DrainNodeRequest { node_id: neighbour.node_id.clone(), ..Default::default() };
-    let drained = as_node(&neighbour).drain_node(itself).await.unwrap().into_inner().node.unwrap();
-    assert_eq!(drained.state(), NodeState::Draining);
-    let lift = v1::DrainNodeRequest { node_id: neighbour.node_id.clone(), undrain: true, deadline: None };
-    let refused = as_node(&neighbour).drain_node(lift).await.unwrap_err();
-    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
-    assert_eq!(cluster.get(&node.node_id).await.state(), NodeState::Up, "the other node is untouched");
+        let neighbour = cluster.join(0, &token, "10.0.0.5:7450").await.unwrap();
+        neighbour.heartbeat(&cluster.addr(0)).await.unwrap();
+        neighbour
+            .beating(&cluster.addr(0), async {
+                // A node may drain itself (an interruption notice), not another, and never lift a drain.
+                let as_node = |who: &_| v1::nodes_client::NodesClient::new(cluster_channel(&cluster, who));
+                let other = v1::DrainNodeRequest { node_id: node.node_id.clone(), ..Default::default() };
+                let refused = as_node(&neighbour).drain_node(other).await.unwrap_err();
+                assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+                let itself = v1::DrainNodeRequest { node_id: neighbour.node_id.clone(), ..Default::default() };
+                let drained = as_node(&neighbour).drain_node(itself).await.unwrap().into_inner().node.unwrap();
+                assert_eq!(drained.state(), NodeState::Draining);
+                let lift = v1::DrainNodeRequest { node_id: neighbour.node_id.clone(), undrain: true, deadline: None };
+                let refused = as_node(&neighbour).drain_node(lift).await.unwrap_err();
+                assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+                assert_eq!(cluster.get(&node.node_id).await.state(), NodeState::Up, "the other node is untouched");
+            })
+            .await;
+    })
+    .await;
     cluster.cleanup().await;
 }
 
