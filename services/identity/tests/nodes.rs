@@ -721,35 +721,41 @@ async fn a_new_ca_is_activated_only_once_every_up_node_has_acknowledged_it(backe
     let node = cluster.join(0, &token, "10.0.0.9:7450").await.unwrap();
     let first = node.heartbeat(&cluster.addr(0)).await.unwrap();
     assert_eq!(first.state(), NodeState::Up);
-    let mut authority = v1::authority_client::AuthorityClient::new(cluster.admin_channel(0));
-    let step = |activate, force| v1::RotateCaRequest { activate, force, ..Default::default() };
-    let prepared = authority.rotate_ca(step(false, false)).await.unwrap().into_inner().ca_bundle_pem;
+    // The node beats on throughout, as its agent would (a beat that names
+    // no bundle leaves its acknowledgement as it was): however slow the
+    // machine, it stays an Up node whose word activation waits for.
+    node.beating(&cluster.addr(0), async {
+        let mut authority = v1::authority_client::AuthorityClient::new(cluster.admin_channel(0));
+        let step = |activate, force| v1::RotateCaRequest { activate, force, ..Default::default() };
+        let prepared = authority.rotate_ca(step(false, false)).await.unwrap().into_inner().ca_bundle_pem;
 
-    // The node has not said it trusts the bundle holding the new CA.
-    let refused = authority.rotate_ca(step(true, false)).await.unwrap_err();
-    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
-    assert!(refused.message().contains(&node.node_id), "{}", refused.message());
+        // The node has not said it trusts the bundle holding the new CA.
+        let refused = authority.rotate_ca(step(true, false)).await.unwrap_err();
+        assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+        assert!(refused.message().contains(&node.node_id), "{}", refused.message());
 
-    // It reports the old bundle: still refused. A digest that is not one is refused by name.
-    let mut beat = node.beat();
-    beat.ca_bundle_sha256 = berth_identity::bundle_digest(&first.ca_bundle_pem);
-    let answer = node.send(&cluster.addr(0), beat.clone()).await.unwrap();
-    assert_eq!(answer.ca_bundle_pem, prepared, "the heartbeat hands out the bundle holding the new CA");
-    assert_eq!(authority.rotate_ca(step(true, false)).await.unwrap_err().code(), Code::FailedPrecondition);
-    let bad_beat = v1::HeartbeatRequest { ca_bundle_sha256: "XYZ".into(), ..beat.clone() };
-    let bad = node.send(&cluster.addr(0), bad_beat).await.unwrap_err();
-    assert_eq!(bad.code(), Code::InvalidArgument);
-    assert!(bad.message().contains("ca_bundle_sha256"), "{}", bad.message());
+        // It reports the old bundle: still refused. A digest that is not one is refused by name.
+        let mut beat = node.beat();
+        beat.ca_bundle_sha256 = berth_identity::bundle_digest(&first.ca_bundle_pem);
+        let answer = node.send(&cluster.addr(0), beat.clone()).await.unwrap();
+        assert_eq!(answer.ca_bundle_pem, prepared, "the heartbeat hands out the bundle holding the new CA");
+        assert_eq!(authority.rotate_ca(step(true, false)).await.unwrap_err().code(), Code::FailedPrecondition);
+        let bad_beat = v1::HeartbeatRequest { ca_bundle_sha256: "XYZ".into(), ..beat.clone() };
+        let bad = node.send(&cluster.addr(0), bad_beat).await.unwrap_err();
+        assert_eq!(bad.code(), Code::InvalidArgument);
+        assert!(bad.message().contains("ca_bundle_sha256"), "{}", bad.message());
 
-    // It reports the new one: activation goes through.
-    beat.ca_bundle_sha256 = berth_identity::bundle_digest(&prepared);
-    node.send(&cluster.addr(0), beat).await.unwrap();
-    let activated = authority.rotate_ca(step(true, false)).await.unwrap().into_inner();
-    assert_eq!(activated.authorities[0].state(), v1::AuthorityState::Active);
+        // It reports the new one: activation goes through.
+        beat.ca_bundle_sha256 = berth_identity::bundle_digest(&prepared);
+        node.send(&cluster.addr(0), beat).await.unwrap();
+        let activated = authority.rotate_ca(step(true, false)).await.unwrap().into_inner();
+        assert_eq!(activated.authorities[0].state(), v1::AuthorityState::Active);
 
-    // Forced, a lagging node does not hold activation back.
-    authority.rotate_ca(step(false, false)).await.unwrap();
-    assert_eq!(authority.rotate_ca(step(true, false)).await.unwrap_err().code(), Code::FailedPrecondition);
-    authority.rotate_ca(step(true, true)).await.unwrap();
+        // Forced, a lagging node does not hold activation back.
+        authority.rotate_ca(step(false, false)).await.unwrap();
+        assert_eq!(authority.rotate_ca(step(true, false)).await.unwrap_err().code(), Code::FailedPrecondition);
+        authority.rotate_ca(step(true, true)).await.unwrap();
+    })
+    .await;
     cluster.cleanup().await;
 }
