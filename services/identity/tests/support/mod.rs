@@ -290,19 +290,17 @@ impl TestNode {
         self.send(addr, self.beat()).await
     }
 
-    /// Runs `work` while heartbeating every 100 ms, as a live agent does:
-    /// however slow the machine, the node is not taken for gone meanwhile.
+    /// Runs `work` while the node heartbeats at `addr` every beat interval
+    /// of [`fast_timing`] (see [`TestNode::keep_beating`]), as a live agent
+    /// does: however slow the machine, the node is not taken for gone
+    /// meanwhile. A beat refused fails the test.
     pub(crate) async fn beating<T>(&self, addr: &str, work: impl std::future::Future<Output = T>) -> T {
-        let beats = async {
-            loop {
-                let _ = self.heartbeat(addr).await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        };
-        tokio::select! {
-            done = work => done,
-            never = beats => never,
-        }
+        let stop = CancellationToken::new();
+        let beats = self.keep_beating(vec![addr.to_owned()], fast_timing().heartbeat_interval, stop.clone());
+        let done = work.await;
+        stop.cancel();
+        beats.await.unwrap();
+        done
     }
 
     pub(crate) async fn send(
