@@ -16,7 +16,7 @@ use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial, generate_csr
 use berth_proto::identity::v1;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::types::v1::EventKind;
-use support::{Backend, Cluster, fast_timing, join_over};
+use support::{Backend, Cluster, fast_timing, join_over, patient_timing};
 use tonic::Code;
 
 on_both_backends!(
@@ -487,7 +487,7 @@ async fn a_node_reaped_while_partitioned_is_fenced_and_rejoins(backend: Backend)
 }
 
 async fn a_second_live_node_on_the_same_address_is_refused(backend: Backend) {
-    let cluster = Cluster::start(backend, fast_timing()).await;
+    let cluster = Cluster::start(backend, patient_timing()).await;
     let token = cluster.token(2).await;
     let first = cluster.join(0, &token, "10.0.0.9:7450").await.unwrap();
     assert_eq!(first.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Up);
@@ -571,7 +571,7 @@ async fn a_revoked_node_is_refused_and_watchers_see_it(backend: Backend) {
 }
 
 async fn a_drained_node_shows_draining_until_undrained(backend: Backend) {
-    let cluster = Cluster::start(backend, fast_timing()).await;
+    let cluster = Cluster::start(backend, patient_timing()).await;
     let token = cluster.token(2).await;
     let node = cluster.join(0, &token, "10.0.0.4:7450").await.unwrap();
     node.heartbeat(&cluster.addr(0)).await.unwrap();
@@ -716,7 +716,7 @@ async fn a_long_dead_node_is_forgotten_but_a_revoked_one_is_kept(backend: Backen
 }
 
 async fn a_new_ca_is_activated_only_once_every_up_node_has_acknowledged_it(backend: Backend) {
-    let cluster = Cluster::start(backend, fast_timing()).await;
+    let cluster = Cluster::start(backend, patient_timing()).await;
     let token = cluster.token(1).await;
     let node = cluster.join(0, &token, "10.0.0.9:7450").await.unwrap();
     let first = node.heartbeat(&cluster.addr(0)).await.unwrap();

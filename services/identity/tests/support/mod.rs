@@ -48,6 +48,13 @@ pub(crate) fn fast_timing() -> NodeTiming {
     }
 }
 
+/// [`fast_timing`], with a node taken for Down only after 2 s of silence:
+/// for tests that keep a node Up (see [`TestNode::beating`]) while other
+/// calls run, so that a loaded machine's slow beat is not a node gone.
+pub(crate) fn patient_timing() -> NodeTiming {
+    NodeTiming { down_after: Duration::from_secs(2), ..fast_timing() }
+}
+
 /// One identity replica serving on a loopback port.
 pub(crate) struct Replica {
     pub(crate) service: IdentityService,
