@@ -576,20 +576,15 @@ async fn a_drained_node_shows_draining_until_undrained(backend: Backend) {
     let node = cluster.join(0, &token, "10.0.0.4:7450").await.unwrap();
     node.heartbeat(&cluster.addr(0)).await.unwrap();
 
-    let drained = cluster
-        .nodes(0)
-        .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner()
-        .node
-        .unwrap();
+    // An admin's drain or undrain, and the node as it then stands.
+    let drain = |request| async { cluster.nodes(0).drain_node(request).await.unwrap().into_inner().node.unwrap() };
+    let drained = drain(v1::DrainNodeRequest { node_id: node.node_id.clone(), ..Default::default() }).await;
     assert_eq!(drained.state(), NodeState::Draining);
     assert_eq!(drained.drain_deadline, None, "a drain without a deadline releases nothing");
     // Draining again with a deadline sets it; a bad one is refused.
     let deadline = |seconds| Some(prost_types::Duration { seconds, nanos: 0 });
     let again = v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: false, deadline: deadline(600) };
-    let again = cluster.nodes(0).drain_node(again).await.unwrap().into_inner().node.unwrap();
+    let again = drain(again).await;
     let at = again.drain_deadline.unwrap();
     let from_now =
         at.seconds - std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
@@ -624,14 +619,8 @@ async fn a_drained_node_shows_draining_until_undrained(backend: Backend) {
     // once it joined): however slow the machine, neither is taken for gone
     // while the drains are asked for.
     node.beating(&cluster.addr(0), async {
-        let undrained = cluster
-            .nodes(0)
-            .drain_node(v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: true, deadline: None })
-            .await
-            .unwrap()
-            .into_inner()
-            .node
-            .unwrap();
+        let undrained =
+            drain(v1::DrainNodeRequest { node_id: node.node_id.clone(), undrain: true, deadline: None }).await;
         assert_eq!(undrained.state(), NodeState::Up);
         assert_eq!(undrained.drain_deadline, None, "lifting a drain lifts its deadline");
         assert_eq!(node.heartbeat(&cluster.addr(0)).await.unwrap().state(), NodeState::Up);
