@@ -92,6 +92,12 @@ pub struct GuestNetwork {
     pub gateway: String,
     /// The workload's `/etc/resolv.conf`.
     pub resolv_conf: String,
+    /// The workload's ports the node forwards to this address: the init
+    /// reports each on the status port ([`Status::Listening`]) once
+    /// something in the guest listens on it, for the node's forward
+    /// accepts a connection whether or not anything does.
+    #[serde(default)]
+    pub inbound: Vec<u16>,
 }
 
 /// How a workload ended.
@@ -150,6 +156,14 @@ impl GuestStats {
 pub enum Status {
     /// The workload runs, with this pid inside the guest.
     Started(u32),
+    /// The init reports [`Status::Listening`] for these inbound ports
+    /// (written before [`Status::Started`], so a node that reads the start
+    /// knows whether to wait for them; an init without inbound ports, or
+    /// one older than the report, never writes it).
+    Watching(Vec<u16>),
+    /// Something in the guest listens on this inbound port (reported once
+    /// per port, after [`Status::Started`] and never after the exit).
+    Listening(u16),
     /// The workload ended; the VM powers off next.
     Exited(GuestExit),
     /// The workload could not be started, and why; the VM powers off next.
@@ -161,6 +175,10 @@ impl Status {
     pub fn line(&self) -> String {
         match self {
             Status::Started(pid) => format!("started {pid}\n"),
+            Status::Watching(ports) => {
+                format!("watching {}\n", ports.iter().map(u16::to_string).collect::<Vec<_>>().join(" "))
+            }
+            Status::Listening(port) => format!("listening {port}\n"),
             Status::Exited(GuestExit::Code(code)) => format!("exited {code}\n"),
             Status::Exited(GuestExit::Signal(signal)) => format!("killed {signal}\n"),
             Status::Exited(GuestExit::OutOfMemory) => "oom-killed 9\n".to_owned(),
@@ -177,6 +195,10 @@ impl Status {
                 let (word, rest) = line.split_once(' ')?;
                 match word {
                     "started" => rest.parse().ok().map(Status::Started),
+                    "watching" => {
+                        rest.split(' ').map(|port| port.parse().ok()).collect::<Option<_>>().map(Status::Watching)
+                    }
+                    "listening" => rest.parse().ok().map(Status::Listening),
                     "exited" => rest.parse().ok().map(|code| Status::Exited(GuestExit::Code(code))),
                     "killed" => rest.parse().ok().map(|signal| Status::Exited(GuestExit::Signal(signal))),
                     "oom-killed" => Some(Status::Exited(GuestExit::OutOfMemory)),
@@ -292,6 +314,7 @@ mod tests {
                 address: "10.0.2.15/24".into(),
                 gateway: "10.0.2.2".into(),
                 resolv_conf: "nameserver 10.0.2.2\n".into(),
+                inbound: vec![8080, 8081],
             }),
             shares: vec![GuestShare { tag: "share0".into(), path: "/usr".into(), read_only: true }],
             workload_api: Some(GuestRelay { path: "/api.sock".into(), address: "10.0.2.100:81".into() }),
@@ -316,19 +339,21 @@ mod tests {
     #[test]
     fn status_lines_read_back_and_a_partial_line_is_skipped() {
         let statuses = [
+            Status::Watching(vec![8080, 8081]),
             Status::Started(42),
+            Status::Listening(8080),
             Status::Exited(GuestExit::Code(-1)),
             Status::Exited(GuestExit::Signal(9)),
             Status::Exited(GuestExit::OutOfMemory),
             Status::Failed("cannot run /bin/nope:\nno such file".into()),
         ];
         let mut text: String = statuses.iter().map(Status::line).collect();
-        assert_eq!(text.lines().count(), 5, "a reason is kept to one line");
-        text.push_str("exi");
+        assert_eq!(text.lines().count(), 7, "a reason is kept to one line");
+        text.push_str("listening 99999\nwatching 80 x\nexi");
         let read = Status::parse_all(&text);
-        assert_eq!(read[..4], statuses[..4]);
-        assert_eq!(read[4], Status::Failed("cannot run /bin/nope: no such file".into()));
-        assert_eq!(read.len(), 5);
+        assert_eq!(read[..6], statuses[..6]);
+        assert_eq!(read[6], Status::Failed("cannot run /bin/nope: no such file".into()));
+        assert_eq!(read.len(), 7, "a port out of range or not a number is no status: {read:?}");
     }
 
     #[test]

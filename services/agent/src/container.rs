@@ -1151,6 +1151,10 @@ impl Provider for ContainerProvider {
         Ok(self.inner.instances.layout.logs(lease_id))
     }
 
+    fn listens(&self, _lease_id: &str, _port: u16) -> Option<bool> {
+        None
+    }
+
     fn runtime(&self) -> Runtime {
         Runtime { name: self.inner.name().into(), contained: true }
     }

@@ -10,18 +10,20 @@
 
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use berth_proto::types::v1::Readiness;
 use berth_testkit::eventually;
 use tokio_util::sync::CancellationToken;
 
 use crate::container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
+use crate::dial::Dialer;
 use crate::process::{ProcessProvider, ProcessTiming};
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, LaunchSpec, Program, Provider, ProviderError, ResizeAsk, Resized, Resources,
-    Settlement, WorkloadRoot, WorkloadSignal,
+    Exit, ExitStatus, ExitWatch, LaunchSpec, NetworkAttachment, Program, Provider, ProviderError, ResizeAsk, Resized,
+    Resources, Settlement, WorkloadRoot, WorkloadSignal,
 };
 use crate::testdir::TestDir;
 
@@ -242,6 +244,11 @@ macro_rules! contract {
             #[tokio::test]
             async fn a_resize_changes_the_running_workloads_limits_and_a_shrink_below_its_use_is_deferred() {
                 resize_on($kind).await
+            }
+
+            #[tokio::test]
+            async fn a_workload_is_ready_on_its_port_only_once_it_listens_there() {
+                ready_once_listening_on($kind).await
             }
         }
     )*};
@@ -606,6 +613,41 @@ async fn signals_and_stats_on(kind: Kind) {
     assert!(stdout_of(provider.as_ref(), "lease-s").contains("got-usr1"));
     let err = provider.signal("lease-s", WorkloadSignal::Term).await.unwrap_err();
     assert!(matches!(err, ProviderError::NotRunning(_)), "{err}");
+}
+
+/// A workload is ready on its port only once it listens there: checks made
+/// as it starts (a microVM's port is its VMM's forward, which accepts while
+/// the guest boots) and while it runs without listening fail, and once it
+/// serves the check passes.
+async fn ready_once_listening_on(kind: Kind) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let tmp = TestDir::new();
+    let Some(provider) = provider(kind, tmp.path()) else { return };
+    let script = "trap 'go=1' USR1; echo waiting; while [ -z \"$go\" ]; do sleep 0.1; done; \
+                  exec busybox httpd -f -p \"$PORT\"";
+    let mut late = spec("lease-late", script);
+    late.ports = vec!["http".into()];
+    if matches!(kind, Kind::MicroVm) {
+        // A guest is reached only through its network's forwards: here from the host's loopback.
+        late.network = Some(NetworkAttachment { namespace: PathBuf::new(), enter: Vec::new(), resolv_conf: None });
+    }
+    let launched = provider.launch(late).await.unwrap();
+    let port = u16::try_from(launched.record.meta.port).unwrap();
+    let (dialer, readiness) = (Dialer::default(), Readiness::default());
+    let check = || dialer.ready(provider.as_ref(), "lease-late", port, &readiness);
+    assert!(check().await.is_err(), "ready on port {port} as it starts");
+    printed("the workload to wait", provider.as_ref(), "lease-late", "waiting").await;
+    assert!(check().await.is_err(), "ready on port {port} while its workload does not listen there");
+    provider.signal("lease-late", WorkloadSignal::Usr1).await.unwrap();
+    let patience = if matches!(kind, Kind::MicroVm) { VM_SLOW } else { SLOW };
+    eventually("the workload to be ready", patience, check).await;
+    // Ready means served: the workload answers on the port.
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    stream.write_all(b"GET / HTTP/1.0\r\n\r\n").await.unwrap();
+    let mut head = [0_u8; 7];
+    tokio::time::timeout(SLOW, stream.read_exact(&mut head)).await.unwrap().unwrap();
+    assert_eq!(&head, b"HTTP/1.", "its server answers once it is ready");
+    provider.destroy("lease-late").await.unwrap();
 }
 
 /// The memory limit in bytes and the CPU quota per period in microseconds

@@ -3,6 +3,11 @@
 //! egress, else the host's. The data plane's tunnels and the readiness
 //! checks both dial through here, so both see what a client would.
 //!
+//! A port that accepts is not always one something listens on: a
+//! microVM's ports are its VMM's forwards, which accept while the guest
+//! boots. A readiness check therefore asks the provider first
+//! ([`Provider::listens`]), and dials only once it does not say no.
+//!
 //! # Why not the node port on the host
 //! Under egress isolation the agent itself listens on the node port and
 //! forwards into the namespace, so a connection to it is accepted whether
@@ -17,6 +22,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
 use crate::egress::EgressProxies;
+use crate::provider::Provider;
 
 /// How long connecting to a replica's port may take.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -53,9 +59,20 @@ impl Dialer {
         }
     }
 
-    /// Whether the replica of `lease_id` passes `readiness` on `port` now:
-    /// the port accepts, and, with an HTTP path, a GET of it answers below 400.
-    pub(crate) async fn ready(&self, lease_id: &str, port: u16, readiness: &Readiness) -> Result<(), String> {
+    /// Whether the replica of `lease_id`, run by `provider`, passes
+    /// `readiness` on `port` now: something listens on the port where the
+    /// replica runs (as far as `provider` can tell), the port accepts, and,
+    /// with an HTTP path, a GET of it answers below 400.
+    pub(crate) async fn ready(
+        &self,
+        provider: &dyn Provider,
+        lease_id: &str,
+        port: u16,
+        readiness: &Readiness,
+    ) -> Result<(), String> {
+        if provider.listens(lease_id, port) == Some(false) {
+            return Err(format!("port {port}: nothing listens on it yet where the replica runs"));
+        }
         let check = async {
             let mut stream = self.connect(lease_id, port).await.map_err(|e| format!("port {port}: {e}"))?;
             if readiness.http_path.is_empty() {

@@ -237,6 +237,10 @@ impl Provider for FaultyProvider {
         self.inner.log_files(lease_id)
     }
 
+    fn listens(&self, lease_id: &str, port: u16) -> Option<bool> {
+        self.inner.listens(lease_id, port)
+    }
+
     fn runtime(&self) -> Runtime {
         self.inner.runtime()
     }

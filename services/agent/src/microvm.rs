@@ -93,11 +93,17 @@
 //! `resolv.conf` name; any other address is as unreachable as from a
 //! container in that namespace, for the namespace has no route. The
 //! workload's ports are forwarded in from the namespace's loopback, where
-//! the agent's data plane reaches replicas. A tap device would need an
-//! address in the namespace and a packet filter to keep the guest from the
-//! host; the user-mode stack needs neither, and egress is enforced where it
-//! is for containers. A workload listens on its guest address (`0.0.0.0`),
-//! not only on its guest's loopback, to be reached; names under
+//! the agent's data plane reaches replicas. Those forwards accept a
+//! connection whether or not the guest listens (and hold it while the
+//! guest boots), so a connection to them says nothing of the workload: the
+//! guest's init reports each inbound port once something listens on it at
+//! the guest's address, and [`Provider::listens`] answers from those
+//! reports, which the readiness check asks before it dials. A tap device
+//! would need an address in the namespace and a packet filter to keep the
+//! guest from the host; the user-mode stack needs neither, and egress is
+//! enforced where it is for containers. A workload listens on its guest
+//! address (`0.0.0.0`), not only on its guest's loopback, to be reached;
+//! names under
 //! `.berth.internal` resolve, for a guest (its queries reach the
 //! resolver at the namespace's `127.0.0.1`), to an address of the guest's
 //! network whose connections QEMU hands to the node's `busybox nc`, which
@@ -922,7 +928,12 @@ fn guest_network(
                 .collect(),
             None => String::new(),
         };
-    let guest = GuestNetwork { address: GUEST_ADDRESS.into(), gateway: GUEST_GATEWAY.into(), resolv_conf };
+    let guest = GuestNetwork {
+        address: GUEST_ADDRESS.into(),
+        gateway: GUEST_GATEWAY.into(),
+        resolv_conf,
+        inbound: inbound.clone(),
+    };
     // Services' internal names resolve, for a guest, to an address whose connections QEMU relays to
     // where the agent forwards them to the router (a guest's 127.0.0.54 is its own).
     let services = crate::egress::SERVICES_ADDR.to_string();
@@ -993,7 +1004,7 @@ fn exit_status(statuses: &[Status], killed: bool, watched: bool) -> ExitStatus {
         Status::Exited(GuestExit::OutOfMemory) => Some(ExitStatus::OutOfMemory),
         // The workload never ran: as a shell reports a program it cannot run.
         Status::Failed(_) => Some(ExitStatus::Code(127)),
-        Status::Started(_) => None,
+        Status::Started(_) | Status::Watching(_) | Status::Listening(_) => None,
     });
     match reported {
         Some(status) => status,
@@ -1489,6 +1500,19 @@ impl Provider for MicroVmProvider {
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
         self.inner.instances.stored(lease_id)?;
         Ok(self.inner.instances.layout.logs(lease_id))
+    }
+
+    /// From the guest's init's status lines: not before the workload
+    /// started (the guest boots), then as the init reports the port, or
+    /// `None` from an init that does not watch it (a dial tells what it can).
+    fn listens(&self, lease_id: &str, port: u16) -> Option<bool> {
+        let statuses = statuses(&self.inner.instances.layout.work_dir(lease_id));
+        if statuses.contains(&Status::Listening(port)) {
+            return Some(true);
+        }
+        let watched = statuses.iter().any(|s| matches!(s, Status::Watching(ports) if ports.contains(&port)));
+        let started = statuses.iter().any(|s| matches!(s, Status::Started(_)));
+        (watched || !started).then_some(false)
     }
 
     fn runtime(&self) -> Runtime {

@@ -444,6 +444,10 @@ impl Provider for ProcessProvider {
         Ok(self.inner.instances.layout.logs(lease_id))
     }
 
+    fn listens(&self, _lease_id: &str, _port: u16) -> Option<bool> {
+        None
+    }
+
     fn runtime(&self) -> Runtime {
         Runtime { name: "process".into(), contained: false }
     }

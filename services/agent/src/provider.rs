@@ -615,6 +615,12 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     /// Where the workload's output goes.
     fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError>;
 
+    /// Whether something listens on the workload's host port `port` where
+    /// it runs, for a runtime whose ports accept connections before its
+    /// workload does (a VMM's user-mode forwards accept for a guest still
+    /// booting); `None` where a connection to the port tells that itself.
+    fn listens(&self, lease_id: &str, port: u16) -> Option<bool>;
+
     /// What runs the workloads, for the node's labels and logs.
     fn runtime(&self) -> Runtime;
 

@@ -1700,7 +1700,7 @@ impl Worker {
         let period = crate::dial::period(readiness);
         let mut last = String::new();
         loop {
-            match self.shared.dialer.ready(&self.lease_id, port, readiness).await {
+            match self.shared.dialer.ready(self.shared.provider.as_ref(), &self.lease_id, port, readiness).await {
                 Ok(()) => {
                     tracing::info!(lease_id = %self.lease_id, port, "the workload is ready");
                     return Ok(Gate::Ready);

@@ -31,6 +31,10 @@ const COMMAND_DEADLINE: Duration = Duration::from_secs(120);
 /// How long traffic may take to move after a pin or unpin.
 const TRAFFIC_DEADLINE: Duration = Duration::from_secs(60);
 
+/// How long `service apply --wait` may take for the README's hello as
+/// microVMs (see its test).
+const MICROVM_APPLY_DEADLINE: Duration = Duration::from_secs(180);
+
 /// A running `berth dev` whose node is UP.
 struct Dev(DevProcess);
 
@@ -102,18 +106,7 @@ fn via_router(dev: &Dev, host: &str) -> Option<(String, String)> {
 
 /// Waits until the router answers `host` with `body`.
 fn router_serves(dev: &Dev, host: &str, body: &str) {
-    router_serves_within(TRAFFIC_DEADLINE, dev, host, body);
-}
-
-/// How long the example's microVMs may take to answer once running: under
-/// QEMU's translator at the example's 0.1 CPU, the guest's boot and
-/// Python's start took 76 s on a slow machine of this kind. The default
-/// readiness check does not wait for it: a VM's ports are QEMU's own
-/// forwards, which accept before the guest listens.
-const MICROVM_TRAFFIC_DEADLINE: Duration = Duration::from_secs(180);
-
-fn router_serves_within(deadline: Duration, dev: &Dev, host: &str, body: &str) {
-    poll(deadline, &format!("the router answers {host} with {body:?}"), || match via_router(dev, host) {
+    poll(TRAFFIC_DEADLINE, &format!("the router answers {host} with {body:?}"), || match via_router(dev, host) {
         Some((status, answer)) if status.starts_with("HTTP/1.1 200") && answer == body => Ok(()),
         other => Err(format!("{other:?}")),
     });
@@ -752,9 +745,12 @@ fn the_readme_hello_deploys_as_microvms_and_answers_through_the_router() {
     let mut template: Value = serde_json::from_str(&std::fs::read_to_string(&spec).unwrap()).unwrap();
     template["runtime"] = Value::String("microvm".into());
     std::fs::write(&spec, template.to_string()).unwrap();
-    let applied = dev.ok(&["service", "apply", "-f", spec.to_str().unwrap(), "--name", "hello", "--wait"]);
+    // Its replicas run once their guests listen: under QEMU's translator at the example's 0.1 CPU, a
+    // guest's boot and Python's start take a minute or more.
+    let apply = ["service", "apply", "-f", spec.to_str().unwrap(), "--name", "hello", "--wait"];
+    let applied = run(dev.0.admin_command(&apply), MICROVM_APPLY_DEADLINE).succeeded(&apply);
     assert!(applied.contains("hello-00001 is live, 2 of 2 replicas running"), "{applied}");
-    router_serves_within(MICROVM_TRAFFIC_DEADLINE, &dev, "hello.default.berth.localhost", "hello from hello-00001\n");
+    router_serves(&dev, "hello.default.berth.localhost", "hello from hello-00001\n");
     let deleted = dev.ok(&["service", "delete", "hello"]);
     assert!(deleted.contains("service hello deleted"), "{deleted}");
 }

@@ -11,8 +11,10 @@
 //! user the node named, in a process group of its own, with the stdout and
 //! stderr ports as its own stdout and stderr (nothing copies its output),
 //! passes on the node's signals, reaps every process that ends (it is
-//! PID 1), and once the workload ends kills what it left, reports the exit
-//! on the status port and powers the VM off.
+//! PID 1), reports each of the command's inbound ports on the status port
+//! once something listens on it (the node's forwards accept before then),
+//! and once the workload ends kills what it left, reports the exit on the
+//! status port and powers the VM off.
 //!
 //! # Invariants
 //! - Nothing runs as root but the init itself: a command naming uid or gid
@@ -44,9 +46,11 @@
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use berth_microvm::kernel::{MODULES, SHARE_MODULES};
@@ -68,6 +72,10 @@ const COMMAND_DEADLINE: Duration = Duration::from_secs(600);
 
 /// How often the control port is read again while no node is connected.
 const RECONNECT_POLL: Duration = Duration::from_millis(100);
+
+/// How often the init checks whether the workload listens on its inbound
+/// ports yet; as often as the node's readiness checks by default.
+const LISTEN_POLL: Duration = Duration::from_millis(100);
 
 /// Where the workload's root is assembled.
 const NEW_ROOT: &str = "/run/root";
@@ -437,6 +445,10 @@ fn supervise(
     let stdout = open_port(STDOUT_PORT)?;
     let stderr = open_port(STDERR_PORT)?;
     let cgroup = memory_cgroup(command.memory_limit_bytes)?;
+    let watched = inbound(command);
+    if let Some((_, ports)) = &watched {
+        report(status, &Status::Watching(ports.clone())).map_err(|e| format!("reporting the ports: {e}"))?;
+    }
     let child = Command::new("/init")
         .arg("--exec")
         .args([
@@ -458,6 +470,7 @@ fn supervise(
         .map_err(|e| format!("starting the workload: {e}"))?;
     let workload = Pid::from_raw(i32::try_from(child.id()).map_err(|_| "a pid out of range")?);
     report(status, &Status::Started(child.id())).map_err(|e| format!("reporting the start: {e}"))?;
+    let listening = watched.map(|(address, ports)| watch_listening(address, ports, status));
     if let Some(dir) = &cgroup {
         answer_stats(dir.clone());
     }
@@ -490,6 +503,10 @@ fn supervise(
             Err(error) => return Err(format!("waiting for the workload: {error}")),
         }
     };
+    // Nothing is reported after the exit.
+    if let Some(listening) = listening {
+        listening.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+    }
     // What the workload left behind ends with it; every process but this one.
     let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
     while waitpid(None, None).is_ok() {}
@@ -500,6 +517,43 @@ fn supervise(
         })
     });
     Ok(if oom_killed && exit == GuestExit::Signal(Signal::SIGKILL as i32) { GuestExit::OutOfMemory } else { exit })
+}
+
+/// The guest's address and the ports the node forwards to it, when it
+/// forwards any.
+fn inbound(command: &GuestCommand) -> Option<(Ipv4Addr, Vec<u16>)> {
+    let network = command.network.as_ref().filter(|network| !network.inbound.is_empty())?;
+    let address = network.address.split('/').next()?.parse().ok()?;
+    Some((address, network.inbound.clone()))
+}
+
+/// Reports each of `ports` on the status port once something listens on
+/// it at `address` (what the node's forward connects to), checking every
+/// [`LISTEN_POLL`] on a thread of its own until every port has been
+/// reported or the returned slot is emptied (the workload ended).
+fn watch_listening(address: Ipv4Addr, mut ports: Vec<u16>, status: &File) -> Arc<Mutex<Option<File>>> {
+    let slot = Arc::new(Mutex::new(status.try_clone().ok()));
+    let port = slot.clone();
+    // Without the thread no port is reported, and the node never takes the replica as ready.
+    let _ = std::thread::Builder::new().stack_size(RELAY_STACK).spawn(move || {
+        while !ports.is_empty() {
+            std::thread::sleep(LISTEN_POLL);
+            let listened: Vec<u16> = ports
+                .iter()
+                .copied()
+                .filter(|&p| TcpStream::connect_timeout(&SocketAddr::from((address, p)), LISTEN_POLL).is_ok())
+                .collect();
+            let mut status = port.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let Some(status) = status.as_mut() else { return };
+            for listening in listened {
+                if report(status, &Status::Listening(listening)).is_err() {
+                    return;
+                }
+                ports.retain(|&p| p != listening);
+            }
+        }
+    });
+    slot
 }
 
 /// Answers each byte the node sends on the stats port with what the

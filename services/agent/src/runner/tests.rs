@@ -434,6 +434,9 @@ impl Provider for FlakyInventory {
     fn log_files(&self, lease_id: &str) -> Result<crate::provider::LogFiles, ProviderError> {
         self.inner().log_files(lease_id)
     }
+    fn listens(&self, lease_id: &str, port: u16) -> Option<bool> {
+        self.inner().listens(lease_id, port)
+    }
     fn runtime(&self) -> Runtime {
         self.inner().runtime()
     }
