@@ -103,12 +103,11 @@
 //! guest from the host; the user-mode stack needs neither, and egress is
 //! enforced where it is for containers. A workload listens on its guest
 //! address (`0.0.0.0`), not only on its guest's loopback, to be reached;
-//! names under
-//! `.berth.internal` resolve, for a guest (its queries reach the
-//! resolver at the namespace's `127.0.0.1`), to an address of the guest's
-//! network whose connections QEMU hands to the node's `busybox nc`, which
-//! relays each to where the agent forwards services to the router, as a
-//! container's connections to those names go.
+//! names under `.berth.internal` resolve, for a guest (its queries reach
+//! the resolver at the namespace's `127.0.0.1`), to an address of the
+//! guest's network whose connections QEMU hands to the node's `busybox
+//! nc`, which relays each to where the agent forwards services to the
+//! router, as a container's connections to those names go.
 //!
 //! # Not yet
 //! A running VM's limits cannot be changed.

@@ -619,6 +619,8 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     /// it runs, for a runtime whose ports accept connections before its
     /// workload does (a VMM's user-mode forwards accept for a guest still
     /// booting); `None` where a connection to the port tells that itself.
+    /// Required, not defaulted: a provider that wraps another must pass its
+    /// answer on, or a wrapped microVM would be ready while it boots.
     fn listens(&self, lease_id: &str, port: u16) -> Option<bool>;
 
     /// What runs the workloads, for the node's labels and logs.
