@@ -28,8 +28,9 @@ use sqlx::{AnyConnection, Connection as _};
 use crate::error::StoreError;
 use crate::store::{Backend, Store, pg_now_ms, schema_lock_key, sqlite_now_ms};
 
-/// One schema change, as a service ships it (usually `include_str!` of its
-/// SQL files). Each backend's SQL may hold several statements.
+/// One schema change, as a service ships it (usually its SQL files, through
+/// [`migrations!`](crate::migrations)). Each backend's SQL may hold several
+/// statements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Migration {
     /// Position in the sequence; strictly increasing, starting above zero.
@@ -43,6 +44,25 @@ pub struct Migration {
 }
 
 impl Migration {
+    /// A migration named by its files' stem, `NNNN_name`: version `NNNN`,
+    /// name `name`. A stem of another shape fails the build (the constant
+    /// that holds it cannot be evaluated).
+    pub const fn from_files(stem: &'static str, postgres: &'static str, sqlite: &'static str) -> Migration {
+        let bytes = stem.as_bytes();
+        let mut version: i64 = 0;
+        let mut digits = 0;
+        while digits < bytes.len() && bytes[digits].is_ascii_digit() {
+            version = version * 10 + (bytes[digits] - b'0') as i64;
+            digits += 1;
+        }
+        assert!(
+            digits > 0 && digits + 1 < bytes.len() && bytes[digits] == b'_',
+            "a migration's files are named NNNN_name.sql"
+        );
+        let (_, name) = stem.split_at(digits + 1);
+        Migration { version, name, postgres, sqlite }
+    }
+
     fn sql(&self, backend: Backend) -> &'static str {
         match backend {
             Backend::Postgres => self.postgres,
@@ -53,6 +73,21 @@ impl Migration {
     fn checksum(&self, backend: Backend) -> String {
         hex::encode(Sha256::digest(self.sql(backend).as_bytes()))
     }
+}
+
+/// A service's migrations, oldest first, from the files it ships beside its
+/// `Cargo.toml`: `migrations!["0001_catalog", "0002_traffic"]` reads
+/// `migrations/postgres/0001_catalog.sql` and `migrations/sqlite/0001_catalog.sql`
+/// into version 1, `catalog`, and so on.
+#[macro_export]
+macro_rules! migrations {
+    ($($stem:literal),+ $(,)?) => {
+        &[$($crate::Migration::from_files(
+            $stem,
+            include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/postgres/", $stem, ".sql")),
+            include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/sqlite/", $stem, ".sql")),
+        )),+]
+    };
 }
 
 /// The store's own tables, applied on connect through [`Ledger::Store`].
@@ -276,6 +311,12 @@ mod tests {
 
     const fn migration(version: i64) -> Migration {
         Migration { version, name: "m", postgres: "SELECT 1", sqlite: "SELECT 1" }
+    }
+
+    #[test]
+    fn a_migration_takes_its_version_and_name_from_its_files_stem() {
+        const SHIPPED: &[Migration] = &[Migration::from_files("0012_route_acks", "SELECT 1", "SELECT 2")];
+        assert_eq!(SHIPPED[0], Migration { version: 12, name: "route_acks", postgres: "SELECT 1", sqlite: "SELECT 2" });
     }
 
     #[test]

@@ -73,20 +73,7 @@ pub const NAME: &str = "egress";
 pub const DEFAULT_PORT: u16 = 7446;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "policy",
-        postgres: include_str!("../migrations/postgres/0001_policy.sql"),
-        sqlite: include_str!("../migrations/sqlite/0001_policy.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "dns",
-        postgres: include_str!("../migrations/postgres/0002_dns.sql"),
-        sqlite: include_str!("../migrations/sqlite/0002_dns.sql"),
-    },
-];
+pub static MIGRATIONS: &[Migration] = berth_store::migrations!["0001_policy", "0002_dns",];
 
 /// How the runtime starts it: [`server`], with no sources.
 pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, build: server };

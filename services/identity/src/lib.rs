@@ -58,49 +58,14 @@ pub const NAME: &str = "identity";
 pub const DEFAULT_PORT: u16 = 7443;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "authority",
-        postgres: include_str!("../migrations/postgres/0001_authority.sql"),
-        sqlite: include_str!("../migrations/sqlite/0001_authority.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "nodes",
-        postgres: include_str!("../migrations/postgres/0002_nodes.sql"),
-        sqlite: include_str!("../migrations/sqlite/0002_nodes.sql"),
-    },
-    Migration {
-        version: 3,
-        name: "ca_acks",
-        postgres: include_str!("../migrations/postgres/0003_ca_acks.sql"),
-        sqlite: include_str!("../migrations/sqlite/0003_ca_acks.sql"),
-    },
-    Migration {
-        version: 4,
-        name: "certificate_floor",
-        postgres: include_str!("../migrations/postgres/0004_certificate_floor.sql"),
-        sqlite: include_str!("../migrations/sqlite/0004_certificate_floor.sql"),
-    },
-    Migration {
-        version: 5,
-        name: "workload_authority",
-        postgres: include_str!("../migrations/postgres/0005_workload_authority.sql"),
-        sqlite: include_str!("../migrations/sqlite/0005_workload_authority.sql"),
-    },
-    Migration {
-        version: 6,
-        name: "drain_deadline",
-        postgres: include_str!("../migrations/postgres/0006_drain_deadline.sql"),
-        sqlite: include_str!("../migrations/sqlite/0006_drain_deadline.sql"),
-    },
-    Migration {
-        version: 7,
-        name: "upgrades",
-        postgres: include_str!("../migrations/postgres/0007_upgrades.sql"),
-        sqlite: include_str!("../migrations/sqlite/0007_upgrades.sql"),
-    },
+pub static MIGRATIONS: &[Migration] = berth_store::migrations![
+    "0001_authority",
+    "0002_nodes",
+    "0003_ca_acks",
+    "0004_certificate_floor",
+    "0005_workload_authority",
+    "0006_drain_deadline",
+    "0007_upgrades",
 ];
 
 /// How identity is configured beyond its state.

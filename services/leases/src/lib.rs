@@ -60,67 +60,17 @@ pub const NAME: &str = "leases";
 pub const DEFAULT_PORT: u16 = 7445;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "ledger",
-        postgres: include_str!("../migrations/postgres/0001_ledger.sql"),
-        sqlite: include_str!("../migrations/sqlite/0001_ledger.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "traceparent",
-        postgres: include_str!("../migrations/postgres/0002_traceparent.sql"),
-        sqlite: include_str!("../migrations/sqlite/0002_traceparent.sql"),
-    },
-    Migration {
-        version: 3,
-        name: "changes",
-        postgres: include_str!("../migrations/postgres/0003_changes.sql"),
-        sqlite: include_str!("../migrations/sqlite/0003_changes.sql"),
-    },
-    Migration {
-        version: 4,
-        name: "ports",
-        postgres: include_str!("../migrations/postgres/0004_ports.sql"),
-        sqlite: include_str!("../migrations/sqlite/0004_ports.sql"),
-    },
-    Migration {
-        version: 5,
-        name: "launch_registrations",
-        postgres: include_str!("../migrations/postgres/0005_launch_registrations.sql"),
-        sqlite: include_str!("../migrations/sqlite/0005_launch_registrations.sql"),
-    },
-    Migration {
-        version: 6,
-        name: "resize",
-        postgres: include_str!("../migrations/postgres/0006_resize.sql"),
-        sqlite: include_str!("../migrations/sqlite/0006_resize.sql"),
-    },
-    Migration {
-        version: 7,
-        name: "caches",
-        postgres: include_str!("../migrations/postgres/0007_caches.sql"),
-        sqlite: include_str!("../migrations/sqlite/0007_caches.sql"),
-    },
-    Migration {
-        version: 8,
-        name: "cache_artifacts",
-        postgres: include_str!("../migrations/postgres/0008_cache_artifacts.sql"),
-        sqlite: include_str!("../migrations/sqlite/0008_cache_artifacts.sql"),
-    },
-    Migration {
-        version: 9,
-        name: "cache_followers",
-        postgres: include_str!("../migrations/postgres/0009_cache_followers.sql"),
-        sqlite: include_str!("../migrations/sqlite/0009_cache_followers.sql"),
-    },
-    Migration {
-        version: 10,
-        name: "memory_overhead",
-        postgres: include_str!("../migrations/postgres/0010_memory_overhead.sql"),
-        sqlite: include_str!("../migrations/sqlite/0010_memory_overhead.sql"),
-    },
+pub static MIGRATIONS: &[Migration] = berth_store::migrations![
+    "0001_ledger",
+    "0002_traceparent",
+    "0003_changes",
+    "0004_ports",
+    "0005_launch_registrations",
+    "0006_resize",
+    "0007_caches",
+    "0008_cache_artifacts",
+    "0009_cache_followers",
+    "0010_memory_overhead",
 ];
 
 /// How the runtime starts it: [`server`] with the default timings.

@@ -71,32 +71,8 @@ pub const NAME: &str = "revisions";
 pub const DEFAULT_PORT: u16 = 7444;
 
 /// Its schema, oldest migration first.
-pub static MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "catalog",
-        postgres: include_str!("../migrations/postgres/0001_catalog.sql"),
-        sqlite: include_str!("../migrations/sqlite/0001_catalog.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "traffic",
-        postgres: include_str!("../migrations/postgres/0002_traffic.sql"),
-        sqlite: include_str!("../migrations/sqlite/0002_traffic.sql"),
-    },
-    Migration {
-        version: 3,
-        name: "drain",
-        postgres: include_str!("../migrations/postgres/0003_drain.sql"),
-        sqlite: include_str!("../migrations/sqlite/0003_drain.sql"),
-    },
-    Migration {
-        version: 4,
-        name: "route_acks",
-        postgres: include_str!("../migrations/postgres/0004_route_acks.sql"),
-        sqlite: include_str!("../migrations/sqlite/0004_route_acks.sql"),
-    },
-];
+pub static MIGRATIONS: &[Migration] =
+    berth_store::migrations!["0001_catalog", "0002_traffic", "0003_drain", "0004_route_acks",];
 
 /// How the runtime starts it: [`server`] with the default timings and no leases client.
 pub const SPEC: ServiceSpec = ServiceSpec { name: NAME, migrations: MIGRATIONS, build: server };
