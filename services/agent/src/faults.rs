@@ -27,10 +27,7 @@ use berth_proto::leases::v1::{
 };
 
 use crate::leases_client::{AssignmentStream, NodeLeasesApi};
-use crate::provider::{
-    InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk, Resized, Runtime, Settlement,
-    WorkloadSignal,
-};
+use crate::provider::{LaunchSpec, Launched, Provider, ProviderError, Settlement, wrapping_provider};
 
 /// The variable that names the faults.
 pub const FAULTS_ENV: &str = "BERTH_AGENT_FAULTS";
@@ -177,8 +174,7 @@ struct FaultyProvider {
     destroys_tried: Mutex<HashMap<String, u32>>,
 }
 
-#[async_trait::async_trait]
-impl Provider for FaultyProvider {
+wrapping_provider!(FaultyProvider, |this| this.inner, {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
         self.inner.launch(spec).await
     }
@@ -220,35 +216,7 @@ impl Provider for FaultyProvider {
     async fn remove(&self, lease_id: &str) -> Result<(), ProviderError> {
         self.inner.remove(lease_id).await
     }
-
-    async fn signal(&self, lease_id: &str, signal: WorkloadSignal) -> Result<(), ProviderError> {
-        self.inner.signal(lease_id, signal).await
-    }
-
-    async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError> {
-        self.inner.stats(lease_id).await
-    }
-
-    async fn resize(&self, lease_id: &str, ask: ResizeAsk) -> Result<Resized, ProviderError> {
-        self.inner.resize(lease_id, ask).await
-    }
-
-    fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
-        self.inner.log_files(lease_id)
-    }
-
-    fn listens(&self, lease_id: &str, port: u16) -> Option<bool> {
-        self.inner.listens(lease_id, port)
-    }
-
-    fn runtime(&self) -> Runtime {
-        self.inner.runtime()
-    }
-
-    fn running(&self) -> Vec<String> {
-        self.inner.running()
-    }
-}
+});
 
 #[cfg(test)]
 mod tests {

@@ -632,6 +632,71 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     fn running(&self) -> Vec<String>;
 }
 
+/// Implements [`Provider`] for a provider that wraps another: the methods
+/// given, then every method that reads or touches a running workload
+/// (`signal`, `stats`, `resize`, `log_files`, `listens`, `runtime`,
+/// `running`) passed to the wrapped one, `|this| this.inner` naming it.
+/// The wrapper writes the six that start, adopt, record and end workloads
+/// itself, so none of them passes on by accident.
+macro_rules! wrapping_provider {
+    ($wrapper:ty, |$this:ident| $inner:expr, { $($own:tt)* }) => {
+        #[async_trait::async_trait]
+        impl $crate::provider::Provider for $wrapper {
+            $($own)*
+
+            async fn signal(
+                &self,
+                lease_id: &str,
+                signal: $crate::provider::WorkloadSignal,
+            ) -> Result<(), $crate::provider::ProviderError> {
+                let $this = self;
+                $inner.signal(lease_id, signal).await
+            }
+
+            async fn stats(
+                &self,
+                lease_id: &str,
+            ) -> Result<$crate::provider::InstanceStats, $crate::provider::ProviderError> {
+                let $this = self;
+                $inner.stats(lease_id).await
+            }
+
+            async fn resize(
+                &self,
+                lease_id: &str,
+                ask: $crate::provider::ResizeAsk,
+            ) -> Result<$crate::provider::Resized, $crate::provider::ProviderError> {
+                let $this = self;
+                $inner.resize(lease_id, ask).await
+            }
+
+            fn log_files(
+                &self,
+                lease_id: &str,
+            ) -> Result<$crate::provider::LogFiles, $crate::provider::ProviderError> {
+                let $this = self;
+                $inner.log_files(lease_id)
+            }
+
+            fn listens(&self, lease_id: &str, port: u16) -> Option<bool> {
+                let $this = self;
+                $inner.listens(lease_id, port)
+            }
+
+            fn runtime(&self) -> $crate::provider::Runtime {
+                let $this = self;
+                $inner.runtime()
+            }
+
+            fn running(&self) -> Vec<String> {
+                let $this = self;
+                $inner.running()
+            }
+        }
+    };
+}
+pub(crate) use wrapping_provider;
+
 /// What runs a node's workloads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Runtime {

@@ -18,10 +18,7 @@
 use std::sync::Arc;
 
 use super::proxies::EgressProxies;
-use crate::provider::{
-    InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk, Resized, Runtime, Settlement,
-    WorkloadSignal,
-};
+use crate::provider::{LaunchSpec, Launched, Provider, ProviderError, Settlement, wrapping_provider};
 
 /// A provider whose replicas reach the network only through their tenant's
 /// egress proxy.
@@ -49,8 +46,7 @@ impl EgressProvider {
     }
 }
 
-#[async_trait::async_trait]
-impl Provider for EgressProvider {
+wrapping_provider!(EgressProvider, |this| this.inner, {
     async fn launch(&self, mut spec: LaunchSpec) -> Result<Launched, ProviderError> {
         let lease_id = spec.lease_id.clone();
         let attachment = self
@@ -116,32 +112,4 @@ impl Provider for EgressProvider {
         }
         removed
     }
-
-    async fn signal(&self, lease_id: &str, signal: WorkloadSignal) -> Result<(), ProviderError> {
-        self.inner.signal(lease_id, signal).await
-    }
-
-    async fn stats(&self, lease_id: &str) -> Result<InstanceStats, ProviderError> {
-        self.inner.stats(lease_id).await
-    }
-
-    async fn resize(&self, lease_id: &str, ask: ResizeAsk) -> Result<Resized, ProviderError> {
-        self.inner.resize(lease_id, ask).await
-    }
-
-    fn log_files(&self, lease_id: &str) -> Result<LogFiles, ProviderError> {
-        self.inner.log_files(lease_id)
-    }
-
-    fn listens(&self, lease_id: &str, port: u16) -> Option<bool> {
-        self.inner.listens(lease_id, port)
-    }
-
-    fn runtime(&self) -> Runtime {
-        self.inner.runtime()
-    }
-
-    fn running(&self) -> Vec<String> {
-        self.inner.running()
-    }
-}
+});

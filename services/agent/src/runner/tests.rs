@@ -386,8 +386,7 @@ impl FlakyInventory {
     }
 }
 
-#[async_trait::async_trait]
-impl Provider for FlakyInventory {
+crate::provider::wrapping_provider!(FlakyInventory, |this| this.inner(), {
     async fn launch(&self, spec: LaunchSpec) -> Result<Launched, ProviderError> {
         self.inner().launch(spec).await
     }
@@ -418,32 +417,7 @@ impl Provider for FlakyInventory {
     async fn remove(&self, lease_id: &str) -> Result<(), ProviderError> {
         self.inner().remove(lease_id).await
     }
-    async fn signal(&self, lease_id: &str, signal: crate::provider::WorkloadSignal) -> Result<(), ProviderError> {
-        self.inner().signal(lease_id, signal).await
-    }
-    async fn stats(&self, lease_id: &str) -> Result<crate::provider::InstanceStats, ProviderError> {
-        self.inner().stats(lease_id).await
-    }
-    async fn resize(
-        &self,
-        lease_id: &str,
-        ask: crate::provider::ResizeAsk,
-    ) -> Result<crate::provider::Resized, ProviderError> {
-        self.inner().resize(lease_id, ask).await
-    }
-    fn log_files(&self, lease_id: &str) -> Result<crate::provider::LogFiles, ProviderError> {
-        self.inner().log_files(lease_id)
-    }
-    fn listens(&self, lease_id: &str, port: u16) -> Option<bool> {
-        self.inner().listens(lease_id, port)
-    }
-    fn runtime(&self) -> Runtime {
-        self.inner().runtime()
-    }
-    fn running(&self) -> Vec<String> {
-        self.inner().running()
-    }
-}
+});
 
 impl Harness {
     async fn start(fake: &Arc<FakeLeases>, dir: &Path, settings: RunnerSettings) -> Harness {
