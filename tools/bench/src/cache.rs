@@ -278,14 +278,13 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
 }
 
 fn table(report: &Report) -> String {
-    let mut out = format!(
-        "cache volumes: a {} MiB volume under {}, {} MiB changed per publish\n",
-        report.volume_bytes >> 20,
-        report.runtime,
-        report.changed_bytes >> 20
-    );
-    out.push_str(&Series::table(
-        34,
+    let mut out = Series::table(
+        &format!(
+            "cache volumes: a {} MiB volume under {}, {} MiB changed per publish",
+            report.volume_bytes >> 20,
+            report.runtime,
+            report.changed_bytes >> 20
+        ),
         &[
             ("launch, no volume (baseline)", &report.launch_without),
             ("launch, warm volume mounted", &report.launch_with),
@@ -294,7 +293,7 @@ fn table(report: &Report) -> String {
             ("seal of every byte (baseline)", &report.publish_full_copy),
             ("fetch of the head, node without it", &report.fetch),
         ],
-    ));
+    );
     let added = report.mount_added_p99_ms.map_or_else(|| "-".to_string(), |ms| format!("{ms:.1} ms"));
     out.push_str(&format!(
         "volume added to a launch, p99: {added} (target <= {} ms)\n",

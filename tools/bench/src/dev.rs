@@ -82,14 +82,16 @@ impl Series {
         }
     }
 
-    /// A table of `rows` (label, series) under a `count p50 p99 max`
-    /// header, labels padded to `label_width`.
-    pub(crate) fn table(label_width: usize, rows: &[(&str, &Series)]) -> String {
+    /// `title` on a line of its own, then a table of `rows` (label, series)
+    /// under a `count p50 p99 max` header, the labels in a column as wide as
+    /// the longest.
+    pub(crate) fn table(title: &str, rows: &[(&str, &Series)]) -> String {
         let latency = crate::leases::latency;
-        let mut out = format!("{:<label_width$}{:>8}{:>12}{:>12}{:>12}\n", "", "count", "p50", "p99", "max");
+        let width = rows.iter().map(|(label, _)| label.chars().count()).max().unwrap_or(0) + 2;
+        let mut out = format!("{title}\n{:<width$}{:>8}{:>12}{:>12}{:>12}\n", "", "count", "p50", "p99", "max");
         for (label, series) in rows {
             out.push_str(&format!(
-                "{label:<label_width$}{:>8}{:>12}{:>12}{:>12}\n",
+                "{label:<width$}{:>8}{:>12}{:>12}{:>12}\n",
                 series.count,
                 latency(series.p50_ms),
                 latency(series.p99_ms),

@@ -210,22 +210,21 @@ async fn node_ack(client: &mut egress::egress_client::EgressClient<Channel>) -> 
 
 fn table(report: &Report) -> String {
     let latency = crate::leases::latency;
-    let mut out = format!(
-        "berth-bench egress-push: {} route edits, one at a time, on berth dev's node ({})\n",
-        report.edits, report.enforcement
-    );
-    out.push_str(&Series::table(
-        28,
+    let mut out = Series::table(
+        &format!(
+            "berth-bench egress-push: {} route edits, one at a time, on berth dev's node ({})",
+            report.edits, report.enforcement
+        ),
         &[
             ("edit in force on the node", &report.in_force),
             ("ApplyRoute answered", &report.apply),
             ("empty mTLS RPC (baseline)", &report.baseline),
         ],
-    ));
+    );
     out.push_str(&format!(
         "target: every edit acknowledged by the node, p99 < {:.0}ms {} ({} missed, p99 {})",
         report.target_p99_ms,
-        if report.met { "OK" } else { "MISSED" },
+        crate::report::verdict(report.met),
         report.missed,
         latency(report.in_force.p99_ms)
     ));

@@ -228,17 +228,16 @@ fn daemons_of(run_dir: &std::path::Path) -> f64 {
 }
 
 fn table(report: &Report) -> String {
-    let mut out = format!(
-        "microvm: sleep as a QEMU microVM ({}; guest {} MiB) and as a runc container, at the provider\n",
-        report.accel, report.guest_memory_mib
-    );
-    out.push_str(&Series::table(
-        34,
+    let mut out = Series::table(
+        &format!(
+            "microvm: sleep as a QEMU microVM ({}; guest {} MiB) and as a runc container, at the provider",
+            report.accel, report.guest_memory_mib
+        ),
         &[
             ("launch, runc container (baseline)", &report.launch_container),
             ("launch, microVM (to running)", &report.launch_microvm),
         ],
-    ));
+    );
     let mib = |series: &Series| series.p50_ms.map_or_else(|| "-".into(), |v| format!("{v:.1} MiB"));
     out.push_str(&format!(
         "VMM memory, median: resident {}, of which the guest's RAM {}, the VMM's own {} (target <= {} MiB)\n",

@@ -166,18 +166,17 @@ fn silent_listener() -> std::io::Result<SocketAddr> {
 }
 
 fn table(report: &Report) -> String {
-    let mut out = format!(
-        "mirror: resolve + pull of one {}-byte bundle from a loopback registry, one at a time, the paths interleaved\n",
-        report.bundle_bytes
-    );
-    out.push_str(&Series::table(
-        22,
+    let mut out = Series::table(
+        &format!(
+            "mirror: resolve + pull of one {}-byte bundle from a loopback registry, one at a time, the paths interleaved",
+            report.bundle_bytes
+        ),
         &[
             ("direct (no mirror)", &report.direct),
             ("refusing mirror", &report.refusing),
             ("silent mirror", &report.silent),
         ],
-    ));
+    );
     let shown = |value: Option<f64>| value.map_or_else(|| "unknown".to_string(), |ms| format!("{ms:+.1}ms"));
     out.push_str(&format!(
         "added by a refusing mirror: p99 {}; by a silent one: p50 {}\n",
@@ -187,7 +186,7 @@ fn table(report: &Report) -> String {
     out.push_str(&format!(
         "targets: a refusing mirror adds <= {:.0}ms p99 {}\n",
         report.target_refusing_added_ms,
-        if report.met { "OK" } else { "MISSED" }
+        crate::report::verdict(report.met)
     ));
     out
 }

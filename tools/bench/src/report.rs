@@ -186,6 +186,11 @@ impl Machine {
     }
 }
 
+/// `OK` for a target met, `MISSED` for one missed.
+pub(crate) fn verdict(met: bool) -> &'static str {
+    if met { "OK" } else { "MISSED" }
+}
+
 /// `targets: NAME OK (VALUE); ...`: each target's verdict, its figure with
 /// `decimals` places.
 pub(crate) fn verdicts_line(targets: &[Target], decimals: usize) -> String {
@@ -193,7 +198,7 @@ pub(crate) fn verdicts_line(targets: &[Target], decimals: usize) -> String {
         .iter()
         .map(|t| {
             let value = t.value.map_or_else(|| "no figure".to_string(), |v| format!("{v:.decimals$}"));
-            format!("{} {} ({value})", t.name, if t.met { "OK" } else { "MISSED" })
+            format!("{} {} ({value})", t.name, verdict(t.met))
         })
         .collect();
     format!("targets: {}", verdicts.join("; "))

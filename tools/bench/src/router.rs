@@ -775,7 +775,7 @@ fn table(report: &Report) -> String {
             TARGET_RATE_SHARE * 100.0,
             percent(p.relay_share),
             percent(p.mtls_relay_share),
-            if p.met() { "OK" } else { "MISSED" }
+            crate::report::verdict(p.met())
         )
     };
     let connections = report.http1.direct.connections;

@@ -196,22 +196,21 @@ async fn signings(dev: &Dev, args: &SvidArgs, lease: &Arc<leases::Lease>) -> Res
 }
 
 fn table(report: &Report) -> String {
-    let mut out = format!(
-        "berth-bench svids: {} workload certificates, {} at once, on berth dev (embedded store)\n",
-        report.signings, report.concurrency
-    );
-    out.push_str(&Series::table(
-        34,
+    let mut out = Series::table(
+        &format!(
+            "berth-bench svids: {} workload certificates, {} at once, on berth dev (embedded store)",
+            report.signings, report.concurrency
+        ),
         &[
             ("register + sign (a launch's first)", &report.register_and_sign),
             ("sign (spends the registration)", &report.sign),
             ("empty mTLS RPC (baseline)", &report.baseline),
         ],
-    ));
+    );
     out.push_str(&format!(
         "target: ≥ {:.0} signed/s {} ({:.0}/s)",
         report.target_per_s,
-        if report.met { "OK" } else { "MISSED" },
+        crate::report::verdict(report.met),
         report.rate_per_s
     ));
     out
