@@ -91,7 +91,7 @@ struct RegistryArgs {
 
 /// Why a bundle command failed. Each message is the whole line the user sees.
 #[derive(Debug, thiserror::Error)]
-enum BundleCmdError {
+pub(crate) enum BundleCmdError {
     /// The directory could not be packed.
     #[error("cannot build a bundle from {dir}: {source}")]
     Pack {
@@ -134,11 +134,7 @@ fn parse_reference(value: &str) -> Result<BundleReference, String> {
 }
 
 impl BundleArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), BundleCmdError> {
+    pub(crate) async fn run(self) -> Result<(), BundleCmdError> {
         match self.command {
             BundleCommand::Push { dir, reference, registry } => {
                 let (client, credentials) = registry.connect()?;

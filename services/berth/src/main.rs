@@ -80,19 +80,19 @@ fn main() -> ExitCode {
     run_main("berth", &cli.telemetry, || async {
         match cli.command {
             Command::Dev(args) => dev::run(args).await,
-            Command::Token(args) => args.run().await,
-            Command::Node(args) => args.run().await,
-            Command::Cert(args) => args.run().await,
-            Command::Bootstrap(args) => args.run().await,
-            Command::Health(args) => args.run().await,
-            Command::Lease(args) => args.run().await,
-            Command::Capacity(args) => args.run().await,
-            Command::Cache(args) => args.run().await,
-            Command::Service(args) => args.run().await,
-            Command::Revision(args) => args.run().await,
-            Command::Egress(args) => args.run().await,
-            Command::Logs(args) => args.run().await,
-            Command::Bundle(args) => args.run().await,
+            Command::Token(args) => Ok(args.run().await?),
+            Command::Node(args) => Ok(args.run().await?),
+            Command::Cert(args) => Ok(args.run().await?),
+            Command::Bootstrap(args) => Ok(args.run().await?),
+            Command::Health(args) => Ok(args.run().await?),
+            Command::Lease(args) => Ok(args.run().await?),
+            Command::Capacity(args) => Ok(args.run().await?),
+            Command::Cache(args) => Ok(args.run().await?),
+            Command::Service(args) => Ok(args.run().await?),
+            Command::Revision(args) => Ok(args.run().await?),
+            Command::Egress(args) => Ok(args.run().await?),
+            Command::Logs(args) => Ok(args.run().await?),
+            Command::Bundle(args) => Ok(args.run().await?),
         }
     })
 }

@@ -206,10 +206,6 @@ fn check_host(host: &str) -> Result<(), String> {
 }
 
 impl BootstrapArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
     fn check_flags(&self) -> Result<(), BootstrapError> {
         let max = AuthorityTiming::default().max_cert_ttl;
         if self.cert_ttl < MIN_CERT_TTL || self.cert_ttl > max {
@@ -234,7 +230,7 @@ impl BootstrapArgs {
         Ok(())
     }
 
-    async fn execute(self) -> Result<(), BootstrapError> {
+    pub(crate) async fn run(self) -> Result<(), BootstrapError> {
         self.check_flags()?;
         let admin = Identity::admin(self.admin.trim())
             .map_err(|e| BootstrapError::Flag { flag: "--admin", reason: e.to_string() })?;

@@ -8,7 +8,6 @@
 
 use berth_proto::leases::v1;
 use berth_proto::leases::v1::caches_client::CachesClient;
-use berth_runtime::StartError;
 
 use super::lease::LeasesServerArgs;
 use super::output::{self, Table};
@@ -85,11 +84,7 @@ enum CacheCommand {
 }
 
 impl CacheArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let connection = self.leases.connect(&self.client, self.client.credentials()?).await?;
         let mut client = CachesClient::new(connection.channel.clone());
         let format = self.client.output;

@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 
 use berth_proto::identity::v1;
 use berth_proto::identity::v1::authority_client::AuthorityClient;
-use berth_runtime::StartError;
 
 use super::output;
 use super::{CliError, ClientArgs, OutputFormat, parse_ttl};
@@ -89,11 +88,7 @@ enum CertKind {
 }
 
 impl CertArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let connection = self.client.connect()?;
         let CertCommand::Issue(args) = self.command;
         let (csr_pem, key_pem) =

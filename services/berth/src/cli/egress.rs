@@ -25,7 +25,6 @@ use berth_proto::egress::v1 as egress;
 use berth_proto::egress::v1::egress_client::EgressClient;
 use berth_proto::types::v1::{Condition, ConditionStatus};
 use berth_rpc::Channel;
-use berth_runtime::StartError;
 use serde_json::Value;
 
 use super::output::{self, Table};
@@ -139,10 +138,6 @@ impl Egress {
 }
 
 impl EgressArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
     async fn connect(&self, credentials: TlsCredentials) -> Result<Egress, CliError> {
         let address =
             self.client.endpoint("egress", self.egress_server.as_ref(), "--egress-server", &credentials).await?;
@@ -153,7 +148,7 @@ impl EgressArgs {
         Ok(Egress { client, connection })
     }
 
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let format = self.client.output;
         // A bad spec is refused before any credential is read or server dialled.
         let spec = match &self.command {
@@ -268,29 +263,20 @@ async fn gateway_command(egress: &mut Egress, command: ObjectCommand, format: Ou
             let message = egress::ListGatewaysRequest { project: project.unwrap_or_default() };
             let response =
                 egress.client.list_gateways(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
-            let response = response.into_inner();
-            if format == OutputFormat::Json {
-                return output::print_message(&response);
-            }
-            let gateways = response.gateways;
-            if gateways.is_empty() {
-                output::note("No gateways found.");
-                return Ok(());
-            }
+            let listed = response.into_inner();
             // ATTACHMENTS: route attachments summed over the listeners.
-            let mut table = Table::new(vec!["NAME", "LISTENERS", "READY", "ATTACHMENTS", "AGE"]);
-            for gateway in &gateways {
+            let headers = vec!["NAME", "LISTENERS", "READY", "ATTACHMENTS", "AGE"];
+            output::print_listed(&listed, &listed.gateways, "gateways", format, headers, |gateway| {
                 let status = gateway.status.clone().unwrap_or_default();
                 let routes: u32 = status.listeners.iter().map(|l| l.attached_routes).sum();
-                table.row(vec![
+                vec![
                     gateway.name.clone(),
                     gateway.listeners.iter().map(listener_text).collect::<Vec<_>>().join(","),
                     output::condition_of(&status.conditions, "Ready"),
                     routes.to_string(),
                     output::age(gateway.created_at.as_ref()),
-                ]);
-            }
-            output::print(&table.render())
+                ]
+            })
         }
         ObjectCommand::Delete(target) => {
             let name = target.name.clone();
@@ -326,20 +312,12 @@ async fn route_command(egress: &mut Egress, command: ObjectCommand, format: Outp
             let message = egress::ListRoutesRequest { project: project.unwrap_or_default() };
             let response =
                 egress.client.list_routes(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
-            let response = response.into_inner();
-            if format == OutputFormat::Json {
-                return output::print_message(&response);
-            }
-            let routes = response.routes;
-            if routes.is_empty() {
-                output::note("No routes found.");
-                return Ok(());
-            }
-            let mut table = Table::new(vec!["NAME", "ACTION", "HOSTNAMES", "PORTS", "PARENTS", "ACCEPTED", "AGE"]);
-            for route in &routes {
+            let listed = response.into_inner();
+            let headers = vec!["NAME", "ACTION", "HOSTNAMES", "PORTS", "PARENTS", "ACCEPTED", "AGE"];
+            output::print_listed(&listed, &listed.routes, "routes", format, headers, |route| {
                 let parents = route.status.as_ref().map_or(&[][..], |s| s.parents.as_slice());
                 let accepted = parents.iter().filter(|p| holds(&p.conditions, "Accepted")).count();
-                table.row(vec![
+                vec![
                     route.name.clone(),
                     action_text(route.action),
                     route.hostnames.join(","),
@@ -347,9 +325,8 @@ async fn route_command(egress: &mut Egress, command: ObjectCommand, format: Outp
                     route.parent_refs.iter().map(parent_text).collect::<Vec<_>>().join(","),
                     format!("{accepted}/{}", route.parent_refs.len()),
                     output::age(route.created_at.as_ref()),
-                ]);
-            }
-            output::print(&table.render())
+                ]
+            })
         }
         ObjectCommand::Delete(target) => {
             let name = target.name.clone();

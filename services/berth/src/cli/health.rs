@@ -111,16 +111,12 @@ impl From<HealthError> for StartError {
 }
 
 impl HealthArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.check().await?)
-    }
-
     /// The bundle to verify with: `--ca`, else the service's own.
     fn ca_file(&self) -> Result<&PathBuf, HealthError> {
         self.ca.as_ref().or(self.service_ca.as_ref()).ok_or(HealthError::NoCa)
     }
 
-    async fn check(self) -> Result<(), HealthError> {
+    pub(crate) async fn run(self) -> Result<(), HealthError> {
         let ca = self.ca_file()?;
         let ca_pem = std::fs::read_to_string(ca)
             .map_err(|source| HealthError::ReadCa { path: ca.display().to_string(), source })?;

@@ -21,7 +21,6 @@ use berth_proto::leases::v1::capacity_client::CapacityClient;
 use berth_proto::leases::v1::leases_client::LeasesClient;
 use berth_proto::types::v1::Capacity;
 use berth_rpc::Channel;
-use berth_runtime::StartError;
 
 use super::output::{self, Table};
 use super::{CliError, ClientArgs, Connection, OutputFormat, ProjectScopeArgs, parse_label, parse_server};
@@ -204,11 +203,7 @@ pub(crate) struct CapacityArgs {
 }
 
 impl LeaseArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let connection = self.leases.connect(&self.client, self.client.credentials()?).await?;
         let mut client = LeasesClient::new(connection.channel.clone());
         let format = self.client.output;
@@ -256,11 +251,7 @@ impl LeaseArgs {
 }
 
 impl CapacityArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let connection = self.leases.connect(&self.client, self.client.credentials()?).await?;
         let request = v1::ListNodeCapacityRequest { tier: self.tier.unwrap_or_default() };
         let listed = CapacityClient::new(connection.channel.clone())
@@ -268,14 +259,7 @@ impl CapacityArgs {
             .await
             .map_err(|s| connection.status_error(s))?
             .into_inner();
-        if self.client.output == OutputFormat::Json {
-            return output::print_message(&listed);
-        }
-        if listed.nodes.is_empty() {
-            output::note("No nodes found.");
-            return Ok(());
-        }
-        let mut table = Table::new(vec![
+        let headers = vec![
             "NODE",
             "TIER",
             "STATE",
@@ -287,12 +271,12 @@ impl CapacityArgs {
             "MEMORY-ALLOCATED",
             "MEMORY-FREE",
             "LEASES",
-        ]);
+        ];
         let cpu = |c: Option<&Capacity>| output::cpu(c.map_or(0, |c| c.cpu_millis));
         let memory = |c: Option<&Capacity>| output::memory(c.map_or(0, |c| c.memory_bytes));
-        for node in &listed.nodes {
+        output::print_listed(&listed, &listed.nodes, "nodes", self.client.output, headers, |node| {
             let (total, allocated, free) = (node.total.as_ref(), node.allocated.as_ref(), node.free.as_ref());
-            table.row(vec![
+            vec![
                 node.node_id.clone(),
                 output::or_none(&node.tier),
                 output::node_state(node.state),
@@ -308,9 +292,8 @@ impl CapacityArgs {
                 memory(allocated),
                 memory(free),
                 node.leases.to_string(),
-            ]);
-        }
-        output::print(&table.render())
+            ]
+        })
     }
 }
 
@@ -462,18 +445,10 @@ fn random_key() -> String {
 }
 
 fn print_list(listed: &v1::ListLeasesResponse, format: OutputFormat) -> Result<(), CliError> {
-    if format == OutputFormat::Json {
-        return output::print_message(listed);
-    }
-    if listed.leases.is_empty() {
-        output::note("No leases found.");
-        return Ok(());
-    }
-    let mut table =
-        Table::new(vec!["LEASE", "PROJECT", "OWNER", "NODE", "PHASE", "EPOCH", "CPU", "MEMORY", "AGE", "REASON"]);
-    for lease in &listed.leases {
+    let headers = vec!["LEASE", "PROJECT", "OWNER", "NODE", "PHASE", "EPOCH", "CPU", "MEMORY", "AGE", "REASON"];
+    output::print_listed(listed, &listed.leases, "leases", format, headers, |lease| {
         let resources = lease.resources.as_ref();
-        table.row(vec![
+        vec![
             lease.lease_id.clone(),
             output::or_none(&lease.project),
             output::or_none(&lease.owner),
@@ -484,9 +459,8 @@ fn print_list(listed: &v1::ListLeasesResponse, format: OutputFormat) -> Result<(
             resources.map_or_else(|| output::NONE.to_string(), |r| output::memory(r.memory_bytes)),
             output::age(lease.created_at.as_ref()),
             output::lease_reason(lease),
-        ]);
-    }
-    output::print(&table.render())
+        ]
+    })
 }
 
 /// `lease list --watch`: follows `WatchLeases` and prints each event as it

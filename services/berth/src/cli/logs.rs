@@ -17,7 +17,6 @@ use std::time::Duration;
 use berth_proto::leases::v1::GetLeaseLogsRequest;
 use berth_proto::leases::v1::leases_client::LeasesClient;
 use berth_proto::types::v1::LogStream;
-use berth_runtime::StartError;
 use tonic::Code;
 
 use super::lease::{LeasesServerArgs, get_lease, is_starting};
@@ -55,11 +54,7 @@ pub(crate) struct LogsArgs {
 }
 
 impl LogsArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let credentials = self.client.credentials()?;
         let leases = self.leases.connect(&self.client, credentials.clone()).await?;
         let mut leases_client = LeasesClient::new(leases.channel.clone());

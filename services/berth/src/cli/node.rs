@@ -6,7 +6,6 @@ use berth_proto::identity::v1::nodes_client::NodesClient;
 use berth_proto::leases::v1::ListLeasesRequest as LeasesRequest;
 use berth_proto::leases::v1::leases_client::LeasesClient;
 use berth_rpc::Channel;
-use berth_runtime::StartError;
 use tonic::{Code, Status};
 
 use super::output::{self, Table};
@@ -138,11 +137,7 @@ impl From<StateFilter> for v1::NodeState {
 }
 
 impl NodeArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let connection = self.client.connect()?;
         let mut client = NodesClient::new(connection.channel.clone());
         let format = self.client.output;
@@ -470,16 +465,9 @@ async fn node_error(
 }
 
 fn print_list(listed: &v1::ListNodesResponse, format: OutputFormat) -> Result<(), CliError> {
-    if format == OutputFormat::Json {
-        return output::print_message(listed);
-    }
-    if listed.nodes.is_empty() {
-        output::note("No nodes found.");
-        return Ok(());
-    }
-    let mut table = Table::new(vec!["ID", "NAME", "STATE", "TIER", "ADDRESS", "HEARTBEAT", "AGE", "VERSION"]);
-    for node in &listed.nodes {
-        table.row(vec![
+    let headers = vec!["ID", "NAME", "STATE", "TIER", "ADDRESS", "HEARTBEAT", "AGE", "VERSION"];
+    output::print_listed(listed, &listed.nodes, "nodes", format, headers, |node| {
+        vec![
             node.node_id.clone(),
             output::or_none(&node.name),
             output::node_state(node.state),
@@ -488,9 +476,8 @@ fn print_list(listed: &v1::ListNodesResponse, format: OutputFormat) -> Result<()
             output::age(node.last_heartbeat_at.as_ref()),
             output::age(node.joined_at.as_ref()),
             output::or_none(&node.version),
-        ]);
-    }
-    output::print(&table.render())
+        ]
+    })
 }
 
 /// A drain or revoke as one line: the node, its state now, and what that means.

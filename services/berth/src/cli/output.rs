@@ -138,6 +138,31 @@ pub(crate) fn json_text(value: &Value) -> String {
 
 /// A note for the person at the terminal, kept off stdout so output can be
 /// piped.
+/// A List answer as `format` asks: the message as JSON; else a table with
+/// a row per item under `headers`, or, with no item, a note that no
+/// `plural` were found.
+pub(super) fn print_listed<M: prost::Message + prost::Name, T>(
+    listed: &M,
+    items: &[T],
+    plural: &str,
+    format: super::OutputFormat,
+    headers: Vec<&'static str>,
+    row: impl Fn(&T) -> Vec<String>,
+) -> Result<(), CliError> {
+    if format == super::OutputFormat::Json {
+        return print_message(listed);
+    }
+    if items.is_empty() {
+        note(&format!("No {plural} found."));
+        return Ok(());
+    }
+    let mut table = Table::new(headers);
+    for item in items {
+        table.row(row(item));
+    }
+    print(&table.render())
+}
+
 pub(super) fn note(text: &str) {
     eprintln!("{text}");
 }

@@ -39,7 +39,6 @@ use berth_proto::revisions::v1::revisions_client::RevisionsClient;
 use berth_proto::revisions::v1::services_client::ServicesClient;
 use berth_proto::types::v1::{BundleRef, Capacity, Condition, ConditionStatus, Port};
 use berth_rpc::Channel;
-use berth_runtime::StartError;
 use serde_json::{Value, json};
 
 use super::lease::LeasesServerArgs;
@@ -422,11 +421,7 @@ fn progress(status: &v1::ServiceStatus) -> String {
 }
 
 impl ServiceArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let format = self.client.output;
         // A bad spec is refused before any credential is read or server dialled.
         let spec = match &self.command {
@@ -529,11 +524,7 @@ impl ServiceArgs {
 }
 
 impl RevisionArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let format = self.client.output;
         let mut revisions = self.revisions.connect(&self.client, self.client.credentials()?).await?;
         match self.command {
@@ -771,20 +762,11 @@ fn revision_details(revision: &v1::Revision) -> String {
 }
 
 fn print_services(listed: &v1::ListServicesResponse, all_projects: bool, format: OutputFormat) -> Result<(), CliError> {
-    if format == OutputFormat::Json {
-        return output::print_message(listed);
-    }
-    let services = &listed.services;
-    if services.is_empty() {
-        output::note("No services found.");
-        return Ok(());
-    }
     let mut headers = vec!["NAME", "LIVE", "LATEST", "READY", "REPLICAS", "AGE"];
     if all_projects {
         headers.insert(0, "PROJECT");
     }
-    let mut table = Table::new(headers);
-    for service in services {
+    output::print_listed(listed, &listed.services, "services", format, headers, |service| {
         let status = service.status.clone().unwrap_or_default();
         let mut row = vec![
             service.name.clone(),
@@ -797,32 +779,22 @@ fn print_services(listed: &v1::ListServicesResponse, all_projects: bool, format:
         if all_projects {
             row.insert(0, output::project_name(&service.project).to_string());
         }
-        table.row(row);
-    }
-    output::print(&table.render())
+        row
+    })
 }
 
 fn print_revisions(listed: &v1::ListRevisionsResponse, format: OutputFormat) -> Result<(), CliError> {
-    if format == OutputFormat::Json {
-        return output::print_message(listed);
-    }
-    let revisions = &listed.revisions;
-    if revisions.is_empty() {
-        output::note("No revisions found.");
-        return Ok(());
-    }
-    let mut table = Table::new(vec!["NAME", "GENERATION", "DIGEST", "READY", "RUNNING", "AGE"]);
-    for revision in revisions {
-        table.row(vec![
+    let headers = vec!["NAME", "GENERATION", "DIGEST", "READY", "RUNNING", "AGE"];
+    output::print_listed(listed, &listed.revisions, "revisions", format, headers, |revision| {
+        vec![
             revision.name.clone(),
             revision.generation.to_string(),
             short_digest(&revision.digest),
             output::condition_of(&revision.conditions, "Ready"),
             revision.replicas_running.to_string(),
             output::age(revision.created_at.as_ref()),
-        ]);
-    }
-    output::print(&table.render())
+        ]
+    })
 }
 
 /// `sha256:` and the first 12 hex digits, enough to tell digests apart.

@@ -9,9 +9,8 @@ use std::collections::HashMap;
 
 use berth_proto::identity::v1;
 use berth_proto::identity::v1::join_tokens_client::JoinTokensClient;
-use berth_runtime::StartError;
 
-use super::output::{self, Table};
+use super::output;
 use super::{CliError, ClientArgs, OutputFormat, parse_label, parse_ttl};
 
 /// Flags of `berth token`.
@@ -66,11 +65,7 @@ struct ListArgs {
 }
 
 impl TokenArgs {
-    pub(crate) async fn run(self) -> Result<(), StartError> {
-        Ok(self.execute().await?)
-    }
-
-    async fn execute(self) -> Result<(), CliError> {
+    pub(crate) async fn run(self) -> Result<(), CliError> {
         let connection = self.client.connect()?;
         let mut client = JoinTokensClient::new(connection.channel.clone());
         let format = self.client.output;
@@ -134,17 +129,9 @@ fn print_created(created: &v1::CreateJoinTokenResponse, format: OutputFormat) ->
 }
 
 fn print_list(listed: &v1::ListJoinTokensResponse, format: OutputFormat) -> Result<(), CliError> {
-    if format == OutputFormat::Json {
-        return output::print_message(listed);
-    }
-    if listed.join_tokens.is_empty() {
-        output::note("No join tokens found.");
-        return Ok(());
-    }
-    let mut table =
-        Table::new(vec!["ID", "STATUS", "USES", "TIER", "LABELS", "EXPIRES", "AGE", "CREATED-BY", "DESCRIPTION"]);
-    for token in &listed.join_tokens {
-        table.row(vec![
+    let headers = vec!["ID", "STATUS", "USES", "TIER", "LABELS", "EXPIRES", "AGE", "CREATED-BY", "DESCRIPTION"];
+    output::print_listed(listed, &listed.join_tokens, "join tokens", format, headers, |token| {
+        vec![
             token.token_id.clone(),
             status(token).to_string(),
             format!("{}/{}", token.uses, token.max_uses),
@@ -154,9 +141,8 @@ fn print_list(listed: &v1::ListJoinTokensResponse, format: OutputFormat) -> Resu
             output::age(token.created_at.as_ref()),
             output::or_none(&token.created_by),
             token.description.clone(),
-        ]);
-    }
-    output::print(&table.render())
+        ]
+    })
 }
 
 /// Whether the token can still be used, and if not, the first reason why.
