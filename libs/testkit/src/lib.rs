@@ -40,7 +40,7 @@ use berth_mtls::{CertificateAuthority, TlsCredentials, TlsMaterial};
 use berth_proto::identity::v1 as identity;
 use berth_proto::types::v1::EventKind;
 use berth_rpc::{Listener, ServerBuilder};
-use berth_runtime::{ServiceContext, ServiceReplica as _, follow_nodes};
+use berth_runtime::{ServiceContext, ServiceReplica, follow_nodes};
 use berth_store::testing::TestDb;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -170,6 +170,48 @@ pub async fn serve(server: ServerBuilder, credentials: TlsCredentials, stop: Can
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
     addr
+}
+
+/// One replica of a service under test: its loops, and its handlers served
+/// on a free loopback port, until it is stopped.
+#[derive(Debug)]
+pub struct Replica<S> {
+    /// The service, for tests that look behind the API.
+    pub service: S,
+    /// Where it serves.
+    pub addr: SocketAddr,
+    shutdown: CancellationToken,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl<S: ServiceReplica> Replica<S> {
+    /// Starts `service`'s loops and serves its handlers with `credentials`,
+    /// both until `shutdown` (or [`Replica::kill`]).
+    pub async fn start(service: S, credentials: TlsCredentials, shutdown: CancellationToken) -> Self {
+        service.spawn_loops(&shutdown);
+        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), credentials).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = service.server();
+        let stop = shutdown.clone();
+        let server = tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
+        Self { service, addr, shutdown, server }
+    }
+
+    /// Stops its server and loops at once, as a crashed process would.
+    pub fn kill(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Stops it and waits (up to 15 s) for its server to end.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(15), self.server).await;
+    }
+
+    /// A channel to it, presenting `credentials`.
+    pub fn channel(&self, credentials: TlsCredentials) -> berth_rpc::Channel {
+        berth_rpc::connect(&self.addr.to_string(), credentials).unwrap()
+    }
 }
 
 /// The node registry identity serves, as the test scripts it.

@@ -38,7 +38,6 @@ pub(crate) use berth_testkit::Backend;
 use berth_testkit::{
     LeasesMesh, PATIENCE, cleanup_bus, eventually, fast_ledger, replica_bus, serve, test_bus, test_db,
 };
-use tokio_util::sync::CancellationToken;
 
 /// A digest no registry holds: references pinned to it resolve without a registry.
 const PINNED: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -74,11 +73,7 @@ fn tier(node_id: &str) -> String {
 }
 
 /// One egress replica serving on a loopback port.
-pub(crate) struct Replica {
-    pub(crate) service: EgressService,
-    pub(crate) addr: SocketAddr,
-    shutdown: CancellationToken,
-}
+pub(crate) type Replica = berth_testkit::Replica<EgressService>;
 
 /// The mesh: leases, revisions, egress, a scripted node registry, clients.
 pub(crate) struct Mesh {
@@ -158,15 +153,13 @@ impl Mesh {
                 .unwrap();
         let service = EgressService::new(&ctx, self.config.clone(), sources);
         let shutdown = self.base().stop.child_token();
-        service.spawn_loops(&shutdown);
-        let addr = serve(service.server(), me, shutdown.clone()).await;
-        self.replicas.push(Replica { service, addr, shutdown });
+        self.replicas.push(Replica::start(service, me, shutdown).await);
         self.replicas.len() - 1
     }
 
     /// Stops replica `n`'s server and loops, as a crashed process would.
     pub(crate) fn stop_replica(&self, n: usize) {
-        self.replicas[n].shutdown.cancel();
+        self.replicas[n].kill();
     }
 
     /// The egress store, for tests that look behind the API.
@@ -180,7 +173,7 @@ impl Mesh {
     }
 
     fn channel(&self, replica: usize, credentials: TlsCredentials) -> Channel {
-        berth_rpc::connect(&self.replicas[replica].addr.to_string(), credentials).unwrap()
+        self.replicas[replica].channel(credentials)
     }
 
     /// `Egress` as an admin, through replica 0.

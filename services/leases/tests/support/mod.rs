@@ -27,8 +27,8 @@ use berth_proto::identity::v1 as identity;
 use berth_proto::identity::v1::NodeState;
 use berth_proto::leases::v1;
 use berth_proto::types::v1::Capacity;
-use berth_rpc::{Channel, Listener};
-use berth_runtime::{ServiceContext, ServiceReplica as _, follow_nodes};
+use berth_rpc::Channel;
+use berth_runtime::{ServiceContext, follow_nodes};
 use berth_store::testing::TestDb;
 use berth_store::{ElectionTiming, Store};
 pub(crate) use berth_testkit::Backend;
@@ -36,7 +36,6 @@ use berth_testkit::{
     PATIENCE, ScriptedRegistry, cleanup_bus, credentials, eventually, install_crypto_and_logs, replica_bus, test_bus,
     test_ca, test_db,
 };
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// A gibibyte.
@@ -78,19 +77,7 @@ pub(crate) fn node(node_id: &str, tier: &str, state: NodeState, cpu_millis: u64,
 }
 
 /// One leases replica serving on a loopback port.
-pub(crate) struct Replica {
-    pub(crate) service: LeasesService,
-    pub(crate) addr: SocketAddr,
-    shutdown: CancellationToken,
-    server: JoinHandle<()>,
-}
-
-impl Replica {
-    async fn stop(self) {
-        self.shutdown.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(15), self.server).await;
-    }
-}
+pub(crate) type Replica = berth_testkit::Replica<LeasesService>;
 
 /// A deployment: a store, a bus, a scripted registry, replicas, and clients.
 pub(crate) struct Ledger {
@@ -154,13 +141,7 @@ impl Ledger {
             shutdown.clone(),
         );
         let service = LeasesService::new(&ctx, self.config.clone());
-        service.spawn_loops(&shutdown);
-        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), credentials).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = service.server();
-        let stop = shutdown.clone();
-        let server = tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
-        self.replicas.push(Replica { service, addr, shutdown, server });
+        self.replicas.push(Replica::start(service, credentials, shutdown).await);
         let replica = self.replicas.len() - 1;
         self.settle_replica(replica).await;
         replica

@@ -32,13 +32,12 @@ use berth_revisions::{
     Dependencies, GrpcLeases, LeaseClient, RegistryPolicy, RegistrySecrets, RevisionsConfig, RevisionsService,
     TagResolver,
 };
-use berth_rpc::{Channel, Listener};
-use berth_runtime::{ServiceContext, ServiceReplica as _};
+use berth_rpc::Channel;
+use berth_runtime::ServiceContext;
 use berth_store::ElectionTiming;
 use berth_store::testing::TestDb;
 pub(crate) use berth_testkit::Backend;
 use berth_testkit::{LeasesMesh, PATIENCE, cleanup_bus, eventually, fast_ledger, replica_bus, test_bus, test_db};
-use tokio_util::sync::CancellationToken;
 
 /// A gibibyte.
 pub(crate) const GIB: u64 = 1 << 30;
@@ -78,11 +77,7 @@ pub(crate) fn node(node_id: &str) -> identity::Node {
 }
 
 /// One revisions replica serving on a loopback port.
-pub(crate) struct Replica {
-    pub(crate) service: RevisionsService,
-    pub(crate) addr: SocketAddr,
-    shutdown: CancellationToken,
-}
+pub(crate) type Replica = berth_testkit::Replica<RevisionsService>;
 
 /// A control plane: revisions, leases, a scripted node registry, and clients.
 pub(crate) struct Plane {
@@ -185,13 +180,7 @@ impl Plane {
         }
         let service = RevisionsService::new(&ctx, self.config.clone(), dependencies);
         let shutdown = self.mesh().stop.child_token();
-        service.spawn_loops(&shutdown);
-        let listener = Listener::bind("127.0.0.1:0".parse().unwrap(), me).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = service.server();
-        let stop = shutdown.clone();
-        tokio::spawn(async move { server.serve(listener, stop).await.unwrap() });
-        self.replicas.push(Replica { service, addr, shutdown });
+        self.replicas.push(Replica::start(service, me, shutdown).await);
         self.replicas.len() - 1
     }
 
@@ -202,7 +191,7 @@ impl Plane {
 
     /// Stops replica `n`'s server and controller, as a crashed process would.
     pub(crate) fn stop_replica(&self, n: usize) {
-        self.replicas[n].shutdown.cancel();
+        self.replicas[n].kill();
     }
 
     /// The CA, the node registry and leases.
@@ -220,7 +209,7 @@ impl Plane {
     }
 
     fn channel(&self, replica: usize, credentials: TlsCredentials) -> Channel {
-        berth_rpc::connect(&self.replicas[replica].addr.to_string(), credentials).unwrap()
+        self.replicas[replica].channel(credentials)
     }
 
     /// `Services` as an admin, through replica 0.
