@@ -6,6 +6,7 @@
 
 mod args;
 mod controller;
+mod deadlines;
 mod duration;
 mod elected;
 mod follow;
@@ -23,6 +24,7 @@ pub use berth_rpc::ServerBuilder;
 pub use controller::{
     Action, Coalesce, ControllerConfig, DecodeTrigger, Reconciler, Trigger, Triggers, run_controller,
 };
+pub use deadlines::DeadlineKeeper;
 pub use duration::{parse_duration, parse_size};
 pub use elected::{Election, Leader, spawn_elected};
 pub use follow::{NodeDirectory, NodeSnapshot, follow_nodes};

@@ -28,8 +28,10 @@
 //!   the database's last heartbeat can be a `persist_every` old, so it is not
 //!   trusted to say when a node was last heard.
 
-use berth_bus::{BusError, Continuity};
-use berth_runtime::{Election, Leader};
+use std::time::Duration;
+
+use berth_bus::{Bus, BusError};
+use berth_runtime::{DeadlineKeeper, Election};
 use berth_store::{StoreError, Term, expect_one};
 use tokio_util::sync::CancellationToken;
 
@@ -98,57 +100,40 @@ impl NodeMonitor {
     }
 }
 
-impl Leader for NodeMonitor {
-    /// Acts while `term` is held; never returns by itself (a fenced write
-    /// fails one step, which is tried again at the next tick).
-    async fn lead(&mut self, term: Term) {
-        let timing = self.registry.timing().clone();
-        let reset = match self.registry.bus().continuity().await {
-            Ok(continuity) => continuity.needs_rebuild(),
-            Err(error) => {
-                tracing::warn!(%error, "bus continuity unknown; treating it as lost");
-                true
-            }
-        };
-        self.rebuild_logged(reset).await;
-        let mut next_resync = tokio::time::Instant::now() + timing.resync_every;
-        loop {
-            tokio::time::sleep(timing.monitor_every).await;
-            match self.registry.bus().continuity().await {
-                Ok(Continuity::Continuous) => {}
-                Ok(lost) => {
-                    tracing::warn!(continuity = ?lost, "the bus lost its state; rebuilding node deadlines with a grace");
-                    self.rebuild_logged(true).await;
-                }
-                Err(error) => {
-                    // Nothing is due while the bus is away; the rebuild follows its return.
-                    tracing::debug!(%error, "bus unavailable; the monitor waits");
-                    continue;
-                }
-            }
-            if let Err(error) = self.act_on_due(term).await {
-                tracing::warn!(%error, "acting on due nodes failed; retrying next tick");
-            }
-            if tokio::time::Instant::now() >= next_resync {
-                next_resync = tokio::time::Instant::now() + timing.resync_every;
-                self.rebuild_logged(false).await;
-                match crate::tokens::forget_expired(self.registry.store(), timing.token_retention).await {
-                    Ok(0) => {}
-                    Ok(forgotten) => tracing::info!(forgotten, "forgot long-expired join tokens"),
-                    Err(error) => tracing::warn!(%error, "forgetting expired join tokens failed"),
-                }
-            }
+impl DeadlineKeeper for NodeMonitor {
+    const OF: &'static str = "node";
+    type Error = MonitorError;
+
+    fn bus(&self) -> &Bus {
+        self.registry.bus()
+    }
+
+    fn cadence(&self) -> (Duration, Duration) {
+        let timing = self.registry.timing();
+        (timing.monitor_every, timing.resync_every)
+    }
+
+    async fn rebuild(&mut self, reset: bool) -> Result<(), MonitorError> {
+        NodeMonitor::rebuild(self, reset).await
+    }
+
+    async fn act(&mut self, term: Term) {
+        if let Err(error) = self.act_on_due(term).await {
+            tracing::warn!(%error, "acting on due nodes failed; retrying next tick");
+        }
+    }
+
+    async fn tidy(&mut self) {
+        let retention = self.registry.timing().token_retention;
+        match crate::tokens::forget_expired(self.registry.store(), retention).await {
+            Ok(0) => {}
+            Ok(forgotten) => tracing::info!(forgotten, "forgot long-expired join tokens"),
+            Err(error) => tracing::warn!(%error, "forgetting expired join tokens failed"),
         }
     }
 }
 
 impl NodeMonitor {
-    async fn rebuild_logged(&self, reset: bool) {
-        if let Err(error) = self.rebuild(reset).await {
-            tracing::warn!(%error, reset, "rebuilding node deadlines failed; retrying at the next resync");
-        }
-    }
-
     /// Gives every node the deadline the database implies. Watched nodes get
     /// `reset_grace` from now: all of them when `reset`, else only those
     /// without a deadline.

@@ -22,9 +22,10 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::time::Duration;
 
-use berth_bus::{BusError, Continuity};
-use berth_runtime::{Election, Leader};
+use berth_bus::{Bus, BusError};
+use berth_runtime::{DeadlineKeeper, Election};
 use berth_store::{StoreError, Term};
 
 use berth_proto::identity::v1::NodeState;
@@ -73,60 +74,42 @@ struct Reaper {
     draining: BTreeSet<String>,
 }
 
-impl Leader for Reaper {
-    /// Acts while `term` is held; never returns by itself (a fenced write
-    /// fails one step, which is tried again at the next tick).
-    async fn lead(&mut self, term: Term) {
-        let config = self.core.config.clone();
-        let reset = match self.core.bus.continuity().await {
-            Ok(continuity) => continuity.needs_rebuild(),
-            Err(error) => {
-                tracing::warn!(%error, "bus continuity unknown; treating it as lost");
-                true
-            }
-        };
-        self.rebuild_logged(reset).await;
-        let mut next_resync = tokio::time::Instant::now() + config.index_resync;
-        loop {
-            tokio::time::sleep(config.reap_every).await;
-            match self.core.bus.continuity().await {
-                Ok(Continuity::Continuous) => {}
-                Ok(lost) => {
-                    tracing::warn!(continuity = ?lost, "the bus lost its state; rebuilding lease deadlines with a grace");
-                    self.rebuild_logged(true).await;
-                }
-                Err(error) => {
-                    // Nothing is due while the bus is away; the rebuild follows its return.
-                    tracing::debug!(%error, "bus unavailable; the reaper waits");
-                    continue;
-                }
-            }
-            if let Err(error) = self.reap_due(term).await {
-                tracing::warn!(%error, "reaping due leases failed; retrying next tick");
-            }
-            if let Err(error) = self.drain_nodes().await {
-                tracing::warn!(%error, "moving draining nodes' leases along failed; retrying next tick");
-            }
-            if tokio::time::Instant::now() >= next_resync {
-                next_resync = tokio::time::Instant::now() + config.index_resync;
-                // Marks a lifted drain left behind, whoever led when it was lifted.
-                if let Err(error) = self.clear_drain_marks().await {
-                    tracing::warn!(%error, "clearing lifted drains' marks failed; retrying at the next resync");
-                }
-                self.rebuild_logged(false).await;
-                self.forget_logged().await;
-            }
+impl DeadlineKeeper for Reaper {
+    const OF: &'static str = "lease";
+    type Error = ReaperError;
+
+    fn bus(&self) -> &Bus {
+        &self.core.bus
+    }
+
+    fn cadence(&self) -> (Duration, Duration) {
+        (self.core.config.reap_every, self.core.config.index_resync)
+    }
+
+    async fn rebuild(&mut self, reset: bool) -> Result<(), ReaperError> {
+        Reaper::rebuild(self, reset).await
+    }
+
+    async fn act(&mut self, term: Term) {
+        if let Err(error) = self.reap_due(term).await {
+            tracing::warn!(%error, "reaping due leases failed; retrying next tick");
         }
+        if let Err(error) = self.drain_nodes().await {
+            tracing::warn!(%error, "moving draining nodes' leases along failed; retrying next tick");
+        }
+    }
+
+    /// Marks a lifted drain left behind (whoever led when it was lifted),
+    /// and forgets final leases past their retention.
+    async fn tidy(&mut self) {
+        if let Err(error) = self.clear_drain_marks().await {
+            tracing::warn!(%error, "clearing lifted drains' marks failed; retrying at the next resync");
+        }
+        self.forget_logged().await;
     }
 }
 
 impl Reaper {
-    async fn rebuild_logged(&mut self, reset: bool) {
-        if let Err(error) = self.rebuild(reset).await {
-            tracing::warn!(%error, reset, "rebuilding lease deadlines failed; retrying at the next resync");
-        }
-    }
-
     /// Indexes every open lease's deadline from the database; after a reset,
     /// none earlier than a grace from now.
     async fn rebuild(&mut self, reset: bool) -> Result<(), ReaperError> {
