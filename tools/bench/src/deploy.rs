@@ -323,19 +323,14 @@ pub(crate) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
         redis_url: Some(args.state.redis_url.clone()),
         leases_addr: None,
     };
-    let identity = tokio::select! {
-        started = IdentityProcess::start(&state) => started?,
-        () = shutdown.cancelled() => return Err(DeployBenchError::Interrupted),
-    };
-    let outcome = tokio::select! {
-        outcome = with_identity(&args, &identity, &shutdown) => outcome,
-        died = identity.exited() => Err(died.into()),
-        () = shutdown.cancelled() => Err(DeployBenchError::Interrupted),
-    };
-    progress("stopping berth-identity and removing its state");
-    let stopped = identity.stop().await;
-    let mut report = outcome?;
-    stopped?;
+    let mut report = IdentityProcess::around(
+        &state,
+        1,
+        &shutdown,
+        || DeployBenchError::Interrupted,
+        async |identity| with_identity(&args, identity, &shutdown).await,
+    )
+    .await?;
     report.machine = machine;
     report.judge();
     print_report(args.state.output, &report, |r| r.table()).map_err(DeployBenchError::Output)?;

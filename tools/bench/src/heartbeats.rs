@@ -196,22 +196,17 @@ pub(crate) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
     let shutdown = berth_rpc::shutdown_signal();
     let (store, bus) = state.describe();
     progress(&format!("starting {} berth-identity replica(s) on {store} with a {bus} bus", args.replicas));
-    let identity = tokio::select! {
-        started = IdentityProcess::start_replicas(&state, args.replicas as usize) => started?,
-        () = shutdown.cancelled() => return Err(BenchError::Interrupted),
-    };
-    let outcome = tokio::select! {
-        outcome = scenario(&args, &identity, store, bus) => outcome,
-        died = identity.exited() => Err(BenchError::Identity(died)),
-        () = shutdown.cancelled() => Err(BenchError::Interrupted),
-    };
-    progress("stopping berth-identity and removing its state");
-    let stopped = identity.stop().await;
-    let mut report = outcome?;
+    let mut report = IdentityProcess::around(
+        &state,
+        args.replicas as usize,
+        &shutdown,
+        || BenchError::Interrupted,
+        async |identity| scenario(&args, identity, store, bus).await,
+    )
+    .await?;
     report.machine = machine;
     report.judge();
     print_report(args.output, &report, Report::table).map_err(BenchError::Output)?;
-    stopped?;
     Ok(())
 }
 

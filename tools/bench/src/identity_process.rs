@@ -13,11 +13,12 @@
 //!   of its own), because it is cleared at the end.
 //!
 //! # Expected flow
-//! [`IdentityProcess::start`] creates the state, opens the CA in-process the
-//! way identity will (same database, same sealing secret) to issue the
-//! bench's admin certificate, starts the binary on a free loopback port and
-//! waits for its health check. [`IdentityProcess::stop`] sends SIGTERM, waits,
-//! and removes the state whatever happened before.
+//! [`IdentityProcess::start_replicas`] creates the state, opens the CA
+//! in-process the way identity will (same database, same sealing secret) to
+//! issue the bench's admin certificate, starts the binary on free loopback
+//! ports and waits for each replica's health check. [`IdentityProcess::stop`]
+//! sends SIGTERM, waits, and removes the state whatever happened before;
+//! [`IdentityProcess::around`] runs a scenario between the two.
 
 use std::net::SocketAddr;
 
@@ -110,14 +111,36 @@ pub(crate) struct IdentityProcess {
 }
 
 impl IdentityProcess {
-    /// Makes fresh state, starts one `berth-identity` on it and waits until
-    /// it serves. On failure whatever was made is removed again.
-    pub(crate) async fn start(options: &StateOptions) -> Result<Self, ProcessError> {
-        Self::start_replicas(options, 1).await
+    /// Starts `replicas` replicas on fresh state (see [`Self::start_replicas`]),
+    /// runs `scenario` beside them until it ends, a replica dies or
+    /// `shutdown` fires, then stops them and removes their state whatever
+    /// happened. The scenario's failure is told before a failed clean-up.
+    pub(crate) async fn around<T, E: From<ProcessError>>(
+        options: &StateOptions,
+        replicas: usize,
+        shutdown: &tokio_util::sync::CancellationToken,
+        interrupted: impl Fn() -> E,
+        scenario: impl AsyncFnOnce(&IdentityProcess) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let identity = tokio::select! {
+            started = Self::start_replicas(options, replicas) => started?,
+            () = shutdown.cancelled() => return Err(interrupted()),
+        };
+        let outcome = tokio::select! {
+            outcome = scenario(&identity) => outcome,
+            died = identity.exited() => Err(died.into()),
+            () = shutdown.cancelled() => Err(interrupted()),
+        };
+        crate::output::progress("stopping berth-identity and removing its state");
+        let stopped = identity.stop().await;
+        let outcome = outcome?;
+        stopped?;
+        Ok(outcome)
     }
 
-    /// [`Self::start`] with `replicas` replicas on the same state (sealed
-    /// under the same secret), started one after the other.
+    /// Makes fresh state and starts `replicas` `berth-identity` replicas on
+    /// it (sealed under the same secret), one after the other, each serving
+    /// before the next starts. On failure whatever was made is removed again.
     pub(crate) async fn start_replicas(options: &StateOptions, replicas: usize) -> Result<Self, ProcessError> {
         if let Some(url) = &options.database_url
             && !is_postgres(url)

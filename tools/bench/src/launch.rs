@@ -269,19 +269,14 @@ pub(crate) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
     progress("starting berth-identity on sqlite with a memory bus");
     let leases_addr = free_loopback_port()?;
     let state = StateOptions { leases_addr: Some(leases_addr), ..StateOptions::default() };
-    let identity = tokio::select! {
-        started = IdentityProcess::start(&state) => started?,
-        () = shutdown.cancelled() => return Err(LaunchBenchError::Interrupted),
-    };
-    let outcome = tokio::select! {
-        outcome = with_identity(&args, &identity, leases_addr) => outcome,
-        died = identity.exited() => Err(LaunchBenchError::Identity(died)),
-        () = shutdown.cancelled() => Err(LaunchBenchError::Interrupted),
-    };
-    progress("stopping berth-identity and removing its state");
-    let stopped = identity.stop().await;
-    let mut report = outcome?;
-    stopped?;
+    let mut report = IdentityProcess::around(
+        &state,
+        1,
+        &shutdown,
+        || LaunchBenchError::Interrupted,
+        async |identity| with_identity(&args, identity, leases_addr).await,
+    )
+    .await?;
     progress(&format!(
         "launching {} workloads through the {} provider beside its baselines",
         args.compare,
