@@ -4,8 +4,8 @@
 //! the leader acts on what comes due.
 //!
 //! # Expected flow
-//! A [`DeadlineKeeper`] is a [`Leader`] whose term runs [`keep_deadlines`]:
-//! it rebuilds the index from the store at once, then every tick acts on what
+//! A [`DeadlineKeeper`] is a [`Leader`] whose every term runs one loop: it
+//! rebuilds the index from the store at once, then every tick acts on what
 //! is due, and every resync rebuilds the index again and lets the keeper
 //! tidy its store.
 //!
