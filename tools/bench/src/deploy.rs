@@ -57,7 +57,7 @@ use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
 use crate::leases::{LeasesBenchError, latency, wait_for_nodes};
 use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
-use crate::output::{print_report, progress};
+use crate::output::{RunError, print_report, progress};
 use crate::process::{ScratchDatabase, ServiceProcessError, SharedStateArgs, claim_bus, free_loopback_port};
 use crate::report::{Machine, Target};
 
@@ -187,12 +187,9 @@ pub(crate) enum DeployBenchError {
         /// What was seen last.
         why: String,
     },
-    /// Ctrl-C or SIGTERM arrived.
-    #[error("interrupted")]
-    Interrupted,
-    /// The report could not be written.
-    #[error("cannot write the report: {0}")]
-    Output(String),
+    /// A client task failed, Ctrl-C arrived, or the report could not be written.
+    #[error(transparent)]
+    Run(#[from] RunError),
 }
 
 impl From<ProcessError> for DeployBenchError {
@@ -327,13 +324,13 @@ pub(crate) async fn run(args: DeployArgs) -> Result<(), DeployBenchError> {
         &state,
         1,
         &shutdown,
-        || DeployBenchError::Interrupted,
+        || RunError::Interrupted.into(),
         async |identity| with_identity(&args, identity, &shutdown).await,
     )
     .await?;
     report.machine = machine;
     report.judge();
-    print_report(args.state.output, &report, |r| r.table()).map_err(DeployBenchError::Output)?;
+    print_report(args.state.output, &report, |r| r.table()).map_err(RunError::Output)?;
     Ok(())
 }
 

@@ -45,7 +45,7 @@ use tonic_health::pb::health_client::HealthClient;
 use crate::identity_process::{IdentityProcess, ProcessError, StateOptions};
 use crate::load::{CpuFigures, CpuUse, ErrorTally, Figures, Samples, Window, is_transient, status_message};
 use crate::nodes::{self, JoinedNode, MAX_NODES, NODE_CAPACITY};
-use crate::output::{OutputFormat, print_report, progress};
+use crate::output::{OutputFormat, RunError, print_report, progress};
 use crate::procfs::{MachineCpu, Memory, read_cpu_time, read_machine_cpu, read_memory};
 use crate::report::{JoinFigures, Machine, MemoryFigures, PhasePeaks, ReplicaFigures, Report, human};
 
@@ -167,21 +167,15 @@ pub(crate) enum BenchError {
         /// What the client saw.
         message: String,
     },
-    /// A client task panicked or was cancelled.
-    #[error("a client task failed: {0}")]
-    Task(#[source] tokio::task::JoinError),
     /// Identity's memory could not be read from `/proc`.
     #[error("cannot read the memory of berth-identity (pid {pid}) from /proc/{pid}/status")]
     Memory {
         /// Identity's process id.
         pid: u32,
     },
-    /// Ctrl-C or SIGTERM arrived.
-    #[error("interrupted")]
-    Interrupted,
-    /// The report could not be written.
-    #[error("cannot write the report: {0}")]
-    Output(String),
+    /// A client task failed, Ctrl-C arrived, or the report could not be written.
+    #[error(transparent)]
+    Run(#[from] RunError),
 }
 
 /// Runs the scenario and prints its report.
@@ -200,13 +194,13 @@ pub(crate) async fn run(args: HeartbeatArgs) -> Result<(), BenchError> {
         &state,
         args.replicas as usize,
         &shutdown,
-        || BenchError::Interrupted,
+        || RunError::Interrupted.into(),
         async |identity| scenario(&args, identity, store, bus).await,
     )
     .await?;
     report.machine = machine;
     report.judge();
-    print_report(args.output, &report, Report::table).map_err(BenchError::Output)?;
+    print_report(args.output, &report, Report::table).map_err(RunError::Output)?;
     Ok(())
 }
 
@@ -349,7 +343,7 @@ async fn baseline(
     }
     let mut ready = Vec::with_capacity(args.nodes as usize);
     while let Some(joined) = dialled.join_next().await {
-        ready.push(joined.map_err(BenchError::Task)??);
+        ready.push(joined.map_err(RunError::Task)??);
     }
 
     let window = Window::after(Instant::now(), args.warmup, args.duration);
@@ -380,7 +374,7 @@ async fn baseline(
     }
     let mut all = Samples::default();
     while let Some(joined) = running.join_next().await {
-        all.merge(joined.map_err(BenchError::Task)?);
+        all.merge(joined.map_err(RunError::Task)?);
     }
     Ok(all.figures(window.length(), args.nodes).with_cpu(cpu_of(cpu).await, window.length()))
 }
@@ -452,7 +446,7 @@ impl Fleet {
             Ok::<(), BenchError>(())
         };
         for index in 0..args.nodes {
-            let slot = slots.clone().acquire_owned().await.map_err(|_| BenchError::Interrupted)?;
+            let slot = slots.clone().acquire_owned().await.map_err(|_| RunError::Interrupted)?;
             let (tokens, ca_bundle_pem, errors, addrs) =
                 (tokens.clone(), ca_bundle_pem.clone(), errors.clone(), addrs.clone());
             joins.spawn(async move {
@@ -461,11 +455,11 @@ impl Fleet {
                 join_and_beat(index, &addrs, token, &ca_bundle_pem, &errors).await
             });
             while let Some(joined) = joins.try_join_next() {
-                launch(joined.map_err(BenchError::Task)?)?;
+                launch(joined.map_err(RunError::Task)?)?;
             }
         }
         while let Some(joined) = joins.join_next().await {
-            launch(joined.map_err(BenchError::Task)?)?;
+            launch(joined.map_err(RunError::Task)?)?;
         }
         Ok(Fleet { loops, plan, joined_in: started.elapsed(), not_up, per_replica })
     }
@@ -484,7 +478,7 @@ impl Fleet {
     async fn finish(mut self) -> Result<(Samples, Samples), BenchError> {
         let (mut paced, mut saturated) = (Samples::default(), Samples::default());
         while let Some(node) = self.loops.join_next().await {
-            let node = node.map_err(BenchError::Task)?;
+            let node = node.map_err(RunError::Task)?;
             paced.merge(node.paced);
             saturated.merge(node.saturated);
         }

@@ -41,7 +41,7 @@ use crate::leases::{LeasesBenchError, latency, wait_for_nodes};
 use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, status_message};
 use crate::nodes::{self, NODE_CAPACITY};
-use crate::output::{OutputFormat, print_report, progress};
+use crate::output::{OutputFormat, RunError, print_report, progress};
 use crate::process::{ChildProcess, ServiceProcessError, free_loopback_port, sibling_binary};
 use crate::procfs::read_memory;
 use crate::report::{Machine, Target};
@@ -186,15 +186,9 @@ pub(crate) enum LaunchBenchError {
         /// The end of the agent's log.
         log_tail: String,
     },
-    /// A client task panicked or was cancelled.
-    #[error("a client task failed: {0}")]
-    Task(#[source] tokio::task::JoinError),
-    /// Ctrl-C or SIGTERM arrived.
-    #[error("interrupted")]
-    Interrupted,
-    /// The report could not be written.
-    #[error("cannot write the report: {0}")]
-    Output(String),
+    /// A client task failed, Ctrl-C arrived, or the report could not be written.
+    #[error(transparent)]
+    Run(#[from] RunError),
     /// The provider-level comparison could not run.
     #[error(transparent)]
     Runtime(#[from] RuntimeLaunchError),
@@ -273,7 +267,7 @@ pub(crate) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
         &state,
         1,
         &shutdown,
-        || LaunchBenchError::Interrupted,
+        || RunError::Interrupted.into(),
         async |identity| with_identity(&args, identity, leases_addr).await,
     )
     .await?;
@@ -285,7 +279,7 @@ pub(crate) async fn run(args: LaunchArgs) -> Result<(), LaunchBenchError> {
     report.runtime = Some(crate::runtime_launch::measure(args.runtime, args.compare).await?);
     report.machine = machine;
     report.judge();
-    print_report(args.output, &report, |r| r.table()).map_err(LaunchBenchError::Output)?;
+    print_report(args.output, &report, |r| r.table()).map_err(RunError::Output)?;
     Ok(())
 }
 
@@ -727,7 +721,7 @@ async fn place_records(leases_channel: &Channel, records: u32, errors: &ErrorTal
     }
     let mut placed = 0;
     while let Some(joined) = running.join_next().await {
-        placed += joined.map_err(LaunchBenchError::Task)?;
+        placed += joined.map_err(RunError::Task)?;
     }
     Ok(placed)
 }

@@ -39,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::leases_process::{LeasesLaunch, LeasesProcess};
 use crate::load::{ErrorCount, ErrorTally, Figures, Samples, is_transient, status_message};
-use crate::output::{print_report, progress};
+use crate::output::{RunError, print_report, progress};
 use crate::process::{ScratchDatabase, ServiceProcessError, SharedStateArgs, claim_bus};
 use crate::report::{Machine, Target, human};
 
@@ -107,15 +107,9 @@ pub(crate) enum LeasesBenchError {
     /// A client could not be made.
     #[error("cannot connect to berth-leases: {0}")]
     Connect(String),
-    /// A client task panicked or was cancelled.
-    #[error("a client task failed: {0}")]
-    Task(#[source] tokio::task::JoinError),
-    /// Ctrl-C or SIGTERM arrived.
-    #[error("interrupted")]
-    Interrupted,
-    /// The report could not be written.
-    #[error("cannot write the report: {0}")]
-    Output(String),
+    /// A client task failed, Ctrl-C arrived, or the report could not be written.
+    #[error(transparent)]
+    Run(#[from] RunError),
 }
 
 /// Everything one run measured.
@@ -232,7 +226,7 @@ pub(crate) async fn run(args: LeasesArgs) -> Result<(), LeasesBenchError> {
     let database = ScratchDatabase::create(&args.state.database_url).await?;
     let outcome = tokio::select! {
         outcome = with_database(&args, &certificates, &admin, registry_addr, &database) => outcome,
-        () = shutdown.cancelled() => Err(LeasesBenchError::Interrupted),
+        () = shutdown.cancelled() => Err(RunError::Interrupted.into()),
     };
     registry_stop.cancel();
     progress("dropping the scratch database");
@@ -241,7 +235,7 @@ pub(crate) async fn run(args: LeasesArgs) -> Result<(), LeasesBenchError> {
     dropped?;
     report.machine = machine;
     report.judge();
-    print_report(args.state.output, &report, |r| r.table()).map_err(LeasesBenchError::Output)?;
+    print_report(args.state.output, &report, |r| r.table()).map_err(RunError::Output)?;
     Ok(())
 }
 
@@ -275,12 +269,21 @@ async fn with_database(
     registry_addr: SocketAddr,
     database: &ScratchDatabase,
 ) -> Result<LeasesReport, LeasesBenchError> {
+    let launch = LeasesLaunch {
+        material: certificates.material(&identity_of(Identity::service(berth_leases::NAME))?)?,
+        probe: admin,
+        database_url: database.url().to_string(),
+        redis_url: args.state.redis_url.clone(),
+        identity_addr: registry_addr,
+        lease_ttl_seconds: LEASE_TTL_SECONDS,
+        listen: None,
+    };
     let bus = if args.state.redis_url.starts_with("memory:") {
         None
     } else {
         Some(claim_bus(&args.state.redis_url, berth_leases::NAME).await?)
     };
-    let outcome = with_bus(args, certificates, admin, registry_addr, database).await;
+    let outcome = with_leases(args, launch, database).await;
     if let Some(bus) = bus
         && let Err(error) = bus.clear().await
     {
@@ -289,25 +292,17 @@ async fn with_database(
     outcome
 }
 
-async fn with_bus(
+/// Runs `berth-leases` as `launch` says while the placements and pgbench
+/// measure it.
+async fn with_leases(
     args: &LeasesArgs,
-    certificates: &RunCertificates,
-    admin: &TlsCredentials,
-    registry_addr: SocketAddr,
+    launch: LeasesLaunch<'_>,
     database: &ScratchDatabase,
 ) -> Result<LeasesReport, LeasesBenchError> {
     let bus = if args.state.redis_url.starts_with("memory:") { "memory" } else { "redis" };
     progress(&format!("starting berth-leases on postgres with a {bus} bus, following {} nodes", args.nodes));
-    let leases = LeasesProcess::start(LeasesLaunch {
-        material: certificates.material(&identity_of(Identity::service(berth_leases::NAME))?)?,
-        probe: admin,
-        database_url: database.url().to_string(),
-        redis_url: args.state.redis_url.clone(),
-        identity_addr: registry_addr,
-        lease_ttl_seconds: LEASE_TTL_SECONDS,
-        listen: None,
-    })
-    .await?;
+    let admin = launch.probe;
+    let leases = LeasesProcess::start(launch).await?;
     let outcome = tokio::select! {
         outcome = measure(args, admin, &leases, database, bus) => outcome,
         died = leases.exited() => Err(LeasesBenchError::Process(died)),
@@ -441,7 +436,7 @@ async fn place_all(
     }
     let mut all = Samples::default();
     while let Some(joined) = running.join_next().await {
-        all.merge(joined.map_err(LeasesBenchError::Task)?);
+        all.merge(joined.map_err(RunError::Task)?);
     }
     Ok((all, started.elapsed()))
 }

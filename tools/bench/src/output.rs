@@ -17,6 +17,21 @@ pub(crate) fn progress(message: &str) {
     eprintln!("bench: {message}");
 }
 
+/// Why a run ended without its report, in the ways every bench that runs
+/// client tasks under Ctrl-C can.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RunError {
+    /// A client task panicked or was cancelled.
+    #[error("a client task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// Ctrl-C or SIGTERM arrived.
+    #[error("interrupted")]
+    Interrupted,
+    /// The report could not be written.
+    #[error("cannot write the report: {0}")]
+    Output(String),
+}
+
 /// Prints `report` on stdout in `format`: `table` renders it for people.
 /// Fails only when the report cannot be written as JSON.
 pub(crate) fn print_report<R: Serialize>(
