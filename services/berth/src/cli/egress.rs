@@ -170,40 +170,37 @@ impl EgressArgs {
                 let response = egress.client.apply_gateway(apply).await.map_err(|s| egress.status(s))?;
                 let response = response.into_inner();
                 let gateway = response.gateway.as_ref().ok_or(CliError::IncompleteResponse("the gateway"))?;
-                match format {
-                    OutputFormat::Json => output::print_message(&response),
-                    OutputFormat::Table => output::print(&format!(
+                output::print_answer(format, &response, || {
+                    format!(
                         "gateway {} applied (generation {}); its status follows the next egress pass\n",
                         gateway.name, gateway.generation
-                    )),
-                }
+                    )
+                })
             }
             (EgressCommand::Route { .. }, Some(Spec::Route(apply))) => {
                 let apply = egress.connection.request(apply);
                 let response = egress.client.apply_route(apply).await.map_err(|s| egress.status(s))?;
                 let response = response.into_inner();
                 let route = response.route.as_ref().ok_or(CliError::IncompleteResponse("the route"))?;
-                match format {
-                    OutputFormat::Json => output::print_message(&response),
-                    OutputFormat::Table => output::print(&format!(
+                output::print_answer(format, &response, || {
+                    format!(
                         "route {} applied (generation {}); its status follows the next egress pass\n",
                         route.name, route.generation
-                    )),
-                }
+                    )
+                })
             }
             (EgressCommand::Dns { .. }, Some(Spec::Dns(apply))) => {
                 let apply = egress.connection.request(apply);
                 let response = egress.client.apply_dns_config(apply).await.map_err(|s| egress.status(s))?;
                 let response = response.into_inner();
                 let dns = response.dns_config.as_ref().ok_or(CliError::IncompleteResponse("the DNS config"))?;
-                match format {
-                    OutputFormat::Json => output::print_message(&response),
-                    OutputFormat::Table => output::print(&format!(
+                output::print_answer(format, &response, || {
+                    format!(
                         "DNS config of {} applied (generation {}); it reaches the project's nodes with its plan\n",
                         output::project_name(&dns.project),
                         dns.generation
-                    )),
-                }
+                    )
+                })
             }
             (EgressCommand::Dns { command: DnsCommand::Get { project } }, _) => {
                 let message = egress::GetDnsConfigRequest { project: project.unwrap_or_default() };
@@ -214,10 +211,7 @@ impl EgressArgs {
                     .map_err(|s| egress.status(s))?;
                 let response = response.into_inner();
                 let dns = response.dns_config.as_ref().ok_or(CliError::IncompleteResponse("the DNS config"))?;
-                match format {
-                    OutputFormat::Json => output::print_message(&response),
-                    OutputFormat::Table => output::print(&dns_details(dns)),
-                }
+                output::print_answer(format, &response, || dns_details(dns))
             }
             (EgressCommand::Dns { .. }, _) => Ok(()),
             (EgressCommand::Gateway { command }, _) => gateway_command(&mut egress, command, format).await,
@@ -228,10 +222,7 @@ impl EgressArgs {
                     egress.client.get_plan(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
                 let response = response.into_inner();
                 let plan = response.plan.as_ref().ok_or(CliError::IncompleteResponse("the plan"))?;
-                match format {
-                    OutputFormat::Json => output::print_message(&response),
-                    OutputFormat::Table => output::print(&plan_details(plan, &response.passes.unwrap_or_default())),
-                }
+                output::print_answer(format, &response, || plan_details(plan, &response.passes.unwrap_or_default()))
             }
         }
     }
@@ -254,10 +245,7 @@ async fn gateway_command(egress: &mut Egress, command: ObjectCommand, format: Ou
                 egress.client.get_gateway(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
             let response = response.into_inner();
             let gateway = response.gateway.as_ref().ok_or(CliError::IncompleteResponse("the gateway"))?;
-            match format {
-                OutputFormat::Json => output::print_message(&response),
-                OutputFormat::Table => output::print(&gateway_details(gateway)),
-            }
+            output::print_answer(format, &response, || gateway_details(gateway))
         }
         ObjectCommand::List { project } => {
             let message = egress::ListGatewaysRequest { project: project.unwrap_or_default() };
@@ -284,12 +272,9 @@ async fn gateway_command(egress: &mut Egress, command: ObjectCommand, format: Ou
                 egress::DeleteGatewayRequest { project: target.project.unwrap_or_default(), name: target.name };
             let response =
                 egress.client.delete_gateway(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
-            match format {
-                OutputFormat::Json => output::print_message(response.get_ref()),
-                OutputFormat::Table => output::print(&format!(
-                    "gateway {name} deleted: services that select it send nothing out until it is back\n"
-                )),
-            }
+            output::print_answer(format, response.get_ref(), || {
+                format!("gateway {name} deleted: services that select it send nothing out until it is back\n")
+            })
         }
     }
 }
@@ -303,10 +288,7 @@ async fn route_command(egress: &mut Egress, command: ObjectCommand, format: Outp
                 egress.client.get_route(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
             let response = response.into_inner();
             let route = response.route.as_ref().ok_or(CliError::IncompleteResponse("the route"))?;
-            match format {
-                OutputFormat::Json => output::print_message(&response),
-                OutputFormat::Table => output::print(&route_details(route)),
-            }
+            output::print_answer(format, &response, || route_details(route))
         }
         ObjectCommand::List { project } => {
             let message = egress::ListRoutesRequest { project: project.unwrap_or_default() };
@@ -333,10 +315,7 @@ async fn route_command(egress: &mut Egress, command: ObjectCommand, format: Outp
             let message = egress::DeleteRouteRequest { project: target.project.unwrap_or_default(), name: target.name };
             let response =
                 egress.client.delete_route(egress.connection.request(message)).await.map_err(|s| egress.status(s))?;
-            match format {
-                OutputFormat::Json => output::print_message(response.get_ref()),
-                OutputFormat::Table => output::print(&format!("route {name} deleted\n")),
-            }
+            output::print_answer(format, response.get_ref(), || format!("route {name} deleted\n"))
         }
     }
 }

@@ -227,10 +227,8 @@ impl LeaseArgs {
             }
             LeaseCommand::Get { lease_id } => {
                 let lease = get_lease(&mut client, &connection, &lease_id).await?;
-                match format {
-                    OutputFormat::Json => output::print_message(&v1::GetLeaseResponse { lease: Some(lease) }),
-                    OutputFormat::Table => output::print(&details(&lease)),
-                }
+                let text = details(&lease);
+                output::print_answer(format, &v1::GetLeaseResponse { lease: Some(lease) }, || text)
             }
             LeaseCommand::Resize(args) => resize(&mut client, &connection, args, format).await,
             LeaseCommand::Release { lease_id, reason } => {
@@ -241,10 +239,7 @@ impl LeaseArgs {
                     .map_err(|s| connection.status_error(s))?
                     .into_inner();
                 let lease = released.lease.as_ref().ok_or(CliError::IncompleteResponse("the lease"))?;
-                match format {
-                    OutputFormat::Json => output::print_message(&released),
-                    OutputFormat::Table => output::print(&released_line(lease)),
-                }
+                output::print_answer(format, &released, || released_line(lease))
             }
         }
     }

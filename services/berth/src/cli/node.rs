@@ -234,10 +234,7 @@ impl NodeArgs {
             NodeCommand::UpgradeStatus { upgrade_id } => {
                 let got = get_upgrade(&mut client, &connection, &upgrade_id.unwrap_or_default()).await?;
                 let upgrade = got.upgrade.as_ref().ok_or(CliError::IncompleteResponse("the upgrade"))?;
-                match format {
-                    OutputFormat::Json => output::print_message(&got),
-                    OutputFormat::Table => output::print(&upgrade_details(upgrade)),
-                }
+                output::print_answer(format, &got, || upgrade_details(upgrade))
             }
             NodeCommand::Revoke { node_id, reason } => {
                 let request = v1::RevokeNodeRequest { node_id: node_id.clone(), reason: reason.unwrap_or_default() };

@@ -138,6 +138,19 @@ pub(crate) fn json_text(value: &Value) -> String {
 
 /// A note for the person at the terminal, kept off stdout so output can be
 /// piped.
+/// An answer as `format` asks: the message as JSON, else `text()` as it
+/// reads.
+pub(super) fn print_answer<M: prost::Message + prost::Name, T: AsRef<str>>(
+    format: super::OutputFormat,
+    message: &M,
+    text: impl FnOnce() -> T,
+) -> Result<(), CliError> {
+    match format {
+        super::OutputFormat::Json => print_message(message),
+        super::OutputFormat::Table => print(text().as_ref()),
+    }
+}
+
 /// A List answer as `format` asks: the message as JSON; else a table with
 /// a row per item under `headers`, or, with no item, a note that no
 /// `plural` were found.

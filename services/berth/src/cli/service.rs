@@ -481,13 +481,9 @@ impl ServiceArgs {
                     .delete_service(revisions.connection.request(request))
                     .await
                     .map_err(|s| revisions.connection.status_error(s))?;
-                match format {
-                    OutputFormat::Json => output::print_message(&v1::DeleteServiceResponse {}),
-                    OutputFormat::Table => output::print(&format!(
-                        "service {} deleted: its revisions are gone and its replicas are stopped\n",
-                        target.name
-                    )),
-                }
+                output::print_answer(format, &v1::DeleteServiceResponse {}, || {
+                    format!("service {} deleted: its revisions are gone and its replicas are stopped\n", target.name)
+                })
             }
             // A pin moves the traffic and keeps the session affinity.
             ServiceCommand::Pin { service: target, revision } => {
@@ -540,10 +536,8 @@ impl RevisionArgs {
             }
             RevisionCommand::Get { name, project } => {
                 let revision = revisions.get_revision(&project.unwrap_or_default(), &name).await?;
-                match format {
-                    OutputFormat::Json => output::print_message(&v1::GetRevisionResponse { revision: Some(revision) }),
-                    OutputFormat::Table => output::print(&revision_details(&revision)),
-                }
+                let text = revision_details(&revision);
+                output::print_answer(format, &v1::GetRevisionResponse { revision: Some(revision) }, || text)
             }
         }
     }

@@ -100,10 +100,7 @@ impl TokenArgs {
                     .map_err(|s| connection.status_error(s))?
                     .into_inner();
                 let token = revoked.join_token.as_ref().ok_or(CliError::IncompleteResponse("the revoked token"))?;
-                match format {
-                    OutputFormat::Json => output::print_message(&revoked),
-                    OutputFormat::Table => output::print(&format!("join token {} revoked\n", token.token_id)),
-                }
+                output::print_answer(format, &revoked, || format!("join token {} revoked\n", token.token_id))
             }
         }
     }
