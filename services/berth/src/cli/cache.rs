@@ -92,7 +92,7 @@ impl CacheArgs {
         // Every call maps a refusal to the CLI's error the same way.
         macro_rules! call {
             ($method:ident, $request:expr) => {
-                client.$method(connection.request($request)).await.map_err(|s| connection.status_error(s))?.into_inner()
+                connection.answer(client.$method(connection.request($request))).await?
             };
         }
         let (json, text): (Box<dyn Fn() -> Result<(), CliError>>, String) = match self.command {

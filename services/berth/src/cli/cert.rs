@@ -108,11 +108,9 @@ impl CertArgs {
                 CertKind::Service | CertKind::Router => with_loopback(&args.dns_names),
             },
         };
-        let issued = AuthorityClient::new(connection.channel.clone())
-            .issue_certificate(connection.request(request))
-            .await
-            .map_err(|s| connection.status_error(s))?
-            .into_inner();
+        let issued = connection
+            .answer(AuthorityClient::new(connection.channel.clone()).issue_certificate(connection.request(request)))
+            .await?;
 
         write_file(&args.key_out, &key_pem, true)?;
         write_file(&args.cert_out, &issued.certificate_pem, false)?;

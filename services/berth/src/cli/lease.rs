@@ -218,11 +218,7 @@ impl LeaseArgs {
                     owner: args.owner.unwrap_or_default(),
                     all_projects: args.scope.all_projects,
                 };
-                let listed = client
-                    .list_leases(connection.request(request))
-                    .await
-                    .map_err(|s| connection.status_error(s))?
-                    .into_inner();
+                let listed = connection.answer(client.list_leases(connection.request(request))).await?;
                 print_list(&listed, format)
             }
             LeaseCommand::Get { lease_id } => {
@@ -233,11 +229,7 @@ impl LeaseArgs {
             LeaseCommand::Resize(args) => resize(&mut client, &connection, args, format).await,
             LeaseCommand::Release { lease_id, reason } => {
                 let request = v1::ReleaseLeaseRequest { lease_id, reason: reason.unwrap_or_default() };
-                let released = client
-                    .release_lease(connection.request(request))
-                    .await
-                    .map_err(|s| connection.status_error(s))?
-                    .into_inner();
+                let released = connection.answer(client.release_lease(connection.request(request))).await?;
                 let lease = released.lease.as_ref().ok_or(CliError::IncompleteResponse("the lease"))?;
                 output::print_answer(format, &released, || released_line(lease))
             }
@@ -249,11 +241,9 @@ impl CapacityArgs {
     pub(crate) async fn run(self) -> Result<(), CliError> {
         let connection = self.leases.connect(&self.client, self.client.credentials()?).await?;
         let request = v1::ListNodeCapacityRequest { tier: self.tier.unwrap_or_default() };
-        let listed = CapacityClient::new(connection.channel.clone())
-            .list_node_capacity(connection.request(request))
-            .await
-            .map_err(|s| connection.status_error(s))?
-            .into_inner();
+        let listed = connection
+            .answer(CapacityClient::new(connection.channel.clone()).list_node_capacity(connection.request(request)))
+            .await?;
         let headers = vec![
             "NODE",
             "TIER",
@@ -317,8 +307,7 @@ async fn request(
             ..Default::default()
         }),
     };
-    let response =
-        client.request_lease(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner();
+    let response = connection.answer(client.request_lease(connection.request(request))).await?;
     let mut lease = response.lease.ok_or(CliError::IncompleteResponse("the lease"))?;
     if !response.created {
         output::note(&format!("key {key} already made lease {}; this is that lease, not a new one", lease.lease_id));
@@ -364,8 +353,7 @@ async fn resize(
             memory_bytes: args.memory.unwrap_or(size.memory_bytes),
         }),
     };
-    let response =
-        client.resize_lease(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner();
+    let response = connection.answer(client.resize_lease(connection.request(request))).await?;
     let mut lease = response.lease.ok_or(CliError::IncompleteResponse("the lease"))?;
     if args.wait {
         while lease.resize.as_ref().is_some_and(|r| r.state() == v1::ResizeState::Pending) && is_open(lease.phase) {
@@ -423,11 +411,9 @@ pub(super) async fn get_lease(
     connection: &Connection,
     lease_id: &str,
 ) -> Result<v1::Lease, CliError> {
-    client
-        .get_lease(connection.request(v1::GetLeaseRequest { lease_id: lease_id.to_string() }))
-        .await
-        .map_err(|s| connection.status_error(s))?
-        .into_inner()
+    connection
+        .answer(client.get_lease(connection.request(v1::GetLeaseRequest { lease_id: lease_id.to_string() })))
+        .await?
         .lease
         .ok_or(CliError::IncompleteResponse("the lease"))
 }
@@ -473,8 +459,7 @@ async fn watch(
         owner_prefix: String::new(),
         resume_cursor: 0,
     };
-    let mut events =
-        client.watch_leases(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner();
+    let mut events = connection.answer(client.watch_leases(connection.request(request))).await?;
     if format == OutputFormat::Table {
         output::print(&watch_line(["EVENT", "LEASE", "PROJECT", "OWNER", "NODE", "PHASE", "EPOCH", "REASON"]))?;
     }

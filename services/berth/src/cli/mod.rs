@@ -317,6 +317,15 @@ impl Connection {
         request
     }
 
+    /// What `call` (a call on this connection) answered, or why it did not,
+    /// in words a user can act on.
+    async fn answer<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, CliError> {
+        call.await.map(tonic::Response::into_inner).map_err(|s| self.status_error(s))
+    }
+
     /// The status in words a user can act on.
     fn status_error(&self, status: tonic::Status) -> CliError {
         let message = one_line(status.message());

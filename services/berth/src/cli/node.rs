@@ -147,11 +147,7 @@ impl NodeArgs {
                     tier: tier.unwrap_or_default(),
                     state: state.map_or(v1::NodeState::Unspecified, v1::NodeState::from) as i32,
                 };
-                let listed = client
-                    .list_nodes(connection.request(request))
-                    .await
-                    .map_err(|s| connection.status_error(s))?
-                    .into_inner();
+                let listed = connection.answer(client.list_nodes(connection.request(request))).await?;
                 print_list(&listed, format)
             }
             NodeCommand::Get { node_id } => {
@@ -207,11 +203,7 @@ impl NodeArgs {
                     canary,
                     max_failures,
                 };
-                let started = client
-                    .upgrade_nodes(connection.request(request))
-                    .await
-                    .map_err(|s| connection.status_error(s))?
-                    .into_inner();
+                let started = connection.answer(client.upgrade_nodes(connection.request(request))).await?;
                 let upgrade = started.upgrade.as_ref().ok_or(CliError::IncompleteResponse("the upgrade"))?;
                 match format {
                     OutputFormat::Json if !wait => output::print_message(&started)?,
@@ -295,7 +287,7 @@ async fn get_upgrade(
     upgrade_id: &str,
 ) -> Result<v1::GetUpgradeResponse, CliError> {
     let request = v1::GetUpgradeRequest { upgrade_id: upgrade_id.to_owned() };
-    Ok(client.get_upgrade(connection.request(request)).await.map_err(|s| connection.status_error(s))?.into_inner())
+    connection.answer(client.get_upgrade(connection.request(request))).await
 }
 
 fn upgrade_state(state: i32) -> String {
@@ -377,11 +369,9 @@ async fn wait_until_empty(
     let mut last = String::new();
     loop {
         let request = LeasesRequest { node_id: node_id.to_string(), all_projects: true, ..Default::default() };
-        let listed = LeasesClient::new(connection.channel.clone())
-            .list_leases(connection.request(request))
-            .await
-            .map_err(|s| connection.status_error(s))?
-            .into_inner();
+        let listed = connection
+            .answer(LeasesClient::new(connection.channel.clone()).list_leases(connection.request(request)))
+            .await?;
         let line = drain_line(&listed.leases);
         if line != last {
             output::note(&format!("node {node_id}: {line}"));

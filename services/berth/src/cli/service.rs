@@ -293,33 +293,24 @@ struct Revisions {
 impl Revisions {
     async fn get_service(&mut self, project: &str, name: &str) -> Result<v1::Service, CliError> {
         let request = v1::GetServiceRequest { project: project.to_string(), name: name.to_string() };
-        self.services
-            .get_service(self.connection.request(request))
-            .await
-            .map_err(|s| self.connection.status_error(s))?
-            .into_inner()
+        self.connection
+            .answer(self.services.get_service(self.connection.request(request)))
+            .await?
             .service
             .ok_or(CliError::IncompleteResponse("the service"))
     }
 
     async fn get_revision(&mut self, project: &str, name: &str) -> Result<v1::Revision, CliError> {
         let request = v1::GetRevisionRequest { project: project.to_string(), name: name.to_string() };
-        self.revisions
-            .get_revision(self.connection.request(request))
-            .await
-            .map_err(|s| self.connection.status_error(s))?
-            .into_inner()
+        self.connection
+            .answer(self.revisions.get_revision(self.connection.request(request)))
+            .await?
             .revision
             .ok_or(CliError::IncompleteResponse("the revision"))
     }
 
     async fn apply(&mut self, request: v1::ApplyServiceRequest) -> Result<v1::ApplyServiceResponse, CliError> {
-        Ok(self
-            .services
-            .apply_service(self.connection.request(request))
-            .await
-            .map_err(|s| self.connection.status_error(s))?
-            .into_inner())
+        self.connection.answer(self.services.apply_service(self.connection.request(request))).await
     }
 
     /// The session affinity `target` has now.
@@ -343,11 +334,9 @@ impl Revisions {
             targets,
             affinity,
         };
-        self.services
-            .set_traffic(self.connection.request(request))
-            .await
-            .map_err(|s| self.connection.status_error(s))?
-            .into_inner()
+        self.connection
+            .answer(self.services.set_traffic(self.connection.request(request)))
+            .await?
             .service
             .ok_or(CliError::IncompleteResponse("the service"))
     }
@@ -466,11 +455,9 @@ impl ServiceArgs {
                     all_projects: args.scope.all_projects,
                 };
                 let listed = revisions
-                    .services
-                    .list_services(revisions.connection.request(request))
-                    .await
-                    .map_err(|s| revisions.connection.status_error(s))?
-                    .into_inner();
+                    .connection
+                    .answer(revisions.services.list_services(revisions.connection.request(request)))
+                    .await?;
                 print_services(&listed, args.scope.all_projects, format)
             }
             ServiceCommand::Delete(target) => {
@@ -527,11 +514,9 @@ impl RevisionArgs {
             RevisionCommand::List { service, project } => {
                 let request = v1::ListRevisionsRequest { project: project.unwrap_or_default(), service };
                 let listed = revisions
-                    .revisions
-                    .list_revisions(revisions.connection.request(request))
-                    .await
-                    .map_err(|s| revisions.connection.status_error(s))?
-                    .into_inner();
+                    .connection
+                    .answer(revisions.revisions.list_revisions(revisions.connection.request(request)))
+                    .await?;
                 print_revisions(&listed, format)
             }
             RevisionCommand::Get { name, project } => {
@@ -592,11 +577,9 @@ async fn replicas(
     service: &v1::Service,
 ) -> Result<Vec<(String, Lease)>, CliError> {
     let identity = Connection::open("identity", &client.server, credentials.clone())?;
-    let names: std::collections::HashMap<String, String> = NodesClient::new(identity.channel.clone())
-        .list_nodes(identity.request(ListNodesRequest::default()))
-        .await
-        .map_err(|s| identity.status_error(s))?
-        .into_inner()
+    let names: std::collections::HashMap<String, String> = identity
+        .answer(NodesClient::new(identity.channel.clone()).list_nodes(identity.request(ListNodesRequest::default())))
+        .await?
         .nodes
         .into_iter()
         .map(|node| {
@@ -609,12 +592,7 @@ async fn replicas(
     let mut found = Vec::new();
     for phase in [LeasePhase::Bound, LeasePhase::Launching, LeasePhase::Running] {
         let request = ListLeasesRequest { project: service.project.clone(), phase: phase as i32, ..Default::default() };
-        let listed = ledger
-            .list_leases(connection.request(request))
-            .await
-            .map_err(|s| connection.status_error(s))?
-            .into_inner()
-            .leases;
+        let listed = connection.answer(ledger.list_leases(connection.request(request))).await?.leases;
         found.extend(
             listed
                 .into_iter()

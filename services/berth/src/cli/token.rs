@@ -78,27 +78,22 @@ impl TokenArgs {
                     max_uses: args.max_uses.unwrap_or(0),
                     description: args.description.unwrap_or_default(),
                 };
-                let created = client
-                    .create_join_token(connection.request(request))
-                    .await
-                    .map_err(|s| connection.status_error(s))?
-                    .into_inner();
+                let created = connection.answer(client.create_join_token(connection.request(request))).await?;
                 print_created(&created, format)
             }
             TokenCommand::List(args) => {
-                let listed = client
-                    .list_join_tokens(connection.request(v1::ListJoinTokensRequest { usable_only: args.usable }))
-                    .await
-                    .map_err(|s| connection.status_error(s))?
-                    .into_inner();
+                let listed =
+                    connection
+                        .answer(client.list_join_tokens(
+                            connection.request(v1::ListJoinTokensRequest { usable_only: args.usable }),
+                        ))
+                        .await?;
                 print_list(&listed, format)
             }
             TokenCommand::Revoke { token_id } => {
-                let revoked = client
-                    .revoke_join_token(connection.request(v1::RevokeJoinTokenRequest { token_id }))
-                    .await
-                    .map_err(|s| connection.status_error(s))?
-                    .into_inner();
+                let revoked = connection
+                    .answer(client.revoke_join_token(connection.request(v1::RevokeJoinTokenRequest { token_id })))
+                    .await?;
                 let token = revoked.join_token.as_ref().ok_or(CliError::IncompleteResponse("the revoked token"))?;
                 output::print_answer(format, &revoked, || format!("join token {} revoked\n", token.token_id))
             }
