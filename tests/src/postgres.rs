@@ -147,22 +147,14 @@ impl PrivatePostgres {
             spec = spec.as_user(uid, gid);
         }
         let process = spec.spawn()?;
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            if let Some(status) = process.exit_status() {
-                bail!("postgres exited ({status}):\n{}", process.log_tail(20));
-            }
-            if let Ok(Ok(conn)) =
-                tokio::time::timeout(Duration::from_secs(2), sqlx::PgConnection::connect(&self.url("postgres"))).await
-            {
-                let _ = conn.close().await;
-                break;
-            }
-            if Instant::now() >= deadline {
-                bail!("postgres did not accept connections within {READY_TIMEOUT:?}:\n{}", process.log_tail(20));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let url = self.url("postgres");
+        let accepts = async || {
+            let connected = tokio::time::timeout(Duration::from_secs(2), sqlx::PgConnection::connect(&url)).await;
+            let Ok(Ok(conn)) = connected else { return false };
+            let _ = conn.close().await;
+            true
+        };
+        process.until_ready("accept connections", READY_TIMEOUT, Duration::from_millis(100), accepts).await?;
         self.process = Some(process);
         Ok(())
     }

@@ -196,6 +196,31 @@ impl ManagedProcess {
         self.exited.borrow().clone()
     }
 
+    /// Asks `ready` every `every` until it answers true. Fails, with the
+    /// end of its log, when the process exits first or `timeout` passes
+    /// (saying it did not `what`).
+    pub async fn until_ready(
+        &self,
+        what: &str,
+        timeout: Duration,
+        every: Duration,
+        mut ready: impl AsyncFnMut() -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.exit_status() {
+                bail!("{} exited ({status}):\n{}", self.spec.name, self.log_tail(20));
+            }
+            if ready().await {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!("{} did not {what} within {timeout:?}:\n{}", self.spec.name, self.log_tail(20));
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+
     /// Whether it has not exited yet (a suspended process still runs).
     pub fn is_running(&self) -> bool {
         self.exited.borrow().is_none()

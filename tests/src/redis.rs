@@ -5,7 +5,7 @@
 
 use std::net::Ipv4Addr;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
@@ -72,19 +72,8 @@ impl PrivateRedis {
             .arg(self.dir.path())
             .current_dir(self.dir.path())
             .spawn()?;
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            if let Some(status) = process.exit_status() {
-                bail!("redis-server exited ({status}):\n{}", process.log_tail(20));
-            }
-            if self.command(&["PING"]).await.is_ok_and(|answer| answer == "+PONG") {
-                break;
-            }
-            if Instant::now() >= deadline {
-                bail!("redis-server did not answer PING within {READY_TIMEOUT:?}:\n{}", process.log_tail(20));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let pongs = async || self.command(&["PING"]).await.is_ok_and(|answer| answer == "+PONG");
+        process.until_ready("answer PING", READY_TIMEOUT, Duration::from_millis(50), pongs).await?;
         self.process = Some(process);
         Ok(())
     }
