@@ -28,7 +28,7 @@ use sqlx::AnyConnection;
 use sqlx::Row as _;
 use sqlx::any::AnyRow;
 
-use crate::records::{DnsRow, GatewayRow, ObjectRow, PlanRow, RouteRow, object_columns, timestamp, unsigned};
+use crate::records::{Declared, DnsRow, GatewayRow, ObjectRow, PlanRow, RouteRow, object_columns, timestamp, unsigned};
 use crate::render::Rendered;
 use crate::validate::{ObjectKey, ValidGateway, ValidRoute};
 
@@ -88,14 +88,6 @@ pub(crate) struct PassWrite {
     pub(crate) statuses_written: usize,
     /// Nodes whose state changed with the plan.
     pub(crate) nodes: Vec<String>,
-}
-
-/// What a project declares, as one pass reads it.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Declared {
-    pub(crate) gateways: Vec<GatewayRow>,
-    pub(crate) routes: Vec<RouteRow>,
-    pub(crate) dns: Option<DnsRow>,
 }
 
 /// A node's whole state: its generation and the plans it hosts, by project.

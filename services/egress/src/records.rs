@@ -174,6 +174,14 @@ impl RouteRow {
     }
 }
 
+/// What a project declares, as one pass reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Declared {
+    pub(crate) gateways: Vec<GatewayRow>,
+    pub(crate) routes: Vec<RouteRow>,
+    pub(crate) dns: Option<DnsRow>,
+}
+
 /// One project's plan, as stored.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PlanRow {

@@ -13,11 +13,10 @@ use std::collections::HashMap;
 use berth_proto::egress::v1 as proto;
 use berth_proto::types::v1::{Condition, ConditionStatus};
 
-use crate::catalog::Declared;
 use crate::compile::{CompiledPlan, Destination, GatewayOutcome, RouteOutcome};
 use crate::model::DEFAULT_NDOTS;
 use crate::model::{ACCEPTED, CONFLICTED, EGRESS_READY, READY, reason};
-use crate::records::{GatewayRow, RouteRow, timestamp};
+use crate::records::{Declared, GatewayRow, RouteRow, timestamp};
 
 /// A pass's output, ready to compare and write.
 #[derive(Debug, Clone, PartialEq)]

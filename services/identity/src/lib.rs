@@ -19,6 +19,7 @@ mod keeper;
 mod mesh;
 mod monitor;
 mod nodes_api;
+mod nodes_error;
 mod offline;
 mod registry;
 mod session;

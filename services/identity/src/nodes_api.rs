@@ -27,6 +27,7 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::IdentityService;
+use crate::nodes_error::NodesApiError;
 use crate::registry::{self, NodeChange, NodeRecord, NodeRegistry, NodeState};
 
 /// Events a `WatchNodes` stream buffers for a slow reader before the feeding
@@ -35,52 +36,6 @@ const WATCH_BUFFER: usize = 256;
 
 /// The longest revocation reason kept.
 const MAX_REASON_LEN: usize = 1024;
-
-/// Why a `Nodes` call failed.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum NodesApiError {
-    /// A request field is missing or malformed.
-    #[error("invalid {field}: {reason}")]
-    InvalidArgument {
-        /// The request field.
-        field: &'static str,
-        /// What it must be instead.
-        reason: String,
-    },
-    /// No node has this id (never joined, or forgotten).
-    #[error("node {0} not found")]
-    NotFound(String),
-    /// The node is revoked, which is final.
-    #[error("node {0} revoked; a revoked node cannot be drained")]
-    Revoked(String),
-    /// The node is revoked, which is final.
-    #[error("node {0} revoked; a revoked node cannot be upgraded")]
-    RevokedNotUpgraded(String),
-    /// The agent artifact could not be resolved to a digest.
-    #[error("cannot resolve the agent artifact '{reference}': {reason}")]
-    Unresolvable {
-        /// The reference as asked for.
-        reference: String,
-        /// Why.
-        reason: String,
-    },
-    /// No such upgrade.
-    #[error("{0}")]
-    NoUpgrade(String),
-    /// The store failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
-
-berth_store::store_errors!(NodesApiError, |error| match error {
-    NodesApiError::InvalidArgument { .. } => tonic::Status::invalid_argument(error.to_string()),
-    NodesApiError::NotFound(_) => tonic::Status::not_found(error.to_string()),
-    NodesApiError::Revoked(_) | NodesApiError::RevokedNotUpgraded(_) | NodesApiError::Unresolvable { .. } => {
-        tonic::Status::failed_precondition(error.to_string())
-    }
-    NodesApiError::NoUpgrade(_) => tonic::Status::not_found(error.to_string()),
-    NodesApiError::Store(error) => error.into(),
-});
 
 fn require_node_id(node_id: &str) -> Result<(), NodesApiError> {
     if berth_core::is_dns_label(node_id) {

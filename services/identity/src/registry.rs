@@ -183,7 +183,7 @@ pub(crate) struct NodeUpgradeMark {
     pub(crate) upgrade_id: String,
     /// The artifact, pinned to its digest.
     pub(crate) artifact: String,
-    pub(crate) state: crate::upgrades::NodeUpgradeState,
+    pub(crate) state: NodeUpgradeState,
     pub(crate) reason: String,
     pub(crate) version: String,
 }
@@ -236,7 +236,7 @@ impl NodeRecord {
                     Some(Box::new(NodeUpgradeMark {
                         upgrade_id,
                         artifact: row.try_get("upgrade_artifact")?,
-                        state: crate::upgrades::NodeUpgradeState::parse(&row.try_get::<String, _>("upgrade_state")?)?,
+                        state: NodeUpgradeState::parse(&row.try_get::<String, _>("upgrade_state")?)?,
                         reason: row.try_get("upgrade_reason")?,
                         version: row.try_get("upgrade_version")?,
                     }))
@@ -841,6 +841,69 @@ async fn write_beats(store: &Store, batch: &[Beat]) -> Result<Vec<NodeRecord>, B
             })
         })
         .await
+}
+
+/// Where one node is in an upgrade, as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NodeUpgradeState {
+    Pending,
+    Started,
+    Upgrading,
+    Succeeded,
+    Failed,
+}
+
+impl NodeUpgradeState {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Started => "started",
+            Self::Upgrading => "upgrading",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+        }
+    }
+
+    pub(crate) fn parse(stored: &str) -> Result<Self, StoreError> {
+        Ok(match stored {
+            "pending" => Self::Pending,
+            "started" => Self::Started,
+            "upgrading" => Self::Upgrading,
+            "succeeded" => Self::Succeeded,
+            "failed" => Self::Failed,
+            other => return Err(StoreError::internal(format!("an upgrade row holds unknown state {other:?}"))),
+        })
+    }
+
+    pub(crate) fn to_proto(self) -> v1::NodeUpgradeState {
+        match self {
+            Self::Pending => v1::NodeUpgradeState::Pending,
+            Self::Started => v1::NodeUpgradeState::Started,
+            Self::Upgrading => v1::NodeUpgradeState::Upgrading,
+            Self::Succeeded => v1::NodeUpgradeState::Succeeded,
+            Self::Failed => v1::NodeUpgradeState::Failed,
+        }
+    }
+
+    /// What a node may report: `UPGRADING`, `SUCCEEDED` or `FAILED`.
+    pub(crate) fn reported(value: i32) -> Option<Self> {
+        match v1::NodeUpgradeState::try_from(value).ok()? {
+            v1::NodeUpgradeState::Upgrading => Some(Self::Upgrading),
+            v1::NodeUpgradeState::Succeeded => Some(Self::Succeeded),
+            v1::NodeUpgradeState::Failed => Some(Self::Failed),
+            _ => None,
+        }
+    }
+
+    /// Whether the node is done with it, one way or the other.
+    pub(crate) fn is_final(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed)
+    }
+
+    /// Whether the node is at it now.
+    pub(crate) fn in_flight(self) -> bool {
+        matches!(self, Self::Started | Self::Upgrading)
+    }
 }
 
 #[cfg(test)]

@@ -42,8 +42,8 @@ use berth_store::{StoreError, expect_one};
 
 use crate::bookkeeping::Beat;
 use crate::config::millis;
-use crate::registry::{self, NodeRecord, NodeState, timestamp, to_column};
-use crate::upgrades::{MAX_UPGRADE_REASON, NodeUpgradeState};
+use crate::registry::{self, NodeRecord, NodeState, NodeUpgradeState, timestamp, to_column};
+use crate::upgrades::MAX_UPGRADE_REASON;
 use crate::{AuthorityError, IdentityService};
 
 /// What a node reported of its upgrade, checked.

@@ -42,8 +42,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::IdentityService;
-use crate::nodes_api::NodesApiError;
-use crate::registry::{self, NodeRecord, NodeRegistry, NodeState, timestamp};
+use crate::nodes_error::NodesApiError;
+use crate::registry::{self, NodeRecord, NodeRegistry, NodeState, NodeUpgradeState, timestamp};
 
 /// The name the upgrade controller's leadership is held under.
 pub const UPGRADES_LOOP: &str = "identity.upgrades";
@@ -64,69 +64,6 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The longest reason kept from a node.
 pub(crate) const MAX_UPGRADE_REASON: usize = 2048;
-
-/// Where one node is in an upgrade, as stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum NodeUpgradeState {
-    Pending,
-    Started,
-    Upgrading,
-    Succeeded,
-    Failed,
-}
-
-impl NodeUpgradeState {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Self::Pending => "pending",
-            Self::Started => "started",
-            Self::Upgrading => "upgrading",
-            Self::Succeeded => "succeeded",
-            Self::Failed => "failed",
-        }
-    }
-
-    pub(crate) fn parse(stored: &str) -> Result<Self, StoreError> {
-        Ok(match stored {
-            "pending" => Self::Pending,
-            "started" => Self::Started,
-            "upgrading" => Self::Upgrading,
-            "succeeded" => Self::Succeeded,
-            "failed" => Self::Failed,
-            other => return Err(StoreError::internal(format!("an upgrade row holds unknown state {other:?}"))),
-        })
-    }
-
-    pub(crate) fn to_proto(self) -> v1::NodeUpgradeState {
-        match self {
-            Self::Pending => v1::NodeUpgradeState::Pending,
-            Self::Started => v1::NodeUpgradeState::Started,
-            Self::Upgrading => v1::NodeUpgradeState::Upgrading,
-            Self::Succeeded => v1::NodeUpgradeState::Succeeded,
-            Self::Failed => v1::NodeUpgradeState::Failed,
-        }
-    }
-
-    /// What a node may report: `UPGRADING`, `SUCCEEDED` or `FAILED`.
-    pub(crate) fn reported(value: i32) -> Option<Self> {
-        match v1::NodeUpgradeState::try_from(value).ok()? {
-            v1::NodeUpgradeState::Upgrading => Some(Self::Upgrading),
-            v1::NodeUpgradeState::Succeeded => Some(Self::Succeeded),
-            v1::NodeUpgradeState::Failed => Some(Self::Failed),
-            _ => None,
-        }
-    }
-
-    /// Whether the node is done with it, one way or the other.
-    fn is_final(self) -> bool {
-        matches!(self, Self::Succeeded | Self::Failed)
-    }
-
-    /// Whether the node is at it now.
-    pub(crate) fn in_flight(self) -> bool {
-        matches!(self, Self::Started | Self::Upgrading)
-    }
-}
 
 /// Where a rollout is, as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -27,7 +27,7 @@ use prost::Message as _;
 use sqlx::{AnyConnection, Row as _};
 
 use crate::ledger::{LeaseError, Ledger, held_by};
-use crate::model::Phase;
+use crate::model::{Phase, Retention};
 use crate::records::{LeaseRecord, StoredCache, timestamp};
 
 /// A node's ask to publish a view, or to record why it will not be.
@@ -700,16 +700,6 @@ async fn follow(conn: &mut AnyConnection, lease: &LeaseRecord, key: &str, base: 
     Ok(())
 }
 
-/// What is kept of cache generations beside each volume's head and the
-/// pinned ones.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Retention {
-    /// The newest generations of each volume.
-    pub(crate) keep: u32,
-    /// The most bytes all of a project's generations may hold.
-    pub(crate) project_budget: Option<u64>,
-}
-
 /// Forgets the generations of (project, key) beyond the newest `keep`, then,
 /// while the project's generations hold more than its budget, its oldest;
 /// never a head, never a pinned one.
@@ -764,35 +754,6 @@ async fn forget(conn: &mut AnyConnection, project: &str, key: &str, number: i64)
         .execute(&mut *conn)
         .await?;
     Ok(())
-}
-
-/// The nodes holding the heads of `keys` in `project`: those that sealed
-/// them and those that reported holding them.
-pub(crate) async fn warm_nodes(
-    conn: &mut AnyConnection,
-    project: &str,
-    keys: impl Iterator<Item = &str>,
-) -> Result<Vec<String>, LeaseError> {
-    let mut nodes: Vec<String> = Vec::new();
-    for key in keys {
-        let holding: Vec<String> = sqlx::query_scalar(
-            "SELECT g.node_id FROM cache_heads h JOIN cache_generations g ON g.project = h.project \
-             AND g.cache_key = h.cache_key AND g.generation = h.generation WHERE h.project = $1 AND h.cache_key = $2 \
-             UNION SELECT c.node_id FROM cache_heads h JOIN cache_holders c ON c.project = h.project \
-             AND c.cache_key = h.cache_key AND c.generation = h.generation WHERE h.project = $1 AND h.cache_key = $2",
-        )
-        .bind(project)
-        .bind(key)
-        .fetch_all(&mut *conn)
-        .await?;
-        for node in holding {
-            if !nodes.contains(&node) {
-                nodes.push(node);
-            }
-        }
-    }
-    nodes.sort();
-    Ok(nodes)
 }
 
 /// Records `observation` on the lease, replacing the one of its key.

@@ -390,8 +390,8 @@ impl Ledger {
 
     /// What is kept of cache generations: the newest of each volume, and
     /// the bytes each project may hold.
-    pub(crate) fn cache_retention(&self) -> crate::caches::Retention {
-        crate::caches::Retention { keep: self.cache_keep, project_budget: self.cache_project_budget }
+    pub(crate) fn cache_retention(&self) -> crate::model::Retention {
+        crate::model::Retention { keep: self.cache_keep, project_budget: self.cache_project_budget }
     }
 
     /// Where `project`'s cache generations are kept, as a node is told it.
@@ -1568,7 +1568,7 @@ async fn place_in_tx(
     let mut requests: Vec<PlacementRequest> = Vec::with_capacity(to_place.len());
     for ask in &to_place {
         let keys = ask.workload.cache.iter().map(|mount| mount.key.as_str());
-        let warm_nodes = crate::caches::warm_nodes(conn, &ask.project, keys).await?;
+        let warm_nodes = warm_nodes(conn, &ask.project, keys).await?;
         requests.push(PlacementRequest {
             resources: ask.resources,
             tier: ask.tier.clone(),
@@ -1829,6 +1829,35 @@ async fn insert_leases<'a>(
         query.execute(&mut *conn).await?;
     }
     Ok(())
+}
+
+/// The nodes holding the heads of `keys` in `project`: those that sealed
+/// them and those that reported holding them.
+async fn warm_nodes(
+    conn: &mut AnyConnection,
+    project: &str,
+    keys: impl Iterator<Item = &str>,
+) -> Result<Vec<String>, LeaseError> {
+    let mut nodes: Vec<String> = Vec::new();
+    for key in keys {
+        let holding: Vec<String> = sqlx::query_scalar(
+            "SELECT g.node_id FROM cache_heads h JOIN cache_generations g ON g.project = h.project \
+             AND g.cache_key = h.cache_key AND g.generation = h.generation WHERE h.project = $1 AND h.cache_key = $2 \
+             UNION SELECT c.node_id FROM cache_heads h JOIN cache_holders c ON c.project = h.project \
+             AND c.cache_key = h.cache_key AND c.generation = h.generation WHERE h.project = $1 AND h.cache_key = $2",
+        )
+        .bind(project)
+        .bind(key)
+        .fetch_all(&mut *conn)
+        .await?;
+        for node in holding {
+            if !nodes.contains(&node) {
+                nodes.push(node);
+            }
+        }
+    }
+    nodes.sort();
+    Ok(nodes)
 }
 
 #[cfg(test)]

@@ -269,6 +269,16 @@ impl fmt::Display for Phase {
     }
 }
 
+/// What is kept of cache generations beside each volume's head and the
+/// pinned ones.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Retention {
+    /// The newest generations of each volume.
+    pub(crate) keep: u32,
+    /// The most bytes all of a project's generations may hold.
+    pub(crate) project_budget: Option<u64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

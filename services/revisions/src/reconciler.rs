@@ -603,8 +603,8 @@ mod tests {
     use berth_store::{Store, Term};
 
     use super::*;
+    use crate::DEPLOY_LOOP;
     use crate::catalog::Resolution;
-    use crate::controller::DEPLOY_LOOP;
     use crate::model::ROLLOUT_COMPLETE;
     use crate::model::fingerprint;
     use crate::plan::tests::row;
