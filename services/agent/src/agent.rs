@@ -62,7 +62,8 @@ use crate::interruption::InterruptionWatch;
 use crate::join::{self, JoinError};
 use crate::leases_client::{GrpcNodeLeases, NodeLeasesApi};
 use crate::node_channel::NodeChannel;
-use crate::process::{ProcessProvider, ProcessTiming};
+use crate::process::ProcessProvider;
+use crate::provider::ProcessTiming;
 use crate::provider::Provider;
 use crate::runner::{RunnerHandle, RunnerParts, RunnerSettings};
 use crate::status::{AgentStatus, Fence, NodeSession};
@@ -91,7 +92,7 @@ fn cgroups_visible() -> bool {
 /// that says what is missing.
 fn choose_runtime(
     containment: &Containment,
-    microvm: &crate::config::MicroVmConfig,
+    microvm: &crate::microvm::MicroVmConfig,
 ) -> Result<WorkloadRuntime, AgentError> {
     let euid = rustix::process::geteuid();
     let uids_usable =

@@ -48,7 +48,7 @@ use berth_proto::types::v1::{CacheCommit, CacheMount};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-use crate::error::FileError;
+use crate::files::FileError;
 
 pub(crate) mod follow;
 pub(crate) mod registry;

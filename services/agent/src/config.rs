@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::container::{DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
 use crate::egress::{EgressIsolation, ProxyTiming};
 use crate::host::Capacity;
+use crate::microvm::MicroVmConfig;
 
 /// The first wait after a failed call to the control plane.
 /// How long compute may be held in custody before the agent warns about it, by default.
@@ -77,8 +78,8 @@ impl Default for LeaseTiming {
         Self {
             renew_interval: DEFAULT_RENEW_INTERVAL,
             sweep_interval: DEFAULT_SWEEP_INTERVAL,
-            stop_grace: crate::process::DEFAULT_STOP_GRACE,
-            exit_poll: crate::process::DEFAULT_EXIT_POLL,
+            stop_grace: crate::provider::DEFAULT_STOP_GRACE,
+            exit_poll: crate::provider::DEFAULT_EXIT_POLL,
             log_poll: DEFAULT_LOG_POLL,
             retain_finished: DEFAULT_RETAIN_FINISHED,
             resize_settle: DEFAULT_RESIZE_SETTLE,
@@ -159,31 +160,6 @@ impl std::fmt::Display for WorkloadRuntime {
             WorkloadRuntime::Oci(runtime) => write!(f, "oci ({runtime})"),
             WorkloadRuntime::MicroVm => f.write_str("microvm (a VM of its own per workload)"),
             WorkloadRuntime::Uncontained => f.write_str("process (uncontained)"),
-        }
-    }
-}
-
-/// Where the microVM runtime finds its parts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MicroVmConfig {
-    /// The QEMU binary, a path or a name looked up on `PATH`.
-    pub qemu: PathBuf,
-    /// The guest kernel's directory (`scripts/microvm-deps.sh` lays it out).
-    pub kernel_dir: PathBuf,
-    /// The static guest init; `None` finds it as
-    /// `berth_microvm::install::find_init` does.
-    pub init: Option<PathBuf>,
-    /// How guest code runs.
-    pub accel: crate::MicroVmAccel,
-}
-
-impl Default for MicroVmConfig {
-    fn default() -> Self {
-        Self {
-            qemu: "qemu-system-x86_64".into(),
-            kernel_dir: berth_microvm::kernel::DEFAULT_KERNEL_DIR.into(),
-            init: None,
-            accel: crate::MicroVmAccel::Auto,
         }
     }
 }

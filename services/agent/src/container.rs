@@ -76,8 +76,8 @@ use crate::instances::{
     validate_lease_id,
 };
 use crate::overlay::OverlayError;
-use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
+use crate::provider::ProcessTiming;
 use crate::provider::{
     ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk,
     Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
@@ -469,7 +469,7 @@ impl Inner {
         }
         tracing::warn!(%lease_id, monitors = ?found.iter().map(|m| m.pid).collect::<Vec<_>>(),
             "stopping what an interrupted launch left starting the container");
-        crate::process::kill_found(&found).await;
+        crate::procfs::kill_found(&found).await;
     }
 
     /// Deletes the container and its root; a container already gone is
@@ -860,7 +860,7 @@ pub fn containers_left(data_dir: &Path) -> usize {
 /// that runs it, and returns how many there were: for tearing down a data
 /// directory whose agent is gone (a test's, a bench's), where no agent will
 /// adopt them.
-pub fn destroy_containers(data_dir: &Path) -> usize {
+pub(crate) fn destroy_containers(data_dir: &Path) -> usize {
     let mut destroyed = 0;
     let own_root = data_dir.join(RUNTIME_DIR).join(OciRuntime::Own.name());
     for id in std::fs::read_dir(&own_root).into_iter().flatten().filter_map(Result::ok) {
@@ -902,7 +902,6 @@ pub fn destroy_containers(data_dir: &Path) -> usize {
         }
     }
     remove_empty_cgroups(&parent);
-    crate::microvm::remove_relays(data_dir);
     destroyed
 }
 

@@ -20,7 +20,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
 use crate::dial::Dialer;
-use crate::process::{ProcessProvider, ProcessTiming};
+use crate::process::ProcessProvider;
+use crate::provider::ProcessTiming;
 use crate::provider::{
     Exit, ExitStatus, ExitWatch, LaunchSpec, NetworkAttachment, Program, Provider, ProviderError, ResizeAsk, Resized,
     Resources, Settlement, WorkloadRoot, WorkloadSignal,
@@ -82,9 +83,9 @@ fn provider_until(kind: Kind, dir: &Path, stop: CancellationToken) -> Option<Arc
         Kind::Uncontained => Some(Arc::new(ProcessProvider::new(dir, timing(), stop))),
         Kind::Oci(runtime) => Some(container_provider(runtime, runtime_binary(runtime)?, dir, stop)),
         Kind::MicroVm => {
-            let config = crate::config::MicroVmConfig {
+            let config = crate::microvm::MicroVmConfig {
                 accel: crate::microvm::MicroVmAccel::Tcg,
-                ..crate::config::MicroVmConfig::default()
+                ..crate::microvm::MicroVmConfig::default()
             };
             let mut settings = crate::microvm::MicroVmSettings::from_config(&config, timing())
                 .unwrap_or_else(|missing| panic!("microVMs cannot run here: {missing}"));

@@ -1,10 +1,11 @@
-//! [`AgentError`]: why the agent could not start, or stopped. A leaf the
+//! [`AgentError`]: why the agent could not start, or stopped, which the
 //! agent's start-up and its heartbeat (which ends the agent when identity
-//! revokes the node) both answer with; and [`FileError`], the one way every
-//! part of the agent names a file of its state it could not use.
+//! revokes the node) both answer with. It wraps the errors of the parts
+//! that start the agent; the one they share, [`FileError`](crate::files::FileError),
+//! lives in the leaf [`files`](crate::files) so none of them imports this
+//! module back.
 
 use std::net::SocketAddr;
-use std::path::Path;
 
 use crate::egress::EgressError;
 use crate::identity_dir::IdentityDirError;
@@ -103,36 +104,4 @@ pub enum AgentError {
     /// them uncontained.
     #[error("{0}; workloads would run uncontained (pass --allow-uncontained to run them so anyway)")]
     Uncontained(String),
-}
-
-/// A file or directory of the agent's state that could not be created,
-/// read or written: what was being done, to which path, and why.
-#[derive(Debug, thiserror::Error)]
-#[error("cannot {action} {path}: {source}")]
-pub struct FileError {
-    /// What was being done ("read", "create").
-    pub action: &'static str,
-    /// The path, as shown.
-    pub path: String,
-    /// Why.
-    #[source]
-    pub source: std::io::Error,
-}
-
-impl FileError {
-    pub(crate) fn new(action: &'static str, path: &Path, source: std::io::Error) -> Self {
-        Self { action, path: path.display().to_string(), source }
-    }
-}
-
-/// Runs `f`, file work that may block, on the blocking pool; a task that
-/// could not finish (it panicked) is a [`FileError`] like any other.
-pub(crate) async fn on_blocking_pool<T, E>(f: impl FnOnce() -> Result<T, E> + Send + 'static) -> Result<T, E>
-where
-    T: Send + 'static,
-    E: From<FileError> + Send + 'static,
-{
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
-        Err(FileError { action: "finish", path: String::new(), source: std::io::Error::other(e.to_string()) }.into())
-    })
 }

@@ -18,7 +18,7 @@ use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::Path;
 
-use crate::error::FileError;
+use crate::files::FileError;
 
 /// Half-written generations and symlinks end in this.
 pub(crate) const TMP_SUFFIX: &str = ".tmp";

@@ -34,7 +34,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use berth_core::Identity;
 use berth_mtls::{TlsMaterial, cert_not_after, certs_from_pem, identity_from_cert};
 
-use crate::error::FileError;
+use crate::files::FileError;
 use crate::generations::{Generations, TMP_SUFFIX, sync_dir, write_synced};
 
 /// The symlink naming the current generation.
@@ -53,7 +53,7 @@ const LOCK_FILE: &str = "agent.lock";
 pub enum IdentityDirError {
     /// A file or directory could not be created, read or written.
     #[error(transparent)]
-    Io(#[from] crate::error::FileError),
+    Io(#[from] crate::files::FileError),
     /// Another agent is running on the same data directory.
     #[error("data directory {path} is in use by another berth-agent")]
     Locked {

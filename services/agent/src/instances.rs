@@ -32,7 +32,7 @@ use std::collections::BTreeMap;
 
 use tokio::sync::watch;
 
-use crate::error::FileError;
+use crate::files::FileError;
 use crate::provider::{Exit, ExitStatus, InstanceMeta, InstanceRecord, LaunchSpec, LogFiles, ProviderError};
 
 /// How many ports the kernel is asked for before a launch gives up on
@@ -156,7 +156,7 @@ impl Layout {
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ProviderError> + Send + 'static,
 ) -> Result<T, ProviderError> {
-    crate::error::on_blocking_pool(f).await
+    crate::files::on_blocking_pool(f).await
 }
 
 /// Creates the working and log directories, writes the record that says a

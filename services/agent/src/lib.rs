@@ -47,6 +47,7 @@ mod error;
     )
 )]
 mod faults;
+mod files;
 mod generations;
 mod heartbeat;
 mod host;
@@ -81,12 +82,12 @@ pub use caches::{CacheError, CacheVolumes, Sealed, View};
 pub use config::{
     AgentConfig, AgentTiming, Containment, DEFAULT_BUNDLE_CACHE_BUDGET, DEFAULT_CUSTODY_WARNING, DEFAULT_LOG_POLL,
     DEFAULT_MAX_HEARTBEAT_INTERVAL, DEFAULT_MIN_HEARTBEAT_INTERVAL, DEFAULT_RENEW_INTERVAL, DEFAULT_RETAIN_FINISHED,
-    DEFAULT_RETRY_INITIAL, DEFAULT_RETRY_MAX, DEFAULT_RPC_TIMEOUT, DEFAULT_SWEEP_INTERVAL, LeaseTiming, MicroVmConfig,
+    DEFAULT_RETRY_INITIAL, DEFAULT_RETRY_MAX, DEFAULT_RPC_TIMEOUT, DEFAULT_SWEEP_INTERVAL, LeaseTiming,
     WorkloadRuntime,
 };
 pub use container::{
     ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange, containers_left,
-    destroy_containers, favor_cgroup_migrations, runtime_main, runtime_main_if_invoked,
+    favor_cgroup_migrations, runtime_main, runtime_main_if_invoked,
 };
 pub use egress::{
     Attachment, DEFAULT_PROXY_CONNECT_TIMEOUT, DEFAULT_PROXY_HEAD_TIMEOUT, EgressError, EgressIsolation, EgressProxies,
@@ -98,15 +99,26 @@ pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;
 pub use identity_servers::preferred_index;
 pub use join::JoinError;
-pub use microvm::{MicroVmAccel, MicroVmProvider, MicroVmSettings, guest_memory_mib};
-pub use process::{DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, ProcessProvider, ProcessTiming};
+pub use microvm::{MicroVmAccel, MicroVmConfig, MicroVmProvider, MicroVmSettings, guest_memory_mib};
+pub use process::ProcessProvider;
 pub use provider::{
-    CacheBind, Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord, InstanceStats, LaunchSpec, Launched,
-    LogFiles, NetworkAttachment, Program, Provider, ProviderError, ResizeAsk, Resized, Resources, Runtime, Settlement,
-    WorkloadRoot, WorkloadSignal,
+    CacheBind, DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord,
+    InstanceStats, LaunchSpec, Launched, LogFiles, NetworkAttachment, ProcessTiming, Program, Provider, ProviderError,
+    ResizeAsk, Resized, Resources, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
 };
 pub use status::{AgentStatus, Fence, FenceReason, NodeSession};
 pub use upgrades::{DEFAULT_UPGRADE_DEADLINE, UpgradeSettings};
 
 /// The port the agent API listens on by default.
 pub const DEFAULT_PORT: u16 = 7447;
+
+/// Destroys every container an agent on `data_dir` left, through the runtime
+/// that runs it, and what its microVMs keep outside it (their Workload API
+/// relay directories); returns how many containers there were. For tearing
+/// down a data directory whose agent is gone (a test's, a bench's), where
+/// no agent will adopt them.
+pub fn destroy_containers(data_dir: &std::path::Path) -> usize {
+    let destroyed = container::destroy_containers(data_dir);
+    microvm::remove_relays(data_dir);
+    destroyed
+}

@@ -131,8 +131,8 @@ use crate::container::{UidPool, UidRange};
 use crate::instances::{
     Instances, PortBook, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms, validate_lease_id,
 };
-use crate::process::ProcessTiming;
 use crate::procfs::{self, PROC_ROOT};
+use crate::provider::ProcessTiming;
 use crate::provider::{
     ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk,
     Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
@@ -237,7 +237,7 @@ impl std::str::FromStr for MicroVmAccel {
 }
 
 /// What keeps this host from running microVMs with `config`, if anything.
-pub(crate) fn missing(config: &crate::config::MicroVmConfig) -> Option<String> {
+pub(crate) fn missing(config: &MicroVmConfig) -> Option<String> {
     MicroVmSettings::from_config(config, ProcessTiming::default()).err()
 }
 
@@ -246,7 +246,7 @@ pub(crate) fn missing(config: &crate::config::MicroVmConfig) -> Option<String> {
 /// that is root (the daemon sandboxes itself in namespaces of its own only
 /// as root; unsandboxed, a guest that breaks it would hold the agent's
 /// rights over the host's files).
-pub(crate) fn share_daemon(config: &crate::config::MicroVmConfig) -> Option<PathBuf> {
+pub(crate) fn share_daemon(config: &MicroVmConfig) -> Option<PathBuf> {
     let kernel_shares = GuestKernel::from_dir(&config.kernel_dir).is_ok_and(|kernel| kernel.shares_directories());
     (rustix::process::geteuid().is_root() && kernel_shares).then(berth_microvm::install::find_virtiofsd).flatten()
 }
@@ -281,7 +281,7 @@ pub struct MicroVmSettings {
 impl MicroVmSettings {
     /// The settings `config` names, with every file it needs found; else
     /// what is missing and how to get it.
-    pub fn from_config(config: &crate::config::MicroVmConfig, timing: ProcessTiming) -> Result<Self, String> {
+    pub fn from_config(config: &MicroVmConfig, timing: ProcessTiming) -> Result<Self, String> {
         let qemu = find_program(&config.qemu).ok_or_else(|| {
             format!("{} is not installed (scripts/microvm-deps.sh installs it)", config.qemu.display())
         })?;
@@ -729,7 +729,7 @@ impl MicroVmProvider {
         }
         tracing::warn!(%lease_id, pids = ?found.iter().map(|p| p.pid).collect::<Vec<_>>(),
             "stopping a microVM (or its shares' daemons) an interrupted launch left running unrecorded");
-        crate::process::kill_found(&found).await;
+        crate::procfs::kill_found(&found).await;
         self.release_cgroup(lease_id).await;
     }
 
@@ -1520,6 +1520,31 @@ impl Provider for MicroVmProvider {
 
     fn running(&self) -> Vec<String> {
         self.inner.instances.running()
+    }
+}
+
+/// Where the microVM runtime finds its parts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MicroVmConfig {
+    /// The QEMU binary, a path or a name looked up on `PATH`.
+    pub qemu: PathBuf,
+    /// The guest kernel's directory (`scripts/microvm-deps.sh` lays it out).
+    pub kernel_dir: PathBuf,
+    /// The static guest init; `None` finds it as
+    /// `berth_microvm::install::find_init` does.
+    pub init: Option<PathBuf>,
+    /// How guest code runs.
+    pub accel: crate::MicroVmAccel,
+}
+
+impl Default for MicroVmConfig {
+    fn default() -> Self {
+        Self {
+            qemu: "qemu-system-x86_64".into(),
+            kernel_dir: berth_microvm::kernel::DEFAULT_KERNEL_DIR.into(),
+            init: None,
+            accel: crate::MicroVmAccel::Auto,
+        }
     }
 }
 

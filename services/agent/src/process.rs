@@ -64,37 +64,12 @@ use crate::instances::{
 };
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
-    ExitStatus, InstanceStats, LEASE_ID_ENV, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk,
-    Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
+    ExitStatus, InstanceStats, LEASE_ID_ENV, LaunchSpec, Launched, LogFiles, ProcessTiming, Provider, ProviderError,
+    ResizeAsk, Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
 };
-
-/// How long a workload has to stop after SIGTERM before it gets SIGKILL.
-pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(10);
-
-/// How often an adopted process is looked for in `/proc`.
-pub const DEFAULT_EXIT_POLL: Duration = Duration::from_secs(1);
-
-/// How long a group may outlive SIGKILL before destroy gives up on it
-/// (a process in uninterruptible sleep, say).
-const KILL_WAIT: Duration = Duration::from_secs(5);
 
 /// How often a stopping group is looked at.
 const STOP_POLL: Duration = Duration::from_millis(25);
-
-/// The timings of the process provider.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ProcessTiming {
-    /// Between SIGTERM and SIGKILL when destroying.
-    pub stop_grace: Duration,
-    /// How often an adopted process is looked for.
-    pub exit_poll: Duration,
-}
-
-impl Default for ProcessTiming {
-    fn default() -> Self {
-        Self { stop_grace: DEFAULT_STOP_GRACE, exit_poll: DEFAULT_EXIT_POLL }
-    }
-}
 
 /// Runs each lease's command as a process group; see the module docs.
 #[derive(Debug, Clone)]
@@ -220,28 +195,7 @@ impl ProcessProvider {
         }
         tracing::warn!(%lease_id, pids = ?found.iter().map(|p| p.pid).collect::<Vec<_>>(),
             "stopping a workload an interrupted launch left running unrecorded");
-        kill_found(&found).await;
-    }
-}
-
-/// Kills each of `found` (a group leader with its whole group, any other
-/// process alone) and waits up to [`KILL_WAIT`] for all to be gone: what
-/// an interrupted launch left running where no record names it.
-pub(crate) async fn kill_found(found: &[procfs::ProcStat]) {
-    let own_group = rustix::process::getpgrp().as_raw_nonzero().get();
-    for process in found.iter().filter(|p| p.pid != std::process::id() && p.pgrp != own_group) {
-        let Some(pid) = i32::try_from(process.pid).ok().and_then(Pid::from_raw) else { continue };
-        let _ = if process.pgrp == pid.as_raw_nonzero().get() {
-            kill_process_group(pid, Signal::KILL)
-        } else {
-            rustix::process::kill_process(pid, Signal::KILL)
-        };
-    }
-    let deadline = tokio::time::Instant::now() + KILL_WAIT;
-    while found.iter().any(|p| procfs::is_running(Path::new(PROC_ROOT), p.pid, p.start_ticks))
-        && tokio::time::Instant::now() < deadline
-    {
-        tokio::time::sleep(STOP_POLL).await;
+        procfs::kill_found(&found).await;
     }
 }
 
@@ -379,7 +333,7 @@ impl Provider for ProcessProvider {
         }
         tracing::warn!(%lease_id, pgid, "the workload outlived its grace; killing it");
         stop_group(lease_id, pgid, Signal::KILL)?;
-        if self.group_gone(pgid, KILL_WAIT).await {
+        if self.group_gone(pgid, procfs::KILL_WAIT).await {
             return Ok(());
         }
         let proc_root = self.inner.proc_root.clone();

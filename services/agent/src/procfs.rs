@@ -1,5 +1,7 @@
 //! What `/proc` says about a process: its state, process group, CPU time,
-//! resident memory and start time, read without signalling anything.
+//! resident memory and start time, read without signalling anything; and
+//! [`kill_found`], the one step that acts on what was read: killing what a
+//! scan of `/proc` found left behind, for every runtime's recovery.
 //!
 //! # Invariants
 //! - A process is named by its pid *and* its start time (clock ticks after
@@ -9,6 +11,9 @@
 //!   waits for its parent to reap it.
 
 use std::path::Path;
+use std::time::Duration;
+
+use rustix::process::{Pid, Signal, kill_process_group};
 
 /// Where Linux exposes processes.
 pub(crate) const PROC_ROOT: &str = "/proc";
@@ -136,6 +141,34 @@ fn live_whose(proc_root: &Path, file: &str, keep: impl Fn(&[&[u8]]) -> bool) -> 
         .filter_map(|pid| read_stat(proc_root, pid))
         .filter(ProcStat::is_live)
         .collect()
+}
+
+/// How long a group may outlive SIGKILL before destroy gives up on it
+/// (a process in uninterruptible sleep, say).
+pub(crate) const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// How often processes being killed are looked at.
+const KILL_POLL: Duration = Duration::from_millis(25);
+
+/// Kills each of `found` (a group leader with its whole group, any other
+/// process alone) and waits up to [`KILL_WAIT`] for all to be gone: what
+/// an interrupted launch left running where no record names it.
+pub(crate) async fn kill_found(found: &[ProcStat]) {
+    let own_group = rustix::process::getpgrp().as_raw_nonzero().get();
+    for process in found.iter().filter(|p| p.pid != std::process::id() && p.pgrp != own_group) {
+        let Some(pid) = i32::try_from(process.pid).ok().and_then(Pid::from_raw) else { continue };
+        let _ = if process.pgrp == pid.as_raw_nonzero().get() {
+            kill_process_group(pid, Signal::KILL)
+        } else {
+            rustix::process::kill_process(pid, Signal::KILL)
+        };
+    }
+    let deadline = tokio::time::Instant::now() + KILL_WAIT;
+    while found.iter().any(|p| is_running(Path::new(PROC_ROOT), p.pid, p.start_ticks))
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(KILL_POLL).await;
+    }
 }
 
 #[cfg(test)]

@@ -545,7 +545,7 @@ pub enum ProviderError {
     },
     /// A file of the provider's state could not be read or written.
     #[error(transparent)]
-    Io(#[from] crate::error::FileError),
+    Io(#[from] crate::files::FileError),
     /// A record on disk does not parse.
     #[error("instance record {path} is unreadable: {detail}")]
     Corrupt {
@@ -696,6 +696,28 @@ macro_rules! wrapping_provider {
     };
 }
 pub(crate) use wrapping_provider;
+
+/// How long a workload has to stop after SIGTERM before it gets SIGKILL.
+pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// How often an adopted process is looked for in `/proc`.
+pub const DEFAULT_EXIT_POLL: Duration = Duration::from_secs(1);
+
+/// How a provider stops and watches the processes it runs (the process
+/// provider's groups, a container runtime's, a microVM's VMM).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessTiming {
+    /// Between SIGTERM and SIGKILL when destroying.
+    pub stop_grace: Duration,
+    /// How often an adopted process is looked for.
+    pub exit_poll: Duration,
+}
+
+impl Default for ProcessTiming {
+    fn default() -> Self {
+        Self { stop_grace: DEFAULT_STOP_GRACE, exit_poll: DEFAULT_EXIT_POLL }
+    }
+}
 
 /// What runs a node's workloads.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -68,7 +68,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::error::{FileError, on_blocking_pool};
+use crate::files::{FileError, on_blocking_pool};
 use crate::generations::Generations;
 use crate::node_channel::NodeChannel;
 

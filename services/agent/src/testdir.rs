@@ -23,7 +23,7 @@ impl TestDir {
 
 impl Drop for TestDir {
     fn drop(&mut self) {
-        crate::container::destroy_containers(self.0.path());
+        crate::destroy_containers(self.0.path());
         let Ok(entries) = std::fs::read_dir(PROC_ROOT) else { return };
         for pid in entries.filter_map(Result::ok).filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()) {
             let proc = Path::new(PROC_ROOT).join(pid.to_string());

@@ -51,7 +51,7 @@ use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::error::FileError;
+use crate::files::FileError;
 
 /// Where `ip netns` keeps named namespaces.
 const NETNS_DIR: &str = "/run/netns";
@@ -96,7 +96,7 @@ pub enum NamespaceError {
     },
     /// A file could not be read or written.
     #[error(transparent)]
-    Io(#[from] crate::error::FileError),
+    Io(#[from] crate::files::FileError),
 }
 
 /// The namespaces of one agent.

@@ -55,7 +55,7 @@ use super::dns;
 use super::netns::{NamespaceError, Namespaces};
 use super::proxy::{ProxyTiming, ServiceProxy};
 use super::rules::{RulesError, TenantRules, tenant_name};
-use crate::error::FileError;
+use crate::files::FileError;
 use crate::provider::NetworkAttachment;
 
 /// Where the proxies keep their record, in the data directory.
@@ -220,7 +220,7 @@ pub enum EgressError {
     },
     /// The record of the listener ports could not be written or read.
     #[error(transparent)]
-    Record(#[from] crate::error::FileError),
+    Record(#[from] crate::files::FileError),
     /// The proxies were closed.
     #[error("the egress proxies are shut down")]
     Closed,

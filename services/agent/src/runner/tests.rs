@@ -15,8 +15,9 @@ use tokio::sync::Semaphore;
 
 use super::*;
 use crate::leases_client::AssignmentStream;
-use crate::process::{ProcessProvider, ProcessTiming};
+use crate::process::ProcessProvider;
 use crate::procfs;
+use crate::provider::ProcessTiming;
 use crate::provider::ProviderError;
 use crate::testdir::TestDir;
 
