@@ -77,10 +77,9 @@ use crate::instances::{
 };
 use crate::overlay::OverlayError;
 use crate::procfs::{self, PROC_ROOT};
-use crate::provider::ProcessTiming;
 use crate::provider::{
-    ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk,
-    Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
+    ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, ProcessTiming, Provider, ProviderError,
+    ResizeAsk, Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
 };
 
 mod account;

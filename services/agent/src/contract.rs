@@ -21,10 +21,9 @@ use tokio_util::sync::CancellationToken;
 use crate::container::{ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
 use crate::dial::Dialer;
 use crate::process::ProcessProvider;
-use crate::provider::ProcessTiming;
 use crate::provider::{
-    Exit, ExitStatus, ExitWatch, LaunchSpec, NetworkAttachment, Program, Provider, ProviderError, ResizeAsk, Resized,
-    Resources, Settlement, WorkloadRoot, WorkloadSignal,
+    Exit, ExitStatus, ExitWatch, LaunchSpec, NetworkAttachment, ProcessTiming, Program, Provider, ProviderError,
+    ResizeAsk, Resized, Resources, Settlement, WorkloadRoot, WorkloadSignal,
 };
 use crate::testdir::TestDir;
 

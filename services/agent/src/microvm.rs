@@ -132,10 +132,9 @@ use crate::instances::{
     Instances, PortBook, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms, validate_lease_id,
 };
 use crate::procfs::{self, PROC_ROOT};
-use crate::provider::ProcessTiming;
 use crate::provider::{
-    ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, Provider, ProviderError, ResizeAsk,
-    Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
+    ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, ProcessTiming, Provider, ProviderError,
+    ResizeAsk, Resized, Runtime, Settlement, WorkloadRoot, WorkloadSignal,
 };
 
 /// Where a bundle is seen inside the guest.

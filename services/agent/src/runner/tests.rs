@@ -17,8 +17,7 @@ use super::*;
 use crate::leases_client::AssignmentStream;
 use crate::process::ProcessProvider;
 use crate::procfs;
-use crate::provider::ProcessTiming;
-use crate::provider::ProviderError;
+use crate::provider::{ProcessTiming, ProviderError};
 use crate::testdir::TestDir;
 
 const NODE: &str = "n-1";
