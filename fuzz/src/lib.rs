@@ -325,14 +325,7 @@ fn route_spec(route: &egress::EgressRoute) -> RouteSpec {
     RouteSpec {
         name: route.name.clone(),
         generation: route.generation,
-        parents: route
-            .parent_refs
-            .iter()
-            .map(|p| ParentSpec {
-                gateway: p.gateway.clone(),
-                listener: (!p.listener.is_empty()).then(|| p.listener.clone()),
-            })
-            .collect(),
+        parents: route.parent_refs.iter().map(ParentSpec::from_proto).collect(),
         hostnames: route
             .hostnames
             .iter()

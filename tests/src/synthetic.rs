@@ -55,7 +55,7 @@ impl SyntheticNode {
         let channel = Endpoint::from_shared(format!("https://{identity}"))?
             .connect_timeout(JOIN_TIMEOUT)
             .timeout(JOIN_TIMEOUT)
-            .connect_with_connector(berth_testkit::FromAddress::new(IpAddr::V4(source), config))
+            .connect_with_connector(berth_testkit::from_address(IpAddr::V4(source), config))
             .await
             .with_context(|| format!("{name} cannot reach identity at {identity}"))?;
         let answer = v1::join_client::JoinClient::new(channel)

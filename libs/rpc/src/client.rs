@@ -11,8 +11,6 @@
 //! and that a server holding thousands of agent connections pays in memory
 //! on every one of them (up to its 4 KiB table of entries per connection).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -100,7 +98,7 @@ pub enum ClientError {
 /// A channel to `addr` presenting `credentials`; it connects on first use and
 /// reconnects by itself.
 pub fn connect(addr: &str, credentials: TlsCredentials) -> Result<Channel, ClientError> {
-    channel(addr, TlsConnector { config: ConfigSource::Credentials(credentials) })
+    channel(addr, ConfigSource::Credentials(credentials))
 }
 
 /// A channel to one address that follows its credentials: once they are
@@ -167,10 +165,10 @@ impl FollowingChannel {
 /// against `ca_bundle_pem`: what a host uses to join.
 pub fn connect_anonymous(addr: &str, ca_bundle_pem: &str) -> Result<Channel, ClientError> {
     let config = berth_mtls::anonymous_client_config(ca_bundle_pem)?;
-    channel(addr, TlsConnector { config: ConfigSource::Fixed(config) })
+    channel(addr, ConfigSource::Fixed(config))
 }
 
-fn channel(addr: &str, connector: TlsConnector) -> Result<Channel, ClientError> {
+fn channel(addr: &str, config: ConfigSource) -> Result<Channel, ClientError> {
     let uri = if addr.contains("://") { addr.to_string() } else { format!("https://{addr}") };
     let bad = |reason: String| ClientError::Address { addr: addr.to_string(), reason };
     let endpoint = Endpoint::from_shared(uri)
@@ -183,41 +181,34 @@ fn channel(addr: &str, connector: TlsConnector) -> Result<Channel, ClientError> 
     if host.is_empty() || endpoint.uri().port_u16().is_none() {
         return Err(bad("expected host:port".into()));
     }
+    let connector = tower::service_fn(move |uri: Uri| {
+        let config = config.current();
+        async move {
+            let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_string());
+            let host = uri.host().ok_or_else(|| invalid("server address has no host"))?;
+            let port = uri.port_u16().ok_or_else(|| invalid("server address has no port"))?;
+            Ok::<_, std::io::Error>(TokioIo::new(dial_tls_to(host, port, config).await?))
+        }
+    });
     let channel = UnindexedPerCallHeaders { inner: endpoint.connect_with_connector_lazy(connector) };
     Ok(tower_layer::Layer::layer(&berth_telemetry::ClientTraceLayer::default(), channel))
 }
 
+/// Where each new connection takes its client configuration from: the
+/// node's credentials as they are at that moment (so a renewed certificate
+/// is presented from the next connection on), or one fixed configuration.
 #[derive(Clone)]
 enum ConfigSource {
     Credentials(TlsCredentials),
     Fixed(Arc<ClientConfig>),
 }
 
-#[derive(Clone)]
-struct TlsConnector {
-    config: ConfigSource,
-}
-
-impl tower_service::Service<Uri> for TlsConnector {
-    type Response = TokioIo<TlsStream<TcpStream>>;
-    type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let config = match &self.config {
+impl ConfigSource {
+    fn current(&self) -> Arc<ClientConfig> {
+        match self {
             ConfigSource::Credentials(c) => c.client_config(),
             ConfigSource::Fixed(c) => c.clone(),
-        };
-        Box::pin(async move {
-            let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_string());
-            let host = uri.host().ok_or_else(|| invalid("server address has no host"))?;
-            let port = uri.port_u16().ok_or_else(|| invalid("server address has no port"))?;
-            Ok(TokioIo::new(dial_tls_to(host, port, config).await?))
-        })
+        }
     }
 }
 

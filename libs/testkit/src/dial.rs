@@ -3,11 +3,8 @@
 //! (127.0.0.0/8), each from its own source address, so identity sees and
 //! records each one's address as it would a real host's.
 
-use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use hyper_util::rt::TokioIo;
 use rustls::ClientConfig;
@@ -20,37 +17,20 @@ use tonic::transport::Uri;
 /// before it dials, then speaks TLS with `config` (one without a client
 /// certificate, for a join). The endpoint's host must be an IP address,
 /// which is the name the server's certificate is verified for.
-#[derive(Clone)]
-pub struct FromAddress {
+pub fn from_address(
     source: IpAddr,
     config: Arc<ClientConfig>,
-}
-
-impl std::fmt::Debug for FromAddress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FromAddress").field("source", &self.source).finish_non_exhaustive()
-    }
-}
-
-impl FromAddress {
-    /// Dials from `source` (port chosen by the kernel) with `config`.
-    pub fn new(source: IpAddr, config: Arc<ClientConfig>) -> Self {
-        Self { source, config }
-    }
-}
-
-impl tower_service::Service<Uri> for FromAddress {
-    type Response = TokioIo<TlsStream<TcpStream>>;
-    type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let (source, config) = (self.source, self.config.clone());
-        Box::pin(async move {
+) -> impl tower_service::Service<
+    Uri,
+    Response = TokioIo<TlsStream<TcpStream>>,
+    Error = std::io::Error,
+    Future: Send + 'static,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(move |uri: Uri| {
+        let config = config.clone();
+        async move {
             let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_string());
             let host = uri.host().ok_or_else(|| invalid("identity's address has no host"))?;
             let port = uri.port_u16().ok_or_else(|| invalid("identity's address has no port"))?;
@@ -61,6 +41,6 @@ impl tower_service::Service<Uri> for FromAddress {
             let _ = tcp.set_nodelay(true);
             let tls = tokio_rustls::TlsConnector::from(config).connect(ServerName::from(ip), tcp).await?;
             Ok(TokioIo::new(tls))
-        })
-    }
+        }
+    })
 }

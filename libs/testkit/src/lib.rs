@@ -4,7 +4,7 @@
 //! serve (scripted by the test), an in-process leases service following it
 //! (alone, or as the base of a suite's control plane: [`LeasesMesh`]), the
 //! workspace's binaries beside the one under test, and a host's join from
-//! an address of its own ([`FromAddress`]), a project's upstream DNS
+//! an address of its own ([`from_address`]), a project's upstream DNS
 //! resolver ([`Resolver`]), and what a workload's cgroup holds
 //! ([`cgroups`]).
 //!
@@ -46,7 +46,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
-pub use crate::dial::FromAddress;
+pub use crate::dial::from_address;
 pub use crate::ports::free_ports;
 pub use crate::resolver::{RESOLVER_ANSWER, Resolver};
 

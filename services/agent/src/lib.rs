@@ -48,6 +48,7 @@ mod error;
 )]
 mod faults;
 mod files;
+mod flags;
 mod generations;
 mod heartbeat;
 mod host;
@@ -95,6 +96,7 @@ pub use egress::{
 };
 pub use error::AgentError;
 pub use faults::FAULTS_ENV;
+pub use flags::RuntimeArgs;
 pub use host::{Capacity, HostError, detect_cpu_millis, detect_memory_bytes};
 pub use identity_dir::IdentityDirError;
 pub use identity_servers::preferred_index;

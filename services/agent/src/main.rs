@@ -6,9 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use berth_agent::{
-    AgentConfig, AgentError, Capacity, Containment, EgressIsolation, OciRuntime, UidRange, WorkloadRuntime,
-};
+use berth_agent::{AgentConfig, AgentError, Capacity, Containment, EgressIsolation, UidRange};
 use berth_runtime::{StartError, TelemetryArgs, parse_duration, parse_size, run_main};
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 
@@ -159,22 +157,8 @@ struct Args {
     log_max_bytes: u64,
     #[command(flatten)]
     registries: berth_bundle::RegistryArgs,
-    /// What runs workloads, each contained (its own user, no capabilities,
-    /// its own PID and mount namespaces on a read-only root, the lease's
-    /// memory and CPU as cgroup limits): `oci`, through the --oci-runtime
-    /// binary, or `process`, by the agent itself with no runtime binary
-    /// (the fastest start); or `microvm`, each in a QEMU microVM with a
-    /// kernel of its own. Where the choice cannot run, --allow-uncontained
-    /// runs plain host processes as the agent's user instead.
-    #[arg(long, env = "BERTH_RUNTIME", value_name = "RUNTIME", default_value = "oci",
-        value_parser = ["oci", "process", "microvm"])]
-    runtime: String,
-    /// How microVMs run guest code under --runtime microvm: `kvm`, `tcg`
-    /// (QEMU's translator: no /dev/kvm, several times slower), or `auto`,
-    /// KVM where a probe VM boots under it.
-    #[arg(long, env = "BERTH_MICROVM_ACCEL", value_name = "ACCEL", default_value = "auto",
-        value_parser = str::parse::<berth_agent::MicroVmAccel>)]
-    microvm_accel: berth_agent::MicroVmAccel,
+    #[command(flatten)]
+    runtime: berth_agent::RuntimeArgs,
     /// The guest kernel's directory under --runtime microvm (a `vmlinuz`
     /// and the modules the guest loads; scripts/microvm-deps.sh lays it out
     /// from Debian's cloud kernel).
@@ -183,12 +167,6 @@ struct Args {
     /// The QEMU binary under --runtime microvm.
     #[arg(long, env = "BERTH_QEMU", value_name = "PATH", default_value = "qemu-system-x86_64")]
     qemu: PathBuf,
-    /// The OCI runtime binary for --runtime oci: `runc` (cgroup v1, hybrid
-    /// and v2), `crun` (cgroup v2 only), or `runsc` (gVisor: a user-space
-    /// kernel between each workload and the host, for untrusted code).
-    #[arg(long, env = "BERTH_OCI_RUNTIME", value_name = "NAME", default_value = "runc",
-        value_parser = str::parse::<OciRuntime>)]
-    oci_runtime: OciRuntime,
     /// The host uids (and gids) workloads run as, FIRST-LAST: each running
     /// workload takes one of its own (a microVM's, for the directories it
     /// shares with the node). Must hold neither 0 nor the agent's uid.
@@ -290,10 +268,10 @@ impl Args {
             qemu: self.qemu.clone(),
             kernel_dir: self.microvm_kernel.clone(),
             init: None,
-            accel: self.microvm_accel,
+            accel: self.runtime.microvm_accel,
         };
         config.containment = Containment {
-            runtime: WorkloadRuntime::from_flags(&self.runtime, self.oci_runtime).map_err(StartError::Invalid)?,
+            runtime: self.runtime.workload_runtime().map_err(StartError::Invalid)?,
             uids: self.workload_uids,
             pids_limit: self.workload_pids_limit,
             allow_uncontained: self.allow_uncontained,

@@ -79,22 +79,9 @@ pub(crate) struct DevArgs {
     /// revisions resolves tags and the dev node pulls trusting it.
     #[arg(long = "registry-ca", env = "BERTH_REGISTRY_CA", value_name = "FILE")]
     registry_ca: Option<PathBuf>,
-    /// What contains the dev node's workloads when run as root: `oci`,
-    /// through --oci-runtime, `process`, the agent itself (no runtime
-    /// binary), or `microvm`, a QEMU microVM per workload.
-    #[arg(long, env = "BERTH_RUNTIME", default_value = "oci", value_name = "RUNTIME",
-          value_parser = ["oci", "process", "microvm"])]
-    runtime: String,
-    /// How the dev node's microVMs run guest code under --runtime microvm:
-    /// `kvm`, `tcg` (QEMU's translator) or `auto`.
-    #[arg(long, env = "BERTH_MICROVM_ACCEL", default_value = "auto", value_name = "ACCEL",
-          value_parser = str::parse::<berth_agent::MicroVmAccel>)]
-    microvm_accel: berth_agent::MicroVmAccel,
-    /// The OCI runtime the dev node contains its workloads with under
-    /// `--runtime oci`: runc, crun or runsc.
-    #[arg(long, env = "BERTH_OCI_RUNTIME", default_value = "runc", value_name = "NAME",
-          value_parser = str::parse::<berth_agent::OciRuntime>)]
-    oci_runtime: berth_agent::OciRuntime,
+    // What contains the dev node's workloads when run as root.
+    #[command(flatten)]
+    runtime: berth_agent::RuntimeArgs,
     /// Run the dev node's workloads uncontained when it cannot contain them
     /// as root (the OCI runtime is missing). Without root they always run
     /// uncontained, and the banner says so.
@@ -257,12 +244,11 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     // A replica reaches `<service>.<project>.berth.internal` through the
     // router's HTTP listener (five above identity).
     agent.router = Some(SocketAddr::new(dial_host, args.port_base + 5).to_string());
-    agent.microvm.accel = args.microvm_accel;
+    agent.microvm.accel = args.runtime.microvm_accel;
     let contained = rustix::process::geteuid().is_root();
     agent.containment = if contained {
         berth_agent::Containment {
-            runtime: berth_agent::WorkloadRuntime::from_flags(&args.runtime, args.oci_runtime)
-                .map_err(StartError::Invalid)?,
+            runtime: args.runtime.workload_runtime().map_err(StartError::Invalid)?,
             allow_uncontained: args.allow_uncontained,
             ..Default::default()
         }
@@ -475,7 +461,7 @@ fn print_banner(args: &DevArgs, contained: bool) {
         lines.push(format!(
             "The dev node contains its workloads ({}): each runs as a user of its own, in its own namespaces, \
              within its lease's memory and CPU.",
-            args.oci_runtime
+            args.runtime.oci_runtime
         ));
     } else {
         lines.push(

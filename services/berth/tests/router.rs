@@ -990,11 +990,13 @@ fn a_connection_that_switches_protocols_is_joined_to_the_replica_byte_for_byte()
     }
 }
 
-/// Answers `GET /slow` after six seconds and anything else at once, each
-/// with `<path> from <revision>`; SIGTERM ends it at once, with whatever it
-/// was answering.
-const SLOW_SERVER: &str = r#"#!/usr/bin/python3
-"""Answers GET /slow after six seconds, anything else at once; exits on SIGTERM."""
+/// Answers `GET /slow` after six seconds, `GET /caller` with the
+/// `X-Forwarded-Client-Cert` it was given (or `none`), and anything else at
+/// once with `<path> from <revision>`; SIGTERM ends it at once, with
+/// whatever it was answering.
+const PYTHON_SERVER: &str = r#"#!/usr/bin/python3
+"""Answers GET /slow after six seconds, GET /caller with the X-Forwarded-Client-Cert
+header the router passed (or none), anything else at once; exits on SIGTERM."""
 import http.server
 import os
 import signal
@@ -1009,7 +1011,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/slow":
             time.sleep(6)
-        body = f"{self.path} from {REVISION}\n".encode()
+        if self.path == "/caller":
+            body = (self.headers.get("X-Forwarded-Client-Cert", "none") + "\n").encode()
+        else:
+            body = f"{self.path} from {REVISION}\n".encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -1027,7 +1032,7 @@ http.server.ThreadingHTTPServer(("0.0.0.0", int(os.environ.get("PORT", "8080")))
 #[allow(clippy::disallowed_methods, reason = "a plain test: no runtime's worker to block")]
 fn a_request_in_flight_when_its_revision_drains_is_answered_before_its_replica_stops() {
     let mesh = Mesh::start();
-    deploy_program(&mesh, "slow", SLOW_SERVER, "http");
+    deploy_program(&mesh, "slow", PYTHON_SERVER, "http");
     let (host, router) = ("slow.default.berth.localhost", mesh.base + 5);
     poll(ROUTE_DEADLINE, "the router serves slow", || {
         curl(router, host, &[])
@@ -1057,41 +1062,18 @@ fn a_request_in_flight_when_its_revision_drains_is_answered_before_its_replica_s
     mesh.until_none_running("slow", "slow-00001");
 }
 
-/// Answers every GET with the `X-Forwarded-Client-Cert` it was given, or `none`.
-const CALLER_SERVER: &str = r#"#!/usr/bin/python3
-"""Answers with the X-Forwarded-Client-Cert header the router passed, or none."""
-import http.server
-import os
-
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self):
-        body = (self.headers.get("X-Forwarded-Client-Cert", "none") + "\n").encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-http.server.ThreadingHTTPServer(("0.0.0.0", int(os.environ.get("PORT", "8080"))), Handler).serve_forever()
-"#;
-
 #[test]
 fn a_workload_presenting_its_svid_to_the_router_is_named_to_the_callee_and_a_claimed_name_is_dropped() {
     if !berth_testkit::needs(Path::new(CURL).exists(), CURL) {
         return;
     }
     let mesh = Mesh::start();
-    deploy_program(&mesh, "whoami", CALLER_SERVER, "http");
+    deploy_program(&mesh, "whoami", PYTHON_SERVER, "http");
     let host = "whoami.default.berth.localhost";
     let claim = "X-Forwarded-Client-Cert: URI=spiffe://berth.internal/ns/bank/lease/l-1";
+    let plain = format!("http://127.0.0.1:{}/caller", mesh.base + 5);
     poll(ROUTE_DEADLINE, "the router serves whoami", || {
-        curl(mesh.base + 5, host, &["-H", claim])
+        curl_url(&plain, &["-H", &format!("Host: {host}"), "-H", claim])
             .and_then(|a| if a.body == "none\n" { Ok(()) } else { Err(format!("{a:?}")) })
     });
 
@@ -1100,7 +1082,7 @@ fn a_workload_presenting_its_svid_to_the_router_is_named_to_the_callee_and_a_cla
     let lease = instance["leaseId"].as_str().unwrap();
     let svids = mesh.dev.dir.join("agent/svids").join(lease);
     let file = |name: &str| svids.join(name).display().to_string();
-    let https = format!("https://{host}:{}/", mesh.base + 6);
+    let https = format!("https://{host}:{}/caller", mesh.base + 6);
     let resolve = format!("{host}:{}:127.0.0.1", mesh.base + 6);
     let ca = mesh.dev.dir.join("ca.pem").display().to_string();
     let tls = ["--cacert", ca.as_str(), "--resolve", resolve.as_str()];

@@ -89,6 +89,17 @@ pub struct ParentSpec {
     pub listener: Option<String>,
 }
 
+impl ParentSpec {
+    /// The parent a route's declared reference names (an empty listener
+    /// names every listener).
+    pub fn from_proto(parent: &berth_proto::egress::v1::ParentRef) -> Self {
+        ParentSpec {
+            gateway: parent.gateway.clone(),
+            listener: (!parent.listener.is_empty()).then(|| parent.listener.clone()),
+        }
+    }
+}
+
 /// A route as declared.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct RouteSpec {

@@ -158,15 +158,7 @@ impl RouteRow {
         RouteSpec {
             name: self.name.clone(),
             generation: unsigned(self.generation),
-            parents: self
-                .spec
-                .parent_refs
-                .iter()
-                .map(|p| ParentSpec {
-                    gateway: p.gateway.clone(),
-                    listener: (!p.listener.is_empty()).then(|| p.listener.clone()),
-                })
-                .collect(),
+            parents: self.spec.parent_refs.iter().map(ParentSpec::from_proto).collect(),
             hostnames: self.spec.hostnames.iter().filter_map(|h| HostPattern::parse(h).ok()).collect(),
             ports: self.spec.ports.iter().filter_map(|p| u16::try_from(*p).ok()).collect(),
             action: RouteAction::from_proto(self.spec.action).unwrap_or(RouteAction::Allow),

@@ -217,10 +217,7 @@ pub(crate) fn route(request: proto::ApplyRouteRequest) -> Result<ValidRoute, Inv
         let listener_ok = parent.listener.is_empty()
             || check.dns_label(&format!("parent_refs[{n}].listener"), &parent.listener, "a listener name");
         if gateway_ok && listener_ok {
-            let spec = ParentSpec {
-                gateway: parent.gateway.clone(),
-                listener: (!parent.listener.is_empty()).then(|| parent.listener.clone()),
-            };
+            let spec = ParentSpec::from_proto(parent);
             if seen_parents.insert(spec.clone()) {
                 parents.push(spec);
             } else {

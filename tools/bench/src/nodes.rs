@@ -104,7 +104,7 @@ pub(crate) async fn join(
         .connect_timeout(JOIN_TIMEOUT)
         .timeout(JOIN_TIMEOUT);
     let channel = endpoint
-        .connect_with_connector(berth_testkit::FromAddress::new(IpAddr::V4(source), config))
+        .connect_with_connector(berth_testkit::from_address(IpAddr::V4(source), config))
         .await
         .map_err(|e| unreachable(berth_runtime::chain(&e)))?;
     let request = v1::JoinRequest {
