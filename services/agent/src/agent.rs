@@ -302,6 +302,14 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
     }
     let runtime = choose_runtime(&config.containment, &config.microvm)?;
     let contained = runtime.contained();
+    let node_ports = config.containment.node_ports;
+    if let Some(ephemeral) = node_ports.ephemeral_overlap() {
+        tracing::warn!(
+            %node_ports, %ephemeral,
+            "the node's port range overlaps the host's ephemeral range: an outgoing connection may take a port \
+             a workload was given before the workload binds it (--node-ports)"
+        );
+    }
     if contained && config.containment.favor_cgroup_migrations {
         match crate::container::favor_cgroup_migrations() {
             Ok(mount) => tracing::info!(mount = %mount.display(), "cgroup migrations favoured (favordynmods)"),
@@ -432,12 +440,18 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
                     crate::microvm::MicroVmSettings {
                         pids_limit: config.containment.pids_limit,
                         uids: config.containment.uids,
+                        node_ports: config.containment.node_ports,
                         ..crate::microvm::MicroVmSettings::from_config(&config.microvm, process_timing)
                             .map_err(AgentError::Uncontained)?
                     },
                     stop.clone(),
                 )),
-                None => Arc::new(ProcessProvider::new(dir.root(), process_timing, stop.clone())),
+                None => Arc::new(ProcessProvider::with_ports(
+                    dir.root(),
+                    process_timing,
+                    config.containment.node_ports,
+                    stop.clone(),
+                )),
                 Some(oci) => {
                     let settings = ContainerSettings {
                         runtime: oci,
@@ -450,6 +464,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
                         uids: config.containment.uids,
                         pids_limit: config.containment.pids_limit,
                         timing: process_timing,
+                        node_ports: config.containment.node_ports,
                     };
                     Arc::new(ContainerProvider::new(dir.root(), settings, stop.clone()))
                 }

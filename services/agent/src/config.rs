@@ -10,6 +10,7 @@ use crate::container::{DEFAULT_PIDS_LIMIT, OciRuntime, UidRange};
 use crate::egress::{EgressIsolation, ProxyTiming};
 use crate::host::Capacity;
 use crate::microvm::MicroVmConfig;
+use crate::node_ports::NodePorts;
 
 /// The first wait after a failed call to the control plane.
 /// How long compute may be held in custody before the agent warns about it, by default.
@@ -182,6 +183,8 @@ pub struct Containment {
     /// does not wait for an RCU grace period (see
     /// [`crate::favor_cgroup_migrations`]).
     pub favor_cgroup_migrations: bool,
+    /// The host ports workloads are given.
+    pub node_ports: NodePorts,
 }
 
 impl Default for Containment {
@@ -193,6 +196,7 @@ impl Default for Containment {
             pids_limit: DEFAULT_PIDS_LIMIT,
             allow_uncontained: false,
             favor_cgroup_migrations: false,
+            node_ports: NodePorts::default(),
         }
     }
 }

@@ -75,6 +75,7 @@ use crate::instances::{
     Instances, PortBook, StoredRecord, blocking, from_unix_ms, io, load_records, prepare, remove_path, unix_ms,
     validate_lease_id,
 };
+use crate::node_ports::NodePorts;
 use crate::overlay::OverlayError;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
@@ -322,6 +323,8 @@ pub struct ContainerSettings {
     pub pids_limit: i64,
     /// Stop grace and how often an adopted workload is looked for.
     pub timing: ProcessTiming,
+    /// The host ports workloads are given.
+    pub node_ports: NodePorts,
 }
 
 /// Runs each lease's workload in a container; see the module docs.
@@ -498,13 +501,14 @@ impl ContainerProvider {
         let state_root = data_dir.join(RUNTIME_DIR).join(settings.runtime.name());
         let cgroup_parent = cgroup_parent(data_dir);
         let uids = UidPool::new(settings.uids);
+        let ports = Arc::new(PortBook::new(settings.node_ports));
         Self {
             inner: Arc::new(Inner {
                 instances: Arc::new(Instances::new(data_dir)),
                 settings,
                 state_root,
                 cgroup_parent,
-                ports: Arc::default(),
+                ports,
                 uids,
                 destroying: Mutex::new(BTreeSet::new()),
                 shutdown,

@@ -119,6 +119,7 @@ fn container_provider(
         uids: UidRange { first: 300_000, count: 1000 },
         pids_limit: DEFAULT_PIDS_LIMIT,
         timing: timing(),
+        node_ports: crate::NodePorts::default(),
     };
     Arc::new(ContainerProvider::new(dir, settings, stop))
 }

@@ -25,6 +25,7 @@ use std::io::Write as _;
 use std::net::{Ipv4Addr, TcpListener};
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -33,11 +34,8 @@ use std::collections::BTreeMap;
 use tokio::sync::watch;
 
 use crate::files::FileError;
+use crate::node_ports::NodePorts;
 use crate::provider::{Exit, ExitStatus, InstanceMeta, InstanceRecord, LaunchSpec, LogFiles, ProviderError};
-
-/// How many ports the kernel is asked for before a launch gives up on
-/// finding ones no other instance holds.
-const PORT_ATTEMPTS: usize = 64;
 
 pub(crate) const WORK_DIR: &str = "leases";
 pub(crate) const RECORD_DIR: &str = "instances";
@@ -279,20 +277,34 @@ pub(crate) fn load_records(layout: &Layout) -> Result<Vec<StoredRecord>, Provide
     Ok(records)
 }
 
-/// The host ports handed to launches whose instance is not tracked yet.
-#[derive(Debug, Default)]
+/// The node's port range, and the ports of it handed to launches whose
+/// instance is not tracked yet.
+#[derive(Debug)]
 pub(crate) struct PortBook {
+    range: NodePorts,
     claimed: Mutex<BTreeSet<u16>>,
+    /// Where in the range the next walk starts: just past the last port
+    /// given, from a random place at first.
+    next: AtomicUsize,
 }
 
 impl PortBook {
+    /// A book handing out ports of `range`.
+    pub(crate) fn new(range: NodePorts) -> Self {
+        Self { range, claimed: Mutex::default(), next: AtomicUsize::new(rand::random_range(0..range.len())) }
+    }
+
     fn claimed(&self) -> MutexGuard<'_, BTreeSet<u16>> {
         self.claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Finds a free host port for each of `names` (one, with none) that is
-    /// neither in `taken` (the ports running instances hold) nor claimed by
-    /// another launch: the first is `PORT`.
+    /// Finds a free port of the node's range for each of `names` (one, with
+    /// none) that is neither in `taken` (the ports running instances hold)
+    /// nor claimed by another launch, nor bound by anything on the host:
+    /// the first is `PORT`. Each walk goes on from where the last one
+    /// stopped, which began at a random place: a port is given again only
+    /// once the whole range was, and agents sharing a host rarely reach for
+    /// the same port at once.
     pub(crate) fn allocate(
         self: &Arc<Self>,
         lease_id: &str,
@@ -302,23 +314,36 @@ impl PortBook {
         let wanted = names.len().max(1);
         let mut claimed = self.claimed();
         taken.extend(claimed.iter().copied());
-        let no_port = |detail: String| ProviderError::NoFreePort { lease_id: lease_id.to_string(), detail };
-        // Every probe stays bound until the end, so the kernel never hands
-        // one port to this launch twice.
+        let start = self.next.load(Ordering::Relaxed);
+        // Every probe stays bound until the end, so nothing else on the host
+        // binds a port this launch was given while it looks for the next.
         let mut probes = Vec::new();
         let mut ports = Vec::new();
-        while ports.len() < wanted && probes.len() < PORT_ATTEMPTS {
-            let probe = TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| no_port(e.to_string()))?;
-            let port = probe.local_addr().map_err(|e| no_port(e.to_string()))?.port();
-            if taken.insert(port) {
-                ports.push(port);
+        for index in 0..self.range.len() {
+            if ports.len() == wanted {
+                break;
             }
-            probes.push(probe);
+            let port = self.range.nth_from(start, index);
+            if taken.contains(&port) {
+                continue;
+            }
+            if let Ok(probe) = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)) {
+                ports.push(port);
+                probes.push(probe);
+                self.next.store((start + index + 1) % self.range.len(), Ordering::Relaxed);
+            }
         }
         if ports.len() < wanted {
-            return Err(no_port(format!(
-                "the kernel offered only ports other instances hold after {PORT_ATTEMPTS} tries"
-            )));
+            let held = taken.iter().filter(|port| (self.range.first..=self.range.last).contains(*port)).count();
+            return Err(ProviderError::NoFreePort {
+                lease_id: lease_id.to_string(),
+                detail: format!(
+                    "{wanted} wanted, {} free in the node's port range {} ({held} held by its workloads, the rest \
+                     bound by something else on the host)",
+                    ports.len(),
+                    self.range
+                ),
+            });
         }
         claimed.extend(ports.iter().copied());
         drop(claimed);
@@ -534,5 +559,46 @@ impl Instances {
             remove_path(&layout.work_dir(&lease_id))
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_come_from_the_nodes_range_and_none_held_bound_or_claimed_is_given_twice() {
+        let first = berth_testkit::free_ports(4);
+        let book = Arc::new(PortBook::new(NodePorts { first, last: first + 3 }));
+        // Something else on the host listens on the first; a running
+        // workload holds the second.
+        let _other = TcpListener::bind((Ipv4Addr::UNSPECIFIED, first)).unwrap();
+        let held = BTreeSet::from([first + 1]);
+        let names = ["http".to_string(), "admin".to_string()];
+        let (given, claim) = book.allocate("l-1", &names, held.clone()).unwrap();
+        let mut sorted = given.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, [first + 2, first + 3], "{given:?}");
+
+        // While the launch has not tracked its instance, its ports stay its own.
+        let error = book.allocate("l-2", &[], held.clone()).unwrap_err().to_string();
+        let range = format!("{first}-{}", first + 3);
+        assert!(error.contains("lease l-2") && error.contains(&range) && error.contains("1 wanted, 0 free"), "{error}");
+        drop(claim);
+        let (again, _claim) = book.allocate("l-2", &[], held).unwrap();
+        assert!(again.len() == 1 && given.contains(&again[0]), "{again:?} after {given:?} came back");
+    }
+
+    #[test]
+    fn a_port_is_given_again_only_once_every_port_of_the_range_was() {
+        let first = berth_testkit::free_ports(3);
+        let book = Arc::new(PortBook::new(NodePorts { first, last: first + 2 }));
+        let mut given = BTreeSet::new();
+        for lease in ["l-1", "l-2", "l-3"] {
+            // Each launch's workload ended before the next: nothing holds a port.
+            let (ports, _claim) = book.allocate(lease, &[], BTreeSet::new()).unwrap();
+            assert!(given.insert(ports[0]), "port {} given twice within the range's first walk", ports[0]);
+        }
+        assert_eq!(given, BTreeSet::from([first, first + 1, first + 2]));
     }
 }

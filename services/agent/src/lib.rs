@@ -63,6 +63,7 @@ mod log_rotation;
 mod logs;
 mod microvm;
 mod node_channel;
+mod node_ports;
 mod overlay;
 mod process;
 mod procfs;
@@ -102,6 +103,7 @@ pub use identity_dir::IdentityDirError;
 pub use identity_servers::preferred_index;
 pub use join::JoinError;
 pub use microvm::{MicroVmAccel, MicroVmConfig, MicroVmProvider, MicroVmSettings, guest_memory_mib};
+pub use node_ports::NodePorts;
 pub use process::ProcessProvider;
 pub use provider::{
     CacheBind, DEFAULT_EXIT_POLL, DEFAULT_STOP_GRACE, Exit, ExitStatus, ExitWatch, InstanceMeta, InstanceRecord,

@@ -173,6 +173,13 @@ struct Args {
     #[arg(long, env = "BERTH_WORKLOAD_UIDS", value_name = "FIRST-LAST", default_value = "200000-299999",
         value_parser = str::parse::<UidRange>)]
     workload_uids: UidRange,
+    /// The host ports workloads are given, FIRST-LAST (each port a workload
+    /// declares takes one). Keep it outside the host's ephemeral range
+    /// (net.ipv4.ip_local_port_range), which outgoing connections take
+    /// their local ports from; the agent warns at start where they overlap.
+    #[arg(long, env = "BERTH_NODE_PORTS", value_name = "FIRST-LAST", default_value = "61000-65535",
+        value_parser = str::parse::<berth_agent::NodePorts>)]
+    node_ports: berth_agent::NodePorts,
     /// How many processes one workload may have at once.
     #[arg(long, env = "BERTH_WORKLOAD_PIDS_LIMIT", value_name = "N", default_value_t = berth_agent::DEFAULT_PIDS_LIMIT)]
     workload_pids_limit: i64,
@@ -276,6 +283,7 @@ impl Args {
             pids_limit: self.workload_pids_limit,
             allow_uncontained: self.allow_uncontained,
             favor_cgroup_migrations: self.cgroup_favordynmods,
+            node_ports: self.node_ports,
         };
         config.insecure_registries = self.registries.insecure_registries();
         config.registry_mirrors = self.registries.registry_mirrors.clone();

@@ -131,6 +131,7 @@ use crate::container::{UidPool, UidRange};
 use crate::instances::{
     Instances, PortBook, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms, validate_lease_id,
 };
+use crate::node_ports::NodePorts;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
     ExitStatus, IdentitySeen, InstanceStats, LaunchSpec, Launched, LogFiles, ProcessTiming, Provider, ProviderError,
@@ -275,6 +276,8 @@ pub struct MicroVmSettings {
     /// The host users a VM's own shared directories (its cache views, its
     /// identity) are given to, one per running lease, as a container's are.
     pub uids: UidRange,
+    /// The host ports its forwards are given.
+    pub node_ports: NodePorts,
 }
 
 impl MicroVmSettings {
@@ -317,6 +320,7 @@ impl MicroVmSettings {
             timing,
             pids_limit: crate::container::DEFAULT_PIDS_LIMIT,
             uids: UidRange::default(),
+            node_ports: NodePorts::default(),
         })
     }
 }
@@ -366,6 +370,7 @@ impl MicroVmProvider {
     /// stop on `shutdown` (the VMs keep running).
     pub fn new(data_dir: &Path, settings: MicroVmSettings, shutdown: CancellationToken) -> Self {
         let uids = UidPool::new(settings.uids);
+        let ports = Arc::new(PortBook::new(settings.node_ports));
         Self {
             inner: Arc::new(Inner {
                 instances: Arc::new(Instances::new(data_dir)),
@@ -373,7 +378,7 @@ impl MicroVmProvider {
                 settings,
                 uids,
                 relays: relay::Relays::new(data_dir, shutdown.clone()),
-                ports: Arc::default(),
+                ports,
                 initramfs: OnceCell::new(),
                 accel: OnceCell::new(),
                 applets: std::sync::OnceLock::new(),

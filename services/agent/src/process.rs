@@ -62,6 +62,7 @@ use tokio_util::sync::CancellationToken;
 use crate::instances::{
     Instances, PortBook, StoredRecord, blocking, from_unix_ms, load_records, prepare, unix_ms, validate_lease_id,
 };
+use crate::node_ports::NodePorts;
 use crate::procfs::{self, PROC_ROOT};
 use crate::provider::{
     ExitStatus, InstanceStats, LEASE_ID_ENV, LaunchSpec, Launched, LogFiles, ProcessTiming, Provider, ProviderError,
@@ -92,12 +93,22 @@ impl ProcessProvider {
     /// A provider keeping its state under `data_dir`; its waiting tasks stop
     /// on `shutdown` (the processes keep running).
     pub fn new(data_dir: &Path, timing: ProcessTiming, shutdown: CancellationToken) -> Self {
+        Self::with_ports(data_dir, timing, NodePorts::default(), shutdown)
+    }
+
+    /// [`ProcessProvider::new`], giving workloads ports of `node_ports`.
+    pub fn with_ports(
+        data_dir: &Path,
+        timing: ProcessTiming,
+        node_ports: NodePorts,
+        shutdown: CancellationToken,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 instances: Arc::new(Instances::new(data_dir)),
                 proc_root: PathBuf::from(PROC_ROOT),
                 timing,
-                ports: Arc::default(),
+                ports: Arc::new(PortBook::new(node_ports)),
                 shutdown,
             }),
         }

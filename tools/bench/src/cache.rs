@@ -159,6 +159,7 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
         uids: UidRange { first: 310_000, count: 1000 },
         pids_limit: DEFAULT_PIDS_LIMIT,
         timing,
+        node_ports: berth_agent::NodePorts::default(),
     };
     let provider = ContainerProvider::new(dir.path(), settings, stop.clone());
     let (mut without, mut with) = (Vec::new(), Vec::new());

@@ -93,6 +93,7 @@ pub(crate) async fn run(args: MicroVmArgs) -> Result<(), String> {
             uids: UidRange { first: 320_000, count: 1000 },
             pids_limit: DEFAULT_PIDS_LIMIT,
             timing,
+            node_ports: berth_agent::NodePorts::default(),
         },
         stop.clone(),
     );

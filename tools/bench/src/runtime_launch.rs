@@ -333,6 +333,7 @@ async fn provider_launches(
                 uids: UidRange { first: 300_000, count: 1000 },
                 pids_limit: DEFAULT_PIDS_LIMIT,
                 timing,
+                node_ports: berth_agent::NodePorts::default(),
             };
             Box::new(ContainerProvider::new(dir, settings, stop.clone()))
         }

@@ -69,8 +69,8 @@ const NAME_PREFIX: &str = "berth-";
 const TENANT_LABEL_LEN: usize = 16;
 
 /// The first port tried for a service's proxy listener inside a namespace
-/// (the port proxies have long used): below the kernel's ephemeral range,
-/// which the ports the node gives workloads come from.
+/// (the port proxies have long used): below the node's port range, which
+/// the ports the node gives workloads come from (see `crate::node_ports`).
 const FIRST_PROXY_PORT: u16 = 3128;
 
 /// How many ports above [`FIRST_PROXY_PORT`] are tried.

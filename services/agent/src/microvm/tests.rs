@@ -30,6 +30,7 @@ fn settings(grace: Duration) -> MicroVmSettings {
         timing: ProcessTiming { stop_grace: grace, exit_poll: Duration::from_millis(50) },
         pids_limit: crate::container::DEFAULT_PIDS_LIMIT,
         uids: crate::container::UidRange { first: 310_000, count: 100 },
+        node_ports: crate::NodePorts::default(),
     }
 }
 
