@@ -327,6 +327,14 @@ pub struct ContainerSettings {
     pub node_ports: NodePorts,
 }
 
+impl ContainerSettings {
+    /// Workloads of `runtime` (run by `binary`) as users of `uids`, with
+    /// `timing`, the default process limit and the default node ports.
+    pub fn new(runtime: OciRuntime, binary: PathBuf, uids: UidRange, timing: ProcessTiming) -> Self {
+        Self { runtime, binary, uids, pids_limit: DEFAULT_PIDS_LIMIT, timing, node_ports: NodePorts::default() }
+    }
+}
+
 /// Runs each lease's workload in a container; see the module docs.
 #[derive(Debug, Clone)]
 pub struct ContainerProvider {

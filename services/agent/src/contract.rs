@@ -113,14 +113,7 @@ fn container_provider(
     dir: &Path,
     stop: CancellationToken,
 ) -> Arc<dyn Provider> {
-    let settings = ContainerSettings {
-        runtime,
-        binary,
-        uids: UidRange { first: 300_000, count: 1000 },
-        pids_limit: DEFAULT_PIDS_LIMIT,
-        timing: timing(),
-        node_ports: crate::NodePorts::default(),
-    };
+    let settings = ContainerSettings::new(runtime, binary, UidRange { first: 300_000, count: 1000 }, timing());
     Arc::new(ContainerProvider::new(dir, settings, stop))
 }
 

@@ -38,8 +38,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use berth_agent::{
-    CacheBind, CacheVolumes, ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, ProcessTiming, Provider,
-    Transfer, UidRange, View,
+    CacheBind, CacheVolumes, ContainerProvider, ContainerSettings, ProcessTiming, Provider, Transfer, UidRange, View,
 };
 use berth_bundle::testing::TestRegistry;
 use berth_bundle::{BundleClient, RegistryConfig};
@@ -153,14 +152,7 @@ pub(crate) async fn run(args: CacheArgs) -> Result<(), String> {
     progress(&format!("{} launches under {} with the volume and without, interleaved", args.launches, oci.name()));
     let stop = CancellationToken::new();
     let timing = ProcessTiming { stop_grace: Duration::from_secs(2), exit_poll: Duration::from_millis(50) };
-    let settings = ContainerSettings {
-        runtime: oci,
-        binary,
-        uids: UidRange { first: 310_000, count: 1000 },
-        pids_limit: DEFAULT_PIDS_LIMIT,
-        timing,
-        node_ports: berth_agent::NodePorts::default(),
-    };
+    let settings = ContainerSettings::new(oci, binary, UidRange { first: 310_000, count: 1000 }, timing);
     let provider = ContainerProvider::new(dir.path(), settings, stop.clone());
     let (mut without, mut with) = (Vec::new(), Vec::new());
     for index in 0..args.launches {

@@ -23,8 +23,8 @@
 use std::time::{Duration, Instant};
 
 use berth_agent::{
-    ContainerProvider, ContainerSettings, DEFAULT_PIDS_LIMIT, MicroVmAccel, MicroVmConfig, MicroVmProvider,
-    MicroVmSettings, OciRuntime, ProcessTiming, Provider, UidRange, guest_memory_mib,
+    ContainerProvider, ContainerSettings, MicroVmAccel, MicroVmConfig, MicroVmProvider, MicroVmSettings, OciRuntime,
+    ProcessTiming, Provider, UidRange, guest_memory_mib,
 };
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -87,14 +87,12 @@ pub(crate) async fn run(args: MicroVmArgs) -> Result<(), String> {
     let runc = OciRuntime::Runc;
     let containers = ContainerProvider::new(
         &dir.path().join("containers"),
-        ContainerSettings {
-            runtime: runc,
-            binary: runc.binary().ok_or("runc is not installed (make test installs it)")?,
-            uids: UidRange { first: 320_000, count: 1000 },
-            pids_limit: DEFAULT_PIDS_LIMIT,
+        ContainerSettings::new(
+            runc,
+            runc.binary().ok_or("runc is not installed (make test installs it)")?,
+            UidRange { first: 320_000, count: 1000 },
             timing,
-            node_ports: berth_agent::NodePorts::default(),
-        },
+        ),
         stop.clone(),
     );
 

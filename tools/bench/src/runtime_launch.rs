@@ -327,14 +327,7 @@ async fn provider_launches(
     let timing = ProcessTiming { stop_grace: Duration::from_secs(2), exit_poll: Duration::from_millis(50) };
     let provider: Box<dyn Provider> = match (runtime.oci(), binary) {
         (Some(oci), Some(binary)) => {
-            let settings = ContainerSettings {
-                runtime: oci,
-                binary,
-                uids: UidRange { first: 300_000, count: 1000 },
-                pids_limit: DEFAULT_PIDS_LIMIT,
-                timing,
-                node_ports: berth_agent::NodePorts::default(),
-            };
+            let settings = ContainerSettings::new(oci, binary, UidRange { first: 300_000, count: 1000 }, timing);
             Box::new(ContainerProvider::new(dir, settings, stop.clone()))
         }
         _ => Box::new(ProcessProvider::new(dir, timing, stop.clone())),
