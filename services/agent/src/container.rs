@@ -233,13 +233,8 @@ impl std::str::FromStr for UidRange {
 
     /// `FIRST-LAST`, both included.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || format!("'{s}' is not a uid range: expected FIRST-LAST, e.g. 200000-299999");
-        let (first, last) = s.split_once('-').ok_or_else(bad)?;
-        let first: u32 = first.trim().parse().map_err(|_| bad())?;
-        let last: u32 = last.trim().parse().map_err(|_| bad())?;
-        if last < first {
-            return Err(bad());
-        }
+        let (first, last) = crate::node_ports::first_last::<u32>(s)
+            .map_err(|_| format!("'{s}' is not a uid range: expected FIRST-LAST, e.g. 200000-299999"))?;
         Ok(Self { first, count: last - first + 1 })
     }
 }

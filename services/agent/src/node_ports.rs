@@ -46,17 +46,46 @@ impl std::str::FromStr for NodePorts {
     /// `FIRST-LAST`, both included, neither 0.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let bad = |why: &str| format!("'{s}' is not a port range ({why}): expected FIRST-LAST, e.g. 61000-65535");
-        let (first, last) = s.split_once('-').ok_or_else(|| bad("no '-'"))?;
-        let port = |text: &str| text.trim().parse::<u16>().map_err(|_| bad("a port is a number from 1 to 65535"));
-        let (first, last) = (port(first)?, port(last)?);
+        let (first, last) = first_last::<u16>(s).map_err(|why| match why {
+            SpanError::NotANumber => bad("a port is a number from 1 to 65535"),
+            why => bad(why.as_str()),
+        })?;
         if first == 0 {
             return Err(bad("port 0 is no port"));
         }
-        if last < first {
-            return Err(bad("the last port is below the first"));
-        }
         Ok(Self { first, last })
     }
+}
+
+/// Why a `FIRST-LAST` span did not read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SpanError {
+    NoDash,
+    NotANumber,
+    Backwards,
+}
+
+impl SpanError {
+    fn as_str(self) -> &'static str {
+        match self {
+            SpanError::NoDash => "no '-'",
+            SpanError::NotANumber => "not a number",
+            SpanError::Backwards => "the last is below the first",
+        }
+    }
+}
+
+/// The bounds of a `FIRST-LAST` span (white space around each allowed),
+/// the last no lower than the first: the shape of the node's port range and
+/// of its workload uids.
+pub(crate) fn first_last<T: std::str::FromStr + PartialOrd>(s: &str) -> Result<(T, T), SpanError> {
+    let (first, last) = s.split_once('-').ok_or(SpanError::NoDash)?;
+    let number = |text: &str| text.trim().parse::<T>().map_err(|_| SpanError::NotANumber);
+    let (first, last) = (number(first)?, number(last)?);
+    if last < first {
+        return Err(SpanError::Backwards);
+    }
+    Ok((first, last))
 }
 
 impl NodePorts {
@@ -105,7 +134,7 @@ mod tests {
             ("a-b", "a port is a number"),
             ("1-70000", "a port is a number"),
             ("0-10", "port 0 is no port"),
-            ("20-10", "the last port is below the first"),
+            ("20-10", "the last is below the first"),
         ] {
             let error = text.parse::<NodePorts>().unwrap_err();
             assert!(error.contains(&format!("'{text}'")) && error.contains(why), "{text}: {error}");
