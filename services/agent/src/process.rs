@@ -642,14 +642,35 @@ mod tests {
         assert_eq!(crate::provider::port_variable("a=b\0"), "BERTH_PORT_A_B_");
     }
 
+    /// A first agent's provider, the workload it launched for `lease_id`
+    /// once two processes of its group run, and that workload's group.
+    async fn launched_by_a_first_agent(
+        tmp: &TestDir,
+        lease_id: &str,
+        script: &str,
+    ) -> (ProcessProvider, CancellationToken, Launched, i32) {
+        let stop = CancellationToken::new();
+        let first = ProcessProvider::new(tmp.path(), timing(), stop.clone());
+        let launched = first.launch(spec(lease_id, script)).await.unwrap();
+        let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
+        group_until("two processes of the workload to start", pgid, |n| n >= 2).await;
+        (first, stop, launched, pgid)
+    }
+
+    /// A second agent's recovery: the workload ended unknown, and nothing
+    /// of its group `pgid` is left.
+    async fn a_second_agent_ends_it_unknown_and_kills_its_group(tmp: &TestDir, pgid: i32, what: &str) {
+        let second = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
+        let recovered = second.recover().await.unwrap();
+        assert_eq!(recovered[0].exit.borrow().map(|e| e.status), Some(ExitStatus::Unknown));
+        group_until(what, pgid, |n| n == 0).await;
+    }
+
     #[tokio::test]
     async fn what_a_workload_left_behind_while_no_agent_watched_is_killed_at_recovery() {
         let tmp = TestDir::new();
-        let first_stop = CancellationToken::new();
-        let first = ProcessProvider::new(tmp.path(), timing(), first_stop.clone());
-        let launched = first.launch(spec("lease-j", "sleep 1000 & sleep 0.3")).await.unwrap();
-        let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
-        group_until("the background sleep to start", pgid, |n| n >= 2).await;
+        let (first, first_stop, launched, pgid) =
+            launched_by_a_first_agent(&tmp, "lease-j", "sleep 1000 & sleep 0.3").await;
         first_stop.cancel();
         drop(first);
         // The leader exits with no agent watching; its background sleep stays.
@@ -660,21 +681,14 @@ mod tests {
         })
         .await;
         assert!(!procfs::group_members(proc_root(), pgid).is_empty(), "nothing was left behind to test with");
-
-        let second = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
-        let recovered = second.recover().await.unwrap();
-        assert_eq!(recovered[0].exit.borrow().map(|e| e.status), Some(ExitStatus::Unknown));
-        group_until("the leftover to be killed", pgid, |n| n == 0).await;
+        a_second_agent_ends_it_unknown_and_kills_its_group(&tmp, pgid, "the leftover to be killed").await;
     }
 
     #[tokio::test]
     async fn a_workload_started_but_never_recorded_is_killed_at_recovery() {
         let tmp = TestDir::new();
-        let first_stop = CancellationToken::new();
-        let first = ProcessProvider::new(tmp.path(), timing(), first_stop.clone());
-        let launched = first.launch(spec("lease-unrecorded", "sleep 1000 & sleep 1000")).await.unwrap();
-        let pgid = i32::try_from(launched.record.pid.unwrap()).unwrap();
-        group_until("both sleeps to start", pgid, |n| n >= 2).await;
+        let (first, first_stop, _launched, pgid) =
+            launched_by_a_first_agent(&tmp, "lease-unrecorded", "sleep 1000 & sleep 1000").await;
         // The record as it is when an agent stops between starting the
         // workload and recording its pid.
         let mut unrecorded = record_on_disk(tmp.path(), "lease-unrecorded");
@@ -682,11 +696,7 @@ mod tests {
         write_record(&first.inner.instances.layout, &unrecorded).unwrap();
         first_stop.cancel();
         drop(first);
-
-        let second = ProcessProvider::new(tmp.path(), timing(), CancellationToken::new());
-        let recovered = second.recover().await.unwrap();
-        assert_eq!(recovered[0].exit.borrow().map(|e| e.status), Some(ExitStatus::Unknown));
-        group_until("the unrecorded workload to be killed", pgid, |n| n == 0).await;
+        a_second_agent_ends_it_unknown_and_kills_its_group(&tmp, pgid, "the unrecorded workload to be killed").await;
     }
 
     #[tokio::test]
