@@ -324,7 +324,8 @@ impl PortBook {
                 break;
             }
             let port = self.range.nth_from(start, index);
-            if taken.contains(&port) {
+            // Port 0 would be the kernel's choice, not the range's.
+            if port == 0 || taken.contains(&port) {
                 continue;
             }
             if let Ok(probe) = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)) {
@@ -600,5 +601,14 @@ mod tests {
             assert!(given.insert(ports[0]), "port {} given twice within the range's first walk", ports[0]);
         }
         assert_eq!(given, BTreeSet::from([first, first + 1, first + 2]));
+    }
+
+    #[test]
+    fn a_range_built_by_hand_never_gives_port_zero_nor_panics_the_wrong_way_round() {
+        let zero = Arc::new(PortBook::new(NodePorts { first: 0, last: 0 }));
+        let error = zero.allocate("l-1", &[], BTreeSet::new()).unwrap_err().to_string();
+        assert!(error.contains("1 wanted, 0 free"), "{error}");
+        let backwards = NodePorts { first: 61_010, last: 61_000 };
+        assert_eq!((backwards.len(), backwards.nth_from(5, 3)), (1, 61_010));
     }
 }

@@ -89,9 +89,10 @@ pub(crate) fn first_last<T: std::str::FromStr + PartialOrd>(s: &str) -> Result<(
 }
 
 impl NodePorts {
-    /// How many ports the range holds.
+    /// How many ports the range holds (one, for a range built by hand with
+    /// its bounds the wrong way round).
     pub fn len(&self) -> usize {
-        usize::from(self.last - self.first) + 1
+        usize::from(self.last.saturating_sub(self.first)) + 1
     }
 
     /// Always false: a range holds at least one port.
