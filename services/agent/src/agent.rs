@@ -440,18 +440,13 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
                     crate::microvm::MicroVmSettings {
                         pids_limit: config.containment.pids_limit,
                         uids: config.containment.uids,
-                        node_ports: config.containment.node_ports,
+                        node_ports,
                         ..crate::microvm::MicroVmSettings::from_config(&config.microvm, process_timing)
                             .map_err(AgentError::Uncontained)?
                     },
                     stop.clone(),
                 )),
-                None => Arc::new(ProcessProvider::with_ports(
-                    dir.root(),
-                    process_timing,
-                    config.containment.node_ports,
-                    stop.clone(),
-                )),
+                None => Arc::new(ProcessProvider::with_ports(dir.root(), process_timing, node_ports, stop.clone())),
                 Some(oci) => {
                     let settings = ContainerSettings {
                         runtime: oci,
@@ -464,7 +459,7 @@ pub async fn start(mut config: AgentConfig, shutdown: CancellationToken) -> Resu
                         uids: config.containment.uids,
                         pids_limit: config.containment.pids_limit,
                         timing: process_timing,
-                        node_ports: config.containment.node_ports,
+                        node_ports,
                     };
                     Arc::new(ContainerProvider::new(dir.root(), settings, stop.clone()))
                 }

@@ -11,7 +11,10 @@
 //! NodePorts (30000-32767), whose traffic kube-proxy redirects.
 //!
 //! # Invariants
-//! - A range holds at least one port and never port 0.
+//! - A range read from the flag holds at least one port and never port 0;
+//!   one built by hand is walked as one port when its bounds are the wrong
+//!   way round, and the node never hands out port 0 (see
+//!   `crate::instances::PortBook`).
 //! - The agent says at start, in a warning naming both, when its range
 //!   overlaps the host's ephemeral range; it still runs (the operator
 //!   chose both).
@@ -91,13 +94,8 @@ pub(crate) fn first_last<T: std::str::FromStr + PartialOrd>(s: &str) -> Result<(
 impl NodePorts {
     /// How many ports the range holds (one, for a range built by hand with
     /// its bounds the wrong way round).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         usize::from(self.last.saturating_sub(self.first)) + 1
-    }
-
-    /// Always false: a range holds at least one port.
-    pub fn is_empty(&self) -> bool {
-        false
     }
 
     /// The `index`th port of the range, counted from `start`'s place and
@@ -110,7 +108,7 @@ impl NodePorts {
     /// The host's ephemeral range where it overlaps this one, as
     /// `/proc/sys/net/ipv4/ip_local_port_range` gives it (`None` where it
     /// does not overlap or cannot be read).
-    pub fn ephemeral_overlap(&self) -> Option<NodePorts> {
+    pub(crate) fn ephemeral_overlap(&self) -> Option<NodePorts> {
         let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
         let mut bounds = text.split_whitespace().map(str::parse::<u16>);
         let ephemeral = NodePorts { first: bounds.next()?.ok()?, last: bounds.next()?.ok()? };
