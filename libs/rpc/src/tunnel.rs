@@ -35,6 +35,10 @@
 //!   such frames made it reset 1024 streams.
 //! - A tunnel the agent ends with a status other than OK reads as an error
 //!   naming it, never as a clean end.
+//! - A message from the agent is taken only as an agent sends it: one
+//!   longer than `MAX_MESSAGE_BYTES` (a frame of [`CHUNK_BYTES`] and its
+//!   encoding), or compressed, fails the tunnel as soon as its prefix is
+//!   read, so a faulty agent cannot make a caller buffer what it claims.
 
 use std::io;
 use std::pin::Pin;
@@ -49,8 +53,14 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::Instrument as _;
 
-/// The most bytes one frame to a replica carries.
-const CHUNK_BYTES: usize = 64 * 1024;
+/// The most bytes one frame carries, either way: a caller's writes are
+/// cut to it, and the agent reads a replica in chunks of it (its data
+/// plane uses this constant).
+pub const CHUNK_BYTES: usize = 64 * 1024;
+
+/// The longest message an agent sends: one frame of [`CHUNK_BYTES`], with
+/// room for its field's key and length (6 bytes) and to spare.
+const MAX_MESSAGE_BYTES: usize = CHUNK_BYTES + 64;
 
 /// How long a dropped tunnel waits for the replica's side to end.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
@@ -156,7 +166,7 @@ impl Connection {
     /// port when empty), waiting at most `timeout` for the agent's answer.
     pub async fn open(&self, lease_id: &str, port: &str, timeout: Duration) -> Result<Tunnel, OpenError> {
         if self.is_closed() {
-            return Err(OpenError::Broke("the connection is closed".into()));
+            return Err(OpenError::Broke(format!("the connection is closed (agent at {})", self.authority)));
         }
         let uri = format!("https://{}{TUNNEL_PATH}", self.authority);
         let mut request = http::Request::post(uri)
@@ -170,7 +180,7 @@ impl Connection {
             data: Vec::new(),
         };
         let opening = async {
-            let broke = |e: h2::Error| OpenError::Broke(e.to_string());
+            let broke = |e: h2::Error| OpenError::Broke(format!("{e} (agent at {})", self.authority));
             let mut sender = self.sender.clone().ready().await.map_err(broke)?;
             let (response, mut send) = sender.send_request(request, false).map_err(broke)?;
             send.send_data(message(&open), false).map_err(broke)?;
@@ -178,7 +188,8 @@ impl Connection {
                 .await
                 .map_err(|_| {
                     OpenError::Refused(tonic::Status::deadline_exceeded(format!(
-                        "its agent did not answer within {timeout:?}"
+                        "its agent at {} did not answer within {timeout:?}",
+                        self.authority
                     )))
                 })?
                 .map_err(broke)?;
@@ -257,22 +268,34 @@ pub struct Tunnel {
     shut: bool,
 }
 
-impl Tunnel {
-    /// The next whole message received, if one is.
-    fn next_message(&mut self) -> io::Result<Option<Bytes>> {
-        if self.received.len() < PREFIX_BYTES {
-            return Ok(None);
-        }
-        let len = u32::from_be_bytes([self.received[1], self.received[2], self.received[3], self.received[4]]);
-        let len = usize::try_from(len).map_err(io::Error::other)?;
-        if self.received.len() < PREFIX_BYTES + len {
-            return Ok(None);
-        }
-        self.received.advance(PREFIX_BYTES);
-        let frame = TunnelFrame::decode(self.received.split_to(len).freeze())
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("a tunnel frame: {e}")))?;
-        Ok(Some(Bytes::from(frame.data)))
+/// The replica's bytes in the next whole message of `received` (what came
+/// from the agent), taken off it, if a whole one came. A prefix that
+/// announces more than [`MAX_MESSAGE_BYTES`], or a compressed message, is
+/// refused as soon as it is read: no agent sends one, and waiting for it
+/// would buffer whatever length it claims.
+fn next_message(received: &mut BytesMut) -> io::Result<Option<Bytes>> {
+    let Some(prefix) = received.get(..PREFIX_BYTES) else { return Ok(None) };
+    let (flag, len) = (prefix[0], u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]));
+    if flag != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("the agent sent a tunnel frame flagged compressed ({flag}); it never compresses them"),
+        ));
     }
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    if len > MAX_MESSAGE_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("the agent sent a tunnel frame of {len} bytes; the limit is {MAX_MESSAGE_BYTES}"),
+        ));
+    }
+    if received.len() < PREFIX_BYTES + len {
+        return Ok(None);
+    }
+    received.advance(PREFIX_BYTES);
+    let frame = TunnelFrame::decode(received.split_to(len).freeze())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("a tunnel frame: {e}")))?;
+    Ok(Some(Bytes::from(frame.data)))
 }
 
 impl AsyncRead for Tunnel {
@@ -284,7 +307,7 @@ impl AsyncRead for Tunnel {
                 buf.put_slice(&this.pending.split_to(n));
                 return Poll::Ready(Ok(()));
             }
-            if let Some(data) = this.next_message()? {
+            if let Some(data) = next_message(&mut this.received)? {
                 this.pending = data;
                 continue;
             }
@@ -401,5 +424,43 @@ mod tests {
             let expected = message(&TunnelFrame { open: None, data: data.clone() });
             assert_eq!(data_message(&data), expected, "{size} bytes");
         }
+    }
+
+    #[test]
+    fn the_largest_frame_an_agent_sends_is_read_whole_even_when_it_comes_in_pieces() {
+        let data: Vec<u8> = (0..CHUNK_BYTES).map(|i| (i % 251) as u8).collect();
+        let message = message(&TunnelFrame { open: None, data: data.clone() });
+        assert!(message.len() - PREFIX_BYTES <= MAX_MESSAGE_BYTES, "{} bytes", message.len());
+        let mut received = BytesMut::new();
+        for piece in message.chunks(16 * 1024) {
+            assert_eq!(next_message(&mut received).unwrap(), None, "not whole yet");
+            received.extend_from_slice(piece);
+        }
+        received.extend_from_slice(&data_message(b"next"));
+        assert_eq!(next_message(&mut received).unwrap().unwrap(), data);
+        assert_eq!(next_message(&mut received).unwrap().unwrap(), &b"next"[..]);
+        assert_eq!(next_message(&mut received).unwrap(), None);
+    }
+
+    /// Regression: the length in a message's prefix was trusted, so an agent
+    /// claiming 4 GiB made the caller buffer until that much came, and the
+    /// compressed flag was ignored.
+    #[test]
+    fn a_message_longer_than_an_agent_sends_or_compressed_is_refused_from_its_prefix() {
+        for len in [MAX_MESSAGE_BYTES as u32 + 1, u32::MAX] {
+            let mut received = BytesMut::new();
+            received.put_u8(0);
+            received.put_u32(len);
+            let error = next_message(&mut received).unwrap_err();
+            assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+            let expected = format!("a tunnel frame of {len} bytes; the limit is {MAX_MESSAGE_BYTES}");
+            assert!(error.to_string().contains(&expected), "{error}");
+        }
+
+        let mut compressed = BytesMut::from(&data_message(b"hello")[..]);
+        compressed[0] = 1;
+        let error = next_message(&mut compressed).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+        assert!(error.to_string().contains("flagged compressed"), "{error}");
     }
 }

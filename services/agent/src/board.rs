@@ -37,6 +37,10 @@ pub(crate) struct InstanceView {
     /// When the agent is done with it (its end reported, or the lease taken
     /// away and its workload destroyed); the entry stays for its logs.
     pub(crate) ended_at: Option<SystemTime>,
+    /// Whether the agent is destroying its workload (the lease ended or
+    /// was taken away): it may still run meanwhile, but nothing new is
+    /// sent to it.
+    pub(crate) ending: bool,
 }
 
 impl InstanceView {
@@ -52,6 +56,7 @@ impl InstanceView {
             exit: None,
             reason: String::new(),
             ended_at: None,
+            ending: false,
         }
     }
 

@@ -286,11 +286,14 @@ impl UidPool {
     }
 
     /// A uid no running workload of `instances` holds and no other launch
-    /// has claimed.
+    /// has claimed. The uids held are read with the claims locked (claims
+    /// first, then instances, as the node's ports are): a claim is given back
+    /// only once its instance is tracked, so each uid in use is seen either
+    /// claimed or held, never neither.
     pub(crate) fn claim(&self, instances: &Instances, lease_id: &str) -> Result<UidClaim<'_>, ProviderError> {
+        let mut claimed = self.claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let held: BTreeSet<u32> =
             instances.lock().values().filter(|t| t.stored.exit.is_none()).filter_map(|t| t.stored.uid).collect();
-        let mut claimed = self.claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let uid = (0..self.range.count)
             .map(|offset| self.range.first + offset)
             .find(|uid| !held.contains(uid) && !claimed.contains(uid))

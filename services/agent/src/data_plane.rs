@@ -14,6 +14,10 @@
 //! - A tunnel reaches only a port the agent gave a lease that is running on
 //!   this node, as the runner's board says at the moment it opens; a tunnel
 //!   already open ends when the replica closes its side or the agent stops.
+//! - A tunnel that ends, however it ends (the replica closes, the caller
+//!   goes, the agent stops), lets go of the replica's connection and of
+//!   its task at once: a write to a replica that stopped reading is
+//!   abandoned, never waited out.
 //! - A tunnel's ordinary end closes its stream, never resets it: once the
 //!   replica is done, the caller's side is still read until the caller
 //!   ends it (within [`CLOSE_GRACE`]). A router's tunnels share its
@@ -44,8 +48,9 @@ use crate::dial::Dialer;
 /// How long a caller may take to send a tunnel's first frame.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The most bytes one frame from the replica carries.
-const CHUNK_BYTES: usize = 64 * 1024;
+/// The most bytes one frame from the replica carries: the most a caller
+/// takes (`berth_rpc::tunnel` refuses a larger frame as a faulty agent's).
+const CHUNK_BYTES: usize = berth_rpc::tunnel::CHUNK_BYTES;
 
 /// How long a caller may take to end its side once the replica's is done.
 /// Reading the caller's frames to their end closes the stream both ways;
@@ -69,32 +74,45 @@ impl DataPlane {
     /// The node port of the lease and port `open` names, once it is sure
     /// the lease runs here.
     fn admit(&self, open: &v1::TunnelOpen) -> Result<(String, u16), Status> {
-        let lease_id = open.lease_id.trim();
-        if lease_id.is_empty() {
-            return Err(Status::invalid_argument("open.lease_id: the lease to reach is required"));
-        }
-        let view =
-            self.board.get(lease_id).ok_or_else(|| Status::not_found(format!("no lease {lease_id} on this node")))?;
-        if view.is_over() || view.phase != LeasePhase::Running {
-            return Err(Status::failed_precondition(format!(
-                "lease {lease_id} is not running on this node (it is {})",
-                view.phase.as_str_name()
-            )));
-        }
-        let name = open.port.trim();
-        let given = if name.is_empty() { view.meta.port } else { view.meta.ports.get(name).copied().unwrap_or(0) };
-        let Some(port) = u16::try_from(given).ok().filter(|port| *port != 0) else {
-            let names: Vec<&str> = view.meta.ports.keys().map(String::as_str).collect();
-            let names = if names.is_empty() { "none".to_string() } else { names.join(", ") };
-            return Err(Status::not_found(if name.is_empty() {
-                format!("lease {lease_id} was given no port")
-            } else {
-                format!("lease {lease_id} has no port named '{name}' (its ports: {names})")
-            }));
-        };
-        Ok((lease_id.to_string(), port))
+        admit(&self.board, open)
     }
+}
 
+/// The node port of the lease and port `open` names, once `board` says the
+/// lease runs here and is not being stopped.
+fn admit(board: &InstanceBoard, open: &v1::TunnelOpen) -> Result<(String, u16), Status> {
+    let lease_id = open.lease_id.trim();
+    if lease_id.is_empty() {
+        return Err(Status::invalid_argument("open.lease_id: the lease to reach is required"));
+    }
+    let view = board.get(lease_id).ok_or_else(|| Status::not_found(format!("no lease {lease_id} on this node")))?;
+    if view.ending && !view.is_over() {
+        return Err(Status::failed_precondition(format!(
+            "lease {lease_id} is being stopped on this node ({})",
+            if view.reason.is_empty() { "its lease ended" } else { view.reason.as_str() }
+        )));
+    }
+    if view.is_over() || view.phase != LeasePhase::Running {
+        return Err(Status::failed_precondition(format!(
+            "lease {lease_id} is not running on this node (it is {})",
+            view.phase.as_str_name()
+        )));
+    }
+    let name = open.port.trim();
+    let given = if name.is_empty() { view.meta.port } else { view.meta.ports.get(name).copied().unwrap_or(0) };
+    let Some(port) = u16::try_from(given).ok().filter(|port| *port != 0) else {
+        let names: Vec<&str> = view.meta.ports.keys().map(String::as_str).collect();
+        let names = if names.is_empty() { "none".to_string() } else { names.join(", ") };
+        return Err(Status::not_found(if name.is_empty() {
+            format!("lease {lease_id} was given no port")
+        } else {
+            format!("lease {lease_id} has no port named '{name}' (its ports: {names})")
+        }));
+    };
+    Ok((lease_id.to_string(), port))
+}
+
+impl DataPlane {
     /// Connects to the replica's port where it listens.
     async fn connect(&self, lease_id: &str, port: u16) -> Result<TcpStream, Status> {
         self.dialer.connect(lease_id, port).await.map_err(|error| {
@@ -114,16 +132,26 @@ impl v1::data_plane_server::DataPlane for DataPlane {
             Ok(first) => first?,
             Err(_) => return Err(Status::deadline_exceeded(format!("no first frame within {OPEN_TIMEOUT:?}"))),
         };
+        let first = first.unwrap_or_default();
         let open = first
-            .and_then(|frame| frame.open)
+            .open
             .ok_or_else(|| Status::invalid_argument("open: the first frame must name the lease and the port"))?;
+        // Bytes sent before the agent connected would have to be held or
+        // dropped; the caller learns instead that they were not sent.
+        if !first.data.is_empty() {
+            return Err(Status::invalid_argument(format!(
+                "data: the first frame of a tunnel carries no data ({} bytes came); send them once it is open",
+                first.data.len()
+            )));
+        }
         let (lease_id, port) = self.admit(&open)?;
         let upstream = self.connect(&lease_id, port).await?;
         let _ = upstream.set_nodelay(true);
         tracing::debug!(%lease_id, port, "tunnel open");
         let (reading, mut writing) = upstream.into_split();
         let shutdown = self.shutdown.clone();
-        // Cancelled once the replica's side is done, or the caller gone.
+        // Cancelled once the replica's side is done, the caller gone (the
+        // response stream dropped with it), or the agent stopping.
         let done = shutdown.child_token();
 
         // The caller's bytes to the replica; the caller's end closes the
@@ -141,7 +169,14 @@ impl v1::data_plane_server::DataPlane for DataPlane {
                 match frame {
                     Some(Ok(frame)) if frame.data.is_empty() => {}
                     Some(Ok(frame)) => {
-                        if writing.write_all(&frame.data).await.is_err() {
+                        // A replica that stops reading blocks the write: the
+                        // tunnel's end (the caller gone, the agent stopping)
+                        // must still free the task and the replica's socket.
+                        let written = tokio::select! {
+                            () = &mut replica_done => break,
+                            written = writing.write_all(&frame.data) => written,
+                        };
+                        if written.is_err() {
                             break;
                         }
                     }
@@ -165,6 +200,8 @@ impl v1::data_plane_server::DataPlane for DataPlane {
         // The replica's bytes to the caller, read as the caller's stream is
         // polled for them: no task between the replica and the connection.
         let replica = FromReplica {
+            lease_id,
+            port,
             reading,
             buffer: vec![0u8; CHUNK_BYTES],
             stopping: Box::pin(shutdown.cancelled_owned()),
@@ -183,6 +220,9 @@ impl v1::data_plane_server::DataPlane for DataPlane {
 /// a status); ended or dropped, it tells the caller's side that the
 /// replica is done.
 struct FromReplica {
+    /// The lease and node port the tunnel reaches, for its errors.
+    lease_id: String,
+    port: u16,
     reading: OwnedReadHalf,
     buffer: Vec<u8>,
     stopping: Pin<Box<WaitForCancellationFutureOwned>>,
@@ -209,11 +249,38 @@ impl Stream for FromReplica {
             Poll::Ready(Ok(())) => {
                 return Poll::Ready(Some(Ok(v1::TunnelFrame { open: None, data: buffer.filled().to_vec() })));
             }
-            Poll::Ready(Err(error)) => {
-                Some(Err(Status::unavailable(format!("the replica's connection broke: {error}"))))
-            }
+            Poll::Ready(Err(error)) => Some(Err(Status::unavailable(format!(
+                "the replica's connection broke (port {} of lease {}): {error}",
+                this.port, this.lease_id
+            )))),
         };
         this.done = None;
         Poll::Ready(frame)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::board::InstanceView;
+    use crate::provider::InstanceMeta;
+
+    #[test]
+    fn a_lease_whose_workload_is_being_stopped_is_reached_no_more() {
+        let board = InstanceBoard::default();
+        let meta = InstanceMeta { port: 61_000, ..Default::default() };
+        board.put(InstanceView::new("l-1", 1, meta, LeasePhase::Running));
+        let open = v1::TunnelOpen { lease_id: "l-1".into(), port: String::new() };
+        assert_eq!(admit(&board, &open).unwrap(), ("l-1".to_string(), 61_000));
+
+        // The node lost the lease (revoked, say): its workload still runs
+        // through its stop grace, and is sent nothing new meanwhile.
+        board.update("l-1", |view| {
+            view.ending = true;
+            view.reason = "NodeRevoked".into();
+        });
+        let refused = admit(&board, &open).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(refused.message(), "lease l-1 is being stopped on this node (NodeRevoked)");
     }
 }

@@ -305,14 +305,21 @@ impl PortBook {
     /// stopped, which began at a random place: a port is given again only
     /// once the whole range was, and agents sharing a host rarely reach for
     /// the same port at once.
+    ///
+    /// `taken` is called with the claims locked. A launch gives its claim
+    /// back only once its instance is tracked, and giving it back waits for
+    /// that lock: so each port another launch was given is either still
+    /// claimed here or already in what `taken` reads. Read before the lock,
+    /// a port could move from claimed to held in between and be in neither.
     pub(crate) fn allocate(
         self: &Arc<Self>,
         lease_id: &str,
         names: &[String],
-        mut taken: BTreeSet<u16>,
+        taken: impl FnOnce() -> BTreeSet<u16>,
     ) -> Result<(Vec<u16>, PortClaim), ProviderError> {
         let wanted = names.len().max(1);
         let mut claimed = self.claimed();
+        let mut taken = taken();
         taken.extend(claimed.iter().copied());
         let start = self.next.load(Ordering::Relaxed);
         // Every probe stays bound until the end, so nothing else on the host
@@ -470,12 +477,14 @@ impl Instances {
         {
             return Err(ProviderError::AlreadyRunning(spec.lease_id.clone()));
         }
-        let (ports, claim) = book.allocate(&spec.lease_id, &spec.ports, self.ports_taken())?;
+        let (ports, claim) = book.allocate(&spec.lease_id, &spec.ports, || self.ports_taken())?;
         assign_ports(&mut spec.meta, &spec.ports, &ports);
         Ok(claim)
     }
 
-    /// The host ports running instances hold.
+    /// The host ports running instances hold. Takes the instances' lock
+    /// while [`PortBook::allocate`] holds its claims': never the other way
+    /// round (a claim is given back with no instances' lock held).
     fn ports_taken(&self) -> BTreeSet<u16> {
         self.lock().values().filter(|t| t.stored.exit.is_none()).flat_map(|t| host_ports(&t.stored.meta)).collect()
     }
@@ -576,18 +585,52 @@ mod tests {
         let _other = TcpListener::bind((Ipv4Addr::UNSPECIFIED, first)).unwrap();
         let held = BTreeSet::from([first + 1]);
         let names = ["http".to_string(), "admin".to_string()];
-        let (given, claim) = book.allocate("l-1", &names, held.clone()).unwrap();
+        let (given, claim) = book.allocate("l-1", &names, || held.clone()).unwrap();
         let mut sorted = given.clone();
         sorted.sort_unstable();
         assert_eq!(sorted, [first + 2, first + 3], "{given:?}");
 
         // While the launch has not tracked its instance, its ports stay its own.
-        let error = book.allocate("l-2", &[], held.clone()).unwrap_err().to_string();
+        let error = book.allocate("l-2", &[], || held.clone()).unwrap_err().to_string();
         let range = format!("{first}-{}", first + 3);
         assert!(error.contains("lease l-2") && error.contains(&range) && error.contains("1 wanted, 0 free"), "{error}");
         drop(claim);
-        let (again, _claim) = book.allocate("l-2", &[], held).unwrap();
+        let (again, _claim) = book.allocate("l-2", &[], || held).unwrap();
         assert!(again.len() == 1 && given.contains(&again[0]), "{again:?} after {given:?} came back");
+    }
+
+    /// Regression: the ports running instances hold were read before the
+    /// claims were locked, so a port another launch moved from claimed to
+    /// held in between (its instance tracked, then its claim given back)
+    /// was in neither set, and given twice. Read under the lock, the move
+    /// waits for the read.
+    #[test]
+    fn a_port_moving_from_claimed_to_held_is_never_missed_by_a_launch_looking_for_one() {
+        let first = berth_testkit::free_ports(2);
+        let book = Arc::new(PortBook::new(NodePorts { first, last: first + 1 }));
+        let (given, claim) = book.allocate("l-1", &[], BTreeSet::new).unwrap();
+        let (held, tracked) = (Arc::new(Mutex::new(BTreeSet::new())), given.clone());
+        let (again, _claim) = book
+            .allocate("l-2", &[], || {
+                // l-1's instance is tracked and its claim given back right
+                // now, on another thread: the claim cannot go before l-2
+                // has its port, so l-2 sees the port claimed.
+                let (moved, moved_seen) = std::sync::mpsc::channel();
+                {
+                    let held = held.clone();
+                    std::thread::spawn(move || {
+                        held.lock().unwrap().extend(tracked);
+                        drop(claim);
+                        let _ = moved.send(());
+                    });
+                }
+                let early = moved_seen.recv_timeout(Duration::from_millis(50));
+                assert!(early.is_err(), "a claim was given back while a launch read what is held");
+                assert!(book.claimed.try_lock().is_err(), "the claims are locked while what is held is read");
+                held.lock().unwrap().clone()
+            })
+            .unwrap();
+        assert_ne!(again, given, "port {given:?} given twice");
     }
 
     #[test]
@@ -597,7 +640,7 @@ mod tests {
         let mut given = BTreeSet::new();
         for lease in ["l-1", "l-2", "l-3"] {
             // Each launch's workload ended before the next: nothing holds a port.
-            let (ports, _claim) = book.allocate(lease, &[], BTreeSet::new()).unwrap();
+            let (ports, _claim) = book.allocate(lease, &[], BTreeSet::new).unwrap();
             assert!(given.insert(ports[0]), "port {} given twice within the range's first walk", ports[0]);
         }
         assert_eq!(given, BTreeSet::from([first, first + 1, first + 2]));
@@ -606,7 +649,7 @@ mod tests {
     #[test]
     fn a_range_built_by_hand_never_gives_port_zero_nor_panics_the_wrong_way_round() {
         let zero = Arc::new(PortBook::new(NodePorts { first: 0, last: 0 }));
-        let error = zero.allocate("l-1", &[], BTreeSet::new()).unwrap_err().to_string();
+        let error = zero.allocate("l-1", &[], BTreeSet::new).unwrap_err().to_string();
         assert!(error.contains("1 wanted, 0 free"), "{error}");
         let backwards = NodePorts { first: 61_010, last: 61_000 };
         assert_eq!((backwards.len(), backwards.nth_from(5, 3)), (1, 61_010));

@@ -1861,6 +1861,9 @@ impl Worker {
     /// Destroys the workload for `removal` and settles the lease.
     async fn destroyed(&mut self, removal: Removal) -> WorkerEnd {
         self.shared.board.update(&self.lease_id, |view| {
+            // From now on no router's tunnel reaches it, however long its
+            // stop grace (or a failing destroy) keeps it running.
+            view.ending = true;
             if let Some(phase) = removal.phase {
                 view.phase = phase;
             }

@@ -226,3 +226,85 @@ async fn thousands_of_tunnels_a_replica_closes_leave_their_shared_connection_ser
     agent.kill().await;
     plane.cleanup().await;
 }
+
+/// Regression: the agent wrote the caller's bytes to the replica outside
+/// its wait for the tunnel's end, so a replica that accepted and never read
+/// held the agent's task, the tunnel's stream and the replica's connection
+/// for good once the caller (a router giving up) dropped the tunnel.
+#[tokio::test]
+async fn a_tunnel_dropped_by_its_caller_lets_go_of_a_replica_that_never_reads() {
+    use std::net::{Ipv4Addr, SocketAddr};
+    use tokio::io::AsyncWriteExt as _;
+
+    /// How soon the agent must let go of the replica's connection.
+    const LET_GO: Duration = Duration::from_secs(5);
+
+    let (plane, _dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
+    let addr = agent.handle.local_addr().to_string();
+    // The workload listens on nothing: the test is the replica, on its port.
+    let lease = plane.request("deaf", "exec sleep 1000").await;
+    let instance = agent.instance_until(&plane, &lease.lease_id, "running with a port", running_with_a_port).await;
+    let port = u16::try_from(instance.port).unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    // A small window, which what it accepts inherits: the agent's writes
+    // block after a little, not after the tens of MB autotuning allows.
+    socket.set_recv_buffer_size(16 * 1024).unwrap();
+    socket.bind(SocketAddr::from((Ipv4Addr::LOCALHOST, port))).unwrap();
+    let listener = socket.listen(8).unwrap();
+
+    let connection = berth_rpc::tunnel::connect(&addr, &plane.router).await.unwrap();
+    let mut tunnel = connection.open(&lease.lease_id, "", SLOW).await.unwrap();
+    let (mut replica, _) = tokio::time::timeout(SLOW, listener.accept()).await.unwrap().unwrap();
+
+    // The caller writes until the replica's window, the agent's socket and
+    // the stream's window are full, and the agent is stuck writing.
+    let chunk = vec![7u8; 256 * 1024];
+    let mut sent = 0usize;
+    while let Ok(written) = tokio::time::timeout(Duration::from_secs(1), tunnel.write_all(&chunk)).await {
+        written.unwrap();
+        sent += chunk.len();
+        assert!(sent < 256 << 20, "the agent took {sent} bytes for a replica that reads none");
+    }
+    assert!(sent >= 1 << 20, "only {sent} bytes went before the tunnel stalled");
+    drop(tunnel);
+
+    // Once the agent let go, the replica's next bytes are refused: its side
+    // closed, and what arrives after is answered with a reset.
+    let deadline = tokio::time::Instant::now() + LET_GO;
+    let refused = loop {
+        if let Err(error) = replica.write_all(b"?").await {
+            break error;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the agent still holds the replica's connection {LET_GO:?} after the tunnel was dropped ({sent} bytes sent)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        matches!(refused.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe),
+        "{refused:?}"
+    );
+    assert!(!connection.is_closed(), "the tunnel's end leaves its shared connection serving");
+
+    agent.kill().await;
+    plane.cleanup().await;
+}
+
+/// Regression: bytes in a tunnel's first frame (the one naming the lease
+/// and port) were dropped without a word; the caller is told instead.
+#[tokio::test]
+async fn data_in_a_tunnels_first_frame_is_refused_naming_the_field_not_dropped() {
+    let (plane, _dir, agent) = plane_with_agent(Duration::from_secs(5)).await;
+    let channel = berth_rpc::connect(&agent.handle.local_addr().to_string(), plane.router.clone()).unwrap();
+    let open = agent::TunnelFrame {
+        open: Some(agent::TunnelOpen { lease_id: "any-lease".into(), port: String::new() }),
+        data: b"GET / HTTP/1.0\r\n\r\n".to_vec(),
+    };
+    let status = DataPlaneClient::new(channel).tunnel(tokio_stream::iter([open])).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().starts_with("data: the first frame of a tunnel carries no data"), "{status:?}");
+
+    agent.kill().await;
+    plane.cleanup().await;
+}
