@@ -190,9 +190,11 @@ struct Args {
     allow_uncontained: bool,
     /// Turn on the host's cgroup2 `favordynmods` mount option (kernel 6.0+)
     /// so moving a workload into its cgroup does not wait for an RCU grace
-    /// period: 5-25 ms off every launch on cgroup v1 and hybrid hosts. It is
-    /// kernel-wide (forks and exits get slightly slower) and lasts until
-    /// reboot.
+    /// period (5-25 ms a launch): the moves of runc, crun and runsc, of the
+    /// process runtime on cgroup v2, and of a microVM's QEMU. The process
+    /// runtime on v1 and hybrid hosts starts each workload inside its cgroup
+    /// and never waits. It is kernel-wide (forks and exits get slightly
+    /// slower) and lasts until reboot.
     #[arg(long, env = "BERTH_CGROUP_FAVORDYNMODS")]
     cgroup_favordynmods: bool,
     /// The systemd unit this agent runs as (the shipped unit sets it): a

@@ -25,17 +25,19 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the whole mesh (identity, revisions, leases, egress and one node
-    /// agent) in this process, on embedded state in a data directory.
+    /// Run the whole mesh (identity, revisions, leases, egress, one node
+    /// agent and the router) in this process, on embedded state in a data
+    /// directory.
     Dev(dev::DevArgs),
     /// Create, list and revoke join tokens.
     Token(cli::TokenArgs),
     /// List, inspect, drain and revoke nodes.
     Node(cli::NodeArgs),
-    /// Issue admin and service certificates.
+    /// Issue admin, service and router certificates.
     Cert(cli::CertArgs),
     /// Make a mesh's CA (in identity's database) and write its CA bundle,
-    /// an admin and the service certificates, before the services first start.
+    /// an admin, the service and any router certificates, before the
+    /// services first start.
     Bootstrap(cli::BootstrapArgs),
     /// Ask one berth process whether it serves (grpc.health.v1 over TLS);
     /// exit 0 when it does: for container health checks and exec probes.

@@ -639,12 +639,16 @@ impl Cgroup {
 /// on v2 hosts, `/sys/fs/cgroup/unified` on hybrid ones), keeping its other
 /// options, and returns the mount point.
 ///
-/// Moving a process into a cgroup takes a kernel-wide lock whose write side
-/// waits for an RCU grace period unless this option is on: 5 to 25 ms per
-/// launch on a v1 or hybrid host, most of what the process runtime adds to a
-/// spawn (BENCHMARKS.md). The option is kernel-wide (every hierarchy's
-/// migrations get fast; forks and exits get slightly slower) and lasts until
-/// reboot, so the agent sets it only when told to.
+/// Moving a process into a cgroup through `cgroup.procs` takes a
+/// kernel-wide lock whose write side waits for an RCU grace period unless
+/// this option is on: 5 to 25 ms a move (BENCHMARKS.md). Every launch that
+/// moves its workload in waits for it: runc's, crun's and runsc's, the
+/// process runtime's on cgroup v2, and a microVM's QEMU. The process
+/// runtime on v1 and hybrid hosts does not: its single-threaded monitor
+/// moves itself in through `tasks` to spawn the init (see the module's
+/// docs). The option is kernel-wide (every hierarchy's migrations get fast;
+/// forks and exits get slightly slower) and lasts until reboot, so the
+/// agent sets it only when told to.
 pub fn favor_cgroup_migrations() -> Result<PathBuf, String> {
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
         .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;

@@ -82,9 +82,9 @@ pub(crate) struct BootstrapArgs {
           value_parser = parse_duration)]
     cert_ttl: Duration,
     /// Also create a join token and write it here (0600), for the first hosts'
-    /// agents (`BERTH_JOIN_TOKEN`). Every run creates a fresh one. Outside
-    /// --out, the CA bundle is also written beside it as `ca.pem`: that
-    /// directory is all an agent needs.
+    /// agents (their `--join-token-file`, `BERTH_JOIN_TOKEN_FILE`). Every run
+    /// creates a fresh one. Outside --out, the CA bundle is also written
+    /// beside it as `ca.pem`: that directory is all an agent needs.
     #[arg(long, env = "BERTH_BOOTSTRAP_JOIN_TOKEN_OUT", value_name = "FILE")]
     join_token_out: Option<PathBuf>,
     /// How long that join token stays usable, e.g. `1h`, `7d` (at most 30d).

@@ -1,6 +1,6 @@
 //! The admin CLI: join tokens, nodes and certificates spoken to identity,
-//! leases and capacity to leases, services and revisions to revisions, and
-//! logs to a node's agent, each over mTLS with an admin certificate.
+//! leases, capacity and logs to leases, services and revisions to
+//! revisions, each over mTLS with an admin certificate.
 //!
 //! # Where the connection comes from
 //! `--server`, `--ca`, `--cert` and `--key` (or `BERTH_SERVER`, `BERTH_CA`,
@@ -8,7 +8,8 @@
 //! `berth dev` writes in `--data-dir`, so a dev mesh needs no flags at all.
 //! `--server` is identity; the lease commands find leases with
 //! `--leases-server`, the service commands find revisions with
-//! `--revisions-server`, and `logs` finds a node's agent through identity.
+//! `--revisions-server`, and `logs` streams a workload's output through
+//! leases, never dialling a node.
 //!
 //! # What a failure looks like
 //! One line, `berth: error: ...`, and exit code 1. gRPC statuses are turned
@@ -57,7 +58,9 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) enum OutputFormat {
     /// Aligned columns for people.
     Table,
-    /// The response message as JSON, with the proto field names, for scripts.
+    /// The response as JSON, for scripts: the proto3 JSON mapping grpcurl
+    /// prints (lowerCamelCase field names, enum value names, 64-bit
+    /// integers as strings).
     Json,
 }
 
@@ -104,7 +107,10 @@ pub(crate) struct ClientArgs {
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum CliError {
     /// A certificate, key or CA file could not be read.
-    #[error("cannot read {role} {path}: {source}; start `berth dev` to create it, or pass {flag} FILE")]
+    #[error(
+        "cannot read {role} {path}: {source}; start `berth dev` to create it (or give the --data-dir it \
+         runs with: the default, .berth/dev, is relative to where it runs), or pass {flag} FILE"
+    )]
     MissingFile {
         /// What the file is for, e.g. "client certificate".
         role: &'static str,
