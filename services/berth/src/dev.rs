@@ -91,6 +91,11 @@ pub(crate) struct DevArgs {
     /// default Ctrl-C stops them first, since nothing else would.
     #[arg(long)]
     keep_workloads: bool,
+    /// How long a replica may take to begin answering a request through
+    /// the router before the router answers 504 Gateway Timeout.
+    #[arg(long, env = "BERTH_RESPONSE_TIMEOUT", value_name = "DURATION", default_value = "5m",
+          value_parser = berth_router::parse_response_timeout)]
+    response_timeout: std::time::Duration,
 }
 
 pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
@@ -245,20 +250,28 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     // router's HTTP listener (five above identity).
     agent.router = Some(SocketAddr::new(dial_host, args.port_base + 5).to_string());
     agent.microvm.accel = args.runtime.microvm_accel;
-    let contained = rustix::process::geteuid().is_root();
-    agent.containment = if contained {
+    let root = rustix::process::geteuid().is_root();
+    agent.containment = if root {
         berth_agent::Containment {
             runtime: args.runtime.workload_runtime().map_err(StartError::Invalid)?,
             allow_uncontained: args.allow_uncontained,
             ..Default::default()
         }
     } else {
+        // Without root nothing contains the workloads, whatever the flags
+        // name: a runtime asked for is not used, and the banner says so.
+        if let Some(asked) = unhonoured_runtime(&args.runtime) {
+            tracing::warn!(
+                runtime = %asked,
+                "containing workloads needs root: the dev node runs them uncontained, as this user"
+            );
+        }
         berth_agent::Containment::uncontained()
     };
     let agent = berth_agent::start(agent, shutdown.clone())
         .await
         .map_err(|e| StartError::Invalid(format!("dev agent: {e}")))?;
-    let contained = contained && agent.contained();
+    let contained = root && agent.contained();
     // The dev node stopping (revoked by an operator, say) leaves the control
     // plane serving.
     let keep_workloads = args.keep_workloads;
@@ -300,6 +313,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
         leases_addr: SocketAddr::new(dial_host, args.port_base + 2).to_string(),
         credentials: router.credentials.clone(),
         instance: berth_router::host_instance(),
+        response_timeout: args.response_timeout,
     };
     let serving =
         berth_router::start(config, public, &shutdown).map_err(|e| StartError::Invalid(format!("router: {e}")))?;
@@ -311,7 +325,7 @@ pub(crate) async fn run(args: DevArgs) -> Result<(), StartError> {
     kept.push(router);
 
     spawn_keeper(authority, kept, LEAF_VALIDITY, Some(ca_path), shutdown.clone());
-    print_banner(&args, contained);
+    print_banner(&args, root, contained);
 
     // The first server to stop (an error, or all of them after shutdown)
     // stops the rest.
@@ -431,7 +445,30 @@ fn now_secs() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
 }
 
-fn print_banner(args: &DevArgs, contained: bool) {
+/// The runtime flags name when they differ from the default (`--runtime
+/// oci` through runc), as the flag a user gave: what a `berth dev` without
+/// root cannot honour.
+fn unhonoured_runtime(runtime: &berth_agent::RuntimeArgs) -> Option<String> {
+    if runtime.runtime != "oci" {
+        Some(format!("--runtime {}", runtime.runtime))
+    } else if runtime.oci_runtime != berth_agent::OciRuntime::Runc {
+        Some(format!("--oci-runtime {}", runtime.oci_runtime))
+    } else {
+        None
+    }
+}
+
+/// A runtime as the banner names it.
+fn runtime_name(runtime: berth_agent::WorkloadRuntime) -> String {
+    match runtime {
+        berth_agent::WorkloadRuntime::Oci(oci) => oci.to_string(),
+        berth_agent::WorkloadRuntime::Process => "the process runtime".to_string(),
+        berth_agent::WorkloadRuntime::MicroVm => "QEMU microVMs".to_string(),
+        berth_agent::WorkloadRuntime::Uncontained => "plain host processes".to_string(),
+    }
+}
+
+fn print_banner(args: &DevArgs, root: bool, contained: bool) {
     let dir = args.data_dir.display();
     let host = args.host;
     let p = args.port_base;
@@ -457,11 +494,29 @@ fn print_banner(args: &DevArgs, contained: bool) {
     lines.push(format!(
         "  grpcurl -cacert {dir}/ca.pem -cert {dir}/admin.pem -key {dir}/admin-key.pem {host}:{p} grpc.health.v1.Health/Check"
     ));
-    if contained {
+    // The flags were checked when the agent started with them.
+    let runtime = args.runtime.workload_runtime().ok();
+    if let (true, Some(runtime)) = (contained, runtime) {
+        let how = match runtime {
+            berth_agent::WorkloadRuntime::MicroVm => "each runs in a microVM with a kernel of its own",
+            _ => "each runs as a user of its own, in its own namespaces",
+        };
         lines.push(format!(
-            "The dev node contains its workloads ({}): each runs as a user of its own, in its own namespaces, \
-             within its lease's memory and CPU.",
-            args.runtime.oci_runtime
+            "The dev node contains its workloads with {}: {how}, within its lease's memory and CPU.",
+            runtime_name(runtime)
+        ));
+    } else if root {
+        // Root, and --allow-uncontained let the agent fall back.
+        let asked = runtime.map_or_else(|| "the runtime".to_string(), runtime_name);
+        lines.push(format!(
+            "WARNING: the dev node's workloads are NOT contained: {asked} cannot run here (the log above says \
+             why), so --allow-uncontained runs them as root, with no limits."
+        ));
+    } else if let Some(asked) = unhonoured_runtime(&args.runtime) {
+        lines.push(format!(
+            "WARNING: {asked} was not used: containing workloads needs root. The dev node's workloads are NOT \
+             contained: they run as your user, see your files, and have no limits. Run `berth dev` as root to \
+             use {asked}."
         ));
     } else {
         lines.push(

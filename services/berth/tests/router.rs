@@ -278,11 +278,16 @@ struct Mesh {
 
 impl Mesh {
     fn start() -> Mesh {
+        Mesh::start_with(&[])
+    }
+
+    /// Like [`Mesh::start`], with `extra` flags for `berth dev`.
+    fn start_with(extra: &[&str]) -> Mesh {
         let tmp = tempfile::tempdir().unwrap();
         let reference = format!("oci:{}:hello", tmp.path().join("oci").display());
         let push = run(berth_command(&["bundle", "push", example().to_str().unwrap(), &reference]), COMMAND_DEADLINE);
         assert_eq!(push.code, Some(0), "{push:?}");
-        let dev = DevProcess::start(&tmp.path().join("data"));
+        let dev = DevProcess::start_with(&tmp.path().join("data"), extra);
         let base = dev.server.rsplit(':').next().unwrap().parse().unwrap();
         dev.node_up(COMMAND_DEADLINE, COMMAND_DEADLINE, |_| Some(()));
         Mesh { tmp, reference, dev, base }
@@ -899,7 +904,8 @@ fn grpcurl_reaches_a_grpc_workload_through_the_router_in_cleartext_and_tls() {
 /// An HTTP/1.1 workload that switches to an echo protocol (each chunk sent
 /// back upper-cased) when asked with `Upgrade: echo`.
 const UPGRADE_SERVER: &str = r#"#!/usr/bin/python3
-"""Switches to an upper-casing echo on `Upgrade: echo`; answers 200 otherwise."""
+"""Switches to an upper-casing echo on `Upgrade: echo` (or `h2c`, which it only
+pretends to speak); answers 200 otherwise, naming any upgrade it was asked for."""
 import http.server
 import os
 
@@ -908,15 +914,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self):
-        if self.headers.get("Upgrade", "").lower() != "echo":
-            body = b"plain\n"
+        asked = self.headers.get("Upgrade", "").lower()
+        if asked not in ("echo", "h2c"):
+            body = (f"plain, asked to upgrade to {asked}\n" if asked else "plain\n").encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
             return
         self.send_response(101)
-        self.send_header("Upgrade", "echo")
+        self.send_header("Upgrade", asked)
         self.send_header("Connection", "Upgrade")
         self.end_headers()
         self.wfile.flush()
@@ -988,6 +995,38 @@ fn a_connection_that_switches_protocols_is_joined_to_the_replica_byte_for_byte()
         stream.read_exact(&mut echoed).unwrap();
         assert_eq!(String::from_utf8_lossy(&echoed), word.to_uppercase(), "the replica's own answer");
     }
+
+    // `curl --http2` in cleartext asks to upgrade to h2c: joined, the
+    // connection would carry requests the router never reads (and so never
+    // marks with who called). It is served as the HTTP/1.1 request it also
+    // is, and the replica is not asked to switch.
+    let answer = curl(router, host, &["--http2"]).unwrap();
+    assert!(answer.status.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert_eq!(answer.body, "plain\n", "the replica was asked to switch: {answer:?}");
+}
+
+#[test]
+fn a_replica_that_does_not_begin_its_answer_in_time_is_answered_504_naming_the_limit() {
+    let mesh = Mesh::start_with(&["--response-timeout", "2s"]);
+    deploy_program(&mesh, "slow", PYTHON_SERVER, "http");
+    let (host, router) = ("slow.default.berth.localhost", mesh.base + 5);
+    poll(ROUTE_DEADLINE, "the router serves slow", || {
+        curl(router, host, &[])
+            .and_then(|a| if a.body == "/ from slow-00001\n" { Ok(()) } else { Err(format!("{a:?}")) })
+    });
+    // The replica answers `/slow` after six seconds; the router's limit is two.
+    let answer = curl_url(&format!("http://127.0.0.1:{router}/slow"), &["-H", &format!("Host: {host}")]).unwrap();
+    assert!(answer.status.starts_with("HTTP/1.1 504"), "{answer:?}");
+    assert!(answer.body.contains("of slow-00001 did not begin its answer within 2s"), "{answer:?}");
+    // Over HTTP/2 as well, and the replica still serves what it answers in time.
+    let answer = curl_url(
+        &format!("http://127.0.0.1:{router}/slow"),
+        &["-H", &format!("Host: {host}"), "--http2-prior-knowledge"],
+    )
+    .unwrap();
+    assert!(answer.status.starts_with("HTTP/2 504"), "{answer:?}");
+    let answer = curl(router, host, &[]).unwrap();
+    assert_eq!(answer.body, "/ from slow-00001\n", "{answer:?}");
 }
 
 /// Answers `GET /slow` after six seconds, `GET /caller` with the

@@ -83,6 +83,13 @@ impl InFlight {
         Locked { inflight: self, counts: self.counts() }
     }
 
+    /// How many requests are under way, by the lease of the replica each
+    /// was counted against.
+    #[cfg(test)]
+    pub(crate) fn under_way(&self) -> std::collections::BTreeMap<String, usize> {
+        self.counts().values().flat_map(|replicas| replicas.iter().map(|(lease, (_, n))| (lease.clone(), *n))).collect()
+    }
+
     /// Whether no request to `service` is being answered by a replica
     /// `table` sends nothing new to.
     fn drained_for(counts: &Counts, table: &RouteTable, service: &ServiceKey) -> bool {

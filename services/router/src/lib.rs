@@ -64,6 +64,20 @@ pub const DEFAULT_HTTP_PORT: u16 = 8080;
 /// The mTLS gRPC port (health) when none is given.
 pub const DEFAULT_PORT: u16 = 7449;
 
+/// How long a replica may take to begin answering when no
+/// `--response-timeout` is given: Knative's and Cloud Run's default.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Reads `--response-timeout` (`30s`, `5m`, …); for clap's `value_parser`.
+/// Zero is refused: it would answer every request 504.
+pub fn parse_response_timeout(text: &str) -> Result<Duration, String> {
+    let timeout = berth_runtime::parse_duration(text)?;
+    if timeout.is_zero() {
+        return Err(format!("'{text}' would answer every request 504: give a duration above zero"));
+    }
+    Ok(timeout)
+}
+
 /// How often the router's certificate is checked for renewal.
 const RENEW_EVERY: Duration = Duration::from_secs(60);
 
@@ -83,6 +97,10 @@ pub struct RouterConfig {
     /// Which replica of the router this is, among those sharing its
     /// identity (see [`host_instance`]).
     pub instance: String,
+    /// How long a replica may take to begin its answer (status and
+    /// headers) before the client is answered 504; a body streamed after
+    /// that is not limited.
+    pub response_timeout: Duration,
 }
 
 /// Why the router could not start.
@@ -214,7 +232,7 @@ pub fn start(
     let inflight = acks::InFlight::new(shared.table());
     tokio::spawn(acks::acknowledge(inflight.clone(), revisions, config.instance, shutdown.clone()));
     let threads = berth_rpc::threads::ServingThreads::per_cpu("router").map_err(RouterError::Threads)?;
-    let proxy = proxy::Proxies::new(threads, &shared.table(), &inflight, &config.credentials);
+    let proxy = proxy::Proxies::new(threads, &shared.table(), &inflight, &config.credentials, config.response_timeout);
     proxy.forget_gone_agents(shutdown);
     let connections = TaskTracker::new();
     if let Some(http) = public.http {
@@ -266,6 +284,12 @@ struct Args {
     /// its certificate when they acknowledge routes; the host name if unset.
     #[arg(long, env = "BERTH_INSTANCE", value_name = "NAME")]
     instance: Option<String>,
+    /// How long a replica may take to begin answering a request (its status
+    /// and headers) before the router answers 504 Gateway Timeout; a body
+    /// streamed after that is not limited.
+    #[arg(long, env = "BERTH_RESPONSE_TIMEOUT", value_name = "DURATION", default_value = "5m",
+          value_parser = parse_response_timeout)]
+    response_timeout: Duration,
     #[command(flatten)]
     tls: TlsArgs,
     #[command(flatten)]
@@ -311,6 +335,7 @@ async fn run(args: Args) -> Result<(), StartError> {
         leases_addr: args.leases_addr,
         credentials: credentials.clone(),
         instance: args.instance.unwrap_or_else(host_instance),
+        response_timeout: args.response_timeout,
     };
     let router = start(config, public, &shutdown).map_err(|e| StartError::Invalid(e.to_string()))?;
     renew_service_certificate(args.tls, credentials.clone(), args.identity_addr, RENEW_EVERY, shutdown.clone());

@@ -54,7 +54,7 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode, Version};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rand::Rng as _;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
@@ -67,6 +67,18 @@ use crate::routes::{self, Endpoint, Resolution, RouteTable};
 
 /// How long a client may take to finish its TLS handshake.
 const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a client's connection may go without a request's head: from
+/// its start to its first request, and (HTTP/1.1) between one request's
+/// answer and the next request's head, as nginx's `client_header_timeout`.
+const CLIENT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// How often an HTTP/2 client's connection is pinged while it is open; one
+/// whose client does not answer within [`CLIENT_PING_TIMEOUT`] is closed.
+const CLIENT_PING_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// How long an HTTP/2 client has to answer a ping.
+const CLIENT_PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// How long opening a tunnel may take (its agent connects to the replica
 /// within 5s of its own), before the replica counts as unreachable.
@@ -92,6 +104,8 @@ pub(crate) struct Proxy {
     table: watch::Receiver<Arc<RouteTable>>,
     inflight: Arc<InFlight>,
     credentials: TlsCredentials,
+    /// How long a replica may take to begin its answer.
+    response_timeout: std::time::Duration,
     /// By agent address: its connection, if one was made.
     agents: Mutex<HashMap<String, AgentSlot>>,
     pool: Arc<Pool>,
@@ -113,9 +127,11 @@ impl Proxies {
         table: &watch::Receiver<Arc<RouteTable>>,
         inflight: &Arc<InFlight>,
         credentials: &TlsCredentials,
+        response_timeout: std::time::Duration,
     ) -> Arc<Proxies> {
-        let proxies =
-            (0..threads.count()).map(|_| Proxy::new(table.clone(), inflight.clone(), credentials.clone())).collect();
+        let proxies = (0..threads.count())
+            .map(|_| Proxy::new(table.clone(), inflight.clone(), credentials.clone(), response_timeout))
+            .collect();
         Arc::new(Proxies { threads, proxies })
     }
 
@@ -191,8 +207,10 @@ impl Proxy {
         table: watch::Receiver<Arc<RouteTable>>,
         inflight: Arc<InFlight>,
         credentials: TlsCredentials,
+        response_timeout: std::time::Duration,
     ) -> Arc<Proxy> {
-        Arc::new(Proxy { table, inflight, credentials, agents: Mutex::new(HashMap::new()), pool: Arc::default() })
+        let agents = Mutex::new(HashMap::new());
+        Arc::new(Proxy { table, inflight, credentials, response_timeout, agents, pool: Arc::default() })
     }
 
     /// Serves one client connection, HTTP/1.1 or HTTP/2, until it ends.
@@ -202,15 +220,39 @@ impl Proxy {
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
+        let asked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let first = asked.clone();
         let service = hyper::service::service_fn(move |request| {
+            if !first.load(std::sync::atomic::Ordering::Relaxed) {
+                first.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             let (proxy, client) = (self.clone(), client.clone());
             async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
         });
-        let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        builder.http1().timer(TokioTimer::new()).header_read_timeout(CLIENT_IDLE_TIMEOUT);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(CLIENT_PING_EVERY)
+            .keep_alive_timeout(CLIENT_PING_TIMEOUT);
         let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
         tokio::pin!(connection);
+        // A connection that never sends a request's head (nothing at all, or
+        // less than its protocol's first line) is not read as either
+        // protocol yet, so neither limit above holds it.
+        let silent = async {
+            tokio::time::sleep(CLIENT_IDLE_TIMEOUT).await;
+            if asked.load(std::sync::atomic::Ordering::Relaxed) {
+                std::future::pending::<()>().await;
+            }
+        };
         let served = tokio::select! {
             served = connection.as_mut() => served,
+            () = silent => {
+                tracing::debug!("a client sent no request within {CLIENT_IDLE_TIMEOUT:?}; closing its connection");
+                return;
+            }
             () = shutdown.cancelled() => {
                 connection.as_mut().graceful_shutdown();
                 match tokio::time::timeout(SHUTDOWN_GRACE, connection.as_mut()).await {
@@ -286,41 +328,47 @@ impl Proxy {
             .map(|authority| authority.as_str().to_string())
             .or_else(|| request.headers().get(hyper::header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string))
             .unwrap_or_default();
-        let Picked { endpoints, guard, set_cookie } = match self.pick(&host, request.headers()) {
+        let Picked { candidates, set_cookie } = match self.pick(&host, request.headers()) {
             Ok(picked) => picked,
             Err(answer) => return *answer,
         };
-        let mut response = self.forward(request, client, &host, endpoints, guard).await;
+        let mut response = self.forward(request, client, &host, candidates).await;
         if let Some(cookie) = set_cookie {
             response.headers_mut().append(hyper::header::SET_COOKIE, cookie);
         }
         response
     }
 
-    /// Sends `request` to the first of `endpoints` (the next only when the
+    /// Sends `request` to the first of `candidates` (the next only when the
     /// first refused before any byte reached it): the replica's answer, or
-    /// the router's own.
+    /// the router's own. A candidate's count ends when it is passed over or
+    /// its answer ends; those not tried end with this call.
     async fn forward(
         &self,
         mut request: Request<Incoming>,
         client: Client,
         host: &str,
-        endpoints: Vec<Arc<Endpoint>>,
-        guard: InFlightGuard,
+        candidates: Vec<(Arc<Endpoint>, InFlightGuard)>,
     ) -> Response<Body> {
         forwarded_headers(&mut request, host, &client);
         let version = request.version();
         // Every endpoint of a share runs one revision, so speaks one protocol.
-        let h2c = endpoints[0].h2c;
-        if !h2c && version == Version::HTTP_11 && request.headers().contains_key(hyper::header::UPGRADE) {
-            return self.upgrade(request, &endpoints, guard).await;
+        let Some(h2c) = candidates.first().map(|(endpoint, _)| endpoint.h2c) else {
+            return plain(StatusCode::BAD_GATEWAY, "no replica could be reached: none was picked".to_string());
+        };
+        if !h2c && version == Version::HTTP_11 && switches_protocols(request.headers()) {
+            return self.upgrade(request, host, candidates).await;
         }
-        let mut request = upstream_request(request, h2c);
+        strip_hop_by_hop(request.headers_mut());
+        let mut request = upstream_request(request, host, h2c);
         let mut tried = Vec::new();
         // The second replica only when the first refused before any byte reached it.
-        for endpoint in &endpoints {
-            match self.send(endpoint, request).await {
-                Sent::Answered(response, kept) => {
+        for (endpoint, guard) in candidates {
+            match self.send(&endpoint, request).await {
+                Sent::Answered(mut response, kept) => {
+                    if !h2c {
+                        strip_hop_by_hop(response.headers_mut());
+                    }
                     let mut response = response.map(|body| Guarded::new(body, kept, guard).boxed());
                     // The client is answered in its own version, whatever the replica spoke.
                     *response.version_mut() = version;
@@ -329,6 +377,7 @@ impl Proxy {
                 Sent::Failed(error) => {
                     return plain(StatusCode::BAD_GATEWAY, format!("the replica did not answer: {error}"));
                 }
+                Sent::TimedOut => return self.timed_out(&endpoint),
                 Sent::Refused(unsent, error) => {
                     tracing::debug!(lease_id = %endpoint.lease_id, node_id = %endpoint.node_id, %error, "a replica could not be reached");
                     tried.push(format!("{} on node {}: {error}", endpoint.lease_id, endpoint.node_id));
@@ -346,13 +395,16 @@ impl Proxy {
     async fn upgrade(
         &self,
         mut request: Request<Incoming>,
-        endpoints: &[Arc<Endpoint>],
-        guard: InFlightGuard,
+        host: &str,
+        candidates: Vec<(Arc<Endpoint>, InFlightGuard)>,
     ) -> Response<Body> {
         let client_side = hyper::upgrade::on(&mut request);
-        let request = upstream_request(request, false);
-        let endpoint = &endpoints[0];
-        let tunnel = match self.open(endpoint).await {
+        let request = upstream_request(request, host, false);
+        // A switch of protocols goes to the first only: the others' counts end here.
+        let Some((endpoint, guard)) = candidates.into_iter().next() else {
+            return plain(StatusCode::BAD_GATEWAY, "no replica could be reached: none was picked".to_string());
+        };
+        let tunnel = match self.open(&endpoint).await {
             Ok(tunnel) => tunnel,
             Err(error) => return plain(StatusCode::BAD_GATEWAY, format!("no replica could be reached: {error}")),
         };
@@ -360,11 +412,11 @@ impl Proxy {
             let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tunnel)).await?;
             tokio::spawn(connection.with_upgrades());
             sender.send_request(request).await
-        }
-        .await;
-        let mut response = match answered {
-            Ok(response) => response,
-            Err(error) => return plain(StatusCode::BAD_GATEWAY, format!("the replica did not answer: {error}")),
+        };
+        let mut response = match tokio::time::timeout(self.response_timeout, answered).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) => return plain(StatusCode::BAD_GATEWAY, format!("the replica did not answer: {error}")),
+            Err(_) => return self.timed_out(&endpoint),
         };
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
             let replica_side = hyper::upgrade::on(&mut response);
@@ -385,11 +437,31 @@ impl Proxy {
         response.map(|body| Guarded::new(body, None, guard).boxed())
     }
 
+    /// The answer to a request whose replica did not begin its own within
+    /// the response timeout.
+    fn timed_out(&self, endpoint: &Endpoint) -> Response<Body> {
+        tracing::debug!(lease_id = %endpoint.lease_id, node_id = %endpoint.node_id, "a replica did not answer in time");
+        plain(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!(
+                "replica {} of {} did not begin its answer within {:?} (the router's --response-timeout)",
+                endpoint.lease_id, endpoint.revision, self.response_timeout
+            ),
+        )
+    }
+
     /// Sends `request` to `endpoint`: over a connection kept from an earlier
-    /// request when one is idle, else over a new tunnel.
+    /// request when one is idle, else over a new tunnel. Its answer must
+    /// begin within the response timeout; a connection it timed out on is
+    /// dropped (hyper closes an HTTP/1.1 one whose answer is no longer
+    /// awaited, and resets an HTTP/2 stream).
     async fn send(&self, endpoint: &Endpoint, mut request: Request<Incoming>) -> Sent {
+        let deadline = tokio::time::Instant::now() + self.response_timeout;
         while let Some(mut upstream) = self.pool.take(&endpoint.lease_id, endpoint.h2c) {
-            match upstream.send(request).await {
+            let Ok(sent) = tokio::time::timeout_at(deadline, upstream.send(request)).await else {
+                return Sent::TimedOut;
+            };
+            match sent {
                 Ok(response) => return Sent::Answered(response, self.pool.keep(&endpoint.lease_id, upstream)),
                 // A kept connection that closed while idle, or after the
                 // answer it gave last: the request is whole, so it goes on
@@ -408,7 +480,10 @@ impl Proxy {
             Ok(upstream) => upstream,
             Err(error) => return Sent::Refused(Box::new(request), error.to_string()),
         };
-        match upstream.send(request).await {
+        let Ok(sent) = tokio::time::timeout_at(deadline, upstream.send(request)).await else {
+            return Sent::TimedOut;
+        };
+        match sent {
             Ok(response) => Sent::Answered(response, self.pool.keep(&endpoint.lease_id, upstream)),
             Err(mut error) => match error.take_message() {
                 Some(unsent) => Sent::Refused(Box::new(unsent), error.into_error().to_string()),
@@ -419,9 +494,11 @@ impl Proxy {
 
     /// The replicas of the share `host` resolves to that a request may try,
     /// in order (one picked at random, then the next, if any), with the
-    /// request counted against their revision; or the router's own answer. The
-    /// table is read and the request counted as one step, under the lock
-    /// the acknowledger reads the table under (see `crate::acks`).
+    /// request counted against each; or the router's own answer. The table
+    /// is read and the request counted as one step, under the lock the
+    /// acknowledger reads the table under (see `crate::acks`): the replica
+    /// a retry goes to is counted from the start, so no acknowledgement
+    /// made meanwhile can let it stop under the retried request.
     fn pick(&self, host: &str, headers: &hyper::HeaderMap) -> Result<Picked, Box<Response<Body>>> {
         let mut inflight = self.inflight.lock();
         let table = self.table.borrow().clone();
@@ -449,8 +526,14 @@ impl Proxy {
                     Some(key) => routes::session_replica(endpoints, key),
                     None => rand::rng().random_range(0..endpoints.len()),
                 };
-                let candidates = endpoints.iter().cycle().skip(first).take(endpoints.len().min(2)).cloned().collect();
-                Ok(Picked { endpoints: candidates, guard: inflight.enter(&endpoints[0]), set_cookie })
+                let candidates = endpoints
+                    .iter()
+                    .cycle()
+                    .skip(first)
+                    .take(endpoints.len().min(2))
+                    .map(|endpoint| (endpoint.clone(), inflight.enter(endpoint)))
+                    .collect();
+                Ok(Picked { candidates, set_cookie })
             }
         }
     }
@@ -472,11 +555,10 @@ impl Proxy {
     }
 }
 
-/// The replicas a request may try, in order, with the request counted
-/// against their revision, and the affinity cookie to give its client.
+/// The replicas a request may try, in order, each with the request
+/// counted against it, and the affinity cookie to give its client.
 struct Picked {
-    endpoints: Vec<Arc<Endpoint>>,
-    guard: InFlightGuard,
+    candidates: Vec<(Arc<Endpoint>, InFlightGuard)>,
     set_cookie: Option<hyper::header::HeaderValue>,
 }
 
@@ -516,37 +598,104 @@ fn cookie(headers: &hyper::HeaderMap, name: &str) -> Option<String> {
         .filter(|value| !value.is_empty())
 }
 
-/// `request` as the replica is sent it: in HTTP/2 with prior knowledge
-/// when it speaks it (the host in the URI), else in HTTP/1.1 (the path in
-/// the request line, the host in a header).
-fn upstream_request(mut request: Request<Incoming>, h2c: bool) -> Request<Incoming> {
-    // A URI in the form the replica is sent is kept as it is: most are.
-    let keep = if h2c {
-        request.uri().scheme() == Some(&hyper::http::uri::Scheme::HTTP) && request.uri().authority().is_some()
-    } else {
-        request.uri().authority().is_none()
-    };
-    if !keep {
-        let authority =
-            request.uri().authority().map(|a| a.as_str().to_string()).or_else(|| {
-                request.headers().get(hyper::header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string)
-            });
-        let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
-        if h2c {
-            if let Some(uri) = authority.and_then(|a| format!("http://{a}{path}").parse().ok()) {
+/// `request` as the replica is sent it, for the host it was routed by:
+/// in HTTP/2 with prior knowledge when the replica speaks it (the host in
+/// the URI, none in a header), else in HTTP/1.1 (the path in the request
+/// line, the host in a header). The replica sees the host the request was
+/// routed by and no other, whatever else the client wrote (RFC 9112
+/// §3.2.2: an absolute URI's authority wins over `Host`).
+fn upstream_request<B>(mut request: Request<B>, host: &str, h2c: bool) -> Request<B> {
+    let from_h2 = request.version() == Version::HTTP_2;
+    if h2c {
+        // Most are in this form already: a client with prior knowledge sends them so.
+        let uri = request.uri();
+        let keep = uri.scheme() == Some(&hyper::http::uri::Scheme::HTTP)
+            && uri.authority().is_some_and(|authority| authority.as_str() == host);
+        if !keep {
+            let path = uri.path_and_query().map_or("/", |p| p.as_str());
+            if let Ok(uri) = format!("http://{host}{path}").parse() {
                 *request.uri_mut() = uri;
             }
-        } else {
+        }
+        request.headers_mut().remove(hyper::header::HOST);
+    } else {
+        if request.uri().authority().is_some() {
+            let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
             if let Ok(uri) = path.parse() {
                 *request.uri_mut() = uri;
             }
-            if let Some(host) = authority.and_then(|a| hyper::header::HeaderValue::from_str(&a).ok()) {
-                request.headers_mut().entry(hyper::header::HOST).or_insert(host);
-            }
+        }
+        let stated = request.headers().get(hyper::header::HOST);
+        if stated.is_none_or(|stated| stated.as_bytes() != host.as_bytes())
+            && let Ok(host) = hyper::header::HeaderValue::from_str(host)
+        {
+            request.headers_mut().insert(hyper::header::HOST, host);
+        }
+        if from_h2 {
+            join_cookies(request.headers_mut());
         }
     }
     *request.version_mut() = if h2c { Version::HTTP_2 } else { Version::HTTP_11 };
     request
+}
+
+/// Whether an HTTP/1.1 request asks to switch protocols (RFC 9110 §7.8: an
+/// `Upgrade` named in `Connection`) to one the router joins byte for byte.
+/// Never to `h2c`: its connection would carry requests the router never
+/// reads, so none of its own headers (who called, from where) would reach
+/// the replica; such a request is served as the HTTP/1.1 it also is.
+fn switches_protocols(headers: &hyper::HeaderMap) -> bool {
+    let Some(protocols) = headers.get(hyper::header::UPGRADE) else { return false };
+    let asked = connection_options(headers).any(|option| option.eq_ignore_ascii_case("upgrade"));
+    asked
+        && protocols.to_str().is_ok_and(|protocols| !protocols.split(',').any(|p| p.trim().eq_ignore_ascii_case("h2c")))
+}
+
+/// The options a message's `Connection` headers list.
+fn connection_options(headers: &hyper::HeaderMap) -> impl Iterator<Item = &str> {
+    headers
+        .get_all(hyper::header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(str::trim)
+        .filter(|option| !option.is_empty())
+}
+
+/// Removes what describes one connection rather than the message (RFC 9110
+/// §7.6.1): `Connection` and every header it names, and the hop-by-hop
+/// headers of HTTP/1.1, so neither a client's connection options reach the
+/// replica (a `Connection: close` would end a kept connection) nor a
+/// replica's reach the client. The message's own framing
+/// (`Transfer-Encoding`, `Content-Length`) is hyper's to write.
+fn strip_hop_by_hop(headers: &mut hyper::HeaderMap) {
+    if headers.contains_key(hyper::header::CONNECTION) {
+        let named: Vec<hyper::header::HeaderName> =
+            connection_options(headers).filter_map(|option| option.parse().ok()).collect();
+        for name in named {
+            if name != hyper::header::TRANSFER_ENCODING && name != hyper::header::CONTENT_LENGTH {
+                headers.remove(name);
+            }
+        }
+        headers.remove(hyper::header::CONNECTION);
+    }
+    for name in ["keep-alive", "proxy-connection", "upgrade", "http2-settings"] {
+        headers.remove(name);
+    }
+}
+
+/// Joins the `cookie` fields an HTTP/2 client may split a cookie list into
+/// into the one `Cookie` header HTTP/1.1 allows (RFC 9113 §8.2.3), so an
+/// HTTP/1.1 replica reads every cookie.
+fn join_cookies(headers: &mut hyper::HeaderMap) {
+    let mut values = headers.get_all(hyper::header::COOKIE).iter();
+    if values.next().is_none() || values.next().is_none() {
+        return;
+    }
+    let joined: Vec<&[u8]> = headers.get_all(hyper::header::COOKIE).iter().map(|v| v.as_bytes()).collect();
+    if let Ok(joined) = hyper::header::HeaderValue::from_bytes(&joined.join(&b"; "[..])) {
+        headers.insert(hyper::header::COOKIE, joined);
+    }
 }
 
 /// What sending a request to one replica came to.
@@ -558,6 +707,9 @@ enum Sent {
     Refused(Box<Request<Incoming>>, String),
     /// The request was under way when it failed: it is not sent again.
     Failed(String),
+    /// The replica did not begin its answer within the response timeout:
+    /// the request may have reached it, so it is not sent again.
+    TimedOut,
 }
 
 /// One connection to a replica, through a tunnel.
@@ -811,7 +963,132 @@ fn plain(status: StatusCode, text: String) -> Response<Body> {
 
 #[cfg(test)]
 mod tests {
+    use berth_proto::identity::v1::NodeState;
+    use berth_proto::leases::v1::LeasePhase;
+
     use super::*;
+    use crate::routes::tests::{lease, node, service};
+
+    /// A proxy over a table where `web.default` has three replicas (leases
+    /// `l-a`, `l-b`, `l-c`), and the requests it counts.
+    fn proxy() -> (Arc<Proxy>, Arc<InFlight>) {
+        let mut sources = routes::Sources::default();
+        sources.services.insert("/web".into(), service("", "web", "web-00001"));
+        for id in ["l-a", "l-b", "l-c"] {
+            sources.leases.insert(id.into(), lease(id, "", "web", "web-00001", "n-1", LeasePhase::Running));
+        }
+        sources.nodes.insert("n-1".into(), node("n-1", NodeState::Up));
+        let (_, table) = watch::channel(Arc::new(RouteTable::build("berth.localhost", &sources)));
+        let inflight = InFlight::new(table.clone());
+        let ca = berth_mtls::CertificateAuthority::generate("mesh", std::time::Duration::from_secs(600)).unwrap();
+        let (cert, key_pem) =
+            ca.issue(&berth_core::Identity::router("r").unwrap(), &[], std::time::Duration::from_secs(600)).unwrap();
+        let material = berth_mtls::TlsMaterial {
+            cert_chain_pem: cert.cert_pem,
+            key_pem,
+            ca_bundle_pem: ca.cert_pem().to_string(),
+        };
+        let credentials = TlsCredentials::new(material).unwrap();
+        (Proxy::new(table, inflight.clone(), credentials, std::time::Duration::from_secs(1)), inflight)
+    }
+
+    #[test]
+    fn a_request_is_counted_against_each_replica_it_may_go_to_and_no_other() {
+        let (proxy, inflight) = proxy();
+        let mut firsts = std::collections::BTreeSet::new();
+        for _ in 0..60 {
+            let Ok(picked) = proxy.pick("web.default.berth.localhost", &hyper::HeaderMap::new()) else {
+                panic!("web has three replicas")
+            };
+            let tried: std::collections::BTreeMap<String, usize> =
+                picked.candidates.iter().map(|(endpoint, _)| (endpoint.lease_id.clone(), 1)).collect();
+            assert_eq!(tried.len(), 2, "one replica, then another to retry on");
+            assert_eq!(inflight.under_way(), tried, "counted against the replicas it may reach, and no other");
+            firsts.insert(picked.candidates[0].0.lease_id.clone());
+            drop(picked);
+            assert!(inflight.under_way().is_empty(), "a request that ended leaves nothing counted");
+        }
+        assert_eq!(firsts.len(), 3, "every replica is picked first in turn: {firsts:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_connection_with_no_request_head_is_let_go() {
+        use tokio::io::AsyncWriteExt as _;
+        let (proxy, _) = proxy();
+        let client = Client::new("192.0.2.7:40000".parse().unwrap(), false, None);
+        let limit = CLIENT_IDLE_TIMEOUT * 4;
+        // Nothing at all: not yet read as either protocol.
+        let (_silent, io) = tokio::io::duplex(4096);
+        let started = tokio::time::Instant::now();
+        let served =
+            tokio::time::timeout(limit, proxy.clone().serve_connection(io, client.clone(), Default::default()));
+        assert!(served.await.is_ok(), "a connection that sent nothing is held past {limit:?}");
+        assert!(started.elapsed() >= CLIENT_IDLE_TIMEOUT, "let go after {:?}", started.elapsed());
+        // Half a request head, as a slow client sends one.
+        let (mut slow, io) = tokio::io::duplex(4096);
+        slow.write_all(b"GET / HTTP/1.1\r\nHost: web.default.berth.localhost\r\n").await.unwrap();
+        let served = tokio::time::timeout(limit, proxy.serve_connection(io, client, Default::default()));
+        assert!(served.await.is_ok(), "a connection that never finished its request head is held past {limit:?}");
+    }
+
+    #[test]
+    fn the_replica_sees_the_host_it_was_routed_by_and_one_cookie_header() {
+        let host = "shop.default.berth.localhost";
+        // An absolute URI names where it is routed; a Host beside it is the client's word only.
+        let request =
+            Request::builder().uri(format!("http://{host}/reset")).header("host", "evil.example").body(()).unwrap();
+        let sent = upstream_request(request, host, false);
+        assert_eq!(sent.uri(), "/reset");
+        assert_eq!(sent.headers().get_all("host").iter().collect::<Vec<_>>(), [host]);
+        let sent = upstream_request(
+            Request::builder().uri(format!("http://{host}/reset")).header("host", "evil.example").body(()).unwrap(),
+            host,
+            true,
+        );
+        assert_eq!(sent.uri().to_string(), format!("http://{host}/reset"));
+        assert_eq!(sent.headers().get("host"), None, "HTTP/2 names the host in :authority alone");
+
+        // An HTTP/2 client may split its cookies into fields of their own.
+        let request = Request::builder()
+            .version(Version::HTTP_2)
+            .uri(format!("https://{host}/"))
+            .header("cookie", "a=1")
+            .header("cookie", "b=2")
+            .body(())
+            .unwrap();
+        let sent = upstream_request(request, host, false);
+        assert_eq!(sent.headers().get_all("cookie").iter().collect::<Vec<_>>(), ["a=1; b=2"]);
+        assert_eq!(sent.version(), Version::HTTP_11);
+    }
+
+    #[test]
+    fn only_a_named_upgrade_other_than_h2c_switches_and_connection_options_go_no_further() {
+        let headers = |pairs: &[(&str, &str)]| {
+            let mut headers = hyper::HeaderMap::new();
+            for (name, value) in pairs {
+                headers.append(hyper::header::HeaderName::from_bytes(name.as_bytes()).unwrap(), value.parse().unwrap());
+            }
+            headers
+        };
+        assert!(switches_protocols(&headers(&[("connection", "Upgrade"), ("upgrade", "websocket")])));
+        assert!(switches_protocols(&headers(&[("connection", "keep-alive, upgrade"), ("upgrade", "echo")])));
+        assert!(!switches_protocols(&headers(&[("upgrade", "websocket")])), "an upgrade the client did not name");
+        assert!(
+            !switches_protocols(&headers(&[("connection", "Upgrade, HTTP2-Settings"), ("upgrade", "h2c")])),
+            "curl --http2 asks for h2c: served as the HTTP/1.1 it also is"
+        );
+
+        let mut asked = headers(&[
+            ("connection", "Upgrade, HTTP2-Settings, x-trace"),
+            ("upgrade", "h2c"),
+            ("http2-settings", "AAMAAABkAAQCAAAAAAIAAAAA"),
+            ("x-trace", "1"),
+            ("keep-alive", "timeout=5"),
+            ("x-kept", "yes"),
+        ]);
+        strip_hop_by_hop(&mut asked);
+        assert_eq!(asked.keys().map(|name| name.as_str()).collect::<Vec<_>>(), ["x-kept"]);
+    }
 
     #[test]
     fn a_session_key_is_the_header_or_cookie_and_a_client_without_the_cookie_is_given_one() {

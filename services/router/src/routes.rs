@@ -337,9 +337,13 @@ impl RouteTable {
             Ok(read) => read,
             Err(looked_for) => return Resolution::Unknown { looked_for },
         };
-        // `<tag>--<service>` names one tagged share, when the service has that tag.
-        let tagged =
-            label.split_once("--").map(|(tag, service)| (tag.to_string(), (project.clone(), service.to_string())));
+        // `<tag>--<service>` names one tagged share, when the service has
+        // that tag; an empty tag names none (untagged shares are reached
+        // only by the split).
+        let tagged = label
+            .split_once("--")
+            .filter(|(tag, _)| !tag.is_empty())
+            .map(|(tag, service)| (tag.to_string(), (project.clone(), service.to_string())));
         let key: ServiceKey = (project, label);
         let roll = roll(self.affinities.get(tagged.as_ref().map_or(&key, |(_, service)| service)));
         if let Some((tag, service)) = &tagged
@@ -406,13 +410,13 @@ fn strip_port(host: &str) -> &str {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use berth_proto::leases::v1::Workload;
     use berth_proto::revisions::v1::ServiceStatus;
 
     use super::*;
 
-    fn service(project: &str, name: &str, live: &str) -> Service {
+    pub(crate) fn service(project: &str, name: &str, live: &str) -> Service {
         Service {
             project: project.into(),
             name: name.into(),
@@ -421,7 +425,14 @@ mod tests {
         }
     }
 
-    fn lease(id: &str, project: &str, service: &str, revision: &str, node: &str, phase: LeasePhase) -> Lease {
+    pub(crate) fn lease(
+        id: &str,
+        project: &str,
+        service: &str,
+        revision: &str,
+        node: &str,
+        phase: LeasePhase,
+    ) -> Lease {
         Lease {
             lease_id: id.into(),
             project: project.into(),
@@ -432,7 +443,7 @@ mod tests {
         }
     }
 
-    fn node(id: &str, state: NodeState) -> Node {
+    pub(crate) fn node(id: &str, state: NodeState) -> Node {
         Node { node_id: id.into(), advertise_addr: format!("{id}:7447"), state: state as i32, ..Default::default() }
     }
 
@@ -614,6 +625,11 @@ mod tests {
         assert_eq!(
             table.resolve("nope--hello.default.berth.localhost", 0.0),
             Resolution::Unknown { looked_for: "service nope--hello in project default".into() }
+        );
+        assert_eq!(
+            table.resolve("--hello.default.berth.localhost", 0.999),
+            Resolution::Unknown { looked_for: "service --hello in project default".into() },
+            "an empty tag names no share, not the first untagged one"
         );
 
         // A share with no replica takes none of the traffic: the rest is
