@@ -77,6 +77,9 @@ const CLIENT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// whose client does not answer within [`CLIENT_PING_TIMEOUT`] is closed.
 const CLIENT_PING_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// How long a connection closed for its silence is given to say goodbye.
+const CLIENT_GOODBYE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How long an HTTP/2 client has to answer a ping.
 const CLIENT_PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
@@ -251,6 +254,9 @@ impl Proxy {
             served = connection.as_mut() => served,
             () = silent => {
                 tracing::debug!("a client sent no request within {CLIENT_IDLE_TIMEOUT:?}; closing its connection");
+                // An HTTP/2 client is told (GOAWAY) rather than cut off.
+                connection.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(CLIENT_GOODBYE, connection.as_mut()).await;
                 return;
             }
             () = shutdown.cancelled() => {
