@@ -70,14 +70,6 @@ pub(crate) struct DataPlane {
     pub(crate) shutdown: CancellationToken,
 }
 
-impl DataPlane {
-    /// The node port of the lease and port `open` names, once it is sure
-    /// the lease runs here.
-    fn admit(&self, open: &v1::TunnelOpen) -> Result<(String, u16), Status> {
-        admit(&self.board, open)
-    }
-}
-
 /// The node port of the lease and port `open` names, once `board` says the
 /// lease runs here and is not being stopped.
 fn admit(board: &InstanceBoard, open: &v1::TunnelOpen) -> Result<(String, u16), Status> {
@@ -144,7 +136,7 @@ impl v1::data_plane_server::DataPlane for DataPlane {
                 first.data.len()
             )));
         }
-        let (lease_id, port) = self.admit(&open)?;
+        let (lease_id, port) = admit(&self.board, &open)?;
         let upstream = self.connect(&lease_id, port).await?;
         let _ = upstream.set_nodelay(true);
         tracing::debug!(%lease_id, port, "tunnel open");

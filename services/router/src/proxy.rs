@@ -358,18 +358,22 @@ impl Proxy {
     ) -> Response<Body> {
         forwarded_headers(&mut request, host, &client);
         let version = request.version();
-        // Every endpoint of a share runs one revision, so speaks one protocol.
-        let Some(h2c) = candidates.first().map(|(endpoint, _)| endpoint.h2c) else {
+        let mut candidates = candidates.into_iter();
+        let Some(first) = candidates.next() else {
             return plain(StatusCode::BAD_GATEWAY, "no replica could be reached: none was picked".to_string());
         };
+        // Every endpoint of a share runs one revision, so speaks one protocol.
+        let h2c = first.0.h2c;
         if !h2c && version == Version::HTTP_11 && switches_protocols(request.headers()) {
-            return self.upgrade(request, host, candidates).await;
+            // A switch of protocols goes to the first only: the others' counts end here.
+            drop(candidates);
+            return self.upgrade(request, host, first).await;
         }
         strip_hop_by_hop(request.headers_mut());
         let mut request = upstream_request(request, host, h2c);
         let mut tried = Vec::new();
         // The second replica only when the first refused before any byte reached it.
-        for (endpoint, guard) in candidates {
+        for (endpoint, guard) in std::iter::once(first).chain(candidates) {
             match self.send(&endpoint, request).await {
                 Sent::Answered(mut response, kept) => {
                     if !h2c {
@@ -402,14 +406,10 @@ impl Proxy {
         &self,
         mut request: Request<Incoming>,
         host: &str,
-        candidates: Vec<(Arc<Endpoint>, InFlightGuard)>,
+        (endpoint, guard): (Arc<Endpoint>, InFlightGuard),
     ) -> Response<Body> {
         let client_side = hyper::upgrade::on(&mut request);
         let request = upstream_request(request, host, false);
-        // A switch of protocols goes to the first only: the others' counts end here.
-        let Some((endpoint, guard)) = candidates.into_iter().next() else {
-            return plain(StatusCode::BAD_GATEWAY, "no replica could be reached: none was picked".to_string());
-        };
         let tunnel = match self.open(&endpoint).await {
             Ok(tunnel) => tunnel,
             Err(error) => return plain(StatusCode::BAD_GATEWAY, format!("no replica could be reached: {error}")),
