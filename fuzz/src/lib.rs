@@ -429,6 +429,7 @@ impl Harness {
             remote_addr: ([127, 0, 0, 1], 40_000).into(),
             identity: Some(self.admin.clone()),
             issued_at: None,
+            expires_at: None,
         };
         request.extensions_mut().insert(peer);
         request

@@ -5,7 +5,10 @@
 //! The owner of the credentials (the agent's heartbeater after a renewal, a
 //! service's certificate reloader) calls [`TlsCredentials::reload`]; every
 //! listener and connector holding a clone sees the new material on its next
-//! handshake. Established connections keep the material they were made with.
+//! handshake. Established connections keep the material they were made with
+//! (the mesh's servers close one once its peer's certificate expired), and
+//! no session is resumed: every handshake verifies the certificate its peer
+//! presents against the bundle and the clock of that moment.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -196,6 +199,13 @@ fn load(material: TlsMaterial, workload_bundle_pem: Option<Arc<str>>) -> Result<
         .with_single_cert(chain.clone(), key.clone_key())
         .map_err(MtlsError::Tls)?;
     server.alpn_protocols = vec![ALPN_H2.to_vec()];
+    // No session resumption: a resumed session skips the client
+    // certificate's verification and carries the one first presented, so
+    // it would admit a certificate that has expired (or whose authority
+    // left the bundle) since. Mesh connections are long-lived; a full
+    // handshake on each is cheap beside that.
+    server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    server.send_tls13_tickets = 0;
 
     let server_verifier = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
         .build()
@@ -266,6 +276,12 @@ pub fn public_server_config(
     };
     let mut server = builder.with_single_cert(chain, key).map_err(MtlsError::Tls)?;
     server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    if workload_bundle_pem.is_some() {
+        // As the mesh's: a resumed session would carry a client's SVID
+        // past its expiry, unverified.
+        server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        server.send_tls13_tickets = 0;
+    }
     Ok(Arc::new(server))
 }
 

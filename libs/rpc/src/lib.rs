@@ -25,7 +25,7 @@ pub use access::{AccessLayer, AccessPolicy, caller, require_own_node, require_ow
 pub use client::{
     Channel, ClientError, FollowingChannel, PER_CALL_HEADERS, UnindexedPerCallHeaders, connect, connect_anonymous,
 };
-pub use listener::{Listener, PeerInfo};
+pub use listener::{EXPIRED_GRACE, Listener, PeerInfo, certificate_expired};
 pub use revocations::{CertificateFloor, Revocations};
 pub use server::{
     MAX_REQUEST_BYTES, READINESS_INTERVAL, READINESS_TIMEOUT, ReadinessProbe, RpcError, ServerBuilder, ServingHealth,

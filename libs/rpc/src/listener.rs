@@ -8,6 +8,12 @@
 //!   next connection without restarting the listener.
 //! - A slow or silent client costs one task until [`HANDSHAKE_TIMEOUT`], and
 //!   never delays other clients' handshakes.
+//! - A peer is admitted for as long as its certificate is valid, not for as
+//!   long as it keeps its connection: the server closes a connection once
+//!   its peer's certificate expired (see [`certificate_expired`]), and the
+//!   peer's next handshake needs a certificate valid then. Short-lived
+//!   certificates are how the mesh limits a leaked key, so a connection
+//!   held open must not outlive them.
 
 use std::io;
 use std::net::SocketAddr;
@@ -46,6 +52,33 @@ pub struct PeerInfo {
     /// Unix epoch; `None` when it presented none. A node's certificates
     /// issued before its floor are refused (see [`Revocations`](crate::Revocations)).
     pub issued_at: Option<i64>,
+    /// When its certificate expires (its notAfter), seconds since the Unix
+    /// epoch; `None` when it presented none. Its connection is closed then.
+    pub expires_at: Option<i64>,
+}
+
+/// Certificates valid for longer than this from a connection's start keep
+/// no timer: no connection is expected to last that long, and tokio's timer
+/// takes deadlines within about two years.
+const LONGEST_EXPIRY_WAIT: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// How long the calls under way on a connection whose peer's certificate
+/// expired may take to finish once it is told (GOAWAY) to start no new one;
+/// then it is closed.
+pub const EXPIRED_GRACE: Duration = Duration::from_secs(5);
+
+/// Completes once a certificate valid until `expires_at` (seconds since the
+/// Unix epoch, as [`PeerInfo::expires_at`]) has expired, by this host's
+/// clock, the one its handshakes are checked against; never for `None`, or
+/// for one valid for over a year more.
+pub async fn certificate_expired(expires_at: Option<i64>) {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let left = expires_at.map(|at| Duration::from_secs(u64::try_from(at).unwrap_or(0)).saturating_sub(now));
+    match left {
+        // The last whole second of a notAfter is still within it.
+        Some(left) if left <= LONGEST_EXPIRY_WAIT => tokio::time::sleep(left + Duration::from_secs(1)).await,
+        _ => std::future::pending().await,
+    }
 }
 
 /// A bound TCP socket and the credentials its handshakes use.
@@ -125,8 +158,9 @@ async fn handshake(
         Ok(Ok(tls)) => {
             let leaf = tls.get_ref().1.peer_certificates().and_then(|certs| certs.first());
             let identity = leaf.and_then(identity_from_cert);
-            let issued_at = leaf.and_then(|cert| cert_validity(cert).ok()).map(|(from, _)| from);
-            let info = PeerInfo { remote_addr, identity, issued_at };
+            let validity = leaf.and_then(|cert| cert_validity(cert).ok());
+            let (issued_at, expires_at) = (validity.map(|(from, _)| from), validity.map(|(_, to)| to));
+            let info = PeerInfo { remote_addr, identity, issued_at, expires_at };
             let _ = tx.send(MtlsStream { tls, info, thread }).await;
         }
         Ok(Err(error)) => tracing::debug!(%remote_addr, %error, "tls handshake refused"),

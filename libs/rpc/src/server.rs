@@ -11,7 +11,11 @@
 //! 6 KiB per connection) and the size of the header table a caller may fill.
 //! What tonic's loop did besides is kept: the caller's [`PeerInfo`](crate::PeerInfo) in every
 //! request's extensions, HTTP/2 keepalive pings, caller deadlines
-//! (`grpc-timeout`, see [`crate::deadline`]), and a graceful drain.
+//! (`grpc-timeout`, see [`crate::deadline`]), and a graceful drain. Added:
+//! a connection whose peer's certificate expired is told (GOAWAY) to start
+//! no new call and closed [`EXPIRED_GRACE`](crate::EXPIRED_GRACE) later, so
+//! an identity lasts as long as its certificate, not its connection (a
+//! client that renewed dials again with its new one).
 //!
 //! # Shutdown
 //! When the token is cancelled the health service turns `NOT_SERVING`, the
@@ -121,6 +125,7 @@ pub struct ServerBuilder {
     health_service: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
     readiness: Option<ReadinessProbe>,
     threads: Option<Arc<ServingThreads>>,
+    max_streams: Option<u32>,
 }
 
 impl std::fmt::Debug for ServerBuilder {
@@ -151,6 +156,7 @@ impl ServerBuilder {
             health_service,
             readiness: None,
             threads: None,
+            max_streams: None,
         }
     }
 
@@ -178,6 +184,17 @@ impl ServerBuilder {
     /// single-threaded runtimes, so none may block.
     pub fn with_serving_threads(mut self, threads: Arc<ServingThreads>) -> Self {
         self.threads = Some(threads);
+        self
+    }
+
+    /// Lets each connection hold at most `streams` calls open at once (no
+    /// limit by default, as tonic's server): for a server whose callers hold
+    /// a stream per unit of their traffic, so that one caller cannot hold
+    /// open without bound what each stream costs the server. A caller past
+    /// the limit waits for one of its calls to end (its HTTP/2 client holds
+    /// the new one back).
+    pub fn with_max_streams(mut self, streams: u32) -> Self {
+        self.max_streams = Some(streams);
         self
     }
 
@@ -246,9 +263,10 @@ impl ServerBuilder {
             .keep_alive_interval(KEEPALIVE_INTERVAL)
             .header_table_size(HEADER_TABLE_BYTES)
             .auto_date_header(false)
-            // As tonic's server: no cap of hyper's own (200), which would
-            // queue a busy control-plane client's calls on its connection.
-            .max_concurrent_streams(None);
+            // Unless the server sets one, no cap: as tonic's server, not
+            // hyper's own (200), which would queue a busy control-plane
+            // client's calls on its connection.
+            .max_concurrent_streams(self.max_streams);
 
         let connections = TaskTracker::new();
         let threads = self.threads.take();
@@ -263,6 +281,7 @@ impl ServerBuilder {
             };
             let info = stream.info().clone();
             let thread = stream.thread();
+            let (expires_at, peer, remote_addr) = (info.expires_at, info.identity.clone(), info.remote_addr);
             let service = service.clone();
             let calls = service_fn(move |req: http::Request<hyper::body::Incoming>| {
                 let mut req = req.map(tonic::body::Body::new);
@@ -277,12 +296,23 @@ impl ServerBuilder {
             let mut connection = Box::pin(http2.serve_connection(TokioIo::new(stream), calls));
             let shutdown = shutdown.clone();
             let serving = connections.track_future(async move {
+                let expired = crate::listener::certificate_expired(expires_at);
+                tokio::pin!(expired);
                 let served = tokio::select! {
                     served = &mut connection => served,
                     () = shutdown.cancelled() => {
                         // GOAWAY: calls in flight finish, no new ones start.
                         connection.as_mut().graceful_shutdown();
                         connection.await
+                    }
+                    () = &mut expired => {
+                        let peer = peer.as_ref().map_or_else(|| "a peer".to_string(), ToString::to_string);
+                        tracing::info!(%peer, %remote_addr, "its certificate expired; closing its connection");
+                        connection.as_mut().graceful_shutdown();
+                        match tokio::time::timeout(crate::listener::EXPIRED_GRACE, &mut connection).await {
+                            Ok(served) => served,
+                            Err(_) => Ok(()),
+                        }
                     }
                 };
                 if let Err(error) = served {

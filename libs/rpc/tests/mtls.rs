@@ -169,6 +169,36 @@ async fn expired_cert_is_refused_at_the_handshake() {
     assert!(format!("{status:?}").contains("CertificateExpired"), "{status:?}");
 }
 
+#[tokio::test]
+async fn a_connection_is_closed_once_its_clients_certificate_expired_and_cannot_come_back_with_it() {
+    let ca = ca();
+    let server = serve(&ca).await;
+    let now = time::OffsetDateTime::now_utc();
+    let not_after = now + time::Duration::seconds(3);
+    let (cert, key) = ca
+        .issue_with_validity(&Identity::admin("ops").unwrap(), &[], now - time::Duration::minutes(1), not_after)
+        .unwrap();
+    let m = TlsMaterial { cert_chain_pem: cert.cert_pem, key_pem: key, ca_bundle_pem: ca.cert_pem().to_string() };
+    let client = berth_rpc::connect(&server.addr.to_string(), TlsCredentials::new(m).unwrap()).unwrap();
+
+    // A stream held open on the connection, as a watch or a heartbeat is.
+    let mut watch = HealthClient::new(client.clone())
+        .watch(HealthCheckRequest { service: String::new() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(watch.message().await.unwrap().unwrap().status, ServingStatus::Serving as i32);
+    let held =
+        tokio::time::timeout(Duration::from_secs(30), async { while let Ok(Some(_)) = watch.message().await {} }).await;
+    assert!(held.is_ok(), "the connection outlived its client's certificate by 30 s");
+    let ended = time::OffsetDateTime::now_utc();
+    assert!(ended > not_after, "the stream ended at {ended}, before the certificate expired at {not_after}");
+
+    // The same channel dials again, and the expired certificate is refused.
+    let status = health(client).await.unwrap_err();
+    assert!(format!("{status:?}").contains("CertificateExpired"), "{status:?}");
+}
+
 /// The certificate the server presents on a fresh handshake.
 async fn served_fingerprint(addr: SocketAddr, ca: &CertificateAuthority) -> String {
     let config = berth_mtls::anonymous_client_config(ca.cert_pem()).unwrap();
@@ -302,4 +332,36 @@ async fn a_server_on_serving_threads_answers_each_connection_on_the_thread_it_wa
 
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(15), serving).await.unwrap().unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_connection_holds_at_most_the_servers_streams_open_and_the_next_call_waits_for_one_to_end() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = ca();
+    let listener =
+        Listener::bind("127.0.0.1:0".parse().unwrap(), creds(&ca, &Identity::service("agent").unwrap())).await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let stop = CancellationToken::new();
+    let server = ServerBuilder::new().with_max_streams(2).add_service(join_tokens_server::JoinTokensServer::new(Stub));
+    tokio::spawn(server.serve(listener, stop.clone()));
+    let channel = berth_rpc::connect(&addr, creds(&ca, &Identity::admin("ops").unwrap())).unwrap();
+
+    let watch = || async {
+        let mut stream = HealthClient::new(channel.clone())
+            .watch(HealthCheckRequest { service: String::new() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(stream.message().await.unwrap().unwrap().status, ServingStatus::Serving as i32);
+        stream
+    };
+    let first = watch().await;
+    let _second = watch().await;
+    let third = tokio::spawn(health(channel.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!third.is_finished(), "a third call ran beside two streams held open");
+    drop(first);
+    let answered = tokio::time::timeout(Duration::from_secs(10), third).await;
+    assert_eq!(answered.unwrap().unwrap().unwrap(), ServingStatus::Serving as i32, "it runs once one ended");
+    stop.cancel();
 }

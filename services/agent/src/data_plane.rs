@@ -23,6 +23,9 @@
 //!   ends it (within [`CLOSE_GRACE`]). A router's tunnels share its
 //!   connection (one per router thread), and h2 ends a connection whose
 //!   peer made it reset 1024 streams, with every tunnel on it.
+//! - What an open tunnel costs the node is bounded: it holds no read buffer
+//!   between reads of the replica, and one connection holds at most
+//!   [`TUNNELS_PER_CONNECTION`] open.
 //! - Where the node isolates egress, the replica is dialled on the loopback
 //!   of its tenant's network namespace (so it may listen there only);
 //!   otherwise on the host's loopback (see [`crate::dial`]).
@@ -44,6 +47,15 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::board::InstanceBoard;
 use crate::dial::Dialer;
+
+/// The most streams one connection to the agent holds open at once:
+/// tunnels, and the agent API's calls beside them. A router keeps one
+/// connection per serving thread to each agent, and a tunnel for each
+/// connection it holds to a replica here (each kept HTTP/1.1 one, at most
+/// 64 per replica, each replica's HTTP/2 one, each upgraded one), so this
+/// bounds what one router thread holds open on the node. Past it, a
+/// router's new tunnel waits for one to end, within its open timeout.
+pub(crate) const TUNNELS_PER_CONNECTION: u32 = 16_384;
 
 /// How long a caller may take to send a tunnel's first frame.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -195,7 +207,6 @@ impl v1::data_plane_server::DataPlane for DataPlane {
             lease_id,
             port,
             reading,
-            buffer: vec![0u8; CHUNK_BYTES],
             stopping: Box::pin(shutdown.cancelled_owned()),
             done: Some(done.drop_guard()),
         };
@@ -216,7 +227,6 @@ struct FromReplica {
     lease_id: String,
     port: u16,
     reading: OwnedReadHalf,
-    buffer: Vec<u8>,
     stopping: Pin<Box<WaitForCancellationFutureOwned>>,
     /// Cancels the tunnel's `done` when the stream ends or is dropped.
     done: Option<DropGuard>,
@@ -234,7 +244,11 @@ impl Stream for FromReplica {
             this.done = None;
             return Poll::Ready(Some(Err(Status::unavailable("the node agent is stopping"))));
         }
-        let mut buffer = ReadBuf::new(&mut this.buffer);
+        // Read onto the stack, uninitialised, and copied out at the size
+        // read: a tunnel holds no buffer of its own between reads, however
+        // many are open and idle.
+        let mut chunk = [std::mem::MaybeUninit::<u8>::uninit(); CHUNK_BYTES];
+        let mut buffer = ReadBuf::uninit(&mut chunk);
         let frame = match Pin::new(&mut this.reading).poll_read(cx, &mut buffer) {
             Poll::Pending => return Poll::Pending,
             Poll::Ready(Ok(())) if buffer.filled().is_empty() => None,

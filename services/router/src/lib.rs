@@ -233,7 +233,7 @@ pub fn start(
     tokio::spawn(acks::acknowledge(inflight.clone(), revisions, config.instance, shutdown.clone()));
     let threads = berth_rpc::threads::ServingThreads::per_cpu("router").map_err(RouterError::Threads)?;
     let proxy = proxy::Proxies::new(threads, &shared.table(), &inflight, &config.credentials, config.response_timeout);
-    proxy.forget_gone_agents(shutdown);
+    proxy.let_go_of_unused(shutdown);
     let connections = TaskTracker::new();
     if let Some(http) = public.http {
         tracing::info!(addr = ?http.local_addr().ok(), domain = %config.domain, "router serving HTTP");

@@ -36,6 +36,9 @@
 //! - A connection, and every connection made to serve its requests, lives
 //!   on the serving thread it was dealt to; the threads outlive the
 //!   listeners until the last connection's requests finish.
+//! - A client is named to a replica as a workload (`X-Forwarded-Client-Cert`)
+//!   only while the SVID it presented is valid: its connection is closed
+//!   once the SVID expires, and no TLS session is resumed past it.
 //! - The connection to an agent, and those to a replica, no route names
 //!   any more are dropped with the table that stopped naming them (a
 //!   revoked or removed node, a replica out of the routes).
@@ -138,10 +141,11 @@ impl Proxies {
         Arc::new(Proxies { threads, proxies })
     }
 
-    /// Drops, on every thread, the connections the table no longer names.
-    pub(crate) fn forget_gone_agents(&self, shutdown: &CancellationToken) {
+    /// Drops, on every thread, the connections the table no longer names
+    /// and those idle for longer than they are kept.
+    pub(crate) fn let_go_of_unused(&self, shutdown: &CancellationToken) {
         for proxy in &self.proxies {
-            tokio::spawn(proxy.clone().forget_gone_agents(shutdown.clone()));
+            tokio::spawn(proxy.clone().let_go_of_unused(shutdown.clone()));
         }
     }
 
@@ -178,14 +182,18 @@ impl Proxies {
                 let proxy = held.proxies[thread].clone();
                 match tls {
                     None => {
-                        let client = Client::new(client, false, None);
+                        let client = Client::new(client, false, None, None);
                         proxy.serve_connection(stream, client, shutdown).await;
                     }
                     Some(tls) => match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
                         Ok(Ok(stream)) => {
-                            let workload =
-                                stream.get_ref().1.peer_certificates().and_then(|c| c.first()).and_then(xfcc);
-                            let client = Client::new(client, true, workload);
+                            let leaf = stream.get_ref().1.peer_certificates().and_then(|c| c.first());
+                            let workload = leaf.and_then(xfcc);
+                            let expires_at = leaf
+                                .filter(|_| workload.is_some())
+                                .and_then(|leaf| berth_mtls::cert_validity(leaf).ok())
+                                .map(|(_, to)| to);
+                            let client = Client::new(client, true, workload, expires_at);
                             proxy.serve_connection(stream, client, shutdown).await;
                         }
                         Ok(Err(error)) => tracing::debug!(%error, "a client's TLS handshake failed"),
@@ -224,7 +232,7 @@ impl Proxy {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let asked = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let first = asked.clone();
+        let (first, expires_at) = (asked.clone(), client.expires_at);
         let service = hyper::service::service_fn(move |request| {
             if !first.load(std::sync::atomic::Ordering::Relaxed) {
                 first.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -259,6 +267,12 @@ impl Proxy {
                 let _ = tokio::time::timeout(CLIENT_GOODBYE, connection.as_mut()).await;
                 return;
             }
+            () = berth_rpc::certificate_expired(expires_at) => {
+                tracing::debug!("a workload's SVID expired; closing its connection");
+                connection.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(berth_rpc::EXPIRED_GRACE, connection.as_mut()).await;
+                return;
+            }
             () = shutdown.cancelled() => {
                 connection.as_mut().graceful_shutdown();
                 match tokio::time::timeout(SHUTDOWN_GRACE, connection.as_mut()).await {
@@ -273,12 +287,21 @@ impl Proxy {
     }
 
     /// Drops the channel of every agent, and the connections to every
-    /// replica, the table no longer names.
-    pub(crate) async fn forget_gone_agents(self: Arc<Self>, shutdown: CancellationToken) {
+    /// replica, the table no longer names; and, every [`SWEEP_EVERY`], the
+    /// HTTP/1.1 connections idle for longer than [`IDLE_FOR`], which a
+    /// replica that no request reaches any more would otherwise keep (and
+    /// its agent with it) until its route changes.
+    pub(crate) async fn let_go_of_unused(self: Arc<Self>, shutdown: CancellationToken) {
         let mut table = self.table.clone();
+        let mut sweeps = tokio::time::interval(SWEEP_EVERY);
+        sweeps.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
+                _ = sweeps.tick() => {
+                    self.pool.sweep();
+                    continue;
+                }
                 changed = table.changed() => if changed.is_err() { return },
             }
             let current = table.borrow_and_update().clone();
@@ -766,8 +789,16 @@ const IDLE_PER_REPLICA: usize = 64;
 /// a replica no request reaches any more holds open through its agent.
 const IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(90);
 
+/// How often idle HTTP/1.1 connections past [`IDLE_FOR`] are closed.
+const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// An HTTP/1.1 connection waiting for its next request, and since when.
-type Idle = (std::time::Instant, hyper::client::conn::http1::SendRequest<Incoming>);
+type Idle = (tokio::time::Instant, hyper::client::conn::http1::SendRequest<Incoming>);
+
+/// Whether `idle` may still take a request at `now`.
+fn still_kept(now: tokio::time::Instant, (since, sender): &Idle) -> bool {
+    now.duration_since(*since) < IDLE_FOR && !sender.is_closed()
+}
 
 /// Connections to replicas kept for the next request, by lease: idle
 /// HTTP/1.1 connections, or the one HTTP/2 connection every request shares.
@@ -798,8 +829,8 @@ impl Pool {
         }
         let mut http1 = Self::lock(&self.http1);
         let idle = http1.get_mut(lease_id)?;
-        let now = std::time::Instant::now();
-        idle.retain(|(since, sender)| now.duration_since(*since) < IDLE_FOR && !sender.is_closed());
+        let now = tokio::time::Instant::now();
+        idle.retain(|kept| still_kept(now, kept));
         idle.pop().map(|(_, sender)| Upstream::Http1(sender))
     }
 
@@ -820,11 +851,20 @@ impl Pool {
     fn put_back(&self, lease_id: String, sender: hyper::client::conn::http1::SendRequest<Incoming>) {
         let mut http1 = Self::lock(&self.http1);
         let idle = http1.entry(lease_id).or_default();
-        let now = std::time::Instant::now();
-        idle.retain(|(since, _)| now.duration_since(*since) < IDLE_FOR);
+        let now = tokio::time::Instant::now();
+        idle.retain(|kept| still_kept(now, kept));
         if idle.len() < IDLE_PER_REPLICA {
             idle.push((now, sender));
         }
+    }
+
+    /// Drops the HTTP/1.1 connections idle for [`IDLE_FOR`] or closed.
+    fn sweep(&self) {
+        let now = tokio::time::Instant::now();
+        Self::lock(&self.http1).retain(|_, idle| {
+            idle.retain(|kept| still_kept(now, kept));
+            !idle.is_empty()
+        });
     }
 
     /// Drops the connections of every lease not in `leases`.
@@ -907,13 +947,22 @@ struct Client {
     /// The `X-Forwarded-Client-Cert` naming the workload that presented its
     /// SVID, if one did.
     workload: Option<hyper::header::HeaderValue>,
+    /// When that SVID expires (seconds since the Unix epoch): the
+    /// connection is closed then, and the workload dials again with its
+    /// renewed one to be named again.
+    expires_at: Option<i64>,
 }
 
 impl Client {
-    fn new(addr: std::net::SocketAddr, tls: bool, workload: Option<hyper::header::HeaderValue>) -> Client {
+    fn new(
+        addr: std::net::SocketAddr,
+        tls: bool,
+        workload: Option<hyper::header::HeaderValue>,
+        expires_at: Option<i64>,
+    ) -> Client {
         let ip = hyper::header::HeaderValue::from_str(&addr.ip().to_string())
             .unwrap_or_else(|_| hyper::header::HeaderValue::from_static("unknown"));
-        Client { ip, tls, workload }
+        Client { ip, tls, workload, expires_at }
     }
 }
 
@@ -978,13 +1027,19 @@ mod tests {
     /// A proxy over a table where `web.default` has three replicas (leases
     /// `l-a`, `l-b`, `l-c`), and the requests it counts.
     fn proxy() -> (Arc<Proxy>, Arc<InFlight>) {
+        let (proxy, inflight, _) = proxy_and_table();
+        (proxy, inflight)
+    }
+
+    /// [`proxy`], and the table's sender, for a test that follows it.
+    fn proxy_and_table() -> (Arc<Proxy>, Arc<InFlight>, watch::Sender<Arc<RouteTable>>) {
         let mut sources = routes::Sources::default();
         sources.services.insert("/web".into(), service("", "web", "web-00001"));
         for id in ["l-a", "l-b", "l-c"] {
             sources.leases.insert(id.into(), lease(id, "", "web", "web-00001", "n-1", LeasePhase::Running));
         }
         sources.nodes.insert("n-1".into(), node("n-1", NodeState::Up));
-        let (_, table) = watch::channel(Arc::new(RouteTable::build("berth.localhost", &sources)));
+        let (sender, table) = watch::channel(Arc::new(RouteTable::build("berth.localhost", &sources)));
         let inflight = InFlight::new(table.clone());
         let ca = berth_mtls::CertificateAuthority::generate("mesh", std::time::Duration::from_secs(600)).unwrap();
         let (cert, key_pem) =
@@ -995,7 +1050,7 @@ mod tests {
             ca_bundle_pem: ca.cert_pem().to_string(),
         };
         let credentials = TlsCredentials::new(material).unwrap();
-        (Proxy::new(table, inflight.clone(), credentials, std::time::Duration::from_secs(1)), inflight)
+        (Proxy::new(table, inflight.clone(), credentials, std::time::Duration::from_secs(1)), inflight, sender)
     }
 
     #[test]
@@ -1021,7 +1076,7 @@ mod tests {
     async fn a_client_connection_with_no_request_head_is_let_go() {
         use tokio::io::AsyncWriteExt as _;
         let (proxy, _) = proxy();
-        let client = Client::new("192.0.2.7:40000".parse().unwrap(), false, None);
+        let client = Client::new("192.0.2.7:40000".parse().unwrap(), false, None, None);
         let limit = CLIENT_IDLE_TIMEOUT * 4;
         // Nothing at all: not yet read as either protocol.
         let (_silent, io) = tokio::io::duplex(4096);
@@ -1035,6 +1090,62 @@ mod tests {
         slow.write_all(b"GET / HTTP/1.1\r\nHost: web.default.berth.localhost\r\n").await.unwrap();
         let served = tokio::time::timeout(limit, proxy.serve_connection(io, client, Default::default()));
         assert!(served.await.is_ok(), "a connection that never finished its request head is held past {limit:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_workloads_connection_is_closed_when_the_svid_it_was_named_by_expires() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let (proxy, _) = proxy();
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        let workload = hyper::header::HeaderValue::from_static("Hash=00;URI=spiffe://berth.internal/ns/shop/lease/l-1");
+        let expires_at = i64::try_from(now).unwrap() + 10;
+        let client = Client::new("192.0.2.7:40000".parse().unwrap(), true, Some(workload), Some(expires_at));
+        let (mut peer, io) = tokio::io::duplex(4096);
+        let started = tokio::time::Instant::now();
+        let serving = tokio::spawn(proxy.serve_connection(io, client, Default::default()));
+        peer.write_all(b"GET / HTTP/1.1\r\nHost: nowhere.default.berth.localhost\r\n\r\n").await.unwrap();
+        let mut answer = [0u8; 512];
+        let n = peer.read(&mut answer).await.unwrap();
+        assert!(answer[..n].starts_with(b"HTTP/1.1 404"), "{}", String::from_utf8_lossy(&answer[..n]));
+
+        // Kept open for the next request, it is closed once the SVID
+        // expired, well before a silent connection would be.
+        let ended = tokio::time::timeout(CLIENT_IDLE_TIMEOUT / 2, serving).await;
+        assert!(ended.is_ok(), "the connection outlived the SVID it was named by");
+        assert!(started.elapsed() >= std::time::Duration::from_secs(9), "closed after {:?}", started.elapsed());
+        assert_eq!(peer.read(&mut answer).await.unwrap(), 0, "the client sees its connection end");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_to_a_replica_no_request_reaches_any_more_is_closed_once_kept_its_time() {
+        use tokio::io::AsyncReadExt as _;
+        let (proxy, _, _table) = proxy_and_table();
+        let stop = CancellationToken::new();
+        tokio::spawn(proxy.clone().let_go_of_unused(stop.clone()));
+        let mut replicas = Vec::new();
+        for lease in ["l-a", "l-b"] {
+            let (replica, io) = tokio::io::duplex(1024);
+            let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await.unwrap();
+            tokio::spawn(connection);
+            proxy.pool.put_back(lease.to_string(), sender);
+            replicas.push(replica);
+        }
+        // l-b's connection takes a request half-way through; l-a's none.
+        tokio::time::sleep(IDLE_FOR / 2).await;
+        let Some(Upstream::Http1(sender)) = proxy.pool.take("l-b", false) else { panic!("l-b's connection is kept") };
+        proxy.pool.put_back("l-b".to_string(), sender);
+        tokio::time::sleep(IDLE_FOR / 2 + SWEEP_EVERY).await;
+
+        let mut read = [0u8; 16];
+        let (quiet, busy) = replicas.split_at_mut(1);
+        let moment = std::time::Duration::from_millis(10);
+        let closed = tokio::time::timeout(moment, quiet[0].read(&mut read)).await;
+        assert_eq!(closed.ok().map(Result::unwrap), Some(0), "the replica's tunnel is closed, not kept for a request");
+        let kept = tokio::time::timeout(moment, busy[0].read(&mut read)).await;
+        assert!(kept.is_err(), "one idle for less than {IDLE_FOR:?} stays open");
+        assert!(proxy.pool.take("l-b", false).is_some(), "and is kept for the next request");
+        assert!(proxy.pool.take("l-a", false).is_none());
+        stop.cancel();
     }
 
     #[test]
@@ -1119,7 +1230,7 @@ mod tests {
 
     #[test]
     fn a_replica_is_told_who_asked_after_any_proxy_before_and_how() {
-        let client = Client::new("192.0.2.7:40000".parse().unwrap(), true, None);
+        let client = Client::new("192.0.2.7:40000".parse().unwrap(), true, None, None);
         let mut request = Request::builder().header("x-forwarded-for", "198.51.100.1").body(()).unwrap();
         forwarded_headers(&mut request, "hello.default.berth.localhost", &client);
         let header = |name: &str| request.headers().get(name).unwrap().to_str().unwrap().to_string();
@@ -1150,7 +1261,7 @@ mod tests {
 
         let forged =
             || Request::builder().header(XFCC, "URI=spiffe://berth.internal/ns/bank/lease/l-9").body(()).unwrap();
-        let anonymous = Client::new("192.0.2.7:40000".parse().unwrap(), true, None);
+        let anonymous = Client::new("192.0.2.7:40000".parse().unwrap(), true, None, None);
         let mut request = forged();
         forwarded_headers(&mut request, "h", &anonymous);
         assert_eq!(request.headers().get(XFCC), None, "a client's own claim is dropped");

@@ -324,6 +324,7 @@ impl BootstrapArgs {
             remote_addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             identity: Some(admin.clone()),
             issued_at: None,
+            expires_at: None,
         });
         let created = identity
             .create_join_token(request)
