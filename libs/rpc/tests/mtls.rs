@@ -83,6 +83,18 @@ async fn health(channel: berth_rpc::Channel) -> Result<i32, tonic::Status> {
     Ok(resp.into_inner().status)
 }
 
+/// A health watch on `channel`, once it said the server is serving: a
+/// stream that stays open as long as the server does.
+async fn health_watch(channel: &berth_rpc::Channel) -> tonic::Streaming<tonic_health::pb::HealthCheckResponse> {
+    let mut stream = HealthClient::new(channel.clone())
+        .watch(HealthCheckRequest { service: String::new() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stream.message().await.unwrap().unwrap().status, ServingStatus::Serving as i32);
+    stream
+}
+
 /// Lists services through reflection v1, an RPC admitted to admins only here.
 async fn reflection_list(channel: berth_rpc::Channel) -> Result<Vec<String>, tonic::Status> {
     use tonic_reflection::pb::v1::ServerReflectionRequest;
@@ -182,12 +194,7 @@ async fn a_connection_is_closed_once_its_clients_certificate_expired_and_cannot_
     let client = berth_rpc::connect(&server.addr.to_string(), TlsCredentials::new(m).unwrap()).unwrap();
 
     // A stream held open on the connection, as a watch or a heartbeat is.
-    let mut watch = HealthClient::new(client.clone())
-        .watch(HealthCheckRequest { service: String::new() })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(watch.message().await.unwrap().unwrap().status, ServingStatus::Serving as i32);
+    let mut watch = health_watch(&client).await;
     let held =
         tokio::time::timeout(Duration::from_secs(30), async { while let Ok(Some(_)) = watch.message().await {} }).await;
     assert!(held.is_ok(), "the connection outlived its client's certificate by 30 s");
@@ -346,17 +353,8 @@ async fn a_connection_holds_at_most_the_servers_streams_open_and_the_next_call_w
     tokio::spawn(server.serve(listener, stop.clone()));
     let channel = berth_rpc::connect(&addr, creds(&ca, &Identity::admin("ops").unwrap())).unwrap();
 
-    let watch = || async {
-        let mut stream = HealthClient::new(channel.clone())
-            .watch(HealthCheckRequest { service: String::new() })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(stream.message().await.unwrap().unwrap().status, ServingStatus::Serving as i32);
-        stream
-    };
-    let first = watch().await;
-    let _second = watch().await;
+    let first = health_watch(&channel).await;
+    let _second = health_watch(&channel).await;
     let third = tokio::spawn(health(channel.clone()));
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(!third.is_finished(), "a third call ran beside two streams held open");
