@@ -96,6 +96,8 @@ pub enum OpenError {
 pub struct Connection {
     sender: h2::client::SendRequest<Bytes>,
     authority: String,
+    /// The generation of the credentials it presented.
+    credentials_generation: u64,
     /// Cancelled once the connection ended, or a ping went unanswered.
     closed: CancellationToken,
     /// Stops the keep-alive pings when the last clone is dropped.
@@ -107,6 +109,9 @@ pub struct Connection {
 /// [`crate::client::KEEPALIVE_INTERVAL`] and closed when a ping goes
 /// unanswered that long.
 pub async fn connect(addr: &str, credentials: &TlsCredentials) -> io::Result<Connection> {
+    // Read before the configuration: a reload in between makes the
+    // connection look older than it is, never newer.
+    let generation = credentials.generation();
     let tls = tokio::time::timeout(
         crate::client::CONNECT_TIMEOUT,
         crate::client::dial_tls(addr, credentials.client_config()),
@@ -152,10 +157,25 @@ pub async fn connect(addr: &str, credentials: &TlsCredentials) -> io::Result<Con
             }
         }
     });
-    Ok(Connection { sender, authority: addr.to_string(), _pings: std::sync::Arc::new(dropped.drop_guard()), closed })
+    Ok(Connection {
+        sender,
+        authority: addr.to_string(),
+        credentials_generation: generation,
+        _pings: std::sync::Arc::new(dropped.drop_guard()),
+        closed,
+    })
 }
 
 impl Connection {
+    /// The generation of the credentials it presented
+    /// ([`TlsCredentials::generation`]). Once they are reloaded (a renewed
+    /// certificate), a caller makes a fresh connection for new tunnels and
+    /// lets this one end with the tunnels under way on it: an agent closes
+    /// a connection once the certificate it was made with expires.
+    pub fn credentials_generation(&self) -> u64 {
+        self.credentials_generation
+    }
+
     /// Whether the connection ended (its agent closed it, a ping went
     /// unanswered, or it broke): no tunnel opens on it any more.
     pub fn is_closed(&self) -> bool {
@@ -204,6 +224,7 @@ impl Connection {
                 return Err(OpenError::Refused(status));
             }
             Ok(Tunnel {
+                credentials_generation: self.credentials_generation,
                 send,
                 recv: Some(response.into_body()),
                 received: BytesMut::new(),
@@ -255,6 +276,8 @@ fn status_in(headers: &http::HeaderMap) -> Option<tonic::Status> {
 /// side, as a TCP half-close does.
 #[derive(Debug)]
 pub struct Tunnel {
+    /// Its connection's [`Connection::credentials_generation`].
+    credentials_generation: u64,
     send: h2::SendStream<Bytes>,
     /// Taken only on drop.
     recv: Option<h2::RecvStream>,
@@ -266,6 +289,14 @@ pub struct Tunnel {
     ended: bool,
     /// Whether the caller ended its side.
     shut: bool,
+}
+
+impl Tunnel {
+    /// The generation of the credentials its connection presented (see
+    /// [`Connection::credentials_generation`]).
+    pub fn credentials_generation(&self) -> u64 {
+        self.credentials_generation
+    }
 }
 
 /// The replica's bytes in the next whole message of `received` (what came

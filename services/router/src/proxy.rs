@@ -39,6 +39,11 @@
 //! - A client is named to a replica as a workload (`X-Forwarded-Client-Cert`)
 //!   only while the SVID it presented is valid: its connection is closed
 //!   once the SVID expires, and no TLS session is resumed past it.
+//! - Once the router's certificate is renewed, new tunnels open on fresh
+//!   connections to agents and idle replica connections through the old
+//!   ones are closed within [`SWEEP_EVERY`]: an agent closes a connection
+//!   when the certificate it was made with expires, half a lifetime later,
+//!   and by then only what was under way at the renewal is left on it.
 //! - The connection to an agent, and those to a replica, no route names
 //!   any more are dropped with the table that stopped naming them (a
 //!   revoked or removed node, a replica out of the routes).
@@ -290,7 +295,8 @@ impl Proxy {
     /// replica, the table no longer names; and, every [`SWEEP_EVERY`], the
     /// HTTP/1.1 connections idle for longer than [`IDLE_FOR`], which a
     /// replica that no request reaches any more would otherwise keep (and
-    /// its agent with it) until its route changes.
+    /// its agent with it) until its route changes, and those through a
+    /// tunnel made with credentials since reloaded.
     pub(crate) async fn let_go_of_unused(self: Arc<Self>, shutdown: CancellationToken) {
         let mut table = self.table.clone();
         let mut sweeps = tokio::time::interval(SWEEP_EVERY);
@@ -299,7 +305,7 @@ impl Proxy {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = sweeps.tick() => {
-                    self.pool.sweep();
+                    self.pool.sweep(self.credentials.generation());
                     continue;
                 }
                 changed = table.changed() => if changed.is_err() { return },
@@ -317,12 +323,15 @@ impl Proxy {
     }
 
     /// The one connection to the agent at `addr`, made on first use and
-    /// again once it closed, with the generation it was made at.
+    /// again once it closed or the router's credentials were reloaded (a
+    /// renewed certificate: the agent closes a connection once the
+    /// certificate it was made with expires), with the generation it was
+    /// made at.
     async fn agent(&self, addr: &str) -> Result<(u64, Connection), String> {
         let slot = self.agents().entry(addr.to_string()).or_default().clone();
         let mut slot = slot.lock().await;
         if let (generation, Some(kept)) = &*slot
-            && !kept.is_closed()
+            && self.usable(kept)
         {
             return Ok((*generation, kept.clone()));
         }
@@ -340,7 +349,7 @@ impl Proxy {
         let mut slot = slot.lock().await;
         if let (current, Some(kept)) = &*slot
             && *current != generation
-            && !kept.is_closed()
+            && self.usable(kept)
         {
             return Ok(kept.clone());
         }
@@ -348,6 +357,12 @@ impl Proxy {
         slot.0 += 1;
         slot.1 = Some(connection.clone());
         Ok(connection)
+    }
+
+    /// Whether new tunnels may open on `connection`: it is open, and it
+    /// presents the router's current credentials.
+    fn usable(&self, connection: &Connection) -> bool {
+        !connection.is_closed() && connection.credentials_generation() == self.credentials.generation()
     }
 
     async fn handle(&self, request: Request<Incoming>, client: Client) -> Response<Body> {
@@ -486,12 +501,15 @@ impl Proxy {
     /// awaited, and resets an HTTP/2 stream).
     async fn send(&self, endpoint: &Endpoint, mut request: Request<Incoming>) -> Sent {
         let deadline = tokio::time::Instant::now() + self.response_timeout;
-        while let Some(mut upstream) = self.pool.take(&endpoint.lease_id, endpoint.h2c) {
+        let current = self.credentials.generation();
+        while let Some(mut upstream) = self.pool.take(&endpoint.lease_id, endpoint.h2c, current) {
             let Ok(sent) = tokio::time::timeout_at(deadline, upstream.send(request)).await else {
                 return Sent::TimedOut;
             };
             match sent {
-                Ok(response) => return Sent::Answered(response, self.pool.keep(&endpoint.lease_id, upstream)),
+                Ok(response) => {
+                    return Sent::Answered(response, self.pool.keep(&endpoint.lease_id, current, upstream));
+                }
                 // A kept connection that closed while idle, or after the
                 // answer it gave last: the request is whole, so it goes on
                 // the next one.
@@ -505,6 +523,7 @@ impl Proxy {
             Ok(tunnel) => tunnel,
             Err(error) => return Sent::Refused(Box::new(request), error),
         };
+        let generation = tunnel.credentials_generation();
         let mut upstream = match Upstream::handshake(tunnel, endpoint.h2c).await {
             Ok(upstream) => upstream,
             Err(error) => return Sent::Refused(Box::new(request), error.to_string()),
@@ -513,7 +532,7 @@ impl Proxy {
             return Sent::TimedOut;
         };
         match sent {
-            Ok(response) => Sent::Answered(response, self.pool.keep(&endpoint.lease_id, upstream)),
+            Ok(response) => Sent::Answered(response, self.pool.keep(&endpoint.lease_id, generation, upstream)),
             Err(mut error) => match error.take_message() {
                 Some(unsent) => Sent::Refused(Box::new(unsent), error.into_error().to_string()),
                 None => Sent::Failed(error.into_error().to_string()),
@@ -792,12 +811,15 @@ const IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(90);
 /// How often idle HTTP/1.1 connections past [`IDLE_FOR`] are closed.
 const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// An HTTP/1.1 connection waiting for its next request, and since when.
-type Idle = (tokio::time::Instant, hyper::client::conn::http1::SendRequest<Incoming>);
+/// An HTTP/1.1 connection waiting for its next request, since when, and
+/// the credentials generation its tunnel's agent connection presented.
+type Idle = (tokio::time::Instant, u64, hyper::client::conn::http1::SendRequest<Incoming>);
 
-/// Whether `idle` may still take a request at `now`.
-fn still_kept(now: tokio::time::Instant, (since, sender): &Idle) -> bool {
-    now.duration_since(*since) < IDLE_FOR && !sender.is_closed()
+/// Whether `idle` may still take a request at `now`, while the router's
+/// credentials are at `generation`: one through a connection made with
+/// credentials since reloaded would be cut when they expire.
+fn still_kept(now: tokio::time::Instant, generation: u64, (since, made_at, sender): &Idle) -> bool {
+    now.duration_since(*since) < IDLE_FOR && *made_at == generation && !sender.is_closed()
 }
 
 /// Connections to replicas kept for the next request, by lease: idle
@@ -808,7 +830,8 @@ fn still_kept(now: tokio::time::Instant, (since, sender): &Idle) -> bool {
 struct Pool {
     /// Idle since when, by lease, the most recent last.
     http1: Mutex<HashMap<String, Vec<Idle>>>,
-    http2: Mutex<HashMap<String, hyper::client::conn::http2::SendRequest<Incoming>>>,
+    /// With the credentials generation it was made at (see [`Idle`]).
+    http2: Mutex<HashMap<String, (u64, hyper::client::conn::http2::SendRequest<Incoming>)>>,
 }
 
 impl Pool {
@@ -816,12 +839,13 @@ impl Pool {
         map.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A kept connection to the replica of `lease_id` that is not closed.
-    fn take(&self, lease_id: &str, h2c: bool) -> Option<Upstream> {
+    /// A kept connection to the replica of `lease_id` that is not closed,
+    /// through a tunnel made with credentials of `generation`.
+    fn take(&self, lease_id: &str, h2c: bool, generation: u64) -> Option<Upstream> {
         if h2c {
             let mut http2 = Self::lock(&self.http2);
-            let sender = http2.get(lease_id)?;
-            if sender.is_closed() {
+            let (made_at, sender) = http2.get(lease_id)?;
+            if sender.is_closed() || *made_at != generation {
                 http2.remove(lease_id);
                 return None;
             }
@@ -830,41 +854,46 @@ impl Pool {
         let mut http1 = Self::lock(&self.http1);
         let idle = http1.get_mut(lease_id)?;
         let now = tokio::time::Instant::now();
-        idle.retain(|kept| still_kept(now, kept));
-        idle.pop().map(|(_, sender)| Upstream::Http1(sender))
+        idle.retain(|kept| still_kept(now, generation, kept));
+        idle.pop().map(|(_, _, sender)| Upstream::Http1(sender))
     }
 
     /// Keeps `upstream` for the next request to `lease_id`: the one HTTP/2
     /// connection at once; an HTTP/1.1 one is handed back, to be returned
     /// once the answer it carries ended.
-    fn keep(self: &Arc<Self>, lease_id: &str, upstream: Upstream) -> Option<Returning> {
+    fn keep(self: &Arc<Self>, lease_id: &str, generation: u64, upstream: Upstream) -> Option<Returning> {
         match upstream {
             Upstream::Http2(sender) => {
-                Self::lock(&self.http2).insert(lease_id.to_string(), sender);
+                Self::lock(&self.http2).insert(lease_id.to_string(), (generation, sender));
                 None
             }
-            Upstream::Http1(sender) => Some(Returning { pool: self.clone(), lease_id: lease_id.to_string(), sender }),
+            Upstream::Http1(sender) => {
+                Some(Returning { pool: self.clone(), lease_id: lease_id.to_string(), generation, sender })
+            }
         }
     }
 
     /// An HTTP/1.1 connection whose answer ended, idle from now on.
-    fn put_back(&self, lease_id: String, sender: hyper::client::conn::http1::SendRequest<Incoming>) {
+    fn put_back(&self, lease_id: String, generation: u64, sender: hyper::client::conn::http1::SendRequest<Incoming>) {
         let mut http1 = Self::lock(&self.http1);
         let idle = http1.entry(lease_id).or_default();
         let now = tokio::time::Instant::now();
-        idle.retain(|kept| still_kept(now, kept));
+        idle.retain(|kept| still_kept(now, generation, kept));
         if idle.len() < IDLE_PER_REPLICA {
-            idle.push((now, sender));
+            idle.push((now, generation, sender));
         }
     }
 
-    /// Drops the HTTP/1.1 connections idle for [`IDLE_FOR`] or closed.
-    fn sweep(&self) {
+    /// Drops the HTTP/1.1 connections idle for [`IDLE_FOR`], closed, or
+    /// made with credentials other than those of `generation`, and HTTP/2
+    /// ones closed or made with other credentials.
+    fn sweep(&self, generation: u64) {
         let now = tokio::time::Instant::now();
         Self::lock(&self.http1).retain(|_, idle| {
-            idle.retain(|kept| still_kept(now, kept));
+            idle.retain(|kept| still_kept(now, generation, kept));
             !idle.is_empty()
         });
+        Self::lock(&self.http2).retain(|_, (made_at, sender)| *made_at == generation && !sender.is_closed());
     }
 
     /// Drops the connections of every lease not in `leases`.
@@ -879,6 +908,7 @@ impl Pool {
 struct Returning {
     pool: Arc<Pool>,
     lease_id: String,
+    generation: u64,
     sender: hyper::client::conn::http1::SendRequest<Incoming>,
 }
 
@@ -903,8 +933,8 @@ impl Guarded {
     }
 
     fn ended(&mut self) {
-        if let Some(Returning { pool, lease_id, sender }) = self.kept.take() {
-            pool.put_back(lease_id, sender);
+        if let Some(Returning { pool, lease_id, generation, sender }) = self.kept.take() {
+            pool.put_back(lease_id, generation, sender);
         }
     }
 }
@@ -1117,23 +1147,26 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn an_idle_connection_to_a_replica_no_request_reaches_any_more_is_closed_once_kept_its_time() {
+    async fn an_idle_connection_to_a_replica_is_closed_once_kept_its_time_or_once_the_routers_certificate_renewed() {
         use tokio::io::AsyncReadExt as _;
         let (proxy, _, _table) = proxy_and_table();
         let stop = CancellationToken::new();
         tokio::spawn(proxy.clone().let_go_of_unused(stop.clone()));
+        let generation = proxy.credentials.generation();
         let mut replicas = Vec::new();
         for lease in ["l-a", "l-b"] {
             let (replica, io) = tokio::io::duplex(1024);
             let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await.unwrap();
             tokio::spawn(connection);
-            proxy.pool.put_back(lease.to_string(), sender);
+            proxy.pool.put_back(lease.to_string(), generation, sender);
             replicas.push(replica);
         }
         // l-b's connection takes a request half-way through; l-a's none.
         tokio::time::sleep(IDLE_FOR / 2).await;
-        let Some(Upstream::Http1(sender)) = proxy.pool.take("l-b", false) else { panic!("l-b's connection is kept") };
-        proxy.pool.put_back("l-b".to_string(), sender);
+        let Some(Upstream::Http1(sender)) = proxy.pool.take("l-b", false, generation) else {
+            panic!("l-b's connection is kept")
+        };
+        proxy.pool.put_back("l-b".to_string(), generation, sender);
         tokio::time::sleep(IDLE_FOR / 2 + SWEEP_EVERY).await;
 
         let mut read = [0u8; 16];
@@ -1143,8 +1176,20 @@ mod tests {
         assert_eq!(closed.ok().map(Result::unwrap), Some(0), "the replica's tunnel is closed, not kept for a request");
         let kept = tokio::time::timeout(moment, busy[0].read(&mut read)).await;
         assert!(kept.is_err(), "one idle for less than {IDLE_FOR:?} stays open");
-        assert!(proxy.pool.take("l-b", false).is_some(), "and is kept for the next request");
-        assert!(proxy.pool.take("l-a", false).is_none());
+        let Some(Upstream::Http1(sender)) = proxy.pool.take("l-b", false, generation) else {
+            panic!("l-b's connection is kept for the next request")
+        };
+        proxy.pool.put_back("l-b".to_string(), generation, sender);
+        assert!(proxy.pool.take("l-a", false, generation).is_none());
+
+        // The router's certificate is renewed: l-b's tunnel, on a connection
+        // that presented the one before, is closed at the next sweep, not
+        // cut under a request when the agent closes that connection.
+        proxy.credentials.reload(proxy.credentials.material()).unwrap();
+        tokio::time::sleep(SWEEP_EVERY).await;
+        let closed = tokio::time::timeout(moment, busy[0].read(&mut read)).await;
+        assert_eq!(closed.ok().map(Result::unwrap), Some(0), "a tunnel made with renewed-away credentials is closed");
+        assert!(proxy.pool.take("l-b", false, proxy.credentials.generation()).is_none());
         stop.cancel();
     }
 
