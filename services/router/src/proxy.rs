@@ -818,8 +818,13 @@ type Idle = (tokio::time::Instant, u64, hyper::client::conn::http1::SendRequest<
 /// Whether `idle` may still take a request at `now`, while the router's
 /// credentials are at `generation`: one through a connection made with
 /// credentials since reloaded would be cut when they expire.
-fn still_kept(now: tokio::time::Instant, generation: u64, (since, made_at, sender): &Idle) -> bool {
-    now.duration_since(*since) < IDLE_FOR && *made_at == generation && !sender.is_closed()
+fn still_kept(now: tokio::time::Instant, generation: u64, idle: &Idle) -> bool {
+    idle.1 == generation && still_open(now, idle)
+}
+
+/// Whether `idle` is open and was not idle for [`IDLE_FOR`] at `now`.
+fn still_open(now: tokio::time::Instant, (since, _, sender): &Idle) -> bool {
+    now.duration_since(*since) < IDLE_FOR && !sender.is_closed()
 }
 
 /// Connections to replicas kept for the next request, by lease: idle
@@ -873,12 +878,14 @@ impl Pool {
         }
     }
 
-    /// An HTTP/1.1 connection whose answer ended, idle from now on.
+    /// An HTTP/1.1 connection whose answer ended, idle from now on. (One
+    /// made with credentials reloaded since is dropped at the next take or
+    /// sweep, which know the current ones.)
     fn put_back(&self, lease_id: String, generation: u64, sender: hyper::client::conn::http1::SendRequest<Incoming>) {
         let mut http1 = Self::lock(&self.http1);
         let idle = http1.entry(lease_id).or_default();
         let now = tokio::time::Instant::now();
-        idle.retain(|kept| still_kept(now, generation, kept));
+        idle.retain(|kept| still_open(now, kept));
         if idle.len() < IDLE_PER_REPLICA {
             idle.push((now, generation, sender));
         }
@@ -1189,7 +1196,25 @@ mod tests {
         tokio::time::sleep(SWEEP_EVERY).await;
         let closed = tokio::time::timeout(moment, busy[0].read(&mut read)).await;
         assert_eq!(closed.ok().map(Result::unwrap), Some(0), "a tunnel made with renewed-away credentials is closed");
-        assert!(proxy.pool.take("l-b", false, proxy.credentials.generation()).is_none());
+        let renewed = proxy.credentials.generation();
+        assert!(proxy.pool.take("l-b", false, renewed).is_none());
+
+        // A connection that carried an answer across the renewal comes back
+        // after one made since: it is not taken, and drops nothing.
+        let connect = async || {
+            let (replica, io) = tokio::io::duplex(1024);
+            let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await.unwrap();
+            tokio::spawn(connection);
+            (replica, sender)
+        };
+        let ((mut fresh, new), (mut stale, old)) = (connect().await, connect().await);
+        proxy.pool.put_back("l-c".to_string(), renewed, new);
+        proxy.pool.put_back("l-c".to_string(), generation, old);
+        let taken = proxy.pool.take("l-c", false, renewed);
+        assert!(taken.is_some(), "the connection made with the renewed certificate is kept");
+        let closed = tokio::time::timeout(moment, stale.read(&mut read)).await;
+        assert_eq!(closed.ok().map(Result::unwrap), Some(0), "the one made with the certificate before is closed");
+        assert!(tokio::time::timeout(moment, fresh.read(&mut read)).await.is_err());
         stop.cancel();
     }
 
