@@ -199,13 +199,9 @@ fn load(material: TlsMaterial, workload_bundle_pem: Option<Arc<str>>) -> Result<
         .with_single_cert(chain.clone(), key.clone_key())
         .map_err(MtlsError::Tls)?;
     server.alpn_protocols = vec![ALPN_H2.to_vec()];
-    // No session resumption: a resumed session skips the client
-    // certificate's verification and carries the one first presented, so
-    // it would admit a certificate that has expired (or whose authority
-    // left the bundle) since. Mesh connections are long-lived; a full
-    // handshake on each is cheap beside that.
-    server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
-    server.send_tls13_tickets = 0;
+    // Mesh connections are long-lived; a full handshake on each is cheap
+    // beside admitting a certificate that expired since.
+    resume_no_session(&mut server);
 
     let server_verifier = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
         .build()
@@ -277,12 +273,18 @@ pub fn public_server_config(
     let mut server = builder.with_single_cert(chain, key).map_err(MtlsError::Tls)?;
     server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     if workload_bundle_pem.is_some() {
-        // As the mesh's: a resumed session would carry a client's SVID
-        // past its expiry, unverified.
-        server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
-        server.send_tls13_tickets = 0;
+        resume_no_session(&mut server);
     }
     Ok(Arc::new(server))
+}
+
+/// Makes `server` resume no TLS session: a resumed session skips the
+/// client certificate's verification and carries the one first presented,
+/// so it would admit a certificate that has expired (or whose authority
+/// left the bundle) since.
+fn resume_no_session(server: &mut ServerConfig) {
+    server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    server.send_tls13_tickets = 0;
 }
 
 /// A client configuration that verifies servers against `ca_bundle_pem` and

@@ -72,13 +72,16 @@ pub const EXPIRED_GRACE: Duration = Duration::from_secs(5);
 /// clock, the one its handshakes are checked against; never for `None`, or
 /// for one valid for over a year more.
 pub async fn certificate_expired(expires_at: Option<i64>) {
+    // A connection with no certificate (every cleartext one of the router's)
+    // reads no clock.
+    let Some(at) = expires_at else { return std::future::pending().await };
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    let left = expires_at.map(|at| Duration::from_secs(u64::try_from(at).unwrap_or(0)).saturating_sub(now));
-    match left {
-        // The last whole second of a notAfter is still within it.
-        Some(left) if left <= LONGEST_EXPIRY_WAIT => tokio::time::sleep(left + Duration::from_secs(1)).await,
-        _ => std::future::pending().await,
+    let left = Duration::from_secs(u64::try_from(at).unwrap_or(0)).saturating_sub(now);
+    if left > LONGEST_EXPIRY_WAIT {
+        return std::future::pending().await;
     }
+    // The last whole second of a notAfter is still within it.
+    tokio::time::sleep(left + Duration::from_secs(1)).await;
 }
 
 /// A bound TCP socket and the credentials its handshakes use.
