@@ -157,12 +157,26 @@ async fn the_mesh_keeps_its_promises_through_every_fault() {
     let broken: usize = suite.rows.iter().map(|row| row.violations.len()).sum();
     eprintln!("\n{table}");
     eprintln!("faults: {} faults in {:.0?}", suite.rows.len(), started.elapsed());
-    let Suite { mut mesh, load, .. } = suite;
+    let Suite { mut mesh, load, rows, .. } = suite;
     load.stop().await;
     let shutdown = mesh.shutdown().await;
     result.unwrap();
     shutdown.unwrap();
-    assert_eq!(broken, 0, "the mesh broke {broken} promises; the table above lists them");
+    // The headline of each, in the failure itself: a log cut to its tail
+    // still says what broke (the table above has each one's trail).
+    let headlines = headlines(&rows);
+    assert_eq!(broken, 0, "the mesh broke {broken} promises; the table above lists them:\n{}", headlines.join("\n"));
+}
+
+/// Each violation's first line, under its fault's name.
+fn headlines(rows: &[FaultRow]) -> Vec<String> {
+    rows.iter()
+        .flat_map(|row| {
+            row.violations
+                .iter()
+                .map(move |violation| format!("  {}: {}", row.fault, violation.lines().next().unwrap_or_default()))
+        })
+        .collect()
 }
 
 impl Suite {
@@ -758,10 +772,19 @@ impl Suite {
                 timings.lease_ttl()
             )),
             Some(_) => {}
-            None => violations.push(format!(
-                "{name} still ran {stale:?} {bound:?} after it was cut off ({kind:?})\n{}",
-                self.mesh.agents()[agent].log_tail(10)
-            )),
+            None => {
+                // Which of them, by pid: the rest of the set did stop.
+                let left: Vec<String> = workloads::scan(self.mesh.run_id())
+                    .into_iter()
+                    .filter(|w| stale.contains(&w.lease_id))
+                    .map(|w| format!("{} (pid {})", w.lease_id, w.pid))
+                    .collect();
+                violations.push(format!(
+                    "{name} still ran {left:?} (of {} leases at the cut) {bound:?} after it was cut off ({kind:?})\n{}",
+                    stale.len(),
+                    self.mesh.agents()[agent].log_tail(10)
+                ));
+            }
         }
         if most_twice.get() > 0 {
             violations.push(format!("{} replica copies of {WEB} ran twice while {name} was cut off", most_twice.get()));
