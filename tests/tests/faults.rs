@@ -168,6 +168,15 @@ async fn the_mesh_keeps_its_promises_through_every_fault() {
     assert_eq!(broken, 0, "the mesh broke {broken} promises; the table above lists them:\n{}", headlines.join("\n"));
 }
 
+/// The workloads of `leases` still running, by lease and pid.
+fn still_running(mesh: &Mesh, leases: &BTreeSet<String>) -> Vec<String> {
+    workloads::scan(mesh.run_id())
+        .into_iter()
+        .filter(|w| leases.contains(&w.lease_id))
+        .map(|w| format!("{} (pid {})", w.lease_id, w.pid))
+        .collect()
+}
+
 /// Each violation's first line, under its fault's name.
 fn headlines(rows: &[FaultRow]) -> Vec<String> {
     rows.iter()
@@ -773,12 +782,8 @@ impl Suite {
             )),
             Some(_) => {}
             None => {
-                // Which of them, by pid: the rest of the set did stop.
-                let left: Vec<String> = workloads::scan(self.mesh.run_id())
-                    .into_iter()
-                    .filter(|w| stale.contains(&w.lease_id))
-                    .map(|w| format!("{} (pid {})", w.lease_id, w.pid))
-                    .collect();
+                // Which of them: the rest of the set did stop.
+                let left = still_running(&self.mesh, &stale);
                 violations.push(format!(
                     "{name} still ran {left:?} (of {} leases at the cut) {bound:?} after it was cut off ({kind:?})\n{}",
                     stale.len(),
@@ -875,11 +880,7 @@ impl Suite {
         .await;
         let fenced_in = healed_at.elapsed();
         if gone.is_none() {
-            let left: Vec<String> = workloads::scan(self.mesh.run_id())
-                .into_iter()
-                .filter(|w| stale.contains(&w.lease_id))
-                .map(|w| format!("{} (pid {})", w.lease_id, w.pid))
-                .collect();
+            let left = still_running(&self.mesh, &stale);
             violations.push(format!(
                 "stale compute still ran {fencing_bound:?} after {name} returned ({} replica copies ran twice \
                  while it was cut off): {left:?}\n{}",
