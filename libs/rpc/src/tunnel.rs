@@ -71,7 +71,7 @@ const STREAM_WINDOW_BYTES: u32 = 2 * 1024 * 1024;
 const CONNECTION_WINDOW_BYTES: u32 = 5 * 1024 * 1024;
 
 /// The call every tunnel is.
-const TUNNEL_PATH: &str = "/berth.agent.v1.DataPlane/Tunnel";
+pub const TUNNEL_PATH: &str = "/berth.agent.v1.DataPlane/Tunnel";
 
 /// gRPC's prefix before each message: a compression flag and a length.
 const PREFIX_BYTES: usize = 5;
@@ -249,9 +249,10 @@ fn message(frame: &TunnelFrame) -> Bytes {
 }
 
 /// A `TunnelFrame` carrying `data` as one gRPC message, encoded straight
-/// from the caller's bytes (one copy, not one into a frame and one more
-/// out of it): field `data`'s key, its length, the bytes.
-fn data_message(data: &[u8]) -> Bytes {
+/// from the sender's bytes (one copy, not one into a frame and one more
+/// out of it): field `data`'s key, its length, the bytes. Both ends of a
+/// tunnel send their bytes so.
+pub fn data_message(data: &[u8]) -> Bytes {
     use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
     const DATA_FIELD: u32 = 2;
     let len = key_len(DATA_FIELD) + encoded_len_varint(data.len() as u64) + data.len();
@@ -300,24 +301,32 @@ impl Tunnel {
 }
 
 /// The replica's bytes in the next whole message of `received` (what came
-/// from the agent), taken off it, if a whole one came. A prefix that
-/// announces more than [`MAX_MESSAGE_BYTES`], or a compressed message, is
-/// refused as soon as it is read: no agent sends one, and waiting for it
-/// would buffer whatever length it claims.
+/// from the agent), taken off it, if a whole one came; refused past
+/// [`MAX_MESSAGE_BYTES`], the most an agent sends (see [`next_frame`]).
 fn next_message(received: &mut BytesMut) -> io::Result<Option<Bytes>> {
+    Ok(next_frame(received, MAX_MESSAGE_BYTES)?.map(|frame| Bytes::from(frame.data)))
+}
+
+/// The next whole `TunnelFrame` of `received` (the bytes of a tunnel's
+/// stream, as they came), taken off it, if a whole one came. Both ends of a
+/// tunnel read their peer's frames so. A prefix that announces more than
+/// `limit` bytes, or a compressed message, is refused as soon as it is
+/// read: neither end sends one, and waiting for it would buffer whatever
+/// length it claims.
+pub fn next_frame(received: &mut BytesMut, limit: usize) -> io::Result<Option<TunnelFrame>> {
     let Some(prefix) = received.get(..PREFIX_BYTES) else { return Ok(None) };
     let (flag, len) = (prefix[0], u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]));
     if flag != 0 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("the agent sent a tunnel frame flagged compressed ({flag}); it never compresses them"),
+            format!("a tunnel frame came flagged compressed ({flag}); tunnel frames are never compressed"),
         ));
     }
     let len = usize::try_from(len).unwrap_or(usize::MAX);
-    if len > MAX_MESSAGE_BYTES {
+    if len > limit {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("the agent sent a tunnel frame of {len} bytes; the limit is {MAX_MESSAGE_BYTES}"),
+            format!("a tunnel frame of {len} bytes came; the limit is {limit}"),
         ));
     }
     if received.len() < PREFIX_BYTES + len {
@@ -326,7 +335,7 @@ fn next_message(received: &mut BytesMut) -> io::Result<Option<Bytes>> {
     received.advance(PREFIX_BYTES);
     let frame = TunnelFrame::decode(received.split_to(len).freeze())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("a tunnel frame: {e}")))?;
-    Ok(Some(Bytes::from(frame.data)))
+    Ok(Some(frame))
 }
 
 impl AsyncRead for Tunnel {
@@ -484,7 +493,7 @@ mod tests {
             received.put_u32(len);
             let error = next_message(&mut received).unwrap_err();
             assert_eq!(error.kind(), io::ErrorKind::InvalidData);
-            let expected = format!("a tunnel frame of {len} bytes; the limit is {MAX_MESSAGE_BYTES}");
+            let expected = format!("a tunnel frame of {len} bytes came; the limit is {MAX_MESSAGE_BYTES}");
             assert!(error.to_string().contains(&expected), "{error}");
         }
 

@@ -180,9 +180,7 @@ pub(crate) async fn serve(
         .with_serving_threads(ServingThreads::per_cpu("agent-serve")?)
         .with_max_streams(crate::data_plane::TUNNELS_PER_CONNECTION)
         .add_service(v1::agent_server::AgentServer::new(api).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .add_service(
-            v1::data_plane_server::DataPlaneServer::new(data_plane).max_decoding_message_size(MAX_REQUEST_BYTES),
-        )
+        .add_service(data_plane)
         .serve(listener, shutdown)
         .await
 }

@@ -9,15 +9,33 @@
 //! no byte reached the replica (and may try another). After that the bytes
 //! flow both ways until either side closes.
 //!
+//! # Why below tonic
+//! A tunnel is one gRPC call whose messages carry bytes, and every routed
+//! request crosses one. Through tonic's generated server each frame from
+//! the caller was decoded into a message and handed to a task of the
+//! tunnel's own that wrote it to the replica, and each read of the replica
+//! was copied into a message and encoded again. Served one level down (a
+//! tower service tonic's router dispatches to, behind the same access,
+//! deadline and trace layers), the tunnel is the response's body: each
+//! poll of it writes the caller's frames to the replica and reads the
+//! replica into frames, in the one task hyper polls the body in, with the
+//! replica's bytes copied once. The wire is unchanged: `TunnelFrame`s
+//! behind gRPC's prefix, framed by the same code as the router's side
+//! ([`berth_rpc::tunnel`]), and the status in the trailers.
+//!
 //! # Invariants
 //! - Only routers call it: the access layer admits no other caller kind.
 //! - A tunnel reaches only a port the agent gave a lease that is running on
 //!   this node, as the runner's board says at the moment it opens; a tunnel
 //!   already open ends when the replica closes its side or the agent stops.
 //! - A tunnel that ends, however it ends (the replica closes, the caller
-//!   goes, the agent stops), lets go of the replica's connection and of
-//!   its task at once: a write to a replica that stopped reading is
-//!   abandoned, never waited out.
+//!   goes, the agent stops), lets go of the replica's connection at once:
+//!   a write to a replica that stopped reading is abandoned, never waited
+//!   out.
+//! - The caller's bytes move while the tunnel's body is polled: as the
+//!   replica's do, they wait while the caller takes none of the replica's
+//!   (its window on the stream is full), as a TCP connection's two sides
+//!   would once both its buffers were.
 //! - A tunnel's ordinary end closes its stream, never resets it: once the
 //!   replica is done, the caller's side is still read until the caller
 //!   ends it (within [`CLOSE_GRACE`]). A router's tunnels share its
@@ -30,20 +48,21 @@
 //!   of its tenant's network namespace (so it may listen there only);
 //!   otherwise on the host's loopback (see [`crate::dial`]).
 
-use std::future::Future as _;
+use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use berth_proto::agent::v1;
 use berth_proto::leases::v1::LeasePhase;
-use tokio::io::{AsyncRead as _, AsyncWriteExt as _, ReadBuf};
+use berth_rpc::MAX_REQUEST_BYTES;
+use bytes::{Buf as _, Bytes, BytesMut};
+use http_body::{Body as _, Frame};
+use tokio::io::{AsyncRead as _, AsyncWrite as _, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::net::tcp::OwnedReadHalf;
-use tokio_stream::{Stream, StreamExt as _};
-use tokio_util::sync::{CancellationToken, DropGuard, WaitForCancellationFutureOwned};
-use tonic::codegen::BoxStream;
-use tonic::{Request, Response, Status, Streaming};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tonic::Status;
 
 use crate::board::InstanceBoard;
 use crate::dial::Dialer;
@@ -123,16 +142,12 @@ impl DataPlane {
             Status::unavailable(format!("nothing accepts on port {port} of lease {lease_id}: {error}"))
         })
     }
-}
 
-#[tonic::async_trait]
-impl v1::data_plane_server::DataPlane for DataPlane {
-    async fn tunnel(
-        &self,
-        request: Request<Streaming<v1::TunnelFrame>>,
-    ) -> Result<Response<BoxStream<v1::TunnelFrame>>, Status> {
-        let mut incoming = request.into_inner();
-        let first = match tokio::time::timeout(OPEN_TIMEOUT, incoming.message()).await {
+    /// Opens the tunnel `body` (the caller's side of the call) asks for:
+    /// the replica's port, connected, or why not.
+    async fn tunnel(&self, body: tonic::body::Body) -> Result<http::Response<tonic::body::Body>, Status> {
+        let mut caller = FromCaller { body, received: BytesMut::new(), ended: false };
+        let first = match tokio::time::timeout(OPEN_TIMEOUT, std::future::poll_fn(|cx| caller.poll_frame(cx))).await {
             Ok(first) => first?,
             Err(_) => return Err(Status::deadline_exceeded(format!("no first frame within {OPEN_TIMEOUT:?}"))),
         };
@@ -149,119 +164,246 @@ impl v1::data_plane_server::DataPlane for DataPlane {
             )));
         }
         let (lease_id, port) = admit(&self.board, &open)?;
-        let upstream = self.connect(&lease_id, port).await?;
-        let _ = upstream.set_nodelay(true);
+        let replica = self.connect(&lease_id, port).await?;
+        let _ = replica.set_nodelay(true);
         tracing::debug!(%lease_id, port, "tunnel open");
-        let (reading, mut writing) = upstream.into_split();
-        let shutdown = self.shutdown.clone();
-        // Cancelled once the replica's side is done, the caller gone (the
-        // response stream dropped with it), or the agent stopping.
-        let done = shutdown.child_token();
-
-        // The caller's bytes to the replica; the caller's end closes the
-        // replica's reading side, the way a TCP half-close would.
-        let (inbound_done, stopping) = (done.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            // Waited on across frames, not made anew for each.
-            let replica_done = inbound_done.cancelled();
-            tokio::pin!(replica_done);
-            loop {
-                let frame = tokio::select! {
-                    () = &mut replica_done => break,
-                    frame = incoming.next() => frame,
-                };
-                match frame {
-                    Some(Ok(frame)) if frame.data.is_empty() => {}
-                    Some(Ok(frame)) => {
-                        // A replica that stops reading blocks the write: the
-                        // tunnel's end (the caller gone, the agent stopping)
-                        // must still free the task and the replica's socket.
-                        let written = tokio::select! {
-                            () = &mut replica_done => break,
-                            written = writing.write_all(&frame.data) => written,
-                        };
-                        if written.is_err() {
-                            break;
-                        }
-                    }
-                    Some(Err(_)) => return,
-                    None => {
-                        let _ = writing.shutdown().await;
-                        return;
-                    }
-                }
-            }
-            drop(writing);
-            // The replica is done while the caller still sends: its frames
-            // are read to their end, so the stream closes rather than being
-            // reset.
-            tokio::select! {
-                () = stopping.cancelled() => {}
-                _ = tokio::time::timeout(CLOSE_GRACE, async { while let Some(Ok(_)) = incoming.next().await {} }) => {}
-            }
-        });
-
-        // The replica's bytes to the caller, read as the caller's stream is
-        // polled for them: no task between the replica and the connection.
-        let replica = FromReplica {
+        let body = TunnelBody {
             lease_id,
             port,
-            reading,
-            stopping: Box::pin(shutdown.cancelled_owned()),
-            done: Some(done.drop_guard()),
+            replica: Some(replica),
+            caller: Some(caller),
+            inbound: Inbound::Reading,
+            to_replica: Bytes::new(),
+            stopping: Box::pin(self.shutdown.clone().cancelled_owned()),
+            shutdown: self.shutdown.clone(),
         };
-        let mut response = Response::new(Box::pin(replica) as BoxStream<v1::TunnelFrame>);
-        // The stream only carries the replica's bytes: none of its polls is the call's work.
+        let mut response = http::Response::new(tonic::body::Body::new(body));
+        response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/grpc"));
+        // The body only carries the replica's bytes: none of its polls is the call's work.
         response.extensions_mut().insert(berth_telemetry::BodyOutsideSpan);
         Ok(response)
     }
 }
 
-/// The replica's side of a tunnel as the stream of frames the caller
-/// reads: each poll reads the replica's connection itself. It ends when the
-/// replica closes (or its connection breaks, or the agent stops, each with
-/// a status); ended or dropped, it tells the caller's side that the
-/// replica is done.
-struct FromReplica {
+/// `DataPlane` is served as the tower service tonic's generated server
+/// would be, one level down: see "Why below tonic" in the module docs.
+impl tonic::server::NamedService for DataPlane {
+    const NAME: &'static str = v1::data_plane_server::SERVICE_NAME;
+}
+
+impl tower_service::Service<http::Request<tonic::body::Body>> for DataPlane {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let plane = self.clone();
+        Box::pin(async move {
+            let path = request.uri().path();
+            if path != berth_rpc::tunnel::TUNNEL_PATH {
+                let name = v1::data_plane_server::SERVICE_NAME;
+                return Ok(Status::unimplemented(format!("{path}: {name} has no such method")).into_http());
+            }
+            Ok(plane.tunnel(request.into_body()).await.unwrap_or_else(Status::into_http))
+        })
+    }
+}
+
+/// The caller's side of a tunnel: its frames, read off the call's body.
+struct FromCaller {
+    body: tonic::body::Body,
+    /// What came and is not yet a whole frame.
+    received: BytesMut,
+    /// Whether the caller ended its side.
+    ended: bool,
+}
+
+impl FromCaller {
+    /// The caller's next frame; `None` once it ended its side. After an
+    /// error nothing more is read.
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<v1::TunnelFrame>, Status>> {
+        let next = self.poll_next(cx);
+        if let Poll::Ready(Err(_)) = next {
+            self.ended = true;
+            self.received.clear();
+        }
+        next
+    }
+
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<v1::TunnelFrame>, Status>> {
+        loop {
+            let frame = berth_rpc::tunnel::next_frame(&mut self.received, MAX_REQUEST_BYTES)
+                .map_err(|error| Status::invalid_argument(error.to_string()))?;
+            if frame.is_some() {
+                return Poll::Ready(Ok(frame));
+            }
+            if self.ended {
+                if self.received.is_empty() {
+                    return Poll::Ready(Ok(None));
+                }
+                return Poll::Ready(Err(Status::invalid_argument(format!(
+                    "the caller's side ended inside a frame ({} bytes of it came)",
+                    self.received.len()
+                ))));
+            }
+            match std::task::ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.received.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(status)) => return Poll::Ready(Err(status)),
+                None => self.ended = true,
+            }
+        }
+    }
+
+    /// Reads the caller's frames to their end (within [`CLOSE_GRACE`], or
+    /// until the agent stops), so its stream closes rather than being reset.
+    async fn drain(mut self, stopping: CancellationToken) {
+        let to_end = async { while let Ok(Some(_)) = std::future::poll_fn(|cx| self.poll_frame(cx)).await {} };
+        tokio::select! {
+            () = stopping.cancelled() => {}
+            _ = tokio::time::timeout(CLOSE_GRACE, to_end) => {}
+        }
+    }
+}
+
+/// Where the caller's bytes to the replica are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Inbound {
+    /// Read from the caller and written to the replica.
+    Reading,
+    /// The caller ended its side: the replica's reading side is being closed,
+    /// as a TCP half-close would.
+    Closing,
+    /// The replica stopped taking them: the caller's are read and dropped,
+    /// so its stream is not reset.
+    Dropping,
+    /// Nothing more comes from the caller.
+    Done,
+}
+
+/// One open tunnel, as the body of the call's response: each poll moves
+/// the caller's bytes to the replica as far as they go without waiting,
+/// then reads the replica, whose bytes are the body's frames. One task,
+/// the one hyper polls the body in, serves both ways; the body ends with
+/// the call's status in its trailers when the replica closes (OK) or its
+/// connection breaks, or the agent stops (UNAVAILABLE). Dropped (the caller
+/// went), it lets go of the replica's connection at once.
+struct TunnelBody {
     /// The lease and node port the tunnel reaches, for its errors.
     lease_id: String,
     port: u16,
-    reading: OwnedReadHalf,
+    /// `None` once the tunnel ended.
+    replica: Option<TcpStream>,
+    /// `None` once the tunnel ended.
+    caller: Option<FromCaller>,
+    inbound: Inbound,
+    /// Caller's bytes the replica has not taken yet.
+    to_replica: Bytes,
     stopping: Pin<Box<WaitForCancellationFutureOwned>>,
-    /// Cancels the tunnel's `done` when the stream ends or is dropped.
-    done: Option<DropGuard>,
+    shutdown: CancellationToken,
 }
 
-impl Stream for FromReplica {
-    type Item = Result<v1::TunnelFrame, Status>;
+impl TunnelBody {
+    /// Moves the caller's bytes towards the replica until that would wait.
+    fn forward_inbound(&mut self, cx: &mut Context<'_>) {
+        let (Some(replica), Some(caller)) = (self.replica.as_mut(), self.caller.as_mut()) else { return };
+        loop {
+            if !self.to_replica.is_empty() {
+                match Pin::new(&mut *replica).poll_write(cx, &self.to_replica) {
+                    Poll::Pending => return,
+                    Poll::Ready(Ok(written)) if written > 0 => {
+                        self.to_replica.advance(written);
+                        continue;
+                    }
+                    // A replica that stopped reading or closed: what else
+                    // the caller sends is dropped until its side ends.
+                    Poll::Ready(_) => {
+                        self.to_replica = Bytes::new();
+                        self.inbound = Inbound::Dropping;
+                    }
+                }
+            }
+            match self.inbound {
+                Inbound::Reading | Inbound::Dropping => match caller.poll_frame(cx) {
+                    Poll::Pending => return,
+                    Poll::Ready(Ok(Some(frame))) => {
+                        if self.inbound == Inbound::Reading {
+                            self.to_replica = Bytes::from(frame.data);
+                        }
+                    }
+                    Poll::Ready(Ok(None)) => {
+                        self.inbound = if self.inbound == Inbound::Reading { Inbound::Closing } else { Inbound::Done };
+                    }
+                    // The caller's side broke: the replica hears no more of it.
+                    Poll::Ready(Err(_)) => self.inbound = Inbound::Closing,
+                },
+                Inbound::Closing => match Pin::new(&mut *replica).poll_shutdown(cx) {
+                    Poll::Pending => return,
+                    Poll::Ready(_) => self.inbound = Inbound::Done,
+                },
+                Inbound::Done => return,
+            }
+        }
+    }
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+    /// Ends the tunnel with `status` in the trailers. A caller still
+    /// sending is read to its end in the background, so its stream closes
+    /// rather than being reset.
+    fn end(&mut self, status: &Status) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        self.replica = None;
+        if let Some(caller) = self.caller.take()
+            && !caller.ended
+        {
+            tokio::spawn(caller.drain(self.shutdown.clone()));
+        }
+        let mut trailers = http::HeaderMap::new();
+        if status.add_header(&mut trailers).is_err() {
+            trailers.insert("grpc-status", http::HeaderValue::from(status.code() as i32));
+        }
+        Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+    }
+}
+
+impl http_body::Body for TunnelBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = &mut *self;
-        if this.done.is_none() {
+        if this.replica.is_none() {
             return Poll::Ready(None);
         }
         if this.stopping.as_mut().poll(cx).is_ready() {
-            this.done = None;
-            return Poll::Ready(Some(Err(Status::unavailable("the node agent is stopping"))));
+            return this.end(&Status::unavailable("the node agent is stopping"));
         }
-        // Read onto the stack, uninitialised, and copied out at the size
-        // read: a tunnel holds no buffer of its own between reads, however
+        this.forward_inbound(cx);
+        let Some(replica) = this.replica.as_mut() else { return Poll::Ready(None) };
+        // Read onto the stack, uninitialised, and copied once into the
+        // frame: a tunnel holds no buffer of its own between reads, however
         // many are open and idle.
         let mut chunk = [std::mem::MaybeUninit::<u8>::uninit(); CHUNK_BYTES];
         let mut buffer = ReadBuf::uninit(&mut chunk);
-        let frame = match Pin::new(&mut this.reading).poll_read(cx, &mut buffer) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(Ok(())) if buffer.filled().is_empty() => None,
-            Poll::Ready(Ok(())) => {
-                return Poll::Ready(Some(Ok(v1::TunnelFrame { open: None, data: buffer.filled().to_vec() })));
+        match Pin::new(replica).poll_read(cx, &mut buffer) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(())) if buffer.filled().is_empty() => this.end(&Status::ok("")),
+            Poll::Ready(Ok(())) => Poll::Ready(Some(Ok(Frame::data(berth_rpc::tunnel::data_message(buffer.filled()))))),
+            Poll::Ready(Err(error)) => {
+                let message =
+                    format!("the replica's connection broke (port {} of lease {}): {error}", this.port, this.lease_id);
+                this.end(&Status::unavailable(message))
             }
-            Poll::Ready(Err(error)) => Some(Err(Status::unavailable(format!(
-                "the replica's connection broke (port {} of lease {}): {error}",
-                this.port, this.lease_id
-            )))),
-        };
-        this.done = None;
-        Poll::Ready(frame)
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.replica.is_none()
     }
 }
 
